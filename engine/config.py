@@ -1,0 +1,175 @@
+"""Typed run configuration: one small dataclass per concern, each validated in __post_init__.
+
+``RunConfig`` bundles them for the trainer; layers only ever see the piece they need (GPTConfig,
+LayerContext), never the whole run configuration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from models.config import GPTConfig
+from parallel.topology import RankGrid
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "selective", "full")
+COMPRESSORS = ("none", "int8", "topk")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None  # default: world / (tp * pp)
+    virtual_pipeline_size: int = 1
+    pipeline_schedule: str = "1f1b"
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    use_distributed_optimizer: bool = False
+    order: str = "tp-dp-pp"
+    bucket_size_mb: float = 25.0
+    timeout_s: float = 300.0
+
+    def __post_init__(self):
+        for key in ("tp", "pp", "virtual_pipeline_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+        if self.pipeline_schedule not in SCHEDULES:
+            raise ValueError(f"--pipeline-schedule must be one of {SCHEDULES}, got {self.pipeline_schedule!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"--recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.virtual_pipeline_size > 1 and self.pipeline_schedule != "interleaved":
+            raise ValueError("--virtual-pipeline-size > 1 needs --pipeline-schedule interleaved")
+        if self.pipeline_schedule == "interleaved" and self.pp == 1:
+            raise ValueError("--pipeline-schedule interleaved needs --pp > 1")
+
+    def grid(self, world_size: int) -> RankGrid:
+        mp = self.tp * self.pp
+        dp = self.dp if self.dp is not None else world_size // mp
+        if dp < 1 or mp * dp != world_size:
+            raise ValueError(f"world size {world_size} != tp*pp*dp = {self.tp}*{self.pp}*"
+                             f"{self.dp if self.dp is not None else '?'}; launch tp*pp*dp processes "
+                             f"or change --tp/--pp/--dp")
+        return RankGrid(tp=self.tp, pp=self.pp, dp=dp, order=self.order)
+
+
+@dataclass
+class OptimConfig:
+    train_iters: int = 100
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    lr_warmup_iters: int = 10
+    lr_decay_style: str = "cosine"
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def __post_init__(self):
+        if self.train_iters < 1:
+            raise ValueError(f"--train-iters must be >= 1, got {self.train_iters}")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= --min-lr <= --lr and --lr > 0, got lr={self.lr} min_lr={self.min_lr}")
+        if self.lr_decay_style not in ("cosine", "linear", "constant"):
+            raise ValueError(f"--lr-decay-style must be cosine, linear or constant, got {self.lr_decay_style!r}")
+        if self.lr_warmup_iters < 0 or self.clip_grad < 0 or self.weight_decay < 0:
+            raise ValueError("--lr-warmup-iters, --clip-grad and --weight-decay must be >= 0")
+
+
+@dataclass
+class PrecisionConfig:
+    precision: str = "fp32"
+    initial_loss_scale: float = 1024.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.initial_loss_scale <= 0 or self.loss_scale_window < 1 or self.hysteresis < 1:
+            raise ValueError("--initial-loss-scale must be > 0, --loss-scale-window and --hysteresis >= 1")
+
+
+@dataclass
+class DataConfig:
+    data_path: str | None = None
+    mock_data: bool = False
+    tokenizer: str = "bpe:8192"
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    valid_fraction: float = 0.02
+    cache_dir: str | None = None
+
+    def __post_init__(self):
+        if self.micro_batch_size < 1 or self.global_batch_size < 1:
+            raise ValueError("--micro-batch-size and --global-batch-size must be >= 1")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"--global-batch-size {self.global_batch_size} is not a multiple of "
+                             f"--micro-batch-size {self.micro_batch_size}")
+
+    def num_microbatches(self, dp: int) -> int:
+        if self.global_batch_size % (self.micro_batch_size * dp):
+            raise ValueError(
+                f"--global-batch-size {self.global_batch_size} is not divisible by micro-batch-size x "
+                f"dp = {self.micro_batch_size} x {dp}; choose a global batch that is a multiple of "
+                f"{self.micro_batch_size * dp}")
+        return self.global_batch_size // (self.micro_batch_size * dp)
+
+
+@dataclass
+class CompressionConfig:
+    grad_compression: str = "none"
+    grad_compression_ratio: float = 0.01
+    grad_compression_policy: dict | None = None
+
+    def __post_init__(self):
+        if self.grad_compression not in COMPRESSORS:
+            raise ValueError(f"--grad-compression must be one of {COMPRESSORS}, got {self.grad_compression!r}")
+        if not 0.0 < self.grad_compression_ratio <= 1.0:
+            raise ValueError(f"--grad-compression-ratio must be in (0, 1], got {self.grad_compression_ratio}")
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None
+    save_interval: int = 0
+    load: str | None = None
+    keep_last: int = 2
+
+    def __post_init__(self):
+        if self.save_interval < 0 or self.keep_last < 1:
+            raise ValueError("--save-interval must be >= 0 and --keep-last >= 1")
+
+
+@dataclass
+class LogConfig:
+    metrics_file: str | None = None
+    timeline: str | None = None
+    log_interval: int = 1
+    eval_interval: int = 0
+    eval_iters: int = 4
+    progress: bool = True
+    plot: str | None = None
+    run_dir: str = "runs/latest"
+    peak_tflops: float | None = None
+
+    def __post_init__(self):
+        if self.eval_interval < 0 or self.eval_iters < 1:
+            raise ValueError("--eval-interval must be >= 0 and --eval-iters >= 1")
+
+
+@dataclass
+class RunConfig:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    device: str = "auto"
+    compile: bool = False
+    seed: int = 1234

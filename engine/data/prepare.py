@@ -1,0 +1,128 @@
+"""Turn text files into a prepared token corpus (see ``indexed.py`` for the format).
+
+One input file is one document; in a ``.jsonl`` file each line's ``"text"`` is one document. Directories
+are searched recursively, in sorted path order so the corpus (and a size cap over it) is reproducible.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+from engine.data.indexed import write_documents
+from engine.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, parse_spec, train_bpe
+
+TEXT_EXTENSIONS = (".txt", ".text", ".md", ".rst", ".py", ".jsonl")
+ENCODE_BATCH_DOCS = 256  # documents per batch-encoder call: keeps all cores busy, memory bounded
+
+
+def collect_files(inputs: Iterable[str | os.PathLike], extensions: Iterable[str] = TEXT_EXTENSIONS,
+                  skip_dirs: Iterable[str] = ()) -> list[Path]:
+    """Files named directly, plus files with a text extension under named directories (sorted, deduped).
+
+    ``skip_dirs`` are directory names (any depth below an input directory) whose contents are left out.
+    """
+    extensions, skip_dirs = tuple(extensions), set(skip_dirs)
+    files: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if not path.exists():
+            raise FileNotFoundError(f"input path {str(item)!r} does not exist: pass existing files or "
+                                    f"directories to --input")
+        if path.is_file():
+            files.append(path)
+            continue
+        found = []
+        for root, dirs, names in os.walk(path):
+            dirs[:] = [d for d in dirs if d not in skip_dirs]  # prune: never walk into skipped trees
+            found += [Path(root, n) for n in names if Path(n).suffix in extensions]
+        files += sorted(found)
+    return list(dict.fromkeys(files))
+
+
+def cap_files(files: list[Path], max_bytes: int | None) -> list[Path]:
+    """The longest prefix of ``files`` whose sizes sum to at most ``max_bytes`` (always the first file)."""
+    if max_bytes is None:
+        return files
+    kept, total = [], 0
+    for f in files:
+        total += f.stat().st_size
+        if kept and total > max_bytes:
+            break
+        kept.append(f)
+    return kept
+
+
+def read_documents(files: Iterable[Path]) -> Iterator[str]:
+    """Yield each non-empty document's text unchanged; bytes that are not UTF-8 become U+FFFD."""
+    for f in files:
+        if f.suffix == ".jsonl":
+            with open(f, encoding="utf-8", errors="replace") as lines:
+                for lineno, line in enumerate(lines, 1):
+                    if not line.strip():
+                        continue
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                        raise ValueError(f"{f}:{lineno}: a .jsonl line must be an object with a string "
+                                         f"'text' field")
+                    if record["text"]:
+                        yield record["text"]
+        else:
+            with open(f, encoding="utf-8", errors="replace", newline="") as fh:  # keep \r\n as is
+                text = fh.read()
+            if text:
+                yield text
+
+
+def take_chars(texts: Iterable[str], max_chars: int | None) -> Iterator[str]:
+    """Leading documents up to about ``max_chars`` characters in total (at least one)."""
+    total = 0
+    for t in texts:
+        if total and max_chars is not None and total + len(t) > max_chars:
+            return
+        total += len(t)
+        yield t
+
+
+def make_tokenizer(spec: str, documents: Callable[[], Iterable[str]], train_chars: int | None):
+    """A spec ('byte', 'bpe:N') builds a tokenizer, training BPE on the leading documents; anything else
+    is taken as the prefix of prepared data whose tokenizer is reused (so splits share one vocabulary)."""
+    if spec != "byte" and not spec.startswith("bpe:"):
+        return load_tokenizer(spec)
+    kind, size = parse_spec(spec)
+    if kind == "byte":
+        return ByteTokenizer()
+    return train_bpe(take_chars(documents(), train_chars), size)
+
+
+def encode_documents(tokenizer, texts: Iterable[str]) -> Iterator[list[int]]:
+    it = iter(texts)
+    while batch := list(itertools.islice(it, ENCODE_BATCH_DOCS)):
+        yield from tokenizer.encode_batch(batch)
+
+
+def prepare(inputs: Iterable[str | os.PathLike], output: str | os.PathLike, tokenizer: str = "bpe:8192",
+            max_bytes: int | None = None, train_chars: int | None = None,
+            extensions: Iterable[str] = TEXT_EXTENSIONS, skip_dirs: Iterable[str] = ()) -> dict:
+    """Tokenize ``inputs`` into ``output``.bin/.json (+ .tokenizer.json for BPE) and return the index.
+
+    ``max_bytes`` caps the input (whole files, in sorted order); ``train_chars`` caps the text BPE is
+    trained on (the leading documents), since training on a sample is much faster and nearly as good.
+    """
+    inputs, extensions = [str(p) for p in inputs], tuple(extensions)
+    if not inputs:
+        raise ValueError("no inputs given: pass files or directories with text to --input")
+    files = cap_files(collect_files(inputs, extensions, skip_dirs), max_bytes)
+    documents = lambda: read_documents(files)  # noqa: E731 - re-readable: BPE training needs a first pass
+    if next(iter(documents()), None) is None:
+        raise ValueError(f"empty corpus: found {len(files)} file(s) under {inputs} and no text in them; "
+                         f"directories are searched for {' '.join(extensions)} files: pass non-empty "
+                         f"text files or directories that hold them")
+    tok = make_tokenizer(tokenizer, documents, train_chars)
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(tok, BPETokenizer):
+        tok.save(f"{output}.tokenizer.json")
+    extra = {"inputs": inputs, "num_files": len(files)}
+    return write_documents(output, encode_documents(tok, documents()), tok, extra)

@@ -1,0 +1,132 @@
+"""Device table: dense half-precision peak, memory and link bandwidths per accelerator type.
+
+The planner (engine/plan.py) and the trainer's MFU both read it. Every number is the vendor's dense
+(no sparsity) bf16/fp16 matrix peak; sources are listed in docs/planner.md and next to each entry.
+
+Units: ``peak_tflops`` in TFLOP/s, ``memory_gb`` in GiB (2**30 bytes, as the runtime reports it),
+all bandwidths in GB/s (10**9 bytes/s) per direction and per device, the unit nccl-tests and
+HCCL report ``busbw`` in. ``inter_node_gbps`` is one device's share of its node's scale-out network
+(a DGX A100 has eight 200 Gb/s HCAs, one per GPU: 25 GB/s).
+
+Ascend 910B SKUs: the peak is the cube units' rate, ``cube_core_cnt * cube_freq * 16*16*16 * 2``,
+from the CANN platform description files (hicann/runtime,
+``src/platform/platform_config/cann/Ascend910B{1,3,4}.ini`` and ``Ascend910B2.ini``):
+B1 24 cores at 1850 MHz, B2 24 at 1800, B3 20 at 1800, B4 20 at 1500; memory_size 64 GiB
+(B4: 32 GiB). Marketing figures (e.g. 376 TFLOP/s for B2, 313 for B3) add the vector units'
+rate to the cube rate; matrix multiplications only run on the cube, so the cube rate is the
+honest MFU denominator. Override it per run with ``--peak-tflops`` (plan and train) when a
+part runs at another clock.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    peak_tflops: float | None  # dense bf16/fp16 matrix peak; None: measure it (CPU)
+    memory_gb: float | None  # GiB; None: unknown (give --memory-gb to the planner)
+    intra_node_gbps: float  # per device, per direction, to the other devices of its node
+    inter_node_gbps: float  # per device, per direction, to other nodes
+    devices_per_node: int
+    hbm_gbps: float | None = None  # memory bandwidth, for the planner's memory-bound kernels
+
+    def __post_init__(self) -> None:
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ValueError(f"DeviceSpec {self.name}: peak_tflops must be > 0 or None, got {self.peak_tflops}")
+        if self.memory_gb is not None and self.memory_gb <= 0:
+            raise ValueError(f"DeviceSpec {self.name}: memory_gb must be > 0 or None, got {self.memory_gb}")
+        if self.intra_node_gbps <= 0 or self.inter_node_gbps <= 0:
+            raise ValueError(f"DeviceSpec {self.name}: link bandwidths must be > 0 GB/s")
+        if self.devices_per_node < 1:
+            raise ValueError(f"DeviceSpec {self.name}: devices_per_node must be >= 1")
+
+
+def _cube_tflops(cores: int, mhz: int) -> float:
+    """Ascend cube peak: each core multiplies a 16x16 by a 16x16 fp16 tile per cycle (2 FLOPs/MAC)."""
+    return round(cores * mhz * 1e6 * 16 * 16 * 16 * 2 / 1e12, 1)
+
+
+# 910B node (Atlas 800T A2): 8 NPUs on a full HCCS mesh (7 links, 392 GB/s aggregate per NPU as
+# published; 196 GB/s per direction used here) and one 200 GbE RoCE port per NPU (25 GB/s).
+# HBM: 1.6 TB/s for the 64 GiB parts; B4 has half the stacks (assumed 0.8 TB/s).
+def _ascend910b(sku: str, cores: int, mhz: int, memory_gb: float, hbm: float) -> DeviceSpec:
+    return DeviceSpec(f"ascend910{sku}", _cube_tflops(cores, mhz), memory_gb, 196.0, 25.0, 8, hbm)
+
+
+DEVICE_SPECS = MappingProxyType({
+    # Ascend 910 (910A/ProA): 256 TFLOP/s fp16, 32 GiB HBM2 (1.2 TB/s); 3 HCCS links of 30 GB/s
+    # inside a 4-chip mesh (two meshes per 8-NPU server), one 100 GbE port per NPU.
+    "ascend910": DeviceSpec("ascend910", 256.0, 32.0, 90.0, 12.5, 8, 1200.0),
+    "ascend910b1": _ascend910b("b1", 24, 1850, 64.0, 1600.0),
+    "ascend910b2": _ascend910b("b2", 24, 1800, 64.0, 1600.0),
+    "ascend910b3": _ascend910b("b3", 20, 1800, 64.0, 1600.0),
+    "ascend910b4": _ascend910b("b4", 20, 1500, 32.0, 800.0),
+    # "ascend910b" without a SKU: the B2 numbers (pick the SKU key, or --peak-tflops, if it differs).
+    "ascend910b": DeviceSpec("ascend910b", _cube_tflops(24, 1800), 64.0, 196.0, 25.0, 8, 1600.0),
+    # NVIDIA datasheets, dense tensor-core bf16. NVLink3: 12 links x 25 GB/s = 300 GB/s per direction;
+    # DGX A100: one HDR 200 Gb/s HCA per GPU. NVLink4: 450 GB/s per direction; DGX H100/H200: one
+    # NDR 400 Gb/s HCA per GPU.
+    "a100-40gb": DeviceSpec("a100-40gb", 312.0, 40.0, 300.0, 25.0, 8, 1555.0),
+    "a100-80gb": DeviceSpec("a100-80gb", 312.0, 80.0, 300.0, 25.0, 8, 2039.0),
+    "h100": DeviceSpec("h100", 989.0, 80.0, 450.0, 50.0, 8, 3350.0),
+    "h100-pcie": DeviceSpec("h100-pcie", 756.0, 80.0, 300.0, 50.0, 8, 2000.0),
+    "h200": DeviceSpec("h200", 989.0, 141.0, 450.0, 50.0, 8, 4800.0),
+    # CPU: no table peak (the trainer measures a matmul); gloo over shared memory / Ethernet.
+    "cpu": DeviceSpec("cpu", None, None, 10.0, 1.25, 1, None),
+})
+
+# Raw device names (torch.cuda/torch.npu get_device_name, lower-cased, spaces and '-' and '_'
+# removed) to table keys. First match wins, so more specific patterns come first.
+_NAME_RULES = (
+    (r"gh200|h200", "h200"),
+    (r"h100(pcie|80gbpcie)", "h100-pcie"),
+    (r"h100|h800", "h100"),
+    (r"a100.*40gb|a100(pcie|sxm4)?$", "a100-40gb"),
+    (r"a100|a800", "a100-80gb"),
+    (r"^ascend910b1", "ascend910b1"),
+    (r"^ascend910b2", "ascend910b2"),
+    (r"^ascend910b3", "ascend910b3"),
+    (r"^ascend910b4", "ascend910b4"),
+    (r"^ascend910(a|proa|premiuma)?$", "ascend910"),
+    (r"^cpu$", "cpu"),
+)
+
+
+def _normalise(name: str) -> str:
+    key = name.strip().lower()
+    key = re.sub(r"^nvidia\s+", "", key)
+    return re.sub(r"[\s_\-]+", "", key)
+
+
+def lookup_device(device_name: str) -> str | None:
+    """The DEVICE_SPECS key for a table key or a raw device name, or None when it is unknown.
+
+    >>> lookup_device("NVIDIA H100 80GB HBM3"), lookup_device("Ascend910B2")
+    ('h100', 'ascend910b2')
+    """
+    if device_name in DEVICE_SPECS:
+        return device_name
+    key = _normalise(device_name)
+    for pattern, spec_key in _NAME_RULES:
+        if re.search(pattern, key):
+            return spec_key
+    return None
+
+
+def lookup_peak_tflops(device_name: str) -> float | None:
+    """Dense bf16/fp16 peak of a device given its raw name, or None (unknown device, or a CPU)."""
+    key = lookup_device(device_name)
+    return None if key is None else DEVICE_SPECS[key].peak_tflops
+
+
+def get_device_spec(name: str) -> DeviceSpec:
+    """The spec for a table key or raw device name; raises with the list of known keys."""
+    key = lookup_device(name)
+    if key is None:
+        raise KeyError(f"unknown device {name!r}; known: {', '.join(DEVICE_SPECS)} "
+                       f"(or give --peak-tflops and --memory-gb with one of them)")
+    return DEVICE_SPECS[key]

@@ -1,0 +1,278 @@
+"""Cluster planner: ``python -m engine.plan`` ranks 3D-parallel layouts by predicted step time.
+
+It enumerates (tp, pp, dp, virtual stages, micro-batch size, recompute, ZeRO-1, sequence
+parallelism), drops the layouts that break a topology rule (engine/plan_model.check_layout) or do
+not fit in device memory, estimates each survivor's step time (engine/plan_time.py) and prints the
+best first. ``--layout TP,PP[,VP]`` evaluates one layout instead. ``--calibrate`` fits the
+achievable-compute fraction to a measured run; ``--calibrate-links`` takes link bandwidths from a
+preflight measurement. docs/planner.md explains the model and every constant.
+
+Example (Narayanan et al. 2021, Table 1, 39.1B row)::
+
+    python -m engine.plan --num-layers 48 --hidden-size 8192 --num-attention-heads 64 \\
+        --vocab-size 51200 --seq-length 2048 --global-batch-size 1536 \\
+        --device a100-80gb --devices 512 --recompute full --zero off --sequence-parallel off
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass, replace
+
+import yaml
+
+from engine.hardware import DEVICE_SPECS, get_device_spec
+from engine.plan_model import Cluster, Layout, ModelShape, check_layout
+from engine.plan_time import Estimate, estimate
+
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
+              "global_batch_size", "ffn_hidden_size", "block")
+KEY_ALIASES = {"heads": "num_attention_heads", "hidden": "hidden_size", "seq_len": "seq_length",
+               "gbs": "global_batch_size"}
+JSON_KEYS = ("tp", "pp", "dp", "vp", "micro_batch_size", "recompute", "zero",
+             "memory_bytes_per_device", "step_time_s", "tflops_per_device", "mfu")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What to enumerate; a fixed value (or a one-element tuple) pins that dimension."""
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    zero: tuple[bool, ...] = (False, True)
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    tp: int | None = None
+    pp: int | None = None
+    vp: int | None = None
+    micro_batch_size: int | None = None
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidate_layouts(shape: ModelShape, cluster: Cluster, space: SearchSpace):
+    """Every layout of the space that obeys the topology rules (memory is checked later)."""
+    n, dpn = cluster.num_devices, cluster.devices_per_node
+    for tp in [space.tp] if space.tp else _divisors(dpn):
+        for pp in [space.pp] if space.pp else _divisors(shape.num_layers):
+            if n % (tp * pp):
+                continue
+            dp = n // (tp * pp)
+            vps = [space.vp] if space.vp else (_divisors(shape.num_layers // pp) if pp > 1 else [1])
+            per_replica = shape.global_batch_size // dp if shape.global_batch_size % dp == 0 else 0
+            mbss = [space.micro_batch_size] if space.micro_batch_size else _divisors(per_replica)
+            for vp in vps:
+                for mbs in mbss:
+                    for rc in space.recompute:
+                        for zero in space.zero if dp > 1 else (False,):
+                            for sp in space.sequence_parallel if tp > 1 else (False,):
+                                layout = Layout(tp, pp, dp, vp, mbs, rc, zero, sp)
+                                if check_layout(shape, cluster, layout) is None:
+                                    yield layout
+
+
+def search(shape: ModelShape, cluster: Cluster, space: SearchSpace = SearchSpace()) -> list[Estimate]:
+    """Estimates of every feasible layout that fits in memory, fastest step first."""
+    results = [e for e in (estimate(shape, cluster, lay) for lay in candidate_layouts(shape, cluster, space))
+               if e.fits]
+    return sorted(results, key=lambda e: e.step_time_s)
+
+
+# ---- calibration -------------------------------------------------------------------------------
+
+def measured_tflops(metrics_path: str) -> float:
+    """Median tflops_per_device of a metrics JSONL, without the warm-up step and skipped steps."""
+    with open(metrics_path) as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    records = [r for r in records if not r.get("skipped") and r.get("tflops_per_device")]
+    if len(records) > 1:
+        records = records[1:]
+    if not records:
+        raise ValueError(f"--calibrate {metrics_path}: no step with tflops_per_device")
+    return statistics.median(r["tflops_per_device"] for r in records)
+
+
+def fit_achievable_fraction(shape: ModelShape, cluster: Cluster, layout: Layout, tflops: float) -> float:
+    """The achievable fraction at which the model predicts the measured TFLOP/s (bisection).
+
+    Predicted TFLOP/s grows monotonically with the fraction; a measurement above the prediction at
+    fraction 1 (links or HBM faster than assumed) returns 1.0.
+    """
+    def predicted(frac: float) -> float:
+        return estimate(shape, replace(cluster, achievable_fraction=frac), layout).tflops_per_device
+    lo, hi = 1e-4, 1.0
+    if predicted(hi) <= tflops:
+        return hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted(mid) < tflops else (lo, mid)
+    return (lo + hi) / 2
+
+
+_INTRA_GROUPS = ("tp", "intra", "node", "intra_node")
+_INTER_GROUPS = ("dp", "pp", "inter", "inter_node", "world", "global")
+
+
+def link_busbw(preflight_path: str) -> dict[str, float]:
+    """{'intra': GB/s, 'inter': GB/s} from a preflight JSON list of {op, group, bytes, busbw_gbps}.
+
+    For each link class the entries with the largest message size (the bandwidth-bound regime)
+    are averaged. Groups named tp/intra/node measure intra-node links; dp/pp/inter/world measure
+    the per-device inter-node share (an entry's optional "link" field overrides the name).
+    """
+    with open(preflight_path) as fh:
+        entries = json.load(fh)
+    if isinstance(entries, dict):
+        entries = entries.get("results", entries.get("links", []))
+    found: dict[str, list[tuple[float, float]]] = {"intra": [], "inter": []}
+    for entry in entries:
+        group = str(entry.get("link") or entry.get("group", "")).lower()
+        cls = "intra" if group in _INTRA_GROUPS else "inter" if group in _INTER_GROUPS else None
+        if cls and entry.get("busbw_gbps"):
+            found[cls].append((float(entry.get("bytes", 0)), float(entry["busbw_gbps"])))
+    out = {}
+    for cls, rows in found.items():
+        if rows:
+            top = max(size for size, _ in rows)
+            out[cls] = statistics.mean(bw for size, bw in rows if size == top)
+    if not out:
+        raise ValueError(f"--calibrate-links {preflight_path}: no entry with a known group and busbw_gbps")
+    return out
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+def _choice(value: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    picked = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [v for v in picked if v not in allowed]
+    if bad or not picked:
+        raise SystemExit(f"{flag}: expected a comma list of {allowed}, got {value!r}")
+    return picked
+
+
+def _on_off(value: str, flag: str) -> tuple[bool, ...]:
+    return {"on": (True,), "off": (False,), "both": (False, True)}[_choice(value, ("on", "off", "both"), flag)[0]]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="YAML recipe with the model keys (snake_case or dashed)")
+    for key in SHAPE_KEYS:
+        p.add_argument("--" + key.replace("_", "-"), dest=key, type=str if key == "block" else int)
+    p.add_argument("--attention", default="unfused", choices=("unfused", "fused"),
+                   help="fused: flash-style kernels (gridtron's), no s x s scores kept or streamed")
+    p.add_argument("--device", default="a100-80gb", help=f"one of {', '.join(DEVICE_SPECS)} or a raw device name")
+    p.add_argument("--devices", type=int, required=True, help="total devices")
+    p.add_argument("--devices-per-node", type=int)
+    p.add_argument("--intra-node-gbps", type=float, help="link rate inside a node, GB/s per direction")
+    p.add_argument("--inter-node-gbps", type=float, help="per-device share of the network, GB/s")
+    p.add_argument("--peak-tflops", type=float, help="override the table's dense peak")
+    p.add_argument("--memory-gb", type=float, help="override the table's device memory (GiB)")
+    p.add_argument("--achievable-fraction", type=float, help="override the fitted compute fraction")
+    p.add_argument("--grad-reduce-bytes", type=int, default=4, choices=(2, 4),
+                   help="bytes per gradient element in the DP reduction (4: fp32 main grads)")
+    p.add_argument("--relaxed-placement", action="store_true",
+                   help="allow pipeline neighbours on one node in multi-node jobs")
+    p.add_argument("--layout", help="evaluate one layout: TP,PP[,VP]")
+    p.add_argument("--micro-batch-size", type=int, help="pin the micro-batch size")
+    p.add_argument("--recompute", default="none,selective,full", help="comma list to search")
+    p.add_argument("--zero", default="both", help="ZeRO-1: on, off or both")
+    p.add_argument("--sequence-parallel", default="both", help="on, off or both")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--calibrate", metavar="METRICS_JSONL",
+                   help="fit the achievable fraction to a measured run (give its --layout too)")
+    p.add_argument("--calibrate-links", metavar="PREFLIGHT_JSON")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    return p
+
+
+def shape_from_args(args: argparse.Namespace) -> ModelShape:
+    values = {}
+    if args.config:
+        with open(args.config) as fh:
+            recipe = yaml.safe_load(fh) or {}
+        for key, value in recipe.items():
+            name = str(key).replace("-", "_").lstrip("_")
+            name = KEY_ALIASES.get(name, name)
+            if name in SHAPE_KEYS:
+                values[name] = value
+    values.update({k: getattr(args, k) for k in SHAPE_KEYS if getattr(args, k) is not None})
+    missing = [k for k in SHAPE_KEYS[:6] if k not in values]
+    if missing:
+        raise SystemExit("missing model keys: " + ", ".join("--" + k.replace("_", "-") for k in missing))
+    return ModelShape(**values, fused_attention=args.attention == "fused")
+
+
+def cluster_from_args(args: argparse.Namespace) -> Cluster:
+    spec = get_device_spec(args.device)
+    cluster = Cluster.from_device(spec, args.devices, args.devices_per_node, args.intra_node_gbps,
+                                  args.inter_node_gbps, args.peak_tflops, args.memory_gb,
+                                  grad_reduce_bytes=args.grad_reduce_bytes,
+                                  relaxed_placement=args.relaxed_placement)
+    if args.calibrate_links:
+        links = link_busbw(args.calibrate_links)
+        cluster = replace(cluster, intra_busbw_gbps=links.get("intra", cluster.intra_busbw_gbps),
+                          inter_busbw_gbps=links.get("inter", cluster.inter_busbw_gbps))
+    if args.achievable_fraction is not None:
+        cluster = replace(cluster, achievable_fraction=args.achievable_fraction)
+    return cluster
+
+
+def space_from_args(args: argparse.Namespace) -> SearchSpace:
+    space = SearchSpace(_choice(args.recompute, ("none", "selective", "full"), "--recompute"),
+                        _on_off(args.zero, "--zero"), _on_off(args.sequence_parallel, "--sequence-parallel"),
+                        micro_batch_size=args.micro_batch_size)
+    if args.layout:
+        parts = [int(x) for x in args.layout.split(",")]
+        if len(parts) not in (2, 3):
+            raise SystemExit(f"--layout expects TP,PP[,VP], got {args.layout!r}")
+        space = replace(space, tp=parts[0], pp=parts[1], vp=parts[2] if len(parts) == 3 else 1)
+    return space
+
+
+def _explain_empty(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> str:
+    if space.tp and space.pp:
+        dp = cluster.num_devices // (space.tp * space.pp)
+        why = check_layout(shape, cluster, Layout(space.tp, space.pp, max(dp, 1), space.vp or 1,
+                                                  space.micro_batch_size or 1))
+        if why:
+            return f"layout rejected: {why}"
+    return "no layout fits in device memory; add devices, allow --recompute full or --zero on"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    shape, cluster, space = shape_from_args(args), cluster_from_args(args), space_from_args(args)
+    if args.calibrate:
+        if not (space.tp and space.pp and space.micro_batch_size and len(space.recompute) == 1
+                and len(space.zero) == 1 and (space.tp == 1 or len(space.sequence_parallel) == 1)):
+            raise SystemExit("--calibrate needs the measured run's --layout, --micro-batch-size, "
+                             "--recompute, --zero and --sequence-parallel (one value each)")
+        layout = next(candidate_layouts(shape, cluster, space), None)
+        if layout is None:
+            raise SystemExit(_explain_empty(shape, cluster, space))
+        tflops = measured_tflops(args.calibrate)
+        frac = fit_achievable_fraction(shape, cluster, layout, tflops)
+        print(f"calibrated achievable fraction {frac:.3f} from {tflops:.2f} TFLOP/s per device "
+              f"(peak {cluster.peak_tflops})", file=sys.stderr)
+        cluster = replace(cluster, achievable_fraction=frac)
+    results = search(shape, cluster, space)
+    if not results:
+        print(_explain_empty(shape, cluster, space), file=sys.stderr)
+        return 1
+    for est in results[:args.top]:
+        row = est.as_row()
+        if args.json:
+            print(json.dumps(row))
+        else:
+            print(f"tp={row['tp']} pp={row['pp']} dp={row['dp']} vp={row['vp']} mbs={row['micro_batch_size']} "
+                  f"recompute={row['recompute']} zero={'on' if row['zero'] else 'off'} "
+                  f"sp={'on' if row['sequence_parallel'] else 'off'}  "
+                  f"mem {row['memory_bytes_per_device'] / 2**30:.1f} GiB  step {row['step_time_s']:.3f} s  "
+                  f"{row['tflops_per_device']:.1f} TFLOP/s/device  MFU {100 * row['mfu']:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

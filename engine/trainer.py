@@ -1,0 +1,262 @@
+"""The training job: build everything from a RunConfig, then loop over steps with metrics,
+validation, checkpoints and a summary.
+
+Setup order matters for errors: the whole configuration is validated (pure, identical on every
+rank) before the process group exists, so a bad configuration never leaves a rank in a collective.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from engine.config import RunConfig
+from engine.data import GlobalBatchSampler, build_data, collate
+from engine.device import measure_cpu_peak_tflops, setup_device
+from engine.flops import model_flops_per_step
+from engine.hardware import lookup_peak_tflops
+from engine.loss_scaler import ConstantScaler, DynamicLossScaler
+from engine.lr_schedule import learning_rate
+from engine.metrics import MetricsLog, plot_metrics, summary_table
+from engine.step import Stepper
+from engine.validate import validate_run
+from models import GPTConfig, LayerContext, build_chunks
+from models.registry import BlockRegistry
+from parallel.dp import GradReducer, build_optimizer
+from parallel.pipeline.bubble import measured_bubble, theoretical_bubble
+from parallel.pipeline.partition import stage_layers
+from parallel.pipeline.schedules import build_schedule
+from parallel.state import LaunchEnv, ParallelState
+from parallel.tensor_parallel import Initializer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class TrainingDiverged(RuntimeError):
+    """A NaN/Inf loss in fp32: the run stops and names the last good checkpoint."""
+
+
+@dataclass
+class RunResult:
+    records: list[dict] = field(default_factory=list)
+    valid: list[tuple[int, float]] = field(default_factory=list)
+    summary: str = ""
+    checkpoint: str | None = None
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, registry: BlockRegistry | None = None,
+                 launch: LaunchEnv | None = None):
+        self.cfg, self.registry = cfg, registry
+        self.launch = launch or LaunchEnv.from_env()
+        self.grid, notes = validate_run(cfg, self.launch, registry)
+        self.dev = setup_device(cfg.device, self.launch.local_rank)
+        self.ps = ParallelState.initialize(self.grid, self.dev.device, self.dev.backend, self.launch,
+                                           timeout_s=cfg.parallel.timeout_s)
+        self.is_main = self.ps.rank == 0
+        for note in notes:
+            if self.is_main:
+                warnings.warn(note)
+        self._build_data()
+        self._build_model()
+        self._build_step()
+
+    # ---- setup ----------------------------------------------------------------------------
+    def _build_data(self) -> None:
+        cfg, ps = self.cfg, self.ps
+        build = lambda: build_data(cfg.data.data_path, cfg.model.seq_length, cfg.seed,
+                                   mock=cfg.data.mock_data,
+                                   vocab_size=cfg.model.vocab_size if cfg.data.mock_data else None,
+                                   tokenizer=cfg.data.tokenizer, cache_dir=cfg.data.cache_dir,
+                                   valid_fraction=cfg.data.valid_fraction)
+        if ps.world_size > 1 and not cfg.data.mock_data and cfg.data.data_path is None:
+            if ps.rank == 0:
+                self.data = build()  # prepares and caches the built-in corpus once
+            dist.barrier()
+            if ps.rank != 0:
+                self.data = build()
+        else:
+            self.data = build()
+        self.cfg.model.vocab_size = self.data.vocab_size
+        self.sampler = GlobalBatchSampler(len(self.data.train), cfg.data.global_batch_size, cfg.seed)
+        self.num_micro = cfg.data.num_microbatches(ps.dp_size)
+
+    def _build_model(self) -> None:
+        cfg, ps = self.cfg, self.ps
+        self.model_cfg: GPTConfig = cfg.model
+        vp = cfg.parallel.virtual_pipeline_size
+        ranges = stage_layers(cfg.model.num_layers, ps.pp_size, vp, ps.pp_rank)
+        virtual = [c * ps.pp_size + ps.pp_rank for c in range(vp)]
+        ctx = LayerContext(Initializer(cfg.seed, cfg.model.init_std),
+                           sequence_parallel=cfg.parallel.sequence_parallel and ps.tp_size > 1,
+                           recompute=cfg.parallel.recompute)
+        self.dtype = DTYPES[cfg.precision.precision]
+        self.chunks = build_chunks(cfg.model, ps, ctx, ranges, virtual, ps.pp_size * vp,
+                                   self.registry).to(device=self.dev.device, dtype=self.dtype)
+        # dropout streams: identical across TP ranks (replicated regions), distinct across DP/PP
+        tp_part = ps.tp_rank if ctx.sequence_parallel else 0
+        torch.manual_seed(cfg.seed + 1 + 1000 * ps.dp_rank + 100 * ps.pp_rank + 10 * tp_part)
+        if cfg.compile:
+            from engine.compile import compile_chunks
+            self.chunks = compile_chunks(self.chunks, self.dev, cfg.log.run_dir)
+        params = [p for c in self.chunks for p in c.parameters()]
+        self.num_params_local = sum(p.numel() for p in params)
+
+    def _build_step(self) -> None:
+        cfg, ps = self.cfg, self.ps
+        p = cfg.precision
+        self.scaler = (DynamicLossScaler(p.initial_loss_scale, 2.0, 0.5, p.loss_scale_window,
+                                         p.hysteresis, p.min_loss_scale)
+                       if p.precision == "fp16" else ConstantScaler(1.0))
+        params = [q for c in self.chunks for q in c.parameters()]
+        named = [(n, q) for c in self.chunks for n, q in c.named_parameters()]
+        self.reducer = GradReducer(params, ps, bucket_size_mb=cfg.parallel.bucket_size_mb,
+                                   named_params=named, compression=cfg.compression)
+        self.optimizer = build_optimizer(params, self.reducer, ps, cfg.optim,
+                                         distributed=cfg.parallel.use_distributed_optimizer)
+        actions = act_shape = None
+        self.recorder = None
+        if ps.pp_size > 1:
+            vp = cfg.parallel.virtual_pipeline_size
+            actions = build_schedule(cfg.parallel.pipeline_schedule, ps.pp_size, self.num_micro, vp)[ps.pp_rank]
+            s = cfg.model.seq_length // (ps.tp_size if cfg.parallel.sequence_parallel else 1)
+            act_shape = (cfg.data.micro_batch_size, s, cfg.model.hidden_size)
+            from parallel.pipeline.timeline import EventRecorder
+            self.recorder = EventRecorder(ps.rank)
+        self.stepper = Stepper(ps, self.chunks, self.reducer, self.optimizer, self.scaler,
+                               cfg.optim.clip_grad, actions, act_shape, self.dtype,
+                               cfg.parallel.timeout_s, self.recorder)
+        m = cfg.model
+        self.flops_per_step = model_flops_per_step(
+            cfg.data.global_batch_size, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
+            ffn_hidden=m.ffn_hidden_size, block="llama" if m.block == "llama" else "gpt2",
+            recompute=cfg.parallel.recompute)
+        peak = cfg.log.peak_tflops or lookup_peak_tflops(self.dev.name)
+        if peak is None and self.dev.type == "cpu":
+            peak = measure_cpu_peak_tflops()
+        self.peak_tflops = peak
+        self.bubble_theory = (theoretical_bubble(cfg.parallel.pipeline_schedule, ps.pp_size,
+                                                 self.num_micro, cfg.parallel.virtual_pipeline_size)
+                              if ps.pp_size > 1 else None)
+
+    # ---- data -----------------------------------------------------------------------------
+    def _batches(self, step: int, dataset=None, sampler=None):
+        sampler = sampler or self.sampler
+        ds = dataset or self.data.train
+        micro = sampler.micro_batches(step, self.ps.dp_rank, self.ps.dp_size,
+                                      self.cfg.data.micro_batch_size)
+        out = []
+        for idx in micro:
+            t = collate(ds, idx).to(self.dev.device)  # (b, s+1)
+            out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
+        return out
+
+    # ---- loop -----------------------------------------------------------------------------
+    def train(self) -> RunResult:
+        cfg, ps = self.cfg, self.ps
+        result = RunResult()
+        start = self.maybe_load()
+        log = MetricsLog(cfg.log.metrics_file if self.is_main else None, enabled=self.is_main,
+                         progress=cfg.log.progress, total_steps=cfg.optim.train_iters)
+        log.start_at(start)
+        if self.is_main:
+            log.note(f"gridtron: {self.grid.describe()} on {self.dev.type}; {self.num_micro} "
+                     f"micro-batches/step; {self.num_params_local:,} parameters on rank 0")
+        try:
+            for step in range(start, cfg.optim.train_iters):
+                record = self.train_one(step)
+                log.log(record)
+                result.records.append(record)
+                if cfg.log.eval_interval and (step + 1) % cfg.log.eval_interval == 0:
+                    vloss = self.evaluate()
+                    result.valid.append((step + 1, vloss))
+                    log.note(f"step {step + 1}: validation loss {vloss:.4f}")
+                if cfg.checkpoint.save and cfg.checkpoint.save_interval and \
+                        (step + 1) % cfg.checkpoint.save_interval == 0:
+                    result.checkpoint = self.save(step + 1)
+            if cfg.checkpoint.save and (not result.records or result.checkpoint is None or
+                                        not result.checkpoint.endswith(f"{cfg.optim.train_iters:07d}")):
+                result.checkpoint = self.save(cfg.optim.train_iters)
+        finally:
+            log.close()
+        if self.is_main and result.records:
+            extra = {"layout": self.grid.describe(), "device": f"{self.dev.type} ({self.dev.name})"}
+            if result.valid:
+                extra["validation loss"] = f"{result.valid[0][1]:.4f} -> {result.valid[-1][1]:.4f}"
+            if result.checkpoint:
+                extra["checkpoint"] = result.checkpoint
+            if cfg.log.plot:
+                extra["plot"] = plot_metrics(result.records, cfg.log.plot, result.valid)
+            result.summary = summary_table(result.records, extra)
+        if cfg.log.timeline and self.recorder is not None:
+            from parallel.pipeline.timeline import write_chrome_trace
+            write_chrome_trace(ps, self.recorder, cfg.log.timeline)
+        return result
+
+    def train_one(self, step: int) -> dict:
+        cfg, ps = self.cfg, self.ps
+        self.dev.reset_peak_memory()
+        if self.recorder is not None:
+            self.recorder.clear()
+        self.dev.synchronize()
+        t0 = time.perf_counter()
+        batches = self._batches(step)
+        lr = learning_rate(step, cfg.optim)
+        out = self.stepper.run(batches, lr)
+        self.dev.synchronize()
+        dt = time.perf_counter() - t0
+        self.sampler.next_step = step + 1
+        if not math.isfinite(out.loss) and cfg.precision.precision != "fp16":
+            last = self.last_checkpoint()
+            raise TrainingDiverged(f"loss is {out.loss} at step {step + 1}; last good checkpoint: "
+                                   f"{last or 'none saved'}")
+        tokens = cfg.data.global_batch_size * cfg.model.seq_length
+        tflops = self.flops_per_step / dt / ps.world_size / 1e12
+        bubble = None
+        if out.pipeline is not None:
+            bubble = measured_bubble(out.pipeline.events, dt)
+        return {"step": step + 1, "loss": out.loss, "lr": lr, "grad_norm": out.grad_norm,
+                "loss_scale": out.loss_scale, "skipped": out.skipped, "tokens": tokens,
+                "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops_per_device": tflops,
+                "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+                "bubble_theoretical": self.bubble_theory, "bubble_measured": bubble,
+                "dp_comm_bytes": int(out.dp_comm.get("bytes", 0)),
+                "peak_memory_bytes": self.dev.peak_memory_bytes()}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over ``eval_iters`` global batches of the validation split."""
+        cfg, ps = self.cfg, self.ps
+        sampler = GlobalBatchSampler(len(self.data.valid), cfg.data.global_batch_size, cfg.seed)
+        for c in self.chunks:
+            c.eval()
+        total = 0.0
+        for it in range(cfg.log.eval_iters):
+            total += self.stepper.forward_only(self._batches(it, self.data.valid, sampler))
+        for c in self.chunks:
+            c.train()
+        return total / cfg.log.eval_iters
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def save(self, step: int) -> str:
+        from engine.checkpoint import save_checkpoint
+        return save_checkpoint(self, step)
+
+    def maybe_load(self) -> int:
+        if not self.cfg.checkpoint.load:
+            return 0
+        from engine.checkpoint import load_checkpoint
+        return load_checkpoint(self, self.cfg.checkpoint.load)
+
+    def last_checkpoint(self) -> str | None:
+        root = self.cfg.checkpoint.save
+        latest = os.path.join(root, "latest") if root else None
+        return os.path.realpath(latest) if latest and os.path.exists(latest) else None
+
+    def close(self) -> None:
+        self.ps.destroy()

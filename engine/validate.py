@@ -1,0 +1,68 @@
+"""Checks of a whole run configuration against the launch, before any collective.
+
+Pure: every rank runs the same checks on the same inputs and raises the same ConfigError, so a bad
+configuration ends the job on every rank with one sentence saying what to change, and no rank is
+left waiting in a collective.
+"""
+from __future__ import annotations
+
+import os
+
+from engine.cli import ConfigError
+from engine.config import RunConfig
+from engine.data.tokenizer import strip_data_suffix
+from models.registry import BlockRegistry, default_registry
+from parallel.pipeline.partition import partition_layers
+from parallel.state import LaunchEnv, LayoutError, check_layout
+from parallel.topology import RankGrid
+
+
+def validate_run(cfg: RunConfig, launch: LaunchEnv,
+                 registry: BlockRegistry | None = None) -> tuple[RankGrid, list[str]]:
+    """Return the grid and warnings, or raise ConfigError."""
+    par, m = cfg.parallel, cfg.model
+    try:
+        grid = par.grid(launch.world_size)
+        notes = check_layout(grid, launch)
+    except (LayoutError, ValueError) as exc:
+        raise ConfigError(str(exc)) from exc
+    tp = grid.tp
+    for what, value in (("--num-attention-heads", m.num_attention_heads),
+                        ("--hidden-size", m.hidden_size), ("--ffn-hidden-size", m.ffn_hidden_size)):
+        if value % tp:
+            raise ConfigError(f"{what} {value} is not divisible by --tp {tp}; choose a tp that divides it")
+    if par.sequence_parallel and m.seq_length % tp:
+        raise ConfigError(f"--seq-length {m.seq_length} is not divisible by --tp {tp}, which "
+                          f"--sequence-parallel needs; change one of them")
+    if par.sequence_parallel and tp == 1:
+        notes.append("--sequence-parallel has no effect with --tp 1")
+    try:
+        partition_layers(m.num_layers, grid.pp, par.virtual_pipeline_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    try:
+        micro = cfg.data.num_microbatches(grid.dp)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if par.pipeline_schedule == "interleaved" and micro % grid.pp:
+        raise ConfigError(f"the interleaved schedule needs the number of micro-batches per step "
+                          f"({micro} = global {cfg.data.global_batch_size} / (micro "
+                          f"{cfg.data.micro_batch_size} x dp {grid.dp})) to be a multiple of --pp "
+                          f"{grid.pp}; change --global-batch-size or use --pipeline-schedule 1f1b")
+    if cfg.data.data_path and not cfg.data.mock_data and not _data_exists(cfg.data.data_path):
+        raise ConfigError(f"--data-path {cfg.data.data_path}: no prepared data there (expected "
+                          f"PREFIX.bin and PREFIX.json); run python -m engine.data prepare first")
+    if cfg.data.mock_data and not m.vocab_size:
+        raise ConfigError("--mock-data needs --vocab-size")
+    if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
+        raise ConfigError(f"--load {cfg.checkpoint.load}: no such directory")
+    try:
+        (registry or default_registry()).resolve(m.block)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    return grid, notes
+
+
+def _data_exists(path: str) -> bool:
+    prefix = strip_data_suffix(path)
+    return os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".json")

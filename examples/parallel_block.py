@@ -1,0 +1,29 @@
+"""An example user block: a "parallel" transformer block (GPT-J / PaLM style), where attention and
+the MLP read the same normalised input and their outputs are added to the residual together.
+
+Use it with ``python -m engine.train --block examples.parallel_block:ParallelResidualBlock``. It is
+built from the engine's TP layers, so tensor, sequence and pipeline parallelism work unchanged.
+"""
+from torch import nn
+
+from models.blocks import TransformerBlock
+from models.layers import Norm, ParallelAttention, ParallelMLP
+
+
+class ParallelResidualBlock(TransformerBlock):
+    position = "rope"  # rotary positions inside attention, no learned position table
+    final_norm = "layernorm"
+    tie_embeddings = True
+
+    def __init__(self, cfg, layer_idx, ps, ctx):
+        nn.Module.__init__(self)
+        name = f"layers.{layer_idx}"
+        self.full_recompute = ctx.recompute == "full"
+        self.norm = Norm("layernorm", cfg.hidden_size, cfg.norm_eps, ctx.sequence_parallel)
+        self.attn = ParallelAttention(cfg, ps, ctx, f"{name}.attn", bias=False, rope=True)
+        self.mlp = ParallelMLP(cfg, ps, ctx, f"{name}.mlp", kind="gelu", bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def _forward(self, x):  # (b, s[/tp], h)
+        y = self.norm(x)
+        return x + self.drop(self.attn(y) + self.mlp(y))

@@ -1,0 +1,31 @@
+"""Fused kernels with one dispatch per op: NPU (torch_npu), CUDA and CPU paths, each with a reference.
+
+Every op picks its path from the input tensor's ``device.type``; ``kernel_paths(device_type)`` says
+which implementation runs where. This package imports nothing from engine/, models/ or parallel/.
+"""
+
+from kernels.attention import NpuMaskCache, attention, attention_reference, causal_mask
+from kernels.dispatch import OPS, device_kind, kernel_paths
+from kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
+from kernels.rope import apply_rope, apply_rope_reference, rope_cos_sin, rotate_half
+from kernels.swiglu import swiglu, swiglu_reference
+
+__all__ = [
+    "OPS",
+    "NpuMaskCache",
+    "apply_rope",
+    "apply_rope_reference",
+    "attention",
+    "attention_reference",
+    "causal_mask",
+    "device_kind",
+    "kernel_paths",
+    "layer_norm",
+    "layer_norm_reference",
+    "rms_norm",
+    "rms_norm_reference",
+    "rope_cos_sin",
+    "rotate_half",
+    "swiglu",
+    "swiglu_reference",
+]

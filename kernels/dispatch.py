@@ -1,0 +1,83 @@
+"""Device dispatch shared by every kernel in this package.
+
+Each op picks its implementation from the input tensor's ``device.type``, never from a global flag or
+an environment variable: the tensor already says where the work happens, and reading it keeps the
+kernels free of any dependency on the engine's device module (kernels sit at the bottom of the
+dependency order). ``torch_npu`` is imported lazily, inside the NPU branch only, because importing it
+on a machine without Ascend CANN breaks ``import torch`` itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+DEVICE_KINDS = ("npu", "cuda", "cpu")
+
+# Which implementation each op uses per device kind. Read-only (a function returns copies), so it is
+# a constant table, not module state. "cpu" is also the path for any other device type (mps, xpu,
+# meta): those run the same portable torch ops.
+_PATHS: dict[str, dict[str, str]] = {
+    "npu": {
+        "attention": "torch_npu.npu_fusion_attention (BNSD/BSND, sparse_mode=2 causal)",
+        "layer_norm": "torch.nn.functional.layer_norm (native NPU LayerNorm kernel)",
+        "rms_norm": "torch_npu.npu_rms_norm",
+        "rope": "torch_npu.npu_rotary_mul (plain expression outside its documented shape limits)",
+        "swiglu": "torch_npu.npu_swiglu (gate = first half)",
+    },
+    "cuda": {
+        "attention": "torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient)",
+        "layer_norm": "torch.nn.functional.layer_norm",
+        "rms_norm": "torch.nn.functional.rms_norm",
+        "rope": "plain expression x*cos + rotate_half(x)*sin",
+        "swiglu": "plain expression silu(gate) * up",
+    },
+    "cpu": {
+        "attention": "torch.nn.functional.scaled_dot_product_attention",
+        "layer_norm": "torch.nn.functional.layer_norm",
+        "rms_norm": "torch.nn.functional.rms_norm",
+        "rope": "plain expression x*cos + rotate_half(x)*sin",
+        "swiglu": "plain expression silu(gate) * up",
+    },
+}
+
+OPS = tuple(_PATHS["cpu"])
+
+
+def device_kind(t: torch.Tensor | torch.device | str) -> str:
+    """Map a tensor (or device) to the implementation family that serves it: "npu", "cuda" or "cpu".
+
+    Device types without a dedicated path (mps, xpu, meta, ...) get the portable "cpu" family, which
+    only uses torch ops that every backend implements.
+    """
+    if isinstance(t, torch.Tensor):
+        dev_type = t.device.type
+    elif isinstance(t, torch.device):
+        dev_type = t.type
+    else:
+        dev_type = str(t).split(":")[0]
+    return dev_type if dev_type in DEVICE_KINDS else "cpu"
+
+
+def kernel_paths(device_type: str) -> dict[str, str]:
+    """Which implementation each op (attention, layer_norm, rms_norm, rope, swiglu) uses on a device.
+
+    ``device_type`` is a device type string such as "npu", "cuda", "cpu" (or "cuda:1"); unknown types
+    report the portable path they actually take.
+    """
+    if not isinstance(device_type, str) or not device_type:
+        raise ValueError(f"device_type must be a non-empty string like 'npu', 'cuda' or 'cpu', got {device_type!r}")
+    return dict(_PATHS[device_kind(device_type)])
+
+
+def import_torch_npu() -> ModuleType:
+    """Import torch_npu on first use in an NPU branch, with an error that says what to install."""
+    try:
+        return importlib.import_module("torch_npu")
+    except ImportError as err:
+        raise RuntimeError(
+            "a tensor is on an 'npu' device but torch_npu cannot be imported; install the 'npu' extra "
+            "(torch_npu built for this torch version, on a machine with Ascend CANN)"
+        ) from err

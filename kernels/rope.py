@@ -1,0 +1,127 @@
+"""Rotary position embedding in the "rotate half" convention (Hugging Face Llama, GPT-NeoX).
+
+Channel i of the first half pairs with channel i + d/2: the pair is rotated by position * theta_i,
+theta_i = base^(-2i/d). ``rope_cos_sin`` returns cos/sin laid out as cat(freqs, freqs) so the
+rotation is one element-wise expression, x * cos + rotate_half(x) * sin, which is also exactly the
+formula torch_npu.npu_rotary_mul documents. Checkpoints trained with HF Llama therefore load as is.
+
+- NPU: ``torch_npu.npu_rotary_mul(x, cos, sin)`` with 4-D cos/sin, (1, 1, s, d) for BNSD memory or
+  (1, s, 1, d) for BSND memory, within its documented shape limits; outside them the plain
+  expression (the documentation itself advises that fallback).
+- CUDA and CPU: the plain expression (autograd handles the backward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.dispatch import device_kind, import_torch_npu
+
+# Documented limits of npu_rotary_mul: head_dim a multiple of 128, B and N at most 1000, broadcast
+# axes (B and N for BNSD input) at most 1024 elements in total, and for BNSD no B*N > 8*S.
+NPU_ROTARY_HEAD_DIM_MULTIPLE = 128
+NPU_ROTARY_MAX_BATCH_OR_HEADS = 1000
+NPU_ROTARY_MAX_BROADCAST = 1024
+NPU_ROTARY_MAX_BN_PER_S = 8
+
+
+def rope_cos_sin(
+    seq_len: int,
+    head_dim: int,
+    base: float = 10000.0,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each (seq_len, head_dim), for positions offset .. offset + seq_len - 1.
+
+    Angles are computed in fp32 (as HF Llama does) and cast to ``dtype`` at the end.
+    """
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim must be a positive even number for rotary embedding, got {head_dim}")
+    if seq_len < 0 or offset < 0:
+        raise ValueError(f"seq_len and offset must be >= 0, got seq_len={seq_len}, offset={offset}")
+    if base <= 0:
+        raise ValueError(f"base must be positive, got {base}")
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))  # (d/2,)
+    pos = torch.arange(offset, offset + seq_len, device=device).float()  # (s,)
+    freqs = torch.outer(pos, inv_freq)  # (s, d/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (s, d)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """cat(-x2, x1) for x = cat(x1, x2) along the last dim."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if x.dim() != 4:
+        raise ValueError(f"apply_rope expects x of shape (b, n, s, d), got {tuple(x.shape)}")
+    s, d = x.shape[2], x.shape[3]
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape[-2:] != (s, d) or t.dim() not in (2, 4):
+            raise ValueError(
+                f"{name} must be (s, d) = ({s}, {d}) or 4-D broadcastable to x with those last two "
+                f"dims; got {tuple(t.shape)}. Slice rope_cos_sin's tables to the sequence you apply."
+            )
+
+
+def npu_rotary_layout(x: torch.Tensor) -> str:
+    """"BSND" when x (b, n, s, d) is a transposed view of contiguous (b, s, n, d) memory, else "BNSD".
+
+    npu_rotary_mul accepts both layouts (with cos/sin shaped to match), so a view of a (b, s, h)
+    projection is rotated in place of memory instead of being copied to BNSD first.
+    """
+    return "BSND" if not x.is_contiguous() and x.transpose(1, 2).is_contiguous() else "BNSD"
+
+
+def npu_rotary_supported(x: torch.Tensor) -> bool:
+    """Whether npu_rotary_mul's documented shape limits hold for x (b, n, s, d)."""
+    b, n, s, d = x.shape
+    return (
+        d % NPU_ROTARY_HEAD_DIM_MULTIPLE == 0
+        and b <= NPU_ROTARY_MAX_BATCH_OR_HEADS
+        and n <= NPU_ROTARY_MAX_BATCH_OR_HEADS
+        and b * n <= NPU_ROTARY_MAX_BROADCAST
+        and (npu_rotary_layout(x) == "BSND" or b * n <= NPU_ROTARY_MAX_BN_PER_S * s)
+    )
+
+
+def npu_rotary_args(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(layout, x, r1, r2) for npu_rotary_mul: cos/sin (s, d) become 4-D in x's dtype, (1, 1, s, d)
+    for BNSD or (1, s, 1, d) for BSND, where x is passed as its (b, s, n, d) view."""
+    s, d = x.shape[2], x.shape[3]
+    layout = npu_rotary_layout(x)
+    # logical (1|b, 1|n, s, d) in x's dtype, then the same transpose as x for BSND
+    r1, r2 = (t.to(x.dtype).reshape(1, 1, s, d) if t.dim() == 2 else t.to(x.dtype) for t in (cos, sin))
+    if layout == "BSND":
+        x, r1, r2 = x.transpose(1, 2), r1.transpose(1, 2), r2.transpose(1, 2)
+    return layout, x, r1, r2
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate q or k, x (b, n, s, d), by cos/sin (s, d) from ``rope_cos_sin``; returns (b, n, s, d)."""
+    _check_rope(x, cos, sin)
+    if device_kind(x) == "npu" and npu_rotary_supported(x):
+        torch_npu = import_torch_npu()
+        layout, xa, r1, r2 = npu_rotary_args(x, cos, sin)
+        out = torch_npu.npu_rotary_mul(xa, r1, r2)
+        return out.transpose(1, 2) if layout == "BSND" else out  # (b, n, s, d)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # (s, d) broadcasts over (b, n)
+    return x * cos + rotate_half(x) * sin
+
+
+def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The same rotation written per half in fp32, cast back to x's dtype:
+    out1 = x1 * cos1 - x2 * sin1, out2 = x2 * cos2 + x1 * sin2."""
+    _check_rope(x, cos, sin)
+    h = x.shape[-1] // 2
+    xf, cf, sf = x.float(), cos.float(), sin.float()
+    x1, x2 = xf[..., :h], xf[..., h:]
+    out1 = x1 * cf[..., :h] - x2 * sf[..., :h]
+    out2 = x2 * cf[..., h:] + x1 * sf[..., h:]
+    return torch.cat((out1, out2), dim=-1).to(x.dtype)

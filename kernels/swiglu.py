@@ -1,0 +1,43 @@
+"""SwiGLU activation, silu(gate) * up, as used by Llama-style MLPs.
+
+- NPU: ``torch_npu.npu_swiglu(x, dim=-1)`` takes ONE tensor and splits it in two halves along
+  ``dim``: it returns silu(A) * B with A the FIRST half and B the second. So the gate goes first:
+  x = cat(gate, up). The concatenation costs a copy; a model that produces gate and up from one
+  fused projection can lay its output out as (..., [gate | up]) and pay nothing.
+- CUDA and CPU: ``F.silu(gate) * up``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dispatch import device_kind, import_torch_npu
+
+NPU_SWIGLU_DIM = -1
+
+
+def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+
+
+def npu_swiglu_input(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The single input npu_swiglu expects: cat(gate, up) along the last dim, (..., 2f), contiguous."""
+    return torch.cat((gate, up), dim=NPU_SWIGLU_DIM)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate, up (..., f); returns (..., f)."""
+    _check(gate, up)
+    if device_kind(gate) == "npu":
+        torch_npu = import_torch_npu()
+        return torch_npu.npu_swiglu(npu_swiglu_input(gate, up), dim=NPU_SWIGLU_DIM)
+    return F.silu(gate) * up
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate * sigmoid(gate) * up in fp32, cast back to gate's dtype."""
+    _check(gate, up)
+    g, u = gate.float(), up.float()
+    return (g * torch.sigmoid(g) * u).to(gate.dtype)

@@ -1,0 +1,103 @@
+"""A GPT model chunk: the layers one pipeline (virtual) stage owns, plus the embedding on the first
+stage and the final norm, output layer and loss on the last.
+
+With pp=1 and one chunk it is the whole model. Tied input/output embeddings across stages: the last
+stage keeps its own copy of the word-embedding shard (marked ``shared_embedding``), initialised from
+the same logical weight; the pipeline sums the two copies' gradients over the embedding group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import GPTConfig
+from models.layers import LayerContext, Norm
+from models.registry import BlockRegistry, default_registry
+from parallel.state import ParallelState
+from parallel.tensor_parallel import (VocabParallelEmbedding, copy_to_tp, gather_from_sequence,
+                                      padded_vocab_size, scatter_to_sequence,
+                                      vocab_parallel_cross_entropy, vocab_parallel_weight)
+
+
+class GPTChunk(nn.Module):
+    def __init__(self, cfg: GPTConfig, ps: ParallelState, ctx: LayerContext, layers: range,
+                 pre_process: bool = True, post_process: bool = True,
+                 registry: BlockRegistry | None = None):
+        super().__init__()
+        if ctx.sequence_parallel and cfg.seq_length % ps.tp_size:
+            raise ValueError(f"--seq-length {cfg.seq_length} is not divisible by tp={ps.tp_size}: "
+                             f"sequence parallelism keeps s/tp positions per rank; use a multiple "
+                             f"of --tp or turn off --sequence-parallel")
+        block_cls = (registry or default_registry()).resolve(cfg.block)
+        self.cfg, self.ps, self.layer_range = cfg, ps, layers
+        self.pre_process, self.post_process = pre_process, post_process
+        self.sequence_parallel = ctx.sequence_parallel
+        self.learned_pos = block_cls.position == "learned"
+        self.tied = block_cls.tie_embeddings
+        self.vocab_start = ps.tp_rank * padded_vocab_size(cfg.vocab_size, ps.tp_size) // ps.tp_size
+        h = cfg.hidden_size
+        if pre_process:
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, h, ps, "embedding.word", ctx.init,
+                                                sequence_parallel=ctx.sequence_parallel)
+            if self.learned_pos:
+                self.pos = nn.Parameter(ctx.init.full("embedding.position",
+                                                      (cfg.max_position_embeddings, h)))
+            self.embed_drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(block_cls(cfg, i, ps, ctx) for i in layers)
+        if post_process:
+            self.final_norm = Norm(block_cls.final_norm, h, cfg.norm_eps, ctx.sequence_parallel)
+            if not (self.tied and pre_process):
+                name = "embedding.word" if self.tied else "output"
+                self.output_weight = vocab_parallel_weight(cfg.vocab_size, h, ps, name, ctx.init)
+                self.output_weight.shared_embedding = self.tied  # (V_pad/tp, h)
+
+    def output_matrix(self) -> torch.Tensor:
+        return self.embed.weight if (self.tied and self.pre_process) else self.output_weight
+
+    def shared_embedding_params(self) -> list[nn.Parameter]:
+        """Both copies of a tied embedding that live on different stages (empty otherwise)."""
+        if not self.tied or (self.pre_process and self.post_process):
+            return []
+        if self.pre_process:
+            return [self.embed.weight]
+        return [self.output_weight] if self.post_process else []
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:  # (b, s) -> (b, s[/tp], h)
+        x = self.embed(tokens)
+        if self.learned_pos:
+            pos = self.pos[: tokens.shape[1]].unsqueeze(0)  # (1, s, h)
+            if self.sequence_parallel:
+                pos = scatter_to_sequence(pos, self.ps.tp_group)
+            x = x + pos
+        return self.embed_drop(x)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """First chunk: x is tokens (b, s); else hidden (b, s[/tp], h). The last chunk returns the
+        per-token loss (b, s) when labels are given, else vocab-parallel logits (b, s, V_pad/tp)."""
+        if self.pre_process:
+            x = self._embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        if not self.post_process:
+            return x
+        x = self.final_norm(x)
+        if self.sequence_parallel:
+            x = gather_from_sequence(x, self.ps.tp_group)  # (b, s, h)
+        else:
+            x = copy_to_tp(x, self.ps.tp_group)
+        logits = F.linear(x, self.output_matrix())  # (b, s, V_pad/tp)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group, self.vocab_start,
+                                            self.cfg.vocab_size)
+
+
+def build_chunks(cfg: GPTConfig, ps: ParallelState, ctx: LayerContext, stage_ranges: list[range],
+                 virtual_index: list[int], num_virtual: int,
+                 registry: BlockRegistry | None = None) -> nn.ModuleList:
+    """This rank's model chunks. ``virtual_index[i]`` is the global virtual stage of chunk i."""
+    return nn.ModuleList(
+        GPTChunk(cfg, ps, ctx, rng, pre_process=(v == 0), post_process=(v == num_virtual - 1),
+                 registry=registry)
+        for rng, v in zip(stage_ranges, virtual_index))

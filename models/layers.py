@@ -1,0 +1,121 @@
+"""Model-side building blocks on top of the TP layers: norms, attention, MLPs.
+
+Every module takes the ParallelState and a ``LayerContext`` (sequence parallelism, recomputation,
+initializer) explicitly; user blocks can compose the same pieces.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import kernels
+from models.config import GPTConfig
+from parallel.state import ParallelState
+from parallel.tensor_parallel import ColumnParallelLinear, Initializer, RowParallelLinear, divide
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """Run-level switches that layers need, handed down explicitly (no global args)."""
+    init: Initializer
+    sequence_parallel: bool = False
+    recompute: str = "none"  # none | selective | full
+
+    def __post_init__(self) -> None:
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"--recompute must be none, selective or full, got {self.recompute!r}")
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm over the last dim; replicated weights, marked for the TP grad sum
+    when they see only a sequence shard."""
+
+    def __init__(self, kind: str, hidden: int, eps: float, sequence_parallel: bool = False):
+        super().__init__()
+        if kind not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"unknown norm {kind!r}; use layernorm or rmsnorm")
+        self.kind, self.eps = kind, eps
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.bias = nn.Parameter(torch.zeros(hidden)) if kind == "layernorm" else None
+        for p in self.parameters():
+            p.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "layernorm":
+            return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention: fused QKV column projection with whole heads per TP rank, the
+    attention kernel, and a row-parallel output projection.
+
+    The logical QKV weight is (3h, h) with rows ordered (head, q|k|v, head_dim), so a contiguous
+    slice of rows gives a rank complete heads.
+    """
+
+    def __init__(self, cfg: GPTConfig, ps: ParallelState, ctx: LayerContext, name: str,
+                 bias: bool, rope: bool):
+        super().__init__()
+        h, n = cfg.hidden_size, cfg.num_attention_heads
+        divide(h, ps.tp_size, "--hidden-size")
+        self.heads_local = divide(n, ps.tp_size, "--num-attention-heads")
+        self.head_dim, self.rope, self.rope_base = cfg.head_dim, rope, cfg.rope_base
+        self.dropout, self.selective = cfg.dropout, ctx.recompute == "selective"
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.qkv = ColumnParallelLinear(h, 3 * h, ps, f"{name}.qkv", ctx.init, bias=bias,
+                                        sequence_parallel=ctx.sequence_parallel)
+        self.proj = RowParallelLinear(h, h, ps, f"{name}.proj", ctx.init, bias=bias,
+                                      sequence_parallel=ctx.sequence_parallel, std=out_std)
+
+    def _core(self, q, k, v):
+        return kernels.attention(q, k, v, causal=True,
+                                 dropout_p=self.dropout if self.training else 0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s[/tp], h)
+        qkv = self.qkv(x)  # (b, s, 3h/tp)
+        b, s, _ = qkv.shape
+        qkv = qkv.view(b, s, self.heads_local, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]  # each (b, n/tp, s, d)
+        if self.rope:
+            cos, sin = kernels.rope_cos_sin(s, self.head_dim, self.rope_base, x.device, q.dtype)
+            q, k = kernels.apply_rope(q, cos, sin), kernels.apply_rope(k, cos, sin)
+        if self.selective and self.training and torch.is_grad_enabled():
+            out = checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            out = self._core(q, k, v)  # (b, n/tp, s, d)
+        out = out.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim)
+        return self.proj(out)  # (b, s[/tp], h)
+
+
+class ParallelMLP(nn.Module):
+    """GELU MLP (gpt2) or SwiGLU (llama): column-parallel in, row-parallel out."""
+
+    def __init__(self, cfg: GPTConfig, ps: ParallelState, ctx: LayerContext, name: str,
+                 kind: str = "gelu", bias: bool = True):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        divide(f, ps.tp_size, "--ffn-hidden-size")
+        sp = dict(sequence_parallel=ctx.sequence_parallel)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.kind = kind
+        if kind == "gelu":
+            self.fc1 = ColumnParallelLinear(h, f, ps, f"{name}.fc1", ctx.init, bias=bias, **sp)
+        elif kind == "swiglu":
+            self.gate = ColumnParallelLinear(h, f, ps, f"{name}.gate", ctx.init, bias=bias, **sp)
+            self.up = ColumnParallelLinear(h, f, ps, f"{name}.up", ctx.init, bias=bias, **sp)
+        else:
+            raise ValueError(f"unknown MLP kind {kind!r}; use gelu or swiglu")
+        self.fc2 = RowParallelLinear(f, h, ps, f"{name}.fc2", ctx.init, bias=bias, std=out_std, **sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s[/tp], h)
+        if self.kind == "gelu":
+            y = F.gelu(self.fc1(x), approximate="tanh")  # (b, s, f/tp)
+        else:
+            y = kernels.swiglu(self.gate(x), self.up(x))
+        return self.fc2(y)

@@ -1,0 +1,214 @@
+"""Data-parallel gradient reducer: bucketed, overlapped with backward, optionally compressed.
+
+One training step, as the trainer drives it::
+
+    reducer.zero_grad()                        # or optimizer.zero_grad(), which calls it
+    for i, mb in enumerate(micro_batches):
+        reducer.set_last_microbatch(i == len(micro_batches) - 1)
+        (loss(mb) / len(micro_batches)).backward()
+    reducer.finish()                           # main_grad now holds the DP-averaged gradient
+
+A post-accumulate-grad hook adds each ``param.grad`` into ``param.main_grad`` (a view into a flat
+fp32 buffer, see buffers.py) and frees ``param.grad``. Earlier micro-batches only accumulate; during
+the last one, a bucket's collective is launched asynchronously as soon as all its gradients are in,
+so communication overlaps the rest of backward. Buckets are launched strictly in index order (the
+backward order), so every DP rank issues the same collectives in the same sequence even if hooks
+fire in a slightly different order. Gradients are divided by dp before the sum, giving the mean.
+
+Schedules where one step runs several backward passes per parameter in an interleaved order
+(virtual pipeline stages) can use ``set_num_microbatches(n)`` instead: a parameter then counts as
+final on its n-th accumulation. Parameters that receive no gradient are reduced by ``finish()``.
+
+With ``shard_grads`` (set by the ZeRO-1 optimizer) buckets are reduce-scattered: after ``finish()``
+only this rank's shard of each bucket holds the averaged gradient. A bucket whose compressor is
+active (see policy.py) is exchanged synchronously at launch through its compressor.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel.dp.buffers import Bucket, GradBuffer
+from parallel.dp.compression import CommStats
+from parallel.dp.policy import CompressionPolicy
+from parallel.state import ParallelState
+
+
+def named_parameters(params) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, param) pairs that require grad, from a Module, (name, param) pairs or bare params."""
+    if isinstance(params, torch.nn.Module):
+        params = params.named_parameters()
+    named, seen = [], set()
+    for i, item in enumerate(params):
+        name, param = item if isinstance(item, tuple) else (f"param{i}", item)
+        if param.requires_grad and id(param) not in seen:
+            seen.add(id(param))
+            named.append((name, param))
+    return named
+
+
+class GradReducer:
+    def __init__(self, params, ps: ParallelState, bucket_size_mb: float = 25.0,
+                 grad_dtype: torch.dtype = torch.float32,
+                 compression_policy: CompressionPolicy | dict | None = None, overlap: bool = True):
+        named = named_parameters(params)
+        if not named:
+            raise ValueError("GradReducer: no parameter requires grad")
+        if bucket_size_mb <= 0:
+            raise ValueError(f"GradReducer: bucket_size_mb must be positive, got {bucket_size_mb}")
+        if not grad_dtype.is_floating_point:
+            raise ValueError(f"GradReducer: grad_dtype must be a floating dtype, got {grad_dtype}")
+        if compression_policy is None or isinstance(compression_policy, dict):
+            compression_policy = CompressionPolicy.from_dict(compression_policy)
+        self.ps, self.group = ps, ps.dp_group
+        self.dp, self.dp_rank = ps.dp_size, ps.dp_rank
+        self.policy, self.overlap, self.grad_dtype = compression_policy, overlap, grad_dtype
+        self.shard_grads = False
+        self.names = {p: n for n, p in named}
+
+        elem = torch.empty((), dtype=grad_dtype).element_size()
+        bucket_numel = max(1, int(bucket_size_mb * 2 ** 20) // elem)
+        pad = self.dp * 16 if self.dp > 1 else 1      # equal shards, 64-byte aligned in fp32
+        order = list(reversed(named))                  # backward produces the last params first
+        position = {p: i for i, (_, p) in enumerate(order)}
+        groups: dict[tuple, list] = {}
+        for name, p in order:
+            groups.setdefault((p.dtype, self.policy.compressor_for(name)), []).append((name, p))
+        self.buffers = [GradBuffer(members, spec, grad_dtype, bucket_numel, pad)
+                        for (_, spec), members in groups.items()]
+        self.buckets: list[Bucket] = sorted((b for buf in self.buffers for b in buf.buckets),
+                                            key=lambda b: position[b.slots[0].param])
+        self._bucket_of = {}
+        for i, bucket in enumerate(self.buckets):
+            bucket.index, bucket.compressor = i, bucket.spec.build()
+            for slot in bucket.slots:
+                self._bucket_of[slot.param] = bucket
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+        self.step = 1                       # 1-based optimizer step, advanced by finish()
+        self.grad_stats, self.param_stats = CommStats(), CommStats()
+        self._is_last, self._num_mb = False, None
+        self._reset_step_state()
+
+    # ---- per-step protocol ----------------------------------------------------------------
+    def set_last_microbatch(self, is_last: bool) -> None:
+        """Mark whether the coming backward pass is the step's last one for these parameters."""
+        self._is_last = bool(is_last)
+
+    def set_num_microbatches(self, n: int | None) -> None:
+        """Alternative to set_last_microbatch: a parameter is final on its n-th accumulation."""
+        if n is not None and n < 1:
+            raise ValueError(f"GradReducer: number of micro-batches must be >= 1, got {n}")
+        self._num_mb = n
+
+    def zero_grad(self) -> None:
+        """Zero every buffer, drop param.grad and reset the step's counters and statistics."""
+        if self._pending:
+            raise RuntimeError("GradReducer.zero_grad: collectives still in flight; call finish() first")
+        for buf in self.buffers:
+            buf.data.zero_()
+            for slot in buf.slots:
+                slot.param.grad = None
+        self.grad_stats.reset()
+        self.param_stats.reset()
+        self._reset_step_state()
+
+    def finish(self) -> None:
+        """Launch any bucket not yet launched, wait for all, and advance the step counter."""
+        if self._finished:
+            return
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        for handle, bucket, out in self._pending:
+            handle.wait()
+            if out is not None:
+                bucket.shard_view(self.dp_rank, self.dp).copy_(out)
+        self._pending = []
+        self._finished = True
+        self.step += 1
+
+    def stats(self) -> dict[str, int]:
+        """Gradient collectives and bytes this rank sent this step (ring model, see compression.py);
+        ``param_gather_*`` count the ZeRO-1 parameter all-gathers."""
+        return {"collectives": self.grad_stats.collectives, "bytes": self.grad_stats.bytes,
+                "param_gather_collectives": self.param_stats.collectives,
+                "param_gather_bytes": self.param_stats.bytes}
+
+    @property
+    def num_launched(self) -> int:
+        """Buckets launched so far this step (all of them before finish() when overlap works)."""
+        return self._next
+
+    # ---- hooks and launches ----------------------------------------------------------------
+    def _reset_step_state(self) -> None:
+        self._counts: dict = {}
+        self._ready: dict[int, set] = {}
+        self._next = 0
+        self._pending: list = []
+        self._finished = False
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        count = self._counts[param] = self._counts.get(param, 0) + 1
+        if not (self._is_last or (self._num_mb is not None and count >= self._num_mb)):
+            return
+        bucket = self._bucket_of[param]
+        ready = self._ready.setdefault(bucket.index, set())
+        ready.add(param)
+        if self.overlap and len(ready) == len(bucket.slots):
+            while self._next < len(self.buckets) and \
+                    len(self._ready.get(self._next, ())) == len(self.buckets[self._next].slots):
+                self._launch(self.buckets[self._next])
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._next = bucket.index + 1
+        if self.dp == 1:
+            return
+        data = bucket.data
+        data.div_(self.dp)
+        nbytes = data.numel() * data.element_size()
+        if bucket.compressor is not None and self.policy.active(self.step):
+            bucket.compressor.all_reduce_(data, self.group, self.grad_stats)
+        elif self.shard_grads:
+            out = torch.empty(bucket.numel // self.dp, dtype=data.dtype, device=data.device)
+            handle = dist.reduce_scatter_tensor(out, data, group=self.group, async_op=True)
+            self.grad_stats.add("reduce_scatter", nbytes, self.dp)
+            self._pending.append((handle, bucket, out))
+        else:
+            handle = dist.all_reduce(data, group=self.group, async_op=True)
+            self.grad_stats.add("all_reduce", nbytes, self.dp)
+            self._pending.append((handle, bucket, None))
+
+    # ---- residuals of compressors, state, teardown -------------------------------------------
+    def rescale_residuals(self, factor: float) -> None:
+        """The loss scale changed by ``factor``: keep error-feedback residuals in the new units."""
+        for bucket in self.buckets:
+            if bucket.compressor is not None:
+                bucket.compressor.rescale_(factor)
+
+    def reset_residuals(self) -> None:
+        """Drop error-feedback residuals (after a skipped step they may hold inf/nan)."""
+        for bucket in self.buckets:
+            if bucket.compressor is not None:
+                bucket.compressor.reset()
+
+    def state_dict(self) -> dict:
+        """Step counter and compressor residuals (per rank; they depend on the DP layout)."""
+        residuals = {f"bucket{b.index}.{k}": v for b in self.buckets if b.compressor is not None
+                     for k, v in b.compressor.state_dict().items()}
+        return {"step": self.step, "residuals": residuals}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        residuals = state.get("residuals", {})
+        for b in self.buckets:
+            if b.compressor is not None:
+                prefix = f"bucket{b.index}."
+                b.compressor.load_state_dict({k[len(prefix):]: v for k, v in residuals.items()
+                                              if k.startswith(prefix)})
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []

@@ -1,0 +1,95 @@
+"""Global gradient norm, clipping and overflow detection over the whole rank grid.
+
+The norm is that of the serial model's gradient, so each logical value must be counted once:
+- a TP-sharded parameter (``param.tp_sharded``) holds a distinct slice on every TP rank: count all;
+- a parameter replicated over TP holds the same gradient on every TP rank: count it on tp_rank 0;
+- the last stage's copy of a tied embedding (``param.shared_embedding``) duplicates the first
+  stage's: skip it;
+- the partial sums are added over ``ps.mp_group`` (TP x PP). Gradients are already DP-averaged and
+  identical across DP, so DP is not summed, except under ZeRO-1 where each DP rank holds only a
+  shard of the gradient (``over_dp=True``).
+
+Functions take either parameters (their ``main_grad`` when present, else ``grad``) or explicit
+``(grad_tensor, param)`` pairs, the form the ZeRO optimizer uses for its gradient shards.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from parallel.state import ParallelState
+
+
+def grad_pieces(params) -> list[tuple[torch.Tensor, torch.nn.Parameter]]:
+    """(gradient tensor, owning parameter) pairs from parameters, (name, param) pairs or pairs
+    already in that form; parameters without a gradient are left out."""
+    pieces = []
+    for item in params:
+        if isinstance(item, tuple) and isinstance(item[0], str):     # (name, param)
+            item = item[1]
+        elif isinstance(item, tuple):                                 # (grad, param)
+            pieces.append(item)
+            continue
+        grad = getattr(item, "main_grad", None)
+        grad = item.grad if grad is None else grad
+        if grad is not None:
+            pieces.append((grad, item))
+    return pieces
+
+
+def _counted(param, ps: ParallelState) -> bool:
+    if getattr(param, "shared_embedding", False):
+        return False
+    return bool(getattr(param, "tp_sharded", False)) or ps.tp_rank == 0
+
+
+def _all_reduce(t: torch.Tensor, group, size: int, op=dist.ReduceOp.SUM) -> None:
+    if size > 1 and group is not None:
+        dist.all_reduce(t, op=op, group=group)
+
+
+def global_grad_norm(params, ps: ParallelState, over_dp: bool = False) -> float:
+    """L2 norm of the full model's gradient; identical on every rank of the grid."""
+    pieces = grad_pieces(params)
+    device = pieces[0][0].device if pieces else ps.device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for grad, param in pieces:
+        if _counted(param, ps):
+            total += torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
+    _all_reduce(total, ps.mp_group, ps.tp_size * ps.pp_size)
+    if over_dp:
+        _all_reduce(total, ps.dp_group, ps.dp_size)
+    return math.sqrt(total.item())
+
+
+def clip_grads(params, max_norm: float, ps: ParallelState, over_dp: bool = False) -> float:
+    """Scale gradients in place so the global norm is at most ``max_norm``; return the norm before.
+
+    Like torch.nn.utils.clip_grad_norm_ (coefficient max_norm / (norm + 1e-6)), applied only when
+    it is below 1 and to every gradient, counted in the norm or not. ``max_norm <= 0`` only measures.
+    """
+    pieces = grad_pieces(params)
+    norm = global_grad_norm(pieces, ps, over_dp)
+    if max_norm > 0 and math.isfinite(norm):
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for grad, _ in pieces:
+                grad.mul_(coef)
+    return norm
+
+
+def found_inf(params, ps: ParallelState) -> bool:
+    """True on every rank if any gradient on any rank (TP, PP or DP) holds inf or nan.
+
+    All-reduced (MAX) over the default group, so every rank takes the same skip decision.
+    """
+    pieces = grad_pieces(params)
+    device = pieces[0][0].device if pieces else ps.device
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    for grad, _ in pieces:                      # no host sync until the very end
+        flag = torch.maximum(flag, (~torch.isfinite(grad)).any().float())
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        pass
+    return bool(flag.item() > 0)

@@ -1,0 +1,265 @@
+"""One executor for every pipeline schedule.
+
+``run_schedule`` walks this rank's action list: compute actions call the model through
+``forward_step`` and autograd, each run of consecutive transfers is one ``p2p.communicate`` batch.
+The model side is one callback, so a GPT (or any stack of modules) plugs in without the executor
+knowing its layers::
+
+    lists = build_schedule("1f1b", ps.pp_size, num_microbatches)
+    def forward_step(chunk, micro, x):             # x is None on virtual stage 0
+        h = model_chunks[chunk](tokens[micro] if x is None else x)
+        return loss_fn(h, labels[micro]) / num_microbatches if last_chunk else h
+    result = run_schedule(ps, lists, model_chunks, forward_step, num_microbatches,
+                          tensor_shape=(seq, micro_batch, hidden), dtype=torch.float32,
+                          timeout_s=60)
+    sum_embedding_grads(ps, tied_params)           # then DP reduction and the optimizer step
+
+Memory: once an output activation has been sent, only its autograd graph is needed, so its storage
+is replaced by a one-element tensor (Megatron's ``deallocate_output_tensor``); its backward then runs
+through the autograd engine directly, since ``torch.autograd.backward`` checks the output's shape.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from parallel.pipeline.p2p import Transfer, communicate, neighbour_ranks
+from parallel.pipeline.schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action
+from parallel.pipeline.timeline import TimelineEvent
+
+PipelineEvent = TimelineEvent
+ShapeSpec = Sequence[int] | Callable[[int, int], Sequence[int]]
+
+
+@dataclass
+class PipelineResult:
+    losses: list[float]            # last stage: forward_step's value per micro-batch; else empty
+    peak_in_flight: int            # most (micro-batch, chunk) activations held at once
+    events: list[TimelineEvent] = field(repr=False)
+    wall_s: float = 0.0            # run_schedule's own wall time
+    wait_s: float = 0.0            # time blocked in transfers
+
+    @property
+    def loss(self) -> float | None:
+        """Sum of the micro-batch losses: the step's mean loss when they were pre-divided by m."""
+        return sum(self.losses) if self.losses else None
+
+
+def _free_output(out: torch.Tensor) -> bool:
+    """Drop an output's storage when only its graph is still needed (not for views or leaves)."""
+    if out._base is not None or out.grad_fn is None or out.numel() <= 1:
+        return False
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+    return True
+
+
+def _backward(out: torch.Tensor, grad: torch.Tensor | None, freed: bool) -> None:
+    if not freed:
+        torch.autograd.backward(out, grad_tensors=grad)
+        return
+    # The output's data is a placeholder, so skip autograd.backward's shape check (as Megatron does).
+    Variable._execution_engine.run_backward(
+        tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
+        allow_unreachable=True, accumulate_grad=True)
+
+
+class _RankRun:
+    """The state of one rank's step: tensors keyed by (micro-batch, chunk)."""
+
+    def __init__(self, ps, chunks, forward_step, num_microbatches, tensor_shape, dtype, timeout_s,
+                 recorder, deallocate_outputs):
+        self.ps, self.vp, self.forward_step = ps, len(chunks), forward_step
+        self.m, self.shape, self.dtype, self.timeout_s = num_microbatches, tensor_shape, dtype, timeout_s
+        self.recorder, self.deallocate = recorder, deallocate_outputs
+        self.prev_rank, self.next_rank = neighbour_ranks(ps) if ps.pp_size > 1 else (None, None)
+        self.inputs: dict = {}        # received activations (leaves with requires_grad)
+        self.outputs: dict = {}       # (output tensor, freed?) awaiting backward
+        self.out_meta: dict = {}      # (shape, dtype) of each output, for the gradient buffer
+        self.grad_out: dict = {}      # received gradients of outputs
+        self.grad_in: dict = {}       # gradients of inputs awaiting their send
+        self.losses: dict[int, torch.Tensor] = {}
+        self.events: list[TimelineEvent] = []
+        self.live = self.peak = 0
+        self.wait_s = 0.0
+        self.clock = (time.time(), time.perf_counter())
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def now(self) -> float:
+        return self.clock[0] + time.perf_counter() - self.clock[1]
+
+    def stage(self, chunk: int) -> int:
+        return chunk * self.ps.pp_size + self.ps.pp_rank
+
+    def is_last(self, chunk: int) -> bool:
+        return self.stage(chunk) == self.ps.pp_size * self.vp - 1
+
+    def record(self, name, cat, start, micro=-1, chunk=0) -> None:
+        event = TimelineEvent(self.ps.rank, name, cat, start, self.now(), micro, chunk)
+        self.events.append(event)
+        if self.recorder is not None:
+            self.recorder(event)
+
+    def input_shape(self, chunk: int, micro: int) -> tuple[int, ...]:
+        shape = self.shape(chunk, micro) if callable(self.shape) else self.shape
+        return tuple(int(s) for s in shape)
+
+    # ---- compute ------------------------------------------------------------------------------
+    def forward(self, micro: int, chunk: int) -> None:
+        x = self.inputs.get((micro, chunk))
+        if x is None and self.stage(chunk) > 0:
+            raise RuntimeError(f"pipeline stage {self.ps.pp_rank}: forward of micro-batch {micro} "
+                               f"chunk {chunk} runs before its input arrived (schedule bug)")
+        start = self.now()
+        out = self.forward_step(chunk, micro, x)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"forward_step must return a tensor, got {type(out).__name__}")
+        if self.is_last(chunk):
+            if out.numel() != 1:
+                raise ValueError(f"forward_step on the last stage must return the scalar loss "
+                                 f"(already divided by num_microbatches), got shape {tuple(out.shape)}")
+            self.losses[micro] = out.detach().reshape(())
+        self.outputs[(micro, chunk)] = (out, False)
+        self.out_meta[(micro, chunk)] = (tuple(out.shape), out.dtype)
+        self.live += 1
+        self.peak = max(self.peak, self.live)
+        self.record(f"F{micro}.{chunk}", "forward", start, micro, chunk)
+
+    def backward(self, micro: int, chunk: int) -> None:
+        start = self.now()
+        out, freed = self.outputs.pop((micro, chunk))
+        grad = None if self.is_last(chunk) else self.grad_out.pop((micro, chunk))
+        _backward(out, grad, freed)
+        x = self.inputs.pop((micro, chunk), None)
+        if x is not None:
+            g = x.grad if x.grad is not None else torch.zeros_like(x)
+            self.grad_in[(micro, chunk)] = g.contiguous()
+        self.out_meta.pop((micro, chunk), None)
+        self.live -= 1
+        self.record(f"B{micro}.{chunk}", "backward", start, micro, chunk)
+
+    # ---- communication ------------------------------------------------------------------------
+    def transfer(self, actions: list[Action]) -> None:
+        pp, me = self.ps.pp_size, self.ps.pp_rank
+        prev_stage, next_stage = (me - 1) % pp, (me + 1) % pp
+        transfers, after = [], []
+        for a in actions:
+            key = (a.microbatch, a.chunk)
+            if a.kind == RECV_F:
+                buf = torch.empty(self.input_shape(a.chunk, a.microbatch), dtype=self.dtype,
+                                  device=self.ps.device)
+                src_chunk = a.chunk if me > 0 else a.chunk - 1
+                transfers.append(Transfer("recv", buf, prev_stage, self.prev_rank, "activation",
+                                          a.microbatch, src_chunk))
+                after.append(lambda key=key, buf=buf: self.inputs.__setitem__(key, buf.requires_grad_()))
+            elif a.kind == SEND_F:
+                out, _ = self.outputs[key]
+                dst_chunk = a.chunk if me < pp - 1 else a.chunk + 1
+                transfers.append(Transfer("send", out.detach().contiguous(), next_stage,
+                                          self.next_rank, "activation", a.microbatch, dst_chunk))
+                after.append(lambda key=key: self._sent_output(key))
+            elif a.kind == RECV_B:
+                shape, dtype = self.out_meta[key]
+                buf = torch.empty(shape, dtype=dtype, device=self.ps.device)
+                src_chunk = a.chunk if me < pp - 1 else a.chunk + 1
+                transfers.append(Transfer("recv", buf, next_stage, self.next_rank, "gradient",
+                                          a.microbatch, src_chunk))
+                after.append(lambda key=key, buf=buf: self.grad_out.__setitem__(key, buf))
+            elif a.kind == SEND_B:
+                dst_chunk = a.chunk if me > 0 else a.chunk - 1
+                transfers.append(Transfer("send", self.grad_in.pop(key), prev_stage, self.prev_rank,
+                                          "gradient", a.microbatch, dst_chunk))
+            else:
+                raise ValueError(f"not a transfer action: {a!r}")
+        start = self.now()
+        self.wait_s += communicate(self.ps, transfers, self.timeout_s, self.vp)
+        for fn in after:
+            fn()
+        self.record("+".join(repr(a) for a in actions), "comm", start)
+
+    def _sent_output(self, key) -> None:
+        out, freed = self.outputs[key]
+        if self.deallocate and not freed:
+            self.outputs[key] = (out, _free_output(out))
+
+
+def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
+                 chunks: Sequence[torch.nn.Module], forward_step: Callable, num_microbatches: int,
+                 tensor_shape: ShapeSpec, dtype: torch.dtype, timeout_s: float | None,
+                 recorder: Callable[[TimelineEvent], None] | None = None,
+                 deallocate_outputs: bool = True) -> PipelineResult:
+    """Run one step's forwards and backwards on this rank; gradients accumulate in ``.grad``.
+
+    ``actions`` is this rank's list or the whole schedule (this rank's list is taken).
+    ``forward_step(chunk, micro, x)`` returns the chunk's output activation, or on the last chunk of
+    the last stage the scalar loss already divided by ``num_microbatches``; ``x`` is None on the
+    first chunk of the first stage. ``tensor_shape`` is the activation shape between stages, or a
+    function ``(chunk, micro) -> shape`` of this rank's chunk input when it varies.
+    ``recorder(event)`` is called as each action ends (e.g. to stream a timeline).
+    """
+    if actions and not isinstance(actions[0], Action):
+        actions = actions[ps.pp_rank]
+    actions = list(actions)
+    if not chunks:
+        raise ValueError("run_schedule needs this rank's model chunks (one per virtual stage)")
+    top = max((a.chunk for a in actions), default=0)
+    if top >= len(chunks):
+        raise ValueError(f"the schedule uses model chunk {top} but this rank has {len(chunks)} "
+                         f"chunk(s); pass --virtual-pipeline-size chunks per rank")
+    if any(a.microbatch >= num_microbatches for a in actions):
+        raise ValueError(f"the schedule has more micro-batches than num_microbatches="
+                         f"{num_microbatches}; build it with the same count")
+    run = _RankRun(ps, chunks, forward_step, num_microbatches, tensor_shape, dtype, timeout_s,
+                   recorder, deallocate_outputs)
+    start = time.perf_counter()
+    i = 0
+    while i < len(actions):
+        a = actions[i]
+        if a.is_comm:
+            j = i
+            while j < len(actions) and actions[j].is_comm:
+                j += 1
+            run.transfer(actions[i:j])
+            i = j
+            continue
+        if a.kind == F:
+            run.forward(a.microbatch, a.chunk)
+        elif a.kind == B:
+            run.backward(a.microbatch, a.chunk)
+        i += 1
+    leftover = len(run.outputs) + len(run.grad_in) + len(run.grad_out)
+    if leftover:
+        raise RuntimeError(f"pipeline stage {ps.pp_rank}: {leftover} tensors left after the "
+                           f"schedule (a forward without backward or an unsent gradient)")
+    stacked = [run.losses[k] for k in sorted(run.losses)]
+    losses = torch.stack(stacked).float().tolist() if stacked else []  # one device sync
+    return PipelineResult(losses, run.peak, run.events, time.perf_counter() - start, run.wait_s)
+
+
+def sum_embedding_grads(ps, params) -> None:
+    """All-reduce the gradients of parameters tied between the first and last stage.
+
+    With a tied word embedding the first stage (input embedding) and the last stage (output layer)
+    each hold a copy; summing their gradients over ``ps.embedding_group`` keeps the copies equal after
+    the optimizer step. A no-op with pp=1 and on middle stages. Both ends must pass the tied
+    parameters in the same order; a missing gradient counts as zero.
+    """
+    if ps.pp_size == 1 or ps.embedding_group is None:
+        return
+    params = list(params)
+    if not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=ps.embedding_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -1,0 +1,58 @@
+"""Cross-entropy over vocabulary-parallel logits without gathering the full logits.
+
+Each TP rank holds logits for a contiguous vocabulary slice. The max and the sum of exponentials
+are reduced over TP (numerically stable log-sum-exp), the target logit is picked by the rank that
+owns it, and logits of padding entries (index >= vocab_size) are excluded, so padding changes
+neither the loss nor the gradients.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel.tensor_parallel.mappings import group_size
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_start, vocab_size):
+        # logits (b, s, v/tp) any float dtype; target (b, s) global token ids
+        logits = logits.float()
+        per_rank = logits.shape[-1]
+        ids = torch.arange(vocab_start, vocab_start + per_rank, device=logits.device)
+        logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
+        local_max = logits.max(dim=-1).values
+        if group_size(group) > 1:
+            dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - local_max.unsqueeze(-1)  # (b, s, v/tp)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        local_t = target - vocab_start
+        mine = (local_t >= 0) & (local_t < per_rank)
+        safe_t = local_t.masked_fill(~mine, 0)
+        target_logit = shifted.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        if group_size(group) > 1:
+            both = torch.stack([sum_exp, target_logit])
+            dist.all_reduce(both, group=group)
+            sum_exp, target_logit = both[0], both[1]
+        loss = sum_exp.log() - target_logit  # (b, s)
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, safe_t, mine)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, safe_t, mine = ctx.saved_tensors
+        grad = softmax.clone()
+        flat = grad.view(-1, grad.shape[-1])
+        rows = torch.arange(flat.shape[0], device=grad.device)
+        flat[rows, safe_t.view(-1)] -= mine.view(-1).to(grad.dtype)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
+                                 vocab_start: int, vocab_size: int) -> torch.Tensor:
+    """Per-token loss (b, s) in fp32; the gradient flows back in fp32 to the logits' dtype."""
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size)

@@ -1,0 +1,131 @@
+"""Tensor-parallel layers. Each allocates only its shard and takes the ParallelState explicitly.
+
+Parameters split over TP carry ``param.tp_sharded = True``; replicated parameters whose gradient is
+computed from a sequence shard carry ``param.sequence_parallel = True`` (their grads are summed over
+TP once per step). Biases of row-parallel layers are added once, after the reduction.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.state import ParallelState
+from parallel.tensor_parallel.init import Initializer
+from parallel.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_from_tp,
+                                               reduce_from_tp, reduce_scatter_to_sequence)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tp={denominator}; "
+                         f"choose a tp that divides it")
+    return numerator // denominator
+
+
+def _mark(param: nn.Parameter, **flags) -> nn.Parameter:
+    for key, value in flags.items():
+        setattr(param, key, value)
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows: rank r holds rows [r*out/tp, (r+1)*out/tp).
+
+    Input is replicated over TP (or a sequence shard under sequence parallelism, gathered here);
+    the output stays split along its last dim unless ``gather_output``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState, name: str,
+                 init: Initializer, bias: bool = True, gather_output: bool = False,
+                 sequence_parallel: bool = False, std: float | None = None):
+        super().__init__()
+        self.group, self.sequence_parallel, self.gather_output = ps.tp_group, sequence_parallel, gather_output
+        self.out_per_rank = divide(out_features, ps.tp_size, f"{name} output size")
+        shard_args = dict(shard_dim=0, rank=ps.tp_rank, size=ps.tp_size)
+        self.weight = _mark(init.param(f"{name}.weight", (out_features, in_features), std=std,
+                                       **shard_args), tp_sharded=True)  # (out/tp, in)
+        self.bias = _mark(init.param(f"{name}.bias", (out_features,), "zeros", **shard_args),
+                          tp_sharded=True) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s[/tp], in)
+        if self.sequence_parallel:
+            x = gather_from_sequence(x, self.group)  # (b, s, in)
+        else:
+            x = copy_to_tp(x, self.group)
+        y = F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
+        return gather_from_tp(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input columns; input arrives split along its last dim.
+
+    Partial products are all-reduced (or reduce-scattered along the sequence under sequence
+    parallelism); the replicated bias is added once, after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState, name: str,
+                 init: Initializer, bias: bool = True, sequence_parallel: bool = False,
+                 std: float | None = None):
+        super().__init__()
+        self.group, self.sequence_parallel = ps.tp_group, sequence_parallel
+        divide(in_features, ps.tp_size, f"{name} input size")
+        self.weight = _mark(init.param(f"{name}.weight", (out_features, in_features), std=std,
+                                       shard_dim=1, rank=ps.tp_rank, size=ps.tp_size),
+                            tp_sharded=True)  # (out, in/tp)
+        self.bias = _mark(init.param(f"{name}.bias", (out_features,), "zeros"),
+                          sequence_parallel=sequence_parallel) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, in/tp)
+        y = F.linear(x, self.weight)  # (b, s, out) partial sums
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(y, self.group)  # (b, s/tp, out)
+        else:
+            y = reduce_from_tp(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    step = multiple * tp
+    return (vocab_size + step - 1) // step * step
+
+
+def vocab_parallel_weight(vocab_size: int, hidden: int, ps: ParallelState, name: str,
+                          init: Initializer, std: float | None = None) -> nn.Parameter:
+    """This rank's rows of a (padded vocab, hidden) weight: real rows drawn at the unpadded logical
+    shape (so every tp draws the same numbers), padding rows zero."""
+    padded = padded_vocab_size(vocab_size, ps.tp_size)
+    per_rank = padded // ps.tp_size
+    full = torch.zeros(padded, hidden)
+    full[:vocab_size] = init.full(f"{name}.weight", (vocab_size, hidden), std=std)
+    start = ps.tp_rank * per_rank
+    return _mark(nn.Parameter(full[start:start + per_rank].clone()), tp_sharded=True)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary rows are split over TP; padding rows (>= vocab_size) are zero.
+
+    Each rank looks up the tokens in its row range and contributes zeros for the others; the partial
+    embeddings are all-reduced, or reduce-scattered along the sequence under sequence parallelism.
+    """
+
+    def __init__(self, vocab_size: int, hidden: int, ps: ParallelState, name: str,
+                 init: Initializer, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.sequence_parallel = ps.tp_group, sequence_parallel
+        self.vocab_size = vocab_size
+        self.padded_vocab = padded_vocab_size(vocab_size, ps.tp_size)
+        self.per_rank = self.padded_vocab // ps.tp_size
+        self.start = ps.tp_rank * self.per_rank
+        self.weight = vocab_parallel_weight(vocab_size, hidden, ps, name, init)  # (V_pad/tp, h)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (b, s) -> (b, s[/tp], h)
+        if self.per_rank == self.padded_vocab:
+            return F.embedding(tokens, self.weight)
+        local = tokens - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.group)
+        return reduce_from_tp(out, self.group)

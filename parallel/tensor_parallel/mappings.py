@@ -1,0 +1,178 @@
+"""Communication of tensor-parallel regions: one autograd.Function per forward/backward pair.
+
+Activations are batch-first, (b, s, h). "last dim" functions split or gather the hidden/vocab dim
+across TP ranks; "sequence" functions do the same along the sequence dim (dim 1) for sequence
+parallelism. Every public function takes the group explicitly; with a group of size 1 (or None) it
+returns its input unchanged.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _check_divisible(x: torch.Tensor, dim: int, size: int) -> None:
+    """Fail before the collective, on every rank alike, with what to change."""
+    if x.shape[dim] % size == 0:
+        return
+    if dim == 1:
+        raise ValueError(f"sequence length {x.shape[1]} is not divisible by tp={size}: sequence "
+                         f"parallelism keeps s/tp positions per rank; use a sequence length that "
+                         f"is a multiple of --tp, or turn off --sequence-parallel")
+    raise ValueError(f"dim {dim} of size {x.shape[dim]} (shape {tuple(x.shape)}) does not split "
+                     f"over tp={size} ranks")
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over the group into a fresh tensor. Never in place: autograd may hand the same gradient
+    tensor to several consumers (e.g. both inputs of an addition), and the caller's input is theirs."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    size = group_size(group)
+    _check_divisible(x, dim, size)
+    return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    size = group_size(group)
+    _check_divisible(x, dim, size)
+    parts = [p.contiguous() for p in x.chunk(size, dim=dim)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+class _IdentityAllReduce(torch.autograd.Function):
+    """Copy into the TP region: forward identity, backward all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _AllReduceIdentity(torch.autograd.Function):
+    """Reduce out of the TP region: forward all-reduce, backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SplitGather(torch.autograd.Function):
+    """Scatter to the TP region along the last dim: forward split, backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, -1, ctx.group), None
+
+
+class _GatherSplit(torch.autograd.Function):
+    """Gather from the TP region along the last dim: forward all-gather, backward split."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, -1, ctx.group), None
+
+
+class _SeqAllGatherReduceScatter(torch.autograd.Function):
+    """Leave the sequence-parallel region: forward all-gather (seq), backward reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, 1, ctx.group), None
+
+
+class _SeqReduceScatterAllGather(torch.autograd.Function):
+    """Enter the sequence-parallel region from partial sums: forward reduce-scatter, backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, 1, ctx.group), None
+
+
+class _SeqSplitGather(torch.autograd.Function):
+    """Enter the sequence-parallel region from a replicated tensor: forward split, backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, 1, ctx.group), None
+
+
+def _apply(fn, x, group):
+    return x if group_size(group) == 1 else fn.apply(x, group)
+
+
+def copy_to_tp(x, group):
+    return _apply(_IdentityAllReduce, x, group)
+
+
+def reduce_from_tp(x, group):
+    return _apply(_AllReduceIdentity, x, group)
+
+
+def scatter_to_tp(x, group):
+    return _apply(_SplitGather, x, group)
+
+
+def gather_from_tp(x, group):
+    return _apply(_GatherSplit, x, group)
+
+
+def gather_from_sequence(x, group):
+    return _apply(_SeqAllGatherReduceScatter, x, group)
+
+
+def reduce_scatter_to_sequence(x, group):
+    return _apply(_SeqReduceScatterAllGather, x, group)
+
+
+def scatter_to_sequence(x, group):
+    return _apply(_SeqSplitGather, x, group)

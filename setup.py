@@ -1,0 +1,17 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="gridtron",
+    version="0.1.0",
+    description="A Megatron-style 3D-parallel (TP x PP x DP) training engine for GPT-style models",
+    python_requires=">=3.10",
+    packages=find_packages(include=["engine", "engine.*", "models", "models.*", "parallel",
+                                    "parallel.*", "kernels", "kernels.*"]),
+    install_requires=["torch>=2.4", "numpy", "einops", "safetensors", "tokenizers", "pyyaml", "tqdm"],
+    extras_require={
+        "dev": ["pytest", "matplotlib", "transformers"],
+        "plot": ["matplotlib"],
+        "npu": ["torch_npu"],
+    },
+    entry_points={"console_scripts": ["gridtron-train=engine.train:main"]},
+)

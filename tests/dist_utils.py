@@ -1,0 +1,76 @@
+"""Run a function on N real gloo ranks on this CPU and collect what each rank returns.
+
+    results = run_distributed(check_fn, world_size=4, grid=RankGrid(tp=2, dp=2), args=(...))
+
+``check_fn(ps, *args)`` must be a module-level function (it is pickled into spawned processes);
+``results[rank]`` is its return value. An exception on any rank fails the call with that rank's
+traceback. Spawn one group per test function and do many checks inside it: startup costs seconds.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from parallel.state import LaunchEnv, ParallelState
+from parallel.topology import RankGrid
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, grid, fn, args, out_dir, timeout_s):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    ps = None
+    try:
+        ps = ParallelState.initialize(grid, torch.device("cpu"), "gloo",
+                                      LaunchEnv.from_env(), timeout_s=timeout_s)
+        result = fn(ps, *args)
+        torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        torch.save({"ok": False, "error": traceback.format_exc()},
+                   os.path.join(out_dir, f"{rank}.pt"))
+        os._exit(1)  # a failed rank ends the job; peers time out instead of hanging forever
+    if ps is not None:
+        ps.destroy()
+
+
+def run_distributed(fn, world_size: int | None = None, grid: RankGrid | None = None,
+                    args: tuple = (), timeout_s: float = 120.0) -> list:
+    grid = grid or RankGrid(dp=world_size)
+    world_size = grid.world_size
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_worker, args=(world_size, free_port(), grid, fn, args, out_dir,
+                                                timeout_s),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        failure = None
+        try:
+            while not ctx.join(timeout=timeout_s * 2):
+                pass
+        except Exception as exc:  # noqa: BLE001 - rank errors are read from their files
+            failure = exc
+        results, errors = [], []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"{rank}.pt")
+            if not os.path.exists(path):
+                results.append(None)
+                continue
+            data = torch.load(path, weights_only=False)
+            if data["ok"]:
+                results.append(data["result"])
+            else:
+                errors.append(f"--- rank {rank} ---\n{data['error']}")
+                results.append(None)
+        if errors or failure is not None:
+            raise AssertionError("distributed run failed:\n" + "\n".join(errors) + f"\n{failure or ''}")
+        return results

@@ -1,0 +1,157 @@
+"""Gradient compressors (int8, top-k with error feedback) and the per-branch policy, on gloo."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel.dp import (CommStats, CompressionPolicy, CompressorSpec, GradReducer, Int8Compressor,
+                         PolicyError, TopKCompressor, ring_bytes)
+from parallel.state import ParallelState
+from parallel.topology import RankGrid
+from tests.dist_utils import run_distributed
+from tests.test_dp_reducer import backward_step, make_model, serial_grads
+
+N = 50_000
+POLICY = {"default": "none", "warmup_steps": 1, "rules": [
+    {"pattern": "*embed*", "compressor": "none"},
+    {"pattern": "*attn*", "compressor": "int8", "chunk_size": 64},
+    {"pattern": "*mlp*", "compressor": "topk", "ratio": 0.05}]}
+
+
+def rank_input(rank: int, step: int = 0) -> torch.Tensor:
+    """Gradient-like values whose magnitude varies by orders across the buffer."""
+    g = torch.Generator().manual_seed(17 * rank + 1000 * step)
+    return torch.randn(N, generator=g) * torch.logspace(-3, 1, N)[torch.randperm(N, generator=g)]
+
+
+def gather(ps, t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(ps.dp_size)]
+    dist.all_gather(out, t.contiguous(), group=ps.dp_group)
+    return out
+
+
+def reference_bytes(p: int) -> int:
+    return ring_bytes("all_reduce", N * 4, p)
+
+
+def check_int8(ps) -> None:
+    p, c = ps.dp_size, 256
+    x = rank_input(ps.rank)
+    inputs = gather(ps, x)
+    truth = torch.stack(inputs).sum(0)
+    out, stats = x.clone(), CommStats()
+    Int8Compressor(chunk_size=c).all_reduce_(out, ps.dp_group, stats)
+    assert all(torch.equal(o, out) for o in gather(ps, out))          # replicas stay identical
+    assert stats.collectives == 2 and stats.bytes <= 0.27 * reference_bytes(p)
+    # per chunk: p phase-1 errors of max|x_r|/254 each, one phase-2 error of max|sum|/254
+    padded = math.ceil(N / (p * c)) * p * c
+    def chunk_amax(t):                                                 # (chunks,)
+        return torch.nn.functional.pad(t.abs(), (0, padded - N)).view(-1, c).amax(1)
+    e1 = sum(chunk_amax(t) for t in inputs) / 254
+    bound = e1 + (chunk_amax(truth) + e1) / 254
+    err = torch.nn.functional.pad((out - truth).abs(), (0, padded - N)).view(-1, c)
+    assert bool((err <= bound.unsqueeze(1) * (1 + 1e-5) + 1e-7).all())
+    assert err.max() > 0                                               # it really quantized
+
+
+def check_topk(ps) -> None:
+    p, steps = ps.dp_size, 5
+    comp = TopKCompressor(ratio=0.01)
+    sent, truth = torch.zeros(N), torch.zeros(N)
+    for step in range(steps):
+        x = rank_input(ps.rank, step)
+        truth += torch.stack(gather(ps, x)).sum(0)
+        out, stats = x.clone(), CommStats()
+        comp.all_reduce_(out, ps.dp_group, stats)
+        assert all(torch.equal(o, out) for o in gather(ps, out))
+        assert stats.collectives == 2 and stats.bytes <= 0.03 * reference_bytes(p)
+        assert int((out != 0).sum()) <= 0.01 * N + p
+        sent += out
+    residual = comp.residual.clone()
+    dist.all_reduce(residual, group=ps.dp_group)
+    owner = torch.cat(gather(ps, comp.owner_residual))[:N]
+    # error feedback: everything not sent yet is still held in a residual
+    torch.testing.assert_close(sent + residual + owner, truth, rtol=1e-5, atol=1e-4)
+    assert (residual + owner).abs().max() > 1.0                        # it really held values back
+    state = comp.state_dict()
+    assert set(state) == {"residual", "owner_residual"}
+
+
+def check_policy_reducer(ps) -> None:
+    model = make_model()
+    reducer = GradReducer(model, ps, bucket_size_mb=100 * 4 / 2 ** 20, compression_policy=POLICY)
+    kinds = {b.spec.kind for b in reducer.buckets}
+    assert kinds == {"none", "int8", "topk"}
+    for b in reducer.buckets:                                          # never mixes compressors
+        assert all(reducer.policy.compressor_for(s.name) == b.spec for s in b.slots)
+    for step in (1, 2, 3):
+        reducer.zero_grad()
+        backward_step(model, reducer, step, ps.dp_size, ps.dp_rank, m=1)
+        reference = serial_grads(step)
+        compressed = step > POLICY["warmup_steps"]
+        n_comp = sum(b.compressor is not None for b in reducer.buckets)
+        assert reducer.stats()["collectives"] == len(reducer.buckets) + (n_comp if compressed else 0)
+        for bucket in reducer.buckets:
+            assert all(torch.equal(o, bucket.data) for o in gather(ps, bucket.data))
+            for slot in bucket.slots:
+                got, want = slot.param.main_grad, reference[slot.name]
+                if not compressed or bucket.spec.kind == "none":
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+                elif bucket.spec.kind == "int8":
+                    assert (got - want).abs().max() <= 0.05 * want.abs().max() + 1e-7
+    assert reducer.state_dict()["residuals"]
+
+
+def all_checks(ps: ParallelState) -> bool:
+    check_int8(ps)
+    check_topk(ps)
+    check_policy_reducer(ps)
+    return True
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_compressors_on_gloo(dp):
+    assert all(run_distributed(all_checks, grid=RankGrid(dp=dp)))
+
+
+def test_policy_mapping_first_match_and_warmup():
+    policy = CompressionPolicy.from_dict(POLICY)
+    assert policy.compressor_for("embed.weight").kind == "none"
+    assert policy.compressor_for("layers.0.attn.qkv.weight") == CompressorSpec("int8", chunk_size=64)
+    assert policy.compressor_for("layers.0.mlp.fc1.weight") == CompressorSpec("topk", ratio=0.05)
+    assert policy.compressor_for("final_norm.weight").kind == "none"
+    first = CompressionPolicy.from_dict({"rules": [{"pattern": "*mlp*", "compressor": "int8"},
+                                                   {"pattern": "*fc1*", "compressor": "topk"}]})
+    assert first.compressor_for("mlp.fc1.weight").kind == "int8"
+    assert not policy.active(1) and policy.active(2)
+    assert CompressionPolicy.from_dict({"default": {"compressor": "topk", "ratio": 0.1}}) \
+        .compressor_for("x").build().ratio == 0.1
+    assert CompressionPolicy.uniform("topk", 0.02).compressor_for("x") == CompressorSpec("topk", 0.02)
+    assert CompressionPolicy.uniform("none").compressor_for("x").build() is None
+
+
+@pytest.mark.parametrize("policy, key", [
+    ({"rules": [{"pattern": "*", "compressor": "int4"}]}, "rules[0].compressor"),
+    ({"rules": [{"pattern": "*", "compressor": "topk", "ratio": 0.0}]}, "rules[0].ratio"),
+    ({"rules": [{"pattern": "*", "compressor": "topk", "ratio": 1.5}]}, "rules[0].ratio"),
+    ({"rules": [{"pattern": 3, "compressor": "int8"}]}, "rules[0].pattern"),
+    ({"rules": [{"pattern": "*", "compressor": "int8", "ratio": 0.1}]}, "rules[0].ratio"),
+    ({"rules": [{"pattern": "*"}]}, "rules[0].compressor"),
+    ({"warmup_steps": -1}, "warmup_steps"),
+    ({"default": "zip"}, "default.compressor"),
+    ({"warmup": 3}, "warmup"),
+])
+def test_invalid_policies_name_the_key(policy, key):
+    with pytest.raises(PolicyError) as info:
+        CompressionPolicy.from_dict(policy)
+    assert str(info.value).startswith(key + ":"), str(info.value)
+
+
+def test_byte_model():
+    assert ring_bytes("all_reduce", 400, 4) == 600
+    assert ring_bytes("reduce_scatter", 400, 4) == ring_bytes("all_to_all", 400, 4) == 300
+    assert ring_bytes("all_gather", 100, 4) == 300
+    assert ring_bytes("all_reduce", 400, 1) == 0
