@@ -2,8 +2,8 @@
 
 One row per pipeline rank (stage 0 on top), a block per forward (blue) and backward (green) with its
 micro-batch number, lighter shades for later model chunks of an interleaved schedule, and the idle
-time (the bubble) hatched in grey. Input is a ``bubble.SimResult`` (a simulated schedule) or executor
-events (``TimelineEvent``s or dicts, one list per rank or flat with ``rank``)::
+time (the bubble) hatched in grey. Input is a ``bubble.SimResult`` (a simulated schedule) or
+executor events (``TimelineEvent``s or dicts, one list per rank or flat with ``rank``)::
 
     python -m benchmarks.gantt --schedule interleaved --pp 4 --m 8 --vp 2 --out gantt.png
 """
@@ -69,7 +69,8 @@ def draw_gantt(source, path: str, title: str = "", show_numbers: bool = True) ->
     ax.invert_yaxis()
     ax.set_xlim(0, makespan if makespan > 0 else 1)
     ax.set_xlabel("time")
-    ax.legend(handles=[Patch(color=_FWD[0], label="forward"), Patch(color=_BWD[0], label="backward"),
+    ax.legend(handles=[Patch(color=_FWD[0], label="forward"),
+                       Patch(color=_BWD[0], label="backward"),
                        Patch(facecolor="#eeeeee", hatch="///", edgecolor="#bbbbbb", label="idle")],
               loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 4 else -0.18),
               ncol=3, frameon=False, fontsize=8)

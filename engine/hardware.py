@@ -36,7 +36,8 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         if self.peak_tflops is not None and self.peak_tflops <= 0:
-            raise ValueError(f"DeviceSpec {self.name}: peak_tflops must be > 0 or None, got {self.peak_tflops}")
+            raise ValueError(f"DeviceSpec {self.name}: peak_tflops must be > 0 or None, "
+                             f"got {self.peak_tflops}")
         if self.memory_gb is not None and self.memory_gb <= 0:
             raise ValueError(f"DeviceSpec {self.name}: memory_gb must be > 0 or None, got {self.memory_gb}")
         if self.intra_node_gbps <= 0 or self.inter_node_gbps <= 0:

@@ -15,10 +15,12 @@ Order within one step (``unscale_and_check`` does the middle part)::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 @dataclass
 class DynamicLossScaler:
+    constant: ClassVar[bool] = False
     init_scale: float = 1024.0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -73,6 +75,7 @@ class DynamicLossScaler:
 
 @dataclass
 class ConstantScaler:
+    constant: ClassVar[bool] = True
     scale: float = 1.0
 
     def __post_init__(self) -> None:
@@ -114,5 +117,5 @@ def unscale_and_check(optimizer, scaler, clip_grad: float = 0.0, reducer=None) -
     if skipped:
         return StepCheck(True, None, scale)
     if scale != 1.0:
-        optimizer.unscale_(scale)
+        optimizer.unscale_(1.0 / scale)
     return StepCheck(False, optimizer.clip_grad_norm(clip_grad), scale)

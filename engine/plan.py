@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import yaml
 
 from engine.hardware import DEVICE_SPECS, get_device_spec
-from engine.plan_model import Cluster, Layout, ModelShape, check_layout
+from engine.plan_model import GIB, MEMORY_USABLE_FRACTION, Cluster, Layout, ModelShape, check_layout
 from engine.plan_time import Estimate, estimate
 
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
@@ -85,9 +85,8 @@ def measured_tflops(metrics_path: str) -> float:
     """Median tflops_per_device of a metrics JSONL, without the warm-up step and skipped steps."""
     with open(metrics_path) as fh:
         records = [json.loads(line) for line in fh if line.strip()]
-    records = [r for r in records if not r.get("skipped") and r.get("tflops_per_device")]
-    if len(records) > 1:
-        records = records[1:]
+    timed = [r for r in records[1:] or records if not r.get("skipped") and r.get("tflops_per_device")]
+    records = timed or [r for r in records if r.get("tflops_per_device")]
     if not records:
         raise ValueError(f"--calibrate {metrics_path}: no step with tflops_per_device")
     return statistics.median(r["tflops_per_device"] for r in records)
@@ -152,7 +151,8 @@ def _choice(value: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
 
 
 def _on_off(value: str, flag: str) -> tuple[bool, ...]:
-    return {"on": (True,), "off": (False,), "both": (False, True)}[_choice(value, ("on", "off", "both"), flag)[0]]
+    picked = _choice(value, ("on", "off", "both"), flag)[0]
+    return {"on": (True,), "off": (False,), "both": (False, True)}[picked]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--" + key.replace("_", "-"), dest=key, type=str if key == "block" else int)
     p.add_argument("--attention", default="unfused", choices=("unfused", "fused"),
                    help="fused: flash-style kernels (gridtron's), no s x s scores kept or streamed")
-    p.add_argument("--device", default="a100-80gb", help=f"one of {', '.join(DEVICE_SPECS)} or a raw device name")
+    p.add_argument("--device", default="a100-80gb",
+                   help=f"one of {', '.join(DEVICE_SPECS)} or a raw device name")
     p.add_argument("--devices", type=int, required=True, help="total devices")
     p.add_argument("--devices-per-node", type=int)
     p.add_argument("--intra-node-gbps", type=float, help="link rate inside a node, GB/s per direction")
@@ -238,12 +239,22 @@ def _explain_empty(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> s
                                                   space.micro_batch_size or 1))
         if why:
             return f"layout rejected: {why}"
+        least = min((estimate(shape, cluster, lay).memory_bytes_per_device
+                     for lay in candidate_layouts(shape, cluster, space)), default=None)
+        if least is not None:
+            usable = cluster.memory_gb * MEMORY_USABLE_FRACTION
+            return (f"layout needs at least {least / GIB:.1f} GiB per device, {usable:.1f} GiB usable; "
+                    f"try --recompute full, --zero on or a larger pp")
     return "no layout fits in device memory; add devices, allow --recompute full or --zero on"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    shape, cluster, space = shape_from_args(args), cluster_from_args(args), space_from_args(args)
+    try:
+        shape, cluster, space = shape_from_args(args), cluster_from_args(args), space_from_args(args)
+    except (ValueError, KeyError, OSError) as exc:
+        print(f"engine.plan: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
     if args.calibrate:
         if not (space.tp and space.pp and space.micro_batch_size and len(space.recompute) == 1
                 and len(space.zero) == 1 and (space.tp == 1 or len(space.sequence_parallel) == 1)):
@@ -266,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(row))
         else:
-            print(f"tp={row['tp']} pp={row['pp']} dp={row['dp']} vp={row['vp']} mbs={row['micro_batch_size']} "
+            print(f"tp={row['tp']} pp={row['pp']} dp={row['dp']} vp={row['vp']} "
+                  f"mbs={row['micro_batch_size']} "
                   f"recompute={row['recompute']} zero={'on' if row['zero'] else 'off'} "
                   f"sp={'on' if row['sequence_parallel'] else 'off'}  "
                   f"mem {row['memory_bytes_per_device'] / 2**30:.1f} GiB  step {row['step_time_s']:.3f} s  "

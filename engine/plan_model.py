@@ -59,7 +59,8 @@ class ModelShape:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
                     "global_batch_size"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-                raise ValueError(f"--{key.replace('_', '-')} must be a positive integer, got {getattr(self, key)!r}")
+                raise ValueError(f"--{key.replace('_', '-')} must be a positive integer, "
+                                 f"got {getattr(self, key)!r}")
         if self.block not in BLOCKS:
             raise ValueError(f"--block must be one of {BLOCKS} for planning, got {self.block!r}")
         if self.hidden_size % self.num_attention_heads:
@@ -104,7 +105,8 @@ class Cluster:
         peak = peak_tflops if peak_tflops is not None else spec.peak_tflops
         mem = memory_gb if memory_gb is not None else spec.memory_gb
         if peak is None or mem is None:
-            raise ValueError(f"device {spec.name} has no table peak or memory: give --peak-tflops and --memory-gb")
+            raise ValueError(f"device {spec.name} has no table peak or memory: "
+                             f"give --peak-tflops and --memory-gb")
         intra = intra_node_gbps if intra_node_gbps is not None else spec.intra_node_gbps
         inter = inter_node_gbps if inter_node_gbps is not None else spec.inter_node_gbps
         return cls(spec, num_devices, devices_per_node or spec.devices_per_node,
@@ -159,7 +161,8 @@ def check_layout(shape: ModelShape, cluster: Cluster, layout: Layout) -> str | N
         return (f"global batch {shape.global_batch_size} not divisible by "
                 f"micro-batch*dp = {layout.micro_batch_size * d}")
     if v > 1 and num_micro_batches(shape, layout) % p:
-        return f"interleaved schedule: micro-batches {num_micro_batches(shape, layout)} not a multiple of pp {p}"
+        return (f"interleaved schedule: micro-batches {num_micro_batches(shape, layout)} "
+                f"not a multiple of pp {p}")
     replica = t * p
     if cluster.multi_node and p > 1 and not cluster.relaxed_placement and t != dpn:
         return (f"PP across nodes: with DP outermost, pipeline neighbours share a node unless tp == "

@@ -116,7 +116,8 @@ class Estimate:
     step_time_s: float
     tflops_per_device: float
     mfu: float | None
-    parts: dict  # seconds per step: compute, bubble, imbalance, dp_exposed, zero_allgather, optimizer, tp_comm
+    parts: dict  # seconds per step: compute (incl. tp_comm), bubble, imbalance, dp_exposed,
+    #               zero_allgather, optimizer
 
     def as_row(self) -> dict:
         lay = self.layout
@@ -150,7 +151,8 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
     bw = group_busbw(cluster, layout.tp * p, d)
     reduce_s = (gather_or_scatter_s if layout.zero else allreduce_s)(grads, d, bw)
     window = layers * cost.bwd_s
-    dp_exposed = max(reduce_s - window, reduce_s * min(1.0, cluster.grad_bucket_bytes / grads)) if d > 1 else 0.0
+    last_bucket = reduce_s * min(1.0, cluster.grad_bucket_bytes / grads)
+    dp_exposed = max(reduce_s - window, last_bucket) if d > 1 else 0.0
     allgather = gather_or_scatter_s(first_params * ACT_BYTES, d, bw) if layout.zero else 0.0
     hbm = (cluster.device.hbm_gbps or 0) * 1e9 * HBM_EFFICIENCY
     opt_params = max(first_params, last_params) / (d if layout.zero else 1)

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from parallel.grad_norm import clip_grads, found_inf
+from engine.loss_scaler import unscale_and_check
 from parallel.pipeline.executor import run_schedule, sum_embedding_grads
+from parallel.pipeline.schedules import Action, Kind
 from parallel.state import ParallelState
 from parallel.tensor_parallel.mappings import group_size
 
@@ -51,14 +52,17 @@ def _grad(p):
     return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
 
 
-def mean_loss_over_grid(local_sum: float, ps: ParallelState, device) -> float:
-    """The global-batch loss: summed on last-stage ranks of tp rank 0, averaged over DP, on all ranks."""
+def mean_loss_over_grid(local_sum: float, ps: ParallelState, device,
+                        per_rank: tuple[float, ...] = ()) -> tuple[float, list[float]]:
+    """One all-reduce over the world: the global-batch loss (held by last-stage ranks of tp rank 0,
+    averaged over DP) and the world mean of any per-rank values (e.g. the idle fraction)."""
     if ps.world_size == 1:
-        return local_sum
+        return local_sum, list(per_rank)
     owner = ps.is_last_stage and ps.tp_rank == 0
-    t = torch.tensor([local_sum if owner else 0.0], dtype=torch.float64, device=device)
+    t = torch.tensor([local_sum if owner else 0.0, *per_rank], dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return t.item() / ps.dp_size
+    values = t.tolist()
+    return values[0] / ps.dp_size, [v / ps.world_size for v in values[1:]]
 
 
 class Stepper:
@@ -66,25 +70,25 @@ class Stepper:
 
     def __init__(self, ps: ParallelState, chunks, reducer, optimizer, scaler, clip_grad: float,
                  schedule_actions=None, act_shape=None, act_dtype=torch.float32,
-                 timeout_s: float = 300.0, recorder=None):
+                 timeout_s: float = 300.0):
         self.ps, self.chunks, self.reducer = ps, chunks, reducer
         self.optimizer, self.scaler, self.clip_grad = optimizer, scaler, clip_grad
         self.actions, self.act_shape, self.act_dtype = schedule_actions, act_shape, act_dtype
-        self.timeout_s, self.recorder = timeout_s, recorder
+        self.timeout_s = timeout_s
         self.params = [p for c in chunks for p in c.parameters()]
         self.shared = [p for c in chunks for p in c.shared_embedding_params()]
         self.dynamic_scale = not getattr(scaler, "constant", False)
 
     def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
         m = len(batches)
+        self.reducer.set_num_microbatches(m)  # a parameter's m-th accumulation launches its bucket
         if self.ps.pp_size == 1:
-            model, total = self.chunks[0], 0.0
-            for i, (tokens, labels) in enumerate(batches):
-                self.reducer.set_last_microbatch(i == m - 1)
+            model, losses = self.chunks[0], []
+            for tokens, labels in batches:
                 loss = model(tokens, labels).mean() / m
                 (loss * scale).backward()
-                total += loss.item()
-            return total, None
+                losses.append(loss.detach())
+            return torch.stack(losses).sum().item(), None
 
         def forward_step(chunk_idx, micro_idx, x):
             tokens, labels = batches[micro_idx]
@@ -92,30 +96,59 @@ class Stepper:
             out = chunk(tokens if x is None else x, labels if chunk.post_process else None)
             return out.mean() / m * scale if chunk.post_process else out
 
-        def before_backward(chunk_idx, micro_idx, is_last):
-            self.reducer.set_last_microbatch(is_last)
-
         result = run_schedule(self.ps, self.actions, list(self.chunks), forward_step, m,
-                              self.act_shape, self.act_dtype, self.timeout_s,
-                              recorder=self.recorder, before_backward=before_backward)
+                              self.act_shape, self.act_dtype, self.timeout_s)
         return sum(result.losses) / scale, result
 
     def run(self, batches, lr: float) -> StepOutput:
         t0 = time.perf_counter()
-        self.reducer.zero_grad()
+        self.optimizer.zero_grad()
         scale = float(self.scaler.scale)
         local_loss, pipe = self._forward_backward(batches, scale)
         self.reducer.finish()
         sync_sequence_parallel_grads(self.params, self.ps)
         sum_embedding_grads(self.ps, self.shared)
-        overflow = found_inf(self.params, self.ps) if self.dynamic_scale else False
-        skipped = self.scaler.update(overflow)
-        grad_norm = None
-        if not skipped:
-            if scale != 1.0:
-                self.optimizer.unscale_(1.0 / scale)
-            grad_norm = clip_grads(self.params, self.clip_grad, self.ps) if self.clip_grad > 0 else None
+        check = unscale_and_check(self.optimizer, self.scaler, self.clip_grad, self.reducer)
+        if not check.skipped:
             self.optimizer.step(lr)
-        loss = mean_loss_over_grid(local_loss, self.ps, batches[0][0].device)
-        return StepOutput(loss, grad_norm, bool(skipped), scale, self.reducer.stats(), pipe,
-                          time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        idle = ()
+        if pipe is not None:  # this rank's idle fraction: not computing a forward or backward
+            busy = sum(e.end - e.start for e in pipe.events if e.cat in ("forward", "backward"))
+            idle = (max(0.0, 1.0 - busy / wall),)
+        loss, idle_mean = mean_loss_over_grid(local_loss, self.ps, batches[0][0].device, idle)
+        out = StepOutput(loss, check.grad_norm, check.skipped, scale, self.reducer.stats(), pipe,
+                         wall)
+        out.extra["bubble_measured"] = idle_mean[0] if idle_mean else None
+        return out
+
+    @torch.no_grad()
+    def forward_only(self, batches) -> float:
+        """Mean loss of these micro-batches over the grid, without gradients (validation)."""
+        m = len(batches)
+        if self.ps.pp_size == 1:
+            local = sum(self.chunks[0](t, l).mean().item() for t, l in batches) / m
+            return mean_loss_over_grid(local, self.ps, batches[0][0].device)[0]
+        vp = len(self.chunks)
+        actions = [[] for _ in range(self.ps.pp_size)]
+        for rank in range(self.ps.pp_size):
+            for mb in range(m):
+                for c in range(vp):
+                    first = rank == 0 and c == 0
+                    last = rank == self.ps.pp_size - 1 and c == vp - 1
+                    if not first:
+                        actions[rank].append(Action(Kind.RECV_F, mb, c))
+                    actions[rank].append(Action(Kind.F, mb, c))
+                    if not last:
+                        actions[rank].append(Action(Kind.SEND_F, mb, c))
+
+        def forward_step(chunk_idx, micro_idx, x):
+            tokens, labels = batches[micro_idx]
+            chunk = self.chunks[chunk_idx]
+            out = chunk(tokens if x is None else x, labels if chunk.post_process else None)
+            return out.mean() / m if chunk.post_process else out
+
+        result = run_schedule(self.ps, actions, list(self.chunks), forward_step, m,
+                              self.act_shape, self.act_dtype, self.timeout_s,
+                              deallocate_outputs=False, forward_only=True)
+        return mean_loss_over_grid(sum(result.losses), self.ps, batches[0][0].device)[0]

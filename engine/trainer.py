@@ -27,13 +27,16 @@ from engine.step import Stepper
 from engine.validate import validate_run
 from models import GPTConfig, LayerContext, build_chunks
 from models.registry import BlockRegistry
-from parallel.dp import GradReducer, build_optimizer
-from parallel.pipeline.bubble import measured_bubble, theoretical_bubble
+from parallel.dp import DistributedOptimizer, GradReducer, MixedPrecisionOptimizer
+from parallel.pipeline.bubble import theoretical_bubble
+from parallel.pipeline.timeline import TimelineEvent, gather_events, write_chrome_trace
 from parallel.pipeline.partition import stage_layers
-from parallel.pipeline.schedules import build_schedule
+from parallel.pipeline.p2p import init_p2p
+from parallel.pipeline.schedules import build_schedule, validate_schedule
 from parallel.state import LaunchEnv, ParallelState
 from parallel.tensor_parallel import Initializer
 
+TIMELINE_STEPS = 3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -113,24 +116,30 @@ class Trainer:
         self.scaler = (DynamicLossScaler(p.initial_loss_scale, 2.0, 0.5, p.loss_scale_window,
                                          p.hysteresis, p.min_loss_scale)
                        if p.precision == "fp16" else ConstantScaler(1.0))
-        params = [q for c in self.chunks for q in c.parameters()]
-        named = [(n, q) for c in self.chunks for n, q in c.named_parameters()]
-        self.reducer = GradReducer(params, ps, bucket_size_mb=cfg.parallel.bucket_size_mb,
-                                   named_params=named, compression=cfg.compression)
-        self.optimizer = build_optimizer(params, self.reducer, ps, cfg.optim,
-                                         distributed=cfg.parallel.use_distributed_optimizer)
+        named = [(n, q) for c in self.chunks for n, q in c.logical_named_parameters()]
+        self.reducer = GradReducer(named, ps, bucket_size_mb=cfg.parallel.bucket_size_mb,
+                                   compression_policy=cfg.compression)
+        o = cfg.optim
+        groups = [{"params": [q for n, q in named if q.ndim >= 2 and "position" not in n],
+                   "weight_decay": o.weight_decay},
+                  {"params": [q for n, q in named if q.ndim < 2 or "position" in n],
+                   "weight_decay": 0.0}]  # no decay on biases, norms and position tables
+        opt_cls = DistributedOptimizer if cfg.parallel.use_distributed_optimizer else MixedPrecisionOptimizer
+        self.optimizer = opt_cls(groups, self.reducer, ps, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                                 eps=o.adam_eps, weight_decay=o.weight_decay)
         actions = act_shape = None
-        self.recorder = None
+        self.timeline: list = []  # events of the last few steps, for --timeline
         if ps.pp_size > 1:
             vp = cfg.parallel.virtual_pipeline_size
             actions = build_schedule(cfg.parallel.pipeline_schedule, ps.pp_size, self.num_micro, vp)[ps.pp_rank]
             s = cfg.model.seq_length // (ps.tp_size if cfg.parallel.sequence_parallel else 1)
             act_shape = (cfg.data.micro_batch_size, s, cfg.model.hidden_size)
-            from parallel.pipeline.timeline import EventRecorder
-            self.recorder = EventRecorder(ps.rank)
+            validate_schedule(build_schedule(cfg.parallel.pipeline_schedule, ps.pp_size,
+                                             self.num_micro, vp))
+            init_p2p(ps)
         self.stepper = Stepper(ps, self.chunks, self.reducer, self.optimizer, self.scaler,
                                cfg.optim.clip_grad, actions, act_shape, self.dtype,
-                               cfg.parallel.timeout_s, self.recorder)
+                               cfg.parallel.timeout_s)
         m = cfg.model
         self.flops_per_step = model_flops_per_step(
             cfg.data.global_batch_size, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
@@ -193,16 +202,17 @@ class Trainer:
             if cfg.log.plot:
                 extra["plot"] = plot_metrics(result.records, cfg.log.plot, result.valid)
             result.summary = summary_table(result.records, extra)
-        if cfg.log.timeline and self.recorder is not None:
-            from parallel.pipeline.timeline import write_chrome_trace
-            write_chrome_trace(ps, self.recorder, cfg.log.timeline)
+        if cfg.log.timeline:
+            gathered = gather_events(ps, self.timeline_events)
+            if self.is_main:
+                labels = {r: f"rank {r} (tp {c.tp}, pp {c.pp}, dp {c.dp})"
+                          for r in range(ps.world_size) for c in [self.grid.coord(r)]}
+                write_chrome_trace(cfg.log.timeline, gathered, labels)
         return result
 
     def train_one(self, step: int) -> dict:
         cfg, ps = self.cfg, self.ps
         self.dev.reset_peak_memory()
-        if self.recorder is not None:
-            self.recorder.clear()
         self.dev.synchronize()
         t0 = time.perf_counter()
         batches = self._batches(step)
@@ -217,16 +227,32 @@ class Trainer:
                                    f"{last or 'none saved'}")
         tokens = cfg.data.global_batch_size * cfg.model.seq_length
         tflops = self.flops_per_step / dt / ps.world_size / 1e12
-        bubble = None
-        if out.pipeline is not None:
-            bubble = measured_bubble(out.pipeline.events, dt)
+        if cfg.log.timeline:
+            self._record_timeline(step, t0, dt, out)
         return {"step": step + 1, "loss": out.loss, "lr": lr, "grad_norm": out.grad_norm,
                 "loss_scale": out.loss_scale, "skipped": out.skipped, "tokens": tokens,
                 "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops_per_device": tflops,
                 "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
-                "bubble_theoretical": self.bubble_theory, "bubble_measured": bubble,
+                "bubble_theoretical": self.bubble_theory,
+                "bubble_measured": out.extra.get("bubble_measured"),
                 "dp_comm_bytes": int(out.dp_comm.get("bytes", 0)),
                 "peak_memory_bytes": self.dev.peak_memory_bytes()}
+
+    def _record_timeline(self, step: int, t0: float, dt: float, out) -> None:
+        """Keep the events of the last TIMELINE_STEPS steps: the executor's forward, backward and
+        transfer spans, plus one span for the optimizer part of the step."""
+        events = list(out.pipeline.events) if out.pipeline is not None else []
+        offset = time.time() - time.perf_counter()
+        end = t0 + dt + offset
+        opt_start = max(e.end for e in events) if events else t0 + offset
+        events.append(TimelineEvent(self.ps.rank, f"optimizer (step {step + 1})", "optimizer",
+                                    opt_start, end))
+        self.timeline.append(events)
+        del self.timeline[:-TIMELINE_STEPS]
+
+    @property
+    def timeline_events(self) -> list:
+        return [e for step in self.timeline for e in step]
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -36,6 +36,11 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv,
                           f"--sequence-parallel needs; change one of them")
     if par.sequence_parallel and tp == 1:
         notes.append("--sequence-parallel has no effect with --tp 1")
+    stages = grid.pp * par.virtual_pipeline_size
+    if m.num_layers % stages:
+        raise ConfigError(f"--num-layers {m.num_layers} is not divisible by pp x virtual stages = "
+                          f"{grid.pp} x {par.virtual_pipeline_size}; choose a layer count that is a "
+                          f"multiple of {stages}")
     try:
         partition_layers(m.num_layers, grid.pp, par.virtual_pipeline_size)
     except ValueError as exc:

@@ -51,6 +51,8 @@ class GPTChunk(nn.Module):
                 name = "embedding.word" if self.tied else "output"
                 self.output_weight = vocab_parallel_weight(cfg.vocab_size, h, ps, name, ctx.init)
                 self.output_weight.shared_embedding = self.tied  # (V_pad/tp, h)
+        for p in self.shared_embedding_params():
+            p.tied_across_stages = True
 
     def output_matrix(self) -> torch.Tensor:
         return self.embed.weight if (self.tied and self.pre_process) else self.output_weight
@@ -62,6 +64,22 @@ class GPTChunk(nn.Module):
         if self.pre_process:
             return [self.embed.weight]
         return [self.output_weight] if self.post_process else []
+
+    def logical_named_parameters(self):
+        """(name, param) with layout-independent names: global layer indices, and the tied output
+        copy named after the word embedding it duplicates."""
+        first = self.layer_range.start
+        for name, p in self.named_parameters():
+            if name.startswith("layers."):
+                local, _, rest = name[len("layers."):].partition(".")
+                name = f"layers.{first + int(local)}.{rest}"
+            elif name == "embed.weight":
+                name = "embedding.word.weight"
+            elif name == "pos":
+                name = "embedding.position"
+            elif name == "output_weight":
+                name = "embedding.word.weight" if self.tied else "output.weight"
+            yield name, p
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:  # (b, s) -> (b, s[/tp], h)
         x = self.embed(tokens)

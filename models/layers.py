@@ -117,5 +117,6 @@ class ParallelMLP(nn.Module):
         if self.kind == "gelu":
             y = F.gelu(self.fc1(x), approximate="tanh")  # (b, s, f/tp)
         else:
-            y = kernels.swiglu(self.gate(x), self.up(x))
+            x = self.gate.enter(x)  # (b, s, h): one collective serves both projections
+            y = kernels.swiglu(self.gate(x, entered=True), self.up(x, entered=True))
         return self.fc2(y)

@@ -9,8 +9,10 @@ The norm is that of the serial model's gradient, so each logical value must be c
   identical across DP, so DP is not summed, except under ZeRO-1 where each DP rank holds only a
   shard of the gradient (``over_dp=True``).
 
-Functions take either parameters (their ``main_grad`` when present, else ``grad``) or explicit
-``(grad_tensor, param)`` pairs, the form the ZeRO optimizer uses for its gradient shards.
+Functions take parameters or explicit ``(grad_tensor, param)`` pairs. A parameter contributes its
+``main_grad_shard`` when the ZeRO optimizer set one (then ``over_dp`` defaults to True), else its
+``main_grad`` (the reducer's buffer), else its ``grad``; so a trainer can pass the model parameters
+whichever optimizer it uses.
 """
 from __future__ import annotations
 
@@ -22,21 +24,32 @@ import torch.distributed as dist
 from parallel.state import ParallelState
 
 
+def _items(params) -> list:
+    """Parameters, (name, param) pairs -> params; (grad, param) pairs are kept as they are."""
+    return [item[1] if isinstance(item, tuple) and isinstance(item[0], str) else item for item in params]
+
+
 def grad_pieces(params) -> list[tuple[torch.Tensor, torch.nn.Parameter]]:
-    """(gradient tensor, owning parameter) pairs from parameters, (name, param) pairs or pairs
-    already in that form; parameters without a gradient are left out."""
+    """(gradient tensor, owning parameter) pairs; parameters without a gradient are left out."""
     pieces = []
-    for item in params:
-        if isinstance(item, tuple) and isinstance(item[0], str):     # (name, param)
-            item = item[1]
-        elif isinstance(item, tuple):                                 # (grad, param)
+    for item in _items(params):
+        if isinstance(item, tuple):
             pieces.append(item)
+            continue
+        if hasattr(item, "main_grad_shard"):          # ZeRO-1: this rank's averaged shard
+            if item.main_grad_shard.numel():
+                pieces.append((item.main_grad_shard, item))
             continue
         grad = getattr(item, "main_grad", None)
         grad = item.grad if grad is None else grad
         if grad is not None:
             pieces.append((grad, item))
     return pieces
+
+
+def is_sharded(params) -> bool:
+    """Whether these parameters' gradients are ZeRO-1 shards (to be summed over DP)."""
+    return any(not isinstance(item, tuple) and hasattr(item, "main_grad_shard") for item in _items(params))
 
 
 def _counted(param, ps: ParallelState) -> bool:
@@ -50,8 +63,10 @@ def _all_reduce(t: torch.Tensor, group, size: int, op=dist.ReduceOp.SUM) -> None
         dist.all_reduce(t, op=op, group=group)
 
 
-def global_grad_norm(params, ps: ParallelState, over_dp: bool = False) -> float:
+def global_grad_norm(params, ps: ParallelState, over_dp: bool | None = None) -> float:
     """L2 norm of the full model's gradient; identical on every rank of the grid."""
+    params = list(params)
+    over_dp = is_sharded(params) if over_dp is None else over_dp
     pieces = grad_pieces(params)
     device = pieces[0][0].device if pieces else ps.device
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -64,12 +79,14 @@ def global_grad_norm(params, ps: ParallelState, over_dp: bool = False) -> float:
     return math.sqrt(total.item())
 
 
-def clip_grads(params, max_norm: float, ps: ParallelState, over_dp: bool = False) -> float:
+def clip_grads(params, max_norm: float, ps: ParallelState, over_dp: bool | None = None) -> float:
     """Scale gradients in place so the global norm is at most ``max_norm``; return the norm before.
 
     Like torch.nn.utils.clip_grad_norm_ (coefficient max_norm / (norm + 1e-6)), applied only when
     it is below 1 and to every gradient, counted in the norm or not. ``max_norm <= 0`` only measures.
     """
+    params = list(params)
+    over_dp = is_sharded(params) if over_dp is None else over_dp
     pieces = grad_pieces(params)
     norm = global_grad_norm(pieces, ps, over_dp)
     if max_norm > 0 and math.isfinite(norm):
@@ -91,5 +108,5 @@ def found_inf(params, ps: ParallelState) -> bool:
     for grad, _ in pieces:                      # no host sync until the very end
         flag = torch.maximum(flag, (~torch.isfinite(grad)).any().float())
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        pass
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item() > 0)

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.dp import (CommStats, CompressionPolicy, CompressorSpec, GradReducer, Int8Compressor,
-                         PolicyError, TopKCompressor, ring_bytes)
+from parallel.dp import (CommStats, CompressionPolicy, CompressorSpec, DistributedOptimizer, GradReducer,
+                         Int8Compressor, PolicyError, TopKCompressor, ring_bytes)
 from parallel.state import ParallelState
 from parallel.topology import RankGrid
 from tests.dist_utils import run_distributed
@@ -105,10 +106,31 @@ def check_policy_reducer(ps) -> None:
     assert reducer.state_dict()["residuals"]
 
 
+def check_policy_with_zero(ps) -> None:
+    """Under ZeRO-1 a compressed bucket still yields this rank's shard of the same exchange."""
+    size = 100 * 4 / 2 ** 20
+    plain_model, zero_model = make_model(), make_model()
+    plain = GradReducer(plain_model, ps, bucket_size_mb=size, compression_policy=POLICY)
+    zero = GradReducer(zero_model, ps, bucket_size_mb=size, compression_policy=POLICY)
+    opt = DistributedOptimizer(zero_model, zero, ps)
+    for step in (1, 2, 3):
+        for model, reducer in ((plain_model, plain), (zero_model, zero)):
+            reducer.zero_grad()
+            backward_step(model, reducer, step, ps.dp_size, ps.dp_rank, m=1)
+        for piece in opt.pieces:
+            got = piece.param.main_grad_shard
+            want = dict(plain_model.named_parameters())[piece.name].main_grad.reshape(-1)[piece.start:piece.end]
+            if step > 1 and zero.buckets[piece.bucket].compressor is not None:
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
+
+
 def all_checks(ps: ParallelState) -> bool:
     check_int8(ps)
     check_topk(ps)
     check_policy_reducer(ps)
+    check_policy_with_zero(ps)
     return True
 
 
@@ -131,6 +153,10 @@ def test_policy_mapping_first_match_and_warmup():
         .compressor_for("x").build().ratio == 0.1
     assert CompressionPolicy.uniform("topk", 0.02).compressor_for("x") == CompressorSpec("topk", 0.02)
     assert CompressionPolicy.uniform("none").compressor_for("x").build() is None
+    flags = SimpleNamespace(grad_compression="int8", grad_compression_ratio=0.01, grad_compression_policy=None)
+    assert CompressionPolicy.coerce(flags).compressor_for("x").kind == "int8"
+    flags.grad_compression_policy = POLICY
+    assert CompressionPolicy.coerce(flags) == policy
 
 
 @pytest.mark.parametrize("policy, key", [

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.dp import DistributedOptimizer, GradReducer, MixedPrecisionOptimizer, ring_bytes
+from parallel.grad_norm import global_grad_norm
 from parallel.state import ParallelState
 from parallel.topology import RankGrid
 from tests.dist_utils import run_distributed
@@ -101,7 +102,8 @@ def check_reducer(ps: ParallelState) -> None:
 
 
 def check_overlap_launch(ps: ParallelState) -> None:
-    """With overlap every bucket is launched before backward returns."""
+    """With overlap every bucket is launched before backward returns; an unused parameter is
+    reduced by finish()."""
     model = make_model()
     reducer = GradReducer(model, ps, bucket_size_mb=200 * 4 / 2 ** 20)
     tokens, targets = batch(1)
@@ -109,6 +111,17 @@ def check_overlap_launch(ps: ParallelState) -> None:
     model(tokens, targets).backward()
     assert reducer.num_launched == len(reducer.buckets)
     reducer.finish()
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        model(tokens, targets).backward()
+
+    model = make_model()
+    model.spare = nn.Parameter(torch.ones(5))
+    reducer = GradReducer(model, ps, bucket_size_mb=200 * 4 / 2 ** 20)
+    backward_step(model, reducer, 1, ps.dp_size, ps.dp_rank, m=1)
+    reference = serial_grads(1)
+    assert reducer.stats()["collectives"] == len(reducer.buckets)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.main_grad, reference.get(name, torch.zeros(5)), rtol=1e-5, atol=1e-7)
 
 
 def train(ps, sharded: bool, steps: int, dtype=torch.float32):
@@ -163,6 +176,9 @@ def check_zero(ps: ParallelState) -> None:
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=f"ZeRO vs AdamW differ at {name}")
         torch.testing.assert_close(a, s, rtol=0, atol=1e-5, msg=f"DP vs serial differ at {name}")
     assert zero_norms == pytest.approx(plain_norms, rel=1e-6)
+    # model parameters carry their ZeRO shard, so a model-wide norm needs no optimizer at hand
+    assert global_grad_norm(list(zero.parameters()), ps) == \
+        pytest.approx(global_grad_norm(list(plain.parameters()), ps), rel=1e-6)
     assert plain_norms == pytest.approx(serial_norms, rel=1e-5)
     stats = zero_red.stats()
     assert stats["collectives"] == len(zero_red.buckets)

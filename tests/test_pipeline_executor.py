@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from parallel.pipeline.bubble import measured_bubble
 from parallel.pipeline.executor import _backward, _free_output, run_schedule, sum_embedding_grads
-from parallel.pipeline.p2p import PipelineCommError
+from parallel.pipeline.p2p import PipelineCommError, init_p2p
 from parallel.pipeline.partition import stage_layers
 from parallel.pipeline.schedules import build_schedule, validate_schedule
 from parallel.pipeline.timeline import gather_events, write_chrome_trace
@@ -139,6 +139,7 @@ def check_timeline(ps, out_dir):
 
 
 def pp4_checks(ps, out_dir):
+    init_p2p(ps)
     widths = [8] * 9                                   # 8 layers
     configs = [("gpipe", 3, 1, 0.0), ("gpipe", 6, 1, 0.0), ("1f1b", 2, 1, 0.0),
                ("1f1b", 5, 1, 1.0), ("1f1b", 8, 1, 0.0), ("interleaved", 4, 2, 0.0),

@@ -16,7 +16,8 @@ from parallel.pipeline.timeline import TimelineEvent, chrome_trace, write_chrome
 
 CASES = ([("gpipe", p, m, 1) for p in (1, 2, 3, 4) for m in (1, 2, 3, 5, 8)]
          + [("1f1b", p, m, 1) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 5, 8, 12)]
-         + [("interleaved", p, m, v) for p in (2, 3, 4) for v in (2, 3, 4) for m in (p, 2 * p, 4 * p)])
+         + [("interleaved", p, m, v) for p in (2, 3, 4) for v in (2, 3, 4)
+            for m in (p, 2 * p, 4 * p)])
 
 
 def compute_order(actions):
@@ -70,7 +71,8 @@ def test_schedule_shape_and_validity(name, p, m, v):
     assert len(lists) == p
     last = p * v - 1
     for rank, actions in enumerate(lists):
-        count = {k: sum(a.kind == k for a in actions) for k in (F, B, RECV_F, SEND_F, RECV_B, SEND_B)}
+        count = {k: sum(a.kind == k for a in actions)
+                 for k in (F, B, RECV_F, SEND_F, RECV_B, SEND_B)}
         assert count[F] == count[B] == m * v
         firsts = m if rank == 0 else 0                  # virtual stage 0 receives nothing
         lasts = m if rank == p - 1 else 0               # the last virtual stage sends nothing on
@@ -222,4 +224,5 @@ def test_chrome_trace_and_gantt(tmp_path):
     sim = simulate(build_schedule("interleaved", 2, 4, 2), 0.5, 1.0)
     assert (tmp_path / "sim.png").name in draw_gantt(sim, str(tmp_path / "sim.png"), "sim")
     draw_gantt(events, str(tmp_path / "events.png"), "events")
-    assert (tmp_path / "sim.png").stat().st_size > 0 and (tmp_path / "events.png").stat().st_size > 0
+    assert (tmp_path / "sim.png").stat().st_size > 0
+    assert (tmp_path / "events.png").stat().st_size > 0

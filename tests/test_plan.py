@@ -29,7 +29,8 @@ def test_layer_activations_match_korthikanti():
     sp = replace(lay, sequence_parallel=True)
     assert layer_activation_bytes(shape, sp) == pytest.approx(sbh / t * (34 + 5 * a * s / h))
     assert layer_activation_bytes(shape, replace(sp, recompute="selective")) == pytest.approx(34 * sbh / t)
-    assert layer_activation_bytes(shape, replace(lay, recompute="selective")) == pytest.approx(sbh * (10 + 24 / t))
+    selective = layer_activation_bytes(shape, replace(lay, recompute="selective"))
+    assert selective == pytest.approx(sbh * (10 + 24 / t))
     assert layer_activation_bytes(shape, replace(lay, recompute="full")) == 2 * sbh
     assert layer_activation_bytes(shape, replace(sp, recompute="full")) == 2 * sbh / t
 
@@ -38,7 +39,8 @@ def test_fused_attention_keeps_no_scores():
     shape = ModelShape(48, 8192, 64, 51200, 2048, 1536)
     fused = replace(shape, fused_attention=True)
     lay = Layout(8, 2, 32, micro_batch_size=4)
-    assert layer_activation_bytes(fused, lay) == layer_activation_bytes(shape, replace(lay, recompute="selective"))
+    selective = layer_activation_bytes(shape, replace(lay, recompute="selective"))
+    assert layer_activation_bytes(fused, lay) == selective
     assert memory_per_device(fused, lay).activations < memory_per_device(shape, lay).activations
     assert estimate(fused, cluster(512), lay).step_time_s < estimate(shape, cluster(512), lay).step_time_s
 
@@ -255,6 +257,10 @@ def test_cli_config_recipe_and_layout(tmp_path, capsys):
 def test_cli_explains_rejected_layout(capsys):
     assert plan.main(ARGS + ["--layout", "4,4"]) == 1
     assert "PP across nodes" in capsys.readouterr().err
+    assert plan.main(ARGS + ["--layout", "8,1", "--recompute", "none", "--zero", "off"]) == 1
+    assert "GiB per device" in capsys.readouterr().err  # 39B weights alone need 88 GB at tp 8
+    assert plan.main(ARGS[:-2] + ["--devices", "12"]) == 2
+    assert "whole number of nodes" in capsys.readouterr().err
 
 
 def test_calibration_recovers_the_fraction(tmp_path, capsys):
@@ -270,7 +276,8 @@ def test_calibration_recovers_the_fraction(tmp_path, capsys):
     metrics.write_text("\n".join(json.dumps(r) for r in lines))
     assert plan.measured_tflops(str(metrics)) == pytest.approx(truth)
     argv = ARGS + ["--layout", "8,2", "--micro-batch-size", "4", "--recompute", "full", "--zero", "off",
-                   "--sequence-parallel", "off", "--grad-reduce-bytes", "2", "--calibrate", str(metrics), "--json"]
+                   "--sequence-parallel", "off", "--grad-reduce-bytes", "2",
+                   "--calibrate", str(metrics), "--json"]
     (row,) = run_cli(argv, capsys)
     assert row["tflops_per_device"] == pytest.approx(truth, rel=1e-4)
 

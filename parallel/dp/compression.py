@@ -29,6 +29,18 @@ import torch
 import torch.distributed as dist
 
 
+def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Concatenate every rank's ``input`` into ``output`` (torch 2.13 renamed the collective)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Sum ``input`` over ranks and keep this rank's equal slice in ``output``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
 def ring_bytes(op: str, nbytes: int, world: int) -> int:
     """Bytes one rank sends for ``op`` on ``world`` ranks (see the module docstring)."""
     if world <= 1:
@@ -138,7 +150,7 @@ class Int8Compressor(Compressor):
         q2, s2 = self.quantize(shard)
         mine = _as_bytes(q2.view(1, sc * c), s2.view(1, sc))     # (1, B)
         gathered = torch.empty(p, mine.shape[1], dtype=torch.uint8, device=flat.device)
-        dist.all_gather_into_tensor(gathered, mine, group=group)
+        all_gather_flat(gathered, mine, group=group)
         stats.add("all_gather", mine.numel(), p)
         gq, gs = _split_bytes(gathered, [(torch.int8, sc * c), (self.scale_dtype, sc)])
         flat.copy_(self.dequantize(gq.view(p, sc, c), gs).view(-1)[:n])
@@ -191,7 +203,7 @@ class TopKCompressor(Compressor):
         self.owner_residual.copy_(shard)
         mine = _as_bytes(sidx.to(torch.int32).view(1, k), svals.view(1, k))
         gathered = torch.empty(p, mine.shape[1], dtype=torch.uint8, device=flat.device)
-        dist.all_gather_into_tensor(gathered, mine, group=group)
+        all_gather_flat(gathered, mine, group=group)
         stats.add("all_gather", mine.numel(), p)
         gidx, gvals = _split_bytes(gathered, [(torch.int32, k), (torch.float32, k)])
         offsets = torch.arange(p, device=flat.device).unsqueeze(1) * m

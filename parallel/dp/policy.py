@@ -141,6 +141,20 @@ class CompressionPolicy:
             rules.append(Rule(pattern, CompressorSpec.parse(rule, where)))
         return cls(default, d.get("warmup_steps", 0), tuple(rules))
 
+    @classmethod
+    def coerce(cls, value) -> "CompressionPolicy":
+        """A policy from a policy, its dict form, None, or a config object carrying the flags
+        grad_compression, grad_compression_ratio and grad_compression_policy (the dict wins)."""
+        if isinstance(value, cls):
+            return value
+        if value is None or isinstance(value, dict):
+            return cls.from_dict(value)
+        if hasattr(value, "grad_compression"):
+            if getattr(value, "grad_compression_policy", None):
+                return cls.from_dict(value.grad_compression_policy)
+            return cls.uniform(value.grad_compression, getattr(value, "grad_compression_ratio", None))
+        raise PolicyError(f"grad_compression: expected a policy mapping, got {type(value).__name__}")
+
     def compressor_for(self, name: str) -> CompressorSpec:
         """The spec of the first rule whose pattern matches ``name`` (case-sensitive), else the default."""
         for rule in self.rules:

@@ -17,7 +17,11 @@ fire in a slightly different order. Gradients are divided by dp before the sum, 
 
 Schedules where one step runs several backward passes per parameter in an interleaved order
 (virtual pipeline stages) can use ``set_num_microbatches(n)`` instead: a parameter then counts as
-final on its n-th accumulation. Parameters that receive no gradient are reduced by ``finish()``.
+final on its n-th accumulation. Parameters that receive no gradient are reduced by ``finish()``,
+but they hold back every bucket after theirs until then: freeze them (requires_grad=False).
+
+After ``finish()`` further element-wise reductions of ``main_grad`` (sequence-parallel norms over
+TP, tied embeddings over the embedding group) remain valid, also on ZeRO shards.
 
 With ``shard_grads`` (set by the ZeRO-1 optimizer) buckets are reduce-scattered: after ``finish()``
 only this rank's shard of each bucket holds the averaged gradient. A bucket whose compressor is
@@ -29,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.dp.buffers import Bucket, GradBuffer
-from parallel.dp.compression import CommStats
+from parallel.dp.compression import CommStats, reduce_scatter_flat
 from parallel.dp.policy import CompressionPolicy
 from parallel.state import ParallelState
 
@@ -50,16 +54,23 @@ def named_parameters(params) -> list[tuple[str, torch.nn.Parameter]]:
 class GradReducer:
     def __init__(self, params, ps: ParallelState, bucket_size_mb: float = 25.0,
                  grad_dtype: torch.dtype = torch.float32,
-                 compression_policy: CompressionPolicy | dict | None = None, overlap: bool = True):
+                 compression_policy=None, overlap: bool = True,
+                 named_params: list[tuple[str, torch.nn.Parameter]] | None = None):
+        """``params``: a Module, (name, param) pairs or parameters (then named by ``named_params``,
+        if given, else param0, param1, ...). ``compression_policy``: a CompressionPolicy, its dict
+        form, or a config with grad_compression / grad_compression_ratio / grad_compression_policy.
+        """
         named = named_parameters(params)
+        if named_params is not None:
+            names = {p: n for n, p in named_parameters(named_params)}
+            named = [(names.get(p, n), p) for n, p in named]
         if not named:
             raise ValueError("GradReducer: no parameter requires grad")
         if bucket_size_mb <= 0:
             raise ValueError(f"GradReducer: bucket_size_mb must be positive, got {bucket_size_mb}")
         if not grad_dtype.is_floating_point:
             raise ValueError(f"GradReducer: grad_dtype must be a floating dtype, got {grad_dtype}")
-        if compression_policy is None or isinstance(compression_policy, dict):
-            compression_policy = CompressionPolicy.from_dict(compression_policy)
+        compression_policy = CompressionPolicy.coerce(compression_policy)
         self.ps, self.group = ps, ps.dp_group
         self.dp, self.dp_rank = ps.dp_size, ps.dp_rank
         self.policy, self.overlap, self.grad_dtype = compression_policy, overlap, grad_dtype
@@ -73,9 +84,13 @@ class GradReducer:
         position = {p: i for i, (_, p) in enumerate(order)}
         groups: dict[tuple, list] = {}
         for name, p in order:
-            groups.setdefault((p.dtype, self.policy.compressor_for(name)), []).append((name, p))
+            # a weight tied across pipeline stages gets a buffer of its own, so that its ZeRO shard
+            # covers the same elements on both stages and the tied gradients can be summed after
+            # the reduction
+            alone = id(p) if getattr(p, "tied_across_stages", False) else None
+            groups.setdefault((p.dtype, self.policy.compressor_for(name), alone), []).append((name, p))
         self.buffers = [GradBuffer(members, spec, grad_dtype, bucket_numel, pad)
-                        for (_, spec), members in groups.items()]
+                        for (_, spec, _), members in groups.items()]
         self.buckets: list[Bucket] = sorted((b for buf in self.buffers for b in buf.buckets),
                                             key=lambda b: position[b.slots[0].param])
         self._bucket_of = {}
@@ -86,12 +101,13 @@ class GradReducer:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
         self.step = 1                       # 1-based optimizer step, advanced by finish()
         self.grad_stats, self.param_stats = CommStats(), CommStats()
-        self._is_last, self._num_mb = False, None
+        self._num_mb = None
         self._reset_step_state()
 
     # ---- per-step protocol ----------------------------------------------------------------
     def set_last_microbatch(self, is_last: bool) -> None:
-        """Mark whether the coming backward pass is the step's last one for these parameters."""
+        """Mark whether the coming backward pass is the step's last one for these parameters
+        (reset to False by zero_grad() and finish())."""
         self._is_last = bool(is_last)
 
     def set_num_microbatches(self, n: int | None) -> None:
@@ -124,7 +140,16 @@ class GradReducer:
                 bucket.shard_view(self.dp_rank, self.dp).copy_(out)
         self._pending = []
         self._finished = True
+        self._is_last = False
         self.step += 1
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def check_finished(self, who: str) -> None:
+        if not self._finished:
+            raise RuntimeError(f"{who}: gradients are not reduced yet; call reducer.finish() after backward")
 
     def stats(self) -> dict[str, int]:
         """Gradient collectives and bytes this rank sent this step (ring model, see compression.py);
@@ -140,6 +165,7 @@ class GradReducer:
 
     # ---- hooks and launches ----------------------------------------------------------------
     def _reset_step_state(self) -> None:
+        self._is_last = False
         self._counts: dict = {}
         self._ready: dict[int, set] = {}
         self._next = 0
@@ -147,6 +173,8 @@ class GradReducer:
         self._finished = False
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
+        if self._finished:
+            raise RuntimeError("GradReducer: backward after finish(); call zero_grad() to start a step")
         if param.grad is not None:
             param.main_grad.add_(param.grad)
             param.grad = None
@@ -172,7 +200,7 @@ class GradReducer:
             bucket.compressor.all_reduce_(data, self.group, self.grad_stats)
         elif self.shard_grads:
             out = torch.empty(bucket.numel // self.dp, dtype=data.dtype, device=data.device)
-            handle = dist.reduce_scatter_tensor(out, data, group=self.group, async_op=True)
+            handle = reduce_scatter_flat(out, data, group=self.group, async_op=True)
             self.grad_stats.add("reduce_scatter", nbytes, self.dp)
             self._pending.append((handle, bucket, out))
         else:

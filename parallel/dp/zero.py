@@ -8,7 +8,7 @@ updates them with the same element-wise math as torch.optim.AdamW, and all-gathe
 values back into the parameters (cast to their dtype). Optimizer memory per rank drops by dp.
 
 Both share one interface for the trainer: ``step(lr)``, ``zero_grad()``, ``grad_pieces()``,
-``unscale_(loss_scale)``, ``grad_norm()``, ``clip_grad_norm(max_norm)``, ``found_inf()``,
+``unscale_(1 / loss_scale)``, ``grad_norm()``, ``clip_grad_norm(max_norm)``, ``found_inf()``,
 ``state_dict()`` / ``load_state_dict()``. A state dict maps each parameter name to flat pieces::
 
     {"kind", "step", "dp_rank", "dp_size",
@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from parallel.dp.reducer import GradReducer, named_parameters
+from parallel.dp.compression import all_gather_flat
+from parallel.dp.reducer import GradReducer
 from parallel.grad_norm import clip_grads, found_inf, global_grad_norm
 from parallel.state import ParallelState
 
@@ -35,17 +35,23 @@ _KEYS = ("exp_avg", "exp_avg_sq", "master")
 
 
 def _entries(params, weight_decay: float) -> list[tuple[str, torch.nn.Parameter, float]]:
-    """(name, param, weight decay) from a Module, params, (name, param) pairs or torch-style groups."""
+    """(name, param, weight decay) from a Module, params, (name, param) pairs or torch-style groups;
+    unnamed parameters are called param0, param1, ... in order over all groups."""
     if isinstance(params, torch.nn.Module):
         params = list(params.named_parameters())
     params = list(params)
-    if params and isinstance(params[0], dict):
-        out = []
-        for group in params:
-            wd = float(group.get("weight_decay", weight_decay))
-            out += [(n, p, wd) for n, p in named_parameters(group["params"])]
-        return out
-    return [(n, p, float(weight_decay)) for n, p in named_parameters(params)]
+    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+    out = []
+    for group in groups:
+        wd = float(group.get("weight_decay", weight_decay))
+        for item in group["params"]:
+            name, p = item if isinstance(item, tuple) else (f"param{len(out)}", item)
+            if p.requires_grad:
+                out.append((name, p, wd))
+    names = [n for n, _, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError("optimizer: parameter names must be unique; pass (name, param) pairs")
+    return out
 
 
 class _GradAccess:
@@ -56,11 +62,10 @@ class _GradAccess:
     def grad_pieces(self) -> list[tuple[torch.Tensor, torch.nn.Parameter]]:
         raise NotImplementedError
 
-    def unscale_(self, loss_scale: float) -> None:
-        """Divide the gradients the optimizer will use by ``loss_scale``."""
-        inv = 1.0 / loss_scale
+    def unscale_(self, factor: float) -> None:
+        """Multiply the gradients the optimizer will use by ``factor`` (1 / loss scale)."""
         for grad, _ in self.grad_pieces():
-            grad.mul_(inv)
+            grad.mul_(factor)
 
     def grad_norm(self) -> float:
         return global_grad_norm(self.grad_pieces(), self.ps, over_dp=self.sharded)
@@ -131,6 +136,12 @@ class DistributedOptimizer(_GradAccess):
             self._shards.append((b, offset, e - s, segments))
             offset += e - s
         device = reducer.buckets[0].data.device
+        for b in reducer.buckets:           # model-wide grad norm / clipping then read the shards
+            for slot in b.slots:
+                slot.param.main_grad_shard = b.data.new_empty(0)
+        for piece in self.pieces:
+            piece.param.main_grad_shard = reducer.buckets[piece.bucket].buffer.data[
+                piece.buffer_start:piece.buffer_start + piece.end - piece.start]
         self.master = torch.zeros(offset, dtype=torch.float32, device=device)     # (shard,)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
@@ -147,8 +158,7 @@ class DistributedOptimizer(_GradAccess):
 
     def grad_pieces(self):
         """This rank's averaged gradient shard, as views into the reducer's buffers."""
-        return [(self.reducer.buckets[p.bucket].buffer.data[p.buffer_start:p.buffer_start + p.end - p.start],
-                 p.param) for p in self.pieces]
+        return [(p.param.main_grad_shard, p.param) for p in self.pieces]
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
@@ -156,6 +166,7 @@ class DistributedOptimizer(_GradAccess):
     def step(self, lr: float | None = None) -> None:
         """One AdamW step on this rank's shard, then all-gather the parameters."""
         lr = self.lr if lr is None else lr
+        self.reducer.check_finished("DistributedOptimizer.step")
         self.step_count += 1
         for b, off, n, segments in self._shards:
             if n == 0:
@@ -174,7 +185,7 @@ class DistributedOptimizer(_GradAccess):
                 gathered.append((b, shard, None))
                 continue
             full = torch.empty(b.numel, dtype=b.param_dtype, device=shard.device)
-            handle = dist.all_gather_into_tensor(full, shard, group=self.ps.dp_group, async_op=True)
+            handle = all_gather_flat(full, shard, group=self.ps.dp_group, async_op=True)
             self.reducer.param_stats.add("all_gather", shard.numel() * shard.element_size(), self.dp)
             gathered.append((b, full, handle))
         for b, full, handle in gathered:
@@ -262,6 +273,8 @@ class MixedPrecisionOptimizer(_GradAccess):
 
     def step(self, lr: float | None = None) -> None:
         lr = self.lr if lr is None else lr
+        if self.reducer is not None:
+            self.reducer.check_finished("MixedPrecisionOptimizer.step")
         for group in self.inner.param_groups:
             group["lr"] = lr
         borrowed = []

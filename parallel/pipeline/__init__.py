@@ -10,7 +10,7 @@ from parallel.pipeline.bubble import (BubbleMeasurement, SimResult, measured_bub
                                       theoretical_bubble)
 from parallel.pipeline.executor import (PipelineEvent, PipelineResult, run_schedule,
                                         sum_embedding_grads)
-from parallel.pipeline.p2p import PipelineCommError, Transfer, communicate
+from parallel.pipeline.p2p import PipelineCommError, Transfer, communicate, init_p2p
 from parallel.pipeline.partition import partition_layers, stage_layers, virtual_stage
 from parallel.pipeline.schedules import (SCHEDULES, Action, Kind, ScheduleError, build_schedule,
                                          validate_schedule)
@@ -20,7 +20,7 @@ from parallel.pipeline.timeline import (TimelineEvent, chrome_trace, gather_even
 __all__ = [
     "Action", "BubbleMeasurement", "Kind", "PipelineCommError", "PipelineEvent", "PipelineResult",
     "SCHEDULES", "ScheduleError", "SimResult", "TimelineEvent", "Transfer", "build_schedule",
-    "chrome_trace", "communicate", "gather_events", "measured_bubble", "partition_layers",
-    "run_schedule", "simulate", "stage_layers", "sum_embedding_grads", "theoretical_bubble",
-    "validate_schedule", "virtual_stage", "write_chrome_trace",
+    "chrome_trace", "communicate", "gather_events", "init_p2p", "measured_bubble",
+    "partition_layers", "run_schedule", "simulate", "stage_layers", "sum_embedding_grads",
+    "theoretical_bubble", "validate_schedule", "virtual_stage", "write_chrome_trace",
 ]

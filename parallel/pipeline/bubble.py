@@ -18,7 +18,8 @@ from parallel.pipeline.schedules import B, F, SCHEDULES, Action, replay
 def theoretical_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
     """Idle fraction of the step for equal-cost stages (0.0 without pipelining)."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; "
+                         f"use one of {', '.join(SCHEDULES)}")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"theoretical_bubble: p, m and v must be >= 1, got p={p} m={m} v={v}")
     if schedule != "interleaved":
@@ -39,7 +40,7 @@ class SimResult:
 
 
 def _per_stage(value, pp: int, vp: int, label: str):
-    """Cost lookup ``(rank, chunk) -> seconds`` from a scalar, per-rank or per-virtual-stage list."""
+    """Cost lookup ``(rank, chunk) -> seconds`` from a scalar, per-rank or per-stage list."""
     if isinstance(value, (int, float)):
         return lambda rank, chunk: float(value)
     values = list(value)
@@ -47,8 +48,8 @@ def _per_stage(value, pp: int, vp: int, label: str):
         return lambda rank, chunk: float(values[rank])
     if len(values) == pp * vp:
         return lambda rank, chunk: float(values[chunk * pp + rank])
-    raise ValueError(f"simulate: {label} needs one value, {pp} (one per rank) or {pp * vp} (one per "
-                     f"virtual stage), got {len(values)}")
+    raise ValueError(f"simulate: {label} needs one value, {pp} (one per rank) or {pp * vp} "
+                     f"(one per virtual stage), got {len(values)}")
 
 
 def simulate(lists: list[list[Action]], fwd_time: float | Sequence[float],

@@ -15,8 +15,9 @@ knowing its layers::
     sum_embedding_grads(ps, tied_params)           # then DP reduction and the optimizer step
 
 Memory: once an output activation has been sent, only its autograd graph is needed, so its storage
-is replaced by a one-element tensor (Megatron's ``deallocate_output_tensor``); its backward then runs
-through the autograd engine directly, since ``torch.autograd.backward`` checks the output's shape.
+is replaced by a one-element tensor (Megatron's ``deallocate_output_tensor``); its backward then
+runs through the autograd engine directly, since ``torch.autograd.backward`` checks the output's
+shape.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _backward(out: torch.Tensor, grad: torch.Tensor | None, freed: bool) -> None
     if not freed:
         torch.autograd.backward(out, grad_tensors=grad)
         return
-    # The output's data is a placeholder, so skip autograd.backward's shape check (as Megatron does).
+    # The output's data is a placeholder: skip autograd.backward's shape check (as Megatron does).
     Variable._execution_engine.run_backward(
         tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
         allow_unreachable=True, accumulate_grad=True)
@@ -74,7 +75,8 @@ class _RankRun:
     def __init__(self, ps, chunks, forward_step, num_microbatches, tensor_shape, dtype, timeout_s,
                  recorder, deallocate_outputs):
         self.ps, self.vp, self.forward_step = ps, len(chunks), forward_step
-        self.m, self.shape, self.dtype, self.timeout_s = num_microbatches, tensor_shape, dtype, timeout_s
+        self.m, self.shape, self.dtype = num_microbatches, tensor_shape, dtype
+        self.timeout_s = timeout_s
         self.recorder, self.deallocate = recorder, deallocate_outputs
         self.prev_rank, self.next_rank = neighbour_ranks(ps) if ps.pp_size > 1 else (None, None)
         self.inputs: dict = {}        # received activations (leaves with requires_grad)
@@ -121,7 +123,8 @@ class _RankRun:
         if self.is_last(chunk):
             if out.numel() != 1:
                 raise ValueError(f"forward_step on the last stage must return the scalar loss "
-                                 f"(already divided by num_microbatches), got shape {tuple(out.shape)}")
+                                 f"(already divided by num_microbatches), got shape "
+                                 f"{tuple(out.shape)}")
             self.losses[micro] = out.detach().reshape(())
         self.outputs[(micro, chunk)] = (out, False)
         self.out_meta[(micro, chunk)] = (tuple(out.shape), out.dtype)
@@ -155,7 +158,8 @@ class _RankRun:
                 src_chunk = a.chunk if me > 0 else a.chunk - 1
                 transfers.append(Transfer("recv", buf, prev_stage, self.prev_rank, "activation",
                                           a.microbatch, src_chunk))
-                after.append(lambda key=key, buf=buf: self.inputs.__setitem__(key, buf.requires_grad_()))
+                after.append(lambda key=key, buf=buf:
+                             self.inputs.__setitem__(key, buf.requires_grad_()))
             elif a.kind == SEND_F:
                 out, _ = self.outputs[key]
                 dst_chunk = a.chunk if me < pp - 1 else a.chunk + 1
@@ -191,7 +195,7 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
                  chunks: Sequence[torch.nn.Module], forward_step: Callable, num_microbatches: int,
                  tensor_shape: ShapeSpec, dtype: torch.dtype, timeout_s: float | None,
                  recorder: Callable[[TimelineEvent], None] | None = None,
-                 deallocate_outputs: bool = True) -> PipelineResult:
+                 deallocate_outputs: bool = True, forward_only: bool = False) -> PipelineResult:
     """Run one step's forwards and backwards on this rank; gradients accumulate in ``.grad``.
 
     ``actions`` is this rank's list or the whole schedule (this rank's list is taken).
@@ -200,16 +204,19 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
     first chunk of the first stage. ``tensor_shape`` is the activation shape between stages, or a
     function ``(chunk, micro) -> shape`` of this rank's chunk input when it varies.
     ``recorder(event)`` is called as each action ends (e.g. to stream a timeline).
+    ``forward_only`` runs a schedule of forwards and activation transfers only (validation, under
+    torch.no_grad): outputs are dropped once sent instead of being kept for a backward.
     """
     if actions and not isinstance(actions[0], Action):
         actions = actions[ps.pp_rank]
     actions = list(actions)
     if not chunks:
         raise ValueError("run_schedule needs this rank's model chunks (one per virtual stage)")
-    top = max((a.chunk for a in actions), default=0)
-    if top >= len(chunks):
-        raise ValueError(f"the schedule uses model chunk {top} but this rank has {len(chunks)} "
-                         f"chunk(s); pass --virtual-pipeline-size chunks per rank")
+    schedule_vp = 1 + max((a.chunk for a in actions), default=0)
+    if schedule_vp != len(chunks):
+        raise ValueError(f"the schedule runs {schedule_vp} model chunk(s) per rank but "
+                         f"{len(chunks)} were given; build it with vp = --virtual-pipeline-size = "
+                         f"the number of chunks per rank")
     if any(a.microbatch >= num_microbatches for a in actions):
         raise ValueError(f"the schedule has more micro-batches than num_microbatches="
                          f"{num_microbatches}; build it with the same count")
@@ -231,6 +238,8 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
         elif a.kind == B:
             run.backward(a.microbatch, a.chunk)
         i += 1
+    if forward_only:
+        run.outputs.clear()
     leftover = len(run.outputs) + len(run.grad_in) + len(run.grad_out)
     if leftover:
         raise RuntimeError(f"pipeline stage {ps.pp_rank}: {leftover} tensors left after the "
@@ -244,8 +253,8 @@ def sum_embedding_grads(ps, params) -> None:
     """All-reduce the gradients of parameters tied between the first and last stage.
 
     With a tied word embedding the first stage (input embedding) and the last stage (output layer)
-    each hold a copy; summing their gradients over ``ps.embedding_group`` keeps the copies equal after
-    the optimizer step. A no-op with pp=1 and on middle stages. Both ends must pass the tied
+    each hold a copy; summing their gradients over ``ps.embedding_group`` keeps the copies equal
+    after the optimizer step. A no-op with pp=1 and on middle stages. Both ends must pass the tied
     parameters in the same order; a missing gradient counts as zero.
     """
     if ps.pp_size == 1 or ps.embedding_group is None:
@@ -253,10 +262,12 @@ def sum_embedding_grads(ps, params) -> None:
     params = list(params)
     if not params:
         return
+    grads = []
     for p in params:
-        if p.grad is None:
+        main = getattr(p, "main_grad", None)  # the DP reducer's fp32 buffer view, when present
+        if main is None and p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
+        grads.append(main if main is not None else p.grad)
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=ps.embedding_group)
     offset = 0

@@ -1,10 +1,10 @@
 """Point-to-point transfers of activations and gradients between neighbouring pipeline stages.
 
-Each batch of transfers is posted with one ``torch.distributed.batch_isend_irecv`` (NCCL/HCCL turn it
-into one group call, so a send to the next stage and a receive from it cannot block each other) and
-then waited for as a whole. The order of transfers inside a batch and of batches on a rank comes from
-the schedule, which ``schedules.validate_schedule`` proves matched and deadlock-free; the backends
-(gloo included) pair the transfers between two ranks in posting order.
+Each batch of transfers is posted with one ``torch.distributed.batch_isend_irecv`` (NCCL/HCCL
+turn it into one group call, so a send to the next stage and a receive from it cannot block each
+other) and then waited for as a whole. The order of transfers inside a batch and of batches on a
+rank comes from the schedule, which ``schedules.validate_schedule`` proves matched and
+deadlock-free; the backends (gloo included) pair the transfers between two ranks in posting order.
 
 Receivers know the shape and dtype in advance (the caller allocates the buffer), so no shape
 handshake is needed. Every wait has a timeout: a neighbour that died or is stuck produces an error
@@ -61,6 +61,17 @@ def neighbour_ranks(ps) -> tuple[int, int]:
     return ps.stage_rank((me - 1) % pp), ps.stage_rank((me + 1) % pp)
 
 
+def init_p2p(ps) -> None:
+    """Create the pipeline group's communicator with one collective, on every rank of the group.
+
+    NCCL/HCCL create communicators lazily, and a first ``batch_isend_irecv`` that not every rank of
+    the group joins is undefined behaviour there; calling this once after ``ParallelState``
+    initialisation avoids that. A no-op without pipeline parallelism.
+    """
+    if ps.pp_size > 1 and ps.pp_group is not None:
+        dist.all_reduce(torch.zeros(1, device=ps.device), group=ps.pp_group)
+
+
 def _is_timeout(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text
@@ -83,8 +94,8 @@ def communicate(ps, transfers: list[Transfer], timeout_s: float | None = None,
 
     def failure(culprits, exc, timed_out):
         why = "; ".join(t.describe_failure(timeout_s, timed_out, vp) for t in culprits)
-        return PipelineCommError(f"{why} ({me} was waiting). Check that stage's log. "
-                                 f"[{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}]")
+        cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return PipelineCommError(f"{why} ({me} was waiting). Check that stage's log. [{cause}]")
 
     try:
         works = dist.batch_isend_irecv(ops)

@@ -6,8 +6,8 @@ interleaving): with pp=2, vp=2 and 8 layers, rank 0 holds layers 0-1 and 4-5, ra
 6-7, so a micro-batch travels rank 0 -> 1 -> 0 -> 1.
 
 Layers are split by count. The first virtual stage also runs the embedding and the last one the
-output layer and loss; ``first_last_weight`` counts each of those as that many layers, so that the end
-stages get fewer transformer blocks when the embedding/head is expensive (large vocabularies).
+output layer and loss; ``first_last_weight`` counts each of those as that many layers, so that the
+end stages get fewer transformer blocks when the embedding/head is expensive (large vocabularies).
 """
 from __future__ import annotations
 

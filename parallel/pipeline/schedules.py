@@ -162,7 +162,8 @@ def _interleaved(pp: int, m: int, vp: int, rank: int) -> list[Action]:
     return out
 
 
-def build_schedule(name: str, pp_size: int, num_microbatches: int, vp: int = 1) -> list[list[Action]]:
+def build_schedule(name: str, pp_size: int, num_microbatches: int,
+                   vp: int = 1) -> list[list[Action]]:
     """Action lists for every pipeline rank: ``lists[pp_rank]`` is that rank's program."""
     for label, value in (("pp_size", pp_size), ("num_microbatches", num_microbatches), ("vp", vp)):
         if not isinstance(value, int) or value < 1:
@@ -175,7 +176,7 @@ def build_schedule(name: str, pp_size: int, num_microbatches: int, vp: int = 1) 
                 f"the interleaved schedule needs --virtual-pipeline-size >= 2 (got {vp}); "
                 f"use --pipeline-schedule 1f1b for one chunk per rank")
         if pp_size < 2:
-            raise ValueError("the interleaved schedule needs --pp >= 2; with pp=1 use 1f1b and vp=1")
+            raise ValueError("the interleaved schedule needs --pp >= 2; with pp=1 use 1f1b, vp=1")
         if num_microbatches % pp_size != 0:
             raise ValueError(
                 f"the interleaved schedule needs the number of micro-batches per step "
@@ -308,7 +309,8 @@ def _check_program(lists: list[list[Action]], pp: int, vp: int, m: int) -> None:
         for i, a in enumerate(actions):
             key = (a.kind, a.microbatch, a.chunk)
             if key in where:
-                raise ScheduleError(f"rank {rank}: {a!r} appears twice (positions {where[key]}, {i})")
+                raise ScheduleError(f"rank {rank}: {a!r} appears twice "
+                                    f"(positions {where[key]} and {i})")
             where[key] = i
         for micro in range(m):
             for chunk in range(vp):
@@ -318,8 +320,8 @@ def _check_program(lists: list[list[Action]], pp: int, vp: int, m: int) -> None:
                     raise ScheduleError(f"rank {rank}: micro-batch {micro} chunk {chunk} lacks its "
                                         f"forward or backward")
                 if pos[F] > pos[B]:
-                    raise ScheduleError(f"rank {rank}: backward of micro-batch {micro} chunk {chunk} "
-                                        f"comes before its forward")
+                    raise ScheduleError(f"rank {rank}: backward of micro-batch {micro} chunk "
+                                        f"{chunk} comes before its forward")
                 for comm, compute, comes_first, needed in (
                         (RECV_F, F, True, stage > 0), (SEND_F, F, False, stage < last),
                         (RECV_B, B, True, stage < last), (SEND_B, B, False, stage > 0)):

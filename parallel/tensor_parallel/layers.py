@@ -48,11 +48,17 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _mark(init.param(f"{name}.bias", (out_features,), "zeros", **shard_args),
                           tp_sharded=True) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s[/tp], in)
+    def enter(self, x: torch.Tensor) -> torch.Tensor:  # (b, s[/tp], in) -> (b, s, in)
+        """Bring the input into the TP region: all-gather the sequence under sequence parallelism,
+        else identity (all-reduce of its gradient). Layers that read the same input (SwiGLU's gate
+        and up) call it once and pass ``entered=True``, so they share one collective each way."""
         if self.sequence_parallel:
-            x = gather_from_sequence(x, self.group)  # (b, s, in)
-        else:
-            x = copy_to_tp(x, self.group)
+            return gather_from_sequence(x, self.group)
+        return copy_to_tp(x, self.group)
+
+    def forward(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:  # (b, s[/tp], in)
+        if not entered:
+            x = self.enter(x)  # (b, s, in)
         y = F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
         return gather_from_tp(y, self.group) if self.gather_output else y
 

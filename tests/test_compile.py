@@ -1,0 +1,85 @@
+"""engine/compile.py: a compiled chunk computes what the eager chunk computes (loss and every
+gradient, fp32), stays the same module (type, parameter names), and a second compilation with the
+same run directory reuses the artifacts the first one left in ``run_dir/compile_cache``.
+
+Inductor is slow on small CPUs, so the model has one layer and the test compiles it twice in all:
+once cold, once after resetting Dynamo (what a new process would see), where Inductor must report
+FX-graph cache hits and no misses.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from engine.compile import CACHE_DIRNAME, compile_backend, compile_chunks
+from engine.device import DeviceInfo
+from models import GPTChunk, GPTConfig, LayerContext
+from parallel.state import ParallelState
+from parallel.tensor_parallel import Initializer
+
+CPU = DeviceInfo("cpu", torch.device("cpu"), "gloo", "cpu")
+CFG = dict(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=300,
+           block="llama", dropout=0.0)
+
+
+def _chunks() -> torch.nn.ModuleList:
+    cfg = GPTConfig(**CFG)
+    chunk = GPTChunk(cfg, ParallelState.serial(), LayerContext(Initializer(11)), range(1))
+    return torch.nn.ModuleList([chunk])
+
+
+def _loss_and_grads(chunks: torch.nn.ModuleList):
+    seq = torch.randint(0, CFG["vocab_size"], (2, CFG["seq_length"] + 1),
+                        generator=torch.Generator().manual_seed(3))
+    loss = chunks[0](seq[:, :-1], seq[:, 1:]).mean()
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in chunks.named_parameters()}
+
+
+def _assert_same(got, want):
+    assert got[0] == pytest.approx(want[0], rel=1e-6, abs=0)
+    assert got[1].keys() == want[1].keys()
+    for name, g in want[1].items():
+        torch.testing.assert_close(got[1][name], g, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_backend_per_device():
+    assert compile_backend("cpu") == "inductor"
+    assert compile_backend("cuda") == "inductor"
+    with pytest.raises(ValueError, match="cpu, cuda and npu"):
+        compile_backend("mps")
+    if importlib.util.find_spec("torchair") is None:
+        with pytest.raises(RuntimeError, match="torchair"):
+            compile_backend("npu")
+
+
+def test_compiled_matches_eager_and_reuses_cache(tmp_path, monkeypatch):
+    # compile_chunks configures Inductor for the process; give the variable back afterwards
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    torch._dynamo.reset()
+    eager = _loss_and_grads(_chunks())
+
+    counters.clear()
+    chunks = _chunks()
+    names = [n for n, _ in chunks.named_parameters()]
+    compiled = compile_chunks(chunks, CPU, tmp_path)
+    assert compiled is chunks and type(chunks[0]) is GPTChunk
+    assert [n for n, _ in compiled.named_parameters()] == names  # checkpoints see the same names
+    _assert_same(_loss_and_grads(compiled), eager)
+    assert counters["inductor"]["fxgraph_cache_miss"] > 0
+    assert counters["inductor"]["fxgraph_cache_hit"] == 0
+    cache = tmp_path / CACHE_DIRNAME
+    assert any(cache.rglob("*")), "the first compilation must leave artifacts in the run dir"
+
+    # the next run of the same recipe: Dynamo retraces, Inductor finds every graph on disk
+    torch._dynamo.reset()
+    counters.clear()
+    again = compile_chunks(_chunks(), CPU, tmp_path)
+    _assert_same(_loss_and_grads(again), eager)
+    assert counters["inductor"]["fxgraph_cache_hit"] > 0
+    assert counters["inductor"]["fxgraph_cache_miss"] == 0
+    torch._dynamo.reset()
