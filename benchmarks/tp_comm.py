@@ -101,9 +101,8 @@ def measure(ps: ParallelState, block: str, sp: bool, layers: int, a) -> dict:
 
 def analytic(sp: bool, n: int, S: int) -> dict:
     per_pass = ({"all_gather": 2, "reduce_scatter": 2} if sp else {"all_reduce": 2})
-    return {"counts": Counter(per_pass), "bytes": Counter({op: c * S for op, c in per_pass.items()}),
-            "wire": sum(c * S * (2 if op == "all_reduce" else 1) * (n - 1) / n
-                        for op, c in per_pass.items())}
+    nbytes = Counter({op: c * S for op, c in per_pass.items()})
+    return {"counts": Counter(per_pass), "bytes": nbytes, "wire": wire_bytes(nbytes, n)}
 
 
 def _fmt_counts(c: Counter) -> str:
@@ -114,7 +113,8 @@ def _fmt_bytes(c: Counter) -> str:
     return ", ".join(f"{c[op] / 2**20:.3f}" for op in OPS if c[op]) or "0"
 
 
-def wire_bytes(counts: Counter, nbytes: Counter, n: int) -> float:
+def wire_bytes(nbytes: Counter, n: int) -> float:
+    """Bytes each rank sends on a ring: 2(n-1)/n of the buffer for all-reduce, (n-1)/n otherwise."""
     return sum(nbytes[op] * (2 if op == "all_reduce" else 1) * (n - 1) / n for op in OPS)
 
 
@@ -134,7 +134,7 @@ def rows_for(ps: ParallelState, a) -> list[str]:
                 rows.append(
                     f"| {n} | {'yes' if sp else 'no'} | {block} | {phase} | {_fmt_counts(counts)} | "
                     f"{_fmt_counts(want['counts'])} | {_fmt_bytes(nbytes)} | "
-                    f"{wire_bytes(counts, nbytes, n) / 2**20:.3f} | "
+                    f"{wire_bytes(nbytes, n) / 2**20:.3f} | "
                     f"{want['wire'] / 2**20:.3f} | {_fmt_counts(outside_c)} | "
                     f"{'yes' if ok else 'NO'} |")
     return rows

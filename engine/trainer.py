@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from engine.cli import ConfigError
 from engine.config import RunConfig
 from engine.data import GlobalBatchSampler, build_data, collate
 from engine.device import measure_cpu_peak_tflops, setup_device
@@ -27,7 +28,8 @@ from engine.step import Stepper
 from engine.validate import validate_run
 from models import GPTConfig, LayerContext, build_chunks
 from models.registry import BlockRegistry
-from parallel.dp import DistributedOptimizer, GradReducer, MixedPrecisionOptimizer
+from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
+                         MixedPrecisionOptimizer, PolicyError)
 from parallel.pipeline.bubble import theoretical_bubble
 from parallel.pipeline.timeline import TimelineEvent, gather_events, write_chrome_trace
 from parallel.pipeline.partition import stage_layers
@@ -58,6 +60,10 @@ class Trainer:
         self.cfg, self.registry = cfg, registry
         self.launch = launch or LaunchEnv.from_env()
         self.grid, notes = validate_run(cfg, self.launch, registry)
+        try:  # a bad per-branch compression policy fails here, before any collective
+            CompressionPolicy.coerce(cfg.compression)
+        except PolicyError as exc:
+            raise ConfigError(f"grad_compression_policy: {exc}") from exc
         self.dev = setup_device(cfg.device, self.launch.local_rank)
         self.ps = ParallelState.initialize(self.grid, self.dev.device, self.dev.backend, self.launch,
                                            timeout_s=cfg.parallel.timeout_s)
@@ -274,15 +280,31 @@ class Trainer:
         return save_checkpoint(self, step)
 
     def maybe_load(self) -> int:
-        if not self.cfg.checkpoint.load:
-            return 0
-        from engine.checkpoint import load_checkpoint
-        return load_checkpoint(self, self.cfg.checkpoint.load)
+        """Load --load; without it, resume from --save when that holds an unfinished run's
+        checkpoint (so a job restarted by torchrun continues by itself)."""
+        from engine.checkpoint import has_checkpoint, load_checkpoint, saved_step
+        ck = self.cfg.checkpoint
+        if ck.load:
+            return load_checkpoint(self, ck.load)
+        if has_checkpoint(ck.save):
+            step = saved_step(ck.save)
+            if step is None or step < self.cfg.optim.train_iters:
+                if self.is_main:
+                    print(f"gridtron: resuming from {ck.save} (step {step}); pass --load to choose "
+                          f"another checkpoint", flush=True)
+                return load_checkpoint(self, ck.save)
+            if self.is_main:
+                warnings.warn(f"{ck.save} already holds a finished run (step {step} >= --train-iters "
+                              f"{self.cfg.optim.train_iters}): starting a new run that will replace "
+                              f"its checkpoints; pass --load {ck.save} to continue from it instead")
+        return 0
 
     def last_checkpoint(self) -> str | None:
         root = self.cfg.checkpoint.save
         latest = os.path.join(root, "latest") if root else None
-        return os.path.realpath(latest) if latest and os.path.exists(latest) else None
+        if latest and os.path.exists(latest):
+            return os.path.realpath(latest)
+        return getattr(self, "loaded_checkpoint", None)
 
     def close(self) -> None:
         self.ps.destroy()

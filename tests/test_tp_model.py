@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.step import sync_sequence_parallel_grads
 from models import GPTChunk, GPTConfig, LayerContext
 from parallel.state import ParallelState
 from parallel.tensor_parallel import Initializer
@@ -42,16 +43,6 @@ def batches(cfg: GPTConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def sum_sequence_parallel_grads(model, ps: ParallelState) -> None:
-    """Replicated parameters that saw only a sequence shard: sum their gradients over TP (what
-    engine.step.sync_sequence_parallel_grads does once per step)."""
-    if ps.tp_size == 1:
-        return
-    for p in model.parameters():
-        if getattr(p, "sequence_parallel", False) and p.grad is not None:
-            torch.distributed.all_reduce(p.grad, group=ps.tp_group)
-
-
 def train(cfg: GPTConfig, ps: ParallelState, sp: bool = False, recompute: str = "none"):
     """Run STEPS SGD steps; returns (losses, per-step {name: grad}, first-step block outputs, model).
     Gradients and activations are this rank's local tensors."""
@@ -66,7 +57,7 @@ def train(cfg: GPTConfig, ps: ParallelState, sp: bool = False, recompute: str = 
         opt.zero_grad(set_to_none=True)
         loss = model(tokens, labels).mean()
         loss.backward()
-        sum_sequence_parallel_grads(model, ps)
+        sync_sequence_parallel_grads(list(model.parameters()), ps)  # as the trainer's step
         losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()

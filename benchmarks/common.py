@@ -1,0 +1,205 @@
+"""Helpers shared by the launch-based benchmarks (scaling.py, peers.py): layouts, torchrun
+subprocesses, per-step metrics files, steady-state throughput and markdown tables.
+
+Every run is a separate ``torchrun --standalone`` job writing one JSON object per optimizer step, so
+a benchmark measures exactly what a user's launch would, including the process group and the real
+collectives. The first steps of each run (warm-up: allocator growth, first-touch of buffers, lazy
+initialisation in the communication library) are dropped before anything is averaged.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A (tp, pp, dp) grid; ``world`` processes."""
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp", "dp"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"layout {key} must be a positive integer, got {value!r}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def tag(self) -> str:  # file-name friendly
+        return f"tp{self.tp}-pp{self.pp}-dp{self.dp}"
+
+    def __str__(self) -> str:
+        return f"({self.tp},{self.pp},{self.dp})"
+
+    def flags(self) -> list[str]:
+        return ["--tp", str(self.tp), "--pp", str(self.pp), "--dp", str(self.dp)]
+
+
+def parse_layout(text: str) -> Layout:
+    """``"2,1,1"`` -> Layout(tp=2, pp=1, dp=1) (order tp,pp,dp)."""
+    parts = text.replace("x", ",").split(",")
+    if len(parts) != 3:
+        raise ValueError(f"a layout is three integers tp,pp,dp (e.g. 2,1,1), got {text!r}")
+    try:
+        tp, pp, dp = (int(p) for p in parts)
+    except ValueError as exc:
+        raise ValueError(f"a layout is three integers tp,pp,dp (e.g. 2,1,1), got {text!r}") from exc
+    return Layout(tp, pp, dp)
+
+
+def parse_int_list(text: str, name: str) -> list[int]:
+    """``"1,2,4,8"`` -> [1, 2, 4, 8]; positive and without repeats."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise ValueError(f"{name} takes comma-separated integers such as 1,2,4,8, got {text!r}") from exc
+    if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
+        raise ValueError(f"{name} needs distinct positive integers, got {text!r}")
+    return values
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def steady(records: list[dict], warmup: int) -> list[dict]:
+    """The records after the first ``warmup`` steps; an error when nothing is left to measure."""
+    if warmup < 0:
+        raise ValueError(f"warm-up steps must be >= 0, got {warmup}")
+    kept = records[warmup:]
+    if not kept:
+        raise ValueError(f"{len(records)} steps recorded and {warmup} discarded as warm-up: nothing "
+                         f"left to measure; raise --steps above --warmup")
+    return kept
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def summarize(records: list[dict], warmup: int) -> dict:
+    """Steady-state figures of one run. tokens/s is total tokens over total step time (not the mean
+    of per-step rates, which over-weights fast steps); the rest are per-step means."""
+    kept = steady(records, warmup)
+    time_s = sum(r["step_time_s"] for r in kept)
+    tokens = sum(r.get("tokens", 0) for r in kept)
+    return {"steps": len(kept), "step_time_s": time_s / len(kept),
+            "tokens_per_s": tokens / time_s if time_s > 0 else math.nan,
+            "tflops_per_device": _mean([r.get("tflops_per_device") for r in kept]),
+            "mfu": _mean([r.get("mfu") for r in kept]),
+            "bubble_theoretical": _mean([r.get("bubble_theoretical") for r in kept]),
+            "bubble_measured": _mean([r.get("bubble_measured") for r in kept]),
+            "dp_comm_bytes": _mean([r.get("dp_comm_bytes") for r in kept])}
+
+
+def scaling_efficiency(tokens_per_s: float, procs: int, base_tokens_per_s: float) -> float:
+    """Throughput over ``procs`` times the one-process throughput (1.0 = linear scaling)."""
+    if procs < 1 or base_tokens_per_s <= 0:
+        raise ValueError(f"efficiency needs procs >= 1 and a positive baseline, got {procs}, "
+                         f"{base_tokens_per_s}")
+    return tokens_per_s / (procs * base_tokens_per_s)
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    """max_i |a_i - b_i| / |b_i| over the common steps (b is the reference)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"loss sequences of different or zero length: {len(a)} vs {len(b)}")
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+def fmt(value, spec: str = ".3g", none: str = "-") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return none
+    return format(value, spec)
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    """A GitHub markdown table; every row must have one cell per header."""
+    for row in rows:
+        if len(row) != len(headers):
+            raise ValueError(f"row {row} has {len(row)} cells for {len(headers)} headers")
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine_note(max_world: int) -> str:
+    """One paragraph on where the numbers came from, with the oversubscription caveat."""
+    import torch
+    cores = os.cpu_count() or 1
+    note = (f"Measured on {platform.machine()} with {cores} CPU cores, torch {torch.__version__}, "
+            f"gloo, one thread per rank.")
+    if max_world > cores:
+        note += (f" Runs with more ranks than cores ({max_world} > {cores}) time-share the cores, "
+                 f"so their wall-clock throughput and scaling efficiency are distorted: they "
+                 f"measure oversubscription as much as the parallel layout.")
+    return note
+
+
+# ---- launching -------------------------------------------------------------------------------
+
+class LaunchFailed(RuntimeError):
+    """A torchrun job exited non-zero; the message carries the tail of its log."""
+
+
+def torchrun(nproc: int, target: list[str], log_path: str | os.PathLike, timeout_s: float,
+             threads_per_rank: int = 1) -> None:
+    """Run ``torchrun --standalone --nproc-per-node nproc <target>`` from the repository root,
+    its output going to ``log_path``. ``target`` is ``["-m", "engine.train", ...]`` or a script
+    path with its arguments."""
+    cmd = TORCHRUN + ["--standalone", f"--nproc-per-node={nproc}"] + target
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads_per_rank), PYTHONPATH=str(REPO),
+               TORCH_CPP_LOG_LEVEL="ERROR")
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            raise LaunchFailed(f"{' '.join(cmd)} ran past {timeout_s:.0f} s; log: {log_path}") from exc
+    if proc.returncode != 0:
+        tail = "".join(Path(log_path).read_text().splitlines(keepends=True)[-25:])
+        raise LaunchFailed(f"{' '.join(cmd)} exited with {proc.returncode}; log {log_path} ends:\n{tail}")
+
+
+def single_thread_peak_tflops() -> float:
+    """The CPU 'peak' for MFU: one thread's best fp32 matmul rate, measured once by the driver so
+    every run of an invocation divides by the same number."""
+    import torch
+    from engine.device import measure_cpu_peak_tflops
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure_cpu_peak_tflops()
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,147 @@
+"""This engine next to the parallelism that ships with PyTorch, on the same GPT, data and seed.
+
+    python benchmarks/peers.py [--layouts 2,1,1 1,2,1 1,1,2 2,2,2] [--steps 10] [--warmup 3]
+                               [--out runs/peers] [model flags: --num-layers 4 --hidden-size 64 ...]
+
+For every (tp, pp, dp) layout, two torchrun jobs train the same model for the same steps:
+- engine: ``python -m engine.train --mock-data --precision fp32 ...`` with the layout's flags;
+- native: ``benchmarks/peers_native.py``, the same GPT-2 built as a plain torch module from the
+  engine's serial initial weights, parallelised with DTensor ``parallelize_module``
+  (ColwiseParallel/RowwiseParallel), ``torch.distributed.pipelining`` (PipelineStage +
+  Schedule1F1B) and DDP; its docstring gives the exact composition and the two places where
+  torch 2.13 on gloo needed care (static stage metadata, loss scaling instead of scale_grads).
+
+Both sides draw step k's global batch from ``GlobalBatchSampler`` over the engine's mock data with
+the same seed, split it into the same micro-batches, and use AdamW with the same decay groups, LR
+schedule and global-norm clipping, so their per-step losses must agree (fp32: to ~1e-6 relative;
+the check fails above ``--loss-rtol``). Throughput is steady-state tokens/s (the first
+``--warmup`` steps dropped) and the ratio is engine / native. Jobs alternate which side runs first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (REPO, Layout, fmt, machine_note, markdown_table,  # noqa: E402
+                               max_rel_diff, parse_layout, read_jsonl, summarize, torchrun)
+
+DEFAULT_LAYOUTS = ("2,1,1", "1,2,1", "1,1,2", "2,2,2")
+SPEC = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
+        "vocab_size": 512, "micro_batch_size": 2, "global_batch_size": 8, "lr": 1e-3,
+        "min_lr": 1e-4, "lr_warmup_iters": 2, "weight_decay": 0.1, "clip_grad": 1.0, "seed": 1234}
+
+
+def check_layout(layout: Layout, spec: dict) -> None:
+    """Refuse a layout the model or batch cannot be split over, before launching anything."""
+    per_step = spec["micro_batch_size"] * layout.dp
+    problems = []
+    if spec["global_batch_size"] % per_step:
+        problems.append(f"--global-batch-size {spec['global_batch_size']} is not a multiple of "
+                        f"micro-batch x dp = {per_step}")
+    if spec["num_attention_heads"] % layout.tp or spec["hidden_size"] % layout.tp:
+        problems.append(f"heads {spec['num_attention_heads']} / hidden {spec['hidden_size']} do "
+                        f"not split over tp={layout.tp}")
+    if spec["num_layers"] < layout.pp:
+        problems.append(f"{spec['num_layers']} layers cannot fill pp={layout.pp} stages")
+    if problems:
+        raise ValueError(f"layout {layout}: " + "; ".join(problems))
+
+
+def shared_flags(spec: dict, steps: int) -> list[str]:
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in spec.items()]
+    return flags + [f"--train-iters={steps}"]
+
+
+def engine_target(layout: Layout, spec: dict, steps: int, metrics: Path) -> list[str]:
+    return (["-m", "engine.train", *shared_flags(spec, steps), *layout.flags(), "--mock-data",
+             "--precision", "fp32", "--no-progress", "--metrics-file", str(metrics)])
+
+
+def native_target(layout: Layout, spec: dict, steps: int, metrics: Path) -> list[str]:
+    return [str(REPO / "benchmarks" / "peers_native.py"), *shared_flags(spec, steps),
+            *layout.flags(), "--out", str(metrics)]
+
+
+def compare(engine: list[dict], native: list[dict], warmup: int) -> dict:
+    """Throughputs, their ratio (engine / native) and the largest per-step loss difference."""
+    e, n = summarize(engine, warmup), summarize(native, warmup)
+    return {"engine_tokens_per_s": e["tokens_per_s"], "native_tokens_per_s": n["tokens_per_s"],
+            "ratio": e["tokens_per_s"] / n["tokens_per_s"],
+            "max_rel_loss_diff": max_rel_diff([r["loss"] for r in native],
+                                              [r["loss"] for r in engine]),
+            "engine_losses": [r["loss"] for r in engine],
+            "native_losses": [r["loss"] for r in native]}
+
+
+def run_layout(layout: Layout, spec: dict, steps: int, warmup: int, out_dir: Path,
+               timeout_s: float = 600.0, threads_per_rank: int = 1, native_first: bool = False) -> dict:
+    """Train both sides on ``layout`` (one torchrun job each) and compare them."""
+    check_layout(layout, spec)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {side: out_dir / f"{side}-{layout.tag}.jsonl" for side in ("engine", "native")}
+    targets = {"engine": engine_target(layout, spec, steps, files["engine"]),
+               "native": native_target(layout, spec, steps, files["native"])}
+    for side in (("native", "engine") if native_first else ("engine", "native")):
+        files[side].unlink(missing_ok=True)
+        torchrun(layout.world, targets[side], out_dir / f"{side}-{layout.tag}.log", timeout_s,
+                 threads_per_rank)
+    result = compare(read_jsonl(files["engine"]), read_jsonl(files["native"]), warmup)
+    return {"layout": str(layout), "world": layout.world, **result}
+
+
+def report(results: list[dict], spec: dict, steps: int, warmup: int, rtol: float) -> str:
+    rows = [[r["layout"], r["world"], fmt(r["engine_tokens_per_s"], ".0f"),
+             fmt(r["native_tokens_per_s"], ".0f"), fmt(r["ratio"], ".2f"),
+             fmt(r["max_rel_loss_diff"], ".1e"),
+             "yes" if r["max_rel_loss_diff"] <= rtol else f"NO (> {rtol:g})"] for r in results]
+    table = markdown_table(["layout (tp,pp,dp)", "ranks", "engine tokens/s", "native tokens/s",
+                            "engine / native", "max rel. loss diff", "losses agree"], rows)
+    model = ", ".join(f"{k}={v}" for k, v in spec.items())
+    return (f"{table}\n\nModel and optimizer: {model}; {steps} steps, first {warmup} dropped from "
+            f"throughput, losses compared over all {steps}.\n\n{machine_note(max(r['world'] for r in results))}\n")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS), help="tp,pp,dp triples")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3, help="steps dropped from the throughput")
+    ap.add_argument("--out", default="runs/peers")
+    ap.add_argument("--loss-rtol", type=float, default=1e-4)
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun job")
+    ap.add_argument("--threads-per-rank", type=int, default=1)
+    for key, value in SPEC.items():
+        ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    spec = {k: getattr(args, k) for k in SPEC}
+    layouts = [parse_layout(t) for t in args.layouts]
+    for layout in layouts:
+        check_layout(layout, spec)
+    out = Path(args.out)
+    results = []
+    for i, layout in enumerate(layouts):
+        print(f"peers: layout {layout} ({layout.world} ranks) ...", flush=True)
+        results.append(run_layout(layout, spec, args.steps, args.warmup, out, args.timeout,
+                                  args.threads_per_rank, native_first=bool(i % 2)))
+        r = results[-1]
+        print(f"  engine {r['engine_tokens_per_s']:.0f} tokens/s, native {r['native_tokens_per_s']:.0f}"
+              f" tokens/s, ratio {r['ratio']:.2f}, max rel. loss diff {r['max_rel_loss_diff']:.1e}",
+              flush=True)
+    text = report(results, spec, args.steps, args.warmup, args.loss_rtol)
+    (out / "peers.md").write_text(text)
+    (out / "peers.json").write_text(json.dumps({"spec": spec, "steps": args.steps,
+                                                "warmup": args.warmup, "results": results}, indent=1))
+    print(text)
+    return 0 if all(r["max_rel_loss_diff"] <= args.loss_rtol for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""The on-disk checkpoint format: shard files, the JSON index, checksums and reading slices back.
+
+A checkpoint is a directory ``iter_0000005/`` holding one safetensors file per rank and an
+``index.json`` that maps every logical tensor to its pieces::
+
+    "tensors": {"model/layers.0.attn.qkv.weight": {"shape": [192, 64], "dtype": "float32",
+                    "pieces": [{"file": "rank_00000.safetensors", "key": "...",
+                                "offsets": [0, 0], "shape": [96, 64]},          # a box
+                               {"file": ..., "key": ..., "offsets": [96, 0], "shape": [96, 64],
+                                "flat": [0, 3072]}]}}                           # a flat range of a box
+    "files": {"rank_00000.safetensors": {"sha256", "bytes", "header_bytes", "header_crc32",
+                                         "tensors": {key: [begin, end, crc32]}}}
+
+A box piece stores the sub-tensor ``global[offsets : offsets + shape]``. A flat piece stores elements
+[start, end) of that box flattened in row-major order (a ZeRO-1 rank owns such a range of its local
+shard). Byte ranges and CRCs of every stored tensor are recorded in the index itself, so damage is
+located to the tensor even when the file's own header is the damaged part.
+
+Everything here is pure file I/O: no process groups, no model. Metadata is JSON; there is no pickle.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+import zlib
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
+
+FORMAT = "gridtron-checkpoint-v1"
+INDEX_NAME = "index.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^iter_(\d{7,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, damaged or does not fit this run; the message says what to do."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """Complete checkpoint directories under ``root`` as (step, path), oldest first (``.tmp``
+    directories of interrupted saves are not listed)."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, n)) for n in os.listdir(root)
+             if (m := _STEP_DIR.match(n)) and os.path.isdir(os.path.join(root, n))]
+    return sorted(found)
+
+
+def resolve(path: str) -> str:
+    """The checkpoint directory meant by ``path``: itself when it holds an index, else what
+    ``path/latest`` points at (a symlink, or a small file naming the directory)."""
+    if os.path.isfile(os.path.join(path, INDEX_NAME)):
+        return path
+    latest = os.path.join(path, LATEST)
+    if os.path.islink(latest) or os.path.isfile(latest):
+        target = os.readlink(latest) if os.path.islink(latest) else open(latest).read().strip()
+        target = os.path.join(path, target)
+        if not os.path.isdir(target):
+            raise CheckpointError(f"{latest} points at {target}, which does not exist"
+                                  + intact_hint(path, exclude=target))
+        return target
+    raise CheckpointError(f"{path} holds no checkpoint (neither {INDEX_NAME} nor {LATEST}); pass a "
+                          f"directory written by --save, or one of its iter_* directories")
+
+
+def read_index(ckpt: str) -> dict:
+    path = os.path.join(ckpt, INDEX_NAME)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            index = json.load(fh)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path} is missing: the save did not finish"
+                              + intact_hint(os.path.dirname(ckpt), exclude=ckpt)) from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is damaged ({exc})"
+                              + intact_hint(os.path.dirname(ckpt), exclude=ckpt)) from exc
+    if index.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a gridtron checkpoint index (format "
+                              f"{index.get('format')!r}, expected {FORMAT!r})")
+    return index
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write via a temporary sibling and rename, with fsync: readers see all of it or none."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+# ---- writing and checking shard files -------------------------------------------------------
+def write_shard(tensors: dict[str, torch.Tensor], path: str) -> dict:
+    """Write one safetensors file and return its index entry (size, sha256, per-tensor CRCs)."""
+    data = safetensors_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    start = 8 + n
+    entries = {}
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        b, e = (start + o for o in meta["data_offsets"])
+        entries[key] = [b, e, zlib.crc32(data[b:e])]
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "header_bytes": start,
+            "header_crc32": zlib.crc32(data[:start]), "tensors": entries}
+
+
+def sha256_file(path: str, block: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_damage(path: str, info: dict) -> str | None:
+    """None when the file matches its recorded sha256, else a sentence naming the damaged tensors."""
+    name = os.path.basename(path)
+    if not os.path.isfile(path):
+        return f"{name} is missing"
+    size = os.path.getsize(path)
+    if size == info["bytes"] and sha256_file(path) == info["sha256"]:
+        return None
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    bad = [key for key, (b, e, crc) in info["tensors"].items()
+           if e > len(raw) or zlib.crc32(raw[b:e]) != crc]
+    what = f"truncated ({size} of {info['bytes']} bytes)" if size < info["bytes"] else \
+        f"corrupted ({size} bytes, checksum mismatch)"
+    if bad:
+        shown = ", ".join(repr(k) for k in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        return f"{name} is {what}: tensor {shown} does not match its checksum"
+    if zlib.crc32(raw[:info["header_bytes"]]) != info["header_crc32"]:
+        return f"{name} is {what}: its safetensors header (tensor table) is damaged"
+    return f"{name} is {what}: bytes after the last tensor differ"
+
+
+def verify(ckpt: str, index: dict, files: list[str] | None = None) -> list[str]:
+    """Check ``files`` (default: all) of a checkpoint against the index; one sentence per problem."""
+    problems = []
+    for name in files if files is not None else sorted(index["files"]):
+        msg = file_damage(os.path.join(ckpt, name), index["files"][name])
+        if msg:
+            problems.append(msg)
+    return problems
+
+
+def find_intact(root: str, exclude: str | None = None) -> str | None:
+    """The newest checkpoint under ``root`` (other than ``exclude``) whose every file verifies."""
+    skip = os.path.realpath(exclude) if exclude else None
+    for _, path in reversed(list_checkpoints(root)):
+        if os.path.realpath(path) == skip:
+            continue
+        try:
+            index = read_index(path)
+        except CheckpointError:
+            continue
+        if not verify(path, index):
+            return path
+    return None
+
+
+def intact_hint(root: str, exclude: str | None) -> str:
+    intact = find_intact(root, exclude)
+    if intact is None:
+        return "; no earlier intact checkpoint was found there"
+    return f"; the earlier checkpoint {intact} is intact: resume with --load {intact}"
+
+
+# ---- reading regions back --------------------------------------------------------------------
+def _intersect(a_off, a_shape, b_off, b_shape):
+    lo = [max(x, y) for x, y in zip(a_off, b_off)]
+    hi = [min(x + n, y + m) for x, n, y, m in zip(a_off, a_shape, b_off, b_shape)]
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return lo, [h - l for l, h in zip(lo, hi)]
+
+
+def _flat_index(idx, shape) -> int:
+    out = 0
+    for i, n in zip(idx, shape):
+        out = out * n + i
+    return out
+
+
+class TensorReader:
+    """Reads any box (or flat range of a box) of a logical tensor, touching only the stored slices
+    that overlap it. Elements outside the logical shape (vocabulary padding) read as zero."""
+
+    def __init__(self, ckpt: str, index: dict):
+        self.ckpt, self.index, self._open = ckpt, index, {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.index["tensors"]
+
+    def _slice(self, name: str, piece: dict, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        fname, key = piece["file"], piece["key"]
+        try:
+            if fname not in self._open:
+                self._open[fname] = safe_open(os.path.join(self.ckpt, fname), framework="pt")
+            sl = self._open[fname].get_slice(key)
+            return sl[tuple(slice(a, b) for a, b in ranges)]
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise CheckpointError(f"{os.path.join(self.ckpt, fname)}: cannot read tensor {key!r} "
+                                  f"({name}): {exc}") from exc
+
+    def read(self, name: str, offsets, shape, flat: tuple[int, int] | None = None,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``global[offsets : offsets + shape]`` of logical tensor ``name``, or elements
+        [flat[0], flat[1]) of that box flattened (returned 1-D)."""
+        entry = self.index["tensors"][name]
+        gshape = entry["shape"]
+        offsets, shape = list(offsets), list(shape)
+        if flat is not None and shape:  # shrink the box to the rows the flat range touches
+            row = math.prod(shape[1:])
+            r0, r1 = flat[0] // row, -(-flat[1] // row) if flat[1] > flat[0] else flat[0] // row
+            offsets[0] += r0
+            shape[0] = r1 - r0
+            flat = (flat[0] - r0 * row, flat[1] - r0 * row)
+        out = torch.zeros(shape, dtype=dtype)
+        covered = torch.ones(shape, dtype=torch.bool)  # padding outside the logical shape: zeros
+        inside = _intersect(offsets, shape, [0] * len(gshape), gshape)
+        if inside is not None:  # every element inside the logical shape must come from a piece
+            lo, n = inside
+            covered[tuple(slice(a - o, a - o + m) for a, o, m in zip(lo, offsets, n))] = False
+        for piece in entry["pieces"]:
+            hit = _intersect(offsets, shape, piece["offsets"], piece["shape"])
+            if hit is None:
+                continue
+            lo, n = hit
+            dst = tuple(slice(a - o, a - o + m) for a, o, m in zip(lo, offsets, n))
+            if "flat" not in piece:
+                src = [(a - p, a - p + m) for a, p, m in zip(lo, piece["offsets"], n)]
+                out[dst] = self._slice(name, piece, src).to(dtype)
+                covered[dst] = True
+                continue
+            self._read_flat(name, piece, lo, n, out[dst], covered[dst])
+        if flat is not None:
+            out, covered = out.reshape(-1)[flat[0]:flat[1]], covered.reshape(-1)[flat[0]:flat[1]]
+        if not bool(covered.all()):
+            raise CheckpointError(f"checkpoint {self.ckpt} does not cover {name} at offsets {offsets} "
+                                  f"shape {shape}: the index lacks pieces (was the save complete?)")
+        return out
+
+    def _read_flat(self, name, piece, lo, n, out_view, covered_view) -> None:
+        """Copy the part of a flat piece that falls into the box (lo, n) into out_view."""
+        p_off, p_shape = piece["offsets"], piece["shape"]
+        start, end = piece["flat"]
+        local_lo = [a - p for a, p in zip(lo, p_off)]
+        local_last = [a + m - 1 for a, m in zip(local_lo, n)]
+        first = max(start, _flat_index(local_lo, p_shape))
+        last = min(end, _flat_index(local_last, p_shape) + 1)
+        if first >= last:
+            return
+        row = math.prod(p_shape[1:])
+        r0, r1 = first // row, (last - 1) // row + 1
+        data = self._slice(name, piece, [(first - start, last - start)]).reshape(-1)
+        rows = torch.zeros((r1 - r0) * row, dtype=out_view.dtype)
+        mask = torch.zeros((r1 - r0) * row, dtype=torch.bool)
+        rows[first - r0 * row:last - r0 * row] = data.to(out_view.dtype)
+        mask[first - r0 * row:last - r0 * row] = True
+        rows, mask = rows.view(r1 - r0, *p_shape[1:]), mask.view(r1 - r0, *p_shape[1:])
+        # rows cover piece rows [r0, r1); the box covers piece rows [local_lo[0], local_last[0]]
+        a0, a1 = max(r0, local_lo[0]), min(r1, local_last[0] + 1)
+        if a0 >= a1:
+            return
+        src = (slice(a0 - r0, a1 - r0),) + tuple(slice(l, l + m) for l, m in zip(local_lo[1:], n[1:]))
+        dst = (slice(a0 - local_lo[0], a1 - local_lo[0]),)
+        sel = mask[src]
+        out_view[dst][sel] = rows[src][sel]
+        covered_view[dst] |= sel

@@ -1,0 +1,30 @@
+"""Run under torchrun by tests/test_launch.py: set up the grid as the trainer does and write what
+this rank sees (its node, LOCAL_RANK binding and TP/DP/PP groups) to a JSON file per rank."""
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+from engine.device import setup_device
+from parallel.state import LaunchEnv, ParallelState
+from parallel.topology import RankGrid
+
+
+def main(out_dir: str, tp: int, pp: int) -> None:
+    launch = LaunchEnv.from_env()
+    dev = setup_device("cpu", launch.local_rank)
+    grid = RankGrid(tp=tp, pp=pp, dp=launch.world_size // (tp * pp))
+    ps = ParallelState.initialize(grid, dev.device, dev.backend, launch, timeout_s=60)
+    info = {"rank": ps.rank, "local_rank": launch.local_rank, "node": int(os.environ["GROUP_RANK"]),
+            "bound_to": ps.local_rank, "local_world_size": launch.local_world_size,
+            "tp_group": dist.get_process_group_ranks(ps.tp_group),
+            "dp_group": dist.get_process_group_ranks(ps.dp_group),
+            "pp_group": dist.get_process_group_ranks(ps.pp_group)}
+    with open(os.path.join(out_dir, f"rank{ps.rank}.json"), "w") as fh:
+        json.dump(info, fh)
+    ps.destroy()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
