@@ -27,7 +27,8 @@ test: $(STAMP)
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
 bench: $(STAMP)
-	$(PY) benchmarks/overhead.py
+	$(PY) -m benchmarks.overhead
+	$(PY) -m benchmarks.scaling
 
 clean:
 	rm -rf runs .pytest_cache
