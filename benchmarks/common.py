@@ -12,6 +12,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -96,13 +97,14 @@ def _mean(values: list) -> float | None:
 
 
 def summarize(records: list[dict], warmup: int) -> dict:
-    """Steady-state figures of one run. tokens/s is total tokens over total step time (not the mean
-    of per-step rates, which over-weights fast steps); the rest are per-step means."""
+    """Steady-state figures of one run. tokens/s is the tokens of a step over the median step time:
+    on a machine shared with other work a few steps stall, and the median keeps one stall from
+    moving the figure (every step of a run has the same tokens). The rest are per-step means."""
     kept = steady(records, warmup)
-    time_s = sum(r["step_time_s"] for r in kept)
-    tokens = sum(r.get("tokens", 0) for r in kept)
-    return {"steps": len(kept), "step_time_s": time_s / len(kept),
-            "tokens_per_s": tokens / time_s if time_s > 0 else math.nan,
+    step_s = statistics.median(r["step_time_s"] for r in kept)
+    tokens = statistics.median(r["tokens"] for r in kept)
+    return {"steps": len(kept), "step_time_s": step_s,
+            "tokens_per_s": tokens / step_s if step_s > 0 else math.nan,
             "tflops_per_device": _mean([r.get("tflops_per_device") for r in kept]),
             "mfu": _mean([r.get("mfu") for r in kept]),
             "bubble_theoretical": _mean([r.get("bubble_theoretical") for r in kept]),

@@ -1,7 +1,7 @@
 """This engine next to the parallelism that ships with PyTorch, on the same GPT, data and seed.
 
     python benchmarks/peers.py [--layouts 2,1,1 1,2,1 1,1,2 2,2,2] [--steps 10] [--warmup 3]
-                               [--out runs/peers] [model flags: --num-layers 4 --hidden-size 64 ...]
+                               [--repeats 1] [--out runs/peers] [model flags: --num-layers 4 ...]
 
 For every (tp, pp, dp) layout, two torchrun jobs train the same model for the same steps:
 - engine: ``python -m engine.train --mock-data --precision fp32 ...`` with the layout's flags;
@@ -15,12 +15,14 @@ Both sides draw step k's global batch from ``GlobalBatchSampler`` over the engin
 the same seed, split it into the same micro-batches, and use AdamW with the same decay groups, LR
 schedule and global-norm clipping, so their per-step losses must agree (fp32: to ~1e-6 relative;
 the check fails above ``--loss-rtol``). Throughput is steady-state tokens/s (the first
-``--warmup`` steps dropped) and the ratio is engine / native. Jobs alternate which side runs first.
+``--warmup`` steps dropped; with ``--repeats`` the median over jobs) and the ratio is engine /
+native. Jobs alternate which side runs first, so a load change on a shared machine hits both.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -66,34 +68,46 @@ def native_target(layout: Layout, spec: dict, steps: int, metrics: Path) -> list
             *layout.flags(), "--out", str(metrics)]
 
 
-def compare(engine: list[dict], native: list[dict], warmup: int) -> dict:
-    """Throughputs, their ratio (engine / native) and the largest per-step loss difference."""
-    e, n = summarize(engine, warmup), summarize(native, warmup)
-    return {"engine_tokens_per_s": e["tokens_per_s"], "native_tokens_per_s": n["tokens_per_s"],
-            "ratio": e["tokens_per_s"] / n["tokens_per_s"],
-            "max_rel_loss_diff": max_rel_diff([r["loss"] for r in native],
-                                              [r["loss"] for r in engine]),
-            "engine_losses": [r["loss"] for r in engine],
-            "native_losses": [r["loss"] for r in native]}
+def compare(engine_runs: list[list[dict]], native_runs: list[list[dict]], warmup: int) -> dict:
+    """Median steady tokens/s of each side over its repeated runs, their ratio (engine / native),
+    and the largest per-step loss difference of any repeat."""
+    if not engine_runs or len(engine_runs) != len(native_runs):
+        raise ValueError(f"need the same positive number of runs per side, got {len(engine_runs)} "
+                         f"and {len(native_runs)}")
+    e = [summarize(r, warmup)["tokens_per_s"] for r in engine_runs]
+    n = [summarize(r, warmup)["tokens_per_s"] for r in native_runs]
+    diff = max(max_rel_diff([x["loss"] for x in nat], [x["loss"] for x in eng])
+               for eng, nat in zip(engine_runs, native_runs))
+    return {"engine_tokens_per_s": statistics.median(e), "native_tokens_per_s": statistics.median(n),
+            "ratio": statistics.median(e) / statistics.median(n), "max_rel_loss_diff": diff,
+            "engine_runs_tokens_per_s": e, "native_runs_tokens_per_s": n,
+            "engine_losses": [x["loss"] for x in engine_runs[0]],
+            "native_losses": [x["loss"] for x in native_runs[0]]}
 
 
 def run_layout(layout: Layout, spec: dict, steps: int, warmup: int, out_dir: Path,
-               timeout_s: float = 600.0, threads_per_rank: int = 1, native_first: bool = False) -> dict:
-    """Train both sides on ``layout`` (one torchrun job each) and compare them."""
+               timeout_s: float = 600.0, threads_per_rank: int = 1, native_first: bool = False,
+               repeats: int = 1) -> dict:
+    """Train both sides on ``layout`` (one torchrun job each, ``repeats`` times, alternating which
+    side goes first) and compare them."""
     check_layout(layout, spec)
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = {side: out_dir / f"{side}-{layout.tag}.jsonl" for side in ("engine", "native")}
-    targets = {"engine": engine_target(layout, spec, steps, files["engine"]),
-               "native": native_target(layout, spec, steps, files["native"])}
-    for side in (("native", "engine") if native_first else ("engine", "native")):
-        files[side].unlink(missing_ok=True)
-        torchrun(layout.world, targets[side], out_dir / f"{side}-{layout.tag}.log", timeout_s,
-                 threads_per_rank)
-    result = compare(read_jsonl(files["engine"]), read_jsonl(files["native"]), warmup)
-    return {"layout": str(layout), "world": layout.world, **result}
+    runs: dict[str, list] = {"engine": [], "native": []}
+    build = {"engine": engine_target, "native": native_target}
+    for rep in range(repeats):
+        order = ("native", "engine") if native_first != bool(rep % 2) else ("engine", "native")
+        for side in order:
+            metrics = out_dir / f"{side}-{layout.tag}-r{rep}.jsonl"
+            metrics.unlink(missing_ok=True)
+            torchrun(layout.world, build[side](layout, spec, steps, metrics),
+                     metrics.with_suffix(".log"), timeout_s, threads_per_rank)
+            runs[side].append(read_jsonl(metrics))
+    return {"layout": str(layout), "world": layout.world,
+            **compare(runs["engine"], runs["native"], warmup)}
 
 
-def report(results: list[dict], spec: dict, steps: int, warmup: int, rtol: float) -> str:
+def report(results: list[dict], spec: dict, steps: int, warmup: int, rtol: float,
+           repeats: int = 1) -> str:
     rows = [[r["layout"], r["world"], fmt(r["engine_tokens_per_s"], ".0f"),
              fmt(r["native_tokens_per_s"], ".0f"), fmt(r["ratio"], ".2f"),
              fmt(r["max_rel_loss_diff"], ".1e"),
@@ -101,8 +115,10 @@ def report(results: list[dict], spec: dict, steps: int, warmup: int, rtol: float
     table = markdown_table(["layout (tp,pp,dp)", "ranks", "engine tokens/s", "native tokens/s",
                             "engine / native", "max rel. loss diff", "losses agree"], rows)
     model = ", ".join(f"{k}={v}" for k, v in spec.items())
+    runs = f"median of {repeats} jobs per side" if repeats > 1 else "one job per side"
     return (f"{table}\n\nModel and optimizer: {model}; {steps} steps, first {warmup} dropped from "
-            f"throughput, losses compared over all {steps}.\n\n{machine_note(max(r['world'] for r in results))}\n")
+            f"throughput ({runs}, tokens per step over the median step time), losses compared "
+            f"over all {steps}.\n\n{machine_note(max(r['world'] for r in results))}\n")
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -111,6 +127,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3, help="steps dropped from the throughput")
     ap.add_argument("--out", default="runs/peers")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="jobs per side and layout; the median tokens/s is reported")
     ap.add_argument("--loss-rtol", type=float, default=1e-4)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun job")
     ap.add_argument("--threads-per-rank", type=int, default=1)
@@ -130,15 +148,16 @@ def main(argv=None) -> int:
     for i, layout in enumerate(layouts):
         print(f"peers: layout {layout} ({layout.world} ranks) ...", flush=True)
         results.append(run_layout(layout, spec, args.steps, args.warmup, out, args.timeout,
-                                  args.threads_per_rank, native_first=bool(i % 2)))
+                                  args.threads_per_rank, native_first=bool(i % 2),
+                                  repeats=args.repeats))
         r = results[-1]
         print(f"  engine {r['engine_tokens_per_s']:.0f} tokens/s, native {r['native_tokens_per_s']:.0f}"
               f" tokens/s, ratio {r['ratio']:.2f}, max rel. loss diff {r['max_rel_loss_diff']:.1e}",
               flush=True)
-    text = report(results, spec, args.steps, args.warmup, args.loss_rtol)
+    text = report(results, spec, args.steps, args.warmup, args.loss_rtol, args.repeats)
     (out / "peers.md").write_text(text)
-    (out / "peers.json").write_text(json.dumps({"spec": spec, "steps": args.steps,
-                                                "warmup": args.warmup, "results": results}, indent=1))
+    (out / "peers.json").write_text(json.dumps({"spec": spec, "steps": args.steps, "warmup": args.warmup,
+                                                "repeats": args.repeats, "results": results}, indent=1))
     print(text)
     return 0 if all(r["max_rel_loss_diff"] <= args.loss_rtol for r in results) else 1
 

@@ -12,26 +12,42 @@ One rank of the native run (``peers.py`` launches it). The composition, outermos
   ``GPTChunk`` built with the same seed, so both sides start from the same logical weights.
 - Pipeline (pp > 1): the manual split of ``torch.distributed.pipelining`` (each rank builds only
   its layers, as torchtitan does; the layer split is the engine's ``stage_layers``), wrapped in
-  ``PipelineStage`` and run by ``Schedule1F1B`` with ``scale_grads=True``. The tracing frontend
-  ``pipeline()`` is not used: it bakes the traced head count into the view ops, so DTensor TP
-  cannot be applied to the stage modules afterwards. Tied embeddings across stages are not handled
-  by torch.distributed.pipelining: the last stage holds its own copy of the word embedding and the
-  two copies' gradients are summed with one ``all_reduce`` over the (first, last) stage pair, as
-  Megatron-LM does.
+  ``PipelineStage`` and run by ``Schedule1F1B``. The tracing frontend ``pipeline()`` is not used:
+  its stage modules are GraphModules whose submodules are ``InterpreterModule``s, and
+  ``ColwiseParallel``/``RowwiseParallel`` accept only ``nn.Linear``/``nn.Embedding``, so DTensor TP
+  cannot be applied after it. Tied embeddings across stages are not handled by the pipelining
+  runtime: the last stage holds its own copy of the word embedding and the two copies' gradients
+  are summed with one ``all_reduce`` over the (first, last) stage pair, as Megatron-LM does.
 - Tensor parallel (tp > 1): ``parallelize_module`` on the tp sub-mesh with ``ColwiseParallel`` on
   the QKV and first MLP projections and ``RowwiseParallel`` on the attention output and second MLP
   projections. Embedding, output layer and loss stay replicated over TP (the engine shards the
   vocabulary; with the small vocabularies used here that is a few percent of the FLOPs).
-- Data parallel (dp > 1): ``DistributedDataParallel`` on the dp sub-mesh's group around the stage
-  module (the pipelining runtime calls ``no_sync`` for all but the last micro-batch); without
-  pipelining, gradient accumulation over the same micro-batches uses ``no_sync`` likewise.
+- Data parallel (dp > 1): ``DistributedDataParallel(stage_module, device_mesh=mesh["dp"])``. Given
+  a sub-mesh, DDP applies torch's DDP + TP bridge (``tensor.parallel.ddp._pre_dp_module_transform``:
+  DTensor parameters become local shards for the reducer and are rebuilt as DTensors on forward).
+  The pipelining runtime calls ``no_sync`` for all but the last micro-batch; without pipelining,
+  gradient accumulation over the same micro-batches uses ``no_sync`` likewise.
 - Optimizer: ``torch.optim.AdamW`` with the engine's decay groups and LR schedule; global-norm
-  clipping counts each logical gradient once (sharded DTensor gradients summed over TP, the tied
-  copy skipped, stages summed over PP), as torchtitan's ``clip_grad_norm_`` does.
+  clipping counts each logical gradient once (sharded gradients summed over TP, the tied copy
+  skipped, stages summed over PP), as torchtitan's ``clip_grad_norm_`` does.
+
+Two things that torch 2.13 on gloo/CPU needs, found while building this (both are worked around
+here, so every layout trains and matches the engine):
+- ``PipelineStage`` with shapes inferred at run time (no ``input_args``/``output_args``) runs a real
+  forward and backward through the DDP module for metadata inference; the DDP reducer then records
+  every parameter twice in its first iteration and the next step fails in ``_rebuild_buckets``
+  ("rebuilt parameter indices size is not same as original model parameters size ... 26 versus
+  52"). Passing example ``input_args``/``output_args`` (static metadata; activations with
+  ``requires_grad=True``, or no gradient is ever sent back) avoids the inference pass.
+- ``Schedule1F1B(scale_grads=True)`` divides ``submod.parameters()``' gradients by the micro-batch
+  count, but once DDP's TP bridge has rebuilt the TP weights as DTensor attributes they are no
+  longer registered parameters, so their gradients stayed m times too large (dp=2, tp=2, pp=2:
+  grad norm 1.94 instead of 1.06). The loss function divides by m instead (``scale_grads=False``).
 
 Each step's global batch comes from ``engine.data.GlobalBatchSampler`` over the engine's mock
-training split (``build_data(mock=True)``, a ``MockDataset``) with the same seed, so both sides see the same samples; rank 0 writes one JSON line per step
-(``step``, ``loss``, ``grad_norm``, ``lr``, ``tokens``, ``step_time_s``, ``tokens_per_s``).
+training split (``build_data(mock=True)``, a ``MockDataset``) with the same seed, so both sides see
+the same samples; rank 0 writes one JSON line per step (``step``, ``loss``, ``grad_norm``, ``lr``,
+``tokens``, ``step_time_s``, ``tokens_per_s``).
 """
 from __future__ import annotations
 
@@ -197,12 +213,10 @@ class NativeRun:
             act = torch.zeros(mb, sq, h, requires_grad=True)  # (b, s, h) between stages
             x = torch.zeros(mb, sq, dtype=torch.long) if first else act
             y = torch.zeros(mb, sq, a.vocab_size, requires_grad=True) if last else act
+            # static metadata (example inputs/outputs): see the module docstring
             stage = PipelineStage(self.module, self.pp_rank, a.pp, torch.device("cpu"),
                                   input_args=x, output_args=y, group=self.mesh["pp"].get_group())
-            # the loss is divided by the micro-batch count here rather than by scale_grads=True:
-            # scale_grads walks submod.parameters(), which no longer lists the TP shards once DDP's
-            # DTensor hooks have swapped them for DTensors, so those gradients would stay m times
-            # too large
+            # divide the loss by m rather than scale_grads=True (see the module docstring)
             per_micro = lambda out, y: self.loss_fn(out, y) / self.num_micro  # noqa: E731
             self.schedule = Schedule1F1B(stage, self.num_micro, loss_fn=per_micro, scale_grads=False)
         named = list(self.model.named_parameters())

@@ -61,13 +61,15 @@ class CollectiveCounter:
             "all_reduce": lambda t, *a, **k: _nbytes(t),
             "all_gather": lambda outs, t, *a, **k: sum(_nbytes(o) for o in outs),
             "all_gather_into_tensor": lambda out, t, *a, **k: _nbytes(out),
+            "all_gather_single": lambda out, t, *a, **k: _nbytes(out),
             "reduce_scatter": lambda out, ins, *a, **k: sum(_nbytes(i) for i in ins),
             "reduce_scatter_tensor": lambda out, t, *a, **k: _nbytes(t),
+            "reduce_scatter_single": lambda out, t, *a, **k: _nbytes(t),
         }
         for name, size in sizes.items():
             orig = getattr(dist, name)
             self._orig[name] = orig
-            op = name.replace("_into_tensor", "").replace("_tensor", "")
+            op = name.replace("_into_tensor", "").replace("_tensor", "").replace("_single", "")
 
             def wrapped(*args, _orig=orig, _size=size, _op=op, **kwargs):
                 self._record(_op, _size(*args, **kwargs))

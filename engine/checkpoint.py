@@ -29,8 +29,9 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from engine.checkpoint_index import (FORMAT, INDEX_NAME, LATEST, CheckpointError, TensorReader,
-                                     intact_hint, list_checkpoints, read_index, resolve,
-                                     step_dir_name, verify, write_json, write_shard)
+                                     has_checkpoint, inspect, intact_hint, list_checkpoints,
+                                     read_index, resolve, saved_step, step_dir_name, verify,
+                                     write_json, write_shard)
 from models.gpt import GPTChunk
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -149,7 +150,9 @@ def save_checkpoint(trainer, step: int) -> str:
     cfg, ps = trainer.cfg, trainer.ps
     root = cfg.checkpoint.save
     final = os.path.join(root, step_dir_name(step))
-    if getattr(trainer, "loaded_step", None) == step and os.path.isdir(final):
+    loaded = getattr(trainer, "loaded_checkpoint", None)
+    if getattr(trainer, "loaded_step", None) == step and loaded and \
+            os.path.realpath(loaded) == os.path.realpath(final):
         return final  # nothing trained since this checkpoint was loaded
     tmp = final + ".tmp"
     if ps.rank == 0:
@@ -237,22 +240,12 @@ def _publish(trainer, step, tmp, final, opt_sd, reducer_step) -> None:
     for _, path in list_checkpoints(root)[:-cfg.checkpoint.keep_last]:
         if os.path.realpath(path) != os.path.realpath(final):
             shutil.rmtree(path, ignore_errors=True)
+    for name in os.listdir(root):  # directories of saves that crashed before their rename
+        if name.startswith("iter_") and name.endswith(".tmp"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 # ---- load -------------------------------------------------------------------------------------
-def has_checkpoint(root: str | None) -> bool:
-    return bool(root) and (os.path.lexists(os.path.join(root, LATEST))
-                           or os.path.isfile(os.path.join(root, INDEX_NAME)))
-
-
-def saved_step(root: str) -> int | None:
-    """The step of the checkpoint ``root`` resolves to (None when it cannot be read)."""
-    try:
-        return int(read_index(resolve(root))["step"])
-    except (CheckpointError, KeyError, ValueError, OSError):
-        return None
-
-
 def check_compatible(index: dict, cfg, data: dict, where: str) -> None:
     """The run's model shape and vocabulary must be the checkpoint's (pure: same on every rank)."""
     saved, model = index["model"], cfg.model
@@ -270,11 +263,13 @@ def check_compatible(index: dict, cfg, data: dict, where: str) -> None:
     if was["vocab_size"] != now["vocab_size"] or was["tokenizer"] != now["tokenizer"] or (
             was["tokenizer_sha256"] and now["tokenizer_sha256"]
             and was["tokenizer_sha256"] != now["tokenizer_sha256"]):
+        fix = f"--mock-data --vocab-size {was['vocab_size']}" if was["mock"] else \
+            f"--data-path {was['prefix']}, or data prepared with python -m engine.data prepare " \
+            f"--tokenizer {was['prefix']}"
         raise CheckpointError(
             f"checkpoint {where} was trained on a {was['vocab_size']}-token vocabulary from "
             f"{describe(was)}, but this run's data has {now['vocab_size']} tokens from {describe(now)}: "
-            f"train on data prepared with the checkpoint's tokenizer (--data-path, --tokenizer, or "
-            f"--mock-data --vocab-size {was['vocab_size']})")
+            f"train on the checkpoint's data ({fix}) or start without --load")
 
 
 def _verify_shared(ps, ckpt: str, index: dict) -> None:
@@ -354,33 +349,6 @@ def load_checkpoint(trainer, load_dir: str) -> int:
 
 
 # ---- python -m engine.checkpoint inspect DIR ---------------------------------------------------
-def inspect(path: str, out=sys.stdout) -> int:
-    ckpt = resolve(path)
-    index = read_index(ckpt)
-    lay, m = index["layout"], index["model"]
-    print(f"checkpoint {ckpt}: step {index['step']}", file=out)
-    print(f"layout: tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} vp={lay['virtual_pipeline_size']} "
-          f"zero1={lay['use_distributed_optimizer']} precision={lay['precision']} "
-          f"world={lay['world_size']}", file=out)
-    print(f"model: {m['block']} layers={m['num_layers']} hidden={m['hidden_size']} "
-          f"heads={m['num_attention_heads']} ffn={m['ffn_hidden_size']} vocab={m['vocab_size']}; "
-          f"data: {index['data']['tokenizer'] or 'mock'}", file=out)
-    total = 0
-    for name, entry in sorted(index["tensors"].items()):
-        n = math.prod(entry["shape"])
-        total += n
-        print(f"  {name:<52} {str(entry['shape']):<14} {entry['dtype']:<9} "
-              f"{len(entry['pieces'])} piece(s)", file=out)
-    size = sum(f["bytes"] for f in index["files"].values())
-    print(f"{len(index['tensors'])} tensors, {total:,} elements, {len(index['files'])} files, "
-          f"{size / 2**20:.2f} MiB", file=out)
-    problems = verify(ckpt, index)
-    for p in problems:
-        print(f"DAMAGED: {p}", file=out)
-    print("checksums: " + ("all files verified" if not problems else f"{len(problems)} damaged"), file=out)
-    return 1 if problems else 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -26,6 +26,7 @@ import math
 import os
 import re
 import struct
+import sys
 import zlib
 
 import torch
@@ -58,7 +59,8 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
 
 def resolve(path: str) -> str:
     """The checkpoint directory meant by ``path``: itself when it holds an index, else what
-    ``path/latest`` points at (a symlink, or a small file naming the directory)."""
+    ``path/latest`` points at (a symlink, or a small file naming the directory), else the newest
+    complete ``iter_*`` directory under it."""
     if os.path.isfile(os.path.join(path, INDEX_NAME)):
         return path
     latest = os.path.join(path, LATEST)
@@ -69,6 +71,9 @@ def resolve(path: str) -> str:
             raise CheckpointError(f"{latest} points at {target}, which does not exist"
                                   + intact_hint(path, exclude=target))
         return target
+    complete = [p for _, p in list_checkpoints(path) if os.path.isfile(os.path.join(p, INDEX_NAME))]
+    if complete:  # saved, but the crash came before latest was repointed
+        return complete[-1]
     raise CheckpointError(f"{path} holds no checkpoint (neither {INDEX_NAME} nor {LATEST}); pass a "
                           f"directory written by --save, or one of its iter_* directories")
 
@@ -144,8 +149,10 @@ def file_damage(path: str, info: dict) -> str | None:
     what = f"truncated ({size} of {info['bytes']} bytes)" if size < info["bytes"] else \
         f"corrupted ({size} bytes, checksum mismatch)"
     if bad:
+        if len(bad) == 1:
+            return f"{name} is {what}: tensor {bad[0]!r} does not match its checksum"
         shown = ", ".join(repr(k) for k in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        return f"{name} is {what}: tensor {shown} does not match its checksum"
+        return f"{name} is {what}: tensors {shown} do not match their checksums"
     if zlib.crc32(raw[:info["header_bytes"]]) != info["header_crc32"]:
         return f"{name} is {what}: its safetensors header (tensor table) is damaged"
     return f"{name} is {what}: bytes after the last tensor differ"
@@ -181,6 +188,54 @@ def intact_hint(root: str, exclude: str | None) -> str:
     if intact is None:
         return "; no earlier intact checkpoint was found there"
     return f"; the earlier checkpoint {intact} is intact: resume with --load {intact}"
+
+
+def has_checkpoint(root: str | None) -> bool:
+    return bool(root) and (os.path.lexists(os.path.join(root, LATEST))
+                           or os.path.isfile(os.path.join(root, INDEX_NAME))
+                           or any(os.path.isfile(os.path.join(p, INDEX_NAME))
+                                  for _, p in list_checkpoints(root)))
+
+
+def saved_step(root: str) -> int | None:
+    """The step of the checkpoint ``root`` resolves to (None when it cannot be read)."""
+    try:
+        return int(read_index(resolve(root))["step"])
+    except (CheckpointError, KeyError, ValueError, OSError):
+        return None
+
+
+def inspect(path: str, out=None) -> int:
+    out = out or sys.stdout
+    ckpt = resolve(path)
+    index = read_index(ckpt)
+    lay, m = index["layout"], index["model"]
+    print(f"checkpoint {ckpt}: step {index['step']}", file=out)
+    print(f"layout: tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} vp={lay['virtual_pipeline_size']} "
+          f"zero1={lay['use_distributed_optimizer']} precision={lay['precision']} "
+          f"world={lay['world_size']}", file=out)
+    print(f"model: {m['block']} layers={m['num_layers']} hidden={m['hidden_size']} "
+          f"heads={m['num_attention_heads']} ffn={m['ffn_hidden_size']} vocab={m['vocab_size']}; "
+          f"data: {index['data']['tokenizer'] or 'mock'}", file=out)
+    total = 0
+    for name, entry in sorted(index["tensors"].items()):
+        n = math.prod(entry["shape"])
+        total += n
+        print(f"  {name:<52} {str(entry['shape']):<14} {entry['dtype']:<9} "
+              f"{len(entry['pieces'])} piece(s)", file=out)
+    owner = {r["file"]: (rank, r["coord"]) for rank, r in index["ranks"].items()}
+    for fname, f in sorted(index["files"].items()):
+        rank, (tp, pp, dp) = owner.get(fname, ("?", ("?", "?", "?")))
+        print(f"  {fname}: {f['bytes'] / 2**10:,.1f} KiB, {len(f['tensors'])} tensors "
+              f"(rank {rank}: tp {tp}, pp {pp}, dp {dp})", file=out)
+    size = sum(f["bytes"] for f in index["files"].values())
+    print(f"{len(index['tensors'])} tensors, {total:,} elements, {len(index['files'])} files, "
+          f"{size / 2**20:.2f} MiB", file=out)
+    problems = verify(ckpt, index)
+    for p in problems:
+        print(f"DAMAGED: {p}", file=out)
+    print("checksums: " + ("all files verified" if not problems else f"{len(problems)} damaged"), file=out)
+    return 1 if problems else 0
 
 
 # ---- reading regions back --------------------------------------------------------------------

@@ -1,9 +1,74 @@
-"""``python -m engine.train``: one training job (single process, or one rank under torchrun/Slurm)."""
+"""``python -m engine.train``: one training job (single process, or one rank under torchrun/Slurm).
+
+Failures end the process with one line on stderr instead of a hang or a bare traceback: a bad
+configuration or checkpoint (exit 2), a diverged loss (exit 1, naming the last good checkpoint) and a
+collective that timed out or lost a peer (exit 1, naming the operation, its process group and this
+rank), so that torchrun stops, or restarts, the whole job.
+"""
 from __future__ import annotations
 
+import os
+import re
 import sys
 
 from engine.cli import ConfigError, parse_args
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_COMM = re.compile(r"timed out|timeout|connection (reset|closed)|closed by peer|broken pipe|"
+                   r"NCCL|HCCL|gloo", re.IGNORECASE)
+
+
+def _group_name(group, ps) -> str:
+    import torch.distributed as dist
+    if group is None or group is dist.GroupMember.WORLD:
+        return "world"
+    for dim in ("tp", "pp", "dp", "mp", "embedding"):
+        if getattr(ps, f"{dim}_group", None) is group:
+            return dim
+    return "a"
+
+
+def describe_comm_failure(exc: BaseException, ps, timeout_s: float | None = None) -> str | None:
+    """Name the collective (from the torch.distributed call in the traceback), its process group
+    and the code that issued it for a communication error; None when ``exc`` is not one."""
+    import torch.distributed as dist
+    from parallel.pipeline.p2p import PipelineCommError
+    if isinstance(exc, PipelineCommError):
+        return str(exc)
+    if not isinstance(exc, RuntimeError) or not _COMM.search(str(exc)):
+        return None
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    op = where = group = None
+    found_group = False
+    for frame in reversed(frames):  # innermost first
+        path, code = frame.f_code.co_filename, frame.f_code
+        if op is None and path.endswith("distributed_c10d.py") and not code.co_name.startswith("_"):
+            op = code.co_name
+            if "group" in frame.f_locals:
+                group, found_group = frame.f_locals["group"], True
+        if where is None and path.startswith(_REPO) and "site-packages" not in path:
+            where = f"{code.co_qualname} ({os.path.relpath(path, _REPO)}:{frame.f_lineno})"
+        if not found_group:
+            for value in frame.f_locals.values():
+                cand = value if isinstance(value, dist.ProcessGroup) else getattr(value, "group", None)
+                if isinstance(cand, dist.ProcessGroup):
+                    group, found_group = cand, True
+                    break
+    what = f"{op or 'a collective'}"
+    if found_group:
+        ranks = list(range(ps.world_size)) if group is None else dist.get_process_group_ranks(group)
+        what += f" over the {_group_name(group, ps)} group (ranks {ranks})"
+    if where:
+        what += f" in {where}"
+    timed_out = re.search(r"timed out|timeout", str(exc), re.IGNORECASE)
+    why = f"timed out after {timeout_s:g} s (--timeout-s)" if timed_out and timeout_s else \
+        ("timed out" if timed_out else "failed")
+    cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"communication failure: {what} {why} on {ps.describe()}: a peer rank died, hangs or "
+            f"runs a different configuration; check the other ranks' logs. [{cause}]")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -12,14 +77,28 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"gridtron: configuration error: {exc}", file=sys.stderr)
         return 2
-    from engine.trainer import Trainer
+    from engine.checkpoint import CheckpointError
+    from engine.trainer import Trainer, TrainingDiverged
     try:
         trainer = Trainer(cfg)
-    except ConfigError as exc:
+    except (ConfigError, ValueError) as exc:  # e.g. data too small for --seq-length
         print(f"gridtron: configuration error: {exc}", file=sys.stderr)
         return 2
     try:
         result = trainer.train()
+    except CheckpointError as exc:
+        print(f"gridtron: checkpoint error: {exc}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as exc:
+        print(f"gridtron: training diverged: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        message = describe_comm_failure(exc, trainer.ps, cfg.parallel.timeout_s)
+        if message is None:
+            raise
+        print(f"gridtron: {message}", file=sys.stderr)
+        return 1  # no teardown barrier: a peer is gone
+    try:
         if trainer.is_main and result.summary:
             print(result.summary)
             if getattr(trainer, "sample_text", None):

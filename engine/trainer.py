@@ -284,7 +284,9 @@ class Trainer:
         checkpoint (so a job restarted by torchrun continues by itself)."""
         from engine.checkpoint import has_checkpoint, load_checkpoint, saved_step
         ck = self.cfg.checkpoint
-        if ck.load:
+        fresh = ck.load and ck.save and os.path.realpath(ck.load) == os.path.realpath(ck.save) \
+            and not has_checkpoint(ck.save)
+        if ck.load and not fresh:  # (--load DIR --save DIR on a first run starts from scratch)
             return load_checkpoint(self, ck.load)
         if has_checkpoint(ck.save):
             step = saved_step(ck.save)

@@ -10,6 +10,7 @@ and a serial run (tp=pp=dp=1, ZeRO off) in this process loads A's step 3.
 The vocabulary (300) pads differently at tp 1, 2 and 4, so padding rows are dropped and restored.
 """
 import json
+import math
 import os
 
 import pytest
@@ -89,7 +90,14 @@ def test_index_records_pieces_and_layout(resharded):
     word = index["tensors"]["model/embedding.word.weight"]
     assert word["shape"] == [300, 64]  # padding rows (300 -> 512 at tp 2) are not stored
     assert sum(p["shape"][0] for p in word["pieces"]) == 300  # the tied copy on the last stage is not
-    exp_avg = index["tensors"]["optim/exp_avg/layers.0.attn.qkv.weight"]
-    assert all("flat" in p for p in exp_avg["pieces"])  # ZeRO-1: each DP rank's flat range
-    c_index = json.load(open(os.path.join(root, "c", "iter_0000004", "index.json")))
-    assert not any("flat" in p for p in c_index["tensors"]["optim/exp_avg/layers.0.attn.qkv.weight"]["pieces"])
+    optim = {n: e for n, e in index["tensors"].items() if n.startswith("optim/")}
+    assert {n.split("/")[1] for n in optim} == {"exp_avg", "exp_avg_sq", "master"}
+    for name, entry in optim.items():  # pieces tile each tensor exactly once
+        stored = sum(p["flat"][1] - p["flat"][0] if "flat" in p else math.prod(p["shape"])
+                     for p in entry["pieces"])
+        assert stored == math.prod(entry["shape"]), name
+    assert any("flat" in p for e in optim.values() for p in e["pieces"])  # ZeRO-1 ranges
+    with open(os.path.join(root, "c", "iter_0000004", "index.json")) as fh:
+        c_index = json.load(fh)
+    assert not any("flat" in p for n, e in c_index["tensors"].items() for p in e["pieces"])
+    assert "optim/master/layers.0.attn.qkv.weight" not in c_index["tensors"]  # fp32: params are masters

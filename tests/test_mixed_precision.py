@@ -22,7 +22,8 @@ from parallel.state import LaunchEnv
 from parallel.topology import RankGrid
 from tests.dist_utils import run_distributed
 
-STEPS = 8
+STEPS = 8                   # the overflow run
+TRACK_STEPS = 6             # the fp32 / bf16 / fp16 comparison
 TOLERANCE = 0.02            # relative distance of a low-precision loss from fp32's, every step
 INITIAL_SCALE = 1024.0
 HYSTERESIS = 2
@@ -30,10 +31,10 @@ OVERFLOW_RANK = 3           # (tp 0, pp 1, dp 1): the last stage of the second r
 OVERFLOW_STEPS = (2, 3, 6)  # 1-based
 
 
-def base(data: str) -> list[str]:
+def base(data: str, steps: int = STEPS) -> list[str]:
     return ["--data-path", data, "--no-progress", "--device", "cpu", "--num-layers", "2",
             "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--global-batch-size", "16", "--micro-batch-size", "4", "--train-iters", str(STEPS),
+            "--global-batch-size", "16", "--micro-batch-size", "4", "--train-iters", str(steps),
             "--lr", "3e-3", "--min-lr", "3e-3", "--lr-warmup-iters", "0", "--peak-tflops", "1",
             "--initial-loss-scale", str(INITIAL_SCALE), "--hysteresis", str(HYSTERESIS)]
 
@@ -80,11 +81,12 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(corpus):
-    fp32 = Trainer(parse_args(base(corpus) + ["--precision", "fp32"]), launch=LaunchEnv())
+    short = base(corpus, TRACK_STEPS)
+    fp32 = Trainer(parse_args(short + ["--precision", "fp32"]), launch=LaunchEnv())
     reference = [r["loss"] for r in fp32.train().records]
     layout = ["--pp", "2", "--dp", "2"]
-    jobs = [(base(corpus) + layout + ["--precision", "bf16", "--use-distributed-optimizer"], False),
-            (base(corpus) + layout + ["--precision", "fp16"], False),
+    jobs = [(short + layout + ["--precision", "bf16", "--use-distributed-optimizer"], False),
+            (short + layout + ["--precision", "fp16"], False),
             (base(corpus) + layout + ["--precision", "fp16"], True)]
     return reference, run_distributed(train_all, grid=RankGrid(pp=2, dp=2), args=(jobs,))
 
@@ -95,6 +97,7 @@ def test_low_precision_tracks_fp32(runs, index, precision):
     assert reference[-1] < reference[0] - 0.5, reference     # the run learns: the check has teeth
     records = results[0][index]["records"]
     losses = [r["loss"] for r in records]
+    assert len(losses) == len(reference) == TRACK_STEPS
     for step, (got, want) in enumerate(zip(losses, reference), start=1):
         assert abs(got - want) <= TOLERANCE * want, f"{precision} step {step}: {got} vs fp32 {want}"
     assert not any(r["skipped"] for r in records)

@@ -22,7 +22,8 @@ PP, DP = 2, 2
 BASE = ["--mock-data", "--vocab-size", "512", "--no-progress", "--device", "cpu",
         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--global-batch-size", "12", "--train-iters", str(STEPS),
-        "--lr-warmup-iters", "0", "--peak-tflops", "1", "--pp", str(PP), "--dp", str(DP)]
+        "--lr-warmup-iters", "0", "--peak-tflops", "1"]
+LAYOUT = ["--pp", str(PP), "--dp", str(DP)]
 # (schedule, micro-batch size, vp): m = 12 / (mbs * dp) micro-batches per step
 RUNS = [("gpipe", 2, 1), ("1f1b", 2, 1), ("interleaved", 3, 2)]
 
@@ -40,7 +41,7 @@ def expected_in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
 def train_with_files(ps, runs: list, folder: str) -> list[dict]:
     out = []
     for schedule, mbs, vp in runs:
-        argv = BASE + ["--pipeline-schedule", schedule, "--micro-batch-size", str(mbs),
+        argv = BASE + LAYOUT + ["--pipeline-schedule", schedule, "--micro-batch-size", str(mbs),
                        "--virtual-pipeline-size", str(vp),
                        "--metrics-file", f"{folder}/{schedule}.jsonl",
                        "--timeline", f"{folder}/{schedule}.trace.json"]
@@ -126,7 +127,7 @@ def test_interleaved_needs_micro_batches_multiple_of_pp(monkeypatch):
         raise AssertionError("the process group was started before the layout was checked")
 
     monkeypatch.setattr(ParallelState, "initialize", no_collectives)
-    cfg = parse_args(BASE[:-4] + ["--pp", "2", "--pipeline-schedule", "interleaved",
+    cfg = parse_args(BASE + ["--pp", "2", "--pipeline-schedule", "interleaved",
                                   "--virtual-pipeline-size", "2", "--micro-batch-size", "4"])
     with pytest.raises(ConfigError, match=r"micro-batches per step \(3 = .*\) to be a multiple of --pp 2"):
         Trainer(cfg, launch=LaunchEnv(rank=0, world_size=2, local_rank=0, local_world_size=2))

@@ -11,6 +11,17 @@ import torch
 import torch.distributed as dist
 
 
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """Single-tensor all-gather (torch 2.13 names it all_gather_single; older: all_gather_into_tensor)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, x, group=group)
+
+
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -42,17 +53,29 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    """All-gather into one (size, *x.shape) tensor, then lay the pieces out along ``dim``.
+
+    The single-tensor collectives (rather than lists of tensors) keep torch.compile graphs whole.
+    """
+    size, dim = group_size(group), dim % x.dim()
+    buf = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(buf, x.contiguous(), group=group)
+    if dim == 0:
+        return buf
+    out_shape = list(x.shape)
+    out_shape[dim] *= size
+    return buf.view(size, *x.shape).movedim(0, dim).reshape(out_shape)  # (.., size*x.shape[dim], ..)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    size = group_size(group)
+    """Sum over the group and keep this rank's chunk along ``dim`` (single-tensor collective)."""
+    size, dim = group_size(group), dim % x.dim()
     _check_divisible(x, dim, size)
-    parts = [p.contiguous() for p in x.chunk(size, dim=dim)]
-    out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=group)
+    shape = list(x.shape)
+    shape[dim : dim + 1] = [size, shape[dim] // size]
+    stacked = x.reshape(shape).movedim(dim, 0).contiguous()  # (size, .., x.shape[dim] / size, ..)
+    out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out, stacked.view(size * out.shape[0], *out.shape[1:]), group=group)
     return out
 
 

@@ -1,0 +1,159 @@
+"""The pure parts of benchmarks/scaling.py and benchmarks/peers.py, and one tiny real run of the
+PyTorch-native comparison: dp=2 for 2 steps, whose losses must match the engine's."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks import peers, scaling
+from benchmarks.common import (Layout, fmt_bytes, markdown_table, max_rel_diff, parse_int_list,
+                               parse_layout, scaling_efficiency, steady, summarize)
+
+
+def _records(times, tokens=1000, **extra):
+    return [{"step": i + 1, "loss": 5.0, "step_time_s": t, "tokens": tokens, **extra}
+            for i, t in enumerate(times)]
+
+
+def test_layout_parsing_and_errors():
+    assert parse_layout("2,1,4") == Layout(2, 1, 4)
+    assert parse_layout("2x2x2").world == 8
+    assert Layout(2, 2, 2).tag == "tp2-pp2-dp2" and str(Layout(1, 2, 1)) == "(1,2,1)"
+    assert Layout(2, 1, 1).flags() == ["--tp", "2", "--pp", "1", "--dp", "1"]
+    for bad in ("2,1", "a,1,1", "0,1,1"):
+        with pytest.raises(ValueError):
+            parse_layout(bad)
+    assert parse_int_list("1,2,4,8", "--nprocs") == [1, 2, 4, 8]
+    for bad in ("1,1", "0", "", "x"):
+        with pytest.raises(ValueError):
+            parse_int_list(bad, "--nprocs")
+
+
+def test_default_and_planned_layouts():
+    assert scaling.default_layouts(1) == [Layout(1, 1, 1)]
+    assert scaling.default_layouts(2) == [Layout(1, 1, 2)]
+    assert scaling.default_layouts(4) == [Layout(1, 1, 4), Layout(2, 1, 2), Layout(1, 2, 2)]
+    assert scaling.default_layouts(8) == [Layout(1, 1, 8), Layout(2, 1, 4), Layout(1, 2, 4),
+                                          Layout(2, 2, 2)]
+    planned = scaling.plan_layouts([2, 4], None)
+    assert planned[0] == Layout(1, 1, 1)  # the baseline is added and comes first
+    assert [l.world for l in planned] == sorted(l.world for l in planned)
+    assert planned[1:3] == [Layout(1, 1, 2), Layout(1, 1, 4)]  # dp-only first within a count
+    explicit = scaling.plan_layouts([8], [Layout(2, 2, 2), Layout(2, 2, 2)])
+    assert explicit == [Layout(1, 1, 1), Layout(2, 2, 2)]
+
+
+def test_global_batch_per_mode():
+    assert scaling.global_batch("strong", Layout(1, 1, 4), 16, 8) == 16
+    assert scaling.global_batch("weak", Layout(2, 1, 4), 16, 8) == 32
+    with pytest.raises(ValueError):
+        scaling.global_batch("other", Layout(), 16, 8)
+
+
+def test_efficiency_arithmetic():
+    assert scaling_efficiency(300.0, 4, 100.0) == pytest.approx(0.75)
+    assert scaling_efficiency(100.0, 1, 100.0) == 1.0
+    with pytest.raises(ValueError):
+        scaling_efficiency(1.0, 0, 1.0)
+    rows = [{"layout": "(1,1,1)", "procs": 1, "status": "ok", "tokens_per_s": 100.0},
+            {"layout": "(1,1,2)", "procs": 2, "status": "ok", "tokens_per_s": 150.0},
+            {"layout": "(2,1,1)", "procs": 2, "status": "failed", "reason": "x"}]
+    scaling.add_efficiency(rows)
+    assert [r["efficiency"] for r in rows] == [1.0, 0.75, None]
+
+
+def test_summary_drops_warmup_and_uses_the_median_step():
+    recs = _records([9.0, 9.0, 1.0, 2.0, 50.0], tokens=1000, mfu=0.5, dp_comm_bytes=10,
+                    bubble_theoretical=None)
+    s = summarize(recs, warmup=2)
+    assert s["steps"] == 3 and s["step_time_s"] == 2.0
+    assert s["tokens_per_s"] == pytest.approx(500.0)
+    assert s["mfu"] == 0.5 and s["bubble_theoretical"] is None and s["dp_comm_bytes"] == 10
+    assert len(steady(recs, 0)) == 5
+    with pytest.raises(ValueError, match="raise --steps"):
+        steady(recs, 5)
+
+
+def test_tables_and_formatting():
+    text = markdown_table(["a", "b"], [[1, "x"], [2, "y"]])
+    assert text.splitlines() == ["| a | b |", "|---|---|", "| 1 | x |", "| 2 | y |"]
+    with pytest.raises(ValueError):
+        markdown_table(["a", "b"], [[1]])
+    assert fmt_bytes(512) == "512 B" and fmt_bytes(3 * 1024 ** 2) == "3.0 MiB" and fmt_bytes(None) == "-"
+    rows = [{"procs": 1, "layout": "(1,1,1)", "global_batch": 8, "status": "ok", "tokens_per_s": 1234.4,
+             "tflops_per_device": 0.01, "mfu": 0.25, "bubble_theoretical": None,
+             "bubble_measured": None, "dp_comm_bytes": 0, "efficiency": 1.0},
+            {"procs": 4, "layout": "(1,2,2)", "global_batch": 8, "status": "ok", "tokens_per_s": 2000.0,
+             "tflops_per_device": 0.004, "mfu": None, "bubble_theoretical": 0.2,
+             "bubble_measured": 0.45, "dp_comm_bytes": 2048, "efficiency": 0.4051},
+            {"procs": 3, "layout": "(3,1,1)", "global_batch": 8, "status": "skipped",
+             "reason": "heads"}]
+    lines = scaling.table(rows).splitlines()
+    assert lines[2].startswith("| 1 | (1,1,1) | 8 | 1234 | 0.0100 | 25.0% | - | 0 B | 1.00 |")
+    assert "| 0.20 / 0.45 | 2.0 KiB | 0.41 |" in lines[3] and "| - |" in lines[3]
+    assert "skipped: heads" in lines[4]
+
+
+def test_max_rel_diff():
+    assert max_rel_diff([1.0, 2.0], [1.0, 2.0]) == 0.0
+    assert max_rel_diff([1.1, 2.0], [1.0, 2.0]) == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        max_rel_diff([1.0], [1.0, 2.0])
+
+
+def test_peer_comparison_takes_medians_and_the_worst_loss_gap():
+    eng = [_records([1.0, 0.5]), _records([1.0, 0.25])]
+    nat = [_records([1.0, 1.0]), _records([1.0, 1.0])]
+    nat[1][1]["loss"] = 5.0 * (1 + 3e-5)
+    res = peers.compare(eng, nat, warmup=1)
+    assert res["engine_runs_tokens_per_s"] == [2000.0, 4000.0]
+    assert res["engine_tokens_per_s"] == 3000.0 and res["native_tokens_per_s"] == 1000.0
+    assert res["ratio"] == 3.0 and res["max_rel_loss_diff"] == pytest.approx(3e-5)
+    with pytest.raises(ValueError):
+        peers.compare(eng, nat[:1], warmup=1)
+
+
+def test_engine_verdict_before_launch():
+    base = scaling.recipe_flags(None)
+    ok = scaling.job_argv(base, Layout(2, 2, 2), 16, 4, "m.jsonl", 0.05)
+    assert scaling.why_not(ok, 8) is None
+    assert "--tp" in scaling.why_not(scaling.job_argv(base, Layout(3, 1, 1), 16, 4, "m", None), 3)
+    assert "divisible" in scaling.why_not(scaling.job_argv(base, Layout(1, 1, 8), 12, 4, "m", None), 8)
+    with pytest.raises(ValueError, match="heads"):
+        peers.check_layout(Layout(3, 1, 1), peers.SPEC)
+    with pytest.raises(ValueError, match="multiple"):
+        peers.check_layout(Layout(1, 1, 8), peers.SPEC)
+
+
+def test_native_model_matches_the_engine_serial_model():
+    from benchmarks.peers_native import NativeGPT, copy_engine_weights, parse
+    from models import GPTChunk, GPTConfig, LayerContext
+    from parallel.state import ParallelState
+    from parallel.tensor_parallel import Initializer
+    args = parse(["--out", "unused", "--num-layers", "2", "--hidden-size", "32",
+                  "--seq-length", "16", "--vocab-size", "200"])
+    native = NativeGPT(200, 32, 4, 128, 16, range(2))
+    copy_engine_weights(native, args)
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                    vocab_size=200, seed=args.seed)
+    ref = GPTChunk(cfg, ParallelState.serial(), LayerContext(Initializer(args.seed, cfg.init_std)),
+                   range(2))
+    tokens = torch.randint(0, 200, (2, 17), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    want = ref(x, y).mean()
+    got = torch.nn.functional.cross_entropy(native(x).flatten(0, 1), y.flatten())
+    assert math.isclose(got.item(), want.item(), rel_tol=1e-6)
+
+
+def test_peers_end_to_end_dp2(tmp_path):
+    """Both sides really launched (torchrun, 2 gloo ranks each) for 2 steps."""
+    res = peers.run_layout(Layout(1, 1, 2), peers.SPEC, steps=2, warmup=1, out_dir=tmp_path,
+                           timeout_s=120)
+    assert len(res["engine_losses"]) == len(res["native_losses"]) == 2
+    assert res["max_rel_loss_diff"] < 1e-5, (res["engine_losses"], res["native_losses"])
+    assert res["engine_tokens_per_s"] > 0 and res["native_tokens_per_s"] > 0
+    assert res["ratio"] == pytest.approx(res["engine_tokens_per_s"] / res["native_tokens_per_s"])
+    report = peers.report([res], peers.SPEC, 2, 1, 1e-4)
+    assert "| (1,1,2) | 2 |" in report and "| yes |" in report
