@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -112,16 +113,27 @@ def run_mode(mode: str, layouts: list[Layout], base: list[str], args, peak: floa
             continue
         print(f"scaling: {mode} {layout} on {layout.world} processes, global batch {batch} ...",
               flush=True)
-        metrics.unlink(missing_ok=True)
         try:
-            torchrun(layout.world, ["-m", "engine.train", *argv], metrics.with_suffix(".log"),
-                     args.timeout, args.threads_per_rank)
-            rows.append({**row, **summarize(read_jsonl(metrics), args.warmup)})
+            runs = []
+            for rep in range(args.repeats):
+                path = metrics.with_name(f"{layout.tag}-r{rep}.jsonl")
+                path.unlink(missing_ok=True)
+                job = job_argv(base, layout, batch, args.steps, path, peak)
+                torchrun(layout.world, ["-m", "engine.train", *job], path.with_suffix(".log"),
+                         args.timeout, args.threads_per_rank)
+                runs.append(summarize(read_jsonl(path), args.warmup))
+            rows.append({**row, **median_run(runs)})
         except (LaunchFailed, ValueError, OSError) as exc:
             rows.append({**row, "status": "failed", "reason": str(exc).splitlines()[0]})
             print(f"scaling: {mode} {layout}: FAILED: {exc}", flush=True)
     add_efficiency(rows)
     return rows
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The summary of the run with the median tokens/s (the lower middle for an even count)."""
+    ranked = sorted(runs, key=lambda r: r["tokens_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "runs_tokens_per_s": [r["tokens_per_s"] for r in runs]}
 
 
 def add_efficiency(rows: list[dict]) -> None:
@@ -155,7 +167,8 @@ def table(rows: list[dict]) -> str:
     return markdown_table(headers, body)
 
 
-def plot(results: dict[str, list[dict]], path: Path) -> None:
+def plot(results: dict[str, list[dict]], path: Path, cores: int | None = None) -> None:
+    """Tokens/s and efficiency against processes; ``cores``: where ranks start sharing cores."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -176,6 +189,9 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
     axes[1].set(xlabel="processes", ylabel="tokens/s / (n x one process)", title="efficiency",
                 xscale="log")
     axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
+    if cores is not None:
+        for ax in axes:
+            ax.axvline(cores, color="red", lw=0.8, ls=":", label=f"{cores} CPU cores")
     procs = sorted({r["procs"] for rows in results.values() for r in rows})
     for ax in axes:
         ax.set_xticks(procs, [str(p) for p in procs])
@@ -198,6 +214,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--global-batch-size", dest="strong_batch", type=int,
                     help="strong scaling's fixed global batch (default: the recipe's)")
     ap.add_argument("--batch-per-dp", type=int, default=8, help="weak scaling's batch per DP rank")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="jobs per layout; the run with the median tokens/s is reported")
     ap.add_argument("--peak-tflops", type=float, help="device peak for MFU (default on CPU: measured)")
     ap.add_argument("--threads-per-rank", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun job")
@@ -219,15 +237,17 @@ def main(argv=None) -> int:
     if args.strong_batch is None:
         from engine.cli import parse_args
         args.strong_batch = parse_args(base).data.global_batch_size
+    from engine.device import detect_device_type
+    on_cpu = detect_device_type("auto") == "cpu"
     peak = args.peak_tflops
-    if peak is None:
-        from engine.device import detect_device_type
-        if detect_device_type("auto") == "cpu":
-            peak = single_thread_peak_tflops() * args.threads_per_rank
+    if peak is None and on_cpu:
+        peak = single_thread_peak_tflops() * args.threads_per_rank
     Path(args.out).mkdir(parents=True, exist_ok=True)
     results = {mode: run_mode(mode, layouts, base, args, peak) for mode in args.modes}
     recipe = args.config or ", ".join(f"{k}={v}" for k, v in DEFAULT_RECIPE.items())
-    parts = [f"Recipe: {recipe}. {args.steps} steps per job, first {args.warmup} dropped. "
+    jobs = f"median of {args.repeats} jobs per layout" if args.repeats > 1 else "one job per layout"
+    parts = [f"Recipe: {recipe}. {args.steps} steps per job, first {args.warmup} dropped; "
+             f"tokens/s from the median step time, {jobs}. "
              f"Strong scaling: global batch {args.strong_batch}. Weak scaling: {args.batch_per_dp} "
              f"sequences per DP rank. MFU peak: {fmt(peak, '.3f')} TFLOP/s per rank"
              f"{' (one thread, measured)' if args.peak_tflops is None else ''}."]
@@ -239,7 +259,7 @@ def main(argv=None) -> int:
     (out / "scaling.md").write_text(text)
     (out / "scaling.json").write_text(json.dumps(results, indent=1))
     if any(r["status"] == "ok" for rows in results.values() for r in rows):
-        plot(results, out / "scaling.png")
+        plot(results, out / "scaling.png", os.cpu_count() if on_cpu else None)
     print(text)
     return 1 if any(r["status"] == "failed" for rows in results.values() for r in rows) else 0
 

@@ -23,6 +23,9 @@ class ParallelConfig:
     dp: int | None = None  # default: world / (tp * pp)
     virtual_pipeline_size: int = 1
     pipeline_schedule: str = "1f1b"
+    # count the embedding / output layer as this many blocks when splitting layers over stages
+    # (0: split by block count alone, which needs num_layers % (pp * vp) == 0)
+    stage_end_weight: float = 0.0
     sequence_parallel: bool = False
     recompute: str = "none"
     use_distributed_optimizer: bool = False
@@ -38,6 +41,8 @@ class ParallelConfig:
             raise ValueError(f"--pipeline-schedule must be one of {SCHEDULES}, got {self.pipeline_schedule!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"--recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.stage_end_weight < 0:
+            raise ValueError(f"--stage-end-weight must be >= 0, got {self.stage_end_weight}")
         if self.virtual_pipeline_size > 1 and self.pipeline_schedule != "interleaved":
             raise ValueError("--virtual-pipeline-size > 1 needs --pipeline-schedule interleaved")
         if self.pipeline_schedule == "interleaved" and self.pp == 1:

@@ -99,7 +99,8 @@ class Trainer:
         cfg, ps = self.cfg, self.ps
         self.model_cfg: GPTConfig = cfg.model
         vp = cfg.parallel.virtual_pipeline_size
-        ranges = stage_layers(cfg.model.num_layers, ps.pp_size, vp, ps.pp_rank)
+        ranges = stage_layers(cfg.model.num_layers, ps.pp_size, vp, ps.pp_rank,
+                              cfg.parallel.stage_end_weight)
         virtual = [c * ps.pp_size + ps.pp_rank for c in range(vp)]
         ctx = LayerContext(Initializer(cfg.seed, cfg.model.init_std),
                            sequence_parallel=cfg.parallel.sequence_parallel and ps.tp_size > 1,

@@ -37,12 +37,12 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv,
     if par.sequence_parallel and tp == 1:
         notes.append("--sequence-parallel has no effect with --tp 1")
     stages = grid.pp * par.virtual_pipeline_size
-    if m.num_layers % stages:
+    if m.num_layers % stages and not par.stage_end_weight:
         raise ConfigError(f"--num-layers {m.num_layers} is not divisible by pp x virtual stages = "
                           f"{grid.pp} x {par.virtual_pipeline_size}; choose a layer count that is a "
-                          f"multiple of {stages}")
+                          f"multiple of {stages}, or weight the end stages with --stage-end-weight")
     try:
-        partition_layers(m.num_layers, grid.pp, par.virtual_pipeline_size)
+        partition_layers(m.num_layers, grid.pp, par.virtual_pipeline_size, par.stage_end_weight)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     try:

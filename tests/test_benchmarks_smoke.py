@@ -64,6 +64,14 @@ def test_efficiency_arithmetic():
     assert [r["efficiency"] for r in rows] == [1.0, 0.75, None]
 
 
+def test_median_run_of_repeats():
+    runs = [{"tokens_per_s": t, "mfu": t / 10} for t in (30.0, 10.0, 20.0, 40.0)]
+    picked = scaling.median_run(runs)
+    assert picked["tokens_per_s"] == 20.0 and picked["mfu"] == 2.0  # lower middle, whole summary
+    assert picked["runs_tokens_per_s"] == [30.0, 10.0, 20.0, 40.0]
+    assert scaling.median_run(runs[:1])["tokens_per_s"] == 30.0
+
+
 def test_summary_drops_warmup_and_uses_the_median_step():
     recs = _records([9.0, 9.0, 1.0, 2.0, 50.0], tokens=1000, mfu=0.5, dp_comm_bytes=10,
                     bubble_theoretical=None)

@@ -41,6 +41,7 @@ def test_unknown_flag_and_key(tmp_path):
     (["--tp", "2", "--sequence-parallel", "--seq-length", "63"], 2,
      "--seq-length 63 is not divisible by --tp 2"),
     (["--pp", "3", "--num-layers", "4"], 3, "--num-layers 4 is not divisible by pp x virtual"),
+    (["--pp", "4", "--num-layers", "3", "--stage-end-weight", "1"], 4, "cannot split 3 layers"),
     (["--dp", "2", "--micro-batch-size", "4", "--global-batch-size", "12"], 2,
      "not divisible by micro-batch-size x dp"),
     (["--pp", "2", "--pipeline-schedule", "interleaved", "--virtual-pipeline-size", "2",

@@ -154,14 +154,15 @@ def corpus(tmp_path_factory):
     return str(prefix)
 
 
-def test_dp2_equivalence_buckets_and_compression(serial, corpus):
+def test_dp2_equivalence_buckets_and_compression(serial, corpus, tmp_path):
     small = ["--bucket-size-mb", "0.05"]
     jobs = [("count", layout(1, 1, 2, 2, *small)),
             ("count", layout(1, 1, 2, 2, "--use-distributed-optimizer", *small)),
             ("plain", compressed(corpus)),
             ("plain", compressed(corpus, "--grad-compression", "int8")),
             ("plain", compressed(corpus, "--grad-compression", "topk", "--grad-compression-ratio", "0.01")),
-            ("plain", compressed(corpus, "--config", POLICY_RECIPE))]
+            ("plain", compressed(corpus, "--config", POLICY_RECIPE,  # metrics to tmp, not the recipe's runs/
+                                 "--metrics-file", str(tmp_path / "policy.jsonl")))]
     results = run_distributed(run_jobs, grid=RankGrid(dp=2), args=(jobs,))
     plain, zero, none, int8, topk, policy = results[0]
     assert_matches(plain, serial, "dp=2")
