@@ -91,6 +91,7 @@ def run_layout(layout: Layout, spec: dict, steps: int, warmup: int, out_dir: Pat
     """Train both sides on ``layout`` (one torchrun job each, ``repeats`` times, alternating which
     side goes first) and compare them."""
     check_layout(layout, spec)
+    out_dir = Path(out_dir).resolve()  # the jobs run from the repository root
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list] = {"engine": [], "native": []}
     build = {"engine": engine_target, "native": native_target}

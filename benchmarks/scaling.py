@@ -68,8 +68,8 @@ def global_batch(mode: str, layout: Layout, strong_batch: int, batch_per_dp: int
 
 
 def recipe_flags(config: str | None) -> list[str]:
-    if config:
-        return ["--config", config]
+    if config:  # absolute: the jobs run from the repository root
+        return ["--config", str(Path(config).resolve())]
     flags = []
     for key, value in DEFAULT_RECIPE.items():
         flag = f"--{key.replace('_', '-')}"
@@ -223,6 +223,7 @@ def parse(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
         ap.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    args.out = str(Path(args.out).resolve())  # the jobs run from the repository root
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in MODES for m in args.modes):
         ap.error(f"--modes takes strong, weak or both, got {','.join(args.modes)!r}")
@@ -244,17 +245,7 @@ def main(argv=None) -> int:
         peak = single_thread_peak_tflops() * args.threads_per_rank
     Path(args.out).mkdir(parents=True, exist_ok=True)
     results = {mode: run_mode(mode, layouts, base, args, peak) for mode in args.modes}
-    recipe = args.config or ", ".join(f"{k}={v}" for k, v in DEFAULT_RECIPE.items())
-    jobs = f"median of {args.repeats} jobs per layout" if args.repeats > 1 else "one job per layout"
-    parts = [f"Recipe: {recipe}. {args.steps} steps per job, first {args.warmup} dropped; "
-             f"tokens/s from the median step time, {jobs}. "
-             f"Strong scaling: global batch {args.strong_batch}. Weak scaling: {args.batch_per_dp} "
-             f"sequences per DP rank. MFU peak: {fmt(peak, '.3f')} TFLOP/s per rank"
-             f"{' (one thread, measured)' if args.peak_tflops is None else ''}."]
-    for mode, rows in results.items():
-        parts.append(f"### {mode} scaling\n\n{table(rows)}")
-    parts.append(machine_note(max(l.world for l in layouts)))
-    text = "\n\n".join(parts) + "\n"
+    text = render(results, args, peak, max(l.world for l in layouts))
     out = Path(args.out)
     (out / "scaling.md").write_text(text)
     (out / "scaling.json").write_text(json.dumps(results, indent=1))
@@ -262,6 +253,25 @@ def main(argv=None) -> int:
         plot(results, out / "scaling.png", os.cpu_count() if on_cpu else None)
     print(text)
     return 1 if any(r["status"] == "failed" for rows in results.values() for r in rows) else 0
+
+
+def render(results: dict[str, list[dict]], args, peak: float | None, max_world: int) -> str:
+    """The markdown page: what was run, one table per mode, where it ran."""
+    recipe = args.config or ", ".join(f"{k}={v}" for k, v in DEFAULT_RECIPE.items())
+    jobs = f"median of {args.repeats} jobs per layout" if args.repeats > 1 else "one job per layout"
+    head = [f"Recipe: {recipe}.", f"{args.steps} steps per job, first {args.warmup} dropped; "
+            f"tokens/s from the median step time, {jobs}."]
+    if "strong" in args.modes:
+        head.append(f"Strong scaling: global batch {args.strong_batch}.")
+    if "weak" in args.modes:
+        head.append(f"Weak scaling: {args.batch_per_dp} sequences per DP rank.")
+    measured = " (one thread, measured)" if args.peak_tflops is None else ""
+    head.append(f"MFU peak: {fmt(peak, '.3f')} TFLOP/s per rank{measured}.")
+    parts = [" ".join(head)]
+    for mode, rows in results.items():
+        parts.append(f"### {mode} scaling\n\n{table(rows)}")
+    parts.append(machine_note(max_world))
+    return "\n\n".join(parts) + "\n"
 
 
 if __name__ == "__main__":
