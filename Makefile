@@ -18,6 +18,7 @@ $(STAMP): requirements-cpu.txt setup.py
 # The main job: 3D-parallel GPT pretraining (tp=2, pp=2, dp=2) on the built-in corpus, 8 CPU processes.
 train: $(STAMP)
 	$(TORCHRUN) --standalone --nproc-per-node $(NPROC) -m engine.train --config configs/train_3d.yaml
+	$(PY) -m engine.generate --load runs/3d/checkpoints --prompt "def main(" --max-new-tokens 64
 
 # The same recipe in one process (tp=pp=dp=1).
 train-serial: $(STAMP)

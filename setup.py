@@ -9,7 +9,7 @@ setup(
                                     "parallel.*", "kernels", "kernels.*"]),
     install_requires=["torch>=2.4", "numpy", "einops", "safetensors", "tokenizers", "pyyaml", "tqdm"],
     extras_require={
-        "dev": ["pytest", "matplotlib", "transformers"],
+        "dev": ["pytest", "matplotlib", "transformers"],  # transformers: HF export test
         "plot": ["matplotlib"],
         "npu": ["torch_npu"],
     },

@@ -279,7 +279,7 @@ class NativeRun:
     def _clip(self) -> float:
         """Global gradient norm over the grid, each logical value counted once; clip in place."""
         from torch.distributed.tensor import DTensor, Shard
-        sharded = torch.zeros(()); replicated = torch.zeros(())
+        sharded, replicated = torch.zeros(()), torch.zeros(())  # sums of squares
         grads = []
         for p in self.params:
             if p.grad is None:

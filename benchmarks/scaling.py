@@ -182,7 +182,7 @@ def plot(results: dict[str, list[dict]], path: Path, cores: int | None = None) -
                             marker=marker, label=f"{mode}, dp only")
             ax.scatter([r["procs"] for r in mixes], [r[key] for r in mixes], marker=marker,
                        facecolors="none", edgecolors=line.get_color(), label=f"{mode}, tp/pp mixes")
-            for r in mixes:
+            for r in (mixes if key == "tokens_per_s" else []):  # labels once, on the left
                 ax.annotate(r["layout"], (r["procs"], r[key]), fontsize=6, xytext=(3, 2),
                             textcoords="offset points")
     axes[0].set(xlabel="processes", ylabel="tokens/s", title="throughput", xscale="log", xticks=[])

@@ -121,7 +121,7 @@ def _barrier(ps, what: str) -> None:
 
 
 def _device_rng(dev) -> torch.Tensor | None:
-    return None if dev.type == "cpu" else torch.get_device_module(dev.type).get_rng_state(dev.device)
+    return dev.get_rng_state()
 
 
 def _layout(trainer) -> dict:
@@ -341,7 +341,7 @@ def load_checkpoint(trainer, load_dir: str) -> int:
             own = {k: fh.get_tensor(k) for k in rank["own"]}
         torch.set_rng_state(own["rng/cpu"])
         if "rng/device" in own and trainer.dev.type != "cpu":
-            torch.get_device_module(trainer.dev.type).set_rng_state(own["rng/device"], trainer.dev.device)
+            trainer.dev.set_rng_state(own["rng/device"])
     trainer.reducer.load_state_dict({"step": index["reducer"]["step"], "residuals": {
         k[len("residual/"):]: v.to(ps.device) for k, v in own.items() if k.startswith("residual/")}})
     trainer.loaded_checkpoint, trainer.loaded_step = ckpt, step

@@ -54,6 +54,14 @@ class DeviceInfo:
         elif self.type == "npu":
             torch.npu.synchronize(self.device)
 
+    def get_rng_state(self) -> torch.Tensor | None:
+        """The device generator's state (None on cpu, whose generator is torch's default one)."""
+        return None if self.type == "cpu" else torch.get_device_module(self.type).get_rng_state(self.device)
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        if self.type != "cpu":
+            torch.get_device_module(self.type).set_rng_state(state, self.device)
+
     def reset_peak_memory(self) -> None:
         if self.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -14,6 +14,8 @@ Order within one step (``unscale_and_check`` does the middle part)::
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -108,6 +110,14 @@ def unscale_and_check(optimizer, scaler, clip_grad: float = 0.0, reducer=None) -
     dropped after a skipped step and rescaled when the loss scale grows.
     """
     scale = scaler.scale
+    if getattr(scaler, "constant", False) and scale == 1.0:
+        # fp32/bf16: no separate overflow pass. The global grad norm is reduced over the whole
+        # grid anyway, so a non-finite norm is the same decision on every rank; clipping a
+        # non-finite gradient is harmless because the step is then skipped.
+        norm = optimizer.clip_grad_norm(clip_grad)
+        if scaler.update(not math.isfinite(norm)):
+            return StepCheck(True, None, scale)
+        return StepCheck(False, norm, scale)
     skipped = scaler.update(optimizer.found_inf())
     if reducer is not None:
         if skipped:

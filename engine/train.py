@@ -71,6 +71,33 @@ def describe_comm_failure(exc: BaseException, ps, timeout_s: float | None = None
             f"runs a different configuration; check the other ranks' logs. [{cause}]")
 
 
+def isolate_restart_attempt(cfg) -> bool:
+    """Under torchrun, start the default process group on a store namespace of its own attempt.
+
+    torchrun lets workers share its rendezvous TCPStore, which outlives a restart: the keys a dead
+    attempt's workers wrote (their gloo addresses, NCCL ids) are still there, and a restarted worker
+    can read a dead peer's entry before the live one overwrites it (connection refused, or a hang).
+    Prefixing the store with TORCHELASTIC_RESTART_COUNT gives every attempt a clean namespace.
+    ParallelState then reuses this group. Returns whether a group was created here.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    from engine.device import BACKENDS, detect_device_type
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("WORLD_SIZE", "1")) < 2 \
+            or dist.is_initialized():
+        return False
+    timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"gridtron/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group(BACKENDS[detect_device_type(cfg.device)], store=store,
+                            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), timeout=timeout)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
@@ -79,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from engine.checkpoint import CheckpointError
     from engine.trainer import Trainer, TrainingDiverged
+    from engine.validate import validate_run
+    from parallel.state import LaunchEnv
     try:
+        validate_run(cfg, LaunchEnv.from_env())  # pure, before any process group exists
+        own_group = isolate_restart_attempt(cfg)
         trainer = Trainer(cfg)
     except (ConfigError, ValueError) as exc:  # e.g. data too small for --seq-length
         print(f"gridtron: configuration error: {exc}", file=sys.stderr)
@@ -105,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(trainer.sample_text)
     finally:
         trainer.close()
+        if own_group:
+            import torch.distributed as dist
+            dist.destroy_process_group()
     return 0
 
 

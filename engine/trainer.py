@@ -78,15 +78,28 @@ class Trainer:
     # ---- setup ----------------------------------------------------------------------------
     def _build_data(self) -> None:
         cfg, ps = self.cfg, self.ps
-        build = lambda: build_data(cfg.data.data_path, cfg.model.seq_length, cfg.seed,
-                                   mock=cfg.data.mock_data,
-                                   vocab_size=cfg.model.vocab_size if cfg.data.mock_data else None,
-                                   tokenizer=cfg.data.tokenizer, cache_dir=cfg.data.cache_dir,
-                                   valid_fraction=cfg.data.valid_fraction)
+        def build():
+            try:
+                return build_data(cfg.data.data_path, cfg.model.seq_length, cfg.seed,
+                                  mock=cfg.data.mock_data,
+                                  vocab_size=cfg.model.vocab_size if cfg.data.mock_data else None,
+                                  tokenizer=cfg.data.tokenizer, cache_dir=cfg.data.cache_dir,
+                                  valid_fraction=cfg.data.valid_fraction)
+            except (ValueError, FileNotFoundError) as exc:  # e.g. a corpus too small for --seq-length
+                raise ConfigError(f"data: {exc}") from exc
+
         if ps.world_size > 1 and not cfg.data.mock_data and cfg.data.data_path is None:
+            # rank 0 prepares and caches the built-in corpus once; its outcome reaches every rank,
+            # so a failure there ends all ranks with the same message instead of a hang
+            outcome = [None]
             if ps.rank == 0:
-                self.data = build()  # prepares and caches the built-in corpus once
-            dist.barrier()
+                try:
+                    self.data = build()
+                except ConfigError as exc:
+                    outcome = [str(exc)]
+            dist.broadcast_object_list(outcome, src=0)
+            if outcome[0] is not None:
+                raise ConfigError(outcome[0])
             if ps.rank != 0:
                 self.data = build()
         else:

@@ -59,7 +59,8 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv,
                           f"PREFIX.bin and PREFIX.json); run python -m engine.data prepare first")
     if cfg.data.mock_data and not m.vocab_size:
         raise ConfigError("--mock-data needs --vocab-size")
-    if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
+    if cfg.checkpoint.load and cfg.checkpoint.load != cfg.checkpoint.save and \
+            not os.path.isdir(cfg.checkpoint.load):
         raise ConfigError(f"--load {cfg.checkpoint.load}: no such directory")
     try:
         (registry or default_registry()).resolve(m.block)

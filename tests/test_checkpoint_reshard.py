@@ -3,11 +3,12 @@
 One group of 8 gloo ranks runs a chain of trainers (spawning is the expensive part):
   A  (tp2, pp2, dp2) ZeRO-1, sequence parallel: 6 steps, saving at steps 3 and 6   -> reference
   E  the same layout, loaded from A's step 3: bit-identical steps 4-6
-  C  (tp4, pp1, dp2) ZeRO off, loaded from A's step 3 (flat ZeRO ranges -> TP boxes), saving at 4
+  C  (tp4, pp1, dp2) ZeRO off, loaded from A's step 3 (flat ZeRO ranges -> TP boxes): step 4, saved
   D  (tp1, pp4, dp2) ZeRO-1, loaded from C's step 4 (TP boxes -> flat ranges)
   F  (tp2, pp2, dp2) interleaved with 2 virtual stages, ZeRO off, loaded from A's step 3
 and a serial run (tp=pp=dp=1, ZeRO off) in this process loads A's step 3.
 The vocabulary (300) pads differently at tp 1, 2 and 4, so padding rows are dropped and restored.
+The learning rate is constant after warmup, so a run that stops early (C) keeps the schedule.
 """
 import json
 import math
@@ -22,9 +23,8 @@ from tests.dist_utils import run_distributed
 
 BASE = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "4", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
-        "--global-batch-size", "8", "--lr", "2e-3", "--lr-warmup-iters", "1", "--lr-decay-style", "constant",
-        "--train-iters", "6",
-        "--timeout-s", "60"]
+        "--global-batch-size", "8", "--lr", "2e-3", "--lr-warmup-iters", "1", "--lr-decay-style",
+        "constant", "--train-iters", "6", "--timeout-s", "60"]
 
 
 def _losses(argv: list[str]) -> list[float]:
@@ -89,7 +89,7 @@ def test_index_records_pieces_and_layout(resharded):
     assert qkv["shape"] == [192, 64] and len(qkv["pieces"]) == 2  # tp 0 and 1 of stage 0, dp rank 0
     word = index["tensors"]["model/embedding.word.weight"]
     assert word["shape"] == [300, 64]  # padding rows (300 -> 512 at tp 2) are not stored
-    assert sum(p["shape"][0] for p in word["pieces"]) == 300  # the tied copy on the last stage is not
+    assert sum(p["shape"][0] for p in word["pieces"]) == 300  # the last stage's tied copy is not stored
     optim = {n: e for n, e in index["tensors"].items() if n.startswith("optim/")}
     assert {n.split("/")[1] for n in optim} == {"exp_avg", "exp_avg_sq", "master"}
     for name, entry in optim.items():  # pieces tile each tensor exactly once

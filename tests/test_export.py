@@ -52,7 +52,7 @@ def test_generate_from_checkpoint(tmp_path):
     prefix = str(tmp_path / "data" / "corpus")
     prepare([str(tmp_path / "corpus.txt")], prefix, tokenizer="byte")
     save = str(tmp_path / "ck")
-    trainer, _ = train(["--data-path", prefix, "--train-iters", "30", "--save", save])
+    trainer, _ = train(["--data-path", prefix, "--train-iters", "8", "--save", save])
     model, index, ckpt = load_model(save)
     tok = checkpoint_tokenizer(ckpt, index)
     assert tok.spec == "byte"
