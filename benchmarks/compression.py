@@ -1,8 +1,8 @@
 """Does gradient compression change what data parallelism learns? The same recipe trained with each
 compressor at dp=2, loss curves plotted together.
 
-    python benchmarks/compression.py                              # 200 steps, a few minutes here
-    python benchmarks/compression.py --steps 1000 --hidden-size 128 --out runs/bench
+    python -m benchmarks.compression                              # 200 steps, a few minutes here
+    python -m benchmarks.compression --steps 1000 --hidden-size 128 --out runs/bench
 
 Runs: no compression, int8, top-k (``--topk-ratio``, with error feedback) and the per-branch policy
 of ``--policy`` (a YAML recipe's ``grad_compression_policy``; default configs/compression_policy.yaml).

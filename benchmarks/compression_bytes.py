@@ -1,6 +1,6 @@
 """Bytes, error and time of the gradient compressors against an uncompressed all-reduce, on gloo.
 
-    python benchmarks/compression_bytes.py --dp 2 4 --numel 4000000
+    python -m benchmarks.compression_bytes --dp 2 4 --numel 4000000
 
 For each data-parallel size, every rank draws a gradient-like buffer (magnitudes spread over four
 decades) and the exchange is run through each compressor. Printed per compressor: bytes this rank

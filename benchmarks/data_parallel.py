@@ -1,8 +1,8 @@
 """Data parallelism through the real trainer on this machine: weak scaling, a bucket-size sweep and
 the gradient bytes per step of each compressor.
 
-    python benchmarks/data_parallel.py                          # dp 1, 2, 4
-    python benchmarks/data_parallel.py --dp 1 2 4 8 --hidden-size 256 --steps 6
+    python -m benchmarks.data_parallel                          # dp 1, 2, 4
+    python -m benchmarks.data_parallel --dp 1 2 4 8 --hidden-size 256 --steps 6
 
 - Weak scaling: every rank keeps the same work (micro-batch size x micro-batches), so the global
   batch grows with dp; tokens/s per rank at dp=N over tokens/s at dp=1 is the efficiency.

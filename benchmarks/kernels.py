@@ -1,7 +1,7 @@
 """Time each kernel's fused path against its plain-math reference on one device.
 
-    python benchmarks/kernels.py --device cpu
-    python benchmarks/kernels.py --device cuda --dtype bf16 --seq 2048
+    python -m benchmarks.kernels --device cpu
+    python -m benchmarks.kernels --device cuda --dtype bf16 --seq 2048
 
 Prints a markdown table of medians (after warm-up) and the ratio reference_time / fused_time, for the
 forward pass alone and for forward + backward. A ratio above 1 means the fused path is faster. The

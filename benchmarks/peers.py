@@ -1,6 +1,6 @@
 """This engine next to the parallelism that ships with PyTorch, on the same GPT, data and seed.
 
-    python benchmarks/peers.py [--layouts 2,1,1 1,2,1 1,1,2 2,2,2] [--steps 10] [--warmup 3]
+    python -m benchmarks.peers [--layouts 2,1,1 1,2,1 1,1,2 2,2,2] [--steps 10] [--warmup 3]
                                [--repeats 1] [--out runs/peers] [model flags: --num-layers 4 ...]
 
 For every (tp, pp, dp) layout, two torchrun jobs train the same model for the same steps:

@@ -1,8 +1,8 @@
 """Pipeline bubble of GPipe, 1F1B and interleaved 1F1B through the real trainer: theory, simulation
 and measurement side by side, with a Gantt chart per run.
 
-    python benchmarks/pipeline_bubble.py                       # pp 2 and 4, m 4 and 8
-    python benchmarks/pipeline_bubble.py --pp 4 --m 8 16 --hidden-size 256 --out runs/bench
+    python -m benchmarks.pipeline_bubble                       # pp 2 and 4, m 4 and 8
+    python -m benchmarks.pipeline_bubble --pp 4 --m 8 16 --hidden-size 256 --out runs/bench
 
 For every (pp, m) each schedule trains a small GPT for a few steps on pp gloo processes (tp=dp=1,
 one spawned group per pp). Per run it prints:

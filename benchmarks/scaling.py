@@ -1,6 +1,6 @@
 """Strong and weak scaling of one recipe over the process counts this machine (or node) can launch.
 
-    python benchmarks/scaling.py [--config recipe.yaml] [--nprocs 1,2,4,8] [--steps 8] [--warmup 3]
+    python -m benchmarks.scaling [--config recipe.yaml] [--nprocs 1,2,4,8] [--steps 8] [--warmup 3]
                                  [--modes strong,weak] [--out runs/bench]
 
 For each process count n, a set of layouts runs as separate ``torchrun --standalone

@@ -1,7 +1,7 @@
 """Count tensor-parallel communication per transformer layer per step, next to the analytic count.
 
-    python benchmarks/tp_comm.py                       # tp=2 and tp=4 on gloo (CPU processes)
-    python benchmarks/tp_comm.py --tp 2 --batch 4 --seq 256 --hidden 512
+    python -m benchmarks.tp_comm                       # tp=2 and tp=4 on gloo (CPU processes)
+    python -m benchmarks.tp_comm --tp 2 --batch 4 --seq 256 --hidden 512
 
 For each tp, with and without sequence parallelism and for both block flavours, a tiny GPT runs one
 forward and one backward while torch.distributed's collectives are wrapped to record the op and the
