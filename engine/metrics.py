@@ -89,8 +89,13 @@ def summary_table(records: list[dict], extra: dict[str, str]) -> str:
     if any(r["mfu"] is not None for r in timed):
         rows.append(("MFU", f"{100 * mean('mfu'):.2f}%"))
     if records[-1]["bubble_theoretical"] is not None:
-        rows.append(("bubble (theory / measured)",
-                     f"{records[-1]['bubble_theoretical']:.3f} / {mean('bubble_measured'):.3f}"))
+        simulated = mean("bubble_simulated") if "bubble_simulated" in records[-1] else None
+        rows.append(("bubble (theory / simulated / measured)",
+                     f"{records[-1]['bubble_theoretical']:.3f} / "
+                     f"{'n/a' if simulated is None else f'{simulated:.3f}'} / "
+                     f"{mean('bubble_measured'):.3f}"))
+        if records[-1].get("activations_in_flight") is not None:
+            rows.append(("micro-batches in flight (rank 0)", str(records[-1]["activations_in_flight"])))
     rows.append(("DP bytes per step", f"{mean('dp_comm_bytes'):.0f}"))
     rows.append(("peak memory", f"{records[-1]['peak_memory_bytes'] / 2**20:.0f} MiB"))
     rows.extend(extra.items())

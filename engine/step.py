@@ -53,16 +53,32 @@ def _grad(p):
 
 
 def mean_loss_over_grid(local_sum: float, ps: ParallelState, device,
-                        per_rank: tuple[float, ...] = ()) -> tuple[float, list[float]]:
-    """One all-reduce over the world: the global-batch loss (held by last-stage ranks of tp rank 0,
-    averaged over DP) and the world mean of any per-rank values (e.g. the idle fraction)."""
+                        per_rank: tuple[float, ...] = (),
+                        per_stage: tuple[float, ...] = ()) -> tuple[float, list[float], list[float]]:
+    """One all-reduce over the world for a step's statistics: the global-batch loss (held by
+    last-stage ranks of tp rank 0, averaged over DP), the world mean of ``per_rank`` values (e.g. the
+    idle fraction) and the per-pipeline-stage mean of ``per_stage`` values (each rank fills only
+    its own stage's slots, e.g. mean forward and backward times)."""
     if ps.world_size == 1:
-        return local_sum, list(per_rank)
+        return local_sum, list(per_rank), list(per_stage)
     owner = ps.is_last_stage and ps.tp_rank == 0
-    t = torch.tensor([local_sum if owner else 0.0, *per_rank], dtype=torch.float64, device=device)
+    t = torch.tensor([local_sum if owner else 0.0, *per_rank, *per_stage], dtype=torch.float64,
+                     device=device)
     dist.all_reduce(t)
     values = t.tolist()
-    return values[0] / ps.dp_size, [v / ps.world_size for v in values[1:]]
+    ranks_per_stage = ps.tp_size * ps.dp_size
+    k = 1 + len(per_rank)
+    return (values[0] / ps.dp_size, [v / ps.world_size for v in values[1:k]],
+            [v / ranks_per_stage for v in values[k:]])
+
+
+def stage_compute_times(events, ps: ParallelState) -> tuple[float, ...]:
+    """(mean forward s, mean backward s) of this rank, in its stage's slots of a 2*pp vector."""
+    slots = [0.0] * (2 * ps.pp_size)
+    for j, cat in enumerate(("forward", "backward")):
+        spans = [e.end - e.start for e in events if e.cat == cat]
+        slots[2 * ps.pp_rank + j] = sum(spans) / len(spans) if spans else 0.0
+    return tuple(slots)
 
 
 class Stepper:
@@ -112,14 +128,18 @@ class Stepper:
         if not check.skipped:
             self.optimizer.step(lr)
         wall = time.perf_counter() - t0
-        idle = ()
+        idle, stage_times = (), ()
         if pipe is not None:  # this rank's idle fraction: not computing a forward or backward
             busy = sum(e.end - e.start for e in pipe.events if e.cat in ("forward", "backward"))
             idle = (max(0.0, 1.0 - busy / wall),)
-        loss, idle_mean = mean_loss_over_grid(local_loss, self.ps, batches[0][0].device, idle)
+            stage_times = stage_compute_times(pipe.events, self.ps)
+        loss, idle_mean, stage_mean = mean_loss_over_grid(local_loss, self.ps, batches[0][0].device,
+                                                          idle, stage_times)
         out = StepOutput(loss, check.grad_norm, check.skipped, scale, self.reducer.stats(), pipe,
                          wall)
-        out.extra["bubble_measured"] = idle_mean[0] if idle_mean else None
+        if pipe is not None:
+            out.extra["bubble_measured"] = idle_mean[0]
+            out.extra["stage_fwd_s"], out.extra["stage_bwd_s"] = stage_mean[0::2], stage_mean[1::2]
         return out
 
     @torch.no_grad()

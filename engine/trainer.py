@@ -30,7 +30,7 @@ from models import GPTConfig, LayerContext, build_chunks
 from models.registry import BlockRegistry
 from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
                          MixedPrecisionOptimizer, PolicyError)
-from parallel.pipeline.bubble import theoretical_bubble
+from parallel.pipeline.bubble import simulate, theoretical_bubble
 from parallel.pipeline.timeline import TimelineEvent, gather_events, write_chrome_trace
 from parallel.pipeline.partition import stage_layers
 from parallel.pipeline.p2p import init_p2p
@@ -154,8 +154,9 @@ class Trainer:
             actions = build_schedule(cfg.parallel.pipeline_schedule, ps.pp_size, self.num_micro, vp)[ps.pp_rank]
             s = cfg.model.seq_length // (ps.tp_size if cfg.parallel.sequence_parallel else 1)
             act_shape = (cfg.data.micro_batch_size, s, cfg.model.hidden_size)
-            validate_schedule(build_schedule(cfg.parallel.pipeline_schedule, ps.pp_size,
-                                             self.num_micro, vp))
+            self.schedule_lists = build_schedule(cfg.parallel.pipeline_schedule, ps.pp_size,
+                                                 self.num_micro, vp)
+            validate_schedule(self.schedule_lists)
             init_p2p(ps)
         self.stepper = Stepper(ps, self.chunks, self.reducer, self.optimizer, self.scaler,
                                cfg.optim.clip_grad, actions, act_shape, self.dtype,
@@ -255,8 +256,21 @@ class Trainer:
                 "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
                 "bubble_theoretical": self.bubble_theory,
                 "bubble_measured": out.extra.get("bubble_measured"),
+                "bubble_simulated": self._simulated_bubble(out),
+                "activations_in_flight": (out.pipeline.peak_in_flight
+                                          if out.pipeline is not None else None),
                 "dp_comm_bytes": int(out.dp_comm.get("bytes", 0)),
                 "peak_memory_bytes": self.dev.peak_memory_bytes()}
+
+    def _simulated_bubble(self, out) -> float | None:
+        """The schedule replayed with this step's measured mean forward/backward time per stage:
+        what the bubble would be from stage imbalance alone, without communication or noise."""
+        if out.pipeline is None:
+            return None
+        fwd, bwd = out.extra["stage_fwd_s"], out.extra["stage_bwd_s"]
+        if min(fwd) <= 0 or min(bwd) <= 0:
+            return None
+        return simulate(self.schedule_lists, fwd, bwd).idle_fraction
 
     def _record_timeline(self, step: int, t0: float, dt: float, out) -> None:
         """Keep the events of the last TIMELINE_STEPS steps: the executor's forward, backward and

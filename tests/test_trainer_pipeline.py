@@ -83,6 +83,9 @@ def test_metrics_carry_both_bubbles(pipeline_runs, index):
     for r in records:
         assert r["bubble_theoretical"] == pytest.approx(theory, rel=1e-12), r
         assert 0.0 <= r["bubble_measured"] <= 1.0, r
+        # the replay with measured per-stage costs can only add imbalance to the equal-cost bubble
+        assert theory - 1e-9 <= r["bubble_simulated"] <= 1.0, r
+        assert r["activations_in_flight"] == expected_in_flight(schedule, PP, m, vp, 0), r
         assert r["dp_comm_bytes"] > 0 and r["skipped"] is False
 
 
