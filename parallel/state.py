@@ -136,7 +136,11 @@ class ParallelState:
     # ---- coordinates --------------------------------------------------------------------
     @property
     def coord(self) -> Coord:
-        return self.grid.coord(self.rank)
+        cached = self.__dict__.get("_coord")
+        if cached is None or cached[0] != self.rank:  # derived from the rank: computed once
+            cached = (self.rank, self.grid.coord(self.rank))
+            self.__dict__["_coord"] = cached
+        return cached[1]
 
     @property
     def world_size(self) -> int:

@@ -254,8 +254,10 @@ class MixedPrecisionOptimizer(_GradAccess):
         groups: dict[float, list] = {}
         for (_, _, wd), master in zip(entries, self.masters):
             groups.setdefault(wd, []).append(master)
+        # foreach: one multi-tensor update instead of a Python loop over parameters (torch only
+        # defaults to it on accelerators)
         self.inner = torch.optim.AdamW([{"params": ms, "weight_decay": wd} for wd, ms in groups.items()],
-                                       lr=lr, betas=betas, eps=eps)
+                                       lr=lr, betas=betas, eps=eps, foreach=True)
 
     @staticmethod
     def _grad_of(p: torch.nn.Parameter) -> torch.Tensor | None:
