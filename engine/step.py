@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from engine.loss_scaler import unscale_and_check
+from parallel.grads import sync_sequence_parallel_grads
 from parallel.pipeline.executor import run_schedule, sum_embedding_grads
-from parallel.pipeline.schedules import Action, Kind
+from parallel.pipeline.schedules import forward_only_schedule
 from parallel.state import ParallelState
-from parallel.tensor_parallel.mappings import group_size
 
 
 @dataclass
@@ -30,26 +30,6 @@ class StepOutput:
     pipeline: object = None  # PipelineResult when pp > 1
     wall_s: float = 0.0
     extra: dict = field(default_factory=dict)
-
-
-def sync_sequence_parallel_grads(params: list[torch.nn.Parameter], ps: ParallelState) -> None:
-    """Norm weights under sequence parallelism saw only a sequence shard: sum their grads over TP."""
-    if group_size(ps.tp_group) == 1:
-        return
-    grads = [_grad(p) for p in params if getattr(p, "sequence_parallel", False)]
-    grads = [g for g in grads if g is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=ps.tp_group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def _grad(p):
-    return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
 
 
 def mean_loss_over_grid(local_sum: float, ps: ParallelState, device,
@@ -93,7 +73,17 @@ class Stepper:
         self.timeout_s = timeout_s
         self.params = [p for c in chunks for p in c.parameters()]
         self.shared = [p for c in chunks for p in c.shared_embedding_params()]
-        self.dynamic_scale = not getattr(scaler, "constant", False)
+
+    def _forward_step(self, batches, scale: float):
+        """The executor's callback: a chunk's output, or on the last chunk the scaled mean loss."""
+        m = len(batches)
+
+        def forward_step(chunk_idx, micro_idx, x):
+            tokens, labels = batches[micro_idx]
+            chunk = self.chunks[chunk_idx]
+            out = chunk(tokens if x is None else x, labels if chunk.post_process else None)
+            return out.mean() / m * scale if chunk.post_process else out
+        return forward_step
 
     def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
         m = len(batches)
@@ -105,15 +95,9 @@ class Stepper:
                 (loss * scale).backward()
                 losses.append(loss.detach())
             return torch.stack(losses).sum().item(), None
-
-        def forward_step(chunk_idx, micro_idx, x):
-            tokens, labels = batches[micro_idx]
-            chunk = self.chunks[chunk_idx]
-            out = chunk(tokens if x is None else x, labels if chunk.post_process else None)
-            return out.mean() / m * scale if chunk.post_process else out
-
-        result = run_schedule(self.ps, self.actions, list(self.chunks), forward_step, m,
-                              self.act_shape, self.act_dtype, self.timeout_s)
+        result = run_schedule(self.ps, self.actions, list(self.chunks),
+                              self._forward_step(batches, scale), m, self.act_shape,
+                              self.act_dtype, self.timeout_s)
         return sum(result.losses) / scale, result
 
     def run(self, batches, lr: float) -> StepOutput:
@@ -149,26 +133,8 @@ class Stepper:
         if self.ps.pp_size == 1:
             local = sum(self.chunks[0](t, l).mean().item() for t, l in batches) / m
             return mean_loss_over_grid(local, self.ps, batches[0][0].device)[0]
-        vp = len(self.chunks)
-        actions = [[] for _ in range(self.ps.pp_size)]
-        for rank in range(self.ps.pp_size):
-            for mb in range(m):
-                for c in range(vp):
-                    first = rank == 0 and c == 0
-                    last = rank == self.ps.pp_size - 1 and c == vp - 1
-                    if not first:
-                        actions[rank].append(Action(Kind.RECV_F, mb, c))
-                    actions[rank].append(Action(Kind.F, mb, c))
-                    if not last:
-                        actions[rank].append(Action(Kind.SEND_F, mb, c))
-
-        def forward_step(chunk_idx, micro_idx, x):
-            tokens, labels = batches[micro_idx]
-            chunk = self.chunks[chunk_idx]
-            out = chunk(tokens if x is None else x, labels if chunk.post_process else None)
-            return out.mean() / m if chunk.post_process else out
-
-        result = run_schedule(self.ps, actions, list(self.chunks), forward_step, m,
-                              self.act_shape, self.act_dtype, self.timeout_s,
+        actions = forward_only_schedule(self.ps.pp_size, m, len(self.chunks))
+        result = run_schedule(self.ps, actions, list(self.chunks), self._forward_step(batches, 1.0),
+                              m, self.act_shape, self.act_dtype, self.timeout_s,
                               deallocate_outputs=False, forward_only=True)
         return mean_loss_over_grid(sum(result.losses), self.ps, batches[0][0].device)[0]

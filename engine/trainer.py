@@ -26,7 +26,7 @@ from engine.lr_schedule import learning_rate
 from engine.metrics import MetricsLog, plot_metrics, summary_table
 from engine.step import Stepper
 from engine.validate import validate_run
-from models import GPTConfig, LayerContext, build_chunks
+from models import LayerContext, build_chunks
 from models.registry import BlockRegistry
 from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
                          MixedPrecisionOptimizer, PolicyError)
@@ -110,7 +110,6 @@ class Trainer:
 
     def _build_model(self) -> None:
         cfg, ps = self.cfg, self.ps
-        self.model_cfg: GPTConfig = cfg.model
         vp = cfg.parallel.virtual_pipeline_size
         ranges = stage_layers(cfg.model.num_layers, ps.pp_size, vp, ps.pp_rank,
                               cfg.parallel.stage_end_weight)
@@ -151,12 +150,12 @@ class Trainer:
         self.timeline: list = []  # events of the last few steps, for --timeline
         if ps.pp_size > 1:
             vp = cfg.parallel.virtual_pipeline_size
-            actions = build_schedule(cfg.parallel.pipeline_schedule, ps.pp_size, self.num_micro, vp)[ps.pp_rank]
-            s = cfg.model.seq_length // (ps.tp_size if cfg.parallel.sequence_parallel else 1)
-            act_shape = (cfg.data.micro_batch_size, s, cfg.model.hidden_size)
             self.schedule_lists = build_schedule(cfg.parallel.pipeline_schedule, ps.pp_size,
                                                  self.num_micro, vp)
             validate_schedule(self.schedule_lists)
+            actions = self.schedule_lists[ps.pp_rank]
+            s = cfg.model.seq_length // (ps.tp_size if cfg.parallel.sequence_parallel else 1)
+            act_shape = (cfg.data.micro_batch_size, s, cfg.model.hidden_size)
             init_p2p(ps)
         self.stepper = Stepper(ps, self.chunks, self.reducer, self.optimizer, self.scaler,
                                cfg.optim.clip_grad, actions, act_shape, self.dtype,
@@ -164,7 +163,8 @@ class Trainer:
         m = cfg.model
         self.flops_per_step = model_flops_per_step(
             cfg.data.global_batch_size, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
-            ffn_hidden=m.ffn_hidden_size, block="llama" if m.block == "llama" else "gpt2",
+            ffn_hidden=m.ffn_hidden_size,
+            block="llama" if getattr(self.chunks[0].block_cls, "mlp_kind", "gelu") == "swiglu" else "gpt2",
             recompute=cfg.parallel.recompute)
         peak = cfg.log.peak_tflops or lookup_peak_tflops(self.dev.name)
         if peak is None and self.dev.type == "cpu":
@@ -291,7 +291,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over ``eval_iters`` global batches of the validation split."""
-        cfg, ps = self.cfg, self.ps
+        cfg = self.cfg
         sampler = GlobalBatchSampler(len(self.data.valid), cfg.data.global_batch_size, cfg.seed)
         for c in self.chunks:
             c.eval()

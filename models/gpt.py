@@ -30,7 +30,7 @@ class GPTChunk(nn.Module):
                              f"sequence parallelism keeps s/tp positions per rank; use a multiple "
                              f"of --tp or turn off --sequence-parallel")
         block_cls = (registry or default_registry()).resolve(cfg.block)
-        self.cfg, self.ps, self.layer_range = cfg, ps, layers
+        self.cfg, self.ps, self.layer_range, self.block_cls = cfg, ps, layers, block_cls
         self.pre_process, self.post_process = pre_process, post_process
         self.sequence_parallel = ctx.sequence_parallel
         self.learned_pos = block_cls.position == "learned"

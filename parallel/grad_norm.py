@@ -21,6 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from parallel.grads import current_grad
 from parallel.state import ParallelState
 
 
@@ -40,8 +41,7 @@ def grad_pieces(params) -> list[tuple[torch.Tensor, torch.nn.Parameter]]:
             if item.main_grad_shard.numel():
                 pieces.append((item.main_grad_shard, item))
             continue
-        grad = getattr(item, "main_grad", None)
-        grad = item.grad if grad is None else grad
+        grad = current_grad(item)
         if grad is not None:
             pieces.append((grad, item))
     return pieces

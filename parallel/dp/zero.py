@@ -29,6 +29,7 @@ import torch
 from parallel.dp.compression import all_gather_flat
 from parallel.dp.reducer import GradReducer
 from parallel.grad_norm import clip_grads, found_inf, global_grad_norm
+from parallel.grads import current_grad
 from parallel.state import ParallelState
 
 _KEYS = ("exp_avg", "exp_avg_sq", "master")
@@ -259,13 +260,9 @@ class MixedPrecisionOptimizer(_GradAccess):
         self.inner = torch.optim.AdamW([{"params": ms, "weight_decay": wd} for wd, ms in groups.items()],
                                        lr=lr, betas=betas, eps=eps, foreach=True)
 
-    @staticmethod
-    def _grad_of(p: torch.nn.Parameter) -> torch.Tensor | None:
-        grad = getattr(p, "main_grad", None)
-        return p.grad if grad is None else grad
 
     def grad_pieces(self):
-        return [(g, p) for p in self.params if (g := self._grad_of(p)) is not None]
+        return [(g, p) for p in self.params if (g := current_grad(p)) is not None]
 
     def zero_grad(self) -> None:
         if self.reducer is not None:
@@ -281,7 +278,7 @@ class MixedPrecisionOptimizer(_GradAccess):
             group["lr"] = lr
         borrowed = []
         for p, m in zip(self.params, self.masters):
-            g = self._grad_of(p)
+            g = current_grad(p)
             if m is p and g is p.grad:
                 continue                                  # plain fp32 parameter with its own grad
             m.grad = None if g is None else g.to(torch.float32).view_as(m)

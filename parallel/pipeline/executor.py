@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.autograd import Variable
 
+from parallel.grads import all_reduce_grads_, current_grad
 from parallel.pipeline.p2p import Transfer, communicate, neighbour_ranks
 from parallel.pipeline.schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action
 from parallel.pipeline.timeline import TimelineEvent
@@ -264,13 +264,7 @@ def sum_embedding_grads(ps, params) -> None:
         return
     grads = []
     for p in params:
-        main = getattr(p, "main_grad", None)  # the DP reducer's fp32 buffer view, when present
-        if main is None and p.grad is None:
+        if current_grad(p) is None:
             p.grad = torch.zeros_like(p)
-        grads.append(main if main is not None else p.grad)
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=ps.embedding_group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+        grads.append(current_grad(p))
+    all_reduce_grads_(grads, ps.embedding_group)

@@ -162,6 +162,21 @@ def _interleaved(pp: int, m: int, vp: int, rank: int) -> list[Action]:
     return out
 
 
+def forward_only_schedule(pp_size: int, num_microbatches: int, vp: int = 1) -> list[list[Action]]:
+    """Forwards and activation transfers only (validation): each micro-batch passes through every
+    virtual stage in turn, so the lists cannot deadlock and hold one activation at a time."""
+    lists: list[list[Action]] = [[] for _ in range(pp_size)]
+    for rank, actions in enumerate(lists):
+        for mb in range(num_microbatches):
+            for chunk in range(vp):
+                if not (rank == 0 and chunk == 0):
+                    actions.append(Action(RECV_F, mb, chunk))
+                actions.append(Action(F, mb, chunk))
+                if not (rank == pp_size - 1 and chunk == vp - 1):
+                    actions.append(Action(SEND_F, mb, chunk))
+    return lists
+
+
 def build_schedule(name: str, pp_size: int, num_microbatches: int,
                    vp: int = 1) -> list[list[Action]]:
     """Action lists for every pipeline rank: ``lists[pp_rank]`` is that rank's program."""
