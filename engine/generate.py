@@ -15,7 +15,7 @@ import sys
 import torch
 
 from engine.checkpoint import CheckpointError, load_model_params, param_specs
-from engine.checkpoint_index import TensorReader, intact_hint, read_index, resolve, verify
+from engine.checkpoint.index import TensorReader, intact_hint, read_index, resolve, verify
 from engine.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from models import GPTConfig, LayerContext
 from models.gpt import GPTChunk

@@ -19,8 +19,8 @@ from engine.cli import ConfigError
 from engine.config import RunConfig
 from engine.data import GlobalBatchSampler, build_data, collate
 from engine.device import measure_cpu_peak_tflops, setup_device
-from engine.flops import model_flops_per_step
-from engine.hardware import lookup_peak_tflops
+from engine.plan.flops import model_flops_per_step
+from engine.plan.hardware import lookup_peak_tflops
 from engine.loss_scaler import ConstantScaler, DynamicLossScaler
 from engine.lr_schedule import learning_rate
 from engine.metrics import MetricsLog, plot_metrics, summary_table

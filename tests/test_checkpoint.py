@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import engine.checkpoint as ckpt_mod
+import engine.checkpoint.writer as ckpt_writer
 from engine.checkpoint import main as checkpoint_main
-from engine.checkpoint_index import FORMAT, TensorReader, write_shard
+from engine.checkpoint.index import FORMAT, TensorReader, write_shard
 from engine.cli import parse_args
 from engine.trainer import Trainer
 from parallel.topology import RankGrid
@@ -65,7 +66,7 @@ def test_crash_mid_save_keep_last_and_auto_resume(tmp_path, monkeypatch):
     assert losses(args + ["--load", os.path.join(ref_dir, "iter_0000004")]) == ref[4:]
 
     calls = {"n": 0}
-    real_write = ckpt_mod.write_shard
+    real_write = ckpt_writer.write_shard
 
     def failing_write(tensors, path):
         calls["n"] += 1
@@ -73,10 +74,10 @@ def test_crash_mid_save_keep_last_and_auto_resume(tmp_path, monkeypatch):
             raise OSError("disk full")  # the save at step 4 dies half-way
         return real_write(tensors, path)
 
-    monkeypatch.setattr(ckpt_mod, "write_shard", failing_write)
+    monkeypatch.setattr(ckpt_writer, "write_shard", failing_write)
     with pytest.raises(OSError, match="disk full"):
         losses(args + ["--save", run_dir])
-    monkeypatch.setattr(ckpt_mod, "write_shard", real_write)
+    monkeypatch.setattr(ckpt_writer, "write_shard", real_write)
     assert sorted(os.listdir(run_dir)) == ["iter_0000002", "iter_0000004.tmp", "latest"]
     assert os.readlink(os.path.join(run_dir, "latest")) == "iter_0000002"
     # no --load: the run resumes from --save's latest checkpoint and finishes like the reference

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-import engine.checkpoint_index as cidx
+import engine.checkpoint.index as cidx
 from engine.checkpoint import CheckpointError
 from engine.cli import parse_args
 from engine.train import describe_comm_failure

@@ -3,9 +3,9 @@ import dataclasses
 
 import pytest
 
-from engine.flops import (achieved_tflops, default_ffn_hidden, megatron_flops_per_step, mfu,
+from engine.plan.flops import (achieved_tflops, default_ffn_hidden, megatron_flops_per_step, mfu,
                           model_flops_per_step)
-from engine.hardware import DEVICE_SPECS, DeviceSpec, get_device_spec, lookup_device, lookup_peak_tflops
+from engine.plan.hardware import DEVICE_SPECS, DeviceSpec, get_device_spec, lookup_device, lookup_peak_tflops
 
 
 def test_unit_model_by_hand():

@@ -4,12 +4,12 @@ from dataclasses import replace
 
 import pytest
 
-from engine import plan
-from engine.hardware import DEVICE_SPECS
-from engine.plan_model import (BYTES_PER_PARAM, GIB, LINK_EFFICIENCY, Cluster, Layout, ModelShape,
+from engine.plan import search as plan
+from engine.plan.hardware import DEVICE_SPECS
+from engine.plan.model import (BYTES_PER_PARAM, GIB, LINK_EFFICIENCY, Cluster, Layout, ModelShape,
                                check_layout, in_flight, layer_activation_bytes, layer_params_per_device,
                                memory_per_device, stage_params)
-from engine.plan_time import COLLECTIVE_LATENCY_S, allreduce_s, estimate, group_busbw
+from engine.plan.timing import COLLECTIVE_LATENCY_S, allreduce_s, estimate, group_busbw
 
 A100 = DEVICE_SPECS["a100-80gb"]
 
@@ -159,7 +159,7 @@ def test_estimate_parts_add_up_and_bubble_follows_schedule():
 
 
 def test_matmul_time_is_executed_flops_over_achievable_rate():
-    from engine.flops import model_flops_per_step
+    from engine.plan.flops import model_flops_per_step
     shape = ModelShape(4, 256, 4, 1000, 128, 8)
     single = cluster(1)
     for rc in ("none", "selective", "full"):

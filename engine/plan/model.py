@@ -1,4 +1,4 @@
-"""Memory and step-time model of one layout: the numbers the planner (engine/plan.py) ranks.
+"""Memory and step-time model of one layout: the numbers the planner (engine/plan/search.py) ranks.
 
 Pure arithmetic, no torch. Every constant is named here and explained in docs/planner.md; the one
 fitted constant is DEFAULT_ACHIEVABLE_FRACTION (see its comment). Placement follows Megatron's
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.flops import BLOCKS, RECOMPUTE, default_ffn_hidden
-from engine.hardware import DeviceSpec
+from engine.plan.flops import BLOCKS, RECOMPUTE, default_ffn_hidden
+from engine.plan.hardware import DeviceSpec
 
 GIB = 2 ** 30
 # Mixed-precision Adam (Megatron): bf16 weight 2 + fp32 grad 4 + fp32 master 4 + m 4 + v 4.

@@ -1,6 +1,6 @@
 """Device table: dense half-precision peak, memory and link bandwidths per accelerator type.
 
-The planner (engine/plan.py) and the trainer's MFU both read it. Every number is the vendor's dense
+The planner (engine/plan/search.py) and the trainer's MFU both read it. Every number is the vendor's dense
 (no sparsity) bf16/fp16 matrix peak; sources are listed in docs/planner.md and next to each entry.
 
 Units: ``peak_tflops`` in TFLOP/s, ``memory_gb`` in GiB (2**30 bytes, as the runtime reports it),

@@ -1,8 +1,8 @@
 """Cluster planner: ``python -m engine.plan`` ranks 3D-parallel layouts by predicted step time.
 
 It enumerates (tp, pp, dp, virtual stages, micro-batch size, recompute, ZeRO-1, sequence
-parallelism), drops the layouts that break a topology rule (engine/plan_model.check_layout) or do
-not fit in device memory, estimates each survivor's step time (engine/plan_time.py) and prints the
+parallelism), drops the layouts that break a topology rule (engine/plan/model.check_layout) or do
+not fit in device memory, estimates each survivor's step time (engine/plan/timing.py) and prints the
 best first. ``--layout TP,PP[,VP]`` evaluates one layout instead. ``--calibrate`` fits the
 achievable-compute fraction to a measured run; ``--calibrate-links`` takes link bandwidths from a
 preflight measurement. docs/planner.md explains the model and every constant.
@@ -23,9 +23,9 @@ from dataclasses import dataclass, replace
 
 import yaml
 
-from engine.hardware import DEVICE_SPECS, get_device_spec
-from engine.plan_model import GIB, MEMORY_USABLE_FRACTION, Cluster, Layout, ModelShape, check_layout
-from engine.plan_time import Estimate, estimate
+from engine.plan.hardware import DEVICE_SPECS, get_device_spec
+from engine.plan.model import GIB, MEMORY_USABLE_FRACTION, Cluster, Layout, ModelShape, check_layout
+from engine.plan.timing import Estimate, estimate
 
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
               "global_batch_size", "ffn_hidden_size", "block")
@@ -284,7 +284,3 @@ def main(argv: list[str] | None = None) -> int:
                   f"mem {row['memory_bytes_per_device'] / 2**30:.1f} GiB  step {row['step_time_s']:.3f} s  "
                   f"{row['tflops_per_device']:.1f} TFLOP/s/device  MFU {100 * row['mfu']:.1f}%")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,15 +11,15 @@ holds the embedding, the last the logits and loss. The step is then
     backward; at least the last bucket is exposed), plus ZeRO-1's parameter all-gather
   + the optimizer step (memory-bound)
 
-All constants live in engine/plan_model.py and are explained in docs/planner.md.
+All constants live in engine/plan/model.py and are explained in docs/planner.md.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.flops import (attention_core_forward_flops, layer_forward_flops, logits_forward_flops,
+from engine.plan.flops import (attention_core_forward_flops, layer_forward_flops, logits_forward_flops,
                           model_flops_per_step)
-from engine.plan_model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_REPLICATED, EW_SCORES,
+from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_REPLICATED, EW_SCORES,
                                EW_SHARDED_ATTN, GIB, HBM_EFFICIENCY, LAYER_PASS_OVERHEAD_S,
                                MEMORY_USABLE_FRACTION, OPTIMIZER_BYTES_PER_PARAM, Cluster, Layout,
                                ModelShape, memory_per_device, num_micro_batches, stage_params)

@@ -1,0 +1,115 @@
+"""Loading: verify the files (each rank hashes a share, the verdict is all-reduced), check the run's
+model shape and vocabulary against the checkpoint's, and read into each rank only the boxes of the
+global tensors its own shards cover, so a checkpoint saved under one layout loads under any other."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from engine.checkpoint.index import CheckpointError, TensorReader, intact_hint, read_index, resolve, verify
+from engine.checkpoint.specs import LAYOUT_KEYS, ParamSpec, data_info, layout_of, param_specs
+
+
+def check_compatible(index: dict, cfg, data: dict, where: str) -> None:
+    """The run's model shape and vocabulary must be the checkpoint's (pure: same on every rank)."""
+    saved, model = index["model"], cfg.model
+    keys = ["block", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"]
+    if "model/embedding.position" in index["tensors"]:
+        keys.append("max_position_embeddings")
+    for key in keys:
+        if saved[key] != getattr(model, key):
+            flag = "--" + key.replace("_", "-")
+            raise CheckpointError(f"checkpoint {where} was saved with {flag} {saved[key]} but this run "
+                                  f"has {flag} {getattr(model, key)}: use the checkpoint's model shape "
+                                  f"or start without --load")
+    was, now = index["data"], data
+    describe = lambda d: "mock data" if d["mock"] else f"tokenizer {d['tokenizer']} ({d['prefix']})"
+    if was["vocab_size"] != now["vocab_size"] or was["tokenizer"] != now["tokenizer"] or (
+            was["tokenizer_sha256"] and now["tokenizer_sha256"]
+            and was["tokenizer_sha256"] != now["tokenizer_sha256"]):
+        fix = f"--mock-data --vocab-size {was['vocab_size']}" if was["mock"] else \
+            f"--data-path {was['prefix']}, or data prepared with python -m engine.data prepare " \
+            f"--tokenizer {was['prefix']}"
+        raise CheckpointError(
+            f"checkpoint {where} was trained on a {was['vocab_size']}-token vocabulary from "
+            f"{describe(was)}, but this run's data has {now['vocab_size']} tokens from {describe(now)}: "
+            f"train on the checkpoint's data ({fix}) or start without --load")
+
+
+def _verify_shared(ps, ckpt: str, index: dict) -> None:
+    """Each rank hashes every world_size-th file; an all-reduce shares the verdict."""
+    names = sorted(index["files"])
+    mine = names[ps.rank::ps.world_size] if dist.is_initialized() else names
+    bad = {n for n in mine if verify(ckpt, index, [n])}
+    if dist.is_initialized() and ps.world_size > 1:
+        flags = torch.tensor([n in bad for n in names], dtype=torch.int32, device=ps.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        bad = {n for n, f in zip(names, flags.tolist()) if f}
+    if bad:
+        problems = verify(ckpt, index, sorted(bad))
+        raise CheckpointError(f"checkpoint {ckpt} is damaged: " + "; ".join(problems)
+                              + intact_hint(os.path.dirname(ckpt), exclude=ckpt))
+
+
+def load_model_params(specs: list[ParamSpec], reader: TensorReader) -> None:
+    for s in specs:
+        name = f"model/{s.name}"
+        if name not in reader:
+            raise CheckpointError(f"checkpoint {reader.ckpt} has no tensor {s.name}: it was saved from "
+                                  f"a different model (block or layer count)")
+        saved = reader.index["tensors"][name]["shape"]
+        if saved != s.global_shape:
+            raise CheckpointError(f"checkpoint {reader.ckpt}: {s.name} has shape {saved} but this model "
+                                  f"needs {s.global_shape}; use the checkpoint's model configuration")
+        t = reader.read(name, s.offsets, list(s.param.shape), dtype=s.param.dtype)
+        with torch.no_grad():
+            s.param.copy_(t.to(s.param.device))
+
+
+def load_checkpoint(trainer, load_dir: str) -> int:
+    """Restore everything into a built trainer; return the step to continue from."""
+    cfg, ps = trainer.cfg, trainer.ps
+    ckpt = resolve(load_dir)
+    index = read_index(ckpt)
+    check_compatible(index, cfg, data_info(trainer), ckpt)
+    _verify_shared(ps, ckpt, index)
+    reader = TensorReader(ckpt, index)
+    specs = param_specs(trainer.chunks, ps, cfg.model.vocab_size)
+    load_model_params(specs, reader)
+    by_name = {s.name: s for s in specs}
+    current = trainer.optimizer.state_dict()
+    step = int(index["step"])
+    state, pieces = {}, []
+    for piece in current["pieces"]:
+        s, (a, b) = by_name[piece["name"]], (piece["start"], piece["end"])
+        pieces.append({"name": s.name, "start": a, "end": b})
+        state[s.name] = {key: reader.read(f"optim/{key}/{s.name}", s.offsets, list(s.param.shape),
+                                          flat=(a, b)).to(ps.device)
+                         for key in ("exp_avg", "exp_avg_sq", "master")
+                         if f"optim/{key}/{s.name}" in reader}
+    try:
+        trainer.optimizer.load_state_dict({"step": index["optimizer"]["step"], "pieces": pieces,
+                                           "state": state})
+        trainer.sampler.load_state_dict(index["sampler"])
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {ckpt}: {exc}") from exc
+    trainer.sampler.next_step = step
+    layout = index["layout"]
+    if layout["precision"] == cfg.precision.precision:
+        trainer.scaler.load_state_dict(index["scaler"])
+    same = all(layout[k] == layout_of(trainer)[k] for k in LAYOUT_KEYS + ("compression",))
+    own = {}
+    if same:  # per-rank state only means something on the same rank of the same layout
+        rank = index["ranks"][str(ps.rank)]
+        with safe_open(os.path.join(ckpt, rank["file"]), framework="pt") as fh:
+            own = {k: fh.get_tensor(k) for k in rank["own"]}
+        torch.set_rng_state(own["rng/cpu"])
+        if "rng/device" in own and trainer.dev.type != "cpu":
+            trainer.dev.set_rng_state(own["rng/device"])
+    trainer.reducer.load_state_dict({"step": index["reducer"]["step"], "residuals": {
+        k[len("residual/"):]: v.to(ps.device) for k, v in own.items() if k.startswith("residual/")}})
+    trainer.loaded_checkpoint, trainer.loaded_step = ckpt, step
+    return step

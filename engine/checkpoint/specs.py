@@ -1,0 +1,87 @@
+"""Where each of this rank's parameters sits in the logical (serial) tensors, and the run facts a
+checkpoint records about its layout and data. Shared by the writer, the reader, export and generate."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.checkpoint.index import CheckpointError
+from models.gpt import GPTChunk
+from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+LAYOUT_KEYS = ("tp", "pp", "dp", "virtual_pipeline_size", "order")
+
+
+@dataclass
+class ParamSpec:
+    """Where this rank's tensor of a logical parameter sits in the global tensor."""
+    name: str
+    param: torch.nn.Parameter
+    global_shape: list[int]
+    offsets: list[int]       # of the local tensor inside the global one
+    valid_shape: list[int]   # the local part inside the global shape (vocab padding rows dropped)
+    writer: bool             # the copy that saves it (before the DP rule)
+
+
+def param_specs(chunks, ps, vocab_size: int) -> list[ParamSpec]:
+    """One spec per local parameter, under its layout-independent logical name."""
+    shard: dict[int, tuple[int, bool]] = {}  # id(param) -> (shard dim, vocab-padded)
+    for chunk in chunks:
+        for m in chunk.modules():
+            if isinstance(m, ColumnParallelLinear):
+                shard.update({id(p): (0, False) for p in (m.weight, m.bias) if p is not None})
+            elif isinstance(m, RowParallelLinear):
+                shard[id(m.weight)] = (1, False)
+            elif isinstance(m, VocabParallelEmbedding):
+                shard[id(m.weight)] = (0, True)
+            if isinstance(m, GPTChunk) and hasattr(m, "output_weight"):
+                shard[id(m.output_weight)] = (0, True)
+    specs = []
+    for chunk in chunks:
+        for name, p in chunk.logical_named_parameters():
+            local = list(p.shape)
+            gshape, offsets, valid = list(local), [0] * len(local), list(local)
+            sharded = getattr(p, "tp_sharded", False)
+            if sharded or id(p) in shard:
+                dim, vocab = shard.get(id(p), (getattr(p, "tp_shard_dim", None), False))
+                if dim is None:
+                    raise CheckpointError(f"parameter {name} is TP-sharded along an unknown dim: "
+                                          f"set p.tp_shard_dim on it")
+                offsets[dim] = ps.tp_rank * local[dim]
+                gshape[dim] = local[dim] * ps.tp_size
+                if vocab:
+                    gshape[0] = vocab_size
+                    valid[0] = max(0, min(local[0], vocab_size - offsets[0]))
+            copy = getattr(p, "shared_embedding", False) and not chunk.pre_process
+            writer = not copy and (sharded or ps.tp_rank == 0)
+            specs.append(ParamSpec(name, p, gshape, offsets, valid, writer))
+    return specs
+
+
+def device_rng(dev) -> torch.Tensor | None:
+    return dev.get_rng_state()
+
+
+def layout_of(trainer) -> dict:
+    cfg, g = trainer.cfg, trainer.grid
+    return {"tp": g.tp, "pp": g.pp, "dp": g.dp, "order": cfg.parallel.order,
+            "virtual_pipeline_size": cfg.parallel.virtual_pipeline_size,
+            "use_distributed_optimizer": cfg.parallel.use_distributed_optimizer,
+            "sequence_parallel": cfg.parallel.sequence_parallel, "world_size": g.world_size,
+            "precision": cfg.precision.precision, "compression": dataclasses.asdict(cfg.compression)}
+
+
+def data_info(trainer) -> dict:
+    data = trainer.data
+    tok = f"{data.prefix}.tokenizer.json" if data.prefix else None
+    sha = None
+    if tok and os.path.isfile(tok):
+        with open(tok, "rb") as fh:
+            sha = hashlib.sha256(fh.read()).hexdigest()
+    return {"tokenizer": getattr(data.train, "tokenizer_spec", None), "vocab_size": data.vocab_size,
+            "eot_id": getattr(data.train, "eot_id", None), "mock": data.prefix is None,
+            "prefix": data.prefix, "tokenizer_sha256": sha}
