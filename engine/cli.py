@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import os
 import types
 import typing
 
@@ -26,6 +27,7 @@ SECTIONS = {"model": GPTConfig, "parallel": ParallelConfig, "optim": OptimConfig
 TOP_LEVEL = {"device": str, "compile": bool, "seed": int}
 ALIASES = {
     "tp": ["--tensor-model-parallel-size"], "pp": ["--pipeline-model-parallel-size"],
+    "cp": ["--context-parallel-size"],
     "dp": ["--data-parallel-size"], "virtual_pipeline_size": ["--virtual-pipeline-model-parallel-size", "--vp"],
     "seq_length": ["--seq-len"], "num_attention_heads": ["--heads"], "hidden_size": ["--hidden"],
     "train_iters": ["--iters"], "micro_batch_size": ["--mbs"], "global_batch_size": ["--gbs"],
@@ -96,8 +98,13 @@ def load_recipe(path: str) -> dict:
     return values
 
 
+RULES_ENV = "GRIDTRON_BACKEND_RULES"  # default of --backend-rules (the test suite sets it to hccl)
+
+
 def config_from_values(values: dict) -> RunConfig:
     table = _field_table()
+    if "backend_rules" not in values and os.environ.get(RULES_ENV):
+        values = {**values, "backend_rules": os.environ[RULES_ENV]}
     sections: dict[str, dict] = {s: {} for s in SECTIONS}
     top = {}
     for name, value in values.items():

@@ -23,7 +23,6 @@ import warnings
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 
 from engine.device import DeviceInfo
 from parallel.state import ParallelState
@@ -130,12 +129,12 @@ def _make_op(ps: ParallelState, op: str, dim: str, nbytes: int, dtype: torch.dty
         send, recv = torch.ones(elems, dtype=dtype, device=dev), torch.empty(elems, dtype=dtype, device=dev)
         ops = []
         if not ps.is_last_stage:
-            ops.append(dist.P2POp(dist.isend, send, ps.stage_rank(ps.pp_rank + 1), group=ps.pp_group))
+            ops.append(("send", send, ps.stage_rank(ps.pp_rank + 1)))
         if not ps.is_first_stage:
-            ops.append(dist.P2POp(dist.irecv, recv, ps.stage_rank(ps.pp_rank - 1), group=ps.pp_group))
+            ops.append(("recv", recv, ps.stage_rank(ps.pp_rank - 1)))
 
         def run():
-            for req in dist.batch_isend_irecv(ops):
+            for req in ps.pp_group.batch_isend_irecv(ops):
                 req.wait()
         return run, elems * esize
     group, n = getattr(ps, f"{dim}_group"), getattr(ps, f"{dim}_size")
@@ -143,17 +142,17 @@ def _make_op(ps: ParallelState, op: str, dim: str, nbytes: int, dtype: torch.dty
     full = torch.ones(elems, dtype=dtype, device=dev)  # (elems,)
     shard = torch.empty(elems // n, dtype=dtype, device=dev)  # (elems / n,)
     if op == "all_reduce":
-        return (lambda: dist.all_reduce(full, group=group)), elems * esize
+        return (lambda: group.all_reduce(full)), elems * esize
     if op == "all_gather":
-        return (lambda: dist.all_gather_into_tensor(full, shard, group=group)), elems * esize
-    return (lambda: dist.reduce_scatter_tensor(shard, full, group=group)), elems * esize
+        return (lambda: group.all_gather_into(full, shard)), elems * esize
+    return (lambda: group.reduce_scatter_into(shard, full)), elems * esize
 
 
-def _timed(run, dev: DeviceInfo, cfg: BenchConfig) -> float:
+def _timed(run, ps: ParallelState, dev: DeviceInfo, cfg: BenchConfig) -> float:
     for _ in range(cfg.warmup):
         run()
     dev.synchronize()
-    dist.barrier()  # every group starts together, so shared links carry their real load
+    ps.world_group.barrier()  # every group starts together, so shared links carry their real load
     start = time.perf_counter()
     for _ in range(cfg.iters):
         run()
@@ -171,10 +170,9 @@ def run_benchmarks(ps: ParallelState, dev: DeviceInfo, cfg: BenchConfig) -> list
         warnings.simplefilter("ignore", FutureWarning)  # newer torch renames the *_tensor collectives
         for op, dim, nbytes in steps:
             run, actual = _make_op(ps, op, dim, nbytes, cfg.dtype)
-            local.append(_timed(run, dev, cfg))
+            local.append(_timed(run, ps, dev, cfg))
             sizes.append(actual)
-    every: list = [None] * ps.world_size
-    dist.all_gather_object(every, local)
+    every = ps.world_group.all_gather_object(local)
     results = []
     for i, (op, dim, _) in enumerate(steps):
         worst = max(times[i] for times in every)
@@ -200,16 +198,16 @@ def check_collectives(ps: ParallelState) -> list[str]:
             me = ranks.index(ps.rank)
             total = float(sum(r + 1 for r in ranks))
             buf = torch.full((n,), float(ps.rank + 1), device=dev)  # (n,)
-            dist.all_reduce(buf, group=group)
+            group.all_reduce(buf)
             if buf.cpu().tolist() != [total] * n:
                 problems.append(f"{dim} all_reduce over {ranks} gave {buf.cpu().tolist()}, expected {total}")
             gathered = torch.empty(n, device=dev)  # (n,)
-            dist.all_gather_into_tensor(gathered, torch.full((1,), float(ps.rank), device=dev), group=group)
+            group.all_gather_into(gathered, torch.full((1,), float(ps.rank), device=dev))
             if gathered.cpu().tolist() != [float(r) for r in ranks]:
                 problems.append(f"{dim} all_gather over {ranks} gave {gathered.cpu().tolist()}")
             mine = torch.empty(1, device=dev)  # (1,)
             src = torch.arange(n, device=dev, dtype=torch.float32) + ps.rank + 1  # (n,)
-            dist.reduce_scatter_tensor(mine, src, group=group)
+            group.reduce_scatter_into(mine, src)
             if mine.item() != total + n * me:
                 problems.append(f"{dim} reduce_scatter over {ranks} gave {mine.item()} on position {me}, "
                                 f"expected {total + n * me}")
@@ -217,11 +215,11 @@ def check_collectives(ps: ParallelState) -> list[str]:
             got = torch.full((1,), -1.0, device=dev)
             ops = []
             if not ps.is_last_stage:
-                ops.append(dist.P2POp(dist.isend, torch.full((1,), float(ps.rank), device=dev),
-                                      ps.stage_rank(ps.pp_rank + 1), group=ps.pp_group))
+                ops.append(("send", torch.full((1,), float(ps.rank), device=dev),
+                            ps.stage_rank(ps.pp_rank + 1)))
             if not ps.is_first_stage:
-                ops.append(dist.P2POp(dist.irecv, got, ps.stage_rank(ps.pp_rank - 1), group=ps.pp_group))
-            for req in dist.batch_isend_irecv(ops):
+                ops.append(("recv", got, ps.stage_rank(ps.pp_rank - 1)))
+            for req in ps.pp_group.batch_isend_irecv(ops):
                 req.wait()
             if not ps.is_first_stage and got.item() != ps.stage_rank(ps.pp_rank - 1):
                 problems.append(f"send_recv from stage {ps.pp_rank - 1} delivered {got.item()}, expected "

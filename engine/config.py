@@ -14,13 +14,15 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
 COMPRESSORS = ("none", "int8", "topk")
+BACKEND_RULES = ("auto", "none", "hccl", "hccl:950", "nccl")
 
 
 @dataclass
 class ParallelConfig:
     tp: int = 1
     pp: int = 1
-    dp: int | None = None  # default: world / (tp * pp)
+    dp: int | None = None  # default: world / (tp * cp * pp)
+    cp: int = 1  # context parallelism: each sample's sequence split over cp ranks
     virtual_pipeline_size: int = 1
     pipeline_schedule: str = "1f1b"
     # count the embedding / output layer as this many blocks when splitting layers over stages
@@ -29,12 +31,17 @@ class ParallelConfig:
     sequence_parallel: bool = False
     recompute: str = "none"
     use_distributed_optimizer: bool = False
-    order: str = "tp-dp-pp"
+    order: str = "tp-cp-dp-pp"
     bucket_size_mb: float = 25.0
     timeout_s: float = 300.0
+    # check every collective against a backend's rules: auto (the backend's own on NPU/GPU, none on
+    # gloo), none, hccl (Atlas A2/A3), hccl:950, nccl
+    backend_rules: str = "auto"
 
     def __post_init__(self):
-        for key in ("tp", "pp", "virtual_pipeline_size"):
+        if self.backend_rules not in BACKEND_RULES:
+            raise ValueError(f"--backend-rules must be one of {BACKEND_RULES}, got {self.backend_rules!r}")
+        for key in ("tp", "cp", "pp", "virtual_pipeline_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
         if self.pipeline_schedule not in SCHEDULES:
@@ -49,13 +56,14 @@ class ParallelConfig:
             raise ValueError("--pipeline-schedule interleaved needs --pp > 1")
 
     def grid(self, world_size: int) -> RankGrid:
-        mp = self.tp * self.pp
+        mp = self.tp * self.cp * self.pp
         dp = self.dp if self.dp is not None else world_size // mp
         if dp < 1 or mp * dp != world_size:
-            raise ValueError(f"world size {world_size} != tp*pp*dp = {self.tp}*{self.pp}*"
-                             f"{self.dp if self.dp is not None else '?'}; launch tp*pp*dp processes "
-                             f"or change --tp/--pp/--dp")
-        return RankGrid(tp=self.tp, pp=self.pp, dp=dp, order=self.order)
+            cp = f"{self.cp}*" if self.cp > 1 else ""
+            raise ValueError(f"world size {world_size} != tp*{'cp*' if cp else ''}pp*dp = {self.tp}*"
+                             f"{cp}{self.pp}*{self.dp if self.dp is not None else '?'}; launch that "
+                             f"many processes or change --tp/--cp/--pp/--dp")
+        return RankGrid(tp=self.tp, cp=self.cp, pp=self.pp, dp=dp, order=self.order)
 
 
 @dataclass

@@ -31,7 +31,6 @@ import sys
 import textwrap
 
 import torch
-import torch.distributed as dist
 
 from engine.commbench import OPS, BenchConfig, check_collectives, format_table, parse_sizes, run_benchmarks
 from engine.config import ParallelConfig
@@ -182,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--dp", "--data-parallel-size", type=int, default=None, help="default world/(tp*pp)")
-    p.add_argument("--order", default="tp-dp-pp", help="rank-grid order, fastest dimension first")
+    p.add_argument("--order", default="tp-cp-dp-pp", help="rank-grid order, fastest dimension first")
     p.add_argument("--sizes", default="1K,64K,1M,16M", help="message sizes, comma separated")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per size")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations before timing")
@@ -198,14 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _fail(rank: int, message: str) -> int:
     print(f"gridtron preflight: rank {rank}: {message}", file=sys.stderr, flush=True)
     return EXIT_BAD_SETUP
-
-
-def _gather(obj: object) -> list:
-    if not dist.is_initialized():
-        return [obj]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     except LayoutError as exc:
         return _fail(launch.rank, str(exc))
     main_rank = ps.rank == 0
-    prints = _gather(fingerprint(launch, kind, count, dev.name, environ))
+    prints = ps.world_group.all_gather_object(fingerprint(launch, kind, count, dev.name, environ))
     differences = find_mismatches(prints) + node_layout_problems(prints)
     if main_rank:
         print(agreement_summary(prints))
@@ -242,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         ps.destroy()
         return EXIT_MISMATCH
-    wrong = [f"rank {r}: {p}" for r, probs in enumerate(_gather(check_collectives(ps))) for p in probs]
+    wrong = [f"rank {r}: {p}" for r, probs in enumerate(ps.world_group.all_gather_object(check_collectives(ps))) for p in probs]
     if main_rank:
         print("\n".join(f"WRONG {w}" for w in wrong) or "collective check: every group returned the "
               "expected data", flush=True)

@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from engine.loss_scaler import unscale_and_check
 from parallel.grads import sync_sequence_parallel_grads
@@ -26,7 +25,7 @@ class StepOutput:
     grad_norm: float | None
     skipped: bool
     loss_scale: float
-    dp_comm: dict
+    comm: dict  # per group kind: calls, payload_bytes, wire_bytes this step (parallel/comm.py)
     pipeline: object = None  # PipelineResult when pp > 1
     wall_s: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -38,13 +37,13 @@ def mean_loss_over_grid(local_sum: float, ps: ParallelState, device,
     """One all-reduce over the world for a step's statistics: the global-batch loss (held by
     last-stage ranks of tp rank 0, averaged over DP), the world mean of ``per_rank`` values (e.g. the
     idle fraction) and the per-pipeline-stage mean of ``per_stage`` values (each rank fills only
-    its own stage's slots, e.g. mean forward and backward times)."""
+    its own stage's slots, e.g. mean forward and backward times). fp32: HCCL reduces no float64."""
     if ps.world_size == 1:
         return local_sum, list(per_rank), list(per_stage)
     owner = ps.is_last_stage and ps.tp_rank == 0
-    t = torch.tensor([local_sum if owner else 0.0, *per_rank, *per_stage], dtype=torch.float64,
+    t = torch.tensor([local_sum if owner else 0.0, *per_rank, *per_stage], dtype=torch.float32,
                      device=device)
-    dist.all_reduce(t)
+    ps.world_group.all_reduce(t)
     values = t.tolist()
     ranks_per_stage = ps.tp_size * ps.dp_size
     k = 1 + len(per_rank)
@@ -102,6 +101,7 @@ class Stepper:
 
     def run(self, batches, lr: float) -> StepOutput:
         t0 = time.perf_counter()
+        snapshot = self.ps.comm.snapshot()
         self.optimizer.zero_grad()
         scale = float(self.scaler.scale)
         local_loss, pipe = self._forward_backward(batches, scale)
@@ -111,6 +111,7 @@ class Stepper:
         check = unscale_and_check(self.optimizer, self.scaler, self.clip_grad, self.reducer)
         if not check.skipped:
             self.optimizer.step(lr)
+        comm = self.ps.comm.since(snapshot)
         wall = time.perf_counter() - t0
         idle, stage_times = (), ()
         if pipe is not None:  # this rank's idle fraction: not computing a forward or backward
@@ -119,8 +120,7 @@ class Stepper:
             stage_times = stage_compute_times(pipe.events, self.ps)
         loss, idle_mean, stage_mean = mean_loss_over_grid(local_loss, self.ps, batches[0][0].device,
                                                           idle, stage_times)
-        out = StepOutput(loss, check.grad_norm, check.skipped, scale, self.reducer.stats(), pipe,
-                         wall)
+        out = StepOutput(loss, check.grad_norm, check.skipped, scale, comm, pipe, wall)
         if pipe is not None:
             out.extra["bubble_measured"] = idle_mean[0]
             out.extra["stage_fwd_s"], out.extra["stage_bwd_s"] = stage_mean[0::2], stage_mean[1::2]

@@ -18,20 +18,10 @@ _COMM = re.compile(r"timed out|timeout|connection (reset|closed)|closed by peer|
                    r"NCCL|HCCL|gloo", re.IGNORECASE)
 
 
-def _group_name(group, ps) -> str:
-    import torch.distributed as dist
-    if group is None or group is dist.GroupMember.WORLD:
-        return "world"
-    for dim in ("tp", "pp", "dp", "mp", "embedding"):
-        if getattr(ps, f"{dim}_group", None) is group:
-            return dim
-    return "a"
-
-
 def describe_comm_failure(exc: BaseException, ps, timeout_s: float | None = None) -> str | None:
-    """Name the collective (from the torch.distributed call in the traceback), its process group
-    and the code that issued it for a communication error; None when ``exc`` is not one."""
-    import torch.distributed as dist
+    """Name the collective, its process group and the code that issued it for a communication
+    error (from the CommGroup call in the traceback); None when ``exc`` is not one."""
+    from parallel.comm import CommGroup
     from parallel.pipeline.p2p import PipelineCommError
     if isinstance(exc, PipelineCommError):
         return str(exc)
@@ -42,25 +32,23 @@ def describe_comm_failure(exc: BaseException, ps, timeout_s: float | None = None
         frames.append(tb.tb_frame)
         tb = tb.tb_next
     op = where = group = None
-    found_group = False
     for frame in reversed(frames):  # innermost first
         path, code = frame.f_code.co_filename, frame.f_code
-        if op is None and path.endswith("distributed_c10d.py") and not code.co_name.startswith("_"):
-            op = code.co_name
-            if "group" in frame.f_locals:
-                group, found_group = frame.f_locals["group"], True
-        if where is None and path.startswith(_REPO) and "site-packages" not in path:
-            where = f"{code.co_qualname} ({os.path.relpath(path, _REPO)}:{frame.f_lineno})"
-        if not found_group:
+        owner = frame.f_locals.get("self")
+        if group is None and isinstance(owner, CommGroup):
+            group, op = owner, code.co_name
+        if group is None:  # e.g. waiting on an asynchronous collective's handle
             for value in frame.f_locals.values():
-                cand = value if isinstance(value, dist.ProcessGroup) else getattr(value, "group", None)
-                if isinstance(cand, dist.ProcessGroup):
-                    group, found_group = cand, True
+                cand = value if isinstance(value, CommGroup) else getattr(value, "group", None)
+                if isinstance(cand, CommGroup):
+                    group = cand
                     break
+        if where is None and path.startswith(_REPO) and "site-packages" not in path \
+                and not path.endswith(os.path.join("parallel", "comm.py")):
+            where = f"{code.co_qualname} ({os.path.relpath(path, _REPO)}:{frame.f_lineno})"
     what = f"{op or 'a collective'}"
-    if found_group:
-        ranks = list(range(ps.world_size)) if group is None else dist.get_process_group_ranks(group)
-        what += f" over the {_group_name(group, ps)} group (ranks {ranks})"
+    if group is not None:
+        what += f" over the {group.kind} group (ranks {list(group.ranks)})"
     if where:
         what += f" in {where}"
     timed_out = re.search(r"timed out|timeout", str(exc), re.IGNORECASE)

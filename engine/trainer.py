@@ -13,7 +13,6 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from engine.cli import ConfigError
 from engine.config import RunConfig
@@ -28,6 +27,7 @@ from engine.step import Stepper
 from engine.validate import validate_run
 from models import LayerContext, build_chunks
 from models.registry import BlockRegistry
+from parallel.backend_rules import resolve as resolve_rules
 from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
                          MixedPrecisionOptimizer, PolicyError)
 from parallel.pipeline.bubble import simulate, theoretical_bubble
@@ -40,6 +40,20 @@ from parallel.tensor_parallel import Initializer
 
 TIMELINE_STEPS = 3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def comm_metrics(comm: dict, compiled: bool = False) -> dict:
+    """The step's bytes per traffic kind: payload handed to collectives (``*_comm_bytes``) and, for
+    DP, the ring-model bytes on the wire. DP is the gradient/parameter group (DP x CP with context
+    parallelism); PP counts the activations and gradients this rank sends to its neighbours. TP and
+    CP collectives inside compiled chunks are not counted (parallel/comm.py): null then."""
+    def total(kinds, key):
+        return sum(comm[k][key] for k in kinds)
+    return {"dp_comm_bytes": total(("dp", "dp_cp"), "payload_bytes"),
+            "dp_comm_wire_bytes": total(("dp", "dp_cp"), "wire_bytes"),
+            "tp_comm_bytes": None if compiled else total(("tp",), "payload_bytes"),
+            "cp_comm_bytes": None if compiled else total(("cp",), "payload_bytes"),
+            "pp_comm_bytes": total(("pp",), "payload_bytes")}
 
 
 class TrainingDiverged(RuntimeError):
@@ -65,8 +79,9 @@ class Trainer:
         except PolicyError as exc:
             raise ConfigError(f"grad_compression_policy: {exc}") from exc
         self.dev = setup_device(cfg.device, self.launch.local_rank)
+        rules = resolve_rules(cfg.parallel.backend_rules, self.dev.backend, self.dev.name)
         self.ps = ParallelState.initialize(self.grid, self.dev.device, self.dev.backend, self.launch,
-                                           timeout_s=cfg.parallel.timeout_s)
+                                           timeout_s=cfg.parallel.timeout_s, backend_rules=rules)
         self.is_main = self.ps.rank == 0
         for note in notes:
             if self.is_main:
@@ -91,15 +106,15 @@ class Trainer:
         if ps.world_size > 1 and not cfg.data.mock_data and cfg.data.data_path is None:
             # rank 0 prepares and caches the built-in corpus once; its outcome reaches every rank,
             # so a failure there ends all ranks with the same message instead of a hang
-            outcome = [None]
+            outcome = None
             if ps.rank == 0:
                 try:
                     self.data = build()
                 except ConfigError as exc:
-                    outcome = [str(exc)]
-            dist.broadcast_object_list(outcome, src=0)
-            if outcome[0] is not None:
-                raise ConfigError(outcome[0])
+                    outcome = str(exc)
+            outcome = ps.world_group.broadcast_object(outcome, src=0)
+            if outcome is not None:
+                raise ConfigError(outcome)
             if ps.rank != 0:
                 self.data = build()
         else:
@@ -259,7 +274,7 @@ class Trainer:
                 "bubble_simulated": self._simulated_bubble(out),
                 "activations_in_flight": (out.pipeline.peak_in_flight
                                           if out.pipeline is not None else None),
-                "dp_comm_bytes": int(out.dp_comm.get("bytes", 0)),
+                **comm_metrics(out.comm, cfg.compile),
                 "peak_memory_bytes": self.dev.peak_memory_bytes()}
 
     def _simulated_bubble(self, out) -> float | None:

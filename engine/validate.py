@@ -27,6 +27,9 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv,
     except (LayoutError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
     tp = grid.tp
+    if grid.cp > 1:
+        raise ConfigError(f"--cp {grid.cp}: context parallelism needs the ring or all-to-all attention, "
+                          f"which this build does not have yet; use --cp 1")
     for what, value in (("--num-attention-heads", m.num_attention_heads),
                         ("--hidden-size", m.hidden_size), ("--ffn-hidden-size", m.ffn_hidden_size)):
         if value % tp:

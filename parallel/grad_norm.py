@@ -5,9 +5,9 @@ The norm is that of the serial model's gradient, so each logical value must be c
 - a parameter replicated over TP holds the same gradient on every TP rank: count it on tp_rank 0;
 - the last stage's copy of a tied embedding (``param.shared_embedding``) duplicates the first
   stage's: skip it;
-- the partial sums are added over ``ps.mp_group`` (TP x PP). Gradients are already DP-averaged and
-  identical across DP, so DP is not summed, except under ZeRO-1 where each DP rank holds only a
-  shard of the gradient (``over_dp=True``).
+- the partial sums are added over ``ps.mp_group`` (TP x PP). Gradients are already averaged over
+  DP (and CP) and identical there, so DP is not summed, except under ZeRO where each rank of the
+  DP x CP group holds only a shard of the gradient (``over_dp=True``: summed over ``dp_cp_group``).
 
 Functions take parameters or explicit ``(grad_tensor, param)`` pairs. A parameter contributes its
 ``main_grad_shard`` when the ZeRO optimizer set one (then ``over_dp`` defaults to True), else its
@@ -58,11 +58,6 @@ def _counted(param, ps: ParallelState) -> bool:
     return bool(getattr(param, "tp_sharded", False)) or ps.tp_rank == 0
 
 
-def _all_reduce(t: torch.Tensor, group, size: int, op=dist.ReduceOp.SUM) -> None:
-    if size > 1 and group is not None:
-        dist.all_reduce(t, op=op, group=group)
-
-
 def global_grad_norm(params, ps: ParallelState, over_dp: bool | None = None) -> float:
     """L2 norm of the full model's gradient; identical on every rank of the grid."""
     params = list(params)
@@ -73,9 +68,9 @@ def global_grad_norm(params, ps: ParallelState, over_dp: bool | None = None) -> 
     for grad, param in pieces:
         if _counted(param, ps):
             total += torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
-    _all_reduce(total, ps.mp_group, ps.tp_size * ps.pp_size)
+    ps.mp_group.all_reduce(total)
     if over_dp:
-        _all_reduce(total, ps.dp_group, ps.dp_size)
+        ps.dp_cp_group.all_reduce(total)
     return math.sqrt(total.item())
 
 
@@ -100,13 +95,12 @@ def clip_grads(params, max_norm: float, ps: ParallelState, over_dp: bool | None 
 def found_inf(params, ps: ParallelState) -> bool:
     """True on every rank if any gradient on any rank (TP, PP or DP) holds inf or nan.
 
-    All-reduced (MAX) over the default group, so every rank takes the same skip decision.
+    All-reduced (MAX) over the world, so every rank takes the same skip decision.
     """
     pieces = grad_pieces(params)
     device = pieces[0][0].device if pieces else ps.device
     flag = torch.zeros((), dtype=torch.float32, device=device)
     for grad, _ in pieces:                      # no host sync until the very end
         flag = torch.maximum(flag, (~torch.isfinite(grad)).any().float())
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    ps.world_group.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item() > 0)

@@ -6,7 +6,6 @@ flat buffer) and ``param.grad`` is freed; without it the gradient is ``param.gra
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 
 def current_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -16,11 +15,12 @@ def current_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 
 def all_reduce_grads_(grads: list[torch.Tensor], group) -> None:
-    """Sum ``grads`` over ``group`` in place, flattened into one buffer: one collective for all."""
-    if not grads:
+    """Sum ``grads`` over ``group`` (a CommGroup) in place, flattened into one buffer: one
+    collective for all."""
+    if not grads or group.size == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
+    group.all_reduce(flat)
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -30,7 +30,7 @@ def all_reduce_grads_(grads: list[torch.Tensor], group) -> None:
 def sync_sequence_parallel_grads(params, ps) -> None:
     """Norm weights (and row-parallel biases) under sequence parallelism saw only a sequence
     shard: sum their gradients over TP, once per step."""
-    if ps.tp_group is None or dist.get_world_size(ps.tp_group) == 1:
+    if ps.tp_group.size == 1:
         return
     grads = [current_grad(p) for p in params if getattr(p, "sequence_parallel", False)]
     all_reduce_grads_([g for g in grads if g is not None], ps.tp_group)

@@ -2,7 +2,7 @@
 
 Built once per process and handed explicitly to every layer, schedule and reducer that needs it;
 nothing here is module-level state. With ``world_size == 1`` no process group is created and every
-group is ``None`` (communication helpers treat a ``None`` group of size 1 as a no-op).
+group is a single-rank ``CommGroup`` (whose collectives are no-ops).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from parallel.comm import CommGroup, CommMonitor, single_rank_group
 from parallel.topology import Coord, RankGrid
 
 
@@ -53,9 +54,11 @@ def check_layout(grid: RankGrid, launch: LaunchEnv) -> list[str]:
     Pure: runs before any collective, identically on every rank.
     """
     if grid.world_size != launch.world_size:
+        cp = f"*{grid.cp}" if grid.cp > 1 else ""
         raise LayoutError(
-            f"world size {launch.world_size} != tp*pp*dp = {grid.tp}*{grid.pp}*{grid.dp} = "
-            f"{grid.world_size}; launch {grid.world_size} processes or change --tp/--pp/--dp")
+            f"world size {launch.world_size} != tp*{'cp*' if cp else ''}pp*dp = {grid.tp}{cp}*"
+            f"{grid.pp}*{grid.dp} = {grid.world_size}; launch {grid.world_size} processes or change "
+            f"--tp/--cp/--pp/--dp")
     notes = []
     per_node = launch.local_world_size
     if launch.world_size > 1 and per_node < launch.world_size:
@@ -67,7 +70,7 @@ def check_layout(grid: RankGrid, launch: LaunchEnv) -> list[str]:
             if len({r // per_node for r in group}) > 1:
                 raise LayoutError(
                     f"TP group {group} spans nodes of {per_node} processes (LOCAL_WORLD_SIZE); "
-                    f"keep tp inside a node: use order tp-dp-pp and tp <= {per_node}")
+                    f"keep tp inside a node: use order tp-cp-dp-pp and tp <= {per_node}")
         nodes = launch.num_nodes
         if grid.pp > 1 and grid.pp % nodes != 0 and nodes % grid.pp != 0:
             notes.append(
@@ -76,60 +79,98 @@ def check_layout(grid: RankGrid, launch: LaunchEnv) -> list[str]:
     return notes
 
 
+GROUP_DIMS = ("tp", "cp", "pp", "dp", "dp_cp", "mp", "embedding")
+
+
 @dataclass
 class ParallelState:
+    """This rank's place in the grid and its process groups, one ``CommGroup`` per dimension.
+
+    Every group exists on every rank (a single-rank ``CommGroup`` when the dimension has size 1), so
+    callers never test for None: a collective on a group of one rank is a no-op. All groups share
+    one ``CommMonitor`` (``ps.comm``): the backend rules every collective is checked against and
+    the byte counters per group kind.
+    """
     grid: RankGrid
     rank: int = 0
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str = "gloo"
-    tp_group: object = None
-    pp_group: object = None
-    dp_group: object = None
-    mp_group: object = None
-    embedding_group: object = None
+    comm: CommMonitor = field(default_factory=CommMonitor)
+    tp_group: CommGroup = None
+    cp_group: CommGroup = None
+    pp_group: CommGroup = None
+    dp_group: CommGroup = None
+    dp_cp_group: CommGroup = None      # DP x CP: where gradients of replicated parameters are summed
+    mp_group: CommGroup = None
+    embedding_group: CommGroup = None
+    world_group: CommGroup = None
     owns_process_group: bool = False
+
+    def __post_init__(self) -> None:
+        for dim in GROUP_DIMS:
+            if getattr(self, f"{dim}_group") is None:
+                setattr(self, f"{dim}_group", single_rank_group(dim, self.rank, self.comm))
+        if self.world_group is None:
+            self.world_group = CommGroup("world", tuple(range(self.grid.world_size)), self.rank,
+                                         None, self.comm, world=True)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def serial(cls, device: torch.device | str = "cpu") -> "ParallelState":
-        return cls(RankGrid(1, 1, 1), device=torch.device(device))
+    def serial(cls, device: torch.device | str = "cpu", backend_rules: str | None = None) -> "ParallelState":
+        return cls(RankGrid(1, 1, 1), device=torch.device(device), comm=CommMonitor(backend_rules))
 
     @classmethod
     def initialize(cls, grid: RankGrid, device: torch.device, backend: str,
-                   launch: LaunchEnv | None = None, timeout_s: float = 300.0) -> "ParallelState":
+                   launch: LaunchEnv | None = None, timeout_s: float = 300.0,
+                   backend_rules: str | None = None) -> "ParallelState":
         """Join (or start) the default process group and create every group of the grid.
 
-        ``device`` must already be bound by LOCAL_RANK (the device module does that). Groups of all
+        ``device`` must already be bound by LOCAL_RANK (the device module does that); on NCCL it is
+        passed as ``device_id`` so communicators can be split for subgroups. Groups of all
         dimensions are created in the same order on every rank, as torch.distributed requires.
+        ``backend_rules`` ("hccl", "hccl:950", "nccl" or None) is what every collective is checked
+        against (see parallel/backend_rules.py).
         """
         launch = launch or LaunchEnv.from_env()
         for note in check_layout(grid, launch):
             if launch.rank == 0:
                 warnings.warn(note)
-        state = cls(grid, rank=launch.rank, local_rank=launch.local_rank,
-                    device=torch.device(device), backend=backend)
+        monitor = CommMonitor(backend_rules)
         if grid.world_size == 1 and not dist.is_initialized():
-            return state
+            return cls(grid, rank=launch.rank, local_rank=launch.local_rank,
+                       device=torch.device(device), backend=backend, comm=monitor)
         timeout = datetime.timedelta(seconds=timeout_s)
+        owns = False
         if not dist.is_initialized():
+            extra = {"device_id": torch.device(device)} if backend == "nccl" else {}
             dist.init_process_group(backend=backend, init_method="env://", rank=launch.rank,
-                                    world_size=launch.world_size, timeout=timeout)
-            state.owns_process_group = True
-        state.rank = dist.get_rank()
-        for dim in ("tp", "pp", "dp", "mp", "embedding"):
+                                    world_size=launch.world_size, timeout=timeout, **extra)
+            owns = True
+        rank = dist.get_rank()
+        groups = {}
+        for dim in GROUP_DIMS:
+            if dim == "dp_cp" and grid.cp == 1:
+                continue                                   # the DP group itself (below)
             mine = None
             for ranks in grid.groups(dim):
-                group = dist.new_group(ranks, timeout=timeout, backend=backend)
-                if state.rank in ranks:
-                    mine = group
-            setattr(state, f"{dim}_group", mine)
-        return state
+                if len(ranks) == 1:
+                    if rank in ranks:
+                        mine = single_rank_group(dim, rank, monitor)
+                    continue
+                pg = dist.new_group(ranks, timeout=timeout, backend=backend)
+                if rank in ranks:
+                    mine = CommGroup(dim, tuple(ranks), ranks.index(rank), pg, monitor)
+            groups[f"{dim}_group"] = mine
+        if grid.cp == 1:
+            groups["dp_cp_group"] = groups["dp_group"]
+        return cls(grid, rank=rank, local_rank=launch.local_rank, device=torch.device(device),
+                   backend=backend, comm=monitor, owns_process_group=owns, **groups)
 
     def destroy(self) -> None:
         """Tear down cleanly: barrier so no peer is mid-collective, then destroy the groups."""
         if dist.is_initialized():
-            dist.barrier()
+            self.world_group.barrier()
             if self.owns_process_group:
                 dist.destroy_process_group()
 
@@ -147,9 +188,11 @@ class ParallelState:
         return self.grid.world_size
 
     tp_size = property(lambda self: self.grid.tp)
+    cp_size = property(lambda self: self.grid.cp)
     pp_size = property(lambda self: self.grid.pp)
     dp_size = property(lambda self: self.grid.dp)
     tp_rank = property(lambda self: self.coord.tp)
+    cp_rank = property(lambda self: self.coord.cp)
     pp_rank = property(lambda self: self.coord.pp)
     dp_rank = property(lambda self: self.coord.dp)
 
@@ -164,8 +207,10 @@ class ParallelState:
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of the given pipeline stage in this rank's pipeline."""
         c = self.coord
-        return self.grid.rank_of(tp=c.tp, pp=pp_rank, dp=c.dp)
+        return self.grid.rank_of(tp=c.tp, pp=pp_rank, dp=c.dp, cp=c.cp)
 
     def describe(self) -> str:
         c = self.coord
-        return f"rank {self.rank} (tp {c.tp}/{self.tp_size}, pp {c.pp}/{self.pp_size}, dp {c.dp}/{self.dp_size})"
+        cp = f", cp {c.cp}/{self.cp_size}" if self.cp_size > 1 else ""
+        return (f"rank {self.rank} (tp {c.tp}/{self.tp_size}{cp}, pp {c.pp}/{self.pp_size}, "
+                f"dp {c.dp}/{self.dp_size})")

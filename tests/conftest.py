@@ -1,4 +1,11 @@
+import os
+
 import pytest
+
+# The whole suite runs under HCCL's rules (Atlas A2/A3): every collective the engine issues on gloo
+# is checked against what HCCL accepts (parallel/backend_rules.py). Spawned ranks and torchrun
+# workers inherit the variable; the CLI takes it as the default of --backend-rules.
+os.environ.setdefault("GRIDTRON_BACKEND_RULES", "hccl")
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,10 @@
 ``check_fn(ps, *args)`` must be a module-level function (it is pickled into spawned processes);
 ``results[rank]`` is its return value. An exception on any rank fails the call with that rank's
 traceback. Spawn one group per test function and do many checks inside it: startup costs seconds.
+
+Every collective runs under the backend rules named by ``GRIDTRON_BACKEND_RULES`` (tests/conftest.py
+sets "hccl" for the whole suite, read here once): gloo executes the collectives, and anything HCCL
+would refuse (a float64 reduction, ``gather``, ...) fails the test. ``backend_rules=`` overrides it.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ import torch.multiprocessing as mp
 from parallel.state import LaunchEnv, ParallelState
 from parallel.topology import RankGrid
 
+SUITE_RULES = os.environ.get("GRIDTRON_BACKEND_RULES") or None
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -26,7 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, grid, fn, args, out_dir, timeout_s):
+def _worker(rank, world_size, port, grid, fn, args, out_dir, timeout_s, rules):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
@@ -34,7 +40,7 @@ def _worker(rank, world_size, port, grid, fn, args, out_dir, timeout_s):
     ps = None
     try:
         ps = ParallelState.initialize(grid, torch.device("cpu"), "gloo",
-                                      LaunchEnv.from_env(), timeout_s=timeout_s)
+                                      LaunchEnv.from_env(), timeout_s=timeout_s, backend_rules=rules)
         result = fn(ps, *args)
         torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -46,12 +52,13 @@ def _worker(rank, world_size, port, grid, fn, args, out_dir, timeout_s):
 
 
 def run_distributed(fn, world_size: int | None = None, grid: RankGrid | None = None,
-                    args: tuple = (), timeout_s: float = 120.0) -> list:
+                    args: tuple = (), timeout_s: float = 120.0, backend_rules: str | None = "suite") -> list:
     grid = grid or RankGrid(dp=world_size)
+    rules = SUITE_RULES if backend_rules == "suite" else backend_rules
     world_size = grid.world_size
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_worker, args=(world_size, free_port(), grid, fn, args, out_dir,
-                                                timeout_s),
+                                                timeout_s, rules),
                                  nprocs=world_size, join=False, start_method="spawn")
         failure = None
         try:
@@ -74,3 +81,26 @@ def run_distributed(fn, world_size: int | None = None, grid: RankGrid | None = N
         if errors or failure is not None:
             raise AssertionError("distributed run failed:\n" + "\n".join(errors) + f"\n{failure or ''}")
         return results
+
+
+def gather_tensors(group, t: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``t`` (equal shapes) from a CommGroup, in group order (one all-gather)."""
+    out = torch.empty((group.size, *t.shape), dtype=t.dtype, device=t.device)
+    group.all_gather_into(out.view(group.size * t.shape[0] if t.dim() else group.size, *t.shape[1:]),
+                          t.contiguous())
+    return list(out.unbind(0))
+
+
+class record_comm:
+    """Context manager: every CommEvent issued through ``ps``'s groups while inside, in order."""
+
+    def __init__(self, ps):
+        self.ps, self.events = ps, []
+
+    def __enter__(self):
+        self.ps.comm.observers.append(self.events.append)
+        return self.events
+
+    def __exit__(self, *exc):
+        self.ps.comm.observers.remove(self.events.append)
+        return False

@@ -4,7 +4,6 @@ import json
 import os
 import sys
 
-import torch.distributed as dist
 
 from engine.device import setup_device
 from parallel.state import LaunchEnv, ParallelState
@@ -18,9 +17,9 @@ def main(out_dir: str, tp: int, pp: int) -> None:
     ps = ParallelState.initialize(grid, dev.device, dev.backend, launch, timeout_s=60)
     info = {"rank": ps.rank, "local_rank": launch.local_rank, "node": int(os.environ["GROUP_RANK"]),
             "bound_to": ps.local_rank, "local_world_size": launch.local_world_size,
-            "tp_group": dist.get_process_group_ranks(ps.tp_group),
-            "dp_group": dist.get_process_group_ranks(ps.dp_group),
-            "pp_group": dist.get_process_group_ranks(ps.pp_group)}
+            "tp_group": list(ps.tp_group.ranks),
+            "dp_group": list(ps.dp_group.ranks),
+            "pp_group": list(ps.pp_group.ranks)}
     with open(os.path.join(out_dir, f"rank{ps.rank}.json"), "w") as fh:
         json.dump(info, fh)
     ps.destroy()

@@ -105,7 +105,7 @@ def test_corpus_too_small(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,match", [
     (["--tp", "0"], "--tp must be >= 1"),
-    (["--order", "tp-pp"], "order must name tp, pp and dp once each"),
+    (["--order", "tp-pp"], "order must name tp, cp, pp and dp once each"),
     (["--virtual-pipeline-size", "2"], "needs --pipeline-schedule interleaved"),
     (["--keep-last", "0"], "--keep-last >= 1"),
     (["--save-interval", "-1"], "--save-interval must be >= 0"),

@@ -6,13 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from parallel.dp import (CommStats, CompressionPolicy, CompressorSpec, DistributedOptimizer, GradReducer,
-                         Int8Compressor, PolicyError, TopKCompressor, ring_bytes)
+from parallel.comm import wire_bytes
+from parallel.dp import (CompressionPolicy, CompressorSpec, DistributedOptimizer, GradReducer,
+                         Int8Compressor, PolicyError, TopKCompressor)
 from parallel.state import ParallelState
 from parallel.topology import RankGrid
-from tests.dist_utils import run_distributed
+from tests.dist_utils import gather_tensors, record_comm, run_distributed
 from tests.test_dp_reducer import backward_step, make_model, serial_grads
 
 N = 50_000
@@ -29,13 +29,11 @@ def rank_input(rank: int, step: int = 0) -> torch.Tensor:
 
 
 def gather(ps, t: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(ps.dp_size)]
-    dist.all_gather(out, t.contiguous(), group=ps.dp_group)
-    return out
+    return gather_tensors(ps.dp_group, t)
 
 
 def reference_bytes(p: int) -> int:
-    return ring_bytes("all_reduce", N * 4, p)
+    return wire_bytes("all_reduce", N * 4, p)
 
 
 def check_int8(ps) -> None:
@@ -43,10 +41,12 @@ def check_int8(ps) -> None:
     x = rank_input(ps.rank)
     inputs = gather(ps, x)
     truth = torch.stack(inputs).sum(0)
-    out, stats = x.clone(), CommStats()
-    Int8Compressor(chunk_size=c).all_reduce_(out, ps.dp_group, stats)
+    out = x.clone()
+    with record_comm(ps) as events:
+        Int8Compressor(chunk_size=c).all_reduce_(out, ps.dp_group)
     assert all(torch.equal(o, out) for o in gather(ps, out))          # replicas stay identical
-    assert stats.collectives == 2 and stats.bytes <= 0.27 * reference_bytes(p)
+    assert [e.op for e in events] == ["all_to_all", "all_gather"]
+    assert sum(e.wire_bytes for e in events) <= 0.27 * reference_bytes(p)
     # per chunk: p phase-1 errors of max|x_r|/254 each, one phase-2 error of max|sum|/254
     padded = math.ceil(N / (p * c)) * p * c
     def chunk_amax(t):                                                 # (chunks,)
@@ -65,14 +65,16 @@ def check_topk(ps) -> None:
     for step in range(steps):
         x = rank_input(ps.rank, step)
         truth += torch.stack(gather(ps, x)).sum(0)
-        out, stats = x.clone(), CommStats()
-        comp.all_reduce_(out, ps.dp_group, stats)
+        out = x.clone()
+        with record_comm(ps) as events:
+            comp.all_reduce_(out, ps.dp_group)
         assert all(torch.equal(o, out) for o in gather(ps, out))
-        assert stats.collectives == 2 and stats.bytes <= 0.03 * reference_bytes(p)
+        assert [e.op for e in events] == ["all_to_all", "all_gather"]
+        assert sum(e.wire_bytes for e in events) <= 0.03 * reference_bytes(p)
         assert int((out != 0).sum()) <= 0.01 * N + p
         sent += out
     residual = comp.residual.clone()
-    dist.all_reduce(residual, group=ps.dp_group)
+    ps.dp_group.all_reduce(residual)
     owner = torch.cat(gather(ps, comp.owner_residual))[:N]
     # error feedback: everything not sent yet is still held in a residual
     torch.testing.assert_close(sent + residual + owner, truth, rtol=1e-5, atol=1e-4)
@@ -94,7 +96,7 @@ def check_policy_reducer(ps) -> None:
         reference = serial_grads(step)
         compressed = step > POLICY["warmup_steps"]
         n_comp = sum(b.compressor is not None for b in reducer.buckets)
-        assert reducer.stats()["collectives"] == len(reducer.buckets) + (n_comp if compressed else 0)
+        assert reducer.stats()["calls"] == len(reducer.buckets) + (n_comp if compressed else 0)
         for bucket in reducer.buckets:
             assert all(torch.equal(o, bucket.data) for o in gather(ps, bucket.data))
             for slot in bucket.slots:
@@ -177,7 +179,8 @@ def test_invalid_policies_name_the_key(policy, key):
 
 
 def test_byte_model():
-    assert ring_bytes("all_reduce", 400, 4) == 600
-    assert ring_bytes("reduce_scatter", 400, 4) == ring_bytes("all_to_all", 400, 4) == 300
-    assert ring_bytes("all_gather", 100, 4) == 300
-    assert ring_bytes("all_reduce", 400, 1) == 0
+    assert wire_bytes("all_reduce", 400, 4) == 600
+    assert wire_bytes("reduce_scatter", 400, 4) == wire_bytes("all_to_all", 400, 4) == 300
+    assert wire_bytes("all_gather", 100, 4) == 300
+    assert wire_bytes("all_reduce", 400, 1) == 0
+    assert wire_bytes("send", 100, 2) == 100

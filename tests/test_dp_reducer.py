@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.dp import DistributedOptimizer, GradReducer, MixedPrecisionOptimizer, ring_bytes
+from parallel.comm import wire_bytes
+from parallel.dp import DistributedOptimizer, GradReducer, MixedPrecisionOptimizer
 from parallel.grad_norm import global_grad_norm
 from parallel.state import ParallelState
 from parallel.topology import RankGrid
-from tests.dist_utils import run_distributed
+from tests.dist_utils import record_comm, run_distributed
 
 VOCAB, BATCH, SEQ = 11, 8, 5
 
@@ -67,7 +67,7 @@ def backward_step(model, reducer, step: int, dp: int, rank: int, m: int, flag: s
             reducer.set_last_microbatch(i == m - 1)
         (model(tokens[sl], targets[sl]) / m).backward()
         if i < m - 1:
-            assert reducer.stats()["collectives"] == 0 and reducer.num_launched == 0
+            assert reducer.stats()["calls"] == 0 and reducer.num_launched == 0
     reducer.finish()
 
 
@@ -95,9 +95,10 @@ def check_reducer(ps: ParallelState) -> None:
             for name, p in model.named_parameters():
                 assert p.grad is None and p.main_grad.dtype == torch.float32
                 torch.testing.assert_close(p.main_grad, reference[name], rtol=1e-5, atol=1e-7)
-            expected = sum(ring_bytes("all_reduce", b.numel * 4, dp) for b in reducer.buckets)
-            assert reducer.stats()["collectives"] == len(reducer.buckets)
-            assert reducer.stats()["bytes"] == expected > 0
+            expected = sum(wire_bytes("all_reduce", b.numel * 4, dp) for b in reducer.buckets)
+            assert reducer.stats()["calls"] == len(reducer.buckets)
+            assert reducer.stats()["wire_bytes"] == expected > 0
+            assert reducer.stats()["payload_bytes"] == sum(b.numel * 4 for b in reducer.buckets)
         reducer.remove_hooks()
 
 
@@ -119,7 +120,7 @@ def check_overlap_launch(ps: ParallelState) -> None:
     reducer = GradReducer(model, ps, bucket_size_mb=200 * 4 / 2 ** 20)
     backward_step(model, reducer, 1, ps.dp_size, ps.dp_rank, m=1)
     reference = serial_grads(1)
-    assert reducer.stats()["collectives"] == len(reducer.buckets)
+    assert reducer.stats()["calls"] == len(reducer.buckets)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.main_grad, reference.get(name, torch.zeros(5)), rtol=1e-5, atol=1e-7)
 
@@ -154,15 +155,16 @@ def serial_train(steps: int):
 
 def assemble(ps, sd: dict) -> dict:
     """Full per-parameter flat tensors from every DP rank's ZeRO pieces; each value exactly once."""
-    all_sd = [None] * ps.dp_size
-    dist.all_gather_object(all_sd, sd, group=ps.dp_group)
+    as_lists = {**sd, "state": {n: {k: t.tolist() for k, t in st.items()} for n, st in sd["state"].items()}}
+    all_sd = ps.dp_group.all_gather_object(as_lists)   # (object collectives carry no tensors)
     full, seen = {}, {}
     for rank_sd in all_sd:
         for piece in rank_sd["pieces"]:
             name, n = piece["name"], torch.Size(piece["shape"]).numel()
             seen.setdefault(name, torch.zeros(n, dtype=torch.int32))[piece["start"]:piece["end"]] += 1
             for key, t in rank_sd["state"][name].items():
-                full.setdefault(name, {}).setdefault(key, torch.zeros(n))[piece["start"]:piece["end"]] = t
+                full.setdefault(name, {}).setdefault(key, torch.zeros(n))[piece["start"]:piece["end"]] = \
+                    torch.tensor(t)
     assert all(bool((c == 1).all()) for c in seen.values())
     return {"step": all_sd[0]["step"], "state": full}
 
@@ -180,10 +182,17 @@ def check_zero(ps: ParallelState) -> None:
     assert global_grad_norm(list(zero.parameters()), ps) == \
         pytest.approx(global_grad_norm(list(plain.parameters()), ps), rel=1e-6)
     assert plain_norms == pytest.approx(serial_norms, rel=1e-5)
-    stats = zero_red.stats()
-    assert stats["collectives"] == len(zero_red.buckets)
-    assert stats["bytes"] == sum(ring_bytes("reduce_scatter", b.numel * 4, ps.dp_size) for b in zero_red.buckets)
-    assert stats["param_gather_collectives"] == len(zero_red.buckets)
+    # one ZeRO step's DP traffic: a reduce-scatter per bucket during backward, the norm's scalar,
+    # an all-gather of the updated shard per bucket; payload = the tensors handed over
+    with record_comm(ps) as events:
+        train(ps, sharded=True, steps=1)
+    dp_events = [(e.op, e.payload_bytes, e.wire_bytes) for e in events if e.group == "dp"]
+    n, dp = len(zero_red.buckets), ps.dp_size
+    assert dp_events[:n] == [("reduce_scatter", b.numel * 4, wire_bytes("reduce_scatter", b.numel * 4, dp))
+                             for b in zero_red.buckets]
+    assert dp_events[n] == ("all_reduce", 4, wire_bytes("all_reduce", 4, dp))      # the norm
+    assert dp_events[n + 1:] == [("all_gather", b.numel // dp * 4, (dp - 1) * b.numel // dp * 4)
+                                 for b in zero_red.buckets]
 
     # optimizer state: the shards together equal the non-sharded state, and reload anywhere
     full = assemble(ps, zero_opt.state_dict())
@@ -224,11 +233,10 @@ def test_reducer_and_zero_on_gloo(dp):
 def test_serial_reducer_has_no_collectives_and_matches_adamw():
     ps = ParallelState.serial()
     model, opt, reducer, norms = train(ps, sharded=False, steps=3)
-    assert reducer.stats() == {"collectives": 0, "bytes": 0, "param_gather_collectives": 0,
-                               "param_gather_bytes": 0}
+    assert reducer.stats() == {"calls": 0, "payload_bytes": 0, "wire_bytes": 0}
     serial, serial_norms = serial_train(3)
     zero, _, zero_red, _ = train(ps, sharded=True, steps=3)
-    assert zero_red.stats()["collectives"] == 0
+    assert zero_red.stats()["calls"] == 0
     for a, b, s in zip(model.parameters(), zero.parameters(), serial.parameters()):
         torch.testing.assert_close(a, s, rtol=0, atol=1e-6)
         torch.testing.assert_close(b, s, rtol=0, atol=1e-6)

@@ -6,9 +6,10 @@ communication per step, and gradient compression.
   to a relative 1e-4.
 - With a small ``--bucket-size-mb`` (several buckets) each step issues exactly one collective per
   bucket, all of them during the last micro-batch's backward (earlier micro-batches only
-  accumulate), and ``dp_comm_bytes`` equals the ring-model bytes of those collectives.
+  accumulate); ``dp_comm_bytes`` is the payload handed to the DP collectives (ZeRO's norm scalar
+  and parameter all-gathers included) and ``dp_comm_wire_bytes`` their ring-model bytes.
 - ``--grad-compression int8`` / ``topk`` train on real text (the loss falls) with at most 0.27x /
-  0.03x of the uncompressed bytes; the per-branch policy of configs/compression_policy.yaml gives
+  0.03x of the uncompressed wire bytes; the per-branch policy of configs/compression_policy.yaml gives
   every bucket the compressor its rules name; invalid policies and ratios fail before training.
 """
 from __future__ import annotations
@@ -16,19 +17,17 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 
 import pytest
-import torch
 import torch.distributed as dist
 import yaml
 
-import parallel.dp.reducer as reducer_module
 from engine.cli import ConfigError, parse_args
 from engine.data.corpus import stdlib_dir
 from engine.data.prepare import prepare
 from engine.trainer import Trainer
-from parallel.dp.compression import ring_bytes
+from parallel.comm import wire_bytes
 from parallel.state import LaunchEnv, ParallelState
 from parallel.topology import RankGrid
-from tests.dist_utils import run_distributed
+from tests.dist_utils import record_comm, run_distributed
 
 STEPS = 3
 REL = 1e-4
@@ -59,6 +58,7 @@ def compressed(data: str, *extra: str) -> list[str]:
 def _summary(trainer: Trainer, records: list[dict]) -> dict:
     return {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
             "dp_comm_bytes": [r["dp_comm_bytes"] for r in records],
+            "dp_comm_wire_bytes": [r["dp_comm_wire_bytes"] for r in records],
             "buckets": [{"names": [s.name for s in b.slots], "numel": b.numel,
                          "kind": b.spec.kind, "ratio": b.spec.ratio, "chunk_size": b.spec.chunk_size,
                          "compressor": type(b.compressor).__name__ if b.compressor else None}
@@ -66,22 +66,18 @@ def _summary(trainer: Trainer, records: list[dict]) -> dict:
 
 
 def _train_counting(trainer: Trainer) -> dict:
-    """Train while logging, per step, the micro-batch during which each DP collective was issued
-    and how many buckets were launched before ``finish()`` (i.e. overlapped with backward)."""
-    reducer, forwards, issued, launched, stats = trainer.reducer, [0], [], [], []
+    """Train while logging, per step, the micro-batch during which each DP bucket collective was
+    issued (from the communication layer's observers) and how many buckets were launched before
+    ``finish()`` (i.e. overlapped with backward)."""
+    reducer, forwards, issued, launched, stats = trainer.reducer, [0], [[]], [], []
     trainer.chunks[0].register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
-    all_reduce, reduce_scatter, finish = dist.all_reduce, reducer_module.reduce_scatter_flat, reducer.finish
+    bucket_bytes = {b.numel * 4 for b in reducer.buckets}
+    finish = reducer.finish
 
-    buffers = {b.data.data_ptr() for b in reducer.buckets}   # (ZeRO's grad norm also uses the DP group)
-
-    def counted_all_reduce(tensor, *args, group=None, **kwargs):
-        if group is reducer.group and tensor.data_ptr() in buffers:
+    def observe(event):
+        if event.group in ("dp", "dp_cp") and event.op in ("all_reduce", "reduce_scatter") \
+                and event.payload_bytes in bucket_bytes:
             issued[-1].append(forwards[0])
-        return all_reduce(tensor, *args, group=group, **kwargs)
-
-    def counted_reduce_scatter(out, data, group=None, async_op=False):
-        issued[-1].append(forwards[0])
-        return reduce_scatter(out, data, group=group, async_op=async_op)
 
     def counted_finish():
         launched.append(reducer.num_launched)
@@ -90,13 +86,13 @@ def _train_counting(trainer: Trainer) -> dict:
         forwards[0] = 0
         issued.append([])
 
-    issued.append([])
-    dist.all_reduce, reducer_module.reduce_scatter_flat, reducer.finish = \
-        counted_all_reduce, counted_reduce_scatter, counted_finish
-    try:
-        records = trainer.train().records
-    finally:
-        dist.all_reduce, reducer_module.reduce_scatter_flat = all_reduce, reduce_scatter
+    reducer.finish = counted_finish
+    with record_comm(trainer.ps):
+        trainer.ps.comm.observers.append(observe)
+        try:
+            records = trainer.train().records
+        finally:
+            trainer.ps.comm.observers.remove(observe)
     out = _summary(trainer, records)
     out.update(issued=issued[:-1], launched=launched, stats=stats, num_micro=trainer.num_micro)
     return out
@@ -126,7 +122,15 @@ def assert_one_collective_per_bucket(result: dict, dp: int, zero: bool, what: st
     buckets = result["buckets"]
     assert len(buckets) >= 3, f"{what}: expected several buckets, got {len(buckets)}"
     op = "reduce_scatter" if zero else "all_reduce"
-    want_bytes = sum(ring_bytes(op, b["numel"] * 4, dp) for b in buckets)
+    want_wire = sum(wire_bytes(op, b["numel"] * 4, dp) for b in buckets)
+    # payload: every bucket's buffer; ZeRO adds the norm's fp32 scalar and each bucket's updated shard
+    want_payload = sum(b["numel"] * 4 for b in buckets)
+    if zero:
+        want_payload += 4 + sum(b["numel"] // dp * 4 for b in buckets)
+        step_wire = want_wire + wire_bytes("all_reduce", 4, dp) + sum(
+            wire_bytes("all_gather", b["numel"] // dp * 4, dp) for b in buckets)
+    else:
+        step_wire = want_wire
     m = result["num_micro"]
     assert m > 1, what
     assert len(result["issued"]) == STEPS
@@ -134,9 +138,10 @@ def assert_one_collective_per_bucket(result: dict, dp: int, zero: bool, what: st
         # every bucket's collective is issued once, during the last micro-batch's backward
         assert result["issued"][step] == [m] * len(buckets), (what, step, result["issued"][step])
         assert result["launched"][step] == len(buckets), (what, step)
-        assert result["stats"][step]["collectives"] == len(buckets)
-        assert result["stats"][step]["bytes"] == want_bytes
-        assert result["dp_comm_bytes"][step] == want_bytes > 0
+        assert result["stats"][step]["calls"] == len(buckets)
+        assert result["stats"][step]["wire_bytes"] == want_wire
+        assert result["dp_comm_bytes"][step] == want_payload > 0
+        assert result["dp_comm_wire_bytes"][step] == step_wire
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +182,8 @@ def test_dp2_equivalence_buckets_and_compression(serial, corpus, tmp_path):
         losses = run["loss"]
         assert losses[-1] < losses[0] - 0.5, f"{name}: loss did not fall: {losses}"
         if limit is not None:
-            for got, full in zip(run["dp_comm_bytes"], none["dp_comm_bytes"]):
+            # the bounds are on the wire (ring model), where an all-reduce costs 2(p-1)/p of its buffer
+            for got, full in zip(run["dp_comm_wire_bytes"], none["dp_comm_wire_bytes"]):
                 assert 0 < got <= limit * full, f"{name}: {got} bytes vs {full} uncompressed"
     check_policy_buckets(policy, none)
 
@@ -204,7 +210,7 @@ def check_policy_buckets(policy: dict, none: dict) -> None:
     warmup = recipe["warmup_steps"]
     assert policy["dp_comm_bytes"][:warmup] == none["dp_comm_bytes"][:warmup]
     assert all(got < 0.8 * full for got, full in
-               zip(policy["dp_comm_bytes"][warmup:], none["dp_comm_bytes"][warmup:]))
+               zip(policy["dp_comm_wire_bytes"][warmup:], none["dp_comm_wire_bytes"][warmup:]))
 
 
 def test_dp4_with_and_without_zero(serial):
@@ -215,8 +221,9 @@ def test_dp4_with_and_without_zero(serial):
     assert_matches(plain, serial, "dp=4")
     assert_matches(zero, serial, "dp=4 ZeRO-1")
     assert_one_collective_per_bucket(zero, 4, True, "dp=4 ZeRO-1")
-    assert plain["dp_comm_bytes"][0] == sum(ring_bytes("all_reduce", b["numel"] * 4, 4)
-                                            for b in plain["buckets"])
+    assert plain["dp_comm_bytes"][0] == sum(b["numel"] * 4 for b in plain["buckets"])
+    assert plain["dp_comm_wire_bytes"][0] == sum(wire_bytes("all_reduce", b["numel"] * 4, 4)
+                                                 for b in plain["buckets"])
 
 
 def test_3d_layouts(serial):

@@ -41,6 +41,8 @@ def test_coord_roundtrip():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(tp=0), "tp must be a positive"),
     (dict(order="tp-pp"), "order must name"),
+    (dict(cp=0), "cp must be a positive"),
+    (dict(order="tp-cp-pp-pp"), "order must name"),
 ])
 def test_grid_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -63,20 +65,55 @@ def test_launch_env_slurm():
     assert LaunchEnv.from_env(env) == LaunchEnv(5, 8, 1, 4)
 
 
+def test_context_parallel_grid():
+    """The DESIGN example with cp: order tp-cp-dp-pp, CP groups inside TP-stride blocks."""
+    g = RankGrid(tp=2, cp=2, pp=2, dp=2)
+    assert g.world_size == 16
+    assert g.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert g.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert g.groups("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert g.groups("pp") == [[i, i + 8] for i in range(8)]
+    assert g.coord(13) == Coord(tp=1, pp=1, dp=1, cp=0)
+    assert g.coord(6) == Coord(tp=0, pp=0, dp=1, cp=1)
+    assert g.groups("mp") == [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]]
+    # cp=1 keeps the three-dimension example, and the three-name order means the same grid
+    assert RankGrid(tp=2, pp=2, dp=4).groups("dp") == RankGrid(tp=2, pp=2, dp=4, order="tp-dp-pp").groups("dp")
+    assert RankGrid(tp=2, pp=2, dp=4).groups("dp_cp") == RankGrid(tp=2, pp=2, dp=4).groups("dp")
+    # the short order spelling puts cp right after tp
+    assert RankGrid(tp=2, cp=2, dp=2, order="tp-dp-pp").groups("cp") == g.groups("cp")[:4]
+    g2 = RankGrid(tp=1, cp=4, pp=1, dp=2, order="cp-tp-dp-pp")
+    assert g2.groups("cp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for grid in (g, g2, RankGrid(tp=2, cp=2, pp=3, dp=1)):
+        for dim in ("tp", "cp", "pp", "dp", "dp_cp", "mp", "embedding"):
+            groups = grid.groups(dim)
+            for r in range(grid.world_size):
+                if dim == "embedding" and grid.coord(r).pp not in (0, grid.pp - 1):
+                    with pytest.raises(ValueError, match="middle pipeline stage"):
+                        grid.group_of(r, dim)
+                    continue
+                assert grid.group_of(r, dim) in groups
+                assert r in grid.group_of(r, dim)
+            if dim != "embedding":
+                assert sorted(r for grp in groups for r in grp) == list(range(grid.world_size))
+        for r in range(grid.world_size):
+            assert grid.rank_of(**grid.coord(r)._asdict()) == r
+
+
 def _groups_check(ps):
     import torch
-    import torch.distributed as dist
     out = {}
-    for dim in ("tp", "pp", "dp", "mp", "embedding"):
+    for dim in ("tp", "cp", "pp", "dp", "dp_cp", "mp", "embedding"):
         t = torch.tensor([float(ps.rank)])
-        dist.all_reduce(t, group=getattr(ps, f"{dim}_group"))
-        out[dim] = t.item()
+        group = getattr(ps, f"{dim}_group")
+        group.all_reduce(t)
+        out[dim] = (t.item(), list(group.ranks), group.rank)
     return out
 
 
 def test_process_groups_on_gloo():
-    grid = RankGrid(tp=2, pp=2, dp=2)
-    results = run_distributed(_groups_check, grid=grid)
-    for rank, res in enumerate(results):
-        for dim in ("tp", "pp", "dp", "mp", "embedding"):
-            assert res[dim] == sum(grid.group_of(rank, dim)), (rank, dim)
+    for grid in (RankGrid(tp=2, pp=2, dp=2), RankGrid(tp=2, cp=2, dp=2)):
+        results = run_distributed(_groups_check, grid=grid)
+        for rank, res in enumerate(results):
+            for dim in ("tp", "cp", "pp", "dp", "dp_cp", "mp", "embedding"):
+                want = grid.group_of(rank, dim)
+                assert res[dim] == (sum(want), want, want.index(rank)), (rank, dim)

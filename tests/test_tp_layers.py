@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from parallel.state import ParallelState
@@ -19,7 +18,7 @@ from parallel.tensor_parallel import (ColumnParallelLinear, Initializer, RowPara
                                       VocabParallelEmbedding, padded_vocab_size,
                                       vocab_parallel_cross_entropy)
 from parallel.topology import RankGrid
-from tests.dist_utils import run_distributed
+from tests.dist_utils import gather_tensors, run_distributed
 from tests.test_tp_mappings import tp_states
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -37,9 +36,7 @@ def split_dim(local: torch.Tensor, serial: torch.Tensor) -> int:
 def gather_shards(local: torch.Tensor, serial: torch.Tensor, group) -> torch.Tensor:
     """Concatenate the TP shards of ``local`` along the split dim. Vocabulary weights come back
     padded for this tp (which may differ from the serial padding): the caller trims them."""
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return torch.cat(parts, dim=split_dim(local, serial))
+    return torch.cat(gather_tensors(group, local), dim=split_dim(local, serial))
 
 
 def full_tensor(local: torch.Tensor, serial: torch.Tensor, param, ps: ParallelState,
@@ -60,7 +57,7 @@ def full_tensor(local: torch.Tensor, serial: torch.Tensor, param, ps: ParallelSt
         return full
     if getattr(param, "sequence_parallel", False) and not summed and ps.tp_size > 1:
         local = local.clone()
-        dist.all_reduce(local, group=ps.tp_group)
+        ps.tp_group.all_reduce(local)
     return local
 
 

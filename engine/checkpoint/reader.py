@@ -10,7 +10,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from engine.checkpoint.index import CheckpointError, TensorReader, intact_hint, read_index, resolve, verify
-from engine.checkpoint.specs import LAYOUT_KEYS, ParamSpec, data_info, layout_of, param_specs
+from engine.checkpoint.specs import (LAYOUT_KEYS, ParamSpec, data_info, layout_of, param_specs,
+                                     saved_layout)
 
 
 def check_compatible(index: dict, cfg, data: dict, where: str) -> None:
@@ -46,7 +47,7 @@ def _verify_shared(ps, ckpt: str, index: dict) -> None:
     bad = {n for n in mine if verify(ckpt, index, [n])}
     if dist.is_initialized() and ps.world_size > 1:
         flags = torch.tensor([n in bad for n in names], dtype=torch.int32, device=ps.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        ps.world_group.all_reduce(flags, op=dist.ReduceOp.MAX)
         bad = {n for n, f in zip(names, flags.tolist()) if f}
     if bad:
         problems = verify(ckpt, index, sorted(bad))
@@ -97,7 +98,7 @@ def load_checkpoint(trainer, load_dir: str) -> int:
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {ckpt}: {exc}") from exc
     trainer.sampler.next_step = step
-    layout = index["layout"]
+    layout = saved_layout(index)
     if layout["precision"] == cfg.precision.precision:
         trainer.scaler.load_state_dict(index["scaler"])
     same = all(layout[k] == layout_of(trainer)[k] for k in LAYOUT_KEYS + ("compression",))

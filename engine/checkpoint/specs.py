@@ -11,9 +11,10 @@ import torch
 
 from engine.checkpoint.index import CheckpointError
 from models.gpt import GPTChunk
+from parallel.topology import normalise_order
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-LAYOUT_KEYS = ("tp", "pp", "dp", "virtual_pipeline_size", "order")
+LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "virtual_pipeline_size", "order")
 
 
 @dataclass
@@ -66,9 +67,17 @@ def device_rng(dev) -> torch.Tensor | None:
     return dev.get_rng_state()
 
 
+def saved_layout(index: dict) -> dict:
+    """The layout an index records, in today's terms (cp=1 and the four-name order when absent)."""
+    layout = {"cp": 1, **index["layout"]}
+    layout["order"] = "-".join(normalise_order(layout["order"]))
+    return layout
+
+
 def layout_of(trainer) -> dict:
     cfg, g = trainer.cfg, trainer.grid
-    return {"tp": g.tp, "pp": g.pp, "dp": g.dp, "order": cfg.parallel.order,
+    return {"tp": g.tp, "cp": g.cp, "pp": g.pp, "dp": g.dp,
+            "order": "-".join(normalise_order(cfg.parallel.order)),
             "virtual_pipeline_size": cfg.parallel.virtual_pipeline_size,
             "use_distributed_optimizer": cfg.parallel.use_distributed_optimizer,
             "sequence_parallel": cfg.parallel.sequence_parallel, "world_size": g.world_size,

@@ -47,7 +47,7 @@ def _barrier(ps, what: str) -> None:
     if ps.world_size == 1 or not dist.is_initialized():
         return
     try:
-        dist.barrier()
+        ps.world_group.barrier()
     except RuntimeError as exc:
         raise CheckpointError(f"barrier over all {ps.world_size} ranks {what} failed on "
                               f"{ps.describe()}: a rank did not arrive (check its log): {exc}") from exc

@@ -1,7 +1,7 @@
-"""Gradient compressors for the data-parallel exchange, and the byte accounting they share.
+"""Gradient compressors for the data-parallel exchange.
 
-Byte accounting. Every collective is charged with the bytes THIS rank sends under the
-bandwidth-optimal (ring) algorithm for that collective, given the tensor it hands over:
+Byte accounting is the communication layer's (parallel/comm.py): every collective is charged the
+payload this rank hands over and the ring-model bytes it sends,
 
     all_reduce(S bytes)      2 (p-1)/p * S       reduce_scatter(S)  (p-1)/p * S
     all_to_all(S bytes)        (p-1)/p * S       all_gather(s own)  (p-1) * s
@@ -18,55 +18,14 @@ Int8: one fp32 scale per chunk of ``chunk_size`` values, so bytes ~ (1 + 4/chunk
 Top-k: k = ratio * shard values per shard as (int32 index, fp32 value), bytes ~ 2 * ratio.
 Every rank ends with bit-identical results (the last phase is an exact all-gather), so data-parallel
 replicas cannot drift apart. Top-k keeps what it did not send in residuals (error feedback): one
-per rank for its local buffer, one per shard owner for the re-sparsified sum.
+per rank for its local buffer, one per shard owner for the re-sparsified sum. The packed messages
+are uint8 (bytes of int8/int32 values and fp32 scales side by side), which every backend moves.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-
-
-def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """Concatenate every rank's ``input`` into ``output`` (torch 2.13 renamed the collective)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
-
-
-def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """Sum ``input`` over ranks and keep this rank's equal slice in ``output``."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, group=group, async_op=async_op)
-
-
-def ring_bytes(op: str, nbytes: int, world: int) -> int:
-    """Bytes one rank sends for ``op`` on ``world`` ranks (see the module docstring)."""
-    if world <= 1:
-        return 0
-    if op == "all_reduce":
-        return 2 * (world - 1) * nbytes // world
-    if op in ("reduce_scatter", "all_to_all"):
-        return (world - 1) * nbytes // world
-    if op == "all_gather":
-        return (world - 1) * nbytes
-    raise ValueError(f"ring_bytes: unknown collective {op!r}")
-
-
-@dataclass
-class CommStats:
-    """Collectives launched and bytes sent by this rank (ring model), reset once per step."""
-    collectives: int = 0
-    bytes: int = 0
-
-    def add(self, op: str, nbytes: int, world: int) -> None:
-        self.collectives += 1
-        self.bytes += ring_bytes(op, nbytes, world)
-
-    def reset(self) -> None:
-        self.collectives = 0
-        self.bytes = 0
 
 
 def _as_bytes(*tensors: torch.Tensor) -> torch.Tensor:
@@ -88,7 +47,8 @@ class Compressor:
     """Sum a 1-D buffer over a process group through a compressed exchange, in place."""
     name = "none"
 
-    def all_reduce_(self, flat: torch.Tensor, group, stats: CommStats) -> None:
+    def all_reduce_(self, flat: torch.Tensor, group) -> None:
+        """``group``: the data-parallel CommGroup."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -132,8 +92,8 @@ class Int8Compressor(Compressor):
     def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return q.float() * scale.float().unsqueeze(-1)
 
-    def all_reduce_(self, flat: torch.Tensor, group, stats: CommStats) -> None:
-        p = dist.get_world_size(group)
+    def all_reduce_(self, flat: torch.Tensor, group) -> None:
+        p = group.size
         if p == 1:
             return
         n, c = flat.numel(), self.chunk_size
@@ -143,15 +103,13 @@ class Int8Compressor(Compressor):
         q, s = self.quantize(x.view(p, sc, c))                   # (p, sc, c), (p, sc)
         send = _as_bytes(q.view(p, sc * c), s)                   # (p, B): row j goes to rank j
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
-        stats.add("all_to_all", send.numel(), p)
+        group.all_to_all_single(recv.view(-1), send.view(-1))
         rq, rs = _split_bytes(recv, [(torch.int8, sc * c), (self.scale_dtype, sc)])
         shard = self.dequantize(rq.view(p, sc, c), rs).sum(0)    # (sc, c): my shard, summed
         q2, s2 = self.quantize(shard)
         mine = _as_bytes(q2.view(1, sc * c), s2.view(1, sc))     # (1, B)
         gathered = torch.empty(p, mine.shape[1], dtype=torch.uint8, device=flat.device)
-        all_gather_flat(gathered, mine, group=group)
-        stats.add("all_gather", mine.numel(), p)
+        group.all_gather_into(gathered, mine)
         gq, gs = _split_bytes(gathered, [(torch.int8, sc * c), (self.scale_dtype, sc)])
         flat.copy_(self.dequantize(gq.view(p, sc, c), gs).view(-1)[:n])
 
@@ -172,8 +130,8 @@ class TopKCompressor(Compressor):
         self.residual: torch.Tensor | None = None          # (n,) this rank's unsent values
         self.owner_residual: torch.Tensor | None = None    # (m,) unsent part of my shard's sum
 
-    def all_reduce_(self, flat: torch.Tensor, group, stats: CommStats) -> None:
-        p = dist.get_world_size(group)
+    def all_reduce_(self, flat: torch.Tensor, group) -> None:
+        p = group.size
         if p == 1:
             return
         n = flat.numel()
@@ -192,8 +150,7 @@ class TopKCompressor(Compressor):
         self.residual.copy_(acc[:n])
         send = _as_bytes(idx.to(torch.int32), vals)              # (p, 8k)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
-        stats.add("all_to_all", send.numel(), p)
+        group.all_to_all_single(recv.view(-1), send.view(-1))
         ridx, rvals = _split_bytes(recv, [(torch.int32, k), (torch.float32, k)])
         shard = self.owner_residual.clone()
         shard.index_add_(0, ridx.reshape(-1).long(), rvals.reshape(-1))   # (m,)
@@ -203,8 +160,7 @@ class TopKCompressor(Compressor):
         self.owner_residual.copy_(shard)
         mine = _as_bytes(sidx.to(torch.int32).view(1, k), svals.view(1, k))
         gathered = torch.empty(p, mine.shape[1], dtype=torch.uint8, device=flat.device)
-        all_gather_flat(gathered, mine, group=group)
-        stats.add("all_gather", mine.numel(), p)
+        group.all_gather_into(gathered, mine)
         gidx, gvals = _split_bytes(gathered, [(torch.int32, k), (torch.float32, k)])
         offsets = torch.arange(p, device=flat.device).unsqueeze(1) * m
         out = torch.zeros(p * m, dtype=torch.float32, device=flat.device)

@@ -26,14 +26,16 @@ TP, tied embeddings over the embedding group) remain valid, also on ZeRO shards.
 With ``shard_grads`` (set by the ZeRO-1 optimizer) buckets are reduce-scattered: after ``finish()``
 only this rank's shard of each bucket holds the averaged gradient. A bucket whose compressor is
 active (see policy.py) is exchanged synchronously at launch through its compressor.
+
+The reduction runs over ``ps.dp_cp_group``: the data-parallel replicas and, with context
+parallelism, the CP ranks that hold the same parameters (one collective over the combined group).
+``stats()`` reads this step's collectives over that group from the communication layer's counters.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from parallel.dp.buffers import Bucket, GradBuffer
-from parallel.dp.compression import CommStats, reduce_scatter_flat
 from parallel.dp.policy import CompressionPolicy
 from parallel.state import ParallelState
 
@@ -71,8 +73,8 @@ class GradReducer:
         if not grad_dtype.is_floating_point:
             raise ValueError(f"GradReducer: grad_dtype must be a floating dtype, got {grad_dtype}")
         compression_policy = CompressionPolicy.coerce(compression_policy)
-        self.ps, self.group = ps, ps.dp_group
-        self.dp, self.dp_rank = ps.dp_size, ps.dp_rank
+        self.ps, self.group = ps, ps.dp_cp_group
+        self.dp, self.dp_rank = self.group.size, self.group.rank
         self.policy, self.overlap, self.grad_dtype = compression_policy, overlap, grad_dtype
         self.shard_grads = False
         self.names = {p: n for n, p in named}
@@ -100,7 +102,6 @@ class GradReducer:
                 self._bucket_of[slot.param] = bucket
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
         self.step = 1                       # 1-based optimizer step, advanced by finish()
-        self.grad_stats, self.param_stats = CommStats(), CommStats()
         self._num_mb = None
         self._reset_step_state()
 
@@ -124,8 +125,6 @@ class GradReducer:
             buf.data.zero_()
             for slot in buf.slots:
                 slot.param.grad = None
-        self.grad_stats.reset()
-        self.param_stats.reset()
         self._reset_step_state()
 
     def finish(self) -> None:
@@ -152,11 +151,10 @@ class GradReducer:
             raise RuntimeError(f"{who}: gradients are not reduced yet; call reducer.finish() after backward")
 
     def stats(self) -> dict[str, int]:
-        """Gradient collectives and bytes this rank sent this step (ring model, see compression.py);
-        ``param_gather_*`` count the ZeRO-1 parameter all-gathers."""
-        return {"collectives": self.grad_stats.collectives, "bytes": self.grad_stats.bytes,
-                "param_gather_collectives": self.param_stats.collectives,
-                "param_gather_bytes": self.param_stats.bytes}
+        """This step's collectives over the reducer's group since ``zero_grad()``: ``calls``,
+        ``payload_bytes`` (bytes of the tensors handed over) and ``wire_bytes`` (ring model);
+        ZeRO's parameter all-gathers count too once the optimizer has stepped."""
+        return self.ps.comm.since(self._snapshot)[self.group.kind]
 
     @property
     def num_launched(self) -> int:
@@ -165,6 +163,7 @@ class GradReducer:
 
     # ---- hooks and launches ----------------------------------------------------------------
     def _reset_step_state(self) -> None:
+        self._snapshot = self.ps.comm.snapshot()
         self._is_last = False
         self._counts: dict = {}
         self._ready: dict[int, set] = {}
@@ -195,17 +194,14 @@ class GradReducer:
             return
         data = bucket.data
         data.div_(self.dp)
-        nbytes = data.numel() * data.element_size()
         if bucket.compressor is not None and self.policy.active(self.step):
-            bucket.compressor.all_reduce_(data, self.group, self.grad_stats)
+            bucket.compressor.all_reduce_(data, self.group)
         elif self.shard_grads:
             out = torch.empty(bucket.numel // self.dp, dtype=data.dtype, device=data.device)
-            handle = reduce_scatter_flat(out, data, group=self.group, async_op=True)
-            self.grad_stats.add("reduce_scatter", nbytes, self.dp)
+            handle = self.group.reduce_scatter_into(out, data, async_op=True)
             self._pending.append((handle, bucket, out))
         else:
-            handle = dist.all_reduce(data, group=self.group, async_op=True)
-            self.grad_stats.add("all_reduce", nbytes, self.dp)
+            handle = self.group.all_reduce(data, async_op=True)
             self._pending.append((handle, bucket, None))
 
     # ---- residuals of compressors, state, teardown -------------------------------------------

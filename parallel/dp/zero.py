@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.dp.compression import all_gather_flat
 from parallel.dp.reducer import GradReducer
 from parallel.grad_norm import clip_grads, found_inf, global_grad_norm
 from parallel.grads import current_grad
@@ -115,7 +114,7 @@ class DistributedOptimizer(_GradAccess):
                              f"reducer's ({len(wd_of)} given, reducer holds {len(reducer.names)})")
         reducer.shard_grads = True
         self.reducer, self.ps, self.lr, self.betas, self.eps = reducer, ps, lr, betas, eps
-        self.dp, self.rank = ps.dp_size, ps.dp_rank
+        self.dp, self.rank = reducer.dp, reducer.dp_rank      # over DP x CP
         self.pieces: list[ShardPiece] = []
         self._shards = []                     # (bucket, offset in flat shard, length, decay segments)
         offset = 0
@@ -186,8 +185,7 @@ class DistributedOptimizer(_GradAccess):
                 gathered.append((b, shard, None))
                 continue
             full = torch.empty(b.numel, dtype=b.param_dtype, device=shard.device)
-            handle = all_gather_flat(full, shard, group=self.ps.dp_group, async_op=True)
-            self.reducer.param_stats.add("all_gather", shard.numel() * shard.element_size(), self.dp)
+            handle = self.reducer.group.all_gather_into(full, shard, async_op=True)
             gathered.append((b, full, handle))
         for b, full, handle in gathered:
             if handle is not None:

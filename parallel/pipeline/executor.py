@@ -257,7 +257,7 @@ def sum_embedding_grads(ps, params) -> None:
     after the optimizer step. A no-op with pp=1 and on middle stages. Both ends must pass the tied
     parameters in the same order; a missing gradient counts as zero.
     """
-    if ps.pp_size == 1 or ps.embedding_group is None:
+    if ps.pp_size == 1 or ps.embedding_group.size == 1:
         return
     params = list(params)
     if not params:

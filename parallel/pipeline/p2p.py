@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 
 class PipelineCommError(RuntimeError):
@@ -68,8 +67,8 @@ def init_p2p(ps) -> None:
     the group joins is undefined behaviour there; calling this once after ``ParallelState``
     initialisation avoids that. A no-op without pipeline parallelism.
     """
-    if ps.pp_size > 1 and ps.pp_group is not None:
-        dist.all_reduce(torch.zeros(1, device=ps.device), group=ps.pp_group)
+    if ps.pp_size > 1:
+        ps.pp_group.all_reduce(torch.zeros(1, device=ps.device))
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -88,8 +87,6 @@ def communicate(ps, transfers: list[Transfer], timeout_s: float | None = None,
     if not transfers:
         return 0.0
     start = time.perf_counter()
-    ops = [dist.P2POp(dist.isend if t.op == "send" else dist.irecv, t.tensor, t.peer_rank,
-                      ps.pp_group) for t in transfers]
     me = f"pipeline stage {ps.pp_rank} (rank {ps.rank})"
 
     def failure(culprits, exc, timed_out):
@@ -98,7 +95,7 @@ def communicate(ps, transfers: list[Transfer], timeout_s: float | None = None,
         return PipelineCommError(f"{why} ({me} was waiting). Check that stage's log. [{cause}]")
 
     try:
-        works = dist.batch_isend_irecv(ops)
+        works = ps.pp_group.batch_isend_irecv([(t.op, t.tensor, t.peer_rank) for t in transfers])
     except RuntimeError as exc:
         raise failure(transfers, exc, _is_timeout(exc)) from exc
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)

@@ -12,7 +12,6 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-import torch.distributed as dist
 
 
 @dataclass
@@ -37,16 +36,13 @@ def _as_dict(event) -> dict:
 
 
 def gather_events(ps, events) -> list[list[dict]] | None:
-    """Every rank's events on global rank 0 (``None`` elsewhere); collective over the default group.
+    """Every rank's events on global rank 0 (``None`` elsewhere); collective over the world.
 
-    Events travel as plain dicts. Without an initialised process group this returns ``[events]``.
+    Events travel as plain dicts, through an all-gather of objects (HCCL has no ``gather``).
     """
     mine = [_as_dict(e) for e in events]
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [mine]
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    return gathered
+    gathered = ps.world_group.all_gather_object(mine)
+    return gathered if ps.rank == 0 else None
 
 
 def chrome_trace(events_by_rank, labels: dict[int, str] | None = None) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.tensor_parallel.mappings import group_size
+from parallel.comm import group_size
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -24,7 +24,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
         local_max = logits.max(dim=-1).values
         if group_size(group) > 1:
-            dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+            group.all_reduce(local_max, op=dist.ReduceOp.MAX)
         shifted = logits - local_max.unsqueeze(-1)  # (b, s, v/tp)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
@@ -34,7 +34,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = shifted.gather(-1, safe_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
         if group_size(group) > 1:
             both = torch.stack([sum_exp, target_logit])
-            dist.all_reduce(both, group=group)
+            group.all_reduce(both)
             sum_exp, target_logit = both[0], both[1]
         loss = sum_exp.log() - target_logit  # (b, s)
         softmax = exp / sum_exp.unsqueeze(-1)

@@ -2,28 +2,14 @@
 
 Activations are batch-first, (b, s, h). "last dim" functions split or gather the hidden/vocab dim
 across TP ranks; "sequence" functions do the same along the sequence dim (dim 1) for sequence
-parallelism. Every public function takes the group explicitly; with a group of size 1 (or None) it
-returns its input unchanged.
+parallelism. Every public function takes the group (a ``parallel.comm.CommGroup``) explicitly;
+with a group of size 1 (or None) it returns its input unchanged.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-
-def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    """Single-tensor all-gather (torch 2.13 names it all_gather_single; older: all_gather_into_tensor)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, x, group=group)
-
-
-def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, x, group=group)
-
-
-def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+from parallel.comm import group_size
 
 
 def _check_divisible(x: torch.Tensor, dim: int, size: int) -> None:
@@ -42,14 +28,14 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over the group into a fresh tensor. Never in place: autograd may hand the same gradient
     tensor to several consumers (e.g. both inputs of an addition), and the caller's input is theirs."""
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
+    group.all_reduce(out)
     return out
 
 
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     size = group_size(group)
     _check_divisible(x, dim, size)
-    return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
+    return x.chunk(size, dim=dim)[group.rank].contiguous()
 
 
 def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -59,7 +45,7 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """
     size, dim = group_size(group), dim % x.dim()
     buf = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(buf, x.contiguous(), group=group)
+    group.all_gather_into(buf, x.contiguous())
     if dim == 0:
         return buf
     out_shape = list(x.shape)
@@ -75,7 +61,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     shape[dim : dim + 1] = [size, shape[dim] // size]
     stacked = x.reshape(shape).movedim(dim, 0).contiguous()  # (size, .., x.shape[dim] / size, ..)
     out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, stacked.view(size * out.shape[0], *out.shape[1:]), group=group)
+    group.reduce_scatter_into(out, stacked.view(size * out.shape[0], *out.shape[1:]))
     return out
 
 

@@ -1,0 +1,253 @@
+"""Every collective the engine issues goes through here: named process groups with backend rules,
+byte counters and observers.
+
+A ``CommGroup`` is one process group of the rank grid (kind "tp", "cp", "pp", "dp", "dp_cp", "mp",
+"embedding" or "world") with its global ranks, this rank's index in it and a ``CommMonitor`` shared
+by all groups of one ``ParallelState``. Its methods are thin wrappers over torch.distributed that
+
+1. check the call against the backend's rules (``parallel.backend_rules``: HCCL refuses float64
+   reductions and ``gather``, NCCL refuses int16, ...) before anything is sent, so a collective the
+   real backend would refuse fails the CPU suite too;
+2. count, per group kind, the payload this rank hands over (the bytes of the tensor it passes:
+   all-reduce and reduce-scatter their input buffer, all-gather its own shard, all-to-all its send
+   buffer, point-to-point its sends, broadcast the source's buffer) and the ring-model estimate of
+   what it puts on the wire::
+
+       all_reduce(S)      2 (n-1)/n * S      reduce_scatter(S)  (n-1)/n * S
+       all_to_all(S)        (n-1)/n * S      all_gather(s)      (n-1) * s
+       send(S)                      S        broadcast(S)       (n-1)/n * S
+
+3. tell observers (``monitor.observers``) about each call: op, group kind and ranks, dtype,
+   payload bytes, before it is issued (used by tests to check ordering, and by tools that record a
+   step's communication).
+
+Inside a ``torch.compile`` graph only the rules apply (at trace time): the TP and CP collectives of
+compiled model chunks are not counted, so the trainer reports ``tp_comm_bytes`` and
+``cp_comm_bytes`` as null under ``--compile``.
+
+A group of size 1 is a no-op for every collective (nothing checked, counted or sent), so serial runs
+and ``ParallelState.serial()`` need no process group at all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from parallel.backend_rules import check, check_object, get_rules
+
+GROUP_KINDS = ("tp", "cp", "pp", "dp", "dp_cp", "mp", "embedding", "world")
+
+
+def wire_bytes(op: str, nbytes: int, size: int) -> int:
+    """Ring-model bytes one rank sends for ``op`` handed ``nbytes`` on ``size`` ranks."""
+    if size <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (size - 1) * nbytes // size
+    if op in ("reduce_scatter", "all_to_all", "broadcast"):
+        return (size - 1) * nbytes // size
+    if op == "all_gather":
+        return (size - 1) * nbytes
+    if op == "send":
+        return nbytes
+    return 0
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """One collective as issued by this rank."""
+    op: str                 # all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send, recv, barrier, object
+    group: str              # group kind
+    ranks: tuple            # global ranks of the group
+    dtype: str | None
+    payload_bytes: int
+    wire_bytes: int
+    async_op: bool = False
+
+
+@dataclass
+class Counter:
+    calls: int = 0
+    payload_bytes: int = 0
+    wire_bytes: int = 0
+
+
+@dataclass
+class CommMonitor:
+    """Shared by the groups of one ParallelState: the rules, the counters and the observers."""
+    rules_name: str | None = None
+    counters: dict = field(default_factory=lambda: {k: Counter() for k in GROUP_KINDS})
+    observers: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rules = get_rules(self.rules_name)
+
+    def snapshot(self) -> dict[str, tuple[int, int, int]]:
+        """(calls, payload bytes, wire bytes) per group kind, to diff against later."""
+        return {k: (c.calls, c.payload_bytes, c.wire_bytes) for k, c in self.counters.items()}
+
+    def since(self, snap: dict) -> dict[str, dict[str, int]]:
+        """What each group kind issued since ``snap`` (a ``snapshot()``)."""
+        out = {}
+        for kind, c in self.counters.items():
+            calls, payload, wire = snap.get(kind, (0, 0, 0))
+            out[kind] = {"calls": c.calls - calls, "payload_bytes": c.payload_bytes - payload,
+                         "wire_bytes": c.wire_bytes - wire}
+        return out
+
+    def _account(self, event: CommEvent) -> None:
+        c = self.counters[event.group]
+        c.calls += 1
+        c.payload_bytes += event.payload_bytes
+        c.wire_bytes += event.wire_bytes
+        for observer in self.observers:
+            observer(event)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _single(name_new: str, name_old: str) -> Callable:
+    """torch 2.13 names the single-tensor collectives all_gather_single / reduce_scatter_single."""
+    return getattr(dist, name_new, None) or getattr(dist, name_old)
+
+
+_all_gather_single = _single("all_gather_single", "all_gather_into_tensor")
+_reduce_scatter_single = _single("reduce_scatter_single", "reduce_scatter_tensor")
+
+
+@dataclass(eq=False)
+class CommGroup:
+    """One process group of the grid; ``pg`` is None when the group has a single rank (or is the
+    default group, see ``world``)."""
+    kind: str
+    ranks: tuple
+    rank: int                         # this rank's index in ``ranks``
+    pg: object = None
+    monitor: CommMonitor = field(default_factory=CommMonitor)
+    world: bool = False               # the default (world) group: pg None means "default group"
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"CommGroup: unknown kind {self.kind!r}; use one of {GROUP_KINDS}")
+        self.ranks = tuple(self.ranks)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def process_group(self):
+        """What torch.distributed calls take as ``group=``."""
+        return None if self.world else self.pg
+
+    def __repr__(self) -> str:
+        return f"CommGroup({self.kind}, ranks={list(self.ranks)})"
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+    def _issue(self, op: str, tensor: torch.Tensor | None, payload: int | None = None,
+               async_op: bool = False, reduce_op=None, tensors=None) -> None:
+        check(self.monitor.rules, op, self.kind, tensors if tensors is not None else
+              ([tensor] if tensor is not None else []), reduce_op)
+        if torch.compiler.is_compiling():
+            # inside a torch.compile graph the rules are checked once, when it is traced; counting
+            # would be a Python side effect that breaks the graph, so compiled regions are not
+            # counted (the trainer reports their traffic kinds as null under --compile)
+            return
+        nbytes = _nbytes(tensor) if payload is None and tensor is not None else (payload or 0)
+        self.monitor._account(CommEvent(op, self.kind, self.ranks,
+                                        None if tensor is None else str(tensor.dtype)[6:], nbytes,
+                                        wire_bytes(op, nbytes, self.size), async_op))
+
+    # ---- tensor collectives (in place or into ``out``) ---------------------------------------
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        if self.size == 1:
+            return None
+        self._issue("all_reduce", t, async_op=async_op, reduce_op=op)
+        return dist.all_reduce(t, op=op, group=self.process_group, async_op=async_op)
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        """Concatenate every rank's ``t`` (equal shapes) along dim 0 into ``out``."""
+        if self.size == 1:
+            out.copy_(t.reshape(out.shape))
+            return None
+        self._issue("all_gather", t, async_op=async_op, tensors=[t, out])
+        return _all_gather_single(out, t, group=self.process_group, async_op=async_op)
+
+    def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, op=dist.ReduceOp.SUM,
+                            async_op: bool = False):
+        """Sum ``t`` over the group and keep this rank's equal dim-0 slice in ``out``."""
+        if self.size == 1:
+            out.copy_(t.reshape(out.shape))
+            return None
+        self._issue("reduce_scatter", t, async_op=async_op, reduce_op=op, tensors=[t, out])
+        return _reduce_scatter_single(out, t, op=op, group=self.process_group, async_op=async_op)
+
+    def all_to_all_single(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        """Equal splits along dim 0: piece j of ``t`` goes to rank j, piece i of ``out`` comes from i."""
+        if self.size == 1:
+            out.copy_(t.reshape(out.shape))
+            return None
+        self._issue("all_to_all", t, async_op=async_op, tensors=[t, out])
+        return dist.all_to_all_single(out, t, group=self.process_group, async_op=async_op)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0, async_op: bool = False):
+        """``src`` is the index in this group (0: its first rank)."""
+        if self.size == 1:
+            return None
+        self._issue("broadcast", t, payload=_nbytes(t) if self.rank == src else 0,
+                    async_op=async_op)
+        return dist.broadcast(t, src=self.ranks[src], group=self.process_group, async_op=async_op)
+
+    def barrier(self) -> None:
+        if self.size == 1:
+            return
+        self._issue("barrier", None)
+        dist.barrier(group=self.process_group)
+
+    # ---- point to point ------------------------------------------------------------------------
+    def batch_isend_irecv(self, transfers: list[tuple[str, torch.Tensor, int]]) -> list:
+        """Post ("send" | "recv", tensor, peer global rank) transfers as one batch; returns works."""
+        ops = []
+        for kind, t, peer in transfers:
+            if kind == "send":
+                self._issue("send", t)
+            else:
+                self._issue("recv", t, payload=0)
+            ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer,
+                                  self.process_group))
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    # ---- object collectives (setup, checkpoints, timelines: never in the step) --------------------
+    def all_gather_object(self, obj) -> list:
+        if self.size == 1:
+            return [obj]
+        check_object(self.monitor.rules, "all_gather_object", self.kind, obj)
+        self._issue("object", None)
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.process_group)
+        return out
+
+    def broadcast_object(self, obj, src: int = 0):
+        """``obj`` of group rank ``src`` on every rank (others pass anything, e.g. None)."""
+        if self.size == 1:
+            return obj
+        if self.rank == src:
+            check_object(self.monitor.rules, "broadcast_object_list", self.kind, obj)
+        self._issue("object", None)
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.ranks[src], group=self.process_group)
+        return box[0]
+
+
+def single_rank_group(kind: str, rank: int = 0, monitor: CommMonitor | None = None) -> CommGroup:
+    """A group of one rank: every collective on it is a no-op."""
+    return CommGroup(kind, (rank,), 0, None, monitor or CommMonitor())
+
+
+def group_size(group: CommGroup | None) -> int:
+    return 1 if group is None else group.size
