@@ -102,7 +102,8 @@ def test_layer_activations_match_korthikanti():
     sp = replace(lay, sequence_parallel=True)
     assert layer_activation_bytes(shape, sp) == pytest.approx(sbh / t * (34 + 5 * a * s / h))
     assert layer_activation_bytes(shape, replace(sp, recompute="selective")) == pytest.approx(34 * sbh / t)
-    assert layer_activation_bytes(shape, replace(lay, recompute="selective")) == pytest.approx(sbh * (10 + 24 / t))
+    selective = layer_activation_bytes(shape, replace(lay, recompute="selective"))
+    assert selective == pytest.approx(sbh * (10 + 24 / t))
     assert layer_activation_bytes(shape, replace(lay, recompute="full")) == 2 * sbh
     assert layer_activation_bytes(shape, replace(sp, recompute="full")) == 2 * sbh / t
 
@@ -131,7 +132,8 @@ def test_fused_attention_keeps_no_scores():
     shape = ModelShape(48, 8192, 64, 51200, 2048, 1536)
     fused = replace(shape, fused_attention=True)
     lay = Layout(8, 2, 32, micro_batch_size=4)
-    assert layer_activation_bytes(fused, lay) == layer_activation_bytes(shape, replace(lay, recompute="selective"))
+    selective = layer_activation_bytes(shape, replace(lay, recompute="selective"))
+    assert layer_activation_bytes(fused, lay) == selective
     assert memory_per_device(fused, lay).activations < memory_per_device(shape, lay).activations
     assert estimate(fused, cluster(512), lay).step_time_s < estimate(shape, cluster(512), lay).step_time_s
 
@@ -352,7 +354,8 @@ def paper_case(row):
 def test_fraction_is_fitted_on_one_row_only():
     (row,) = [r for r in PAPER if r[0] == FIT_ROW]
     shape, c, lay, tflops = paper_case(row)
-    assert plan.fit_achievable_fraction(shape, c, lay, tflops) == pytest.approx(DEFAULT_ACHIEVABLE_FRACTION, abs=5e-4)
+    fitted = plan.fit_achievable_fraction(shape, c, lay, tflops)
+    assert fitted == pytest.approx(DEFAULT_ACHIEVABLE_FRACTION, abs=5e-4)
 
 
 @pytest.mark.parametrize("row", [r for r in PAPER if r[0] != FIT_ROW], ids=lambda r: r[0])
@@ -417,7 +420,8 @@ def test_cli_json_carries_every_term(capsys):
 def test_cli_explain_prints_each_term(capsys):
     assert plan.main(ARGS + PAPER_FLAGS + ["--explain", "--order", "tp-pp-dp"]) == 0
     out = capsys.readouterr().out
-    for name in [f.name for f in fields(TimeTerms)] + [f.name for f in fields(MemoryTerms) if f.name != "stage"]:
+    names = [f.name for f in fields(TimeTerms)] + [f.name for f in fields(MemoryTerms) if f.name != "stage"]
+    for name in names:
         assert re.search(rf"^  {name} +\d", out, re.M), name
     assert "order=tp-pp-dp" in out and "pp (0, 8)" in out  # pipeline neighbours in one node
     shape = ModelShape(48, 8192, 64, 51200, 2048, 1536, fused_attention=True)  # the CLI's default
@@ -451,7 +455,8 @@ def test_cli_explains_rejected_layout(capsys):
 def test_calibration_from_a_measured_step_time(tmp_path, capsys):
     shape, c, lay, _ = paper_case(PAPER[4])
     truth = estimate(shape, replace(c, achievable_fraction=0.55), lay)
-    assert plan.fit_achievable_fraction(shape, c, lay, truth.tflops_per_device) == pytest.approx(0.55, rel=1e-6)
+    fitted = plan.fit_achievable_fraction(shape, c, lay, truth.tflops_per_device)
+    assert fitted == pytest.approx(0.55, rel=1e-6)
     step = truth.step_time_s
     metrics = tmp_path / "metrics.jsonl"
     lines = [{"step": 1, "step_time_s": 100.0, "skipped": False}] + [
@@ -533,3 +538,12 @@ def test_printed_command_with_context_parallelism():
     from engine.cli import parse_args
     cfg = parse_args(argv[argv.index("engine.train") + 1:])
     assert (cfg.parallel.tp, cfg.parallel.cp) == (2, 2) and cfg.parallel.grid(8).dp == 2
+
+
+def test_worked_examples_in_docstrings():
+    import doctest
+
+    from engine.plan import flops, hardware, placement
+    for module in (placement, flops, hardware):
+        failed, tried = doctest.testmod(module)
+        assert tried > 0 and failed == 0, module.__name__

@@ -35,8 +35,8 @@ For gpt2 with f = 4h the bracket is l (24 h^2 + 4 s h) + 2 h V and F is exactly 
 
     F = 72 B s l h^2 (1 + s/(6h) + V/(12 l h))
 
-This is the model count. Full activation recomputation in Megatron-LM runs every layer's forward a second time (not the
-logit layer), so the executed count is four forwards of the layers::
+This is the model count. Full activation recomputation in Megatron-LM runs every layer's forward a
+second time (not the logit layer), so the executed count is four forwards of the layers::
 
     F_full = 4 B s l (8h^2 + 2 n_mat h f + 4 s h) + 6 B s h V
            = 96 B s l h^2 (1 + s/(6h) + V/(16 l h))        (gpt2, f = 4h)
@@ -45,8 +45,9 @@ This engine recomputes with ``torch.utils.checkpoint(use_reentrant=False)``, who
 (on by default) ends the recomputation once every tensor backward needs is rebuilt. Nothing inside
 the layer saves the output of its last matrix multiply (the MLP's down projection, h x f), so that
 one is not run again: ``recompute_early_stop=True`` (the default) subtracts 2 h f per token per
-layer from F_full; ``False`` gives Megatron's count above. tests/test_flops.py checks both against
-torch.utils.flop_counter on the engine's own model.
+layer from F_full; ``False`` gives Megatron's count above. tests/test_flops.py checks the engine's
+count against torch.utils.flop_counter on the engine's own model, and Megatron's against the
+closed forms.
 
 Selective recomputation (Korthikanti et al. 2022) recomputes only the attention core (Q K^T,
 softmax, dropout, scores x V), adding its forward, 4 s h per token per layer::

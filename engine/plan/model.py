@@ -186,7 +186,8 @@ def check_layout(shape: ModelShape, cluster: Cluster, layout: Layout) -> str | N
     if c > 1 and not shape.fused_attention:
         return "context parallelism runs ring attention on fused (flash) kernels: plan with --attention fused"
     if c > 1 and s % (2 * c):
-        return f"context parallelism: seq length {s} not divisible by 2*cp = {2 * c} (load-balanced causal chunks)"
+        return (f"context parallelism: seq length {s} not divisible by 2*cp = {2 * c} "
+                f"(load-balanced causal chunks)")
     if layout.sequence_parallel and (s // c) % t:
         return f"sequence parallelism: seq length {s}/cp {c} not divisible by tp {t}"
     if v > 1 and p == 1:

@@ -13,8 +13,8 @@ Example (Narayanan et al. 2021, Table 1, 39.1B row)::
 
     python -m engine.plan --num-layers 48 --hidden-size 8192 --num-attention-heads 64 \\
         --vocab-size 51200 --seq-length 2048 --global-batch-size 1536 \\
-        --device a100-80gb --devices 512 --recompute full --zero off --sequence-parallel off \\
-        --order tp-pp-dp --explain
+        --device a100-80gb --devices 512 --grad-reduce-bytes 2 --attention unfused \\
+        --recompute-early-stop off --recompute full --zero off --sequence-parallel off --explain
 """
 from __future__ import annotations
 
@@ -329,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(_row_text(est))
         if args.explain:
-            print(explain(est, dpn) + "\n")
+            print(explain(est, dpn), end="\n\n")
     if not args.json:
-        print(f"\nbest layout, on every node:\n"
+        print(f"{'' if args.explain else chr(10)}best layout, on every node:\n"
               f"{launch_command(shape, results[0].layout, dpn, args.precision, args.data_path)}")
     return 0

@@ -133,7 +133,8 @@ def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links
     return PassTime(fwd + bwd, recompute, tp_fwd + tp_bwd + tp_re, cp_fwd + cp_bwd + cp_re, 0.0, backward)
 
 
-def pipeline_ends(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links) -> tuple[PassTime, PassTime, PassTime]:
+def pipeline_ends(shape: ModelShape, cluster: Cluster, layout: Layout,
+                  links: Links) -> tuple[PassTime, PassTime, PassTime]:
     """Per micro-batch: the embedding (first device), the logits and loss (last), and pipeline p2p."""
     s, b, h, t, c, V = (shape.seq_length, layout.micro_batch_size, shape.hidden_size, layout.tp,
                         layout.cp, shape.vocab_size)
