@@ -331,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.explain:
             print(explain(est, dpn), end="\n\n")
     if not args.json:
-        print(f"{'' if args.explain else chr(10)}best layout, on every node:\n"
+        print(f"{'' if args.explain else chr(10)}best layout (rank order {results[0].layout.order}), "
+              f"on every node:\n"
               f"{launch_command(shape, results[0].layout, dpn, args.precision, args.data_path)}")
     return 0
