@@ -1,35 +1,103 @@
-"""FLOPs formulas, MFU helpers and the device table."""
+"""FLOPs formulas (model and executed counts), the no-formula signal, utilisation helpers and the
+device table with its per-precision peaks."""
 import dataclasses
 
 import pytest
 
-from engine.plan.flops import (achieved_tflops, default_ffn_hidden, megatron_flops_per_step, mfu,
-                          model_flops_per_step)
-from engine.plan.hardware import DEVICE_SPECS, DeviceSpec, get_device_spec, lookup_device, lookup_peak_tflops
+from engine.plan.flops import (StepFlops, achieved_tflops, count_flops, default_ffn_hidden,
+                               formula_block, megatron_flops_per_step, mfu, model_flops_per_step,
+                               step_flops, utilization)
+from engine.plan.hardware import (DEVICE_SPECS, DeviceSpec, get_device_spec, lookup_device,
+                                  lookup_peak_tflops, peak_tflops)
 
 
 def test_unit_model_by_hand():
     # B = s = l = h = V = 1, f = 4: per token forward 8 + 16 + 4 (layer) + 2 (logits) = 30
-    assert model_flops_per_step(1, 1, 1, 1, 1) == 90.0  # 72 (1 + 1/6 + 1/12)
-    assert model_flops_per_step(1, 1, 1, 1, 1, recompute="full") == 118.0  # 96 (1 + 1/6 + 1/16)
-    assert model_flops_per_step(1, 1, 1, 1, 1, recompute="selective") == 94.0  # + 4 B s^2 l h
+    assert step_flops(1, 1, 1, 1, 1) == StepFlops(90.0, 90.0)  # 72 (1 + 1/6 + 1/12)
+    # Megatron's full recomputation reruns the layer forward (28): 96 (1 + 1/6 + 1/16)
+    assert step_flops(1, 1, 1, 1, 1, recompute="full", recompute_early_stop=False) == StepFlops(90.0, 118.0)
+    # this engine's early stop skips the down projection (2 h f = 8)
+    assert step_flops(1, 1, 1, 1, 1, recompute="full") == StepFlops(90.0, 110.0)
+    assert step_flops(1, 1, 1, 1, 1, recompute="selective") == StepFlops(90.0, 94.0)  # + 4 B s^2 l h
+    assert step_flops(1, 1, 1, 1, 1, recompute="full").recomputed == 20.0
     # llama, f = 3: 3 matrices of h x f -> 8 + 18 + 4 + 2 = 32 per token forward
-    assert model_flops_per_step(1, 1, 1, 1, 1, ffn_hidden=3, block="llama") == 96.0
+    assert step_flops(1, 1, 1, 1, 1, ffn_hidden=3, block="llama").model == 96.0
+    assert model_flops_per_step(1, 1, 1, 1, 1, recompute="full") == 110.0  # executed, for old callers
 
 
 def test_small_case_exact():
     # B=2, s=4, l=3, h=8, V=10: layer fwd per token 24*64 + 4*4*8 = 1664, logits 160
     tokens = 2 * 4
-    assert model_flops_per_step(2, 4, 3, 8, 10) == 3 * tokens * (3 * 1664 + 160)
-    assert model_flops_per_step(2, 4, 3, 8, 10, recompute="full") == 4 * tokens * 3 * 1664 + 3 * tokens * 160
+    model = 3 * tokens * (3 * 1664 + 160)
+    assert step_flops(2, 4, 3, 8, 10).model == model
+    for rc in ("none", "selective", "full"):
+        assert step_flops(2, 4, 3, 8, 10, recompute=rc).model == model  # MFU ignores recomputation
+    megatron = step_flops(2, 4, 3, 8, 10, recompute="full", recompute_early_stop=False)
+    assert megatron.executed == 4 * tokens * 3 * 1664 + 3 * tokens * 160
+    skipped = 3 * tokens * 2 * 8 * 32  # 3 layers' down projection (h = 8, f = 32)
+    assert step_flops(2, 4, 3, 8, 10, recompute="full").executed == megatron.executed - skipped
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
 @pytest.mark.parametrize("b,s,l,h,v", [(512, 2048, 24, 2304, 51200), (3, 128, 5, 96, 1000),
                                        (3072, 2048, 128, 25600, 51200)])
 def test_reduces_to_megatron_closed_form(b, s, l, h, v, recompute):
-    ours = model_flops_per_step(b, s, l, h, v, ffn_hidden=4 * h, recompute=recompute)
-    assert ours == pytest.approx(megatron_flops_per_step(b, s, l, h, v, recompute), rel=1e-12)
+    ours = step_flops(b, s, l, h, v, ffn_hidden=4 * h, recompute=recompute, recompute_early_stop=False)
+    assert ours.executed == pytest.approx(megatron_flops_per_step(b, s, l, h, v, recompute), rel=1e-12)
+    assert ours.model == pytest.approx(megatron_flops_per_step(b, s, l, h, v), rel=1e-12)
+
+
+def _engine_step_flops(block: str, recompute: str, monkeypatch) -> tuple[float, object]:
+    """torch.utils.flop_counter's count of one forward + backward of the engine's own GPT chunk,
+    with the attention core on the plain-math reference (the counter sees its two matmuls; it has
+    no formula for the CPU flash kernel)."""
+    import torch
+
+    import kernels
+    from models import GPTChunk, GPTConfig, LayerContext
+    from parallel.state import ParallelState
+    from parallel.tensor_parallel import Initializer
+    monkeypatch.setattr(kernels, "attention", lambda q, k, v, causal=True, dropout_p=0.0:
+                        kernels.attention_reference(q, k, v, causal, dropout_p))
+    cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                    vocab_size=256, block=block)  # 256: no vocabulary padding at tp 1
+    ctx = LayerContext(Initializer(1, 0.02), sequence_parallel=False, recompute=recompute)
+    model = GPTChunk(cfg, ParallelState.serial(), ctx, range(2)).train()
+    gen = torch.Generator().manual_seed(0)
+    tokens, labels = torch.randint(0, 256, (2, 3, 32), generator=gen)
+    _, flops = count_flops(lambda: model(tokens, labels).mean().backward())
+    return flops, cfg
+
+
+@pytest.mark.parametrize("block", ["gpt2", "llama"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_executed_flops_match_the_counter_on_the_engine_model(block, recompute, monkeypatch):
+    counted, cfg = _engine_step_flops(block, recompute, monkeypatch)
+    assert counted == step_flops(3, 32, 2, 64, 256, cfg.ffn_hidden_size, block, recompute).executed
+
+
+def test_selective_recompute_reruns_the_whole_attention_core(monkeypatch):
+    # SDPA is one op, so recomputation reruns all of it; the plain-math reference is two matmuls,
+    # and early stop would skip the second, so this check turns early stop off.
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+    with set_checkpoint_early_stop(False):
+        counted, cfg = _engine_step_flops("gpt2", "selective", monkeypatch)
+    assert counted == step_flops(3, 32, 2, 64, 256, cfg.ffn_hidden_size, "gpt2", "selective").executed
+
+
+def test_formula_block_says_when_there_is_no_formula():
+    from models.blocks import GPT2Block, LlamaBlock, TransformerBlock
+
+    class MyBlock(GPT2Block):
+        def forward(self, x):
+            return x
+
+    assert (formula_block("gpt2"), formula_block("llama")) == ("gpt2", "llama")
+    assert (formula_block(GPT2Block), formula_block(LlamaBlock)) == ("gpt2", "llama")
+    assert formula_block(MyBlock) is None and formula_block(TransformerBlock) is None
+    assert formula_block("mypkg.blocks:MoE") is None
+    with pytest.raises(ValueError, match="no FLOPs formula"):
+        step_flops(1, 1, 1, 1, 1, block="mypkg.blocks:MoE")
 
 
 def test_selective_adds_attention_core_forward():
@@ -64,10 +132,30 @@ def test_bad_arguments():
         achieved_tflops(1e12, 0.0, 8)
 
 
-def test_achieved_and_mfu():
+def test_achieved_and_utilization():
     assert achieved_tflops(8e15, 2.0, 16) == pytest.approx(250.0)
-    assert mfu(156.0, 312.0) == pytest.approx(0.5)
-    assert mfu(156.0, None) is None
+    assert utilization(156.0, 312.0) == pytest.approx(0.5) and mfu is utilization
+    assert utilization(156.0, None) is None
+
+
+@pytest.mark.parametrize("device,fp32,tf32,half", [
+    ("NVIDIA A100-SXM4-80GB", 19.5, 156.0, 312.0), ("a100-40gb", 19.5, 156.0, 312.0),
+    ("NVIDIA H100 80GB HBM3", 67.0, 494.7, 989.0), ("NVIDIA H200", 67.0, 494.7, 989.0),
+    ("NVIDIA H100 PCIe", 51.0, 378.0, 756.0),
+    ("Ascend910B2", None, None, 353.9), ("Ascend910A", None, None, 256.0), ("cpu", None, None, None),
+])
+def test_peaks_per_precision(device, fp32, tf32, half):
+    assert peak_tflops(device, "fp32") == fp32
+    assert peak_tflops(device, "fp32", tf32=True) == tf32
+    assert peak_tflops(device, "bf16") == peak_tflops(device, "fp16") == lookup_peak_tflops(device)
+    assert peak_tflops(device, "bf16") == pytest.approx(half) if half else peak_tflops(device, "bf16") is None
+    assert peak_tflops(device, "bf16", tf32=True) == peak_tflops(device, "bf16")  # tf32: fp32 only
+
+
+def test_peak_lookup_rejects_unknowns():
+    assert peak_tflops("Tesla V100", "bf16") is None
+    with pytest.raises(ValueError, match="precision"):
+        peak_tflops("h100", "fp8")
 
 
 @pytest.mark.parametrize("raw,key", [

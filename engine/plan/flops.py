@@ -1,4 +1,21 @@
-"""Training FLOPs of a GPT step (Megatron's count, generalised) and the MFU helpers.
+"""FLOPs of a GPT training step: the model's count (MFU) and the executed count (HFU).
+
+API (pure arithmetic; only ``count_flops`` imports torch, when called)::
+
+    formula_block(block) -> "gpt2" | "llama" | None
+        the formula that covers a block, given a registry name or the block class; None means
+        "no formula for this block" (a user's block, or a subclass of a built-in one that
+        overrides ``forward``): report null FLOPs and MFU/HFU, warn once, or measure with
+        count_flops
+    step_flops(global_batch, seq_length, num_layers, hidden, vocab, ffn_hidden=None,
+               block="gpt2", recompute="none", recompute_early_stop=True) -> StepFlops(model=, executed=)
+        model:    the model's FLOPs of one optimizer step, whatever is recomputed (MFU's numerator)
+        executed: what the step runs, recomputed forwards included (HFU's numerator); by default
+                  this engine's full recomputation (see "early stop" below)
+    count_flops(fn, *args, **kwargs) -> (result, flops)
+        torch.utils.flop_counter's count of whatever ``fn`` runs (forward and backward if fn runs
+        both): the fallback for blocks without a formula
+    achieved_tflops(flops, step_time_s, devices), utilization(achieved, peak)  (MFU or HFU)
 
 Derivation. A matrix multiply of an (m x k) by a (k x n) matrix costs 2mkn FLOPs. Per token and
 per transformer layer, the forward pass does
@@ -18,25 +35,48 @@ For gpt2 with f = 4h the bracket is l (24 h^2 + 4 s h) + 2 h V and F is exactly 
 
     F = 72 B s l h^2 (1 + s/(6h) + V/(12 l h))
 
-Full activation recomputation runs every layer's forward a second time (not the logit layer),
-so the layers cost four forwards::
+This is the model count. Full activation recomputation in Megatron-LM runs every layer's forward a
+second time (not the logit layer), so the executed count is four forwards of the layers::
 
     F_full = 4 B s l (8h^2 + 2 n_mat h f + 4 s h) + 6 B s h V
            = 96 B s l h^2 (1 + s/(6h) + V/(16 l h))        (gpt2, f = 4h)
+
+This engine recomputes with ``torch.utils.checkpoint(use_reentrant=False)``, whose early stop
+(on by default) ends the recomputation once every tensor backward needs is rebuilt. Nothing inside
+the layer saves the output of its last matrix multiply (the MLP's down projection, h x f), so that
+one is not run again: ``recompute_early_stop=True`` (the default) subtracts 2 h f per token per
+layer from F_full; ``False`` gives Megatron's count above. tests/test_flops.py checks the engine's
+count against torch.utils.flop_counter on the engine's own model, and Megatron's against the
+closed forms.
 
 Selective recomputation (Korthikanti et al. 2022) recomputes only the attention core (Q K^T,
 softmax, dropout, scores x V), adding its forward, 4 s h per token per layer::
 
     F_selective = F + 4 B s^2 l h
 
-These count the FLOPs a step executes ("hardware FLOPs" when recomputing); MFU proper would
-use F for every mode. The trainer and the planner both report executed FLOPs.
+The attention core is counted in full (s^2, causal masking not discounted), as Megatron does.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 BLOCKS = ("gpt2", "llama")
 RECOMPUTE = ("none", "selective", "full")
 _MLP_MATRICES = {"gpt2": 2, "llama": 3}
+# The built-in block classes the formulas describe (models/blocks.py), by module and name, so this
+# module needs no torch import to recognise them.
+_BUILTIN_CLASSES = {("models.blocks", "GPT2Block"): "gpt2", ("models.blocks", "LlamaBlock"): "llama"}
+
+
+def formula_block(block) -> str | None:
+    """Which formula covers ``block`` (a registry name or a block class), or None for no formula.
+
+    >>> formula_block("gpt2"), formula_block("llama"), formula_block("mypkg.blocks:MoEBlock")
+    ('gpt2', 'llama', None)
+    """
+    if isinstance(block, str):
+        return block if block in BLOCKS else None
+    return _BUILTIN_CLASSES.get((getattr(block, "__module__", None), getattr(block, "__qualname__", None)))
 
 
 def default_ffn_hidden(hidden: int, block: str = "gpt2") -> int:
@@ -48,7 +88,8 @@ def default_ffn_hidden(hidden: int, block: str = "gpt2") -> int:
 
 def _check(block: str, recompute: str) -> None:
     if block not in BLOCKS:
-        raise ValueError(f"block must be one of {BLOCKS} for the FLOPs count, got {block!r}")
+        raise ValueError(f"no FLOPs formula for block {block!r} (formulas: {BLOCKS}); "
+                         f"use formula_block() to test first, or count_flops()")
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
 
@@ -58,35 +99,69 @@ def layer_matmul_params(hidden: int, ffn_hidden: int, block: str = "gpt2") -> in
     return 4 * hidden * hidden + _MLP_MATRICES[block] * hidden * ffn_hidden
 
 
-def layer_forward_flops(tokens: int, seq_length: int, hidden: int, ffn_hidden: int,
+def layer_forward_flops(tokens: float, seq_length: int, hidden: int, ffn_hidden: int,
                         block: str = "gpt2") -> float:
     """Forward FLOPs of one layer over ``tokens`` tokens of sequences of ``seq_length``."""
     return float(tokens) * (2 * layer_matmul_params(hidden, ffn_hidden, block) + 4 * seq_length * hidden)
 
 
-def attention_core_forward_flops(tokens: int, seq_length: int, hidden: int) -> float:
+def attention_core_forward_flops(tokens: float, seq_length: int, hidden: int) -> float:
     """Q K^T plus scores x V: what selective recomputation runs again."""
     return 4.0 * tokens * seq_length * hidden
 
 
-def logits_forward_flops(tokens: int, hidden: int, vocab: int) -> float:
+def logits_forward_flops(tokens: float, hidden: int, vocab: int) -> float:
     return 2.0 * tokens * hidden * vocab
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    model: float  # the model's FLOPs of one step, recomputation excluded (MFU)
+    executed: float  # what the step runs, recomputation included (HFU)
+
+    @property
+    def recomputed(self) -> float:
+        return self.executed - self.model
+
+
+def recomputed_layer_flops(tokens: float, seq_length: int, hidden: int, ffn_hidden: int,
+                           block: str = "gpt2", recompute: str = "none",
+                           recompute_early_stop: bool = True) -> float:
+    """Forward FLOPs one layer runs again over ``tokens`` tokens (see the module docstring)."""
+    if recompute == "full":
+        skipped = 2.0 * tokens * hidden * ffn_hidden if recompute_early_stop else 0.0
+        return layer_forward_flops(tokens, seq_length, hidden, ffn_hidden, block) - skipped
+    if recompute == "selective":
+        return attention_core_forward_flops(tokens, seq_length, hidden)
+    return 0.0
+
+
+def step_flops(global_batch: int, seq_length: int, num_layers: int, hidden: int, vocab: int,
+               ffn_hidden: int | None = None, block: str = "gpt2", recompute: str = "none",
+               recompute_early_stop: bool = True) -> StepFlops:
+    """Model and executed FLOPs of one optimizer step over ``global_batch`` sequences.
+
+    Raises ValueError for a block without a formula (check with formula_block first).
+    """
+    _check(block, recompute)
+    f = ffn_hidden if ffn_hidden is not None else default_ffn_hidden(hidden, block)
+    tokens = global_batch * seq_length
+    layers = num_layers * layer_forward_flops(tokens, seq_length, hidden, f, block)
+    model = 3 * layers + 3 * logits_forward_flops(tokens, hidden, vocab)
+    extra = num_layers * recomputed_layer_flops(tokens, seq_length, hidden, f, block, recompute,
+                                                recompute_early_stop)
+    return StepFlops(model, model + extra)
 
 
 def model_flops_per_step(global_batch: int, seq_length: int, num_layers: int, hidden: int, vocab: int,
                          ffn_hidden: int | None = None, block: str = "gpt2",
                          recompute: str = "none") -> float:
-    """FLOPs one optimizer step executes for ``global_batch`` sequences (see the module docstring)."""
-    _check(block, recompute)
-    f = ffn_hidden if ffn_hidden is not None else default_ffn_hidden(hidden, block)
-    tokens = global_batch * seq_length
-    layers = num_layers * layer_forward_flops(tokens, seq_length, hidden, f, block)
-    flops = 3 * layers + 3 * logits_forward_flops(tokens, hidden, vocab)
-    if recompute == "full":
-        flops += layers
-    elif recompute == "selective":
-        flops += num_layers * attention_core_forward_flops(tokens, seq_length, hidden)
-    return flops
+    """EXECUTED FLOPs of a step (this engine's recomputation included); kept for existing callers.
+
+    New code: ``step_flops(...).model`` for MFU, ``step_flops(...).executed`` for HFU.
+    """
+    return step_flops(global_batch, seq_length, num_layers, hidden, vocab, ffn_hidden, block,
+                      recompute).executed
 
 
 def megatron_flops_per_step(global_batch: int, seq_length: int, num_layers: int, hidden: int,
@@ -98,6 +173,19 @@ def megatron_flops_per_step(global_batch: int, seq_length: int, num_layers: int,
     return 72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
 
 
+def count_flops(fn, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)`` under torch.utils.flop_counter; return (its result, FLOPs).
+
+    The counter sees matrix multiplies, convolutions and attention kernels (2 FLOPs per
+    multiply-add, the convention above); element-wise work is not counted.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+    counter = FlopCounterMode(display=False)
+    with counter:
+        result = fn(*args, **kwargs)
+    return result, float(counter.get_total_flops())
+
+
 def achieved_tflops(flops_per_step: float, step_time_s: float, num_devices: int) -> float:
     """TFLOP/s per device: the step's FLOPs spread over all devices and the step's wall time."""
     if step_time_s <= 0 or num_devices < 1:
@@ -105,8 +193,12 @@ def achieved_tflops(flops_per_step: float, step_time_s: float, num_devices: int)
     return flops_per_step / step_time_s / num_devices / 1e12
 
 
-def mfu(achieved: float, peak: float | None) -> float | None:
-    """Fraction of the device peak reached; None when the peak is unknown."""
+def utilization(achieved: float, peak: float | None) -> float | None:
+    """Fraction of the device peak reached (MFU with model FLOPs, HFU with executed FLOPs);
+    None when the peak is unknown."""
     if peak is None or peak <= 0:
         return None
     return achieved / peak
+
+
+mfu = utilization  # the historical name

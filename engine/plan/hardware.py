@@ -1,7 +1,15 @@
-"""Device table: dense half-precision peak, memory and link bandwidths per accelerator type.
+"""Device table: dense peaks per precision, memory and link bandwidths per accelerator type.
 
-The planner (engine/plan/search.py) and the trainer's MFU both read it. Every number is the vendor's dense
-(no sparsity) bf16/fp16 matrix peak; sources are listed in docs/planner.md and next to each entry.
+The planner (engine/plan/search.py) and the trainer's MFU/HFU both read it. Every peak is the
+vendor's dense (no 2:4 sparsity) matrix rate; sources are listed in docs/planner.md and next to each
+entry. ``peak_tflops(device, precision, tf32=False)`` picks the one a run computes at:
+
+- ``bf16`` / ``fp16``: the half-precision tensor-core (cube) peak, ``DeviceSpec.peak_tflops``;
+- ``fp32``: the TF32 tensor-core peak when TF32 (NVIDIA) / HF32 (Ascend) matmuls are enabled
+  (``tf32=True``), else the plain FP32 (CUDA-core / vector) peak;
+- None where the vendor publishes no figure (never a guess): Huawei publishes no FP32 or HF32
+  peak for the Ascend 910 or 910B, so a 910/910B fp32 run has no MFU unless ``--peak-tflops``
+  is given. ``lookup_peak_tflops(raw_name)`` stays the half-precision peak, for existing callers.
 
 Units: ``peak_tflops`` in TFLOP/s, ``memory_gb`` in GiB (2**30 bytes, as the runtime reports it),
 all bandwidths in GB/s (10**9 bytes/s) per direction and per device, the unit nccl-tests and
@@ -33,11 +41,14 @@ class DeviceSpec:
     inter_node_gbps: float  # per device, per direction, to other nodes
     devices_per_node: int
     hbm_gbps: float | None = None  # memory bandwidth, for the planner's memory-bound kernels
+    fp32_tflops: float | None = None  # dense FP32 peak (no tensor cores); None: not published
+    tf32_tflops: float | None = None  # dense TF32 (NVIDIA) / HF32 (Ascend) peak; None: not published
 
     def __post_init__(self) -> None:
-        if self.peak_tflops is not None and self.peak_tflops <= 0:
-            raise ValueError(f"DeviceSpec {self.name}: peak_tflops must be > 0 or None, "
-                             f"got {self.peak_tflops}")
+        for key in ("peak_tflops", "fp32_tflops", "tf32_tflops"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ValueError(f"DeviceSpec {self.name}: {key} must be > 0 or None, got {value}")
         if self.memory_gb is not None and self.memory_gb <= 0:
             raise ValueError(f"DeviceSpec {self.name}: memory_gb must be > 0 or None, got {self.memory_gb}")
         if self.intra_node_gbps <= 0 or self.inter_node_gbps <= 0:
@@ -54,6 +65,7 @@ def _cube_tflops(cores: int, mhz: int) -> float:
 # 910B node (Atlas 800T A2): 8 NPUs on a full HCCS mesh (7 links, 392 GB/s aggregate per NPU as
 # published; 196 GB/s per direction used here) and one 200 GbE RoCE port per NPU (25 GB/s).
 # HBM: 1.6 TB/s for the 64 GiB parts; B4 has half the stacks (assumed 0.8 TB/s).
+# Huawei publishes no FP32 or HF32 peak for the 910 or 910B: fp32_tflops and tf32_tflops stay None.
 def _ascend910b(sku: str, cores: int, mhz: int, memory_gb: float, hbm: float) -> DeviceSpec:
     return DeviceSpec(f"ascend910{sku}", _cube_tflops(cores, mhz), memory_gb, 196.0, 25.0, 8, hbm)
 
@@ -68,14 +80,16 @@ DEVICE_SPECS = MappingProxyType({
     "ascend910b4": _ascend910b("b4", 20, 1500, 32.0, 800.0),
     # "ascend910b" without a SKU: the B2 numbers (pick the SKU key, or --peak-tflops, if it differs).
     "ascend910b": DeviceSpec("ascend910b", _cube_tflops(24, 1800), 64.0, 196.0, 25.0, 8, 1600.0),
-    # NVIDIA datasheets, dense tensor-core bf16. NVLink3: 12 links x 25 GB/s = 300 GB/s per direction;
-    # DGX A100: one HDR 200 Gb/s HCA per GPU. NVLink4: 450 GB/s per direction; DGX H100/H200: one
-    # NDR 400 Gb/s HCA per GPU.
-    "a100-40gb": DeviceSpec("a100-40gb", 312.0, 40.0, 300.0, 25.0, 8, 1555.0),
-    "a100-80gb": DeviceSpec("a100-80gb", 312.0, 80.0, 300.0, 25.0, 8, 2039.0),
-    "h100": DeviceSpec("h100", 989.0, 80.0, 450.0, 50.0, 8, 3350.0),
-    "h100-pcie": DeviceSpec("h100-pcie", 756.0, 80.0, 300.0, 50.0, 8, 2000.0),
-    "h200": DeviceSpec("h200", 989.0, 141.0, 450.0, 50.0, 8, 4800.0),
+    # NVIDIA datasheets, dense (the datasheets' starred figures are 2:4 sparse, twice these):
+    # A100 fp32 19.5, tf32 156, bf16/fp16 312; H100 SXM fp32 67, tf32 494.7, bf16 989; H100 PCIe
+    # fp32 51, tf32 378, bf16 756; H200 SXM as H100 SXM. NVLink3: 12 links x 25 GB/s = 300 GB/s per
+    # direction; DGX A100: one HDR 200 Gb/s HCA per GPU. NVLink4: 450 GB/s per direction; DGX
+    # H100/H200: one NDR 400 Gb/s HCA per GPU.
+    "a100-40gb": DeviceSpec("a100-40gb", 312.0, 40.0, 300.0, 25.0, 8, 1555.0, 19.5, 156.0),
+    "a100-80gb": DeviceSpec("a100-80gb", 312.0, 80.0, 300.0, 25.0, 8, 2039.0, 19.5, 156.0),
+    "h100": DeviceSpec("h100", 989.0, 80.0, 450.0, 50.0, 8, 3350.0, 67.0, 494.7),
+    "h100-pcie": DeviceSpec("h100-pcie", 756.0, 80.0, 300.0, 50.0, 8, 2000.0, 51.0, 378.0),
+    "h200": DeviceSpec("h200", 989.0, 141.0, 450.0, 50.0, 8, 4800.0, 67.0, 494.7),
     # CPU: no table peak (the trainer measures a matmul); gloo over shared memory / Ethernet.
     "cpu": DeviceSpec("cpu", None, None, 10.0, 1.25, 1, None),
 })
@@ -122,6 +136,29 @@ def lookup_peak_tflops(device_name: str) -> float | None:
     """Dense bf16/fp16 peak of a device given its raw name, or None (unknown device, or a CPU)."""
     key = lookup_device(device_name)
     return None if key is None else DEVICE_SPECS[key].peak_tflops
+
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def peak_tflops(device: str, precision: str, tf32: bool = False) -> float | None:
+    """Dense peak (TFLOP/s) of ``device`` (table key or raw name) for matmuls in ``precision``.
+
+    ``tf32``: fp32 matmuls run on TF32/HF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32``,
+    or ``allow_hf32`` on Ascend). None for an unknown device or an unpublished figure.
+
+    >>> peak_tflops("a100-80gb", "fp32"), peak_tflops("a100-80gb", "fp32", tf32=True)
+    (19.5, 156.0)
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    key = lookup_device(device)
+    if key is None:
+        return None
+    spec = DEVICE_SPECS[key]
+    if precision in ("bf16", "fp16"):
+        return spec.peak_tflops
+    return spec.tf32_tflops if tf32 else spec.fp32_tflops
 
 
 def get_device_spec(name: str) -> DeviceSpec:

@@ -1,28 +1,34 @@
-"""Memory and step-time model of one layout: the numbers the planner (engine/plan/search.py) ranks.
+"""Shapes, layouts, topology rules and the memory model: what the planner (search.py) ranks.
 
 Pure arithmetic, no torch. Every constant is named here and explained in docs/planner.md; the one
-fitted constant is DEFAULT_ACHIEVABLE_FRACTION (see its comment). Placement follows Megatron's
-PTD-P rules: ranks are ordered tp (fastest), then pp, then dp (DP outermost); TP stays inside a
-node; in a multi-node job pipeline neighbours sit on different nodes.
+fitted constant is DEFAULT_ACHIEVABLE_FRACTION (see its comment). Placement follows the run's rank
+order (``Layout.order``, DESIGN.md's ``tp-cp-dp-pp`` by default; see placement.py): TP must stay
+inside a node, every other group is priced on the links its ranks span (timing.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from engine.plan.flops import BLOCKS, RECOMPUTE, default_ffn_hidden
 from engine.plan.hardware import DeviceSpec
+from engine.plan.placement import DEFAULT_ORDER, all_groups_intra, parse_order
 
 GIB = 2 ** 30
-# Mixed-precision Adam (Megatron): bf16 weight 2 + fp32 grad 4 + fp32 master 4 + m 4 + v 4.
-BYTES_PER_PARAM = 18
-ZERO1_REPLICATED_BYTES = 6  # ZeRO-1 keeps weight + grad on every rank, splits the 12 over dp
-ZERO1_SHARDED_BYTES = 12
+# Mixed-precision Adam (Megatron): bf16 weight 2 + fp32 main grad 4 + fp32 master, m, v 12.
+WEIGHT_BYTES = 2
+GRAD_BYTES = 4
+OPTIMIZER_STATE_BYTES = 12
+BYTES_PER_PARAM = WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_STATE_BYTES  # 18
+ZERO1_REPLICATED_BYTES = WEIGHT_BYTES + GRAD_BYTES  # ZeRO-1 keeps weight + grad on every rank
+ZERO1_SHARDED_BYTES = OPTIMIZER_STATE_BYTES  # and splits the 12 over the dp x cp ranks
 ACT_BYTES = 2  # bf16/fp16 activations and p2p/TP messages
 MEMORY_USABLE_FRACTION = 0.90  # the rest: allocator fragmentation, comm buffers, runtime context
 # Fraction of the dense peak the matrix multiplies reach, lumping kernel efficiency and whatever the
-# model does not itemise. Fitted once (least squares in log space) to the three rows of Narayanan
-# et al. 2021 Table 1 checked in tests/test_plan.py; the same value serves every row and device.
-DEFAULT_ACHIEVABLE_FRACTION = 0.70
+# model does not itemise. Fitted (bisection, search.fit_achievable_fraction) on ONE published row,
+# FIT_ROW of Narayanan et al. 2021 Table 1 (1.7B: tp 1, pp 1, dp 32, no model-parallel traffic);
+# tests/test_plan.py re-derives it from that row and holds the nine other rows to 15%.
+DEFAULT_ACHIEVABLE_FRACTION = 0.668
+FIT_ROW = "1.7B"
 HBM_EFFICIENCY = 0.75  # fraction of HBM bandwidth reached by fused element-wise kernels
 LINK_EFFICIENCY = 0.80  # bus bandwidth collectives reach over a link's rate (nccl-tests on DGX A100)
 COLLECTIVE_LATENCY_S = 20e-6  # fixed cost per collective or p2p message
@@ -35,7 +41,10 @@ EW_SHARDED_ATTN = 12  # Q, K, V layout changes (read + write 3 s b h/t)
 EW_MLP = {"gpt2": 4, "llama": 6}  # fused bias-GeLU (read + write s b f) or SwiGLU (read 2, write 1)
 EW_SCORES = 9  # per a*s*s*b: fused scale-mask-softmax (read + write) and dropout (read, write, mask)
 # Korthikanti et al. 2022 activation bytes per layer, generalised to any f (see docs/planner.md).
-ACT_REPLICATED = 10  # s b h units not split by TP (LayerNorm inputs, dropout masks, QKV/MLP inputs)
+# ACT_REPLICATED: LayerNorm inputs (2 x 2), QKV and MLP inputs, i.e. the column-parallel inputs
+# (2 x 2), dropout masks (2 x 1). Under sequence parallelism every one of them is a sequence shard:
+# the column-parallel layers keep only their s/tp input shard and all-gather it again in backward.
+ACT_REPLICATED = 10
 ACT_SPLIT_ATTN = 8  # Q, K, V and the output projection's input, split by TP
 ACT_MLP = {"gpt2": 4, "llama": 6}  # per s b f: GeLU input + output, or gate, up and product
 ACT_SCORES = 5  # per a*s*s*b: softmax output (2), dropout mask (1), dropout output (2)
@@ -51,9 +60,14 @@ class ModelShape:
     global_batch_size: int
     ffn_hidden_size: int | None = None
     block: str = "gpt2"
-    # Flash-style attention (gridtron's kernels) keeps no s x s scores: no 5as/h activation term and
-    # no score traffic. False models Megatron 2021's materialised softmax, as Korthikanti et al. do.
+    # Flash-style attention (gridtron's kernels; the CLI's default) keeps no s x s scores: no 5as/h
+    # activation term and no score traffic. False models Megatron 2021's materialised softmax, as
+    # Korthikanti et al. do.
     fused_attention: bool = False
+    # Full recomputation under torch.utils.checkpoint's early stop (this engine) skips each layer's
+    # last matrix multiply (the MLP's down projection) and the collective after it; False models
+    # Megatron-LM's CheckpointFunction, which reruns the whole forward (flops.py).
+    recompute_early_stop: bool = True
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
@@ -83,7 +97,6 @@ class Cluster:
     achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION
     grad_reduce_bytes: int = 4  # fp32 main grads; 2 where grads are reduced in bf16/fp16
     grad_bucket_bytes: float = DEFAULT_GRAD_BUCKET_BYTES
-    relaxed_placement: bool = False
 
     def __post_init__(self) -> None:
         if self.num_devices < 1 or self.devices_per_node < 1:
@@ -127,15 +140,26 @@ class Layout:
     recompute: str = "none"
     zero: bool = False
     sequence_parallel: bool = False
+    cp: int = 1
+    order: str = DEFAULT_ORDER  # the run's rank order, fastest-varying first (placement.py)
 
     def __post_init__(self) -> None:
-        for key in ("tp", "pp", "dp", "vp", "micro_batch_size"):
+        for key in ("tp", "pp", "dp", "vp", "micro_batch_size", "cp"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"layout {key} must be a positive integer, got {getattr(self, key)!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tp > 1")
+        parse_order(self.order, self.cp)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
 
 
 def num_micro_batches(shape: ModelShape, layout: Layout) -> int:
@@ -143,16 +167,29 @@ def num_micro_batches(shape: ModelShape, layout: Layout) -> int:
 
 
 def check_layout(shape: ModelShape, cluster: Cluster, layout: Layout) -> str | None:
-    """Why ``layout`` breaks a topology or divisibility rule, or None when it obeys them all."""
-    t, p, d, v, dpn = layout.tp, layout.pp, layout.dp, layout.vp, cluster.devices_per_node
-    if t * p * d != cluster.num_devices:
-        return f"tp*pp*dp = {t * p * d} != {cluster.num_devices} devices"
-    if t > dpn or dpn % t:
-        return f"TP must stay inside a node: tp {t} must divide devices per node {dpn}"
+    """Why ``layout`` breaks a topology or divisibility rule, or None when it obeys them all.
+
+    Links are not rules: a layout whose pipeline or DP groups cross nodes is priced, not rejected
+    (timing.py reads each group's link from the rank order). Only TP must stay inside a node.
+    """
+    t, c, p, d, v, dpn = layout.tp, layout.cp, layout.pp, layout.dp, layout.vp, cluster.devices_per_node
+    s = shape.seq_length
+    if layout.world_size != cluster.num_devices:
+        return f"tp*cp*pp*dp = {layout.world_size} != {cluster.num_devices} devices"
+    if t > dpn or not all_groups_intra(layout.order, layout.sizes, "tp", dpn):
+        return (f"TP must stay inside a node: tp {t} with order {layout.order} puts a TP group on "
+                f"two nodes of {dpn} devices")
     if shape.num_attention_heads % t:
         return f"heads {shape.num_attention_heads} not divisible by tp {t}"
-    if layout.sequence_parallel and shape.seq_length % t:
-        return f"sequence parallelism: seq length {shape.seq_length} not divisible by tp {t}"
+    if shape.ffn_hidden_size % t:
+        return f"ffn hidden size {shape.ffn_hidden_size} not divisible by tp {t}"
+    if c > 1 and not shape.fused_attention:
+        return "context parallelism runs ring attention on fused (flash) kernels: plan with --attention fused"
+    if c > 1 and s % (2 * c):
+        return (f"context parallelism: seq length {s} not divisible by 2*cp = {2 * c} "
+                f"(load-balanced causal chunks)")
+    if layout.sequence_parallel and (s // c) % t:
+        return f"sequence parallelism: seq length {s}/cp {c} not divisible by tp {t}"
     if v > 1 and p == 1:
         return "virtual stages need pp > 1"
     if shape.num_layers % (p * v):
@@ -163,12 +200,6 @@ def check_layout(shape: ModelShape, cluster: Cluster, layout: Layout) -> str | N
     if v > 1 and num_micro_batches(shape, layout) % p:
         return (f"interleaved schedule: micro-batches {num_micro_batches(shape, layout)} "
                 f"not a multiple of pp {p}")
-    replica = t * p
-    if cluster.multi_node and p > 1 and not cluster.relaxed_placement and t != dpn:
-        return (f"PP across nodes: with DP outermost, pipeline neighbours share a node unless tp == "
-                f"devices per node ({dpn}); got tp {t}")
-    if cluster.multi_node and (replica > dpn and replica % dpn or replica < dpn and dpn % replica):
-        return f"a model replica of tp*pp = {replica} devices does not tile nodes of {dpn}"
     return None
 
 
@@ -195,14 +226,17 @@ def stage_params(shape: ModelShape, layout: Layout) -> tuple[float, float]:
 
 
 def layer_activation_bytes(shape: ModelShape, layout: Layout, recompute: str | None = None) -> float:
-    """Korthikanti et al. 2022 bytes kept per layer per micro-batch, for any f and block."""
+    """Korthikanti et al. 2022 bytes kept per layer per micro-batch, for any f and block.
+
+    Context parallelism splits the sequence: every term is divided by cp.
+    """
     s, b, h = shape.seq_length, layout.micro_batch_size, shape.hidden_size
-    t, sp = layout.tp, layout.sequence_parallel
+    t, sp, c = layout.tp, layout.sequence_parallel, layout.cp
     recompute = recompute or layout.recompute
-    sbh = s * b * h
+    sbh = s * b * h / c
     if recompute == "full":
         return 2 * sbh / (t if sp else 1)
-    split = ACT_SPLIT_ATTN * sbh + ACT_MLP[shape.block] * s * b * shape.ffn_hidden_size
+    split = ACT_SPLIT_ATTN * sbh + ACT_MLP[shape.block] * s * b * shape.ffn_hidden_size / c
     base = (ACT_REPLICATED * sbh + split) / t if sp else ACT_REPLICATED * sbh + split / t
     if recompute == "selective":
         return base
@@ -228,19 +262,30 @@ def in_flight(shape: ModelShape, layout: Layout, stage: int) -> float:
 
 
 @dataclass(frozen=True)
-class Memory:
-    weights: float
-    activations: float
+class MemoryTerms:
+    """Bytes on one device, by part. A new part is a new field (and its line in memory_per_device)."""
+    weights: float  # bf16 parameters
+    grads: float  # fp32 main gradients
+    optimizer: float  # fp32 master weights, Adam m and v (ZeRO-1: a 1/(dp*cp) shard)
+    activations: float  # the layers' saved activations x micro-batches in flight
+    transient: float  # one layer rebuilt by recomputation during backward
+    pipeline_ends: float  # embedding dropout mask (first stage), final norm + fp32 logits (last)
+    stage: str = "only"  # which device this is: "only" (pp = 1), "first" or "last"
 
     @property
     def total(self) -> float:
-        return self.weights + self.activations
+        return sum(getattr(self, f.name) for f in fields(self) if f.name != "stage")
+
+    def as_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["total"] = self.total
+        return out
 
 
-def memory_per_device(shape: ModelShape, layout: Layout) -> Memory:
+def memory_per_device(shape: ModelShape, layout: Layout) -> MemoryTerms:
     """Bytes on the most loaded pipeline device (the first or the last)."""
-    s, b, h, t = shape.seq_length, layout.micro_batch_size, shape.hidden_size, layout.tp
-    per_param = (ZERO1_REPLICATED_BYTES + ZERO1_SHARDED_BYTES / layout.dp) if layout.zero else BYTES_PER_PARAM
+    s, b, h, t, c = shape.seq_length, layout.micro_batch_size, shape.hidden_size, layout.tp, layout.cp
+    shards = layout.dp * c if layout.zero else 1
     first_p, last_p = stage_params(shape, layout)
     layers = shape.num_layers // layout.pp
     act = layer_activation_bytes(shape, layout)
@@ -248,12 +293,16 @@ def memory_per_device(shape: ModelShape, layout: Layout) -> Memory:
                  "selective": scores_activation_bytes(shape, layout),
                  "none": 0.0}[layout.recompute]
     shard = t if layout.sequence_parallel else 1
-    embedding = s * b * h / shard  # embedding dropout mask, per micro-batch in flight
-    logits = 4 * s * b * h / shard + 4 * s * b * shape.vocab_size / t  # norm/output inputs, fp32 logits
-    first = Memory(first_p * per_param, layers * act * in_flight(shape, layout, 0)
-                   + embedding * in_flight(shape, layout, 0) + transient)
-    last = Memory(last_p * per_param, layers * act * in_flight(shape, layout, layout.pp - 1)
-                  + logits + transient)
+    embedding = s * b * h / c / shard  # embedding dropout mask, per micro-batch in flight
+    logits = (4 * s * b * h / shard + 4 * s * b * shape.vocab_size / t) / c  # norm/output inputs, fp32 logits
+
+    def terms(params: float, stage: int, ends: float, name: str) -> MemoryTerms:
+        return MemoryTerms(params * WEIGHT_BYTES, params * GRAD_BYTES,
+                           params * OPTIMIZER_STATE_BYTES / shards,
+                           layers * act * in_flight(shape, layout, stage), transient, ends, name)
+
     if layout.pp == 1:
-        return Memory(first.weights, first.activations + logits)
+        return terms(first_p, 0, embedding + logits, "only")
+    first = terms(first_p, 0, embedding * in_flight(shape, layout, 0), "first")
+    last = terms(last_p, layout.pp - 1, logits, "last")
     return max(first, last, key=lambda mem: mem.total)

@@ -1,9 +1,11 @@
-"""Cluster planner: ``python -m engine.plan`` ranks 3D-parallel layouts by predicted step time.
+"""Cluster planner: ``python -m engine.plan`` ranks parallel layouts by predicted step time.
 
-It enumerates (tp, pp, dp, virtual stages, micro-batch size, recompute, ZeRO-1, sequence
-parallelism), drops the layouts that break a topology rule (engine/plan/model.check_layout) or do
-not fit in device memory, estimates each survivor's step time (engine/plan/timing.py) and prints the
-best first. ``--layout TP,PP[,VP]`` evaluates one layout instead. ``--calibrate`` fits the
+It enumerates (tp, cp, pp, dp, virtual stages, micro-batch size, recompute, ZeRO-1, sequence
+parallelism) for the run's rank order (``--order``, default tp-cp-dp-pp; cp = 1 unless ``--cp``),
+drops the layouts that break a topology rule (engine/plan/model.check_layout) or do not fit in device
+memory, estimates each survivor's step time (engine/plan/timing.py), prints the best first and then
+the ``torchrun ... -m engine.train`` command of the best. ``--explain`` prints every term of each
+estimate. ``--layout TP,PP[,VP]`` evaluates one layout instead. ``--calibrate`` fits the
 achievable-compute fraction to a measured run; ``--calibrate-links`` takes link bandwidths from a
 preflight measurement. docs/planner.md explains the model and every constant.
 
@@ -11,7 +13,8 @@ Example (Narayanan et al. 2021, Table 1, 39.1B row)::
 
     python -m engine.plan --num-layers 48 --hidden-size 8192 --num-attention-heads 64 \\
         --vocab-size 51200 --seq-length 2048 --global-batch-size 1536 \\
-        --device a100-80gb --devices 512 --recompute full --zero off --sequence-parallel off
+        --device a100-80gb --devices 512 --grad-reduce-bytes 2 --attention unfused \\
+        --recompute-early-stop off --recompute full --zero off --sequence-parallel off --explain
 """
 from __future__ import annotations
 
@@ -20,19 +23,23 @@ import json
 import statistics
 import sys
 from dataclasses import dataclass, replace
+from itertools import product
 
 import yaml
 
 from engine.plan.hardware import DEVICE_SPECS, get_device_spec
 from engine.plan.model import GIB, MEMORY_USABLE_FRACTION, Cluster, Layout, ModelShape, check_layout
+from engine.plan.placement import DEFAULT_ORDER, parse_order
+from engine.plan.report import explain, launch_command
 from engine.plan.timing import Estimate, estimate
 
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
               "global_batch_size", "ffn_hidden_size", "block")
 KEY_ALIASES = {"heads": "num_attention_heads", "hidden": "hidden_size", "seq_len": "seq_length",
                "gbs": "global_batch_size"}
-JSON_KEYS = ("tp", "pp", "dp", "vp", "micro_batch_size", "recompute", "zero",
-             "memory_bytes_per_device", "step_time_s", "tflops_per_device", "mfu")
+JSON_KEYS = ("tp", "cp", "pp", "dp", "vp", "micro_batch_size", "recompute", "zero", "sequence_parallel",
+             "order", "memory_bytes_per_device", "step_time_s", "tflops_per_device",
+             "model_tflops_per_device", "mfu", "hfu", "time_terms", "memory_terms", "command")
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,8 @@ class SearchSpace:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     zero: tuple[bool, ...] = (False, True)
     sequence_parallel: tuple[bool, ...] = (False, True)
+    cp: tuple[int, ...] = (1,)
+    order: str = DEFAULT_ORDER
     tp: int | None = None
     pp: int | None = None
     vp: int | None = None
@@ -54,22 +63,20 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(shape: ModelShape, cluster: Cluster, space: SearchSpace):
     """Every layout of the space that obeys the topology rules (memory is checked later)."""
     n, dpn = cluster.num_devices, cluster.devices_per_node
-    for tp in [space.tp] if space.tp else _divisors(dpn):
-        for pp in [space.pp] if space.pp else _divisors(shape.num_layers):
-            if n % (tp * pp):
-                continue
-            dp = n // (tp * pp)
-            vps = [space.vp] if space.vp else (_divisors(shape.num_layers // pp) if pp > 1 else [1])
-            per_replica = shape.global_batch_size // dp if shape.global_batch_size % dp == 0 else 0
-            mbss = [space.micro_batch_size] if space.micro_batch_size else _divisors(per_replica)
-            for vp in vps:
-                for mbs in mbss:
-                    for rc in space.recompute:
-                        for zero in space.zero if dp > 1 else (False,):
-                            for sp in space.sequence_parallel if tp > 1 else (False,):
-                                layout = Layout(tp, pp, dp, vp, mbs, rc, zero, sp)
-                                if check_layout(shape, cluster, layout) is None:
-                                    yield layout
+    for tp, cp, pp in product([space.tp] if space.tp else _divisors(dpn), space.cp,
+                              [space.pp] if space.pp else _divisors(shape.num_layers)):
+        if n % (tp * cp * pp):
+            continue
+        dp = n // (tp * cp * pp)
+        vps = [space.vp] if space.vp else (_divisors(shape.num_layers // pp) if pp > 1 else [1])
+        per_replica = shape.global_batch_size // dp if shape.global_batch_size % dp == 0 else 0
+        mbss = [space.micro_batch_size] if space.micro_batch_size else _divisors(per_replica)
+        for vp, mbs, rc in product(vps, mbss, space.recompute):
+            for zero in space.zero if dp * cp > 1 else (False,):
+                for sp in space.sequence_parallel if tp > 1 else (False,):
+                    layout = Layout(tp, pp, dp, vp, mbs, rc, zero, sp, cp, space.order)
+                    if check_layout(shape, cluster, layout) is None:
+                        yield layout
 
 
 def search(shape: ModelShape, cluster: Cluster, space: SearchSpace = SearchSpace()) -> list[Estimate]:
@@ -81,19 +88,24 @@ def search(shape: ModelShape, cluster: Cluster, space: SearchSpace = SearchSpace
 
 # ---- calibration -------------------------------------------------------------------------------
 
-def measured_tflops(metrics_path: str) -> float:
-    """Median tflops_per_device of a metrics JSONL, without the warm-up step and skipped steps."""
+def measured_step_time(metrics_path: str) -> float:
+    """Median step_time_s of a metrics JSONL, without the first (warm-up) step and skipped steps.
+
+    Step time is the one measured figure whose meaning does not depend on how the trainer counts
+    FLOPs (model or executed); the fit compares it with the planner's own step time.
+    """
     with open(metrics_path) as fh:
         records = [json.loads(line) for line in fh if line.strip()]
-    timed = [r for r in records[1:] or records if not r.get("skipped") and r.get("tflops_per_device")]
-    records = timed or [r for r in records if r.get("tflops_per_device")]
+    timed = [r for r in records[1:] or records if not r.get("skipped") and r.get("step_time_s")]
+    records = timed or [r for r in records if r.get("step_time_s")]
     if not records:
-        raise ValueError(f"--calibrate {metrics_path}: no step with tflops_per_device")
-    return statistics.median(r["tflops_per_device"] for r in records)
+        raise ValueError(f"--calibrate {metrics_path}: no step with step_time_s")
+    return statistics.median(r["step_time_s"] for r in records)
 
 
 def fit_achievable_fraction(shape: ModelShape, cluster: Cluster, layout: Layout, tflops: float) -> float:
-    """The achievable fraction at which the model predicts the measured TFLOP/s (bisection).
+    """The achievable fraction at which the model predicts ``tflops`` executed TFLOP/s per device
+    (bisection; for a measured step time pass executed FLOPs / step time / devices).
 
     Predicted TFLOP/s grows monotonically with the fraction; a measurement above the prediction at
     fraction 1 (links or HBM faster than assumed) returns 1.0.
@@ -146,7 +158,7 @@ def _choice(value: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
     picked = tuple(v.strip() for v in value.split(",") if v.strip())
     bad = [v for v in picked if v not in allowed]
     if bad or not picked:
-        raise SystemExit(f"{flag}: expected a comma list of {allowed}, got {value!r}")
+        raise ValueError(f"{flag}: expected a comma list of {allowed}, got {value!r}")
     return picked
 
 
@@ -160,27 +172,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML recipe with the model keys (snake_case or dashed)")
     for key in SHAPE_KEYS:
         p.add_argument("--" + key.replace("_", "-"), dest=key, type=str if key == "block" else int)
-    p.add_argument("--attention", default="unfused", choices=("unfused", "fused"),
-                   help="fused: flash-style kernels (gridtron's), no s x s scores kept or streamed")
+    p.add_argument("--attention", default="fused", choices=("fused", "unfused"),
+                   help="fused (this engine's flash-style kernels): no s x s scores kept or streamed; "
+                        "unfused: Megatron 2021's materialised softmax")
+    p.add_argument("--recompute-early-stop", default="on", choices=("on", "off"),
+                   help="on: full recomputation skips each layer's last matmul (this engine, "
+                        "torch.utils.checkpoint); off: reruns the whole forward (Megatron-LM)")
     p.add_argument("--device", default="a100-80gb",
                    help=f"one of {', '.join(DEVICE_SPECS)} or a raw device name")
     p.add_argument("--devices", type=int, required=True, help="total devices")
     p.add_argument("--devices-per-node", type=int)
     p.add_argument("--intra-node-gbps", type=float, help="link rate inside a node, GB/s per direction")
     p.add_argument("--inter-node-gbps", type=float, help="per-device share of the network, GB/s")
-    p.add_argument("--peak-tflops", type=float, help="override the table's dense peak")
+    p.add_argument("--peak-tflops", type=float, help="override the table's dense bf16/fp16 peak")
     p.add_argument("--memory-gb", type=float, help="override the table's device memory (GiB)")
     p.add_argument("--achievable-fraction", type=float, help="override the fitted compute fraction")
     p.add_argument("--grad-reduce-bytes", type=int, default=4, choices=(2, 4),
                    help="bytes per gradient element in the DP reduction (4: fp32 main grads)")
-    p.add_argument("--relaxed-placement", action="store_true",
-                   help="allow pipeline neighbours on one node in multi-node jobs")
+    p.add_argument("--order", default=DEFAULT_ORDER,
+                   help=f"the run's rank order, fastest first (default {DEFAULT_ORDER}; cp may be "
+                        f"left out when cp = 1)")
+    p.add_argument("--cp", default="1", help="context-parallel sizes to search, a comma list (default 1)")
     p.add_argument("--layout", help="evaluate one layout: TP,PP[,VP]")
     p.add_argument("--micro-batch-size", type=int, help="pin the micro-batch size")
     p.add_argument("--recompute", default="none,selective,full", help="comma list to search")
     p.add_argument("--zero", default="both", help="ZeRO-1: on, off or both")
     p.add_argument("--sequence-parallel", default="both", help="on, off or both")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16"),
+                   help="mixed precision of the planned run (both use the half-precision peak)")
+    p.add_argument("--data-path", help="data for the printed command (default: --mock-data)")
     p.add_argument("--top", type=int, default=10)
+    p.add_argument("--explain", action="store_true", help="print every term of each estimate")
     p.add_argument("--calibrate", metavar="METRICS_JSONL",
                    help="fit the achievable fraction to a measured run (give its --layout too)")
     p.add_argument("--calibrate-links", metavar="PREFLIGHT_JSON")
@@ -201,16 +223,16 @@ def shape_from_args(args: argparse.Namespace) -> ModelShape:
     values.update({k: getattr(args, k) for k in SHAPE_KEYS if getattr(args, k) is not None})
     missing = [k for k in SHAPE_KEYS[:6] if k not in values]
     if missing:
-        raise SystemExit("missing model keys: " + ", ".join("--" + k.replace("_", "-") for k in missing))
-    return ModelShape(**values, fused_attention=args.attention == "fused")
+        raise ValueError("missing model keys: " + ", ".join("--" + k.replace("_", "-") for k in missing))
+    return ModelShape(**values, fused_attention=args.attention == "fused",
+                      recompute_early_stop=args.recompute_early_stop == "on")
 
 
 def cluster_from_args(args: argparse.Namespace) -> Cluster:
     spec = get_device_spec(args.device)
     cluster = Cluster.from_device(spec, args.devices, args.devices_per_node, args.intra_node_gbps,
                                   args.inter_node_gbps, args.peak_tflops, args.memory_gb,
-                                  grad_reduce_bytes=args.grad_reduce_bytes,
-                                  relaxed_placement=args.relaxed_placement)
+                                  grad_reduce_bytes=args.grad_reduce_bytes)
     if args.calibrate_links:
         links = link_busbw(args.calibrate_links)
         cluster = replace(cluster, intra_busbw_gbps=links.get("intra", cluster.intra_busbw_gbps),
@@ -221,22 +243,34 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
 
 
 def space_from_args(args: argparse.Namespace) -> SearchSpace:
+    try:
+        cps = tuple(int(x) for x in args.cp.split(",") if x.strip())
+    except ValueError:
+        cps = ()
+    if not cps or min(cps) < 1:
+        raise ValueError(f"--cp expects a comma list of positive integers, got {args.cp!r}")
+    for cp in cps:
+        parse_order(args.order, cp)
     space = SearchSpace(_choice(args.recompute, ("none", "selective", "full"), "--recompute"),
                         _on_off(args.zero, "--zero"), _on_off(args.sequence_parallel, "--sequence-parallel"),
-                        micro_batch_size=args.micro_batch_size)
+                        cps, args.order, micro_batch_size=args.micro_batch_size)
     if args.layout:
-        parts = [int(x) for x in args.layout.split(",")]
+        try:
+            parts = [int(x) for x in args.layout.split(",")]
+        except ValueError:
+            parts = []
         if len(parts) not in (2, 3):
-            raise SystemExit(f"--layout expects TP,PP[,VP], got {args.layout!r}")
+            raise ValueError(f"--layout expects TP,PP[,VP], got {args.layout!r}")
         space = replace(space, tp=parts[0], pp=parts[1], vp=parts[2] if len(parts) == 3 else 1)
     return space
 
 
 def _explain_empty(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> str:
     if space.tp and space.pp:
-        dp = cluster.num_devices // (space.tp * space.pp)
+        cp = space.cp[0]
+        dp = cluster.num_devices // (space.tp * space.pp * cp)
         why = check_layout(shape, cluster, Layout(space.tp, space.pp, max(dp, 1), space.vp or 1,
-                                                  space.micro_batch_size or 1))
+                                                  space.micro_batch_size or 1, cp=cp, order=space.order))
         if why:
             return f"layout rejected: {why}"
         least = min((estimate(shape, cluster, lay).memory_bytes_per_device
@@ -248,39 +282,56 @@ def _explain_empty(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> s
     return "no layout fits in device memory; add devices, allow --recompute full or --zero on"
 
 
+def _calibrated(args, shape: ModelShape, cluster: Cluster, space: SearchSpace) -> Cluster:
+    if not (space.tp and space.pp and space.micro_batch_size and len(space.recompute) == 1
+            and len(space.zero) == 1 and len(space.cp) == 1
+            and (space.tp == 1 or len(space.sequence_parallel) == 1)):
+        raise ValueError("--calibrate needs the measured run's --layout, --micro-batch-size, "
+                         "--recompute, --zero, --cp and --sequence-parallel (one value each)")
+    layout = next(candidate_layouts(shape, cluster, space), None)
+    if layout is None:
+        raise ValueError(_explain_empty(shape, cluster, space))
+    step = measured_step_time(args.calibrate)
+    tflops = estimate(shape, cluster, layout).flops.executed / step / cluster.num_devices / 1e12
+    frac = fit_achievable_fraction(shape, cluster, layout, tflops)
+    print(f"calibrated achievable fraction {frac:.3f} from a measured step of {step:.4g} s "
+          f"({tflops:.2f} executed TFLOP/s per device, peak {cluster.peak_tflops})", file=sys.stderr)
+    return replace(cluster, achievable_fraction=frac)
+
+
+def _row_text(est: Estimate) -> str:
+    lay = est.layout
+    return (f"tp={lay.tp} cp={lay.cp} pp={lay.pp} dp={lay.dp} vp={lay.vp} mbs={lay.micro_batch_size} "
+            f"recompute={lay.recompute} zero={'on' if lay.zero else 'off'} "
+            f"sp={'on' if lay.sequence_parallel else 'off'}  "
+            f"mem {est.memory_bytes_per_device / GIB:.1f} GiB  step {est.step_time_s:.3f} s  "
+            f"{est.tflops_per_device:.1f} TFLOP/s/device  MFU {100 * est.mfu:.1f}%  HFU {100 * est.hfu:.1f}%")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         shape, cluster, space = shape_from_args(args), cluster_from_args(args), space_from_args(args)
+        if args.calibrate:
+            cluster = _calibrated(args, shape, cluster, space)
     except (ValueError, KeyError, OSError) as exc:
         print(f"engine.plan: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
-    if args.calibrate:
-        if not (space.tp and space.pp and space.micro_batch_size and len(space.recompute) == 1
-                and len(space.zero) == 1 and (space.tp == 1 or len(space.sequence_parallel) == 1)):
-            raise SystemExit("--calibrate needs the measured run's --layout, --micro-batch-size, "
-                             "--recompute, --zero and --sequence-parallel (one value each)")
-        layout = next(candidate_layouts(shape, cluster, space), None)
-        if layout is None:
-            raise SystemExit(_explain_empty(shape, cluster, space))
-        tflops = measured_tflops(args.calibrate)
-        frac = fit_achievable_fraction(shape, cluster, layout, tflops)
-        print(f"calibrated achievable fraction {frac:.3f} from {tflops:.2f} TFLOP/s per device "
-              f"(peak {cluster.peak_tflops})", file=sys.stderr)
-        cluster = replace(cluster, achievable_fraction=frac)
     results = search(shape, cluster, space)
     if not results:
         print(_explain_empty(shape, cluster, space), file=sys.stderr)
         return 1
+    dpn = cluster.devices_per_node
     for est in results[:args.top]:
-        row = est.as_row()
+        command = launch_command(shape, est.layout, dpn, args.precision, args.data_path)
         if args.json:
-            print(json.dumps(row))
-        else:
-            print(f"tp={row['tp']} pp={row['pp']} dp={row['dp']} vp={row['vp']} "
-                  f"mbs={row['micro_batch_size']} "
-                  f"recompute={row['recompute']} zero={'on' if row['zero'] else 'off'} "
-                  f"sp={'on' if row['sequence_parallel'] else 'off'}  "
-                  f"mem {row['memory_bytes_per_device'] / 2**30:.1f} GiB  step {row['step_time_s']:.3f} s  "
-                  f"{row['tflops_per_device']:.1f} TFLOP/s/device  MFU {100 * row['mfu']:.1f}%")
+            print(json.dumps({**est.as_row(), "command": command}))
+            continue
+        print(_row_text(est))
+        if args.explain:
+            print(explain(est, dpn), end="\n\n")
+    if not args.json:
+        print(f"{'' if args.explain else chr(10)}best layout (rank order {results[0].layout.order}), "
+              f"on every node:\n"
+              f"{launch_command(shape, results[0].layout, dpn, args.precision, args.data_path)}")
     return 0

@@ -1,28 +1,34 @@
-"""Step-time model of one layout (the time half of the planner's cost model).
+"""Step-time model of one layout, as named terms that add up to the step.
 
 Per layer and micro-batch a device spends: matrix FLOPs / (peak * achievable fraction), memory-bound
-bytes / (HBM bandwidth * HBM_EFFICIENCY), the TP collectives over intra-node links and a fixed
-per-pass overhead. A pipeline device adds p2p messages (blocking, as Megatron's 1F1B); the first
-holds the embedding, the last the logits and loss. The step is then
+bytes / (HBM bandwidth * HBM_EFFICIENCY), a fixed per-pass overhead, the TP collectives over its
+node's links and, with context parallelism, the part of the K/V ring exchange that the attention
+core does not hide. A pipeline device adds p2p messages (blocking, as the engine's 1F1B) and the
+TP all-gather that rebuilds a received activation; the first holds the embedding, the last the
+logits and loss. The step is then
 
-    m * (slowest device's time per micro-batch)          (includes the stage imbalance)
-  + (p - 1) / v * (mean device's time per micro-batch)    (the schedule's bubble)
+    m * (mean device's time per micro-batch)              compute, recompute, tp/cp/pp comm
+  + m * (slowest - mean device's time per micro-batch)    imbalance
+  + (p - 1) / v * (mean device's time per micro-batch)    bubble
   + the DP gradient reduction left exposed (bucketed, overlapped with the first stage's last
     backward; at least the last bucket is exposed), plus ZeRO-1's parameter all-gather
   + the optimizer step (memory-bound)
 
-All constants live in engine/plan/model.py and are explained in docs/planner.md.
+``TimeTerms`` holds them; a new term (a zero-bubble schedule's, ZeRO-2's) is one more field and
+the line that fills it. All constants live in engine/plan/model.py, explained in docs/planner.md.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from engine.plan.flops import (attention_core_forward_flops, layer_forward_flops, logits_forward_flops,
-                          model_flops_per_step)
+from engine.plan.flops import (StepFlops, attention_core_forward_flops, layer_forward_flops,
+                               logits_forward_flops, recomputed_layer_flops, step_flops)
 from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_REPLICATED, EW_SCORES,
                                EW_SHARDED_ATTN, GIB, HBM_EFFICIENCY, LAYER_PASS_OVERHEAD_S,
                                MEMORY_USABLE_FRACTION, OPTIMIZER_BYTES_PER_PARAM, Cluster, Layout,
-                               ModelShape, memory_per_device, num_micro_batches, stage_params)
+                               MemoryTerms, ModelShape, memory_per_device, num_micro_batches,
+                               stage_params)
+from engine.plan.placement import collective_busbw, group_of_rank0, p2p_gbps
 
 
 def allreduce_s(nbytes: float, ranks: int, busbw_gbps: float) -> float:
@@ -39,131 +45,232 @@ def gather_or_scatter_s(nbytes: float, ranks: int, busbw_gbps: float) -> float:
     return (ranks - 1) / ranks * nbytes / (busbw_gbps * 1e9) + COLLECTIVE_LATENCY_S
 
 
-def group_busbw(cluster: Cluster, stride: int, size: int) -> float:
-    """Bus bandwidth of a group of ``size`` ranks ``stride`` apart (nodes hold consecutive ranks).
+@dataclass(frozen=True)
+class Links:
+    """GB/s each group of a layout gets, from the ranks it spans (placement.py)."""
+    tp: float
+    cp: float  # per-device rate of the ring's p2p
+    pp: float  # per-device rate of pipeline p2p
+    dp: float  # bus bandwidth of the gradient reduction over dp x cp ranks
 
-    Inside one node it is the intra-node rate; across nodes a hierarchical ring is limited by the
-    NIC shares of the group's members on each node (k members use k shares), capped by NVLink/HCCS.
-    """
-    dpn = cluster.devices_per_node
-    if stride * size <= dpn:
-        return cluster.intra_busbw_gbps
-    per_node = max(1, min(size, dpn // stride)) if stride < dpn else 1
-    return min(cluster.intra_busbw_gbps, per_node * cluster.inter_busbw_gbps)
+
+def layout_links(cluster: Cluster, layout: Layout) -> Links:
+    dpn, intra, inter = cluster.devices_per_node, cluster.intra_busbw_gbps, cluster.inter_busbw_gbps
+    group = lambda *dims: group_of_rank0(layout.order, layout.sizes, dims)  # noqa: E731
+    return Links(collective_busbw(group("tp"), dpn, intra, inter),
+                 p2p_gbps(group("cp"), dpn, intra, inter),
+                 p2p_gbps(group("pp"), dpn, intra, inter),
+                 collective_busbw(group("cp", "dp"), dpn, intra, inter))
 
 
 @dataclass(frozen=True)
-class LayerCost:
-    fwd_s: float  # one layer, one micro-batch, forward
-    bwd_s: float  # backward, including any recomputed forward
-    tp_comm_s: float  # the collective part of fwd_s + bwd_s
+class PassTime:
+    """Seconds of one device for one micro-batch (a layer, a pipeline end, or a whole stage)."""
+    compute: float = 0.0  # forward + backward: matrices, memory-bound kernels, per-pass overheads
+    recompute: float = 0.0  # the recomputed forward (full: the layer; selective: attention core)
+    tp_comm: float = 0.0
+    cp_comm: float = 0.0  # the ring exchange the attention core does not hide
+    pp_comm: float = 0.0  # p2p sends and receives + the TP all-gather on receive
+    backward: float = 0.0  # the part of the above that runs in backward (for the DP overlap)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.tp_comm + self.cp_comm + self.pp_comm
+
+    def __add__(self, other: "PassTime") -> "PassTime":
+        return PassTime(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def scale(self, k: float) -> "PassTime":
+        return PassTime(*(getattr(self, f.name) * k for f in fields(self)))
 
 
-def layer_cost(shape: ModelShape, cluster: Cluster, layout: Layout) -> LayerCost:
-    s, b, h, a = shape.seq_length, layout.micro_batch_size, shape.hidden_size, shape.num_attention_heads
-    t, f, rc = layout.tp, shape.ffn_hidden_size, layout.recompute
+def _rates(cluster: Cluster):
     rate = cluster.peak_tflops * 1e12 * cluster.achievable_fraction
     hbm = (cluster.device.hbm_gbps or 0) * 1e9 * HBM_EFFICIENCY
-    tokens, sbh = s * b, s * b * h
+    return rate, (lambda nbytes: nbytes / hbm) if hbm else (lambda nbytes: 0.0)
+
+
+def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links) -> PassTime:
+    """One layer, one micro-batch, forward + backward (+ recomputation) on one device."""
+    s, b, h, a = shape.seq_length, layout.micro_batch_size, shape.hidden_size, shape.num_attention_heads
+    t, c, f, rc, sp = layout.tp, layout.cp, shape.ffn_hidden_size, layout.recompute, layout.sequence_parallel
+    rate, mem_s = _rates(cluster)
+    tokens = s * b / c  # this rank's share of the micro-batch's positions
+    sbh = tokens * h
     gemm = layer_forward_flops(tokens, s, h, f, shape.block) / t
     attn = attention_core_forward_flops(tokens, s, h) / t
     scores = 0.0 if shape.fused_attention else EW_SCORES * a * s * s * b / t
-    ew = (EW_REPLICATED * sbh / (t if layout.sequence_parallel else 1)
-          + (EW_SHARDED_ATTN * sbh + EW_MLP[shape.block] * s * b * f) / t + scores)
-    mem_s = (lambda nbytes: nbytes / hbm) if hbm else (lambda nbytes: 0.0)
-    # 2 all-reduces forward, 2 backward, 2 more when the forward is recomputed (SP: all-gather +
-    # reduce-scatter pairs move the same bytes, with twice the latencies).
-    ar = allreduce_s(ACT_BYTES * sbh, t, cluster.intra_busbw_gbps)
-    if layout.sequence_parallel:
-        ar += COLLECTIVE_LATENCY_S
-    n_re = 2 if rc == "full" else 0
-    re_gemm = {"full": gemm, "selective": attn, "none": 0.0}[rc]
-    re_ew = {"full": ew, "selective": scores, "none": 0.0}[rc]
-    passes_bwd = 1 + (rc != "none")
-    fwd = gemm / rate + mem_s(ew) + 2 * ar + LAYER_PASS_OVERHEAD_S
-    bwd = ((2 * gemm + re_gemm) / rate + mem_s(2 * ew + re_ew) + (2 + n_re) * ar
-           + passes_bwd * LAYER_PASS_OVERHEAD_S)
-    return LayerCost(fwd, bwd, (4 + n_re) * ar)
+    ew = (EW_REPLICATED * sbh / (t if sp else 1)
+          + (EW_SHARDED_ATTN * sbh + EW_MLP[shape.block] * tokens * f) / t + scores)
+    fwd = gemm / rate + mem_s(ew) + LAYER_PASS_OVERHEAD_S
+    bwd = 2 * gemm / rate + mem_s(2 * ew) + LAYER_PASS_OVERHEAD_S
+    redo = recomputed_layer_flops(tokens, s, h, f, shape.block, rc, shape.recompute_early_stop) / t
+    recompute = {"full": redo / rate + mem_s(ew) + LAYER_PASS_OVERHEAD_S,
+                 "selective": redo / rate + mem_s(scores) + LAYER_PASS_OVERHEAD_S, "none": 0.0}[rc]
+    # TP: the two column-parallel inputs (QKV, MLP) and two row-parallel outputs of a layer. Without
+    # SP: an all-reduce after each row-parallel layer forward, one of each column input's gradient
+    # backward. With SP: all-gather + reduce-scatter pairs each way, plus the all-gather of each
+    # column-parallel input's saved s/tp shard in backward. A recomputed forward repeats its own.
+    # Early stop leaves out the down projection's collective (the last one of the forward).
+    msg = ACT_BYTES * sbh
+    if sp:
+        one = gather_or_scatter_s(msg, t, links.tp)
+        tp_fwd, tp_bwd = 4 * one, 6 * one
+    else:
+        one = allreduce_s(msg, t, links.tp)
+        tp_fwd = tp_bwd = 2 * one
+    tp_re = (tp_fwd - (one if shape.recompute_early_stop else 0.0)) if rc == "full" else 0.0
+    # CP ring (Megatron's ring attention): each rank passes its K and V chunks around the cp ring,
+    # 2 (cp-1)/cp * b s h_kv / tp elements forward, twice that backward (K, V and dK, dV), hidden
+    # behind the attention core of the block in hand where it is long enough.
+    cp_fwd = cp_bwd = cp_re = 0.0
+    if c > 1:
+        ring = 2 * (c - 1) / c * b * s * h / t * ACT_BYTES / (links.cp * 1e9) + (c - 1) * COLLECTIVE_LATENCY_S
+        cp_fwd = max(0.0, ring - attn / rate)
+        cp_bwd = max(0.0, 2 * ring - 2 * attn / rate)
+        cp_re = cp_fwd if rc in ("full", "selective") else 0.0
+    backward = bwd + recompute + tp_bwd + tp_re + cp_bwd + cp_re
+    return PassTime(fwd + bwd, recompute, tp_fwd + tp_bwd + tp_re, cp_fwd + cp_bwd + cp_re, 0.0, backward)
 
 
-def _edge_costs(shape: ModelShape, cluster: Cluster, layout: Layout) -> tuple[float, float, float]:
-    """Embedding (first device), logits and loss (last device) per micro-batch, and the p2p time."""
-    s, b, h, t, V = shape.seq_length, layout.micro_batch_size, shape.hidden_size, layout.tp, shape.vocab_size
-    rate = cluster.peak_tflops * 1e12 * cluster.achievable_fraction
-    hbm = (cluster.device.hbm_gbps or 0) * 1e9 * HBM_EFFICIENCY
-    mem_s = (lambda nbytes: nbytes / hbm) if hbm else (lambda nbytes: 0.0)
-    sbh = s * b * h
-    ar = allreduce_s(ACT_BYTES * sbh, t, cluster.intra_busbw_gbps)
-    embedding = mem_s(3 * 4 * sbh) + ar  # gather + dropout, forward and backward; vocab-parallel sum
-    logits = (3 * logits_forward_flops(s * b, h, V) / t / rate
-              + mem_s(20 * s * b * V / t + 3 * 4 * sbh) + ar + 3 * COLLECTIVE_LATENCY_S)
-    p2p = 0.0
+def pipeline_ends(shape: ModelShape, cluster: Cluster, layout: Layout,
+                  links: Links) -> tuple[PassTime, PassTime, PassTime]:
+    """Per micro-batch: the embedding (first device), the logits and loss (last), and pipeline p2p."""
+    s, b, h, t, c, V = (shape.seq_length, layout.micro_batch_size, shape.hidden_size, layout.tp,
+                        layout.cp, shape.vocab_size)
+    sp = layout.sequence_parallel
+    rate, mem_s = _rates(cluster)
+    tokens = s * b / c
+    sbh = tokens * h
+    msg = ACT_BYTES * sbh
+    # vocab-parallel embedding: an all-reduce (SP: a reduce-scatter) of its output forward
+    embed_tp = gather_or_scatter_s(msg, t, links.tp) if sp else allreduce_s(msg, t, links.tp)
+    embedding = PassTime(compute=mem_s(3 * 4 * sbh), tp_comm=embed_tp)
+    # output layer: its input's gradient all-reduced (SP: gathered forward, scattered backward);
+    # vocab-parallel cross-entropy: three all-reduces of s b floats (max, sum of exp, target logit)
+    logits_tp = (2 * gather_or_scatter_s(msg, t, links.tp) if sp else allreduce_s(msg, t, links.tp))
+    logits_tp += 3 * COLLECTIVE_LATENCY_S if t > 1 else 0.0
+    logits = PassTime(compute=3 * logits_forward_flops(tokens, h, V) / t / rate
+                      + mem_s(20 * tokens * V / t + 3 * 4 * sbh), tp_comm=logits_tp,
+                      backward=2 * logits_forward_flops(tokens, h, V) / t / rate)
+    p2p = PassTime()
     if layout.pp > 1:
-        crosses = cluster.multi_node and (not cluster.relaxed_placement
-                                          or layout.tp * layout.pp > cluster.devices_per_node)
-        bw = cluster.inter_busbw_gbps if crosses else cluster.intra_busbw_gbps
-        # activations forward and gradients backward, once per model chunk; Megatron's
-        # scatter/gather (or SP) sends 1/t of the tensor from each TP rank.
-        p2p = 2 * layout.vp * (ACT_BYTES * sbh / t / (bw * 1e9) + COLLECTIVE_LATENCY_S)
+        # one activation forward and one gradient backward per model chunk. Each TP rank sends 1/t
+        # of the tensor; without SP the receiver all-gathers the full (replicated) tensor over TP
+        # (Megatron's scatter/gather); with SP the tensor already is each rank's sequence shard.
+        send = msg / t / (links.pp * 1e9) + COLLECTIVE_LATENCY_S
+        regather = 0.0 if sp else gather_or_scatter_s(msg, t, links.tp)
+        per_message = send + regather
+        p2p = PassTime(pp_comm=2 * layout.vp * per_message, backward=layout.vp * per_message)
     return embedding, logits, p2p
+
+
+@dataclass(frozen=True)
+class TimeTerms:
+    """Seconds of one optimizer step, by term; they add up to the step time."""
+    compute: float  # forward + backward of every micro-batch (mean device), recomputation excluded
+    recompute: float  # recomputed forwards
+    tp_comm: float  # TP collectives (incl. SP's backward re-gather, the embedding and loss)
+    cp_comm: float  # exposed part of the CP ring exchange
+    pp_comm: float  # pipeline p2p + the all-gather that rebuilds a received activation
+    bubble: float  # (p - 1) / v micro-batches of the mean device: the schedule's idle time
+    imbalance: float  # the slowest device (first or last, carrying an end) setting the pace
+    dp_comm: float  # exposed DP gradient reduction (all-reduce; ZeRO-1: reduce-scatter)
+    zero_allgather: float  # ZeRO-1's parameter all-gather after the optimizer step
+    optimizer: float  # Adam step, memory-bound
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def as_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["total"] = self.total
+        return out
 
 
 @dataclass(frozen=True)
 class Estimate:
     layout: Layout
-    memory_bytes_per_device: float
+    time: TimeTerms
+    memory: MemoryTerms
     fits: bool
-    step_time_s: float
-    tflops_per_device: float
-    mfu: float | None
-    parts: dict  # seconds per step: compute (incl. tp_comm), bubble, imbalance, dp_exposed,
-    #               zero_allgather, optimizer
+    flops: StepFlops
+    num_devices: int
+    peak_tflops: float
+    links: Links
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time.total
+
+    @property
+    def memory_bytes_per_device(self) -> float:
+        return self.memory.total
+
+    @property
+    def model_tflops_per_device(self) -> float:
+        return self.flops.model / self.step_time_s / self.num_devices / 1e12
+
+    @property
+    def tflops_per_device(self) -> float:
+        """Executed (hardware) TFLOP/s per device: recomputation included, as Megatron reports."""
+        return self.flops.executed / self.step_time_s / self.num_devices / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_tflops_per_device / self.peak_tflops
+
+    @property
+    def hfu(self) -> float:
+        return self.tflops_per_device / self.peak_tflops
 
     def as_row(self) -> dict:
         lay = self.layout
-        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "vp": lay.vp,
+        return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "vp": lay.vp,
                 "micro_batch_size": lay.micro_batch_size, "recompute": lay.recompute, "zero": lay.zero,
-                "sequence_parallel": lay.sequence_parallel,
+                "sequence_parallel": lay.sequence_parallel, "order": lay.order,
                 "memory_bytes_per_device": int(self.memory_bytes_per_device),
                 "step_time_s": self.step_time_s, "tflops_per_device": self.tflops_per_device,
-                "mfu": self.mfu}
+                "model_tflops_per_device": self.model_tflops_per_device,
+                "mfu": self.mfu, "hfu": self.hfu,
+                "time_terms": self.time.as_dict(), "memory_terms": self.memory.as_dict()}
 
 
 def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
     """Memory and step time of a layout that obeys check_layout (not re-checked here)."""
-    p, v, d, m = layout.pp, layout.vp, layout.dp, num_micro_batches(shape, layout)
+    p, v, d, c, m = layout.pp, layout.vp, layout.dp, layout.cp, num_micro_batches(shape, layout)
+    links = layout_links(cluster, layout)
     mem = memory_per_device(shape, layout)
-    cost = layer_cost(shape, cluster, layout)
-    embedding, logits, p2p = _edge_costs(shape, cluster, layout)
+    layer = layer_time(shape, cluster, layout, links)
+    embedding, logits, p2p = pipeline_ends(shape, cluster, layout, links)
     layers = shape.num_layers // p
-    body = layers * (cost.fwd_s + cost.bwd_s)
+    body = layer.scale(layers)
     if p == 1:
         stages = [body + embedding + logits]
     else:
         stages = [body + embedding + p2p, body + logits + p2p] + [body + p2p] * (p - 2)
-    slowest, mean = max(stages), sum(stages) / p
-    bubble = (p - 1) / v * mean
-    pipeline = m * slowest + bubble
-    # DP: gradients of the first device (whose last backward ends the step) reduced over dp ranks
-    # tp*pp apart; the bucketed reduction hides under that last backward except the final bucket.
+    mean = sum(stages[1:], stages[0]).scale(1 / p)
+    slowest = max(stages, key=lambda st: st.total)
+    # DP: gradients of the first device (whose last backward ends the step) reduced over the dp x cp
+    # ranks; the bucketed reduction hides under that last backward except the final bucket.
     first_params, last_params = stage_params(shape, layout)
     grads = first_params * cluster.grad_reduce_bytes
-    bw = group_busbw(cluster, layout.tp * p, d)
-    reduce_s = (gather_or_scatter_s if layout.zero else allreduce_s)(grads, d, bw)
-    window = layers * cost.bwd_s
+    reducers = d * c
+    reduce_s = (gather_or_scatter_s if layout.zero else allreduce_s)(grads, reducers, links.dp)
+    window = stages[0].backward
     last_bucket = reduce_s * min(1.0, cluster.grad_bucket_bytes / grads)
-    dp_exposed = max(reduce_s - window, last_bucket) if d > 1 else 0.0
-    allgather = gather_or_scatter_s(first_params * ACT_BYTES, d, bw) if layout.zero else 0.0
-    hbm = (cluster.device.hbm_gbps or 0) * 1e9 * HBM_EFFICIENCY
-    opt_params = max(first_params, last_params) / (d if layout.zero else 1)
-    optimizer = opt_params * OPTIMIZER_BYTES_PER_PARAM / hbm if hbm else 0.0
-    step = pipeline + dp_exposed + allgather + optimizer
-    flops = model_flops_per_step(shape.global_batch_size, shape.seq_length, shape.num_layers,
-                                 shape.hidden_size, shape.vocab_size, shape.ffn_hidden_size,
-                                 shape.block, layout.recompute)
-    tflops = flops / step / cluster.num_devices / 1e12
+    dp_exposed = max(reduce_s - window, last_bucket) if reducers > 1 else 0.0
+    allgather = gather_or_scatter_s(first_params * ACT_BYTES, reducers, links.dp) if layout.zero else 0.0
+    _, mem_s = _rates(cluster)
+    opt_params = max(first_params, last_params) / (reducers if layout.zero else 1)
+    terms = TimeTerms(compute=m * mean.compute, recompute=m * mean.recompute, tp_comm=m * mean.tp_comm,
+                      cp_comm=m * mean.cp_comm, pp_comm=m * mean.pp_comm,
+                      bubble=(p - 1) / v * mean.total, imbalance=m * (slowest.total - mean.total),
+                      dp_comm=dp_exposed, zero_allgather=allgather,
+                      optimizer=mem_s(opt_params * OPTIMIZER_BYTES_PER_PARAM))
+    flops = step_flops(shape.global_batch_size, shape.seq_length, shape.num_layers, shape.hidden_size,
+                       shape.vocab_size, shape.ffn_hidden_size, shape.block, layout.recompute,
+                       shape.recompute_early_stop)
     fits = mem.total <= cluster.memory_gb * GIB * MEMORY_USABLE_FRACTION
-    parts = {"compute": m * mean, "bubble": bubble, "imbalance": m * (slowest - mean),
-             "dp_exposed": dp_exposed, "zero_allgather": allgather, "optimizer": optimizer,
-             "tp_comm": m * layers * cost.tp_comm_s}
-    return Estimate(layout, mem.total, fits, step, tflops, tflops / cluster.peak_tflops, parts)
+    return Estimate(layout, terms, mem, fits, flops, cluster.num_devices, cluster.peak_tflops, links)

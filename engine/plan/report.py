@@ -1,0 +1,104 @@
+"""What the planner prints: ``--explain``'s term-by-term breakdown and the launch command.
+
+``launch_command`` writes the ``torchrun ... -m engine.train`` line of a layout with this engine's
+flag names (engine/cli.py: the config fields with dashes); tests/test_plan.py parses it back with
+torchrun's own parser and ``engine.cli.parse_args`` and compares the result with the layout.
+"""
+from __future__ import annotations
+
+import shlex
+
+from engine.plan.model import GIB, Layout, ModelShape
+from engine.plan.placement import DEFAULT_ORDER, engine_order, group_of_rank0, members_per_node
+from engine.plan.timing import Estimate
+
+MASTER_ENDPOINT = "$MASTER_ADDR:29500"  # left for the shell of every node to expand
+
+
+def schedule_of(layout: Layout) -> str:
+    return "interleaved" if layout.vp > 1 else "1f1b"
+
+
+def train_args(shape: ModelShape, layout: Layout, precision: str = "bf16",
+               data_path: str | None = None) -> list[str]:
+    """``python -m engine.train`` arguments that run ``layout`` on ``shape``.
+
+    Without ``data_path`` the run uses mock data of the planned vocabulary (the built-in corpus has
+    its own, smaller vocabulary). ``--order`` only appears when it differs from the engine's
+    default; ``--cp`` only for cp > 1.
+    """
+    args = ["--tp", str(layout.tp), "--pp", str(layout.pp)]
+    if layout.cp > 1:
+        args += ["--cp", str(layout.cp)]
+    args += ["--virtual-pipeline-size", str(layout.vp), "--pipeline-schedule", schedule_of(layout),
+             "--micro-batch-size", str(layout.micro_batch_size),
+             "--global-batch-size", str(shape.global_batch_size), "--recompute", layout.recompute]
+    if layout.sequence_parallel:
+        args.append("--sequence-parallel")
+    if layout.zero:
+        args.append("--use-distributed-optimizer")
+    order = engine_order(layout.order, layout.cp)
+    if order != engine_order(DEFAULT_ORDER, layout.cp):
+        args += ["--order", order]
+    args += ["--num-layers", str(shape.num_layers), "--hidden-size", str(shape.hidden_size),
+             "--num-attention-heads", str(shape.num_attention_heads),
+             "--ffn-hidden-size", str(shape.ffn_hidden_size), "--seq-length", str(shape.seq_length),
+             "--vocab-size", str(shape.vocab_size), "--block", shape.block, "--precision", precision]
+    args += ["--data-path", data_path] if data_path else ["--mock-data"]
+    return args
+
+
+def launch_command(shape: ModelShape, layout: Layout, devices_per_node: int, precision: str = "bf16",
+                   data_path: str | None = None) -> str:
+    """The torchrun line to run on every node (one node: no rendezvous endpoint needed)."""
+    world = layout.world_size
+    nodes = max(1, world // devices_per_node)
+    per_node = min(world, devices_per_node)
+    head = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(per_node)]
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f'"{MASTER_ENDPOINT}"'] if nodes > 1 else []
+    tail = [shlex.quote(a) for a in train_args(shape, layout, precision, data_path)]
+    return " ".join(head + rdzv + ["-m", "engine.train"] + tail)
+
+
+def _seconds(x: float) -> str:
+    return f"{x * 1e3:10.2f} ms" if x < 1 else f"{x:10.3f} s "
+
+
+def _link_line(est: Estimate, devices_per_node: int) -> str:
+    lay = est.layout
+    parts = []
+    for dim, gbps in (("tp", est.links.tp), ("cp", est.links.cp), ("pp", est.links.pp),
+                      ("dp", est.links.dp)):
+        dims = ("cp", "dp") if dim == "dp" else (dim,)
+        ranks = group_of_rank0(lay.order, lay.sizes, dims)
+        if len(ranks) == 1:
+            continue
+        nodes = members_per_node(ranks, devices_per_node)
+        where = "1 node" if len(nodes) == 1 else f"{len(nodes)} nodes x {min(nodes.values())}"
+        name = "dp x cp" if dim == "dp" and lay.cp > 1 else dim
+        parts.append(f"{name} {ranks[:4]}{'...' if len(ranks) > 4 else ''} ({where}, {gbps:.0f} GB/s)")
+    return "  groups of rank 0: " + ("; ".join(parts) if parts else "none (one device)")
+
+
+def explain(est: Estimate, devices_per_node: int) -> str:
+    """Every term of the estimate: step time by term, memory by part, FLOPs and rates."""
+    lay, t, mem = est.layout, est.time, est.memory
+    lines = [f"layout tp={lay.tp} cp={lay.cp} pp={lay.pp} dp={lay.dp} vp={lay.vp} "
+             f"mbs={lay.micro_batch_size} recompute={lay.recompute} zero={'on' if lay.zero else 'off'} "
+             f"sp={'on' if lay.sequence_parallel else 'off'} order={lay.order}",
+             _link_line(est, devices_per_node),
+             f"step time {_seconds(t.total).strip()}"]
+    for name, value in t.as_dict().items():
+        if name != "total":
+            lines.append(f"  {name:<16}{_seconds(value)}  {100 * value / t.total:5.1f}%")
+    lines.append(f"memory per device ({mem.stage} stage) {mem.total / GIB:.2f} GiB "
+                 f"({'fits' if est.fits else 'does NOT fit'})")
+    for name, value in mem.as_dict().items():
+        if name not in ("total", "stage"):
+            lines.append(f"  {name:<16}{value / GIB:10.2f} GiB")
+    lines.append(f"FLOPs per step: model {est.flops.model:.4g}, executed {est.flops.executed:.4g} "
+                 f"(recompute {est.flops.recomputed:.4g})")
+    lines.append(f"TFLOP/s per device: model {est.model_tflops_per_device:.1f} (MFU "
+                 f"{100 * est.mfu:.1f}%), executed {est.tflops_per_device:.1f} (HFU {100 * est.hfu:.1f}%) "
+                 f"of {est.peak_tflops:g} peak")
+    return "\n".join(lines)
