@@ -135,7 +135,9 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: flo
             raise ValueError(f"packed documents need equal query and key lengths, got {sq} and {k.shape[2]}")
         if document_ids is not None and tuple(document_ids.shape) != (b, sq):
             raise ValueError(f"document_ids must be (b, s) = ({b}, {sq}), got {tuple(document_ids.shape)}")
-        if cu_seqlens is not None and (cu_seqlens[0] != 0 or cu_seqlens[-1] != b * sq):
+        # (cu_seqlens is read only where a kernel takes it, so that torch.compile does not
+        # specialise the mask path on the segment list)
+        if document_ids is None and (cu_seqlens[0] != 0 or cu_seqlens[-1] != b * sq):
             raise ValueError(f"cu_seqlens must run from 0 to b*s = {b * sq} with a leading 0, got "
                              f"{cu_seqlens[0]} .. {cu_seqlens[-1]}")
 
