@@ -41,7 +41,8 @@ NPU_SPARSE_MODE_DEFAULT = 0  # atten_mask used as given (or no mask)
 NPU_SPARSE_MODE_LEFT_UP_CAUSAL = 2
 # Packed documents (TND layout): each document is causal from its own bottom-right corner
 # (rightDownCausal), with the same compressed mask; equal to top-left causal because every document's
-# query and key lengths agree. The mode varlen splitting (sparse_mode 7) derives from.
+# query and key lengths agree. It is also the mode that sparse_mode 7 (a query sequence split across
+# devices) is documented relative to.
 NPU_SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3
 # npu_fusion_attention's documented limit on len(actual_seq_qlen) in the varlen (TND) case
 NPU_VARLEN_MAX_SEGMENTS = 1024
