@@ -66,8 +66,8 @@ def plain_step(trainer: Trainer, model, opt, step: int) -> float:
         group["lr"] = learning_rate(step, trainer.cfg.optim)
     opt.zero_grad(set_to_none=True)
     losses = []
-    for tokens, labels in batches:  # (b, s) each
-        loss = model(tokens, labels).mean() / len(batches)
+    for mb in batches:  # tokens, labels (b, s) each
+        loss = model(mb.tokens, mb.labels).mean() / len(batches)
         loss.backward()
         losses.append(loss.detach())
     torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.cfg.optim.clip_grad)

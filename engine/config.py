@@ -114,6 +114,15 @@ class DataConfig:
     global_batch_size: int = 16
     valid_fraction: float = 0.02
     cache_dir: str | None = None
+    # help: packed documents: each token attends only to earlier tokens of its own document (the
+    # end-of-document token closes a document), as Megatron-LM's --reset-attention-mask
+    reset_attention_mask: bool = False
+    # help: packed documents: positions restart at 0 after every end-of-document token (learned
+    # position embeddings and RoPE alike), as Megatron-LM's --reset-position-ids
+    reset_position_ids: bool = False
+    # help: drop the loss where the input is the end-of-document token (its target starts the next
+    # document); the loss is the mean over the remaining tokens of the global batch
+    eod_mask_loss: bool = False
 
     def __post_init__(self):
         if self.micro_batch_size < 1 or self.global_batch_size < 1:

@@ -51,6 +51,18 @@ def mean_loss_over_grid(local_sum: float, ps: ParallelState, device,
             [v / ranks_per_stage for v in values[k:]])
 
 
+def micro_batch_loss(out: torch.Tensor, mb, num_micro: int, dp: int) -> torch.Tensor:
+    """A micro-batch's share of the step's loss, from its per-token losses ``out`` (b, s).
+
+    Summed over the micro-batches of a rank and averaged over DP (the reducer divides gradients by
+    dp) it gives the mean token loss of the global batch: ``mean / m`` per micro-batch, or with a
+    loss mask the sum of the unmasked losses over the global batch's unmasked token count, times dp.
+    """
+    if mb.loss_mask is None:
+        return out.mean() / num_micro
+    return (out * mb.loss_mask).sum() * (dp / max(mb.loss_tokens, 1))
+
+
 def stage_compute_times(events, ps: ParallelState) -> tuple[float, ...]:
     """(mean forward s, mean backward s) of this rank, in its stage's slots of a 2*pp vector."""
     slots = [0.0] * (2 * ps.pp_size)
@@ -78,19 +90,24 @@ class Stepper:
         m = len(batches)
 
         def forward_step(chunk_idx, micro_idx, x):
-            tokens, labels = batches[micro_idx]
+            mb = batches[micro_idx]
             chunk = self.chunks[chunk_idx]
-            out = chunk(tokens if x is None else x, labels if chunk.post_process else None)
-            return out.mean() / m * scale if chunk.post_process else out
+            out = chunk(mb.tokens if x is None else x, mb.labels if chunk.post_process else None,
+                        mb.inputs)
+            if not chunk.post_process:
+                return out
+            return micro_batch_loss(out, mb, m, self.ps.dp_size) * scale
         return forward_step
 
-    def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
+    def _forward_backward(self, batches: list, scale: float):
+        """``batches``: this rank's micro-batches (engine.data.packing.MicroBatch)."""
         m = len(batches)
         self.reducer.set_num_microbatches(m)  # a parameter's m-th accumulation launches its bucket
         if self.ps.pp_size == 1:
             model, losses = self.chunks[0], []
-            for tokens, labels in batches:
-                loss = model(tokens, labels).mean() / m
+            for mb in batches:
+                loss = micro_batch_loss(model(mb.tokens, mb.labels, mb.inputs), mb, m,
+                                        self.ps.dp_size)
                 (loss * scale).backward()
                 losses.append(loss.detach())
             return torch.stack(losses).sum().item(), None
@@ -118,8 +135,8 @@ class Stepper:
             busy = sum(e.end - e.start for e in pipe.events if e.cat in ("forward", "backward"))
             idle = (max(0.0, 1.0 - busy / wall),)
             stage_times = stage_compute_times(pipe.events, self.ps)
-        loss, idle_mean, stage_mean = mean_loss_over_grid(local_loss, self.ps, batches[0][0].device,
-                                                          idle, stage_times)
+        loss, idle_mean, stage_mean = mean_loss_over_grid(local_loss, self.ps,
+                                                          batches[0].tokens.device, idle, stage_times)
         out = StepOutput(loss, check.grad_norm, check.skipped, scale, comm, pipe, wall)
         if pipe is not None:
             out.extra["bubble_measured"] = idle_mean[0]
@@ -130,11 +147,17 @@ class Stepper:
     def forward_only(self, batches) -> float:
         """Mean loss of these micro-batches over the grid, without gradients (validation)."""
         m = len(batches)
+        device, dp = batches[0].tokens.device, self.ps.dp_size
         if self.ps.pp_size == 1:
-            local = sum(self.chunks[0](t, l).mean().item() for t, l in batches) / m
-            return mean_loss_over_grid(local, self.ps, batches[0][0].device)[0]
+            model = self.chunks[0]
+            if batches[0].loss_mask is None:
+                local = sum(model(mb.tokens, mb.labels, mb.inputs).mean().item() for mb in batches) / m
+            else:
+                local = sum(micro_batch_loss(model(mb.tokens, mb.labels, mb.inputs), mb, m, dp).item()
+                            for mb in batches)
+            return mean_loss_over_grid(local, self.ps, device)[0]
         actions = forward_only_schedule(self.ps.pp_size, m, len(self.chunks))
         result = run_schedule(self.ps, actions, list(self.chunks), self._forward_step(batches, 1.0),
                               m, self.act_shape, self.act_dtype, self.timeout_s,
                               deallocate_outputs=False, forward_only=True)
-        return mean_loss_over_grid(sum(result.losses), self.ps, batches[0][0].device)[0]
+        return mean_loss_over_grid(sum(result.losses), self.ps, device)[0]

@@ -17,6 +17,7 @@ import torch
 from engine.cli import ConfigError
 from engine.config import RunConfig
 from engine.data import GlobalBatchSampler, build_data, collate
+from engine.data.packing import MicroBatch, count_loss_tokens, micro_batch
 from engine.device import measure_cpu_peak_tflops, setup_device
 from engine.plan.flops import model_flops_per_step
 from engine.plan.hardware import lookup_peak_tflops
@@ -24,7 +25,7 @@ from engine.loss_scaler import ConstantScaler, DynamicLossScaler
 from engine.lr_schedule import learning_rate
 from engine.metrics import MetricsLog, plot_metrics, summary_table
 from engine.step import Stepper
-from engine.validate import validate_run
+from engine.validate import validate_packing, validate_run
 from models import LayerContext, build_chunks
 from models.registry import BlockRegistry
 from parallel.backend_rules import resolve as resolve_rules
@@ -120,6 +121,7 @@ class Trainer:
         else:
             self.data = build()
         self.cfg.model.vocab_size = self.data.vocab_size
+        self.packing = validate_packing(cfg, getattr(self.data.train, "eot_id", None))
         self.sampler = GlobalBatchSampler(len(self.data.train), cfg.data.global_batch_size, cfg.seed)
         self.num_micro = cfg.data.num_microbatches(ps.dp_size)
 
@@ -178,7 +180,7 @@ class Trainer:
         m = cfg.model
         self.flops_per_step = model_flops_per_step(
             cfg.data.global_batch_size, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
-            ffn_hidden=m.ffn_hidden_size,
+            ffn_hidden=m.ffn_hidden_size, kv_hidden=m.kv_hidden_size,
             block="llama" if getattr(self.chunks[0].block_cls, "mlp_kind", "gelu") == "swiglu" else "gpt2",
             recompute=cfg.parallel.recompute)
         peak = cfg.log.peak_tflops or lookup_peak_tflops(self.dev.name)
@@ -190,16 +192,19 @@ class Trainer:
                               if ps.pp_size > 1 else None)
 
     # ---- data -----------------------------------------------------------------------------
-    def _batches(self, step: int, dataset=None, sampler=None):
+    def _batches(self, step: int, dataset=None, sampler=None) -> list[MicroBatch]:
+        """This rank's micro-batches of ``step`` (``MicroBatch``: tokens, labels and, with packed
+        documents, the per-token metadata every stage builds alike from the same tokens)."""
         sampler = sampler or self.sampler
         ds = dataset or self.data.train
         micro = sampler.micro_batches(step, self.ps.dp_rank, self.ps.dp_size,
                                       self.cfg.data.micro_batch_size)
-        out = []
-        for idx in micro:
-            t = collate(ds, idx).to(self.dev.device)  # (b, s+1)
-            out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
-        return out
+        pack, loss_tokens = self.packing, None
+        if pack is not None and pack.eod_mask_loss and self.ps.is_last_stage:
+            # the mean is over the unmasked tokens of the whole global batch, whatever the layout
+            loss_tokens = count_loss_tokens(ds, sampler.global_batch(step), pack.eod_id)
+        return [micro_batch(collate(ds, idx), pack, loss_tokens).to(self.dev.device)  # (b, s) each
+                for idx in micro]
 
     # ---- loop -----------------------------------------------------------------------------
     def train(self) -> RunResult:

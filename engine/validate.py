@@ -10,7 +10,9 @@ import os
 
 from engine.cli import ConfigError
 from engine.config import RunConfig
+from engine.data.packing import PackingConfig
 from engine.data.tokenizer import strip_data_suffix
+from models.blocks import takes_attention_inputs
 from models.registry import BlockRegistry, default_registry
 from parallel.pipeline.partition import partition_layers
 from parallel.state import LaunchEnv, LayoutError, check_layout
@@ -34,6 +36,10 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv,
                         ("--hidden-size", m.hidden_size), ("--ffn-hidden-size", m.ffn_hidden_size)):
         if value % tp:
             raise ConfigError(f"{what} {value} is not divisible by --tp {tp}; choose a tp that divides it")
+    if m.num_query_groups % tp:
+        raise ConfigError(f"--num-query-groups {m.num_query_groups} is not divisible by --tp {tp}: "
+                          f"tensor parallelism gives every rank whole key/value groups; choose a tp "
+                          f"that divides {m.num_query_groups} (or more query groups)")
     if par.sequence_parallel and m.seq_length % tp:
         raise ConfigError(f"--seq-length {m.seq_length} is not divisible by --tp {tp}, which "
                           f"--sequence-parallel needs; change one of them")
@@ -66,10 +72,29 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv,
             not os.path.isdir(cfg.checkpoint.load):
         raise ConfigError(f"--load {cfg.checkpoint.load}: no such directory")
     try:
-        (registry or default_registry()).resolve(m.block)
+        block_cls = (registry or default_registry()).resolve(m.block)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    d = cfg.data
+    needs = "--reset-attention-mask" if d.reset_attention_mask else \
+        "--reset-position-ids" if d.reset_position_ids and block_cls.position == "rope" else None
+    if needs and not takes_attention_inputs(block_cls):
+        raise ConfigError(f"{needs} needs per-token metadata in every block, but --block {m.block} "
+                          f"has forward(x) only: define forward(self, x, inputs=None) and pass "
+                          f"inputs to ParallelAttention (see models/blocks.py)")
     return grid, notes
+
+
+def validate_packing(cfg: RunConfig, eod_id: int | None) -> PackingConfig | None:
+    """The run's packed-document switches once the data (and its end-of-document token) is known,
+    or None when all are off. Pure, like validate_run: every rank raises the same error."""
+    d = cfg.data
+    if not (d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss):
+        return None
+    try:
+        return PackingConfig(eod_id, d.reset_attention_mask, d.reset_position_ids, d.eod_mask_loss)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _data_exists(path: str) -> bool:

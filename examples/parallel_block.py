@@ -24,6 +24,6 @@ class ParallelResidualBlock(TransformerBlock):
         self.mlp = ParallelMLP(cfg, ps, ctx, f"{name}.mlp", kind="gelu", bias=False)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def _forward(self, x):  # (b, s[/tp], h)
+    def _forward(self, x, inputs=None):  # (b, s[/tp], h); inputs: positions / packed documents
         y = self.norm(x)
-        return x + self.drop(self.attn(y) + self.mlp(y))
+        return x + self.drop(self.attn(y, inputs) + self.mlp(y))

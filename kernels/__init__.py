@@ -4,10 +4,11 @@ Every op picks its path from the input tensor's ``device.type``; ``kernel_paths(
 which implementation runs where. This package imports nothing from engine/, models/ or parallel/.
 """
 
-from kernels.attention import NpuMaskCache, attention, attention_reference, causal_mask
+from kernels.attention import (NpuMaskCache, attention, attention_reference, causal_mask,
+                               cu_seqlens_from_document_ids, document_mask)
 from kernels.dispatch import OPS, device_kind, kernel_paths
 from kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
-from kernels.rope import apply_rope, apply_rope_reference, rope_cos_sin, rotate_half
+from kernels.rope import apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_at, rotate_half
 from kernels.swiglu import swiglu, swiglu_reference
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "attention",
     "attention_reference",
     "causal_mask",
+    "cu_seqlens_from_document_ids",
+    "document_mask",
     "device_kind",
     "kernel_paths",
     "layer_norm",
@@ -25,6 +28,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_reference",
     "rope_cos_sin",
+    "rope_cos_sin_at",
     "rotate_half",
     "swiglu",
     "swiglu_reference",

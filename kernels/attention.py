@@ -1,9 +1,20 @@
 """Scaled dot-product attention: one call, three device paths, one plain-math reference.
 
-- NPU: ``torch_npu.npu_fusion_attention`` (flash-style fused kernel with its own backward).
+- NPU: ``torch_npu.npu_fusion_attention`` (flash-style fused kernel with its own backward); packed
+  documents in its TND layout with ``actual_seq_qlen`` / ``actual_seq_kvlen``.
 - CUDA and CPU: ``F.scaled_dot_product_attention``, which picks flash / memory-efficient / math
-  backends itself.
+  backends itself; packed documents as a block-diagonal causal mask, or on CUDA in half precision
+  ``torch.nn.attention.varlen.varlen_attn`` over the same cumulative lengths.
 - ``attention_reference``: softmax(Q K^T * scale + mask) V in fp32, the yardstick for tests.
+
+Grouped-query attention: k and v may carry fewer heads than q (n_kv dividing n); query head i reads
+key/value head i // (n / n_kv). No path materialises repeated key/value heads: SDPA gets
+``enable_gqa=True``, npu_fusion_attention and varlen_attn take fewer KV heads as documented.
+
+Packed documents: ``document_ids`` (b, s) restricts query i to keys j of its own document (j <= i);
+``cu_seqlens`` (host ints, leading 0) are the cumulative lengths of the document pieces over the
+flattened b * s tokens, which varlen kernels take. Callers that hold both pass both; either one
+alone is derived from the other.
 
 Causality is top-left aligned everywhere (query i sees keys 0..i), which is what SDPA's
 ``is_causal`` and npu_fusion_attention's ``sparse_mode=2`` (leftUpCausal) both mean; it equals the
@@ -15,6 +26,7 @@ functions so that it is tested on machines without an NPU.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -27,11 +39,49 @@ from kernels.dispatch import device_kind, import_torch_npu
 NPU_COMPRESSED_MASK_SIZE = 2048
 NPU_SPARSE_MODE_DEFAULT = 0  # atten_mask used as given (or no mask)
 NPU_SPARSE_MODE_LEFT_UP_CAUSAL = 2
+# Packed documents (TND layout): each document is causal from its own bottom-right corner
+# (rightDownCausal), with the same compressed mask; equal to top-left causal because every document's
+# query and key lengths agree. It is also the mode that sparse_mode 7 (a query sequence split across
+# devices) is documented relative to.
+NPU_SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3
+# npu_fusion_attention's documented limit on len(actual_seq_qlen) in the varlen (TND) case
+NPU_VARLEN_MAX_SEGMENTS = 1024
+# flash-attention's head_dim limits for torch.nn.attention.varlen (multiple of 8, at most 256)
+VARLEN_HEAD_DIM_MULTIPLE, VARLEN_MAX_HEAD_DIM = 8, 256
 
 
 def causal_mask(sq: int, skv: int, device: torch.device | str | None = None) -> torch.Tensor:
     """(sq, skv) bool mask, True where a score is masked out (key j is after query i)."""
     return torch.ones(sq, skv, dtype=torch.bool, device=device).triu(diagonal=1)
+
+
+def document_mask(document_ids: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """(b, 1, s, s) bool mask from per-token document ids (b, s), True where a score is masked out:
+    key j is in another document than query i, or (causal) after it."""
+    masked = document_ids[:, :, None] != document_ids[:, None, :]  # (b, s, s)
+    if causal:
+        s = document_ids.shape[1]
+        masked = masked | causal_mask(s, s, document_ids.device)
+    return masked.unsqueeze(1)
+
+
+def cu_seqlens_from_document_ids(document_ids: torch.Tensor) -> tuple[int, ...]:
+    """(b, s) per-token document ids -> cumulative segment ends over the flattened b * s tokens, with
+    a leading 0. A segment ends where the id changes along a row and at every row's end. Example:
+    rows [[0, 0, 1], [0, 1, 1]] -> (0, 2, 3, 4, 6). Reads the ids on the host."""
+    if document_ids.dim() != 2:
+        raise ValueError(f"document_ids must be (b, s), got shape {tuple(document_ids.shape)}")
+    ids = document_ids.detach().cpu()
+    ends = torch.ones(ids.shape, dtype=torch.bool)  # True where a token is the last of its segment
+    ends[:, :-1] = ids[:, 1:] != ids[:, :-1]
+    return (0, *(torch.nonzero(ends.reshape(-1)).flatten() + 1).tolist())
+
+
+def document_ids_from_cu_seqlens(cu_seqlens, b: int, s: int, device=None) -> torch.Tensor:
+    """The inverse on segments: (b, s) int32 ids numbering the segments of the flattened tokens."""
+    lengths = torch.tensor(cu_seqlens, dtype=torch.long).diff()  # (num_segments,)
+    ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)
+    return ids.view(b, s).to(device)
 
 
 def npu_compressed_causal_mask(device: torch.device | str | None = None) -> torch.Tensor:
@@ -64,20 +114,33 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> None:
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+               document_ids: torch.Tensor | None = None, cu_seqlens=None) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"attention expects q, k, v of shape (b, n_heads, s, d); got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
-    b, n, _, d = q.shape
-    if k.shape[0] != b or k.shape[1] != n or k.shape[3] != d or v.shape != k.shape:
+    b, n, sq, d = q.shape
+    n_kv = k.shape[1]
+    if k.shape[0] != b or k.shape[3] != d or v.shape != k.shape or n_kv < 1 or n % n_kv:
         raise ValueError(
-            f"k and v must share q's batch, heads and head_dim and have equal shapes; got "
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            f"k and v must share q's batch and head_dim, have equal shapes, and a number of heads "
+            f"dividing q's (grouped-query attention); got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
         )
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}; pass 0.0 in evaluation")
+    if document_ids is not None or cu_seqlens is not None:
+        if k.shape[2] != sq:
+            raise ValueError(f"packed documents need equal query and key lengths, got {sq} and {k.shape[2]}")
+        if document_ids is not None and tuple(document_ids.shape) != (b, sq):
+            raise ValueError(f"document_ids must be (b, s) = ({b}, {sq}), got {tuple(document_ids.shape)}")
+        # (cu_seqlens is read only where a kernel takes it, so that torch.compile does not
+        # specialise the mask path on the segment list)
+        if document_ids is None and (cu_seqlens[0] != 0 or cu_seqlens[-1] != b * sq):
+            raise ValueError(f"cu_seqlens must run from 0 to b*s = {b * sq} with a leading 0, got "
+                             f"{cu_seqlens[0]} .. {cu_seqlens[-1]}")
 
 
 def npu_attention_layout(
@@ -131,12 +194,93 @@ def unpack_fusion_attention_output(result, layout: str) -> torch.Tensor:
     return out.transpose(1, 2) if layout == "BSND" else out
 
 
-def _attention_npu(q, k, v, causal, dropout_p, scale, mask_cache):
+def to_tnd(t: torch.Tensor) -> torch.Tensor:
+    """(b, n, s, d) -> (b*s, n, d), the token-major TND layout of varlen kernels: a view when t is a
+    transposed view of (b, s, n, d) memory (the usual head split of a projection), else one copy."""
+    b, n, s, d = t.shape
+    return t.transpose(1, 2).reshape(b * s, n, d)
+
+
+def from_tnd(out: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    """(b*s, n, d) -> logical (b, n, s, d), a view."""
+    return out.view(b, s, *out.shape[1:]).transpose(1, 2)
+
+
+def npu_varlen_kwargs(q: torch.Tensor, cu_seqlens, causal: bool, dropout_p: float,
+                      scale: float | None, mask_cache: NpuMaskCache | None = None) -> dict:
+    """Keyword arguments for npu_fusion_attention in the TND (varlen) layout: actual_seq_qlen and
+    actual_seq_kvlen are the documented cumulative lengths without the leading 0 (lengths 2 2 2 ->
+    2 4 6); causal documents use rightDownCausal (sparse_mode 3) with the compressed 2048 mask."""
+    segments = len(cu_seqlens) - 1
+    if segments > NPU_VARLEN_MAX_SEGMENTS:
+        raise ValueError(f"npu_fusion_attention's TND layout takes at most {NPU_VARLEN_MAX_SEGMENTS} "
+                         f"document pieces per call, this micro-batch has {segments}: lower "
+                         f"--micro-batch-size")
+    ends = [int(c) for c in cu_seqlens[1:]]
+    if causal:
+        mask = mask_cache.get(q.device) if mask_cache is not None else npu_compressed_causal_mask(q.device)
+        sparse_mode = NPU_SPARSE_MODE_RIGHT_DOWN_CAUSAL
+    else:
+        mask, sparse_mode = None, NPU_SPARSE_MODE_DEFAULT
+    return {"atten_mask": mask, "scale": resolve_scale(scale, q.shape[3]), "keep_prob": 1.0 - dropout_p,
+            "sparse_mode": sparse_mode, "actual_seq_qlen": ends, "actual_seq_kvlen": list(ends)}
+
+
+def _attention_npu(q, k, v, causal, dropout_p, scale, mask_cache, document_ids, cu_seqlens):
     torch_npu = import_torch_npu()
+    if document_ids is not None or cu_seqlens is not None:
+        if cu_seqlens is None:
+            cu_seqlens = cu_seqlens_from_document_ids(document_ids)
+        kwargs = npu_varlen_kwargs(q, cu_seqlens, causal, dropout_p, scale, mask_cache)
+        result = torch_npu.npu_fusion_attention(to_tnd(q), to_tnd(k), to_tnd(v), q.shape[1], "TND",
+                                                **kwargs)
+        return from_tnd(result[0], q.shape[0], q.shape[2])
     layout, qx, kx, vx = npu_attention_layout(q, k, v)
     kwargs = npu_fusion_attention_kwargs(q, causal, dropout_p, scale, mask_cache)
     result = torch_npu.npu_fusion_attention(qx, kx, vx, q.shape[1], layout, **kwargs)
     return unpack_fusion_attention_output(result, layout)
+
+
+def cuda_varlen_usable(q: torch.Tensor, causal: bool, dropout_p: float) -> bool:
+    """Whether torch.nn.attention.varlen.varlen_attn (flash attention, CUDA only) serves this call:
+    half precision, no dropout (it has none), causal, and a head_dim flash attention takes."""
+    d = q.shape[3]
+    return (causal and dropout_p == 0.0 and q.dtype in (torch.float16, torch.bfloat16)
+            and d % VARLEN_HEAD_DIM_MULTIPLE == 0 and d <= VARLEN_MAX_HEAD_DIM)
+
+
+def cuda_varlen_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens,
+                     scale: float | None) -> tuple[tuple, dict]:
+    """(args, kwargs) for varlen_attn: TND tensors, int32 cumulative lengths (N + 1,) on q's device
+    for queries and keys alike, the longest segment, causal as window (-1, 0)."""
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
+    longest = max(int(b) - int(a) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+    kwargs = {"scale": resolve_scale(scale, q.shape[3]), "window_size": (-1, 0),
+              "enable_gqa": k.shape[1] != q.shape[1]}
+    return (to_tnd(q), to_tnd(k), to_tnd(v), cu, cu, longest, longest), kwargs
+
+
+def _attention_cuda_varlen(q, k, v, scale, cu_seqlens) -> torch.Tensor | None:
+    """The varlen kernel where this torch has it (documented signature with window_size), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    if "window_size" not in inspect.signature(varlen_attn).parameters:
+        return None
+    args, kwargs = cuda_varlen_args(q, k, v, cu_seqlens, scale)
+    return from_tnd(varlen_attn(*args, **kwargs), q.shape[0], q.shape[2])
+
+
+def _attention_sdpa(q, k, v, causal, dropout_p, scale, document_ids):
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    scale = resolve_scale(scale, q.shape[-1])
+    if document_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal,
+                                              scale=scale, **gqa)
+    allowed = ~document_mask(document_ids, causal)  # (b, 1, s, s), True = takes part
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
+                                          scale=scale, **gqa)
 
 
 def attention(
@@ -148,18 +292,29 @@ def attention(
     scale: float | None = None,
     *,
     mask_cache: NpuMaskCache | None = None,
+    document_ids: torch.Tensor | None = None,
+    cu_seqlens=None,
 ) -> torch.Tensor:
-    """Fused attention on (b, n_heads, s, d) tensors, returning (b, n_heads, s_q, d).
+    """Fused attention on q (b, n, s, d) and k, v (b, n_kv, s_kv, d), returning (b, n, s_q, d).
 
     ``dropout_p`` is applied whenever it is non-zero: pass 0.0 outside training. ``scale`` defaults
     to 1/sqrt(d). ``mask_cache`` only matters on NPU, where it saves rebuilding the causal mask.
+    ``document_ids`` (b, s) and/or ``cu_seqlens`` (host ints) restrict attention to packed documents.
     """
-    _check_qkv(q, k, v, dropout_p)
-    if device_kind(q) == "npu":
-        return _attention_npu(q, k, v, causal, dropout_p, scale, mask_cache)
-    return F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout_p, is_causal=causal, scale=resolve_scale(scale, q.shape[-1])
-    )
+    _check_qkv(q, k, v, dropout_p, document_ids, cu_seqlens)
+    kind = device_kind(q)
+    if kind == "npu":
+        return _attention_npu(q, k, v, causal, dropout_p, scale, mask_cache, document_ids, cu_seqlens)
+    packed = document_ids is not None or cu_seqlens is not None
+    if kind == "cuda" and packed and cuda_varlen_usable(q, causal, dropout_p):
+        if cu_seqlens is None:
+            cu_seqlens = cu_seqlens_from_document_ids(document_ids)
+        out = _attention_cuda_varlen(q, k, v, scale, cu_seqlens)
+        if out is not None:
+            return out
+    if packed and document_ids is None:
+        document_ids = document_ids_from_cu_seqlens(cu_seqlens, q.shape[0], q.shape[2], q.device)
+    return _attention_sdpa(q, k, v, causal, dropout_p, scale, document_ids)
 
 
 def attention_reference(
@@ -169,12 +324,20 @@ def attention_reference(
     causal: bool = True,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    *,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(Q K^T * scale + mask) V, computed in fp32 and cast back to q's dtype."""
-    _check_qkv(q, k, v, dropout_p)
+    """softmax(Q K^T * scale + mask) V, computed in fp32 and cast back to q's dtype; fewer key/value
+    heads are repeated, packed documents masked with ``document_mask``."""
+    _check_qkv(q, k, v, dropout_p, document_ids)
     qf, kf, vf = q.float(), k.float(), v.float()
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # query head i reads key/value head i // rep
+        kf, vf = kf.repeat_interleave(rep, dim=1), vf.repeat_interleave(rep, dim=1)
     scores = qf @ kf.transpose(-2, -1) * resolve_scale(scale, q.shape[-1])  # (b, n, sq, skv)
-    if causal:
+    if document_ids is not None:
+        scores = scores.masked_fill(document_mask(document_ids, causal), float("-inf"))
+    elif causal:
         mask = causal_mask(q.shape[2], k.shape[2], q.device)  # (sq, skv)
         scores = scores.masked_fill(mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)

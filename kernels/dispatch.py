@@ -21,14 +21,14 @@ DEVICE_KINDS = ("npu", "cuda", "cpu")
 # meta): those run the same portable torch ops.
 _PATHS: dict[str, dict[str, str]] = {
     "npu": {
-        "attention": "torch_npu.npu_fusion_attention (BNSD/BSND, sparse_mode=2 causal)",
+        "attention": "torch_npu.npu_fusion_attention (BNSD/BSND, sparse_mode=2 causal; packed documents TND, sparse_mode=3)",
         "layer_norm": "torch.nn.functional.layer_norm (native NPU LayerNorm kernel)",
         "rms_norm": "torch_npu.npu_rms_norm",
         "rope": "torch_npu.npu_rotary_mul (plain expression outside its documented shape limits)",
         "swiglu": "torch_npu.npu_swiglu (gate = first half)",
     },
     "cuda": {
-        "attention": "torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient)",
+        "attention": "torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient); packed documents: torch.nn.attention.varlen.varlen_attn in bf16/fp16",
         "layer_norm": "torch.nn.functional.layer_norm",
         "rms_norm": "torch.nn.functional.rms_norm",
         "rope": "plain expression x*cos + rotate_half(x)*sin",

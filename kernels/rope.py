@@ -50,6 +50,28 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def rope_cos_sin_at(
+    position_ids: torch.Tensor,
+    head_dim: int,
+    base: float = 10000.0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin at given positions: position_ids (b, s) -> each (b, 1, s, head_dim), broadcasting
+    over heads. Row p equals row p of ``rope_cos_sin`` exactly (the same fp32 products), so packed
+    documents whose positions restart see the angles a document alone would."""
+    if position_ids.dim() != 2:
+        raise ValueError(f"position_ids must be (b, s), got shape {tuple(position_ids.shape)}")
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim must be a positive even number for rotary embedding, got {head_dim}")
+    if base <= 0:
+        raise ValueError(f"base must be positive, got {base}")
+    device = position_ids.device
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))  # (d/2,)
+    freqs = position_ids.float().unsqueeze(-1) * inv_freq  # (b, s, d/2)
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # (b, 1, s, d)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """cat(-x2, x1) for x = cat(x1, x2) along the last dim."""
     x1, x2 = x.chunk(2, dim=-1)

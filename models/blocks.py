@@ -2,13 +2,19 @@
 
 A block is an ``nn.Module`` constructed as ``Block(cfg, layer_idx, ps, ctx)`` where ``layer_idx`` is
 the GLOBAL layer index (use it in parameter names given to the initializer, so initialization does
-not depend on the layout), and called as ``block(x)`` with x of shape (b, s, h), or (b, s/tp, h)
-under sequence parallelism, returning the same shape. Class attributes choose the model around the
-blocks: ``position`` ("learned" or "rope"), ``final_norm`` ("layernorm" or "rmsnorm") and
-``tie_embeddings``. Build the block from the TP layers in models.layers / parallel.tensor_parallel
-to get tensor and sequence parallelism for free.
+not depend on the layout), and called as ``block(x, inputs)`` with x of shape (b, s, h), or
+(b, s/tp, h) under sequence parallelism, returning the same shape. ``inputs`` is the micro-batch's
+``models.batch.AttentionInputs`` (per-token positions, packed documents) or None; hand it to
+``ParallelAttention``. A block whose forward takes only x is called as ``block(x)`` and works
+wherever no per-token metadata is needed (not with packed documents, see
+``takes_attention_inputs``). Class attributes choose the model around the blocks: ``position``
+("learned" or "rope"), ``final_norm`` ("layernorm" or "rmsnorm") and ``tie_embeddings``. Build
+the block from the TP layers in models.layers / parallel.tensor_parallel to get tensor and sequence
+parallelism for free.
 """
 from __future__ import annotations
+
+import inspect
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -36,14 +42,15 @@ class TransformerBlock(nn.Module):
         self.mlp = ParallelMLP(cfg, ps, ctx, f"{name}.mlp", kind=self.mlp_kind, bias=self.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def _forward(self, x):  # (b, s[/tp], h)
-        x = x + self.drop(self.attn(self.norm1(x)))
+    def _forward(self, x, inputs=None):  # (b, s[/tp], h)
+        x = x + self.drop(self.attn(self.norm1(x), inputs))
         return x + self.drop(self.mlp(self.norm2(x)))
 
-    def forward(self, x):
+    def forward(self, x, inputs=None):
+        args = (x,) if inputs is None else (x, inputs)  # a subclass's _forward may take x alone
         if self.full_recompute and self.training and x.requires_grad:
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+            return checkpoint(self._forward, *args, use_reentrant=False)
+        return self._forward(*args)
 
 
 class GPT2Block(TransformerBlock):
@@ -54,3 +61,13 @@ class LlamaBlock(TransformerBlock):
     """Llama: RMSNorm, rotary positions, SwiGLU MLP, no biases, untied embeddings."""
     position, final_norm, tie_embeddings = "rope", "rmsnorm", False
     norm_kind, mlp_kind, bias, rope = "rmsnorm", "swiglu", False, True
+
+
+def takes_attention_inputs(cls: type) -> bool:
+    """Whether a block accepts the ``AttentionInputs`` as a second positional argument: its forward,
+    or for a TransformerBlock subclass the ``_forward`` that TransformerBlock.forward calls."""
+    fn = cls._forward if issubclass(cls, TransformerBlock) else cls.forward
+    params = list(inspect.signature(fn).parameters.values())[1:]  # after self
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params) or \
+        sum(p.kind in kinds for p in params) >= 2

@@ -9,6 +9,13 @@ class GPTConfig:
     num_layers: int = 4
     hidden_size: int = 128
     num_attention_heads: int = 4
+    # help: key/value head groups for grouped-query attention (Megatron's --num-query-groups); each
+    # group of num_attention_heads / G query heads shares one key/value head; default: one group per
+    # head (plain multi-head attention); G = 1 is multi-query attention
+    num_query_groups: int | None = None
+    # help: accepted for Megatron-LM compatibility; grouped-query attention is on whenever
+    # --num-query-groups is below --num-attention-heads, so this flag changes nothing by itself
+    group_query_attention: bool = False
     ffn_hidden_size: int | None = None  # default 4h (gpt2) or 8h/3 rounded to 64 (llama)
     seq_length: int = 128
     max_position_embeddings: int | None = None  # default seq_length
@@ -27,6 +34,15 @@ class GPTConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by "
                              f"--num-attention-heads {self.num_attention_heads}")
+        n, g = self.num_attention_heads, self.num_query_groups
+        if g is None:
+            if self.group_query_attention:
+                raise ValueError("--group-query-attention needs --num-query-groups G (key/value "
+                                 "head groups, a divisor of --num-attention-heads)")
+            self.num_query_groups = g = n
+        if g < 1 or n % g:
+            raise ValueError(f"--num-query-groups {g} must be a positive divisor of "
+                             f"--num-attention-heads {n} (each group shares one key/value head)")
         if self.ffn_hidden_size is None:
             if self.block == "llama":
                 self.ffn_hidden_size = (int(8 * self.hidden_size / 3) + 63) // 64 * 64
@@ -43,3 +59,8 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_hidden_size(self) -> int:
+        """Width of the key (and of the value) projection: num_query_groups * head_dim."""
+        return self.num_query_groups * self.head_dim

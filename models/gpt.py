@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.batch import AttentionInputs
+from models.blocks import takes_attention_inputs
 from models.config import GPTConfig
 from models.layers import LayerContext, Norm
 from models.registry import BlockRegistry, default_registry
@@ -34,6 +36,7 @@ class GPTChunk(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.sequence_parallel = ctx.sequence_parallel
         self.learned_pos = block_cls.position == "learned"
+        self.block_takes_inputs = takes_attention_inputs(block_cls)
         self.tied = block_cls.tie_embeddings
         self.vocab_start = ps.tp_rank * padded_vocab_size(cfg.vocab_size, ps.tp_size) // ps.tp_size
         h = cfg.hidden_size
@@ -81,22 +84,40 @@ class GPTChunk(nn.Module):
                 name = "embedding.word.weight" if self.tied else "output.weight"
             yield name, p
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:  # (b, s) -> (b, s[/tp], h)
-        x = self.embed(tokens)
+    def _embed(self, tokens: torch.Tensor, inputs: AttentionInputs | None) -> torch.Tensor:
+        x = self.embed(tokens)  # (b, s) -> (b, s[/tp], h)
         if self.learned_pos:
-            pos = self.pos[: tokens.shape[1]].unsqueeze(0)  # (1, s, h)
+            if inputs is None:
+                pos = self.pos[: tokens.shape[1]].unsqueeze(0)  # (1, s, h)
+            else:
+                pos = self.pos[inputs.position_ids]  # (b, s, h): each token's own position
             if self.sequence_parallel:
                 pos = scatter_to_sequence(pos, self.ps.tp_group)
             x = x + pos
         return self.embed_drop(x)
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def _run_layer(self, layer: nn.Module, x: torch.Tensor, inputs: AttentionInputs | None):
+        if inputs is None:
+            return layer(x)
+        if self.block_takes_inputs:
+            return layer(x, inputs)
+        if inputs.packed or self.block_cls.position == "rope":
+            raise ValueError(f"--block {self.cfg.block}: its forward(x) takes no AttentionInputs, "
+                             f"which {'packed documents' if inputs.packed else 'per-token positions'} "
+                             f"need; define forward(self, x, inputs=None) and hand inputs to "
+                             f"ParallelAttention")
+        return layer(x)  # learned positions are added by the embedding
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                inputs: AttentionInputs | None = None) -> torch.Tensor:
         """First chunk: x is tokens (b, s); else hidden (b, s[/tp], h). The last chunk returns the
-        per-token loss (b, s) when labels are given, else vocab-parallel logits (b, s, V_pad/tp)."""
+        per-token loss (b, s) when labels are given, else vocab-parallel logits (b, s, V_pad/tp).
+        ``inputs``: the micro-batch's per-token positions and documents (None: 0..s-1, one
+        document per row), the same on every pipeline stage."""
         if self.pre_process:
-            x = self._embed(x)
+            x = self._embed(x, inputs)
         for layer in self.layers:
-            x = layer(x)
+            x = self._run_layer(layer, x, inputs)
         if not self.post_process:
             return x
         x = self.final_norm(x)

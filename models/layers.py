@@ -52,43 +52,68 @@ class Norm(nn.Module):
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention: fused QKV column projection with whole heads per TP rank, the
-    attention kernel, and a row-parallel output projection.
+    """Causal self-attention: fused QKV column projection with whole key/value groups per TP rank,
+    the attention kernel, and a row-parallel output projection.
 
-    The logical QKV weight is (3h, h) with rows ordered (head, q|k|v, head_dim), so a contiguous
-    slice of rows gives a rank complete heads.
+    With n heads of size d in G key/value groups (grouped-query attention; G = n is plain multi-head
+    attention) the logical QKV weight is ((n + 2G) d, h) with rows ordered
+    (group, [the n/G query heads of the group | k | v], head_dim), Megatron-LM's grouping: a
+    contiguous slice of rows gives a TP rank whole groups, and for G = n the order is
+    (head, q|k|v, head_dim), the layout of multi-head checkpoints. Key/value heads are never
+    repeated in memory: the kernel takes fewer of them.
+
+    ``forward(x, inputs)`` takes the micro-batch's ``AttentionInputs`` (per-token positions for RoPE,
+    documents for packed sequences); without them positions are 0..s-1 and each row one document.
     """
 
     def __init__(self, cfg: GPTConfig, ps: ParallelState, ctx: LayerContext, name: str,
                  bias: bool, rope: bool):
         super().__init__()
-        h, n = cfg.hidden_size, cfg.num_attention_heads
+        h, n, g = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups
         divide(h, ps.tp_size, "--hidden-size")
         self.heads_local = divide(n, ps.tp_size, "--num-attention-heads")
+        self.groups_local = divide(g, ps.tp_size, "--num-query-groups")
+        self.q_per_group = n // g
         self.head_dim, self.rope, self.rope_base = cfg.head_dim, rope, cfg.rope_base
         self.dropout, self.selective = cfg.dropout, ctx.recompute == "selective"
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.qkv = ColumnParallelLinear(h, 3 * h, ps, f"{name}.qkv", ctx.init, bias=bias,
-                                        sequence_parallel=ctx.sequence_parallel)
+        self.qkv = ColumnParallelLinear(h, (n + 2 * g) * cfg.head_dim, ps, f"{name}.qkv", ctx.init,
+                                        bias=bias, sequence_parallel=ctx.sequence_parallel)
         self.proj = RowParallelLinear(h, h, ps, f"{name}.proj", ctx.init, bias=bias,
                                       sequence_parallel=ctx.sequence_parallel, std=out_std)
 
-    def _core(self, q, k, v):
+    def _core(self, q, k, v, document_ids=None, cu_seqlens=None):
         return kernels.attention(q, k, v, causal=True,
-                                 dropout_p=self.dropout if self.training else 0.0)
+                                 dropout_p=self.dropout if self.training else 0.0,
+                                 document_ids=document_ids, cu_seqlens=cu_seqlens)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s[/tp], h)
-        qkv = self.qkv(x)  # (b, s, 3h/tp)
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(b, s, (n + 2G) d / tp) -> q (b, n/tp, s, d), k and v (b, G/tp, s, d), as views of the
+        projection where the layout allows (always for k and v, for q when G = n)."""
         b, s, _ = qkv.shape
-        qkv = qkv.view(b, s, self.heads_local, 3, self.head_dim).permute(3, 0, 2, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]  # each (b, n/tp, s, d)
+        r, d = self.q_per_group, self.head_dim
+        qkv = qkv.view(b, s, self.groups_local, r + 2, d)
+        q = qkv[:, :, :, :r].reshape(b, s, self.heads_local, d)  # (b, s, n/tp, d)
+        k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]  # (b, s, G/tp, d)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, inputs=None) -> torch.Tensor:  # (b, s[/tp], h)
+        qkv = self.qkv(x)  # (b, s, (n + 2G) d / tp)
+        b, s, _ = qkv.shape
+        q, k, v = self.split_qkv(qkv)
         if self.rope:
-            cos, sin = kernels.rope_cos_sin(s, self.head_dim, self.rope_base, x.device, q.dtype)
+            if inputs is None:
+                cos, sin = kernels.rope_cos_sin(s, self.head_dim, self.rope_base, x.device, q.dtype)
+            else:  # (b, 1, s, d): the angles of each token's own position
+                cos, sin = kernels.rope_cos_sin_at(inputs.position_ids, self.head_dim,
+                                                   self.rope_base, q.dtype)
             q, k = kernels.apply_rope(q, cos, sin), kernels.apply_rope(k, cos, sin)
+        docs = (inputs.document_ids, inputs.cu_seqlens) if inputs is not None and inputs.packed \
+            else (None, None)
         if self.selective and self.training and torch.is_grad_enabled():
-            out = checkpoint(self._core, q, k, v, use_reentrant=False)
+            out = checkpoint(self._core, q, k, v, *docs, use_reentrant=False)
         else:
-            out = self._core(q, k, v)  # (b, n/tp, s, d)
+            out = self._core(q, k, v, *docs)  # (b, n/tp, s, d)
         out = out.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim)
         return self.proj(out)  # (b, s[/tp], h)
 

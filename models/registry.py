@@ -44,7 +44,7 @@ class BlockRegistry:
 def check_block_class(cls, spec: str) -> type:
     if not (inspect.isclass(cls) and issubclass(cls, nn.Module)):
         raise ValueError(f"--block {spec}: {cls!r} is not an nn.Module subclass; a block is "
-                         f"nn.Module with __init__(cfg, layer_idx, ps, ctx) and forward(x)")
+                         f"nn.Module with __init__(cfg, layer_idx, ps, ctx) and forward(x[, inputs])")
     params = list(inspect.signature(cls.__init__).parameters)[1:]
     if params[:4] != ["cfg", "layer_idx", "ps", "ctx"]:
         raise ValueError(f"--block {spec}: __init__ takes ({', '.join(params)}), but a block must "

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 from engine.plan.flops import (StepFlops, achieved_tflops, count_flops, default_ffn_hidden,
-                               formula_block, megatron_flops_per_step, mfu, model_flops_per_step,
-                               step_flops, utilization)
+                               formula_block, layer_matmul_params, megatron_flops_per_step, mfu,
+                               model_flops_per_step, step_flops, utilization)
 from engine.plan.hardware import (DEVICE_SPECS, DeviceSpec, get_device_spec, lookup_device,
                                   lookup_peak_tflops, peak_tflops)
 
@@ -57,8 +57,9 @@ def _engine_step_flops(block: str, recompute: str, monkeypatch) -> tuple[float, 
     from models import GPTChunk, GPTConfig, LayerContext
     from parallel.state import ParallelState
     from parallel.tensor_parallel import Initializer
-    monkeypatch.setattr(kernels, "attention", lambda q, k, v, causal=True, dropout_p=0.0:
-                        kernels.attention_reference(q, k, v, causal, dropout_p))
+    monkeypatch.setattr(kernels, "attention", lambda q, k, v, causal=True, dropout_p=0.0,
+                        document_ids=None, cu_seqlens=None:
+                        kernels.attention_reference(q, k, v, causal, dropout_p, document_ids=document_ids))
     cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
                     vocab_size=256, block=block)  # 256: no vocabulary padding at tp 1
     ctx = LayerContext(Initializer(1, 0.02), sequence_parallel=False, recompute=recompute)
@@ -121,6 +122,28 @@ def test_default_ffn_matches_model_config():
             assert default_ffn_hidden(h, block) == cfg.ffn_hidden_size
             assert model_flops_per_step(1, 8, 1, h, 16, block=block) == \
                 model_flops_per_step(1, 8, 1, h, 16, ffn_hidden=cfg.ffn_hidden_size, block=block)
+
+
+def test_grouped_query_attention_counts_smaller_key_value_projections():
+    # B=2, s=4, l=3, h=8, V=10 with 4 heads of d=2 in G=1 group: K and V are h x 2, so per token the
+    # layer does 2 (2*64 + 2*8*2 + 2*8*32) + 4*4*8 = 1472 forward FLOPs instead of 1664
+    tokens = 2 * 4
+    assert model_flops_per_step(2, 4, 3, 8, 10, kv_hidden=2) == 3 * tokens * (3 * 1472 + 160)
+    assert model_flops_per_step(2, 4, 3, 8, 10, kv_hidden=8) == model_flops_per_step(2, 4, 3, 8, 10)
+    # the formula's matrices are the model's: one layer's weight matrices hold exactly that many
+    from models import GPTChunk, GPTConfig, LayerContext
+    from parallel.state import ParallelState
+    from parallel.tensor_parallel import Initializer
+    for block, groups in (("llama", 1), ("llama", 2), ("gpt2", 2), ("gpt2", 4)):
+        cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=groups,
+                        seq_length=8, vocab_size=64, block=block)
+        chunk = GPTChunk(cfg, ParallelState.serial("cpu"), LayerContext(Initializer(0, 0.02)), range(1))
+        matrices = sum(p.numel() for p in chunk.layers[0].parameters() if p.ndim == 2)
+        assert matrices == layer_matmul_params(32, cfg.ffn_hidden_size, block, cfg.kv_hidden_size)
+        full = model_flops_per_step(1, 8, 1, 32, 64, ffn_hidden=cfg.ffn_hidden_size, block=block)
+        gqa = model_flops_per_step(1, 8, 1, 32, 64, ffn_hidden=cfg.ffn_hidden_size, block=block,
+                                   kv_hidden=cfg.kv_hidden_size)
+        assert full - gqa == 3 * 8 * 2 * 2 * 32 * (32 - cfg.kv_hidden_size)  # 2 matrices, fwd+bwd
 
 
 def test_bad_arguments():

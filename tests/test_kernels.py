@@ -2,7 +2,7 @@
 
 NPU branches cannot run on this machine. Their argument preparation is tested directly, and the whole
 NPU branch of each public op is run against a stand-in torch_npu whose functions implement the
-formulas and input requirements that the torch_npu documentation states (see _FakeTorchNpu).
+formulas and input requirements that the torch_npu documentation states (tests/npu_fake.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import importlib
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 
 import kernels
 from kernels.dispatch import OPS, device_kind, kernel_paths
+from tests.npu_fake import install_fake_npu
 
 # kernels.attention and kernels.swiglu are the functions; the modules come from the import system.
 attn_mod = importlib.import_module("kernels.attention")
@@ -103,7 +103,7 @@ def test_attention_dropout_and_validation():
     with pytest.raises(ValueError, match=r"\(b, n_heads, s, d\)"):
         kernels.attention(q[0], k[0], v[0])
     with pytest.raises(ValueError, match="share"):
-        kernels.attention(q, k[:, :1], v[:, :1])
+        kernels.attention(q[:, :1], k, v)  # q's 1 head cannot be grouped over 2 key/value heads
 
 
 # ---------------------------------------------------------------- norms
@@ -276,61 +276,9 @@ def test_npu_swiglu_input_splits_back_to_gate_and_up():
 # ---------------------------------------------------------------- NPU branches against documented semantics
 
 
-class _FakeTorchNpu:
-    """Implements the documented formulas and input requirements of the torch_npu ops used here."""
-
-    def __init__(self):
-        self.calls: list[str] = []
-
-    def npu_fusion_attention(self, query, key, value, head_num, input_layout, *, atten_mask=None,
-                             scale=1.0, keep_prob=1.0, sparse_mode=0, **unused):
-        self.calls.append("npu_fusion_attention")
-        assert input_layout in ("BNSD", "BSND") and not unused
-        assert all(t.is_contiguous() for t in (query, key, value))
-        q, k, v = (t.transpose(1, 2) if input_layout == "BSND" else t for t in (query, key, value))
-        assert q.shape[1] == head_num and keep_prob == 1.0
-        scores = (q.float() @ k.float().transpose(-2, -1)) * scale
-        sq, skv = scores.shape[-2:]
-        if sparse_mode == 2:  # leftUpCausal: the fixed compressed mask, pattern independent of it
-            assert atten_mask.dtype == torch.bool
-            assert torch.equal(atten_mask, torch.ones(2048, 2048, dtype=torch.bool).triu(1))
-            i, j = torch.arange(sq)[:, None], torch.arange(skv)[None, :]
-            scores = scores.masked_fill(j > i, float("-inf"))
-        else:
-            assert sparse_mode == 0
-            if atten_mask is not None:
-                scores = scores.masked_fill(atten_mask, float("-inf"))
-        out = (scores.softmax(-1) @ v.float()).to(query.dtype)
-        out = out.transpose(1, 2).contiguous() if input_layout == "BSND" else out
-        return out, None, None, None, 0, 0, 0
-
-    def npu_rms_norm(self, x, gamma, epsilon=1e-6):
-        self.calls.append("npu_rms_norm")
-        assert gamma.dtype == x.dtype
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + epsilon)
-        return (x.float() * rstd * gamma.float()).to(x.dtype), rstd
-
-    def npu_rotary_mul(self, x, r1, r2):
-        self.calls.append("npu_rotary_mul")
-        assert x.dim() == r1.dim() == r2.dim() == 4 and r1.dtype == x.dtype
-        assert torch.broadcast_shapes(x.shape, r1.shape, r2.shape) == x.shape
-        x1, x2 = torch.chunk(x, 2, -1)
-        return r1 * x + r2 * torch.cat((-x2, x1), dim=-1)
-
-    def npu_swiglu(self, x, dim=-1):
-        self.calls.append("npu_swiglu")
-        assert x.is_contiguous()
-        a, b = torch.chunk(x, 2, dim)
-        return a * torch.sigmoid(a) * b
-
-
 @pytest.fixture
 def fake_npu(monkeypatch):
-    fake = _FakeTorchNpu()
-    monkeypatch.setitem(sys.modules, "torch_npu", fake)
-    for mod in (attn_mod, norms_mod, rope_mod, swiglu_mod):
-        monkeypatch.setattr(mod, "device_kind", lambda t: "npu")
-    return fake
+    return install_fake_npu(monkeypatch)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -347,7 +295,7 @@ def test_npu_attention_branch(fake_npu, causal, bsnd_memory):
         inputs,
         torch.float32,
     )
-    assert "npu_fusion_attention" in fake_npu.calls
+    assert "npu_fusion_attention:" + ("BSND" if bsnd_memory else "BNSD") in fake_npu.calls
 
 
 def test_npu_norm_swiglu_rope_branches(fake_npu):

@@ -13,7 +13,7 @@ from engine.plan import search as plan
 from engine.plan.flops import step_flops
 from engine.plan.hardware import DEVICE_SPECS
 from engine.plan.model import (ACT_BYTES, DEFAULT_ACHIEVABLE_FRACTION, FIT_ROW, GIB, LINK_EFFICIENCY,
-                               OPTIMIZER_STATE_BYTES, WEIGHT_BYTES, Cluster, Layout, MemoryTerms,
+                               Cluster, Layout, MemoryTerms,
                                ModelShape, check_layout, in_flight, layer_activation_bytes,
                                layer_params_per_device, memory_per_device, stage_params)
 from engine.plan.placement import (DEFAULT_ORDER, all_groups_intra, collective_busbw, engine_order,

@@ -5,11 +5,16 @@ holds ``config.json`` and ``model.safetensors`` (plus ``tokenizer.json`` when th
 BPE tokenizer), loadable with ``AutoModelForCausalLM.from_pretrained(DIR2)``. The full logical
 tensors are read from the checkpoint whatever layout saved them; vocabulary padding is never stored.
 
-Weight mapping. Our fused QKV weight is (3h, h) with rows ordered (head, q|k|v, head_dim), so whole
-heads stay together under TP. GPT-2's ``c_attn`` is a Conv1D holding (in, out) = (h, 3h) with the
-columns q | k | v, each head-major; Llama's q/k/v projections are separate (out, in) Linears. All
-Linear-style weights are transposed for GPT-2's Conv1D. Rotary embeddings need no permutation:
-our kernels use the same rotate-half convention as Hugging Face Llama.
+Weight mapping. Our fused QKV weight is ((n + 2G) d, h) for n heads of size d in G key/value groups,
+rows ordered (group, [the n/G query heads of the group | k | v], head_dim), so whole groups stay
+together under TP; G = n is (head, q|k|v, head_dim). Llama's q/k/v projections are separate
+(out, in) Linears, q (n d, h) head-major and k, v (G d, h) group-major, and HF's ``repeat_kv`` gives
+query head i the key/value head i // (n/G), our grouping; ``num_key_value_heads`` = G. GPT-2's
+``c_attn`` is a Conv1D holding (in, out) = (h, 3h) with the columns q | k | v, each head-major; it
+has no grouped-query attention, so with G < n each key/value head is written once per query head
+of its group (the same function, as multi-head attention). All Linear-style weights are transposed
+for GPT-2's Conv1D. Rotary embeddings need no permutation: our kernels use the same rotate-half
+convention as Hugging Face Llama.
 """
 from __future__ import annotations
 
@@ -26,22 +31,46 @@ from safetensors.torch import save_file
 from engine.checkpoint.index import CheckpointError, TensorReader, intact_hint, read_index, resolve, verify
 
 
-def _split_qkv(w: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
-    """(3h, ...) rows ordered (head, q|k|v, head_dim) -> q, k, v each (h, ...) head-major."""
-    parts = w.view(heads, 3, -1, *w.shape[1:])  # (n, 3, d, ...)
-    return tuple(parts[:, i].reshape(-1, *w.shape[1:]) for i in range(3))
+def split_qkv(w: torch.Tensor, heads: int, groups: int | None = None) -> tuple[torch.Tensor, ...]:
+    """((n + 2G) d, ...) rows ordered (group, [q heads | k | v], head_dim) -> q (n d, ...) head-major,
+    k and v (G d, ...) group-major. The inverse is ``fuse_qkv``."""
+    g = heads if groups is None else groups
+    r = heads // g  # query heads per group
+    parts = w.view(g, r + 2, -1, *w.shape[1:])  # (G, n/G + 2, d, ...)
+    rest = w.shape[1:]
+    return (parts[:, :r].reshape(-1, *rest), parts[:, r].reshape(-1, *rest),
+            parts[:, r + 1].reshape(-1, *rest))
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
+             groups: int) -> torch.Tensor:
+    """HF-style q (n d, ...), k and v (G d, ...) -> our fused ((n + 2G) d, ...) weight (or bias)."""
+    r, rest = heads // groups, q.shape[1:]
+    parts = (q.reshape(groups, r, -1, *rest), k.reshape(groups, 1, -1, *rest),
+             v.reshape(groups, 1, -1, *rest))
+    return torch.cat(parts, dim=1).reshape(-1, *rest)  # (G, n/G + 2, d, ...) flattened
+
+
+def _mha_qkv(w: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
+    """q | k | v with every key/value head repeated for each query head of its group: (3h, ...)."""
+    q, k, v = split_qkv(w, heads, groups)
+    r = heads // groups
+    k, v = (t.view(groups, -1, *t.shape[1:]).repeat_interleave(r, 0).reshape(-1, *t.shape[1:])
+            for t in (k, v))
+    return torch.cat((q, k, v))
 
 
 def _gpt2(get, m: dict, eot: int | None) -> tuple[dict, dict]:
     n = m["num_attention_heads"]
+    g = m.get("num_query_groups") or n
     sd = {"transformer.wte.weight": get("embedding.word.weight"),
           "transformer.wpe.weight": get("embedding.position"),
           "transformer.ln_f.weight": get("final_norm.weight"),
           "transformer.ln_f.bias": get("final_norm.bias")}
     for i in range(m["num_layers"]):
         src, dst = f"layers.{i}", f"transformer.h.{i}"
-        sd[f"{dst}.attn.c_attn.weight"] = torch.cat(_split_qkv(get(f"{src}.attn.qkv.weight"), n)).t()
-        sd[f"{dst}.attn.c_attn.bias"] = torch.cat(_split_qkv(get(f"{src}.attn.qkv.bias"), n))
+        sd[f"{dst}.attn.c_attn.weight"] = _mha_qkv(get(f"{src}.attn.qkv.weight"), n, g).t()
+        sd[f"{dst}.attn.c_attn.bias"] = _mha_qkv(get(f"{src}.attn.qkv.bias"), n, g)
         for ours, theirs in (("attn.proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
             sd[f"{dst}.{theirs}.weight"] = get(f"{src}.{ours}.weight").t()  # Conv1D: (in, out)
             sd[f"{dst}.{theirs}.bias"] = get(f"{src}.{ours}.bias")
@@ -60,11 +89,12 @@ def _gpt2(get, m: dict, eot: int | None) -> tuple[dict, dict]:
 
 def _llama(get, m: dict, eot: int | None) -> tuple[dict, dict]:
     n = m["num_attention_heads"]
+    g = m.get("num_query_groups") or n
     sd = {"model.embed_tokens.weight": get("embedding.word.weight"),
           "model.norm.weight": get("final_norm.weight"), "lm_head.weight": get("output.weight")}
     for i in range(m["num_layers"]):
         src, dst = f"layers.{i}", f"model.layers.{i}"
-        q, k, v = _split_qkv(get(f"{src}.attn.qkv.weight"), n)
+        q, k, v = split_qkv(get(f"{src}.attn.qkv.weight"), n, g)
         sd.update({f"{dst}.self_attn.q_proj.weight": q, f"{dst}.self_attn.k_proj.weight": k,
                    f"{dst}.self_attn.v_proj.weight": v,
                    f"{dst}.self_attn.o_proj.weight": get(f"{src}.attn.proj.weight"),
@@ -76,7 +106,7 @@ def _llama(get, m: dict, eot: int | None) -> tuple[dict, dict]:
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
               "vocab_size": m["vocab_size"], "hidden_size": m["hidden_size"],
               "intermediate_size": m["ffn_hidden_size"], "num_hidden_layers": m["num_layers"],
-              "num_attention_heads": n, "num_key_value_heads": n,
+              "num_attention_heads": n, "num_key_value_heads": g,
               "head_dim": m["hidden_size"] // n, "max_position_embeddings": m["max_position_embeddings"],
               "rms_norm_eps": m["norm_eps"], "rope_theta": m["rope_base"],
               "rope_parameters": {"rope_type": "default", "rope_theta": m["rope_base"]},

@@ -21,6 +21,8 @@ Derivation. A matrix multiply of an (m x k) by a (k x n) matrix costs 2mkn FLOPs
 per transformer layer, the forward pass does
 
 - attention projections: QKV (h x 3h) and output (h x h)            8 h^2
+  (grouped-query attention with G key/value groups of head_dim d: K and V are h x G d, so the
+  projections cost 2 (2 h^2 + 2 h G d) = 4 h^2 + 4 h G d, which is 8 h^2 when G d = h)
 - attention core: Q K^T and scores x V, each 2 s h                   4 s h
 - MLP: gpt2 has two (h x f) matrices, llama's SwiGLU three           2 n_mat h f
   (n_mat = 2 for gpt2, 3 for llama)
@@ -94,15 +96,19 @@ def _check(block: str, recompute: str) -> None:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
 
 
-def layer_matmul_params(hidden: int, ffn_hidden: int, block: str = "gpt2") -> int:
-    """Weights of one layer's matrices (biases and norms excluded): 4h^2 + n_mat h f."""
-    return 4 * hidden * hidden + _MLP_MATRICES[block] * hidden * ffn_hidden
+def layer_matmul_params(hidden: int, ffn_hidden: int, block: str = "gpt2",
+                        kv_hidden: int | None = None) -> int:
+    """Weights of one layer's matrices (biases and norms excluded): 2h^2 + 2 h kv + n_mat h f, where
+    kv = G * head_dim is the key/value width (default h: multi-head attention, 4h^2 in all)."""
+    kv = hidden if kv_hidden is None else kv_hidden
+    return 2 * hidden * hidden + 2 * hidden * kv + _MLP_MATRICES[block] * hidden * ffn_hidden
 
 
 def layer_forward_flops(tokens: float, seq_length: int, hidden: int, ffn_hidden: int,
-                        block: str = "gpt2") -> float:
+                        block: str = "gpt2", kv_hidden: int | None = None) -> float:
     """Forward FLOPs of one layer over ``tokens`` tokens of sequences of ``seq_length``."""
-    return float(tokens) * (2 * layer_matmul_params(hidden, ffn_hidden, block) + 4 * seq_length * hidden)
+    params = layer_matmul_params(hidden, ffn_hidden, block, kv_hidden)
+    return float(tokens) * (2 * params + 4 * seq_length * hidden)
 
 
 def attention_core_forward_flops(tokens: float, seq_length: int, hidden: int) -> float:
@@ -126,11 +132,11 @@ class StepFlops:
 
 def recomputed_layer_flops(tokens: float, seq_length: int, hidden: int, ffn_hidden: int,
                            block: str = "gpt2", recompute: str = "none",
-                           recompute_early_stop: bool = True) -> float:
+                           recompute_early_stop: bool = True, kv_hidden: int | None = None) -> float:
     """Forward FLOPs one layer runs again over ``tokens`` tokens (see the module docstring)."""
     if recompute == "full":
         skipped = 2.0 * tokens * hidden * ffn_hidden if recompute_early_stop else 0.0
-        return layer_forward_flops(tokens, seq_length, hidden, ffn_hidden, block) - skipped
+        return layer_forward_flops(tokens, seq_length, hidden, ffn_hidden, block, kv_hidden) - skipped
     if recompute == "selective":
         return attention_core_forward_flops(tokens, seq_length, hidden)
     return 0.0
@@ -138,7 +144,7 @@ def recomputed_layer_flops(tokens: float, seq_length: int, hidden: int, ffn_hidd
 
 def step_flops(global_batch: int, seq_length: int, num_layers: int, hidden: int, vocab: int,
                ffn_hidden: int | None = None, block: str = "gpt2", recompute: str = "none",
-               recompute_early_stop: bool = True) -> StepFlops:
+               recompute_early_stop: bool = True, kv_hidden: int | None = None) -> StepFlops:
     """Model and executed FLOPs of one optimizer step over ``global_batch`` sequences.
 
     Raises ValueError for a block without a formula (check with formula_block first).
@@ -146,22 +152,23 @@ def step_flops(global_batch: int, seq_length: int, num_layers: int, hidden: int,
     _check(block, recompute)
     f = ffn_hidden if ffn_hidden is not None else default_ffn_hidden(hidden, block)
     tokens = global_batch * seq_length
-    layers = num_layers * layer_forward_flops(tokens, seq_length, hidden, f, block)
+    layers = num_layers * layer_forward_flops(tokens, seq_length, hidden, f, block, kv_hidden)
     model = 3 * layers + 3 * logits_forward_flops(tokens, hidden, vocab)
     extra = num_layers * recomputed_layer_flops(tokens, seq_length, hidden, f, block, recompute,
-                                                recompute_early_stop)
+                                                recompute_early_stop, kv_hidden)
     return StepFlops(model, model + extra)
 
 
 def model_flops_per_step(global_batch: int, seq_length: int, num_layers: int, hidden: int, vocab: int,
                          ffn_hidden: int | None = None, block: str = "gpt2",
-                         recompute: str = "none") -> float:
+                         recompute: str = "none", kv_hidden: int | None = None) -> float:
     """EXECUTED FLOPs of a step (this engine's recomputation included); kept for existing callers.
+    ``kv_hidden`` = num_query_groups * head_dim with grouped-query attention (default: hidden).
 
     New code: ``step_flops(...).model`` for MFU, ``step_flops(...).executed`` for HFU.
     """
     return step_flops(global_batch, seq_length, num_layers, hidden, vocab, ffn_hidden, block,
-                      recompute).executed
+                      recompute, kv_hidden=kv_hidden).executed
 
 
 def megatron_flops_per_step(global_batch: int, seq_length: int, num_layers: int, hidden: int,

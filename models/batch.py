@@ -1,0 +1,75 @@
+"""What every layer may need to know about a micro-batch besides its activations: each token's
+position and the document it belongs to (packed documents).
+
+``AttentionInputs`` is built once per micro-batch from the tokens (``engine.data.packing``) and handed
+to every block as ``block(x, inputs)``. Every tensor keeps the sequence as an explicit dimension 1,
+so a sequence shard of the metadata (context parallelism) is ``inputs.narrow(start, length)``.
+
+Conventions, for a row of tokens ``[a a a E b b E c]`` (E the end-of-document token, which belongs to
+the document it ends):
+
+- ``position_ids`` (b, s) int64: the position of each token, ``[0 1 2 3 0 1 2 0]`` with positions
+  reset per document, else ``[0 .. s-1]``; a shard keeps the global positions of its tokens.
+- ``document_ids`` (b, s) int32 or None: ``[0 0 0 0 1 1 1 2]``, non-decreasing along a row; query i
+  may attend to key j only when both carry the same id (and j <= i). None: one document per row.
+- ``cu_seqlens``: host ints, the cumulative lengths of the segments of the flattened (b * s) tokens,
+  with a leading 0: every document piece of every row, rows in order. For the example row (b = 1)
+  ``(0, 4, 7, 8)``. This is what varlen kernels take (npu_fusion_attention's TND layout, CUDA varlen
+  attention); it is None when ``document_ids`` is None.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import cu_seqlens_from_document_ids
+
+__all__ = ["AttentionInputs", "cu_seqlens_from_document_ids"]
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Per-token positions and document membership of one micro-batch (see the module docstring)."""
+    position_ids: torch.Tensor                   # (b, s) int64
+    document_ids: torch.Tensor | None = None     # (b, s) int32
+    cu_seqlens: tuple[int, ...] | None = None    # (num_segments + 1,) host ints, leading 0
+
+    def __post_init__(self) -> None:
+        if self.position_ids.dim() != 2:
+            raise ValueError(f"position_ids must be (b, s), got shape {tuple(self.position_ids.shape)}")
+        if self.document_ids is not None:
+            if self.document_ids.shape != self.position_ids.shape:
+                raise ValueError(f"document_ids {tuple(self.document_ids.shape)} and position_ids "
+                                 f"{tuple(self.position_ids.shape)} must have the same (b, s) shape")
+            if self.cu_seqlens is None:
+                raise ValueError("document_ids need cu_seqlens: build both with "
+                                 "cu_seqlens_from_document_ids")
+            b, s = self.position_ids.shape
+            if self.cu_seqlens[0] != 0 or self.cu_seqlens[-1] != b * s:
+                raise ValueError(f"cu_seqlens must run from 0 to b*s = {b * s}, got "
+                                 f"{self.cu_seqlens[0]} .. {self.cu_seqlens[-1]}")
+        elif self.cu_seqlens is not None:
+            raise ValueError("cu_seqlens without document_ids: pass both or neither")
+
+    @property
+    def packed(self) -> bool:
+        """Whether attention is restricted to documents (block-diagonal causal)."""
+        return self.document_ids is not None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.position_ids.shape)
+
+    def to(self, device: torch.device | str) -> "AttentionInputs":
+        doc = self.document_ids.to(device) if self.document_ids is not None else None
+        return AttentionInputs(self.position_ids.to(device), doc, self.cu_seqlens)
+
+    def narrow(self, start: int, length: int) -> "AttentionInputs":
+        """The metadata of tokens [start, start + length) of every row (a sequence shard): global
+        positions are kept, the segments are recomputed for the shard (on the host)."""
+        pos = self.position_ids.narrow(1, start, length)
+        if self.document_ids is None:
+            return AttentionInputs(pos)
+        doc = self.document_ids.narrow(1, start, length)
+        return AttentionInputs(pos, doc, cu_seqlens_from_document_ids(doc))
