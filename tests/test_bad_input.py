@@ -81,7 +81,7 @@ def test_other_model_shape_through_the_command_line(saved, capsys):
                               "--train-iters", "2", "--load", saved]) == 2
     err = capsys.readouterr().err
     assert "saved with --hidden-size 64 but this run has --hidden-size 32" in err
-    assert "use the checkpoint's model shape or start without --load" in err
+    assert "use the checkpoint's model shape (--use-checkpoint-args) or start without --load" in err
 
 
 def test_load_without_checkpoint(tmp_path):

@@ -57,7 +57,7 @@ def test_validation_errors(argv, world, match):
 
 
 def test_value_errors_are_config_errors():
-    with pytest.raises(ConfigError, match="--pipeline-schedule must be one of"):
+    with pytest.raises(ConfigError, match="--pipeline-schedule: invalid choice: .zigzag."):
         parse_args(["--pipeline-schedule", "zigzag"])
     with pytest.raises(ConfigError, match="--seq-length 256 is longer than the position table"):
         parse_args(["--seq-length", "256", "--max-position-embeddings", "128"])
