@@ -55,7 +55,8 @@ def check_compatible(index: dict, cfg, data: dict, where: str) -> None:
                                   f"(--use-checkpoint-args) or start without --load")
     was, now = index["data"], data
     describe = lambda d: "mock data" if d["mock"] else f"tokenizer {d['tokenizer']} ({d['prefix']})"
-    if was["vocab_size"] != now["vocab_size"] or was["tokenizer"] != now["tokenizer"] or (
+    named = was["tokenizer"] is not None or was["mock"]  # an import without tokenizer names none
+    if was["vocab_size"] != now["vocab_size"] or (named and was["tokenizer"] != now["tokenizer"]) or (
             was["tokenizer_sha256"] and now["tokenizer_sha256"]
             and was["tokenizer_sha256"] != now["tokenizer_sha256"]):
         fix = f"--mock-data --vocab-size {was['vocab_size']}" if was["mock"] else \

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -86,7 +87,9 @@ class HFTokenizer:
         """Write tokenizer.json; a byte copy of the source file, so checksums still match."""
         from engine.data.tokenizer import atomic_write_text
         if self.file and os.path.isfile(self.file):
-            atomic_write_text(path, Path(self.file).read_text(encoding="utf-8"))
+            tmp = f"{path}.tmp-{os.getpid()}"
+            shutil.copyfile(self.file, tmp)
+            os.replace(tmp, path)
         else:
             atomic_write_text(path, self._tok.to_str())
 
