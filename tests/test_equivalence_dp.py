@@ -161,8 +161,8 @@ def test_dp2_equivalence_buckets_and_compression(serial, corpus, tmp_path):
             ("plain", compressed(corpus)),
             ("plain", compressed(corpus, "--grad-compression", "int8")),
             ("plain", compressed(corpus, "--grad-compression", "topk", "--grad-compression-ratio", "0.01")),
-            ("plain", compressed(corpus, "--config", POLICY_RECIPE,  # metrics to tmp, not the recipe's runs/
-                                 "--metrics-file", str(tmp_path / "policy.jsonl")))]
+            ("plain", compressed(corpus, "--config", POLICY_RECIPE,  # outputs to tmp, not the recipe's runs/
+                                 "--run-dir", str(tmp_path / "policy")))]
     results = run_distributed(run_jobs, grid=RankGrid(dp=2), args=(jobs,))
     plain, zero, none, int8, topk, policy = results[0]
     assert_matches(plain, serial, "dp=2")
