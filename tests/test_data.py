@@ -213,3 +213,11 @@ def test_builtin_corpus_builds_once_and_is_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(engine.data, "builtin_corpus", functools.partial(builtin_corpus, max_bytes=300_000))
     bundle = build_data(None, seq_length=32, seed=0, tokenizer="bpe:512", cache_dir=cache, split="8,2,0")
     assert bundle.prefix == prefix and bundle.vocab_size == 512 and len(bundle.valid) >= 1
+
+
+def test_first_build_of_the_builtin_corpus_shows_progress(tmp_path, capsys):
+    builtin_corpus("byte", cache_dir=tmp_path, max_bytes=50_000, progress=True)
+    err = capsys.readouterr().err
+    assert "building the built-in corpus (first run only" in err and "tokenizing corpus" in err
+    builtin_corpus("byte", cache_dir=tmp_path, max_bytes=50_000, progress=True)
+    assert capsys.readouterr().err == ""  # cached: nothing to show
