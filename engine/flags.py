@@ -164,6 +164,7 @@ MEGATRON_ANSWERS: dict[str, tuple[str | None, str]] = {
     "--eod-mask-loss": ("eod_mask_loss", "end-of-document loss masking is not available in this "
                         "build; drop the flag"),
     "--context-parallel-size": ("cp", "context parallelism is not available in this build; drop it"),
+    "--cp": ("cp", "context parallelism is not available in this build; drop it"),
     "--use-flash-attn": (None, _KERNELS), "--transformer-impl": (None, _KERNELS),
     "--use-mcore-models": (None, "there is one model implementation; drop the flag"),
     "--no-masked-softmax-fusion": (None, _KERNELS), "--attention-softmax-in-fp32": (None, _KERNELS),

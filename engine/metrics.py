@@ -70,7 +70,7 @@ class MetricsLog:
         if self._fh:
             self._fh.write(json.dumps(record) + "\n")
             self._fh.flush()
-        due = record["step"] % self.log_interval == 0
+        due = record["step"] % self.log_interval == 0 or "valid_loss" in record
         mfu = record["mfu"]
         if self._bar is not None:
             if due or record["step"] == 1:

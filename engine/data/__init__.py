@@ -16,10 +16,11 @@ from engine.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_tok
 from engine.data.indexed import MockDataset, TokenDataset, collate, read_meta
 from engine.data.prepare import prepare
 from engine.data.sampler import BlendedSampler, GlobalBatchSampler
-from engine.data.splits import SPLITS, parse_split
+from engine.data.splits import SPLITS
 from engine.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, strip_data_suffix
 
 MOCK_NUM_SAMPLES = 2**20  # mock samples are generated on demand, so this only bounds the index space
+MOCK_VALID_FRACTION = 0.02
 CHECKED_TOKENS = 16 * 2**20  # token ids checked against the vocabulary at start-up (Megatron data)
 
 __all__ = ["DataBundle", "build_data", "TokenDataset", "MockDataset", "BlendedDataset", "collate",
@@ -51,17 +52,16 @@ class DataBundle:
         return GlobalBatchSampler(len(ds), global_batch_size, seed)
 
 
-def _mock(seq_length: int, seed: int, vocab_size: int | None, split: str) -> DataBundle:
+def _mock(seq_length: int, seed: int, vocab_size: int | None) -> DataBundle:
+    """Mock data has no documents, so --split does not apply: the last MOCK_VALID_FRACTION of the
+    index space is validation (and test) data, the rest training data."""
     if vocab_size is None:
         raise ValueError("mock data needs a vocabulary size: pass --vocab-size")
-    _, w_valid, w_test = parse_split(split)
-    n_valid = max(1, int(MOCK_NUM_SAMPLES * w_valid))
-    n_test = max(1, int(MOCK_NUM_SAMPLES * w_test))
-    n_train = MOCK_NUM_SAMPLES - n_valid - n_test
+    n_valid = int(MOCK_NUM_SAMPLES * MOCK_VALID_FRACTION)
+    n_train = MOCK_NUM_SAMPLES - n_valid
     train = MockDataset(vocab_size, seq_length, n_train, seed)
     valid = MockDataset(vocab_size, seq_length, n_valid, seed, start=n_train)
-    test = MockDataset(vocab_size, seq_length, n_test, seed, start=n_train + n_valid)
-    return DataBundle(train, valid, test, None, vocab_size, None, [])
+    return DataBundle(train, valid, valid, None, vocab_size, None, [])
 
 
 def _describe(prefix: str, external, vocab_size: int | None) -> dict:
@@ -108,7 +108,7 @@ def build_data(data_path: str | list[str] | None, seq_length: int, seed: int, mo
     if mock:
         if data_path:
             raise ValueError("mock data and a data path exclude each other: drop --mock-data or --data-path")
-        return _mock(seq_length, seed, vocab_size, split)
+        return _mock(seq_length, seed, vocab_size)
     entries = parse_data_path(data_path)
     if entries is None:
         entries = [(None, builtin_corpus(tokenizer, cache_dir, progress=progress))]
