@@ -105,14 +105,17 @@ def summary_table(records: list[dict], extra: dict[str, str]) -> str:
     timed = records[1:] or records
     mean = lambda key: sum(r[key] for r in timed if r[key] is not None) / max(
         1, sum(1 for r in timed if r[key] is not None))
+    seconds = sum(r["step_time_s"] for r in timed)
+    over_time = lambda key: sum(r[key] * r["step_time_s"] for r in timed) / seconds  # noqa: E731
     rows = [("steps", f"{records[0]['step']}..{records[-1]['step']}"),
             ("first / last loss", f"{records[0]['loss']:.4f} / {records[-1]['loss']:.4f}"),
             ("skipped steps", str(sum(bool(r["skipped"]) for r in records))),
             ("mean step time", f"{mean('step_time_s'):.3f} s"),
-            ("tokens/s", f"{mean('tokens_per_s'):.0f}"),
-            ("TFLOP/s per device", f"{mean('tflops_per_device'):.4f}")]
-    if any(r["mfu"] is not None for r in timed):
-        rows.append(("MFU", f"{100 * mean('mfu'):.2f}%"))
+            # totals over time: all tokens (FLOPs) over all seconds, not means of per-step rates
+            ("tokens/s", f"{sum(r['tokens'] for r in timed) / seconds:.0f}"),
+            ("TFLOP/s per device", f"{over_time('tflops_per_device'):.4f}")]
+    if all(r["mfu"] is not None for r in timed):
+        rows.append(("MFU", f"{100 * over_time('mfu'):.2f}%"))
     if records[-1]["bubble_theoretical"] is not None:
         simulated = mean("bubble_simulated") if "bubble_simulated" in records[-1] else None
         rows.append(("bubble (theory / simulated / measured)",

@@ -118,3 +118,13 @@ def test_missing_dashboard_packages_are_named_before_training(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match="--wandb-project needs the wandb package: pip install wandb"):
         validate_run(parse_args(TINY + ["--wandb-project", "p"]), LaunchEnv(0, 1, 0, 1))
+
+
+def test_summary_rates_are_totals_over_time():
+    from engine.metrics import summary_table
+    base = dict(loss=1.0, skipped=False, bubble_theoretical=None, dp_comm_bytes=0, peak_memory_bytes=0)
+    records = [dict(base, step=s, tokens=100, step_time_s=t, tokens_per_s=100 / t, tflops_per_device=2.0 / t,
+                    mfu=0.2 / t) for s, t in ((1, 9.0), (2, 1.0), (3, 3.0))]  # step 1: warm-up, left out
+    table = summary_table(records, {})
+    assert "| tokens/s           | 50 " in table  # 200 tokens / 4 s, not the mean rate 66.7
+    assert "| TFLOP/s per device | 1.0000" in table and "| MFU                | 10.00%" in table
