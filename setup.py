@@ -9,8 +9,11 @@ setup(
                                     "parallel.*", "kernels", "kernels.*"]),
     install_requires=["torch>=2.4", "numpy", "einops", "safetensors", "tokenizers", "pyyaml", "tqdm"],
     extras_require={
-        "dev": ["pytest", "matplotlib", "transformers"],  # transformers: HF export test
+        "dev": ["pytest", "matplotlib", "transformers", "tensorboard", "wandb"],  # HF and dashboard tests
         "plot": ["matplotlib"],
+        "tensorboard": ["tensorboard"],  # --tensorboard-dir
+        "wandb": ["wandb"],              # --wandb-project
+        "hf": ["transformers"],          # loading exported checkpoints in transformers
         "npu": ["torch_npu"],
     },
     entry_points={"console_scripts": ["gridtron-train=engine.train:main"]},

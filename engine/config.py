@@ -5,6 +5,7 @@ LayerContext), never the whole run configuration.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from models.config import GPTConfig
@@ -15,6 +16,12 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
 COMPRESSORS = ("none", "int8", "topk")
 BACKEND_RULES = ("auto", "none", "hccl", "hccl:950", "nccl")
+DECAY_STYLES = ("cosine", "linear", "constant")
+DEVICES = ("auto", "npu", "cuda", "cpu")
+WANDB_MODES = ("online", "offline", "disabled")
+TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "Llama2Tokenizer", "Llama3Tokenizer",
+                   "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "TikTokenizer",
+                   "NullTokenizer")
 
 
 @dataclass
@@ -73,6 +80,7 @@ class OptimConfig:
     min_lr: float = 3e-5
     lr_warmup_iters: int = 10
     lr_decay_style: str = "cosine"
+    lr_decay_iters: int | None = None  # default: train_iters
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -84,8 +92,11 @@ class OptimConfig:
             raise ValueError(f"--train-iters must be >= 1, got {self.train_iters}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= --min-lr <= --lr and --lr > 0, got lr={self.lr} min_lr={self.min_lr}")
-        if self.lr_decay_style not in ("cosine", "linear", "constant"):
+        if self.lr_decay_style not in DECAY_STYLES:
             raise ValueError(f"--lr-decay-style must be cosine, linear or constant, got {self.lr_decay_style!r}")
+        if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
+            raise ValueError(f"--lr-decay-iters {self.lr_decay_iters} must be above --lr-warmup-iters "
+                             f"{self.lr_warmup_iters}")
         if self.lr_warmup_iters < 0 or self.clip_grad < 0 or self.weight_decay < 0:
             raise ValueError("--lr-warmup-iters, --clip-grad and --weight-decay must be >= 0")
 
@@ -107,12 +118,16 @@ class PrecisionConfig:
 
 @dataclass
 class DataConfig:
-    data_path: str | None = None
+    data_path: list[str] | None = None  # [PREFIX], or Megatron's blend [W1, PREFIX1, W2, PREFIX2, ...]
+    split: str = "969,30,1"
     mock_data: bool = False
     tokenizer: str = "bpe:8192"
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
     micro_batch_size: int = 4
     global_batch_size: int = 16
-    valid_fraction: float = 0.02
     cache_dir: str | None = None
     # help: packed documents: each token attends only to earlier tokens of its own document (the
     # end-of-document token closes a document), as Megatron-LM's --reset-attention-mask
@@ -125,6 +140,14 @@ class DataConfig:
     eod_mask_loss: bool = False
 
     def __post_init__(self):
+        from engine.data.blend import parse_data_path
+        from engine.data.splits import parse_split
+        if isinstance(self.data_path, str):
+            self.data_path = self.data_path.split()
+        if self.data_path is not None:
+            self.data_path = [str(p) for p in self.data_path]
+            parse_data_path(self.data_path)
+        parse_split(self.split)
         if self.micro_batch_size < 1 or self.global_batch_size < 1:
             raise ValueError("--micro-batch-size and --global-batch-size must be >= 1")
         if self.global_batch_size % self.micro_batch_size:
@@ -159,6 +182,10 @@ class CheckpointConfig:
     save_interval: int = 0
     load: str | None = None
     keep_last: int = 2
+    finetune: bool = False
+    load_optim: bool = True
+    load_rng: bool = True
+    use_checkpoint_args: bool = False
 
     def __post_init__(self):
         if self.save_interval < 0 or self.keep_last < 1:
@@ -167,19 +194,39 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    metrics_file: str | None = None
-    timeline: str | None = None
-    log_interval: int = 1
+    run_dir: str | None = None
+    metrics_file: str | None = None  # default RUN_DIR/metrics.jsonl
+    timeline: str | None = None      # default RUN_DIR/timeline.json
+    plot: str | None = None          # default RUN_DIR/loss.png
+    log_interval: int = 10
     eval_interval: int = 0
     eval_iters: int = 4
     progress: bool = True
-    plot: str | None = None
-    run_dir: str = "runs/latest"
     peak_tflops: float | None = None
+    tensorboard_dir: str | None = None
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    wandb_mode: str = "online"
 
     def __post_init__(self):
         if self.eval_interval < 0 or self.eval_iters < 1:
             raise ValueError("--eval-interval must be >= 0 and --eval-iters >= 1")
+        if self.log_interval < 1:
+            raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
+        if self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"--wandb-mode must be one of {WANDB_MODES}, got {self.wandb_mode!r}")
+        if self.run_dir:
+            for key, name in RUN_DIR_FILES.items():
+                if getattr(self, key) is None:
+                    setattr(self, key, os.path.join(self.run_dir, name))
+
+    @property
+    def compile_cache_root(self) -> str:
+        return self.run_dir or "runs/latest"
+
+
+RUN_DIR_FILES = {"metrics_file": "metrics.jsonl", "timeline": "timeline.json", "plot": "loss.png"}
 
 
 @dataclass
@@ -195,3 +242,10 @@ class RunConfig:
     device: str = "auto"
     compile: bool = False
     seed: int = 1234
+    explicit: tuple[str, ...] = ()  # the keys a user set (flags or recipe), filled in by engine.cli
+
+    def __post_init__(self):
+        if self.log.run_dir and self.checkpoint.save is None:
+            self.checkpoint.save = os.path.join(self.log.run_dir, "checkpoints")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")

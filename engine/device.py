@@ -26,6 +26,9 @@ def detect_device_type(requested: str = "auto") -> str:
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"--device must be auto, npu, cuda or cpu, got {requested!r}")
+        if requested == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device cuda, but this torch ({torch.__version__}) sees no CUDA device: "
+                             f"use --device auto (or cpu), or install a CUDA build of torch on a GPU node")
         if requested == "npu" and not _npu_available():
             raise ValueError("--device npu, but torch_npu is not installed or sees no NPU; install "
                              "CANN and torch_npu (pip install -e .[npu]) or use --device auto")

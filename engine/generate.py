@@ -2,7 +2,8 @@
 
 The model is rebuilt in one process (tp=pp=dp=1) from the configuration stored in the checkpoint and
 reads the full logical tensors, whatever layout saved them. The tokenizer comes with the checkpoint
-(its copy of the BPE tokenizer, or the "byte" spec, or the data prefix it was trained on).
+(its copy of the BPE or Hugging Face tokenizer, or the "byte" spec, or the data prefix it was
+trained on); ``--tokenizer-model`` names another one (a tokenizer.json or a HF directory).
 Decoding recomputes the whole window for every token (no KV cache): simple, and fast enough for the
 small models trained here.
 """
@@ -16,6 +17,7 @@ import torch
 
 from engine.checkpoint import CheckpointError, load_model_params, param_specs
 from engine.checkpoint.index import TensorReader, intact_hint, read_index, resolve, verify
+from engine.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from engine.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from models import GPTConfig, LayerContext
 from models.gpt import GPTChunk
@@ -44,6 +46,8 @@ def checkpoint_tokenizer(ckpt: str, index: dict):
     """The tokenizer the checkpoint's data was encoded with."""
     data = index["data"]
     if os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
+        if data["tokenizer"] == "hf" or data["tokenizer"] is None:
+            return HFTokenizer.from_file(os.path.join(ckpt, "tokenizer.json"), eot_id=data.get("eot_id"))
         return BPETokenizer.load(os.path.join(ckpt, "tokenizer.json"), data["tokenizer"])
     if data["tokenizer"] == "byte":
         return ByteTokenizer()
@@ -51,7 +55,7 @@ def checkpoint_tokenizer(ckpt: str, index: dict):
         return load_tokenizer(data["prefix"])
     raise CheckpointError(f"checkpoint {ckpt} has no tokenizer (it was trained on "
                           f"{'mock data' if data['mock'] else data['prefix']}): pass --tokenizer "
-                          f"byte or a prepared data prefix")
+                          f"byte, a prepared data prefix, or --tokenizer-model")
 
 
 @torch.no_grad()
@@ -112,10 +116,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", help="override: 'byte' or a prepared data prefix")
+    parser.add_argument("--tokenizer-model", help="override: a tokenizer.json or a Hugging Face "
+                                                  "tokenizer directory")
     args = parser.parse_args(argv)
     try:
         model, index, ckpt = load_model(args.load)
-        tok = load_tokenizer(args.tokenizer) if args.tokenizer else checkpoint_tokenizer(ckpt, index)
+        if args.tokenizer_model:
+            tok = load_hf_tokenizer(args.tokenizer_model)
+        elif args.tokenizer:
+            tok = load_tokenizer(args.tokenizer)
+        else:
+            tok = checkpoint_tokenizer(ckpt, index)
+        if tok.vocab_size > index["model"]["vocab_size"]:
+            raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the model only "
+                             f"{index['model']['vocab_size']}: pass the tokenizer it was trained with")
         text = generate_text(model, tok, args.prompt, args.max_new_tokens, args.temperature,
                              args.top_k, args.seed)
     except (CheckpointError, ValueError, FileNotFoundError) as exc:

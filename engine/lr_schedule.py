@@ -1,4 +1,5 @@
-"""Learning rate: linear warmup, then cosine (or linear) decay to min_lr at train_iters."""
+"""Learning rate: linear warmup, then cosine (or linear) decay to min_lr at lr_decay_iters (default
+train_iters), constant at min_lr after it."""
 from __future__ import annotations
 
 import math
@@ -12,7 +13,8 @@ def learning_rate(step: int, cfg: OptimConfig) -> float:
         return cfg.lr * (step + 1) / cfg.lr_warmup_iters
     if cfg.lr_decay_style == "constant":
         return cfg.lr
-    span = max(1, cfg.train_iters - cfg.lr_warmup_iters)
+    decay_end = cfg.lr_decay_iters if cfg.lr_decay_iters is not None else cfg.train_iters
+    span = max(1, decay_end - cfg.lr_warmup_iters)
     progress = min(1.0, (step - cfg.lr_warmup_iters) / span)
     if cfg.lr_decay_style == "linear":
         factor = 1.0 - progress

@@ -1,7 +1,10 @@
 """Per-step metrics: the JSONL file of DESIGN.md, the progress bar and the closing summary.
 
 Only global rank 0 writes. The required keys are listed in REQUIRED_KEYS; the trainer fills them
-all (null where a value does not apply, e.g. the bubble without PP).
+all (null where a value does not apply, e.g. the bubble without PP); ``valid_loss`` is added on the
+steps that validate. A fresh run truncates the file; a run resumed at step k keeps the records of
+steps 1..k and appends after them. The console shows a line (or the progress bar's figures) every
+``log_interval`` steps.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ class MetricsLog:
     enabled: bool = True
     progress: bool = True
     total_steps: int = 0
+    log_interval: int = 1
     records: list[dict] = field(default_factory=list)
     _bar: object = None
     _fh: object = None
@@ -29,15 +33,29 @@ class MetricsLog:
     def __post_init__(self):
         if not self.enabled:
             return
-        if self.path:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            self._fh = open(self.path, "a")
         if self.progress:
             from tqdm import tqdm
             self._bar = tqdm(total=self.total_steps, desc="train", unit="step", dynamic_ncols=True,
                              file=sys.stderr)
 
     def start_at(self, step: int) -> None:
+        """Open the file for a run that starts after ``step`` completed steps (0: a fresh run)."""
+        if self.enabled and self.path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            kept = []
+            if step and os.path.isfile(self.path):
+                with open(self.path, encoding="utf-8") as fh:
+                    for line in fh:
+                        try:
+                            if json.loads(line)["step"] <= step:
+                                kept.append(line if line.endswith("\n") else line + "\n")
+                        except (ValueError, KeyError, TypeError):
+                            continue  # a line cut short by a crash
+            tmp = f"{self.path}.tmp-{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.writelines(kept)
+            os.replace(tmp, self.path)
+            self._fh = open(self.path, "a", encoding="utf-8")
         if self._bar is not None:
             self._bar.update(step)
 
@@ -48,16 +66,23 @@ class MetricsLog:
         if missing:
             raise KeyError(f"metrics record misses {missing}")
         self.records.append(record)
+        if self.path and self._fh is None:
+            self.start_at(0)
         if self._fh:
             self._fh.write(json.dumps(record) + "\n")
             self._fh.flush()
+        due = record["step"] % self.log_interval == 0 or "valid_loss" in record
+        mfu = record["mfu"]
         if self._bar is not None:
-            mfu = record["mfu"]
-            self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                  mfu="n/a" if mfu is None else f"{100 * mfu:.1f}%", refresh=False)
+            if due or record["step"] == 1:
+                self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                      mfu="n/a" if mfu is None else f"{100 * mfu:.1f}%", refresh=False)
             self._bar.update(1)
-        elif self.enabled and not self._bar and record["step"] % 10 == 0:
-            print(f"step {record['step']}: loss {record['loss']:.4f}", file=sys.stderr)
+        elif due:
+            valid = f" | valid loss {record['valid_loss']:.4f}" if "valid_loss" in record else ""
+            print(f"step {record['step']}/{self.total_steps}: loss {record['loss']:.4f} | lr "
+                  f"{record['lr']:.3g} | {record['tokens_per_s']:.0f} tokens/s | MFU "
+                  f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'}{valid}", file=sys.stderr)
 
     def note(self, text: str) -> None:
         if not self.enabled:
@@ -81,14 +106,17 @@ def summary_table(records: list[dict], extra: dict[str, str]) -> str:
     timed = records[1:] or records
     mean = lambda key: sum(r[key] for r in timed if r[key] is not None) / max(
         1, sum(1 for r in timed if r[key] is not None))
+    seconds = sum(r["step_time_s"] for r in timed)
+    over_time = lambda key: sum(r[key] * r["step_time_s"] for r in timed) / seconds  # noqa: E731
     rows = [("steps", f"{records[0]['step']}..{records[-1]['step']}"),
             ("first / last loss", f"{records[0]['loss']:.4f} / {records[-1]['loss']:.4f}"),
             ("skipped steps", str(sum(bool(r["skipped"]) for r in records))),
             ("mean step time", f"{mean('step_time_s'):.3f} s"),
-            ("tokens/s", f"{mean('tokens_per_s'):.0f}"),
-            ("TFLOP/s per device", f"{mean('tflops_per_device'):.4f}")]
-    if any(r["mfu"] is not None for r in timed):
-        rows.append(("MFU", f"{100 * mean('mfu'):.2f}%"))
+            # totals over time: all tokens (FLOPs) over all seconds, not means of per-step rates
+            ("tokens/s", f"{sum(r['tokens'] for r in timed) / seconds:.0f}"),
+            ("TFLOP/s per device", f"{over_time('tflops_per_device'):.4f}")]
+    if all(r["mfu"] is not None for r in timed):
+        rows.append(("MFU", f"{100 * over_time('mfu'):.2f}%"))
     if records[-1]["bubble_theoretical"] is not None:
         simulated = mean("bubble_simulated") if "bubble_simulated" in records[-1] else None
         rows.append(("bubble (theory / simulated / measured)",

@@ -16,7 +16,8 @@ import torch
 
 from engine.cli import ConfigError
 from engine.config import RunConfig
-from engine.data import GlobalBatchSampler, build_data, collate
+from engine.dashboards import Dashboards
+from engine.data import build_data, collate
 from engine.data.packing import MicroBatch, count_loss_tokens, micro_batch
 from engine.device import measure_cpu_peak_tflops, setup_device
 from engine.plan.flops import model_flops_per_step
@@ -94,13 +95,17 @@ class Trainer:
     # ---- setup ----------------------------------------------------------------------------
     def _build_data(self) -> None:
         cfg, ps = self.cfg, self.ps
+        d = cfg.data
+        given_vocab = d.mock_data or "vocab_size" in cfg.explicit  # else the data's vocabulary
+
         def build():
             try:
-                return build_data(cfg.data.data_path, cfg.model.seq_length, cfg.seed,
-                                  mock=cfg.data.mock_data,
-                                  vocab_size=cfg.model.vocab_size if cfg.data.mock_data else None,
-                                  tokenizer=cfg.data.tokenizer, cache_dir=cfg.data.cache_dir,
-                                  valid_fraction=cfg.data.valid_fraction)
+                return build_data(d.data_path, cfg.model.seq_length, cfg.seed, mock=d.mock_data,
+                                  vocab_size=cfg.model.vocab_size if given_vocab else None,
+                                  tokenizer=d.tokenizer, cache_dir=d.cache_dir, split=d.split,
+                                  tokenizer_model=d.tokenizer_model, tokenizer_type=d.tokenizer_type,
+                                  vocab_file=d.vocab_file, merge_file=d.merge_file,
+                                  progress=cfg.log.progress and ps.rank == 0)
             except (ValueError, FileNotFoundError) as exc:  # e.g. a corpus too small for --seq-length
                 raise ConfigError(f"data: {exc}") from exc
 
@@ -122,7 +127,12 @@ class Trainer:
             self.data = build()
         self.cfg.model.vocab_size = self.data.vocab_size
         self.packing = validate_packing(cfg, getattr(self.data.train, "eot_id", None))
-        self.sampler = GlobalBatchSampler(len(self.data.train), cfg.data.global_batch_size, cfg.seed)
+        self.sampler = self.data.sampler("train", cfg.data.global_batch_size, cfg.seed)
+        if cfg.log.eval_interval and len(self.data.valid) == 0:
+            raise ConfigError(f"--eval-interval {cfg.log.eval_interval} needs validation data, but "
+                              f"--split {d.split} leaves none of {self.data.prefix}'s documents for "
+                              f"it: give the validation split a weight or more documents, or drop "
+                              f"--eval-interval")
         self.num_micro = cfg.data.num_microbatches(ps.dp_size)
 
     def _build_model(self) -> None:
@@ -142,7 +152,7 @@ class Trainer:
         torch.manual_seed(cfg.seed + 1 + 1000 * ps.dp_rank + 100 * ps.pp_rank + 10 * tp_part)
         if cfg.compile:
             from engine.compile import compile_chunks
-            self.chunks = compile_chunks(self.chunks, self.dev, cfg.log.run_dir)
+            self.chunks = compile_chunks(self.chunks, self.dev, cfg.log.compile_cache_root)
         params = [p for c in self.chunks for p in c.parameters()]
         self.num_params_local = sum(p.numel() for p in params)
 
@@ -212,20 +222,25 @@ class Trainer:
         result = RunResult()
         start = self.maybe_load()
         log = MetricsLog(cfg.log.metrics_file if self.is_main else None, enabled=self.is_main,
-                         progress=cfg.log.progress, total_steps=cfg.optim.train_iters)
+                         progress=cfg.log.progress, total_steps=cfg.optim.train_iters,
+                         log_interval=cfg.log.log_interval)
         log.start_at(start)
+        dash = Dashboards(cfg, self.is_main, start)
         if self.is_main:
             log.note(f"gridtron: {self.grid.describe()} on {self.dev.type}; {self.num_micro} "
                      f"micro-batches/step; {self.num_params_local:,} parameters on rank 0")
         try:
             for step in range(start, cfg.optim.train_iters):
                 record = self.train_one(step)
-                log.log(record)
-                result.records.append(record)
                 if cfg.log.eval_interval and (step + 1) % cfg.log.eval_interval == 0:
                     vloss = self.evaluate()
+                    record["valid_loss"] = vloss
                     result.valid.append((step + 1, vloss))
-                    log.note(f"step {step + 1}: validation loss {vloss:.4f}")
+                    if cfg.log.progress:
+                        log.note(f"step {step + 1}: validation loss {vloss:.4f}")
+                log.log(record)
+                dash.log(record)
+                result.records.append(record)
                 if cfg.checkpoint.save and cfg.checkpoint.save_interval and \
                         (step + 1) % cfg.checkpoint.save_interval == 0:
                     result.checkpoint = self.save(step + 1)
@@ -234,6 +249,7 @@ class Trainer:
                 result.checkpoint = self.save(cfg.optim.train_iters)
         finally:
             log.close()
+            dash.close()
         if self.is_main and result.records:
             extra = {"layout": self.grid.describe(), "device": f"{self.dev.type} ({self.dev.name})"}
             if result.valid:
@@ -312,7 +328,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean validation loss over ``eval_iters`` global batches of the validation split."""
         cfg = self.cfg
-        sampler = GlobalBatchSampler(len(self.data.valid), cfg.data.global_batch_size, cfg.seed)
+        sampler = self.data.sampler("valid", cfg.data.global_batch_size, cfg.seed)
         for c in self.chunks:
             c.eval()
         total = 0.0

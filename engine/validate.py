@@ -10,8 +10,11 @@ import os
 
 from engine.cli import ConfigError
 from engine.config import RunConfig
+from engine.dashboards import missing_packages
+from engine.data.blend import parse_data_path
 from engine.data.packing import PackingConfig
 from engine.data.tokenizer import strip_data_suffix
+from engine.device import detect_device_type
 from models.blocks import takes_attention_inputs
 from models.registry import BlockRegistry, default_registry
 from parallel.pipeline.partition import partition_layers
@@ -63,9 +66,25 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv,
                           f"({micro} = global {cfg.data.global_batch_size} / (micro "
                           f"{cfg.data.micro_batch_size} x dp {grid.dp})) to be a multiple of --pp "
                           f"{grid.pp}; change --global-batch-size or use --pipeline-schedule 1f1b")
-    if cfg.data.data_path and not cfg.data.mock_data and not _data_exists(cfg.data.data_path):
-        raise ConfigError(f"--data-path {cfg.data.data_path}: no prepared data there (expected "
-                          f"PREFIX.bin and PREFIX.json); run python -m engine.data prepare first")
+    if cfg.data.data_path and not cfg.data.mock_data:
+        for _, prefix in parse_data_path(cfg.data.data_path):
+            if not _data_exists(prefix):
+                raise ConfigError(f"--data-path {prefix}: no prepared data there (expected PREFIX.bin "
+                                  f"and PREFIX.idx); run python -m engine.data prepare first")
+    try:
+        detect_device_type(cfg.device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    for flag, path in (("--save", cfg.checkpoint.save), ("--run-dir", cfg.log.run_dir),
+                       ("--tensorboard-dir", cfg.log.tensorboard_dir)):
+        if path and (problem := unwritable(path)):
+            raise ConfigError(f"{flag} {path}: {problem}; choose a directory you can write to")
+    for flag, path in (("--metrics-file", cfg.log.metrics_file), ("--timeline", cfg.log.timeline),
+                       ("--plot", cfg.log.plot)):
+        if path and (problem := unwritable(os.path.dirname(os.path.abspath(path)))):
+            raise ConfigError(f"{flag} {path}: {problem}; choose a path you can write to")
+    for problem in missing_packages(cfg.log):
+        raise ConfigError(problem)
     if cfg.data.mock_data and not m.vocab_size:
         raise ConfigError("--mock-data needs --vocab-size")
     if cfg.checkpoint.load and cfg.checkpoint.load != cfg.checkpoint.save and \
@@ -99,4 +118,21 @@ def validate_packing(cfg: RunConfig, eod_id: int | None) -> PackingConfig | None
 
 def _data_exists(path: str) -> bool:
     prefix = strip_data_suffix(path)
-    return os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".json")
+    return os.path.exists(prefix + ".bin") and (os.path.exists(prefix + ".idx")
+                                                or os.path.exists(prefix + ".json"))
+
+
+def unwritable(path: str) -> str | None:
+    """Why a directory cannot be created or written at ``path`` (None when it can). Looks at the
+    nearest existing ancestor; creates nothing."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        return f"{probe} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None

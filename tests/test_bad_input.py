@@ -81,7 +81,7 @@ def test_other_model_shape_through_the_command_line(saved, capsys):
                               "--train-iters", "2", "--load", saved]) == 2
     err = capsys.readouterr().err
     assert "saved with --hidden-size 64 but this run has --hidden-size 32" in err
-    assert "use the checkpoint's model shape or start without --load" in err
+    assert "use the checkpoint's model shape (--use-checkpoint-args) or start without --load" in err
 
 
 def test_load_without_checkpoint(tmp_path):
@@ -113,3 +113,23 @@ def test_corpus_too_small(tmp_path, capsys):
 def test_grid_and_checkpoint_flag_errors(argv, match):
     with pytest.raises(ConfigError, match=match):
         validate_run(parse_args(argv), LaunchEnv(0, 4, 0, 4))
+
+
+def test_train_iters_at_or_below_the_loaded_step(saved, capsys):
+    mock = TINY + ["--mock-data", "--vocab-size", "300", "--load", saved]
+    assert train_main(mock + ["--train-iters", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "is at step 1 and --train-iters is 1: nothing to train" in err and len(err.splitlines()) == 1
+    # --finetune restarts from step 0 with the weights; --no-load-optim continues with fresh moments
+    assert [r["step"] for r in _train(mock + ["--train-iters", "1", "--finetune"])] == [1]
+    assert [r["step"] for r in _train(mock + ["--train-iters", "2", "--no-load-optim"])] == [2]
+
+
+def test_vocab_size_that_disagrees_with_the_data(tmp_path, capsys):
+    (tmp_path / "t.txt").write_text("some text for the byte tokenizer " * 200)
+    prefix = str(tmp_path / "bytes")
+    prepare([str(tmp_path / "t.txt")], prefix, tokenizer="byte")
+    assert train_main(TINY + ["--data-path", prefix, "--vocab-size", "300", "--train-iters", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "vocab size 300 does not match the data" in err and "set it to 257" in err
+    assert len(_train(TINY + ["--data-path", prefix, "--vocab-size", "257", "--train-iters", "1"])) == 1

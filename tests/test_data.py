@@ -13,6 +13,7 @@ from engine.data import (BPETokenizer, ByteTokenizer, MockDataset, TokenDataset,
                          collate, load_tokenizer, prepare)
 from engine.data import corpus as corpus_mod
 from engine.data.indexed import open_tokens, token_dtype
+from engine.data.megatron import IndexedTokens
 from engine.data.prepare import collect_files
 from engine.data.tokenizer import EOT_TEXT, train_bpe
 
@@ -73,12 +74,14 @@ def test_prepare_then_read_back(tmp_path, text_dir, spec):
 
     tokens, index = open_tokens(prefix)
     assert tokens.dtype == np.uint16 and index["dtype"] == "uint16"
+    assert Path(f"{prefix}.idx").is_file()  # Megatron's index beside the tokens
     # Sorted path order, empty and non-text files skipped, one document per jsonl line.
     expected = []
     for doc in [DOCS[0], DOCS[1], DOCS[2], DOCS[3]]:
         expected += tok.encode(doc) + [tok.eot_id]
     assert tokens.tolist() == expected
-    offsets = index["doc_offsets"]
+    starts, lengths = IndexedTokens(str(prefix)).document_bounds()
+    offsets = [*starts.tolist(), int(starts[-1] + lengths[-1])]
     assert index["num_docs"] == 4 and offsets[-1] == index["num_tokens"] == len(expected)
     for i, doc in enumerate([DOCS[0], DOCS[1], DOCS[2], DOCS[3]]):
         assert tokens[offsets[i + 1] - 1] == tok.eot_id
@@ -93,7 +96,7 @@ def test_prepare_reuses_a_tokenizer_and_caps_input(tmp_path, text_dir):
     assert load_tokenizer(tmp_path / "valid").encode(UNICODE) == load_tokenizer(tmp_path / "train").encode(UNICODE)
     capped = prepare([text_dir], tmp_path / "capped", "byte", max_bytes=len(DOCS[0].encode()) + 10)
     assert capped["num_docs"] == 1 and capped["num_tokens"] == len(DOCS[0].encode()) + 1
-    assert token_dtype(65535) == np.uint16 and token_dtype(65536) == np.uint32
+    assert token_dtype(65499) == np.uint16 and token_dtype(65500) == np.int32  # Megatron's choice
 
 
 def test_prepare_errors_say_what_to_change(tmp_path):
@@ -132,28 +135,31 @@ def test_cli(tmp_path, text_dir):
     empty = run_cli("prepare", "--input", tmp_path / "hollow", "--output", tmp_path / "x")
     assert empty.returncode == 2 and "empty corpus" in empty.stderr
     assert not Path(f"{tmp_path / 'x'}.json").exists()
+    assert not Path(f"{tmp_path / 'x'}.idx").exists()
 
 
-def test_token_dataset_windows_and_disjoint_splits(tmp_path, text_dir):
+def test_token_dataset_windows_over_a_split(tmp_path, text_dir):
     prefix = tmp_path / "data"
     prepare([text_dir], prefix, "byte")
     tokens, index = open_tokens(prefix)
     s = 16
-    train = TokenDataset(prefix, s, "train", valid_fraction=0.25)
-    valid = TokenDataset(prefix, s, "valid", valid_fraction=0.25)
-    total = index["num_tokens"] // (s + 1)
-    assert len(valid) == int(total * 0.25) and len(train) + len(valid) == total
-    windows = [tuple(train[i].tolist()) for i in range(len(train))] + \
-              [tuple(valid[i].tolist()) for i in range(len(valid))]
-    flat = [t for w in windows for t in w]
-    assert flat == tokens[: total * (s + 1)].tolist()  # non-overlapping, in order, valid after train
+    starts, lengths = IndexedTokens(str(prefix)).document_bounds()
+    train = TokenDataset(prefix, s, "train", splits="1,0,0")
+    assert train.doc_ids.tolist() == [0, 1, 2, 3] and len(train) == index["num_tokens"] // (s + 1)
+    flat = [t for i in range(len(train)) for t in train[i].tolist()]
+    assert flat == tokens[: len(train) * (s + 1)].tolist()  # non-overlapping windows, in order
+    # two of four documents: windows run over those documents' tokens only, in document order
+    half = TokenDataset(prefix, s, "train", splits="1,1,0", seed=3)
+    other = TokenDataset(prefix, s, "valid", splits="1,1,0", seed=3)
+    assert sorted([*half.doc_ids, *other.doc_ids]) == [0, 1, 2, 3] and len(half.doc_ids) == 2
+    stream = np.concatenate([tokens[starts[d]: starts[d] + lengths[d]] for d in half.doc_ids])
+    assert [t for i in range(len(half)) for t in half[i].tolist()] == stream[: len(half) * (s + 1)].tolist()
     assert train[0].dtype == torch.long and train[0].shape == (s + 1,)
     assert (train.vocab_size, train.eot_id, train.tokenizer_spec) == (257, 256, "byte")
     assert collate(train, [2, 0]).shape == (2, s + 1)
-    assert torch.equal(collate(valid, [0])[0], valid[0])
     with pytest.raises(IndexError):
         train[len(train)]
-    assert len(TokenDataset(prefix, s, "valid")) == 1  # the default 2% still leaves one sample
+    assert len(TokenDataset(prefix, s, "valid")) == 0  # 969,30,1 of 4 documents leaves none
     with pytest.raises(ValueError, match="smaller --seq-length"):
         TokenDataset(prefix, index["num_tokens"], "train")
 
@@ -177,7 +183,7 @@ def test_build_data_mock_and_prepared(tmp_path, text_dir):
         build_data(None, seq_length=8, seed=1, mock=True)
 
     prepare([text_dir], tmp_path / "data", "byte")
-    bundle = build_data(str(tmp_path / "data"), seq_length=8, seed=0, vocab_size=257)
+    bundle = build_data(str(tmp_path / "data"), seq_length=8, seed=0, vocab_size=257, split="2,1,1")
     assert bundle.vocab_size == 257 and bundle.tokenizer.spec == "byte"
     assert len(bundle.train) > 0 and len(bundle.valid) >= 1
     with pytest.raises(ValueError, match="set it to 257"):
@@ -193,7 +199,8 @@ def test_builtin_corpus_builds_once_and_is_reused(tmp_path, monkeypatch):
     assert f"{sys.version_info[0]}.{sys.version_info[1]}" in prefix and "bpe512" in prefix
     # The first document is the first stdlib .py file in sorted order, outside the skipped directories.
     first = corpus_mod.stdlib_dir() / "__future__.py"
-    assert tok.decode(tokens[: index["doc_offsets"][1] - 1].tolist()) == first.read_text(encoding="utf-8")
+    _, lengths = IndexedTokens(prefix).document_bounds()
+    assert tok.decode(tokens[: lengths[0] - 1].tolist()) == first.read_text(encoding="utf-8")
     assert 0 < index["num_files"] and [p.name for p in cache.iterdir()] == [Path(prefix).parent.name]
     files = collect_files([corpus_mod.stdlib_dir()], (".py",), corpus_mod.SKIP_DIRS)
     assert len(files) > 100 and not any({"test", "tests", "site-packages"} & set(f.parts) for f in files)
@@ -204,5 +211,13 @@ def test_builtin_corpus_builds_once_and_is_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(corpus_mod, "prepare", no_prepare)
     assert builtin_corpus("bpe:512", cache_dir=cache, max_bytes=300_000) == prefix
     monkeypatch.setattr(engine.data, "builtin_corpus", functools.partial(builtin_corpus, max_bytes=300_000))
-    bundle = build_data(None, seq_length=32, seed=0, tokenizer="bpe:512", cache_dir=cache)
+    bundle = build_data(None, seq_length=32, seed=0, tokenizer="bpe:512", cache_dir=cache, split="8,2,0")
     assert bundle.prefix == prefix and bundle.vocab_size == 512 and len(bundle.valid) >= 1
+
+
+def test_first_build_of_the_builtin_corpus_shows_progress(tmp_path, capsys):
+    builtin_corpus("byte", cache_dir=tmp_path, max_bytes=50_000, progress=True)
+    err = capsys.readouterr().err
+    assert "building the built-in corpus (first run only" in err and "tokenizing corpus" in err
+    builtin_corpus("byte", cache_dir=tmp_path, max_bytes=50_000, progress=True)
+    assert capsys.readouterr().err == ""  # cached: nothing to show

@@ -1,8 +1,10 @@
 """``python -m engine.export --load DIR --to hf --out DIR2``: a Hugging Face transformers model.
 
 gpt2 blocks become ``GPT2LMHeadModel``, llama blocks ``LlamaForCausalLM``; the output directory
-holds ``config.json`` and ``model.safetensors`` (plus ``tokenizer.json`` when the checkpoint has a
-BPE tokenizer), loadable with ``AutoModelForCausalLM.from_pretrained(DIR2)``. The full logical
+holds ``config.json`` and ``model.safetensors`` (plus ``tokenizer.json`` and ``tokenizer_config.json``
+with the eos/bos tokens when the checkpoint has a tokenizer), loadable with
+``AutoModelForCausalLM.from_pretrained(DIR2)`` and ``AutoTokenizer.from_pretrained(DIR2)``; every
+file is world-readable. The full logical
 tensors are read from the checkpoint whatever layout saved them; vocabulary padding is never stored.
 
 Weight mapping. Our fused QKV weight is ((n + 2G) d, h) for n heads of size d in G key/value groups,
@@ -145,8 +147,29 @@ def export_hf(path: str, out: str) -> dict:
     with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2)
     if os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
-        shutil.copyfile(os.path.join(ckpt, "tokenizer.json"), os.path.join(out, "tokenizer.json"))
+        for name in ("tokenizer.json", "special_tokens_map.json", "generation_config.json"):
+            if os.path.isfile(os.path.join(ckpt, name)):
+                shutil.copyfile(os.path.join(ckpt, name), os.path.join(out, name))
+        _tokenizer_config(ckpt, out, eot, m["max_position_embeddings"])
+    os.chmod(out, 0o755)
+    for name in os.listdir(out):  # world-readable, whatever the umask of the saving job
+        os.chmod(os.path.join(out, name), 0o644)
     return config
+
+
+def _tokenizer_config(ckpt: str, out: str, eot: int | None, max_length: int) -> None:
+    """tokenizer_config.json: the checkpoint's own (an imported model's), else eos/bos from the
+    end-of-text token, so transformers' AutoTokenizer knows where text ends."""
+    own = os.path.join(ckpt, "tokenizer_config.json")
+    if os.path.isfile(own):
+        shutil.copyfile(own, os.path.join(out, "tokenizer_config.json"))
+        return
+    from tokenizers import Tokenizer
+    text = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json")).id_to_token(eot) if eot is not None else None
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+              "eos_token": text, "bos_token": text, "clean_up_tokenization_spaces": False}
+    with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=2)
 
 
 def main(argv: list[str] | None = None) -> int:

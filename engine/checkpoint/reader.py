@@ -1,8 +1,14 @@
 """Loading: verify the files (each rank hashes a share, the verdict is all-reduced), check the run's
 model shape and vocabulary against the checkpoint's, and read into each rank only the boxes of the
-global tensors its own shards cover, so a checkpoint saved under one layout loads under any other."""
+global tensors its own shards cover, so a checkpoint saved under one layout loads under any other.
+
+``--finetune`` reads the model weights only (step 0, fresh optimizer, sampler and random states);
+``--no-load-optim`` and ``--no-load-rng`` leave out those parts; ``--use-checkpoint-args`` takes the
+model shape from the checkpoint. A checkpoint of step 0 (``python -m engine.import_hf``) holds only
+weights, and loads like ``--finetune``."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -12,6 +18,28 @@ from safetensors import safe_open
 from engine.checkpoint.index import CheckpointError, TensorReader, intact_hint, read_index, resolve, verify
 from engine.checkpoint.specs import (LAYOUT_KEYS, ParamSpec, data_info, layout_of, param_specs,
                                      saved_layout)
+
+
+MODEL_SHAPE_SKIP = ("seq_length", "vocab_size", "dropout", "seed")  # the run's choices, not the shape
+
+
+def with_checkpoint_args(cfg):
+    """``cfg`` with the model shape of the checkpoint at --load (pure: a JSON read)."""
+    from engine.cli import ConfigError
+    try:
+        index = read_index(resolve(cfg.checkpoint.load))
+    except CheckpointError as exc:
+        raise ConfigError(f"--use-checkpoint-args: {exc}") from exc
+    saved = index["model"]
+    known = {f.name for f in dataclasses.fields(cfg.model)}
+    shape = {k: v for k, v in saved.items() if k in known and k not in MODEL_SHAPE_SKIP}
+    if "max_position_embeddings" in shape and cfg.model.seq_length > shape["max_position_embeddings"]:
+        raise ConfigError(f"--seq-length {cfg.model.seq_length} is longer than the checkpoint's position "
+                          f"table ({shape['max_position_embeddings']}); use a shorter --seq-length")
+    try:
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"--use-checkpoint-args: {exc}") from exc
 
 
 def check_compatible(index: dict, cfg, data: dict, where: str) -> None:
@@ -25,10 +53,11 @@ def check_compatible(index: dict, cfg, data: dict, where: str) -> None:
             flag = "--" + key.replace("_", "-")
             raise CheckpointError(f"checkpoint {where} was saved with {flag} {saved[key]} but this run "
                                   f"has {flag} {getattr(model, key)}: use the checkpoint's model shape "
-                                  f"or start without --load")
+                                  f"(--use-checkpoint-args) or start without --load")
     was, now = index["data"], data
     describe = lambda d: "mock data" if d["mock"] else f"tokenizer {d['tokenizer']} ({d['prefix']})"
-    if was["vocab_size"] != now["vocab_size"] or was["tokenizer"] != now["tokenizer"] or (
+    named = was["tokenizer"] is not None or was["mock"]  # an import without tokenizer names none
+    if was["vocab_size"] != now["vocab_size"] or (named and was["tokenizer"] != now["tokenizer"]) or (
             was["tokenizer_sha256"] and now["tokenizer_sha256"]
             and was["tokenizer_sha256"] != now["tokenizer_sha256"]):
         fix = f"--mock-data --vocab-size {was['vocab_size']}" if was["mock"] else \
@@ -73,18 +102,31 @@ def load_model_params(specs: list[ParamSpec], reader: TensorReader) -> None:
 def load_checkpoint(trainer, load_dir: str) -> int:
     """Restore everything into a built trainer; return the step to continue from."""
     cfg, ps = trainer.cfg, trainer.ps
+    ck = cfg.checkpoint
     ckpt = resolve(load_dir)
     index = read_index(ckpt)
     check_compatible(index, cfg, data_info(trainer), ckpt)
+    step = int(index["step"])
+    if step >= cfg.optim.train_iters and not ck.finetune and \
+            os.path.realpath(load_dir) == os.path.realpath(ck.load or ""):
+        raise CheckpointError(f"checkpoint {ckpt} is at step {step} and --train-iters is "
+                              f"{cfg.optim.train_iters}: nothing to train. --train-iters counts all "
+                              f"steps; pass one above {step} to continue (or --finetune to restart "
+                              f"from step 0 with these weights)")
     _verify_shared(ps, ckpt, index)
     reader = TensorReader(ckpt, index)
     specs = param_specs(trainer.chunks, ps, cfg.model.vocab_size)
     load_model_params(specs, reader)
+    if ck.finetune or step == 0:  # weights only: the run starts at step 0 with fresh state
+        trainer.optimizer.load_state_dict({"step": 0, "pieces": [], "state": {}})
+        trainer.loaded_checkpoint, trainer.loaded_step = ckpt, 0
+        return 0
+    if not ck.load_optim:
+        trainer.optimizer.load_state_dict({"step": 0, "pieces": [], "state": {}})
     by_name = {s.name: s for s in specs}
     current = trainer.optimizer.state_dict()
-    step = int(index["step"])
     state, pieces = {}, []
-    for piece in current["pieces"]:
+    for piece in current["pieces"] if ck.load_optim else []:
         s, (a, b) = by_name[piece["name"]], (piece["start"], piece["end"])
         pieces.append({"name": s.name, "start": a, "end": b})
         state[s.name] = {key: reader.read(f"optim/{key}/{s.name}", s.offsets, list(s.param.shape),
@@ -92,8 +134,9 @@ def load_checkpoint(trainer, load_dir: str) -> int:
                          for key in ("exp_avg", "exp_avg_sq", "master")
                          if f"optim/{key}/{s.name}" in reader}
     try:
-        trainer.optimizer.load_state_dict({"step": index["optimizer"]["step"], "pieces": pieces,
-                                           "state": state})
+        if ck.load_optim:
+            trainer.optimizer.load_state_dict({"step": index["optimizer"]["step"], "pieces": pieces,
+                                               "state": state})
         trainer.sampler.load_state_dict(index["sampler"])
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {ckpt}: {exc}") from exc
@@ -107,8 +150,9 @@ def load_checkpoint(trainer, load_dir: str) -> int:
         rank = index["ranks"][str(ps.rank)]
         with safe_open(os.path.join(ckpt, rank["file"]), framework="pt") as fh:
             own = {k: fh.get_tensor(k) for k in rank["own"]}
-        torch.set_rng_state(own["rng/cpu"])
-        if "rng/device" in own and trainer.dev.type != "cpu":
+        if ck.load_rng:
+            torch.set_rng_state(own["rng/cpu"])
+        if ck.load_rng and "rng/device" in own and trainer.dev.type != "cpu":
             trainer.dev.set_rng_state(own["rng/device"])
     trainer.reducer.load_state_dict({"step": index["reducer"]["step"], "residuals": {
         k[len("residual/"):]: v.to(ps.device) for k, v in own.items() if k.startswith("residual/")}})

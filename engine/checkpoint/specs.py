@@ -86,11 +86,11 @@ def layout_of(trainer) -> dict:
 
 def data_info(trainer) -> dict:
     data = trainer.data
-    tok = f"{data.prefix}.tokenizer.json" if data.prefix else None
+    tok = getattr(data, "tokenizer_file", None)
     sha = None
     if tok and os.path.isfile(tok):
         with open(tok, "rb") as fh:
             sha = hashlib.sha256(fh.read()).hexdigest()
     return {"tokenizer": getattr(data.train, "tokenizer_spec", None), "vocab_size": data.vocab_size,
             "eot_id": getattr(data.train, "eot_id", None), "mock": data.prefix is None,
-            "prefix": data.prefix, "tokenizer_sha256": sha}
+            "prefix": data.prefix, "tokenizer_sha256": sha, "tokenizer_file": tok if sha else None}

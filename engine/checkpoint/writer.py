@@ -117,7 +117,7 @@ def _publish(trainer, step, tmp, final, opt_sd, reducer_step) -> None:
         os.remove(path)
     data = data_info(trainer)
     if data["tokenizer_sha256"]:
-        shutil.copyfile(f"{data['prefix']}.tokenizer.json", os.path.join(tmp, "tokenizer.json"))
+        shutil.copyfile(data["tokenizer_file"], os.path.join(tmp, "tokenizer.json"))
     write_json(os.path.join(tmp, INDEX_NAME), {
         "format": FORMAT, "step": step, "layout": layout_of(trainer),
         "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(cfg.model), "data": data,

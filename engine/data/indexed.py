@@ -1,13 +1,22 @@
 """The prepared-data format and the datasets that read it.
 
-A prepared corpus is two files (three with BPE):
-  PREFIX.bin             every document's tokens followed by the end-of-text token, concatenated;
-                         uint16 when the vocabulary fits (< 65536 ids), else uint32; read by memory map
-  PREFIX.json            the index: tokenizer spec, vocab_size, eot_id, dtype, num_tokens, doc_offsets
-  PREFIX.tokenizer.json  the trained BPE tokenizer (HF JSON)
-The .bin is renamed into place before the .json, so an index that exists always describes a complete
-token file. Samples are non-overlapping windows of seq_length+1 tokens (inputs plus shifted labels);
-the last ``valid_fraction`` of the windows is the validation split, so the two splits share no token.
+A prepared corpus is Megatron-LM's indexed dataset plus two small gridtron files:
+  PREFIX.bin, PREFIX.idx  the tokens and their index (``megatron.py``): every document's tokens
+                          followed by the end-of-text token; uint16 below 65500 ids, else int32.
+                          Data made by Megatron-LM's ``tools/preprocess_data.py`` is the same.
+  PREFIX.json             what the tokens mean: tokenizer spec, vocab_size, eot_id, counts, inputs
+                          (absent for Megatron's own data: the tokenizer then comes from
+                          --tokenizer-model or --vocab-size)
+  PREFIX.tokenizer.json   the tokenizer (HF JSON) for BPE and Hugging Face tokenizers
+The .bin and .idx are renamed into place before the .json is written.
+
+The older gridtron layout (``PREFIX.bin`` + a ``PREFIX.json`` of format gridtron-tokens-v1 listing
+document offsets) is still read; ``python -m engine.data convert PREFIX`` turns it into the format
+above without rewriting the tokens.
+
+Samples are non-overlapping windows of seq_length+1 tokens (inputs plus shifted labels) over the
+concatenated documents of one split (``splits.py``: documents, not windows, are assigned to train,
+validation and test), so no window crosses from one split into another.
 """
 from __future__ import annotations
 
@@ -19,111 +28,145 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.data.megatron import IndexedTokens, is_indexed, megatron_dtype, write_index, write_indexed
+from engine.data.splits import SPLITS, document_split, parse_split
 from engine.data.tokenizer import atomic_write_text, strip_data_suffix
 
-FORMAT = "gridtron-tokens-v1"
+FORMAT = "gridtron-data-v2"
+LEGACY_FORMAT = "gridtron-tokens-v1"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size < 2**16 else np.dtype(np.uint32)
+    return megatron_dtype(vocab_size)
 
 
 def write_documents(prefix: str | os.PathLike, docs: Iterable[list[int]], tokenizer,
                     extra: dict | None = None) -> dict:
-    """Stream token lists into PREFIX.bin (each followed by EOT), then write PREFIX.json; return the index."""
-    prefix = Path(prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
+    """Stream token lists into PREFIX.bin/.idx (each followed by EOT), then write PREFIX.json."""
     dtype = token_dtype(tokenizer.vocab_size)
-    bin_path = Path(f"{prefix}.bin")
-    tmp = bin_path.with_name(f".{bin_path.name}.tmp-{os.getpid()}")
-    offsets = [0]
-    try:
-        with open(tmp, "wb") as f:
-            for ids in docs:
-                arr = np.asarray([*ids, tokenizer.eot_id], dtype=dtype)  # (doc_len + 1,)
-                arr.tofile(f)
-                offsets.append(offsets[-1] + len(arr))
-        if len(offsets) == 1:
-            raise ValueError(f"no documents to write to {bin_path}")
-        os.replace(tmp, bin_path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    index = {
-        "format": FORMAT,
-        "tokenizer": tokenizer.spec,
-        "vocab_size": tokenizer.vocab_size,
-        "eot_id": tokenizer.eot_id,
-        "dtype": dtype.name,
-        "num_tokens": offsets[-1],
-        "num_docs": len(offsets) - 1,
-        **(extra or {}),
-        "doc_offsets": offsets,  # doc i is tokens[off[i]:off[i+1]], its last token is EOT
-    }
-    atomic_write_text(f"{prefix}.json", json.dumps(index))
-    return index
+    eot = tokenizer.eot_id
+    num_docs, num_tokens = write_indexed(prefix, ([*ids, eot] for ids in docs), dtype)
+    meta = {"format": FORMAT, "tokenizer": tokenizer.spec, "vocab_size": tokenizer.vocab_size,
+            "eot_id": eot, "dtype": dtype.name, "num_tokens": num_tokens, "num_docs": num_docs,
+            **(extra or {})}
+    atomic_write_text(f"{prefix}.json", json.dumps(meta))
+    return meta
+
+
+def read_meta(prefix: str | os.PathLike) -> dict | None:
+    """PREFIX.json (gridtron's description of the tokens), or None when there is none."""
+    path = Path(f"{strip_data_suffix(str(prefix))}.json")
+    if not path.is_file():
+        return None
+    meta = json.loads(path.read_text(encoding="utf-8"))
+    if meta.get("format") not in (FORMAT, LEGACY_FORMAT):
+        raise ValueError(f"{path} is not a gridtron data description (format {meta.get('format')!r})"
+                         f": prepare the data again")
+    return meta
 
 
 def read_index(prefix: str | os.PathLike) -> dict:
+    """The description of prepared data; raises when there is no data at ``prefix``."""
     prefix = strip_data_suffix(str(prefix))
-    path = Path(f"{prefix}.json")
-    if not path.is_file():
+    meta = read_meta(prefix)
+    if meta is None and not is_indexed(prefix):
         raise FileNotFoundError(
-            f"no prepared data at {prefix!r} (expected {prefix}.json and {prefix}.bin): create it with "
+            f"no prepared data at {prefix!r} (expected {prefix}.bin and {prefix}.idx): create it with "
             f"python -m engine.data prepare --input YOUR_TEXT --output {prefix}")
-    index = json.loads(path.read_text(encoding="utf-8"))
-    if index.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a gridtron token index (format {index.get('format')!r}, "
-                         f"expected {FORMAT!r}): prepare the data again")
-    return index
+    if meta is None:
+        docs = IndexedTokens(prefix)
+        meta = {"format": "megatron", "tokenizer": None, "vocab_size": None, "eot_id": None,
+                "dtype": docs.dtype.name, "num_tokens": docs.num_tokens, "num_docs": docs.num_docs}
+    return meta
+
+
+class Documents:
+    """Memory-mapped tokens with per-document (start, length) arrays, from either layout."""
+
+    def __init__(self, prefix: str):
+        self.prefix = strip_data_suffix(str(prefix))
+        self.meta = read_meta(self.prefix)
+        if is_indexed(self.prefix):
+            docs = IndexedTokens(self.prefix)
+            self.tokens = docs.tokens                                  # (N,)
+            self.starts, self.lengths = docs.document_bounds()         # (D,), (D,)
+        elif self.meta is not None and self.meta["format"] == LEGACY_FORMAT:
+            bin_path = Path(f"{self.prefix}.bin")
+            dtype = np.dtype(self.meta["dtype"])
+            expected = self.meta["num_tokens"] * dtype.itemsize
+            if not bin_path.is_file() or bin_path.stat().st_size != expected:
+                raise ValueError(f"{bin_path} does not match {self.prefix}.json: prepare the data again")
+            self.tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(self.meta["num_tokens"],))
+            offsets = np.asarray(self.meta["doc_offsets"], dtype=np.int64)
+            self.starts, self.lengths = offsets[:-1], np.diff(offsets)
+        else:
+            read_index(self.prefix)  # raises the "no prepared data" error
+            raise ValueError(f"{self.prefix}.json describes a corpus whose {self.prefix}.idx is "
+                             f"missing: prepare the data again")
+        self.num_docs = len(self.starts)
 
 
 def open_tokens(prefix: str | os.PathLike) -> tuple[np.memmap, dict]:
-    """Memory-map PREFIX.bin (read-only) after checking its size against the index."""
-    prefix = strip_data_suffix(str(prefix))
-    index = read_index(prefix)
-    dtype = np.dtype(index["dtype"])
-    bin_path = Path(f"{prefix}.bin")
-    expected = index["num_tokens"] * dtype.itemsize
-    if not bin_path.is_file() or bin_path.stat().st_size != expected:
-        found = bin_path.stat().st_size if bin_path.is_file() else "no"
-        raise ValueError(f"{bin_path} has {found} bytes but {prefix}.json describes {expected}: "
-                         f"the files do not belong together; prepare the data again")
-    return np.memmap(bin_path, dtype=dtype, mode="r", shape=(index["num_tokens"],)), index
+    """The memory-mapped tokens of prepared data and its description."""
+    docs = Documents(str(prefix))
+    return docs.tokens, read_index(prefix)
 
 
-def split_sizes(num_samples: int, valid_fraction: float) -> tuple[int, int]:
-    """(train, valid) sample counts: valid is the last ``valid_fraction`` of samples, at least one."""
-    if not 0.0 < valid_fraction < 1.0:
-        raise ValueError(f"valid_fraction must be in (0, 1), got {valid_fraction}")
-    num_valid = max(1, int(num_samples * valid_fraction))
-    if num_samples - num_valid < 1:
-        raise ValueError(f"only {num_samples} sample(s): need at least 2 to hold a train and a validation "
-                         f"split; use a smaller --seq-length or more data")
-    return num_samples - num_valid, num_valid
+def convert_legacy(prefix: str, output: str | None = None) -> dict:
+    """Write the Megatron index for data in the old layout (tokens kept; int32 when they were uint32)."""
+    prefix = strip_data_suffix(prefix)
+    output = strip_data_suffix(output) if output else prefix
+    meta = read_meta(prefix)
+    if meta is None or meta["format"] != LEGACY_FORMAT:
+        raise ValueError(f"{prefix} is not in the old gridtron-tokens-v1 layout: nothing to convert")
+    docs = Documents(prefix)
+    dtype = token_dtype(meta["vocab_size"])
+    if output != prefix or dtype != docs.tokens.dtype:
+        tmp = Path(f"{output}.bin.tmp-{os.getpid()}")
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        np.asarray(docs.tokens, dtype=dtype).tofile(tmp)
+        os.replace(tmp, f"{output}.bin")
+    lengths = docs.lengths
+    write_index(f"{output}.idx", dtype, lengths, np.arange(len(lengths) + 1))
+    tok = Path(f"{prefix}.tokenizer.json")
+    if output != prefix and tok.is_file():
+        atomic_write_text(f"{output}.tokenizer.json", tok.read_text(encoding="utf-8"))
+    new = {k: v for k, v in meta.items() if k != "doc_offsets"}
+    new.update(format=FORMAT, dtype=dtype.name)
+    atomic_write_text(f"{output}.json", json.dumps(new))
+    return new
 
 
 class TokenDataset:
-    """Windows of ``seq_length + 1`` tokens over a prepared corpus: ``ds[i] -> LongTensor (s+1,)``."""
+    """Windows of ``seq_length + 1`` tokens over the documents of one split: ``ds[i] -> (s+1,)``.
+
+    ``splits`` is the ``--split`` string and ``seed`` the run's seed (the document shuffle). The
+    vocabulary facts come from PREFIX.json; for Megatron's own data pass them in ``meta``.
+    """
 
     def __init__(self, prefix: str | os.PathLike, seq_length: int, split: str = "train",
-                 valid_fraction: float = 0.02):
+                 splits: str = "969,30,1", seed: int = 0, meta: dict | None = None):
         if seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {seq_length}")
-        if split not in ("train", "valid"):
-            raise ValueError(f"split must be 'train' or 'valid', got {split!r}")
-        self.prefix = strip_data_suffix(str(prefix))
-        self.tokens, self.index = open_tokens(self.prefix)  # (num_tokens,)
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        docs = Documents(str(prefix))
+        self.prefix, self.tokens, self.split = docs.prefix, docs.tokens, split
+        info = {**(docs.meta or {}), **(meta or {})}
+        self.vocab_size = info.get("vocab_size")
+        self.eot_id = info.get("eot_id")
+        self.tokenizer_spec = info.get("tokenizer")
+        self.num_docs_total = docs.num_docs
+        ids = document_split(docs.num_docs, parse_split(splits), seed)[split]  # (D_split,)
+        self.doc_ids = ids
+        self._starts = docs.starts[ids]                                          # (D_split,)
+        self._cum = np.concatenate([[0], np.cumsum(docs.lengths[ids], dtype=np.int64)])  # (D_split+1,)
         self.seq_length = seq_length
-        self.vocab_size = self.index["vocab_size"]
-        self.eot_id = self.index["eot_id"]
-        self.tokenizer_spec = self.index["tokenizer"]
-        total = self.index["num_tokens"] // (seq_length + 1)
-        if total < 2:
-            raise ValueError(f"{self.prefix} holds {self.index['num_tokens']} tokens, fewer than two samples "
-                             f"of seq_length+1 = {seq_length + 1}: use a smaller --seq-length or more data")
-        num_train, num_valid = split_sizes(total, valid_fraction)
-        self.start = 0 if split == "train" else num_train  # first window of this split
-        self.num_samples = num_train if split == "train" else num_valid
+        self.num_samples = int(self._cum[-1] // (seq_length + 1))
+        if split == "train" and self.num_samples < 1:
+            raise ValueError(f"{self.prefix}: the training split ({len(ids)} of {docs.num_docs} "
+                             f"documents, {int(self._cum[-1])} tokens) holds no sample of seq_length+1 "
+                             f"= {seq_length + 1} tokens: use a smaller --seq-length or more data")
 
     def __len__(self) -> int:
         return self.num_samples
@@ -132,8 +175,16 @@ class TokenDataset:
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range for {self.num_samples} samples")
         w = self.seq_length + 1
-        begin = (self.start + i) * w
-        return torch.from_numpy(self.tokens[begin: begin + w].astype(np.int64))  # (s+1,)
+        pos, end = i * w, (i + 1) * w
+        k = int(np.searchsorted(self._cum, pos, side="right")) - 1
+        pieces = []
+        while pos < end:  # a window spans the tail of one document and the heads of the next
+            begin = int(self._starts[k]) + pos - int(self._cum[k])
+            take = min(end, int(self._cum[k + 1])) - pos
+            pieces.append(self.tokens[begin: begin + take])
+            pos += take
+            k += 1
+        return torch.from_numpy(np.concatenate(pieces).astype(np.int64))  # (s+1,)
 
 
 class MockDataset:

@@ -1,4 +1,5 @@
-"""Turn text files into a prepared token corpus (see ``indexed.py`` for the format).
+"""Turn text files into a prepared token corpus: Megatron's PREFIX.bin/.idx plus PREFIX.json (see
+``indexed.py`` for the format).
 
 One input file is one document; in a ``.jsonl`` file each line's ``"text"`` is one document. Directories
 are searched recursively, in sorted path order so the corpus (and a size cap over it) is reproducible.
@@ -8,9 +9,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from engine.data.hf_tokenizer import HFTokenizer, resolve_tokenizer
 from engine.data.indexed import write_documents
 from engine.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, parse_spec, train_bpe
 
@@ -55,9 +58,12 @@ def cap_files(files: list[Path], max_bytes: int | None) -> list[Path]:
     return kept
 
 
-def read_documents(files: Iterable[Path]) -> Iterator[str]:
-    """Yield each non-empty document's text unchanged; bytes that are not UTF-8 become U+FFFD."""
+def read_documents(files: Iterable[Path], progress=None) -> Iterator[str]:
+    """Yield each non-empty document's text unchanged; bytes that are not UTF-8 become U+FFFD.
+    ``progress`` (a tqdm bar) advances by one per file."""
     for f in files:
+        if progress is not None:
+            progress.update(1)
         if f.suffix == ".jsonl":
             with open(f, encoding="utf-8", errors="replace") as lines:
                 for lineno, line in enumerate(lines, 1):
@@ -86,9 +92,13 @@ def take_chars(texts: Iterable[str], max_chars: int | None) -> Iterator[str]:
         yield t
 
 
-def make_tokenizer(spec: str, documents: Callable[[], Iterable[str]], train_chars: int | None):
+def make_tokenizer(spec: str, documents: Callable[[], Iterable[str]], train_chars: int | None,
+                   hf: HFTokenizer | None = None):
     """A spec ('byte', 'bpe:N') builds a tokenizer, training BPE on the leading documents; anything else
-    is taken as the prefix of prepared data whose tokenizer is reused (so splits share one vocabulary)."""
+    is taken as the prefix of prepared data whose tokenizer is reused (so splits share one vocabulary).
+    A Hugging Face tokenizer (``hf``, from --tokenizer-model) is used as it is."""
+    if hf is not None:
+        return hf
     if spec != "byte" and not spec.startswith("bpe:"):
         return load_tokenizer(spec)
     kind, size = parse_spec(spec)
@@ -105,12 +115,21 @@ def encode_documents(tokenizer, texts: Iterable[str]) -> Iterator[list[int]]:
 
 def prepare(inputs: Iterable[str | os.PathLike], output: str | os.PathLike, tokenizer: str = "bpe:8192",
             max_bytes: int | None = None, train_chars: int | None = None,
-            extensions: Iterable[str] = TEXT_EXTENSIONS, skip_dirs: Iterable[str] = ()) -> dict:
-    """Tokenize ``inputs`` into ``output``.bin/.json (+ .tokenizer.json for BPE) and return the index.
+            extensions: Iterable[str] = TEXT_EXTENSIONS, skip_dirs: Iterable[str] = (),
+            tokenizer_model: str | None = None, tokenizer_type: str | None = None,
+            vocab_file: str | None = None, merge_file: str | None = None,
+            progress: bool = False) -> dict:
+    """Tokenize ``inputs`` into ``output``.bin/.idx/.json (+ .tokenizer.json for BPE and HF
+    tokenizers) and return the description.
 
     ``max_bytes`` caps the input (whole files, in sorted order); ``train_chars`` caps the text BPE is
     trained on (the leading documents), since training on a sample is much faster and nearly as good.
+    ``tokenizer_model`` / ``tokenizer_type`` / ``vocab_file`` + ``merge_file`` name a tokenizer from
+    the ecosystem (hf_tokenizer.py) and then replace ``tokenizer``. ``progress`` shows a bar.
     """
+    hf = resolve_tokenizer(tokenizer_type, tokenizer_model, vocab_file, merge_file)
+    if hf is None and tokenizer_type == "NullTokenizer":
+        raise ValueError("--tokenizer-type NullTokenizer cannot tokenize text: name a tokenizer")
     inputs, extensions = [str(p) for p in inputs], tuple(extensions)
     if not inputs:
         raise ValueError("no inputs given: pass files or directories with text to --input")
@@ -120,9 +139,18 @@ def prepare(inputs: Iterable[str | os.PathLike], output: str | os.PathLike, toke
         raise ValueError(f"empty corpus: found {len(files)} file(s) under {inputs} and no text in them; "
                          f"directories are searched for {' '.join(extensions)} files: pass non-empty "
                          f"text files or directories that hold them")
-    tok = make_tokenizer(tokenizer, documents, train_chars)
+    tok = make_tokenizer(tokenizer, documents, train_chars, hf)
     Path(output).parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(tok, BPETokenizer):
+    if isinstance(tok, (BPETokenizer, HFTokenizer)):
         tok.save(f"{output}.tokenizer.json")
     extra = {"inputs": inputs, "num_files": len(files)}
-    return write_documents(output, encode_documents(tok, documents()), tok, extra)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(files), desc=f"tokenizing {Path(output).name}", unit="file",
+                   dynamic_ncols=True, file=sys.stderr)
+    try:
+        return write_documents(output, encode_documents(tok, read_documents(files, bar)), tok, extra)
+    finally:
+        if bar is not None:
+            bar.close()

@@ -5,6 +5,14 @@ generated from (seed, e). Step k takes stream positions [k*G, (k+1)*G) for globa
 global batch may straddle an epoch boundary. Every layout then cuts the same global batch: DP rank r
 takes the r-th consecutive slice, and its micro-batches are consecutive slices of that. This is what
 lets any (tp, pp, dp, micro-batch) layout train on exactly the samples of the serial run.
+
+``BlendedSampler`` does the same for a blend of datasets (``--data-path 0.3 A 0.7 B``): step k
+takes n_m(k) samples from member m, floor(G w_m) plus a share of the remainder placed by a
+low-discrepancy (Weyl) sequence seeded by the run's seed, so over any span of steps every member
+gets its weight's share to within one sample per step. Member m's samples come from its own
+endless stream of seeded epochs, from position C_m(k) (the samples it gave to steps 0..k-1, a sum
+over steps that is memoised for the sequential access of training); the global batch is then
+shuffled by (seed, k). All of it depends on (seed, k) alone.
 """
 from __future__ import annotations
 
@@ -35,18 +43,21 @@ class GlobalBatchSampler:
             self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
         return self._perms[epoch]
 
-    def global_batch(self, step: int) -> list[int]:
-        """Sample indices of the global batch of 0-based ``step``."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+    def take(self, pos: int, end: int) -> list[int]:
+        """Stream positions [pos, end) as sample indices."""
         n, out = self.num_samples, []
-        pos, end = step * self.global_batch_size, (step + 1) * self.global_batch_size
         while pos < end:
             epoch, offset = divmod(pos, n)
             take = min(end - pos, n - offset)
             out += self.epoch_permutation(epoch)[offset: offset + take].tolist()
             pos += take
         return out
+
+    def global_batch(self, step: int) -> list[int]:
+        """Sample indices of the global batch of 0-based ``step``."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return self.take(step * self.global_batch_size, (step + 1) * self.global_batch_size)
 
     def micro_batches(self, step: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[list[int]]:
         """This DP rank's consecutive slice of the global batch, cut into consecutive micro-batches."""
@@ -68,10 +79,89 @@ class GlobalBatchSampler:
     def load_state_dict(self, state: dict) -> None:
         """Restore the position and seed. A different dataset or global batch size would silently change
         which samples follow, so those are refused."""
-        for key in ("num_samples", "global_batch_size"):
-            if key in state and state[key] != getattr(self, key):
+        mine = self.state_dict()
+        for key in ("num_samples", "global_batch_size", "blend"):
+            if key in state and state[key] != mine.get(key):
                 raise ValueError(f"the checkpoint's sampler has {key}={state[key]} but this run has "
-                                 f"{getattr(self, key)}: resume with the same data and --global-batch-size")
+                                 f"{mine.get(key)}: resume with the same data and --global-batch-size")
         self.seed = int(state["seed"])
         self.next_step = int(state["next_step"])
+        self._reseed()
+
+    def _reseed(self) -> None:
         self._perms.clear()
+
+
+_BLEND, _MIX = 0xB1E, 0x313  # stream tags next to the run's seed
+_GOLDEN = (5 ** 0.5 - 1) / 2
+_CHUNK = 1 << 16
+
+
+class BlendedSampler(GlobalBatchSampler):
+    """Global batches over a ``BlendedDataset`` (members side by side in one index space)."""
+
+    def __init__(self, sizes: list[int], weights: list[float], global_batch_size: int, seed: int):
+        if not sizes or len(sizes) != len(weights) or min(sizes) < 1 or min(weights) <= 0:
+            raise ValueError("a blend needs at least one non-empty member with a positive weight")
+        super().__init__(int(sum(sizes)), global_batch_size, seed)
+        self.sizes, self.weights = list(sizes), [w / sum(weights) for w in weights]
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        g = np.asarray(self.weights) * global_batch_size
+        self._base = np.floor(g).astype(np.int64)                                  # (M,)
+        frac = g - self._base
+        self._bounds = np.concatenate([[0.0], np.cumsum(frac)])                     # (M+1,)
+        self._bounds[-1] = float(global_batch_size - self._base.sum())              # = R exactly
+        self._reseed()
+
+    def _reseed(self) -> None:
+        self._perms.clear()
+        if not hasattr(self, "sizes"):
+            return
+        self._phase = float(np.random.default_rng([_BLEND, self.seed]).random())
+        self._members = [GlobalBatchSampler(n, self.global_batch_size, 0) for n in self.sizes]
+        for m, member in enumerate(self._members):  # member m's own epochs: rng([seed, BLEND, m, epoch])
+            member.epoch_permutation = self._member_perm(member, m)
+        self._memo = (0, np.zeros(len(self.sizes), dtype=np.int64))
+
+    def _member_perm(self, member: GlobalBatchSampler, m: int):
+        cache: dict[int, np.ndarray] = {}
+
+        def perm(epoch: int) -> np.ndarray:
+            if epoch not in cache:
+                if len(cache) >= 2:
+                    cache.clear()
+                cache[epoch] = np.random.default_rng([self.seed, _BLEND, m, epoch]).permutation(member.num_samples)
+            return cache[epoch]
+        return perm
+
+    def step_counts(self, steps: np.ndarray) -> np.ndarray:
+        """Samples each member gives to each of ``steps``: (K, M) int64, rows summing to G."""
+        u = np.mod(np.asarray(steps, dtype=np.float64) * _GOLDEN + self._phase, 1.0)[:, None]  # (K, 1)
+        extra = np.ceil(self._bounds[1:] - u) - np.ceil(self._bounds[:-1] - u)               # (K, M)
+        return self._base[None, :] + extra.astype(np.int64)
+
+    def consumed(self, step: int) -> np.ndarray:
+        """Samples each member gave to steps 0..step-1: (M,) int64."""
+        done, total = self._memo
+        if step < done:
+            done, total = 0, np.zeros(len(self.sizes), dtype=np.int64)
+        while done < step:
+            upto = min(step, done + _CHUNK)
+            total = total + self.step_counts(np.arange(done, upto)).sum(axis=0)
+            done = upto
+        self._memo = (done, total)
+        return total
+
+    def global_batch(self, step: int) -> list[int]:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        start = self.consumed(step)
+        counts = self.step_counts(np.array([step]))[0]
+        out: list[int] = []
+        for m, (c, n) in enumerate(zip(start.tolist(), counts.tolist())):
+            out += [int(self.offsets[m]) + i for i in self._members[m].take(c, c + n)]
+        order = np.random.default_rng([self.seed, _MIX, step]).permutation(len(out))
+        return [out[i] for i in order]
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "blend": [[n, w] for n, w in zip(self.sizes, self.weights)]}

@@ -2,7 +2,8 @@
 
 Both expose the same small interface (``spec``, ``vocab_size``, ``eot_id``, ``encode``, ``encode_batch``,
 ``decode``) so the data pipeline, the trainer and text generation never care which one is in use.
-A tokenizer is named by a *spec* string: ``"byte"`` or ``"bpe:<vocab size>"``. A trained BPE tokenizer is
+A tokenizer is named by a *spec* string: ``"byte"`` or ``"bpe:<vocab size>"``; a Hugging Face tokenizer
+given by ``--tokenizer-model`` has the spec ``"hf"`` (``hf_tokenizer.py``). A trained BPE tokenizer is
 persisted as HF's JSON file next to the prepared data (``PREFIX.tokenizer.json``), never pickled.
 """
 from __future__ import annotations
@@ -125,9 +126,13 @@ def load_tokenizer(prefix_or_spec: str | os.PathLike):
     prefix = strip_data_suffix(s)
     index = Path(f"{prefix}.json")
     if index.is_file():
-        spec = json.loads(index.read_text(encoding="utf-8"))["tokenizer"]
+        meta = json.loads(index.read_text(encoding="utf-8"))
+        spec = meta["tokenizer"]
         if spec == "byte":
             return ByteTokenizer()
+        if spec == "hf":
+            from engine.data.hf_tokenizer import HFTokenizer
+            return HFTokenizer.from_file(tokenizer_path(prefix), eot_id=meta["eot_id"])
         return BPETokenizer.load(tokenizer_path(prefix), spec)
     if tokenizer_path(prefix).is_file():
         return BPETokenizer.load(tokenizer_path(prefix))
@@ -139,8 +144,8 @@ def load_tokenizer(prefix_or_spec: str | os.PathLike):
 
 
 def strip_data_suffix(path: str) -> str:
-    """Accept ``PREFIX``, ``PREFIX.json``, ``PREFIX.bin`` or ``PREFIX.tokenizer.json`` for a prefix."""
-    for suffix in (".tokenizer.json", ".json", ".bin"):
+    """Accept ``PREFIX``, ``PREFIX.json``, ``.bin``, ``.idx`` or ``.tokenizer.json`` for a prefix."""
+    for suffix in (".tokenizer.json", ".json", ".bin", ".idx"):
         if path.endswith(suffix):
             return path[: -len(suffix)]
     return path

@@ -1,0 +1,97 @@
+"""Dashboards: TensorBoard (``--tensorboard-dir``) and Weights & Biases (``--wandb-project``).
+
+Global rank 0 sends the step's scalars every ``--log-interval`` steps, and the validation loss on
+every step that has one. Tags are the metrics' JSONL keys grouped by what they measure
+(``SCALARS``); a key whose value is null on a step (the bubble without PP, MFU without a known peak)
+is not sent. TensorBoard's ``SummaryWriter`` needs the ``tensorboard`` package; wandb is optional
+(``pip install wandb``; ``--wandb-mode offline`` writes the run locally, ``wandb sync`` uploads it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+SCALARS = {  # metrics key -> dashboard tag
+    "loss": "train/loss",
+    "valid_loss": "valid/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "loss_scale": "train/loss_scale",
+    "tokens_per_s": "throughput/tokens_per_s",
+    "tflops_per_device": "throughput/tflops_per_device",
+    "mfu": "throughput/mfu",
+    "step_time_s": "throughput/step_time_s",
+    "bubble_theoretical": "pipeline/bubble_theoretical",
+    "bubble_simulated": "pipeline/bubble_simulated",
+    "bubble_measured": "pipeline/bubble_measured",
+    "dp_comm_bytes": "comm/dp_comm_bytes",
+    "dp_comm_wire_bytes": "comm/dp_comm_wire_bytes",
+    "tp_comm_bytes": "comm/tp_comm_bytes",
+    "cp_comm_bytes": "comm/cp_comm_bytes",
+    "pp_comm_bytes": "comm/pp_comm_bytes",
+    "peak_memory_bytes": "memory/peak_memory_bytes",
+}
+
+
+def missing_packages(log_cfg) -> list[str]:
+    """The dashboards asked for whose package is not installed, as one-line fixes."""
+    out = []
+    if log_cfg.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        out.append("--tensorboard-dir needs the tensorboard package: pip install tensorboard "
+                   "(or pip install -e .[tensorboard])")
+    if log_cfg.wandb_project and log_cfg.wandb_mode != "disabled" and \
+            importlib.util.find_spec("wandb") is None:
+        out.append("--wandb-project needs the wandb package: pip install wandb (or pip install -e "
+                   ".[wandb]), or drop --wandb-project")
+    return out
+
+
+def scalars(record: dict) -> dict[str, float]:
+    return {tag: float(record[key]) for key, tag in SCALARS.items()
+            if record.get(key) is not None and not isinstance(record[key], bool)}
+
+
+class Dashboards:
+    """The dashboards of one run (rank 0 only; elsewhere every method does nothing)."""
+
+    def __init__(self, cfg, enabled: bool, start_step: int = 0):
+        self.interval = cfg.log.log_interval
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        log = cfg.log
+        if log.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            os.makedirs(log.tensorboard_dir, exist_ok=True)
+            # a resumed run drops the events a crashed attempt wrote after the resumed step
+            self.tb = SummaryWriter(log.tensorboard_dir, purge_step=start_step + 1 if start_step else None)
+        if log.wandb_project and log.wandb_mode != "disabled":
+            import wandb
+            save_dir = log.wandb_save_dir or log.run_dir or "."
+            os.makedirs(save_dir, exist_ok=True)
+            config = dataclasses.asdict(cfg)
+            self.wandb = wandb.init(project=log.wandb_project, name=log.wandb_exp_name, dir=save_dir,
+                                    mode=log.wandb_mode, config=config)
+
+    def log(self, record: dict) -> None:
+        step = record["step"]
+        values = scalars(record)
+        if step % self.interval:
+            values = {k: v for k, v in values.items() if k == SCALARS["valid_loss"]}
+        if not values:
+            return
+        if self.tb is not None:
+            for tag, value in values.items():
+                self.tb.add_scalar(tag, value, step)
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.flush()
+            self.tb.close()
+            self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
