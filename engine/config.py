@@ -142,6 +142,7 @@ class CheckpointConfig:
     save_interval: int = 0
     load: str | None = None
     keep_last: int = 2
+    async_save: bool = False  # copy shards to host at the step boundary, write them in the background
 
     def __post_init__(self):
         if self.save_interval < 0 or self.keep_last < 1:
