@@ -75,9 +75,9 @@ def async_against_sync(ps, root):
         events.append(("written" if background else "written by the main thread", path.split(os.sep)[-2]))
         return info
 
-    def snapshot(trainer, step, tmp, copy=False):
+    def snapshot(trainer, step, tmp, host=None):
         events.append(("snapshot", step))
-        return real_snapshot(trainer, step, tmp, copy)
+        return real_snapshot(trainer, step, tmp, host)
 
     def publish(snap):
         events.append(("published", snap.step))

@@ -1,9 +1,9 @@
 """Checkpoints at step boundaries, written synchronously or (``--async-save``) in the background.
 
 With ``async_save`` a save blocks training only while this rank's tensors are copied to host memory
-(``writer.snapshot(copy=True)``). A background thread then writes the rank's safetensors file,
-re-reads it against its sha256 and writes the rank's JSON description: file I/O only. The thread
-never issues a collective (a second thread's collectives would race with training's on the same
+(``writer.snapshot`` into ``HostBuffers``, reused by every save). A background thread then writes
+the rank's safetensors file, re-reads it against its sha256 and writes the rank's JSON description:
+file I/O only. The thread never issues a collective (a second thread's collectives would race with training's on the same
 process groups, and are illegal on NCCL/HCCL streams).
 
 Completion is agreed by the main thread at the following step boundaries. Every boundary issues one
@@ -49,6 +49,25 @@ def agree(ps, counts: list[int]) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
+class HostBuffers:
+    """Host tensors that every background save of this run copies into, one save at a time.
+
+    Reusing them matters on the CPU: a fresh 1 GiB tensor costs about four times the copy itself
+    in first-touch page faults (measured here: 0.8-0.9 s against 0.15-0.23 s), so only the first
+    save pays for the allocation. They hold one copy of what this rank writes for the whole run."""
+
+    def __init__(self):
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._bufs[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        buf.copy_(t)  # device -> host, or a copy on the CPU; synchronous
+        return buf
+
+
 class _Flight:
     """One save being written by a background thread."""
 
@@ -90,6 +109,7 @@ class Checkpointer:
         ck = trainer.cfg.checkpoint
         self.save_dir, self.background = ck.save, bool(ck.async_save)
         self.flight: _Flight | None = None
+        self.buffers = HostBuffers()
 
     def boundary(self, step: int, due: bool, stop_requested: bool = False, last: bool = False) -> Boundary:
         """After optimizer step ``step`` (1-based): ``due`` when the save interval says so,
@@ -115,7 +135,7 @@ class Checkpointer:
         if self.flight is not None:
             self.wait()
         tmp = prepare_dir(self.trainer, step)
-        self.flight = _Flight(snapshot(self.trainer, step, tmp, copy=True))
+        self.flight = _Flight(snapshot(self.trainer, step, tmp, host=self.buffers.copy))
 
     def wait(self) -> str | None:
         """Block until the save in flight is written on every rank and published; every rank

@@ -32,6 +32,7 @@ class _Shard:
         self.fname, self.tensors, self.entries = fname, {}, {}
 
     def add(self, name: str, spec: ParamSpec, t: torch.Tensor, flat=None, host=None) -> None:
+        """``host(name, t)``, when given, returns the host copy that is stored instead of ``t``."""
         if flat is None:
             t = t.reshape(spec.param.shape)[tuple(slice(0, v) for v in spec.valid_shape)]
             piece = {"offsets": spec.offsets, "shape": spec.valid_shape}
@@ -43,7 +44,7 @@ class _Shard:
             piece = {"offsets": spec.offsets, "shape": spec.valid_shape, "flat": [flat[0], end]}
         if t.numel() == 0:
             return
-        self.tensors[name] = host(t) if host else t
+        self.tensors[name] = host(name, t) if host else t
         entry = self.entries.setdefault(name, {"shape": spec.global_shape, "dtype": str(t.dtype)[6:],
                                                "pieces": []})
         entry["pieces"].append({"file": self.fname, "key": name, **piece})
@@ -51,8 +52,8 @@ class _Shard:
 
 @dataclass
 class Snapshot:
-    """One rank's part of the save of ``step``, taken at the step boundary. With ``copy`` (the
-    background path) every tensor is a host copy that training no longer touches."""
+    """One rank's part of the save of ``step``, taken at the step boundary. For the background
+    path every tensor is a host copy that training no longer touches."""
     step: int
     tmp: str
     final: str
@@ -98,19 +99,18 @@ def prepare_dir(trainer, step: int) -> str:
     return tmp
 
 
-def snapshot(trainer, step: int, tmp: str, copy: bool = False) -> Snapshot:
+def snapshot(trainer, step: int, tmp: str, host=None) -> Snapshot:
     """This rank's slices, per-rank state and (rank 0) the index metadata, as of this boundary.
-    ``copy``: copy every tensor to host memory (parameters and residuals are updated in place by
-    the next step; the optimizer's ``state_dict`` already returns copies, which only move)."""
+    Tensors are views of the live state (the synchronous save writes them before training goes on)
+    unless ``host(key, t)`` is given: it returns a host copy of ``t``, which the background path
+    needs because the next step updates parameters, moments and residuals in place."""
     cfg, ps = trainer.cfg, trainer.ps
-    fresh = (lambda t: t.detach().to("cpu", copy=True)) if copy else None
-    moved = (lambda t: t.detach().to("cpu")) if copy else None
     shard = _Shard(f"rank_{ps.rank:05d}.safetensors")
     specs = {s.name: s for s in param_specs(trainer.chunks, ps, cfg.model.vocab_size)}
     for s in specs.values():
         if s.writer and ps.dp_rank == 0:
-            shard.add(f"model/{s.name}", s, s.param.detach(), host=fresh)
-    sd = trainer.optimizer.state_dict()
+            shard.add(f"model/{s.name}", s, s.param.detach(), host=host)
+    sd = trainer.optimizer.state_dict(clone=False)
     zero = sd["kind"] == "distributed"
     for piece in sd["pieces"]:
         s = specs[piece["name"]]
@@ -119,12 +119,13 @@ def snapshot(trainer, step: int, tmp: str, copy: bool = False) -> Snapshot:
         whole = piece["start"] == 0 and piece["end"] == s.param.numel()
         for key, t in sd["state"][piece["name"]].items():
             shard.add(f"optim/{key}/{s.name}", s, t, None if whole else (piece["start"], piece["end"]),
-                      host=moved)
+                      host=host)
     own = {"rng/cpu": torch.get_rng_state()}
     if (dev_rng := device_rng(trainer.dev)) is not None:
         own["rng/device"] = dev_rng.cpu()
     red = trainer.reducer.state_dict()
-    own.update({f"residual/{k}": fresh(v) if copy else v for k, v in red["residuals"].items()})
+    own.update({f"residual/{k}": host(f"residual/{k}", v) if host else v
+                for k, v in red["residuals"].items()})
     c = ps.coord
     rank_json = {"rank": ps.rank, "coord": [c.tp, c.pp, c.dp], "file": shard.fname,
                  "tensors": shard.entries, "own": sorted(own)}
