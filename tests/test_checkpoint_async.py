@@ -2,7 +2,7 @@
 a synchronous save's byte for byte, `latest` moves only once every rank's files are complete (a
 process killed mid-write resumes from the previous checkpoint with the uninterrupted losses), and
 SIGTERM (on one rank, or during a background write) stops every rank after the same step, once the
-save in flight is complete."""
+save in flight is complete. A background write that fails on one rank fails every rank."""
 import json
 import os
 import signal
@@ -116,6 +116,19 @@ def async_against_sync(ps, root):
 
     out["sigterm"] = _run(base + ["--async-save"], cls=SigtermOnRank1)
     out["resumed"] = _run(base + ["--async-save", "--load", os.path.join(root, "run")])
+
+    def failing_write(tensors, path):  # rank 1's background write of the step-4 save fails
+        if ps.rank == 1 and "iter_0000004.tmp" in path:
+            raise OSError("No space left on device")
+        return real_write(tensors, path)
+
+    writer.write_shard = failing_write
+    try:
+        _run(base + ["--async-save", "--save", os.path.join(root, "failing")])
+    except Exception as exc:  # noqa: BLE001 - the test compares the message
+        out["failure"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        writer.write_shard = real_write
     return out
 
 
@@ -160,6 +173,11 @@ def test_async_save_overlaps_training_and_matches_sync(tmp_path):
         losses, _, stopped = res[rank]["sigterm"]
         assert losses == sync_losses[:3] and stopped == "stopped by SIGTERM after step 3", res[rank]["sigterm"]
         assert res[rank]["resumed"][0] == sync_losses[3:]
+    # a background write that fails on one rank fails both at a later boundary; latest stays at 2
+    assert res[0]["failure"].startswith("CheckpointError: the background save of step 4 failed on 1 "
+                                        "of 2 ranks (see that rank's log)"), res[0]["failure"]
+    assert "failed on 1 of 2 ranks: No space left on device" in res[1]["failure"], res[1]["failure"]
+    assert os.readlink(tmp_path / "failing" / "latest") == "iter_0000002"
 
 
 def _worker(args, env_extra, cwd=ROOT):

@@ -135,7 +135,15 @@ class Checkpointer:
         if self.flight is not None:
             self.wait()
         tmp = prepare_dir(self.trainer, step)
-        self.flight = _Flight(snapshot(self.trainer, step, tmp, host=self.buffers.copy))
+        # one copy thread: with the host's cores shared, intra-op copy threads wait on each other
+        # (measured here under load: 1 GB in 0.11-0.19 s with one thread, 0.4-1.4 s with two)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            snap = snapshot(self.trainer, step, tmp, host=self.buffers.copy)
+        finally:
+            torch.set_num_threads(threads)
+        self.flight = _Flight(snap)
 
     def wait(self) -> str | None:
         """Block until the save in flight is written on every rank and published; every rank
