@@ -186,6 +186,7 @@ class CheckpointConfig:
     load_optim: bool = True
     load_rng: bool = True
     use_checkpoint_args: bool = False
+    async_save: bool = False  # copy shards to host at the step boundary, write them in the background
 
     def __post_init__(self):
         if self.save_interval < 0 or self.keep_last < 1:

@@ -121,6 +121,9 @@ FLAGS: dict[str, Flag] = {
     "save_interval": F("save every N steps (0: only at the end)", "checkpoints"),
     "load": F("checkpoint (or --save root) to start from", "checkpoints"),
     "keep_last": F("checkpoints kept in --save", "checkpoints"),
+    "async_save": F("copy each save to host memory at the step boundary and write it in the "
+                    "background while training goes on; latest moves once every rank's files are "
+                    "complete and verified", "checkpoints"),
     "finetune": F("load only the model weights from --load: step 0, fresh optimizer and sampler",
                   "checkpoints"),
     "load_optim": F("restore the optimizer state from --load (--no-load-optim: fresh AdamW moments)",

@@ -17,6 +17,10 @@ REQUIRED_KEYS = ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "to
                  "tokens_per_s", "tflops_per_device", "mfu", "bubble_theoretical",
                  "bubble_measured", "dp_comm_bytes", "dp_comm_wire_bytes", "tp_comm_bytes",
                  "pp_comm_bytes", "peak_memory_bytes")
+# optional: the trainer's loop adds them; save_blocking_s is the time the step boundary spent on
+# checkpoints (the whole save when synchronous, the host copy and publication with --async-save),
+# null where it had none to do
+OPTIONAL_KEYS = ("save_blocking_s",)
 
 
 @dataclass

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -68,6 +70,7 @@ class RunResult:
     valid: list[tuple[int, float]] = field(default_factory=list)
     summary: str = ""
     checkpoint: str | None = None
+    stopped: str | None = None  # why the run ended before --train-iters (SIGTERM)
 
 
 class Trainer:
@@ -229,6 +232,9 @@ class Trainer:
         if self.is_main:
             log.note(f"gridtron: {self.grid.describe()} on {self.dev.type}; {self.num_micro} "
                      f"micro-batches/step; {self.num_params_local:,} parameters on rank 0")
+        from engine.checkpoint.async_writer import Checkpointer
+        self.checkpointer = Checkpointer(self)
+        previous_handler = self._install_stop_handler()
         try:
             for step in range(start, cfg.optim.train_iters):
                 record = self.train_one(step)
@@ -238,24 +244,35 @@ class Trainer:
                     result.valid.append((step + 1, vloss))
                     if cfg.log.progress:
                         log.note(f"step {step + 1}: validation loss {vloss:.4f}")
+                interval = cfg.checkpoint.save_interval
+                b = self.checkpointer.boundary(step + 1, bool(interval) and (step + 1) % interval == 0,
+                                               self.stop_signal is not None,
+                                               last=step + 1 == cfg.optim.train_iters)
+                record["save_blocking_s"] = b.blocking_s
                 log.log(record)
                 dash.log(record)
                 result.records.append(record)
-                if cfg.checkpoint.save and cfg.checkpoint.save_interval and \
-                        (step + 1) % cfg.checkpoint.save_interval == 0:
-                    result.checkpoint = self.save(step + 1)
-            if cfg.checkpoint.save and (not result.records or result.checkpoint is None or
-                                        not result.checkpoint.endswith(f"{cfg.optim.train_iters:07d}")):
+                result.checkpoint = b.published or result.checkpoint
+                if b.stop:  # SIGTERM on some rank: every rank stops after this step
+                    result.stopped = f"stopped by SIGTERM after step {step + 1}"
+                    log.note(f"gridtron: {result.stopped} (of {cfg.optim.train_iters})"
+                             + (f"; saved {b.published}" if b.published else ""))
+                    break
+            if cfg.checkpoint.save and not result.records:
                 result.checkpoint = self.save(cfg.optim.train_iters)
         finally:
             log.close()
             dash.close()
+            if previous_handler is not None:
+                signal.signal(signal.SIGTERM, previous_handler)
         if self.is_main and result.records:
             extra = {"layout": self.grid.describe(), "device": f"{self.dev.type} ({self.dev.name})"}
             if result.valid:
                 extra["validation loss"] = f"{result.valid[0][1]:.4f} -> {result.valid[-1][1]:.4f}"
             if result.checkpoint:
                 extra["checkpoint"] = result.checkpoint
+            if result.stopped:
+                extra["stopped"] = result.stopped
             if cfg.log.plot:
                 extra["plot"] = plot_metrics(result.records, cfg.log.plot, result.valid)
             result.summary = summary_table(result.records, extra)
@@ -339,6 +356,19 @@ class Trainer:
         return total / cfg.log.eval_iters
 
     # ---- checkpoints ----------------------------------------------------------------------
+    def _install_stop_handler(self):
+        """SIGTERM (a scheduler's, or torchrun's to every rank) only sets ``stop_signal``: the run
+        finishes its step, waits for a save in flight, saves (with --save) and returns cleanly.
+        Returns the previous handler (None off the main thread, where none can be installed)."""
+        self.stop_signal = None
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def on_sigterm(signum, frame):
+            self.stop_signal = signum
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        return signal.SIG_DFL if previous is None else previous  # None: set outside Python
+
     def save(self, step: int) -> str:
         from engine.checkpoint import save_checkpoint
         return save_checkpoint(self, step)

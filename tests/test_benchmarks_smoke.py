@@ -3,11 +3,12 @@ PyTorch-native comparison: dp=2 for 2 steps, whose losses must match the engine'
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
-from benchmarks import peers, scaling
+from benchmarks import checkpoint, peers, scaling
 from benchmarks.common import (Layout, fmt_bytes, markdown_table, max_rel_diff, parse_int_list,
                                parse_layout, scaling_efficiency, steady, summarize)
 
@@ -165,3 +166,17 @@ def test_peers_end_to_end_dp2(tmp_path):
     assert res["ratio"] == pytest.approx(res["engine_tokens_per_s"] / res["native_tokens_per_s"])
     report = peers.report([res], peers.SPEC, 2, 1, 1e-4)
     assert "| (1,1,2) | 2 |" in report and "| yes |" in report
+
+
+def test_checkpoint_benchmark_sizes_and_tiny_run(tmp_path, capsys):
+    assert checkpoint.parse_size("10MB") == 10**7 and checkpoint.parse_size("1.5gb") == 15 * 10**8
+    with pytest.raises(ValueError):
+        checkpoint.parse_size("10 MiB")
+    for size in ("10MB", "100MB", "1GB"):  # the model picked holds about that much state
+        hidden, layers = checkpoint.model_shape(checkpoint.parse_size(size))
+        params = layers * (12 * hidden ** 2 + 13 * hidden) + (checkpoint.VOCAB + checkpoint.SEQ) * hidden
+        assert 0.7 < params * checkpoint.BYTES_PER_PARAM / checkpoint.parse_size(size) < 1.3, size
+    (row,) = checkpoint.main(["--sizes", "1MB", "--repeats", "1", "--dir", str(tmp_path)])
+    assert row["identical"] and row["steps"] >= 1 and 0 < row["start_s"] <= row["async_s"]
+    assert os.listdir(tmp_path) == []  # checkpoints removed
+    assert "| files identical |" in capsys.readouterr().out

@@ -4,6 +4,8 @@
   box reader, ``inspect``;
 - ``specs.py``: where each local parameter sits in the logical tensors;
 - ``writer.py``: ``save_checkpoint`` (atomic tmp directory, rename, ``latest``);
+- ``async_writer.py``: saves at step boundaries, in a background thread with ``--async-save``
+  (completion agreed at later boundaries, published by the writer's ``publish``);
 - ``reader.py``: ``load_checkpoint`` under any layout;
 - ``export.py``: ``python -m engine.export`` to Hugging Face transformers.
 

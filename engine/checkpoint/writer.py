@@ -2,7 +2,12 @@
 descriptions into ``index.json``, renames the directory and repoints ``latest`` (atomic: a crash before
 the rename leaves the previous checkpoint and ``latest`` untouched). Replicated tensors are written
 once: TP-replicated ones by tp rank 0, DP-replicated ones by dp rank 0, a tied output embedding by the
-first stage only."""
+first stage only.
+
+A save has three parts, shared by the synchronous path here and the background one
+(``async_writer.py``): ``snapshot`` (at the step boundary: what this rank writes, and on rank 0 what
+the index says about the run), ``write_files`` (pure file I/O, no collective: the rank's safetensors
+file and its JSON description) and ``publish`` (rank 0, once every rank's files are complete)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,12 +15,13 @@ import json
 import math
 import os
 import shutil
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint.index import (FORMAT, INDEX_NAME, LATEST, CheckpointError, list_checkpoints,
-                                     step_dir_name, write_json, write_shard)
+from engine.checkpoint.index import (FORMAT, INDEX_NAME, LATEST, CheckpointError, file_damage,
+                                     list_checkpoints, step_dir_name, write_json, write_shard)
 from engine.checkpoint.specs import ParamSpec, data_info, device_rng, layout_of, param_specs
 
 
@@ -25,7 +31,8 @@ class _Shard:
     def __init__(self, fname: str):
         self.fname, self.tensors, self.entries = fname, {}, {}
 
-    def add(self, name: str, spec: ParamSpec, t: torch.Tensor, flat=None) -> None:
+    def add(self, name: str, spec: ParamSpec, t: torch.Tensor, flat=None, host=None) -> None:
+        """``host(name, t)``, when given, returns the host copy that is stored instead of ``t``."""
         if flat is None:
             t = t.reshape(spec.param.shape)[tuple(slice(0, v) for v in spec.valid_shape)]
             piece = {"offsets": spec.offsets, "shape": spec.valid_shape}
@@ -37,10 +44,26 @@ class _Shard:
             piece = {"offsets": spec.offsets, "shape": spec.valid_shape, "flat": [flat[0], end]}
         if t.numel() == 0:
             return
-        self.tensors[name] = t
+        self.tensors[name] = host(name, t) if host else t
         entry = self.entries.setdefault(name, {"shape": spec.global_shape, "dtype": str(t.dtype)[6:],
                                                "pieces": []})
         entry["pieces"].append({"file": self.fname, "key": name, **piece})
+
+
+@dataclass
+class Snapshot:
+    """One rank's part of the save of ``step``, taken at the step boundary. For the background
+    path every tensor is a host copy that training no longer touches."""
+    step: int
+    tmp: str
+    final: str
+    rank: int
+    world_size: int
+    keep_last: int
+    fname: str
+    tensors: dict[str, torch.Tensor]
+    rank_json: dict                  # this rank's description (pieces, coordinates, own keys)
+    index_meta: dict | None = None   # rank 0: what the index says about the run at this step
 
 
 def _barrier(ps, what: str) -> None:
@@ -53,26 +76,41 @@ def _barrier(ps, what: str) -> None:
                               f"{ps.describe()}: a rank did not arrive (check its log): {exc}") from exc
 
 
-def save_checkpoint(trainer, step: int) -> str:
-    cfg, ps = trainer.cfg, trainer.ps
-    root = cfg.checkpoint.save
-    final = os.path.join(root, step_dir_name(step))
+def checkpoint_dir(trainer, step: int) -> str:
+    return os.path.join(trainer.cfg.checkpoint.save, step_dir_name(step))
+
+
+def unchanged_since_load(trainer, step: int) -> bool:
+    """True when ``step`` is the checkpoint this run loaded from the same place (nothing to save)."""
     loaded = getattr(trainer, "loaded_checkpoint", None)
-    if getattr(trainer, "loaded_step", None) == step and loaded and \
-            os.path.realpath(loaded) == os.path.realpath(final):
-        return final  # nothing trained since this checkpoint was loaded
-    tmp = final + ".tmp"
+    return getattr(trainer, "loaded_step", None) == step and bool(loaded) and \
+        os.path.realpath(loaded) == os.path.realpath(checkpoint_dir(trainer, step))
+
+
+def prepare_dir(trainer, step: int) -> str:
+    """Rank 0 (re)creates ``iter_X.tmp``; a barrier lets no rank write before it exists."""
+    ps, root = trainer.ps, trainer.cfg.checkpoint.save
+    tmp = checkpoint_dir(trainer, step) + ".tmp"
     if ps.rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         os.makedirs(tmp)
     _barrier(ps, f"before writing {tmp}")
+    return tmp
+
+
+def snapshot(trainer, step: int, tmp: str, host=None) -> Snapshot:
+    """This rank's slices, per-rank state and (rank 0) the index metadata, as of this boundary.
+    Tensors are views of the live state (the synchronous save writes them before training goes on)
+    unless ``host(key, t)`` is given: it returns a host copy of ``t``, which the background path
+    needs because the next step updates parameters, moments and residuals in place."""
+    cfg, ps = trainer.cfg, trainer.ps
     shard = _Shard(f"rank_{ps.rank:05d}.safetensors")
     specs = {s.name: s for s in param_specs(trainer.chunks, ps, cfg.model.vocab_size)}
     for s in specs.values():
         if s.writer and ps.dp_rank == 0:
-            shard.add(f"model/{s.name}", s, s.param.detach())
-    sd = trainer.optimizer.state_dict()
+            shard.add(f"model/{s.name}", s, s.param.detach(), host=host)
+    sd = trainer.optimizer.state_dict(clone=False)
     zero = sd["kind"] == "distributed"
     for piece in sd["pieces"]:
         s = specs[piece["name"]]
@@ -80,29 +118,61 @@ def save_checkpoint(trainer, step: int) -> str:
             continue
         whole = piece["start"] == 0 and piece["end"] == s.param.numel()
         for key, t in sd["state"][piece["name"]].items():
-            shard.add(f"optim/{key}/{s.name}", s, t, None if whole else (piece["start"], piece["end"]))
+            shard.add(f"optim/{key}/{s.name}", s, t, None if whole else (piece["start"], piece["end"]),
+                      host=host)
     own = {"rng/cpu": torch.get_rng_state()}
     if (dev_rng := device_rng(trainer.dev)) is not None:
         own["rng/device"] = dev_rng.cpu()
     red = trainer.reducer.state_dict()
-    own.update({f"residual/{k}": v for k, v in red["residuals"].items()})
-    info = write_shard({**shard.tensors, **own}, os.path.join(tmp, shard.fname))
+    own.update({f"residual/{k}": host(f"residual/{k}", v) if host else v
+                for k, v in red["residuals"].items()})
     c = ps.coord
-    write_json(os.path.join(tmp, f"rank_{ps.rank:05d}.json"), {
-        "rank": ps.rank, "coord": [c.tp, c.pp, c.dp], "file": shard.fname, "file_info": info,
-        "tensors": shard.entries, "own": sorted(own)})
+    rank_json = {"rank": ps.rank, "coord": [c.tp, c.pp, c.dp], "file": shard.fname,
+                 "tensors": shard.entries, "own": sorted(own)}
+    meta = None
+    if ps.rank == 0:
+        meta = {"format": FORMAT, "step": step, "layout": layout_of(trainer),
+                "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(cfg.model),
+                "data": data_info(trainer), "sampler": {**trainer.sampler.state_dict(), "next_step": step},
+                "scaler": dict(trainer.scaler.state_dict()), "reducer": {"step": red["step"]},
+                "optimizer": {"kind": sd["kind"], "step": sd["step"]}}
+    return Snapshot(step, tmp, checkpoint_dir(trainer, step), ps.rank, ps.world_size,
+                    cfg.checkpoint.keep_last, shard.fname, {**shard.tensors, **own}, rank_json, meta)
+
+
+def write_files(snap: Snapshot, verify: bool = False) -> None:
+    """Write this rank's safetensors file, then its JSON description, into ``snap.tmp``: file I/O
+    only, no collective. ``verify`` re-reads the written file against its sha256 before the JSON
+    (which rank 0 needs to publish) is written."""
+    path = os.path.join(snap.tmp, snap.fname)
+    info = write_shard(snap.tensors, path)
+    if verify and (problem := file_damage(path, info)):
+        raise CheckpointError(f"rank {snap.rank}: the file just written does not verify: {problem}")
+    write_json(os.path.join(snap.tmp, f"rank_{snap.rank:05d}.json"), {**snap.rank_json, "file_info": info})
+
+
+def save_checkpoint(trainer, step: int) -> str:
+    """Save synchronously: every rank returns once the checkpoint is published."""
+    ps = trainer.ps
+    final = checkpoint_dir(trainer, step)
+    if unchanged_since_load(trainer, step):
+        return final  # nothing trained since this checkpoint was loaded
+    tmp = prepare_dir(trainer, step)
+    snap = snapshot(trainer, step, tmp)
+    write_files(snap)
     _barrier(ps, f"after writing the shards of {tmp}")
     if ps.rank == 0:
-        _publish(trainer, step, tmp, final, sd, red["step"])
+        publish(snap)
     _barrier(ps, f"after publishing {final}")
     return final
 
 
-def _publish(trainer, step, tmp, final, opt_sd, reducer_step) -> None:
-    """Rank 0: merge the per-rank JSON into index.json, rename, repoint latest, prune."""
-    cfg = trainer.cfg
+def publish(snap: Snapshot) -> None:
+    """Rank 0, once every rank's files are in ``snap.tmp``: merge the per-rank JSON into
+    index.json, rename, repoint latest, prune."""
+    tmp, final = snap.tmp, snap.final
     tensors, files, ranks = {}, {}, {}
-    for r in range(trainer.ps.world_size):
+    for r in range(snap.world_size):
         path = os.path.join(tmp, f"rank_{r:05d}.json")
         with open(path, encoding="utf-8") as fh:
             part = json.load(fh)
@@ -115,16 +185,11 @@ def _publish(trainer, step, tmp, final, opt_sd, reducer_step) -> None:
                                       f"vs {entry['shape']} (rank {r})")
             merged["pieces"] += entry["pieces"]
         os.remove(path)
-    data = data_info(trainer)
+    meta = snap.index_meta
+    data = meta["data"]
     if data["tokenizer_sha256"]:
         shutil.copyfile(data["tokenizer_file"], os.path.join(tmp, "tokenizer.json"))
-    write_json(os.path.join(tmp, INDEX_NAME), {
-        "format": FORMAT, "step": step, "layout": layout_of(trainer),
-        "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(cfg.model), "data": data,
-        "sampler": {**trainer.sampler.state_dict(), "next_step": step},
-        "scaler": trainer.scaler.state_dict(), "reducer": {"step": reducer_step},
-        "optimizer": {"kind": opt_sd["kind"], "step": opt_sd["step"]},
-        "tensors": tensors, "files": files, "ranks": ranks})
+    write_json(os.path.join(tmp, INDEX_NAME), {**meta, "tensors": tensors, "files": files, "ranks": ranks})
     root = os.path.dirname(final)
     old = None
     if os.path.isdir(final):
@@ -144,7 +209,7 @@ def _publish(trainer, step, tmp, final, opt_sd, reducer_step) -> None:
         os.close(fd)
     if old:
         shutil.rmtree(old, ignore_errors=True)
-    for _, path in list_checkpoints(root)[:-cfg.checkpoint.keep_last]:
+    for _, path in list_checkpoints(root)[:-snap.keep_last]:
         if os.path.realpath(path) != os.path.realpath(final):
             shutil.rmtree(path, ignore_errors=True)
     for name in os.listdir(root):  # directories of saves that crashed before their rename

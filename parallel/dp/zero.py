@@ -194,15 +194,17 @@ class DistributedOptimizer(_GradAccess):
                 for slot in b.slots:
                     slot.param.view(-1).copy_(full[slot.start - b.start:slot.end - b.start])
 
-    def state_dict(self) -> dict:
+    def state_dict(self, clone: bool = True) -> dict:
+        """``clone=False`` returns views of the live state (for a caller that copies them itself)."""
+        copy = (lambda t: t.clone()) if clone else (lambda t: t)
         pieces, state = [], {}
         for p in self.pieces:
             sl = self._piece_slice(p)
             pieces.append({"name": p.name, "shape": list(p.param.shape), "start": p.start, "end": p.end,
                            "bucket": p.bucket, "buffer_start": p.buffer_start,
                            "shard_offset": p.shard_offset})
-            state[p.name] = {"exp_avg": self.exp_avg[sl].clone(), "exp_avg_sq": self.exp_avg_sq[sl].clone(),
-                             "master": self.master[sl].clone()}
+            state[p.name] = {"exp_avg": copy(self.exp_avg[sl]), "exp_avg_sq": copy(self.exp_avg_sq[sl]),
+                             "master": copy(self.master[sl])}
         return {"kind": "distributed", "step": self.step_count, "dp_rank": self.rank, "dp_size": self.dp,
                 "pieces": pieces, "state": state}
 
@@ -296,14 +298,16 @@ class MixedPrecisionOptimizer(_GradAccess):
                 return int(self.inner.state[m]["step"])
         return 0
 
-    def state_dict(self) -> dict:
+    def state_dict(self, clone: bool = True) -> dict:
+        """``clone=False`` returns views of the live state (for a caller that copies them itself)."""
+        copy = (lambda t: t.detach().reshape(-1).clone()) if clone else (lambda t: t.detach().reshape(-1))
         pieces, state = [], {}
         for name, p, m in zip(self.names, self.params, self.masters):
             pieces.append({"name": name, "shape": list(p.shape), "start": 0, "end": p.numel()})
             st = self.inner.state.get(m, {})
-            entry = {k: st[k].detach().reshape(-1).clone() for k in ("exp_avg", "exp_avg_sq") if k in st}
+            entry = {k: copy(st[k]) for k in ("exp_avg", "exp_avg_sq") if k in st}
             if m is not p:
-                entry["master"] = m.detach().reshape(-1).clone()
+                entry["master"] = copy(m)
             state[name] = entry
         return {"kind": "mixed_precision", "step": self.step_count, "dp_rank": self.ps.dp_rank,
                 "dp_size": self.ps.dp_size, "pieces": pieces, "state": state}

@@ -1,0 +1,176 @@
+"""Checkpoints at step boundaries, written synchronously or (``--async-save``) in the background.
+
+With ``async_save`` a save blocks training only while this rank's tensors are copied to host memory
+(``writer.snapshot`` into ``HostBuffers``, reused by every save). A background thread then writes
+the rank's safetensors file, re-reads it against its sha256 and writes the rank's JSON description:
+file I/O only. The thread never issues a collective (a second thread's collectives would race with training's on the same
+process groups, and are illegal on NCCL/HCCL streams).
+
+Completion is agreed by the main thread at the following step boundaries. Every boundary issues one
+all-reduce of three int32 counters (``agree``), summed over all ranks::
+
+    [ranks asking to stop (SIGTERM), ranks whose part of the save in flight is written and
+     verified, ranks whose background write failed]
+
+When the second counter reaches the world size, rank 0 publishes the save with the synchronous
+path's own ``publish`` (merge the index, rename ``iter_X.tmp``, repoint ``latest``); until then the
+previous checkpoint stays the one ``latest`` names, so a crash during the background write loses
+nothing that was published. At most one save is in flight: a save that comes due while the previous
+one is still being written, the run's last step and an agreed stop all wait for it first. Example,
+``--save-interval 2`` on 2 ranks::
+
+    boundary 2: [0, 0, 0]  snapshot of step 2, writer threads start      (save_blocking_s: the copy)
+    boundary 3: [0, 1, 0]  rank 1 is done, rank 0 still writing
+    boundary 4: [0, 2, 0]  both done: rank 0 publishes iter_0000002; snapshot of step 4 ...
+
+The stop counter rides on the same all-reduce so that all ranks stop after the same step, even when
+SIGTERM reaches them on either side of a boundary.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint.index import CheckpointError
+from engine.checkpoint.writer import (Snapshot, _barrier, prepare_dir, publish, save_checkpoint,
+                                      snapshot, unchanged_since_load, write_files)
+
+
+def agree(ps, counts: list[int]) -> list[int]:
+    """The one collective here: an int32 SUM of ``counts`` over all ranks, from the main thread."""
+    if ps.world_size == 1 or not dist.is_initialized():
+        return list(counts)
+    t = torch.tensor(counts, dtype=torch.int32, device=ps.device)
+    dist.all_reduce(t)
+    return [int(v) for v in t.tolist()]
+
+
+class HostBuffers:
+    """Host tensors that every background save of this run copies into, one save at a time.
+
+    Reusing them matters on the CPU: a fresh 1 GiB tensor costs about four times the copy itself
+    in first-touch page faults (measured here: 0.8-0.9 s against 0.15-0.23 s), so only the first
+    save pays for the allocation. They hold one copy of what this rank writes for the whole run."""
+
+    def __init__(self):
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._bufs[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        buf.copy_(t)  # device -> host, or a copy on the CPU; synchronous
+        return buf
+
+
+class _Flight:
+    """One save being written by a background thread."""
+
+    def __init__(self, snap: Snapshot):
+        self.snap, self.error = snap, None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name=f"gridtron-save-{snap.step}")
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            write_files(self.snap, verify=True)
+        except BaseException as exc:  # noqa: BLE001 - reported at the next step boundary
+            self.error = exc
+        finally:
+            self.snap.tensors = {}  # release the host copies
+            self.done.set()
+
+    def counts(self) -> list[int]:
+        """(written and verified, failed) for this rank, as of now."""
+        if not self.done.is_set():
+            return [0, 0]
+        return [0, 1] if self.error is not None else [1, 0]
+
+
+@dataclass
+class Boundary:
+    stop: bool                 # every rank stops after this step (some rank got SIGTERM)
+    published: str | None      # the checkpoint published at this boundary, if any
+    blocking_s: float | None   # time spent here on checkpoints; None when there was nothing to do
+
+
+class Checkpointer:
+    """Decides at each step boundary whether to poll, publish, wait for or start a save."""
+
+    def __init__(self, trainer):
+        self.trainer, self.ps = trainer, trainer.ps
+        ck = trainer.cfg.checkpoint
+        self.save_dir, self.background = ck.save, bool(ck.async_save)
+        self.flight: _Flight | None = None
+        self.buffers = HostBuffers()
+
+    def boundary(self, step: int, due: bool, stop_requested: bool = False, last: bool = False) -> Boundary:
+        """After optimizer step ``step`` (1-based): ``due`` when the save interval says so,
+        ``last`` on the run's last step; ``stop_requested`` when this rank received SIGTERM."""
+        t0 = time.perf_counter()
+        worked = self.flight is not None
+        mine = self.flight.counts() if self.flight is not None else [0, 0]
+        stops, done, failed = agree(self.ps, [int(stop_requested), *mine])
+        published = self._conclude(done, failed)
+        stop = stops > 0
+        if (stop or last) and self.flight is not None:
+            published = self.wait()
+        if self.save_dir and (due or stop or last) and not unchanged_since_load(self.trainer, step):
+            worked = True
+            if self.background and not (stop or last):
+                self.start(step)
+            else:  # the run ends here: nothing to overlap with
+                published = save_checkpoint(self.trainer, step)
+        return Boundary(stop, published, time.perf_counter() - t0 if worked else None)
+
+    def start(self, step: int) -> None:
+        """Wait for the save in flight, copy this rank's state to host memory, start the writer."""
+        if self.flight is not None:
+            self.wait()
+        tmp = prepare_dir(self.trainer, step)
+        # one copy thread: with the host's cores shared, intra-op copy threads wait on each other
+        # (measured here under load: 1 GB in 0.11-0.19 s with one thread, 0.4-1.4 s with two)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            snap = snapshot(self.trainer, step, tmp, host=self.buffers.copy)
+        finally:
+            torch.set_num_threads(threads)
+        self.flight = _Flight(snap)
+
+    def wait(self) -> str | None:
+        """Block until the save in flight is written on every rank and published; every rank
+        returns once it is. Returns the published directory (None when nothing was in flight)."""
+        if self.flight is None:
+            return None
+        self.flight.thread.join()
+        _, done, failed = agree(self.ps, [0, *self.flight.counts()])
+        final = self._conclude(done, failed)
+        _barrier(self.ps, f"after publishing {final}")
+        return final
+
+    def _conclude(self, done: int, failed: int) -> str | None:
+        """Act on the agreed counters: fail on every rank, publish (rank 0), or keep waiting."""
+        flight = self.flight
+        if flight is None:
+            return None
+        snap = flight.snap
+        if failed:
+            self.flight = None
+            why = f": {flight.error}" if flight.error is not None else " (see that rank's log)"
+            raise CheckpointError(f"the background save of step {snap.step} failed on {failed} of "
+                                  f"{self.ps.world_size} ranks{why}; {snap.tmp} is incomplete and "
+                                  f"latest still names the previous checkpoint") from flight.error
+        if done < self.ps.world_size:
+            return None
+        if self.ps.rank == 0:
+            publish(snap)
+        self.flight = None
+        return snap.final
