@@ -38,7 +38,8 @@ def _head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     send = x.reshape(b, nh, p, sp // p, d).permute(2, 0, 1, 3, 4).contiguous()  # (cp, b, n/cp, s, d)
     recv = torch.empty_like(send)
     group.all_to_all_single(recv, send)  # piece i: head group i of my sequence shard
-    return recv.transpose(0, 1).reshape(b, p * nh, sp // p, d)
+    # laid out (b, s, n, d) in memory, as SDPA's output: the model's head merge is then a view
+    return recv.permute(1, 3, 0, 2, 4).reshape(b, sp // p, p * nh, d).transpose(1, 2)
 
 
 class _AllToAllSeqToHead(torch.autograd.Function):

@@ -78,7 +78,9 @@ class _RingAttention(torch.autograd.Function):
         c = q.shape[2] // 2
         cache = NpuMaskCache()
         kv = torch.stack((k, v))  # (2, b, n_kv, 2c, d): one buffer travels
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        b, n, sl, d = q.shape
+        # laid out (b, s, n, d) in memory, as SDPA's output: the model's head merge is then a view
+        out = torch.zeros(b, sl, n, d, dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         for step in range(p):
             recv, works = _exchange(group, kv) if step < p - 1 else (None, [])
