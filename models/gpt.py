@@ -29,7 +29,8 @@ class GPTChunk(nn.Module):
                  registry: BlockRegistry | None = None):
         super().__init__()
         if ctx.sequence_parallel and (cfg.seq_length // ps.cp_size) % ps.tp_size:
-            raise ValueError(f"--seq-length {cfg.seq_length} (/ cp={ps.cp_size}) is not divisible by tp={ps.tp_size}: "
+            per_cp = f" / cp={ps.cp_size}" if ps.cp_size > 1 else ""
+            raise ValueError(f"--seq-length {cfg.seq_length}{per_cp} is not divisible by tp={ps.tp_size}: "
                              f"sequence parallelism keeps s/tp positions per rank; use a multiple "
                              f"of --tp or turn off --sequence-parallel")
         block_cls = (registry or default_registry()).resolve(cfg.block)
