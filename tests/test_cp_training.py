@@ -5,7 +5,7 @@
   documents and --eod-mask-loss (the loss scaling over DP x CP and the token count are right).
 - Checkpoints: a run saved at cp=2 with ZeRO-1 sharded over CP resumes at cp=1 with the
   uninterrupted serial run's losses, and one saved at cp=1 resumes at cp=2; CP-replicated tensors
-  are stored once.
+  are stored once. The validation losses at cp=2 are the serial run's.
 - Bad layouts fail before any collective with what to change.
 
 One spawned group of 2 ranks runs every multi-rank part (start-up costs seconds).
@@ -37,7 +37,8 @@ GRAD_CASES = {"llama packed p2p": ["--block", "llama", "--num-query-groups", "2"
                                    "--cp-comm-type", "a2a"],
               "gpt2 p2p": ["--block", "gpt2"],
               "gpt2 packed a2a": ["--block", "gpt2", *PACKED, "--cp-comm-type", "a2a"]}
-CKPT = ["--block", "llama", "--num-query-groups", "2", *PACKED, "--train-iters", "6"]
+CKPT = ["--block", "llama", "--num-query-groups", "2", *PACKED, "--train-iters", "6",
+        "--eval-interval", "3", "--eval-iters", "2"]
 
 
 def one_step_grads(argv: list[str], launch: LaunchEnv | None = None) -> dict[str, torch.Tensor]:
@@ -55,10 +56,12 @@ def one_step_grads(argv: list[str], launch: LaunchEnv | None = None) -> dict[str
             trainer.close()
 
 
-def _losses(argv: list[str], launch: LaunchEnv | None = None) -> list[float]:
+def _losses(argv: list[str], launch: LaunchEnv | None = None, valid: bool = False):
     trainer = Trainer(parse_args(BASE + argv), launch=launch)
     try:
-        return [r["loss"] for r in trainer.train().records]
+        result = trainer.train()
+        losses = [r["loss"] for r in result.records]
+        return (losses, [v for _, v in result.valid]) if valid else losses
     finally:
         if launch is not None:
             trainer.close()
@@ -67,9 +70,10 @@ def _losses(argv: list[str], launch: LaunchEnv | None = None) -> list[float]:
 def cp_runs(ps, root: str):
     grads = {name: one_step_grads(argv + ["--cp", "2"]) for name, argv in GRAD_CASES.items()}
     # from the serial step-3 checkpoint to step 6 at cp=2; a cp=2 ZeRO run saved at step 3
-    resumed = _losses(CKPT + ["--cp", "2", "--load", os.path.join(root, "serial", "iter_0000003")])
+    resumed = _losses(CKPT + ["--cp", "2", "--load", os.path.join(root, "serial", "iter_0000003")],
+                      valid=True)
     saved = _losses(CKPT + ["--cp", "2", "--use-distributed-optimizer", "--train-iters", "3",
-                            "--save", os.path.join(root, "cp2")])
+                            "--save", os.path.join(root, "cp2")], valid=True)
     return grads, resumed, saved
 
 
@@ -77,7 +81,7 @@ def cp_runs(ps, root: str):
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("cp"))
     serial = LaunchEnv()
-    reference = _losses(CKPT, serial)
+    reference = _losses(CKPT, serial, valid=True)
     _losses(CKPT + ["--train-iters", "3", "--save", os.path.join(root, "serial")], serial)
     results = run_distributed(cp_runs, grid=RankGrid(cp=2), args=(root,), timeout_s=120)
     serial_grads = {name: one_step_grads(argv, serial) for name, argv in GRAD_CASES.items()}
@@ -103,10 +107,11 @@ def test_gradients_after_one_step_equal_serial(runs):
 
 
 def test_checkpoints_across_cp(runs):
-    root, reference, results, _ = runs
-    _, resumed, saved = results[0]
+    root, (reference, ref_valid), results, _ = runs
+    _, (resumed, resumed_valid), (saved, saved_valid) = results[0]
     close(resumed, reference[3:])                    # saved at cp=1, resumed at cp=2
     close(saved, reference[:3])
+    close(saved_valid + resumed_valid, ref_valid)    # validation at steps 3 and 6, at cp=2
     close(_losses(CKPT + ["--load", os.path.join(root, "cp2", "iter_0000003")]), reference[3:])
     with open(os.path.join(root, "cp2", "iter_0000003", "index.json")) as fh:
         index = json.load(fh)
