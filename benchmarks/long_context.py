@@ -134,7 +134,7 @@ def planner_bytes(seq: int, cp: int) -> float:
 def _worker(rank, world, port, seqs, comm_type, repeats, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(1)  # one core per rank: several threads per rank on a shared machine stall
     ps = ParallelState.initialize(RankGrid(cp=world), torch.device("cpu"), "gloo",
                                   LaunchEnv.from_env(), timeout_s=600)
     results = {seq: measure(ps, seq, comm_type, repeats) for seq in seqs}
