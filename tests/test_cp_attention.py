@@ -50,6 +50,7 @@ def test_every_token_on_one_rank_and_balanced_work(cp, balanced):
     shards = [shard_index(s, cp, r, balanced) for r in range(cp)]
     assert sorted(i for sh in shards for i in sh) == list(range(s))
     assert all(sh == sorted(sh) for sh in shards)
+    assert all(shard_positions(s // cp, cp, r, balanced).tolist() == sh for r, sh in enumerate(shards))
     if balanced:  # causal work of a rank: keys at or before each of its queries
         work = {sum(i + 1 for i in sh) for sh in shards}
         assert len(work) == 1

@@ -56,6 +56,11 @@ def shard_index(seq_len: int, cp: int, rank: int, balanced: bool = True) -> list
 
 def shard_positions(local_len: int, cp: int, rank: int, balanced: bool,
                     device: torch.device | str | None = None) -> torch.Tensor:
-    """(local_len,) int64: the global positions of a rank's ``local_len`` tokens."""
-    return torch.tensor(shard_index(local_len * cp, cp, rank, balanced), dtype=torch.long,
-                        device=device)
+    """(local_len,) int64: the global positions of a rank's ``local_len`` tokens (``shard_index``
+    built on the device, without a host list)."""
+    if cp == 1:
+        return torch.arange(local_len, device=device)
+    check_shardable(local_len * cp, cp, balanced)
+    size = local_len // len(chunk_ids(cp, rank, balanced))
+    return torch.cat([torch.arange(c * size, (c + 1) * size, device=device)
+                      for c in chunk_ids(cp, rank, balanced)])
