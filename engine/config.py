@@ -15,6 +15,7 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
 COMPRESSORS = ("none", "int8", "topk")
+CP_COMM_TYPES = ("p2p", "a2a")
 BACKEND_RULES = ("auto", "none", "hccl", "hccl:950", "nccl")
 DECAY_STYLES = ("cosine", "linear", "constant")
 DEVICES = ("auto", "npu", "cuda", "cpu")
@@ -30,6 +31,9 @@ class ParallelConfig:
     pp: int = 1
     dp: int | None = None  # default: world / (tp * cp * pp)
     cp: int = 1  # context parallelism: each sample's sequence split over cp ranks
+    # context-parallel attention: p2p (ring attention, load-balanced causal chunks) or a2a (Ulysses:
+    # all-to-all from sequence to head shards; needs heads / tp divisible by cp)
+    cp_comm_type: str = "p2p"
     virtual_pipeline_size: int = 1
     pipeline_schedule: str = "1f1b"
     # count the embedding / output layer as this many blocks when splitting layers over stages
@@ -51,6 +55,8 @@ class ParallelConfig:
         for key in ("tp", "cp", "pp", "virtual_pipeline_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"--cp-comm-type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
         if self.pipeline_schedule not in SCHEDULES:
             raise ValueError(f"--pipeline-schedule must be one of {SCHEDULES}, got {self.pipeline_schedule!r}")
         if self.recompute not in RECOMPUTE:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import (BACKEND_RULES, COMPRESSORS, DECAY_STYLES, DEVICES, PRECISIONS, RECOMPUTE, SCHEDULES,
+from engine.config import (BACKEND_RULES, COMPRESSORS, CP_COMM_TYPES, DECAY_STYLES, DEVICES, PRECISIONS, RECOMPUTE, SCHEDULES,
                            TOKENIZER_TYPES, WANDB_MODES)
 
 GROUPS = ("model", "parallelism", "training", "mixed precision", "data", "checkpoints", "logging")
@@ -52,6 +52,10 @@ FLAGS: dict[str, Flag] = {
     "tp": F("tensor-parallel size (inside a node)", "parallelism", ("--tensor-model-parallel-size",)),
     "cp": F("context-parallel size (sequence split across ranks)", "parallelism",
             ("--context-parallel-size",)),
+    "cp_comm_type": F("context-parallel attention: p2p (ring attention, K/V blocks travel the CP "
+                      "ring, load-balanced causal chunks) or a2a (Ulysses all-to-all from sequence "
+                      "to head shards; heads/tp must be divisible by cp)", "parallelism",
+                      choices=CP_COMM_TYPES),
     "pp": F("pipeline-parallel size (stages)", "parallelism", ("--pipeline-model-parallel-size",)),
     "dp": F("data-parallel size", "parallelism", ("--data-parallel-size",), default_text="world / (tp x pp)"),
     "virtual_pipeline_size": F("model chunks per pipeline stage (interleaved schedule)", "parallelism",

@@ -35,7 +35,7 @@ def mean_loss_over_grid(local_sum: float, ps: ParallelState, device,
                         per_rank: tuple[float, ...] = (),
                         per_stage: tuple[float, ...] = ()) -> tuple[float, list[float], list[float]]:
     """One all-reduce over the world for a step's statistics: the global-batch loss (held by
-    last-stage ranks of tp rank 0, averaged over DP), the world mean of ``per_rank`` values (e.g. the
+    last-stage ranks of tp rank 0, averaged over DP x CP), the world mean of ``per_rank`` values (e.g. the
     idle fraction) and the per-pipeline-stage mean of ``per_stage`` values (each rank fills only
     its own stage's slots, e.g. mean forward and backward times). fp32: HCCL reduces no float64."""
     if ps.world_size == 1:
@@ -45,18 +45,21 @@ def mean_loss_over_grid(local_sum: float, ps: ParallelState, device,
                      device=device)
     ps.world_group.all_reduce(t)
     values = t.tolist()
-    ranks_per_stage = ps.tp_size * ps.dp_size
+    ranks_per_stage = ps.tp_size * ps.cp_size * ps.dp_size
     k = 1 + len(per_rank)
-    return (values[0] / ps.dp_size, [v / ps.world_size for v in values[1:k]],
+    return (values[0] / (ps.dp_size * ps.cp_size), [v / ps.world_size for v in values[1:k]],
             [v / ranks_per_stage for v in values[k:]])
 
 
 def micro_batch_loss(out: torch.Tensor, mb, num_micro: int, dp: int) -> torch.Tensor:
     """A micro-batch's share of the step's loss, from its per-token losses ``out`` (b, s).
 
-    Summed over the micro-batches of a rank and averaged over DP (the reducer divides gradients by
-    dp) it gives the mean token loss of the global batch: ``mean / m`` per micro-batch, or with a
-    loss mask the sum of the unmasked losses over the global batch's unmasked token count, times dp.
+    ``dp`` is the number of ranks the loss is averaged over: the DP x CP group (the reducer divides
+    gradients by its size). Summed over the micro-batches of a rank and averaged over those ranks it
+    gives the mean token loss of the global batch: ``mean / m`` per micro-batch (under context
+    parallelism the mean of the rank's sequence shard, 1/cp of the tokens: the cp shard means
+    average to the micro-batch's), or with a loss mask the sum of the unmasked losses over the
+    global batch's unmasked token count, times dp x cp.
     """
     if mb.loss_mask is None:
         return out.mean() / num_micro
@@ -96,7 +99,7 @@ class Stepper:
                         mb.inputs)
             if not chunk.post_process:
                 return out
-            return micro_batch_loss(out, mb, m, self.ps.dp_size) * scale
+            return micro_batch_loss(out, mb, m, self.ps.dp_cp_group.size) * scale
         return forward_step
 
     def _forward_backward(self, batches: list, scale: float):
@@ -107,7 +110,7 @@ class Stepper:
             model, losses = self.chunks[0], []
             for mb in batches:
                 loss = micro_batch_loss(model(mb.tokens, mb.labels, mb.inputs), mb, m,
-                                        self.ps.dp_size)
+                                        self.ps.dp_cp_group.size)
                 (loss * scale).backward()
                 losses.append(loss.detach())
             return torch.stack(losses).sum().item(), None
@@ -147,7 +150,7 @@ class Stepper:
     def forward_only(self, batches) -> float:
         """Mean loss of these micro-batches over the grid, without gradients (validation)."""
         m = len(batches)
-        device, dp = batches[0].tokens.device, self.ps.dp_size
+        device, dp = batches[0].tokens.device, self.ps.dp_cp_group.size
         if self.ps.pp_size == 1:
             model = self.chunks[0]
             if batches[0].loss_mask is None:

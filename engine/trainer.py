@@ -30,8 +30,10 @@ from engine.metrics import MetricsLog, plot_metrics, summary_table
 from engine.step import Stepper
 from engine.validate import validate_packing, validate_run
 from models import LayerContext, build_chunks
+from models.layers import ParallelAttention
 from models.registry import BlockRegistry
 from parallel.backend_rules import resolve as resolve_rules
+from parallel.context_parallel import init_ring, load_balanced, shard_index
 from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
                          MixedPrecisionOptimizer, PolicyError)
 from parallel.pipeline.bubble import simulate, theoretical_bubble
@@ -137,6 +139,11 @@ class Trainer:
                               f"it: give the validation split a weight or more documents, or drop "
                               f"--eval-interval")
         self.num_micro = cfg.data.num_microbatches(ps.dp_size)
+        # context parallelism: the positions of every row this rank keeps (chunks r and 2cp-1-r
+        # for the ring, the r-th contiguous shard for Ulysses)
+        self.cp_index = None if ps.cp_size == 1 else torch.tensor(
+            shard_index(cfg.model.seq_length, ps.cp_size, ps.cp_rank,
+                        load_balanced(cfg.parallel.cp_comm_type)), dtype=torch.long)
 
     def _build_model(self) -> None:
         cfg, ps = self.cfg, self.ps
@@ -146,10 +153,17 @@ class Trainer:
         virtual = [c * ps.pp_size + ps.pp_rank for c in range(vp)]
         ctx = LayerContext(Initializer(cfg.seed, cfg.model.init_std),
                            sequence_parallel=cfg.parallel.sequence_parallel and ps.tp_size > 1,
-                           recompute=cfg.parallel.recompute)
+                           recompute=cfg.parallel.recompute,
+                           cp_comm_type=cfg.parallel.cp_comm_type)
         self.dtype = DTYPES[cfg.precision.precision]
         self.chunks = build_chunks(cfg.model, ps, ctx, ranges, virtual, ps.pp_size * vp,
                                    self.registry).to(device=self.dev.device, dtype=self.dtype)
+        if ps.cp_size > 1 and any(len(c.layers) for c in self.chunks) and not any(
+                isinstance(m, ParallelAttention) for c in self.chunks for m in c.modules()):
+            raise ConfigError(f"--cp {ps.cp_size}: --block {cfg.model.block} has no "
+                              f"models.layers.ParallelAttention, the attention that sees the whole "
+                              f"sequence under context parallelism; build the block's attention "
+                              f"from it or use --cp 1")
         # dropout streams: identical across TP ranks (replicated regions), distinct across DP/PP
         tp_part = ps.tp_rank if ctx.sequence_parallel else 0
         torch.manual_seed(cfg.seed + 1 + 1000 * ps.dp_rank + 100 * ps.pp_rank + 10 * tp_part)
@@ -184,9 +198,10 @@ class Trainer:
                                                  self.num_micro, vp)
             validate_schedule(self.schedule_lists)
             actions = self.schedule_lists[ps.pp_rank]
-            s = cfg.model.seq_length // (ps.tp_size if cfg.parallel.sequence_parallel else 1)
+            s = cfg.model.seq_length // ps.cp_size // (ps.tp_size if cfg.parallel.sequence_parallel else 1)
             act_shape = (cfg.data.micro_batch_size, s, cfg.model.hidden_size)
             init_p2p(ps)
+        init_ring(ps)
         self.stepper = Stepper(ps, self.chunks, self.reducer, self.optimizer, self.scaler,
                                cfg.optim.clip_grad, actions, act_shape, self.dtype,
                                cfg.parallel.timeout_s)
@@ -207,7 +222,9 @@ class Trainer:
     # ---- data -----------------------------------------------------------------------------
     def _batches(self, step: int, dataset=None, sampler=None) -> list[MicroBatch]:
         """This rank's micro-batches of ``step`` (``MicroBatch``: tokens, labels and, with packed
-        documents, the per-token metadata every stage builds alike from the same tokens)."""
+        documents, the per-token metadata every stage builds alike from the same tokens); under
+        context parallelism this rank's sequence shard of each (global positions, the loss count
+        of the whole global batch)."""
         sampler = sampler or self.sampler
         ds = dataset or self.data.train
         micro = sampler.micro_batches(step, self.ps.dp_rank, self.ps.dp_size,
@@ -216,8 +233,10 @@ class Trainer:
         if pack is not None and pack.eod_mask_loss and self.ps.is_last_stage:
             # the mean is over the unmasked tokens of the whole global batch, whatever the layout
             loss_tokens = count_loss_tokens(ds, sampler.global_batch(step), pack.eod_id)
-        return [micro_batch(collate(ds, idx), pack, loss_tokens).to(self.dev.device)  # (b, s) each
-                for idx in micro]
+        batches = [micro_batch(collate(ds, idx), pack, loss_tokens) for idx in micro]  # (b, s) each
+        if self.cp_index is not None:
+            batches = [mb.select(self.cp_index) for mb in batches]  # (b, s/cp) each
+        return [mb.to(self.dev.device) for mb in batches]
 
     # ---- loop -----------------------------------------------------------------------------
     def train(self) -> RunResult:

@@ -33,8 +33,7 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv,
         raise ConfigError(str(exc)) from exc
     tp = grid.tp
     if grid.cp > 1:
-        raise ConfigError(f"--cp {grid.cp}: context parallelism needs the ring or all-to-all attention, "
-                          f"which this build does not have yet; use --cp 1")
+        _validate_cp(cfg, grid)
     for what, value in (("--num-attention-heads", m.num_attention_heads),
                         ("--hidden-size", m.hidden_size), ("--ffn-hidden-size", m.ffn_hidden_size)):
         if value % tp:
@@ -43,8 +42,9 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv,
         raise ConfigError(f"--num-query-groups {m.num_query_groups} is not divisible by --tp {tp}: "
                           f"tensor parallelism gives every rank whole key/value groups; choose a tp "
                           f"that divides {m.num_query_groups} (or more query groups)")
-    if par.sequence_parallel and m.seq_length % tp:
-        raise ConfigError(f"--seq-length {m.seq_length} is not divisible by --tp {tp}, which "
+    if par.sequence_parallel and (m.seq_length // grid.cp) % tp:
+        cp = f" / --cp {grid.cp} = {m.seq_length // grid.cp}" if grid.cp > 1 else ""
+        raise ConfigError(f"--seq-length {m.seq_length}{cp} is not divisible by --tp {tp}, which "
                           f"--sequence-parallel needs; change one of them")
     if par.sequence_parallel and tp == 1:
         notes.append("--sequence-parallel has no effect with --tp 1")
@@ -102,6 +102,32 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv,
                           f"has forward(x) only: define forward(self, x, inputs=None) and pass "
                           f"inputs to ParallelAttention (see models/blocks.py)")
     return grid, notes
+
+
+def _validate_cp(cfg: RunConfig, grid: RankGrid) -> None:
+    """Context parallelism's own rules (cp > 1)."""
+    par, m, cp = cfg.parallel, cfg.model, grid.cp
+    if par.cp_comm_type == "p2p":
+        if m.seq_length % (2 * cp):
+            raise ConfigError(f"--seq-length {m.seq_length} is not divisible by 2 x --cp = {2 * cp}: "
+                              f"ring attention gives each rank two of 2*cp equal chunks (load "
+                              f"balancing); use a multiple of {2 * cp}")
+        if m.dropout > 0:
+            raise ConfigError("ring attention (--cp-comm-type p2p) applies no attention dropout: "
+                              "use --dropout 0, or --cp-comm-type a2a")
+    else:
+        if m.seq_length % cp:
+            raise ConfigError(f"--seq-length {m.seq_length} is not divisible by --cp {cp}; use a "
+                              f"multiple of {cp}")
+        heads = m.num_attention_heads // grid.tp
+        if heads % cp:
+            raise ConfigError(f"Ulysses attention (--cp-comm-type a2a) splits each TP rank's "
+                              f"--num-attention-heads / --tp = {m.num_attention_heads} / {grid.tp} = "
+                              f"{heads} heads over --cp {cp} ranks: make heads / tp divisible by "
+                              f"cp, or use --cp-comm-type p2p")
+    if cfg.compile:
+        raise ConfigError("--compile with --cp > 1 is not supported: context-parallel attention "
+                          "communicates inside the chunk; drop --compile")
 
 
 def validate_packing(cfg: RunConfig, eod_id: int | None) -> PackingConfig | None:

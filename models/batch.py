@@ -34,6 +34,7 @@ class AttentionInputs:
     position_ids: torch.Tensor                   # (b, s) int64
     document_ids: torch.Tensor | None = None     # (b, s) int32
     cu_seqlens: tuple[int, ...] | None = None    # (num_segments + 1,) host ints, leading 0
+    whole: "AttentionInputs | None" = None       # a CP shard's unsharded rows (see select)
 
     def __post_init__(self) -> None:
         if self.position_ids.dim() != 2:
@@ -63,7 +64,26 @@ class AttentionInputs:
 
     def to(self, device: torch.device | str) -> "AttentionInputs":
         doc = self.document_ids.to(device) if self.document_ids is not None else None
-        return AttentionInputs(self.position_ids.to(device), doc, self.cu_seqlens)
+        whole = self.whole.to(device) if self.whole is not None else None
+        return AttentionInputs(self.position_ids.to(device), doc, self.cu_seqlens, whole)
+
+    def select(self, index: torch.Tensor) -> "AttentionInputs":
+        """The metadata of tokens ``index`` (1-D, increasing) of every row: a context-parallel shard
+        (e.g. the load-balanced chunks r and 2cp-1-r). Positions stay global; the segments are those
+        of the shard, a segment also ending where ``index`` jumps (a document cut by another rank's
+        chunk is two pieces); ``whole`` keeps the unsharded rows."""
+        whole = self.whole if self.whole is not None else self
+        index = index.to(self.position_ids.device)
+        pos = self.position_ids.index_select(1, index)
+        if self.document_ids is None:
+            return AttentionInputs(pos, whole=whole)
+        doc = self.document_ids.index_select(1, index)
+        idx = index.detach().cpu()
+        ids = doc.detach().cpu()
+        ends = torch.ones(ids.shape, dtype=torch.bool)  # True where a token ends its segment
+        ends[:, :-1] = (ids[:, 1:] != ids[:, :-1]) | (idx[1:] != idx[:-1] + 1)
+        cu = (0, *(torch.nonzero(ends.reshape(-1)).flatten() + 1).tolist())
+        return AttentionInputs(pos, doc, cu, whole)
 
     def narrow(self, start: int, length: int) -> "AttentionInputs":
         """The metadata of tokens [start, start + length) of every row (a sequence shard): global

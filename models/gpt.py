@@ -16,6 +16,7 @@ from models.blocks import takes_attention_inputs
 from models.config import GPTConfig
 from models.layers import LayerContext, Norm
 from models.registry import BlockRegistry, default_registry
+from parallel.context_parallel import load_balanced, shard_positions
 from parallel.state import ParallelState
 from parallel.tensor_parallel import (VocabParallelEmbedding, copy_to_tp, gather_from_sequence,
                                       padded_vocab_size, scatter_to_sequence,
@@ -27,14 +28,16 @@ class GPTChunk(nn.Module):
                  pre_process: bool = True, post_process: bool = True,
                  registry: BlockRegistry | None = None):
         super().__init__()
-        if ctx.sequence_parallel and cfg.seq_length % ps.tp_size:
-            raise ValueError(f"--seq-length {cfg.seq_length} is not divisible by tp={ps.tp_size}: "
+        if ctx.sequence_parallel and (cfg.seq_length // ps.cp_size) % ps.tp_size:
+            per_cp = f" / cp={ps.cp_size}" if ps.cp_size > 1 else ""
+            raise ValueError(f"--seq-length {cfg.seq_length}{per_cp} is not divisible by tp={ps.tp_size}: "
                              f"sequence parallelism keeps s/tp positions per rank; use a multiple "
                              f"of --tp or turn off --sequence-parallel")
         block_cls = (registry or default_registry()).resolve(cfg.block)
         self.cfg, self.ps, self.layer_range, self.block_cls = cfg, ps, layers, block_cls
         self.pre_process, self.post_process = pre_process, post_process
         self.sequence_parallel = ctx.sequence_parallel
+        self.cp_balanced = load_balanced(ctx.cp_comm_type)
         self.learned_pos = block_cls.position == "learned"
         self.block_takes_inputs = takes_attention_inputs(block_cls)
         self.tied = block_cls.tie_embeddings
@@ -87,8 +90,12 @@ class GPTChunk(nn.Module):
     def _embed(self, tokens: torch.Tensor, inputs: AttentionInputs | None) -> torch.Tensor:
         x = self.embed(tokens)  # (b, s) -> (b, s[/tp], h)
         if self.learned_pos:
-            if inputs is None:
+            if inputs is None and self.ps.cp_size == 1:
                 pos = self.pos[: tokens.shape[1]].unsqueeze(0)  # (1, s, h)
+            elif inputs is None:  # a context-parallel shard: its tokens' global positions
+                cp = self.ps.cp_group
+                pos = self.pos[shard_positions(tokens.shape[1], cp.size, cp.rank, self.cp_balanced,
+                                               tokens.device)].unsqueeze(0)  # (1, s/cp, h)
             else:
                 pos = self.pos[inputs.position_ids]  # (b, s, h): each token's own position
             if self.sequence_parallel:

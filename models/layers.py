@@ -15,6 +15,8 @@ from torch.utils.checkpoint import checkpoint
 
 import kernels
 from models.config import GPTConfig
+from parallel.context_parallel import (COMM_TYPES, context_parallel_attention, load_balanced,
+                                       shard_positions)
 from parallel.state import ParallelState
 from parallel.tensor_parallel import ColumnParallelLinear, Initializer, RowParallelLinear, divide
 
@@ -25,10 +27,13 @@ class LayerContext:
     init: Initializer
     sequence_parallel: bool = False
     recompute: str = "none"  # none | selective | full
+    cp_comm_type: str = "p2p"  # context-parallel attention: p2p (ring) | a2a (Ulysses)
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"--recompute must be none, selective or full, got {self.recompute!r}")
+        if self.cp_comm_type not in COMM_TYPES:
+            raise ValueError(f"--cp-comm-type must be one of {COMM_TYPES}, got {self.cp_comm_type!r}")
 
 
 class Norm(nn.Module):
@@ -64,6 +69,10 @@ class ParallelAttention(nn.Module):
 
     ``forward(x, inputs)`` takes the micro-batch's ``AttentionInputs`` (per-token positions for RoPE,
     documents for packed sequences); without them positions are 0..s-1 and each row one document.
+
+    Under context parallelism (cp > 1) x is this rank's sequence shard and attention runs over the
+    whole sequence through ``parallel.context_parallel`` (ring or Ulysses, ``ctx.cp_comm_type``);
+    positions are the shard's global ones, from ``inputs`` or, without them, from the shard layout.
     """
 
     def __init__(self, cfg: GPTConfig, ps: ParallelState, ctx: LayerContext, name: str,
@@ -76,6 +85,7 @@ class ParallelAttention(nn.Module):
         self.q_per_group = n // g
         self.head_dim, self.rope, self.rope_base = cfg.head_dim, rope, cfg.rope_base
         self.dropout, self.selective = cfg.dropout, ctx.recompute == "selective"
+        self.cp_group, self.cp_comm_type = ps.cp_group, ctx.cp_comm_type
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(h, (n + 2 * g) * cfg.head_dim, ps, f"{name}.qkv", ctx.init,
                                         bias=bias, sequence_parallel=ctx.sequence_parallel)
@@ -83,9 +93,34 @@ class ParallelAttention(nn.Module):
                                       sequence_parallel=ctx.sequence_parallel, std=out_std)
 
     def _core(self, q, k, v, document_ids=None, cu_seqlens=None):
-        return kernels.attention(q, k, v, causal=True,
-                                 dropout_p=self.dropout if self.training else 0.0,
+        """Under context parallelism ``document_ids`` / ``cu_seqlens`` are the whole rows'."""
+        dropout = self.dropout if self.training else 0.0
+        if self.cp_group.size > 1:
+            return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type,
+                                              dropout_p=dropout, document_ids=document_ids,
+                                              cu_seqlens=cu_seqlens)
+        return kernels.attention(q, k, v, causal=True, dropout_p=dropout,
                                  document_ids=document_ids, cu_seqlens=cu_seqlens)
+
+    def _positions(self, inputs, s: int, device) -> torch.Tensor | None:
+        """(b or 1, s) global positions of the tokens here, or None for plain 0..s-1."""
+        if inputs is not None:
+            return inputs.position_ids
+        if self.cp_group.size == 1:
+            return None
+        return shard_positions(s, self.cp_group.size, self.cp_group.rank,
+                               load_balanced(self.cp_comm_type), device).unsqueeze(0)
+
+    def _documents(self, inputs):
+        """(document_ids, cu_seqlens) attention reads: the shard's, or under CP the whole rows'."""
+        if inputs is None or not inputs.packed:
+            return None, None
+        if self.cp_group.size > 1:
+            if inputs.whole is None:
+                raise ValueError("under context parallelism AttentionInputs must be a sequence "
+                                 "shard made with select(), which keeps the whole rows")
+            inputs = inputs.whole
+        return inputs.document_ids, inputs.cu_seqlens
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(b, s, (n + 2G) d / tp) -> q (b, n/tp, s, d), k and v (b, G/tp, s, d), as views of the
@@ -102,14 +137,13 @@ class ParallelAttention(nn.Module):
         b, s, _ = qkv.shape
         q, k, v = self.split_qkv(qkv)
         if self.rope:
-            if inputs is None:
+            pos = self._positions(inputs, s, x.device)
+            if pos is None:
                 cos, sin = kernels.rope_cos_sin(s, self.head_dim, self.rope_base, x.device, q.dtype)
             else:  # (b, 1, s, d): the angles of each token's own position
-                cos, sin = kernels.rope_cos_sin_at(inputs.position_ids, self.head_dim,
-                                                   self.rope_base, q.dtype)
+                cos, sin = kernels.rope_cos_sin_at(pos, self.head_dim, self.rope_base, q.dtype)
             q, k = kernels.apply_rope(q, cos, sin), kernels.apply_rope(k, cos, sin)
-        docs = (inputs.document_ids, inputs.cu_seqlens) if inputs is not None and inputs.packed \
-            else (None, None)
+        docs = self._documents(inputs)
         if self.selective and self.training and torch.is_grad_enabled():
             out = checkpoint(self._core, q, k, v, *docs, use_reentrant=False)
         else:

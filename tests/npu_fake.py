@@ -11,19 +11,54 @@ import sys
 
 import torch
 
-KERNEL_MODULES = ("kernels.attention", "kernels.norms", "kernels.rope", "kernels.swiglu")
+KERNEL_MODULES = ("kernels.attention", "kernels.attention_lse", "kernels.norms", "kernels.rope", "kernels.swiglu")
 COMPRESSED_CAUSAL = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
 VARLEN_MAX_SEGMENTS = 1024  # documented maximum length of actual_seq_qlen in the TND layout
 
 
-def _scores_attention(q, k, v, scale, masked):
-    """q (n, sq, d), k and v (n_kv, skv, d): query head i reads key/value head i // (n / n_kv)."""
-    rep = q.shape[0] // k.shape[0]
-    k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+def _scores(q, k, scale, masked):
+    """Masked scaled scores (n, sq, skv) in fp32; query head i reads key head i // (n / n_kv)."""
+    k = k.repeat_interleave(q.shape[0] // k.shape[0], 0)
     scores = (q.float() @ k.float().transpose(-2, -1)) * scale
-    if masked is not None:
-        scores = scores.masked_fill(masked, float("-inf"))
-    return scores.softmax(-1) @ v.float()
+    return scores if masked is None else scores.masked_fill(masked, float("-inf"))
+
+
+def _softmax_stats(scores):
+    """Row max and sum of exp(scores - max), as the kernel keeps them. A fully masked row's values
+    are not documented: this stand-in leaves max 0 and sum 1 there (lse 0, a finite wrong value),
+    so code that relies on them for such rows fails its tests."""
+    mx = scores.amax(-1)
+    empty = torch.isinf(mx)
+    mx = torch.where(empty, torch.zeros_like(mx), mx)
+    total = torch.exp(scores - mx.unsqueeze(-1)).sum(-1)
+    return mx, torch.where(empty, torch.ones_like(total), total), empty
+
+
+def _scores_attention(q, k, v, scale, masked, stats=False):
+    """q (n, sq, d), k and v (n_kv, skv, d): query head i reads key/value head i // (n / n_kv)."""
+    scores = _scores(q, k, scale, masked)
+    mx, total, empty = _softmax_stats(scores)
+    v = v.repeat_interleave(q.shape[0] // v.shape[0], 0)
+    probs = torch.exp(scores - mx.unsqueeze(-1)) / total.unsqueeze(-1)
+    out = probs.masked_fill(empty.unsqueeze(-1), 0.0) @ v.float()
+    return (out, mx, total) if stats else out
+
+
+def _repeat8(t):
+    return t.unsqueeze(-1).expand(*t.shape, 8).contiguous()
+
+
+def _block_mask(sparse_mode, atten_mask, sq, skv, batch):
+    """The (sq, skv) or (1, sq, skv) masked-out pattern of BNSD/BSND calls for batch row ``batch``."""
+    if sparse_mode == 2:  # leftUpCausal: the fixed compressed mask, pattern independent of it
+        assert atten_mask.dtype == torch.bool and torch.equal(atten_mask, COMPRESSED_CAUSAL)
+        return torch.arange(skv)[None, :] > torch.arange(sq)[:, None]
+    assert sparse_mode == 0
+    if atten_mask is None:
+        return None
+    assert atten_mask.dtype == torch.bool and atten_mask.shape[-2:] == (sq, skv)
+    assert atten_mask.dim() in (2, 4), "documented: [S1, S2], [B, 1, S1, S2] or [B, N, S1, S2]"
+    return atten_mask if atten_mask.dim() == 2 else atten_mask[batch]
 
 
 class FakeTorchNpu:
@@ -46,17 +81,45 @@ class FakeTorchNpu:
         q, k, v = (t.transpose(1, 2) if input_layout == "BSND" else t for t in (query, key, value))
         assert q.shape[1] == head_num and head_num % k.shape[1] == 0  # Nq / Nkv a whole number
         sq, skv = q.shape[2], k.shape[2]
-        masked = None
-        if sparse_mode == 2:  # leftUpCausal: the fixed compressed mask, pattern independent of it
-            assert atten_mask.dtype == torch.bool and torch.equal(atten_mask, COMPRESSED_CAUSAL)
-            masked = torch.arange(skv)[None, :] > torch.arange(sq)[:, None]
-        else:
-            assert sparse_mode == 0
-            masked = atten_mask
-        out = torch.stack([_scores_attention(q[i], k[i], v[i], scale, masked)
-                           for i in range(q.shape[0])]).to(query.dtype)
+        outs, maxes, sums = [], [], []
+        for i in range(q.shape[0]):
+            o, mx, total = _scores_attention(q[i], k[i], v[i], scale,
+                                             _block_mask(sparse_mode, atten_mask, sq, skv, i), True)
+            outs.append(o), maxes.append(mx), sums.append(total)
+        out = torch.stack(outs).to(query.dtype)
         out = out.transpose(1, 2).contiguous() if input_layout == "BSND" else out
-        return out, None, None, None, 0, 0, 0
+        # softmax_max / softmax_sum: (B, N, S1, 8) fp32, each value repeated 8 times
+        return out, _repeat8(torch.stack(maxes)), _repeat8(torch.stack(sums)), None, 0, 0, 0
+
+    def npu_fusion_attention_grad(self, query, key, value, dy, head_num, input_layout, *,
+                                  atten_mask=None, softmax_max=None, softmax_sum=None,
+                                  attention_in=None, scale_value=1.0, keep_prob=1.0, sparse_mode=0,
+                                  **unused):
+        """The documented backward: P = exp(scale * Q K^T (masked) - softmax_max) / softmax_sum,
+        dV = P^T dy, dS = P * (dy V^T - rowsum(dy * attention_in)), dQ = scale dS K,
+        dK = scale dS^T Q (summed over the query heads of a key/value head)."""
+        self.calls.append(f"npu_fusion_attention_grad:{input_layout}")
+        assert input_layout in ("BNSD", "BSND") and not unused and keep_prob == 1.0
+        assert all(t.is_contiguous() for t in (query, key, value, dy, attention_in))
+        assert softmax_max.shape[-1] == 8 and softmax_sum.shape == softmax_max.shape
+        assert dy.shape == query.shape == attention_in.shape
+        tr = (lambda t: t.transpose(1, 2)) if input_layout == "BSND" else (lambda t: t)
+        q, k, v, do, o = (tr(t).float() for t in (query, key, value, dy, attention_in))
+        assert q.shape[1] == head_num and softmax_max.shape[:3] == q.shape[:3]
+        rep = q.shape[1] // k.shape[1]
+        sq, skv = q.shape[2], k.shape[2]
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for i in range(q.shape[0]):
+            s = _scores(q[i], k[i], scale_value, _block_mask(sparse_mode, atten_mask, sq, skv, i))
+            p = torch.exp(s - softmax_max[i, ..., :1].float()) / softmax_sum[i, ..., :1].float()
+            vr = v[i].repeat_interleave(rep, 0)
+            kr = k[i].repeat_interleave(rep, 0)
+            ds = p * (do[i] @ vr.transpose(-2, -1) - (do[i] * o[i]).sum(-1, keepdim=True))
+            dq[i] = ds @ kr * scale_value
+            dk[i] = (ds.transpose(-2, -1) @ q[i] * scale_value).view(k.shape[1], rep, skv, -1).sum(1)
+            dv[i] = (p.transpose(-2, -1) @ do[i]).view(k.shape[1], rep, skv, -1).sum(1)
+        back = (lambda t, like: tr(t).contiguous().to(like.dtype))
+        return back(dq, query), back(dk, key), back(dv, value), None
 
     def _varlen(self, query, key, value, head_num, atten_mask, scale, sparse_mode, qlen, kvlen):
         """TND: (T, N, D) tokens; actual_seq_qlen / kvlen are cumulative ends (2 2 2 -> 2 4 6)."""

@@ -180,3 +180,19 @@ def test_checkpoint_benchmark_sizes_and_tiny_run(tmp_path, capsys):
     assert row["identical"] and row["steps"] >= 1 and 0 < row["start_s"] <= row["async_s"]
     assert os.listdir(tmp_path) == []  # checkpoints removed
     assert "| files identical |" in capsys.readouterr().out
+
+
+def test_long_context_counts_each_saved_tensor_once():
+    """benchmarks/long_context.py's accounting on one rank: the SwiGLU MLP of a layer saves its input,
+    gate, up, silu(gate) and product, s (h + 4 f) fp32 values; parameters are not counted; the
+    planner figure is the planner's layer term."""
+    from benchmarks import long_context as lc
+    from parallel.state import ParallelState
+    seq, h = 64, lc.MODEL["hidden_size"]
+    result = lc.measure(ParallelState.serial(), seq, "p2p", 1)
+    f = lc.build(ParallelState.serial(), seq, "p2p").cfg.ffn_hidden_size
+    assert result["bytes"]["mlp"] == lc.MODEL["num_layers"] * 4 * seq * (h + 4 * f)
+    assert result["bytes"]["attention"] > 0 and result["bytes"]["norm"] > 0
+    assert lc.planner_bytes(seq, 2) == lc.planner_bytes(seq, 1) / 2
+    table = lc.table({1: {seq: result}}, [seq])
+    assert table.splitlines()[2].startswith(f"| {seq} | 1 |")

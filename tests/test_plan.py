@@ -144,6 +144,22 @@ def test_llama_activations_use_three_mlp_tensors():
     assert layer_activation_bytes(shape, lay) == 32 * 2 * (18 * 64 + 6 * 96)
 
 
+def test_activations_of_any_element_size_with_or_without_dropout():
+    """The Korthikanti constants are 2-byte tensors and 1-byte dropout masks: fp32 doubles the
+    tensors, dropout 0 keeps no masks (nor the scores' dropout output)."""
+    shape = ModelShape(4, 64, 4, 100, 32, 8, ffn_hidden_size=96, block="llama")
+    lay = Layout(1, 1, 1, micro_batch_size=2)
+    sbh, sbf, ass = 32 * 2 * 64, 32 * 2 * 96, 4 * 32 * 32 * 2
+    assert layer_activation_bytes(shape, lay) == sbh * (10 + 8) + 6 * sbf + 5 * ass
+    fp32 = replace(shape, activation_bytes=4, dropout=False)
+    assert layer_activation_bytes(fp32, lay) == sbh * (16 + 16) + 12 * sbf + 4 * ass
+    assert layer_activation_bytes(fp32, replace(lay, recompute="full")) == 4 * sbh
+    fused = replace(fp32, fused_attention=True)
+    assert layer_activation_bytes(fused, replace(lay, cp=2)) == layer_activation_bytes(fused, lay) / 2
+    with pytest.raises(ValueError, match="activation_bytes"):
+        ModelShape(4, 64, 4, 100, 32, 8, activation_bytes=3)
+
+
 def test_in_flight_micro_batches():
     shape = ModelShape(32, 64, 4, 100, 32, 64)
     lay = Layout(1, 4, 1, micro_batch_size=1)
@@ -267,7 +283,9 @@ def test_context_parallel_ring_term():
     ring = 2 * (c - 1) / c * b * s * h / t * ACT_BYTES / (links.cp * 1e9) + (c - 1) * COLLECTIVE_LATENCY_S
     attn = 4 * (s * b / c) * s * h / t / (312e12 * DEFAULT_ACHIEVABLE_FRACTION)
     assert ring > attn
-    assert layer_time(shape, slow, lay, links).cp_comm == pytest.approx(3 * (ring - attn), rel=1e-9)
+    ring_bwd = ring * (2 * c - 1) / (c - 1)  # K, V c-1 hops and dK, dV c hops
+    assert layer_time(shape, slow, lay, links).cp_comm == pytest.approx(ring - attn + ring_bwd - 2 * attn,
+                                                                        rel=1e-9)
     fast = layout_links(cluster(16), lay)  # one node: the ring hides under the attention core
     assert layer_time(shape, cluster(16), lay, fast).cp_comm == 0.0
     assert layer_time(shape, cluster(16), lay, fast).compute < \

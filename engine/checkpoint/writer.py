@@ -1,8 +1,8 @@
 """Saving: every rank writes the slices it owns into ``iter_X.tmp/``, rank 0 merges the per-rank
 descriptions into ``index.json``, renames the directory and repoints ``latest`` (atomic: a crash before
 the rename leaves the previous checkpoint and ``latest`` untouched). Replicated tensors are written
-once: TP-replicated ones by tp rank 0, DP-replicated ones by dp rank 0, a tied output embedding by the
-first stage only.
+once: TP-replicated ones by tp rank 0, DP- and CP-replicated ones by dp rank 0 of cp rank 0 (ZeRO
+state: every rank of the DP x CP group its own shard), a tied output embedding by the first stage only.
 
 A save has three parts, shared by the synchronous path here and the background one
 (``async_writer.py``): ``snapshot`` (at the step boundary: what this rank writes, and on rank 0 what
@@ -107,14 +107,15 @@ def snapshot(trainer, step: int, tmp: str, host=None) -> Snapshot:
     cfg, ps = trainer.cfg, trainer.ps
     shard = _Shard(f"rank_{ps.rank:05d}.safetensors")
     specs = {s.name: s for s in param_specs(trainer.chunks, ps, cfg.model.vocab_size)}
+    first_replica = ps.dp_rank == 0 and ps.cp_rank == 0  # CP ranks hold identical parameters too
     for s in specs.values():
-        if s.writer and ps.dp_rank == 0:
+        if s.writer and first_replica:
             shard.add(f"model/{s.name}", s, s.param.detach(), host=host)
     sd = trainer.optimizer.state_dict(clone=False)
     zero = sd["kind"] == "distributed"
     for piece in sd["pieces"]:
         s = specs[piece["name"]]
-        if not s.writer or not (zero or ps.dp_rank == 0):
+        if not s.writer or not (zero or first_replica):
             continue
         whole = piece["start"] == 0 and piece["end"] == s.param.numel()
         for key, t in sd["state"][piece["name"]].items():

@@ -57,6 +57,15 @@ class MicroBatch:
     loss_mask: torch.Tensor | None = None      # (b, s) float, 1 where the loss counts
     loss_tokens: int | None = None             # unmasked tokens of the whole GLOBAL batch
 
+    def select(self, index: torch.Tensor) -> "MicroBatch":
+        """The tokens ``index`` (1-D, increasing) of every row: a context-parallel shard of tokens,
+        labels, loss mask and metadata (global positions, the whole rows kept for attention).
+        ``loss_tokens`` stays the global batch's count."""
+        pick = lambda t: None if t is None else t.index_select(1, index.to(t.device))
+        return MicroBatch(pick(self.tokens), pick(self.labels),
+                          self.inputs.select(index) if self.inputs is not None else None,
+                          pick(self.loss_mask), self.loss_tokens)
+
     def to(self, device) -> "MicroBatch":
         return MicroBatch(self.tokens.to(device), self.labels.to(device),
                           self.inputs.to(device) if self.inputs is not None else None,

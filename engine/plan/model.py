@@ -48,6 +48,12 @@ ACT_REPLICATED = 10
 ACT_SPLIT_ATTN = 8  # Q, K, V and the output projection's input, split by TP
 ACT_MLP = {"gpt2": 4, "llama": 6}  # per s b f: GeLU input + output, or gate, up and product
 ACT_SCORES = 5  # per a*s*s*b: softmax output (2), dropout mask (1), dropout output (2)
+ACT_MASK_BYTES = 1  # a dropout mask's byte per element
+# The same accounting by tensor count, for activations of any element size (ModelShape.activation_bytes)
+# and with or without dropout masks (ModelShape.dropout); ACT_BYTES with dropout gives the above.
+ACT_TENSORS_REPLICATED = 4  # two LayerNorm inputs, the QKV and MLP inputs (+ 2 dropout masks)
+ACT_TENSORS_SPLIT_ATTN = 4  # Q, K, V, the output projection's input
+ACT_TENSORS_MLP = {"gpt2": 2, "llama": 3}
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,10 @@ class ModelShape:
     # last matrix multiply (the MLP's down projection) and the collective after it; False models
     # Megatron-LM's CheckpointFunction, which reruns the whole forward (flops.py).
     recompute_early_stop: bool = True
+    # Bytes per activation element (2: bf16/fp16; 4: an fp32 run) and whether dropout keeps masks
+    # (dropout 0, as in Llama recipes, keeps none: no masks, no dropout outputs of the scores).
+    activation_bytes: int = ACT_BYTES
+    dropout: bool = True
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
@@ -82,6 +92,8 @@ class ModelShape:
                              f"--num-attention-heads {self.num_attention_heads}")
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", default_ffn_hidden(self.hidden_size, self.block))
+        if self.activation_bytes not in (1, 2, 4):
+            raise ValueError(f"activation_bytes must be 1, 2 or 4, got {self.activation_bytes!r}")
 
 
 @dataclass(frozen=True)
@@ -234,10 +246,13 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, recompute: str | N
     t, sp, c = layout.tp, layout.sequence_parallel, layout.cp
     recompute = recompute or layout.recompute
     sbh = s * b * h / c
+    e, masks = shape.activation_bytes, ACT_MASK_BYTES if shape.dropout else 0
     if recompute == "full":
-        return 2 * sbh / (t if sp else 1)
-    split = ACT_SPLIT_ATTN * sbh + ACT_MLP[shape.block] * s * b * shape.ffn_hidden_size / c
-    base = (ACT_REPLICATED * sbh + split) / t if sp else ACT_REPLICATED * sbh + split / t
+        return e * sbh / (t if sp else 1)
+    replicated = ACT_TENSORS_REPLICATED * e + 2 * masks          # 10 in bf16 with dropout
+    split = (ACT_TENSORS_SPLIT_ATTN * e * sbh                    # 8
+             + ACT_TENSORS_MLP[shape.block] * e * s * b * shape.ffn_hidden_size / c)  # 4 or 6 per sbf
+    base = (replicated * sbh + split) / t if sp else replicated * sbh + split / t
     if recompute == "selective":
         return base
     return base + scores_activation_bytes(shape, layout)
@@ -247,8 +262,9 @@ def scores_activation_bytes(shape: ModelShape, layout: Layout) -> float:
     """The attention scores' share (5 a s^2 b / t bytes), zero with fused attention."""
     if shape.fused_attention:
         return 0.0
-    s = shape.seq_length
-    return ACT_SCORES * shape.num_attention_heads * s * s * layout.micro_batch_size / layout.tp
+    s, e = shape.seq_length, shape.activation_bytes
+    per = e + (ACT_MASK_BYTES + e if shape.dropout else 0)  # 5 in bf16 with dropout
+    return per * shape.num_attention_heads * s * s * layout.micro_batch_size / layout.tp
 
 
 def in_flight(shape: ModelShape, layout: Layout, stage: int) -> float:

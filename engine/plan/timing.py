@@ -120,14 +120,16 @@ def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links
         one = allreduce_s(msg, t, links.tp)
         tp_fwd = tp_bwd = 2 * one
     tp_re = (tp_fwd - (one if shape.recompute_early_stop else 0.0)) if rc == "full" else 0.0
-    # CP ring (Megatron's ring attention): each rank passes its K and V chunks around the cp ring,
-    # 2 (cp-1)/cp * b s h_kv / tp elements forward, twice that backward (K, V and dK, dV), hidden
-    # behind the attention core of the block in hand where it is long enough.
+    # CP ring (parallel/context_parallel/ring.py): each hop passes a rank's K and V chunks, 2 b s h_kv
+    # / (cp tp) elements, to the next rank: cp-1 hops forward; backward cp-1 hops of K and V and cp of
+    # their dK, dV accumulators (the last hop returns them to their owner), hidden behind the
+    # attention core of the block in hand where it is long enough.
     cp_fwd = cp_bwd = cp_re = 0.0
     if c > 1:
-        ring = 2 * (c - 1) / c * b * s * h / t * ACT_BYTES / (links.cp * 1e9) + (c - 1) * COLLECTIVE_LATENCY_S
+        hop = 2 * b * s * h / (c * t) * ACT_BYTES / (links.cp * 1e9) + COLLECTIVE_LATENCY_S
+        ring, ring_bwd = (c - 1) * hop, (2 * c - 1) * hop
         cp_fwd = max(0.0, ring - attn / rate)
-        cp_bwd = max(0.0, 2 * ring - 2 * attn / rate)
+        cp_bwd = max(0.0, ring_bwd - 2 * attn / rate)
         cp_re = cp_fwd if rc in ("full", "selective") else 0.0
     backward = bwd + recompute + tp_bwd + tp_re + cp_bwd + cp_re
     return PassTime(fwd + bwd, recompute, tp_fwd + tp_bwd + tp_re, cp_fwd + cp_bwd + cp_re, 0.0, backward)
