@@ -111,9 +111,17 @@ def grid_norm_sq_(local: torch.Tensor, ps: ParallelState, over_dp: bool) -> torc
 
 
 def scale_(grads: list[torch.Tensor], factor: float) -> None:
-    """Multiply every gradient by ``factor`` in place (clipping, unscaling): one op per list."""
+    """Multiply every gradient by ``factor`` in place (clipping, unscaling): one op per list.
+
+    fp16/bf16 lists get the factor as an fp32 device tensor: with a Python number the CPU's
+    multi-tensor multiply rounds the factor to the list's dtype first, where ``grad.mul_(factor)``
+    (and the CUDA kernel) multiply in fp32."""
     for chunk in _chunks(grads):
-        torch._foreach_mul_(chunk, factor)
+        if chunk[0].dtype == torch.float32:
+            torch._foreach_mul_(chunk, factor)
+        else:
+            torch._foreach_mul_(chunk, torch.full((), factor, dtype=torch.float32,
+                                                  device=chunk[0].device))
 
 
 def check_and_unscale_(grads: list[torch.Tensor], inv_scale: float, device=None) -> torch.Tensor:

@@ -35,6 +35,7 @@ from parallel.grads import coalesce_views, current_grad
 from parallel.state import ParallelState
 
 _KEYS = ("exp_avg", "exp_avg_sq", "master")
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # torch.optim.AdamW(fused=True) kernels in PyTorch itself
 
 
 def _entries(params, weight_decay: float) -> list[tuple[str, torch.nn.Parameter, float]]:
@@ -316,10 +317,13 @@ class MixedPrecisionOptimizer(_GradAccess):
         groups: dict[float, list] = {}
         for (_, _, wd), master in zip(entries, self.masters):
             groups.setdefault(wd, []).append(master)
-        # foreach: one multi-tensor update instead of a Python loop over parameters (torch only
-        # defaults to it on accelerators)
+        # one update op per parameter group instead of a Python loop over parameters: the fused
+        # kernel where PyTorch has one (CPU, CUDA: no per-parameter host reads of the step count),
+        # else the multi-tensor (foreach) update
+        self._fused = bool(self.masters) and self.masters[0].device.type in FUSED_ADAMW_DEVICES
+        kind = {"fused": True} if self._fused else {"foreach": True}
         self.inner = torch.optim.AdamW([{"params": ms, "weight_decay": wd} for wd, ms in groups.items()],
-                                       lr=lr, betas=betas, eps=eps, foreach=True)
+                                       lr=lr, betas=betas, eps=eps, **kind)
 
 
     def grad_pieces(self):
@@ -393,6 +397,7 @@ class MixedPrecisionOptimizer(_GradAccess):
                     m.copy_(tensors["master"].view_as(m) if "master" in tensors else p.detach().float())
                     p.copy_(m)
             if step > 0:
-                self.inner.state[m] = {"step": torch.tensor(float(step)),
+                self.inner.state[m] = {"step": torch.tensor(float(step),
+                                                            device=m.device if self._fused else "cpu"),
                                        "exp_avg": tensors["exp_avg"].view_as(m).clone(),
                                        "exp_avg_sq": tensors["exp_avg_sq"].view_as(m).clone()}

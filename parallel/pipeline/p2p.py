@@ -223,8 +223,12 @@ class StreamWait:
 
     def wait(self, ps, works: list, transfers: list[Transfer], timeout_s: float | None, vp: int) -> None:
         self.watchdog.watch(ps, works, transfers, timeout_s, vp)
-        for work in works:
-            work.wait()            # no timeout argument: a stream wait, not a host poll
+        for work, owners in _pending(works, transfers):
+            try:
+                work.wait()        # no timeout argument: a stream wait, not a host poll
+            except RuntimeError as exc:   # a failure the backend reports at once
+                cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise PipelineCommError(failure_message(ps, owners, cause, timeout_s, False, vp)) from exc
 
 
 def waiter_for(backend: str):
