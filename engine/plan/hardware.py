@@ -109,7 +109,7 @@ _NAME_RULES = (
     (r"^ascend910b2", "ascend910b2"),
     (r"^ascend910b3", "ascend910b3"),
     (r"^ascend910b4", "ascend910b4"),
-    (r"^ascend910(a|proa|premiuma|prob)?$", "ascend910"),
+    (r"^ascend910(a|proa|premiuma)?$", "ascend910"),
     (r"^cpu$", "cpu"),
 )
 
