@@ -176,9 +176,10 @@ def set_matmul_precision(kind: str, allow_tf32: bool) -> bool:
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
         torch.backends.cudnn.allow_tf32 = allow_tf32
         return allow_tf32
-    if kind == "npu":  # torch_npu.npu.matmul.allow_hf32 / torch_npu.npu.conv.allow_hf32
-        torch.npu.matmul.allow_hf32 = allow_tf32
-        torch.npu.conv.allow_hf32 = allow_tf32
+    if kind == "npu":  # documented in torch_npu's API reference, defaults False and True
+        import torch_npu
+        torch_npu.npu.matmul.allow_hf32 = allow_tf32
+        torch_npu.npu.conv.allow_hf32 = allow_tf32
         return allow_tf32
     return False
 

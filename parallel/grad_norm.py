@@ -35,7 +35,7 @@ from parallel.grads import current_grad
 from parallel.state import ParallelState
 
 # torch_npu's ForeachNonFiniteCheckAndUnscale kernel takes at most 256 tensors per call (CANN
-# ops-nn, foreach_non_finite_check_and_unscale); every multi-tensor op here is cut at that length
+# ops-nn, foreach_non_finite_check_and_unscale/README.md): its lists are cut at that length
 FOREACH_MAX_TENSORS = 256
 
 
@@ -77,13 +77,14 @@ def counted_grads(pieces, ps: ParallelState) -> list[torch.Tensor]:
     return [grad for grad, param in pieces if _counted(param, ps)]
 
 
-def _chunks(tensors: list, by_dtype: bool = True) -> list[list]:
-    """Lists of at most FOREACH_MAX_TENSORS tensors (sharing a device and dtype), in order."""
+def _chunks(tensors: list, by_dtype: bool = True, limit: int | None = None) -> list[list]:
+    """The tensors as lists sharing a device and dtype (``by_dtype``), in order, of at most
+    ``limit`` tensors each."""
     groups: dict = {}
     for t in tensors:
         groups.setdefault((t.device, t.dtype) if by_dtype else None, []).append(t)
-    return [group[i:i + FOREACH_MAX_TENSORS] for group in groups.values()
-            for i in range(0, len(group), FOREACH_MAX_TENSORS)]
+    limit = limit or max(1, len(tensors))
+    return [group[i:i + limit] for group in groups.values() for i in range(0, len(group), limit)]
 
 
 # ---- the step's path: device tensors, no host sync ----------------------------------------------
@@ -131,7 +132,7 @@ def check_and_unscale_(grads: list[torch.Tensor], inv_scale: float, device=None)
     before the skip decision is harmless."""
     found = torch.zeros(1, dtype=torch.float32, device=device if not grads else grads[0].device)
     inv = torch.full((1,), inv_scale, dtype=torch.float32, device=found.device)
-    for chunk in _chunks(grads):
+    for chunk in _chunks(grads, limit=FOREACH_MAX_TENSORS):
         torch._amp_foreach_non_finite_check_and_unscale_(chunk, found, inv)
     return found.reshape(())
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.dp.reducer import GradReducer
-from parallel.grad_norm import (FOREACH_MAX_TENSORS, check_and_unscale_, clip_coefficient,
+from parallel.grad_norm import (check_and_unscale_, clip_coefficient,
                                 counted_grads, grid_norm_sq_, local_norm_sq, nonfinite_flag, scale_)
 from parallel.grads import coalesce_views, current_grad
 from parallel.state import ParallelState
@@ -128,9 +128,9 @@ class _GradAccess:
 
 
 def copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """dst[i].copy_(src[i]) (casting to dst's dtype) for every i, one multi-tensor copy per list."""
-    for i in range(0, len(dst), FOREACH_MAX_TENSORS):
-        torch._foreach_copy_(dst[i:i + FOREACH_MAX_TENSORS], src[i:i + FOREACH_MAX_TENSORS])
+    """dst[i].copy_(src[i]) (casting to dst's dtype) for every i: one multi-tensor copy."""
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 def _adamw_(p, g, m, v, step, lr, betas, eps, decay_segments) -> None:
