@@ -37,16 +37,22 @@ def sync_sequence_parallel_grads(params, ps) -> None:
 def coalesce_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The same elements as ``tensors`` in as few 1-D tensors as possible: contiguous tensors that
     sit back to back in one storage (the main_grad views of a reducer buffer, ZeRO's shard pieces)
-    become one view of that storage. Each element appears once; order follows the storage.
+    become one view of that storage. Each element appears once; storages come in the order
+    they first appear in ``tensors`` (not by address, so the result is the same in every run),
+    offsets in storage order.
 
     Three views [0:3], [3:5] and [6:9] of one buffer give two tensors, [0:5] and [6:9]; tensors of
     separate storages (plain ``param.grad``) are returned as 1-D views, one each, and
     non-contiguous ones as they are.
     """
     runs: list[list] = []   # [first tensor, storage offset, numel]
-    keyed = sorted(((t.untyped_storage().data_ptr(), t.storage_offset(), i, t)
-                    for i, t in enumerate(tensors) if t.numel() and t.is_contiguous()),
-                   key=lambda k: k[:3])
+    first_seen: dict[int, int] = {}   # storage -> its first position in ``tensors``: a fixed order
+    keyed = []
+    for i, t in enumerate(tensors):
+        if t.numel() and t.is_contiguous():
+            ptr = t.untyped_storage().data_ptr()
+            keyed.append((first_seen.setdefault(ptr, i), t.storage_offset(), i, ptr, t))
+    keyed = [(ptr, offset, i, t) for _, offset, i, ptr, t in sorted(keyed, key=lambda k: k[:3])]
     last_ptr = None
     for ptr, offset, _, t in keyed:
         if runs and ptr == last_ptr and runs[-1][0].dtype == t.dtype and offset == runs[-1][1] + runs[-1][2]:

@@ -68,10 +68,9 @@ def test_multi_tensor_ops_equal_per_tensor_loops_bit_for_bit(dtype, n):
 def test_coalesce_views_merges_back_to_back_views_only():
     buf = torch.arange(12.0)
     views = [buf[6:9].view(3, 1), buf[0:3], buf[3:5], torch.ones(2)]
-    runs = coalesce_views(views)
-    assert [r.tolist() for r in runs[:2]] == [[0.0, 1.0, 2.0, 3.0, 4.0], [6.0, 7.0, 8.0]]
-    assert runs[2].tolist() == [1.0, 1.0] and len(runs) == 3
-    runs[0].mul_(2)
+    runs = coalesce_views(views)     # (storages in address order, so compare as a set)
+    assert sorted(r.tolist() for r in runs) == [[0.0, 1.0, 2.0, 3.0, 4.0], [1.0, 1.0], [6.0, 7.0, 8.0]]
+    next(r for r in runs if r.numel() == 5).mul_(2)
     assert buf[:5].tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]        # views of the buffer, in place
     with pytest.raises(ValueError, match="overlapping"):
         coalesce_views([buf[0:4], buf[2:6]])
