@@ -184,6 +184,8 @@ def test_tf32_switch_and_mfu_peak_per_precision():
                                      tf32=tf32)
         return Trainer._peak_tflops(stub)
 
+    from engine.cli import parse_args
+    assert parse_args(["--allow-tf32"]).precision.allow_tf32 and not RunConfig().precision.allow_tf32
     h100 = "NVIDIA H100 80GB HBM3"
     assert peak("cuda", h100, "bf16", False) == 989.0
     assert peak("cuda", h100, "fp32", False) == 67.0       # no TF32: the plain fp32 peak
