@@ -225,3 +225,13 @@ def test_a_model_builds_one_rope_table_and_one_npu_mask(monkeypatch):
         for _ in range(2):                                          # two micro-batches, no inputs
             model(torch.randint(0, 64, (1, 8), generator=g))
     assert ctx.rope_cache.builds == 1 and len(ctx.mask_cache) == 1 and len(gets) == 6
+
+
+def test_docstring_examples():
+    import doctest
+
+    import engine.chips
+    import parallel.pipeline.p2p
+    for module in (engine.chips, device_mod, parallel.pipeline.p2p):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

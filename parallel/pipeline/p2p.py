@@ -25,6 +25,7 @@ naming its stage and rank instead of a hang. How a rank waits depends on the bac
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import sys
@@ -141,8 +142,9 @@ class TransferWatchdog:
     ``watch(ps, works, transfers, timeout_s, vp)`` registers one posted batch; every ``poll_s``
     (a tenth of the shortest timeout, at most 1 s) the thread drops the batches whose works
     completed, and calls ``on_timeout(message)`` once for a batch whose work raised or that is
-    still incomplete ``timeout_s`` after it was posted. It holds references to the works (and so
-    their tensors) only until they complete. ``stop()`` ends the thread.
+    still incomplete ``timeout_s`` after it was posted. It keeps the works until they complete,
+    and of the transfers only what the message needs (not their tensors, so a sent activation's
+    memory is freed when the executor drops it). ``stop()`` ends the thread.
     """
 
     def __init__(self, on_timeout: Callable[[str], None] = exit_on_timeout, poll_s: float | None = None):
@@ -152,12 +154,14 @@ class TransferWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.fired: list[str] = []
+        self._no_data = torch.empty(0)
 
     def watch(self, ps, works: list, transfers: list[Transfer], timeout_s: float | None, vp: int) -> None:
         if timeout_s is None or not works:
             return
+        described = [dataclasses.replace(t, tensor=self._no_data) for t in transfers]
         with self._lock:
-            self._batches.append((time.monotonic() + timeout_s, list(works), list(transfers), ps,
+            self._batches.append((time.monotonic() + timeout_s, list(works), described, ps,
                                   timeout_s, vp))
             if self.poll_s is None or timeout_s / 10 < self.poll_s:
                 self.poll_s = min(1.0, timeout_s / 10)
