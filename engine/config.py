@@ -114,6 +114,9 @@ class PrecisionConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
+    # help: let fp32 matmuls run on TF32 (NVIDIA) / HF32 (Ascend) units; MFU then divides by the
+    # TF32/HF32 peak instead of the plain fp32 one
+    allow_tf32: bool = False
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:

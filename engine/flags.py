@@ -103,6 +103,8 @@ FLAGS: dict[str, Flag] = {
     "initial_loss_scale": F("fp16: starting loss scale", "mixed precision"),
     "loss_scale_window": F("fp16: steps without overflow before the scale doubles", "mixed precision"),
     "hysteresis": F("fp16: overflows tolerated before the scale halves", "mixed precision"),
+    "allow_tf32": F("let fp32 matmuls use TF32 (CUDA) or HF32 (Ascend); MFU then divides by that "
+                    "peak", "mixed precision"),
     "min_loss_scale": F("fp16: the scale never drops below this", "mixed precision"),
     # ---- data --------------------------------------------------------------------------------
     "data_path": F("prepared data: PREFIX (Megatron's PREFIX.bin/.idx), or a blend 'W1 PREFIX1 W2 "

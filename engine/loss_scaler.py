@@ -7,10 +7,16 @@ overflows before backing off (the counter is restored whenever the scale grows);
 step is skipped regardless. bf16 and fp32 use ``ConstantScaler`` (scale 1): they do not underflow,
 but a non-finite gradient still skips the step rather than poison the weights.
 
-Order within one step (``unscale_and_check`` does the middle part)::
+Order within one step::
 
-    (loss * scaler.scale).backward()  ->  reducer.finish()
-    ->  found_inf over the world  ->  scaler.update  ->  skip, or unscale + clip  ->  optimizer.step(lr)
+    overflow.clear()  ->  (loss * scaler.scale).backward()  ->  reducer.finish()
+    ->  grad_stats: unscale + this rank's overflow flag in one pass, the float status register on
+        saturation-mode NPUs, the squared global norm (all on the device)
+    ->  the step's one grid-wide reduction and host read (engine/step.py, with the loss)
+    ->  apply_grad_stats: scaler.update, skip or clip  ->  optimizer.step(lr)
+
+``unscale_and_check`` runs the three parts with a reduction of its own, for callers outside the
+step. Unscaling happens before the skip decision: a skipped step's gradients are discarded anyway.
 """
 from __future__ import annotations
 
@@ -18,6 +24,11 @@ import math
 
 from dataclasses import dataclass, field
 from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from parallel.grad_norm import clip_coefficient
 
 
 @dataclass
@@ -101,24 +112,41 @@ class StepCheck:
     loss_scale: float            # the scale this step's loss was multiplied by
 
 
-def unscale_and_check(optimizer, scaler, clip_grad: float = 0.0, reducer=None) -> StepCheck:
-    """Overflow check over the world, scaler update, then unscale and clip unless skipped.
+def grad_stats(optimizer, scaler, overflow=None) -> torch.Tensor:
+    """The step's gradient statistics, on the device and before any host read: a (2,) fp32
+    tensor [this rank's overflow flag, squared global gradient norm (equal on every rank)].
 
-    ``optimizer`` is a parallel.dp optimizer (its grad_pieces, found_inf, unscale_ and
-    clip_grad_norm know whether gradients are ZeRO shards). ``clip_grad <= 0`` measures the norm
-    without clipping. With a ``reducer`` whose compressors keep error-feedback residuals, those are
-    dropped after a skipped step and rescaled when the loss scale grows.
+    ``optimizer`` is a parallel.dp optimizer (its helpers know whether gradients are ZeRO shards).
+    With a dynamic scale the gradients are unscaled and checked for inf/nan in one multi-tensor
+    pass; with a constant scale of 1 (fp32, bf16) there is no separate pass: a non-finite norm is
+    the same signal. ``overflow`` (the device module's ``overflow_check()``) adds the float status
+    register of a saturation-mode NPU, where an overflow leaves the gradients finite.
     """
     scale = scaler.scale
-    if getattr(scaler, "constant", False) and scale == 1.0:
-        # fp32/bf16: no separate overflow pass. The global grad norm is reduced over the whole
-        # grid anyway, so a non-finite norm is the same decision on every rank; clipping a
-        # non-finite gradient is harmless because the step is then skipped.
-        norm = optimizer.clip_grad_norm(clip_grad)
-        if scaler.update(not math.isfinite(norm)):
-            return StepCheck(True, None, scale)
-        return StepCheck(False, norm, scale)
-    skipped = scaler.update(optimizer.found_inf())
+    found = None
+    if not (getattr(scaler, "constant", False) and scale == 1.0):
+        found = optimizer.check_and_unscale_(1.0 / scale)
+    status = overflow.flag() if overflow is not None else None
+    if status is not None:
+        found = status.reshape(()) if found is None else torch.maximum(found, status.reshape(()))
+    norm_sq = optimizer.grad_norm_sq().reshape(())
+    if found is None:
+        found = torch.zeros_like(norm_sq)
+    return torch.stack([found.to(torch.float32), norm_sq.to(torch.float32)])
+
+
+def apply_grad_stats(optimizer, scaler, found: float, norm_sq: float, clip_grad: float = 0.0,
+                     reducer=None) -> StepCheck:
+    """After the host read of grid-wide statistics (``found`` > 0: some rank overflowed): scaler
+    update, skip or clip. Every rank holds the same values, so every rank decides the same.
+
+    ``clip_grad <= 0`` measures the norm without clipping. With a ``reducer`` whose compressors keep
+    error-feedback residuals, those are dropped after a skipped step and rescaled when the loss
+    scale grows. A non-finite norm skips the step too (clipping would not save it).
+    """
+    scale = scaler.scale
+    norm = math.sqrt(norm_sq) if norm_sq >= 0 else float("nan")
+    skipped = scaler.update(found > 0 or not math.isfinite(norm))
     if reducer is not None:
         if skipped:
             reducer.reset_residuals()
@@ -126,6 +154,17 @@ def unscale_and_check(optimizer, scaler, clip_grad: float = 0.0, reducer=None) -
             reducer.rescale_residuals(scaler.scale / scale)
     if skipped:
         return StepCheck(True, None, scale)
-    if scale != 1.0:
-        optimizer.unscale_(1.0 / scale)
-    return StepCheck(False, optimizer.clip_grad_norm(clip_grad), scale)
+    coef = clip_coefficient(norm, clip_grad)
+    if coef is not None:
+        optimizer.clip_(coef)
+    return StepCheck(False, norm, scale)
+
+
+def unscale_and_check(optimizer, scaler, clip_grad: float = 0.0, reducer=None,
+                      overflow=None) -> StepCheck:
+    """``grad_stats``, the overflow flag reduced (MAX) over the world, one host read, then
+    ``apply_grad_stats``: the step's checks for callers that do not batch them with the loss."""
+    stats = grad_stats(optimizer, scaler, overflow)
+    optimizer.ps.world_group.all_reduce(stats[:1], op=dist.ReduceOp.MAX)
+    found, norm_sq = stats.tolist()
+    return apply_grad_stats(optimizer, scaler, found, norm_sq, clip_grad, reducer)

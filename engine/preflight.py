@@ -34,7 +34,7 @@ import torch
 
 from engine.commbench import OPS, BenchConfig, check_collectives, format_table, parse_sizes, run_benchmarks
 from engine.config import ParallelConfig
-from engine.device import detect_device_type, device_count, setup_device
+from engine.device import detect_device_type, device_count, device_index, setup_device
 from parallel.state import LaunchEnv, LayoutError, ParallelState
 
 COMM_ENV = ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_BUFFSIZE", "HCCL_IF_IP", "HCCL_SOCKET_IFNAME",
@@ -85,13 +85,18 @@ def fingerprint(launch: LaunchEnv, kind: str, count: int | None, name: str,
     return fp
 
 
-def local_device_problem(kind: str, count: int | None, local_rank: int, environ: dict[str, str]) -> str | None:
-    if count is None or local_rank < count:
+def local_device_problem(kind: str, count: int | None, local_rank: int, environ: dict[str, str],
+                         local_world_size: int = 1) -> str | None:
+    """Why this process cannot bind a device of its own (engine.device.device_index: LOCAL_RANK
+    modulo the visible devices, so one visible device per process, as Slurm gives, is fine)."""
+    if count is None:
         return None
-    masks = ", ".join(f"{k}={environ[k]}" for k in PER_RANK_ENV if k in environ) or "no visibility mask"
-    return (f"LOCAL_RANK {local_rank} but this process sees {count} {kind} device(s) ({masks}); the engine "
-            f"binds device LOCAL_RANK, so every rank must see all of its node's devices: drop per-rank "
-            f"masks or launch at most {count} processes per node")
+    try:
+        device_index(local_rank, local_world_size, count)
+        return None
+    except ValueError as exc:
+        masks = ", ".join(f"{k}={environ[k]}" for k in PER_RANK_ENV if k in environ) or "no visibility mask"
+        return f"LOCAL_RANK {local_rank}: this process sees {count} {kind} device(s) ({masks}): {exc}"
 
 
 # ---- comparing fingerprints (pure) -----------------------------------------------------------------
@@ -211,10 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         return _fail(launch.rank, str(exc))
     count = visible_device_count(kind)
-    problem = local_device_problem(kind, count, launch.local_rank, environ)
+    problem = local_device_problem(kind, count, launch.local_rank, environ, launch.local_world_size)
     if problem:
         return _fail(launch.rank, problem)  # before any collective: the launcher ends the other ranks
-    dev = setup_device(kind, launch.local_rank)
+    dev = setup_device(kind, launch.local_rank, launch.local_world_size)
     try:
         ps = ParallelState.initialize(grid, dev.device, dev.backend, launch, timeout_s=args.timeout)
     except LayoutError as exc:

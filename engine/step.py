@@ -2,8 +2,10 @@
 pipeline executor when pp > 1), gradient reduction, overflow check, clipping and the update.
 
 The order inside a step follows the mixed-precision recipe: scale the loss -> backward -> finish the
-DP reduction -> sum the sequence-parallel and tied-embedding gradients -> an overflow anywhere in the
-grid makes every rank skip -> unscale -> clip the global norm -> optimizer step.
+DP reduction -> sum the sequence-parallel and tied-embedding gradients -> unscale and check for
+overflow, squared global norm (on the device) -> one all-reduce of the step's statistics over the
+world and its one host read (``reduce_step_stats``) -> an overflow anywhere in the grid makes every
+rank skip -> clip the global norm -> optimizer step. Nothing else in the step waits for the device.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.loss_scaler import unscale_and_check
+from engine.loss_scaler import apply_grad_stats, grad_stats
 from parallel.grads import sync_sequence_parallel_grads
 from parallel.pipeline.executor import run_schedule, sum_embedding_grads
 from parallel.pipeline.schedules import forward_only_schedule
@@ -51,6 +53,52 @@ def mean_loss_over_grid(local_sum: float, ps: ParallelState, device,
             [v / ranks_per_stage for v in values[k:]])
 
 
+@dataclass
+class StepStats:
+    loss: float                  # mean token loss over the global batch
+    found_inf: float             # > 0: some rank overflowed
+    grad_norm_sq: float          # squared global gradient norm (after unscaling)
+    per_rank: list[float]        # world means of the per-rank values
+    per_stage: list[float]       # per-stage means of the per-stage values
+
+
+def _to_device(values: list[float], device) -> torch.Tensor:
+    """Host floats as a device tensor without a host sync (pinned memory, asynchronous copy)."""
+    t = torch.tensor(values, dtype=torch.float32)
+    if torch.device(device).type == "cpu" or not values:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def reduce_step_stats(ps: ParallelState, local_loss: torch.Tensor, grads: torch.Tensor,
+                      per_rank: tuple[float, ...] = (),
+                      per_stage: tuple[float, ...] = ()) -> StepStats:
+    """The step's one collective and one host read: [loss, overflow flag, grad norm², per-rank
+    values, per-stage values], summed over the world in fp32 (HCCL reduces no float64).
+
+    ``local_loss``: this rank's loss (0-d device tensor), counted on last-stage ranks of tp rank 0
+    and averaged over DP x CP. ``grads``: ``grad_stats``'s (flag, norm²); the flags are summed (> 0: an
+    overflow somewhere), the norm², already grid-wide, is taken from global rank 0 alone (every
+    other rank adds an exact 0). ``per_rank`` values (e.g. the idle fraction) are averaged over
+    the world, ``per_stage`` ones (each rank fills its own stage's slots) over a stage's ranks.
+    """
+    device = grads.device
+    owner = ps.is_last_stage and ps.tp_rank == 0
+    zero = torch.zeros(1, dtype=torch.float32, device=device)
+    parts = [local_loss.reshape(1).to(torch.float32) if owner else zero, grads[:1],
+             grads[1:] if ps.rank == 0 else zero]
+    if per_rank or per_stage:
+        parts.append(_to_device([*per_rank, *per_stage], device))
+    t = torch.cat(parts)
+    ps.world_group.all_reduce(t)
+    values = t.tolist()  # the step's one host sync
+    k = 3 + len(per_rank)
+    ranks_per_stage = ps.world_size // ps.pp_size
+    return StepStats(values[0] / (ps.dp_size * ps.cp_size), values[1], values[2],
+                     [v / ps.world_size for v in values[3:k]],
+                     [v / ranks_per_stage for v in values[k:]])
+
+
 def micro_batch_loss(out: torch.Tensor, mb, num_micro: int, dp: int) -> torch.Tensor:
     """A micro-batch's share of the step's loss, from its per-token losses ``out`` (b, s).
 
@@ -64,6 +112,16 @@ def micro_batch_loss(out: torch.Tensor, mb, num_micro: int, dp: int) -> torch.Te
     if mb.loss_mask is None:
         return out.mean() / num_micro
     return (out * mb.loss_mask).sum() * (dp / max(mb.loss_tokens, 1))
+
+
+def pipeline_times(pipe, ps: ParallelState) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(this rank's idle fraction of the pipeline phase: not computing a forward or backward,)
+    and its stage's mean forward/backward times; both empty without a pipeline."""
+    if pipe is None:
+        return (), ()
+    busy = sum(e.end - e.start for e in pipe.events if e.cat in ("forward", "backward"))
+    idle = max(0.0, 1.0 - busy / pipe.wall_s) if pipe.wall_s > 0 else 0.0
+    return (idle,), stage_compute_times(pipe.events, ps)
 
 
 def stage_compute_times(events, ps: ParallelState) -> tuple[float, ...]:
@@ -80,11 +138,13 @@ class Stepper:
 
     def __init__(self, ps: ParallelState, chunks, reducer, optimizer, scaler, clip_grad: float,
                  schedule_actions=None, act_shape=None, act_dtype=torch.float32,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, overflow=None, waiter=None):
+        """``overflow``: the device module's ``overflow_check()`` (the float status register on a
+        saturation-mode NPU), None elsewhere; ``waiter``: ``p2p.waiter_for(backend)``."""
         self.ps, self.chunks, self.reducer = ps, chunks, reducer
         self.optimizer, self.scaler, self.clip_grad = optimizer, scaler, clip_grad
         self.actions, self.act_shape, self.act_dtype = schedule_actions, act_shape, act_dtype
-        self.timeout_s = timeout_s
+        self.timeout_s, self.overflow, self.waiter = timeout_s, overflow, waiter
         self.params = [p for c in chunks for p in c.parameters()]
         self.shared = [p for c in chunks for p in c.shared_embedding_params()]
 
@@ -103,7 +163,8 @@ class Stepper:
         return forward_step
 
     def _forward_backward(self, batches: list, scale: float):
-        """``batches``: this rank's micro-batches (engine.data.packing.MicroBatch)."""
+        """``batches``: this rank's micro-batches (engine.data.packing.MicroBatch). Returns this
+        rank's loss as a 0-d device tensor (not read here) and the pipeline result."""
         m = len(batches)
         self.reducer.set_num_microbatches(m)  # a parameter's m-th accumulation launches its bucket
         if self.ps.pp_size == 1:
@@ -113,37 +174,40 @@ class Stepper:
                                         self.ps.dp_cp_group.size)
                 (loss * scale).backward()
                 losses.append(loss.detach())
-            return torch.stack(losses).sum().item(), None
+            return torch.stack(losses).sum(), None
         result = run_schedule(self.ps, self.actions, list(self.chunks),
                               self._forward_step(batches, scale), m, self.act_shape,
-                              self.act_dtype, self.timeout_s)
-        return sum(result.losses) / scale, result
+                              self.act_dtype, self.timeout_s, waiter=self.waiter)
+        local = result.loss_sum
+        if local is None:  # not the last stage: its loss slot is not counted
+            return torch.zeros((), dtype=torch.float32, device=batches[0].tokens.device), result
+        return local / scale, result
 
     def run(self, batches, lr: float) -> StepOutput:
         t0 = time.perf_counter()
         snapshot = self.ps.comm.snapshot()
         self.optimizer.zero_grad()
+        if self.overflow is not None:
+            self.overflow.clear()
         scale = float(self.scaler.scale)
         local_loss, pipe = self._forward_backward(batches, scale)
         self.reducer.finish()
         sync_sequence_parallel_grads(self.params, self.ps)
         sum_embedding_grads(self.ps, self.shared)
-        check = unscale_and_check(self.optimizer, self.scaler, self.clip_grad, self.reducer)
+        grads = grad_stats(self.optimizer, self.scaler, self.overflow)
+        idle, stage_times = pipeline_times(pipe, self.ps)
+        stats = reduce_step_stats(self.ps, local_loss, grads, idle, stage_times)
+        check = apply_grad_stats(self.optimizer, self.scaler, stats.found_inf, stats.grad_norm_sq,
+                                 self.clip_grad, self.reducer)
         if not check.skipped:
             self.optimizer.step(lr)
         comm = self.ps.comm.since(snapshot)
         wall = time.perf_counter() - t0
-        idle, stage_times = (), ()
-        if pipe is not None:  # this rank's idle fraction: not computing a forward or backward
-            busy = sum(e.end - e.start for e in pipe.events if e.cat in ("forward", "backward"))
-            idle = (max(0.0, 1.0 - busy / wall),)
-            stage_times = stage_compute_times(pipe.events, self.ps)
-        loss, idle_mean, stage_mean = mean_loss_over_grid(local_loss, self.ps,
-                                                          batches[0].tokens.device, idle, stage_times)
-        out = StepOutput(loss, check.grad_norm, check.skipped, scale, comm, pipe, wall)
+        out = StepOutput(stats.loss, check.grad_norm, check.skipped, scale, comm, pipe, wall)
         if pipe is not None:
-            out.extra["bubble_measured"] = idle_mean[0]
-            out.extra["stage_fwd_s"], out.extra["stage_bwd_s"] = stage_mean[0::2], stage_mean[1::2]
+            out.extra["bubble_measured"] = stats.per_rank[0]
+            out.extra["stage_fwd_s"] = stats.per_stage[0::2]
+            out.extra["stage_bwd_s"] = stats.per_stage[1::2]
         return out
 
     @torch.no_grad()

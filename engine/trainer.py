@@ -21,9 +21,9 @@ from engine.config import RunConfig
 from engine.dashboards import Dashboards
 from engine.data import build_data, collate
 from engine.data.packing import MicroBatch, count_loss_tokens, micro_batch
-from engine.device import measure_cpu_peak_tflops, setup_device
+from engine.device import measure_cpu_peak_tflops, set_matmul_precision, setup_device
 from engine.plan.flops import model_flops_per_step
-from engine.plan.hardware import lookup_peak_tflops
+from engine.plan.hardware import peak_tflops
 from engine.loss_scaler import ConstantScaler, DynamicLossScaler
 from engine.lr_schedule import learning_rate
 from engine.metrics import MetricsLog, plot_metrics, summary_table
@@ -39,7 +39,7 @@ from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
 from parallel.pipeline.bubble import simulate, theoretical_bubble
 from parallel.pipeline.timeline import TimelineEvent, gather_events, write_chrome_trace
 from parallel.pipeline.partition import stage_layers
-from parallel.pipeline.p2p import init_p2p
+from parallel.pipeline.p2p import init_p2p, waiter_for
 from parallel.pipeline.schedules import build_schedule, validate_schedule
 from parallel.state import LaunchEnv, ParallelState
 from parallel.tensor_parallel import Initializer
@@ -85,12 +85,13 @@ class Trainer:
             CompressionPolicy.coerce(cfg.compression)
         except PolicyError as exc:
             raise ConfigError(f"grad_compression_policy: {exc}") from exc
-        self.dev = setup_device(cfg.device, self.launch.local_rank)
+        self.dev = setup_device(cfg.device, self.launch.local_rank, self.launch.local_world_size)
+        self.tf32 = set_matmul_precision(self.dev.type, cfg.precision.allow_tf32)
         rules = resolve_rules(cfg.parallel.backend_rules, self.dev.backend, self.dev.name)
         self.ps = ParallelState.initialize(self.grid, self.dev.device, self.dev.backend, self.launch,
                                            timeout_s=cfg.parallel.timeout_s, backend_rules=rules)
         self.is_main = self.ps.rank == 0
-        for note in notes:
+        for note in (*notes, *self.dev.notes):  # the chip's fallbacks: said once, by rank 0
             if self.is_main:
                 warnings.warn(note)
         self._build_data()
@@ -154,7 +155,7 @@ class Trainer:
         ctx = LayerContext(Initializer(cfg.seed, cfg.model.init_std),
                            sequence_parallel=cfg.parallel.sequence_parallel and ps.tp_size > 1,
                            recompute=cfg.parallel.recompute,
-                           cp_comm_type=cfg.parallel.cp_comm_type)
+                           cp_comm_type=cfg.parallel.cp_comm_type, kernel_paths=self.dev.kernel_paths)
         self.dtype = DTYPES[cfg.precision.precision]
         self.chunks = build_chunks(cfg.model, ps, ctx, ranges, virtual, ps.pp_size * vp,
                                    self.registry).to(device=self.dev.device, dtype=self.dtype)
@@ -190,7 +191,7 @@ class Trainer:
         opt_cls = DistributedOptimizer if cfg.parallel.use_distributed_optimizer else MixedPrecisionOptimizer
         self.optimizer = opt_cls(groups, self.reducer, ps, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                  eps=o.adam_eps, weight_decay=o.weight_decay)
-        actions = act_shape = None
+        actions = act_shape = self.waiter = None
         self.timeline: list = []  # events of the last few steps, for --timeline
         if ps.pp_size > 1:
             vp = cfg.parallel.virtual_pipeline_size
@@ -201,23 +202,31 @@ class Trainer:
             s = cfg.model.seq_length // ps.cp_size // (ps.tp_size if cfg.parallel.sequence_parallel else 1)
             act_shape = (cfg.data.micro_batch_size, s, cfg.model.hidden_size)
             init_p2p(ps)
+            self.waiter = waiter_for(self.dev.backend)
         init_ring(ps)
         self.stepper = Stepper(ps, self.chunks, self.reducer, self.optimizer, self.scaler,
                                cfg.optim.clip_grad, actions, act_shape, self.dtype,
-                               cfg.parallel.timeout_s)
+                               cfg.parallel.timeout_s, self.dev.overflow_check(), self.waiter)
         m = cfg.model
         self.flops_per_step = model_flops_per_step(
             cfg.data.global_batch_size, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
             ffn_hidden=m.ffn_hidden_size, kv_hidden=m.kv_hidden_size,
             block="llama" if getattr(self.chunks[0].block_cls, "mlp_kind", "gelu") == "swiglu" else "gpt2",
             recompute=cfg.parallel.recompute)
-        peak = cfg.log.peak_tflops or lookup_peak_tflops(self.dev.name)
-        if peak is None and self.dev.type == "cpu":
-            peak = measure_cpu_peak_tflops()
-        self.peak_tflops = peak
+        self.peak_tflops = self._peak_tflops()
         self.bubble_theory = (theoretical_bubble(cfg.parallel.pipeline_schedule, ps.pp_size,
                                                  self.num_micro, cfg.parallel.virtual_pipeline_size)
                               if ps.pp_size > 1 else None)
+
+    def _peak_tflops(self) -> float | None:
+        """The dense peak of the precision the matmuls run in (engine/plan/hardware.py): bf16/fp16
+        tensor cores, or for fp32 the TF32/HF32 peak with --allow-tf32, else the plain fp32 one;
+        None where none is published. --peak-tflops overrides; a CPU measures fp32 matmuls."""
+        if self.cfg.log.peak_tflops:
+            return self.cfg.log.peak_tflops
+        if self.dev.type == "cpu":
+            return measure_cpu_peak_tflops()
+        return peak_tflops(self.dev.name, self.cfg.precision.precision, tf32=self.tf32)
 
     # ---- data -----------------------------------------------------------------------------
     def _batches(self, step: int, dataset=None, sampler=None) -> list[MicroBatch]:
@@ -422,4 +431,6 @@ class Trainer:
         return getattr(self, "loaded_checkpoint", None)
 
     def close(self) -> None:
+        if self.waiter is not None and hasattr(self.waiter, "watchdog"):
+            self.waiter.watchdog.stop()
         self.ps.destroy()

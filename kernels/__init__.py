@@ -6,14 +6,18 @@ which implementation runs where. This package imports nothing from engine/, mode
 
 from kernels.attention import (NpuMaskCache, attention, attention_reference, causal_mask,
                                cu_seqlens_from_document_ids, document_mask)
-from kernels.dispatch import OPS, device_kind, kernel_paths
+from kernels.dispatch import ALL_FUSED, OPS, KernelPaths, device_kind, kernel_paths
 from kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
-from kernels.rope import apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_at, rotate_half
+from kernels.rope import (RopeCache, apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_at,
+                          rotate_half)
 from kernels.swiglu import swiglu, swiglu_reference
 
 __all__ = [
+    "ALL_FUSED",
+    "KernelPaths",
     "OPS",
     "NpuMaskCache",
+    "RopeCache",
     "apply_rope",
     "apply_rope_reference",
     "attention",

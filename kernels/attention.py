@@ -32,7 +32,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import device_kind, import_torch_npu
+from kernels.dispatch import KernelPaths, device_kind, import_torch_npu
 
 # npu_fusion_attention's causal sparse modes (2 = leftUpCausal) take this fixed "compressed" lower
 # triangle instead of an (s, s) mask, for every sequence length.
@@ -294,16 +294,18 @@ def attention(
     mask_cache: NpuMaskCache | None = None,
     document_ids: torch.Tensor | None = None,
     cu_seqlens=None,
+    paths: KernelPaths | None = None,
 ) -> torch.Tensor:
     """Fused attention on q (b, n, s, d) and k, v (b, n_kv, s_kv, d), returning (b, n, s_q, d).
 
     ``dropout_p`` is applied whenever it is non-zero: pass 0.0 outside training. ``scale`` defaults
     to 1/sqrt(d). ``mask_cache`` only matters on NPU, where it saves rebuilding the causal mask.
     ``document_ids`` (b, s) and/or ``cu_seqlens`` (host ints) restrict attention to packed documents.
+    ``paths``: the chip's fused ops (None: all); without ``fusion_attention`` an NPU runs SDPA.
     """
     _check_qkv(q, k, v, dropout_p, document_ids, cu_seqlens)
     kind = device_kind(q)
-    if kind == "npu":
+    if kind == "npu" and (paths is None or paths.fusion_attention):
         return _attention_npu(q, k, v, causal, dropout_p, scale, mask_cache, document_ids, cu_seqlens)
     packed = document_ids is not None or cu_seqlens is not None
     if kind == "cuda" and packed and cuda_varlen_usable(q, causal, dropout_p):

@@ -10,6 +10,7 @@ on a machine without Ascend CANN breaks ``import torch`` itself.
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -44,6 +45,23 @@ _PATHS: dict[str, dict[str, str]] = {
 }
 
 OPS = tuple(_PATHS["cpu"])
+
+
+@dataclass(frozen=True)
+class KernelPaths:
+    """Which fused torch_npu ops an NPU runs (True) or replaces by the portable path (False).
+
+    Chosen once per run by the engine's device module from the chip's documented support
+    (engine/chips.py) and handed down explicitly (models pass it to each kernel call); the kernels
+    never look at the chip. Off an NPU it has no effect: the CUDA and CPU paths do not read it.
+    """
+    fusion_attention: bool = True   # torch_npu.npu_fusion_attention, else SDPA
+    swiglu: bool = True             # torch_npu.npu_swiglu, else silu(gate) * up
+    rms_norm: bool = True           # torch_npu.npu_rms_norm, else F.rms_norm
+    rotary_mul: bool = True         # torch_npu.npu_rotary_mul, else the rotate-half expression
+
+
+ALL_FUSED = KernelPaths()
 
 
 def device_kind(t: torch.Tensor | torch.device | str) -> str:

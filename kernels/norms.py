@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import device_kind, import_torch_npu
+from kernels.dispatch import KernelPaths, device_kind, import_torch_npu
 
 
 def _check_param(x: torch.Tensor, p: torch.Tensor | None, name: str) -> None:
@@ -49,10 +49,12 @@ def unpack_npu_rms_norm_output(result) -> torch.Tensor:
     return result[0]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight over the last dim of x (..., h)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
+             paths: KernelPaths | None = None) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim of x (..., h). ``paths``: the chip's
+    fused ops (None: all); without ``rms_norm`` an NPU runs F.rms_norm."""
     _check_param(x, weight, "weight")
-    if device_kind(x) == "npu":
+    if device_kind(x) == "npu" and (paths is None or paths.rms_norm):
         torch_npu = import_torch_npu()
         args, kwargs = npu_rms_norm_args(x, weight, eps)
         return unpack_npu_rms_norm_output(torch_npu.npu_rms_norm(*args, **kwargs))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import device_kind, import_torch_npu
+from kernels.dispatch import KernelPaths, device_kind, import_torch_npu
 
 # Documented limits of npu_rotary_mul: head_dim a multiple of 128, B and N at most 1000, broadcast
 # axes (B and N for BNSD input) at most 1024 elements in total, and for BNSD no B*N > 8*S.
@@ -72,6 +72,57 @@ def rope_cos_sin_at(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+class RopeCache:
+    """cos/sin tables built once per (length, head_dim, base, dtype, device) and reused by every
+    layer and step, plus the per-token rows of the last micro-batch's positions (every layer of a
+    micro-batch is handed the same ``position_ids`` tensor, so they are gathered once per
+    micro-batch). Owned by the model (``models.layers.LayerContext``), never global.
+
+    ``table(s, ...)`` equals ``rope_cos_sin(s, ...)`` and ``at(position_ids, ...)`` equals
+    ``rope_cos_sin_at(position_ids, ...)`` bit for bit: row p of the table is the same fp32 product
+    p * theta_i either way. Inside a torch.compile graph nothing is cached (the compiler hoists the
+    table itself), so a cache lookup never splits or re-specialises the graph.
+    """
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._last: tuple | None = None   # (position_ids, key, (cos, sin))
+        self.builds = 0                   # tables computed (for tests)
+
+    def table(self, length: int, head_dim: int, base: float = 10000.0,
+              dtype: torch.dtype = torch.float32,
+              device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, each (length, head_dim), for positions 0 .. length - 1."""
+        if torch.compiler.is_compiling():
+            return rope_cos_sin(length, head_dim, base, device, dtype)
+        device = torch.device("cpu") if device is None else torch.device(device)
+        for key, tables in self._tables.items():   # a longer table of the same kind serves too
+            if key[1:] == (head_dim, float(base), dtype, device) and key[0] >= length:
+                return tables[0][:length], tables[1][:length]
+        tables = rope_cos_sin(length, head_dim, base, device, dtype)
+        self._tables[(length, head_dim, float(base), dtype, device)] = tables
+        self.builds += 1
+        return tables
+
+    def at(self, position_ids: torch.Tensor, head_dim: int, base: float = 10000.0,
+           dtype: torch.dtype = torch.float32, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at the given positions, (b, s) -> each (b, 1, s, head_dim). ``length``: a
+        bound on the positions (the model's sequence length; default s), the table's length."""
+        if torch.compiler.is_compiling():
+            return rope_cos_sin_at(position_ids, head_dim, base, dtype)
+        key = (head_dim, float(base), dtype)
+        last = self._last
+        if last is not None and last[0] is position_ids and last[1] == key:
+            return last[2]
+        if position_ids.dim() != 2:
+            raise ValueError(f"position_ids must be (b, s), got shape {tuple(position_ids.shape)}")
+        cos, sin = self.table(max(length or 0, position_ids.shape[1]), head_dim, base, dtype,
+                              position_ids.device)
+        out = cos[position_ids].unsqueeze(1), sin[position_ids].unsqueeze(1)  # (b, 1, s, d)
+        self._last = (position_ids, key, out)
+        return out
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """cat(-x2, x1) for x = cat(x1, x2) along the last dim."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -125,10 +176,12 @@ def npu_rotary_args(
     return layout, x, r1, r2
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate q or k, x (b, n, s, d), by cos/sin (s, d) from ``rope_cos_sin``; returns (b, n, s, d)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               paths: KernelPaths | None = None) -> torch.Tensor:
+    """Rotate q or k, x (b, n, s, d), by cos/sin (s, d) from ``rope_cos_sin``; returns (b, n, s, d).
+    ``paths``: the chip's fused ops (None: all); without ``rotary_mul`` an NPU runs the expression."""
     _check_rope(x, cos, sin)
-    if device_kind(x) == "npu" and npu_rotary_supported(x):
+    if device_kind(x) == "npu" and (paths is None or paths.rotary_mul) and npu_rotary_supported(x):
         torch_npu = import_torch_npu()
         layout, xa, r1, r2 = npu_rotary_args(x, cos, sin)
         out = torch_npu.npu_rotary_mul(xa, r1, r2)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import device_kind, import_torch_npu
+from kernels.dispatch import KernelPaths, device_kind, import_torch_npu
 
 NPU_SWIGLU_DIM = -1
 
@@ -27,10 +27,11 @@ def npu_swiglu_input(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.cat((gate, up), dim=NPU_SWIGLU_DIM)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate, up (..., f); returns (..., f)."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, paths: KernelPaths | None = None) -> torch.Tensor:
+    """silu(gate) * up for gate, up (..., f); returns (..., f). ``paths``: the chip's fused ops
+    (None: all); without ``swiglu`` an NPU runs the plain expression."""
     _check(gate, up)
-    if device_kind(gate) == "npu":
+    if device_kind(gate) == "npu" and (paths is None or paths.swiglu):
         torch_npu = import_torch_npu()
         return torch_npu.npu_swiglu(npu_swiglu_input(gate, up), dim=NPU_SWIGLU_DIM)
     return F.silu(gate) * up

@@ -36,9 +36,9 @@ class TransformerBlock(nn.Module):
         name = f"layers.{layer_idx}"
         sp = ctx.sequence_parallel
         self.full_recompute = ctx.recompute == "full"
-        self.norm1 = Norm(self.norm_kind, cfg.hidden_size, cfg.norm_eps, sp)
+        self.norm1 = Norm(self.norm_kind, cfg.hidden_size, cfg.norm_eps, sp, ctx.kernel_paths)
         self.attn = ParallelAttention(cfg, ps, ctx, f"{name}.attn", bias=self.bias, rope=self.rope)
-        self.norm2 = Norm(self.norm_kind, cfg.hidden_size, cfg.norm_eps, sp)
+        self.norm2 = Norm(self.norm_kind, cfg.hidden_size, cfg.norm_eps, sp, ctx.kernel_paths)
         self.mlp = ParallelMLP(cfg, ps, ctx, f"{name}.mlp", kind=self.mlp_kind, bias=self.bias)
         self.drop = nn.Dropout(cfg.dropout)
 

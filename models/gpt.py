@@ -52,7 +52,8 @@ class GPTChunk(nn.Module):
             self.embed_drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(block_cls(cfg, i, ps, ctx) for i in layers)
         if post_process:
-            self.final_norm = Norm(block_cls.final_norm, h, cfg.norm_eps, ctx.sequence_parallel)
+            self.final_norm = Norm(block_cls.final_norm, h, cfg.norm_eps, ctx.sequence_parallel,
+                                   ctx.kernel_paths)
             if not (self.tied and pre_process):
                 name = "embedding.word" if self.tied else "output"
                 self.output_weight = vocab_parallel_weight(cfg.vocab_size, h, ps, name, ctx.init)

@@ -6,7 +6,7 @@ initializer) explicitly; user blocks can compose the same pieces.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -23,11 +23,21 @@ from parallel.tensor_parallel import ColumnParallelLinear, Initializer, RowParal
 
 @dataclass(frozen=True)
 class LayerContext:
-    """Run-level switches that layers need, handed down explicitly (no global args)."""
+    """Run-level switches that layers need, handed down explicitly (no global args).
+
+    ``kernel_paths``: the fused NPU ops this chip runs (the engine's device module chooses them
+    from the chip's documented support; off an NPU they have no effect). ``rope_cache`` and
+    ``mask_cache``: one RoPE table and one NPU causal mask shared by every layer built from this
+    context, instead of one per layer call.
+    """
     init: Initializer
     sequence_parallel: bool = False
     recompute: str = "none"  # none | selective | full
     cp_comm_type: str = "p2p"  # context-parallel attention: p2p (ring) | a2a (Ulysses)
+    kernel_paths: kernels.KernelPaths = kernels.ALL_FUSED
+    rope_cache: kernels.RopeCache = field(default_factory=kernels.RopeCache, compare=False, repr=False)
+    mask_cache: kernels.NpuMaskCache = field(default_factory=kernels.NpuMaskCache, compare=False,
+                                             repr=False)
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "selective", "full"):
@@ -40,11 +50,12 @@ class Norm(nn.Module):
     """LayerNorm or RMSNorm over the last dim; replicated weights, marked for the TP grad sum
     when they see only a sequence shard."""
 
-    def __init__(self, kind: str, hidden: int, eps: float, sequence_parallel: bool = False):
+    def __init__(self, kind: str, hidden: int, eps: float, sequence_parallel: bool = False,
+                 paths: kernels.KernelPaths | None = None):
         super().__init__()
         if kind not in ("layernorm", "rmsnorm"):
             raise ValueError(f"unknown norm {kind!r}; use layernorm or rmsnorm")
-        self.kind, self.eps = kind, eps
+        self.kind, self.eps, self.paths = kind, eps, paths
         self.weight = nn.Parameter(torch.ones(hidden))
         self.bias = nn.Parameter(torch.zeros(hidden)) if kind == "layernorm" else None
         for p in self.parameters():
@@ -53,7 +64,7 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "layernorm":
             return kernels.layer_norm(x, self.weight, self.bias, self.eps)
-        return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.rms_norm(x, self.weight, self.eps, self.paths)
 
 
 class ParallelAttention(nn.Module):
@@ -86,6 +97,8 @@ class ParallelAttention(nn.Module):
         self.head_dim, self.rope, self.rope_base = cfg.head_dim, rope, cfg.rope_base
         self.dropout, self.selective = cfg.dropout, ctx.recompute == "selective"
         self.cp_group, self.cp_comm_type = ps.cp_group, ctx.cp_comm_type
+        self.paths, self.rope_cache, self.mask_cache = ctx.kernel_paths, ctx.rope_cache, ctx.mask_cache
+        self.max_positions = cfg.seq_length
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(h, (n + 2 * g) * cfg.head_dim, ps, f"{name}.qkv", ctx.init,
                                         bias=bias, sequence_parallel=ctx.sequence_parallel)
@@ -100,7 +113,8 @@ class ParallelAttention(nn.Module):
                                               dropout_p=dropout, document_ids=document_ids,
                                               cu_seqlens=cu_seqlens)
         return kernels.attention(q, k, v, causal=True, dropout_p=dropout,
-                                 document_ids=document_ids, cu_seqlens=cu_seqlens)
+                                 document_ids=document_ids, cu_seqlens=cu_seqlens,
+                                 mask_cache=self.mask_cache, paths=self.paths)
 
     def _positions(self, inputs, s: int, device) -> torch.Tensor | None:
         """(b or 1, s) global positions of the tokens here, or None for plain 0..s-1."""
@@ -138,11 +152,13 @@ class ParallelAttention(nn.Module):
         q, k, v = self.split_qkv(qkv)
         if self.rope:
             pos = self._positions(inputs, s, x.device)
-            if pos is None:
-                cos, sin = kernels.rope_cos_sin(s, self.head_dim, self.rope_base, x.device, q.dtype)
-            else:  # (b, 1, s, d): the angles of each token's own position
-                cos, sin = kernels.rope_cos_sin_at(pos, self.head_dim, self.rope_base, q.dtype)
-            q, k = kernels.apply_rope(q, cos, sin), kernels.apply_rope(k, cos, sin)
+            if pos is None:  # (s, d), built once per shape (RopeCache)
+                cos, sin = self.rope_cache.table(s, self.head_dim, self.rope_base, q.dtype, x.device)
+            else:  # (b, 1, s, d): the angles of each token's own (global) position
+                cos, sin = self.rope_cache.at(pos, self.head_dim, self.rope_base, q.dtype,
+                                              self.max_positions)
+            q, k = (kernels.apply_rope(q, cos, sin, self.paths),
+                    kernels.apply_rope(k, cos, sin, self.paths))
         docs = self._documents(inputs)
         if self.selective and self.training and torch.is_grad_enabled():
             out = checkpoint(self._core, q, k, v, *docs, use_reentrant=False)
@@ -162,7 +178,7 @@ class ParallelMLP(nn.Module):
         divide(f, ps.tp_size, "--ffn-hidden-size")
         sp = dict(sequence_parallel=ctx.sequence_parallel)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.kind = kind
+        self.kind, self.paths = kind, ctx.kernel_paths
         if kind == "gelu":
             self.fc1 = ColumnParallelLinear(h, f, ps, f"{name}.fc1", ctx.init, bias=bias, **sp)
         elif kind == "swiglu":
@@ -177,5 +193,5 @@ class ParallelMLP(nn.Module):
             y = F.gelu(self.fc1(x), approximate="tanh")  # (b, s, f/tp)
         else:
             x = self.gate.enter(x)  # (b, s, h): one collective serves both projections
-            y = kernels.swiglu(self.gate(x, entered=True), self.up(x, entered=True))
+            y = kernels.swiglu(self.gate(x, entered=True), self.up(x, entered=True), self.paths)
         return self.fc2(y)

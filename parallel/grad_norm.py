@@ -1,4 +1,5 @@
-"""Global gradient norm, clipping and overflow detection over the whole rank grid.
+"""Global gradient norm, clipping and overflow detection over the whole rank grid, with multi-tensor
+ops and no host sync on the step's path.
 
 The norm is that of the serial model's gradient, so each logical value must be counted once:
 - a TP-sharded parameter (``param.tp_sharded``) holds a distinct slice on every TP rank: count all;
@@ -13,6 +14,15 @@ Functions take parameters or explicit ``(grad_tensor, param)`` pairs. A paramete
 ``main_grad_shard`` when the ZeRO optimizer set one (then ``over_dp`` defaults to True), else its
 ``main_grad`` (the reducer's buffer), else its ``grad``; so a trainer can pass the model parameters
 whichever optimizer it uses.
+
+The step's path (``local_norm_sq``, ``grid_norm_sq_``, ``scale_``, ``check_and_unscale_``) keeps
+every result on the device: one ``torch._foreach_*`` op per list of gradient tensors (callers pass
+the few flat buffers the gradients live in, see parallel/dp/zero.py), and the one host read of the
+step happens where the step's statistics are read (engine/step.py). ``global_grad_norm``,
+``clip_grads`` and ``found_inf`` read the result on the host, for callers outside the step.
+The ``*_reference`` functions are the former per-parameter loops (one to four kernels per
+tensor): the multi-tensor paths equal them bit for bit on the CPU (tests/test_foreach_grads.py), and
+benchmarks/step_overhead.py times both.
 """
 from __future__ import annotations
 
@@ -23,6 +33,10 @@ import torch.distributed as dist
 
 from parallel.grads import current_grad
 from parallel.state import ParallelState
+
+# torch_npu's ForeachNonFiniteCheckAndUnscale kernel takes at most 256 tensors per call (CANN
+# ops-nn, foreach_non_finite_check_and_unscale/README.md): its lists are cut at that length
+FOREACH_MAX_TENSORS = 256
 
 
 def _items(params) -> list:
@@ -58,20 +72,95 @@ def _counted(param, ps: ParallelState) -> bool:
     return bool(getattr(param, "tp_sharded", False)) or ps.tp_rank == 0
 
 
+def counted_grads(pieces, ps: ParallelState) -> list[torch.Tensor]:
+    """The gradients of ``pieces`` that this rank counts in the global norm (see the module doc)."""
+    return [grad for grad, param in pieces if _counted(param, ps)]
+
+
+def _chunks(tensors: list, by_dtype: bool = True, limit: int | None = None) -> list[list]:
+    """The tensors as lists sharing a device and dtype (``by_dtype``), in order, of at most
+    ``limit`` tensors each."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype) if by_dtype else None, []).append(t)
+    limit = limit or max(1, len(tensors))
+    return [group[i:i + limit] for group in groups.values() for i in range(0, len(group), limit)]
+
+
+# ---- the step's path: device tensors, no host sync ----------------------------------------------
+
+def local_norm_sq(grads: list[torch.Tensor], device=None) -> torch.Tensor:
+    """Sum of the squared L2 norms of ``grads``, a 0-d fp32 tensor: ``torch._foreach_norm`` over
+    the list (accumulated in fp32), then the norm of the norms."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    mixed = any(g.dtype != torch.float32 for g in grads)
+    norms = []
+    for chunk in _chunks(grads, by_dtype=False):  # in order: the norm of norms sums them in order
+        norms.extend(torch._foreach_norm(chunk, 2, dtype=torch.float32) if mixed
+                     else torch._foreach_norm(chunk, 2))
+    return torch.linalg.vector_norm(torch.stack(norms)).square()
+
+
+def grid_norm_sq_(local: torch.Tensor, ps: ParallelState, over_dp: bool) -> torch.Tensor:
+    """Sum this rank's counted norm² over the grid in place (TP x PP, and DP x CP for ZeRO
+    shards); the squared global norm on every rank, still on the device."""
+    ps.mp_group.all_reduce(local)
+    if over_dp:
+        ps.dp_cp_group.all_reduce(local)
+    return local
+
+
+def scale_(grads: list[torch.Tensor], factor: float) -> None:
+    """Multiply every gradient by ``factor`` in place (clipping, unscaling): one op per list.
+
+    fp16/bf16 lists get the factor as an fp32 device tensor: with a Python number the CPU's
+    multi-tensor multiply rounds the factor to the list's dtype first, where ``grad.mul_(factor)``
+    (and the CUDA kernel) multiply in fp32."""
+    for chunk in _chunks(grads):
+        if chunk[0].dtype == torch.float32:
+            torch._foreach_mul_(chunk, factor)
+        else:
+            torch._foreach_mul_(chunk, torch.full((), factor, dtype=torch.float32,
+                                                  device=chunk[0].device))
+
+
+def check_and_unscale_(grads: list[torch.Tensor], inv_scale: float, device=None) -> torch.Tensor:
+    """This rank's overflow flag (0-d fp32, 1.0 if any gradient holds inf or nan) and, in the same
+    pass, the gradients multiplied by ``inv_scale`` (``torch._amp_foreach_non_finite_check_and_unscale_``,
+    the op torch.amp.GradScaler uses). A skipped step discards the gradients, so unscaling them
+    before the skip decision is harmless."""
+    found = torch.zeros(1, dtype=torch.float32, device=device if not grads else grads[0].device)
+    inv = torch.full((1,), inv_scale, dtype=torch.float32, device=found.device)
+    for chunk in _chunks(grads, limit=FOREACH_MAX_TENSORS):
+        torch._amp_foreach_non_finite_check_and_unscale_(chunk, found, inv)
+    return found.reshape(())
+
+
+def nonfinite_flag(grads: list[torch.Tensor], device=None) -> torch.Tensor:
+    """This rank's overflow flag without unscaling (scale 1)."""
+    return check_and_unscale_(grads, 1.0, device)
+
+
+# ---- host-side helpers (one read each; not for the step's path) ---------------------------------
+
 def global_grad_norm(params, ps: ParallelState, over_dp: bool | None = None) -> float:
     """L2 norm of the full model's gradient; identical on every rank of the grid."""
     params = list(params)
     over_dp = is_sharded(params) if over_dp is None else over_dp
     pieces = grad_pieces(params)
     device = pieces[0][0].device if pieces else ps.device
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for grad, param in pieces:
-        if _counted(param, ps):
-            total += torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
-    ps.mp_group.all_reduce(total)
-    if over_dp:
-        ps.dp_cp_group.all_reduce(total)
+    total = grid_norm_sq_(local_norm_sq(counted_grads(pieces, ps), device), ps, over_dp)
     return math.sqrt(total.item())
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float | None:
+    """torch.nn.utils.clip_grad_norm_'s coefficient max_norm / (norm + 1e-6) where it is below 1,
+    else None (nothing to do): no clipping for max_norm <= 0 or a non-finite norm."""
+    if max_norm <= 0 or not math.isfinite(norm):
+        return None
+    coef = max_norm / (norm + 1e-6)
+    return coef if coef < 1.0 else None
 
 
 def clip_grads(params, max_norm: float, ps: ParallelState, over_dp: bool | None = None) -> float:
@@ -84,11 +173,9 @@ def clip_grads(params, max_norm: float, ps: ParallelState, over_dp: bool | None 
     over_dp = is_sharded(params) if over_dp is None else over_dp
     pieces = grad_pieces(params)
     norm = global_grad_norm(pieces, ps, over_dp)
-    if max_norm > 0 and math.isfinite(norm):
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for grad, _ in pieces:
-                grad.mul_(coef)
+    coef = clip_coefficient(norm, max_norm)
+    if coef is not None:
+        scale_([grad for grad, _ in pieces], coef)
     return norm
 
 
@@ -99,8 +186,31 @@ def found_inf(params, ps: ParallelState) -> bool:
     """
     pieces = grad_pieces(params)
     device = pieces[0][0].device if pieces else ps.device
-    flag = torch.zeros((), dtype=torch.float32, device=device)
-    for grad, _ in pieces:                      # no host sync until the very end
-        flag = torch.maximum(flag, (~torch.isfinite(grad)).any().float())
+    flag = nonfinite_flag([grad for grad, _ in pieces], device)
     ps.world_group.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item() > 0)
+
+
+# ---- references: the per-parameter loops the multi-tensor paths replace --------------------------
+
+def local_norm_sq_reference(grads: list[torch.Tensor], device=None) -> torch.Tensor:
+    """``local_norm_sq`` one tensor at a time: a norm kernel per gradient."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms)).square()
+
+
+def scale_reference(grads: list[torch.Tensor], factor: float) -> None:
+    for grad in grads:
+        grad.mul_(factor)
+
+
+def check_and_unscale_reference(grads: list[torch.Tensor], inv_scale: float, device=None) -> torch.Tensor:
+    """The former overflow check (isfinite, any, max per gradient) and unscale (a mul per gradient)."""
+    flag = torch.zeros((), dtype=torch.float32, device=device if not grads else grads[0].device)
+    for grad in grads:
+        flag = torch.maximum(flag, (~torch.isfinite(grad)).any().float())
+    for grad in grads:
+        grad.mul_(inv_scale)
+    return flag

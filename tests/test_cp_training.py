@@ -132,7 +132,7 @@ def test_checkpoints_across_cp(runs):
     (["--cp", "2", "--compile"], "--compile with --cp > 1"),
     (["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-length", "12"],
      "--seq-length 12 / --cp 2 = 6 is not divisible by --tp 4"),
-    (["--cp-comm-type", "ring"], "--cp-comm-type must be one of"),
+    (["--cp-comm-type", "ring"], "--cp-comm-type: invalid choice: .ring."),
 ])
 def test_bad_cp_layouts(argv, match):
     with pytest.raises(ConfigError, match=match):

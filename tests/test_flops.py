@@ -58,7 +58,7 @@ def _engine_step_flops(block: str, recompute: str, monkeypatch) -> tuple[float, 
     from parallel.state import ParallelState
     from parallel.tensor_parallel import Initializer
     monkeypatch.setattr(kernels, "attention", lambda q, k, v, causal=True, dropout_p=0.0,
-                        document_ids=None, cu_seqlens=None:
+                        document_ids=None, cu_seqlens=None, **npu_only:
                         kernels.attention_reference(q, k, v, causal, dropout_p, document_ids=document_ids))
     cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
                     vocab_size=256, block=block)  # 256: no vocabulary padding at tp 1

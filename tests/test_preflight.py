@@ -133,9 +133,12 @@ def test_comm_environment_selection():
 
 def test_local_device_problem():
     assert local_device_problem("cpu", None, 5, {}) is None
-    assert local_device_problem("npu", 8, 7, {}) is None
-    msg = local_device_problem("cuda", 1, 3, {"CUDA_VISIBLE_DEVICES": "3"})
-    assert "LOCAL_RANK 3" in msg and "CUDA_VISIBLE_DEVICES=3" in msg
+    assert local_device_problem("npu", 8, 7, {}, 8) is None
+    # Slurm-style: each task sees only its own device, which it binds as device 0
+    assert local_device_problem("cuda", 1, 3, {"CUDA_VISIBLE_DEVICES": "3"}, 4) is None
+    msg = local_device_problem("cuda", 2, 3, {"CUDA_VISIBLE_DEVICES": "2,3"}, 4)
+    assert "LOCAL_RANK 3" in msg and "CUDA_VISIBLE_DEVICES=2,3" in msg and "share" in msg
+    assert "no device" in local_device_problem("npu", 0, 0, {}, 1)
 
 
 # ---- real launches ---------------------------------------------------------------------------------

@@ -22,7 +22,21 @@ BYTES_PER_PARAM = WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_STATE_BYTES  # 18
 ZERO1_REPLICATED_BYTES = WEIGHT_BYTES + GRAD_BYTES  # ZeRO-1 keeps weight + grad on every rank
 ZERO1_SHARDED_BYTES = OPTIMIZER_STATE_BYTES  # and splits the 12 over the dp x cp ranks
 ACT_BYTES = 2  # bf16/fp16 activations and p2p/TP messages
-MEMORY_USABLE_FRACTION = 0.90  # the rest: allocator fragmentation, comm buffers, runtime context
+MEMORY_USABLE_FRACTION = 0.90  # the rest: allocator fragmentation, runtime context
+# Communicator buffers, outside the framework's allocator (so outside peak_memory_bytes too).
+# HCCL: every communicator reserves 2 x HCCL_BUFFSIZE (send and receive), default 200 MB (CANN
+# environment variable reference, "HCCL_BUFFSIZE"); torch_npu's point-to-point transfers use one
+# communicator per neighbour pair with 2 x P2P_HCCL_BUFFSIZE, default 20 MB (Ascend Extension for
+# PyTorch 7.1.0, "P2P_HCCL_BUFFSIZE"). NCCL publishes no per-communicator total: its buffers grow
+# with the channel count (a ring has 2 connections per channel, each a FIFO of NCCL_BUFFSIZE = 4 MiB
+# for the Simple protocol); NCCL_CHANNELS_ASSUMED = 16 makes it 128 MiB, an estimate.
+HCCL_BUFFSIZE_MB = 200
+P2P_HCCL_BUFFSIZE_MB = 20
+NCCL_BUFFSIZE_BYTES = 4 * 2 ** 20
+NCCL_CHANNELS_ASSUMED = 16
+COMM_BUFFER_BYTES = {"hccl": 2 * HCCL_BUFFSIZE_MB * 2 ** 20,
+                     "nccl": 2 * NCCL_CHANNELS_ASSUMED * NCCL_BUFFSIZE_BYTES, "gloo": 0}
+P2P_BUFFER_BYTES = {"hccl": 2 * P2P_HCCL_BUFFSIZE_MB * 2 ** 20, "nccl": 0, "gloo": 0}
 # Fraction of the dense peak the matrix multiplies reach, lumping kernel efficiency and whatever the
 # model does not itemise. Fitted (bisection, search.fit_achievable_fraction) on ONE published row,
 # FIT_ROW of Narayanan et al. 2021 Table 1 (1.7B: tp 1, pp 1, dp 32, no model-parallel traffic);
@@ -109,6 +123,12 @@ class Cluster:
     achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION
     grad_reduce_bytes: int = 4  # fp32 main grads; 2 where grads are reduced in bf16/fp16
     grad_bucket_bytes: float = DEFAULT_GRAD_BUCKET_BYTES
+
+    @property
+    def backend(self) -> str:
+        """The collective backend the devices use: hccl (Ascend), nccl (NVIDIA), gloo (CPU)."""
+        name = self.device.name
+        return "hccl" if name.startswith("ascend") else "gloo" if name == "cpu" else "nccl"
 
     def __post_init__(self) -> None:
         if self.num_devices < 1 or self.devices_per_node < 1:
@@ -277,6 +297,29 @@ def in_flight(shape: ModelShape, layout: Layout, stage: int) -> float:
     return min(((p - stage - 1) * 2 + (v - 1) * p + 1) / v, float(m))
 
 
+def communicators(layout: Layout, tied_embeddings: bool, stage: str = "first") -> tuple[int, int]:
+    """(collective communicators, point-to-point neighbour pairs) of a first- or last-stage device:
+    one per process group of more than one rank that ParallelState creates for it (world, tp, cp,
+    dp, dp x cp when cp > 1, pp, mp = tp x pp, and the tied-embedding pair of the first and last
+    stages), and, with pp > 1, its pipeline neighbours (one at either end; two when the
+    interleaved schedule wraps the last stage around to the first and pp > 2).
+
+    >>> communicators(Layout(tp=2, pp=2, dp=2), tied_embeddings=True)  # world tp dp pp mp embedding
+    (6, 1)
+    """
+    t, c, p, d = layout.tp, layout.cp, layout.pp, layout.dp
+    groups = [layout.world_size, t, c, d, d * c if c > 1 else 1, p, t * p,
+              2 if p > 1 and tied_embeddings and stage != "middle" else 1]
+    neighbours = 0 if p == 1 else (2 if layout.vp > 1 and p > 2 else 1)
+    return sum(1 for size in groups if size > 1), neighbours
+
+
+def comm_buffer_bytes(layout: Layout, backend: str, tied_embeddings: bool, stage: str = "first") -> float:
+    """Bytes the communication library reserves on one device for its communicators."""
+    collective, p2p = communicators(layout, tied_embeddings, stage)
+    return collective * COMM_BUFFER_BYTES[backend] + p2p * P2P_BUFFER_BYTES[backend]
+
+
 @dataclass(frozen=True)
 class MemoryTerms:
     """Bytes on one device, by part. A new part is a new field (and its line in memory_per_device)."""
@@ -286,6 +329,7 @@ class MemoryTerms:
     activations: float  # the layers' saved activations x micro-batches in flight
     transient: float  # one layer rebuilt by recomputation during backward
     pipeline_ends: float  # embedding dropout mask (first stage), final norm + fp32 logits (last)
+    comm_buffers: float = 0.0  # HCCL / NCCL communicator buffers (comm_buffer_bytes)
     stage: str = "only"  # which device this is: "only" (pp = 1), "first" or "last"
 
     @property
@@ -298,8 +342,9 @@ class MemoryTerms:
         return out
 
 
-def memory_per_device(shape: ModelShape, layout: Layout) -> MemoryTerms:
-    """Bytes on the most loaded pipeline device (the first or the last)."""
+def memory_per_device(shape: ModelShape, layout: Layout, backend: str = "gloo") -> MemoryTerms:
+    """Bytes on the most loaded pipeline device (the first or the last); ``backend`` (hccl, nccl,
+    gloo) prices the communicator buffers."""
     s, b, h, t, c = shape.seq_length, layout.micro_batch_size, shape.hidden_size, layout.tp, layout.cp
     shards = layout.dp * c if layout.zero else 1
     first_p, last_p = stage_params(shape, layout)
@@ -312,10 +357,13 @@ def memory_per_device(shape: ModelShape, layout: Layout) -> MemoryTerms:
     embedding = s * b * h / c / shard  # embedding dropout mask, per micro-batch in flight
     logits = (4 * s * b * h / shard + 4 * s * b * shape.vocab_size / t) / c  # norm/output inputs, fp32 logits
 
+    tied = shape.block == "gpt2"
+
     def terms(params: float, stage: int, ends: float, name: str) -> MemoryTerms:
         return MemoryTerms(params * WEIGHT_BYTES, params * GRAD_BYTES,
                            params * OPTIMIZER_STATE_BYTES / shards,
-                           layers * act * in_flight(shape, layout, stage), transient, ends, name)
+                           layers * act * in_flight(shape, layout, stage), transient, ends,
+                           comm_buffer_bytes(layout, backend, tied, name), name)
 
     if layout.pp == 1:
         return terms(first_p, 0, embedding + logits, "only")

@@ -243,7 +243,7 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
     """Memory and step time of a layout that obeys check_layout (not re-checked here)."""
     p, v, d, c, m = layout.pp, layout.vp, layout.dp, layout.cp, num_micro_batches(shape, layout)
     links = layout_links(cluster, layout)
-    mem = memory_per_device(shape, layout)
+    mem = memory_per_device(shape, layout, cluster.backend)
     layer = layer_time(shape, cluster, layout, links)
     embedding, logits, p2p = pipeline_ends(shape, cluster, layout, links)
     layers = shape.num_layers // p

@@ -22,16 +22,20 @@ sizes. "master" may be absent (fp32 checkpoints): the current parameter values a
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from parallel.dp.reducer import GradReducer
-from parallel.grad_norm import clip_grads, found_inf, global_grad_norm
-from parallel.grads import current_grad
+from parallel.grad_norm import (check_and_unscale_, clip_coefficient,
+                                counted_grads, grid_norm_sq_, local_norm_sq, nonfinite_flag, scale_)
+from parallel.grads import coalesce_views, current_grad
 from parallel.state import ParallelState
 
 _KEYS = ("exp_avg", "exp_avg_sq", "master")
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # torch.optim.AdamW(fused=True) kernels in PyTorch itself
 
 
 def _entries(params, weight_decay: float) -> list[tuple[str, torch.nn.Parameter, float]]:
@@ -55,26 +59,78 @@ def _entries(params, weight_decay: float) -> list[tuple[str, torch.nn.Parameter,
 
 
 class _GradAccess:
-    """Gradient-side helpers shared by both optimizers (loss scaling, clipping, overflow check)."""
+    """Gradient-side helpers shared by both optimizers (loss scaling, clipping, overflow check).
+
+    They work on the few flat tensors the gradients live in (``grad_tensors``: the reducer's
+    buffers or ZeRO's shards, coalesced from the per-parameter views), one multi-tensor op each,
+    and keep results on the device; ``grad_norm``, ``clip_grad_norm`` and ``found_inf`` read them
+    on the host for callers outside the step.
+    """
     sharded = False
     ps: ParallelState
+    reducer: GradReducer | None = None
 
     def grad_pieces(self) -> list[tuple[torch.Tensor, torch.nn.Parameter]]:
         raise NotImplementedError
 
+    def _views(self, counted: bool) -> list[torch.Tensor]:
+        """Gradients as flat runs (all of them, or those counted in the norm). With a reducer the
+        views are fixed for the optimizer's life and built once; plain ``param.grad`` tensors are
+        new every step."""
+        cache = self.__dict__.setdefault("_view_cache", {})
+        if counted in cache:
+            return cache[counted]
+        pieces = self.grad_pieces()
+        views = coalesce_views(counted_grads(pieces, self.ps) if counted else [g for g, _ in pieces])
+        if self.reducer is not None:
+            cache[counted] = views
+        return views
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Every gradient element the optimizer uses, in as few tensors as possible."""
+        return self._views(counted=False)
+
+    def _device(self) -> torch.device:
+        views = self.grad_tensors()
+        return views[0].device if views else self.ps.device
+
     def unscale_(self, factor: float) -> None:
         """Multiply the gradients the optimizer will use by ``factor`` (1 / loss scale)."""
-        for grad, _ in self.grad_pieces():
-            grad.mul_(factor)
+        scale_(self.grad_tensors(), factor)
+
+    def clip_(self, coef: float) -> None:
+        """Multiply the gradients by a clipping coefficient (``clip_coefficient``)."""
+        scale_(self.grad_tensors(), coef)
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """The squared global norm, a 0-d fp32 tensor on the device, equal on every rank."""
+        local = local_norm_sq(self._views(counted=True), self._device())
+        return grid_norm_sq_(local, self.ps, over_dp=self.sharded)
+
+    def check_and_unscale_(self, inv_scale: float) -> torch.Tensor:
+        """This rank's overflow flag (0-d fp32) and the gradients unscaled, in one pass."""
+        return check_and_unscale_(self.grad_tensors(), inv_scale, self._device())
 
     def grad_norm(self) -> float:
-        return global_grad_norm(self.grad_pieces(), self.ps, over_dp=self.sharded)
+        return math.sqrt(self.grad_norm_sq().item())
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_grads(self.grad_pieces(), max_norm, self.ps, over_dp=self.sharded)
+        norm = self.grad_norm()
+        coef = clip_coefficient(norm, max_norm)
+        if coef is not None:
+            self.clip_(coef)
+        return norm
 
     def found_inf(self) -> bool:
-        return found_inf(self.grad_pieces(), self.ps)
+        flag = nonfinite_flag(self.grad_tensors(), self._device())
+        self.ps.world_group.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+
+def copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) (casting to dst's dtype) for every i: one multi-tensor copy."""
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 def _adamw_(p, g, m, v, step, lr, betas, eps, decay_segments) -> None:
@@ -191,8 +247,16 @@ class DistributedOptimizer(_GradAccess):
             if handle is not None:
                 handle.wait()
             with torch.no_grad():
-                for slot in b.slots:
-                    slot.param.view(-1).copy_(full[slot.start - b.start:slot.end - b.start])
+                self._copy_to_params(b, full)
+
+    def _copy_to_params(self, b, full: torch.Tensor) -> None:
+        """The updated bucket ``full`` (b.numel,) into its parameters: one split, one copy."""
+        targets = self.__dict__.setdefault("_param_views", {})
+        if b.index not in targets:   # flat views of the bucket's parameters, in slot order
+            targets[b.index] = ([slot.param.view(-1) for slot in b.slots],
+                                [slot.numel for slot in b.slots] + [b.end - b.slots[-1].end])
+        params, sizes = targets[b.index]
+        copy_(params, list(full.split(sizes))[:len(params)])
 
     def state_dict(self, clone: bool = True) -> dict:
         """``clone=False`` returns views of the live state (for a caller that copies them itself)."""
@@ -255,10 +319,13 @@ class MixedPrecisionOptimizer(_GradAccess):
         groups: dict[float, list] = {}
         for (_, _, wd), master in zip(entries, self.masters):
             groups.setdefault(wd, []).append(master)
-        # foreach: one multi-tensor update instead of a Python loop over parameters (torch only
-        # defaults to it on accelerators)
+        # one update op per parameter group instead of a Python loop over parameters: the fused
+        # kernel where PyTorch has one (CPU, CUDA: no per-parameter host reads of the step count),
+        # else the multi-tensor (foreach) update
+        self._fused = bool(self.masters) and self.masters[0].device.type in FUSED_ADAMW_DEVICES
+        kind = {"fused": True} if self._fused else {"foreach": True}
         self.inner = torch.optim.AdamW([{"params": ms, "weight_decay": wd} for wd, ms in groups.items()],
-                                       lr=lr, betas=betas, eps=eps, foreach=True)
+                                       lr=lr, betas=betas, eps=eps, **kind)
 
 
     def grad_pieces(self):
@@ -276,20 +343,32 @@ class MixedPrecisionOptimizer(_GradAccess):
             self.reducer.check_finished("MixedPrecisionOptimizer.step")
         for group in self.inner.param_groups:
             group["lr"] = lr
+        borrowed = self._borrow_grads()
+        self.inner.step()
+        for m in borrowed:
+            m.grad = None
+        with torch.no_grad():
+            self._copy_masters_to_params()
+
+    def _borrow_grads(self) -> list[torch.Tensor]:
+        """Point each master's .grad at its parameter's gradient (main_grad: already fp32 and
+        shaped like the master, so no op is issued); returns the masters that borrowed one."""
         borrowed = []
         for p, m in zip(self.params, self.masters):
             g = current_grad(p)
             if m is p and g is p.grad:
                 continue                                  # plain fp32 parameter with its own grad
-            m.grad = None if g is None else g.to(torch.float32).view_as(m)
+            if g is not None and (g.dtype != torch.float32 or g.shape != m.shape):
+                g = g.to(torch.float32).view_as(m)
+            m.grad = g
             borrowed.append(m)
-        self.inner.step()
-        for m in borrowed:
-            m.grad = None
-        with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
-                if m is not p:
-                    p.copy_(m)
+        return borrowed
+
+    def _copy_masters_to_params(self) -> None:
+        """Updated fp32 masters into the low-precision parameters: one multi-tensor copy."""
+        pairs = [(p, m) for p, m in zip(self.params, self.masters) if m is not p]
+        if pairs:
+            copy_([p for p, _ in pairs], [m for _, m in pairs])
 
     @property
     def step_count(self) -> int:
@@ -322,6 +401,7 @@ class MixedPrecisionOptimizer(_GradAccess):
                     m.copy_(tensors["master"].view_as(m) if "master" in tensors else p.detach().float())
                     p.copy_(m)
             if step > 0:
-                self.inner.state[m] = {"step": torch.tensor(float(step)),
+                self.inner.state[m] = {"step": torch.tensor(float(step),
+                                                            device=m.device if self._fused else "cpu"),
                                        "exp_avg": tensors["exp_avg"].view_as(m).clone(),
                                        "exp_avg_sq": tensors["exp_avg_sq"].view_as(m).clone()}

@@ -39,16 +39,27 @@ ShapeSpec = Sequence[int] | Callable[[int, int], Sequence[int]]
 
 @dataclass
 class PipelineResult:
-    losses: list[float]            # last stage: forward_step's value per micro-batch; else empty
+    loss_values: torch.Tensor | None  # last stage: forward_step's value per micro-batch, (m,) on
+                                      # the device (reading it is a host sync); else None
     peak_in_flight: int            # most (micro-batch, chunk) activations held at once
     events: list[TimelineEvent] = field(repr=False)
     wall_s: float = 0.0            # run_schedule's own wall time
     wait_s: float = 0.0            # time blocked in transfers
 
     @property
+    def losses(self) -> list[float]:
+        """The micro-batch losses on the host (one device sync), empty off the last stage."""
+        return [] if self.loss_values is None else self.loss_values.float().tolist()
+
+    @property
+    def loss_sum(self) -> torch.Tensor | None:
+        """Sum of the micro-batch losses as a 0-d device tensor (no sync), None off the last stage."""
+        return None if self.loss_values is None else self.loss_values.float().sum()
+
+    @property
     def loss(self) -> float | None:
         """Sum of the micro-batch losses: the step's mean loss when they were pre-divided by m."""
-        return sum(self.losses) if self.losses else None
+        return sum(self.losses) if self.loss_values is not None else None
 
 
 def _free_output(out: torch.Tensor) -> bool:
@@ -73,10 +84,10 @@ class _RankRun:
     """The state of one rank's step: tensors keyed by (micro-batch, chunk)."""
 
     def __init__(self, ps, chunks, forward_step, num_microbatches, tensor_shape, dtype, timeout_s,
-                 recorder, deallocate_outputs):
+                 recorder, deallocate_outputs, waiter=None):
         self.ps, self.vp, self.forward_step = ps, len(chunks), forward_step
         self.m, self.shape, self.dtype = num_microbatches, tensor_shape, dtype
-        self.timeout_s = timeout_s
+        self.timeout_s, self.waiter = timeout_s, waiter
         self.recorder, self.deallocate = recorder, deallocate_outputs
         self.prev_rank, self.next_rank = neighbour_ranks(ps) if ps.pp_size > 1 else (None, None)
         self.inputs: dict = {}        # received activations (leaves with requires_grad)
@@ -180,7 +191,7 @@ class _RankRun:
             else:
                 raise ValueError(f"not a transfer action: {a!r}")
         start = self.now()
-        self.wait_s += communicate(self.ps, transfers, self.timeout_s, self.vp)
+        self.wait_s += communicate(self.ps, transfers, self.timeout_s, self.vp, self.waiter)
         for fn in after:
             fn()
         self.record("+".join(repr(a) for a in actions), "comm", start)
@@ -195,7 +206,8 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
                  chunks: Sequence[torch.nn.Module], forward_step: Callable, num_microbatches: int,
                  tensor_shape: ShapeSpec, dtype: torch.dtype, timeout_s: float | None,
                  recorder: Callable[[TimelineEvent], None] | None = None,
-                 deallocate_outputs: bool = True, forward_only: bool = False) -> PipelineResult:
+                 deallocate_outputs: bool = True, forward_only: bool = False,
+                 waiter=None) -> PipelineResult:
     """Run one step's forwards and backwards on this rank; gradients accumulate in ``.grad``.
 
     ``actions`` is this rank's list or the whole schedule (this rank's list is taken).
@@ -206,6 +218,7 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
     ``recorder(event)`` is called as each action ends (e.g. to stream a timeline).
     ``forward_only`` runs a schedule of forwards and activation transfers only (validation, under
     torch.no_grad): outputs are dropped once sent instead of being kept for a backward.
+    ``waiter``: how transfers are waited for (``p2p.waiter_for(backend)``; default a host wait).
     """
     if actions and not isinstance(actions[0], Action):
         actions = actions[ps.pp_rank]
@@ -221,7 +234,7 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
         raise ValueError(f"the schedule has more micro-batches than num_microbatches="
                          f"{num_microbatches}; build it with the same count")
     run = _RankRun(ps, chunks, forward_step, num_microbatches, tensor_shape, dtype, timeout_s,
-                   recorder, deallocate_outputs)
+                   recorder, deallocate_outputs, waiter)
     start = time.perf_counter()
     i = 0
     while i < len(actions):
@@ -245,7 +258,7 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
         raise RuntimeError(f"pipeline stage {ps.pp_rank}: {leftover} tensors left after the "
                            f"schedule (a forward without backward or an unsent gradient)")
     stacked = [run.losses[k] for k in sorted(run.losses)]
-    losses = torch.stack(stacked).float().tolist() if stacked else []  # one device sync
+    losses = torch.stack(stacked) if stacked else None  # kept on the device: no sync here
     return PipelineResult(losses, run.peak, run.events, time.perf_counter() - start, run.wait_s)
 
 

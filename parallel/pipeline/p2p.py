@@ -8,13 +8,31 @@ deadlock-free; the backends (gloo included) pair the transfers between two ranks
 
 Receivers know the shape and dtype in advance (the caller allocates the buffer), so no shape
 handshake is needed. Every wait has a timeout: a neighbour that died or is stuck produces an error
-naming its stage and rank instead of a hang.
+naming its stage and rank instead of a hang. How a rank waits depends on the backend
+(``waiter_for``):
+
+- gloo: ``work.wait(timeout)`` blocks the host until the transfer is done (``HostWait``); a
+  timeout or a broken connection raises ``PipelineCommError`` at once.
+- NCCL and HCCL: ``work.wait()`` without a timeout only makes the compute stream wait for the
+  transfer, so the host keeps queueing work (``StreamWait``). With a timeout argument NCCL's
+  ``WorkNCCL::wait`` instead polls ``isCompleted()`` on the host until the transfer finishes, a
+  host busy-wait on every transfer, and torch_npu's ``WorkHCCL::wait`` ignores the timeout unless
+  the whole job runs with ``TORCH_HCCL_BLOCKING_WAIT=1`` (which blocks the host on every collective
+  too). So the timeout is kept by a ``TransferWatchdog`` thread that polls each posted batch
+  (``is_completed()``, ``exception()``) a few times per timeout and, when a batch has not
+  completed ``timeout_s`` after it was posted or its work failed, prints the same message naming
+  the neighbour's stage and ends the process, so the launcher ends the job.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import os
+import sys
+import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -76,42 +94,174 @@ def _is_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def communicate(ps, transfers: list[Transfer], timeout_s: float | None = None,
-                vp: int = 1) -> float:
-    """Post ``transfers`` as one batch and wait for all of them; returns the seconds spent.
+def failure_message(ps, culprits: list[Transfer], cause: str, timeout_s: float | None,
+                    timed_out: bool, vp: int) -> str:
+    """What a rank reports when transfers did not complete: the neighbour and micro-batch first."""
+    why = "; ".join(t.describe_failure(timeout_s, timed_out, vp) for t in culprits)
+    me = f"pipeline stage {ps.pp_rank} (rank {ps.rank})"
+    return f"{why} ({me} was waiting). Check that stage's log. [{cause}]"
 
-    ``timeout_s=None`` waits without a limit (the process group's own timeout still applies). On
-    failure raises ``PipelineCommError`` naming the neighbour and the micro-batch, and saying which
-    stage and rank was waiting.
+
+def _pending(works: list, transfers: list[Transfer]) -> list[tuple[object, list[Transfer]]]:
+    """(work, its transfers), receives first: "stage s sent nothing" is the more useful error.
+    gloo returns one work per transfer; NCCL/HCCL may coalesce the batch into a single work."""
+    if len(works) == len(transfers):
+        return sorted(((w, [t]) for w, t in zip(works, transfers)), key=lambda wt: wt[1][0].op != "recv")
+    recvs_first = sorted(transfers, key=lambda t: t.op != "recv")
+    return [(work, recvs_first) for work in works]
+
+
+class HostWait:
+    """Block the host on each work with the timeout (gloo, whose waits are host waits anyway)."""
+    mode = "host"
+
+    def wait(self, ps, works: list, transfers: list[Transfer], timeout_s: float | None, vp: int) -> None:
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        for work, owners in _pending(works, transfers):
+            try:
+                work.wait() if timeout is None else work.wait(timeout)
+            except RuntimeError as exc:
+                cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise PipelineCommError(failure_message(ps, owners, cause, timeout_s,
+                                                        _is_timeout(exc), vp)) from exc
+
+
+def exit_on_timeout(message: str) -> None:
+    """The watchdog's default: say which stage failed, then end this process (the launcher, e.g.
+    torchrun, then ends the others); the main thread may be blocked in the device runtime."""
+    print(f"gridtron: PipelineCommError: {message}", file=sys.stderr, flush=True)
+    os._exit(EXIT_PIPELINE_TIMEOUT)
+
+
+EXIT_PIPELINE_TIMEOUT = 75
+
+
+class TransferWatchdog:
+    """A daemon thread that keeps the timeout of transfers nobody waits for on the host.
+
+    ``watch(ps, works, transfers, timeout_s, vp)`` registers one posted batch; every ``poll_s``
+    (a tenth of the shortest timeout, at most 1 s) the thread drops the batches whose works
+    completed, and calls ``on_timeout(message)`` once for a batch whose work raised or that is
+    still incomplete ``timeout_s`` after it was posted. It keeps the works until they complete,
+    and of the transfers only what the message needs (not their tensors, so a sent activation's
+    memory is freed when the executor drops it). ``stop()`` ends the thread.
+    """
+
+    def __init__(self, on_timeout: Callable[[str], None] = exit_on_timeout, poll_s: float | None = None):
+        self.on_timeout, self.poll_s = on_timeout, poll_s
+        self._batches: list = []              # (deadline, works, transfers, ps, timeout_s, vp)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fired: list[str] = []
+        self._no_data = torch.empty(0)
+
+    def watch(self, ps, works: list, transfers: list[Transfer], timeout_s: float | None, vp: int) -> None:
+        if timeout_s is None or not works:
+            return
+        described = [dataclasses.replace(t, tensor=self._no_data) for t in transfers]
+        with self._lock:
+            self._batches.append((time.monotonic() + timeout_s, list(works), described, ps,
+                                  timeout_s, vp))
+            if self.poll_s is None or timeout_s / 10 < self.poll_s:
+                self.poll_s = min(1.0, timeout_s / 10)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="gridtron-p2p-watchdog",
+                                                daemon=True)
+                self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._batches)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            now, fire = time.monotonic(), []
+            with self._lock:
+                keep = []
+                for batch in self._batches:
+                    deadline, works, transfers, ps, timeout_s, vp = batch
+                    errors = [w for w in works if _work_error(w) is not None]
+                    if errors:
+                        cause = str(_work_error(errors[0])).splitlines()[0]
+                        fire.append(failure_message(ps, _culprits(works, transfers), cause,
+                                                    timeout_s, False, vp))
+                    elif not all(w.is_completed() for w in works):
+                        if now < deadline:
+                            keep.append(batch)
+                        else:
+                            fire.append(failure_message(ps, _culprits(works, transfers),
+                                                        "watchdog", timeout_s, True, vp))
+                self._batches = keep
+            for message in fire:
+                self.fired.append(message)
+                self.on_timeout(message)
+
+
+def _work_error(work):
+    try:
+        return work.exception()
+    except RuntimeError:  # works that keep no exception (completed or not started)
+        return None
+
+
+def _culprits(works: list, transfers: list[Transfer]) -> list[Transfer]:
+    """The transfers of a batch that did not complete (all of them for a coalesced work)."""
+    open_ = [owners for work, owners in _pending(works, transfers) if not work.is_completed()]
+    return [t for owners in open_ for t in owners] or sorted(transfers, key=lambda t: t.op != "recv")
+
+
+class StreamWait:
+    """Order the compute stream after each transfer without blocking the host (NCCL, HCCL);
+    the timeout is kept by ``watchdog``."""
+    mode = "stream"
+
+    def __init__(self, watchdog: TransferWatchdog | None = None):
+        self.watchdog = watchdog or TransferWatchdog()
+
+    def wait(self, ps, works: list, transfers: list[Transfer], timeout_s: float | None, vp: int) -> None:
+        self.watchdog.watch(ps, works, transfers, timeout_s, vp)
+        for work, owners in _pending(works, transfers):
+            try:
+                work.wait()        # no timeout argument: a stream wait, not a host poll
+            except RuntimeError as exc:   # a failure the backend reports at once
+                cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise PipelineCommError(failure_message(ps, owners, cause, timeout_s, False, vp)) from exc
+
+
+def waiter_for(backend: str):
+    """How transfers on ``backend`` are waited for (see the module docstring).
+
+    >>> waiter_for("gloo").mode, waiter_for("nccl").mode, waiter_for("hccl").mode
+    ('host', 'stream', 'stream')
+    """
+    return StreamWait() if backend in ("nccl", "hccl") else HostWait()
+
+
+def communicate(ps, transfers: list[Transfer], timeout_s: float | None = None,
+                vp: int = 1, waiter=None) -> float:
+    """Post ``transfers`` as one batch and wait for all of them; returns the host seconds spent.
+
+    ``timeout_s=None`` waits without a limit (the process group's own timeout still applies).
+    ``waiter`` is ``HostWait()`` (the default) or the ``StreamWait`` of ``waiter_for(backend)``,
+    created once per run. On failure raises ``PipelineCommError`` (or, in stream mode, the
+    watchdog reports it) naming the neighbour and the micro-batch, and saying which stage and rank
+    was waiting.
     """
     if not transfers:
         return 0.0
     start = time.perf_counter()
-    me = f"pipeline stage {ps.pp_rank} (rank {ps.rank})"
-
-    def failure(culprits, exc, timed_out):
-        why = "; ".join(t.describe_failure(timeout_s, timed_out, vp) for t in culprits)
-        cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return PipelineCommError(f"{why} ({me} was waiting). Check that stage's log. [{cause}]")
-
     try:
         works = ps.pp_group.batch_isend_irecv([(t.op, t.tensor, t.peer_rank) for t in transfers])
     except RuntimeError as exc:
-        raise failure(transfers, exc, _is_timeout(exc)) from exc
-    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    # gloo returns one work per transfer; NCCL/HCCL may coalesce the batch into a single work.
-    # Receives are waited for first: "stage s sent nothing" is the more useful error.
-    if len(works) == len(transfers):
-        pending = sorted(zip(works, transfers), key=lambda wt: wt[1].op != "recv")
-    else:
-        pending = [(work, None) for work in works]
-    for work, owner in pending:
-        try:
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout)
-        except RuntimeError as exc:
-            raise failure([owner] if owner is not None else transfers, exc,
-                          _is_timeout(exc)) from exc
+        cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PipelineCommError(failure_message(ps, transfers, cause, timeout_s, _is_timeout(exc),
+                                                vp)) from exc
+    (waiter or HostWait()).wait(ps, works, transfers, timeout_s, vp)
     return time.perf_counter() - start
