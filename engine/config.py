@@ -176,10 +176,17 @@ class LogConfig:
     plot: str | None = None
     run_dir: str = "runs/latest"
     peak_tflops: float | None = None
+    # help: optimizer steps A-B (1-based) recorded by torch.profiler (ops, shapes, memory) into
+    # --profile-dir, default <run-dir>/profile
+    profile_steps: str | None = None
+    profile_dir: str | None = None
 
     def __post_init__(self):
         if self.eval_interval < 0 or self.eval_iters < 1:
             raise ValueError("--eval-interval must be >= 0 and --eval-iters >= 1")
+        if self.profile_steps is not None:
+            from engine.profiling import parse_steps
+            parse_steps(self.profile_steps)
 
 
 @dataclass

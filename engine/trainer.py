@@ -6,9 +6,9 @@ rank) before the process group exists, so a bad configuration never leaves a ran
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -18,13 +18,13 @@ from engine.cli import ConfigError
 from engine.config import RunConfig
 from engine.data import GlobalBatchSampler, build_data, collate
 from engine.data.packing import MicroBatch, count_loss_tokens, micro_batch
-from engine.device import measure_cpu_peak_tflops, setup_device
-from engine.plan.flops import model_flops_per_step
-from engine.plan.hardware import lookup_peak_tflops
+from engine.device import DeviceClock, EventPair, setup_device
 from engine.loss_scaler import ConstantScaler, DynamicLossScaler
 from engine.lr_schedule import learning_rate
 from engine.metrics import MetricsLog, plot_metrics, summary_table
+from engine.profiling import StepProfiler
 from engine.step import Stepper
+from engine.utilization import per_device, run_flops, run_peak_tflops, utilization
 from engine.validate import validate_packing, validate_run
 from models import LayerContext, build_chunks
 from models.registry import BlockRegistry
@@ -32,10 +32,11 @@ from parallel.backend_rules import resolve as resolve_rules
 from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
                          MixedPrecisionOptimizer, PolicyError)
 from parallel.pipeline.bubble import simulate, theoretical_bubble
-from parallel.pipeline.timeline import TimelineEvent, gather_events, write_chrome_trace
+from parallel.pipeline.timeline import gather_events, write_chrome_trace
 from parallel.pipeline.partition import stage_layers
 from parallel.pipeline.p2p import init_p2p
 from parallel.pipeline.schedules import build_schedule, validate_schedule
+from parallel.random import ModelParallelRNG
 from parallel.state import LaunchEnv, ParallelState
 from parallel.tensor_parallel import Initializer
 
@@ -134,12 +135,14 @@ class Trainer:
         ctx = LayerContext(Initializer(cfg.seed, cfg.model.init_std),
                            sequence_parallel=cfg.parallel.sequence_parallel and ps.tp_size > 1,
                            recompute=cfg.parallel.recompute)
+        # dropout streams (parallel/random.py): per chunk, split regions per TP rank, replicated
+        # regions the same on every TP rank, all distinct over pp, dp and chunks
+        self.rng = ModelParallelRNG.for_state(cfg.seed, ps, vp)
+        self.rng.seed_default()
+        ctxs = [dataclasses.replace(ctx, rng=tracker) for tracker in self.rng.trackers]
         self.dtype = DTYPES[cfg.precision.precision]
-        self.chunks = build_chunks(cfg.model, ps, ctx, ranges, virtual, ps.pp_size * vp,
+        self.chunks = build_chunks(cfg.model, ps, ctxs, ranges, virtual, ps.pp_size * vp,
                                    self.registry).to(device=self.dev.device, dtype=self.dtype)
-        # dropout streams: identical across TP ranks (replicated regions), distinct across DP/PP
-        tp_part = ps.tp_rank if ctx.sequence_parallel else 0
-        torch.manual_seed(cfg.seed + 1 + 1000 * ps.dp_rank + 100 * ps.pp_rank + 10 * tp_part)
         if cfg.compile:
             from engine.compile import compile_chunks
             self.chunks = compile_chunks(self.chunks, self.dev, cfg.log.run_dir)
@@ -174,19 +177,17 @@ class Trainer:
             s = cfg.model.seq_length // (ps.tp_size if cfg.parallel.sequence_parallel else 1)
             act_shape = (cfg.data.micro_batch_size, s, cfg.model.hidden_size)
             init_p2p(ps)
+        self.clock = DeviceClock(self.dev.type)
         self.stepper = Stepper(ps, self.chunks, self.reducer, self.optimizer, self.scaler,
                                cfg.optim.clip_grad, actions, act_shape, self.dtype,
-                               cfg.parallel.timeout_s)
-        m = cfg.model
-        self.flops_per_step = model_flops_per_step(
-            cfg.data.global_batch_size, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
-            ffn_hidden=m.ffn_hidden_size, kv_hidden=m.kv_hidden_size,
-            block="llama" if getattr(self.chunks[0].block_cls, "mlp_kind", "gelu") == "swiglu" else "gpt2",
-            recompute=cfg.parallel.recompute)
-        peak = cfg.log.peak_tflops or lookup_peak_tflops(self.dev.name)
-        if peak is None and self.dev.type == "cpu":
-            peak = measure_cpu_peak_tflops()
-        self.peak_tflops = peak
+                               cfg.parallel.timeout_s, clock=self.clock)
+        with warnings.catch_warnings():
+            if not self.is_main:  # the one-time note on a block without a formula: rank 0 only
+                warnings.simplefilter("ignore")
+            self.flops = run_flops(cfg.model, self.chunks[0].block_cls, cfg.parallel.recompute,
+                                   cfg.data.global_batch_size)
+        self.peak_tflops = run_peak_tflops(self.dev, cfg.precision.precision, cfg.log.peak_tflops)
+        self.profiler = StepProfiler.from_config(cfg.log, self.dev.type, ps.rank)
         self.bubble_theory = (theoretical_bubble(cfg.parallel.pipeline_schedule, ps.pp_size,
                                                  self.num_micro, cfg.parallel.virtual_pipeline_size)
                               if ps.pp_size > 1 else None)
@@ -234,12 +235,17 @@ class Trainer:
                 result.checkpoint = self.save(cfg.optim.train_iters)
         finally:
             log.close()
+            self.profiler.close()
         if self.is_main and result.records:
             extra = {"layout": self.grid.describe(), "device": f"{self.dev.type} ({self.dev.name})"}
             if result.valid:
                 extra["validation loss"] = f"{result.valid[0][1]:.4f} -> {result.valid[-1][1]:.4f}"
             if result.checkpoint:
                 extra["checkpoint"] = result.checkpoint
+            if self.flops.source != "formula" and not self.flops.source.startswith("formula "):
+                extra["FLOPs"] = self.flops.source
+            if self.profiler.written:
+                extra["profile"] = self.profiler.written
             if cfg.log.plot:
                 extra["plot"] = plot_metrics(result.records, cfg.log.plot, result.valid)
             result.summary = summary_table(result.records, extra)
@@ -254,26 +260,34 @@ class Trainer:
     def train_one(self, step: int) -> dict:
         cfg, ps = self.cfg, self.ps
         self.dev.reset_peak_memory()
-        self.dev.synchronize()
-        t0 = time.perf_counter()
+        self.clock.synchronize()  # the step's events start on an idle device
+        self.profiler.before_step(step + 1)
+        timer = EventPair(self.clock).start()
         batches = self._batches(step)
         lr = learning_rate(step, cfg.optim)
         out = self.stepper.run(batches, lr)
-        self.dev.synchronize()
-        dt = time.perf_counter() - t0
+        dt = timer.stop().elapsed_s()  # device time of the whole step
+        self.profiler.after_step(step + 1)
         self.sampler.next_step = step + 1
         if not math.isfinite(out.loss) and cfg.precision.precision != "fp16":
             last = self.last_checkpoint()
             raise TrainingDiverged(f"loss is {out.loss} at step {step + 1}; last good checkpoint: "
                                    f"{last or 'none saved'}")
         tokens = cfg.data.global_batch_size * cfg.model.seq_length
-        tflops = self.flops_per_step / dt / ps.world_size / 1e12
+        tflops = per_device(self.flops.model, dt, ps.world_size)
         if cfg.log.timeline:
-            self._record_timeline(step, t0, dt, out)
+            for e in out.events:
+                e.args["step"] = step + 1
+            self.timeline.append(out.events)
+            del self.timeline[:-TIMELINE_STEPS]
         return {"step": step + 1, "loss": out.loss, "lr": lr, "grad_norm": out.grad_norm,
                 "loss_scale": out.loss_scale, "skipped": out.skipped, "tokens": tokens,
                 "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops_per_device": tflops,
-                "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+                "mfu": utilization(tflops, self.peak_tflops),
+                "hfu": utilization(per_device(self.flops.executed, dt, ps.world_size),
+                                   self.peak_tflops),
+                "model_flops": self.flops.model, "executed_flops": self.flops.executed,
+                **out.times,
                 "bubble_theoretical": self.bubble_theory,
                 "bubble_measured": out.extra.get("bubble_measured"),
                 "bubble_simulated": self._simulated_bubble(out),
@@ -291,18 +305,6 @@ class Trainer:
         if min(fwd) <= 0 or min(bwd) <= 0:
             return None
         return simulate(self.schedule_lists, fwd, bwd).idle_fraction
-
-    def _record_timeline(self, step: int, t0: float, dt: float, out) -> None:
-        """Keep the events of the last TIMELINE_STEPS steps: the executor's forward, backward and
-        transfer spans, plus one span for the optimizer part of the step."""
-        events = list(out.pipeline.events) if out.pipeline is not None else []
-        offset = time.time() - time.perf_counter()
-        end = t0 + dt + offset
-        opt_start = max(e.end for e in events) if events else t0 + offset
-        events.append(TimelineEvent(self.ps.rank, f"optimizer (step {step + 1})", "optimizer",
-                                    opt_start, end))
-        self.timeline.append(events)
-        del self.timeline[:-TIMELINE_STEPS]
 
     @property
     def timeline_events(self) -> list:
@@ -329,11 +331,19 @@ class Trainer:
 
     def maybe_load(self) -> int:
         """Load --load; without it, resume from --save when that holds an unfinished run's
-        checkpoint (so a job restarted by torchrun continues by itself)."""
+        checkpoint (so a job restarted by torchrun continues by itself). With both, a restarted
+        job resumes from --save's latest when it is newer (a later step) than --load's."""
         from engine.checkpoint import has_checkpoint, load_checkpoint, saved_step
         ck = self.cfg.checkpoint
-        fresh = ck.load and ck.save and os.path.realpath(ck.load) == os.path.realpath(ck.save) \
-            and not has_checkpoint(ck.save)
+        same = ck.load and ck.save and os.path.realpath(ck.load) == os.path.realpath(ck.save)
+        fresh = same and not has_checkpoint(ck.save)
+        if ck.load and not same and has_checkpoint(ck.save):
+            mine, given = saved_step(ck.save), saved_step(ck.load)
+            if mine is not None and (given is None or mine > given):
+                if self.is_main:
+                    print(f"gridtron: resuming from {ck.save} (step {mine}), newer than --load "
+                          f"{ck.load} (step {given})", flush=True)
+                return load_checkpoint(self, ck.save)
         if ck.load and not fresh:  # (--load DIR --save DIR on a first run starts from scratch)
             return load_checkpoint(self, ck.load)
         if has_checkpoint(ck.save):

@@ -5,6 +5,7 @@ initializer) explicitly; user blocks can compose the same pieces.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -21,14 +22,53 @@ from parallel.tensor_parallel import ColumnParallelLinear, Initializer, RowParal
 
 @dataclass(frozen=True)
 class LayerContext:
-    """Run-level switches that layers need, handed down explicitly (no global args)."""
+    """Run-level switches that layers need, handed down explicitly (no global args).
+
+    ``rng``: the chunk's ``parallel.random.RNGTracker`` (dropout streams per region); None draws
+    every mask from the default generator (single-process use of the layers)."""
     init: Initializer
     sequence_parallel: bool = False
     recompute: str = "none"  # none | selective | full
+    rng: object = None
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"--recompute must be none, selective or full, got {self.recompute!r}")
+
+    def fork_rng(self, region: str):
+        """Draw random numbers from ``region``'s stream ("split", "replicated", or "hidden": split
+        under sequence parallelism, else replicated) inside a ``with`` block."""
+        if self.rng is None:
+            return contextlib.nullcontext()
+        if region == "hidden":
+            region = "split" if self.sequence_parallel else "replicated"
+        return self.rng.fork(region)
+
+    def checkpoint(self, fn, *args):
+        """``torch.utils.checkpoint`` that replays the same dropout masks in the recomputation."""
+        extra = {} if self.rng is None else {"context_fn": self.rng.checkpoint_context}
+        return checkpoint(fn, *args, use_reentrant=False, **extra)
+
+
+class Dropout(nn.Module):
+    """Dropout drawing from one region's stream of the ``LayerContext`` (see parallel/random.py):
+    ``"hidden"`` for activations of the residual stream (a sequence shard under sequence
+    parallelism, else the same on every TP rank), ``"split"`` for a column-parallel output."""
+
+    def __init__(self, p: float, ctx: LayerContext, region: str = "hidden"):
+        super().__init__()
+        if region not in ("hidden", "split", "replicated"):
+            raise ValueError(f"Dropout region must be hidden, split or replicated, got {region!r}")
+        self.p, self.ctx, self.region = p, ctx, region
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        with self.ctx.fork_rng(self.region):
+            return F.dropout(x, self.p, training=True)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, region={self.region}"
 
 
 class Norm(nn.Module):
@@ -76,6 +116,7 @@ class ParallelAttention(nn.Module):
         self.q_per_group = n // g
         self.head_dim, self.rope, self.rope_base = cfg.head_dim, rope, cfg.rope_base
         self.dropout, self.selective = cfg.dropout, ctx.recompute == "selective"
+        self.ctx = ctx
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(h, (n + 2 * g) * cfg.head_dim, ps, f"{name}.qkv", ctx.init,
                                         bias=bias, sequence_parallel=ctx.sequence_parallel)
@@ -83,9 +124,11 @@ class ParallelAttention(nn.Module):
                                       sequence_parallel=ctx.sequence_parallel, std=out_std)
 
     def _core(self, q, k, v, document_ids=None, cu_seqlens=None):
-        return kernels.attention(q, k, v, causal=True,
-                                 dropout_p=self.dropout if self.training else 0.0,
-                                 document_ids=document_ids, cu_seqlens=cu_seqlens)
+        p = self.dropout if self.training else 0.0
+        # each TP rank holds its own heads: their probabilities' masks come from the split stream
+        with self.ctx.fork_rng("split") if p > 0 else contextlib.nullcontext():
+            return kernels.attention(q, k, v, causal=True, dropout_p=p,
+                                     document_ids=document_ids, cu_seqlens=cu_seqlens)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(b, s, (n + 2G) d / tp) -> q (b, n/tp, s, d), k and v (b, G/tp, s, d), as views of the
@@ -111,7 +154,7 @@ class ParallelAttention(nn.Module):
         docs = (inputs.document_ids, inputs.cu_seqlens) if inputs is not None and inputs.packed \
             else (None, None)
         if self.selective and self.training and torch.is_grad_enabled():
-            out = checkpoint(self._core, q, k, v, *docs, use_reentrant=False)
+            out = self.ctx.checkpoint(self._core, q, k, v, *docs)
         else:
             out = self._core(q, k, v, *docs)  # (b, n/tp, s, d)
         out = out.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim)

@@ -84,6 +84,8 @@ def save_checkpoint(trainer, step: int) -> str:
     own = {"rng/cpu": torch.get_rng_state()}
     if (dev_rng := device_rng(trainer.dev)) is not None:
         own["rng/device"] = dev_rng.cpu()
+    if getattr(trainer, "rng", None) is not None:  # the dropout streams of each model chunk
+        own.update(trainer.rng.state_tensors())
     red = trainer.reducer.state_dict()
     own.update({f"residual/{k}": v for k, v in red["residuals"].items()})
     info = write_shard({**shard.tensors, **own}, os.path.join(tmp, shard.fname))
