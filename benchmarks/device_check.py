@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(
         ["run", "tokens/s", "TFLOP/s per device (model)", "MFU", "HFU", "step time (s)",
          "peak memory (GiB)", "wall (s)"],
-        [[r["run"], f"{r['tokens_per_s']:.0f}", f"{r['tflops_per_device']:.1f}", pct(r["mfu"]),
+        [[r["run"], f"{r['tokens_per_s']:.0f}", f"{r['model_tflops_per_device']:.1f}", pct(r["mfu"]),
           pct(r["hfu"]), f"{r['step_time_s']:.3f}", f"{(r['peak_memory_bytes'] or 0) / 2**30:.1f}",
           f"{r['wall_s']:.0f}"] for r in runs]))
     print(f"\nGPT 1.3B ({', '.join(f'{k} {v}' for k, v in MODEL.items())}), bf16, micro-batch 4, "

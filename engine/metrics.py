@@ -6,9 +6,10 @@ keys mean:
 
 - ``step_time_s``: device time of the whole step (an event pair on the device's stream, read after
   the step; ``engine.device.DeviceClock``); ``tokens_per_s`` = tokens / step_time_s.
-- ``tflops_per_device``: MODEL FLOPs of the step / step_time_s / devices; ``mfu`` = that over the
-  dense peak of the run's precision; ``hfu``: the executed FLOPs (recomputation included) over the
-  same peak (engine/utilization.py). Null where the FLOPs or the peak are unknown.
+- ``tflops_per_device``: the FLOPs the step executed (recomputation included, as Megatron-LM and
+  the planner report) / step_time_s / devices, and ``hfu`` = that over the dense peak of the run's
+  precision; ``model_tflops_per_device``: the model's FLOPs only (no recomputation), and ``mfu`` =
+  that over the same peak (engine/utilization.py). Null where the FLOPs or the peak are unknown.
 - ``bubble_measured``: per rank, device time in pipeline transfers plus idle before its first and
   after its last action, over the pipeline phase; averaged over ranks (parallel/pipeline/bubble.py).
   ``bubble_simulated``: the schedule replayed with this step's mean forward/backward time per stage.
@@ -128,6 +129,7 @@ def summarize_run(records: list[dict], warmup: int = WARMUP_STEPS) -> dict:
            "step_time_s": seconds / len(kept),
            "tokens_per_s": tokens / seconds if seconds > 0 else None,
            "tflops_per_device": _weighted(kept, "tflops_per_device"),
+           "model_tflops_per_device": _weighted(kept, "model_tflops_per_device"),
            "mfu": _weighted(kept, "mfu"), "hfu": _weighted(kept, "hfu"),
            "bubble_theoretical": kept[-1].get("bubble_theoretical"),
            "bubble_simulated": _weighted(kept, "bubble_simulated", phase),
@@ -158,7 +160,8 @@ def summary_table(records: list[dict], extra: dict[str, str], warmup: int = WARM
             ("timed steps", timed),
             ("step time (total / steps)", f"{s['step_time_s']:.3f} s"),
             ("tokens/s (tokens / seconds)", num(s["tokens_per_s"], ".0f")),
-            ("TFLOP/s per device (model)", num(s["tflops_per_device"], ".4f")),
+            ("TFLOP/s per device (executed / model)",
+             f"{num(s['tflops_per_device'], '.4f')} / {num(s['model_tflops_per_device'], '.4f')}"),
             ("MFU / HFU", f"{pct(s['mfu'])} / {pct(s['hfu'])}")]
     if s["bubble_theoretical"] is not None:
         rows.append(("bubble (theory / simulated / measured)",

@@ -274,7 +274,8 @@ class Trainer:
             raise TrainingDiverged(f"loss is {out.loss} at step {step + 1}; last good checkpoint: "
                                    f"{last or 'none saved'}")
         tokens = cfg.data.global_batch_size * cfg.model.seq_length
-        tflops = per_device(self.flops.model, dt, ps.world_size)
+        model_tflops = per_device(self.flops.model, dt, ps.world_size)
+        tflops = per_device(self.flops.executed, dt, ps.world_size)
         if cfg.log.timeline:
             for e in out.events:
                 e.args["step"] = step + 1
@@ -283,9 +284,9 @@ class Trainer:
         return {"step": step + 1, "loss": out.loss, "lr": lr, "grad_norm": out.grad_norm,
                 "loss_scale": out.loss_scale, "skipped": out.skipped, "tokens": tokens,
                 "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops_per_device": tflops,
-                "mfu": utilization(tflops, self.peak_tflops),
-                "hfu": utilization(per_device(self.flops.executed, dt, ps.world_size),
-                                   self.peak_tflops),
+                "model_tflops_per_device": model_tflops,
+                "mfu": utilization(model_tflops, self.peak_tflops),
+                "hfu": utilization(tflops, self.peak_tflops),
                 "model_flops": self.flops.model, "executed_flops": self.flops.executed,
                 **out.times,
                 "bubble_theoretical": self.bubble_theory,

@@ -1,7 +1,9 @@
 """What a run's MFU and HFU divide: the step's FLOPs (model and executed) and the dense peak.
 
-- ``mfu`` = model FLOPs of a step (no recomputation) / step time / devices / dense peak;
-- ``hfu`` = executed FLOPs (recomputation included) over the same time and peak.
+- ``mfu`` = model FLOPs of a step (no recomputation) / step time / devices / dense peak
+  (``model_tflops_per_device`` before the division by the peak);
+- ``hfu`` = executed FLOPs (recomputation included) over the same time and peak
+  (``tflops_per_device``, the figure Megatron-LM and the planner report).
 
 The FLOPs come from ``engine.plan.flops.step_flops`` for the blocks it has a formula for (gpt2,
 llama). A block without one (a user's class, or a built-in subclass that changes ``forward``) is
@@ -11,7 +13,7 @@ operations the formulas do (matrix multiplies and attention, 2 FLOPs per multipl
 count is then ``3 x`` that forward per layer and token (backward = twice the forward, the formulas'
 convention) plus the logit layer; on the built-in blocks this equals the formula exactly
 (tests/test_utilization.py). What recomputation re-runs inside a user's block is not known, so with
-``--recompute`` a measured block has no executed count (``hfu`` null). If the measurement fails too,
+``--recompute`` a measured block has no executed count (``tflops_per_device`` and ``hfu`` null). If the measurement fails too,
 ``mfu`` and ``hfu`` are null and a warning says why, once.
 """
 from __future__ import annotations
@@ -67,7 +69,8 @@ def run_flops(cfg, block_cls, recompute: str, global_batch: int) -> RunFlops:
                  + logits_forward_flops(tokens, m.hidden_size, m.vocab_size))
     executed = model if recompute == "none" else None
     note = "" if executed is not None else (f"; with --recompute {recompute} what the block "
-                                            f"recomputes is unknown, so hfu is null")
+                                            f"recomputes is unknown, so tflops_per_device and "
+                                            f"hfu are null")
     warnings.warn(f"block {label} has no FLOPs formula: its FLOPs are counted with "
                   f"torch.utils.flop_counter on one sequence (forward x 3){note}")
     return RunFlops(model, executed, "flop_counter")

@@ -50,7 +50,8 @@ def test_pp1_timeline_times_profile_and_summary(tmp_path):
     for r in records:  # full recomputation: executed / model FLOPs, the same for HFU / MFU
         assert r["hfu"] / r["mfu"] == pytest.approx(r["executed_flops"] / r["model_flops"], rel=1e-12)
         assert r["executed_flops"] > r["model_flops"]
-        assert r["mfu"] == pytest.approx(r["tflops_per_device"], rel=1e-12)  # --peak-tflops 1
+        assert r["mfu"] == pytest.approx(r["model_tflops_per_device"], rel=1e-12)  # peak 1
+        assert r["hfu"] == pytest.approx(r["tflops_per_device"], rel=1e-12)
     assert "timed steps" in result.summary and "2..3 (1 warm-up step left out)" in result.summary
     total = summarize_run(records, 1)
     assert total["tokens_per_s"] == pytest.approx(2 * 6 * 32 / (records[1]["step_time_s"] +
