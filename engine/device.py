@@ -193,9 +193,14 @@ class DeviceClock:
 
     def wall(self, stamp) -> float:
         """Epoch seconds of ``stamp``: the anchor's wall time plus the device time since it."""
+        return self.timebase()(stamp)
+
+    def timebase(self):
+        """``wall`` bound to the current anchor, for stamps read after a later ``anchor()``."""
         if self._anchor is None:
             raise RuntimeError("DeviceClock.wall needs anchor() first")
-        return self._anchor_wall + self.elapsed_s(self._anchor, stamp)
+        anchor, anchor_wall = self._anchor, self._anchor_wall
+        return lambda stamp: anchor_wall + self.elapsed_s(anchor, stamp)
 
 
 class EventPair:

@@ -59,13 +59,16 @@ class HostClock:
     def wall(self, stamp: float) -> float:
         return self._wall0 + stamp - self._perf0
 
+    def timebase(self):
+        return self.wall
+
 
 @dataclass
 class PipelineResult:
     losses: list[float]            # last stage: forward_step's value per micro-batch; else empty
     peak_in_flight: int            # most (micro-batch, chunk) activations held at once
     marks: list = field(repr=False, default_factory=list)  # (name, cat, start, end, micro, chunk)
-    clock: object = field(repr=False, default=None)
+    wall: object = field(repr=False, default=None)  # stamp -> epoch seconds (clock.timebase())
     rank: int = 0
     _events: list | None = field(repr=False, default=None)
 
@@ -73,7 +76,7 @@ class PipelineResult:
     def events(self) -> list[TimelineEvent]:
         """This rank's actions as TimelineEvents in wall seconds (resolved once, on first read)."""
         if self._events is None:
-            wall = self.clock.wall
+            wall = self.wall
             self._events = [TimelineEvent(self.rank, name, cat, wall(a), wall(b), micro, chunk)
                             for name, cat, a, b, micro, chunk in self.marks]
         return self._events
@@ -289,7 +292,7 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
                            f"schedule (a forward without backward or an unsent gradient)")
     stacked = [run.losses[k] for k in sorted(run.losses)]
     losses = torch.stack(stacked).float().tolist() if stacked else []  # one device sync
-    return PipelineResult(losses, run.peak, run.marks, clock, ps.rank)
+    return PipelineResult(losses, run.peak, run.marks, clock.timebase(), ps.rank)
 
 
 def sum_embedding_grads(ps, params) -> None:
