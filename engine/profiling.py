@@ -43,7 +43,8 @@ class StepProfiler:
         return cls(steps, out, kind, rank)
 
     def before_step(self, step: int) -> None:
-        if self.steps is None or step != self.steps[0] or self._prof is not None:
+        if self.steps is None or self._prof is not None or self.written is not None \
+                or not self.steps[0] <= step <= self.steps[1]:  # (a resumed run may start inside)
             return
         profile, activities, handler = profiler_api(self.kind)
         os.makedirs(self.out_dir, exist_ok=True)
@@ -52,7 +53,7 @@ class StepProfiler:
         self._prof.__enter__()
 
     def after_step(self, step: int) -> None:
-        if self._prof is None or step != self.steps[1]:
+        if self._prof is None or step < self.steps[1]:
             return
         self.close()
 

@@ -242,7 +242,7 @@ class Trainer:
                 extra["validation loss"] = f"{result.valid[0][1]:.4f} -> {result.valid[-1][1]:.4f}"
             if result.checkpoint:
                 extra["checkpoint"] = result.checkpoint
-            if self.flops.source != "formula" and not self.flops.source.startswith("formula "):
+            if not self.flops.source.startswith("formula"):
                 extra["FLOPs"] = self.flops.source
             if self.profiler.written:
                 extra["profile"] = self.profiler.written
