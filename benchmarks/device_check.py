@@ -109,23 +109,27 @@ def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16,
 # ---- training --------------------------------------------------------------------------------
 
 def train_argv(kind: str, steps: int, metrics: str, run_dir: str, compile_: bool,
-               micro_batch: int = 4, global_batch: int = 16) -> list[str]:
-    argv = ["--mock-data", "--device", kind, "--precision", "bf16", "--no-progress",
+               micro_batch: int = 4, global_batch: int = 16, model: dict | None = None,
+               precision: str = "bf16") -> list[str]:
+    argv = ["--mock-data", "--device", kind, "--precision", precision, "--no-progress",
             "--train-iters", str(steps), "--lr-warmup-iters", "2",
             "--micro-batch-size", str(micro_batch), "--global-batch-size", str(global_batch),
             "--metrics-file", metrics, "--run-dir", run_dir]
-    for key, value in MODEL.items():
+    for key, value in (model or MODEL).items():
         argv += [f"--{key}", str(value)]
     return argv + (["--compile"] if compile_ else [])
 
 
 def run_training(kind: str, steps: int, warmup: int, out: Path, compile_: bool,
-                 timeout_s: float) -> dict:
+                 timeout_s: float, micro_batch: int = 4, global_batch: int = 16,
+                 model: dict | None = None, precision: str = "bf16") -> dict:
+    """One ``python -m engine.train`` process; its metrics summarised (totals after warm-up)."""
     tag = "compile" if compile_ else "eager"
     metrics = out / f"{tag}.jsonl"
     metrics.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "engine.train",
-           *train_argv(kind, steps, str(metrics), str(out / tag), compile_)]
+           *train_argv(kind, steps, str(metrics), str(out / tag), compile_, micro_batch,
+                       global_batch, model, precision)]
     start = time.monotonic()
     with open(out / f"{tag}.log", "w") as log:
         proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
@@ -145,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-compile", action="store_true")
     p.add_argument("--skip-training", action="store_true")
     p.add_argument("--out", default="runs/device_check")
-    p.add_argument("--timeout-s", type=float, default=240.0, help="per training run")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="lower it on a 40 GB device")
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--timeout-s", type=float, default=300.0, help="per training run")
     a = p.parse_args(argv)
     kind = detect_device_type("auto")
     if kind == "cpu":
@@ -164,11 +170,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{TOLERANCE[torch.bfloat16]}\n")
     if a.skip_training:
         return 1 if failed else 0
-    out = Path(a.out)
+    out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    runs = [run_training(kind, a.steps, a.warmup, out, False, a.timeout_s)]
+    batch = (a.micro_batch_size, a.global_batch_size)
+    runs = [run_training(kind, a.steps, a.warmup, out, False, a.timeout_s, *batch)]
     if not a.skip_compile:
-        runs.append(run_training(kind, a.steps, a.warmup, out, True, a.timeout_s))
+        runs.append(run_training(kind, a.steps, a.warmup, out, True, a.timeout_s, *batch))
     pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     print(markdown_table(
         ["run", "tokens/s", "TFLOP/s per device (model)", "MFU", "HFU", "step time (s)",
@@ -176,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         [[r["run"], f"{r['tokens_per_s']:.0f}", f"{r['model_tflops_per_device']:.1f}", pct(r["mfu"]),
           pct(r["hfu"]), f"{r['step_time_s']:.3f}", f"{(r['peak_memory_bytes'] or 0) / 2**30:.1f}",
           f"{r['wall_s']:.0f}"] for r in runs]))
-    print(f"\nGPT 1.3B ({', '.join(f'{k} {v}' for k, v in MODEL.items())}), bf16, micro-batch 4, "
-          f"global batch 16; totals over steps {a.warmup + 1}..{a.steps} ({a.warmup} warm-up steps "
+    print(f"\nGPT 1.3B ({', '.join(f'{k} {v}' for k, v in MODEL.items())}), bf16, micro-batch "
+          f"{a.micro_batch_size}, global batch {a.global_batch_size}; totals over steps {a.warmup + 1}..{a.steps} ({a.warmup} warm-up steps "
           f"left out); peaks are the dense bf16 ones of engine/plan/hardware.py.")
     if failed:
         print(f"device_check: kernels outside tolerance: {', '.join(failed)}")

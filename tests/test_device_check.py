@@ -34,3 +34,14 @@ def test_training_recipe_is_the_13b_gpt():
                          range(m.num_layers))
     params = sum(p.numel() for p in model.parameters())
     assert 1.25e9 < params < 1.45e9, params
+
+
+def test_training_run_and_its_summary_on_cpu(tmp_path):
+    """The launch-and-summarise path, with a tiny model in place of the 1.3B one."""
+    tiny = {"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": 32,
+            "vocab-size": 256}
+    row = device_check.run_training("cpu", 3, 1, tmp_path, False, 120, micro_batch=2,
+                                    global_batch=4, model=tiny, precision="fp32")
+    assert row["run"] == "eager" and row["steps"] == 2 and row["warmup"] == 1
+    assert row["tokens"] == 2 * 4 * 32 and row["tokens_per_s"] > 0 and row["mfu"] > 0
+    assert row["peak_memory_bytes"] > 0
