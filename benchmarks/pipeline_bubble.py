@@ -15,7 +15,10 @@ one spawned group per pp, one thread per rank). Per run it prints:
   idle before its first and after its last action, over the pipeline phase; averaged over ranks;
   totals over the measured steps (idle time over pipeline time). Optimizer, DP reduction and
   clipping are not in it (they are the ``time_*`` keys);
-- |measured - simulated|, the step time and the mean forward and backward time.
+- |measured - simulated|; for the last step, the replay with stage means, the replay with each
+  action's own measured time (transfers still free: what the variation of compute times adds)
+  and the measurement (the rest is what the transfers cost); the step time and the mean forward
+  and backward time.
 
 The first ``--warmup`` steps of every run are left out. Two PNG Gantt charts per run go to
 ``--out``: the measured last step and the simulation. On a machine with fewer cores than pipeline
@@ -82,6 +85,21 @@ def stage_times(events_by_rank: list[list[dict]], pp: int, vp: int) -> tuple[lis
     return fwd, bwd
 
 
+def replay_measured(lists, events_by_rank: list[list[dict]]) -> float:
+    """Idle fraction of the schedule replayed with each action's own measured time (transfers
+    free): unlike ``simulate`` with stage means, it keeps the step-to-step variation of the
+    compute times, so the rest of the gap to the measurement is what the transfers cost."""
+    from parallel.pipeline.schedules import replay
+    took = {(rank, e["cat"][0], e["microbatch"], e["chunk"]): e["end"] - e["start"]
+            for rank, events in enumerate(events_by_rank) for e in events
+            if e["cat"] in ("forward", "backward")}
+    times = replay(lists, lambda rank, a: took[(rank, a.kind.value, a.microbatch, a.chunk)])
+    makespan = max(t[-1][1] for t in times if t)
+    busy = sum(end - start for actions, spans in zip(lists, times)
+               for a, (start, end) in zip(actions, spans) if not a.is_comm)
+    return 1.0 - busy / (len(lists) * makespan)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
@@ -113,10 +131,12 @@ def main() -> None:
             events = [results[rank][i]["events"] for rank in range(pp)]
             summary = summarize_run(results[0][i]["records"], args.warmup)
             fwd, bwd = stage_times(events, pp, vp)
-            sim = simulate(build_schedule(schedule, pp, m, vp), fwd, bwd)
+            lists = build_schedule(schedule, pp, m, vp)
+            sim = simulate(lists, fwd, bwd)
             last = measured_bubble(events)
             rows.append((schedule, pp, m, vp, theoretical_bubble(schedule, pp, m, vp),
                          summary["bubble_simulated"], summary["bubble_measured"],
+                         sim.idle_fraction, replay_measured(lists, events), last.mean,
                          summary["step_time_s"], statistics.mean(fwd), statistics.mean(bwd)))
             stem = os.path.join(args.out, f"pipeline_{schedule}_p{pp}_m{m}")
             title = f"{schedule} p={pp} m={m} v={vp}"
@@ -126,17 +146,21 @@ def main() -> None:
                                      f"{title}: simulated bubble {sim.idle_fraction:.3f}"))
 
     print("| schedule | p | m | v | theoretical | simulated | measured | abs(measured - simulated) "
-          "| step time (s) | mean F (ms) | mean B (ms) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for schedule, pp, m, vp, theory, sim, meas, t, f, b in rows:
+          "| last step: simulated / each action's time / measured | step time (s) | mean F (ms) "
+          "| mean B (ms) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for schedule, pp, m, vp, theory, sim, meas, last_sim, last_each, last_meas, t, f, b in rows:
         print(f"| {schedule} | {pp} | {m} | {vp} | {theory:.3f} | {sim:.3f} | {meas:.3f} "
-              f"| {abs(meas - sim):.3f} | {t:.3f} | {f * 1e3:.1f} | {b * 1e3:.1f} |")
+              f"| {abs(meas - sim):.3f} | {last_sim:.3f} / {last_each:.3f} / {last_meas:.3f} "
+              f"| {t:.3f} | {f * 1e3:.1f} | {b * 1e3:.1f} |")
     print()
     print(f"Totals over steps {args.warmup + 1}..{args.steps} of each run ({args.warmup} warm-up "
           f"steps left out). simulated: the executed schedule replayed with each step's measured "
           f"mean forward/backward time per virtual stage, transfers free. measured: the "
           f"bubble_measured metric (transfers + idle before the first and after the last action, "
-          f"over the pipeline phase).")
+          f"over the pipeline phase). Last step: the replay with stage means, the replay with each "
+          f"action's own measured time (what compute-time variation adds), and the measurement "
+          f"(the rest is what the transfers cost).")
     if max(args.pp) > cores:
         print(f"note: this machine has {cores} CPU cores and runs up to {max(args.pp)} pipeline ranks, "
               f"so ranks wait for a core as well as for their neighbours: measured bubbles are "
