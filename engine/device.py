@@ -226,10 +226,6 @@ class EventPair:
         return self.clock.elapsed_s(self._start, self._stop)
 
 
-def device_clock(dev: "DeviceInfo") -> DeviceClock:
-    return DeviceClock(dev.type)
-
-
 def profiler_api(kind: str):
     """(profile, activities, trace_handler) for --profile-steps: ``torch.profiler`` on CPU and CUDA,
     ``torch_npu.profiler`` (its Ascend counterpart, same call shape) on NPU."""
