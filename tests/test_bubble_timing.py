@@ -27,8 +27,8 @@ from parallel.pipeline.timeline import gather_events
 from parallel.topology import RankGrid
 from tests.dist_utils import run_distributed
 
-FWD_S, BWD_S = 0.04, 0.08
-M = 8
+FWD_S, BWD_S = 0.1, 0.2
+M = 4
 TOLERANCE = 0.05
 RUNS = (("1f1b", 1), ("interleaved", 2))
 
