@@ -12,13 +12,15 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from engine.metrics import summarize_run  # noqa: E402
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
@@ -91,25 +93,12 @@ def steady(records: list[dict], warmup: int) -> list[dict]:
     return kept
 
 
-def _mean(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
-
-
 def summarize(records: list[dict], warmup: int) -> dict:
-    """Steady-state figures of one run. tokens/s is the tokens of a step over the median step time:
-    on a machine shared with other work a few steps stall, and the median keeps one stall from
-    moving the figure (every step of a run has the same tokens). The rest are per-step means."""
-    kept = steady(records, warmup)
-    step_s = statistics.median(r["step_time_s"] for r in kept)
-    tokens = statistics.median(r["tokens"] for r in kept)
-    return {"steps": len(kept), "step_time_s": step_s,
-            "tokens_per_s": tokens / step_s if step_s > 0 else math.nan,
-            "tflops_per_device": _mean([r.get("tflops_per_device") for r in kept]),
-            "mfu": _mean([r.get("mfu") for r in kept]),
-            "bubble_theoretical": _mean([r.get("bubble_theoretical") for r in kept]),
-            "bubble_measured": _mean([r.get("bubble_measured") for r in kept]),
-            "dp_comm_bytes": _mean([r.get("dp_comm_bytes") for r in kept])}
+    """Steady-state figures of one run: the trainer's own closing summary
+    (``engine.metrics.summarize_run``), totals over the steps after ``warmup`` (tokens over
+    seconds, FLOPs over seconds), never means of per-step rates."""
+    steady(records, warmup)  # the benchmarks' error message when nothing is left
+    return summarize_run(records, warmup)
 
 
 def scaling_efficiency(tokens_per_s: float, procs: int, base_tokens_per_s: float) -> float:

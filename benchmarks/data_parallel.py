@@ -12,7 +12,8 @@ the gradient bytes per step of each compressor.
   collectives) for none / int8 / top-k, with the ratio to none, at every dp > 1.
 
 Each configuration trains a few steps on dp gloo processes (one spawned group per dp, one thread
-per process); times are medians over the steps after the first. With more ranks than CPU cores the
+per process); times and tokens/s are totals over the steps after the first (tokens over seconds,
+``engine.metrics.summarize_run``), bytes and collectives medians per step. With more ranks than CPU cores the
 ranks share cores, which lowers the efficiency beyond what communication alone costs: read the
 scaling columns as an upper bound on the overhead, not as a property of the reducer.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.cli import parse_args  # noqa: E402
+from engine.metrics import summarize_run  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
 from parallel.topology import RankGrid  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
@@ -58,10 +60,11 @@ def run_rank(ps, jobs: list[tuple[str, list[str]]]) -> list[dict]:
             collectives.append(trainer.reducer.stats()["collectives"])
 
         trainer.reducer.finish = counted_finish
-        records = trainer.train().records[1:]           # the first step warms up
+        records = trainer.train().records
+        total = summarize_run(records, warmup=1)        # the first step warms up
+        records = records[1:]
         out.append({"label": label, "buckets": len(trainer.reducer.buckets),
-                    "step_time": statistics.median(r["step_time_s"] for r in records),
-                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
+                    "step_time": total["step_time_s"], "tokens_per_s": total["tokens_per_s"],
                     "bytes": statistics.median(r["dp_comm_bytes"] for r in records),
                     "collectives": statistics.median(collectives[1:])})
     return out

@@ -118,7 +118,7 @@ def report(results: list[dict], spec: dict, steps: int, warmup: int, rtol: float
     model = ", ".join(f"{k}={v}" for k, v in spec.items())
     runs = f"median of {repeats} jobs per side" if repeats > 1 else "one job per side"
     return (f"{table}\n\nModel and optimizer: {model}; {steps} steps, first {warmup} dropped from "
-            f"throughput ({runs}, tokens per step over the median step time), losses compared "
+            f"throughput ({runs}, tokens over seconds of the steps kept), losses compared "
             f"over all {steps}.\n\n{machine_note(max(r['world'] for r in results))}\n")
 
 

@@ -13,7 +13,8 @@ also tp=2 x pp=2); ``--layouts`` replaces the list. Two modes:
 
 Efficiency is tokens/s over n times the tokens/s of the one-process run of the same mode, measured
 in the same invocation (it is added when ``--nprocs`` lacks 1). Figures are steady-state: the first
-``--warmup`` steps of each job are dropped. MFU divides by one thread's measured fp32 matmul rate
+``--warmup`` steps of each job are dropped and every figure is a total over the rest (tokens over
+seconds, FLOPs over seconds: the trainer's own summary). MFU divides by one thread's measured fp32 matmul rate
 on CPUs (``--peak-tflops`` to give a device's peak instead). Without ``--config`` the recipe is a
 small GPT-2 on mock data. Writes ``scaling.md`` (tables), ``scaling.png`` (plot) and
 ``scaling.json`` under ``--out``; a layout the recipe cannot be split over is listed as skipped with
@@ -260,7 +261,7 @@ def render(results: dict[str, list[dict]], args, peak: float | None, max_world: 
     recipe = args.config or ", ".join(f"{k}={v}" for k, v in DEFAULT_RECIPE.items())
     jobs = f"median of {args.repeats} jobs per layout" if args.repeats > 1 else "one job per layout"
     head = [f"Recipe: {recipe}.", f"{args.steps} steps per job, first {args.warmup} dropped; "
-            f"tokens/s from the median step time, {jobs}."]
+            f"tokens/s = tokens / seconds over the steps kept, {jobs}."]
     if "strong" in args.modes:
         head.append(f"Strong scaling: global batch {args.strong_batch}.")
     if "weak" in args.modes:

@@ -41,9 +41,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from engine.cli import parse_args
-from engine.loss_scaler import apply_grad_stats, grad_stats
 from engine.lr_schedule import learning_rate
-from engine.step import pipeline_times, reduce_step_stats
 from engine.trainer import Trainer
 from parallel.grad_norm import (check_and_unscale_reference, counted_grads,
                                 local_norm_sq_reference, scale_reference)
@@ -85,7 +83,7 @@ def forward_backward(trainer: Trainer, step: int):
     st = trainer.stepper
     batches = trainer._batches(step)
     st.optimizer.zero_grad()
-    local_loss, pipe = st._forward_backward(batches, float(st.scaler.scale))
+    local_loss, pipe = st._forward_backward(batches, float(st.scaler.scale), [])
     return local_loss, pipe
 
 
@@ -94,11 +92,7 @@ def after_backward_now(trainer: Trainer, local_loss, pipe, lr: float) -> float:
     st.reducer.finish()
     sync_sequence_parallel_grads(st.params, st.ps)
     sum_embedding_grads(st.ps, st.shared)
-    grads = grad_stats(st.optimizer, st.scaler, st.overflow)
-    idle, stage_times = pipeline_times(pipe, st.ps)
-    stats = reduce_step_stats(st.ps, local_loss, grads, idle, stage_times)
-    check = apply_grad_stats(st.optimizer, st.scaler, stats.found_inf, stats.grad_norm_sq,
-                             st.clip_grad, st.reducer)
+    stats, check = st.statistics(local_loss, pipe)
     if not check.skipped:
         st.optimizer.step(lr)
     return stats.loss

@@ -8,8 +8,8 @@ one from ``all_reduce_perf`` on the same machines:
 - ``algbw = bytes / time``; ``busbw = algbw * factor`` with factor ``2(n-1)/n`` for all-reduce,
   ``(n-1)/n`` for all-gather and reduce-scatter and 1 for send/recv. busbw is what a ring moves over
   the slowest link, so it does not depend on n and is comparable with the link's hardware peak.
-- ``time`` is the mean over ``iters`` timed iterations after ``warmup`` untimed ones, between device
-  synchronizations, and the *maximum over all ranks* (the slowest rank is what training waits for).
+- ``time`` is the mean over ``iters`` timed iterations after ``warmup`` untimed ones, device time
+  between two events on the stream (``engine.device.EventPair``), and the *maximum over all ranks* (the slowest rank is what training waits for).
 
 Every group of a dimension runs at once (all TP groups together, all DP groups together), as they do
 in training, so links that groups share are measured under their real load. p2p runs every pipeline
@@ -18,13 +18,12 @@ link at once in one direction (stage s sends to s+1), like the forward activatio
 from __future__ import annotations
 
 import re
-import time
 import warnings
 from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.device import DeviceInfo
+from engine.device import DeviceClock, DeviceInfo, EventPair
 from parallel.state import ParallelState
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
@@ -153,11 +152,10 @@ def _timed(run, ps: ParallelState, dev: DeviceInfo, cfg: BenchConfig) -> float:
         run()
     dev.synchronize()
     ps.world_group.barrier()  # every group starts together, so shared links carry their real load
-    start = time.perf_counter()
+    timer = EventPair(DeviceClock(dev.type)).start()  # device time: events on the stream
     for _ in range(cfg.iters):
         run()
-    dev.synchronize()
-    return (time.perf_counter() - start) / cfg.iters
+    return timer.stop().elapsed_s() / cfg.iters
 
 
 def run_benchmarks(ps: ParallelState, dev: DeviceInfo, cfg: BenchConfig) -> list[BenchResult]:

@@ -218,6 +218,10 @@ class LogConfig:
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None
     wandb_mode: str = "online"
+    # help: optimizer steps A-B (1-based) recorded by torch.profiler (ops, shapes, memory) into
+    # --profile-dir, default <run-dir>/profile
+    profile_steps: str | None = None
+    profile_dir: str | None = None
 
     def __post_init__(self):
         if self.eval_interval < 0 or self.eval_iters < 1:
@@ -226,6 +230,9 @@ class LogConfig:
             raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
         if self.wandb_mode not in WANDB_MODES:
             raise ValueError(f"--wandb-mode must be one of {WANDB_MODES}, got {self.wandb_mode!r}")
+        if self.profile_steps is not None:
+            from engine.profiling import parse_steps
+            parse_steps(self.profile_steps)
         if self.run_dir:
             for key, name in RUN_DIR_FILES.items():
                 if getattr(self, key) is None:

@@ -21,6 +21,7 @@ SCALARS = {  # metrics key -> dashboard tag
     "tokens_per_s": "throughput/tokens_per_s",
     "tflops_per_device": "throughput/tflops_per_device",
     "mfu": "throughput/mfu",
+    "hfu": "throughput/hfu",
     "step_time_s": "throughput/step_time_s",
     "bubble_theoretical": "pipeline/bubble_theoretical",
     "bubble_simulated": "pipeline/bubble_simulated",

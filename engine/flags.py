@@ -142,6 +142,10 @@ FLAGS: dict[str, Flag] = {
                  "compile_cache/", "logging"),
     "metrics_file": F("JSONL metrics, one object per step", "logging", default_text="RUN_DIR/metrics.jsonl"),
     "timeline": F("Chrome-trace timeline of the last steps", "logging", default_text="RUN_DIR/timeline.json"),
+    "profile_steps": F("optimizer steps A-B (1-based) recorded by torch.profiler (ops, shapes, "
+                       "memory), one Perfetto trace per rank", "logging"),
+    "profile_dir": F("where --profile-steps writes its traces", "logging",
+                     default_text="<run-dir>/profile"),
     "plot": F("PNG of loss and throughput", "logging", default_text="RUN_DIR/loss.png"),
     "log_interval": F("steps between console lines and dashboard points", "logging"),
     "eval_interval": F("validate every N steps (0: never)", "logging"),

@@ -1,10 +1,26 @@
 """Per-step metrics: the JSONL file of DESIGN.md, the progress bar and the closing summary.
 
 Only global rank 0 writes. The required keys are listed in REQUIRED_KEYS; the trainer fills them
-all (null where a value does not apply, e.g. the bubble without PP); ``valid_loss`` is added on the
-steps that validate. A fresh run truncates the file; a run resumed at step k keeps the records of
-steps 1..k and appends after them. The console shows a line (or the progress bar's figures) every
-``log_interval`` steps.
+all (null where a value does not apply, e.g. the bubble without PP, or cannot be known);
+``valid_loss`` is added on the steps that validate. A fresh run truncates the file; a run resumed at
+step k keeps the records of steps 1..k and appends after them. The console shows a line (or the
+progress bar's figures) every ``log_interval`` steps. What the keys mean:
+
+- ``step_time_s``: device time of the whole step (an event pair on the device's stream, read after
+  the step; ``engine.device.DeviceClock``); ``tokens_per_s`` = tokens / step_time_s.
+- ``tflops_per_device``: the FLOPs the step executed (recomputation included, as Megatron-LM and
+  the planner report) / step_time_s / devices, and ``hfu`` = that over the dense peak of the run's
+  precision; ``model_tflops_per_device``: the model's FLOPs only (no recomputation), and ``mfu`` =
+  that over the same peak (engine/utilization.py). Null where the FLOPs or the peak are unknown.
+- ``bubble_measured``: per rank, device time in pipeline transfers plus idle before its first and
+  after its last action, over the pipeline phase; averaged over ranks (parallel/pipeline/bubble.py).
+  ``bubble_simulated``: the schedule replayed with this step's mean forward/backward time per stage.
+- ``time_forward_backward_s``, ``time_dp_finish_s``, ``time_grad_sync_s``, ``time_clip_s``,
+  ``time_optimizer_s``: device seconds of each part of the step on global rank 0 (engine/step.py);
+  none of them is in the bubble.
+- ``*_comm_bytes``: payload this rank handed to each group kind's collectives this step.
+
+Summaries (``summarize_run``) are totals over time with warm-up steps left out.
 """
 from __future__ import annotations
 
@@ -14,9 +30,10 @@ import sys
 from dataclasses import dataclass, field
 
 REQUIRED_KEYS = ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens", "step_time_s",
-                 "tokens_per_s", "tflops_per_device", "mfu", "bubble_theoretical",
-                 "bubble_measured", "dp_comm_bytes", "dp_comm_wire_bytes", "tp_comm_bytes",
-                 "pp_comm_bytes", "peak_memory_bytes")
+                 "tokens_per_s", "tflops_per_device", "mfu", "hfu", "bubble_theoretical",
+                 "bubble_simulated", "bubble_measured", "dp_comm_bytes", "dp_comm_wire_bytes",
+                 "tp_comm_bytes", "pp_comm_bytes", "peak_memory_bytes", "time_forward_backward_s",
+                 "time_dp_finish_s", "time_grad_sync_s", "time_clip_s", "time_optimizer_s")
 # optional: the trainer's loop adds them; save_blocking_s is the time the step boundary spent on
 # checkpoints (the whole save when synchronous, the host copy and publication with --async-save),
 # null where it had none to do
@@ -103,38 +120,94 @@ class MetricsLog:
             self._fh.close()
 
 
-def summary_table(records: list[dict], extra: dict[str, str]) -> str:
-    """A plain-text table summarising a run (timings exclude the first, warm-up step)."""
+WARMUP_STEPS = 1  # steps the closing summary leaves out (allocator growth, lazy init, compile)
+
+
+def _weighted(kept: list[dict], key: str, weight: str = "step_time_s") -> float | None:
+    """sum(value * weight) / sum(weight): for a per-step rate weighted by the step's time, the
+    total over time (e.g. MFU = all model FLOPs / all seconds / devices / peak); None when any
+    step lacks the value (the total is then unknown)."""
+    pairs = [(r.get(key), r.get(weight)) for r in kept]
+    if not pairs or any(v is None or w is None for v, w in pairs):
+        return None
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total > 0 else None
+
+
+def summarize_run(records: list[dict], warmup: int = WARMUP_STEPS) -> dict:
+    """Totals over time of the steps after the first ``warmup``, never means of per-step rates:
+    tokens/s = all tokens / all seconds; TFLOP/s, MFU and HFU = all FLOPs / all seconds (each step's
+    rate weighted by its time); the measured and simulated bubbles = idle time / pipeline time
+    (weighted by each step's forward/backward phase); bytes and ``time_*`` per step = totals / steps.
+    Shared by the trainer's closing table and the benchmarks (benchmarks/common.py)."""
+    if warmup < 0:
+        raise ValueError(f"warm-up steps must be >= 0, got {warmup}")
+    kept = records[warmup:]
+    if not kept:
+        raise ValueError(f"{len(records)} steps recorded and {warmup} discarded as warm-up: nothing "
+                         f"left to measure; raise --steps above --warmup")
+    seconds = sum(r["step_time_s"] for r in kept)
+    tokens = sum(r["tokens"] for r in kept)
+    phase = "time_forward_backward_s" if all(r.get("time_forward_backward_s") is not None
+                                            for r in kept) else "step_time_s"
+    per_step = lambda key: (None if any(r.get(key) is None for r in kept)  # noqa: E731
+                            else sum(r[key] for r in kept) / len(kept))
+    out = {"steps": len(kept), "warmup": warmup, "first_step": kept[0].get("step"),
+           "last_step": kept[-1].get("step"), "seconds": seconds, "tokens": tokens,
+           "step_time_s": seconds / len(kept),
+           "tokens_per_s": tokens / seconds if seconds > 0 else None,
+           "tflops_per_device": _weighted(kept, "tflops_per_device"),
+           "model_tflops_per_device": _weighted(kept, "model_tflops_per_device"),
+           "mfu": _weighted(kept, "mfu"), "hfu": _weighted(kept, "hfu"),
+           "bubble_theoretical": kept[-1].get("bubble_theoretical"),
+           "bubble_simulated": _weighted(kept, "bubble_simulated", phase),
+           "bubble_measured": _weighted(kept, "bubble_measured", phase)}
+    for key in ("dp_comm_bytes", "dp_comm_wire_bytes", "tp_comm_bytes", "pp_comm_bytes",
+                "time_forward_backward_s", "time_dp_finish_s", "time_grad_sync_s", "time_clip_s",
+                "time_optimizer_s"):
+        out[key] = per_step(key)
+    out["peak_memory_bytes"] = max((r.get("peak_memory_bytes") or 0) for r in kept) or None
+    return out
+
+
+def summary_table(records: list[dict], extra: dict[str, str], warmup: int = WARMUP_STEPS) -> str:
+    """A plain-text table closing a run: losses over all steps; throughput, utilisation, bubble and
+    times as totals over the steps after ``warmup`` warm-up steps (the table says which)."""
     if not records:
         return "no steps were run"
-    timed = records[1:] or records
-    mean = lambda key: sum(r[key] for r in timed if r[key] is not None) / max(
-        1, sum(1 for r in timed if r[key] is not None))
-    seconds = sum(r["step_time_s"] for r in timed)
-    over_time = lambda key: sum(r[key] * r["step_time_s"] for r in timed) / seconds  # noqa: E731
+    warmup = min(warmup, len(records) - 1)
+    s = summarize_run(records, warmup)
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.2f}%"  # noqa: E731
+    num = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+    timed = f"{s['first_step']}..{s['last_step']}" + (
+        f" ({warmup} warm-up step{'s' if warmup > 1 else ''} left out)" if warmup else
+        " (no warm-up step left out)")
     rows = [("steps", f"{records[0]['step']}..{records[-1]['step']}"),
             ("first / last loss", f"{records[0]['loss']:.4f} / {records[-1]['loss']:.4f}"),
             ("skipped steps", str(sum(bool(r["skipped"]) for r in records))),
-            ("mean step time", f"{mean('step_time_s'):.3f} s"),
-            # totals over time: all tokens (FLOPs) over all seconds, not means of per-step rates
-            ("tokens/s", f"{sum(r['tokens'] for r in timed) / seconds:.0f}"),
-            ("TFLOP/s per device", f"{over_time('tflops_per_device'):.4f}")]
-    if all(r["mfu"] is not None for r in timed):
-        rows.append(("MFU", f"{100 * over_time('mfu'):.2f}%"))
-    if records[-1]["bubble_theoretical"] is not None:
-        simulated = mean("bubble_simulated") if "bubble_simulated" in records[-1] else None
+            ("timed steps", timed),
+            ("step time (total / steps)", f"{s['step_time_s']:.3f} s"),
+            ("tokens/s (tokens / seconds)", num(s["tokens_per_s"], ".0f")),
+            ("TFLOP/s per device (executed / model)",
+             f"{num(s['tflops_per_device'], '.4f')} / {num(s['model_tflops_per_device'], '.4f')}"),
+            ("MFU / HFU", f"{pct(s['mfu'])} / {pct(s['hfu'])}")]
+    if s["bubble_theoretical"] is not None:
         rows.append(("bubble (theory / simulated / measured)",
-                     f"{records[-1]['bubble_theoretical']:.3f} / "
-                     f"{'n/a' if simulated is None else f'{simulated:.3f}'} / "
-                     f"{mean('bubble_measured'):.3f}"))
+                     f"{s['bubble_theoretical']:.3f} / {num(s['bubble_simulated'], '.3f')} / "
+                     f"{num(s['bubble_measured'], '.3f')}"))
         if records[-1].get("activations_in_flight") is not None:
             rows.append(("micro-batches in flight (rank 0)", str(records[-1]["activations_in_flight"])))
-    rows.append(("DP bytes per step", f"{mean('dp_comm_bytes'):.0f}"))
-    rows.append(("peak memory", f"{records[-1]['peak_memory_bytes'] / 2**20:.0f} MiB"))
+    if s["time_forward_backward_s"] is not None:
+        rows.append(("fwd+bwd / DP finish / optimizer",
+                     f"{s['time_forward_backward_s']:.3f} / {s['time_dp_finish_s']:.3f} / "
+                     f"{s['time_optimizer_s']:.3f} s"))
+    rows.append(("DP bytes per step", num(s["dp_comm_bytes"], ".0f")))
+    rows.append(("peak memory", f"{(s['peak_memory_bytes'] or 0) / 2**20:.0f} MiB"))
     rows.extend(extra.items())
     width = max(len(k) for k, _ in rows)
-    line = "+" + "-" * (width + 2) + "+" + "-" * 42 + "+"
-    body = [f"| {k:<{width}} | {v:<40} |" for k, v in rows]
+    value_width = max(40, *(len(str(v)) for _, v in rows))
+    line = "+" + "-" * (width + 2) + "+" + "-" * (value_width + 2) + "+"
+    body = [f"| {k:<{width}} | {str(v):<{value_width}} |" for k, v in rows]
     return "\n".join([line, *body, line])
 
 

@@ -4,21 +4,41 @@ pipeline executor when pp > 1), gradient reduction, overflow check, clipping and
 The order inside a step follows the mixed-precision recipe: scale the loss -> backward -> finish the
 DP reduction -> sum the sequence-parallel and tied-embedding gradients -> unscale and check for
 overflow, squared global norm (on the device) -> one all-reduce of the step's statistics over the
-world and its one host read (``reduce_step_stats``) -> an overflow anywhere in the grid makes every
-rank skip -> clip the global norm -> optimizer step. Nothing else in the step waits for the device.
+world and its one host read (``reduce_step_stats``; with a pipeline the phase's span is read just
+before, from a max over the stage's ranks, for the measured bubble) -> an overflow anywhere in the
+grid makes every rank skip -> clip the global norm -> optimizer step.
+
+Timing: each part is bracketed by stamps of a ``DeviceClock`` on the device's stream (events on
+CUDA/NPU), read after the step: ``time_forward_backward_s`` (the forward/backward phase, the
+pipeline phase with pp > 1), ``time_dp_finish_s`` (finishing the DP gradient reduction: what the
+backward did not hide), ``time_grad_sync_s`` (the sequence-parallel and tied-embedding
+all-reduces), ``time_clip_s`` (unscale, overflow check, global norm, the statistics all-reduce and
+clipping) and ``time_optimizer_s`` (the update, ZeRO's parameter all-gather included). They are
+this rank's (the metrics carry global rank 0's): averaging them over ranks would need a second
+collective after the update. The bubble is the world mean (it travels in the statistics). The
+same spans, with every forward and backward (and with pp > 1 every transfer), are the step's
+timeline events.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from engine.device import DeviceClock
 from engine.loss_scaler import apply_grad_stats, grad_stats
 from parallel.grads import sync_sequence_parallel_grads
+from parallel.pipeline.bubble import pipeline_bubble
 from parallel.pipeline.executor import run_schedule, sum_embedding_grads
 from parallel.pipeline.schedules import forward_only_schedule
+from parallel.pipeline.timeline import TimelineEvent
 from parallel.state import ParallelState
+
+TIME_KEYS = ("time_forward_backward_s", "time_dp_finish_s", "time_grad_sync_s", "time_clip_s",
+             "time_optimizer_s")
+# the parts of a step after the forward/backward phase: (timeline name, category, metric key)
+_PHASES = (("DP finish", "dp", "time_dp_finish_s"), ("grad sync", "grad_sync", "time_grad_sync_s"),
+           ("clip", "clip", "time_clip_s"), ("optimizer", "optimizer", "time_optimizer_s"))
 
 
 @dataclass
@@ -29,7 +49,8 @@ class StepOutput:
     loss_scale: float
     comm: dict  # per group kind: calls, payload_bytes, wire_bytes this step (parallel/comm.py)
     pipeline: object = None  # PipelineResult when pp > 1
-    wall_s: float = 0.0
+    times: dict = field(default_factory=dict)  # TIME_KEYS: device seconds, mean over ranks
+    events: list = field(default_factory=list, repr=False)  # this rank's TimelineEvents
     extra: dict = field(default_factory=dict)
 
 
@@ -114,16 +135,6 @@ def micro_batch_loss(out: torch.Tensor, mb, num_micro: int, dp: int) -> torch.Te
     return (out * mb.loss_mask).sum() * (dp / max(mb.loss_tokens, 1))
 
 
-def pipeline_times(pipe, ps: ParallelState) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(this rank's idle fraction of the pipeline phase: not computing a forward or backward,)
-    and its stage's mean forward/backward times; both empty without a pipeline."""
-    if pipe is None:
-        return (), ()
-    busy = sum(e.end - e.start for e in pipe.events if e.cat in ("forward", "backward"))
-    idle = max(0.0, 1.0 - busy / pipe.wall_s) if pipe.wall_s > 0 else 0.0
-    return (idle,), stage_compute_times(pipe.events, ps)
-
-
 def stage_compute_times(events, ps: ParallelState) -> tuple[float, ...]:
     """(mean forward s, mean backward s) of this rank, in its stage's slots of a 2*pp vector."""
     slots = [0.0] * (2 * ps.pp_size)
@@ -138,13 +149,16 @@ class Stepper:
 
     def __init__(self, ps: ParallelState, chunks, reducer, optimizer, scaler, clip_grad: float,
                  schedule_actions=None, act_shape=None, act_dtype=torch.float32,
-                 timeout_s: float = 300.0, overflow=None, waiter=None):
+                 timeout_s: float = 300.0, overflow=None, waiter=None,
+                 clock: DeviceClock | None = None):
         """``overflow``: the device module's ``overflow_check()`` (the float status register on a
-        saturation-mode NPU), None elsewhere; ``waiter``: ``p2p.waiter_for(backend)``."""
+        saturation-mode NPU), None elsewhere; ``waiter``: ``p2p.waiter_for(backend)``; ``clock``:
+        the device timing API (engine/device.py)."""
         self.ps, self.chunks, self.reducer = ps, chunks, reducer
         self.optimizer, self.scaler, self.clip_grad = optimizer, scaler, clip_grad
         self.actions, self.act_shape, self.act_dtype = schedule_actions, act_shape, act_dtype
         self.timeout_s, self.overflow, self.waiter = timeout_s, overflow, waiter
+        self.clock = clock or DeviceClock(ps.device.type)
         self.params = [p for c in chunks for p in c.parameters()]
         self.shared = [p for c in chunks for p in c.shared_embedding_params()]
 
@@ -162,48 +176,75 @@ class Stepper:
             return micro_batch_loss(out, mb, m, self.ps.dp_cp_group.size) * scale
         return forward_step
 
-    def _forward_backward(self, batches: list, scale: float):
+    def _forward_backward(self, batches: list, scale: float, marks: list):
         """``batches``: this rank's micro-batches (engine.data.packing.MicroBatch). Returns this
-        rank's loss as a 0-d device tensor (not read here) and the pipeline result."""
+        rank's loss as a 0-d device tensor (not read here) and the pipeline result; with pp=1 the
+        forwards and backwards are appended to ``marks`` as (name, cat, start, end, micro, chunk)."""
         m = len(batches)
         self.reducer.set_num_microbatches(m)  # a parameter's m-th accumulation launches its bucket
         if self.ps.pp_size == 1:
-            model, losses = self.chunks[0], []
-            for mb in batches:
+            model, losses, stamp = self.chunks[0], [], self.clock.stamp
+            for i, mb in enumerate(batches):
+                a = stamp()
                 loss = micro_batch_loss(model(mb.tokens, mb.labels, mb.inputs), mb, m,
                                         self.ps.dp_cp_group.size)
+                b = stamp()
                 (loss * scale).backward()
+                marks += [(f"F{i}", "forward", a, b, i, 0), (f"B{i}", "backward", b, stamp(), i, 0)]
                 losses.append(loss.detach())
             return torch.stack(losses).sum(), None
         result = run_schedule(self.ps, self.actions, list(self.chunks),
                               self._forward_step(batches, scale), m, self.act_shape,
-                              self.act_dtype, self.timeout_s, waiter=self.waiter)
+                              self.act_dtype, self.timeout_s, waiter=self.waiter, clock=self.clock)
         local = result.loss_sum
         if local is None:  # not the last stage: its loss slot is not counted
             return torch.zeros((), dtype=torch.float32, device=batches[0].tokens.device), result
         return local / scale, result
 
+    def statistics(self, local_loss: torch.Tensor, pipe):
+        """After the gradients are complete: unscale and check for overflow, the squared norm, the
+        bubble, the step's one statistics all-reduce, then skip or clip. Returns (StepStats,
+        StepCheck)."""
+        grads = grad_stats(self.optimizer, self.scaler, self.overflow)
+        per_rank, stage_times = (), ()
+        if pipe is not None:
+            with self.ps.comm.uncounted():  # the phase's span: not traffic of the step
+                per_rank = (pipeline_bubble(self.ps, pipe.events),)
+            stage_times = stage_compute_times(pipe.events, self.ps)
+        stats = reduce_step_stats(self.ps, local_loss, grads, per_rank, stage_times)
+        check = apply_grad_stats(self.optimizer, self.scaler, stats.found_inf, stats.grad_norm_sq,
+                                 self.clip_grad, self.reducer)
+        return stats, check
+
     def run(self, batches, lr: float) -> StepOutput:
-        t0 = time.perf_counter()
+        clock, marks = self.clock, []
+        clock.anchor()  # synchronize: the step starts on an idle device
         snapshot = self.ps.comm.snapshot()
         self.optimizer.zero_grad()
         if self.overflow is not None:
             self.overflow.clear()
         scale = float(self.scaler.scale)
-        local_loss, pipe = self._forward_backward(batches, scale)
+        t = [clock.stamp()]
+        local_loss, pipe = self._forward_backward(batches, scale, marks)
+        t.append(clock.stamp())
         self.reducer.finish()
+        t.append(clock.stamp())
         sync_sequence_parallel_grads(self.params, self.ps)
         sum_embedding_grads(self.ps, self.shared)
-        grads = grad_stats(self.optimizer, self.scaler, self.overflow)
-        idle, stage_times = pipeline_times(pipe, self.ps)
-        stats = reduce_step_stats(self.ps, local_loss, grads, idle, stage_times)
-        check = apply_grad_stats(self.optimizer, self.scaler, stats.found_inf, stats.grad_norm_sq,
-                                 self.clip_grad, self.reducer)
+        t.append(clock.stamp())
+        stats, check = self.statistics(local_loss, pipe)
+        t.append(clock.stamp())
         if not check.skipped:
             self.optimizer.step(lr)
+        t.append(clock.stamp())
         comm = self.ps.comm.since(snapshot)
-        wall = time.perf_counter() - t0
-        out = StepOutput(stats.loss, check.grad_norm, check.skipped, scale, comm, pipe, wall)
+        marks += [(name, cat, t[i + 1], t[i + 2], -1, 0) for i, (name, cat, _) in enumerate(_PHASES)]
+        events = list(pipe.events) if pipe is not None else []
+        events += [TimelineEvent(self.ps.rank, name, cat, clock.wall(a), clock.wall(b), micro, chunk)
+                   for name, cat, a, b, micro, chunk in marks]
+        times = [clock.elapsed_s(t[i], t[i + 1]) for i in range(len(t) - 1)]
+        out = StepOutput(stats.loss, check.grad_norm, check.skipped, scale, comm, pipe,
+                         dict(zip(TIME_KEYS, times)), events)
         if pipe is not None:
             out.extra["bubble_measured"] = stats.per_rank[0]
             out.extra["stage_fwd_s"] = stats.per_stage[0::2]
@@ -224,7 +265,8 @@ class Stepper:
                             for mb in batches)
             return mean_loss_over_grid(local, self.ps, device)[0]
         actions = forward_only_schedule(self.ps.pp_size, m, len(self.chunks))
+        self.clock.anchor()
         result = run_schedule(self.ps, actions, list(self.chunks), self._forward_step(batches, 1.0),
-                              m, self.act_shape, self.act_dtype, self.timeout_s,
+                              m, self.act_shape, self.act_dtype, self.timeout_s, clock=self.clock,
                               deallocate_outputs=False, forward_only=True)
         return mean_loss_over_grid(sum(result.losses), self.ps, device)[0]

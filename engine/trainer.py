@@ -6,11 +6,11 @@ rank) before the process group exists, so a bad configuration never leaves a ran
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
 import threading
-import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -21,13 +21,13 @@ from engine.config import RunConfig
 from engine.dashboards import Dashboards
 from engine.data import build_data, collate
 from engine.data.packing import MicroBatch, count_loss_tokens, micro_batch
-from engine.device import measure_cpu_peak_tflops, set_matmul_precision, setup_device
-from engine.plan.flops import model_flops_per_step
-from engine.plan.hardware import peak_tflops
+from engine.device import DeviceClock, EventPair, set_matmul_precision, setup_device
 from engine.loss_scaler import ConstantScaler, DynamicLossScaler
 from engine.lr_schedule import learning_rate
 from engine.metrics import MetricsLog, plot_metrics, summary_table
+from engine.profiling import StepProfiler
 from engine.step import Stepper
+from engine.utilization import per_device, run_flops, run_peak_tflops, utilization
 from engine.validate import validate_packing, validate_run
 from models import LayerContext, build_chunks
 from models.layers import ParallelAttention
@@ -37,10 +37,11 @@ from parallel.context_parallel import init_ring, load_balanced, shard_index
 from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
                          MixedPrecisionOptimizer, PolicyError)
 from parallel.pipeline.bubble import simulate, theoretical_bubble
-from parallel.pipeline.timeline import TimelineEvent, gather_events, write_chrome_trace
+from parallel.pipeline.timeline import gather_events, write_chrome_trace
 from parallel.pipeline.partition import stage_layers
 from parallel.pipeline.p2p import init_p2p, waiter_for
 from parallel.pipeline.schedules import build_schedule, validate_schedule
+from parallel.random import ModelParallelRNG
 from parallel.state import LaunchEnv, ParallelState
 from parallel.tensor_parallel import Initializer
 
@@ -156,8 +157,13 @@ class Trainer:
                            sequence_parallel=cfg.parallel.sequence_parallel and ps.tp_size > 1,
                            recompute=cfg.parallel.recompute,
                            cp_comm_type=cfg.parallel.cp_comm_type, kernel_paths=self.dev.kernel_paths)
+        # dropout streams (parallel/random.py): per chunk, split regions per TP rank, replicated
+        # regions the same on every TP rank, all distinct over pp, dp, cp and chunks
+        self.rng = ModelParallelRNG.for_state(cfg.seed, ps, vp)
+        self.rng.seed_default()
+        ctxs = [dataclasses.replace(ctx, rng=tracker) for tracker in self.rng.trackers]
         self.dtype = DTYPES[cfg.precision.precision]
-        self.chunks = build_chunks(cfg.model, ps, ctx, ranges, virtual, ps.pp_size * vp,
+        self.chunks = build_chunks(cfg.model, ps, ctxs, ranges, virtual, ps.pp_size * vp,
                                    self.registry).to(device=self.dev.device, dtype=self.dtype)
         if ps.cp_size > 1 and any(len(c.layers) for c in self.chunks) and not any(
                 isinstance(m, ParallelAttention) for c in self.chunks for m in c.modules()):
@@ -165,9 +171,6 @@ class Trainer:
                               f"models.layers.ParallelAttention, the attention that sees the whole "
                               f"sequence under context parallelism; build the block's attention "
                               f"from it or use --cp 1")
-        # dropout streams: identical across TP ranks (replicated regions), distinct across DP/PP
-        tp_part = ps.tp_rank if ctx.sequence_parallel else 0
-        torch.manual_seed(cfg.seed + 1 + 1000 * ps.dp_rank + 100 * ps.pp_rank + 10 * tp_part)
         if cfg.compile:
             from engine.compile import compile_chunks
             self.chunks = compile_chunks(self.chunks, self.dev, cfg.log.compile_cache_root)
@@ -204,29 +207,22 @@ class Trainer:
             init_p2p(ps)
             self.waiter = waiter_for(self.dev.backend)
         init_ring(ps)
+        self.clock = DeviceClock(self.dev.type)
         self.stepper = Stepper(ps, self.chunks, self.reducer, self.optimizer, self.scaler,
                                cfg.optim.clip_grad, actions, act_shape, self.dtype,
-                               cfg.parallel.timeout_s, self.dev.overflow_check(), self.waiter)
-        m = cfg.model
-        self.flops_per_step = model_flops_per_step(
-            cfg.data.global_batch_size, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
-            ffn_hidden=m.ffn_hidden_size, kv_hidden=m.kv_hidden_size,
-            block="llama" if getattr(self.chunks[0].block_cls, "mlp_kind", "gelu") == "swiglu" else "gpt2",
-            recompute=cfg.parallel.recompute)
-        self.peak_tflops = self._peak_tflops()
+                               cfg.parallel.timeout_s, self.dev.overflow_check(), self.waiter,
+                               clock=self.clock)
+        with warnings.catch_warnings():
+            if not self.is_main:  # the one-time note on a block without a formula: rank 0 only
+                warnings.simplefilter("ignore")
+            self.flops = run_flops(cfg.model, self.chunks[0].block_cls, cfg.parallel.recompute,
+                                   cfg.data.global_batch_size)
+        self.peak_tflops = run_peak_tflops(self.dev, cfg.precision.precision, cfg.log.peak_tflops,
+                                           self.tf32)
+        self.profiler = StepProfiler.from_config(cfg.log, self.dev.type, ps.rank)
         self.bubble_theory = (theoretical_bubble(cfg.parallel.pipeline_schedule, ps.pp_size,
                                                  self.num_micro, cfg.parallel.virtual_pipeline_size)
                               if ps.pp_size > 1 else None)
-
-    def _peak_tflops(self) -> float | None:
-        """The dense peak of the precision the matmuls run in (engine/plan/hardware.py): bf16/fp16
-        tensor cores, or for fp32 the TF32/HF32 peak with --allow-tf32, else the plain fp32 one;
-        None where none is published. --peak-tflops overrides; a CPU measures fp32 matmuls."""
-        if self.cfg.log.peak_tflops:
-            return self.cfg.log.peak_tflops
-        if self.dev.type == "cpu":
-            return measure_cpu_peak_tflops()
-        return peak_tflops(self.dev.name, self.cfg.precision.precision, tf32=self.tf32)
 
     # ---- data -----------------------------------------------------------------------------
     def _batches(self, step: int, dataset=None, sampler=None) -> list[MicroBatch]:
@@ -291,6 +287,7 @@ class Trainer:
         finally:
             log.close()
             dash.close()
+            self.profiler.close()
             if previous_handler is not None:
                 signal.signal(signal.SIGTERM, previous_handler)
         if self.is_main and result.records:
@@ -301,6 +298,10 @@ class Trainer:
                 extra["checkpoint"] = result.checkpoint
             if result.stopped:
                 extra["stopped"] = result.stopped
+            if not self.flops.source.startswith("formula"):
+                extra["FLOPs"] = self.flops.source
+            if self.profiler.written:
+                extra["profile"] = self.profiler.written
             if cfg.log.plot:
                 extra["plot"] = plot_metrics(result.records, cfg.log.plot, result.valid)
             result.summary = summary_table(result.records, extra)
@@ -315,26 +316,35 @@ class Trainer:
     def train_one(self, step: int) -> dict:
         cfg, ps = self.cfg, self.ps
         self.dev.reset_peak_memory()
-        self.dev.synchronize()
-        t0 = time.perf_counter()
+        self.clock.synchronize()  # the step's events start on an idle device
+        self.profiler.before_step(step + 1)
+        timer = EventPair(self.clock).start()
         batches = self._batches(step)
         lr = learning_rate(step, cfg.optim)
         out = self.stepper.run(batches, lr)
-        self.dev.synchronize()
-        dt = time.perf_counter() - t0
+        dt = timer.stop().elapsed_s()  # device time of the whole step
+        self.profiler.after_step(step + 1)
         self.sampler.next_step = step + 1
         if not math.isfinite(out.loss) and cfg.precision.precision != "fp16":
             last = self.last_checkpoint()
             raise TrainingDiverged(f"loss is {out.loss} at step {step + 1}; last good checkpoint: "
                                    f"{last or 'none saved'}")
         tokens = cfg.data.global_batch_size * cfg.model.seq_length
-        tflops = self.flops_per_step / dt / ps.world_size / 1e12
+        model_tflops = per_device(self.flops.model, dt, ps.world_size)
+        tflops = per_device(self.flops.executed, dt, ps.world_size)
         if cfg.log.timeline:
-            self._record_timeline(step, t0, dt, out)
+            for e in out.events:
+                e.args["step"] = step + 1
+            self.timeline.append(out.events)
+            del self.timeline[:-TIMELINE_STEPS]
         return {"step": step + 1, "loss": out.loss, "lr": lr, "grad_norm": out.grad_norm,
                 "loss_scale": out.loss_scale, "skipped": out.skipped, "tokens": tokens,
                 "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops_per_device": tflops,
-                "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+                "model_tflops_per_device": model_tflops,
+                "mfu": utilization(model_tflops, self.peak_tflops),
+                "hfu": utilization(tflops, self.peak_tflops),
+                "model_flops": self.flops.model, "executed_flops": self.flops.executed,
+                **out.times,
                 "bubble_theoretical": self.bubble_theory,
                 "bubble_measured": out.extra.get("bubble_measured"),
                 "bubble_simulated": self._simulated_bubble(out),
@@ -352,18 +362,6 @@ class Trainer:
         if min(fwd) <= 0 or min(bwd) <= 0:
             return None
         return simulate(self.schedule_lists, fwd, bwd).idle_fraction
-
-    def _record_timeline(self, step: int, t0: float, dt: float, out) -> None:
-        """Keep the events of the last TIMELINE_STEPS steps: the executor's forward, backward and
-        transfer spans, plus one span for the optimizer part of the step."""
-        events = list(out.pipeline.events) if out.pipeline is not None else []
-        offset = time.time() - time.perf_counter()
-        end = t0 + dt + offset
-        opt_start = max(e.end for e in events) if events else t0 + offset
-        events.append(TimelineEvent(self.ps.rank, f"optimizer (step {step + 1})", "optimizer",
-                                    opt_start, end))
-        self.timeline.append(events)
-        del self.timeline[:-TIMELINE_STEPS]
 
     @property
     def timeline_events(self) -> list:
@@ -403,11 +401,19 @@ class Trainer:
 
     def maybe_load(self) -> int:
         """Load --load; without it, resume from --save when that holds an unfinished run's
-        checkpoint (so a job restarted by torchrun continues by itself)."""
+        checkpoint (so a job restarted by torchrun continues by itself). With both, a restarted
+        job resumes from --save's latest when it is newer (a later step) than --load's."""
         from engine.checkpoint import has_checkpoint, load_checkpoint, saved_step
         ck = self.cfg.checkpoint
-        fresh = ck.load and ck.save and os.path.realpath(ck.load) == os.path.realpath(ck.save) \
-            and not has_checkpoint(ck.save)
+        same = ck.load and ck.save and os.path.realpath(ck.load) == os.path.realpath(ck.save)
+        fresh = same and not has_checkpoint(ck.save)
+        if ck.load and not same and has_checkpoint(ck.save):
+            mine, given = saved_step(ck.save), saved_step(ck.load)
+            if mine is not None and (given is None or mine > given):
+                if self.is_main:
+                    print(f"gridtron: resuming from {ck.save} (step {mine}), newer than --load "
+                          f"{ck.load} (step {given})", flush=True)
+                return load_checkpoint(self, ck.save)
         if ck.load and not fresh:  # (--load DIR --save DIR on a first run starts from scratch)
             return load_checkpoint(self, ck.load)
         if has_checkpoint(ck.save):

@@ -7,7 +7,7 @@ built from the engine's TP layers, so tensor, sequence and pipeline parallelism 
 from torch import nn
 
 from models.blocks import TransformerBlock
-from models.layers import Norm, ParallelAttention, ParallelMLP
+from models.layers import Dropout, Norm, ParallelAttention, ParallelMLP
 
 
 class ParallelResidualBlock(TransformerBlock):
@@ -18,11 +18,13 @@ class ParallelResidualBlock(TransformerBlock):
     def __init__(self, cfg, layer_idx, ps, ctx):
         nn.Module.__init__(self)
         name = f"layers.{layer_idx}"
-        self.full_recompute = ctx.recompute == "full"
+        self.ctx, self.full_recompute = ctx, ctx.recompute == "full"
         self.norm = Norm("layernorm", cfg.hidden_size, cfg.norm_eps, ctx.sequence_parallel)
         self.attn = ParallelAttention(cfg, ps, ctx, f"{name}.attn", bias=False, rope=True)
         self.mlp = ParallelMLP(cfg, ps, ctx, f"{name}.mlp", kind="gelu", bias=False)
-        self.drop = nn.Dropout(cfg.dropout)
+        # the residual stream's dropout: a sequence shard under sequence parallelism (each TP rank
+        # its own mask), else the same activation on every TP rank (the same mask)
+        self.drop = Dropout(cfg.dropout, ctx, "hidden")
 
     def _forward(self, x, inputs=None):  # (b, s[/tp], h); inputs: positions / packed documents
         y = self.norm(x)

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from models.config import GPTConfig
-from models.layers import LayerContext, Norm, ParallelAttention, ParallelMLP
+from models.layers import Dropout, LayerContext, Norm, ParallelAttention, ParallelMLP
 from parallel.state import ParallelState
 
 
@@ -35,12 +35,12 @@ class TransformerBlock(nn.Module):
         super().__init__()
         name = f"layers.{layer_idx}"
         sp = ctx.sequence_parallel
-        self.full_recompute = ctx.recompute == "full"
+        self.ctx, self.full_recompute = ctx, ctx.recompute == "full"
         self.norm1 = Norm(self.norm_kind, cfg.hidden_size, cfg.norm_eps, sp, ctx.kernel_paths)
         self.attn = ParallelAttention(cfg, ps, ctx, f"{name}.attn", bias=self.bias, rope=self.rope)
         self.norm2 = Norm(self.norm_kind, cfg.hidden_size, cfg.norm_eps, sp, ctx.kernel_paths)
         self.mlp = ParallelMLP(cfg, ps, ctx, f"{name}.mlp", kind=self.mlp_kind, bias=self.bias)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = Dropout(cfg.dropout, ctx, "hidden")
 
     def _forward(self, x, inputs=None):  # (b, s[/tp], h)
         x = x + self.drop(self.attn(self.norm1(x), inputs))
@@ -49,7 +49,10 @@ class TransformerBlock(nn.Module):
     def forward(self, x, inputs=None):
         args = (x,) if inputs is None else (x, inputs)  # a subclass's _forward may take x alone
         if self.full_recompute and self.training and x.requires_grad:
-            return checkpoint(self._forward, *args, use_reentrant=False)
+            ctx = getattr(self, "ctx", None)  # a subclass may build itself without TransformerBlock's init
+            if ctx is None:
+                return checkpoint(self._forward, *args, use_reentrant=False)
+            return ctx.checkpoint(self._forward, *args)
         return self._forward(*args)
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from models.batch import AttentionInputs
 from models.blocks import takes_attention_inputs
 from models.config import GPTConfig
-from models.layers import LayerContext, Norm
+from models.layers import Dropout, LayerContext, Norm
 from models.registry import BlockRegistry, default_registry
 from parallel.context_parallel import load_balanced, shard_positions
 from parallel.state import ParallelState
@@ -49,7 +49,7 @@ class GPTChunk(nn.Module):
             if self.learned_pos:
                 self.pos = nn.Parameter(ctx.init.full("embedding.position",
                                                       (cfg.max_position_embeddings, h)))
-            self.embed_drop = nn.Dropout(cfg.dropout)
+            self.embed_drop = Dropout(cfg.dropout, ctx, "hidden")
         self.layers = nn.ModuleList(block_cls(cfg, i, ps, ctx) for i in layers)
         if post_process:
             self.final_norm = Norm(block_cls.final_norm, h, cfg.norm_eps, ctx.sequence_parallel,
@@ -140,11 +140,14 @@ class GPTChunk(nn.Module):
                                             self.cfg.vocab_size)
 
 
-def build_chunks(cfg: GPTConfig, ps: ParallelState, ctx: LayerContext, stage_ranges: list[range],
+def build_chunks(cfg: GPTConfig, ps: ParallelState, ctx, stage_ranges: list[range],
                  virtual_index: list[int], num_virtual: int,
                  registry: BlockRegistry | None = None) -> nn.ModuleList:
-    """This rank's model chunks. ``virtual_index[i]`` is the global virtual stage of chunk i."""
+    """This rank's model chunks. ``virtual_index[i]`` is the global virtual stage of chunk i;
+    ``ctx`` is one LayerContext for all chunks or a list of one per chunk (each chunk its own
+    dropout streams)."""
+    ctxs = list(ctx) if isinstance(ctx, (list, tuple)) else [ctx] * len(stage_ranges)
     return nn.ModuleList(
-        GPTChunk(cfg, ps, ctx, rng, pre_process=(v == 0), post_process=(v == num_virtual - 1),
+        GPTChunk(cfg, ps, c, layers, pre_process=(v == 0), post_process=(v == num_virtual - 1),
                  registry=registry)
-        for rng, v in zip(stage_ranges, virtual_index))
+        for layers, v, c in zip(stage_ranges, virtual_index, ctxs))

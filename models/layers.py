@@ -5,6 +5,7 @@ initializer) explicitly; user blocks can compose the same pieces.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -28,8 +29,9 @@ class LayerContext:
     ``kernel_paths``: the fused NPU ops this chip runs (the engine's device module chooses them
     from the chip's documented support; off an NPU they have no effect). ``rope_cache`` and
     ``mask_cache``: one RoPE table and one NPU causal mask shared by every layer built from this
-    context, instead of one per layer call.
-    """
+    context, instead of one per layer call. ``rng``: the chunk's ``parallel.random.RNGTracker``
+    (dropout streams per region); None draws every mask from the default generator (single-process
+    use of the layers)."""
     init: Initializer
     sequence_parallel: bool = False
     recompute: str = "none"  # none | selective | full
@@ -38,12 +40,48 @@ class LayerContext:
     rope_cache: kernels.RopeCache = field(default_factory=kernels.RopeCache, compare=False, repr=False)
     mask_cache: kernels.NpuMaskCache = field(default_factory=kernels.NpuMaskCache, compare=False,
                                              repr=False)
+    rng: object = None
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"--recompute must be none, selective or full, got {self.recompute!r}")
         if self.cp_comm_type not in COMM_TYPES:
             raise ValueError(f"--cp-comm-type must be one of {COMM_TYPES}, got {self.cp_comm_type!r}")
+
+    def fork_rng(self, region: str):
+        """Draw random numbers from ``region``'s stream ("split", "replicated", or "hidden": split
+        under sequence parallelism, else replicated) inside a ``with`` block."""
+        if self.rng is None:
+            return contextlib.nullcontext()
+        if region == "hidden":
+            region = "split" if self.sequence_parallel else "replicated"
+        return self.rng.fork(region)
+
+    def checkpoint(self, fn, *args):
+        """``torch.utils.checkpoint`` that replays the same dropout masks in the recomputation."""
+        extra = {} if self.rng is None else {"context_fn": self.rng.checkpoint_context}
+        return checkpoint(fn, *args, use_reentrant=False, **extra)
+
+
+class Dropout(nn.Module):
+    """Dropout drawing from one region's stream of the ``LayerContext`` (see parallel/random.py):
+    ``"hidden"`` for activations of the residual stream (a sequence shard under sequence
+    parallelism, else the same on every TP rank), ``"split"`` for a column-parallel output."""
+
+    def __init__(self, p: float, ctx: LayerContext, region: str = "hidden"):
+        super().__init__()
+        if region not in ("hidden", "split", "replicated"):
+            raise ValueError(f"Dropout region must be hidden, split or replicated, got {region!r}")
+        self.p, self.ctx, self.region = p, ctx, region
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        with self.ctx.fork_rng(self.region):
+            return F.dropout(x, self.p, training=True)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, region={self.region}"
 
 
 class Norm(nn.Module):
@@ -99,6 +137,7 @@ class ParallelAttention(nn.Module):
         self.cp_group, self.cp_comm_type = ps.cp_group, ctx.cp_comm_type
         self.paths, self.rope_cache, self.mask_cache = ctx.kernel_paths, ctx.rope_cache, ctx.mask_cache
         self.max_positions = cfg.seq_length
+        self.ctx = ctx
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(h, (n + 2 * g) * cfg.head_dim, ps, f"{name}.qkv", ctx.init,
                                         bias=bias, sequence_parallel=ctx.sequence_parallel)
@@ -108,13 +147,16 @@ class ParallelAttention(nn.Module):
     def _core(self, q, k, v, document_ids=None, cu_seqlens=None):
         """Under context parallelism ``document_ids`` / ``cu_seqlens`` are the whole rows'."""
         dropout = self.dropout if self.training else 0.0
-        if self.cp_group.size > 1:
-            return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type,
-                                              dropout_p=dropout, document_ids=document_ids,
-                                              cu_seqlens=cu_seqlens)
-        return kernels.attention(q, k, v, causal=True, dropout_p=dropout,
-                                 document_ids=document_ids, cu_seqlens=cu_seqlens,
-                                 mask_cache=self.mask_cache, paths=self.paths)
+        # each TP rank holds its own heads (and under CP its own shard): their probabilities'
+        # masks come from the split stream
+        with self.ctx.fork_rng("split") if dropout > 0 else contextlib.nullcontext():
+            if self.cp_group.size > 1:
+                return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type,
+                                                  dropout_p=dropout, document_ids=document_ids,
+                                                  cu_seqlens=cu_seqlens)
+            return kernels.attention(q, k, v, causal=True, dropout_p=dropout,
+                                     document_ids=document_ids, cu_seqlens=cu_seqlens,
+                                     mask_cache=self.mask_cache, paths=self.paths)
 
     def _positions(self, inputs, s: int, device) -> torch.Tensor | None:
         """(b or 1, s) global positions of the tokens here, or None for plain 0..s-1."""
@@ -161,7 +203,7 @@ class ParallelAttention(nn.Module):
                     kernels.apply_rope(k, cos, sin, self.paths))
         docs = self._documents(inputs)
         if self.selective and self.training and torch.is_grad_enabled():
-            out = checkpoint(self._core, q, k, v, *docs, use_reentrant=False)
+            out = self.ctx.checkpoint(self._core, q, k, v, *docs)
         else:
             out = self._core(q, k, v, *docs)  # (b, n/tp, s, d)
         out = out.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim)

@@ -30,6 +30,7 @@ and ``ParallelState.serial()`` need no process group at all.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -84,6 +85,7 @@ class CommMonitor:
 
     def __post_init__(self) -> None:
         self.rules = get_rules(self.rules_name)
+        self._paused = 0
 
     def snapshot(self) -> dict[str, tuple[int, int, int]]:
         """(calls, payload bytes, wire bytes) per group kind, to diff against later."""
@@ -98,13 +100,25 @@ class CommMonitor:
                          "wire_bytes": c.wire_bytes - wire}
         return out
 
+    @contextmanager
+    def uncounted(self):
+        """Collectives issued inside are checked and observed but not counted (e.g. a step's own
+        bookkeeping, which is not traffic of the training step)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
     def _account(self, event: CommEvent) -> None:
+        for observer in self.observers:
+            observer(event)
+        if self._paused:
+            return
         c = self.counters[event.group]
         c.calls += 1
         c.payload_bytes += event.payload_bytes
         c.wire_bytes += event.wire_bytes
-        for observer in self.observers:
-            observer(event)
 
 
 def _nbytes(t: torch.Tensor) -> int:

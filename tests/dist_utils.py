@@ -4,7 +4,9 @@
 
 ``check_fn(ps, *args)`` must be a module-level function (it is pickled into spawned processes);
 ``results[rank]`` is its return value. An exception on any rank fails the call with that rank's
-traceback. Spawn one group per test function and do many checks inside it: startup costs seconds.
+traceback; a rank that has not finished within ``deadline_s`` (a hang) fails it too, naming the
+ranks still running, and every rank is killed. Spawn one group per test function and do many
+checks inside it: startup costs seconds.
 
 Every collective runs under the backend rules named by ``GRIDTRON_BACKEND_RULES`` (tests/conftest.py
 sets "hccl" for the whole suite, read here once): gloo executes the collectives, and anything HCCL
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 import traceback
 
 import torch
@@ -51,8 +54,13 @@ def _worker(rank, world_size, port, grid, fn, args, out_dir, timeout_s, rules):
         ps.destroy()
 
 
+DEADLINE_S = 900.0  # a spawned group still running after this long is hung
+
+
 def run_distributed(fn, world_size: int | None = None, grid: RankGrid | None = None,
-                    args: tuple = (), timeout_s: float = 120.0, backend_rules: str | None = "suite") -> list:
+                    args: tuple = (), timeout_s: float = 120.0, backend_rules: str | None = "suite",
+                    deadline_s: float = DEADLINE_S) -> list:
+    """``timeout_s``: the process groups' collective timeout; ``deadline_s``: the whole call's."""
     grid = grid or RankGrid(dp=world_size)
     rules = SUITE_RULES if backend_rules == "suite" else backend_rules
     world_size = grid.world_size
@@ -60,10 +68,20 @@ def run_distributed(fn, world_size: int | None = None, grid: RankGrid | None = N
         ctx = mp.start_processes(_worker, args=(world_size, free_port(), grid, fn, args, out_dir,
                                                 timeout_s, rules),
                                  nprocs=world_size, join=False, start_method="spawn")
-        failure = None
+        failure, end = None, time.monotonic() + deadline_s
         try:
-            while not ctx.join(timeout=timeout_s * 2):
-                pass
+            while not ctx.join(timeout=min(5.0, max(0.1, end - time.monotonic()))):
+                if time.monotonic() >= end:
+                    hung = [r for r in range(world_size)
+                            if not os.path.exists(os.path.join(out_dir, f"{r}.pt"))]
+                    for proc in ctx.processes:
+                        if proc.is_alive():
+                            proc.kill()
+                    for proc in ctx.processes:
+                        proc.join(10)
+                    failure = TimeoutError(f"rank(s) {hung or 'all'} still running after "
+                                           f"{deadline_s:g} s (a hang): every rank was killed")
+                    break
         except Exception as exc:  # noqa: BLE001 - rank errors are read from their files
             failure = exc
         results, errors = [], []

@@ -73,13 +73,18 @@ def test_median_run_of_repeats():
     assert scaling.median_run(runs[:1])["tokens_per_s"] == 30.0
 
 
-def test_summary_drops_warmup_and_uses_the_median_step():
-    recs = _records([9.0, 9.0, 1.0, 2.0, 50.0], tokens=1000, mfu=0.5, dp_comm_bytes=10,
+def test_summary_drops_warmup_and_takes_totals_over_time():
+    recs = _records([9.0, 9.0, 1.0, 2.0, 7.0], tokens=1000, dp_comm_bytes=10,
                     bubble_theoretical=None)
+    for r, mfu in zip(recs, (0.1, 0.1, 0.8, 0.4, 0.2)):  # model FLOPs per step: mfu * time * peak
+        r["mfu"], r["model_tflops_per_device"] = mfu, 2 * mfu
     s = summarize(recs, warmup=2)
-    assert s["steps"] == 3 and s["step_time_s"] == 2.0
-    assert s["tokens_per_s"] == pytest.approx(500.0)
-    assert s["mfu"] == 0.5 and s["bubble_theoretical"] is None and s["dp_comm_bytes"] == 10
+    assert s["steps"] == 3 and s["warmup"] == 2 and s["step_time_s"] == pytest.approx(10 / 3)
+    assert s["tokens_per_s"] == pytest.approx(3000 / 10)  # not the mean of 1000, 500 and 143
+    # all model FLOPs over all seconds: (0.8*1 + 0.4*2 + 0.2*7) / 10, not the mean 0.467
+    assert s["mfu"] == pytest.approx(0.3) and s["model_tflops_per_device"] == pytest.approx(0.6)
+    assert s["hfu"] is None  # unknown in some step: unknown in total
+    assert s["bubble_theoretical"] is None and s["dp_comm_bytes"] == 10
     assert len(steady(recs, 0)) == 5
     with pytest.raises(ValueError, match="raise --steps"):
         steady(recs, 5)

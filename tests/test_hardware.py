@@ -18,7 +18,7 @@ from engine.device import (NO_OVERFLOW_REGISTER, DeviceInfo, FloatStatusCheck, d
                            set_matmul_precision, setup_device)
 from engine.loss_scaler import DynamicLossScaler, ConstantScaler, unscale_and_check
 from engine.plan.hardware import DEVICE_SPECS, lookup_device
-from engine.trainer import Trainer
+from engine.utilization import run_peak_tflops
 from models import GPTChunk, GPTConfig, LayerContext
 from parallel.dp import MixedPrecisionOptimizer
 from parallel.state import LaunchEnv, ParallelState
@@ -178,11 +178,8 @@ def test_tf32_switch_and_mfu_peak_per_precision():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
     def peak(device, name, precision, tf32, override=None):
-        cfg = RunConfig()
-        cfg.precision.precision, cfg.log.peak_tflops = precision, override
-        stub = types.SimpleNamespace(cfg=cfg, dev=types.SimpleNamespace(type=device, name=name),
-                                     tf32=tf32)
-        return Trainer._peak_tflops(stub)
+        return run_peak_tflops(types.SimpleNamespace(type=device, name=name), precision, override,
+                               tf32)
 
     from engine.cli import parse_args
     assert parse_args(["--allow-tf32"]).precision.allow_tf32 and not RunConfig().precision.allow_tf32

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from parallel.pipeline.bubble import measured_bubble, simulate, theoretical_bubble
+from parallel.pipeline.bubble import (measured_bubble, phase_times, rank_bubble, simulate,
+                                      theoretical_bubble)
 from parallel.pipeline.partition import partition_layers, stage_layers
 from parallel.pipeline.schedules import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action,
                                          ScheduleError, build_schedule, validate_schedule)
@@ -189,16 +190,24 @@ def test_simulate_costs_and_transfer_time():
 
 
 def test_measured_bubble_from_events():
+    """Per rank: transfers + idle before its first and after its last action, over the phase."""
     def ev(rank, cat, start, end):
         return TimelineEvent(rank, cat[0].upper(), cat, start, end)
-    events = [[ev(0, "forward", 0, 1), ev(0, "backward", 3, 5)],
-              [ev(1, "comm", 0, 1), ev(1, "forward", 1, 2), ev(1, "backward", 2, 4)]]
-    measured = measured_bubble(events, step_wall=5.0)
+    events = [[ev(0, "forward", 0, 1), ev(0, "comm", 1, 3), ev(0, "backward", 3, 5)],
+              [ev(1, "comm", 0.5, 1), ev(1, "forward", 1, 2), ev(1, "backward", 2, 4)]]
+    measured = measured_bubble(events)
+    assert measured.span == 5.0
+    # rank 0: 2 s in the transfer; rank 1: 0.5 s before its first action, 0.5 s in the transfer,
+    # 1 s after its last action
     assert measured.per_rank == pytest.approx([0.4, 0.4])
-    assert measured.wait_per_rank == pytest.approx([0.0, 0.2])
+    assert measured.wait_per_rank == pytest.approx([0.4, 0.1])
     assert measured.mean == pytest.approx(0.4)
     flat = [e for rank_events in events for e in rank_events]
-    assert measured_bubble(flat, 5.0).per_rank == pytest.approx([0.4, 0.4])
+    assert measured_bubble(flat).per_rank == pytest.approx([0.4, 0.4])
+    # host time between actions (Python, launches) is not pipeline idle
+    gaps = [[ev(0, "forward", 0, 1), ev(0, "backward", 1.5, 2.5)]]
+    assert measured_bubble(gaps).per_rank == [0.0]
+    assert rank_bubble(phase_times(gaps[0]), -1.0, 2.5) == pytest.approx(1 / 3.5)
 
 
 # ---- timeline and chart -----------------------------------------------------------------------

@@ -154,6 +154,8 @@ def load_checkpoint(trainer, load_dir: str) -> int:
             torch.set_rng_state(own["rng/cpu"])
         if ck.load_rng and "rng/device" in own and trainer.dev.type != "cpu":
             trainer.dev.set_rng_state(own["rng/device"])
+        if getattr(trainer, "rng", None) is not None:
+            trainer.rng.load_state_tensors(own)
     trainer.reducer.load_state_dict({"step": index["reducer"]["step"], "residuals": {
         k[len("residual/"):]: v.to(ps.device) for k, v in own.items() if k.startswith("residual/")}})
     trainer.loaded_checkpoint, trainer.loaded_step = ckpt, step

@@ -124,6 +124,8 @@ def snapshot(trainer, step: int, tmp: str, host=None) -> Snapshot:
     own = {"rng/cpu": torch.get_rng_state()}
     if (dev_rng := device_rng(trainer.dev)) is not None:
         own["rng/device"] = dev_rng.cpu()
+    if getattr(trainer, "rng", None) is not None:  # the dropout streams of each model chunk
+        own.update(trainer.rng.state_tensors())
     red = trainer.reducer.state_dict()
     own.update({f"residual/{k}": host(f"residual/{k}", v) if host else v
                 for k, v in red["residuals"].items()})

@@ -1,5 +1,11 @@
 """Pipeline bubble: the closed forms, a discrete-event replay of a schedule, and the measurement.
 
+Measured (``measured_bubble``, the ``bubble_measured`` metric): per rank, the device time it
+spends in pipeline transfers plus its idle before its first and after its last action, over the
+span of the step's pipeline phase (first action of any stage to the last); averaged over ranks.
+The simulation's idle fraction means the same on a replayed schedule, so with deterministic stage
+costs the two agree (tests/test_bubble_timing.py).
+
 The bubble is the fraction of a step's wall time that a stage spends idle. With ``p`` stages, ``m``
 micro-batches and equal work per stage, GPipe and 1F1B both idle ``(p-1)`` forward+backward slots
 per rank, so idle/total = ``(p-1)/(m+p-1)``. The interleaved schedule with ``v`` chunks per rank
@@ -79,37 +85,79 @@ def simulate(lists: list[list[Action]], fwd_time: float | Sequence[float],
 
 
 @dataclass
+class PhaseTimes:
+    """One rank's pipeline phase, from its executor events (device times, wall-clock seconds)."""
+    first: float     # start of its first action (a compute or a transfer)
+    last: float      # end of its last action
+    wait: float      # seconds in pipeline transfers (waiting for receives, and for sends' peers)
+    compute: float   # seconds in forwards and backwards
+
+
+def phase_times(events) -> PhaseTimes:
+    """``events``: one rank's TimelineEvents (or dicts) of one step, as the executor records them."""
+    events = list(events)
+    if not events:
+        raise ValueError("phase_times: no pipeline events (did the step run the executor?)")
+    wait = compute = 0.0
+    for e in events:
+        dur = _get(e, "end") - _get(e, "start")
+        if _get(e, "cat") == "comm":
+            wait += dur
+        elif _get(e, "cat") in ("forward", "backward"):
+            compute += dur
+    return PhaseTimes(min(_get(e, "start") for e in events), max(_get(e, "end") for e in events),
+                      wait, compute)
+
+
+def rank_bubble(phase: PhaseTimes, start: float, end: float) -> float:
+    """A rank's bubble over the pipeline phase [start, end] (the first action of any rank of the
+    pipeline to the last): its time in transfers plus its idle before its first and after its last
+    action, over the span. Host time between actions (Python, kernel launches) is not counted."""
+    span = end - start
+    if span <= 0:
+        raise ValueError(f"rank_bubble: the pipeline phase must have a positive span, got {span}")
+    idle = phase.wait + (phase.first - start) + (end - phase.last)
+    return idle / span
+
+
+def pipeline_bubble(ps, events) -> float:
+    """This rank's ``rank_bubble`` over its pipeline's phase, on every rank of the pipeline group:
+    the phase's first and last instants come from all stages through one all-reduce (max of
+    int64 microseconds: HCCL reduces no float64)."""
+    import torch
+    import torch.distributed as dist
+    phase = phase_times(events)
+    ends = torch.tensor([-round(phase.first * 1e6), round(phase.last * 1e6)], dtype=torch.int64,
+                        device=ps.device)
+    ps.pp_group.all_reduce(ends, op=dist.ReduceOp.MAX)
+    first_us, last_us = ends.tolist()
+    return rank_bubble(phase, -first_us / 1e6, last_us / 1e6)
+
+
+@dataclass
 class BubbleMeasurement:
-    per_rank: list[float]        # 1 - (forward + backward time) / step wall time
+    per_rank: list[float]        # rank_bubble of each rank over the pipeline's common span
     mean: float
-    wait_per_rank: list[float]   # time blocked in transfers / step wall time (part of per_rank)
+    wait_per_rank: list[float]   # time in transfers / span (part of per_rank)
+    span: float                  # seconds from the pipeline's first action to its last
 
 
-def measured_bubble(events, step_wall: float) -> BubbleMeasurement:
-    """Idle fraction per rank from executor events (``PipelineEvent``-like objects or dicts).
+def measured_bubble(events) -> BubbleMeasurement:
+    """The measured bubble of one step of one pipeline (``bubble_measured`` of DESIGN.md).
 
-    ``events`` is one list of events per rank (as gathered by ``timeline.gather_events``) or a flat
-    list whose events carry ``rank``. A rank is idle whenever it is not computing a forward or
-    backward: blocked in a receive or send (also reported alone as ``wait_per_rank``) or finished
-    early while other stages drain the pipeline. ``step_wall`` is the step's wall time, the same for
-    every rank (for example the max over ranks of the executor's ``wall_s``).
+    ``events`` is one list of executor events per pipeline rank (as gathered by
+    ``timeline.gather_events``), or a flat list whose events carry ``rank``. Per rank: the time in
+    pipeline transfers plus the idle before its first and after its last action, over the span of
+    the pipeline phase (the earliest first action to the latest last action of all its ranks);
+    averaged over ranks. The optimizer, the DP reduction's tail, clipping and the tied /
+    sequence-parallel all-reduces come after the phase and are not in it.
     """
-    if step_wall <= 0:
-        raise ValueError(f"measured_bubble: step_wall must be > 0 seconds, got {step_wall}")
-    by_rank = _group_by_rank(events)
-    busy_f, wait_f = [], []
-    for rank_events in by_rank:
-        busy = wait = 0.0
-        for e in rank_events:
-            kind, dur = _get(e, "cat"), _get(e, "end") - _get(e, "start")
-            if kind in ("forward", "backward"):
-                busy += dur
-            elif kind == "comm":
-                wait += dur
-        busy_f.append(max(0.0, 1.0 - busy / step_wall))
-        wait_f.append(min(1.0, wait / step_wall))
-    mean = sum(busy_f) / len(busy_f) if busy_f else 0.0
-    return BubbleMeasurement(busy_f, mean, wait_f)
+    phases = [phase_times(rank_events) for rank_events in _group_by_rank(events)]
+    start, end = min(p.first for p in phases), max(p.last for p in phases)
+    per_rank = [rank_bubble(p, start, end) for p in phases]
+    span = end - start
+    return BubbleMeasurement(per_rank, sum(per_rank) / len(per_rank),
+                             [p.wait / span for p in phases], span)
 
 
 def _get(event, name: str):

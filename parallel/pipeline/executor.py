@@ -14,6 +14,13 @@ knowing its layers::
                           timeout_s=60)
     sum_embedding_grads(ps, tied_params)           # then DP reduction and the optimizer step
 
+Timing: every action is bracketed by two stamps of ``clock`` on the device's stream (events on
+CUDA/NPU, ``engine.device.DeviceClock``), so a span is the device's time for that action, and the
+time in a transfer is how long the stream waited for it. Stamps become ``TimelineEvent``s in wall
+seconds only when ``PipelineResult.events`` is first read (after the step, so reading them does not
+stall the device in the middle of it). On CPU without a clock, ``time.perf_counter`` stamps are
+the device's: CPU operations run synchronously.
+
 Memory: once an output activation has been sent, only its autograd graph is needed, so its storage
 is replaced by a one-element tensor (Megatron's ``deallocate_output_tensor``); its backward then
 runs through the autograd engine directly, since ``torch.autograd.backward`` checks the output's
@@ -37,14 +44,54 @@ PipelineEvent = TimelineEvent
 ShapeSpec = Sequence[int] | Callable[[int, int], Sequence[int]]
 
 
+class HostClock:
+    """``time.perf_counter`` stamps: the device's own time on CPU only (see DeviceClock)."""
+
+    def __init__(self) -> None:
+        self._wall0, self._perf0 = time.time(), time.perf_counter()
+
+    def stamp(self) -> float:
+        return time.perf_counter()
+
+    def elapsed_s(self, start: float, end: float) -> float:
+        return end - start
+
+    def wall(self, stamp: float) -> float:
+        return self._wall0 + stamp - self._perf0
+
+    def timebase(self):
+        return self.wall
+
+
 @dataclass
 class PipelineResult:
     loss_values: torch.Tensor | None  # last stage: forward_step's value per micro-batch, (m,) on
                                       # the device (reading it is a host sync); else None
     peak_in_flight: int            # most (micro-batch, chunk) activations held at once
-    events: list[TimelineEvent] = field(repr=False)
-    wall_s: float = 0.0            # run_schedule's own wall time
-    wait_s: float = 0.0            # time blocked in transfers
+    marks: list = field(repr=False, default_factory=list)  # (name, cat, start, end, micro, chunk)
+    wall: object = field(repr=False, default=None)  # stamp -> epoch seconds (clock.timebase())
+    rank: int = 0
+    _events: list | None = field(repr=False, default=None)
+
+    @property
+    def events(self) -> list[TimelineEvent]:
+        """This rank's actions as TimelineEvents in wall seconds (resolved once, on first read)."""
+        if self._events is None:
+            wall = self.wall
+            self._events = [TimelineEvent(self.rank, name, cat, wall(a), wall(b), micro, chunk)
+                            for name, cat, a, b, micro, chunk in self.marks]
+        return self._events
+
+    @property
+    def wall_s(self) -> float:
+        """Device time from this rank's first action to its last."""
+        ev = self.events
+        return ev[-1].end - ev[0].start if ev else 0.0
+
+    @property
+    def wait_s(self) -> float:
+        """Device time spent in transfers (posting and waiting for receives and sends)."""
+        return sum(e.end - e.start for e in self.events if e.cat == "comm")
 
     @property
     def losses(self) -> list[float]:
@@ -84,11 +131,11 @@ class _RankRun:
     """The state of one rank's step: tensors keyed by (micro-batch, chunk)."""
 
     def __init__(self, ps, chunks, forward_step, num_microbatches, tensor_shape, dtype, timeout_s,
-                 recorder, deallocate_outputs, waiter=None):
+                 clock, deallocate_outputs, waiter=None):
         self.ps, self.vp, self.forward_step = ps, len(chunks), forward_step
         self.m, self.shape, self.dtype = num_microbatches, tensor_shape, dtype
         self.timeout_s, self.waiter = timeout_s, waiter
-        self.recorder, self.deallocate = recorder, deallocate_outputs
+        self.clock, self.deallocate = clock, deallocate_outputs
         self.prev_rank, self.next_rank = neighbour_ranks(ps) if ps.pp_size > 1 else (None, None)
         self.inputs: dict = {}        # received activations (leaves with requires_grad)
         self.outputs: dict = {}       # (output tensor, freed?) awaiting backward
@@ -96,14 +143,12 @@ class _RankRun:
         self.grad_out: dict = {}      # received gradients of outputs
         self.grad_in: dict = {}       # gradients of inputs awaiting their send
         self.losses: dict[int, torch.Tensor] = {}
-        self.events: list[TimelineEvent] = []
+        self.marks: list = []  # (name, cat, start stamp, end stamp, micro, chunk)
         self.live = self.peak = 0
-        self.wait_s = 0.0
-        self.clock = (time.time(), time.perf_counter())
 
     # ---- helpers ------------------------------------------------------------------------------
-    def now(self) -> float:
-        return self.clock[0] + time.perf_counter() - self.clock[1]
+    def now(self):
+        return self.clock.stamp()
 
     def stage(self, chunk: int) -> int:
         return chunk * self.ps.pp_size + self.ps.pp_rank
@@ -112,10 +157,7 @@ class _RankRun:
         return self.stage(chunk) == self.ps.pp_size * self.vp - 1
 
     def record(self, name, cat, start, micro=-1, chunk=0) -> None:
-        event = TimelineEvent(self.ps.rank, name, cat, start, self.now(), micro, chunk)
-        self.events.append(event)
-        if self.recorder is not None:
-            self.recorder(event)
+        self.marks.append((name, cat, start, self.now(), micro, chunk))
 
     def input_shape(self, chunk: int, micro: int) -> tuple[int, ...]:
         shape = self.shape(chunk, micro) if callable(self.shape) else self.shape
@@ -191,7 +233,7 @@ class _RankRun:
             else:
                 raise ValueError(f"not a transfer action: {a!r}")
         start = self.now()
-        self.wait_s += communicate(self.ps, transfers, self.timeout_s, self.vp, self.waiter)
+        communicate(self.ps, transfers, self.timeout_s, self.vp, self.waiter)
         for fn in after:
             fn()
         self.record("+".join(repr(a) for a in actions), "comm", start)
@@ -205,8 +247,7 @@ class _RankRun:
 def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
                  chunks: Sequence[torch.nn.Module], forward_step: Callable, num_microbatches: int,
                  tensor_shape: ShapeSpec, dtype: torch.dtype, timeout_s: float | None,
-                 recorder: Callable[[TimelineEvent], None] | None = None,
-                 deallocate_outputs: bool = True, forward_only: bool = False,
+                 clock=None, deallocate_outputs: bool = True, forward_only: bool = False,
                  waiter=None) -> PipelineResult:
     """Run one step's forwards and backwards on this rank; gradients accumulate in ``.grad``.
 
@@ -215,7 +256,8 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
     the last stage the scalar loss already divided by ``num_microbatches``; ``x`` is None on the
     first chunk of the first stage. ``tensor_shape`` is the activation shape between stages, or a
     function ``(chunk, micro) -> shape`` of this rank's chunk input when it varies.
-    ``recorder(event)`` is called as each action ends (e.g. to stream a timeline).
+    ``clock`` stamps the device's stream (``engine.device.DeviceClock``, anchored by the caller);
+    None is allowed on CPU only, where host stamps are device stamps.
     ``forward_only`` runs a schedule of forwards and activation transfers only (validation, under
     torch.no_grad): outputs are dropped once sent instead of being kept for a backward.
     ``waiter``: how transfers are waited for (``p2p.waiter_for(backend)``; default a host wait).
@@ -233,9 +275,13 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
     if any(a.microbatch >= num_microbatches for a in actions):
         raise ValueError(f"the schedule has more micro-batches than num_microbatches="
                          f"{num_microbatches}; build it with the same count")
+    if clock is None:
+        if ps.device.type != "cpu":
+            raise ValueError(f"run_schedule on {ps.device.type} needs clock= (engine.device."
+                             f"DeviceClock): host stamps would time kernel launches, not kernels")
+        clock = HostClock()
     run = _RankRun(ps, chunks, forward_step, num_microbatches, tensor_shape, dtype, timeout_s,
-                   recorder, deallocate_outputs, waiter)
-    start = time.perf_counter()
+                   clock, deallocate_outputs, waiter)
     i = 0
     while i < len(actions):
         a = actions[i]
@@ -259,7 +305,7 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
                            f"schedule (a forward without backward or an unsent gradient)")
     stacked = [run.losses[k] for k in sorted(run.losses)]
     losses = torch.stack(stacked) if stacked else None  # kept on the device: no sync here
-    return PipelineResult(losses, run.peak, run.events, time.perf_counter() - start, run.wait_s)
+    return PipelineResult(losses, run.peak, run.marks, clock.timebase(), ps.rank)
 
 
 def sum_embedding_grads(ps, params) -> None:
