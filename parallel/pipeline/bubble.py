@@ -12,22 +12,49 @@ per rank, so idle/total = ``(p-1)/(m+p-1)``. The interleaved schedule with ``v``
 shrinks each slot to ``1/v``: the Megatron-LM paper (Narayanan et al. 2021, sec. 2.2.2) writes the
 bubble relative to the ideal time as ``(1/v)(p-1)/m``, which as a fraction of total time is
 ``(p-1)/(v*m + p-1)``.
+
+Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) split the
+backward into B (input gradient) and W (weight gradients). With per-stage costs ``T_F, T_B, T_W``
+a rank of 1F1B idles ``(p-1)(T_F + T_B + T_W)`` (B and W fused); the paper's ZB-H1 idles
+``(p-1)(T_F + T_B - T_W)`` (its section 3.1, for ``m >= p``), a third of 1F1B's when the three are
+equal. ``theoretical_bubble`` gives each schedule's exact fraction for equal costs, one unit for
+each of F, B and W of one chunk (what ``simulate`` with equal costs reproduces):
+
+    1f1b-w:  2(p-1) / (3m + 2(p-1))              (W right after B: rank p-1's W leaves the critical
+                                                  path, so a rank idles (p-1)(T_F + T_B))
+    zb-h1:   (p-1+e) / (3m + p-1+e),  e = max(0, p-m)    ((p-1)(T_F+T_B-T_W) for m >= p; with fewer
+                                                  micro-batches than stages the held-back W run
+                                                  out and the last rank idles e units more)
+    zb-v:    1 - 6m / max(6m + p - 1, 4m + 4p - 2)   (two chunks of half a stage each: p-1 chunk
+                                                  units per rank once m >= (3p-1)/2; below that
+                                                  the step is the dependency chain of the last
+                                                  micro-batches, 4(m + p) - 2 units)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from parallel.pipeline.schedules import B, F, SCHEDULES, Action, replay
+from parallel.pipeline.schedules import B, F, SCHEDULES, W, Action, has_weight_actions, replay
+
+COMPUTE_CATS = ("forward", "backward", "weight")   # executor event categories of compute actions
 
 
 def theoretical_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Idle fraction of the step for equal-cost stages (0.0 without pipelining)."""
+    """Idle fraction of the step for equal-cost stages (0.0 without pipelining); for the
+    zero-bubble schedules F, B and W of a chunk cost the same (see the module docstring)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; "
                          f"use one of {', '.join(SCHEDULES)}")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"theoretical_bubble: p, m and v must be >= 1, got p={p} m={m} v={v}")
+    if schedule == "1f1b-w":
+        return 2 * (p - 1) / (3 * m + 2 * (p - 1))
+    if schedule == "zb-h1":
+        idle = p - 1 + max(0, p - m)
+        return idle / (3 * m + idle)
+    if schedule == "zb-v":
+        return 1.0 - 6 * m / max(6 * m + p - 1, 4 * m + 4 * p - 2)
     if schedule != "interleaved":
         v = 1
     return (p - 1) / (v * m + p - 1)
@@ -59,27 +86,37 @@ def _per_stage(value, pp: int, vp: int, label: str):
 
 
 def simulate(lists: list[list[Action]], fwd_time: float | Sequence[float],
-             bwd_time: float | Sequence[float], p2p_time: float = 0.0) -> SimResult:
+             bwd_time: float | Sequence[float], p2p_time: float = 0.0,
+             wgt_time: float | Sequence[float] | None = None) -> SimResult:
     """Replay a schedule with the given per-stage costs; transfers cost ``p2p_time`` each.
 
-    Dependencies are the executor's: a forward needs its input from the previous virtual stage, a
-    backward its output gradient from the next one and its own forward, and a batch of transfers
-    waits for every peer to post its side (``schedules.replay``).
+    Dependencies are the executor's (``schedules.replay``): a forward needs its input from the
+    previous virtual stage, a backward its output gradient from the next one and its own
+    forward, a W its B; a rank waits for a receive just before the action that consumes it.
+    ``bwd_time`` is the cost of B: the whole backward in schedules without W actions, the input
+    gradient alone in those with them, whose W cost ``wgt_time``. Each cost is one value, one per
+    rank or one per virtual stage (index ``chunk * pp + rank``: the chunk's position in the
+    program, also under the V placement).
     """
     pp = len(lists)
     vp = 1 + max(a.chunk for actions in lists for a in actions)
+    if has_weight_actions(lists) and wgt_time is None:
+        raise ValueError("simulate: the schedule has W actions (weight gradients); give their "
+                         "cost as wgt_time")
     fwd = _per_stage(fwd_time, pp, vp, "fwd_time")
     bwd = _per_stage(bwd_time, pp, vp, "bwd_time")
+    wgt = _per_stage(wgt_time if wgt_time is not None else 0.0, pp, vp, "wgt_time")
+    table = {F: fwd, B: bwd, W: wgt}
 
     def cost(rank: int, action: Action) -> float:
-        return fwd(rank, action.chunk) if action.kind == F else bwd(rank, action.chunk)
+        return table[action.kind](rank, action.chunk)
 
     times = replay(lists, cost, p2p_time)
-    makespan = max((t[-1][1] for t in times if t), default=0.0)
+    makespan = max((end for spans in times for _, end in spans), default=0.0)
     timings, idle = [], []
     for actions, spans in zip(lists, times):
         timings.append([(a, start, end) for a, (start, end) in zip(actions, spans)])
-        busy = sum(end - start for a, (start, end) in zip(actions, spans) if a.kind in (F, B))
+        busy = sum(end - start for a, (start, end) in zip(actions, spans) if not a.is_comm)
         idle.append(1.0 - busy / makespan if makespan > 0 else 0.0)
     return SimResult(makespan, sum(idle) / pp if pp else 0.0, idle, timings)
 
@@ -90,7 +127,7 @@ class PhaseTimes:
     first: float     # start of its first action (a compute or a transfer)
     last: float      # end of its last action
     wait: float      # seconds in pipeline transfers (waiting for receives, and for sends' peers)
-    compute: float   # seconds in forwards and backwards
+    compute: float   # seconds in forwards, backwards and weight gradients
 
 
 def phase_times(events) -> PhaseTimes:
@@ -103,7 +140,7 @@ def phase_times(events) -> PhaseTimes:
         dur = _get(e, "end") - _get(e, "start")
         if _get(e, "cat") == "comm":
             wait += dur
-        elif _get(e, "cat") in ("forward", "backward"):
+        elif _get(e, "cat") in COMPUTE_CATS:
             compute += dur
     return PhaseTimes(min(_get(e, "start") for e in events), max(_get(e, "end") for e in events),
                       wait, compute)

@@ -5,6 +5,12 @@ stage ``chunk * pp + pp_rank`` holds the ``chunk``-th chunk of rank ``pp_rank`` 
 interleaving): with pp=2, vp=2 and 8 layers, rank 0 holds layers 0-1 and 4-5, rank 1 holds 2-3 and
 6-7, so a micro-batch travels rank 0 -> 1 -> 0 -> 1.
 
+Placement: which virtual stage each (rank, chunk) runs. ``"loop"`` is Megatron's interleaving
+above (stage ``chunk * pp + rank``); ``"v"`` (ZB-V, Qi et al. 2024, sec. 6) has exactly two chunks
+per rank, chunk 0 on stages 0..pp-1 and chunk 1 on stages 2pp-1..pp, so a micro-batch travels
+down the ranks and back up: rank 0 holds both the first and the last virtual stage (the embedding
+and the output layer), and the middle boundary (stage pp-1 to pp) stays on rank pp-1.
+
 Layers are split by count. The first virtual stage also runs the embedding and the last one the
 output layer and loss; ``first_last_weight`` counts each of those as that many layers, so that the
 end stages get fewer transformer blocks when the embedding/head is expensive (large vocabularies).
@@ -93,14 +99,61 @@ def partition_layers(num_layers: int, pp: int, vp: int = 1,
 
 
 def stage_layers(num_layers: int, pp: int, vp: int, pp_rank: int,
-                 first_last_weight: float = 0.0) -> list[range]:
-    """The layer ranges of the ``vp`` chunks that pipeline rank ``pp_rank`` holds, chunk order."""
+                 first_last_weight: float = 0.0, placement: str = "loop") -> list[range]:
+    """The layer ranges of the ``vp`` chunks that pipeline rank ``pp_rank`` holds, chunk order.
+
+    >>> stage_layers(8, pp=2, vp=2, pp_rank=0, placement="v")
+    [range(0, 2), range(6, 8)]
+    """
     if not isinstance(pp_rank, int) or not 0 <= pp_rank < pp:
         raise ValueError(f"stage_layers: pp_rank must be in [0, {pp}), got {pp_rank!r}")
     parts = partition_layers(num_layers, pp, vp, first_last_weight)
-    return [parts[chunk * pp + pp_rank] for chunk in range(vp)]
+    return [parts[s] for s in placement_stages(pp, vp, pp_rank, placement)]
 
 
-def virtual_stage(pp_rank: int, chunk: int, pp: int) -> int:
-    """Index of the virtual stage that chunk ``chunk`` of rank ``pp_rank`` runs."""
+PLACEMENTS = ("loop", "v")
+
+
+def _check_placement(placement: str, vp: int | None = None) -> None:
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown chunk placement {placement!r}; use one of {', '.join(PLACEMENTS)}")
+    if placement == "v" and vp is not None and vp != 2:
+        raise ValueError(f"the V placement holds exactly 2 chunks per rank, got vp={vp}")
+
+
+def virtual_stage(pp_rank: int, chunk: int, pp: int, placement: str = "loop") -> int:
+    """Index of the virtual stage that chunk ``chunk`` of rank ``pp_rank`` runs.
+
+    >>> [virtual_stage(r, c, 4) for c in (0, 1) for r in range(4)]
+    [0, 1, 2, 3, 4, 5, 6, 7]
+    >>> [virtual_stage(r, c, 4, "v") for c in (0, 1) for r in range(4)]
+    [0, 1, 2, 3, 7, 6, 5, 4]
+    """
+    _check_placement(placement)
+    if placement == "v":
+        if chunk not in (0, 1):
+            raise ValueError(f"the V placement has chunks 0 and 1, got chunk {chunk}")
+        return pp_rank if chunk == 0 else 2 * pp - 1 - pp_rank
     return chunk * pp + pp_rank
+
+
+def stage_owner(stage: int, pp: int, placement: str = "loop") -> tuple[int, int]:
+    """(pp rank, chunk) that runs virtual stage ``stage``: the inverse of ``virtual_stage``.
+
+    >>> stage_owner(5, 4), stage_owner(5, 4, "v")
+    ((1, 1), (2, 1))
+    """
+    _check_placement(placement)
+    if placement == "v":
+        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+    return stage % pp, stage // pp
+
+
+def placement_stages(pp: int, vp: int, pp_rank: int, placement: str = "loop") -> list[int]:
+    """The virtual stages of rank ``pp_rank``'s chunks, in chunk order.
+
+    >>> placement_stages(4, 2, 0), placement_stages(4, 2, 0, "v")
+    ([0, 4], [0, 7])
+    """
+    _check_placement(placement, vp)
+    return [virtual_stage(pp_rank, chunk, pp, placement) for chunk in range(vp)]
