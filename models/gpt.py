@@ -3,7 +3,10 @@ stage and the final norm, output layer and loss on the last.
 
 With pp=1 and one chunk it is the whole model. Tied input/output embeddings across stages: the last
 stage keeps its own copy of the word-embedding shard (marked ``shared_embedding``), initialised from
-the same logical weight; the pipeline sums the two copies' gradients over the embedding group.
+the same logical weight; the pipeline sums the two copies' gradients over the embedding group. When
+the first and the last virtual stage are chunks of the same rank (the V placement of zb-v), the
+last chunk's output layer uses the first chunk's embedding weight itself: one parameter, no copy,
+no all-reduce (it receives two gradients per micro-batch, ``uses_per_microbatch = 2``).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from models.layers import Dropout, LayerContext, Norm
 from models.registry import BlockRegistry, default_registry
 from parallel.context_parallel import load_balanced, shard_positions
 from parallel.state import ParallelState
+from parallel.tensor_parallel.split_linear import linear_defer_w
 from parallel.tensor_parallel import (VocabParallelEmbedding, copy_to_tp, gather_from_sequence,
                                       padded_vocab_size, scatter_to_sequence,
                                       vocab_parallel_cross_entropy, vocab_parallel_weight)
@@ -26,7 +30,10 @@ from parallel.tensor_parallel import (VocabParallelEmbedding, copy_to_tp, gather
 class GPTChunk(nn.Module):
     def __init__(self, cfg: GPTConfig, ps: ParallelState, ctx: LayerContext, layers: range,
                  pre_process: bool = True, post_process: bool = True,
-                 registry: BlockRegistry | None = None):
+                 registry: BlockRegistry | None = None,
+                 tied_embedding: VocabParallelEmbedding | None = None):
+        """``tied_embedding``: on a last chunk, the first chunk's embedding on the same rank, whose
+        weight the tied output layer then uses (not registered here: one parameter, one owner)."""
         super().__init__()
         if ctx.sequence_parallel and (cfg.seq_length // ps.cp_size) % ps.tp_size:
             per_cp = f" / cp={ps.cp_size}" if ps.cp_size > 1 else ""
@@ -54,20 +61,34 @@ class GPTChunk(nn.Module):
         if post_process:
             self.final_norm = Norm(block_cls.final_norm, h, cfg.norm_eps, ctx.sequence_parallel,
                                    ctx.kernel_paths)
-            if not (self.tied and pre_process):
+            if self.tied and not pre_process and tied_embedding is not None:
+                object.__setattr__(self, "_tied_embedding", tied_embedding)  # not a submodule
+                tied_embedding.weight.uses_per_microbatch = 2
+            elif not (self.tied and pre_process):
                 name = "embedding.word" if self.tied else "output"
                 self.output_weight = vocab_parallel_weight(cfg.vocab_size, h, ps, name, ctx.init)
                 self.output_weight.shared_embedding = self.tied  # (V_pad/tp, h)
         for p in self.shared_embedding_params():
             p.tied_across_stages = True
+        self.weight_grad_store = None  # the output layer's W under a zero-bubble schedule
 
     def output_matrix(self) -> torch.Tensor:
-        return self.embed.weight if (self.tied and self.pre_process) else self.output_weight
+        if self.tied and self.pre_process:
+            return self.embed.weight
+        tied = self.__dict__.get("_tied_embedding")
+        return tied.weight if tied is not None else self.output_weight
+
+    @property
+    def tied_on_rank(self) -> bool:
+        """Whether this last chunk's output layer is the embedding of a chunk on this rank."""
+        return "_tied_embedding" in self.__dict__
 
     def shared_embedding_params(self) -> list[nn.Parameter]:
         """Both copies of a tied embedding that live on different stages (empty otherwise)."""
-        if not self.tied or (self.pre_process and self.post_process):
+        if not self.tied or (self.pre_process and self.post_process) or self.tied_on_rank:
             return []
+        if self.pre_process and getattr(self.embed.weight, "uses_per_microbatch", 1) > 1:
+            return []  # the V placement: the last chunk on this rank uses this weight itself
         if self.pre_process:
             return [self.embed.weight]
         return [self.output_weight] if self.post_process else []
@@ -133,7 +154,10 @@ class GPTChunk(nn.Module):
             x = gather_from_sequence(x, self.ps.tp_group)  # (b, s, h)
         else:
             x = copy_to_tp(x, self.ps.tp_group)
-        logits = F.linear(x, self.output_matrix())  # (b, s, V_pad/tp)
+        if self.weight_grad_store is None:
+            logits = F.linear(x, self.output_matrix())  # (b, s, V_pad/tp)
+        else:
+            logits = linear_defer_w(x, self.output_matrix(), None, self.weight_grad_store)
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group, self.vocab_start,
@@ -143,11 +167,15 @@ class GPTChunk(nn.Module):
 def build_chunks(cfg: GPTConfig, ps: ParallelState, ctx, stage_ranges: list[range],
                  virtual_index: list[int], num_virtual: int,
                  registry: BlockRegistry | None = None) -> nn.ModuleList:
-    """This rank's model chunks. ``virtual_index[i]`` is the global virtual stage of chunk i;
-    ``ctx`` is one LayerContext for all chunks or a list of one per chunk (each chunk its own
-    dropout streams)."""
+    """This rank's model chunks. ``virtual_index[i]`` is the global virtual stage of chunk i (with
+    the V placement rank 0 holds stages 0 and 2pp-1: the first chunk's embedding then serves the
+    last chunk's tied output layer); ``ctx`` is one LayerContext for all chunks or a list of one
+    per chunk (each chunk its own dropout streams)."""
     ctxs = list(ctx) if isinstance(ctx, (list, tuple)) else [ctx] * len(stage_ranges)
-    return nn.ModuleList(
-        GPTChunk(cfg, ps, c, layers, pre_process=(v == 0), post_process=(v == num_virtual - 1),
-                 registry=registry)
-        for layers, v, c in zip(stage_ranges, virtual_index, ctxs))
+    chunks: list[GPTChunk] = []
+    for layers, v, c in zip(stage_ranges, virtual_index, ctxs):
+        first = next((k for k in chunks if k.pre_process), None)
+        chunks.append(GPTChunk(cfg, ps, c, layers, pre_process=(v == 0),
+                               post_process=(v == num_virtual - 1), registry=registry,
+                               tied_embedding=first.embed if first is not None else None))
+    return nn.ModuleList(chunks)

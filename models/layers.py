@@ -20,6 +20,8 @@ from parallel.context_parallel import (COMM_TYPES, context_parallel_attention, l
                                        shard_positions)
 from parallel.state import ParallelState
 from parallel.tensor_parallel import ColumnParallelLinear, Initializer, RowParallelLinear, divide
+from parallel.tensor_parallel.layers import column_parallel_linears
+from parallel.weight_grad import layer_norm_split, rms_norm_split
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,14 @@ class Norm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(hidden)) if kind == "layernorm" else None
         for p in self.parameters():
             p.sequence_parallel = sequence_parallel
+        self.weight_grad_store = None  # a zero-bubble schedule's W takes the weight gradients
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        store = self.weight_grad_store
+        if store is not None:  # parallel/weight_grad.py: fused-kernel arithmetic, W split off
+            if self.kind == "layernorm":
+                return layer_norm_split(x, self.weight, self.bias, self.eps, store)
+            return rms_norm_split(x, self.weight, self.eps, store)
         if self.kind == "layernorm":
             return kernels.layer_norm(x, self.weight, self.bias, self.eps)
         return kernels.rms_norm(x, self.weight, self.eps, self.paths)
@@ -233,7 +241,7 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s[/tp], h)
         if self.kind == "gelu":
             y = F.gelu(self.fc1(x), approximate="tanh")  # (b, s, f/tp)
-        else:
-            x = self.gate.enter(x)  # (b, s, h): one collective serves both projections
-            y = kernels.swiglu(self.gate(x, entered=True), self.up(x, entered=True), self.paths)
+        else:  # one collective (and under sequence parallelism one saved shard) serves both
+            gate, up = column_parallel_linears([self.gate, self.up], x)  # (b, s, f/tp) each
+            y = kernels.swiglu(gate, up, self.paths)
         return self.fc2(y)

@@ -9,6 +9,11 @@ pipeline phase) must be within 0.05 of the replay of the same schedule with the 
 forward and backward time of each stage (the trainer's ``bubble_simulated``), and the replay with
 the nominal equal costs must equal the closed form. An executor that ran actions out of order, or
 timed something other than the work, moves the measurement away from the replay.
+
+The zero-bubble schedules (zb-h1, and zb-v with its V placement) run the same way with the
+backward split: the block's backward sleeps ``B_S`` and hands a closure sleeping ``W_S`` to the
+``WeightGradStore``, which the schedule's W action runs (the engine's layers do the same with
+their weight-gradient GEMMs). F, B and W then cost 0.1 s each: the zero-bubble formulas' setting.
 """
 from __future__ import annotations
 
@@ -22,58 +27,77 @@ from engine.device import DeviceClock
 from parallel.pipeline.bubble import measured_bubble, pipeline_bubble, simulate, theoretical_bubble
 from parallel.pipeline.executor import run_schedule
 from parallel.pipeline.p2p import init_p2p
+from parallel.pipeline.partition import virtual_stage
 from parallel.pipeline.schedules import build_schedule
 from parallel.pipeline.timeline import gather_events
+from parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 from parallel.topology import RankGrid
 from tests.dist_utils import run_distributed
 
 FWD_S, BWD_S = 0.1, 0.2
+B_S, W_S = 0.1, 0.1                  # the zero-bubble schedules' split of BWD_S
 M = 4
 TOLERANCE = 0.05
-RUNS = (("1f1b", 1), ("interleaved", 2))
+RUNS = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))
 
 
 class Sleep(torch.autograd.Function):
-    """Identity whose forward sleeps ``fwd_s`` and whose backward sleeps ``bwd_s``."""
+    """Identity whose forward sleeps ``fwd_s`` and whose backward sleeps ``bwd_s``, then hands
+    ``store`` a closure sleeping ``wgt_s`` (or sleeps it at once when the store is not
+    capturing, or there is none)."""
 
     @staticmethod
-    def forward(ctx, x, fwd_s, bwd_s):
-        ctx.bwd_s = bwd_s
+    def forward(ctx, x, fwd_s, bwd_s, wgt_s, store):
+        ctx.bwd_s, ctx.wgt_s, ctx.store = bwd_s, wgt_s, store
         time.sleep(fwd_s)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
         time.sleep(ctx.bwd_s)
-        return grad.clone(), None, None
+        wgt_s = ctx.wgt_s
+        if wgt_s and not (ctx.store is not None and ctx.store.defer(lambda: time.sleep(wgt_s), ())):
+            time.sleep(wgt_s)
+        return grad.clone(), None, None, None, None
 
 
 class SleepStage(nn.Module):
-    def __init__(self, fwd_s: float, bwd_s: float):
+    def __init__(self, fwd_s: float, bwd_s: float, wgt_s: float = 0.0):
         super().__init__()
         self.w = nn.Parameter(torch.ones(4))
-        self.fwd_s, self.bwd_s = fwd_s, bwd_s
+        self.fwd_s, self.bwd_s, self.wgt_s = fwd_s, bwd_s, wgt_s
+        self.weight_grad_store = None
 
     def forward(self, x):  # (b, 4)
-        return Sleep.apply(x * self.w, self.fwd_s, self.bwd_s)
+        return Sleep.apply(x * self.w, self.fwd_s, self.bwd_s, self.wgt_s, self.weight_grad_store)
+
+
+def costs(schedule: str) -> tuple[float, float, float | None]:
+    """(F, B, W) seconds of a stage; W None where B is the whole backward."""
+    return (FWD_S, B_S, W_S) if schedule.startswith("zb") else (FWD_S, BWD_S, None)
 
 
 def sleep_pipeline(ps) -> list[dict]:
     init_p2p(ps)
     out = []
     for schedule, vp in RUNS:
-        chunks = [SleepStage(FWD_S, BWD_S) for _ in range(vp)]
+        fwd, bwd, wgt = costs(schedule)
+        chunks = [SleepStage(fwd, bwd, wgt or 0.0) for _ in range(vp)]
+        store = WeightGradStore()
+        attach_weight_grad_store(chunks, store)
         x = torch.ones(M, 2, 4)
+        lists = build_schedule(schedule, ps.pp_size, M, vp)
+        placement = lists.placement
 
         def forward_step(chunk, micro, inp):
             h = chunks[chunk](x[micro] if inp is None else inp)
-            return h.sum() / M if ps.is_last_stage and chunk == vp - 1 else h
+            last = virtual_stage(ps.pp_rank, chunk, ps.pp_size, placement) == ps.pp_size * vp - 1
+            return h.sum() / M if last else h
 
-        lists = build_schedule(schedule, ps.pp_size, M, vp)
         clock = DeviceClock("cpu")
         clock.anchor()
         result = run_schedule(ps, lists, chunks, forward_step, M, (2, 4), torch.float32, 60.0,
-                              clock=clock)
+                              clock=clock, weight_grads=store)
         mine = pipeline_bubble(ps, result.events)  # what the trainer reports for this rank
         gathered = gather_events(ps, result.events)
         out.append({"schedule": schedule, "vp": vp, "mine": mine, "events": gathered})
@@ -92,8 +116,11 @@ def check(results: list[list[dict]], pp: int) -> None:
         measured = measured_bubble(events)
         lists = build_schedule(schedule, pp, M, vp)
         theory = theoretical_bubble(schedule, pp, M, vp)
-        assert simulate(lists, FWD_S, BWD_S).idle_fraction == pytest.approx(theory, abs=1e-12)
-        sim = simulate(lists, stage_means(events, "forward"), stage_means(events, "backward"))
+        fwd, bwd, wgt = costs(schedule)
+        assert simulate(lists, fwd, bwd, wgt_time=wgt).idle_fraction == pytest.approx(theory,
+                                                                                     abs=1e-12)
+        sim = simulate(lists, stage_means(events, "forward"), stage_means(events, "backward"),
+                       wgt_time=stage_means(events, "weight") if wgt else None)
         label = (f"{schedule} pp={pp} vp={vp}: measured {measured.mean:.4f}, simulated "
                  f"{sim.idle_fraction:.4f}, theory {theory:.4f}")
         assert abs(measured.mean - sim.idle_fraction) <= TOLERANCE, label

@@ -17,7 +17,10 @@ fire in a slightly different order. Gradients are divided by dp before the sum, 
 
 Schedules where one step runs several backward passes per parameter in an interleaved order
 (virtual pipeline stages) can use ``set_num_microbatches(n)`` instead: a parameter then counts as
-final on its n-th accumulation. Parameters that receive no gradient are reduced by ``finish()``,
+final on its n-th accumulation (``n * param.uses_per_microbatch`` for a weight two chunks of one
+rank share, the V placement's tied embedding). Zero-bubble schedules add weight gradients into
+``main_grad`` themselves, in their W actions (parallel/weight_grad.py), and report each with
+``grad_accumulated(param)``, which counts like the hook: a bucket launches when its last W ran. Parameters that receive no gradient are reduced by ``finish()``,
 but they hold back every bucket after theirs until then: freeze them (requires_grad=False).
 
 After ``finish()`` further element-wise reductions of ``main_grad`` (sequence-parallel norms over
@@ -172,13 +175,20 @@ class GradReducer:
         self._finished = False
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
-        if self._finished:
-            raise RuntimeError("GradReducer: backward after finish(); call zero_grad() to start a step")
         if param.grad is not None:
             param.main_grad.add_(param.grad)
             param.grad = None
+        self.grad_accumulated(param)
+
+    def grad_accumulated(self, param: torch.nn.Parameter) -> None:
+        """One more gradient of ``param`` is in its ``main_grad`` (the hook's add, or a W action's
+        accumulation): count it, and launch its bucket once every parameter of it is final."""
+        if self._finished:
+            raise RuntimeError("GradReducer: backward after finish(); call zero_grad() to start a step")
         count = self._counts[param] = self._counts.get(param, 0) + 1
-        if not (self._is_last or (self._num_mb is not None and count >= self._num_mb)):
+        final = self._num_mb is not None and \
+            count >= self._num_mb * getattr(param, "uses_per_microbatch", 1)
+        if not (self._is_last or final):
             return
         bucket = self._bucket_of[param]
         ready = self._ready.setdefault(bucket.index, set())

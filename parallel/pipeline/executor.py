@@ -1,9 +1,9 @@
 """One executor for every pipeline schedule.
 
 ``run_schedule`` walks this rank's action list: compute actions call the model through
-``forward_step`` and autograd, each run of consecutive transfers is one ``p2p.communicate`` batch.
-The model side is one callback, so a GPT (or any stack of modules) plugs in without the executor
-knowing its layers::
+``forward_step`` and autograd, each run of consecutive transfers is one batch, posted at once and
+waited for where a compute step needs it (exchange.py). The model side is one callback, so a GPT
+(or any stack of modules) plugs in without the executor knowing its layers::
 
     lists = build_schedule("1f1b", ps.pp_size, num_microbatches)
     def forward_step(chunk, micro, x):             # x is None on virtual stage 0
@@ -25,6 +25,14 @@ Memory: once an output activation has been sent, only its autograd graph is need
 is replaced by a one-element tensor (Megatron's ``deallocate_output_tensor``); its backward then
 runs through the autograd engine directly, since ``torch.autograd.backward`` checks the output's
 shape.
+
+Zero-bubble schedules: a ``B`` runs the backward inside ``weight_grads.capture((micro, chunk))``
+(``parallel.weight_grad.WeightGradStore``), so the layers queue their weight gradients instead of
+computing them, and the ``W`` of the same (micro-batch, chunk) runs them. Without a store (or for
+layers outside the split) the weight gradients are computed in B and W has nothing to do. A
+micro-batch's activations count as in flight until its W. A stage boundary inside one rank (the V
+placement's turn on rank pp-1) needs no transfer: the later stage's F takes the earlier stage's
+output directly, and its B hands the input gradient straight to the earlier stage's B.
 """
 from __future__ import annotations
 
@@ -36,8 +44,10 @@ import torch
 from torch.autograd import Variable
 
 from parallel.grads import all_reduce_grads_, current_grad
-from parallel.pipeline.p2p import Transfer, communicate, neighbour_ranks
-from parallel.pipeline.schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action
+from parallel.pipeline.actions import neighbour, placement_of
+from parallel.pipeline.exchange import Exchange, Split
+from parallel.pipeline.p2p import Transfer
+from parallel.pipeline.schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action
 from parallel.pipeline.timeline import TimelineEvent
 
 PipelineEvent = TimelineEvent
@@ -131,16 +141,18 @@ class _RankRun:
     """The state of one rank's step: tensors keyed by (micro-batch, chunk)."""
 
     def __init__(self, ps, chunks, forward_step, num_microbatches, tensor_shape, dtype, timeout_s,
-                 clock, deallocate_outputs, waiter=None):
+                 clock, deallocate_outputs, waiter=None, placement="loop", weight_grads=None,
+                 split_w=False, scatter_gather=False):
         self.ps, self.vp, self.forward_step = ps, len(chunks), forward_step
         self.m, self.shape, self.dtype = num_microbatches, tensor_shape, dtype
-        self.timeout_s, self.waiter = timeout_s, waiter
         self.clock, self.deallocate = clock, deallocate_outputs
-        self.prev_rank, self.next_rank = neighbour_ranks(ps) if ps.pp_size > 1 else (None, None)
-        self.inputs: dict = {}        # received activations (leaves with requires_grad)
+        self.placement, self.weight_grads, self.split_w = placement, weight_grads, split_w
+        self.exchange = Exchange(ps, timeout_s, len(chunks), waiter)
+        self.split = Split(ps, scatter_gather)
+        self.inputs: dict = {}        # input activations (leaves with requires_grad)
         self.outputs: dict = {}       # (output tensor, freed?) awaiting backward
         self.out_meta: dict = {}      # (shape, dtype) of each output, for the gradient buffer
-        self.grad_out: dict = {}      # received gradients of outputs
+        self.grad_out: dict = {}      # gradients of outputs (received, or from a stage on this rank)
         self.grad_in: dict = {}       # gradients of inputs awaiting their send
         self.losses: dict[int, torch.Tensor] = {}
         self.marks: list = []  # (name, cat, start stamp, end stamp, micro, chunk)
@@ -150,11 +162,17 @@ class _RankRun:
     def now(self):
         return self.clock.stamp()
 
-    def stage(self, chunk: int) -> int:
-        return chunk * self.ps.pp_size + self.ps.pp_rank
+    def other(self, chunk: int, step: int) -> tuple[int, int] | None:
+        """(pp rank, chunk) of the virtual stage ``step`` away from this rank's ``chunk``."""
+        return neighbour(self.ps.pp_rank, chunk, self.ps.pp_size, self.vp, self.placement, step)
 
     def is_last(self, chunk: int) -> bool:
-        return self.stage(chunk) == self.ps.pp_size * self.vp - 1
+        return self.other(chunk, +1) is None
+
+    def local(self, chunk: int, step: int) -> int | None:
+        """The chunk of this rank that runs the stage ``step`` away, if that stage is here."""
+        other = self.other(chunk, step)
+        return other[1] if other is not None and other[0] == self.ps.pp_rank else None
 
     def record(self, name, cat, start, micro=-1, chunk=0) -> None:
         self.marks.append((name, cat, start, self.now(), micro, chunk))
@@ -163,10 +181,23 @@ class _RankRun:
         shape = self.shape(chunk, micro) if callable(self.shape) else self.shape
         return tuple(int(s) for s in shape)
 
+    def await_inputs(self, kind: str, micro: int, chunk: int) -> None:
+        """Wait for the received tensor this compute step consumes, if it is still in flight."""
+        key = (kind, micro, chunk)
+        if self.exchange.needs(key):
+            start = self.now()
+            self.exchange.wait_for([key])
+            self.record(f"wait {kind.upper()}{micro}.{chunk}", "comm", start, micro, chunk)
+
     # ---- compute ------------------------------------------------------------------------------
     def forward(self, micro: int, chunk: int) -> None:
+        self.await_inputs("f", micro, chunk)
+        before = self.local(chunk, -1)
+        if before is not None:          # the previous stage runs here: take its output directly
+            out, _ = self.outputs[(micro, before)]
+            self.inputs[(micro, chunk)] = out.detach().requires_grad_()
         x = self.inputs.get((micro, chunk))
-        if x is None and self.stage(chunk) > 0:
+        if x is None and self.other(chunk, -1) is not None:
             raise RuntimeError(f"pipeline stage {self.ps.pp_rank}: forward of micro-batch {micro} "
                                f"chunk {chunk} runs before its input arrived (schedule bug)")
         start = self.now()
@@ -186,57 +217,84 @@ class _RankRun:
         self.record(f"F{micro}.{chunk}", "forward", start, micro, chunk)
 
     def backward(self, micro: int, chunk: int) -> None:
+        self.await_inputs("b", micro, chunk)
         start = self.now()
         out, freed = self.outputs.pop((micro, chunk))
         grad = None if self.is_last(chunk) else self.grad_out.pop((micro, chunk))
-        _backward(out, grad, freed)
+        if self.split_w and self.weight_grads is not None:
+            with self.weight_grads.capture((micro, chunk)):
+                _backward(out, grad, freed)
+        else:
+            _backward(out, grad, freed)
         x = self.inputs.pop((micro, chunk), None)
         if x is not None:
             g = x.grad if x.grad is not None else torch.zeros_like(x)
-            self.grad_in[(micro, chunk)] = g.contiguous()
+            before = self.local(chunk, -1)
+            if before is not None:      # the previous stage runs here: its output's gradient
+                self.grad_out[(micro, before)] = g
+            else:
+                self.grad_in[(micro, chunk)] = g.contiguous()
         self.out_meta.pop((micro, chunk), None)
-        self.live -= 1
+        if not self.split_w:
+            self.live -= 1
         self.record(f"B{micro}.{chunk}", "backward", start, micro, chunk)
 
+    def weight(self, micro: int, chunk: int) -> None:
+        start = self.now()
+        if self.weight_grads is not None:
+            self.weight_grads.run((micro, chunk))
+        self.live -= 1
+        self.record(f"W{micro}.{chunk}", "weight", start, micro, chunk)
+
     # ---- communication ------------------------------------------------------------------------
-    def transfer(self, actions: list[Action]) -> None:
-        pp, me = self.ps.pp_size, self.ps.pp_rank
-        prev_stage, next_stage = (me - 1) % pp, (me + 1) % pp
-        transfers, after = [], []
+    def transfer(self, actions: list[Action], then: Action | None) -> None:
+        """Post one batch; wait at once for what ``then`` (the next compute step) consumes."""
+        transfers, receives = [], []
         for a in actions:
             key = (a.microbatch, a.chunk)
+            step = -1 if a.kind in (RECV_F, SEND_B) else +1
+            peer, peer_chunk = self.other(a.chunk, step)
+            peer_rank = self.ps.stage_rank(peer)
             if a.kind == RECV_F:
-                buf = torch.empty(self.input_shape(a.chunk, a.microbatch), dtype=self.dtype,
-                                  device=self.ps.device)
-                src_chunk = a.chunk if me > 0 else a.chunk - 1
-                transfers.append(Transfer("recv", buf, prev_stage, self.prev_rank, "activation",
-                                          a.microbatch, src_chunk))
-                after.append(lambda key=key, buf=buf:
-                             self.inputs.__setitem__(key, buf.requires_grad_()))
+                shape = self.input_shape(a.chunk, a.microbatch)
+                buf = self.split.buffer(shape, self.dtype, self.ps.device)
+                receives.append((("f",) + key, len(transfers),
+                                 lambda got, key=key, shape=shape: self.inputs.__setitem__(
+                                     key, self.split.whole(got, shape).requires_grad_())))
+                transfers.append(Transfer("recv", buf, peer, peer_rank, "activation",
+                                          a.microbatch, peer_chunk))
             elif a.kind == SEND_F:
                 out, _ = self.outputs[key]
-                dst_chunk = a.chunk if me < pp - 1 else a.chunk + 1
-                transfers.append(Transfer("send", out.detach().contiguous(), next_stage,
-                                          self.next_rank, "activation", a.microbatch, dst_chunk))
-                after.append(lambda key=key: self._sent_output(key))
+                transfers.append(Transfer("send", self.split.piece(out.detach()), peer, peer_rank,
+                                          "activation", a.microbatch, peer_chunk))
             elif a.kind == RECV_B:
                 shape, dtype = self.out_meta[key]
-                buf = torch.empty(shape, dtype=dtype, device=self.ps.device)
-                src_chunk = a.chunk if me < pp - 1 else a.chunk + 1
-                transfers.append(Transfer("recv", buf, next_stage, self.next_rank, "gradient",
-                                          a.microbatch, src_chunk))
-                after.append(lambda key=key, buf=buf: self.grad_out.__setitem__(key, buf))
+                buf = self.split.buffer(shape, dtype, self.ps.device)
+                receives.append((("b",) + key, len(transfers),
+                                 lambda got, key=key, shape=shape: self.grad_out.__setitem__(
+                                     key, self.split.whole(got, shape))))
+                transfers.append(Transfer("recv", buf, peer, peer_rank, "gradient",
+                                          a.microbatch, peer_chunk))
             elif a.kind == SEND_B:
-                dst_chunk = a.chunk if me > 0 else a.chunk - 1
-                transfers.append(Transfer("send", self.grad_in.pop(key), prev_stage, self.prev_rank,
-                                          "gradient", a.microbatch, dst_chunk))
+                transfers.append(Transfer("send", self.split.piece(self.grad_in.pop(key)), peer,
+                                          peer_rank, "gradient", a.microbatch, peer_chunk))
             else:
                 raise ValueError(f"not a transfer action: {a!r}")
         start = self.now()
-        communicate(self.ps, transfers, self.timeout_s, self.vp, self.waiter)
-        for fn in after:
-            fn()
+        self.exchange.post(transfers, receives)
+        for a in actions:
+            if a.kind == SEND_F:
+                self._sent_output((a.microbatch, a.chunk))
+        if then is not None and then.kind in (F, B):
+            self.exchange.wait_for([(then.kind.value, then.microbatch, then.chunk)])
         self.record("+".join(repr(a) for a in actions), "comm", start)
+
+    def finish(self) -> None:
+        start = self.now()
+        pending = bool(self.exchange.sending)
+        self.exchange.finish()
+        if pending:
+            self.record("wait sends", "comm", start)
 
     def _sent_output(self, key) -> None:
         out, freed = self.outputs[key]
@@ -248,22 +306,29 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
                  chunks: Sequence[torch.nn.Module], forward_step: Callable, num_microbatches: int,
                  tensor_shape: ShapeSpec, dtype: torch.dtype, timeout_s: float | None,
                  clock=None, deallocate_outputs: bool = True, forward_only: bool = False,
-                 waiter=None) -> PipelineResult:
+                 waiter=None, placement: str | None = None, weight_grads=None,
+                 scatter_gather: bool = False) -> PipelineResult:
     """Run one step's forwards and backwards on this rank; gradients accumulate in ``.grad``.
 
-    ``actions`` is this rank's list or the whole schedule (this rank's list is taken).
-    ``forward_step(chunk, micro, x)`` returns the chunk's output activation, or on the last chunk of
-    the last stage the scalar loss already divided by ``num_microbatches``; ``x`` is None on the
-    first chunk of the first stage. ``tensor_shape`` is the activation shape between stages, or a
+    ``actions`` is this rank's list or the whole schedule (this rank's list is taken; a
+    ``Schedule`` also gives the chunk placement, otherwise ``placement``, default "loop").
+    ``forward_step(chunk, micro, x)`` returns the chunk's output activation, or on the last
+    virtual stage the scalar loss already divided by ``num_microbatches``; ``x`` is None on the
+    first virtual stage. ``tensor_shape`` is the activation shape between stages, or a
     function ``(chunk, micro) -> shape`` of this rank's chunk input when it varies.
     ``clock`` stamps the device's stream (``engine.device.DeviceClock``, anchored by the caller);
     None is allowed on CPU only, where host stamps are device stamps.
     ``forward_only`` runs a schedule of forwards and activation transfers only (validation, under
     torch.no_grad): outputs are dropped once sent instead of being kept for a backward.
     ``waiter``: how transfers are waited for (``p2p.waiter_for(backend)``; default a host wait).
+    ``weight_grads``: the ``WeightGradStore`` the chunks' layers are attached to, for schedules
+    with W actions. ``scatter_gather``: send 1/tp of each boundary tensor per TP rank and
+    all-gather on receipt (exchange.py; only for tensors replicated over TP).
     """
     if actions and not isinstance(actions[0], Action):
+        placement = placement or placement_of(actions)
         actions = actions[ps.pp_rank]
+    placement = placement or "loop"
     actions = list(actions)
     if not chunks:
         raise ValueError("run_schedule needs this rank's model chunks (one per virtual stage)")
@@ -280,8 +345,10 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
             raise ValueError(f"run_schedule on {ps.device.type} needs clock= (engine.device."
                              f"DeviceClock): host stamps would time kernel launches, not kernels")
         clock = HostClock()
+    split_w = any(a.kind == W for a in actions)
     run = _RankRun(ps, chunks, forward_step, num_microbatches, tensor_shape, dtype, timeout_s,
-                   clock, deallocate_outputs, waiter)
+                   clock, deallocate_outputs, waiter, placement, weight_grads, split_w,
+                   scatter_gather)
     i = 0
     while i < len(actions):
         a = actions[i]
@@ -289,20 +356,26 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
             j = i
             while j < len(actions) and actions[j].is_comm:
                 j += 1
-            run.transfer(actions[i:j])
+            run.transfer(actions[i:j], actions[j] if j < len(actions) else None)
             i = j
             continue
         if a.kind == F:
             run.forward(a.microbatch, a.chunk)
         elif a.kind == B:
             run.backward(a.microbatch, a.chunk)
+        elif a.kind == W:
+            run.weight(a.microbatch, a.chunk)
         i += 1
+    run.finish()
     if forward_only:
         run.outputs.clear()
     leftover = len(run.outputs) + len(run.grad_in) + len(run.grad_out)
     if leftover:
         raise RuntimeError(f"pipeline stage {ps.pp_rank}: {leftover} tensors left after the "
                            f"schedule (a forward without backward or an unsent gradient)")
+    if weight_grads is not None and split_w and weight_grads.pending:
+        raise RuntimeError(f"pipeline stage {ps.pp_rank}: weight gradients of "
+                           f"{weight_grads.pending} never ran (a B without its W)")
     stacked = [run.losses[k] for k in sorted(run.losses)]
     losses = torch.stack(stacked) if stacked else None  # kept on the device: no sync here
     return PipelineResult(losses, run.peak, run.marks, clock.timebase(), ps.rank)

@@ -244,6 +244,49 @@ def waiter_for(backend: str):
     return StreamWait() if backend in ("nccl", "hccl") else HostWait()
 
 
+@dataclass
+class PostedBatch:
+    """A batch of transfers posted with one ``batch_isend_irecv``, not yet (all) waited for.
+    gloo returns one work per transfer, so a subset (the receives a compute step needs) can be
+    waited for alone; NCCL and HCCL may coalesce the batch into one work, waited as a whole."""
+    transfers: list[Transfer]
+    works: list
+
+    @property
+    def per_transfer(self) -> bool:
+        return len(self.works) == len(self.transfers)
+
+    def select(self, indices) -> tuple[list, list[Transfer]]:
+        """(works, transfers) covering the transfers at ``indices`` (all of them if coalesced)."""
+        if not self.per_transfer:
+            return list(self.works), list(self.transfers)
+        indices = sorted(set(indices))
+        return [self.works[i] for i in indices], [self.transfers[i] for i in indices]
+
+    def completed(self, indices) -> bool:
+        works, _ = self.select(indices)
+        return all(w.is_completed() for w in works)
+
+
+def post(ps, transfers: list[Transfer], timeout_s: float | None = None, vp: int = 1) -> PostedBatch:
+    """Post ``transfers`` as one batch without waiting (``wait_posted`` waits)."""
+    try:
+        works = ps.pp_group.batch_isend_irecv([(t.op, t.tensor, t.peer_rank) for t in transfers])
+    except RuntimeError as exc:
+        cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PipelineCommError(failure_message(ps, transfers, cause, timeout_s, _is_timeout(exc),
+                                                vp)) from exc
+    return PostedBatch(list(transfers), list(works))
+
+
+def wait_posted(ps, batch: PostedBatch, indices=None, timeout_s: float | None = None, vp: int = 1,
+                waiter=None) -> None:
+    """Wait for the transfers at ``indices`` of a posted batch (None: all of them)."""
+    works, transfers = batch.select(range(len(batch.transfers)) if indices is None else indices)
+    if works:
+        (waiter or HostWait()).wait(ps, works, transfers, timeout_s, vp)
+
+
 def communicate(ps, transfers: list[Transfer], timeout_s: float | None = None,
                 vp: int = 1, waiter=None) -> float:
     """Post ``transfers`` as one batch and wait for all of them; returns the host seconds spent.
@@ -257,11 +300,5 @@ def communicate(ps, transfers: list[Transfer], timeout_s: float | None = None,
     if not transfers:
         return 0.0
     start = time.perf_counter()
-    try:
-        works = ps.pp_group.batch_isend_irecv([(t.op, t.tensor, t.peer_rank) for t in transfers])
-    except RuntimeError as exc:
-        cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise PipelineCommError(failure_message(ps, transfers, cause, timeout_s, _is_timeout(exc),
-                                                vp)) from exc
-    (waiter or HostWait()).wait(ps, works, transfers, timeout_s, vp)
+    wait_posted(ps, post(ps, transfers, timeout_s, vp), None, timeout_s, vp, waiter)
     return time.perf_counter() - start

@@ -3,6 +3,11 @@
 Parameters split over TP carry ``param.tp_sharded = True``; replicated parameters whose gradient is
 computed from a sequence shard carry ``param.sequence_parallel = True`` (their grads are summed over
 TP once per step). Biases of row-parallel layers are added once, after the reduction.
+
+Under sequence parallelism a column-parallel layer keeps only its input's sequence shard for the
+weight gradient and all-gathers it again in backward (split_linear.py). Each layer has a
+``weight_grad_store`` (None by default): with a store attached (a zero-bubble schedule,
+parallel/weight_grad.py) its weight gradients wait for the schedule's W action.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from parallel.state import ParallelState
 from parallel.tensor_parallel.init import Initializer
 from parallel.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_from_tp,
                                                reduce_from_tp, reduce_scatter_to_sequence)
+from parallel.tensor_parallel.split_linear import (embedding_defer_w, linear_defer_w,
+                                                   seq_gather_linear)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -47,20 +54,45 @@ class ColumnParallelLinear(nn.Module):
                                        **shard_args), tp_sharded=True)  # (out/tp, in)
         self.bias = _mark(init.param(f"{name}.bias", (out_features,), "zeros", **shard_args),
                           tp_sharded=True) if bias else None
+        self.weight_grad_store = None
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:  # (b, s[/tp], in) -> (b, s, in)
         """Bring the input into the TP region: all-gather the sequence under sequence parallelism,
-        else identity (all-reduce of its gradient). Layers that read the same input (SwiGLU's gate
-        and up) call it once and pass ``entered=True``, so they share one collective each way."""
+        else identity (all-reduce of its gradient). Layers that read the same input should use
+        ``column_parallel_linears`` (one collective each way, the shard saved once); ``entered=True``
+        on ``forward`` takes an input already entered (its weight gradient keeps the full input)."""
         if self.sequence_parallel:
             return gather_from_sequence(x, self.group)
         return copy_to_tp(x, self.group)
 
     def forward(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:  # (b, s[/tp], in)
-        if not entered:
-            x = self.enter(x)  # (b, s, in)
-        y = F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
+        if self.sequence_parallel and not entered and self.group.size > 1:
+            y = seq_gather_linear(x, [self.weight], [self.bias], self.group,
+                                  self.weight_grad_store)  # (b, s, out/tp), the shard saved
+        else:
+            if not entered:
+                x = self.enter(x)  # (b, s, in)
+            y = self._linear(x)  # (b, s, out/tp)
         return gather_from_tp(y, self.group) if self.gather_output else y
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_grad_store is None:
+            return F.linear(x, self.weight, self.bias)
+        return linear_defer_w(x, self.weight, self.bias, self.weight_grad_store)
+
+
+def column_parallel_linears(layers: list[ColumnParallelLinear], x: torch.Tensor) -> list[torch.Tensor]:
+    """Several column-parallel layers on the same input (SwiGLU's gate and up): one all-gather
+    (or one all-reduce of the gradient) for all, under sequence parallelism one saved shard."""
+    first = layers[0]
+    if first.sequence_parallel and first.group.size > 1:
+        outs = seq_gather_linear(x, [m.weight for m in layers], [m.bias for m in layers],
+                                 first.group, first.weight_grad_store)
+        outs = list(outs) if isinstance(outs, tuple) else [outs]
+    else:
+        x = first.enter(x)
+        outs = [m._linear(x) for m in layers]
+    return [gather_from_tp(y, m.group) if m.gather_output else y for m, y in zip(layers, outs)]
 
 
 class RowParallelLinear(nn.Module):
@@ -81,9 +113,12 @@ class RowParallelLinear(nn.Module):
                             tp_sharded=True)  # (out, in/tp)
         self.bias = _mark(init.param(f"{name}.bias", (out_features,), "zeros"),
                           sequence_parallel=sequence_parallel) if bias else None
+        self.weight_grad_store = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, in/tp)
-        y = F.linear(x, self.weight)  # (b, s, out) partial sums
+        store = self.weight_grad_store
+        y = F.linear(x, self.weight) if store is None else linear_defer_w(x, self.weight, None, store)
+        # (b, s, out) partial sums
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.group)  # (b, s/tp, out)
         else:
@@ -124,13 +159,19 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = self.padded_vocab // ps.tp_size
         self.start = ps.tp_rank * self.per_rank
         self.weight = vocab_parallel_weight(vocab_size, hidden, ps, name, init)  # (V_pad/tp, h)
+        self.weight_grad_store = None
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight_grad_store is None:
+            return F.embedding(ids, self.weight)
+        return embedding_defer_w(ids, self.weight, self.weight_grad_store)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (b, s) -> (b, s[/tp], h)
         if self.per_rank == self.padded_vocab:
-            return F.embedding(tokens, self.weight)
+            return self._lookup(tokens)
         local = tokens - self.start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(out, self.group)

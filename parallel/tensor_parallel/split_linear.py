@@ -1,0 +1,192 @@
+"""Linear and embedding layers' autograd Functions with the weight gradient split off (the W of a
+zero-bubble schedule, parallel/weight_grad.py), one per communication pattern:
+
+- ``_LinearDeferW`` (no communication): y = x W^T + b. B: dx = dy W; W: dW = dy^T x, db = sum dy.
+  Column-parallel layers without sequence parallelism put ``copy_to_tp`` in front of it,
+  row-parallel layers their reduction behind it, the output layer uses it as is.
+- ``_SeqGatherLinearReduceScatter`` (column-parallel under sequence parallelism, one or several
+  weights reading the same input): forward all-gathers the sequence shard (b, s/tp, h) -> (b, s,
+  h) and applies each weight; it saves only the shard (Megatron-LM's
+  LinearWithGradAccumulationAndAsyncCommunication with sequence_parallel), so backward
+  all-gathers it again for the weight gradients, and reduce-scatters the input gradient. The
+  second all-gather is issued asynchronously before the input-gradient GEMM and waited for after
+  it when the weight gradients are computed in B; when they wait for W, W gathers the shard then
+  (a TP collective: every TP rank of the stage runs the same W actions in the same order).
+- ``_EmbeddingDeferW``: the lookup has no input gradient; B does nothing, W scatters the rows'
+  gradients into the weight (``embedding_dense_backward``, F.embedding's own backward).
+
+Each applies its weight gradient through ``accumulate`` / ``accumulate_matmul``: straight into
+``main_grad`` when deferred, returned to autograd otherwise. Under ``torch.compile`` these calls run
+outside the compiled graph when a store is attached (``torch.compiler.disable``): the W closures
+are Python side effects of backward that a traced backward graph cannot hold.
+"""
+from __future__ import annotations
+
+import torch
+
+from parallel.comm import group_size
+from parallel.weight_grad import WeightGradStore, accumulate, accumulate_matmul
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:  # (..., n) -> (N, n)
+    return t.reshape(-1, t.shape[-1])
+
+
+def _weight_grads(weight, bias, grad: torch.Tensor, x: torch.Tensor) -> None:
+    """Accumulate dW = dy^T x and db = sum dy (any leading dims) into the parameters."""
+    accumulate_matmul(weight, _flat(grad).t(), _flat(x))
+    if bias is not None:
+        accumulate(bias, _flat(grad).sum(dim=0))
+
+
+class _LinearDeferW(torch.autograd.Function):
+    """y = x W^T + b, weight gradients in W when a store is capturing (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.save_for_backward(x, weight)
+        ctx.store, ctx.bias = store, bias
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        bias = ctx.bias
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        params = (weight,) if bias is None else (weight, bias)
+        if ctx.store is not None and ctx.store.defer(lambda: _weight_grads(weight, bias, grad, x),
+                                                     params):
+            return grad_x, None, None, None
+        gw = _flat(grad).t().matmul(_flat(x))
+        gb = _flat(grad).sum(dim=0) if bias is not None and ctx.needs_input_grad[2] else None
+        return grad_x, gw, gb, None
+
+
+def _gather_seq(shard: torch.Tensor, group, async_op: bool = False):
+    """All-gather a (b, s/tp, h) shard into (b, s, h); with ``async_op`` also the handle."""
+    size = group_size(group)
+    buf = torch.empty((size * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype,
+                      device=shard.device)
+    handle = group.all_gather_into(buf, shard.contiguous(), async_op=async_op)
+
+    def laid_out() -> torch.Tensor:
+        b, s, h = shard.shape
+        return buf.view(size, b, s, h).movedim(0, 1).reshape(b, size * s, h)
+    return (laid_out, handle) if async_op else laid_out()
+
+
+def _reduce_scatter_seq(full: torch.Tensor, group) -> torch.Tensor:
+    """Sum (b, s, h) over the group and keep this rank's (b, s/tp, h) sequence shard."""
+    size = group_size(group)
+    b, s, h = full.shape
+    if s % size:
+        raise ValueError(f"sequence length {s} is not divisible by tp={size}: sequence "
+                         f"parallelism keeps s/tp positions per rank")
+    stacked = full.reshape(b, size, s // size, h).movedim(1, 0).contiguous()  # (tp, b, s/tp, h)
+    out = torch.empty((b, s // size, h), dtype=full.dtype, device=full.device)
+    group.reduce_scatter_into(out, stacked.view(size * b, s // size, h))
+    return out
+
+
+class _SeqGatherLinearReduceScatter(torch.autograd.Function):
+    """Column-parallel linear(s) on a sequence shard: forward all-gather + GEMMs, backward GEMMs +
+    reduce-scatter, the input re-gathered for the weight gradients (module docstring).
+    ``params`` is (weight_0, bias_0, weight_1, bias_1, ...); a bias may be None."""
+
+    @staticmethod
+    def forward(ctx, shard, group, store, *params):
+        full = _gather_seq(shard, group)  # (b, s, h)
+        weights, biases = params[0::2], params[1::2]
+        ctx.save_for_backward(shard, *weights)
+        ctx.group, ctx.store, ctx.biases = group, store, biases
+        outs = tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(weights, biases))
+        return outs if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        shard, *weights = ctx.saved_tensors
+        group, biases = ctx.group, ctx.biases
+        grads = [g if g is not None else None for g in grads]
+        deferred = ctx.store is not None and ctx.store.capturing
+        overlap = not torch.compiler.is_compiling()  # a traced backward keeps no async handles
+        later = None if deferred else _gather_seq(shard, group, async_op=overlap)
+        if later is not None and not overlap:
+            gathered = later
+            later = (lambda: gathered, None)
+        grad_full = None
+        for g, w in zip(grads, weights):
+            if g is not None:
+                part = g.matmul(w)  # (b, s, h)
+                grad_full = part if grad_full is None else grad_full + part
+        grad_shard = _reduce_scatter_seq(grad_full, group) if grad_full is not None else None
+        params = [p for w, b in zip(weights, biases) for p in (w, b) if p is not None]
+
+        def weight_grads(full: torch.Tensor) -> None:
+            for g, w, b in zip(grads, weights, biases):
+                if g is not None:
+                    _weight_grads(w, b, g, full)
+
+        if deferred:
+            ctx.store.defer(lambda: weight_grads(_gather_seq(shard, group)), params)
+            return (grad_shard, None, None) + (None,) * (2 * len(weights))
+        laid_out, handle = later
+        if handle is not None:
+            handle.wait()
+        full = laid_out()
+        out = []
+        for g, w, b in zip(grads, weights, biases):
+            if g is None:
+                out += [None, None]
+                continue
+            out.append(_flat(g).t().matmul(_flat(full)))
+            out.append(_flat(g).sum(dim=0) if b is not None else None)
+        return (grad_shard, None, None, *out)
+
+
+class _EmbeddingDeferW(torch.autograd.Function):
+    """F.embedding(ids, weight); the weight's gradient in W when a store is capturing."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, store):
+        ctx.save_for_backward(ids)
+        ctx.store, ctx.weight, ctx.rows = store, weight, weight.shape[0]
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        weight, rows = ctx.weight, ctx.rows
+
+        def weight_grad() -> torch.Tensor:
+            return torch.ops.aten.embedding_dense_backward(grad, ids, rows, -1, False)
+
+        if ctx.store is not None and ctx.store.defer(lambda: accumulate(weight, weight_grad()),
+                                                     (weight,)):
+            return None, None, None
+        return None, weight_grad(), None
+
+
+@torch.compiler.disable
+def _apply_eager(fn, *args):
+    return fn.apply(*args)
+
+
+def _apply(fn, store, *args):
+    return fn.apply(*args) if store is None else _apply_eager(fn, *args)
+
+
+def linear_defer_w(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   store: WeightGradStore | None) -> torch.Tensor:
+    return _apply(_LinearDeferW, store, x, weight, bias, store)
+
+
+def seq_gather_linear(shard: torch.Tensor, weights, biases, group,
+                      store: WeightGradStore | None):
+    """One output per weight, (b, s, out_i/tp), from the (b, s/tp, h) shard."""
+    params = [p for w, b in zip(weights, biases) for p in (w, b)]
+    return _apply(_SeqGatherLinearReduceScatter, store, shard, group, store, *params)
+
+
+def embedding_defer_w(ids: torch.Tensor, weight: torch.Tensor,
+                      store: WeightGradStore | None) -> torch.Tensor:
+    return _apply(_EmbeddingDeferW, store, ids, weight, store)
