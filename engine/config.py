@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from models.config import GPTConfig
 from parallel.topology import RankGrid
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "1f1b-w", "zb-h1", "zb-v")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
 COMPRESSORS = ("none", "int8", "topk")
@@ -35,7 +35,12 @@ class ParallelConfig:
     # all-to-all from sequence to head shards; needs heads / tp divisible by cp)
     cp_comm_type: str = "p2p"
     virtual_pipeline_size: int = 1
+    # 1f1b-w, zb-h1 and zb-v split every backward into B (input gradient) and W (weight gradients);
+    # zb-v holds two chunks per rank in a V (parallel/pipeline/zero_bubble.py)
     pipeline_schedule: str = "1f1b"
+    # without sequence parallelism each TP rank sends 1/tp of a stage boundary tensor and the
+    # receiving stage all-gathers it over TP (Megatron-LM's name)
+    scatter_gather_tensors_in_pipeline: bool = True
     # count the embedding / output layer as this many blocks when splitting layers over stages
     # (0: split by block count alone, which needs num_layers % (pp * vp) == 0)
     stage_end_weight: float = 0.0
@@ -63,10 +68,26 @@ class ParallelConfig:
             raise ValueError(f"--recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.stage_end_weight < 0:
             raise ValueError(f"--stage-end-weight must be >= 0, got {self.stage_end_weight}")
-        if self.virtual_pipeline_size > 1 and self.pipeline_schedule != "interleaved":
+        if self.pipeline_schedule == "zb-v" and self.virtual_pipeline_size not in (1, 2):
+            raise ValueError(f"--pipeline-schedule zb-v always runs 2 model chunks per rank (in a "
+                             f"V); drop --virtual-pipeline-size {self.virtual_pipeline_size} or "
+                             f"set it to 2")
+        if self.virtual_pipeline_size > 1 and self.pipeline_schedule not in ("interleaved", "zb-v"):
             raise ValueError("--virtual-pipeline-size > 1 needs --pipeline-schedule interleaved")
         if self.pipeline_schedule == "interleaved" and self.pp == 1:
             raise ValueError("--pipeline-schedule interleaved needs --pp > 1")
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks a pipeline rank holds: 2 for zb-v (pp > 1), else --virtual-pipeline-size."""
+        if self.pp == 1:
+            return 1
+        return 2 if self.pipeline_schedule == "zb-v" else self.virtual_pipeline_size
+
+    @property
+    def placement(self) -> str:
+        """How chunks sit on ranks: "v" for zb-v (pp > 1), else Megatron's loop."""
+        return "v" if self.pipeline_schedule == "zb-v" and self.pp > 1 else "loop"
 
     def grid(self, world_size: int) -> RankGrid:
         mp = self.tp * self.cp * self.pp

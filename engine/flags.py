@@ -60,7 +60,12 @@ FLAGS: dict[str, Flag] = {
     "dp": F("data-parallel size", "parallelism", ("--data-parallel-size",), default_text="world / (tp x pp)"),
     "virtual_pipeline_size": F("model chunks per pipeline stage (interleaved schedule)", "parallelism",
                                ("--virtual-pipeline-model-parallel-size", "--vp")),
-    "pipeline_schedule": F("pipeline schedule", "parallelism", choices=SCHEDULES),
+    "pipeline_schedule": F("pipeline schedule: gpipe, 1f1b, interleaved (with --vp), or a "
+                           "zero-bubble one splitting backwards into B and W: 1f1b-w, zb-h1, zb-v "
+                           "(two chunks per rank in a V)", "parallelism", choices=SCHEDULES),
+    "scatter_gather_tensors_in_pipeline": F("without sequence parallelism, send 1/tp of each "
+                                            "stage boundary tensor per TP rank and all-gather it "
+                                            "on the receiving stage", "parallelism"),
     "stage_end_weight": F("count the embedding / output layer as this many blocks when splitting layers "
                           "over stages (0: split by block count)", "parallelism"),
     "sequence_parallel": F("keep norms, dropout and residuals on a sequence shard (needs --tp > 1)",

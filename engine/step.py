@@ -56,14 +56,17 @@ class StepOutput:
 
 def mean_loss_over_grid(local_sum: float, ps: ParallelState, device,
                         per_rank: tuple[float, ...] = (),
-                        per_stage: tuple[float, ...] = ()) -> tuple[float, list[float], list[float]]:
+                        per_stage: tuple[float, ...] = (),
+                        holds_loss: bool | None = None) -> tuple[float, list[float], list[float]]:
     """One all-reduce over the world for a step's statistics: the global-batch loss (held by
-    last-stage ranks of tp rank 0, averaged over DP x CP), the world mean of ``per_rank`` values (e.g. the
-    idle fraction) and the per-pipeline-stage mean of ``per_stage`` values (each rank fills only
-    its own stage's slots, e.g. mean forward and backward times). fp32: HCCL reduces no float64."""
+    the ranks of tp rank 0 that run the last virtual stage, averaged over DP x CP), the world
+    mean of ``per_rank`` values (e.g. the idle fraction) and the per-pipeline-stage mean of
+    ``per_stage`` values (each rank fills only its own stage's slots, e.g. mean forward and backward
+    times). ``holds_loss``: whether this rank runs the last virtual stage (default: the last
+    pipeline rank; pipeline rank 0 under the V placement). fp32: HCCL reduces no float64."""
     if ps.world_size == 1:
         return local_sum, list(per_rank), list(per_stage)
-    owner = ps.is_last_stage and ps.tp_rank == 0
+    owner = (ps.is_last_stage if holds_loss is None else holds_loss) and ps.tp_rank == 0
     t = torch.tensor([local_sum if owner else 0.0, *per_rank, *per_stage], dtype=torch.float32,
                      device=device)
     ps.world_group.all_reduce(t)
@@ -93,18 +96,20 @@ def _to_device(values: list[float], device) -> torch.Tensor:
 
 def reduce_step_stats(ps: ParallelState, local_loss: torch.Tensor, grads: torch.Tensor,
                       per_rank: tuple[float, ...] = (),
-                      per_stage: tuple[float, ...] = ()) -> StepStats:
+                      per_stage: tuple[float, ...] = (),
+                      holds_loss: bool | None = None) -> StepStats:
     """The step's one collective and one host read: [loss, overflow flag, grad norm², per-rank
     values, per-stage values], summed over the world in fp32 (HCCL reduces no float64).
 
-    ``local_loss``: this rank's loss (0-d device tensor), counted on last-stage ranks of tp rank 0
-    and averaged over DP x CP. ``grads``: ``grad_stats``'s (flag, norm²); the flags are summed (> 0: an
+    ``local_loss``: this rank's loss (0-d device tensor), counted on the ranks of tp rank 0 that
+    run the last virtual stage (``holds_loss``, as in ``mean_loss_over_grid``) and averaged over
+    DP x CP. ``grads``: ``grad_stats``'s (flag, norm²); the flags are summed (> 0: an
     overflow somewhere), the norm², already grid-wide, is taken from global rank 0 alone (every
     other rank adds an exact 0). ``per_rank`` values (e.g. the idle fraction) are averaged over
     the world, ``per_stage`` ones (each rank fills its own stage's slots) over a stage's ranks.
     """
     device = grads.device
-    owner = ps.is_last_stage and ps.tp_rank == 0
+    owner = (ps.is_last_stage if holds_loss is None else holds_loss) and ps.tp_rank == 0
     zero = torch.zeros(1, dtype=torch.float32, device=device)
     parts = [local_loss.reshape(1).to(torch.float32) if owner else zero, grads[:1],
              grads[1:] if ps.rank == 0 else zero]
@@ -135,12 +140,17 @@ def micro_batch_loss(out: torch.Tensor, mb, num_micro: int, dp: int) -> torch.Te
     return (out * mb.loss_mask).sum() * (dp / max(mb.loss_tokens, 1))
 
 
+STAGE_CATS = ("forward", "backward", "weight")
+
+
 def stage_compute_times(events, ps: ParallelState) -> tuple[float, ...]:
-    """(mean forward s, mean backward s) of this rank, in its stage's slots of a 2*pp vector."""
-    slots = [0.0] * (2 * ps.pp_size)
-    for j, cat in enumerate(("forward", "backward")):
+    """(mean forward s, mean backward s, mean W s) of this rank, in its stage's slots of a 3*pp
+    vector (W 0.0 in schedules without W actions)."""
+    k = len(STAGE_CATS)
+    slots = [0.0] * (k * ps.pp_size)
+    for j, cat in enumerate(STAGE_CATS):
         spans = [e.end - e.start for e in events if e.cat == cat]
-        slots[2 * ps.pp_rank + j] = sum(spans) / len(spans) if spans else 0.0
+        slots[k * ps.pp_rank + j] = sum(spans) / len(spans) if spans else 0.0
     return tuple(slots)
 
 
@@ -150,17 +160,24 @@ class Stepper:
     def __init__(self, ps: ParallelState, chunks, reducer, optimizer, scaler, clip_grad: float,
                  schedule_actions=None, act_shape=None, act_dtype=torch.float32,
                  timeout_s: float = 300.0, overflow=None, waiter=None,
-                 clock: DeviceClock | None = None):
+                 clock: DeviceClock | None = None, placement: str = "loop",
+                 weight_grads=None, scatter_gather: bool = False):
         """``overflow``: the device module's ``overflow_check()`` (the float status register on a
         saturation-mode NPU), None elsewhere; ``waiter``: ``p2p.waiter_for(backend)``; ``clock``:
-        the device timing API (engine/device.py)."""
+        the device timing API (engine/device.py); ``placement``: of the chunks on pipeline ranks;
+        ``weight_grads``: the ``WeightGradStore`` the chunks' layers use under a schedule with W
+        actions; ``scatter_gather``: split stage boundary tensors over TP (exchange.py)."""
         self.ps, self.chunks, self.reducer = ps, chunks, reducer
         self.optimizer, self.scaler, self.clip_grad = optimizer, scaler, clip_grad
         self.actions, self.act_shape, self.act_dtype = schedule_actions, act_shape, act_dtype
         self.timeout_s, self.overflow, self.waiter = timeout_s, overflow, waiter
         self.clock = clock or DeviceClock(ps.device.type)
-        self.params = [p for c in chunks for p in c.parameters()]
+        self.placement, self.weight_grads, self.scatter_gather = placement, weight_grads, scatter_gather
+        seen: set[int] = set()
+        self.params = [p for c in chunks for p in c.parameters()
+                       if id(p) not in seen and not seen.add(id(p))]
         self.shared = [p for c in chunks for p in c.shared_embedding_params()]
+        self.holds_loss = any(c.post_process for c in chunks)  # runs the last virtual stage
 
     def _forward_step(self, batches, scale: float):
         """The executor's callback: a chunk's output, or on the last chunk the scaled mean loss."""
@@ -195,7 +212,9 @@ class Stepper:
             return torch.stack(losses).sum(), None
         result = run_schedule(self.ps, self.actions, list(self.chunks),
                               self._forward_step(batches, scale), m, self.act_shape,
-                              self.act_dtype, self.timeout_s, waiter=self.waiter, clock=self.clock)
+                              self.act_dtype, self.timeout_s, waiter=self.waiter, clock=self.clock,
+                              placement=self.placement, weight_grads=self.weight_grads,
+                              scatter_gather=self.scatter_gather)
         local = result.loss_sum
         if local is None:  # not the last stage: its loss slot is not counted
             return torch.zeros((), dtype=torch.float32, device=batches[0].tokens.device), result
@@ -211,7 +230,8 @@ class Stepper:
             with self.ps.comm.uncounted():  # the phase's span: not traffic of the step
                 per_rank = (pipeline_bubble(self.ps, pipe.events),)
             stage_times = stage_compute_times(pipe.events, self.ps)
-        stats = reduce_step_stats(self.ps, local_loss, grads, per_rank, stage_times)
+        stats = reduce_step_stats(self.ps, local_loss, grads, per_rank, stage_times,
+                                  self.holds_loss)
         check = apply_grad_stats(self.optimizer, self.scaler, stats.found_inf, stats.grad_norm_sq,
                                  self.clip_grad, self.reducer)
         return stats, check
@@ -221,6 +241,8 @@ class Stepper:
         clock.anchor()  # synchronize: the step starts on an idle device
         snapshot = self.ps.comm.snapshot()
         self.optimizer.zero_grad()
+        if self.weight_grads is not None:
+            self.weight_grads.clear()  # nothing queued survives a step (e.g. one that raised)
         if self.overflow is not None:
             self.overflow.clear()
         scale = float(self.scaler.scale)
@@ -247,8 +269,10 @@ class Stepper:
                          dict(zip(TIME_KEYS, times)), events)
         if pipe is not None:
             out.extra["bubble_measured"] = stats.per_rank[0]
-            out.extra["stage_fwd_s"] = stats.per_stage[0::2]
-            out.extra["stage_bwd_s"] = stats.per_stage[1::2]
+            k = len(STAGE_CATS)
+            out.extra["stage_fwd_s"] = stats.per_stage[0::k]
+            out.extra["stage_bwd_s"] = stats.per_stage[1::k]
+            out.extra["stage_wgt_s"] = stats.per_stage[2::k]
         return out
 
     @torch.no_grad()
@@ -264,9 +288,11 @@ class Stepper:
                 local = sum(micro_batch_loss(model(mb.tokens, mb.labels, mb.inputs), mb, m, dp).item()
                             for mb in batches)
             return mean_loss_over_grid(local, self.ps, device)[0]
-        actions = forward_only_schedule(self.ps.pp_size, m, len(self.chunks))
+        actions = forward_only_schedule(self.ps.pp_size, m, len(self.chunks), self.placement)
         self.clock.anchor()
         result = run_schedule(self.ps, actions, list(self.chunks), self._forward_step(batches, 1.0),
                               m, self.act_shape, self.act_dtype, self.timeout_s, clock=self.clock,
-                              deallocate_outputs=False, forward_only=True)
-        return mean_loss_over_grid(sum(result.losses), self.ps, device)[0]
+                              deallocate_outputs=False, forward_only=True,
+                              scatter_gather=self.scatter_gather)
+        return mean_loss_over_grid(sum(result.losses), self.ps, device,
+                                   holds_loss=self.holds_loss)[0]

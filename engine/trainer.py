@@ -38,12 +38,13 @@ from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
                          MixedPrecisionOptimizer, PolicyError)
 from parallel.pipeline.bubble import simulate, theoretical_bubble
 from parallel.pipeline.timeline import gather_events, write_chrome_trace
-from parallel.pipeline.partition import stage_layers
+from parallel.pipeline.partition import placement_stages, stage_layers
 from parallel.pipeline.p2p import init_p2p, waiter_for
-from parallel.pipeline.schedules import build_schedule, validate_schedule
+from parallel.pipeline.schedules import build_schedule, has_weight_actions, validate_schedule
 from parallel.random import ModelParallelRNG
 from parallel.state import LaunchEnv, ParallelState
 from parallel.tensor_parallel import Initializer
+from parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 
 TIMELINE_STEPS = 3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -149,10 +150,10 @@ class Trainer:
 
     def _build_model(self) -> None:
         cfg, ps = self.cfg, self.ps
-        vp = cfg.parallel.virtual_pipeline_size
+        vp, placement = cfg.parallel.chunks_per_rank, cfg.parallel.placement  # zb-v: 2, "v"
         ranges = stage_layers(cfg.model.num_layers, ps.pp_size, vp, ps.pp_rank,
-                              cfg.parallel.stage_end_weight)
-        virtual = [c * ps.pp_size + ps.pp_rank for c in range(vp)]
+                              cfg.parallel.stage_end_weight, placement)
+        virtual = placement_stages(ps.pp_size, vp, ps.pp_rank, placement)
         ctx = LayerContext(Initializer(cfg.seed, cfg.model.init_std),
                            sequence_parallel=cfg.parallel.sequence_parallel and ps.tp_size > 1,
                            recompute=cfg.parallel.recompute,
@@ -174,8 +175,8 @@ class Trainer:
         if cfg.compile:
             from engine.compile import compile_chunks
             self.chunks = compile_chunks(self.chunks, self.dev, cfg.log.compile_cache_root)
-        params = [p for c in self.chunks for p in c.parameters()]
-        self.num_params_local = sum(p.numel() for p in params)
+        self.num_params_local = sum(p.numel() for p in self.chunks.parameters())  # each once
+        self.holds_loss = any(c.post_process for c in self.chunks)
 
     def _build_step(self) -> None:
         cfg, ps = self.cfg, self.ps
@@ -194,24 +195,33 @@ class Trainer:
         opt_cls = DistributedOptimizer if cfg.parallel.use_distributed_optimizer else MixedPrecisionOptimizer
         self.optimizer = opt_cls(groups, self.reducer, ps, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                  eps=o.adam_eps, weight_decay=o.weight_decay)
-        actions = act_shape = self.waiter = None
+        actions = act_shape = self.waiter = self.weight_grads = None
         self.timeline: list = []  # events of the last few steps, for --timeline
+        sp = cfg.parallel.sequence_parallel and ps.tp_size > 1
         if ps.pp_size > 1:
             vp = cfg.parallel.virtual_pipeline_size
             self.schedule_lists = build_schedule(cfg.parallel.pipeline_schedule, ps.pp_size,
                                                  self.num_micro, vp)
             validate_schedule(self.schedule_lists)
             actions = self.schedule_lists[ps.pp_rank]
-            s = cfg.model.seq_length // ps.cp_size // (ps.tp_size if cfg.parallel.sequence_parallel else 1)
+            s = cfg.model.seq_length // ps.cp_size // (ps.tp_size if sp else 1)
             act_shape = (cfg.data.micro_batch_size, s, cfg.model.hidden_size)
             init_p2p(ps)
             self.waiter = waiter_for(self.dev.backend)
+            if has_weight_actions(self.schedule_lists):
+                # the B/W split: the layers queue weight gradients in B, the schedule's W runs
+                # them into main_grad and tells the reducer (parallel/weight_grad.py)
+                self.weight_grads = WeightGradStore(on_ready=self.reducer.grad_accumulated)
+                attach_weight_grad_store(list(self.chunks), self.weight_grads)
         init_ring(ps)
         self.clock = DeviceClock(self.dev.type)
         self.stepper = Stepper(ps, self.chunks, self.reducer, self.optimizer, self.scaler,
                                cfg.optim.clip_grad, actions, act_shape, self.dtype,
                                cfg.parallel.timeout_s, self.dev.overflow_check(), self.waiter,
-                               clock=self.clock)
+                               clock=self.clock, placement=cfg.parallel.placement,
+                               weight_grads=self.weight_grads,
+                               scatter_gather=cfg.parallel.scatter_gather_tensors_in_pipeline
+                               and not sp)
         with warnings.catch_warnings():
             if not self.is_main:  # the one-time note on a block without a formula: rank 0 only
                 warnings.simplefilter("ignore")
@@ -235,7 +245,7 @@ class Trainer:
         micro = sampler.micro_batches(step, self.ps.dp_rank, self.ps.dp_size,
                                       self.cfg.data.micro_batch_size)
         pack, loss_tokens = self.packing, None
-        if pack is not None and pack.eod_mask_loss and self.ps.is_last_stage:
+        if pack is not None and pack.eod_mask_loss and self.holds_loss:
             # the mean is over the unmasked tokens of the whole global batch, whatever the layout
             loss_tokens = count_loss_tokens(ds, sampler.global_batch(step), pack.eod_id)
         batches = [micro_batch(collate(ds, idx), pack, loss_tokens) for idx in micro]  # (b, s) each
@@ -358,10 +368,11 @@ class Trainer:
         what the bubble would be from stage imbalance alone, without communication or noise."""
         if out.pipeline is None:
             return None
-        fwd, bwd = out.extra["stage_fwd_s"], out.extra["stage_bwd_s"]
+        fwd, bwd, wgt = out.extra["stage_fwd_s"], out.extra["stage_bwd_s"], out.extra["stage_wgt_s"]
         if min(fwd) <= 0 or min(bwd) <= 0:
             return None
-        return simulate(self.schedule_lists, fwd, bwd).idle_fraction
+        split = has_weight_actions(self.schedule_lists)
+        return simulate(self.schedule_lists, fwd, bwd, wgt_time=wgt if split else None).idle_fraction
 
     @property
     def timeline_events(self) -> list:

@@ -48,13 +48,15 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv,
                           f"--sequence-parallel needs; change one of them")
     if par.sequence_parallel and tp == 1:
         notes.append("--sequence-parallel has no effect with --tp 1")
-    stages = grid.pp * par.virtual_pipeline_size
+    chunks = par.chunks_per_rank if grid.pp > 1 else 1
+    stages = grid.pp * chunks
     if m.num_layers % stages and not par.stage_end_weight:
+        why = " (zb-v holds 2 chunks per rank)" if par.placement == "v" else ""
         raise ConfigError(f"--num-layers {m.num_layers} is not divisible by pp x virtual stages = "
-                          f"{grid.pp} x {par.virtual_pipeline_size}; choose a layer count that is a "
+                          f"{grid.pp} x {chunks}{why}; choose a layer count that is a "
                           f"multiple of {stages}, or weight the end stages with --stage-end-weight")
     try:
-        partition_layers(m.num_layers, grid.pp, par.virtual_pipeline_size, par.stage_end_weight)
+        partition_layers(m.num_layers, grid.pp, chunks, par.stage_end_weight)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     try:

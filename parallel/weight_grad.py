@@ -69,7 +69,8 @@ class WeightGradStore:
         queue = self._queues.pop(key, [])
         told: set[int] = set()
         for fn, params in queue:
-            fn()
+            with torch.no_grad():  # outside autograd's backward: record nothing
+                fn()
             for p in params:
                 if id(p) not in told:
                     told.add(id(p))
@@ -133,13 +134,14 @@ class _LayerNormSplit(torch.autograd.Function):
         w = weight.to(x.dtype)
         b = bias.to(x.dtype) if bias is not None else None
         out, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), w, b, eps)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.store, ctx.has_bias = store, bias is not None
+        ctx.save_for_backward(x, mean, rstd)  # the parameters stay on ctx (split_linear.py)
+        ctx.store, ctx.has_bias, ctx.weight, ctx.bias = store, bias is not None, weight, bias
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
+        x, mean, rstd = ctx.saved_tensors
+        weight, bias = ctx.weight, ctx.bias
         w = weight.to(x.dtype)
         b = bias.to(x.dtype) if bias is not None else None
         shape = (x.shape[-1],)
@@ -170,13 +172,14 @@ class _RMSNormSplit(torch.autograd.Function):
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., 1)
         out = (xf * rstd).to(x.dtype) * weight.to(x.dtype)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.store = store
+        ctx.save_for_backward(x, rstd)
+        ctx.store, ctx.weight = store, weight
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, rstd = ctx.saved_tensors
+        x, rstd = ctx.saved_tensors
+        weight = ctx.weight
         x_hat = x.float() * rstd
         gw = grad.float() * weight.float()
         grad_x = (rstd * (gw - x_hat * (gw * x_hat).mean(dim=-1, keepdim=True))).to(x.dtype)

@@ -16,7 +16,10 @@ zero-bubble schedule, parallel/weight_grad.py), one per communication pattern:
   gradients into the weight (``embedding_dense_backward``, F.embedding's own backward).
 
 Each applies its weight gradient through ``accumulate`` / ``accumulate_matmul``: straight into
-``main_grad`` when deferred, returned to autograd otherwise. Under ``torch.compile`` these calls run
+``main_grad`` when deferred, returned to autograd otherwise. Parameters are kept on ``ctx`` as the
+Parameter objects (only activations go through ``save_for_backward``): under activation
+checkpointing a saved tensor comes back in backward as a recomputed alias, and W must accumulate
+into the parameter itself. Under ``torch.compile`` these calls run
 outside the compiled graph when a store is attached (``torch.compiler.disable``): the W closures
 are Python side effects of backward that a traced backward graph cannot hold.
 """
@@ -44,14 +47,16 @@ class _LinearDeferW(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, store):
-        ctx.save_for_backward(x, weight)
-        ctx.store, ctx.bias = store, bias
+        ctx.save_for_backward(x)
+        # the parameters themselves, not saved tensors: under activation checkpointing a saved
+        # tensor comes back as a recomputed alias, and W must accumulate into the Parameter
+        ctx.store, ctx.weight, ctx.bias = store, weight, bias
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        bias = ctx.bias
+        (x,) = ctx.saved_tensors
+        weight, bias = ctx.weight, ctx.bias
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         params = (weight,) if bias is None else (weight, bias)
         if ctx.store is not None and ctx.store.defer(lambda: _weight_grads(weight, bias, grad, x),
@@ -97,15 +102,15 @@ class _SeqGatherLinearReduceScatter(torch.autograd.Function):
     def forward(ctx, shard, group, store, *params):
         full = _gather_seq(shard, group)  # (b, s, h)
         weights, biases = params[0::2], params[1::2]
-        ctx.save_for_backward(shard, *weights)
-        ctx.group, ctx.store, ctx.biases = group, store, biases
+        ctx.save_for_backward(shard)
+        ctx.group, ctx.store, ctx.weights, ctx.biases = group, store, weights, biases
         outs = tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(weights, biases))
         return outs if len(outs) > 1 else outs[0]
 
     @staticmethod
     def backward(ctx, *grads):
-        shard, *weights = ctx.saved_tensors
-        group, biases = ctx.group, ctx.biases
+        (shard,) = ctx.saved_tensors
+        group, weights, biases = ctx.group, ctx.weights, ctx.biases
         grads = [g if g is not None else None for g in grads]
         deferred = ctx.store is not None and ctx.store.capturing
         overlap = not torch.compiler.is_compiling()  # a traced backward keeps no async handles
