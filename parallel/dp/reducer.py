@@ -175,9 +175,12 @@ class GradReducer:
         self._finished = False
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
-        if param.grad is not None:
-            param.main_grad.add_(param.grad)
-            param.grad = None
+        if param.grad is None:
+            # autograd runs the hook with no gradient when a backward returned None for the
+            # parameter: a layer that left its weight gradient to a W action
+            return
+        param.main_grad.add_(param.grad)
+        param.grad = None
         self.grad_accumulated(param)
 
     def grad_accumulated(self, param: torch.nn.Parameter) -> None:
