@@ -1,8 +1,9 @@
 """Gantt charts of pipeline schedules, in the style of the Megatron-LM paper's figures.
 
-One row per pipeline rank (stage 0 on top), a block per forward (blue) and backward (green) with its
-micro-batch number, lighter shades for later model chunks of an interleaved schedule, and the idle
-time (the bubble) hatched in grey. Input is a ``bubble.SimResult`` (a simulated schedule) or
+One row per pipeline rank (stage 0 on top), a block per forward (blue), backward (green; the input
+gradient B in a zero-bubble schedule) and weight-gradient W (orange, zero-bubble schedules) with
+its micro-batch number, lighter shades for later model chunks (an interleaved schedule's, or zb-v's
+way back up), and the idle time (the bubble) hatched in grey. Input is a ``bubble.SimResult`` (a simulated schedule) or
 executor events (``TimelineEvent``s or dicts, one list per rank or flat with ``rank``)::
 
     python -m benchmarks.gantt --schedule interleaved --pp 4 --m 8 --vp 2 --out gantt.png
@@ -19,13 +20,16 @@ from matplotlib.patches import Patch  # noqa: E402
 
 _FWD = ["#1f5fa8", "#5b8fd1", "#9dbbe6", "#c7d8f0"]
 _BWD = ["#2c8a3c", "#5fb56e", "#97d3a2", "#c5e8cb"]
+_WGT = ["#d9730d", "#f0a04b", "#f6c68d", "#fbe0c0"]
+_PALETTE = {"f": _FWD, "b": _BWD, "w": _WGT}
+_CATS = {"forward": "f", "backward": "b", "weight": "w"}
 
 
 def _blocks(source) -> tuple[list[list[tuple]], float]:
     """Rows of (kind, micro, chunk, start, end) per track, times from 0, and the makespan."""
     if hasattr(source, "timings"):                          # SimResult
         rows = [[(a.kind.value, a.microbatch, a.chunk, s, e) for a, s, e in spans
-                 if a.kind.value in ("f", "b")] for spans in source.timings]
+                 if a.kind.value in _PALETTE] for spans in source.timings]
         return rows, source.makespan
     events = list(source)
     if events and not isinstance(events[0], (list, tuple)):
@@ -38,7 +42,7 @@ def _blocks(source) -> tuple[list[list[tuple]], float]:
         for e in rank_events:
             get = (lambda k: e[k]) if isinstance(e, dict) else (lambda k: getattr(e, k))
             origin, end = min(origin, get("start")), max(end, get("end"))
-            cat = {"forward": "f", "backward": "b"}.get(get("cat"))
+            cat = _CATS.get(get("cat"))
             if cat:
                 row.append((cat, get("microbatch"), get("chunk"), get("start"), get("end")))
         rows.append(row)
@@ -57,7 +61,7 @@ def draw_gantt(source, path: str, title: str = "", show_numbers: bool = True) ->
         ax.broken_barh([(0, makespan)], (y - 0.4, 0.8), facecolors="#eeeeee",
                        hatch="///", edgecolor="#bbbbbb", linewidth=0)
         for kind, micro, chunk, start, end in row:
-            palette = _FWD if kind == "f" else _BWD
+            palette = _PALETTE[kind]
             ax.broken_barh([(start, end - start)], (y - 0.4, 0.8),
                            facecolors=palette[min(chunk, len(palette) - 1)],
                            edgecolor="white", linewidth=0.6)
@@ -69,11 +73,13 @@ def draw_gantt(source, path: str, title: str = "", show_numbers: bool = True) ->
     ax.invert_yaxis()
     ax.set_xlim(0, makespan if makespan > 0 else 1)
     ax.set_xlabel("time")
-    ax.legend(handles=[Patch(color=_FWD[0], label="forward"),
-                       Patch(color=_BWD[0], label="backward"),
-                       Patch(facecolor="#eeeeee", hatch="///", edgecolor="#bbbbbb", label="idle")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 4 else -0.18),
-              ncol=3, frameon=False, fontsize=8)
+    handles = [Patch(color=_FWD[0], label="forward"), Patch(color=_BWD[0], label="backward")]
+    if any(kind == "w" for row in rows for kind, *_ in row):
+        handles.append(Patch(color=_WGT[0], label="weight gradients (W)"))
+    handles.append(Patch(facecolor="#eeeeee", hatch="///", edgecolor="#bbbbbb", label="idle"))
+    ax.legend(handles=handles, loc="upper center",
+              bbox_to_anchor=(0.5, -0.35 if len(rows) < 4 else -0.18), ncol=len(handles),
+              frameon=False, fontsize=8)
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
@@ -84,18 +90,22 @@ def draw_gantt(source, path: str, title: str = "", show_numbers: bool = True) ->
 
 def main() -> None:
     from parallel.pipeline.bubble import simulate, theoretical_bubble
-    from parallel.pipeline.schedules import build_schedule
+    from parallel.pipeline.schedules import SCHEDULES, build_schedule, chunks_per_rank
 
     parser = argparse.ArgumentParser(description="Draw a simulated pipeline schedule")
-    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    parser.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES))
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--m", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--vp", type=int, default=1)
-    parser.add_argument("--bwd-ratio", type=float, default=2.0, help="backward / forward time")
+    parser.add_argument("--bwd-ratio", type=float, default=2.0,
+                        help="backward / forward time (split into equal B and W for zero-bubble)")
     parser.add_argument("--out", default="gantt.png")
     args = parser.parse_args()
     lists = build_schedule(args.schedule, args.pp, args.m, args.vp)
-    sim = simulate(lists, 1.0 / args.vp, args.bwd_ratio / args.vp)
+    v = chunks_per_rank(args.schedule, args.vp)
+    split = args.schedule in ("1f1b-w", "zb-h1", "zb-v")
+    bwd = args.bwd_ratio / v / (2 if split else 1)
+    sim = simulate(lists, 1.0 / v, bwd, wgt_time=bwd if split else None)
     theory = theoretical_bubble(args.schedule, args.pp, args.m, args.vp)
     title = (f"{args.schedule} p={args.pp} m={args.m} v={args.vp}: bubble "
              f"{sim.idle_fraction:.3f} (theory {theory:.3f})")

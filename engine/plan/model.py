@@ -14,6 +14,7 @@ from engine.plan.hardware import DeviceSpec
 from engine.plan.placement import DEFAULT_ORDER, all_groups_intra, parse_order
 
 GIB = 2 ** 30
+PLAN_SCHEDULES = ("1f1b", "zb-h1", "zb-v")  # interleaved: "1f1b" with vp > 1
 # Mixed-precision Adam (Megatron): bf16 weight 2 + fp32 main grad 4 + fp32 master, m, v 12.
 WEIGHT_BYTES = 2
 GRAD_BYTES = 4
@@ -174,11 +175,22 @@ class Layout:
     sequence_parallel: bool = False
     cp: int = 1
     order: str = DEFAULT_ORDER  # the run's rank order, fastest-varying first (placement.py)
+    # 1f1b (interleaved when vp > 1), or a zero-bubble schedule: zb-h1, or zb-v (vp = 2 chunks in
+    # a V: device 0 holds the embedding and the output layer)
+    schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
+        if self.schedule == "zb-v" and self.vp == 1:
+            object.__setattr__(self, "vp", 2)   # zb-v always runs two chunks per rank
         for key in ("tp", "pp", "dp", "vp", "micro_batch_size", "cp"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"layout {key} must be a positive integer, got {getattr(self, key)!r}")
+        if self.schedule not in PLAN_SCHEDULES:
+            raise ValueError(f"schedule must be one of {PLAN_SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "zb-v" and self.vp != 2:
+            raise ValueError(f"zb-v runs 2 chunks per rank, got vp={self.vp}")
+        if self.schedule == "zb-h1" and self.vp != 1:
+            raise ValueError(f"zb-h1 runs 1 chunk per rank, got vp={self.vp}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.sequence_parallel and self.tp == 1:
@@ -188,6 +200,16 @@ class Layout:
     @property
     def sizes(self) -> dict[str, int]:
         return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
+
+    @property
+    def pipeline_schedule(self) -> str:
+        """The engine's --pipeline-schedule for this layout."""
+        return "interleaved" if self.schedule == "1f1b" and self.vp > 1 else self.schedule
+
+    @property
+    def v_placement(self) -> bool:
+        """zb-v with pp > 1: the first and the last virtual stage are both on device 0."""
+        return self.schedule == "zb-v" and self.pp > 1
 
     @property
     def world_size(self) -> int:
@@ -223,13 +245,13 @@ def check_layout(shape: ModelShape, cluster: Cluster, layout: Layout) -> str | N
     if layout.sequence_parallel and (s // c) % t:
         return f"sequence parallelism: seq length {s}/cp {c} not divisible by tp {t}"
     if v > 1 and p == 1:
-        return "virtual stages need pp > 1"
+        return "virtual stages need pp > 1" if layout.schedule != "zb-v" else "zb-v needs pp > 1"
     if shape.num_layers % (p * v):
         return f"layers {shape.num_layers} not divisible by pp*vp = {p * v}"
     if shape.global_batch_size % (layout.micro_batch_size * d):
         return (f"global batch {shape.global_batch_size} not divisible by "
                 f"micro-batch*dp = {layout.micro_batch_size * d}")
-    if v > 1 and num_micro_batches(shape, layout) % p:
+    if v > 1 and layout.schedule == "1f1b" and num_micro_batches(shape, layout) % p:
         return (f"interleaved schedule: micro-batches {num_micro_batches(shape, layout)} "
                 f"not a multiple of pp {p}")
     return None
@@ -254,6 +276,9 @@ def stage_params(shape: ModelShape, layout: Layout) -> tuple[float, float]:
     output = (0 if tied and layout.pp == 1 else V * h / t) + (2 * h if shape.block == "gpt2" else h)
     if layout.pp == 1:
         return layers + embedding + output, layers + embedding + output
+    if layout.v_placement:  # device 0 holds both ends, the tied output layer is the embedding
+        output -= V * h / t if tied else 0
+        return layers + embedding + output, layers
     return layers + embedding, layers + output
 
 
@@ -288,10 +313,18 @@ def scores_activation_bytes(shape: ModelShape, layout: Layout) -> float:
 
 
 def in_flight(shape: ModelShape, layout: Layout, stage: int) -> float:
-    """Micro-batches whose activations a pipeline device holds at its peak (Megatron's warm-up)."""
+    """Micro-batches whose activations a pipeline device holds at its peak (Megatron's warm-up;
+    zero-bubble schedules count a micro-batch until its W, the weight gradients needing the
+    layers' inputs: zb-h1 min(p, m) on every device, zb-v the schedule's own peak of half-stage
+    chunks, p stages' worth once m >= 2p - 1)."""
     p, v, m = layout.pp, layout.vp, num_micro_batches(shape, layout)
     if p == 1:
         return 1.0
+    if layout.schedule == "zb-h1":
+        return float(min(p, m))
+    if layout.schedule == "zb-v":
+        from parallel.pipeline.schedules import build_schedule, in_flight_peaks
+        return in_flight_peaks(build_schedule("zb-v", p, min(m, 2 * p)))[stage] / 2
     if v == 1:
         return float(min(p - stage, m))
     return min(((p - stage - 1) * 2 + (v - 1) * p + 1) / v, float(m))
@@ -308,8 +341,9 @@ def communicators(layout: Layout, tied_embeddings: bool, stage: str = "first") -
     (6, 1)
     """
     t, c, p, d = layout.tp, layout.cp, layout.pp, layout.dp
-    groups = [layout.world_size, t, c, d, d * c if c > 1 else 1, p, t * p,
-              2 if p > 1 and tied_embeddings and stage != "middle" else 1]
+    # under zb-v the tied pair is one device: its group is never used, so never created
+    paired = p > 1 and tied_embeddings and stage != "middle" and not layout.v_placement
+    groups = [layout.world_size, t, c, d, d * c if c > 1 else 1, p, t * p, 2 if paired else 1]
     neighbours = 0 if p == 1 else (2 if layout.vp > 1 and p > 2 else 1)
     return sum(1 for size in groups if size > 1), neighbours
 
@@ -367,6 +401,10 @@ def memory_per_device(shape: ModelShape, layout: Layout, backend: str = "gloo") 
 
     if layout.pp == 1:
         return terms(first_p, 0, embedding + logits, "only")
+    if layout.v_placement:  # device 0: the embedding and the output layer; device p-1: neither
+        first = terms(first_p, 0, embedding * in_flight(shape, layout, 0) + logits, "first")
+        last = terms(last_p, layout.pp - 1, 0.0, "last")
+        return max(first, last, key=lambda mem: mem.total)
     first = terms(first_p, 0, embedding * in_flight(shape, layout, 0), "first")
     last = terms(last_p, layout.pp - 1, logits, "last")
     return max(first, last, key=lambda mem: mem.total)

@@ -16,7 +16,7 @@ MASTER_ENDPOINT = "$MASTER_ADDR:29500"  # left for the shell of every node to ex
 
 
 def schedule_of(layout: Layout) -> str:
-    return "interleaved" if layout.vp > 1 else "1f1b"
+    return layout.pipeline_schedule
 
 
 def train_args(shape: ModelShape, layout: Layout, precision: str = "bf16",

@@ -28,7 +28,8 @@ from itertools import product
 import yaml
 
 from engine.plan.hardware import DEVICE_SPECS, get_device_spec
-from engine.plan.model import GIB, MEMORY_USABLE_FRACTION, Cluster, Layout, ModelShape, check_layout
+from engine.plan.model import (GIB, MEMORY_USABLE_FRACTION, PLAN_SCHEDULES, Cluster, Layout, ModelShape,
+                               check_layout)
 from engine.plan.placement import DEFAULT_ORDER, parse_order
 from engine.plan.report import explain, launch_command
 from engine.plan.timing import Estimate, estimate
@@ -37,7 +38,8 @@ SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", 
               "global_batch_size", "ffn_hidden_size", "block")
 KEY_ALIASES = {"heads": "num_attention_heads", "hidden": "hidden_size", "seq_len": "seq_length",
                "gbs": "global_batch_size"}
-JSON_KEYS = ("tp", "cp", "pp", "dp", "vp", "micro_batch_size", "recompute", "zero", "sequence_parallel",
+JSON_KEYS = ("tp", "cp", "pp", "dp", "vp", "schedule", "micro_batch_size", "recompute", "zero",
+             "sequence_parallel",
              "order", "memory_bytes_per_device", "step_time_s", "tflops_per_device",
              "model_tflops_per_device", "mfu", "hfu", "time_terms", "memory_terms", "command")
 
@@ -54,6 +56,7 @@ class SearchSpace:
     pp: int | None = None
     vp: int | None = None
     micro_batch_size: int | None = None
+    schedules: tuple[str, ...] = ("1f1b",)  # with pp > 1; add "zb-h1", "zb-v" to weigh them
 
 
 def _divisors(n: int) -> list[int]:
@@ -71,12 +74,15 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, space: SearchSpace):
         vps = [space.vp] if space.vp else (_divisors(shape.num_layers // pp) if pp > 1 else [1])
         per_replica = shape.global_batch_size // dp if shape.global_batch_size % dp == 0 else 0
         mbss = [space.micro_batch_size] if space.micro_batch_size else _divisors(per_replica)
-        for vp, mbs, rc in product(vps, mbss, space.recompute):
-            for zero in space.zero if dp * cp > 1 else (False,):
-                for sp in space.sequence_parallel if tp > 1 else (False,):
-                    layout = Layout(tp, pp, dp, vp, mbs, rc, zero, sp, cp, space.order)
-                    if check_layout(shape, cluster, layout) is None:
-                        yield layout
+        for schedule in space.schedules if pp > 1 else ("1f1b",):
+            chunks = {"zb-h1": [1], "zb-v": [2]}.get(schedule, vps)
+            for vp, mbs, rc in product(chunks, mbss, space.recompute):
+                for zero in space.zero if dp * cp > 1 else (False,):
+                    for sp in space.sequence_parallel if tp > 1 else (False,):
+                        layout = Layout(tp, pp, dp, vp, mbs, rc, zero, sp, cp, space.order,
+                                        schedule)
+                        if check_layout(shape, cluster, layout) is None:
+                            yield layout
 
 
 def search(shape: ModelShape, cluster: Cluster, space: SearchSpace = SearchSpace()) -> list[Estimate]:
@@ -194,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"left out when cp = 1)")
     p.add_argument("--cp", default="1", help="context-parallel sizes to search, a comma list (default 1)")
     p.add_argument("--layout", help="evaluate one layout: TP,PP[,VP]")
+    p.add_argument("--pipeline-schedule", default="1f1b",
+                   help="comma list of pipeline schedules to weigh: 1f1b (interleaved with VP > 1), "
+                        "zb-h1, zb-v")
     p.add_argument("--micro-batch-size", type=int, help="pin the micro-batch size")
     p.add_argument("--recompute", default="none,selective,full", help="comma list to search")
     p.add_argument("--zero", default="both", help="ZeRO-1: on, off or both")
@@ -253,7 +262,9 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
         parse_order(args.order, cp)
     space = SearchSpace(_choice(args.recompute, ("none", "selective", "full"), "--recompute"),
                         _on_off(args.zero, "--zero"), _on_off(args.sequence_parallel, "--sequence-parallel"),
-                        cps, args.order, micro_batch_size=args.micro_batch_size)
+                        cps, args.order, micro_batch_size=args.micro_batch_size,
+                        schedules=_choice(args.pipeline_schedule, PLAN_SCHEDULES,
+                                          "--pipeline-schedule"))
     if args.layout:
         try:
             parts = [int(x) for x in args.layout.split(",")]

@@ -9,7 +9,9 @@ logits and loss. The step is then
 
     m * (mean device's time per micro-batch)              compute, recompute, tp/cp/pp comm
   + m * (slowest - mean device's time per micro-batch)    imbalance
-  + (p - 1) / v * (mean device's time per micro-batch)    bubble
+  + the schedule's bubble: (p - 1) / v micro-batches of the mean device for 1F1B and
+    interleaved; for the zero-bubble schedules from the mean device's forward, input-gradient (B)
+    and weight-gradient (W) times, ``pipeline_bubble_s``
   + the DP gradient reduction left exposed (bucketed, overlapped with the first stage's last
     backward; at least the last bucket is exposed), plus ZeRO-1's parameter all-gather
   + the optimizer step (memory-bound)
@@ -72,6 +74,7 @@ class PassTime:
     cp_comm: float = 0.0  # the ring exchange the attention core does not hide
     pp_comm: float = 0.0  # p2p sends and receives + the TP all-gather on receive
     backward: float = 0.0  # the part of the above that runs in backward (for the DP overlap)
+    weight: float = 0.0  # the part of backward that is weight-gradient GEMMs (a zero-bubble W)
 
     @property
     def total(self) -> float:
@@ -103,7 +106,7 @@ def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links
     ew = (EW_REPLICATED * sbh / (t if sp else 1)
           + (EW_SHARDED_ATTN * sbh + EW_MLP[shape.block] * tokens * f) / t + scores)
     fwd = gemm / rate + mem_s(ew) + LAYER_PASS_OVERHEAD_S
-    bwd = 2 * gemm / rate + mem_s(2 * ew) + LAYER_PASS_OVERHEAD_S
+    bwd = 2 * gemm / rate + mem_s(2 * ew) + LAYER_PASS_OVERHEAD_S  # dX and dW GEMMs, gemm each
     redo = recomputed_layer_flops(tokens, s, h, f, shape.block, rc, shape.recompute_early_stop) / t
     recompute = {"full": redo / rate + mem_s(ew) + LAYER_PASS_OVERHEAD_S,
                  "selective": redo / rate + mem_s(scores) + LAYER_PASS_OVERHEAD_S, "none": 0.0}[rc]
@@ -132,7 +135,8 @@ def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links
         cp_bwd = max(0.0, ring_bwd - 2 * attn / rate)
         cp_re = cp_fwd if rc in ("full", "selective") else 0.0
     backward = bwd + recompute + tp_bwd + tp_re + cp_bwd + cp_re
-    return PassTime(fwd + bwd, recompute, tp_fwd + tp_bwd + tp_re, cp_fwd + cp_bwd + cp_re, 0.0, backward)
+    return PassTime(fwd + bwd, recompute, tp_fwd + tp_bwd + tp_re, cp_fwd + cp_bwd + cp_re, 0.0, backward,
+                    gemm / rate)
 
 
 def pipeline_ends(shape: ModelShape, cluster: Cluster, layout: Layout,
@@ -154,7 +158,8 @@ def pipeline_ends(shape: ModelShape, cluster: Cluster, layout: Layout,
     logits_tp += 3 * COLLECTIVE_LATENCY_S if t > 1 else 0.0
     logits = PassTime(compute=3 * logits_forward_flops(tokens, h, V) / t / rate
                       + mem_s(20 * tokens * V / t + 3 * 4 * sbh), tp_comm=logits_tp,
-                      backward=2 * logits_forward_flops(tokens, h, V) / t / rate)
+                      backward=2 * logits_forward_flops(tokens, h, V) / t / rate,
+                      weight=logits_forward_flops(tokens, h, V) / t / rate)
     p2p = PassTime()
     if layout.pp > 1:
         # one activation forward and one gradient backward per model chunk. Each TP rank sends 1/t
@@ -175,7 +180,7 @@ class TimeTerms:
     tp_comm: float  # TP collectives (incl. SP's backward re-gather, the embedding and loss)
     cp_comm: float  # exposed part of the CP ring exchange
     pp_comm: float  # pipeline p2p + the all-gather that rebuilds a received activation
-    bubble: float  # (p - 1) / v micro-batches of the mean device: the schedule's idle time
+    bubble: float  # the schedule's idle time (pipeline_bubble_s)
     imbalance: float  # the slowest device (first or last, carrying an end) setting the pace
     dp_comm: float  # exposed DP gradient reduction (all-reduce; ZeRO-1: reduce-scatter)
     zero_allgather: float  # ZeRO-1's parameter all-gather after the optimizer step
@@ -230,6 +235,7 @@ class Estimate:
     def as_row(self) -> dict:
         lay = self.layout
         return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "vp": lay.vp,
+                "schedule": lay.pipeline_schedule,
                 "micro_batch_size": lay.micro_batch_size, "recompute": lay.recompute, "zero": lay.zero,
                 "sequence_parallel": lay.sequence_parallel, "order": lay.order,
                 "memory_bytes_per_device": int(self.memory_bytes_per_device),
@@ -237,6 +243,30 @@ class Estimate:
                 "model_tflops_per_device": self.model_tflops_per_device,
                 "mfu": self.mfu, "hfu": self.hfu,
                 "time_terms": self.time.as_dict(), "memory_terms": self.memory.as_dict()}
+
+
+def pipeline_bubble_s(layout: Layout, m: int, mean: PassTime) -> float:
+    """Seconds a device idles in one step for the layout's schedule, from the mean device's times
+    per micro-batch: forward ``T_F`` (total less backward), input gradient ``T_B`` (backward less
+    W) and weight gradients ``T_W`` (``PassTime.weight``).
+
+    1F1B: (p-1)(T_F + T_B + T_W); interleaved: that over v (Narayanan et al. 2021). ZB-H1 (Qi et
+    al. 2024, sec. 3.1): (p-1)(T_F + T_B - T_W) for T_W <= T_F, (p-1) T_B above it, plus T_W for
+    each micro-batch fewer than stages. ZB-V (chunks of half a stage): (p-1) max(T_F, T_B) / 2, or
+    the dependency chain of the last micro-batches, (4m + 4p - 2) chunk steps, when m is small.
+    With equal T_F, T_B, T_W these are the closed forms of parallel/pipeline/bubble.py (the
+    replays of the schedules give them exactly; tests/test_zero_bubble_schedules.py).
+    """
+    p, v, total = layout.pp, layout.vp, mean.total
+    if p == 1:
+        return 0.0
+    t_f, t_w = total - mean.backward, mean.weight
+    t_b = mean.backward - t_w
+    if layout.schedule == "zb-h1":
+        return (p - 1) * (t_b + max(0.0, t_f - t_w)) + max(0, p - m) * t_w
+    if layout.schedule == "zb-v":
+        return max((p - 1) * max(t_f, t_b) / 2, (4 * m + 4 * p - 2) * total / 6 - m * total)
+    return (p - 1) / v * total
 
 
 def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
@@ -250,6 +280,8 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
     body = layer.scale(layers)
     if p == 1:
         stages = [body + embedding + logits]
+    elif layout.v_placement:  # device 0 runs the first and the last virtual stage
+        stages = [body + embedding + logits + p2p] + [body + p2p] * (p - 1)
     else:
         stages = [body + embedding + p2p, body + logits + p2p] + [body + p2p] * (p - 2)
     mean = sum(stages[1:], stages[0]).scale(1 / p)
@@ -268,7 +300,8 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
     opt_params = max(first_params, last_params) / (reducers if layout.zero else 1)
     terms = TimeTerms(compute=m * mean.compute, recompute=m * mean.recompute, tp_comm=m * mean.tp_comm,
                       cp_comm=m * mean.cp_comm, pp_comm=m * mean.pp_comm,
-                      bubble=(p - 1) / v * mean.total, imbalance=m * (slowest.total - mean.total),
+                      bubble=pipeline_bubble_s(layout, m, mean),
+                      imbalance=m * (slowest.total - mean.total),
                       dp_comm=dp_exposed, zero_allgather=allgather,
                       optimizer=mem_s(opt_params * OPTIMIZER_BYTES_PER_PARAM))
     flops = step_flops(shape.global_batch_size, shape.seq_length, shape.num_layers, shape.hidden_size,
