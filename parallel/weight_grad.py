@@ -193,14 +193,25 @@ class _RMSNormSplit(torch.autograd.Function):
         return grad_x, weight_grad().to(weight.dtype), None, None
 
 
+@torch.compiler.disable
+def _apply_eager(fn, *args):
+    return fn.apply(*args)
+
+
+def apply_split(fn, store: WeightGradStore | None, *args):
+    """``fn.apply(*args)``; with a store, outside any torch.compile graph: the W closures are
+    Python side effects of backward that a traced backward graph cannot hold."""
+    return fn.apply(*args) if store is None else _apply_eager(fn, *args)
+
+
 def layer_norm_split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
                      store: WeightGradStore | None) -> torch.Tensor:
-    return _LayerNormSplit.apply(x, weight, bias, eps, store)
+    return apply_split(_LayerNormSplit, store, x, weight, bias, eps, store)
 
 
 def rms_norm_split(x: torch.Tensor, weight: torch.Tensor, eps: float,
                    store: WeightGradStore | None) -> torch.Tensor:
-    return _RMSNormSplit.apply(x, weight, eps, store)
+    return apply_split(_RMSNormSplit, store, x, weight, eps, store)
 
 
 def reference_layer_norm(x, weight, bias, eps):

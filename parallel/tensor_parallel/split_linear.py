@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from parallel.comm import group_size
-from parallel.weight_grad import WeightGradStore, accumulate, accumulate_matmul
+from parallel.weight_grad import WeightGradStore, accumulate, accumulate_matmul, apply_split
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:  # (..., n) -> (N, n)
@@ -171,27 +171,18 @@ class _EmbeddingDeferW(torch.autograd.Function):
         return None, weight_grad(), None
 
 
-@torch.compiler.disable
-def _apply_eager(fn, *args):
-    return fn.apply(*args)
-
-
-def _apply(fn, store, *args):
-    return fn.apply(*args) if store is None else _apply_eager(fn, *args)
-
-
 def linear_defer_w(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    store: WeightGradStore | None) -> torch.Tensor:
-    return _apply(_LinearDeferW, store, x, weight, bias, store)
+    return apply_split(_LinearDeferW, store, x, weight, bias, store)
 
 
 def seq_gather_linear(shard: torch.Tensor, weights, biases, group,
                       store: WeightGradStore | None):
     """One output per weight, (b, s, out_i/tp), from the (b, s/tp, h) shard."""
     params = [p for w, b in zip(weights, biases) for p in (w, b)]
-    return _apply(_SeqGatherLinearReduceScatter, store, shard, group, store, *params)
+    return apply_split(_SeqGatherLinearReduceScatter, store, shard, group, store, *params)
 
 
 def embedding_defer_w(ids: torch.Tensor, weight: torch.Tensor,
                       store: WeightGradStore | None) -> torch.Tensor:
-    return _apply(_EmbeddingDeferW, store, ids, weight, store)
+    return apply_split(_EmbeddingDeferW, store, ids, weight, store)
