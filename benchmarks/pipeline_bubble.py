@@ -1,29 +1,32 @@
-"""Pipeline bubble of GPipe, 1F1B and interleaved 1F1B through the real trainer: theory, simulation
-and measurement side by side, with a Gantt chart per run.
+"""Pipeline bubble of every schedule through the real trainer: theory, simulation and measurement
+side by side with throughput and activation memory, and a Gantt chart per run.
 
     python -m benchmarks.pipeline_bubble                       # pp 2 and 4, m 4 and 8
-    python -m benchmarks.pipeline_bubble --pp 4 --m 8 16 --hidden-size 256 --out runs/bench
+    python -m benchmarks.pipeline_bubble --pp 2 --m 4 8 --schedules 1f1b zb-h1 zb-v --steps 12
 
-For every (pp, m) each schedule trains a small GPT for a few steps on pp gloo processes (tp=dp=1,
-one spawned group per pp, one thread per rank). Per run it prints:
+For every (pp, m) one spawned group of pp gloo processes (tp=dp=1, one thread per rank) builds a
+trainer per schedule (GPipe, 1F1B, interleaved with 2 chunks, 1F1B with W actions, ZB-H1, ZB-V)
+and runs their steps alternately: step 1 of every schedule, then step 2 of every schedule, ... so
+a change of load on a shared machine hits all of them alike. Per run it prints:
 
-- theoretical: the closed form for equal stages, (p-1)/(v*m + p-1) (parallel/pipeline/bubble.py);
+- theoretical: the closed form for equal stages (parallel/pipeline/bubble.py; F, B, W equal for
+  the zero-bubble schedules);
 - simulated: ``bubble.simulate`` replaying the very schedule the executor ran, with each virtual
-  stage's mean forward and backward device time measured from the events (transfers free), per
-  step; totals over the measured steps (the trainer's ``bubble_simulated``);
+  stage's mean forward, backward (B) and W device time measured from the events (transfers free),
+  per step; totals over the measured steps (the trainer's ``bubble_simulated``);
 - measured: the ``bubble_measured`` metric: per rank the device time in pipeline transfers plus the
   idle before its first and after its last action, over the pipeline phase; averaged over ranks;
-  totals over the measured steps (idle time over pipeline time). Optimizer, DP reduction and
-  clipping are not in it (they are the ``time_*`` keys);
-- |measured - simulated|; for the last step, the replay with stage means, the replay with each
-  action's own measured time (transfers still free: what the variation of compute times adds)
-  and the measurement (the rest is what the transfers cost); the step time and the mean forward
-  and backward time.
+  totals over the measured steps (idle time over pipeline time);
+- tokens/s: all tokens over all step seconds of the measured steps, and the ratio to 1F1B's;
+- peak activation MB: the most bytes of activations held at once on any rank during the last
+  step (benchmarks/activation_memory.py: autograd's saved tensors and what W closures keep);
+- for the last step, the replay with stage means, the replay with each action's own measured
+  time (transfers still free) and the measurement; the mean F, B and W times.
 
 The first ``--warmup`` steps of every run are left out. Two PNG Gantt charts per run go to
-``--out``: the measured last step and the simulation. On a machine with fewer cores than pipeline
-ranks the processes share cores, so measured times include waiting for a core; the script says so
-when it detects it.
+``--out`` (the measured last step and the simulation; W blocks orange). On a machine with fewer
+cores than pipeline ranks the processes share cores, so measured times include waiting for a
+core; the script says so when it detects it.
 """
 from __future__ import annotations
 
@@ -35,16 +38,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.activation_memory import ActivationMemory  # noqa: E402
 from benchmarks.gantt import draw_gantt  # noqa: E402
 from engine.cli import parse_args  # noqa: E402
 from engine.metrics import summarize_run  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
 from parallel.pipeline.bubble import measured_bubble, simulate, theoretical_bubble  # noqa: E402
-from parallel.pipeline.schedules import build_schedule  # noqa: E402
+from parallel.pipeline.schedules import (build_schedule, chunks_per_rank,  # noqa: E402
+                                         has_weight_actions, replay)
 from parallel.topology import RankGrid  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "1f1b-w", "zb-h1", "zb-v")
+CATS = ("forward", "backward", "weight")
 
 
 def model_flags(args) -> list[str]:
@@ -55,60 +61,84 @@ def model_flags(args) -> list[str]:
             "--lr-warmup-iters", "0", "--peak-tflops", "1"]
 
 
-def run_rank(ps, runs: list[tuple[str, int, int, list[str]]]) -> list[dict]:
-    """Train each (schedule, m, vp, flags) and keep this rank's events of the last step."""
-    out = []
-    for schedule, m, vp, flags in runs:
-        trainer = Trainer(parse_args(flags))
-        last, run = {}, trainer.stepper.run
+def run_rank(ps, runs: list[tuple[str, int, int, list[str]]], steps: int) -> list[dict]:
+    """Build a trainer per (schedule, m, vp, flags) and run their steps alternately; keep this
+    rank's records, the last step's events and its peak activation bytes."""
+    trainers = [Trainer(parse_args(flags)) for *_, flags in runs]
+    out = [{"records": [], "events": None, "peak": None} for _ in runs]
+    for step in range(steps):
+        for trainer, slot in zip(trainers, out):
+            if step == steps - 1:
+                run, tracker = trainer.stepper.run, ActivationMemory()
 
-        def keep_events(batches, lr):
-            result = run(batches, lr)
-            last["events"] = [e.to_dict() for e in result.pipeline.events]
-            return result
-
-        trainer.stepper.run = keep_events
-        records = trainer.train().records
+                def keep(batches, lr, run=run, slot=slot):
+                    result = run(batches, lr)
+                    slot["events"] = [e.to_dict() for e in result.pipeline.events]
+                    return result
+                trainer.stepper.run = keep
+                with tracker.watch(trainer):
+                    record = trainer.train_one(step)
+                trainer.stepper.run = run
+                slot["peak"] = tracker.peak_bytes
+            else:
+                record = trainer.train_one(step)
+            slot["records"].append(record)
+    for trainer in trainers:
         trainer.close()
-        out.append({"events": last["events"], "records": records})
     return out
 
 
-def stage_times(events_by_rank: list[list[dict]], pp: int, vp: int) -> tuple[list[float], list[float]]:
-    """Mean forward and backward seconds per virtual stage (index chunk * pp + rank)."""
-    fwd, bwd = [0.0] * (pp * vp), [0.0] * (pp * vp)
+def stage_times(events_by_rank: list[list[dict]], pp: int, vp: int) -> dict[str, list[float]]:
+    """Mean forward, backward and W seconds per (rank, chunk), indexed chunk * pp + rank."""
+    table = {cat: [0.0] * (pp * vp) for cat in CATS}
     for rank, events in enumerate(events_by_rank):
         for chunk in range(vp):
-            for cat, table in (("forward", fwd), ("backward", bwd)):
-                spans = [e["end"] - e["start"] for e in events if e["cat"] == cat and e["chunk"] == chunk]
-                table[chunk * pp + rank] = statistics.mean(spans)
-    return fwd, bwd
+            for cat in CATS:
+                spans = [e["end"] - e["start"] for e in events
+                         if e["cat"] == cat and e["chunk"] == chunk]
+                table[cat][chunk * pp + rank] = statistics.mean(spans) if spans else 0.0
+    return table
 
 
 def replay_measured(lists, events_by_rank: list[list[dict]]) -> float:
     """Idle fraction of the schedule replayed with each action's own measured time (transfers
     free): unlike ``simulate`` with stage means, it keeps the step-to-step variation of the
     compute times, so the rest of the gap to the measurement is what the transfers cost."""
-    from parallel.pipeline.schedules import replay
     took = {(rank, e["cat"][0], e["microbatch"], e["chunk"]): e["end"] - e["start"]
-            for rank, events in enumerate(events_by_rank) for e in events
-            if e["cat"] in ("forward", "backward")}
-    times = replay(lists, lambda rank, a: took[(rank, a.kind.value, a.microbatch, a.chunk)])
-    makespan = max(t[-1][1] for t in times if t)
+            for rank, events in enumerate(events_by_rank) for e in events if e["cat"] in CATS}
+    letter = {"f": "f", "b": "b", "w": "w"}
+    times = replay(lists, lambda rank, a: took[(rank, letter[a.kind.value], a.microbatch, a.chunk)])
+    makespan = max(end for spans in times for _, end in spans)
     busy = sum(end - start for actions, spans in zip(lists, times)
                for a, (start, end) in zip(actions, spans) if not a.is_comm)
     return 1.0 - busy / (len(lists) * makespan)
+
+
+def plan_runs(args, pp: int) -> list[tuple[str, int, int, list[str]]]:
+    runs = []
+    for m in args.m:
+        for schedule in args.schedules:
+            vp = 2 if schedule == "interleaved" else 1
+            chunks = chunks_per_rank(schedule, vp)
+            if (schedule == "interleaved" and m % pp) or args.num_layers % (pp * chunks):
+                continue
+            flags = model_flags(args) + ["--pp", str(pp), "--pipeline-schedule", schedule,
+                                         "--virtual-pipeline-size", str(vp),
+                                         "--global-batch-size", str(m * args.micro_batch_size)]
+            runs.append((schedule, m, vp, flags))
+    return runs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--m", type=int, nargs="+", default=[4, 8], help="micro-batches per step")
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the totals")
     parser.add_argument("--out", default="runs/bench", help="folder for the Gantt charts")
     args = parser.parse_args()
@@ -117,50 +147,60 @@ def main() -> None:
 
     rows, charts = [], []
     for pp in args.pp:
-        runs = []
-        for m in args.m:
-            for schedule, vp in SCHEDULES:
-                if (schedule == "interleaved" and m % pp) or args.num_layers % (pp * vp):
-                    continue
-                flags = model_flags(args) + ["--pp", str(pp), "--pipeline-schedule", schedule,
-                                             "--virtual-pipeline-size", str(vp),
-                                             "--global-batch-size", str(m * args.micro_batch_size)]
-                runs.append((schedule, m, vp, flags))
-        results = run_distributed(run_rank, grid=RankGrid(pp=pp), args=(runs,), timeout_s=600)
+        runs = plan_runs(args, pp)
+        results = run_distributed(run_rank, grid=RankGrid(pp=pp), args=(runs, args.steps),
+                                  timeout_s=1800)
+        base = {}
         for i, (schedule, m, vp, _) in enumerate(runs):
             events = [results[rank][i]["events"] for rank in range(pp)]
             summary = summarize_run(results[0][i]["records"], args.warmup)
-            fwd, bwd = stage_times(events, pp, vp)
+            chunks = chunks_per_rank(schedule, vp)
+            times = stage_times(events, pp, chunks)
             lists = build_schedule(schedule, pp, m, vp)
-            sim = simulate(lists, fwd, bwd)
+            split = has_weight_actions(lists)
+            sim = simulate(lists, times["forward"], times["backward"],
+                           wgt_time=times["weight"] if split else None)
             last = measured_bubble(events)
-            rows.append((schedule, pp, m, vp, theoretical_bubble(schedule, pp, m, vp),
-                         summary["bubble_simulated"], summary["bubble_measured"],
-                         sim.idle_fraction, replay_measured(lists, events), last.mean,
-                         summary["step_time_s"], statistics.mean(fwd), statistics.mean(bwd)))
+            peak = max(results[rank][i]["peak"] for rank in range(pp))
+            if schedule == "1f1b":
+                base[m] = summary["tokens_per_s"]
+            rows.append({"schedule": schedule, "pp": pp, "m": m, "v": chunks,
+                         "theory": theoretical_bubble(schedule, pp, m, vp),
+                         "sim": summary["bubble_simulated"], "meas": summary["bubble_measured"],
+                         "tokens_per_s": summary["tokens_per_s"], "peak_mb": peak / 2 ** 20,
+                         "last": (sim.idle_fraction, replay_measured(lists, events), last.mean),
+                         "f": statistics.mean(times["forward"]), "b": statistics.mean(times["backward"]),
+                         "w": statistics.mean(times["weight"]) if split else None})
             stem = os.path.join(args.out, f"pipeline_{schedule}_p{pp}_m{m}")
-            title = f"{schedule} p={pp} m={m} v={vp}"
+            title = f"{schedule} p={pp} m={m} v={chunks}"
             charts.append(draw_gantt(events, f"{stem}_measured.png",
                                      f"{title}: measured bubble {last.mean:.3f} (last step)"))
             charts.append(draw_gantt(sim, f"{stem}_simulated.png",
                                      f"{title}: simulated bubble {sim.idle_fraction:.3f}"))
+        for row in rows:
+            if row["pp"] == pp:
+                row["vs_1f1b"] = (row["tokens_per_s"] / base[row["m"]]) if row["m"] in base else None
 
-    print("| schedule | p | m | v | theoretical | simulated | measured | abs(measured - simulated) "
-          "| last step: simulated / each action's time / measured | step time (s) | mean F (ms) "
-          "| mean B (ms) |")
+    print("| schedule | p | m | v | theoretical | simulated | measured | tokens/s | vs 1F1B "
+          "| peak activations (MB) | last step: simulated / each action's time / measured "
+          "| mean F / B / W (ms) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for schedule, pp, m, vp, theory, sim, meas, last_sim, last_each, last_meas, t, f, b in rows:
-        print(f"| {schedule} | {pp} | {m} | {vp} | {theory:.3f} | {sim:.3f} | {meas:.3f} "
-              f"| {abs(meas - sim):.3f} | {last_sim:.3f} / {last_each:.3f} / {last_meas:.3f} "
-              f"| {t:.3f} | {f * 1e3:.1f} | {b * 1e3:.1f} |")
+    for r in rows:
+        w = f"{r['w'] * 1e3:.1f}" if r["w"] is not None else "-"
+        ratio = f"{r['vs_1f1b']:.2f}" if r.get("vs_1f1b") is not None else "-"
+        s, e, ms = r["last"]
+        print(f"| {r['schedule']} | {r['pp']} | {r['m']} | {r['v']} | {r['theory']:.3f} "
+              f"| {r['sim']:.3f} | {r['meas']:.3f} | {r['tokens_per_s']:.0f} | {ratio} "
+              f"| {r['peak_mb']:.1f} | {s:.3f} / {e:.3f} / {ms:.3f} "
+              f"| {r['f'] * 1e3:.1f} / {r['b'] * 1e3:.1f} / {w} |")
     print()
     print(f"Totals over steps {args.warmup + 1}..{args.steps} of each run ({args.warmup} warm-up "
-          f"steps left out). simulated: the executed schedule replayed with each step's measured "
-          f"mean forward/backward time per virtual stage, transfers free. measured: the "
-          f"bubble_measured metric (transfers + idle before the first and after the last action, "
-          f"over the pipeline phase). Last step: the replay with stage means, the replay with each "
-          f"action's own measured time (what compute-time variation adds), and the measurement "
-          f"(the rest is what the transfers cost).")
+          f"steps left out), the schedules of one (p, m) run step by step in turn in one process "
+          f"group. simulated: the executed schedule replayed with each step's measured mean "
+          f"F/B/W time per stage, transfers free. measured: the bubble_measured metric "
+          f"(transfers + idle before the first and after the last action, over the pipeline "
+          f"phase). Peak activations: the most bytes held at once by autograd's saved tensors and "
+          f"W closures on any rank, last step.")
     if max(args.pp) > cores:
         print(f"note: this machine has {cores} CPU cores and runs up to {max(args.pp)} pipeline ranks, "
               f"so ranks wait for a core as well as for their neighbours: measured bubbles are "

@@ -31,11 +31,17 @@ import torch
 import torch.nn.functional as F
 
 
+class _Token:
+    """Stands for one queued closure's held tensors (weak-referenceable, unlike object())."""
+    __slots__ = ("__weakref__",)
+
+
 class WeightGradStore:
     """Weight-gradient closures queued by the B of one (micro-batch, chunk), run by its W."""
 
     def __init__(self, on_ready: Callable[[torch.nn.Parameter], None] | None = None):
         self.on_ready = on_ready
+        self.on_hold: Callable[[tuple, object], None] | None = None  # (tensors, token): accounting
         self._key = None
         self._queues: dict = {}
 
@@ -55,12 +61,18 @@ class WeightGradStore:
         finally:
             self._key = None
 
-    def defer(self, fn: Callable[[], None], params: Iterable[torch.nn.Parameter]) -> bool:
+    def defer(self, fn: Callable[[], None], params: Iterable[torch.nn.Parameter],
+              holds: Iterable[torch.Tensor] = ()) -> bool:
         """Queue ``fn`` (which accumulates the gradients of ``params``) if capturing; returns
-        whether it was queued (False: the caller computes the gradients now)."""
+        whether it was queued (False: the caller computes the gradients now). ``holds``: the
+        tensors ``fn`` keeps alive until it runs (for ``on_hold``, a memory account: it gets the
+        tensors and a token that is dropped once the closure has run)."""
         if self._key is None:
             return False
-        self._queues[self._key].append((fn, tuple(params)))
+        token = _Token()
+        if self.on_hold is not None:
+            self.on_hold(tuple(holds), token)
+        self._queues[self._key].append((fn, tuple(params), token))
         return True
 
     def run(self, key) -> int:
@@ -68,15 +80,18 @@ class WeightGradStore:
         order), then tell ``on_ready`` about each parameter once; returns how many ran."""
         queue = self._queues.pop(key, [])
         told: set[int] = set()
-        for fn, params in queue:
+        ran = len(queue)
+        while queue:
+            fn, params, token = queue.pop(0)
             with torch.no_grad():  # outside autograd's backward: record nothing
                 fn()
+            del fn, token                  # what the closure kept goes once it has run
             for p in params:
                 if id(p) not in told:
                     told.add(id(p))
                     if self.on_ready is not None:
                         self.on_ready(p)
-        return len(queue)
+        return ran
 
     @property
     def pending(self) -> list:
@@ -156,7 +171,7 @@ class _LayerNormSplit(torch.autograd.Function):
             if ctx.has_bias:
                 accumulate(bias, gb)
 
-        if ctx.store is not None and ctx.store.defer(weight_grads, params):
+        if ctx.store is not None and ctx.store.defer(weight_grads, params, (grad, x, mean, rstd)):
             return grad_x, None, None, None, None
         _, gw, gb = torch.ops.aten.native_layer_norm_backward(grad, x, shape, mean, rstd, w, b,
                                                               [False, True, ctx.has_bias])
@@ -188,7 +203,7 @@ class _RMSNormSplit(torch.autograd.Function):
             return (grad.float() * x_hat).reshape(-1, x.shape[-1]).sum(dim=0)
 
         if ctx.store is not None and ctx.store.defer(lambda: accumulate(weight, weight_grad()),
-                                                     (weight,)):
+                                                     (weight,), (grad, x_hat)):
             return grad_x, None, None, None
         return grad_x, weight_grad().to(weight.dtype), None, None
 

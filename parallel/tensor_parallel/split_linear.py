@@ -60,7 +60,7 @@ class _LinearDeferW(torch.autograd.Function):
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         params = (weight,) if bias is None else (weight, bias)
         if ctx.store is not None and ctx.store.defer(lambda: _weight_grads(weight, bias, grad, x),
-                                                     params):
+                                                     params, (grad, x)):
             return grad_x, None, None, None
         gw = _flat(grad).t().matmul(_flat(x))
         gb = _flat(grad).sum(dim=0) if bias is not None and ctx.needs_input_grad[2] else None
@@ -132,7 +132,8 @@ class _SeqGatherLinearReduceScatter(torch.autograd.Function):
                     _weight_grads(w, b, g, full)
 
         if deferred:
-            ctx.store.defer(lambda: weight_grads(_gather_seq(shard, group)), params)
+            ctx.store.defer(lambda: weight_grads(_gather_seq(shard, group)), params,
+                            (shard, *[g for g in grads if g is not None]))
             return (grad_shard, None, None) + (None,) * (2 * len(weights))
         laid_out, handle = later
         if handle is not None:
@@ -166,7 +167,7 @@ class _EmbeddingDeferW(torch.autograd.Function):
             return torch.ops.aten.embedding_dense_backward(grad, ids, rows, -1, False)
 
         if ctx.store is not None and ctx.store.defer(lambda: accumulate(weight, weight_grad()),
-                                                     (weight,)):
+                                                     (weight,), (grad, ids)):
             return None, None, None
         return None, weight_grad(), None
 
