@@ -2,6 +2,7 @@
 
     python -m benchmarks.peers [--layouts 2,1,1 1,2,1 1,1,2 2,2,2] [--steps 10] [--warmup 3]
                                [--repeats 1] [--out runs/peers] [model flags: --num-layers 4 ...]
+    python -m benchmarks.peers --layouts 1,2,1 --schedules 1f1b zb-h1 zb-v --repeats 5
 
 For every (tp, pp, dp) layout, two torchrun jobs train the same model for the same steps:
 - engine: ``python -m engine.train --mock-data --precision fp32 ...`` with the layout's flags;
@@ -10,6 +11,12 @@ For every (tp, pp, dp) layout, two torchrun jobs train the same model for the sa
   (ColwiseParallel/RowwiseParallel), ``torch.distributed.pipelining`` (PipelineStage +
   Schedule1F1B) and DDP; its docstring gives the exact composition and the two places where
   torch 2.13 on gloo needed care (static stage metadata, loss scaling instead of scale_grads).
+
+``--schedules`` adds pipeline schedules to compare (for layouts with pp > 1): the engine's
+``--pipeline-schedule`` against torch.distributed.pipelining's own schedule for the same layout:
+``Schedule1F1B`` for 1f1b, ``ScheduleInterleavedZeroBubble`` (one stage per rank: its ZB1P, i.e.
+ZB-H1) for zb-h1, ``ScheduleZBVZeroBubble`` (two stages per rank in a V, the tied embedding and
+output layer on rank 0) for zb-v; the native zero-bubble side runs with tp = dp = 1.
 
 Both sides draw step k's global batch from ``GlobalBatchSampler`` over the engine's mock data with
 the same seed, split it into the same micro-batches, and use AdamW with the same decay groups, LR
@@ -37,10 +44,14 @@ SPEC = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_lengt
         "min_lr": 1e-4, "lr_warmup_iters": 2, "weight_decay": 0.1, "clip_grad": 1.0, "seed": 1234}
 
 
-def check_layout(layout: Layout, spec: dict) -> None:
+def check_layout(layout: Layout, spec: dict, schedule: str = "1f1b") -> None:
     """Refuse a layout the model or batch cannot be split over, before launching anything."""
     per_step = spec["micro_batch_size"] * layout.dp
     problems = []
+    if schedule != "1f1b" and (layout.pp == 1 or layout.tp > 1 or layout.dp > 1):
+        problems.append(f"--schedules {schedule} is compared on layouts with pp > 1 and tp = dp = 1")
+    if schedule == "zb-v" and spec["num_layers"] % (2 * layout.pp):
+        problems.append(f"zb-v needs --num-layers a multiple of 2 x pp = {2 * layout.pp}")
     if spec["global_batch_size"] % per_step:
         problems.append(f"--global-batch-size {spec['global_batch_size']} is not a multiple of "
                         f"micro-batch x dp = {per_step}")
@@ -58,14 +69,17 @@ def shared_flags(spec: dict, steps: int) -> list[str]:
     return flags + [f"--train-iters={steps}"]
 
 
-def engine_target(layout: Layout, spec: dict, steps: int, metrics: Path) -> list[str]:
+def engine_target(layout: Layout, spec: dict, steps: int, metrics: Path,
+                  schedule: str = "1f1b") -> list[str]:
     return (["-m", "engine.train", *shared_flags(spec, steps), *layout.flags(), "--mock-data",
-             "--precision", "fp32", "--no-progress", "--metrics-file", str(metrics)])
+             "--precision", "fp32", "--no-progress", "--metrics-file", str(metrics),
+             "--pipeline-schedule", schedule])
 
 
-def native_target(layout: Layout, spec: dict, steps: int, metrics: Path) -> list[str]:
+def native_target(layout: Layout, spec: dict, steps: int, metrics: Path,
+                  schedule: str = "1f1b") -> list[str]:
     return [str(REPO / "benchmarks" / "peers_native.py"), *shared_flags(spec, steps),
-            *layout.flags(), "--out", str(metrics)]
+            *layout.flags(), "--schedule", schedule, "--out", str(metrics)]
 
 
 def compare(engine_runs: list[list[dict]], native_runs: list[list[dict]], warmup: int) -> dict:
@@ -87,10 +101,10 @@ def compare(engine_runs: list[list[dict]], native_runs: list[list[dict]], warmup
 
 def run_layout(layout: Layout, spec: dict, steps: int, warmup: int, out_dir: Path,
                timeout_s: float = 600.0, threads_per_rank: int = 1, native_first: bool = False,
-               repeats: int = 1) -> dict:
-    """Train both sides on ``layout`` (one torchrun job each, ``repeats`` times, alternating which
-    side goes first) and compare them."""
-    check_layout(layout, spec)
+               repeats: int = 1, schedule: str = "1f1b") -> dict:
+    """Train both sides on ``layout`` with ``schedule`` (one torchrun job each, ``repeats`` times,
+    alternating which side goes first) and compare them."""
+    check_layout(layout, spec, schedule)
     out_dir = Path(out_dir).resolve()  # the jobs run from the repository root
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list] = {"engine": [], "native": []}
@@ -98,22 +112,23 @@ def run_layout(layout: Layout, spec: dict, steps: int, warmup: int, out_dir: Pat
     for rep in range(repeats):
         order = ("native", "engine") if native_first != bool(rep % 2) else ("engine", "native")
         for side in order:
-            metrics = out_dir / f"{side}-{layout.tag}-r{rep}.jsonl"
+            metrics = out_dir / f"{side}-{layout.tag}-{schedule}-r{rep}.jsonl"
             metrics.unlink(missing_ok=True)
-            torchrun(layout.world, build[side](layout, spec, steps, metrics),
+            torchrun(layout.world, build[side](layout, spec, steps, metrics, schedule),
                      metrics.with_suffix(".log"), timeout_s, threads_per_rank)
             runs[side].append(read_jsonl(metrics))
-    return {"layout": str(layout), "world": layout.world,
+    return {"layout": str(layout), "world": layout.world, "schedule": schedule,
             **compare(runs["engine"], runs["native"], warmup)}
 
 
 def report(results: list[dict], spec: dict, steps: int, warmup: int, rtol: float,
            repeats: int = 1) -> str:
-    rows = [[r["layout"], r["world"], fmt(r["engine_tokens_per_s"], ".0f"),
+    rows = [[r["layout"], r.get("schedule", "1f1b"), r["world"], fmt(r["engine_tokens_per_s"], ".0f"),
              fmt(r["native_tokens_per_s"], ".0f"), fmt(r["ratio"], ".2f"),
              fmt(r["max_rel_loss_diff"], ".1e"),
              "yes" if r["max_rel_loss_diff"] <= rtol else f"NO (> {rtol:g})"] for r in results]
-    table = markdown_table(["layout (tp,pp,dp)", "ranks", "engine tokens/s", "native tokens/s",
+    table = markdown_table(["layout (tp,pp,dp)", "schedule", "ranks", "engine tokens/s",
+                            "native tokens/s",
                             "engine / native", "max rel. loss diff", "losses agree"], rows)
     model = ", ".join(f"{k}={v}" for k, v in spec.items())
     runs = f"median of {repeats} jobs per side" if repeats > 1 else "one job per side"
@@ -125,6 +140,8 @@ def report(results: list[dict], spec: dict, steps: int, warmup: int, rtol: float
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS), help="tp,pp,dp triples")
+    ap.add_argument("--schedules", nargs="+", default=["1f1b"], choices=("1f1b", "zb-h1", "zb-v"),
+                    help="pipeline schedules to compare on layouts with pp > 1")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3, help="steps dropped from the throughput")
     ap.add_argument("--out", default="runs/peers")
@@ -142,15 +159,17 @@ def main(argv=None) -> int:
     args = parse(argv)
     spec = {k: getattr(args, k) for k in SPEC}
     layouts = [parse_layout(t) for t in args.layouts]
-    for layout in layouts:
-        check_layout(layout, spec)
+    cases = [(layout, s) for layout in layouts
+             for s in (args.schedules if layout.pp > 1 else ["1f1b"])]
+    for layout, schedule in cases:
+        check_layout(layout, spec, schedule)
     out = Path(args.out)
     results = []
-    for i, layout in enumerate(layouts):
-        print(f"peers: layout {layout} ({layout.world} ranks) ...", flush=True)
+    for i, (layout, schedule) in enumerate(cases):
+        print(f"peers: layout {layout} ({layout.world} ranks), {schedule} ...", flush=True)
         results.append(run_layout(layout, spec, args.steps, args.warmup, out, args.timeout,
                                   args.threads_per_rank, native_first=bool(i % 2),
-                                  repeats=args.repeats))
+                                  repeats=args.repeats, schedule=schedule))
         r = results[-1]
         print(f"  engine {r['engine_tokens_per_s']:.0f} tokens/s, native {r['native_tokens_per_s']:.0f}"
               f" tokens/s, ratio {r['ratio']:.2f}, max rel. loss diff {r['max_rel_loss_diff']:.1e}",

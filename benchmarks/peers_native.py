@@ -178,6 +178,9 @@ def parse(argv=None) -> argparse.Namespace:
         p.add_argument(f"--{name}", type=int, default=default)
     for name, default in (("lr", 1e-3), ("min-lr", 1e-4), ("weight-decay", 0.1), ("clip-grad", 1.0)):
         p.add_argument(f"--{name}", type=float, default=default)
+    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "zb-h1", "zb-v"),
+                   help="Schedule1F1B, ScheduleInterleavedZeroBubble (one stage per rank), or "
+                        "ScheduleZBVZeroBubble (two stages per rank in a V)")
     p.add_argument("--out", required=True, help="JSONL of per-step records (rank 0)")
     return p.parse_args(argv)
 
@@ -194,6 +197,9 @@ class NativeRun:
         self.pp_rank, self.dp_rank = self.mesh["pp"].get_local_rank(), self.mesh["dp"].get_local_rank()
         self.tp_rank = self.mesh["tp"].get_local_rank()
         self.num_micro = a.global_batch_size // (a.micro_batch_size * a.dp)
+        if a.schedule != "1f1b":
+            self._init_zero_bubble(a)
+            return
         layers = stage_layers(a.num_layers, a.pp, 1, self.pp_rank)[0]
         first, last = self.pp_rank == 0, self.pp_rank == a.pp - 1
         self.model = NativeGPT(a.vocab_size, a.hidden_size, a.num_attention_heads, 4 * a.hidden_size,
@@ -219,7 +225,56 @@ class NativeRun:
             # divide the loss by m rather than scale_grads=True (see the module docstring)
             per_micro = lambda out, y: self.loss_fn(out, y) / self.num_micro  # noqa: E731
             self.schedule = Schedule1F1B(stage, self.num_micro, loss_fn=per_micro, scale_grads=False)
-        named = list(self.model.named_parameters())
+        self._init_optimizer(list(self.model.named_parameters()))
+
+    def _init_zero_bubble(self, a) -> None:
+        """torch.distributed.pipelining's zero-bubble schedules (tp = dp = 1): zb-h1 as
+        ``ScheduleInterleavedZeroBubble`` with one stage per rank (its ZB1P is ZB-H1 there), zb-v
+        as ``ScheduleZBVZeroBubble`` with two stages per rank in the V: rank r runs stages r and
+        2p-1-r, rank 0 holds the embedding and the tied output layer (one parameter for both)."""
+        from torch.distributed.pipelining import (PipelineStage, ScheduleInterleavedZeroBubble,
+                                                  ScheduleZBVZeroBubble)
+        if a.tp > 1 or a.dp > 1 or a.pp == 1:
+            raise ValueError(f"--schedule {a.schedule} is built here for pp > 1 with tp = dp = 1")
+        v = a.schedule == "zb-v"
+        placement, chunks = ("v", 2) if v else ("loop", 1)
+        total = a.pp * chunks
+        stage_ids = [self.pp_rank, total - 1 - self.pp_rank] if v else [self.pp_rank]
+        ranges = stage_layers(a.num_layers, a.pp, chunks, self.pp_rank, placement=placement)
+        mb, sq, h = a.micro_batch_size, a.seq_length, a.hidden_size
+        act = torch.zeros(mb, sq, h, requires_grad=True)  # (b, s, h) between stages
+        self.stage_modules, stages = [], []
+        for sid, layers in zip(stage_ids, ranges):
+            model = NativeGPT(a.vocab_size, h, a.num_attention_heads, 4 * h, sq, layers,
+                              sid == 0, sid == total - 1)
+            copy_engine_weights(model, a)
+            self.stage_modules.append(model)
+        first = next((m for m in self.stage_modules if m.first), None)
+        last = next((m for m in self.stage_modules if m.last), None)
+        if first is not None and last is not None and first is not last:
+            last.output_weight = first.embed.weight  # the V: the tied pair is one parameter
+        for sid, model in zip(stage_ids, self.stage_modules):
+            x = torch.zeros(mb, sq, dtype=torch.long) if model.first else act
+            y = torch.zeros(mb, sq, a.vocab_size, requires_grad=True) if model.last else act
+            stages.append(PipelineStage(model, sid, total, torch.device("cpu"), input_args=x,
+                                        output_args=y, group=self.mesh["pp"].get_group()))
+        per_micro = lambda out, y: self.loss_fn(out, y) / self.num_micro  # noqa: E731
+        cls = ScheduleZBVZeroBubble if v else ScheduleInterleavedZeroBubble
+        self.schedule = cls(stages, self.num_micro, loss_fn=per_micro, scale_grads=False)
+        self.first, self.last = first is not None, last is not None
+        self.model = self.module = None
+        self.tied = None if v else (self.stage_modules[0].tied_copy())
+        self.tied_group = None if v else self._tied_group()
+        seen, named = set(), []
+        for model in self.stage_modules:
+            for n, q in model.named_parameters():
+                if id(q) not in seen:
+                    seen.add(id(q))
+                    named.append((n, q))
+        self._init_optimizer(named)
+
+    def _init_optimizer(self, named) -> None:
+        a = self.args
         decay = lambda n, q: q.ndim >= 2 and n != "pos"  # noqa: E731 - the engine's groups
         self.optimizer = torch.optim.AdamW(
             [{"params": [q for n, q in named if decay(n, q)], "weight_decay": a.weight_decay},
@@ -258,12 +313,9 @@ class NativeRun:
         """Mean loss of this rank's micro-batches (valid on last-stage ranks)."""
         if self.schedule is not None:
             losses: list = []
-            if self.first:
-                self.schedule.step(tokens)
-            elif self.last:
-                self.schedule.step(target=labels, losses=losses)
-            else:
-                self.schedule.step()
+            inputs = (tokens,) if self.first else ()
+            extra = {"target": labels, "losses": losses} if self.last else {}
+            self.schedule.step(*inputs, **extra)
             return sum(float(x.detach()) for x in losses)
         total, mb = 0.0, self.args.micro_batch_size
         for i in range(self.num_micro):

@@ -214,9 +214,12 @@ def _apply_eager(fn, *args):
 
 
 def apply_split(fn, store: WeightGradStore | None, *args):
-    """``fn.apply(*args)``; with a store, outside any torch.compile graph: the W closures are
-    Python side effects of backward that a traced backward graph cannot hold."""
-    return fn.apply(*args) if store is None else _apply_eager(fn, *args)
+    """``fn.apply(*args)``; with a store, outside any torch.compile graph (a graph break while
+    Dynamo traces): the W closures are Python side effects of backward that a traced backward
+    graph cannot hold. Eager calls skip the wrapper, which costs a frame-evaluation switch."""
+    if store is not None and torch.compiler.is_compiling():
+        return _apply_eager(fn, *args)
+    return fn.apply(*args)
 
 
 def layer_norm_split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
