@@ -176,11 +176,12 @@ class Stepper:
             return micro_batch_loss(out, mb, m, self.ps.dp_cp_group.size) * scale
         return forward_step
 
-    def _forward_backward(self, batches: list, scale: float, marks: list):
+    def _forward_backward(self, batches: list, scale: float, marks: list | None = None):
         """``batches``: this rank's micro-batches (engine.data.packing.MicroBatch). Returns this
         rank's loss as a 0-d device tensor (not read here) and the pipeline result; with pp=1 the
         forwards and backwards are appended to ``marks`` as (name, cat, start, end, micro, chunk)."""
         m = len(batches)
+        marks = [] if marks is None else marks
         self.reducer.set_num_microbatches(m)  # a parameter's m-th accumulation launches its bucket
         if self.ps.pp_size == 1:
             model, losses, stamp = self.chunks[0], [], self.clock.stamp
