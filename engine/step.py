@@ -3,7 +3,14 @@ pipeline executor when pp > 1), gradient reduction, overflow check, clipping and
 
 The order inside a step follows the mixed-precision recipe: scale the loss -> backward -> finish the
 DP reduction -> sum the sequence-parallel and tied-embedding gradients -> an overflow anywhere in the
-grid makes every rank skip -> unscale -> clip the global norm -> optimizer step.
+grid makes every rank skip -> unscale -> clip the global norm -> the step's statistics all-reduce ->
+optimizer step.
+
+The statistics all-reduce (``step_statistics``) is the step's one grid-wide agreement: besides the
+loss and the timing figures it sums the small integers of a ``StepAgreement`` (the checkpointer's
+stop and save counters, the anomaly guard's verdicts), so a decision every rank must take together
+costs no collective of its own. It runs before the update, so that a step found bad (engine/
+anomaly.py) can be run again from the same state instead of being applied.
 """
 from __future__ import annotations
 
@@ -31,24 +38,71 @@ class StepOutput:
     extra: dict = field(default_factory=dict)
 
 
-def mean_loss_over_grid(local_sum: float, ps: ParallelState, device,
-                        per_rank: tuple[float, ...] = (),
-                        per_stage: tuple[float, ...] = ()) -> tuple[float, list[float], list[float]]:
+class StepAgreement:
+    """Small non-negative integers that every rank adds to the step's statistics all-reduce, summed
+    over the world (exact in fp32 up to 2**24). Each source is ``fn(check) -> list[int]`` of a
+    fixed width, called once per execution of the step after the gradient check; ``agreed[name]``
+    are the sums, identical on every rank. Example: the checkpointer's [stop requested, save
+    written, save failed] on 4 ranks of which one got SIGTERM and all finished writing: [1, 4, 0]."""
+
+    def __init__(self):
+        self.sources: dict[str, tuple[int, object]] = {}
+
+    def set(self, name: str, width: int, fn) -> None:
+        self.sources[name] = (width, fn)
+
+    def local(self, check) -> list[int]:
+        out = []
+        for name, (width, fn) in self.sources.items():
+            values = [int(v) for v in fn(check)]
+            if len(values) != width or min(values, default=0) < 0:
+                raise ValueError(f"StepAgreement: {name} must give {width} non-negative integers, "
+                                 f"got {values}")
+            out += values
+        return out
+
+    def split(self, values) -> dict[str, list[int]]:
+        out, k = {}, 0
+        for name, (width, _) in self.sources.items():
+            out[name] = [int(round(v)) for v in values[k:k + width]]
+            k += width
+        return out
+
+
+@dataclass
+class StepStats:
+    loss: float              # mean token loss over the global batch
+    per_rank: list[float]    # world means of the per-rank values
+    per_stage: list[float]   # per-stage means of the per-stage values
+    counts: list[float]      # world sums of the counts
+
+
+def step_statistics(local_sum: float, ps: ParallelState, device, per_rank: tuple[float, ...] = (),
+                    per_stage: tuple[float, ...] = (), counts=()) -> StepStats:
     """One all-reduce over the world for a step's statistics: the global-batch loss (held by
     last-stage ranks of tp rank 0, averaged over DP), the world mean of ``per_rank`` values (e.g. the
-    idle fraction) and the per-pipeline-stage mean of ``per_stage`` values (each rank fills only
-    its own stage's slots, e.g. mean forward and backward times). fp32: HCCL reduces no float64."""
+    idle fraction), the per-pipeline-stage mean of ``per_stage`` values (each rank fills only
+    its own stage's slots, e.g. mean forward and backward times) and the world sum of ``counts``
+    (small integers). fp32: HCCL reduces no float64."""
     if ps.world_size == 1:
-        return local_sum, list(per_rank), list(per_stage)
+        return StepStats(local_sum, list(per_rank), list(per_stage), [float(c) for c in counts])
     owner = ps.is_last_stage and ps.tp_rank == 0
-    t = torch.tensor([local_sum if owner else 0.0, *per_rank, *per_stage], dtype=torch.float32,
-                     device=device)
+    t = torch.tensor([local_sum if owner else 0.0, *per_rank, *per_stage, *counts],
+                     dtype=torch.float32, device=device)
     ps.world_group.all_reduce(t)
     values = t.tolist()
     ranks_per_stage = ps.tp_size * ps.dp_size
-    k = 1 + len(per_rank)
-    return (values[0] / ps.dp_size, [v / ps.world_size for v in values[1:k]],
-            [v / ranks_per_stage for v in values[k:]])
+    k, j = 1 + len(per_rank), 1 + len(per_rank) + len(per_stage)
+    return StepStats(values[0] / ps.dp_size, [v / ps.world_size for v in values[1:k]],
+                     [v / ranks_per_stage for v in values[k:j]], values[j:])
+
+
+def mean_loss_over_grid(local_sum: float, ps: ParallelState, device,
+                        per_rank: tuple[float, ...] = (),
+                        per_stage: tuple[float, ...] = ()) -> tuple[float, list[float], list[float]]:
+    """``step_statistics`` without counts, as (loss, per-rank means, per-stage means)."""
+    stats = step_statistics(local_sum, ps, device, per_rank, per_stage)
+    return stats.loss, stats.per_rank, stats.per_stage
 
 
 def micro_batch_loss(out: torch.Tensor, mb, num_micro: int, dp: int) -> torch.Tensor:
@@ -61,6 +115,19 @@ def micro_batch_loss(out: torch.Tensor, mb, num_micro: int, dp: int) -> torch.Te
     if mb.loss_mask is None:
         return out.mean() / num_micro
     return (out * mb.loss_mask).sum() * (dp / max(mb.loss_tokens, 1))
+
+
+@dataclass
+class Computed:
+    """One execution of a step up to (not including) the update."""
+    loss: float
+    check: object            # engine.loss_scaler.StepCheck
+    scale: float
+    pipe: object
+    stats: StepStats
+    agreed: dict             # StepAgreement sums by source name
+    snapshot: dict           # communication counters at the start
+    t0: float
 
 
 def stage_compute_times(events, ps: ParallelState) -> tuple[float, ...]:
@@ -84,6 +151,11 @@ class Stepper:
         self.timeout_s = timeout_s
         self.params = [p for c in chunks for p in c.parameters()]
         self.shared = [p for c in chunks for p in c.shared_embedding_params()]
+        self.agreement = StepAgreement()
+        self.agreed: dict = {}          # the last step's agreed counts, by source
+        self.guard = None               # engine.anomaly.AnomalyGuard: reviews a step before its update
+        self.current_step = None        # the step being run (1-based), as the trainer names it
+        self.micro_losses = None        # this rank's per-micro-batch losses of the last execution
 
     def _forward_step(self, batches, scale: float):
         """The executor's callback: a chunk's output, or on the last chunk the scaled mean loss."""
@@ -110,13 +182,31 @@ class Stepper:
                                         self.ps.dp_size)
                 (loss * scale).backward()
                 losses.append(loss.detach())
-            return torch.stack(losses).sum().item(), None
+            self.micro_losses = torch.stack(losses)
+            return self.micro_losses.sum().item(), None
         result = run_schedule(self.ps, self.actions, list(self.chunks),
                               self._forward_step(batches, scale), m, self.act_shape,
                               self.act_dtype, self.timeout_s)
+        self.micro_losses = torch.tensor(result.losses) if result.losses else None
         return sum(result.losses) / scale, result
 
-    def run(self, batches, lr: float) -> StepOutput:
+    def run(self, batches, lr: float, step: int | None = None) -> StepOutput:
+        """One optimizer step over this rank's micro-batches; ``step`` (1-based) names it in
+        anomaly reports (default: ``current_step``, set by the trainer). With a guard, a step found
+        bad is reviewed (re-run) before any update."""
+        if step is not None:
+            self.current_step = step
+        step = self.current_step
+        if self.guard is not None:
+            self.guard.before(self)
+        pre = self.compute(batches)
+        if self.guard is not None:
+            pre = self.guard.review(self, batches, pre, step)
+        return self.apply(pre, lr)
+
+    def compute(self, batches) -> Computed:
+        """Forward and backward, the gradient reductions and check, and the statistics all-reduce:
+        everything of a step but the update, which leaves parameters and optimizer state alone."""
         t0 = time.perf_counter()
         snapshot = self.ps.comm.snapshot()
         self.optimizer.zero_grad()
@@ -126,20 +216,27 @@ class Stepper:
         sync_sequence_parallel_grads(self.params, self.ps)
         sum_embedding_grads(self.ps, self.shared)
         check = unscale_and_check(self.optimizer, self.scaler, self.clip_grad, self.reducer)
-        if not check.skipped:
-            self.optimizer.step(lr)
-        comm = self.ps.comm.since(snapshot)
-        wall = time.perf_counter() - t0
         idle, stage_times = (), ()
         if pipe is not None:  # this rank's idle fraction: not computing a forward or backward
             busy = sum(e.end - e.start for e in pipe.events if e.cat in ("forward", "backward"))
-            idle = (max(0.0, 1.0 - busy / wall),)
+            idle = (max(0.0, 1.0 - busy / pipe.wall_s) if pipe.wall_s > 0 else 0.0,)
             stage_times = stage_compute_times(pipe.events, self.ps)
-        loss, idle_mean, stage_mean = mean_loss_over_grid(local_loss, self.ps,
-                                                          batches[0].tokens.device, idle, stage_times)
-        out = StepOutput(loss, check.grad_norm, check.skipped, scale, comm, pipe, wall)
-        if pipe is not None:
-            out.extra["bubble_measured"] = idle_mean[0]
+        stats = step_statistics(local_loss, self.ps, batches[0].tokens.device, idle, stage_times,
+                                self.agreement.local(check))
+        return Computed(stats.loss, check, scale, pipe, stats, self.agreement.split(stats.counts),
+                        snapshot, t0)
+
+    def apply(self, pre: Computed, lr: float) -> StepOutput:
+        """The update of a computed step (none when it is skipped)."""
+        if not pre.check.skipped:
+            self.optimizer.step(lr)
+        self.agreed = pre.agreed
+        comm = self.ps.comm.since(pre.snapshot)
+        out = StepOutput(pre.loss, pre.check.grad_norm, pre.check.skipped, pre.scale, comm, pre.pipe,
+                         time.perf_counter() - pre.t0)
+        if pre.pipe is not None:
+            out.extra["bubble_measured"] = pre.stats.per_rank[0]
+            stage_mean = pre.stats.per_stage
             out.extra["stage_fwd_s"], out.extra["stage_bwd_s"] = stage_mean[0::2], stage_mean[1::2]
         return out
 

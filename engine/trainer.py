@@ -91,6 +91,8 @@ class Trainer:
         for note in notes:
             if self.is_main:
                 warnings.warn(note)
+        from parallel.heartbeat import Heartbeat
+        self.heartbeat = Heartbeat.for_state(self.ps, cfg.parallel.timeout_s, self.dev.backend)
         self._build_data()
         self._build_model()
         self._build_step()
@@ -190,6 +192,10 @@ class Trainer:
         self.stepper = Stepper(ps, self.chunks, self.reducer, self.optimizer, self.scaler,
                                cfg.optim.clip_grad, actions, act_shape, self.dtype,
                                cfg.parallel.timeout_s)
+        from engine.anomaly import AnomalyGuard
+        from engine.stragglers import StragglerMonitor
+        self.guard = AnomalyGuard.for_trainer(self)  # None without --rerun-on-anomaly/--spike-factor
+        self.stragglers = StragglerMonitor(ps) if cfg.log.log_straggler and ps.world_size > 1 else None
         m = cfg.model
         self.flops_per_step = model_flops_per_step(
             cfg.data.global_batch_size, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
@@ -234,10 +240,15 @@ class Trainer:
                      f"micro-batches/step; {self.num_params_local:,} parameters on rank 0")
         from engine.checkpoint.async_writer import Checkpointer
         self.checkpointer = Checkpointer(self)
+        # the checkpointer's stop/save counters ride on each step's statistics all-reduce
+        self.stepper.agreement.set("checkpoint", 3, lambda check: self.checkpointer.counts())
         previous_handler = self._install_stop_handler()
         try:
             for step in range(start, cfg.optim.train_iters):
+                if self.stragglers is not None:
+                    self.stragglers.begin_step(step + 1)
                 record = self.train_one(step)
+                self._resilience_metrics(step, record, log)
                 if cfg.log.eval_interval and (step + 1) % cfg.log.eval_interval == 0:
                     vloss = self.evaluate()
                     record["valid_loss"] = vloss
@@ -247,7 +258,8 @@ class Trainer:
                 interval = cfg.checkpoint.save_interval
                 b = self.checkpointer.boundary(step + 1, bool(interval) and (step + 1) % interval == 0,
                                                self.stop_signal is not None,
-                                               last=step + 1 == cfg.optim.train_iters)
+                                               last=step + 1 == cfg.optim.train_iters,
+                                               agreed=self.stepper.agreed.get("checkpoint"))
                 record["save_blocking_s"] = b.blocking_s
                 log.log(record)
                 dash.log(record)
@@ -291,6 +303,7 @@ class Trainer:
         t0 = time.perf_counter()
         batches = self._batches(step)
         lr = learning_rate(step, cfg.optim)
+        self.stepper.current_step = step + 1  # names the step in anomaly reports
         out = self.stepper.run(batches, lr)
         self.dev.synchronize()
         dt = time.perf_counter() - t0
@@ -314,6 +327,21 @@ class Trainer:
                                           if out.pipeline is not None else None),
                 **comm_metrics(out.comm, cfg.compile),
                 "peak_memory_bytes": self.dev.peak_memory_bytes()}
+
+    def _resilience_metrics(self, step: int, record: dict, log) -> None:
+        """The step's anomaly keys and, every --log-interval steps, the straggler report (one
+        all-gather, on every rank at the same steps)."""
+        record.update(self.guard.record() if self.guard is not None else
+                      {"anomaly": None, "rerun": None})
+        report = None
+        if self.stragglers is not None:
+            self.stragglers.end_step()
+            if (step + 1) % self.cfg.log.log_interval == 0:
+                report = self.stragglers.report(step + 1)
+        record.update(report.metrics() if report is not None else
+                      dict.fromkeys(("straggler_rank", "straggler_ratio", "straggler_waited_for")))
+        if report is not None and self.is_main:
+            log.note(f"gridtron: {report.describe(self.grid)}")
 
     def _simulated_bubble(self, out) -> float | None:
         """The schedule replayed with this step's measured mean forward/backward time per stage:
@@ -403,4 +431,6 @@ class Trainer:
         return getattr(self, "loaded_checkpoint", None)
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self.ps.destroy()
