@@ -180,3 +180,10 @@ def test_checkpoint_benchmark_sizes_and_tiny_run(tmp_path, capsys):
     assert row["identical"] and row["steps"] >= 1 and 0 < row["start_s"] <= row["async_s"]
     assert os.listdir(tmp_path) == []  # checkpoints removed
     assert "| files identical |" in capsys.readouterr().out
+
+
+def test_resilience_benchmark_tiny_run(capsys):
+    from benchmarks import resilience
+    row = resilience.main(["--steps", "5", "--fault-step", "4", "--hidden", "32", "--layers", "1"])
+    assert row["faulty_losses_equal_plain"] and row["reruns"] == 1, row
+    assert "fastest step: plain" in capsys.readouterr().out

@@ -98,6 +98,11 @@ def test_describe_peers_sorts_members():
                            "all_reduce #9 of world, heartbeat 0.5 s ago)"), text
     assert "rank 2 (step 3, not in a collective, heartbeat 20.0 s ago; silent since: dead or frozen)" in text
     assert "rank 3 (no heartbeat" in text
+    text = describe_peers(("p2p", "pp", 12), [0, 1], beats, now, stale_s=4.0)
+    assert text == ("point-to-point batch #12 of the pp group (ranks [0, 1]): rank 0 (step 4, "
+                    "blocked in all_reduce #7 of dp for 5.0 s, last entered all_reduce #7 of dp, "
+                    "heartbeat 0.2 s ago); rank 1 (step 4, not in a collective, last entered "
+                    "all_reduce #9 of world, heartbeat 0.5 s ago)"), text
 
 
 def test_heartbeat_through_a_store_and_its_watchdog():
@@ -218,9 +223,15 @@ def test_bad_steps_rerun_and_attribution():
 
 # ---- stragglers and hangs -----------------------------------------------------------------------
 def slow_rank(ps):
-    records, _, _ = _train(TINY + ["--train-iters", "2", "--log-interval", "2"],
-                           [SlowRank(rank=1, seconds=0.4)])
-    return [(r["straggler_rank"], r["straggler_ratio"], r["straggler_waited_for"]) for r in records]
+    argv = TINY + ["--train-iters", "2", "--log-interval", "2"]
+    out = []
+    # dp=2: rank 1's peer waits in the DP reduction; pp=2: stage 1 (rank 1) waits in its
+    # receives for stage 0 (rank 0), which must then count as wait, not as rank 1's compute
+    for extra, slow in (([], SlowRank(rank=1, seconds=0.4)), (["--pp", "2"], SlowRank(rank=0, seconds=0.2))):
+        records, _, _ = _train(argv + extra, [slow])
+        out.append([(r["straggler_rank"], r["straggler_ratio"], r["straggler_waited_for"])
+                    for r in records])
+    return out
 
 
 def hung_rank(ps, release):
@@ -244,9 +255,10 @@ def hung_rank(ps, release):
 def test_straggler_and_hang_are_named(tmp_path):
     res = run_distributed(slow_rank, grid=RankGrid(dp=2), timeout_s=120)
     for rank in (0, 1):
-        assert res[rank][0] == (None, None, None)
-        straggler, _, waited_for = res[rank][1]
-        assert (straggler, waited_for) == (1, 1), res[rank]
+        (dp_first, dp_report), (pp_first, pp_report) = res[rank]
+        assert dp_first == pp_first == (None, None, None)  # reports every --log-interval steps
+        assert (dp_report[0], dp_report[2]) == (1, 1), res[rank]
+        assert (pp_report[0], pp_report[2]) == (0, 0), res[rank]
     res = run_distributed(hung_rank, grid=RankGrid(dp=2), args=(str(tmp_path / "release"),),
                           timeout_s=60)
     assert res[1] == ("released", None)
