@@ -280,6 +280,9 @@ class AnomalyGuard:
         sources = [(torch.get_rng_state, torch.set_rng_state)]
         if dev.type != "cpu":
             sources.append((dev.get_rng_state, dev.set_rng_state))
+        rng = getattr(trainer, "rng", None)  # per-region dropout streams, where the trainer has them
+        if rng is not None and hasattr(rng, "state_tensors"):
+            sources.append((rng.state_tensors, rng.load_state_tensors))
 
         def note(text):
             if trainer.is_main:

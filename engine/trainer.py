@@ -195,7 +195,9 @@ class Trainer:
         from engine.anomaly import AnomalyGuard
         from engine.stragglers import StragglerMonitor
         self.guard = AnomalyGuard.for_trainer(self)  # None without --rerun-on-anomaly/--spike-factor
-        self.stragglers = StragglerMonitor(ps) if cfg.log.log_straggler and ps.world_size > 1 else None
+        # the step's clock when the trainer has one (device events on CUDA/NPU), else host time
+        self.stragglers = (StragglerMonitor(ps, getattr(self, "clock", None))
+                           if cfg.log.log_straggler and ps.world_size > 1 else None)
         m = cfg.model
         self.flops_per_step = model_flops_per_step(
             cfg.data.global_batch_size, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,

@@ -143,7 +143,7 @@ def _train(argv, faults=(), keep=False):
 
 def bad_steps(ps):
     out = {}
-    base = TINY + ["--train-iters", "4"]
+    base = TINY + ["--train-iters", "4", "--dropout", "0.1"]  # the re-run must restore the RNG
     guarded = base + ["--rerun-on-anomaly"]
     # no collective is added to a step by the guard (and the checkpointer's counters ride along)
     events = {}
