@@ -82,7 +82,7 @@ def describe_peers(tag, ranks, beats: dict, now: float, stale_s: float, limit: i
     if missing:
         described = [f"rank {r} ({peer_state(beats.get(r), now, stale_s)})" for r in missing[:limit]]
         more = f"; and {len(missing) - limit} more" if len(missing) > limit else ""
-        text += f"; not entered by " + "; ".join(described) + more
+        text += "; not entered by " + "; ".join(described) + more
     else:
         text += "; every member entered it (a transfer failed, or a peer died inside it)"
     return text

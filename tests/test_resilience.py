@@ -7,7 +7,6 @@ micro-batch and parameter. A finite gradient far above the running median is a s
 adds no collective to a step. A rank made slow is named as the straggler; a rank made to hang is
 named by its peers, from their heartbeats, when the collective times out."""
 import io
-import os
 import time
 
 import pytest
@@ -203,7 +202,7 @@ def test_bad_steps_rerun_and_attribution():
         assert marks[0] == marks[2] == marks[3] == (None, None)
         assert "step 2: non-finite gradient norm; run again from the step's saved inputs: it did " \
                "not repeat: transient" in text, text
-        assert f"rank 1 (tp 0/1, pp 0/1, dp 1/2): micro-batch unknown" in text, text
+        assert "rank 1 (tp 0/1, pp 0/1, dp 1/2): micro-batch unknown" in text, text
         assert f"first non-finite gradient {PARAM} (1 parameter non-finite before the " \
                f"data-parallel reduction)" in text and "rank 0" not in text, text
         assert planted == (1 if rank == 1 else 0)
