@@ -92,8 +92,18 @@ class OptimConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    # bad steps (engine/anomaly.py): a non-finite or spiking loss or gradient norm is caught before
+    # the update; with rerun_on_anomaly the step runs again once from its saved inputs
+    rerun_on_anomaly: bool = False
+    spike_factor: float = 0.0   # a value above this x the running median is a spike (0: off)
+    spike_window: int = 32      # steps in that running median
 
     def __post_init__(self):
+        if self.spike_factor != 0 and self.spike_factor <= 1:
+            raise ValueError(f"--spike-factor must be above 1 (or 0: off), got {self.spike_factor}; "
+                             f"a spike is a value above that many times the running median")
+        if self.spike_window < 1:
+            raise ValueError(f"--spike-window must be >= 1, got {self.spike_window}")
         if self.train_iters < 1:
             raise ValueError(f"--train-iters must be >= 1, got {self.train_iters}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -209,6 +219,7 @@ class LogConfig:
     timeline: str | None = None      # default RUN_DIR/timeline.json
     plot: str | None = None          # default RUN_DIR/loss.png
     log_interval: int = 10
+    log_straggler: bool = True  # every log_interval steps, name the ranks the others waited for
     eval_interval: int = 0
     eval_iters: int = 4
     progress: bool = True

@@ -96,6 +96,13 @@ FLAGS: dict[str, Flag] = {
     "adam_eps": F("AdamW epsilon", "training"),
     "clip_grad": F("clip the global gradient norm to this (0: off)", "training"),
     "seed": F("seed of initialisation, sampling, document split and dropout", "training"),
+    "rerun_on_anomaly": F("a non-finite or spiking loss or gradient norm re-runs the step once from "
+                          "its saved inputs before any update: a clean re-run (transient fault) is "
+                          "applied, a repeated non-finite one stops the run naming the rank, "
+                          "micro-batch and parameter", "training"),
+    "spike_factor": F("a loss or gradient norm above this many times the median of the last "
+                      "--spike-window steps is an anomaly (0: off)", "training"),
+    "spike_window": F("steps in the running median of --spike-factor", "training"),
     "compile": F("torch.compile the model chunks with the device's backend", "training"),
     # ---- mixed precision ---------------------------------------------------------------------
     "precision": F("parameter and compute precision (--bf16 / --fp16 also work)", "mixed precision",
@@ -148,6 +155,9 @@ FLAGS: dict[str, Flag] = {
                      default_text="<run-dir>/profile"),
     "plot": F("PNG of loss and throughput", "logging", default_text="RUN_DIR/loss.png"),
     "log_interval": F("steps between console lines and dashboard points", "logging"),
+    "log_straggler": F("every --log-interval steps, report the slowest ranks by compute and the rank "
+                       "the others waited for in collectives (straggler_rank, straggler_ratio)",
+                       "logging"),
     "eval_interval": F("validate every N steps (0: never)", "logging"),
     "eval_iters": F("global batches per validation", "logging"),
     "progress": F("progress bar on stderr", "logging"),

@@ -37,7 +37,11 @@ REQUIRED_KEYS = ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "to
 # optional: the trainer's loop adds them; save_blocking_s is the time the step boundary spent on
 # checkpoints (the whole save when synchronous, the host copy and publication with --async-save),
 # null where it had none to do
-OPTIONAL_KEYS = ("save_blocking_s",)
+# anomaly: what made the step anomalous (a non-finite or spiking loss or gradient norm), rerun:
+# "transient" or "persistent" after a re-run (engine/anomaly.py); straggler_rank / straggler_ratio /
+# straggler_waited_for every --log-interval steps (engine/stragglers.py), null on other steps
+OPTIONAL_KEYS = ("save_blocking_s", "anomaly", "rerun", "straggler_rank", "straggler_ratio",
+                 "straggler_waited_for")
 
 
 @dataclass

@@ -95,6 +95,8 @@ class Trainer:
         for note in (*notes, *self.dev.notes):  # the chip's fallbacks: said once, by rank 0
             if self.is_main:
                 warnings.warn(note)
+        from parallel.heartbeat import Heartbeat
+        self.heartbeat = Heartbeat.for_state(self.ps, cfg.parallel.timeout_s, self.dev.backend)
         self._build_data()
         self._build_model()
         self._build_step()
@@ -220,6 +222,12 @@ class Trainer:
         self.peak_tflops = run_peak_tflops(self.dev, cfg.precision.precision, cfg.log.peak_tflops,
                                            self.tf32)
         self.profiler = StepProfiler.from_config(cfg.log, self.dev.type, ps.rank)
+        from engine.anomaly import AnomalyGuard
+        from engine.stragglers import StragglerMonitor
+        self.guard = AnomalyGuard.for_trainer(self)  # None without --rerun-on-anomaly/--spike-factor
+        # the step's device clock (events on CUDA/NPU, perf_counter on CPU)
+        self.stragglers = (StragglerMonitor(ps, self.clock)
+                           if cfg.log.log_straggler and ps.world_size > 1 else None)
         self.bubble_theory = (theoretical_bubble(cfg.parallel.pipeline_schedule, ps.pp_size,
                                                  self.num_micro, cfg.parallel.virtual_pipeline_size)
                               if ps.pp_size > 1 else None)
@@ -258,10 +266,15 @@ class Trainer:
                      f"micro-batches/step; {self.num_params_local:,} parameters on rank 0")
         from engine.checkpoint.async_writer import Checkpointer
         self.checkpointer = Checkpointer(self)
+        # the checkpointer's stop/save counters ride on each step's statistics all-reduce
+        self.stepper.agreement.set("checkpoint", 3, self.checkpointer.counts)
         previous_handler = self._install_stop_handler()
         try:
             for step in range(start, cfg.optim.train_iters):
+                if self.stragglers is not None:
+                    self.stragglers.begin_step(step + 1)
                 record = self.train_one(step)
+                self._resilience_metrics(step, record, log)
                 if cfg.log.eval_interval and (step + 1) % cfg.log.eval_interval == 0:
                     vloss = self.evaluate()
                     record["valid_loss"] = vloss
@@ -271,7 +284,8 @@ class Trainer:
                 interval = cfg.checkpoint.save_interval
                 b = self.checkpointer.boundary(step + 1, bool(interval) and (step + 1) % interval == 0,
                                                self.stop_signal is not None,
-                                               last=step + 1 == cfg.optim.train_iters)
+                                               last=step + 1 == cfg.optim.train_iters,
+                                               agreed=self.stepper.agreed.get("checkpoint"))
                 record["save_blocking_s"] = b.blocking_s
                 log.log(record)
                 dash.log(record)
@@ -321,6 +335,7 @@ class Trainer:
         timer = EventPair(self.clock).start()
         batches = self._batches(step)
         lr = learning_rate(step, cfg.optim)
+        self.stepper.current_step = step + 1  # names the step in anomaly reports
         out = self.stepper.run(batches, lr)
         dt = timer.stop().elapsed_s()  # device time of the whole step
         self.profiler.after_step(step + 1)
@@ -352,6 +367,21 @@ class Trainer:
                                           if out.pipeline is not None else None),
                 **comm_metrics(out.comm, cfg.compile),
                 "peak_memory_bytes": self.dev.peak_memory_bytes()}
+
+    def _resilience_metrics(self, step: int, record: dict, log) -> None:
+        """The step's anomaly keys and, every --log-interval steps, the straggler report (one
+        all-gather, on every rank at the same steps)."""
+        record.update(self.guard.record() if self.guard is not None else
+                      {"anomaly": None, "rerun": None})
+        report = None
+        if self.stragglers is not None:
+            self.stragglers.end_step()
+            if (step + 1) % self.cfg.log.log_interval == 0:
+                report = self.stragglers.report(step + 1)
+        record.update(report.metrics() if report is not None else
+                      dict.fromkeys(("straggler_rank", "straggler_ratio", "straggler_waited_for")))
+        if report is not None and self.is_main:
+            log.note(f"gridtron: {report.describe(self.grid)}")
 
     def _simulated_bubble(self, out) -> float | None:
         """The schedule replayed with this step's measured mean forward/backward time per stage:
@@ -439,4 +469,6 @@ class Trainer:
     def close(self) -> None:
         if self.waiter is not None and hasattr(self.waiter, "watchdog"):
             self.waiter.watchdog.stop()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self.ps.destroy()

@@ -30,6 +30,10 @@ active (see policy.py) is exchanged synchronously at launch through its compress
 The reduction runs over ``ps.dp_cp_group``: the data-parallel replicas and, with context
 parallelism, the CP ranks that hold the same parameters (one collective over the combined group).
 ``stats()`` reads this step's collectives over that group from the communication layer's counters.
+
+``pre_reduce_hooks`` are called with each bucket as it is launched, before it is divided by dp and
+reduced: the bucket then holds this rank's own accumulated gradients (engine/anomaly.py looks for
+non-finite ones there, before the reduction spreads them to every replica).
 """
 from __future__ import annotations
 
@@ -101,6 +105,7 @@ class GradReducer:
             for slot in bucket.slots:
                 self._bucket_of[slot.param] = bucket
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+        self.pre_reduce_hooks: list = []    # fn(bucket), before each bucket's reduction
         self.step = 1                       # 1-based optimizer step, advanced by finish()
         self._num_mb = None
         self._reset_step_state()
@@ -190,6 +195,8 @@ class GradReducer:
 
     def _launch(self, bucket: Bucket) -> None:
         self._next = bucket.index + 1
+        for hook in self.pre_reduce_hooks:
+            hook(bucket)
         if self.dp == 1:
             return
         data = bucket.data
