@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 REQUIRED_KEYS = ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens", "step_time_s",
                  "tokens_per_s", "tflops_per_device", "mfu", "bubble_theoretical",
                  "bubble_measured", "dp_comm_bytes", "dp_comm_wire_bytes", "tp_comm_bytes",
-                 "pp_comm_bytes", "peak_memory_bytes")
+                 "pp_comm_bytes", "param_bytes", "grad_bytes", "optimizer_state_bytes",
+                 "peak_memory_bytes")
 
 
 @dataclass

@@ -183,7 +183,8 @@ def check_zero(ps: ParallelState) -> None:
         pytest.approx(global_grad_norm(list(plain.parameters()), ps), rel=1e-6)
     assert plain_norms == pytest.approx(serial_norms, rel=1e-5)
     # one ZeRO step's DP traffic: a reduce-scatter per bucket during backward, the norm's scalar,
-    # an all-gather of the updated shard per bucket; payload = the tensors handed over
+    # an all-gather of the updated shard per bucket in forward order (the last bucket first);
+    # payload = the tensors handed over
     with record_comm(ps) as events:
         train(ps, sharded=True, steps=1)
     dp_events = [(e.op, e.payload_bytes, e.wire_bytes) for e in events if e.group == "dp"]
@@ -192,7 +193,7 @@ def check_zero(ps: ParallelState) -> None:
                              for b in zero_red.buckets]
     assert dp_events[n] == ("all_reduce", 4, wire_bytes("all_reduce", 4, dp))      # the norm
     assert dp_events[n + 1:] == [("all_gather", b.numel // dp * 4, (dp - 1) * b.numel // dp * 4)
-                                 for b in zero_red.buckets]
+                                 for b in reversed(zero_red.buckets)]
 
     # optimizer state: the shards together equal the non-sharded state, and reload anywhere
     full = assemble(ps, zero_opt.state_dict())

@@ -1,19 +1,27 @@
-"""AdamW with fp32 master weights: sharded over DP (ZeRO-1) or not.
+"""AdamW with fp32 master weights: sharded over DP (ZeRO-1/2) or not.
 
 ``MixedPrecisionOptimizer`` keeps an fp32 master copy of every low-precision parameter and steps
 ``torch.optim.AdamW`` on the masters (fp32 parameters are their own masters). ``DistributedOptimizer``
 (``--use-distributed-optimizer``) cuts the reducer's buckets into dp equal shards: gradients are
 reduce-scattered, each DP rank keeps masters and Adam moments only for its shard of every bucket,
 updates them with the same element-wise math as torch.optim.AdamW, and all-gathers the updated
-values back into the parameters (cast to their dtype). Optimizer memory per rank drops by dp.
+values back into the parameters (cast to their dtype; per bucket, overlapped with the next forward
+with ``overlap_param_gather``, see param_gather.py). Optimizer memory per rank drops by dp;
+``zero_stage=2`` also keeps only this rank's shard of the fp32 gradient (buffers.py).
+
+Parameters in buckets of a sparse compressor (top-k) take the frozen-variance update once the
+policy's warm-up is over (parallel/dp/variance.py): the second moment stops following the gradient
+and is replaced only by the reducer's periodic refresh.
 
 Both share one interface for the trainer: ``step(lr)``, ``zero_grad()``, ``grad_pieces()``,
 ``unscale_(1 / loss_scale)``, ``grad_norm()``, ``clip_grad_norm(max_norm)``, ``found_inf()``,
 ``state_dict()`` / ``load_state_dict()``. A state dict maps each parameter name to flat pieces::
 
-    {"kind", "step", "dp_rank", "dp_size",
+    {"kind", "step", "dp_rank", "dp_size", "variance_frozen",
      "pieces": [{"name", "shape", "start", "end", ...}],   # flat range [start, end) of the param
      "state": {name: {"exp_avg": (end-start,), "exp_avg_sq": ..., "master": ...}}}
+
+``variance_frozen``: the sparse buckets' exp_avg_sq holds the bias-corrected frozen second moment.
 
 ZeRO pieces also give the bucket, the absolute offset in the gradient buffer and the offset in
 this rank's flat shard. ``load_state_dict`` accepts any pieces that cover this rank's ranges (for
@@ -26,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from parallel.dp.param_gather import ParamGather
 from parallel.dp.reducer import GradReducer
 from parallel.grad_norm import clip_grads, found_inf, global_grad_norm
 from parallel.grads import current_grad
@@ -89,6 +98,20 @@ def _adamw_(p, g, m, v, step, lr, betas, eps, decay_segments) -> None:
     p.addcdiv_(m, denom, value=-step_size)
 
 
+def _frozen_adamw_(p, g, m, v, step, lr, betas, eps, decay_segments) -> None:
+    """The frozen-variance update (variance.py): AdamW with ``v`` the bias-corrected second moment,
+    left unchanged, so the step is linear in the gradient."""
+    for lo, hi, wd in decay_segments:
+        p[lo:hi].mul_(1 - lr * wd)
+    m.lerp_(g, 1 - betas[0])
+    p.addcdiv_(m, v.sqrt().add_(eps), value=-lr / (1 - betas[0] ** step))
+
+
+def _sparse_now(bucket) -> bool:
+    """Whether this step's exchange of ``bucket`` went through a sparse compressor."""
+    return bucket is not None and bucket.compressed_step and bucket.compressor.sparse
+
+
 @dataclass(eq=False)
 class ShardPiece:
     """The part of one parameter inside this rank's shard of one bucket."""
@@ -106,13 +129,19 @@ class DistributedOptimizer(_GradAccess):
     sharded = True
 
     def __init__(self, params, reducer: GradReducer, ps: ParallelState, lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 zero_stage: int = 1, overlap_param_gather: bool = False):
+        """``zero_stage`` 1 shards the optimizer state, 2 also the fp32 gradient.
+        ``overlap_param_gather``: leave each bucket's parameter all-gather in flight until the
+        next forward needs it (call ``register_param_gather_hooks(model_chunks)``)."""
         entries = _entries(params, weight_decay)
         wd_of = {p: wd for _, p, wd in entries}
         if set(wd_of) != set(reducer.names):
             raise ValueError("DistributedOptimizer: the optimizer's parameters must be exactly the "
                              f"reducer's ({len(wd_of)} given, reducer holds {len(reducer.names)})")
-        reducer.shard_grads = True
+        reducer.shard(zero_stage)
+        reducer.beta2 = betas[1]
+        self.zero_stage = zero_stage
         self.reducer, self.ps, self.lr, self.betas, self.eps = reducer, ps, lr, betas, eps
         self.dp, self.rank = reducer.dp, reducer.dp_rank      # over DP x CP
         self.pieces: list[ShardPiece] = []
@@ -135,18 +164,43 @@ class DistributedOptimizer(_GradAccess):
                         segments.append((lo - s, hi - s, wd))
             self._shards.append((b, offset, e - s, segments))
             offset += e - s
-        device = reducer.buckets[0].data.device
+        device = reducer.buckets[0].shard_view(self.rank, self.dp).device
         for b in reducer.buckets:           # model-wide grad norm / clipping then read the shards
             for slot in b.slots:
-                slot.param.main_grad_shard = b.data.new_empty(0)
+                slot.param.main_grad_shard = torch.empty(0, dtype=reducer.grad_dtype, device=device)
         for piece in self.pieces:
-            piece.param.main_grad_shard = reducer.buckets[piece.bucket].buffer.data[
-                piece.buffer_start:piece.buffer_start + piece.end - piece.start]
+            b = reducer.buckets[piece.bucket]
+            lo = piece.buffer_start - b.shard_range(self.rank, self.dp)[0]
+            piece.param.main_grad_shard = b.shard_view(self.rank, self.dp)[lo:lo + piece.end - piece.start]
         self.master = torch.zeros(offset, dtype=torch.float32, device=device)     # (shard,)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self._load_master_from_params()
         self.step_count = 0
+        self.variance_frozen = False
+        self._grad_factor = 1.0
+        self.param_gather = ParamGather(reducer, overlap_param_gather)
+
+    def register_param_gather_hooks(self, modules) -> None:
+        """With ``overlap_param_gather``: forward pre-hooks that wait for each module's buckets."""
+        self.param_gather.register_hooks(modules)
+
+    def finish_param_gather(self) -> None:
+        """Wait for every parameter all-gather still in flight (before reading parameters outside
+        a forward: validation, checkpoints, the end of training)."""
+        self.param_gather.wait_all()
+
+    def unscale_(self, factor: float) -> None:
+        self._grad_factor = factor
+        super().unscale_(factor)
+
+    def grad_norm(self) -> float:
+        self.finish_param_gather()
+        return super().grad_norm()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        self.finish_param_gather()
+        return super().clip_grad_norm(max_norm)
 
     def _piece_slice(self, piece: ShardPiece) -> slice:
         return slice(piece.shard_offset, piece.shard_offset + piece.end - piece.start)
@@ -167,34 +221,34 @@ class DistributedOptimizer(_GradAccess):
         """One AdamW step on this rank's shard, then all-gather the parameters."""
         lr = self.lr if lr is None else lr
         self.reducer.check_finished("DistributedOptimizer.step")
+        self.finish_param_gather()
+        sparse = [x for x in self._shards if _sparse_now(x[0])]
+        if sparse and not self.variance_frozen:                  # the warm-up is over
+            if self.step_count:
+                for _, off, n, _ in sparse:
+                    self.exp_avg_sq[off:off + n].div_(1 - self.betas[1] ** self.step_count)
+            self.variance_frozen = True
         self.step_count += 1
+        refreshed = self.reducer.refreshed
         for b, off, n, segments in self._shards:
             if n == 0:
                 continue
             g = b.shard_view(self.rank, self.dp).float()
             sl = slice(off, off + n)
-            _adamw_(self.master[sl], g, self.exp_avg[sl], self.exp_avg_sq[sl], self.step_count,
-                    lr, self.betas, self.eps, segments)
-        self._gather_params()
-
-    def _gather_params(self) -> None:
-        gathered = []
-        for b, off, n, _ in self._shards:
-            shard = self.master[off:off + n].to(b.param_dtype)
-            if self.dp == 1:
-                gathered.append((b, shard, None))
-                continue
-            full = torch.empty(b.numel, dtype=b.param_dtype, device=shard.device)
-            handle = self.reducer.group.all_gather_into(full, shard, async_op=True)
-            gathered.append((b, full, handle))
-        for b, full, handle in gathered:
-            if handle is not None:
-                handle.wait()
-            with torch.no_grad():
-                for slot in b.slots:
-                    slot.param.view(-1).copy_(full[slot.start - b.start:slot.end - b.start])
+            if _sparse_now(b):
+                if b.index in refreshed:
+                    self.exp_avg_sq[sl] = refreshed[b.index] * self._grad_factor ** 2
+                _frozen_adamw_(self.master[sl], g, self.exp_avg[sl], self.exp_avg_sq[sl],
+                               self.step_count, lr, self.betas, self.eps, segments)
+            else:
+                _adamw_(self.master[sl], g, self.exp_avg[sl], self.exp_avg_sq[sl], self.step_count,
+                        lr, self.betas, self.eps, segments)
+        self._grad_factor = 1.0
+        self.param_gather.launch([(b, self.master[off:off + n].to(b.param_dtype))
+                                  for b, off, n, _ in self._shards])
 
     def state_dict(self) -> dict:
+        self.finish_param_gather()
         pieces, state = [], {}
         for p in self.pieces:
             sl = self._piece_slice(p)
@@ -204,10 +258,12 @@ class DistributedOptimizer(_GradAccess):
             state[p.name] = {"exp_avg": self.exp_avg[sl].clone(), "exp_avg_sq": self.exp_avg_sq[sl].clone(),
                              "master": self.master[sl].clone()}
         return {"kind": "distributed", "step": self.step_count, "dp_rank": self.rank, "dp_size": self.dp,
-                "pieces": pieces, "state": state}
+                "variance_frozen": self.variance_frozen, "pieces": pieces, "state": state}
 
     def load_state_dict(self, sd: dict) -> None:
+        self.finish_param_gather()
         self.step_count = int(sd["step"])
+        self.variance_frozen = bool(sd.get("variance_frozen", False))
         cover = {e["name"]: (e["start"], e["end"]) for e in sd.get("pieces", [])}
         no_master = []
         for p in self.pieces:
@@ -257,7 +313,12 @@ class MixedPrecisionOptimizer(_GradAccess):
         # defaults to it on accelerators)
         self.inner = torch.optim.AdamW([{"params": ms, "weight_decay": wd} for wd, ms in groups.items()],
                                        lr=lr, betas=betas, eps=eps, foreach=True)
-
+        self.betas, self.eps = betas, eps
+        self._decay = [wd for _, _, wd in entries]
+        self.variance_frozen = False
+        self._grad_factor = 1.0
+        if reducer is not None:
+            reducer.beta2 = betas[1]
 
     def grad_pieces(self):
         return [(g, p) for p in self.params if (g := current_grad(p)) is not None]
@@ -274,20 +335,61 @@ class MixedPrecisionOptimizer(_GradAccess):
             self.reducer.check_finished("MixedPrecisionOptimizer.step")
         for group in self.inner.param_groups:
             group["lr"] = lr
+        frozen = self._frozen_now()
         borrowed = []
-        for p, m in zip(self.params, self.masters):
+        for i, (p, m) in enumerate(zip(self.params, self.masters)):
             g = current_grad(p)
-            if m is p and g is p.grad:
-                continue                                  # plain fp32 parameter with its own grad
+            if i in frozen or (m is p and g is p.grad):
+                continue                                  # frozen variance, or plain fp32 with its grad
             m.grad = None if g is None else g.to(torch.float32).view_as(m)
             borrowed.append(m)
         self.inner.step()
         for m in borrowed:
             m.grad = None
+        self._frozen_step(frozen, lr)
         with torch.no_grad():
             for p, m in zip(self.params, self.masters):
                 if m is not p:
                     p.copy_(m)
+
+    def unscale_(self, factor: float) -> None:
+        self._grad_factor = factor
+        super().unscale_(factor)
+
+    def _frozen_now(self) -> set[int]:
+        """Indices of the parameters whose bucket went through a sparse compressor this step (and
+        that have Adam state from the warm-up)."""
+        if self.reducer is None or not self.reducer.compressed:
+            return set()
+        return {i for i, (p, m) in enumerate(zip(self.params, self.masters))
+                if _sparse_now(self.reducer.bucket_of(p)) and "exp_avg_sq" in self.inner.state.get(m, {})}
+
+    @torch.no_grad()
+    def _frozen_step(self, frozen: set[int], lr: float) -> None:
+        """The frozen-variance update of variance.py on the state torch's AdamW keeps."""
+        if not frozen:
+            return
+        if not self.variance_frozen:                      # the warm-up is over
+            for i in frozen:
+                st = self.inner.state[self.masters[i]]
+                st["exp_avg_sq"].div_(1 - self.betas[1] ** int(st["step"]))
+            self.variance_frozen = True
+        refreshed = self.reducer.refreshed
+        for i in sorted(frozen):
+            p, m = self.params[i], self.masters[i]
+            st = self.inner.state[m]
+            st["step"] += 1
+            bucket = self.reducer.bucket_of(p)
+            if bucket.index in refreshed:
+                slot = next(s for s in bucket.slots if s.param is p)
+                lo = slot.start - bucket.start
+                st["exp_avg_sq"].copy_(refreshed[bucket.index][lo:lo + slot.numel].view_as(m)
+                                       * self._grad_factor ** 2)
+            wd = self._decay[i]
+            _frozen_adamw_(m.view(-1), current_grad(p).to(torch.float32).reshape(-1),
+                           st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1), int(st["step"]), lr,
+                           self.betas, self.eps, [(0, m.numel(), wd)] if wd else [])
+        self._grad_factor = 1.0
 
     @property
     def step_count(self) -> int:
@@ -306,10 +408,12 @@ class MixedPrecisionOptimizer(_GradAccess):
                 entry["master"] = m.detach().reshape(-1).clone()
             state[name] = entry
         return {"kind": "mixed_precision", "step": self.step_count, "dp_rank": self.ps.dp_rank,
-                "dp_size": self.ps.dp_size, "pieces": pieces, "state": state}
+                "dp_size": self.ps.dp_size, "variance_frozen": self.variance_frozen,
+                "pieces": pieces, "state": state}
 
     def load_state_dict(self, sd: dict) -> None:
         step = int(sd["step"])
+        self.variance_frozen = bool(sd.get("variance_frozen", False))
         cover = {e["name"]: (e["start"], e["end"]) for e in sd.get("pieces", [])}
         for name, p, m in zip(self.names, self.params, self.masters):
             tensors = _covering(sd, cover, name, 0, p.numel(), p.numel())
