@@ -17,6 +17,7 @@ import torch.distributed as dist
 from engine.checkpoint.index import (FORMAT, INDEX_NAME, LATEST, CheckpointError, list_checkpoints,
                                      step_dir_name, write_json, write_shard)
 from engine.checkpoint.specs import ParamSpec, data_info, device_rng, layout_of, param_specs
+from parallel.dp.residuals import logical_residual_pieces
 
 
 class _Shard:
@@ -81,6 +82,12 @@ def save_checkpoint(trainer, step: int) -> str:
         whole = piece["start"] == 0 and piece["end"] == s.param.numel()
         for key, t in sd["state"][piece["name"]].items():
             shard.add(f"optim/{key}/{s.name}", s, t, None if whole else (piece["start"], piece["end"]))
+    # error-feedback residuals summed over the ranks that share them: any layout can take them up
+    for name, _, a, b, t in logical_residual_pieces(trainer.reducer, ps):
+        s = specs[name]
+        if s.writer:
+            whole = a == 0 and b == s.param.numel()
+            shard.add(f"optim/grad_residual/{name}", s, t, None if whole else (a, b))
     own = {"rng/cpu": torch.get_rng_state()}
     if (dev_rng := device_rng(trainer.dev)) is not None:
         own["rng/device"] = dev_rng.cpu()
@@ -123,7 +130,8 @@ def _publish(trainer, step, tmp, final, opt_sd, reducer_step) -> None:
         "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(cfg.model), "data": data,
         "sampler": {**trainer.sampler.state_dict(), "next_step": step},
         "scaler": trainer.scaler.state_dict(), "reducer": {"step": reducer_step},
-        "optimizer": {"kind": opt_sd["kind"], "step": opt_sd["step"]},
+        "optimizer": {"kind": opt_sd["kind"], "step": opt_sd["step"],
+                      "variance_frozen": opt_sd.get("variance_frozen", False)},
         "tensors": tensors, "files": files, "ranks": ranks})
     root = os.path.dirname(final)
     old = None
