@@ -8,8 +8,12 @@ One training step, as the trainer drives it::
         (loss(mb) / len(micro_batches)).backward()
     reducer.finish()                           # main_grad now holds the DP-averaged gradient
 
-A post-accumulate-grad hook adds each ``param.grad`` into ``param.main_grad`` (a view into a flat
-fp32 buffer, see buffers.py) and frees ``param.grad``. Earlier micro-batches only accumulate; during
+Gradients accumulate in ``param.main_grad`` (a view into a flat fp32 buffer, see buffers.py). A
+parameter of the buffer's dtype (fp32) gets ``param.grad`` pointed at that view, so autograd
+accumulates into the buffer itself and no copy follows (DDP's ``gradient_as_bucket_view``, the
+effect of Megatron's gradient-accumulation fusion); for a low-precision parameter the hook adds
+``param.grad`` into ``main_grad`` and frees it. A post-accumulate-grad hook per parameter counts
+the accumulations and launches the buckets. Earlier micro-batches only accumulate; during
 the last one, a bucket's exchange is launched as soon as all its gradients are in, so communication
 overlaps the rest of backward. Buckets are launched strictly in index order (the backward order),
 so every DP rank issues the same collectives in the same sequence even if hooks fire in a slightly
@@ -120,11 +124,21 @@ class GradReducer:
                 self._bucket_of[slot.param] = bucket
         self.compressed = self.dp > 1 and any(b.compressor is not None for b in self.buckets)
         self._worker = ExchangeWorker(device) if self.compressed else None
+        # autograd accumulates straight into the buffer for parameters of the gradient's dtype
+        self._aliased = [p for _, p in named if p.dtype == grad_dtype]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
         self.step = 1                       # 1-based optimizer step, advanced by finish()
         self._num_mb = None
         self.refreshed: dict[int, torch.Tensor] = {}
         self._reset_step_state()
+        self._point_grads()
+
+    def _point_grads(self) -> None:
+        """param.grad = main_grad for parameters of the buffer's dtype (not under ZeRO-2, whose
+        bucket storage only exists during the step)."""
+        if self.zero_stage != 2:
+            for p in self._aliased:
+                p.grad = p.main_grad
 
     # ---- configuration by the optimizer ---------------------------------------------------------
     def shard(self, stage: int) -> None:
@@ -137,6 +151,8 @@ class GradReducer:
         if stage == 2:
             for buf in self.buffers:
                 buf.release(self.dp)
+            for p in self._aliased:
+                p.grad = None
         for b in self.buckets:
             if b.compressor is not None and self.dp > 1:
                 b.compressor.allocate(b.numel, self.dp, True, b.shard_view(self.dp_rank, self.dp).device)
@@ -178,6 +194,7 @@ class GradReducer:
                 b.compressed_step = False
             for slot in buf.slots:
                 slot.param.grad = None
+        self._point_grads()
         self.refreshed = {}
         self._reset_step_state()
 
@@ -234,10 +251,11 @@ class GradReducer:
         if self._finished:
             raise RuntimeError("GradReducer: backward after finish(); call zero_grad() to start a step")
         bucket = self._bucket_of[param]
-        if param.grad is not None:
+        grad = param.grad
+        if grad is not None and grad is not param.main_grad:   # (not accumulated in place)
             if bucket.storage is None and bucket.shard is not None:
                 bucket.ensure_storage()                    # ZeRO-2: first gradient of the step
-            param.main_grad.add_(param.grad)
+            param.main_grad.add_(grad)
             param.grad = None
         count = self._counts[param] = self._counts.get(param, 0) + 1
         if not (self._is_last or (self._num_mb is not None and count >= self._num_mb)):

@@ -324,10 +324,10 @@ class MixedPrecisionOptimizer(_GradAccess):
         return [(g, p) for p in self.params if (g := current_grad(p)) is not None]
 
     def zero_grad(self) -> None:
-        if self.reducer is not None:
-            self.reducer.zero_grad()
         for p in self.params:
             p.grad = None
+        if self.reducer is not None:
+            self.reducer.zero_grad()        # (points fp32 params' grad at their main_grad again)
 
     def step(self, lr: float | None = None) -> None:
         lr = self.lr if lr is None else lr
@@ -336,16 +336,23 @@ class MixedPrecisionOptimizer(_GradAccess):
         for group in self.inner.param_groups:
             group["lr"] = lr
         frozen = self._frozen_now()
-        borrowed = []
+        borrowed, hidden = [], []
         for i, (p, m) in enumerate(zip(self.params, self.masters)):
             g = current_grad(p)
-            if i in frozen or (m is p and g is p.grad):
-                continue                                  # frozen variance, or plain fp32 with its grad
+            if i in frozen:                               # frozen variance: not torch's AdamW
+                if m.grad is not None:
+                    hidden.append((m, m.grad))
+                    m.grad = None
+                continue
+            if m is p and g is p.grad:
+                continue                                  # fp32: its grad is its main_grad
             m.grad = None if g is None else g.to(torch.float32).view_as(m)
             borrowed.append(m)
         self.inner.step()
         for m in borrowed:
             m.grad = None
+        for m, g in hidden:
+            m.grad = g
         self._frozen_step(frozen, lr)
         with torch.no_grad():
             for p, m in zip(self.params, self.masters):
