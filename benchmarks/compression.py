@@ -5,7 +5,9 @@ compressor at dp=2 and dp=4 for several seeds; final-loss gaps, bytes, step time
     python -m benchmarks.compression --steps 200 --dp 2 --seeds 1  # a quick look
 
 Runs per (dp, seed): no compression, int8, top-k (``--topk-ratio``) and the per-branch policy of
-``--policy`` (a YAML recipe's ``grad_compression_policy``; default configs/compression_policy.yaml).
+``--policy`` (a YAML recipe's ``grad_compression_policy``; default configs/compression_policy.yaml);
+at the dp sizes of ``--ablation-dp`` also top-k with the warm-up's second moment kept for good
+(no refreshes), to show what the refreshes buy.
 The compressed runs use the engine's defaults: error feedback on both sides of the exchange, the
 first ``--warmup`` steps uncompressed, and for top-k Adam's second moment frozen after the warm-up
 and refreshed every ``--variance-refresh`` steps (parallel/dp/variance.py). The data is real text:
@@ -83,6 +85,10 @@ def jobs_for(args, data: str, dp: int) -> list[tuple[str, int, list[str]]]:
         jobs += [("none", seed, base), ("int8", seed, base + ["--grad-compression", "int8"]),
                  (f"topk {args.topk_ratio:g}", seed,
                   base + ["--grad-compression", "topk", "--grad-compression-ratio", str(args.topk_ratio)])]
+        if dp in args.ablation_dp:   # what the refreshes buy: the warm-up's variance kept for good
+            jobs.append((f"topk {args.topk_ratio:g}, v frozen for good", seed,
+                         base + ["--grad-compression", "topk", "--grad-compression-ratio",
+                                 str(args.topk_ratio), "--grad-compression-variance-refresh", "0"]))
         if args.policy:
             with open(args.policy) as fh:
                 policy = yaml.safe_load(fh)["grad_compression_policy"]
@@ -153,6 +159,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="uncompressed steps first")
     parser.add_argument("--variance-refresh", type=int, default=100,
                         help="top-k: steps between refreshes of Adam's frozen second moment")
+    parser.add_argument("--ablation-dp", type=int, nargs="*", default=[2],
+                        help="dp sizes that also run top-k with the variance frozen for good")
     parser.add_argument("--policy", default="configs/compression_policy.yaml",
                         help="YAML recipe whose grad_compression_policy is run too ('' to skip)")
     parser.add_argument("--data-path", default=None, help="prepared corpus (default: a byte corpus)")

@@ -207,6 +207,8 @@ class GradReducer:
         if self._via_worker:
             self._pending += [r for r in self._worker.drain() if r is not None]
         for item in self._pending:
+            if item[0] is not None:
+                item[0].wait()
             self._complete(item)
         self._pending = []
         if self.refresh_due(self.step):
@@ -305,9 +307,8 @@ class GradReducer:
             bucket.compressor.all_reduce_(data, self.group)
 
     def _complete(self, item) -> None:
-        handle, bucket, out = item
-        if handle is not None:
-            handle.wait()
+        """After the bucket's collective is done: its output into place, ZeRO-2 storage freed."""
+        _, bucket, out = item
         if out is not None and out is not bucket.shard:
             bucket.shard_view(self.dp_rank, self.dp).copy_(out)
         bucket.free_storage()
