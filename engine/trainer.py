@@ -156,6 +156,7 @@ class Trainer:
         self.reducer = GradReducer(named, ps, bucket_size_mb=cfg.parallel.bucket_size_mb,
                                    compression_policy=cfg.compression,
                                    overlap=cfg.parallel.overlap_grad_reduce)
+        self.reducer.loss_scaler = self.scaler   # top-k's local variance statistics, unscaled
         o = cfg.optim
         groups = [{"params": [q for n, q in named if q.ndim >= 2 and "position" not in n],
                    "weight_decay": o.weight_decay},

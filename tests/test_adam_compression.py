@@ -9,6 +9,8 @@ With Adam's second moment fed by the compressed stream (bursts) that identity fa
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -34,11 +36,12 @@ def grad_of(rank: int, step: int) -> torch.Tensor:
     return torch.randn(N, generator=g) * torch.logspace(-2, 1, N)[torch.randperm(N, generator=g)]
 
 
-def run(ps, stage: int, steps: int, refresh: int, warmup: int = 2):
+def run(ps, stage: int, steps: int, refresh: int, warmup: int = 2, loss_scale: float = 1.0):
     model = Linear()
     policy = {"default": {"compressor": "topk", "ratio": 0.05}, "warmup_steps": warmup,
               "variance_refresh": refresh}
     reducer = GradReducer(model, ps, compression_policy=policy)
+    reducer.loss_scaler = SimpleNamespace(scale=loss_scale)
     cls = DistributedOptimizer if stage else MixedPrecisionOptimizer
     kw = {"zero_stage": stage} if stage else {}
     opt = cls([("mlp_w", model.mlp_w)], reducer, ps, lr=LR, betas=(0.0, BETA2), eps=EPS, **kw)
@@ -46,8 +49,10 @@ def run(ps, stage: int, steps: int, refresh: int, warmup: int = 2):
     for step in range(1, steps + 1):
         opt.zero_grad()
         reducer.set_last_microbatch(True)
-        model(grad_of(ps.dp_rank, step)).backward()
+        (model(grad_of(ps.dp_rank, step)) * loss_scale).backward()
         reducer.finish()
+        if loss_scale != 1.0:
+            opt.unscale_(1.0 / loss_scale)
         opt.step(LR)
         if stage:
             opt.finish_param_gather()
@@ -111,6 +116,11 @@ def check_refresh(ps) -> None:
             want = torch.stack(local).mean(0)
             rel = (vs[at - 1] - want).abs() / want
             assert rel.max() < 0.12, (stage, at, rel.max())
+        # under a loss scale (a power of two: every value scales exactly) the refreshed variance is
+        # the same, in the optimizer's unscaled units
+        _, _, _, scaled = run(ps, stage, steps, refresh, warmup, loss_scale=1024.0)
+        for (_, v), (_, u) in zip(history, scaled):
+            torch.testing.assert_close(u, v, rtol=1e-6, atol=0)
 
 
 def all_checks(ps) -> bool:

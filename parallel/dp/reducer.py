@@ -94,6 +94,7 @@ class GradReducer:
         self.policy, self.overlap, self.grad_dtype = compression_policy, overlap, grad_dtype
         self.shard_grads, self.zero_stage = False, 0
         self.beta2 = 0.999                  # Adam's, for the local variance (set by the optimizer)
+        self.loss_scaler = None             # the trainer's (its .scale); local variance unscaled by it
         self.names = {p: n for n, p in named}
 
         elem = torch.empty((), dtype=grad_dtype).element_size()
@@ -297,8 +298,9 @@ class GradReducer:
     def _exchange(self, bucket: Bucket) -> None:
         """A compressed bucket's whole exchange (on the worker thread)."""
         data = bucket.data
-        if bucket.variance is not None:
-            bucket.variance.update_(data, self.beta2)      # this rank's own gradient
+        if bucket.variance is not None:                    # this rank's own gradient, unscaled
+            scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
+            bucket.variance.update_(data, self.beta2, 1.0 / scale)
         data.div_(self.dp)
         if self.shard_grads:
             bucket.compressor.reduce_scatter_(data, self.group, bucket.shard_view(self.dp_rank, self.dp))
@@ -325,13 +327,11 @@ class GradReducer:
 
     # ---- residuals of compressors, state, teardown -------------------------------------------
     def rescale_residuals(self, factor: float) -> None:
-        """The loss scale changed by ``factor``: keep error-feedback residuals (and the local
-        squared-gradient statistics) in the new units."""
+        """The loss scale changed by ``factor``: keep error-feedback residuals in the new units
+        (the local variance statistics are kept unscaled)."""
         for bucket in self.buckets:
             if bucket.compressor is not None:
                 bucket.compressor.rescale_(factor)
-            if bucket.variance is not None:
-                bucket.variance.rescale_(factor)
 
     def reset_residuals(self) -> None:
         """Drop error-feedback residuals and local statistics (after a skipped step they may hold

@@ -75,9 +75,10 @@ class LocalVariance:
         self.count = 0
         self.quantizer = LogQuantizer(chunk_size)
 
-    def update_(self, grad: torch.Tensor, beta2: float) -> None:
-        """``grad``: this rank's own (not yet averaged) gradient of the bucket."""
-        self.sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    def update_(self, grad: torch.Tensor, beta2: float, inv_scale: float = 1.0) -> None:
+        """``grad``: this rank's own (not yet averaged) gradient of the bucket, still multiplied by
+        the loss scale; ``inv_scale`` = 1 / loss scale keeps the statistics in unscaled units."""
+        self.sq.mul_(beta2).addcmul_(grad, grad, value=(1 - beta2) * inv_scale * inv_scale)
         self.count += 1
 
     def corrected(self, beta2: float) -> torch.Tensor:
@@ -103,10 +104,6 @@ class LocalVariance:
         gathered = torch.empty(p, mine.shape[1], dtype=torch.uint8, device=mine.device)
         group.all_gather_into(gathered, mine)
         return _unrows(self.quantizer.decode(gathered, width), n).clone()
-
-    def rescale_(self, factor: float) -> None:
-        """The loss scale changed by ``factor``: squared gradients change by factor^2."""
-        self.sq.mul_(factor * factor)
 
     def reset(self) -> None:
         self.sq.zero_()

@@ -178,7 +178,6 @@ class DistributedOptimizer(_GradAccess):
         self._load_master_from_params()
         self.step_count = 0
         self.variance_frozen = False
-        self._grad_factor = 1.0
         self.param_gather = ParamGather(reducer, overlap_param_gather)
 
     def register_param_gather_hooks(self, modules) -> None:
@@ -189,10 +188,6 @@ class DistributedOptimizer(_GradAccess):
         """Wait for every parameter all-gather still in flight (before reading parameters outside
         a forward: validation, checkpoints, the end of training)."""
         self.param_gather.wait_all()
-
-    def unscale_(self, factor: float) -> None:
-        self._grad_factor = factor
-        super().unscale_(factor)
 
     def grad_norm(self) -> float:
         self.finish_param_gather()
@@ -237,13 +232,12 @@ class DistributedOptimizer(_GradAccess):
             sl = slice(off, off + n)
             if _sparse_now(b):
                 if b.index in refreshed:
-                    self.exp_avg_sq[sl] = refreshed[b.index] * self._grad_factor ** 2
+                    self.exp_avg_sq[sl] = refreshed[b.index]
                 _frozen_adamw_(self.master[sl], g, self.exp_avg[sl], self.exp_avg_sq[sl],
                                self.step_count, lr, self.betas, self.eps, segments)
             else:
                 _adamw_(self.master[sl], g, self.exp_avg[sl], self.exp_avg_sq[sl], self.step_count,
                         lr, self.betas, self.eps, segments)
-        self._grad_factor = 1.0
         self.param_gather.launch([(b, self.master[off:off + n].to(b.param_dtype))
                                   for b, off, n, _ in self._shards])
 
@@ -316,7 +310,6 @@ class MixedPrecisionOptimizer(_GradAccess):
         self.betas, self.eps = betas, eps
         self._decay = [wd for _, _, wd in entries]
         self.variance_frozen = False
-        self._grad_factor = 1.0
         if reducer is not None:
             reducer.beta2 = betas[1]
 
@@ -359,10 +352,6 @@ class MixedPrecisionOptimizer(_GradAccess):
                 if m is not p:
                     p.copy_(m)
 
-    def unscale_(self, factor: float) -> None:
-        self._grad_factor = factor
-        super().unscale_(factor)
-
     def _frozen_now(self) -> set[int]:
         """Indices of the parameters whose bucket went through a sparse compressor this step (and
         that have Adam state from the warm-up)."""
@@ -390,13 +379,11 @@ class MixedPrecisionOptimizer(_GradAccess):
             if bucket.index in refreshed:
                 slot = next(s for s in bucket.slots if s.param is p)
                 lo = slot.start - bucket.start
-                st["exp_avg_sq"].copy_(refreshed[bucket.index][lo:lo + slot.numel].view_as(m)
-                                       * self._grad_factor ** 2)
+                st["exp_avg_sq"].copy_(refreshed[bucket.index][lo:lo + slot.numel].view_as(m))
             wd = self._decay[i]
             _frozen_adamw_(m.view(-1), current_grad(p).to(torch.float32).reshape(-1),
                            st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1), int(st["step"]), lr,
                            self.betas, self.eps, [(0, m.numel(), wd)] if wd else [])
-        self._grad_factor = 1.0
 
     @property
     def step_count(self) -> int:
