@@ -177,7 +177,10 @@ def check_policy_reducer(ps) -> None:
         reference = serial_grads(step)
         compressed = step > POLICY["warmup_steps"]
         n_comp = sum(b.compressor is not None for b in reducer.buckets)
-        assert reducer.stats()["calls"] == len(reducer.buckets) + (n_comp if compressed else 0)
+        n_sparse = sum(b.variance is not None for b in reducer.buckets)
+        refresh = 2 * n_sparse if reducer.refresh_due(step) else 0   # the variance exchange
+        assert reducer.refresh_due(step) == (step == POLICY["warmup_steps"] + 1)
+        assert reducer.stats()["calls"] == len(reducer.buckets) + (n_comp if compressed else 0) + refresh
         for bucket in reducer.buckets:
             assert bucket.compressed_step == (compressed and bucket.compressor is not None)
             assert all(torch.equal(o, bucket.data) for o in gather(ps, bucket.data))

@@ -166,9 +166,11 @@ class GradReducer:
         return self.compressed and self.policy.active(self.step if step is None else step)
 
     def refresh_due(self, step: int) -> bool:
-        """Whether the sparse buckets' second moment is refreshed at ``step`` (variance.py)."""
+        """Whether the sparse buckets' second moment is (re)set from the ranks' local statistics
+        at ``step``: the first compressed step and every ``variance_refresh`` steps after the
+        warm-up (variance.py); never with ``variance_refresh`` 0."""
         w, k = self.policy.warmup_steps, self.policy.variance_refresh
-        return (self.compressing(step) and k > 0 and (step - w) % k == 0
+        return (self.compressing(step) and k > 0 and (step == w + 1 or (step - w) % k == 0)
                 and any(b.variance is not None for b in self.buckets))
 
     # ---- per-step protocol ----------------------------------------------------------------
@@ -206,16 +208,16 @@ class GradReducer:
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         if self._via_worker:
-            self._pending += [r for r in self._worker.drain() if r is not None]
+            if self.refresh_due(self.step):            # after every bucket, on the same thread
+                self._worker.submit(self._refresh)
+            results = self._worker.drain()
+            self._pending += [r for r in results if isinstance(r, tuple)]
+            self.refreshed = next((r for r in results if isinstance(r, dict)), {})
         for item in self._pending:
             if item[0] is not None:
                 item[0].wait()
             self._complete(item)
         self._pending = []
-        if self.refresh_due(self.step):
-            sharded = self.shard_grads
-            self.refreshed = {b.index: b.variance.average(self.group, self.beta2, sharded)
-                              for b in self.buckets if b.variance is not None}
         self._finished = True
         self._is_last = False
         self.step += 1
@@ -288,6 +290,8 @@ class GradReducer:
     def _start(self, bucket: Bucket):
         """Issue the bucket's uncompressed async collective: (handle, bucket, output or None)."""
         data = bucket.data
+        if bucket.variance is not None:                    # a sparse bucket's warm-up step
+            self._local_variance(bucket, data)
         data.div_(self.dp)
         if self.shard_grads:
             out = bucket.shard if bucket.shard is not None else \
@@ -298,15 +302,24 @@ class GradReducer:
     def _exchange(self, bucket: Bucket) -> None:
         """A compressed bucket's whole exchange (on the worker thread)."""
         data = bucket.data
-        if bucket.variance is not None:                    # this rank's own gradient, unscaled
-            scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
-            bucket.variance.update_(data, self.beta2, 1.0 / scale)
+        if bucket.variance is not None:
+            self._local_variance(bucket, data)
         data.div_(self.dp)
         if self.shard_grads:
             bucket.compressor.reduce_scatter_(data, self.group, bucket.shard_view(self.dp_rank, self.dp))
             bucket.free_storage()
         else:
             bucket.compressor.all_reduce_(data, self.group)
+
+    def _refresh(self) -> dict[int, torch.Tensor]:
+        """The sparse buckets' local statistics averaged over DP: {bucket index: full or shard}."""
+        return {b.index: b.variance.average(self.group, self.beta2, self.shard_grads)
+                for b in self.buckets if b.variance is not None}
+
+    def _local_variance(self, bucket: Bucket, data: torch.Tensor) -> None:
+        """This rank's own gradient (before the division by dp) into its statistics, unscaled."""
+        scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
+        bucket.variance.update_(data, self.beta2, 1.0 / scale)
 
     def _complete(self, item) -> None:
         """After the bucket's collective is done: its output into place, ZeRO-2 storage freed."""

@@ -11,20 +11,22 @@ error feedback's "nothing is lost, only delayed" carries over to the parameters.
 How (``policy.warmup_steps`` = W, ``policy.variance_refresh`` = K):
 
 - steps 1..W exchange uncompressed gradients and run plain AdamW;
-- from step W+1 the optimizer stops updating v for parameters in sparse buckets (it divides v by
-  its bias correction 1 - beta2^W once, so v is the bias-corrected second moment from then on) and
-  applies m / (sqrt(v) + eps) with the usual first-moment bias correction;
-- every compressed step each rank adds its local gradient's square to ``LocalVariance.sq`` (an EMA
-  with Adam's beta2 over this rank's own, uncompressed gradient);
-- at steps W + jK (j >= 1) the ranks average their local statistics over the DP group (a two-phase
-  exchange in log-domain uint8: relative error below 2^(range/508) - 1 per value, about 0.26x the
-  bytes of an fp32 all-reduce; under ZeRO only phase 1, since only the shard owner needs it) and the
-  optimizer replaces v by the result.
+- every step each rank adds the square of its own, uncompressed gradient to ``LocalVariance.sq``
+  (an EMA with Adam's beta2, bias-corrected by its count);
+- from step W+1 the optimizer stops updating v for parameters in sparse buckets (v is kept
+  bias-corrected from then on) and applies m / (sqrt(v) + eps) with the usual first-moment bias
+  correction;
+- at step W+1 and then every K steps (W + jK) the ranks average their local statistics over the
+  DP group (a two-phase exchange in log-domain uint8: relative error below 2^(span/508) - 1 per
+  value, about 0.26x the bytes of an fp32 all-reduce; under ZeRO only phase 1, since only the shard
+  owner needs it) and the optimizer replaces v by the result. With K = 0 the warm-up's own v is
+  kept for good instead (1-bit Adam's rule).
 
 The local statistics see this rank's share of the batch, whose noise is dp times that of the
-global batch, so in the noise-dominated regime the refreshed v is at most dp times the global v
-(steps at most sqrt(dp) shorter): a bias towards caution, stated in docs/data_parallel.md. int8
-sends every value every step, so its parameters keep plain AdamW (its rounding error is error-fed).
+global batch, so in the noise-dominated regime the refreshed v is up to dp times the global v
+(steps up to sqrt(dp) shorter). That caution is what top-k's delayed bursts want: on the
+compression benchmark, a v taken from the exact gradient (smaller) learned slower than this one.
+int8 sends every value every step, so its parameters keep plain AdamW (its rounding is error-fed).
 """
 from __future__ import annotations
 
