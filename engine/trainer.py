@@ -35,7 +35,7 @@ from models.registry import BlockRegistry
 from parallel.backend_rules import resolve as resolve_rules
 from parallel.context_parallel import init_ring, load_balanced, shard_index
 from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
-                         MixedPrecisionOptimizer, PolicyError)
+                         MixedPrecisionOptimizer, PolicyError, memory_bytes)
 from parallel.pipeline.bubble import simulate, theoretical_bubble
 from parallel.pipeline.timeline import gather_events, write_chrome_trace
 from parallel.pipeline.partition import stage_layers
@@ -187,15 +187,26 @@ class Trainer:
                        if p.precision == "fp16" else ConstantScaler(1.0))
         named = [(n, q) for c in self.chunks for n, q in c.logical_named_parameters()]
         self.reducer = GradReducer(named, ps, bucket_size_mb=cfg.parallel.bucket_size_mb,
-                                   compression_policy=cfg.compression)
+                                   compression_policy=cfg.compression,
+                                   overlap=cfg.parallel.overlap_grad_reduce)
+        self.reducer.loss_scaler = self.scaler   # top-k's local variance statistics, unscaled
         o = cfg.optim
         groups = [{"params": [q for n, q in named if q.ndim >= 2 and "position" not in n],
                    "weight_decay": o.weight_decay},
                   {"params": [q for n, q in named if q.ndim < 2 or "position" in n],
                    "weight_decay": 0.0}]  # no decay on biases, norms and position tables
-        opt_cls = DistributedOptimizer if cfg.parallel.use_distributed_optimizer else MixedPrecisionOptimizer
-        self.optimizer = opt_cls(groups, self.reducer, ps, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
-                                 eps=o.adam_eps, weight_decay=o.weight_decay)
+        adam = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                    weight_decay=o.weight_decay)
+        if cfg.parallel.use_distributed_optimizer:
+            # under --compile the chunks' forward pre-hooks would be traced: gather synchronously
+            overlap = cfg.parallel.overlap_param_gather and not cfg.compile
+            self.optimizer = DistributedOptimizer(groups, self.reducer, ps, zero_stage=cfg.parallel.zero_stage,
+                                                  overlap_param_gather=overlap, **adam)
+            self.optimizer.register_param_gather_hooks(self.chunks)
+        else:
+            self.optimizer = MixedPrecisionOptimizer(groups, self.reducer, ps, **adam)
+        # exact bytes each of this rank's parameters, gradients and optimizer state hold
+        self.memory = memory_bytes(self.reducer, self.optimizer)
         actions = act_shape = self.waiter = None
         self.timeline: list = []  # events of the last few steps, for --timeline
         if ps.pp_size > 1:
@@ -298,6 +309,7 @@ class Trainer:
                     break
             if cfg.checkpoint.save and not result.records:
                 result.checkpoint = self.save(cfg.optim.train_iters)
+            self.params_ready()  # the last step's parameter all-gathers
         finally:
             log.close()
             dash.close()
@@ -366,6 +378,7 @@ class Trainer:
                 "activations_in_flight": (out.pipeline.peak_in_flight
                                           if out.pipeline is not None else None),
                 **comm_metrics(out.comm, cfg.compile),
+                **{k: self.memory[k] for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes")},
                 "peak_memory_bytes": self.dev.peak_memory_bytes()}
 
     def _resilience_metrics(self, step: int, record: dict, log) -> None:
@@ -397,10 +410,18 @@ class Trainer:
     def timeline_events(self) -> list:
         return [e for step in self.timeline for e in step]
 
+    def params_ready(self) -> None:
+        """Wait for ZeRO's parameter all-gathers still in flight (overlapped with the next forward
+        otherwise): whatever reads the parameters outside a training forward calls this first."""
+        finish = getattr(self.optimizer, "finish_param_gather", None)
+        if finish is not None:
+            finish()
+
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over ``eval_iters`` global batches of the validation split."""
         cfg = self.cfg
+        self.params_ready()
         sampler = self.data.sampler("valid", cfg.data.global_batch_size, cfg.seed)
         for c in self.chunks:
             c.eval()
@@ -427,6 +448,7 @@ class Trainer:
 
     def save(self, step: int) -> str:
         from engine.checkpoint import save_checkpoint
+        self.params_ready()
         return save_checkpoint(self, step)
 
     def maybe_load(self) -> int:
@@ -467,6 +489,8 @@ class Trainer:
         return getattr(self, "loaded_checkpoint", None)
 
     def close(self) -> None:
+        self.params_ready()
+        self.reducer.remove_hooks()
         if self.waiter is not None and hasattr(self.waiter, "watchdog"):
             self.waiter.watchdog.stop()
         if self.heartbeat is not None:

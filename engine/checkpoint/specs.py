@@ -80,6 +80,7 @@ def layout_of(trainer) -> dict:
             "order": "-".join(normalise_order(cfg.parallel.order)),
             "virtual_pipeline_size": cfg.parallel.virtual_pipeline_size,
             "use_distributed_optimizer": cfg.parallel.use_distributed_optimizer,
+            "zero_stage": cfg.parallel.zero_stage,
             "sequence_parallel": cfg.parallel.sequence_parallel, "world_size": g.world_size,
             "precision": cfg.precision.precision, "compression": dataclasses.asdict(cfg.compression)}
 
