@@ -28,6 +28,7 @@ later, so that the error of the main thread comes first).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import sys
 import threading
@@ -142,11 +143,15 @@ class Heartbeat:
     def start(self) -> None:
         self.beat()  # readable by the peers from the start
         self.thread.start()
+        # A daemon thread still inside a store call when the interpreter finalises aborts the
+        # process (SIGABRT): a trainer never closed is stopped at exit, before that happens.
+        atexit.register(self.stop)
 
     def stop(self) -> None:
+        atexit.unregister(self.stop)
         self._stop.set()
         if self.thread.is_alive():
-            self.thread.join(timeout=5 * self.interval_s)
+            self.thread.join(timeout=5 * self.interval_s + 10.0)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
