@@ -1,18 +1,23 @@
 """Does gradient compression change what data parallelism learns? The same recipe trained with each
-compressor at dp=2, loss curves plotted together.
+compressor at dp=2 and dp=4 for several seeds; final-loss gaps, bytes, step times and loss curves.
 
-    python -m benchmarks.compression                              # 200 steps, a few minutes here
-    python -m benchmarks.compression --steps 1000 --hidden-size 128 --out runs/bench
+    python -m benchmarks.compression                               # 600 steps, dp 2 and 4, 3 seeds
+    python -m benchmarks.compression --steps 200 --dp 2 --seeds 1  # a quick look
 
-Runs: no compression, int8, top-k (``--topk-ratio``, with error feedback) and the per-branch policy
-of ``--policy`` (a YAML recipe's ``grad_compression_policy``; default configs/compression_policy.yaml).
-The data is real text: a byte-level corpus of a few standard-library packages, prepared into
-``--out`` on first use (or ``--data-path``), since random tokens cannot show a learning difference.
+Runs per (dp, seed): no compression, int8, top-k (``--topk-ratio``) and the per-branch policy of
+``--policy`` (a YAML recipe's ``grad_compression_policy``; default configs/compression_policy.yaml);
+at the dp sizes of ``--ablation-dp`` also top-k with the warm-up's second moment kept for good
+(no refreshes), to show what the refreshes buy.
+The compressed runs use the engine's defaults: error feedback on both sides of the exchange, the
+first ``--warmup`` steps uncompressed, and for top-k Adam's second moment frozen after the warm-up
+and refreshed every ``--variance-refresh`` steps (parallel/dp/variance.py). The data is real text:
+a byte-level corpus of a few standard-library packages, prepared into ``--out`` on first use (or
+``--data-path``), since random tokens cannot show a learning difference.
 
-Printed: the final training loss (mean of the last ``--window`` steps, to smooth batch noise), the
-validation loss after the last step, the gradient bytes per step relative to no compression, and
-whether each compressed run ends within ``--target`` (2%) of the uncompressed one. The PNG holds
-the smoothed training curves.
+Printed per run: the final training loss (mean of the last ``--window`` steps, to smooth batch
+noise), its gap to the uncompressed run of the same dp and seed, the ring-model DP bytes summed
+over the whole run (warm-up included) relative to that run, and the median step time; then the
+mean gap over seeds and whether it is within ``--target``. The PNG holds the seed-averaged curves.
 """
 from __future__ import annotations
 
@@ -41,13 +46,15 @@ from tests.dist_utils import run_distributed  # noqa: E402
 CORPUS_PACKAGES = ("json", "email", "http", "xml", "logging", "asyncio")
 
 
-def run_rank(ps, jobs: list[tuple[str, list[str]]]) -> list[dict]:
+def run_rank(ps, jobs: list[tuple[str, int, list[str]]]) -> list[dict]:
     out = []
-    for name, argv in jobs:
-        result = Trainer(parse_args(argv)).train()
-        out.append({"name": name, "loss": [r["loss"] for r in result.records],
-                    "bytes": [r["dp_comm_bytes"] for r in result.records],
-                    "valid": result.valid[-1][1] if result.valid else None})
+    for name, seed, argv in jobs:
+        trainer = Trainer(parse_args(argv))
+        records = trainer.train().records
+        trainer.reducer.remove_hooks()
+        out.append({"name": name, "seed": seed, "loss": [r["loss"] for r in records],
+                    "wire": [r["dp_comm_wire_bytes"] for r in records],
+                    "step_time": [r["step_time_s"] for r in records]})
     return out
 
 
@@ -63,10 +70,85 @@ def smooth(values: list[float], window: int) -> list[float]:
     return [statistics.mean(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
 
 
+def jobs_for(args, data: str, dp: int) -> list[tuple[str, int, list[str]]]:
+    jobs = []
+    for seed in args.seeds:
+        base = ["--data-path", data, "--no-progress", "--device", "cpu", "--dp", str(dp),
+                "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+                "--num-attention-heads", "4", "--seq-length", str(args.seq_length),
+                "--micro-batch-size", str(args.micro_batch_size),
+                "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.steps),
+                "--lr", str(args.lr), "--min-lr", str(args.lr / 10),
+                "--lr-warmup-iters", str(max(1, args.steps // 20)), "--peak-tflops", "1",
+                "--seed", str(seed), "--grad-compression-warmup-steps", str(args.warmup),
+                "--grad-compression-variance-refresh", str(args.variance_refresh)]
+        jobs += [("none", seed, base), ("int8", seed, base + ["--grad-compression", "int8"]),
+                 (f"topk {args.topk_ratio:g}", seed,
+                  base + ["--grad-compression", "topk", "--grad-compression-ratio", str(args.topk_ratio)])]
+        if dp in args.ablation_dp:   # what the refreshes buy: the warm-up's variance kept for good
+            jobs.append((f"topk {args.topk_ratio:g}, v frozen for good", seed,
+                         base + ["--grad-compression", "topk", "--grad-compression-ratio",
+                                 str(args.topk_ratio), "--grad-compression-variance-refresh", "0"]))
+        if args.policy:
+            with open(args.policy) as fh:
+                policy = yaml.safe_load(fh)["grad_compression_policy"]
+            policy = {**policy, "warmup_steps": args.warmup, "variance_refresh": args.variance_refresh}
+            jobs.append((f"policy ({Path(args.policy).name})", seed,
+                         base + ["--grad-compression-policy", json.dumps(policy)]))
+    return jobs
+
+
+def report(results: dict, args) -> str:
+    window = min(args.window, args.steps)
+    lines = [f"{args.steps} steps, final loss = mean of the last {window} steps, warm-up "
+             f"{args.warmup} uncompressed steps, top-k variance refresh every {args.variance_refresh}\n",
+             "| dp | seed | compressor | final loss | gap to none | DP bytes vs none (whole run) "
+             "| median step time (s) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    summary = {}
+    for dp, runs in results.items():
+        ref = {r["seed"]: r for r in runs if r["name"] == "none"}
+        for run in runs:
+            base = ref[run["seed"]]
+            final = statistics.mean(run["loss"][-window:])
+            gap = final / statistics.mean(base["loss"][-window:]) - 1
+            ratio = sum(run["wire"]) / sum(base["wire"])
+            summary.setdefault((dp, run["name"]), []).append((gap, ratio))
+            lines.append(f"| {dp} | {run['seed']} | {run['name']} | {final:.4f} | {gap:+.2%} | "
+                         f"{ratio:.4f} | {statistics.median(run['step_time'][1:]):.4f} |")
+    lines += ["", "| dp | compressor | mean gap over seeds | bytes vs none | within target |",
+              "| --- | --- | --- | --- | --- |"]
+    for (dp, name), values in summary.items():
+        gap = statistics.mean(g for g, _ in values)
+        ratio = statistics.mean(r for _, r in values)
+        ok = "-" if name == "none" else ("yes" if gap <= args.target else "no")
+        lines.append(f"| {dp} | {name} | {gap:+.2%} | {ratio:.4f} | {ok} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, args) -> str:
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4.5), squeeze=False)
+    window = max(1, min(args.window, args.steps) // 2)
+    for ax, (dp, runs) in zip(axes[0], results.items()):
+        for name in dict.fromkeys(r["name"] for r in runs):
+            curves = [r["loss"] for r in runs if r["name"] == name]
+            mean = [statistics.mean(v) for v in zip(*curves)]
+            ax.plot(range(1, args.steps + 1), smooth(mean, window), label=name, linewidth=1.2)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"training loss (mean over seeds, running mean of {window})")
+        ax.set_title(f"gradient compression, dp={dp}")
+        ax.legend()
+    fig.tight_layout()
+    path = os.path.join(args.out, "compression_loss.png")
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--seq-length", type=int, default=64)
@@ -74,6 +156,11 @@ def main() -> None:
     parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--topk-ratio", type=float, default=0.01)
+    parser.add_argument("--warmup", type=int, default=4, help="uncompressed steps first")
+    parser.add_argument("--variance-refresh", type=int, default=100,
+                        help="top-k: steps between refreshes of Adam's frozen second moment")
+    parser.add_argument("--ablation-dp", type=int, nargs="*", default=[2],
+                        help="dp sizes that also run top-k with the variance frozen for good")
     parser.add_argument("--policy", default="configs/compression_policy.yaml",
                         help="YAML recipe whose grad_compression_policy is run too ('' to skip)")
     parser.add_argument("--data-path", default=None, help="prepared corpus (default: a byte corpus)")
@@ -83,54 +170,20 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     data = args.data_path or corpus(args.out)
-
-    base = ["--data-path", data, "--no-progress", "--device", "cpu", "--dp", str(args.dp),
-            "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
-            "--num-attention-heads", "4", "--seq-length", str(args.seq_length),
-            "--micro-batch-size", str(args.micro_batch_size),
-            "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.steps),
-            "--lr", str(args.lr), "--min-lr", str(args.lr / 10),
-            "--lr-warmup-iters", str(max(1, args.steps // 20)), "--eval-interval", str(args.steps),
-            "--eval-iters", "8", "--peak-tflops", "1"]
-    jobs = [("none", base), ("int8", base + ["--grad-compression", "int8"]),
-            (f"topk {args.topk_ratio:g}", base + ["--grad-compression", "topk",
-                                                  "--grad-compression-ratio", str(args.topk_ratio)])]
-    if args.policy:
-        with open(args.policy) as fh:
-            policy = yaml.safe_load(fh)["grad_compression_policy"]
-        jobs.append((f"policy ({Path(args.policy).name})",
-                     base + ["--grad-compression-policy", json.dumps(policy)]))
-    runs = run_distributed(run_rank, grid=RankGrid(dp=args.dp), args=(jobs,), timeout_s=3600)[0]
-
-    window = min(args.window, args.steps)
-    ref = runs[0]
-    ref_final = statistics.mean(ref["loss"][-window:])
-    ref_bytes = statistics.mean(ref["bytes"])
-    print(f"dp={args.dp}, {args.steps} steps, final loss = mean of the last {window} steps\n")
-    print("| compressor | final train loss | gap to none | validation loss | bytes/step vs none "
-          "| within target |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for run in runs:
-        final = statistics.mean(run["loss"][-window:])
-        gap = (final - ref_final) / ref_final
-        ok = "-" if run is ref else ("yes" if abs(gap) <= args.target else "no")
-        valid = f"{run['valid']:.4f}" if run["valid"] is not None else "-"
-        print(f"| {run['name']} | {final:.4f} | {gap:+.2%} | {valid} | "
-              f"{statistics.mean(run['bytes']) / ref_bytes:.4f} | {ok} |")
-        ax.plot(range(1, args.steps + 1), smooth(run["loss"], max(1, window // 2)), label=run["name"],
-                linewidth=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"training loss (running mean of {max(1, window // 2)})")
-    ax.set_title(f"gradient compression, dp={args.dp}")
-    ax.legend()
-    fig.tight_layout()
-    path = os.path.join(args.out, "compression_loss.png")
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    results = {}
+    for dp in args.dp:
+        if args.global_batch_size % (args.micro_batch_size * dp):
+            raise SystemExit(f"--global-batch-size {args.global_batch_size} is not a multiple of "
+                             f"micro-batch x dp = {args.micro_batch_size * dp}")
+        results[dp] = run_distributed(run_rank, grid=RankGrid(dp=dp), args=(jobs_for(args, data, dp),),
+                                      timeout_s=7200)[0]
+        with open(os.path.join(args.out, "compression.json"), "w") as fh:
+            json.dump({"args": vars(args), "results": {str(k): v for k, v in results.items()}}, fh)
+    text = report(results, args)
+    path = plot(results, args)
+    print(text)
     print(f"\ntarget: compressed runs end within {args.target:.0%} of the uncompressed final loss. "
-          f"bytes: ring-model gradient bytes per step (policy runs include uncompressed warm-up "
-          f"steps). Curves: {path}")
+          f"bytes: ring-model DP bytes (dp_comm_wire_bytes) summed over the run. Curves: {path}")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,16 @@ class ParallelConfig:
     sequence_parallel: bool = False
     recompute: str = "none"
     use_distributed_optimizer: bool = False
+    # help: with --use-distributed-optimizer: 1 shards the optimizer state over DP (ZeRO-1); 2 also
+    # keeps only this rank's shard of the fp32 gradient once a bucket is reduce-scattered (ZeRO-2)
+    zero_stage: int = 1
+    # help: launch each gradient bucket's reduction as soon as its last gradient is in, during
+    # backward (--no-overlap-grad-reduce: all of them after backward)
+    overlap_grad_reduce: bool = True
+    # help: with --use-distributed-optimizer: leave each bucket's parameter all-gather in flight
+    # until the next forward reaches the first module using it (--no-overlap-param-gather: wait
+    # right after the update; always so under --compile)
+    overlap_param_gather: bool = True
     order: str = "tp-cp-dp-pp"
     bucket_size_mb: float = 25.0
     timeout_s: float = 300.0
@@ -76,6 +86,12 @@ class ParallelConfig:
             raise ValueError("--virtual-pipeline-size > 1 needs --pipeline-schedule interleaved")
         if self.pipeline_schedule == "interleaved" and self.pp == 1:
             raise ValueError("--pipeline-schedule interleaved needs --pp > 1")
+        if self.zero_stage not in (1, 2):
+            raise ValueError(f"--zero-stage must be 1 or 2, got {self.zero_stage} (stage 0 is "
+                             f"the default optimizer: leave out --use-distributed-optimizer)")
+        if self.zero_stage == 2 and not self.use_distributed_optimizer:
+            raise ValueError("--zero-stage 2 shards the distributed optimizer's gradients: add "
+                             "--use-distributed-optimizer")
 
     @property
     def chunks_per_rank(self) -> int:
@@ -113,8 +129,18 @@ class OptimConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    # bad steps (engine/anomaly.py): a non-finite or spiking loss or gradient norm is caught before
+    # the update; with rerun_on_anomaly the step runs again once from its saved inputs
+    rerun_on_anomaly: bool = False
+    spike_factor: float = 0.0   # a value above this x the running median is a spike (0: off)
+    spike_window: int = 32      # steps in that running median
 
     def __post_init__(self):
+        if self.spike_factor != 0 and self.spike_factor <= 1:
+            raise ValueError(f"--spike-factor must be above 1 (or 0: off), got {self.spike_factor}; "
+                             f"a spike is a value above that many times the running median")
+        if self.spike_window < 1:
+            raise ValueError(f"--spike-window must be >= 1, got {self.spike_window}")
         if self.train_iters < 1:
             raise ValueError(f"--train-iters must be >= 1, got {self.train_iters}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -198,12 +224,25 @@ class CompressionConfig:
     grad_compression: str = "none"
     grad_compression_ratio: float = 0.01
     grad_compression_policy: dict | None = None
+    # help: optimizer steps that exchange uncompressed gradients before --grad-compression starts;
+    # top-k takes Adam's second moment from them, so it needs at least 1
+    grad_compression_warmup_steps: int = 4
+    # help: top-k: steps between refreshes of Adam's frozen second moment from the DP ranks' local
+    # squared gradients (0: keep the one from the warm-up)
+    grad_compression_variance_refresh: int = 100
 
     def __post_init__(self):
         if self.grad_compression not in COMPRESSORS:
             raise ValueError(f"--grad-compression must be one of {COMPRESSORS}, got {self.grad_compression!r}")
         if not 0.0 < self.grad_compression_ratio <= 1.0:
             raise ValueError(f"--grad-compression-ratio must be in (0, 1], got {self.grad_compression_ratio}")
+        if self.grad_compression_warmup_steps < 0 or self.grad_compression_variance_refresh < 0:
+            raise ValueError("--grad-compression-warmup-steps and --grad-compression-variance-refresh "
+                             "must be >= 0")
+        if self.grad_compression == "topk" and self.grad_compression_warmup_steps < 1:
+            raise ValueError("--grad-compression topk needs --grad-compression-warmup-steps >= 1: "
+                             "Adam's second moment of the compressed parameters comes from the "
+                             "uncompressed warm-up steps")
 
 
 @dataclass
@@ -230,6 +269,7 @@ class LogConfig:
     timeline: str | None = None      # default RUN_DIR/timeline.json
     plot: str | None = None          # default RUN_DIR/loss.png
     log_interval: int = 10
+    log_straggler: bool = True  # every log_interval steps, name the ranks the others waited for
     eval_interval: int = 0
     eval_iters: int = 4
     progress: bool = True

@@ -32,6 +32,8 @@ SCALARS = {  # metrics key -> dashboard tag
     "cp_comm_bytes": "comm/cp_comm_bytes",
     "pp_comm_bytes": "comm/pp_comm_bytes",
     "peak_memory_bytes": "memory/peak_memory_bytes",
+    "straggler_rank": "stragglers/straggler_rank",
+    "straggler_ratio": "stragglers/straggler_ratio",
 }
 
 

@@ -71,7 +71,18 @@ FLAGS: dict[str, Flag] = {
     "sequence_parallel": F("keep norms, dropout and residuals on a sequence shard (needs --tp > 1)",
                            "parallelism"),
     "recompute": F("activation recomputation", "parallelism", ("--recompute-granularity",), RECOMPUTE),
-    "use_distributed_optimizer": F("ZeRO-1: shard the optimizer state over DP ranks", "parallelism"),
+    "use_distributed_optimizer": F("the distributed optimizer: shard the optimizer state over DP "
+                                   "ranks (ZeRO-1; --zero-stage 2 also the gradients)", "parallelism"),
+    "zero_stage": F("with --use-distributed-optimizer: 1 shards the optimizer state over DP (ZeRO-1); "
+                    "2 also keeps only this rank's shard of the fp32 gradient once a bucket is "
+                    "reduce-scattered (ZeRO-2)", "parallelism", choices=(1, 2)),
+    "overlap_grad_reduce": F("launch each gradient bucket's reduction as soon as its last gradient "
+                             "is in, during backward (--no-overlap-grad-reduce: all after backward)",
+                             "parallelism"),
+    "overlap_param_gather": F("with --use-distributed-optimizer: leave each bucket's parameter "
+                              "all-gather in flight until the next forward reaches the first module "
+                              "using it (--no-overlap-param-gather: wait right after the update; "
+                              "always so under --compile)", "parallelism"),
     "order": F("rank order of the grid, fastest-varying first", "parallelism"),
     "bucket_size_mb": F("size of a DP gradient bucket in MB", "parallelism"),
     "timeout_s": F("seconds a collective may take before the job ends naming it", "parallelism"),
@@ -81,6 +92,12 @@ FLAGS: dict[str, Flag] = {
                        choices=BACKEND_RULES),
     "grad_compression": F("DP gradient compression", "parallelism", choices=COMPRESSORS),
     "grad_compression_ratio": F("fraction of entries top-k keeps", "parallelism", ("--topk-ratio",)),
+    "grad_compression_warmup_steps": F("optimizer steps that exchange uncompressed gradients before "
+                                       "--grad-compression starts; top-k takes Adam's second moment "
+                                       "from them, so it needs at least 1", "parallelism"),
+    "grad_compression_variance_refresh": F("top-k: steps between refreshes of Adam's frozen second "
+                                           "moment from the DP ranks' local squared gradients (0: "
+                                           "keep the one from the warm-up)", "parallelism"),
     "grad_compression_policy": F("per-branch compression rules as a JSON object (see "
                                  "configs/compression_policy.yaml)", "parallelism"),
     "device": F("device type", "parallelism", choices=DEVICES),
@@ -101,6 +118,13 @@ FLAGS: dict[str, Flag] = {
     "adam_eps": F("AdamW epsilon", "training"),
     "clip_grad": F("clip the global gradient norm to this (0: off)", "training"),
     "seed": F("seed of initialisation, sampling, document split and dropout", "training"),
+    "rerun_on_anomaly": F("a non-finite or spiking loss or gradient norm re-runs the step once from "
+                          "its saved inputs before any update: a clean re-run (transient fault) is "
+                          "applied, a repeated non-finite one stops the run naming the rank, "
+                          "micro-batch and parameter", "training"),
+    "spike_factor": F("a loss or gradient norm above this many times the median of the last "
+                      "--spike-window steps is an anomaly (0: off)", "training"),
+    "spike_window": F("steps in the running median of --spike-factor", "training"),
     "compile": F("torch.compile the model chunks with the device's backend", "training"),
     # ---- mixed precision ---------------------------------------------------------------------
     "precision": F("parameter and compute precision (--bf16 / --fp16 also work)", "mixed precision",
@@ -153,6 +177,9 @@ FLAGS: dict[str, Flag] = {
                      default_text="<run-dir>/profile"),
     "plot": F("PNG of loss and throughput", "logging", default_text="RUN_DIR/loss.png"),
     "log_interval": F("steps between console lines and dashboard points", "logging"),
+    "log_straggler": F("every --log-interval steps, report the slowest ranks by compute and the rank "
+                       "the others waited for in collectives (straggler_rank, straggler_ratio)",
+                       "logging"),
     "eval_interval": F("validate every N steps (0: never)", "logging"),
     "eval_iters": F("global batches per validation", "logging"),
     "progress": F("progress bar on stderr", "logging"),
@@ -206,8 +233,6 @@ MEGATRON_ANSWERS: dict[str, tuple[str | None, str]] = {
     "--make-vocab-size-divisible-by": (None, "the vocabulary is padded to a multiple of 128 x tp "
                                        "automatically; drop the flag"),
     "--num-workers": (None, "data is memory-mapped and read in the training process; drop the flag"),
-    "--overlap-grad-reduce": (None, "DP gradient reduction always overlaps the backward pass; drop it"),
-    "--overlap-param-gather": (None, "ZeRO-1 gathers parameters after each step; drop the flag"),
     "--data-impl": (None, "data is always Megatron's memory-mapped indexed format; drop the flag"),
     "--expert-model-parallel-size": (None, "mixture-of-experts models are not supported"),
     "--num-experts": (None, "mixture-of-experts models are not supported"),

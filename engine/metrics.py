@@ -32,12 +32,17 @@ from dataclasses import dataclass, field
 REQUIRED_KEYS = ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens", "step_time_s",
                  "tokens_per_s", "tflops_per_device", "mfu", "hfu", "bubble_theoretical",
                  "bubble_simulated", "bubble_measured", "dp_comm_bytes", "dp_comm_wire_bytes",
-                 "tp_comm_bytes", "pp_comm_bytes", "peak_memory_bytes", "time_forward_backward_s",
+                 "tp_comm_bytes", "pp_comm_bytes", "param_bytes", "grad_bytes", "optimizer_state_bytes",
+                 "peak_memory_bytes", "time_forward_backward_s",
                  "time_dp_finish_s", "time_grad_sync_s", "time_clip_s", "time_optimizer_s")
 # optional: the trainer's loop adds them; save_blocking_s is the time the step boundary spent on
 # checkpoints (the whole save when synchronous, the host copy and publication with --async-save),
 # null where it had none to do
-OPTIONAL_KEYS = ("save_blocking_s",)
+# anomaly: what made the step anomalous (a non-finite or spiking loss or gradient norm), rerun:
+# "transient" or "persistent" after a re-run (engine/anomaly.py); straggler_rank / straggler_ratio /
+# straggler_waited_for every --log-interval steps (engine/stragglers.py), null on other steps
+OPTIONAL_KEYS = ("save_blocking_s", "anomaly", "rerun", "straggler_rank", "straggler_ratio",
+                 "straggler_waited_for")
 
 
 @dataclass

@@ -18,6 +18,13 @@ this rank's (the metrics carry global rank 0's): averaging them over ranks would
 collective after the update. The bubble is the world mean (it travels in the statistics). The
 same spans, with every forward and backward (and with pp > 1 every transfer), are the step's
 timeline events.
+
+The statistics all-reduce is the step's one grid-wide agreement: besides the loss, the overflow
+flag and the norm it sums the small integers of a ``StepAgreement`` (the checkpointer's stop and
+save counters), so a decision every rank must take together costs no collective of its own. It
+runs before the update, so that a step found bad (engine/anomaly.py) can be run again from the
+same state instead of being applied: ``run`` is ``compute`` (everything but the update), the
+guard's review, then ``apply``.
 """
 from __future__ import annotations
 
@@ -84,6 +91,38 @@ class StepStats:
     grad_norm_sq: float          # squared global gradient norm (after unscaling)
     per_rank: list[float]        # world means of the per-rank values
     per_stage: list[float]       # per-stage means of the per-stage values
+    counts: list[float] = field(default_factory=list)  # world sums of the agreement's counts
+
+
+class StepAgreement:
+    """Small non-negative integers that every rank adds to the step's statistics all-reduce, summed
+    over the world (exact in fp32 up to 2**24). Each source is ``fn() -> list[int]`` of a fixed
+    width, called once per execution of the step; ``agreed[name]`` are the sums, identical on every
+    rank. Example: the checkpointer's [stop requested, save written, save failed] on 4 ranks of
+    which one got SIGTERM and all finished writing: [1, 4, 0]."""
+
+    def __init__(self):
+        self.sources: dict[str, tuple[int, object]] = {}
+
+    def set(self, name: str, width: int, fn) -> None:
+        self.sources[name] = (width, fn)
+
+    def local(self) -> list[int]:
+        out = []
+        for name, (width, fn) in self.sources.items():
+            values = [int(v) for v in fn()]
+            if len(values) != width or min(values, default=0) < 0:
+                raise ValueError(f"StepAgreement: {name} must give {width} non-negative integers, "
+                                 f"got {values}")
+            out += values
+        return out
+
+    def split(self, values) -> dict[str, list[int]]:
+        out, k = {}, 0
+        for name, (width, _) in self.sources.items():
+            out[name] = [int(round(v)) for v in values[k:k + width]]
+            k += width
+        return out
 
 
 def _to_device(values: list[float], device) -> torch.Tensor:
@@ -96,7 +135,7 @@ def _to_device(values: list[float], device) -> torch.Tensor:
 
 def reduce_step_stats(ps: ParallelState, local_loss: torch.Tensor, grads: torch.Tensor,
                       per_rank: tuple[float, ...] = (),
-                      per_stage: tuple[float, ...] = (),
+                      per_stage: tuple[float, ...] = (), counts=(),
                       holds_loss: bool | None = None) -> StepStats:
     """The step's one collective and one host read: [loss, overflow flag, grad norm², per-rank
     values, per-stage values], summed over the world in fp32 (HCCL reduces no float64).
@@ -106,23 +145,24 @@ def reduce_step_stats(ps: ParallelState, local_loss: torch.Tensor, grads: torch.
     DP x CP. ``grads``: ``grad_stats``'s (flag, norm²); the flags are summed (> 0: an
     overflow somewhere), the norm², already grid-wide, is taken from global rank 0 alone (every
     other rank adds an exact 0). ``per_rank`` values (e.g. the idle fraction) are averaged over
-    the world, ``per_stage`` ones (each rank fills its own stage's slots) over a stage's ranks.
+    the world, ``per_stage`` ones (each rank fills its own stage's slots) over a stage's ranks;
+    ``counts`` (small integers, a StepAgreement's) are summed.
     """
     device = grads.device
     owner = (ps.is_last_stage if holds_loss is None else holds_loss) and ps.tp_rank == 0
     zero = torch.zeros(1, dtype=torch.float32, device=device)
     parts = [local_loss.reshape(1).to(torch.float32) if owner else zero, grads[:1],
              grads[1:] if ps.rank == 0 else zero]
-    if per_rank or per_stage:
-        parts.append(_to_device([*per_rank, *per_stage], device))
+    if per_rank or per_stage or counts:
+        parts.append(_to_device([*per_rank, *per_stage, *counts], device))
     t = torch.cat(parts)
     ps.world_group.all_reduce(t)
     values = t.tolist()  # the step's one host sync
-    k = 3 + len(per_rank)
+    k, j = 3 + len(per_rank), 3 + len(per_rank) + len(per_stage)
     ranks_per_stage = ps.world_size // ps.pp_size
     return StepStats(values[0] / (ps.dp_size * ps.cp_size), values[1], values[2],
                      [v / ps.world_size for v in values[3:k]],
-                     [v / ranks_per_stage for v in values[k:]])
+                     [v / ranks_per_stage for v in values[k:j]], values[j:])
 
 
 def micro_batch_loss(out: torch.Tensor, mb, num_micro: int, dp: int) -> torch.Tensor:
@@ -154,6 +194,20 @@ def stage_compute_times(events, ps: ParallelState) -> tuple[float, ...]:
     return tuple(slots)
 
 
+@dataclass
+class Computed:
+    """One execution of a step up to (not including) the update."""
+    loss: float
+    check: object            # engine.loss_scaler.StepCheck
+    scale: float
+    pipe: object
+    stats: StepStats
+    agreed: dict             # StepAgreement sums by source name
+    snapshot: dict           # communication counters at the start
+    stamps: list             # DeviceClock stamps: start, after forward/backward, DP finish, grad sync, statistics
+    marks: list              # pp=1 forward/backward marks (name, cat, start, end, micro, chunk)
+
+
 class Stepper:
     """Holds what a step needs; ``run(batches, lr)`` performs one optimizer step."""
 
@@ -178,6 +232,11 @@ class Stepper:
                        if id(p) not in seen and not seen.add(id(p))]
         self.shared = [p for c in chunks for p in c.shared_embedding_params()]
         self.holds_loss = any(c.post_process for c in chunks)  # runs the last virtual stage
+        self.agreement = StepAgreement()
+        self.agreed: dict = {}          # the last step's agreed counts, by source
+        self.guard = None               # engine.anomaly.AnomalyGuard: reviews a step before its update
+        self.current_step = None        # the step being run (1-based), as the trainer names it
+        self.micro_losses = None        # this rank's per-micro-batch losses of the last execution (device)
 
     def _forward_step(self, batches, scale: float):
         """The executor's callback: a chunk's output, or on the last chunk the scaled mean loss."""
@@ -193,11 +252,12 @@ class Stepper:
             return micro_batch_loss(out, mb, m, self.ps.dp_cp_group.size) * scale
         return forward_step
 
-    def _forward_backward(self, batches: list, scale: float, marks: list):
+    def _forward_backward(self, batches: list, scale: float, marks: list | None = None):
         """``batches``: this rank's micro-batches (engine.data.packing.MicroBatch). Returns this
         rank's loss as a 0-d device tensor (not read here) and the pipeline result; with pp=1 the
         forwards and backwards are appended to ``marks`` as (name, cat, start, end, micro, chunk)."""
         m = len(batches)
+        marks = [] if marks is None else marks
         self.reducer.set_num_microbatches(m)  # a parameter's m-th accumulation launches its bucket
         if self.ps.pp_size == 1:
             model, losses, stamp = self.chunks[0], [], self.clock.stamp
@@ -209,12 +269,14 @@ class Stepper:
                 (loss * scale).backward()
                 marks += [(f"F{i}", "forward", a, b, i, 0), (f"B{i}", "backward", b, stamp(), i, 0)]
                 losses.append(loss.detach())
-            return torch.stack(losses).sum(), None
+            self.micro_losses = torch.stack(losses)
+            return self.micro_losses.sum(), None
         result = run_schedule(self.ps, self.actions, list(self.chunks),
                               self._forward_step(batches, scale), m, self.act_shape,
                               self.act_dtype, self.timeout_s, waiter=self.waiter, clock=self.clock,
                               placement=self.placement, weight_grads=self.weight_grads,
                               scatter_gather=self.scatter_gather)
+        self.micro_losses = result.loss_values
         local = result.loss_sum
         if local is None:  # not the last stage: its loss slot is not counted
             return torch.zeros((), dtype=torch.float32, device=batches[0].tokens.device), result
@@ -231,14 +293,29 @@ class Stepper:
                 per_rank = (pipeline_bubble(self.ps, pipe.events),)
             stage_times = stage_compute_times(pipe.events, self.ps)
         stats = reduce_step_stats(self.ps, local_loss, grads, per_rank, stage_times,
-                                  self.holds_loss)
+                                  self.agreement.local(), self.holds_loss)
         check = apply_grad_stats(self.optimizer, self.scaler, stats.found_inf, stats.grad_norm_sq,
                                  self.clip_grad, self.reducer)
         return stats, check
 
-    def run(self, batches, lr: float) -> StepOutput:
+    def run(self, batches, lr: float, step: int | None = None) -> StepOutput:
+        """One optimizer step over this rank's micro-batches; ``step`` (1-based) names it in
+        anomaly reports (default: ``current_step``, set by the trainer). With a guard, a step found
+        bad is reviewed (run again) before any update."""
+        if step is not None:
+            self.current_step = step
+        self.clock.anchor()  # synchronize: the step starts on an idle device
+        if self.guard is not None:
+            self.guard.before(self)
+        pre = self.compute(batches)
+        if self.guard is not None:
+            pre = self.guard.review(self, batches, pre, self.current_step)
+        return self.apply(pre, lr)
+
+    def compute(self, batches) -> Computed:
+        """Forward and backward, the gradient reductions and checks, and the statistics all-reduce:
+        everything of a step but the update, which leaves parameters and optimizer state alone."""
         clock, marks = self.clock, []
-        clock.anchor()  # synchronize: the step starts on an idle device
         snapshot = self.ps.comm.snapshot()
         self.optimizer.zero_grad()
         if self.weight_grads is not None:
@@ -256,23 +333,30 @@ class Stepper:
         t.append(clock.stamp())
         stats, check = self.statistics(local_loss, pipe)
         t.append(clock.stamp())
-        if not check.skipped:
+        return Computed(stats.loss, check, scale, pipe, stats, self.agreement.split(stats.counts),
+                        snapshot, t, marks)
+
+    def apply(self, pre: Computed, lr: float) -> StepOutput:
+        """The update of a computed step (none when it is skipped), then its figures."""
+        clock, t, marks = self.clock, list(pre.stamps), list(pre.marks)
+        if not pre.check.skipped:
             self.optimizer.step(lr)
         t.append(clock.stamp())
-        comm = self.ps.comm.since(snapshot)
+        self.agreed = pre.agreed
+        comm = self.ps.comm.since(pre.snapshot)
         marks += [(name, cat, t[i + 1], t[i + 2], -1, 0) for i, (name, cat, _) in enumerate(_PHASES)]
-        events = list(pipe.events) if pipe is not None else []
+        events = list(pre.pipe.events) if pre.pipe is not None else []
         events += [TimelineEvent(self.ps.rank, name, cat, clock.wall(a), clock.wall(b), micro, chunk)
                    for name, cat, a, b, micro, chunk in marks]
         times = [clock.elapsed_s(t[i], t[i + 1]) for i in range(len(t) - 1)]
-        out = StepOutput(stats.loss, check.grad_norm, check.skipped, scale, comm, pipe,
+        out = StepOutput(pre.loss, pre.check.grad_norm, pre.check.skipped, pre.scale, comm, pre.pipe,
                          dict(zip(TIME_KEYS, times)), events)
-        if pipe is not None:
-            out.extra["bubble_measured"] = stats.per_rank[0]
+        if pre.pipe is not None:
+            out.extra["bubble_measured"] = pre.stats.per_rank[0]
             k = len(STAGE_CATS)
-            out.extra["stage_fwd_s"] = stats.per_stage[0::k]
-            out.extra["stage_bwd_s"] = stats.per_stage[1::k]
-            out.extra["stage_wgt_s"] = stats.per_stage[2::k]
+            out.extra["stage_fwd_s"] = pre.stats.per_stage[0::k]
+            out.extra["stage_bwd_s"] = pre.stats.per_stage[1::k]
+            out.extra["stage_wgt_s"] = pre.stats.per_stage[2::k]
         return out
 
     @torch.no_grad()

@@ -1,9 +1,11 @@
 """``python -m engine.train``: one training job (single process, or one rank under torchrun/Slurm).
 
 Failures end the process with one line on stderr instead of a hang or a bare traceback: a bad
-configuration or checkpoint (exit 2), a diverged loss (exit 1, naming the last good checkpoint) and a
-collective that timed out or lost a peer (exit 1, naming the operation, its process group and this
-rank), so that torchrun stops, or restarts, the whole job.
+configuration or checkpoint (exit 2), a diverged loss or a persistent bad step (exit 1, naming the
+last good checkpoint; engine/anomaly.py) and a collective that timed out or lost a peer (exit 1,
+naming the operation, its process group, this rank, and from the peers' heartbeats the members that
+entered it and those that did not; parallel/heartbeat.py), so that torchrun stops, or restarts, the
+whole job.
 """
 from __future__ import annotations
 
@@ -24,9 +26,11 @@ def describe_comm_failure(exc: BaseException, ps, timeout_s: float | None = None
     from parallel.comm import CommGroup
     from parallel.pipeline.p2p import PipelineCommError
     if isinstance(exc, PipelineCommError):
-        return str(exc)
+        peers = _peers(ps)
+        return str(exc) + (f" Heartbeats: {peers}" if peers else "")
     if not isinstance(exc, RuntimeError) or not _COMM.search(str(exc)):
         return None
+    peers = _peers(ps)
     frames, tb = [], exc.__traceback__
     while tb is not None:
         frames.append(tb.tb_frame)
@@ -35,7 +39,7 @@ def describe_comm_failure(exc: BaseException, ps, timeout_s: float | None = None
     for frame in reversed(frames):  # innermost first
         path, code = frame.f_code.co_filename, frame.f_code
         owner = frame.f_locals.get("self")
-        if group is None and isinstance(owner, CommGroup):
+        if group is None and isinstance(owner, CommGroup) and not code.co_name.startswith("_"):
             group, op = owner, code.co_name
         if group is None:  # e.g. waiting on an asynchronous collective's handle
             for value in frame.f_locals.values():
@@ -46,6 +50,10 @@ def describe_comm_failure(exc: BaseException, ps, timeout_s: float | None = None
         if where is None and path.startswith(_REPO) and "site-packages" not in path \
                 and not path.endswith(os.path.join("parallel", "comm.py")):
             where = f"{code.co_qualname} ({os.path.relpath(path, _REPO)}:{frame.f_lineno})"
+    failed = getattr(getattr(ps, "comm", None), "activity", None)
+    failed = failed.failed if failed is not None else None
+    if op is None and failed is not None and (group is None or failed[1] == group.kind):
+        op = failed[0] if failed[0] != "p2p" else "a point-to-point transfer"
     what = f"{op or 'a collective'}"
     if group is not None:
         what += f" over the {group.kind} group (ranks {list(group.ranks)})"
@@ -56,7 +64,20 @@ def describe_comm_failure(exc: BaseException, ps, timeout_s: float | None = None
         ("timed out" if timed_out else "failed")
     cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return (f"communication failure: {what} {why} on {ps.describe()}: a peer rank died, hangs or "
-            f"runs a different configuration; check the other ranks' logs. [{cause}]")
+            f"runs a different configuration; check the other ranks' logs. [{cause}]"
+            + (f" Heartbeats: {peers}" if peers else ""))
+
+
+def _peers(ps) -> str | None:
+    """The failed collective's group members that entered it and those that did not, from their
+    heartbeats (None without a heartbeat, or when no collective of this rank failed)."""
+    monitor = getattr(ps, "comm", None)
+    heartbeat = getattr(monitor, "heartbeat", None)
+    failed = monitor.activity.failed if monitor is not None else None
+    if heartbeat is None or failed is None:
+        return None
+    group = ps.world_group if failed[1] == "world" else getattr(ps, f"{failed[1]}_group", None)
+    return heartbeat.describe(failed, group.ranks if group is not None else ())
 
 
 def isolate_restart_attempt(cfg) -> bool:
@@ -92,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"gridtron: configuration error: {exc}", file=sys.stderr)
         return 2
+    from engine.anomaly import PersistentAnomaly
     from engine.checkpoint import CheckpointError
     from engine.trainer import Trainer, TrainingDiverged
     from engine.validate import validate_run
@@ -108,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as exc:
         print(f"gridtron: checkpoint error: {exc}", file=sys.stderr)
         return 2
-    except TrainingDiverged as exc:
+    except (TrainingDiverged, PersistentAnomaly) as exc:
         print(f"gridtron: training diverged: {exc}", file=sys.stderr)
         return 1
     except RuntimeError as exc:

@@ -35,7 +35,7 @@ from models.registry import BlockRegistry
 from parallel.backend_rules import resolve as resolve_rules
 from parallel.context_parallel import init_ring, load_balanced, shard_index
 from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
-                         MixedPrecisionOptimizer, PolicyError)
+                         MixedPrecisionOptimizer, PolicyError, memory_bytes)
 from parallel.pipeline.bubble import simulate, theoretical_bubble
 from parallel.pipeline.timeline import gather_events, write_chrome_trace
 from parallel.pipeline.partition import placement_stages, stage_layers
@@ -96,6 +96,8 @@ class Trainer:
         for note in (*notes, *self.dev.notes):  # the chip's fallbacks: said once, by rank 0
             if self.is_main:
                 warnings.warn(note)
+        from parallel.heartbeat import Heartbeat
+        self.heartbeat = Heartbeat.for_state(self.ps, cfg.parallel.timeout_s, self.dev.backend)
         self._build_data()
         self._build_model()
         self._build_step()
@@ -186,15 +188,26 @@ class Trainer:
                        if p.precision == "fp16" else ConstantScaler(1.0))
         named = [(n, q) for c in self.chunks for n, q in c.logical_named_parameters()]
         self.reducer = GradReducer(named, ps, bucket_size_mb=cfg.parallel.bucket_size_mb,
-                                   compression_policy=cfg.compression)
+                                   compression_policy=cfg.compression,
+                                   overlap=cfg.parallel.overlap_grad_reduce)
+        self.reducer.loss_scaler = self.scaler   # top-k's local variance statistics, unscaled
         o = cfg.optim
         groups = [{"params": [q for n, q in named if q.ndim >= 2 and "position" not in n],
                    "weight_decay": o.weight_decay},
                   {"params": [q for n, q in named if q.ndim < 2 or "position" in n],
                    "weight_decay": 0.0}]  # no decay on biases, norms and position tables
-        opt_cls = DistributedOptimizer if cfg.parallel.use_distributed_optimizer else MixedPrecisionOptimizer
-        self.optimizer = opt_cls(groups, self.reducer, ps, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
-                                 eps=o.adam_eps, weight_decay=o.weight_decay)
+        adam = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                    weight_decay=o.weight_decay)
+        if cfg.parallel.use_distributed_optimizer:
+            # under --compile the chunks' forward pre-hooks would be traced: gather synchronously
+            overlap = cfg.parallel.overlap_param_gather and not cfg.compile
+            self.optimizer = DistributedOptimizer(groups, self.reducer, ps, zero_stage=cfg.parallel.zero_stage,
+                                                  overlap_param_gather=overlap, **adam)
+            self.optimizer.register_param_gather_hooks(self.chunks)
+        else:
+            self.optimizer = MixedPrecisionOptimizer(groups, self.reducer, ps, **adam)
+        # exact bytes each of this rank's parameters, gradients and optimizer state hold
+        self.memory = memory_bytes(self.reducer, self.optimizer)
         actions = act_shape = self.waiter = self.weight_grads = None
         self.timeline: list = []  # events of the last few steps, for --timeline
         sp = cfg.parallel.sequence_parallel and ps.tp_size > 1
@@ -230,6 +243,12 @@ class Trainer:
         self.peak_tflops = run_peak_tflops(self.dev, cfg.precision.precision, cfg.log.peak_tflops,
                                            self.tf32)
         self.profiler = StepProfiler.from_config(cfg.log, self.dev.type, ps.rank)
+        from engine.anomaly import AnomalyGuard
+        from engine.stragglers import StragglerMonitor
+        self.guard = AnomalyGuard.for_trainer(self)  # None without --rerun-on-anomaly/--spike-factor
+        # the step's device clock (events on CUDA/NPU, perf_counter on CPU)
+        self.stragglers = (StragglerMonitor(ps, self.clock)
+                           if cfg.log.log_straggler and ps.world_size > 1 else None)
         self.bubble_theory = (theoretical_bubble(cfg.parallel.pipeline_schedule, ps.pp_size,
                                                  self.num_micro, cfg.parallel.virtual_pipeline_size)
                               if ps.pp_size > 1 else None)
@@ -268,10 +287,15 @@ class Trainer:
                      f"micro-batches/step; {self.num_params_local:,} parameters on rank 0")
         from engine.checkpoint.async_writer import Checkpointer
         self.checkpointer = Checkpointer(self)
+        # the checkpointer's stop/save counters ride on each step's statistics all-reduce
+        self.stepper.agreement.set("checkpoint", 3, self.checkpointer.counts)
         previous_handler = self._install_stop_handler()
         try:
             for step in range(start, cfg.optim.train_iters):
+                if self.stragglers is not None:
+                    self.stragglers.begin_step(step + 1)
                 record = self.train_one(step)
+                self._resilience_metrics(step, record, log)
                 if cfg.log.eval_interval and (step + 1) % cfg.log.eval_interval == 0:
                     vloss = self.evaluate()
                     record["valid_loss"] = vloss
@@ -281,7 +305,8 @@ class Trainer:
                 interval = cfg.checkpoint.save_interval
                 b = self.checkpointer.boundary(step + 1, bool(interval) and (step + 1) % interval == 0,
                                                self.stop_signal is not None,
-                                               last=step + 1 == cfg.optim.train_iters)
+                                               last=step + 1 == cfg.optim.train_iters,
+                                               agreed=self.stepper.agreed.get("checkpoint"))
                 record["save_blocking_s"] = b.blocking_s
                 log.log(record)
                 dash.log(record)
@@ -294,6 +319,7 @@ class Trainer:
                     break
             if cfg.checkpoint.save and not result.records:
                 result.checkpoint = self.save(cfg.optim.train_iters)
+            self.params_ready()  # the last step's parameter all-gathers
         finally:
             log.close()
             dash.close()
@@ -331,6 +357,7 @@ class Trainer:
         timer = EventPair(self.clock).start()
         batches = self._batches(step)
         lr = learning_rate(step, cfg.optim)
+        self.stepper.current_step = step + 1  # names the step in anomaly reports
         out = self.stepper.run(batches, lr)
         dt = timer.stop().elapsed_s()  # device time of the whole step
         self.profiler.after_step(step + 1)
@@ -361,7 +388,23 @@ class Trainer:
                 "activations_in_flight": (out.pipeline.peak_in_flight
                                           if out.pipeline is not None else None),
                 **comm_metrics(out.comm, cfg.compile),
+                **{k: self.memory[k] for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes")},
                 "peak_memory_bytes": self.dev.peak_memory_bytes()}
+
+    def _resilience_metrics(self, step: int, record: dict, log) -> None:
+        """The step's anomaly keys and, every --log-interval steps, the straggler report (one
+        all-gather, on every rank at the same steps)."""
+        record.update(self.guard.record() if self.guard is not None else
+                      {"anomaly": None, "rerun": None})
+        report = None
+        if self.stragglers is not None:
+            self.stragglers.end_step()
+            if (step + 1) % self.cfg.log.log_interval == 0:
+                report = self.stragglers.report(step + 1)
+        record.update(report.metrics() if report is not None else
+                      dict.fromkeys(("straggler_rank", "straggler_ratio", "straggler_waited_for")))
+        if report is not None and self.is_main:
+            log.note(f"gridtron: {report.describe(self.grid)}")
 
     def _simulated_bubble(self, out) -> float | None:
         """The schedule replayed with this step's measured mean forward/backward time per stage:
@@ -378,10 +421,18 @@ class Trainer:
     def timeline_events(self) -> list:
         return [e for step in self.timeline for e in step]
 
+    def params_ready(self) -> None:
+        """Wait for ZeRO's parameter all-gathers still in flight (overlapped with the next forward
+        otherwise): whatever reads the parameters outside a training forward calls this first."""
+        finish = getattr(self.optimizer, "finish_param_gather", None)
+        if finish is not None:
+            finish()
+
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over ``eval_iters`` global batches of the validation split."""
         cfg = self.cfg
+        self.params_ready()
         sampler = self.data.sampler("valid", cfg.data.global_batch_size, cfg.seed)
         for c in self.chunks:
             c.eval()
@@ -408,6 +459,7 @@ class Trainer:
 
     def save(self, step: int) -> str:
         from engine.checkpoint import save_checkpoint
+        self.params_ready()
         return save_checkpoint(self, step)
 
     def maybe_load(self) -> int:
@@ -448,6 +500,10 @@ class Trainer:
         return getattr(self, "loaded_checkpoint", None)
 
     def close(self) -> None:
+        self.params_ready()
+        self.reducer.remove_hooks()
         if self.waiter is not None and hasattr(self.waiter, "watchdog"):
             self.waiter.watchdog.stop()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self.ps.destroy()

@@ -19,7 +19,13 @@ by all groups of one ``ParallelState``. Its methods are thin wrappers over torch
 
 3. tell observers (``monitor.observers``) about each call: op, group kind and ranks, dtype,
    payload bytes, before it is issued (used by tests to check ordering, and by tools that record a
-   step's communication).
+   step's communication);
+4. keep this rank's ``Activity`` (``monitor.activity``): how many collectives it has entered on
+   each of its groups, the last one, the one the host is blocked in right now and, when a clock is
+   set, the spans of time it spent blocked (inside a synchronous call, or in ``wait()`` on the
+   handle of an asynchronous one). The heartbeat (parallel/heartbeat.py) publishes it so that a
+   rank stuck in a collective can name the peers that never entered it; the straggler report
+   (engine/stragglers.py) sums the spans.
 
 Inside a ``torch.compile`` graph only the rules apply (at trace time): the TP and CP collectives of
 compiled model chunks are not counted, so the trainer reports ``tp_comm_bytes`` and
@@ -30,6 +36,7 @@ and ``ParallelState.serial()`` need no process group at all.
 """
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -77,11 +84,76 @@ class Counter:
 
 
 @dataclass
+class Activity:
+    """What this rank's communication is doing; cheap to update, read by other threads.
+
+    ``entered[kind]`` counts the collectives this rank has entered on its group of that kind (every
+    member of a group enters the same sequence, so collective #n of a group is the same operation on
+    every member); point-to-point batches are counted apart in ``p2p`` (neighbours post different
+    numbers of them). ``last`` is the (op, kind, number) entered last, ``blocked`` the (op, kind,
+    number, wall time) the host is waiting in now (None while it computes), ``failed`` the one whose
+    call or wait raised. With a ``clock`` (anything with ``stamp()``, e.g. engine.stragglers.HostClock
+    or a device clock) every blocked interval is appended to ``spans`` as (kind, start, end)
+    stamps; the reader empties the list. ``step`` is set by the training loop."""
+    entered: dict = field(default_factory=lambda: {k: 0 for k in GROUP_KINDS})
+    p2p: int = 0
+    last: tuple | None = None
+    blocked: tuple | None = None
+    failed: tuple | None = None
+    clock: object = None
+    spans: list = field(default_factory=list)
+    step: int = 0
+
+    def enter(self, op: str, kind: str) -> tuple:
+        if op in ("send", "recv", "p2p"):
+            self.p2p += 1
+            tag = ("p2p", kind, self.p2p)
+        else:
+            self.entered[kind] += 1
+            tag = (op, kind, self.entered[kind])
+        self.last = tag
+        return tag
+
+    def block(self, tag: tuple, fn: Callable, /, *args, **kwargs):
+        """Run ``fn`` (a collective call or a wait) as time blocked in ``tag``."""
+        clock = self.clock
+        start = clock.stamp() if clock is not None else None
+        self.blocked = (*tag, time.time())
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            self.failed = tag
+            raise
+        finally:
+            self.blocked = None
+            if start is not None:
+                self.spans.append((tag[1], start, clock.stamp()))
+
+
+class TrackedWork:
+    """The handle of an asynchronous collective: ``wait()`` counts as blocked time of its
+    collective; everything else is the torch.distributed handle's."""
+    __slots__ = ("work", "activity", "tag")
+
+    def __init__(self, work, activity: Activity, tag: tuple):
+        self.work, self.activity, self.tag = work, activity, tag
+
+    def wait(self, *args, **kwargs):
+        return self.activity.block(self.tag, self.work.wait, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+@dataclass
 class CommMonitor:
-    """Shared by the groups of one ParallelState: the rules, the counters and the observers."""
+    """Shared by the groups of one ParallelState: the rules, the counters, the observers and this
+    rank's communication activity."""
     rules_name: str | None = None
     counters: dict = field(default_factory=lambda: {k: Counter() for k in GROUP_KINDS})
     observers: list = field(default_factory=list)
+    activity: Activity = field(default_factory=Activity)
+    heartbeat: object = None  # parallel.heartbeat.Heartbeat, when one runs for this rank
 
     def __post_init__(self) -> None:
         self.rules = get_rules(self.rules_name)
@@ -177,12 +249,23 @@ class CommGroup:
                                         None if tensor is None else str(tensor.dtype)[6:], nbytes,
                                         wire_bytes(op, nbytes, self.size), async_op))
 
+    def _run(self, name: str, fn: Callable, /, *args, async_op: bool = False, **kwargs):
+        """Issue the torch.distributed call ``fn`` as collective ``name`` of this group in the
+        rank's Activity; an asynchronous call's handle comes back as a ``TrackedWork``."""
+        if torch.compiler.is_compiling():
+            return fn(*args, async_op=async_op, **kwargs)
+        activity = self.monitor.activity
+        tag = activity.enter(name, self.kind)
+        work = activity.block(tag, fn, *args, async_op=async_op, **kwargs)
+        return TrackedWork(work, activity, tag) if async_op and work is not None else work
+
     # ---- tensor collectives (in place or into ``out``) ---------------------------------------
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         if self.size == 1:
             return None
         self._issue("all_reduce", t, async_op=async_op, reduce_op=op)
-        return dist.all_reduce(t, op=op, group=self.process_group, async_op=async_op)
+        return self._run("all_reduce", dist.all_reduce, t, op=op, group=self.process_group,
+                         async_op=async_op)
 
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's ``t`` (equal shapes) along dim 0 into ``out``."""
@@ -190,7 +273,8 @@ class CommGroup:
             out.copy_(t.reshape(out.shape))
             return None
         self._issue("all_gather", t, async_op=async_op, tensors=[t, out])
-        return _all_gather_single(out, t, group=self.process_group, async_op=async_op)
+        return self._run("all_gather", _all_gather_single, out, t, group=self.process_group,
+                         async_op=async_op)
 
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor, op=dist.ReduceOp.SUM,
                             async_op: bool = False):
@@ -199,7 +283,8 @@ class CommGroup:
             out.copy_(t.reshape(out.shape))
             return None
         self._issue("reduce_scatter", t, async_op=async_op, reduce_op=op, tensors=[t, out])
-        return _reduce_scatter_single(out, t, op=op, group=self.process_group, async_op=async_op)
+        return self._run("reduce_scatter", _reduce_scatter_single, out, t, op=op,
+                         group=self.process_group, async_op=async_op)
 
     def all_to_all_single(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """Equal splits along dim 0: piece j of ``t`` goes to rank j, piece i of ``out`` comes from i."""
@@ -207,7 +292,8 @@ class CommGroup:
             out.copy_(t.reshape(out.shape))
             return None
         self._issue("all_to_all", t, async_op=async_op, tensors=[t, out])
-        return dist.all_to_all_single(out, t, group=self.process_group, async_op=async_op)
+        return self._run("all_to_all", dist.all_to_all_single, out, t, group=self.process_group,
+                         async_op=async_op)
 
     def broadcast(self, t: torch.Tensor, src: int = 0, async_op: bool = False):
         """``src`` is the index in this group (0: its first rank)."""
@@ -215,13 +301,14 @@ class CommGroup:
             return None
         self._issue("broadcast", t, payload=_nbytes(t) if self.rank == src else 0,
                     async_op=async_op)
-        return dist.broadcast(t, src=self.ranks[src], group=self.process_group, async_op=async_op)
+        return self._run("broadcast", dist.broadcast, t, src=self.ranks[src],
+                         group=self.process_group, async_op=async_op)
 
     def barrier(self) -> None:
         if self.size == 1:
             return
         self._issue("barrier", None)
-        dist.barrier(group=self.process_group)
+        self._run("barrier", lambda async_op: dist.barrier(group=self.process_group))
 
     # ---- point to point ------------------------------------------------------------------------
     def batch_isend_irecv(self, transfers: list[tuple[str, torch.Tensor, int]]) -> list:
@@ -234,7 +321,12 @@ class CommGroup:
                 self._issue("recv", t, payload=0)
             ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer,
                                   self.process_group))
-        return dist.batch_isend_irecv(ops) if ops else []
+        if not ops:
+            return []
+        activity = self.monitor.activity
+        tag = activity.enter("p2p", self.kind)
+        works = activity.block(tag, dist.batch_isend_irecv, ops)
+        return [TrackedWork(w, activity, tag) for w in works]
 
     # ---- object collectives (setup, checkpoints, timelines: never in the step) --------------------
     def all_gather_object(self, obj) -> list:
@@ -243,7 +335,7 @@ class CommGroup:
         check_object(self.monitor.rules, "all_gather_object", self.kind, obj)
         self._issue("object", None)
         out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.process_group)
+        self._run("object", lambda async_op: dist.all_gather_object(out, obj, group=self.process_group))
         return out
 
     def broadcast_object(self, obj, src: int = 0):
@@ -254,7 +346,8 @@ class CommGroup:
             check_object(self.monitor.rules, "broadcast_object_list", self.kind, obj)
         self._issue("object", None)
         box = [obj]
-        dist.broadcast_object_list(box, src=self.ranks[src], group=self.process_group)
+        self._run("object", lambda async_op: dist.broadcast_object_list(
+            box, src=self.ranks[src], group=self.process_group))
         return box[0]
 
 

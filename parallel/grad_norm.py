@@ -17,7 +17,7 @@ whichever optimizer it uses.
 
 The step's path (``local_norm_sq``, ``grid_norm_sq_``, ``scale_``, ``check_and_unscale_``) keeps
 every result on the device: one ``torch._foreach_*`` op per list of gradient tensors (callers pass
-the few flat buffers the gradients live in, see parallel/dp/zero.py), and the one host read of the
+the few flat buffers the gradients live in, see parallel/dp/optim_common.py), and the one host read of the
 step happens where the step's statistics are read (engine/step.py). ``global_grad_norm``,
 ``clip_grads`` and ``found_inf`` read the result on the host, for callers outside the step.
 The ``*_reference`` functions are the former per-parameter loops (one to four kernels per

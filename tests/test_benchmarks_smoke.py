@@ -201,3 +201,9 @@ def test_long_context_counts_each_saved_tensor_once():
     assert lc.planner_bytes(seq, 2) == lc.planner_bytes(seq, 1) / 2
     table = lc.table({1: {seq: result}}, [seq])
     assert table.splitlines()[2].startswith(f"| {seq} | 1 |")
+
+def test_resilience_benchmark_tiny_run(capsys):
+    from benchmarks import resilience
+    row = resilience.main(["--steps", "5", "--fault-step", "4", "--hidden", "32", "--layers", "1"])
+    assert row["faulty_losses_equal_plain"] and row["reruns"] == 1, row
+    assert "fastest step: plain" in capsys.readouterr().out

@@ -6,6 +6,8 @@ One group of 8 gloo ranks runs a chain of trainers (spawning is the expensive pa
   C  (tp4, pp1, dp2) ZeRO off, loaded from A's step 3 (flat ZeRO ranges -> TP boxes): step 4, saved
   D  (tp1, pp4, dp2) ZeRO-1, loaded from C's step 4 (TP boxes -> flat ranges)
   F  (tp2, pp2, dp2) interleaved with 2 virtual stages, ZeRO off, loaded from A's step 3
+  G  (tp2, pp2, dp2) ZeRO-2, loaded from A's step 3 (ZeRO-1): bit-identical steps 4-6, saved at 4
+  H  (tp2, pp1, dp4) ZeRO off, loaded from G's step 4 (ZeRO-2 ranges -> dp 4 boxes)
 and a serial run (tp=pp=dp=1, ZeRO off) in this process loads A's step 3.
 The vocabulary (300) pads differently at tp 1, 2 and 4, so padding rows are dropped and restored.
 The learning rate is constant after warmup, so a run that stops early (C) keeps the schedule.
@@ -49,6 +51,11 @@ def chain(ps, root):
                         "--load", os.path.join(c, "iter_0000004")])
     out["F"] = _losses(["--tp", "2", "--pp", "2", "--pipeline-schedule", "interleaved",
                         "--virtual-pipeline-size", "2", "--load", ck3])
+    g = os.path.join(root, "g")
+    out["G"] = _losses(["--tp", "2", "--pp", "2", "--use-distributed-optimizer", "--zero-stage", "2",
+                        "--sequence-parallel", "--load", ck3, "--save", g, "--save-interval", "1",
+                        "--keep-last", "3"])
+    out["H"] = _losses(["--tp", "2", "--pp", "1", "--load", os.path.join(g, "iter_0000004")])
     return out
 
 
@@ -68,6 +75,7 @@ def close(got, want, rel=1e-4):
 def test_same_layout_resume_is_bit_identical(resharded):
     _, r = resharded
     assert r["E"] == r["A"][3:]
+    assert r["G"] == r["A"][3:]          # ZeRO-1 -> ZeRO-2: the same logical pieces, the same math
 
 
 def test_resume_across_layouts(resharded):
@@ -75,6 +83,7 @@ def test_resume_across_layouts(resharded):
     close(r["C"], r["A"][3:4])
     close(r["D"], r["A"][4:])
     close(r["F"], r["A"][3:])
+    close(r["H"], r["A"][4:])
     with pytest.raises(CheckpointError, match="is at step 6 and --train-iters is 6: nothing to train"):
         _losses(["--load", os.path.join(root, "a")])  # latest = step 6
     close(_losses(["--load", os.path.join(root, "a", "iter_0000003")]), r["A"][3:])

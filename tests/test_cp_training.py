@@ -52,8 +52,7 @@ def one_step_grads(argv: list[str], launch: LaunchEnv | None = None) -> dict[str
         return {n: current_grad(p).detach().clone() for c in trainer.chunks
                 for n, p in c.logical_named_parameters()}
     finally:
-        if launch is not None:
-            trainer.close()
+        trainer.close()
 
 
 def _losses(argv: list[str], launch: LaunchEnv | None = None, valid: bool = False):
@@ -63,8 +62,7 @@ def _losses(argv: list[str], launch: LaunchEnv | None = None, valid: bool = Fals
         losses = [r["loss"] for r in result.records]
         return (losses, [v for _, v in result.valid]) if valid else losses
     finally:
-        if launch is not None:
-            trainer.close()
+        trainer.close()
 
 
 def cp_runs(ps, root: str):

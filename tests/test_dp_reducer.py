@@ -93,7 +93,8 @@ def check_reducer(ps: ParallelState) -> None:
             backward_step(model, reducer, step, dp, rank, m=2, flag=flag)
             reference = serial_grads(step)
             for name, p in model.named_parameters():
-                assert p.grad is None and p.main_grad.dtype == torch.float32
+                # fp32: autograd accumulated into the buffer itself (grad is the main_grad view)
+                assert p.grad is p.main_grad and p.main_grad.dtype == torch.float32
                 torch.testing.assert_close(p.main_grad, reference[name], rtol=1e-5, atol=1e-7)
             expected = sum(wire_bytes("all_reduce", b.numel * 4, dp) for b in reducer.buckets)
             assert reducer.stats()["calls"] == len(reducer.buckets)
@@ -183,7 +184,8 @@ def check_zero(ps: ParallelState) -> None:
         pytest.approx(global_grad_norm(list(plain.parameters()), ps), rel=1e-6)
     assert plain_norms == pytest.approx(serial_norms, rel=1e-5)
     # one ZeRO step's DP traffic: a reduce-scatter per bucket during backward, the norm's scalar,
-    # an all-gather of the updated shard per bucket; payload = the tensors handed over
+    # an all-gather of the updated shard per bucket in forward order (the last bucket first);
+    # payload = the tensors handed over
     with record_comm(ps) as events:
         train(ps, sharded=True, steps=1)
     dp_events = [(e.op, e.payload_bytes, e.wire_bytes) for e in events if e.group == "dp"]
@@ -192,7 +194,7 @@ def check_zero(ps: ParallelState) -> None:
                              for b in zero_red.buckets]
     assert dp_events[n] == ("all_reduce", 4, wire_bytes("all_reduce", 4, dp))      # the norm
     assert dp_events[n + 1:] == [("all_gather", b.numel // dp * 4, (dp - 1) * b.numel // dp * 4)
-                                 for b in zero_red.buckets]
+                                 for b in reversed(zero_red.buckets)]
 
     # optimizer state: the shards together equal the non-sharded state, and reload anywhere
     full = assemble(ps, zero_opt.state_dict())

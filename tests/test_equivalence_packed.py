@@ -40,8 +40,7 @@ def train(argv: list[str], launch: LaunchEnv | None = None) -> dict:
     try:
         records = trainer.train().records
     finally:
-        if launch is not None:
-            trainer.close()
+        trainer.close()
     return {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records]}
 
 

@@ -6,11 +6,16 @@ the rank's safetensors file, re-reads it against its sha256 and writes the rank'
 file I/O only. The thread never issues a collective (a second thread's collectives would race with training's on the same
 process groups, and are illegal on NCCL/HCCL streams).
 
-Completion is agreed by the main thread at the following step boundaries. Every boundary issues one
-all-reduce of three int32 counters (``agree``), summed over all ranks::
+Completion is agreed by the main thread at the following step boundaries, from three counters
+summed over all ranks::
 
     [ranks asking to stop (SIGTERM), ranks whose part of the save in flight is written and
      verified, ranks whose background write failed]
+
+They ride on the step's statistics all-reduce (``counts``, a source of engine/step.py's
+``StepAgreement``, sampled when the step's gradients are checked), so a training step costs no
+collective of its own here; a boundary without them (a caller that runs no step) issues one int32
+all-reduce (``agree``) instead.
 
 When the second counter reaches the world size, rank 0 publishes the save with the synchronous
 path's own ``publish`` (merge the index, rename ``iter_X.tmp``, repoint ``latest``); until then the
@@ -111,13 +116,25 @@ class Checkpointer:
         self.flight: _Flight | None = None
         self.buffers = HostBuffers()
 
-    def boundary(self, step: int, due: bool, stop_requested: bool = False, last: bool = False) -> Boundary:
+    def counts(self) -> list[int]:
+        """This rank's [stop requested, save in flight written, save in flight failed], for the
+        step's agreement (engine/step.py StepAgreement)."""
+        mine = self.flight.counts() if self.flight is not None else [0, 0]
+        return [int(getattr(self.trainer, "stop_signal", None) is not None), *mine]
+
+    def boundary(self, step: int, due: bool, stop_requested: bool = False, last: bool = False,
+                 agreed: list[int] | None = None) -> Boundary:
         """After optimizer step ``step`` (1-based): ``due`` when the save interval says so,
-        ``last`` on the run's last step; ``stop_requested`` when this rank received SIGTERM."""
+        ``last`` on the run's last step; ``stop_requested`` when this rank received SIGTERM.
+        ``agreed``: the step's sums of ``counts()`` over all ranks (then ``stop_requested`` was
+        part of them); without them the counters are all-reduced here."""
         t0 = time.perf_counter()
         worked = self.flight is not None
-        mine = self.flight.counts() if self.flight is not None else [0, 0]
-        stops, done, failed = agree(self.ps, [int(stop_requested), *mine])
+        if agreed is not None:
+            stops, done, failed = agreed
+        else:
+            mine = self.flight.counts() if self.flight is not None else [0, 0]
+            stops, done, failed = agree(self.ps, [int(stop_requested), *mine])
         published = self._conclude(done, failed)
         stop = stops > 0
         if (stop or last) and self.flight is not None:

@@ -212,7 +212,9 @@ def inspect(path: str, out=None) -> int:
     lay, m = index["layout"], index["model"]
     print(f"checkpoint {ckpt}: step {index['step']}", file=out)
     print(f"layout: tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} vp={lay['virtual_pipeline_size']} "
-          f"zero1={lay['use_distributed_optimizer']} precision={lay['precision']} "
+          f"zero1={lay['use_distributed_optimizer']} "
+          f"zero_stage={lay.get('zero_stage', 1) if lay['use_distributed_optimizer'] else 0} "
+          f"precision={lay['precision']} "
           f"world={lay['world_size']}", file=out)
     print(f"model: {m['block']} layers={m['num_layers']} hidden={m['hidden_size']} "
           f"heads={m['num_attention_heads']} ffn={m['ffn_hidden_size']} vocab={m['vocab_size']}; "

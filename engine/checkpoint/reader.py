@@ -18,6 +18,7 @@ from safetensors import safe_open
 from engine.checkpoint.index import CheckpointError, TensorReader, intact_hint, read_index, resolve, verify
 from engine.checkpoint.specs import (LAYOUT_KEYS, ParamSpec, data_info, layout_of, param_specs,
                                      saved_layout)
+from parallel.dp.residuals import fold_logical_residuals
 
 
 MODEL_SHAPE_SKIP = ("seq_length", "vocab_size", "dropout", "seed")  # the run's choices, not the shape
@@ -135,8 +136,9 @@ def load_checkpoint(trainer, load_dir: str) -> int:
                          if f"optim/{key}/{s.name}" in reader}
     try:
         if ck.load_optim:
-            trainer.optimizer.load_state_dict({"step": index["optimizer"]["step"], "pieces": pieces,
-                                               "state": state})
+            trainer.optimizer.load_state_dict({
+                "step": index["optimizer"]["step"], "pieces": pieces, "state": state,
+                "variance_frozen": index["optimizer"].get("variance_frozen", False)})
         trainer.sampler.load_state_dict(index["sampler"])
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {ckpt}: {exc}") from exc
@@ -144,7 +146,8 @@ def load_checkpoint(trainer, load_dir: str) -> int:
     layout = saved_layout(index)
     if layout["precision"] == cfg.precision.precision:
         trainer.scaler.load_state_dict(index["scaler"])
-    same = all(layout[k] == layout_of(trainer)[k] for k in LAYOUT_KEYS + ("compression",))
+    same = all(layout.get(k) == layout_of(trainer)[k]
+               for k in LAYOUT_KEYS + ("compression", "use_distributed_optimizer"))
     own = {}
     if same:  # per-rank state only means something on the same rank of the same layout
         rank = index["ranks"][str(ps.rank)]
@@ -158,5 +161,15 @@ def load_checkpoint(trainer, load_dir: str) -> int:
             trainer.rng.load_state_tensors(own)
     trainer.reducer.load_state_dict({"step": index["reducer"]["step"], "residuals": {
         k[len("residual/"):]: v.to(ps.device) for k, v in own.items() if k.startswith("residual/")}})
+    if not same:  # another layout: each rank takes an equal share of the summed residuals
+
+        def read(name, param):
+            key = f"optim/grad_residual/{name}"
+            if key not in reader:
+                return None
+            s = by_name[name]
+            return reader.read(key, s.offsets, list(param.shape)).to(ps.device)
+
+        fold_logical_residuals(trainer.reducer, ps, read)
     trainer.loaded_checkpoint, trainer.loaded_step = ckpt, step
     return step

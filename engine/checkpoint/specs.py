@@ -81,6 +81,7 @@ def layout_of(trainer) -> dict:
             "virtual_pipeline_size": cfg.parallel.chunks_per_rank if g.pp > 1 else 1,
             "placement": cfg.parallel.placement,
             "use_distributed_optimizer": cfg.parallel.use_distributed_optimizer,
+            "zero_stage": cfg.parallel.zero_stage,
             "sequence_parallel": cfg.parallel.sequence_parallel, "world_size": g.world_size,
             "precision": cfg.precision.precision, "compression": dataclasses.asdict(cfg.compression)}
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from engine.checkpoint.index import (FORMAT, INDEX_NAME, LATEST, CheckpointError, file_damage,
                                      list_checkpoints, step_dir_name, write_json, write_shard)
 from engine.checkpoint.specs import ParamSpec, data_info, device_rng, layout_of, param_specs
+from parallel.dp.residuals import logical_residual_pieces
 
 
 class _Shard:
@@ -121,6 +122,13 @@ def snapshot(trainer, step: int, tmp: str, host=None) -> Snapshot:
         for key, t in sd["state"][piece["name"]].items():
             shard.add(f"optim/{key}/{s.name}", s, t, None if whole else (piece["start"], piece["end"]),
                       host=host)
+    # error-feedback residuals summed over the ranks that share them: any layout can take them up
+    # (a collective: every rank builds them here, in the snapshot, on the main thread)
+    for name, _, a, b, t in logical_residual_pieces(trainer.reducer, ps):
+        s = specs[name]
+        if s.writer:
+            whole = a == 0 and b == s.param.numel()
+            shard.add(f"optim/grad_residual/{name}", s, t, None if whole else (a, b), host=host)
     own = {"rng/cpu": torch.get_rng_state()}
     if (dev_rng := device_rng(trainer.dev)) is not None:
         own["rng/device"] = dev_rng.cpu()
@@ -138,7 +146,8 @@ def snapshot(trainer, step: int, tmp: str, host=None) -> Snapshot:
                 "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(cfg.model),
                 "data": data_info(trainer), "sampler": {**trainer.sampler.state_dict(), "next_step": step},
                 "scaler": dict(trainer.scaler.state_dict()), "reducer": {"step": red["step"]},
-                "optimizer": {"kind": sd["kind"], "step": sd["step"]}}
+                "optimizer": {"kind": sd["kind"], "step": sd["step"],
+                              "variance_frozen": sd.get("variance_frozen", False)}}
     return Snapshot(step, tmp, checkpoint_dir(trainer, step), ps.rank, ps.world_size,
                     cfg.checkpoint.keep_last, shard.fname, {**shard.tensors, **own}, rank_json, meta)
 

@@ -1,4 +1,4 @@
-"""Contiguous gradient buffers and their buckets.
+"""Contiguous gradient buffers, their buckets and (ZeRO) the parameters' own flat buffers.
 
 Each parameter's gradient lives in ``param.main_grad``, a view into one flat buffer (fp32 by
 default, whatever the parameter dtype), so micro-batch accumulation happens in full precision and a
@@ -9,10 +9,18 @@ front of the buffer and can be reduced while backward is still running on earlie
 A buffer holds parameters of one (parameter dtype, compressor) pair; buckets are closed once they
 reach the configured size (a parameter is never split) and padded to a multiple of
 ``pad_multiple`` (a multiple of dp), so every bucket divides into equal per-rank shards for
-reduce-scatter (ZeRO-1)::
+reduce-scatter (ZeRO)::
 
     buffer:  | bucket 0: p9 p8 p7 pad | bucket 1: p6 p5 pad | ... |
     shard r of bucket b: [b.start + r * b.numel / dp, b.start + (r + 1) * b.numel / dp)
+
+ZeRO-2 (``GradBuffer.release(dp, rank)``) drops the flat buffer: each bucket then owns a
+persistent fp32 ``shard`` (numel / dp) that receives the reduce-scatter, and a full-size
+``storage`` that exists only from the bucket's first gradient of a step until its reduction is done
+(``Bucket.ensure_storage`` / ``Bucket.free_storage``); ``param.main_grad`` is None in between.
+
+``bind_param_buffer`` (ZeRO) gives the parameters of a buffer one flat tensor of their dtype with
+the gradient buffer's layout, so the updated shards are all-gathered straight into the parameters.
 """
 from __future__ import annotations
 
@@ -45,7 +53,11 @@ class Bucket:
     end: int
     slots: list[ParamSlot]
     index: int = -1                       # launch order over all buffers, set by the reducer
-    compressor: Compressor | None = None  # built per bucket: top-k keeps residuals per bucket
+    compressor: Compressor | None = None  # built per bucket: residuals are per bucket
+    storage: torch.Tensor | None = None   # ZeRO-2: the full gradient while the step needs it
+    shard: torch.Tensor | None = None     # ZeRO-2: this rank's reduced fp32 shard (persistent)
+    compressed_step: bool = False         # whether this step's exchange went through the compressor
+    variance: object = None               # sparse compressors: this rank's LocalVariance (variance.py)
 
     @property
     def numel(self) -> int:
@@ -53,7 +65,12 @@ class Bucket:
 
     @property
     def data(self) -> torch.Tensor:
-        return self.buffer.data[self.start:self.end]
+        """The bucket's full gradient (ZeRO-2: only between ensure_storage and free_storage)."""
+        if self.buffer.data is not None:
+            return self.buffer.data[self.start:self.end]
+        if self.storage is None:
+            raise RuntimeError(f"bucket {self.index}: its ZeRO-2 gradient storage is not allocated")
+        return self.storage
 
     @property
     def spec(self) -> CompressorSpec:
@@ -69,8 +86,29 @@ class Bucket:
         return self.start + rank * size, self.start + (rank + 1) * size
 
     def shard_view(self, rank: int, world: int) -> torch.Tensor:
+        """This rank's reduced gradient shard: a view into the buffer, or the ZeRO-2 shard."""
+        if self.shard is not None:
+            return self.shard
         s, e = self.shard_range(rank, world)
         return self.buffer.data[s:e]
+
+    # ---- ZeRO-2 storage ------------------------------------------------------------------------
+    def ensure_storage(self) -> None:
+        """Allocate the zeroed full gradient of this bucket and point main_grad into it."""
+        if self.buffer.data is not None or self.storage is not None:
+            return
+        device = self.shard.device
+        self.storage = torch.zeros(self.numel, dtype=self.buffer.grad_dtype, device=device)
+        for slot in self.slots:
+            slot.param.main_grad = self.storage[slot.start - self.start:slot.end - self.start] \
+                .view_as(slot.param)
+
+    def free_storage(self) -> None:
+        if self.buffer.data is not None:
+            return
+        self.storage = None
+        for slot in self.slots:
+            slot.param.main_grad = None
 
 
 @dataclass(eq=False)
@@ -81,7 +119,7 @@ class GradBuffer:
     grad_dtype: torch.dtype = torch.float32
     bucket_numel: int = 1 << 22
     pad_multiple: int = 1
-    data: torch.Tensor = field(init=False)
+    data: torch.Tensor | None = field(init=False)
     buckets: list[Bucket] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +143,7 @@ class GradBuffer:
             offset += param.numel()
         offset = self._padded(start, offset)
         layout.append((start, offset, slots))
+        self.numel = offset
         self.data = torch.zeros(offset, dtype=self.grad_dtype, device=device)
         self.buckets = [Bucket(self, s, e, sl) for s, e, sl in layout]
         for bucket in self.buckets:
@@ -118,3 +157,25 @@ class GradBuffer:
     @property
     def slots(self) -> list[ParamSlot]:
         return [s for b in self.buckets for s in b.slots]
+
+    def release(self, world: int) -> None:
+        """ZeRO-2: free the flat buffer; every bucket keeps a persistent 1/world fp32 shard."""
+        if self.data is None:
+            return
+        device = self.data.device
+        self.data = None
+        for bucket in self.buckets:
+            bucket.shard = torch.zeros(bucket.numel // world, dtype=self.grad_dtype, device=device)
+            bucket.free_storage()
+
+
+def bind_param_buffer(buffer: GradBuffer) -> torch.Tensor:
+    """Move the parameters of ``buffer`` into one flat tensor of their dtype laid out like the
+    gradient buffer (padding zeroed) and return it; ``param.data`` becomes a view into it."""
+    first = buffer.named_params[0][1]
+    flat = torch.zeros(buffer.numel, dtype=buffer.param_dtype, device=first.device)
+    for slot in buffer.slots:
+        view = flat[slot.start:slot.end].view_as(slot.param)
+        view.copy_(slot.param.detach())
+        slot.param.data = view
+    return flat

@@ -1,4 +1,4 @@
-"""Gradient compressors for the data-parallel exchange.
+"""Gradient compressors for the data-parallel exchange, with error feedback on both sides.
 
 Byte accounting is the communication layer's (parallel/comm.py): every collective is charged the
 payload this rank hands over and the ring-model bytes it sends,
@@ -8,18 +8,31 @@ payload this rank hands over and the ring-model bytes it sends,
 
 so the uncompressed reference for a buffer of n fp32 values is a ring all-reduce, 8 n (p-1)/p.
 With this measure an all-gather of a full quantized buffer grows with p (each rank forwards p-1
-copies), which is why both compressors use a two-phase exchange whose cost does not depend on p:
+copies), which is why both compressors use a two-phase exchange whose cost does not depend on p.
+The buffer is cut into p shards of m = ceil(n / p) values (shard j is the ZeRO shard of rank j):
 
-    phase 1  all_to_all: each rank sends shard j of its compressed buffer to rank j
+    phase 1  all_to_all: each rank sends the compressed shard j of its buffer to rank j
     phase 2  rank j sums the p pieces of shard j, compresses the sum, and all_gather returns
              every compressed shard to every rank, which decompresses them identically.
 
-Int8: one fp32 scale per chunk of ``chunk_size`` values, so bytes ~ (1 + 4/chunk) / 4 = 0.254 x.
-Top-k: k = ratio * shard values per shard as (int32 index, fp32 value), bytes ~ 2 * ratio.
-Every rank ends with bit-identical results (the last phase is an exact all-gather), so data-parallel
-replicas cannot drift apart. Top-k keeps what it did not send in residuals (error feedback): one
-per rank for its local buffer, one per shard owner for the re-sparsified sum. The packed messages
-are uint8 (bytes of int8/int32 values and fp32 scales side by side), which every backend moves.
+Under ZeRO (``reduce_scatter_``) only phase 1 runs: rank j keeps the exact sum of the pieces it
+received, which is all its optimizer shard needs (the updated parameters come back through ZeRO's
+parameter all-gather), so the owner compresses nothing and the bytes halve.
+
+Error feedback on both sides: what a rank does not send (top-k's unselected values, int8's rounding
+error, bf16's rounding of the sent values) stays in its ``residual`` and is added to the next
+step's buffer; in phase 2 the owner keeps what its re-compression dropped in ``owner_residual``.
+Summed over steps, outputs plus all residuals equal the inputs exactly: nothing is lost, only
+delayed. Every rank ends with bit-identical results (the last phase is an exact all-gather).
+
+- Int8: symmetric per-chunk quantization, one fp32 scale per ``chunk_size`` values:
+  bytes ~ (1 + 4/chunk) / 4 = 0.254 x.
+- Top-k: the k = ratio * m largest magnitudes of each shard as (int32 index, bf16 value):
+  bytes ~ 1.5 * ratio.
+
+The packed messages are uint8 (the bytes of int8/int32/bf16 values and fp32 scales side by side),
+which every backend moves. How the optimizer consumes the result (Adam's second moment frozen for
+the sparsifier) is in parallel/dp/variance.py.
 """
 from __future__ import annotations
 
@@ -43,37 +56,143 @@ def _split_bytes(packed: torch.Tensor, specs: list[tuple[torch.dtype, int]]) -> 
     return out
 
 
-class Compressor:
-    """Sum a 1-D buffer over a process group through a compressed exchange, in place."""
-    name = "none"
+def _rows(flat: torch.Tensor, p: int, width: int) -> torch.Tensor:
+    """(p, width) fp32 with row j = shard j of ``flat`` (m = ceil(n / p) values) zero-padded."""
+    n = flat.numel()
+    m = math.ceil(n / p)
+    x = torch.zeros(p, width, dtype=torch.float32, device=flat.device)
+    full = torch.zeros(p * m, dtype=torch.float32, device=flat.device)
+    full[:n] = flat
+    x[:, :m] = full.view(p, m)
+    return x
 
-    def all_reduce_(self, flat: torch.Tensor, group) -> None:
-        """``group``: the data-parallel CommGroup."""
-        raise NotImplementedError
+
+def _unrows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of _rows: the first n values of the shards laid end to end."""
+    p = x.shape[0]
+    m = math.ceil(n / p)
+    return x[:, :m].reshape(-1)[:n]
+
+
+class Compressor:
+    """Sum a 1-D buffer over a process group through a compressed exchange, in place.
+
+    ``sparse`` compressors send a small subset of the values each step; the optimizer freezes
+    Adam's second moment for their parameters (parallel/dp/variance.py).
+    """
+    name = "none"
+    sparse = False
+
+    def __init__(self) -> None:
+        self.residual: torch.Tensor | None = None          # (n,) what this rank has not sent yet
+        self.owner_residual: torch.Tensor | None = None    # (m,) unsent part of my shard's sum
+
+    # ---- state ---------------------------------------------------------------------------------
+    def allocate(self, n: int, p: int, sharded: bool, device) -> None:
+        """Create the residuals of a buffer of n values exchanged over p ranks (ZeRO: no owner
+        residual, since the owner compresses nothing)."""
+        if self.residual is None or self.residual.numel() != n:
+            self.residual = torch.zeros(n, dtype=torch.float32, device=device)
+        m = math.ceil(n / p)
+        if sharded:
+            self.owner_residual = None
+        elif self.owner_residual is None or self.owner_residual.numel() != m:
+            self.owner_residual = torch.zeros(m, dtype=torch.float32, device=device)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.residual, self.owner_residual) if t is not None]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}
+        out = {}
+        if self.residual is not None:
+            out["residual"] = self.residual
+        if self.owner_residual is not None:
+            out["owner_residual"] = self.owner_residual
+        return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if state:
-            raise ValueError(f"{self.name} compressor keeps no state, got keys {sorted(state)}")
+        extra = set(state) - {"residual", "owner_residual"}
+        if extra:
+            raise ValueError(f"{self.name} compressor: unknown state keys {sorted(extra)}")
+        for key in ("residual", "owner_residual"):
+            if key in state:
+                mine = getattr(self, key)
+                if mine is not None and mine.shape != state[key].shape:
+                    raise ValueError(f"{self.name} compressor: saved {key} has shape "
+                                     f"{list(state[key].shape)}, this layout needs {list(mine.shape)}")
+                setattr(self, key, state[key].clone())
 
     def rescale_(self, factor: float) -> None:
-        """Multiply any kept residual by ``factor`` (the loss scale changed)."""
+        """Multiply the residuals by ``factor`` (the loss scale changed)."""
+        for t in self.state_tensors():
+            t.mul_(factor)
 
     def reset(self) -> None:
-        """Drop any kept residual (after a skipped step it may hold non-finite values)."""
+        """Zero the residuals (after a skipped step they may hold non-finite values)."""
+        for t in self.state_tensors():
+            t.zero_()
+
+    # ---- exchanges -----------------------------------------------------------------------------
+    def all_reduce_(self, flat: torch.Tensor, group) -> None:
+        """Replace ``flat`` by its (compressed) sum over ``group`` (the data-parallel CommGroup)."""
+        p = group.size
+        if p == 1:
+            return
+        n = flat.numel()
+        self.allocate(n, p, False, flat.device)
+        pieces = self._phase1(flat, group)                      # (p, width): shard j of rank j
+        shard = pieces.sum(0)                                    # (width,) my shard, summed
+        m = math.ceil(n / p)
+        shard[:m] += self.owner_residual
+        packed, sent = self._encode(shard.unsqueeze(0))
+        self.owner_residual.copy_((shard - sent[0])[:m])
+        gathered = torch.empty(p, packed.shape[1], dtype=torch.uint8, device=flat.device)
+        group.all_gather_into(gathered, packed)
+        flat.copy_(_unrows(self._decode(gathered, shard.numel()), n))
+
+    def reduce_scatter_(self, flat: torch.Tensor, group, out: torch.Tensor) -> None:
+        """ZeRO: ``out`` (ceil(n / p),) receives this rank's shard of the sum; ``flat`` is not
+        used afterwards."""
+        p = group.size
+        if p == 1:
+            out.copy_(flat[:out.numel()])
+            return
+        self.allocate(flat.numel(), p, True, flat.device)
+        out.copy_(self._phase1(flat, group).sum(0)[:out.numel()])
+
+    def _phase1(self, flat: torch.Tensor, group) -> torch.Tensor:
+        """Add the residual, compress every shard, keep what was not sent, all_to_all; returns
+        the p decompressed pieces of this rank's shard, (p, width) fp32."""
+        p, n = group.size, flat.numel()
+        width = self._width(math.ceil(n / p))
+        x = _rows(flat, p, width) + _rows(self.residual, p, width)
+        packed, sent = self._encode(x)
+        self.residual.copy_(_unrows(x - sent, n))
+        recv = torch.empty_like(packed)
+        group.all_to_all_single(recv.view(-1), packed.view(-1))
+        return self._decode(recv, width)
+
+    # subclasses: rows of ``width`` values -> (packed uint8 rows, the values they decode to)
+    def _width(self, m: int) -> int:
+        return m
+
+    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _decode(self, packed: torch.Tensor, width: int) -> torch.Tensor:
+        raise NotImplementedError
 
 
 class Int8Compressor(Compressor):
     """Chunk-wise symmetric int8 quantization (round to nearest), one scale per chunk.
 
-    Per value the error of one quantization is at most scale / 2 = max|chunk| / 254; the result
-    carries p such errors from phase 1 and one from phase 2.
+    Per value the error of one quantization is at most scale / 2 = max|chunk| / 254; it is kept in
+    the residual and sent with the next step's gradient.
     """
     name = "int8"
 
     def __init__(self, chunk_size: int = 256, scale_dtype: torch.dtype = torch.float32):
+        super().__init__()
         if chunk_size < 1:
             raise ValueError(f"Int8Compressor: chunk_size must be >= 1, got {chunk_size}")
         if scale_dtype not in (torch.float32, torch.float16):
@@ -92,96 +211,50 @@ class Int8Compressor(Compressor):
     def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return q.float() * scale.float().unsqueeze(-1)
 
-    def all_reduce_(self, flat: torch.Tensor, group) -> None:
-        p = group.size
-        if p == 1:
-            return
-        n, c = flat.numel(), self.chunk_size
-        sc = math.ceil(math.ceil(n / c) / p)                     # chunks per shard
-        x = torch.zeros(p * sc * c, dtype=torch.float32, device=flat.device)
-        x[:n] = flat
-        q, s = self.quantize(x.view(p, sc, c))                   # (p, sc, c), (p, sc)
-        send = _as_bytes(q.view(p, sc * c), s)                   # (p, B): row j goes to rank j
-        recv = torch.empty_like(send)
-        group.all_to_all_single(recv.view(-1), send.view(-1))
-        rq, rs = _split_bytes(recv, [(torch.int8, sc * c), (self.scale_dtype, sc)])
-        shard = self.dequantize(rq.view(p, sc, c), rs).sum(0)    # (sc, c): my shard, summed
-        q2, s2 = self.quantize(shard)
-        mine = _as_bytes(q2.view(1, sc * c), s2.view(1, sc))     # (1, B)
-        gathered = torch.empty(p, mine.shape[1], dtype=torch.uint8, device=flat.device)
-        group.all_gather_into(gathered, mine)
-        gq, gs = _split_bytes(gathered, [(torch.int8, sc * c), (self.scale_dtype, sc)])
-        flat.copy_(self.dequantize(gq.view(p, sc, c), gs).view(-1)[:n])
+    def _width(self, m: int) -> int:
+        return math.ceil(m / self.chunk_size) * self.chunk_size
+
+    def _encode(self, x):
+        rows, width = x.shape
+        chunks = x.view(rows, width // self.chunk_size, self.chunk_size)
+        q, s = self.quantize(chunks)                              # (rows, sc, c), (rows, sc)
+        return _as_bytes(q.view(rows, width), s), self.dequantize(q, s).view(rows, width)
+
+    def _decode(self, packed, width):
+        sc = width // self.chunk_size
+        q, s = _split_bytes(packed, [(torch.int8, width), (self.scale_dtype, sc)])
+        return self.dequantize(q.view(-1, sc, self.chunk_size), s).view(-1, width)
 
 
 class TopKCompressor(Compressor):
     """Magnitude top-k sparsification per shard with error feedback (nothing is ever dropped).
 
-    Each rank adds its residual, keeps the k largest |values| of every destination shard and
-    remembers the rest; each shard owner adds its own residual to the summed contributions and
-    again keeps the k largest. Sum over steps of outputs + all residuals == sum of inputs.
+    Each rank adds its residual, keeps the k largest |values| of every destination shard (sent as
+    bf16, the rounding stays in the residual) and remembers the rest; each shard owner adds its own
+    residual to the summed contributions and again keeps the k largest.
     """
     name = "topk"
+    sparse = True
 
     def __init__(self, ratio: float = 0.01):
+        super().__init__()
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"TopKCompressor: ratio must be in (0, 1], got {ratio}")
         self.ratio = ratio
-        self.residual: torch.Tensor | None = None          # (n,) this rank's unsent values
-        self.owner_residual: torch.Tensor | None = None    # (m,) unsent part of my shard's sum
 
-    def all_reduce_(self, flat: torch.Tensor, group) -> None:
-        p = group.size
-        if p == 1:
-            return
-        n = flat.numel()
-        m = math.ceil(n / p)
-        k = min(m, max(1, math.ceil(self.ratio * m)))
-        if self.residual is None or self.residual.numel() != n:
-            self.residual = torch.zeros(n, dtype=torch.float32, device=flat.device)
-            self.owner_residual = torch.zeros(m, dtype=torch.float32, device=flat.device)
-        acc = torch.zeros(p * m, dtype=torch.float32, device=flat.device)
-        acc[:n] = flat
-        acc[:n] += self.residual
-        blocks = acc.view(p, m)
-        idx = blocks.abs().topk(k, dim=1).indices               # (p, k)
-        vals = blocks.gather(1, idx)                             # (p, k)
-        blocks.scatter_(1, idx, 0.0)                             # what stays behind
-        self.residual.copy_(acc[:n])
-        send = _as_bytes(idx.to(torch.int32), vals)              # (p, 8k)
-        recv = torch.empty_like(send)
-        group.all_to_all_single(recv.view(-1), send.view(-1))
-        ridx, rvals = _split_bytes(recv, [(torch.int32, k), (torch.float32, k)])
-        shard = self.owner_residual.clone()
-        shard.index_add_(0, ridx.reshape(-1).long(), rvals.reshape(-1))   # (m,)
-        sidx = shard.abs().topk(k).indices                       # (k,)
-        svals = shard[sidx]
-        shard[sidx] = 0.0
-        self.owner_residual.copy_(shard)
-        mine = _as_bytes(sidx.to(torch.int32).view(1, k), svals.view(1, k))
-        gathered = torch.empty(p, mine.shape[1], dtype=torch.uint8, device=flat.device)
-        group.all_gather_into(gathered, mine)
-        gidx, gvals = _split_bytes(gathered, [(torch.int32, k), (torch.float32, k)])
-        offsets = torch.arange(p, device=flat.device).unsqueeze(1) * m
-        out = torch.zeros(p * m, dtype=torch.float32, device=flat.device)
-        out[(gidx.long() + offsets).view(-1)] = gvals.view(-1)
-        flat.copy_(out[:n])
+    def k(self, m: int) -> int:
+        return min(m, max(1, math.ceil(self.ratio * m)))
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        if self.residual is None:
-            return {}
-        return {"residual": self.residual, "owner_residual": self.owner_residual}
+    def _encode(self, x):
+        rows, width = x.shape
+        k = self.k(width)
+        idx = x.abs().topk(k, dim=1).indices                      # (rows, k)
+        vals = x.gather(1, idx).to(torch.bfloat16)                # (rows, k)
+        sent = torch.zeros_like(x).scatter_(1, idx, vals.float())
+        return _as_bytes(idx.to(torch.int32), vals), sent
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.residual = state["residual"].clone() if "residual" in state else None
-        self.owner_residual = state["owner_residual"].clone() if "owner_residual" in state else None
-
-    def rescale_(self, factor: float) -> None:
-        if self.residual is not None:
-            self.residual.mul_(factor)
-            self.owner_residual.mul_(factor)
-
-    def reset(self) -> None:
-        if self.residual is not None:
-            self.residual.zero_()
-            self.owner_residual.zero_()
+    def _decode(self, packed, width):
+        k = self.k(width)
+        idx, vals = _split_bytes(packed, [(torch.int32, k), (torch.bfloat16, k)])
+        out = torch.zeros(packed.shape[0], width, dtype=torch.float32, device=packed.device)
+        return out.scatter_(1, idx.long(), vals.float())

@@ -2,7 +2,8 @@
 
     grad_compression:
       default: none               # or int8, topk, or a mapping like a rule without 'pattern'
-      warmup_steps: 10            # steps 1..10 exchange uncompressed gradients
+      warmup_steps: 4             # steps 1..4 exchange uncompressed gradients (default 4)
+      variance_refresh: 100       # top-k: Adam's frozen second moment refreshed every 100 steps
       rules:                      # fnmatch on parameter names, first match wins
         - {pattern: "*embed*", compressor: none}
         - {pattern: "*attn*",  compressor: int8, chunk_size: 256}
@@ -11,6 +12,9 @@
 Embeddings and norms are small and sensitive, MLP gradients are large and tolerate sparsification:
 a policy lets each branch pay only the error it can afford. The reducer forms buckets per
 compressor, so one bucket never mixes two compressors.
+
+Top-k needs at least one warm-up step: Adam's second moment of its parameters is frozen after the
+warm-up and refreshed every ``variance_refresh`` steps (parallel/dp/variance.py).
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from fnmatch import fnmatchcase
 from parallel.dp.compression import Compressor, Int8Compressor, TopKCompressor
 
 KINDS = ("none", "int8", "topk")
+DEFAULT_WARMUP_STEPS = 4       # uncompressed steps before compression starts
+DEFAULT_VARIANCE_REFRESH = 100  # steps between refreshes of top-k's frozen second moment
 _OPTIONS = {"none": (), "int8": ("chunk_size",), "topk": ("ratio",)}
 
 
@@ -98,22 +104,31 @@ class CompressionPolicy:
     default: CompressorSpec = field(default_factory=CompressorSpec)
     warmup_steps: int = 0
     rules: tuple[Rule, ...] = ()
+    variance_refresh: int = DEFAULT_VARIANCE_REFRESH
 
     def __post_init__(self) -> None:
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise PolicyError(f"warmup_steps: must be a non-negative integer, got {self.warmup_steps!r}")
+        for key in ("warmup_steps", "variance_refresh"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PolicyError(f"{key}: must be a non-negative integer, got {value!r}")
+        if self.any_sparse and self.warmup_steps < 1:
+            raise PolicyError("warmup_steps: top-k needs at least 1 uncompressed warm-up step, from "
+                              "which Adam's second moment of its parameters is taken; use "
+                              f"warmup_steps >= 1 (default {DEFAULT_WARMUP_STEPS})")
 
     @classmethod
     def none(cls) -> "CompressionPolicy":
         return cls()
 
     @classmethod
-    def uniform(cls, kind: str, ratio: float | None = None, warmup_steps: int = 0) -> "CompressionPolicy":
+    def uniform(cls, kind: str, ratio: float | None = None, warmup_steps: int = DEFAULT_WARMUP_STEPS,
+                variance_refresh: int = DEFAULT_VARIANCE_REFRESH) -> "CompressionPolicy":
         """One compressor for every parameter (the --grad-compression / --grad-compression-ratio flags)."""
         value = {"compressor": kind}
         if kind == "topk" and ratio is not None:
             value["ratio"] = ratio
-        return cls(CompressorSpec.parse(value, "grad_compression"), warmup_steps)
+        spec = CompressorSpec.parse(value, "grad_compression")
+        return cls(spec, warmup_steps if spec.compressed else 0, (), variance_refresh)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "CompressionPolicy":
@@ -121,9 +136,10 @@ class CompressionPolicy:
             return cls()
         if not isinstance(d, dict):
             raise PolicyError(f"grad_compression: expected a mapping, got {d!r}")
-        extra = set(d) - {"default", "warmup_steps", "rules"}
+        extra = set(d) - {"default", "warmup_steps", "variance_refresh", "rules"}
         if extra:
-            raise PolicyError(f"{sorted(extra)[0]}: unknown key; a policy has default, warmup_steps and rules")
+            raise PolicyError(f"{sorted(extra)[0]}: unknown key; a policy has default, warmup_steps, "
+                              f"variance_refresh and rules")
         default = CompressorSpec.parse(d.get("default", "none"), "default")
         rules_in = d.get("rules", []) or []
         if not isinstance(rules_in, (list, tuple)):
@@ -139,7 +155,8 @@ class CompressionPolicy:
             if "compressor" not in rule:
                 raise PolicyError(f"{where}.compressor: missing; use one of {', '.join(KINDS)}")
             rules.append(Rule(pattern, CompressorSpec.parse(rule, where)))
-        return cls(default, d.get("warmup_steps", 0), tuple(rules))
+        return cls(default, d.get("warmup_steps", DEFAULT_WARMUP_STEPS), tuple(rules),
+                   d.get("variance_refresh", DEFAULT_VARIANCE_REFRESH))
 
     @classmethod
     def coerce(cls, value) -> "CompressionPolicy":
@@ -152,7 +169,10 @@ class CompressionPolicy:
         if hasattr(value, "grad_compression"):
             if getattr(value, "grad_compression_policy", None):
                 return cls.from_dict(value.grad_compression_policy)
-            return cls.uniform(value.grad_compression, getattr(value, "grad_compression_ratio", None))
+            return cls.uniform(value.grad_compression, getattr(value, "grad_compression_ratio", None),
+                               getattr(value, "grad_compression_warmup_steps", DEFAULT_WARMUP_STEPS),
+                               getattr(value, "grad_compression_variance_refresh",
+                                       DEFAULT_VARIANCE_REFRESH))
         raise PolicyError(f"grad_compression: expected a policy mapping, got {type(value).__name__}")
 
     def compressor_for(self, name: str) -> CompressorSpec:
@@ -169,3 +189,7 @@ class CompressionPolicy:
     @property
     def any_compressed(self) -> bool:
         return self.default.compressed or any(r.spec.compressed for r in self.rules)
+
+    @property
+    def any_sparse(self) -> bool:
+        return self.default.kind == "topk" or any(r.spec.kind == "topk" for r in self.rules)

@@ -8,12 +8,22 @@ One training step, as the trainer drives it::
         (loss(mb) / len(micro_batches)).backward()
     reducer.finish()                           # main_grad now holds the DP-averaged gradient
 
-A post-accumulate-grad hook adds each ``param.grad`` into ``param.main_grad`` (a view into a flat
-fp32 buffer, see buffers.py) and frees ``param.grad``. Earlier micro-batches only accumulate; during
-the last one, a bucket's collective is launched asynchronously as soon as all its gradients are in,
-so communication overlaps the rest of backward. Buckets are launched strictly in index order (the
-backward order), so every DP rank issues the same collectives in the same sequence even if hooks
-fire in a slightly different order. Gradients are divided by dp before the sum, giving the mean.
+Gradients accumulate in ``param.main_grad`` (a view into a flat fp32 buffer, see buffers.py). A
+parameter of the buffer's dtype (fp32) gets ``param.grad`` pointed at that view, so autograd
+accumulates into the buffer itself and no copy follows (DDP's ``gradient_as_bucket_view``, the
+effect of Megatron's gradient-accumulation fusion); for a low-precision parameter the hook adds
+``param.grad`` into ``main_grad`` and frees it. A post-accumulate-grad hook per parameter counts
+the accumulations and launches the buckets. Earlier micro-batches only accumulate; during
+the last one, a bucket's exchange is launched as soon as all its gradients are in, so communication
+overlaps the rest of backward. Buckets are launched strictly in index order (the backward order),
+so every DP rank issues the same collectives in the same sequence even if hooks fire in a slightly
+different order. Gradients are divided by dp before the sum, giving the mean.
+
+Uncompressed buckets are async collectives issued from the hook. In a step where compression is
+active (after the policy's warm-up) every bucket goes to the ``ExchangeWorker`` instead
+(exchange.py): compressed buckets are encoded, exchanged and decoded on its thread while backward
+continues, and uncompressed ones are issued from there too, so one thread orders all DP
+collectives. ``finish()`` waits for everything.
 
 Schedules where one step runs several backward passes per parameter in an interleaved order
 (virtual pipeline stages) can use ``set_num_microbatches(n)`` instead: a parameter then counts as
@@ -23,23 +33,32 @@ rank share, the V placement's tied embedding). Zero-bubble schedules add weight 
 ``grad_accumulated(param)``, which counts like the hook: a bucket launches when its last W ran. Parameters that receive no gradient are reduced by ``finish()``,
 but they hold back every bucket after theirs until then: freeze them (requires_grad=False).
 
-After ``finish()`` further element-wise reductions of ``main_grad`` (sequence-parallel norms over
-TP, tied embeddings over the embedding group) remain valid, also on ZeRO shards.
+After ``finish()`` further element-wise reductions (sequence-parallel norms over TP, tied
+embeddings over the embedding group) remain valid, also on ZeRO shards.
 
-With ``shard_grads`` (set by the ZeRO-1 optimizer) buckets are reduce-scattered: after ``finish()``
-only this rank's shard of each bucket holds the averaged gradient. A bucket whose compressor is
-active (see policy.py) is exchanged synchronously at launch through its compressor.
+ZeRO (``shard(stage)``, called by the distributed optimizer): buckets are reduce-scattered, and
+only this rank's shard of each bucket holds the averaged gradient after ``finish()``. Stage 1 keeps
+the full buffer; stage 2 frees it (buffers.py): a bucket's full gradient exists from its first
+gradient of the step until its reduce-scatter completes (completed collectives are collected at
+every launch), then only the persistent 1/dp shard remains. A compressed bucket under ZeRO runs
+only the first phase of its exchange (compression.py).
 
 The reduction runs over ``ps.dp_cp_group``: the data-parallel replicas and, with context
 parallelism, the CP ranks that hold the same parameters (one collective over the combined group).
 ``stats()`` reads this step's collectives over that group from the communication layer's counters.
+
+``pre_reduce_hooks`` are called with each bucket as it is launched, before it is divided by dp and
+reduced: the bucket then holds this rank's own accumulated gradients (engine/anomaly.py looks for
+non-finite ones there, before the reduction spreads them to every replica).
 """
 from __future__ import annotations
 
 import torch
 
 from parallel.dp.buffers import Bucket, GradBuffer
+from parallel.dp.exchange import ExchangeWorker
 from parallel.dp.policy import CompressionPolicy
+from parallel.dp.variance import LocalVariance
 from parallel.state import ParallelState
 
 
@@ -64,6 +83,7 @@ class GradReducer:
         """``params``: a Module, (name, param) pairs or parameters (then named by ``named_params``,
         if given, else param0, param1, ...). ``compression_policy``: a CompressionPolicy, its dict
         form, or a config with grad_compression / grad_compression_ratio / grad_compression_policy.
+        ``overlap=False`` launches every bucket in ``finish()`` (for measuring what overlap buys).
         """
         named = named_parameters(params)
         if named_params is not None:
@@ -79,7 +99,9 @@ class GradReducer:
         self.ps, self.group = ps, ps.dp_cp_group
         self.dp, self.dp_rank = self.group.size, self.group.rank
         self.policy, self.overlap, self.grad_dtype = compression_policy, overlap, grad_dtype
-        self.shard_grads = False
+        self.shard_grads, self.zero_stage = False, 0
+        self.beta2 = 0.999                  # Adam's, for the local variance (set by the optimizer)
+        self.loss_scaler = None             # the trainer's (its .scale); local variance unscaled by it
         self.names = {p: n for n, p in named}
 
         elem = torch.empty((), dtype=grad_dtype).element_size()
@@ -99,14 +121,65 @@ class GradReducer:
         self.buckets: list[Bucket] = sorted((b for buf in self.buffers for b in buf.buckets),
                                             key=lambda b: position[b.slots[0].param])
         self._bucket_of = {}
+        device = self.buckets[0].data.device
         for i, bucket in enumerate(self.buckets):
             bucket.index, bucket.compressor = i, bucket.spec.build()
+            if bucket.compressor is not None and self.dp > 1:
+                bucket.compressor.allocate(bucket.numel, self.dp, False, device)
+                if bucket.compressor.sparse:
+                    bucket.variance = LocalVariance(bucket.numel, device)
             for slot in bucket.slots:
                 self._bucket_of[slot.param] = bucket
+        self.compressed = self.dp > 1 and any(b.compressor is not None for b in self.buckets)
+        self._worker = ExchangeWorker(device) if self.compressed else None
+        # autograd accumulates straight into the buffer for parameters of the gradient's dtype
+        self._aliased = [p for _, p in named if p.dtype == grad_dtype]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+        self.pre_reduce_hooks: list = []    # fn(bucket), before each bucket's reduction
         self.step = 1                       # 1-based optimizer step, advanced by finish()
         self._num_mb = None
+        self.refreshed: dict[int, torch.Tensor] = {}
         self._reset_step_state()
+        self._point_grads()
+
+    def _point_grads(self) -> None:
+        """param.grad = main_grad for parameters of the buffer's dtype (not under ZeRO-2, whose
+        bucket storage only exists during the step)."""
+        if self.zero_stage != 2:
+            for p in self._aliased:
+                p.grad = p.main_grad
+
+    # ---- configuration by the optimizer ---------------------------------------------------------
+    def shard(self, stage: int) -> None:
+        """ZeRO: reduce-scatter buckets; ``stage`` 2 also frees the full gradient buffers."""
+        if stage not in (1, 2):
+            raise ValueError(f"GradReducer.shard: ZeRO stage must be 1 or 2, got {stage}")
+        if self._pending or (self._worker is not None and self._worker.busy):
+            raise RuntimeError("GradReducer.shard: collectives in flight; call finish() first")
+        self.shard_grads, self.zero_stage = True, stage
+        if stage == 2:
+            for buf in self.buffers:
+                buf.release(self.dp)
+            for p in self._aliased:
+                p.grad = None
+        for b in self.buckets:
+            if b.compressor is not None and self.dp > 1:
+                b.compressor.allocate(b.numel, self.dp, True, b.shard_view(self.dp_rank, self.dp).device)
+
+    def bucket_of(self, param: torch.nn.Parameter) -> Bucket | None:
+        return self._bucket_of.get(param)
+
+    def compressing(self, step: int | None = None) -> bool:
+        """Whether compressed buckets go through their compressor at 1-based ``step``."""
+        return self.compressed and self.policy.active(self.step if step is None else step)
+
+    def refresh_due(self, step: int) -> bool:
+        """Whether the sparse buckets' second moment is (re)set from the ranks' local statistics
+        at ``step``: the first compressed step and every ``variance_refresh`` steps after the
+        warm-up (variance.py); never with ``variance_refresh`` 0."""
+        w, k = self.policy.warmup_steps, self.policy.variance_refresh
+        return (self.compressing(step) and k > 0 and (step == w + 1 or (step - w) % k == 0)
+                and any(b.variance is not None for b in self.buckets))
 
     # ---- per-step protocol ----------------------------------------------------------------
     def set_last_microbatch(self, is_last: bool) -> None:
@@ -122,12 +195,18 @@ class GradReducer:
 
     def zero_grad(self) -> None:
         """Zero every buffer, drop param.grad and reset the step's counters and statistics."""
-        if self._pending:
+        if self._pending or (self._worker is not None and self._worker.busy):
             raise RuntimeError("GradReducer.zero_grad: collectives still in flight; call finish() first")
         for buf in self.buffers:
-            buf.data.zero_()
+            if buf.data is not None:
+                buf.data.zero_()
+            for b in buf.buckets:
+                b.free_storage()
+                b.compressed_step = False
             for slot in buf.slots:
                 slot.param.grad = None
+        self._point_grads()
+        self.refreshed = {}
         self._reset_step_state()
 
     def finish(self) -> None:
@@ -136,10 +215,16 @@ class GradReducer:
             return
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
-        for handle, bucket, out in self._pending:
-            handle.wait()
-            if out is not None:
-                bucket.shard_view(self.dp_rank, self.dp).copy_(out)
+        if self._via_worker:
+            if self.refresh_due(self.step):            # after every bucket, on the same thread
+                self._worker.submit(self._refresh)
+            results = self._worker.drain()
+            self._pending += [r for r in results if isinstance(r, tuple)]
+            self.refreshed = next((r for r in results if isinstance(r, dict)), {})
+        for item in self._pending:
+            if item[0] is not None:
+                item[0].wait()
+            self._complete(item)
         self._pending = []
         self._finished = True
         self._is_last = False
@@ -173,79 +258,152 @@ class GradReducer:
         self._next = 0
         self._pending: list = []
         self._finished = False
+        self._via_worker = self.compressing()
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         if param.grad is None:
             # autograd runs the hook with no gradient when a backward returned None for the
             # parameter: a layer that left its weight gradient to a W action
             return
-        param.main_grad.add_(param.grad)
-        param.grad = None
         self.grad_accumulated(param)
 
     def grad_accumulated(self, param: torch.nn.Parameter) -> None:
         """One more gradient of ``param`` is in its ``main_grad`` (the hook's add, or a W action's
-        accumulation): count it, and launch its bucket once every parameter of it is final."""
+        accumulation; a gradient left in ``param.grad``, as when ZeRO-2 had freed the bucket's
+        storage, is moved into it first): count it, and launch its bucket once every parameter of
+        it is final."""
         if self._finished:
             raise RuntimeError("GradReducer: backward after finish(); call zero_grad() to start a step")
+        bucket = self._bucket_of[param]
+        grad = param.grad
+        if grad is not None and grad is not param.main_grad:   # (not accumulated in place)
+            if bucket.storage is None and bucket.shard is not None:
+                bucket.ensure_storage()                    # ZeRO-2: first gradient of the step
+            param.main_grad.add_(grad)
+            param.grad = None
         count = self._counts[param] = self._counts.get(param, 0) + 1
         final = self._num_mb is not None and \
             count >= self._num_mb * getattr(param, "uses_per_microbatch", 1)
         if not (self._is_last or final):
             return
-        bucket = self._bucket_of[param]
         ready = self._ready.setdefault(bucket.index, set())
         ready.add(param)
         if self.overlap and len(ready) == len(bucket.slots):
-            while self._next < len(self.buckets) and \
-                    len(self._ready.get(self._next, ())) == len(self.buckets[self._next].slots):
-                self._launch(self.buckets[self._next])
+            buckets, nxt = self.buckets, self._next
+            while nxt < len(buckets) and len(self._ready.get(nxt, ())) == len(buckets[nxt].slots):
+                self._launch(buckets[nxt])
+                nxt = self._next
 
     def _launch(self, bucket: Bucket) -> None:
         self._next = bucket.index + 1
-        if self.dp == 1:
+        for hook in self.pre_reduce_hooks:
+            hook(bucket)
+        if self.dp == 1 and not self.shard_grads:
             return
-        data = bucket.data
-        data.div_(self.dp)
-        if bucket.compressor is not None and self.policy.active(self.step):
-            bucket.compressor.all_reduce_(data, self.group)
-        elif self.shard_grads:
-            out = torch.empty(bucket.numel // self.dp, dtype=data.dtype, device=data.device)
-            handle = self.group.reduce_scatter_into(out, data, async_op=True)
-            self._pending.append((handle, bucket, out))
+        bucket.ensure_storage()
+        if self._via_worker:
+            compressed = bucket.compressor is not None
+            bucket.compressed_step = compressed
+            self._worker.submit(self._exchange if compressed else self._start, bucket)
         else:
-            handle = self.group.all_reduce(data, async_op=True)
-            self._pending.append((handle, bucket, None))
+            self._pending.append(self._start(bucket))
+            if self.zero_stage == 2:
+                self._collect_completed()
+
+    def _start(self, bucket: Bucket):
+        """Issue the bucket's uncompressed async collective: (handle, bucket, output or None)."""
+        data = bucket.data
+        if bucket.variance is not None:                    # a sparse bucket's warm-up step
+            self._local_variance(bucket, data)
+        data.div_(self.dp)
+        if self.shard_grads:
+            out = bucket.shard if bucket.shard is not None else \
+                torch.empty(bucket.numel // self.dp, dtype=data.dtype, device=data.device)
+            return self.group.reduce_scatter_into(out, data, async_op=True), bucket, out
+        return self.group.all_reduce(data, async_op=True), bucket, None
+
+    def _exchange(self, bucket: Bucket) -> None:
+        """A compressed bucket's whole exchange (on the worker thread)."""
+        data = bucket.data
+        if bucket.variance is not None:
+            self._local_variance(bucket, data)
+        data.div_(self.dp)
+        if self.shard_grads:
+            bucket.compressor.reduce_scatter_(data, self.group, bucket.shard_view(self.dp_rank, self.dp))
+            bucket.free_storage()
+        else:
+            bucket.compressor.all_reduce_(data, self.group)
+
+    def _refresh(self) -> dict[int, torch.Tensor]:
+        """The sparse buckets' local statistics averaged over DP: {bucket index: full or shard}."""
+        return {b.index: b.variance.average(self.group, self.beta2, self.shard_grads)
+                for b in self.buckets if b.variance is not None}
+
+    def _local_variance(self, bucket: Bucket, data: torch.Tensor) -> None:
+        """This rank's own gradient (before the division by dp) into its statistics, unscaled."""
+        scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
+        bucket.variance.update_(data, self.beta2, 1.0 / scale)
+
+    def _complete(self, item) -> None:
+        """After the bucket's collective is done: its output into place, ZeRO-2 storage freed."""
+        _, bucket, out = item
+        if out is not None and out is not bucket.shard:
+            bucket.shard_view(self.dp_rank, self.dp).copy_(out)
+        bucket.free_storage()
+
+    def _collect_completed(self) -> None:
+        """ZeRO-2: finish the reduce-scatters that are done, freeing their buckets' storage."""
+        keep = []
+        for item in self._pending:
+            if item[0] is None or item[0].is_completed():
+                self._complete(item)
+            else:
+                keep.append(item)
+        self._pending = keep
 
     # ---- residuals of compressors, state, teardown -------------------------------------------
     def rescale_residuals(self, factor: float) -> None:
-        """The loss scale changed by ``factor``: keep error-feedback residuals in the new units."""
+        """The loss scale changed by ``factor``: keep error-feedback residuals in the new units
+        (the local variance statistics are kept unscaled)."""
         for bucket in self.buckets:
             if bucket.compressor is not None:
                 bucket.compressor.rescale_(factor)
 
     def reset_residuals(self) -> None:
-        """Drop error-feedback residuals (after a skipped step they may hold inf/nan)."""
+        """Drop error-feedback residuals and local statistics (after a skipped step they may hold
+        inf/nan); a refresh computed from them is dropped too."""
         for bucket in self.buckets:
             if bucket.compressor is not None:
                 bucket.compressor.reset()
+            if bucket.variance is not None:
+                bucket.variance.reset()
+        self.refreshed = {}
 
     def state_dict(self) -> dict:
-        """Step counter and compressor residuals (per rank; they depend on the DP layout)."""
-        residuals = {f"bucket{b.index}.{k}": v for b in self.buckets if b.compressor is not None
-                     for k, v in b.compressor.state_dict().items()}
-        return {"step": self.step, "residuals": residuals}
+        """Step counter, compressor residuals and local variance statistics (per rank; they depend
+        on the DP layout)."""
+        state = {}
+        for b in self.buckets:
+            if b.compressor is not None:
+                state.update({f"bucket{b.index}.{k}": v for k, v in b.compressor.state_dict().items()})
+            if b.variance is not None:
+                state.update({f"bucket{b.index}.variance_{k}": v for k, v in b.variance.state_dict().items()})
+        return {"step": self.step, "residuals": state}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         residuals = state.get("residuals", {})
         for b in self.buckets:
+            prefix = f"bucket{b.index}."
+            mine = {k[len(prefix):]: v for k, v in residuals.items() if k.startswith(prefix)}
             if b.compressor is not None:
-                prefix = f"bucket{b.index}."
-                b.compressor.load_state_dict({k[len(prefix):]: v for k, v in residuals.items()
-                                              if k.startswith(prefix)})
+                b.compressor.load_state_dict({k: v for k, v in mine.items() if not k.startswith("variance_")})
+            if b.variance is not None and "variance_sq" in mine:
+                b.variance.load_state_dict({"sq": mine["variance_sq"], "count": mine["variance_count"]})
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self._worker is not None:
+            self._worker.close()

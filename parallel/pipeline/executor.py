@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 import torch
 from torch.autograd import Variable
 
-from parallel.grads import all_reduce_grads_, current_grad
+from parallel.grads import all_reduce_grads_, reduced_grad
 from parallel.pipeline.actions import neighbour, placement_of
 from parallel.pipeline.exchange import Exchange, Split
 from parallel.pipeline.p2p import Transfer
@@ -396,7 +396,7 @@ def sum_embedding_grads(ps, params) -> None:
         return
     grads = []
     for p in params:
-        if current_grad(p) is None:
+        if reduced_grad(p) is None:
             p.grad = torch.zeros_like(p)
-        grads.append(current_grad(p))
-    all_reduce_grads_(grads, ps.embedding_group)
+        grads.append(reduced_grad(p))     # under ZeRO the shard: both stages hold the same range
+    all_reduce_grads_([g for g in grads if g.numel()], ps.embedding_group)

@@ -25,6 +25,7 @@ naming its stage and rank instead of a hang. How a rank waits depends on the bac
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import os
@@ -169,6 +170,7 @@ class TransferWatchdog:
                 self._thread = threading.Thread(target=self._run, name="gridtron-p2p-watchdog",
                                                 daemon=True)
                 self._thread.start()
+                atexit.register(self.stop)  # a daemon thread in a backend call aborts exit
 
     @property
     def pending(self) -> int:
@@ -176,6 +178,7 @@ class TransferWatchdog:
             return len(self._batches)
 
     def stop(self) -> None:
+        atexit.unregister(self.stop)
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
