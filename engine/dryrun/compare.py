@@ -26,12 +26,13 @@ _SP = ("the planner keeps only the s/tp sequence shard of each column-parallel i
 _SCATTER = ("the planner prices Megatron's pipeline scatter/gather (each TP rank sends 1/tp of "
             "the activation and the receiver all-gathers it over TP); this engine sends the whole "
             "activation from every TP rank")
-_KERNELS = ("the planner counts Korthikanti et al.'s tensors; this engine's portable kernels (the "
-            "meta device runs them, as CPUs and, for norms and SwiGLU, GPUs do) also keep RMSNorm's "
-            "fp32 copies, SwiGLU's four tensors and the whole QKV projection output, and the last "
-            "stage keeps cross-entropy's fp32 softmax; fused NPU kernels keep less")
+_LLAMA = ("the planner counts Korthikanti et al.'s tensors; a llama layer of this engine on the "
+          "portable kernels (which the meta device runs, as the CPU does) also keeps RMSNorm's fp32 "
+          "copies of its input (bf16/fp16 runs), SwiGLU's four tensors (gate, silu(gate), up, "
+          "product) and, as V is a view of it, the whole QKV projection output; npu_rms_norm and "
+          "npu_swiglu keep less")
 KNOWN = (
-    ("activation_bytes", lambda cfg, lay: True, _KERNELS),
+    ("activation_bytes", lambda cfg, lay: cfg.model.block == "llama", _LLAMA),
     ("activation_bytes", lambda cfg, lay: lay.sequence_parallel, _SP),
     ("activation_bytes", lambda cfg, lay: cfg.parallel.pipeline_schedule == "gpipe",
      "the planner plans 1F1B's micro-batches in flight; GPipe keeps all of them"),

@@ -407,8 +407,10 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: int, backend: str = "
                  "selective": scores_activation_bytes(shape, layout),
                  "none": 0.0}[layout.recompute]
     shard = t if layout.sequence_parallel else 1
-    embedding = s * b * h / c / shard  # embedding dropout mask, per micro-batch in flight
-    logits = (4 * s * b * h / shard + 4 * s * b * shape.padded_vocab(t) / t) / c  # norm/output inputs, fp32 logits
+    # the embedding's dropout mask, per micro-batch in flight (none without dropout)
+    embedding = s * b * h / c / shard * (ACT_MASK_BYTES if shape.dropout else 0)
+    # the final norm's and the output layer's inputs, and the fp32 logits
+    logits = (2 * shape.activation_bytes * s * b * h / shard + 4 * s * b * shape.padded_vocab(t) / t) / c
     name = stage_name(layout, stage)
     ends = {"only": embedding + logits, "first": embedding * in_flight(shape, layout, 0),
             "last": logits, "middle": 0.0}[name]
