@@ -128,7 +128,7 @@ class StepAgreement:
 def _to_device(values: list[float], device) -> torch.Tensor:
     """Host floats as a device tensor without a host sync (pinned memory, asynchronous copy)."""
     t = torch.tensor(values, dtype=torch.float32)
-    if torch.device(device).type == "cpu" or not values:
+    if torch.device(device).type in ("cpu", "meta") or not values:  # (meta: a dry run's)
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 

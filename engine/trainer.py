@@ -102,6 +102,22 @@ class Trainer:
         self._build_model()
         self._build_step()
 
+    @classmethod
+    def assemble(cls, cfg: RunConfig, ps: ParallelState, dev,
+                 registry: BlockRegistry | None = None) -> "Trainer":
+        """One rank's model chunks, reducer, optimizer and step on a ``ParallelState`` made
+        elsewhere, by the same code as a run, without data, device setup, heartbeat or monitors:
+        what ``engine.dryrun`` builds on the meta device under a fake process group (``dev``: an
+        ``engine.device.DeviceInfo`` of that device)."""
+        self = cls.__new__(cls)
+        self.cfg, self.registry, self.ps, self.dev = cfg, registry, ps, dev
+        self.grid, self.launch, self.is_main = ps.grid, None, ps.rank == 0
+        self.num_micro = cfg.data.num_microbatches(ps.dp_size)
+        self._build_model()
+        self._build_optimizer()
+        self._build_stepper()
+        return self
+
     # ---- setup ----------------------------------------------------------------------------
     def _build_data(self) -> None:
         cfg, ps = self.cfg, self.ps
@@ -181,6 +197,12 @@ class Trainer:
         self.holds_loss = any(c.post_process for c in self.chunks)
 
     def _build_step(self) -> None:
+        self._build_optimizer()
+        self._build_stepper()
+        self._build_monitors()
+
+    def _build_optimizer(self) -> None:
+        """Loss scaler, gradient reducer, optimizer and their exact memory (``self.memory``)."""
         cfg, ps = self.cfg, self.ps
         p = cfg.precision
         self.scaler = (DynamicLossScaler(p.initial_loss_scale, 2.0, 0.5, p.loss_scale_window,
@@ -208,6 +230,11 @@ class Trainer:
             self.optimizer = MixedPrecisionOptimizer(groups, self.reducer, ps, **adam)
         # exact bytes each of this rank's parameters, gradients and optimizer state hold
         self.memory = memory_bytes(self.reducer, self.optimizer)
+
+    def _build_stepper(self) -> None:
+        """The pipeline schedule, the p2p and ring communicators, the B/W split's store, the clock
+        and the ``Stepper``."""
+        cfg, ps = self.cfg, self.ps
         actions = act_shape = self.waiter = self.weight_grads = None
         self.timeline: list = []  # events of the last few steps, for --timeline
         sp = cfg.parallel.sequence_parallel and ps.tp_size > 1
@@ -235,6 +262,10 @@ class Trainer:
                                weight_grads=self.weight_grads,
                                scatter_gather=cfg.parallel.scatter_gather_tensors_in_pipeline
                                and not sp)
+
+    def _build_monitors(self) -> None:
+        """FLOPs and peak for MFU, the profiler, the anomaly guard, stragglers, the bubble."""
+        cfg, ps = self.cfg, self.ps
         with warnings.catch_warnings():
             if not self.is_main:  # the one-time note on a block without a formula: rank 0 only
                 warnings.simplefilter("ignore")

@@ -275,6 +275,12 @@ def _attention_cuda_varlen(q, k, v, scale, cu_seqlens) -> torch.Tensor | None:
 def _attention_sdpa(q, k, v, causal, dropout_p, scale, document_ids):
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     scale = resolve_scale(scale, q.shape[-1])
+    if document_ids is None and q.device.type == "meta":
+        # the meta device (engine/dryrun: shapes, no data) would take SDPA's math fallback, whose
+        # autograd keeps the (b, n, s, s) probabilities; the flash kernel keeps q, k, v, the output
+        # and the log-sum-exp, as the fused kernels of every real device do
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, causal, scale=scale)[0]
     if document_ids is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal,
                                               scale=scale, **gqa)

@@ -182,6 +182,12 @@ class CommMonitor:
         finally:
             self._paused -= 1
 
+    @property
+    def counting(self) -> bool:
+        """False inside ``uncounted()``: an observer called now sees a collective that is not
+        counted as the step's traffic."""
+        return self._paused == 0
+
     def _account(self, event: CommEvent) -> None:
         for observer in self.observers:
             observer(event)

@@ -60,7 +60,7 @@ def coalesce_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     keyed = []
     for i, t in enumerate(tensors):
         if t.numel() and t.is_contiguous():
-            ptr = t.untyped_storage().data_ptr()
+            ptr = t.untyped_storage()._cdata  # the storage itself: data_ptr is 0 on the meta device
             keyed.append((first_seen.setdefault(ptr, i), t.storage_offset(), i, ptr, t))
     keyed = [(ptr, offset, i, t) for _, offset, i, ptr, t in sorted(keyed, key=lambda k: k[:3])]
     last_ptr = None

@@ -86,21 +86,27 @@ def stream_seed(seed: int, region: str, grid: StreamGrid, tp: int = 0, pp: int =
 
 # ---- the device's default generator ----------------------------------------------------------
 
+# Tensors on the meta device (engine/dryrun) draw no random numbers: their streams are kept as
+# CPU generator states, so the same trackers run unchanged.
+_HOST = ("cpu", "meta")
+
+
 def _get_state(device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
+    if device.type in _HOST:
         return torch.get_rng_state()
     return torch.get_device_module(device.type).get_rng_state(device)
 
 
 def _set_state(device: torch.device, state: torch.Tensor) -> None:
-    if device.type == "cpu":
+    if device.type in _HOST:
         torch.set_rng_state(state)
     else:
         torch.get_device_module(device.type).set_rng_state(state, device)
 
 
 def _fresh_state(device: torch.device, seed: int) -> torch.Tensor:
-    return torch.Generator(device=device).manual_seed(seed).get_state()
+    gen = torch.Generator(device="cpu" if device.type in _HOST else device)
+    return gen.manual_seed(seed).get_state()
 
 
 class RNGTracker:

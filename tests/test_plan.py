@@ -173,12 +173,14 @@ def test_params_and_memory_parts():
     h, L, V, s = 64, 4, 100, 32
     shape = ModelShape(L, h, 4, V, s, 8)
     first, last = stage_params(shape, Layout(1, 1, 1))
-    expected = L * (12 * h * h + 13 * h) + V * h + s * h + 2 * h  # GPT-2, tied embeddings
+    V1, V2 = 128, 256  # the vocabulary padded to a multiple of 128 x tp, as the engine holds it
+    assert (shape.padded_vocab(1), shape.padded_vocab(2)) == (V1, V2)
+    expected = L * (12 * h * h + 13 * h) + V1 * h + s * h + 2 * h  # GPT-2, tied embeddings
     assert first == last == expected
     lay = Layout(2, 2, 2, micro_batch_size=4)
     first, last = stage_params(shape, lay)
-    assert first == 2 * layer_params_per_device(shape, 2) + V * h / 2 + s * h
-    assert last == 2 * layer_params_per_device(shape, 2) + V * h / 2 + 2 * h  # embedding copy
+    assert first == 2 * layer_params_per_device(shape, 2) + V2 * h / 2 + s * h
+    assert last == 2 * layer_params_per_device(shape, 2) + V2 * h / 2 + 2 * h  # embedding copy
     mem = memory_per_device(shape, Layout(1, 1, 1))
     assert (mem.weights, mem.grads, mem.optimizer) == (expected * 2, expected * 4, expected * 12)
     assert mem.total == pytest.approx(sum(v for k, v in mem.as_dict().items() if k not in ("stage", "total")))

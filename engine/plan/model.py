@@ -69,6 +69,7 @@ ACT_MASK_BYTES = 1  # a dropout mask's byte per element
 ACT_TENSORS_REPLICATED = 4  # two LayerNorm inputs, the QKV and MLP inputs (+ 2 dropout masks)
 ACT_TENSORS_SPLIT_ATTN = 4  # Q, K, V, the output projection's input
 ACT_TENSORS_MLP = {"gpt2": 2, "llama": 3}
+VOCAB_PAD_MULTIPLE = 128  # the engine pads the vocabulary to a multiple of 128 x tp (equal shards)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,11 @@ class ModelShape:
     # (dropout 0, as in Llama recipes, keeps none: no masks, no dropout outputs of the scores).
     activation_bytes: int = ACT_BYTES
     dropout: bool = True
+    # Key/value head groups of grouped-query attention (None: one per head, plain multi-head).
+    num_query_groups: int | None = None
+    # Bytes per weight: 2 (bf16/fp16, with fp32 masters in the optimizer) or 4 (an fp32 run, whose
+    # weights are their own masters).
+    weight_bytes: int = WEIGHT_BYTES
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
@@ -109,6 +115,24 @@ class ModelShape:
             object.__setattr__(self, "ffn_hidden_size", default_ffn_hidden(self.hidden_size, self.block))
         if self.activation_bytes not in (1, 2, 4):
             raise ValueError(f"activation_bytes must be 1, 2 or 4, got {self.activation_bytes!r}")
+        if self.weight_bytes not in (2, 4):
+            raise ValueError(f"weight_bytes must be 2 or 4, got {self.weight_bytes!r}")
+        g = self.num_query_groups
+        if g is not None and (not isinstance(g, int) or g < 1 or self.num_attention_heads % g):
+            raise ValueError(f"--num-query-groups {g!r} must be a positive divisor of "
+                             f"--num-attention-heads {self.num_attention_heads}")
+
+    @property
+    def kv_hidden(self) -> int:
+        """Width of the key (and of the value) projection: query groups x head size."""
+        groups = self.num_query_groups or self.num_attention_heads
+        return groups * (self.hidden_size // self.num_attention_heads)
+
+    def padded_vocab(self, tp: int) -> int:
+        """The vocabulary as the engine allocates it: a multiple of 128 x tp (its padding rows are
+        zero; parallel.tensor_parallel.padded_vocab_size)."""
+        step = VOCAB_PAD_MULTIPLE * tp
+        return -(-self.vocab_size // step) * step
 
 
 @dataclass(frozen=True)
@@ -178,6 +202,7 @@ class Layout:
     # 1f1b (interleaved when vp > 1), or a zero-bubble schedule: zb-h1, or zb-v (vp = 2 chunks in
     # a V: device 0 holds the embedding and the output layer)
     schedule: str = "1f1b"
+    zero_stage: int = 1  # with zero: 1 shards the optimizer state, 2 also the fp32 gradients
 
     def __post_init__(self) -> None:
         if self.schedule == "zb-v" and self.vp == 1:
@@ -191,6 +216,8 @@ class Layout:
             raise ValueError(f"zb-v runs 2 chunks per rank, got vp={self.vp}")
         if self.schedule == "zb-h1" and self.vp != 1:
             raise ValueError(f"zb-h1 runs 1 chunk per rank, got vp={self.vp}")
+        if self.zero_stage not in (1, 2):
+            raise ValueError(f"layout zero_stage must be 1 or 2, got {self.zero_stage!r}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.sequence_parallel and self.tp == 1:
@@ -260,26 +287,36 @@ def check_layout(shape: ModelShape, cluster: Cluster, layout: Layout) -> str | N
 # ---- memory ------------------------------------------------------------------------------------
 
 def layer_params_per_device(shape: ModelShape, tp: int) -> float:
-    """One layer's weights on one TP rank: split matrices and column biases, replicated norms."""
-    h, f = shape.hidden_size, shape.ffn_hidden_size
+    """One layer's weights on one TP rank: split matrices and column biases, replicated norms.
+    Attention: Q and the output projection h x h each, K and V h x kv_hidden each."""
+    h, f, kv = shape.hidden_size, shape.ffn_hidden_size, shape.kv_hidden
+    attn = 2 * h * h + 2 * h * kv
     if shape.block == "llama":
-        return (4 * h * h + 3 * h * f) / tp + 2 * h
-    return (4 * h * h + 2 * h * f + 3 * h + f) / tp + 2 * h + 4 * h
+        return (attn + 3 * h * f) / tp + 2 * h
+    return (attn + 2 * h * f + h + 2 * kv + f) / tp + 2 * h + 4 * h
+
+
+def stage_param_count(shape: ModelShape, layout: Layout, stage: int) -> float:
+    """Weights on a device of pipeline rank ``stage``: its layers (num_layers / pp), on the first
+    the word (V_pad h / t) and, for gpt2, position embeddings, on the last the output layer (for
+    gpt2 with pp > 1 its own copy of the tied embedding) and the final norm; under zb-v the first
+    holds the output layer and final norm too (the tied embedding is then one parameter)."""
+    h, t, p = shape.hidden_size, layout.tp, layout.pp
+    vocab = shape.padded_vocab(t) * h / t
+    params = shape.num_layers // p * layer_params_per_device(shape, t)
+    tied = shape.block == "gpt2"
+    # under zb-v device 0 holds both ends of the V, and the tied output layer is its embedding
+    holds_output = stage == 0 if layout.v_placement and p > 1 else stage == p - 1
+    if stage == 0:
+        params += vocab + (shape.seq_length * h if tied else 0)
+    if holds_output:
+        params += (0 if tied and (p == 1 or layout.v_placement) else vocab) + (2 * h if tied else h)
+    return params
 
 
 def stage_params(shape: ModelShape, layout: Layout) -> tuple[float, float]:
     """Weights on the first and on the last pipeline device (embeddings, output layer, norms)."""
-    h, V, t = shape.hidden_size, shape.vocab_size, layout.tp
-    layers = shape.num_layers // layout.pp * layer_params_per_device(shape, t)
-    embedding = V * h / t + (shape.seq_length * h if shape.block == "gpt2" else 0)
-    tied = shape.block == "gpt2"
-    output = (0 if tied and layout.pp == 1 else V * h / t) + (2 * h if shape.block == "gpt2" else h)
-    if layout.pp == 1:
-        return layers + embedding + output, layers + embedding + output
-    if layout.v_placement:  # device 0 holds both ends, the tied output layer is the embedding
-        output -= V * h / t if tied else 0
-        return layers + embedding + output, layers
-    return layers + embedding, layers + output
+    return stage_param_count(shape, layout, 0), stage_param_count(shape, layout, layout.pp - 1)
 
 
 def layer_activation_bytes(shape: ModelShape, layout: Layout, recompute: str | None = None) -> float:
@@ -295,7 +332,8 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, recompute: str | N
     if recompute == "full":
         return e * sbh / (t if sp else 1)
     replicated = ACT_TENSORS_REPLICATED * e + 2 * masks          # 10 in bf16 with dropout
-    split = (ACT_TENSORS_SPLIT_ATTN * e * sbh                    # 8
+    attn = ACT_TENSORS_SPLIT_ATTN - 2 + 2 * shape.kv_hidden / h  # Q, K, V, projection input
+    split = (attn * e * sbh                                      # 8 without GQA
              + ACT_TENSORS_MLP[shape.block] * e * s * b * shape.ffn_hidden_size / c)  # 4 or 6 per sbf
     base = (replicated * sbh + split) / t if sp else replicated * sbh + split / t
     if recompute == "selective":
@@ -331,20 +369,23 @@ def in_flight(shape: ModelShape, layout: Layout, stage: int) -> float:
 
 
 def communicators(layout: Layout, tied_embeddings: bool, stage: str = "first") -> tuple[int, int]:
-    """(collective communicators, point-to-point neighbour pairs) of a first- or last-stage device:
-    one per process group of more than one rank that ParallelState creates for it (world, tp, cp,
-    dp, dp x cp when cp > 1, pp, mp = tp x pp, and the tied-embedding pair of the first and last
-    stages), and, with pp > 1, its pipeline neighbours (one at either end; two when the
-    interleaved schedule wraps the last stage around to the first and pp > 2).
+    """(collective communicators, point-to-point neighbour pairs) of a device of the "first",
+    "middle" or "last" stage: one per process group of more than one rank that issues a
+    collective (world, tp, cp, dp or, when cp > 1, dp x cp, pp, mp = tp x pp, and the
+    tied-embedding pair of the first and last stages), and, with pp > 1, its pipeline neighbours
+    (one at either end; two for a middle stage, and at the ends when the interleaved schedule wraps
+    the last stage around to the first and pp > 2).
 
     >>> communicators(Layout(tp=2, pp=2, dp=2), tied_embeddings=True)  # world tp dp pp mp embedding
     (6, 1)
     """
     t, c, p, d = layout.tp, layout.cp, layout.pp, layout.dp
+    # with cp > 1 gradients are reduced over dp x cp: the DP group alone carries no collective;
     # under zb-v the tied pair is one device: its group is never used, so never created
     paired = p > 1 and tied_embeddings and stage != "middle" and not layout.v_placement
-    groups = [layout.world_size, t, c, d, d * c if c > 1 else 1, p, t * p, 2 if paired else 1]
-    neighbours = 0 if p == 1 else (2 if layout.vp > 1 and p > 2 else 1)
+    groups = [layout.world_size, t, c, d if c == 1 else 1, d * c if c > 1 else 1, p, t * p,
+              2 if paired else 1]
+    neighbours = 0 if p == 1 else (2 if (layout.vp > 1 or stage == "middle") and p > 2 else 1)
     return sum(1 for size in groups if size > 1), neighbours
 
 
@@ -376,35 +417,52 @@ class MemoryTerms:
         return out
 
 
-def memory_per_device(shape: ModelShape, layout: Layout, backend: str = "gloo") -> MemoryTerms:
-    """Bytes on the most loaded pipeline device (the first or the last); ``backend`` (hccl, nccl,
-    gloo) prices the communicator buffers."""
+def optimizer_bytes_per_param(shape: ModelShape, layout: Layout) -> float:
+    """fp32 master, Adam m and v per weight (an fp32 weight is its own master), split over the
+    dp x cp ranks under ZeRO (whose shards always keep an fp32 master)."""
+    if layout.zero:
+        return OPTIMIZER_STATE_BYTES / (layout.dp * layout.cp)
+    return OPTIMIZER_STATE_BYTES - (4 if shape.weight_bytes == 4 else 0)
+
+
+def stage_name(layout: Layout, stage: int) -> str:
+    if layout.pp == 1:
+        return "only"
+    return "first" if stage == 0 else "last" if stage == layout.pp - 1 else "middle"
+
+
+def stage_memory(shape: ModelShape, layout: Layout, stage: int, backend: str = "gloo") -> MemoryTerms:
+    """Bytes on a device of pipeline rank ``stage``; ``backend`` (hccl, nccl, gloo) prices the
+    communicator buffers."""
     s, b, h, t, c = shape.seq_length, layout.micro_batch_size, shape.hidden_size, layout.tp, layout.cp
     shards = layout.dp * c if layout.zero else 1
-    first_p, last_p = stage_params(shape, layout)
+    params = stage_param_count(shape, layout, stage)
     layers = shape.num_layers // layout.pp
-    act = layer_activation_bytes(shape, layout)
     transient = {"full": layer_activation_bytes(shape, layout, "none"),
                  "selective": scores_activation_bytes(shape, layout),
                  "none": 0.0}[layout.recompute]
     shard = t if layout.sequence_parallel else 1
-    embedding = s * b * h / c / shard  # embedding dropout mask, per micro-batch in flight
-    logits = (4 * s * b * h / shard + 4 * s * b * shape.vocab_size / t) / c  # norm/output inputs, fp32 logits
+    # the embedding's dropout mask, per micro-batch in flight (none without dropout)
+    embedding = s * b * h / c / shard * (ACT_MASK_BYTES if shape.dropout else 0)
+    # the final norm's and the output layer's inputs, and the fp32 logits
+    logits = (2 * shape.activation_bytes * s * b * h / shard + 4 * s * b * shape.padded_vocab(t) / t) / c
+    name = stage_name(layout, stage)
+    ends = {"only": embedding + logits, "first": embedding * in_flight(shape, layout, 0),
+            "last": logits, "middle": 0.0}[name]
+    if layout.v_placement and layout.pp > 1:  # device 0: the embedding and the output layer
+        ends = {"first": embedding * in_flight(shape, layout, 0) + logits}.get(name, 0.0)
+    grads = GRAD_BYTES / (shards if layout.zero and layout.zero_stage == 2 else 1)
+    return MemoryTerms(params * shape.weight_bytes, params * grads,
+                       params * optimizer_bytes_per_param(shape, layout),
+                       layers * layer_activation_bytes(shape, layout) * in_flight(shape, layout, stage),
+                       transient, ends, comm_buffer_bytes(layout, backend, shape.block == "gpt2", name),
+                       name)
 
-    tied = shape.block == "gpt2"
 
-    def terms(params: float, stage: int, ends: float, name: str) -> MemoryTerms:
-        return MemoryTerms(params * WEIGHT_BYTES, params * GRAD_BYTES,
-                           params * OPTIMIZER_STATE_BYTES / shards,
-                           layers * act * in_flight(shape, layout, stage), transient, ends,
-                           comm_buffer_bytes(layout, backend, tied, name), name)
-
+def memory_per_device(shape: ModelShape, layout: Layout, backend: str = "gloo") -> MemoryTerms:
+    """Bytes on the most loaded pipeline device (the first or the last); ``backend`` (hccl, nccl,
+    gloo) prices the communicator buffers."""
+    first = stage_memory(shape, layout, 0, backend)
     if layout.pp == 1:
-        return terms(first_p, 0, embedding + logits, "only")
-    if layout.v_placement:  # device 0: the embedding and the output layer; device p-1: neither
-        first = terms(first_p, 0, embedding * in_flight(shape, layout, 0) + logits, "first")
-        last = terms(last_p, layout.pp - 1, 0.0, "last")
-        return max(first, last, key=lambda mem: mem.total)
-    first = terms(first_p, 0, embedding * in_flight(shape, layout, 0), "first")
-    last = terms(last_p, layout.pp - 1, logits, "last")
-    return max(first, last, key=lambda mem: mem.total)
+        return first
+    return max(first, stage_memory(shape, layout, layout.pp - 1, backend), key=lambda mem: mem.total)

@@ -129,7 +129,7 @@ def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links
     # attention core of the block in hand where it is long enough.
     cp_fwd = cp_bwd = cp_re = 0.0
     if c > 1:
-        hop = 2 * b * s * h / (c * t) * ACT_BYTES / (links.cp * 1e9) + COLLECTIVE_LATENCY_S
+        hop = 2 * b * s * shape.kv_hidden / (c * t) * ACT_BYTES / (links.cp * 1e9) + COLLECTIVE_LATENCY_S
         ring, ring_bwd = (c - 1) * hop, (2 * c - 1) * hop
         cp_fwd = max(0.0, ring - attn / rate)
         cp_bwd = max(0.0, ring_bwd - 2 * attn / rate)

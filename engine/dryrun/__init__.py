@@ -1,0 +1,131 @@
+"""Dry runs: what every rank of a large job will hold and send, from the code that will run there.
+
+``python -m engine.dryrun --config recipe.yaml --world-size 1024 [--tp 8 --pp 8 ...]`` validates
+the configuration as ``engine.train`` does, enumerates the layout's rank roles (roles.py), builds
+one rank of each on the meta device under torch's fake process group (build.py), runs one training
+step's schedule and records its collectives, memory and activations (record.py), compares every
+figure with the planner's (compare.py) and prints and writes them (report.py). docs/planner.md,
+"Dry runs", describes what runs and what does not.
+
+    from engine.dryrun import dry_run
+    result = dry_run(cfg, world_size=1024, device="h100")
+    result.records[0].metrics["param_bytes"], result.records[0].collectives[:3]
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+__all__ = ["DryRun", "dry_run", "prepare"]
+
+
+@dataclass
+class DryRun:
+    cfg: object                      # the RunConfig that was built
+    grid: object                     # its RankGrid
+    records: list                    # record.RoleRecord per role, pipeline order
+    rules: str | None                # the backend rules every collective was checked against
+    backend: str                     # hccl, nccl or gloo: prices communicator buffers
+    num_micro: int
+    comparison: list | str           # compare.Row lists per role, or why the planner has none
+    device_memory: int | None = None
+    usable: int | None = None        # device memory x the planner's usable fraction
+    notes: list = field(default_factory=list)
+    tolerance: float = 0.05
+
+    def buffers(self, record) -> int:
+        from engine.plan.model import COMM_BUFFER_BYTES, P2P_BUFFER_BYTES
+        return (record.communicators * COMM_BUFFER_BYTES.get(self.backend, 0)
+                + record.p2p_peers * P2P_BUFFER_BYTES.get(self.backend, 0))
+
+    def total(self, record) -> int:
+        m = record.metrics
+        per_stage = max(record.activation_per_stage.values())
+        return (m["param_bytes"] + m["grad_bytes"] + m["optimizer_state_bytes"]
+                + max(per_stage, record.activation_bytes) + self.buffers(record))
+
+    def fits(self, record) -> bool:
+        return self.usable is None or self.total(record) <= self.usable
+
+
+def prepare(cfg, world_size: int, devices_per_node: int = 8):
+    """(the configuration to build, grid, notes): ``engine.train``'s validation (``validate_run``
+    and the compression policy) on a copy of ``cfg`` whose paths (data, checkpoints, logs,
+    dashboards) are left out, since they belong to the machine that will run it; raises
+    ConfigError for what the run would reject."""
+    from engine.cli import ConfigError
+    from engine.validate import validate_run
+    from parallel.dp import CompressionPolicy, PolicyError
+    from parallel.state import LaunchEnv
+    cfg = copy.deepcopy(cfg)
+    notes = []
+    if cfg.data.data_path and not cfg.data.mock_data and "vocab_size" not in cfg.explicit:
+        notes.append(f"the run takes its vocabulary from --data-path's tokenizer; planned with "
+                     f"--vocab-size {cfg.model.vocab_size}: give the tokenizer's size")
+    cfg.data.data_path, cfg.device, cfg.compile = None, "auto", False
+    cfg.checkpoint.save = cfg.checkpoint.load = None
+    for key in ("run_dir", "metrics_file", "timeline", "plot", "tensorboard_dir", "wandb_project",
+                "profile_steps"):
+        setattr(cfg.log, key, None)
+    if world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {world_size}")
+    launch = LaunchEnv(0, world_size, 0, min(devices_per_node, world_size))
+    grid, layout_notes = validate_run(cfg, launch)
+    try:
+        CompressionPolicy.coerce(cfg.compression)
+    except PolicyError as exc:
+        raise ConfigError(f"grad_compression_policy: {exc}") from exc
+    return cfg, grid, notes + list(layout_notes)
+
+
+def record_roles(cfg, grid, rules: str | None, devices_per_node: int, registry=None) -> list:
+    """One record.RoleRecord per role: each stage's representative first; under ZeRO, where the
+    shards of the stage's DP x CP ranks differ in what the fix-up all-reduces sum (roles.py), the
+    stage's role is split and every further part is built too."""
+    from dataclasses import replace
+
+    from engine.dryrun.record import record_role
+    from engine.dryrun.roles import rank_roles, shard_signatures, split_by_shard
+    records = []
+    for role in rank_roles(cfg, grid):
+        rec = record_role(cfg, grid, role, rules, devices_per_node, registry)
+        parts = [role] if rec.shard_buckets is None else split_by_shard(
+            role, grid, shard_signatures(rec.shard_buckets, grid.dp * grid.cp))
+        records.append(replace(rec, role=parts[0]))
+        records += [record_role(cfg, grid, part, rules, devices_per_node, registry)
+                    for part in parts[1:]]
+    return records
+
+
+def dry_run(cfg, world_size: int, device: str | None = None, memory_gb: float | None = None,
+            devices_per_node: int | None = None, registry=None) -> DryRun:
+    """Validate, build one rank per role, record its step, compare with the planner.
+
+    ``device``: a planner device name (``engine.plan.hardware``: "a100-80gb", "ascend910b2", ...)
+    for the memory check, the backend (hccl for Ascend, else nccl) and its rules; without it the
+    recipe's ``--device`` decides the backend (npu: hccl, cuda: nccl, else gloo)."""
+    from engine.dryrun.compare import TOLERANCE, compare_role, planner_inputs
+    from engine.plan.hardware import get_device_spec
+    from engine.plan.model import GIB, MEMORY_USABLE_FRACTION
+    from parallel.backend_rules import resolve
+    spec = get_device_spec(device) if device else None
+    per_node = devices_per_node or (spec.devices_per_node if spec else None) or 8
+    backend = ({"npu": "hccl", "cuda": "nccl"}.get(cfg.device, "gloo") if spec is None else
+               "hccl" if spec.name.startswith("ascend") else "gloo" if spec.name == "cpu" else "nccl")
+    built, grid, notes = prepare(cfg, world_size, per_node)
+    rules = resolve(built.parallel.backend_rules, backend, spec.name if spec else "")
+    gib = memory_gb if memory_gb is not None else (spec.memory_gb if spec else None)
+    records = record_roles(built, grid, rules, per_node, registry)
+    planned = planner_inputs(built, grid)
+    comparison = planned if isinstance(planned, str) else [
+        compare_role(r, built, *planned, backend) for r in records]
+    if cfg.data.reset_attention_mask or cfg.data.reset_position_ids:
+        notes.append("packed documents: attention ran plain causal (the same collectives and "
+                     "buffers; the kernels' document masks are not built)")
+    if cfg.compile:
+        notes.append("--compile: built uncompiled; a compiled run issues the same collectives")
+    return DryRun(built, grid, records, rules, backend, built.data.num_microbatches(grid.dp),
+                  comparison,
+                  None if gib is None else int(gib * GIB),
+                  None if gib is None else int(gib * GIB * MEMORY_USABLE_FRACTION), notes,
+                  TOLERANCE)

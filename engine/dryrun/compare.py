@@ -1,0 +1,116 @@
+"""Every figure of the dry run next to the planner's estimate for the same layout.
+
+``planner_inputs`` turns the run's configuration into the planner's ``ModelShape`` and ``Layout``
+(fused attention and early-stopping recomputation, as the engine runs; activation and weight bytes
+from ``--precision``; dropout masks only with ``--dropout`` > 0). ``compare_role`` puts the role's
+representative next to the planner's device of the same pipeline rank (engine/plan/model.py
+``stage_memory``, engine/plan/traffic.py ``step_traffic``) and flags a difference above
+``TOLERANCE``; where the reason is known (the planner prices something this engine does not do,
+or the other way round) the row says it. docs/planner.md, "Dry runs", lists them with figures.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.plan.flops import BLOCKS
+from engine.plan.model import (COMM_BUFFER_BYTES, P2P_BUFFER_BYTES, Layout, ModelShape,
+                               stage_memory)
+from engine.plan.traffic import step_traffic
+
+TOLERANCE = 0.05
+
+# Known differences: (figure, condition on (cfg, layout), why)
+_SP = ("the planner keeps only the s/tp sequence shard of each column-parallel input and "
+       "all-gathers it again in backward (Korthikanti et al. 2022); this engine keeps the "
+       "gathered input (2 s b h / cp bytes per column-parallel input) and issues no re-gather")
+_SCATTER = ("the planner prices Megatron's pipeline scatter/gather (each TP rank sends 1/tp of "
+            "the activation and the receiver all-gathers it over TP); this engine sends the whole "
+            "activation from every TP rank")
+_LLAMA = ("the planner counts Korthikanti et al.'s tensors; a llama layer of this engine on the "
+          "portable kernels (which the meta device runs, as the CPU does) also keeps RMSNorm's fp32 "
+          "copies of its input (bf16/fp16 runs), SwiGLU's four tensors (gate, silu(gate), up, "
+          "product) and, as V is a view of it, the whole QKV projection output; npu_rms_norm and "
+          "npu_swiglu keep less")
+KNOWN = (
+    ("activation_bytes", lambda cfg, lay: cfg.model.block == "llama", _LLAMA),
+    ("activation_bytes", lambda cfg, lay: lay.sequence_parallel, _SP),
+    ("activation_bytes", lambda cfg, lay: cfg.parallel.pipeline_schedule == "gpipe",
+     "the planner plans 1F1B's micro-batches in flight; GPipe keeps all of them"),
+    ("tp_comm_bytes", lambda cfg, lay: lay.sequence_parallel, _SP),
+    ("tp_comm_bytes", lambda cfg, lay: lay.pp > 1 and lay.tp > 1 and not lay.sequence_parallel,
+     _SCATTER),
+    ("pp_comm_bytes", lambda cfg, lay: lay.tp > 1 and not lay.sequence_parallel, _SCATTER),
+    ("*", lambda cfg, lay: cfg.parallel.stage_end_weight > 0,
+     "--stage-end-weight gives the end stages fewer layers; the planner splits layers evenly"),
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    figure: str
+    dry_run: float
+    planner: float | None
+    why: str = ""
+
+    @property
+    def difference(self) -> float | None:
+        """(planner - dry run) / dry run; None when the planner has no figure."""
+        if self.planner is None:
+            return None
+        if self.dry_run == 0:
+            return 0.0 if self.planner == 0 else float("inf")
+        return (self.planner - self.dry_run) / self.dry_run
+
+    @property
+    def flagged(self) -> bool:
+        d = self.difference
+        return d is not None and abs(d) > TOLERANCE
+
+
+def planner_inputs(cfg, grid) -> tuple[ModelShape, Layout] | str:
+    """The planner's view of the run, or why it has none."""
+    m, par = cfg.model, cfg.parallel
+    if m.block not in BLOCKS:
+        return f"the planner has formulas for {', '.join(BLOCKS)} blocks only (--block {m.block})"
+    elem = 4 if cfg.precision.precision == "fp32" else 2
+    shape = ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size,
+                       m.seq_length, cfg.data.global_batch_size, m.ffn_hidden_size, m.block,
+                       fused_attention=True, recompute_early_stop=True, activation_bytes=elem,
+                       dropout=m.dropout > 0, num_query_groups=m.num_query_groups, weight_bytes=elem)
+    layout = Layout(grid.tp, grid.pp, grid.dp, par.virtual_pipeline_size, cfg.data.micro_batch_size,
+                    par.recompute, par.use_distributed_optimizer,
+                    par.sequence_parallel and grid.tp > 1, grid.cp, par.order, par.zero_stage)
+    return shape, layout
+
+
+def _why(figure: str, cfg, layout: Layout) -> str:
+    return "; ".join(text for name, cond, text in KNOWN
+                     if name in (figure, "*") and cond(cfg, layout))
+
+
+def compare_role(record, cfg, shape: ModelShape, layout: Layout, backend: str) -> list[Row]:
+    """Rows for one role's representative (a record.RoleRecord)."""
+    stage = record.stage
+    mem = stage_memory(shape, layout, stage, backend)
+    traffic = step_traffic(shape, layout, stage, cfg.parallel.cp_comm_type)
+    buffers = (record.communicators * COMM_BUFFER_BYTES.get(backend, 0)
+               + record.p2p_peers * P2P_BUFFER_BYTES.get(backend, 0))
+    m = record.metrics
+    pairs = [("param_bytes", m["param_bytes"], mem.weights),
+             ("grad_bytes", m["grad_bytes"], mem.grads),
+             ("optimizer_state_bytes", m["optimizer_state_bytes"], mem.optimizer),
+             ("activation_bytes", record.activation_bytes, mem.activations + mem.pipeline_ends),
+             ("comm_buffer_bytes", buffers, mem.comm_buffers),
+             ("tp_comm_bytes", m["tp_comm_bytes"], traffic["tp"]),
+             ("cp_comm_bytes", m["cp_comm_bytes"], traffic["cp"]),
+             ("pp_comm_bytes", m["pp_comm_bytes"], traffic["pp"]),
+             ("dp_comm_bytes", m["dp_comm_bytes"], traffic["dp"]),
+             ("embedding_comm_bytes", record.comm["embedding"]["payload_bytes"],
+              traffic["embedding"])]
+    rows = []
+    for name, dry, plan in pairs:
+        row = Row(name, dry, plan)
+        if row.flagged:
+            row = Row(name, dry, plan, _why(name, cfg, layout) or "not explained")
+        rows.append(row)
+    return rows

@@ -1,0 +1,95 @@
+"""Bytes per step that one device hands to collectives, by group kind: the planner's messages
+(timing.py prices the same ones) counted the way the engine's communication layer counts payload
+(parallel/comm.py): an all-reduce and a reduce-scatter their whole input, an all-gather its own
+shard, a point-to-point transfer the tensor it sends. ``engine.dryrun`` compares these with the
+bytes the engine's own step issues.
+
+Per micro-batch and layer, with ``msg = e s b h / cp`` (e: bytes per activation element) on tp
+ranks (t > 1):
+
+    no SP    forward: 2 all-reduces (msg)           backward: 2 all-reduces (msg)
+    SP       forward: 2 all-gathers (msg/t) and 2 reduce-scatters (msg)
+             backward: 2 reduce-scatters (msg) and 2 all-gathers (msg/t), and the all-gathers
+             of the two column-parallel inputs' saved sequence shards (msg/t each)
+    full recompute repeats the forward's, less the one after the down projection (early stop)
+
+The embedding adds an all-reduce (SP: a reduce-scatter forward and an all-gather backward), the
+output layer the all-reduce of its input's gradient (SP: an all-gather forward, a reduce-scatter
+backward) and vocab-parallel cross-entropy two fp32 all-reduces of ``4 s b / cp`` and ``8 s b / cp``
+bytes. Pipeline: per model chunk an activation forward and a gradient backward, 1/t of the
+tensor each (Megatron's scatter/gather: without SP the receiver all-gathers it over TP, msg/t).
+Context parallelism (ring attention): per layer cp-1 hops of the K and V blocks forward, cp-1 of
+them and cp of their dK/dV accumulators backward, ``2 e b s kv_hidden / (cp t)`` bytes each (again
+forward under recomputation). Data parallelism: the fp32 gradients of the device's weights
+(all-reduce, or reduce-scatter under ZeRO) and ZeRO's all-gather of the weights (own shard).
+Tied embeddings (gpt2, pp > 1): the first and last stages all-reduce the embedding's fp32
+gradient (its ZeRO shard). Not counted: the statistics all-reduce, the gradient norm's and the
+pipeline bubble's scalars (a few bytes), Ulysses' all-to-alls (``--cp-comm-type a2a``: None).
+"""
+from __future__ import annotations
+
+from engine.plan.model import GRAD_BYTES, Layout, ModelShape, num_micro_batches, stage_param_count
+
+KINDS = ("tp", "cp", "pp", "dp", "embedding")
+
+
+def _tp_per_layer(layout: Layout, msg: float) -> float:
+    t, sp = layout.tp, layout.sequence_parallel
+    if t == 1:
+        return 0.0
+    if sp:
+        fwd, bwd = 2 * (msg / t + msg), 2 * (msg + msg / t) + 2 * msg / t
+        redo = 2 * msg / t + msg  # gather, scatter (attention), gather (MLP); not the last scatter
+    else:
+        fwd = bwd = 2 * msg
+        redo = msg  # the attention projection's all-reduce; not the MLP's
+    return fwd + bwd + (redo if layout.recompute == "full" else 0.0)
+
+
+def _sends(layout: Layout, stage: int) -> tuple[int, int]:
+    """(activations sent, gradients sent) per micro-batch by pipeline rank ``stage``: one per
+    chunk, except forward out of the last virtual stage and backward out of the first."""
+    v, p = layout.vp, layout.pp
+    return v - (stage == p - 1), v - (stage == 0)
+
+
+def step_traffic(shape: ModelShape, layout: Layout, stage: int,
+                 cp_comm_type: str = "p2p") -> dict[str, float | None]:
+    """{kind: payload bytes per step} of a device of pipeline rank ``stage`` (see the module doc)."""
+    s, b, h, t, c, p = (shape.seq_length, layout.micro_batch_size, shape.hidden_size, layout.tp,
+                        layout.cp, layout.pp)
+    e, m, sp = shape.activation_bytes, num_micro_batches(shape, layout), layout.sequence_parallel
+    tokens = s * b / c
+    msg = e * tokens * h
+    layers = shape.num_layers // p
+    tp = layers * _tp_per_layer(layout, msg)
+    if t > 1 and stage == 0:
+        tp += msg + msg / t if sp else msg                      # the embedding
+        if sp and shape.block == "gpt2":
+            tp += e * s * h / c / t                              # position table's gradient
+    if t > 1 and stage == p - 1:
+        tp += (msg / t + msg if sp else msg) + 12 * tokens       # output layer, cross-entropy
+    pp = 0.0
+    if p > 1:
+        acts, grads = _sends(layout, stage)
+        pp = (acts + grads) * msg / t
+        if t > 1 and not sp:                                     # re-gather on every receive
+            tp += (layout.vp - (stage == 0) + layout.vp - (stage == p - 1)) * msg / t
+    cp = 0.0
+    if c > 1:
+        if cp_comm_type != "p2p":
+            cp = None
+        else:
+            block = 2 * e * b * (s / c) * shape.kv_hidden / t
+            hops = (c - 1) * (2 if layout.recompute in ("full", "selective") else 1) + (c - 1) + c
+            cp = layers * hops * block
+    params = stage_param_count(shape, layout, stage)
+    shards = layout.dp * c
+    dp = 0.0
+    if shards > 1:
+        dp = params * GRAD_BYTES + (params / shards * shape.weight_bytes if layout.zero else 0.0)
+    embedding = 0.0
+    if shape.block == "gpt2" and p > 1 and stage in (0, p - 1):
+        embedding = shape.padded_vocab(t) * h / t * GRAD_BYTES / (shards if layout.zero else 1)
+    return {"tp": m * tp, "cp": None if cp is None else m * cp, "pp": m * pp, "dp": dp,
+            "embedding": embedding}
