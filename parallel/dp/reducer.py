@@ -17,7 +17,9 @@ the accumulations and launches the buckets. Earlier micro-batches only accumulat
 the last one, a bucket's exchange is launched as soon as all its gradients are in, so communication
 overlaps the rest of backward. Buckets are launched strictly in index order (the backward order),
 so every DP rank issues the same collectives in the same sequence even if hooks fire in a slightly
-different order. Gradients are divided by dp before the sum, giving the mean.
+different order. Gradients are divided by dp before the sum, giving the mean. Under a zero-bubble
+schedule (``disable_grad_views``) no ``param.grad`` is a view: a backward that leaves a weight's
+gradient to W leaves ``param.grad`` unset, and the hook does not count it.
 
 Uncompressed buckets are async collectives issued from the hook. In a step where compression is
 active (after the policy's warm-up) every bucket goes to the ``ExchangeWorker`` instead
@@ -148,6 +150,15 @@ class GradReducer:
         if self.zero_stage != 2:
             for p in self._aliased:
                 p.grad = p.main_grad
+
+    def disable_grad_views(self) -> None:
+        """Stop pointing ``param.grad`` at ``main_grad``: for the B/W split, whose backward leaves
+        a deferred weight's ``param.grad`` unset (the hook must see that, and not count it) and
+        whose W accumulates into ``main_grad`` itself."""
+        for p in self._aliased:
+            if p.grad is p.main_grad:
+                p.grad = None
+        self._aliased = []
 
     # ---- configuration by the optimizer ---------------------------------------------------------
     def shard(self, stage: int) -> None:
