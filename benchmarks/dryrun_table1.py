@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.cli import parse_args  # noqa: E402
 from engine.dryrun import dry_run  # noqa: E402
-from engine.plan.model import GIB, Layout, ModelShape, memory_per_device  # noqa: E402
+from engine.plan.model import GIB, Layout, ModelShape  # noqa: E402
+from engine.plan.memory import memory_per_device  # noqa: E402
 
 ROWS = [  # name, (layers, hidden, heads), GPUs, batch, (tp, pp, vp, mbs): tests/test_plan.py PAPER
     ("1.7B", (24, 2304, 24), 32, 512, (1, 1, 1, 16)),

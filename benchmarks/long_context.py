@@ -36,7 +36,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import parse_int_list  # noqa: E402
-from engine.plan.model import Layout, ModelShape, layer_activation_bytes  # noqa: E402
+from engine.plan.model import Layout, ModelShape  # noqa: E402
+from engine.plan.memory import layer_activation_bytes  # noqa: E402
 from models import GPTChunk, GPTConfig, LayerContext  # noqa: E402
 from models.layers import Norm, ParallelAttention, ParallelMLP  # noqa: E402
 from parallel.context_parallel import load_balanced, shard_index  # noqa: E402

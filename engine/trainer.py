@@ -24,10 +24,11 @@ from engine.data.packing import MicroBatch, count_loss_tokens, micro_batch
 from engine.device import DeviceClock, EventPair, set_matmul_precision, setup_device
 from engine.loss_scaler import ConstantScaler, DynamicLossScaler
 from engine.lr_schedule import learning_rate
-from engine.metrics import MetricsLog, plot_metrics, summary_table
+from engine.metrics import MetricsLog
 from engine.profiling import StepProfiler
 from engine.step import Stepper
-from engine.utilization import per_device, run_flops, run_peak_tflops, utilization
+from engine.step_record import resilience_metrics, run_summary, step_record
+from engine.utilization import run_flops, run_peak_tflops
 from engine.validate import validate_packing, validate_run
 from models import LayerContext, build_chunks
 from models.layers import ParallelAttention
@@ -36,7 +37,7 @@ from parallel.backend_rules import resolve as resolve_rules
 from parallel.context_parallel import init_ring, load_balanced, shard_index
 from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
                          MixedPrecisionOptimizer, PolicyError, memory_bytes)
-from parallel.pipeline.bubble import simulate, theoretical_bubble
+from parallel.pipeline.bubble import theoretical_bubble
 from parallel.pipeline.timeline import gather_events, write_chrome_trace
 from parallel.pipeline.partition import placement_stages, stage_layers
 from parallel.pipeline.p2p import init_p2p, waiter_for
@@ -48,20 +49,6 @@ from parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 
 TIMELINE_STEPS = 3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def comm_metrics(comm: dict, compiled: bool = False) -> dict:
-    """The step's bytes per traffic kind: payload handed to collectives (``*_comm_bytes``) and, for
-    DP, the ring-model bytes on the wire. DP is the gradient/parameter group (DP x CP with context
-    parallelism); PP counts the activations and gradients this rank sends to its neighbours. TP and
-    CP collectives inside compiled chunks are not counted (parallel/comm.py): null then."""
-    def total(kinds, key):
-        return sum(comm[k][key] for k in kinds)
-    return {"dp_comm_bytes": total(("dp", "dp_cp"), "payload_bytes"),
-            "dp_comm_wire_bytes": total(("dp", "dp_cp"), "wire_bytes"),
-            "tp_comm_bytes": None if compiled else total(("tp",), "payload_bytes"),
-            "cp_comm_bytes": None if compiled else total(("cp",), "payload_bytes"),
-            "pp_comm_bytes": total(("pp",), "payload_bytes")}
 
 
 class TrainingDiverged(RuntimeError):
@@ -327,7 +314,7 @@ class Trainer:
                 if self.stragglers is not None:
                     self.stragglers.begin_step(step + 1)
                 record = self.train_one(step)
-                self._resilience_metrics(step, record, log)
+                resilience_metrics(self, step, record, log)
                 if cfg.log.eval_interval and (step + 1) % cfg.log.eval_interval == 0:
                     vloss = self.evaluate()
                     record["valid_loss"] = vloss
@@ -359,20 +346,7 @@ class Trainer:
             if previous_handler is not None:
                 signal.signal(signal.SIGTERM, previous_handler)
         if self.is_main and result.records:
-            extra = {"layout": self.grid.describe(), "device": f"{self.dev.type} ({self.dev.name})"}
-            if result.valid:
-                extra["validation loss"] = f"{result.valid[0][1]:.4f} -> {result.valid[-1][1]:.4f}"
-            if result.checkpoint:
-                extra["checkpoint"] = result.checkpoint
-            if result.stopped:
-                extra["stopped"] = result.stopped
-            if not self.flops.source.startswith("formula"):
-                extra["FLOPs"] = self.flops.source
-            if self.profiler.written:
-                extra["profile"] = self.profiler.written
-            if cfg.log.plot:
-                extra["plot"] = plot_metrics(result.records, cfg.log.plot, result.valid)
-            result.summary = summary_table(result.records, extra)
+            result.summary = run_summary(self, result)
         if cfg.log.timeline:
             gathered = gather_events(ps, self.timeline_events)
             if self.is_main:
@@ -398,56 +372,12 @@ class Trainer:
             last = self.last_checkpoint()
             raise TrainingDiverged(f"loss is {out.loss} at step {step + 1}; last good checkpoint: "
                                    f"{last or 'none saved'}")
-        tokens = cfg.data.global_batch_size * cfg.model.seq_length
-        model_tflops = per_device(self.flops.model, dt, ps.world_size)
-        tflops = per_device(self.flops.executed, dt, ps.world_size)
         if cfg.log.timeline:
             for e in out.events:
                 e.args["step"] = step + 1
             self.timeline.append(out.events)
             del self.timeline[:-TIMELINE_STEPS]
-        return {"step": step + 1, "loss": out.loss, "lr": lr, "grad_norm": out.grad_norm,
-                "loss_scale": out.loss_scale, "skipped": out.skipped, "tokens": tokens,
-                "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops_per_device": tflops,
-                "model_tflops_per_device": model_tflops,
-                "mfu": utilization(model_tflops, self.peak_tflops),
-                "hfu": utilization(tflops, self.peak_tflops),
-                "model_flops": self.flops.model, "executed_flops": self.flops.executed,
-                **out.times,
-                "bubble_theoretical": self.bubble_theory,
-                "bubble_measured": out.extra.get("bubble_measured"),
-                "bubble_simulated": self._simulated_bubble(out),
-                "activations_in_flight": (out.pipeline.peak_in_flight
-                                          if out.pipeline is not None else None),
-                **comm_metrics(out.comm, cfg.compile),
-                **{k: self.memory[k] for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes")},
-                "peak_memory_bytes": self.dev.peak_memory_bytes()}
-
-    def _resilience_metrics(self, step: int, record: dict, log) -> None:
-        """The step's anomaly keys and, every --log-interval steps, the straggler report (one
-        all-gather, on every rank at the same steps)."""
-        record.update(self.guard.record() if self.guard is not None else
-                      {"anomaly": None, "rerun": None})
-        report = None
-        if self.stragglers is not None:
-            self.stragglers.end_step()
-            if (step + 1) % self.cfg.log.log_interval == 0:
-                report = self.stragglers.report(step + 1)
-        record.update(report.metrics() if report is not None else
-                      dict.fromkeys(("straggler_rank", "straggler_ratio", "straggler_waited_for")))
-        if report is not None and self.is_main:
-            log.note(f"gridtron: {report.describe(self.grid)}")
-
-    def _simulated_bubble(self, out) -> float | None:
-        """The schedule replayed with this step's measured mean forward/backward time per stage:
-        what the bubble would be from stage imbalance alone, without communication or noise."""
-        if out.pipeline is None:
-            return None
-        fwd, bwd, wgt = out.extra["stage_fwd_s"], out.extra["stage_bwd_s"], out.extra["stage_wgt_s"]
-        if min(fwd) <= 0 or min(bwd) <= 0:
-            return None
-        split = has_weight_actions(self.schedule_lists)
-        return simulate(self.schedule_lists, fwd, bwd, wgt_time=wgt if split else None).idle_fraction
+        return step_record(self, step, out, dt, lr)
 
     @property
     def timeline_events(self) -> list:
@@ -495,34 +425,10 @@ class Trainer:
         return save_checkpoint(self, step)
 
     def maybe_load(self) -> int:
-        """Load --load; without it, resume from --save when that holds an unfinished run's
-        checkpoint (so a job restarted by torchrun continues by itself). With both, a restarted
-        job resumes from --save's latest when it is newer (a later step) than --load's."""
-        from engine.checkpoint import has_checkpoint, load_checkpoint, saved_step
-        ck = self.cfg.checkpoint
-        same = ck.load and ck.save and os.path.realpath(ck.load) == os.path.realpath(ck.save)
-        fresh = same and not has_checkpoint(ck.save)
-        if ck.load and not same and has_checkpoint(ck.save):
-            mine, given = saved_step(ck.save), saved_step(ck.load)
-            if mine is not None and (given is None or mine > given):
-                if self.is_main:
-                    print(f"gridtron: resuming from {ck.save} (step {mine}), newer than --load "
-                          f"{ck.load} (step {given})", flush=True)
-                return load_checkpoint(self, ck.save)
-        if ck.load and not fresh:  # (--load DIR --save DIR on a first run starts from scratch)
-            return load_checkpoint(self, ck.load)
-        if has_checkpoint(ck.save):
-            step = saved_step(ck.save)
-            if step is None or step < self.cfg.optim.train_iters:
-                if self.is_main:
-                    print(f"gridtron: resuming from {ck.save} (step {step}); pass --load to choose "
-                          f"another checkpoint", flush=True)
-                return load_checkpoint(self, ck.save)
-            if self.is_main:
-                warnings.warn(f"{ck.save} already holds a finished run (step {step} >= --train-iters "
-                              f"{self.cfg.optim.train_iters}): starting a new run that will replace "
-                              f"its checkpoints; pass --load {ck.save} to continue from it instead")
-        return 0
+        """The step to start from: --load, or an unfinished run's checkpoint in --save
+        (engine/checkpoint/resume.py)."""
+        from engine.checkpoint.resume import resume
+        return resume(self)
 
     def last_checkpoint(self) -> str | None:
         root = self.cfg.checkpoint.save

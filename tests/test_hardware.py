@@ -228,8 +228,8 @@ def test_docstring_examples():
     import doctest
 
     import engine.chips
-    import engine.plan.model
+    import engine.plan.memory
     import parallel.pipeline.p2p
-    for module in (engine.chips, device_mod, parallel.pipeline.p2p, engine.plan.model):
+    for module in (engine.chips, device_mod, parallel.pipeline.p2p, engine.plan.memory):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -12,10 +12,10 @@ import pytest
 from engine.plan import search as plan
 from engine.plan.flops import step_flops
 from engine.plan.hardware import DEVICE_SPECS
-from engine.plan.model import (ACT_BYTES, DEFAULT_ACHIEVABLE_FRACTION, FIT_ROW, GIB, LINK_EFFICIENCY,
-                               Cluster, Layout, MemoryTerms,
-                               ModelShape, check_layout, in_flight, layer_activation_bytes,
-                               layer_params_per_device, memory_per_device, stage_params)
+from engine.plan.model import (ACT_BYTES, DEFAULT_ACHIEVABLE_FRACTION, FIT_ROW, GIB,
+                               LINK_EFFICIENCY, Cluster, Layout, ModelShape, check_layout)
+from engine.plan.memory import (MemoryTerms, in_flight, layer_activation_bytes,
+                                layer_params_per_device, memory_per_device, stage_params)
 from engine.plan.placement import (DEFAULT_ORDER, all_groups_intra, collective_busbw, engine_order,
                                    group_of_rank0, p2p_gbps, parse_order, strides)
 from engine.plan.report import launch_command

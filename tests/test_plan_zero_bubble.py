@@ -8,8 +8,8 @@ import shlex
 
 import pytest
 
-from engine.plan.model import (Cluster, Layout, ModelShape, check_layout, in_flight,
-                               memory_per_device, stage_params)
+from engine.plan.model import Cluster, Layout, ModelShape, check_layout
+from engine.plan.memory import in_flight, memory_per_device, stage_params
 from engine.plan.hardware import DEVICE_SPECS
 from engine.plan.report import launch_command
 from engine.plan.timing import PassTime, estimate, pipeline_bubble_s

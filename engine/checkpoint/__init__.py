@@ -7,6 +7,7 @@
 - ``async_writer.py``: saves at step boundaries, in a background thread with ``--async-save``
   (completion agreed at later boundaries, published by the writer's ``publish``);
 - ``reader.py``: ``load_checkpoint`` under any layout;
+- ``resume.py``: where a run starts (``--load``, or the unfinished run in ``--save``);
 - ``export.py``: ``python -m engine.export`` to Hugging Face transformers.
 
 ``python -m engine.checkpoint inspect DIR`` prints a checkpoint. See docs/checkpoints.md.

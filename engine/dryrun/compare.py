@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.plan.flops import BLOCKS
-from engine.plan.model import (COMM_BUFFER_BYTES, P2P_BUFFER_BYTES, Layout, ModelShape,
-                               stage_memory)
+from engine.plan.model import COMM_BUFFER_BYTES, P2P_BUFFER_BYTES, Layout, ModelShape
+from engine.plan.memory import stage_memory
 from engine.plan.traffic import step_traffic
 
 TOLERANCE = 0.05

@@ -28,8 +28,8 @@ from engine.plan.flops import (StepFlops, attention_core_forward_flops, layer_fo
 from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_REPLICATED, EW_SCORES,
                                EW_SHARDED_ATTN, GIB, HBM_EFFICIENCY, LAYER_PASS_OVERHEAD_S,
                                MEMORY_USABLE_FRACTION, OPTIMIZER_BYTES_PER_PARAM, Cluster, Layout,
-                               MemoryTerms, ModelShape, memory_per_device, num_micro_batches,
-                               stage_params)
+                               ModelShape, num_micro_batches)
+from engine.plan.memory import MemoryTerms, memory_per_device, stage_params
 from engine.plan.placement import collective_busbw, group_of_rank0, p2p_gbps
 
 

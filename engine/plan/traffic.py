@@ -28,7 +28,8 @@ pipeline bubble's scalars (a few bytes), Ulysses' all-to-alls (``--cp-comm-type 
 """
 from __future__ import annotations
 
-from engine.plan.model import GRAD_BYTES, Layout, ModelShape, num_micro_batches, stage_param_count
+from engine.plan.model import GRAD_BYTES, Layout, ModelShape, num_micro_batches
+from engine.plan.memory import stage_param_count
 
 KINDS = ("tp", "cp", "pp", "dp", "embedding")
 

@@ -1,0 +1,197 @@
+"""The memory model: bytes on a pipeline device (weights, gradients, optimizer state, activations
+in flight, transients, the ends of the model, communicator buffers), what search.py checks a
+layout against and engine/dryrun compares with the engine's own allocations.
+
+Korthikanti et al. 2022's activation terms for any FFN width and block; every constant is in
+model.py and explained in docs/planner.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.plan.model import (ACT_MASK_BYTES, ACT_TENSORS_MLP, ACT_TENSORS_REPLICATED,
+                               ACT_TENSORS_SPLIT_ATTN, COMM_BUFFER_BYTES, GRAD_BYTES,
+                               OPTIMIZER_STATE_BYTES, P2P_BUFFER_BYTES, Layout, ModelShape,
+                               num_micro_batches)
+
+
+def layer_params_per_device(shape: ModelShape, tp: int) -> float:
+    """One layer's weights on one TP rank: split matrices and column biases, replicated norms.
+    Attention: Q and the output projection h x h each, K and V h x kv_hidden each."""
+    h, f, kv = shape.hidden_size, shape.ffn_hidden_size, shape.kv_hidden
+    attn = 2 * h * h + 2 * h * kv
+    if shape.block == "llama":
+        return (attn + 3 * h * f) / tp + 2 * h
+    return (attn + 2 * h * f + h + 2 * kv + f) / tp + 2 * h + 4 * h
+
+
+def stage_param_count(shape: ModelShape, layout: Layout, stage: int) -> float:
+    """Weights on a device of pipeline rank ``stage``: its layers (num_layers / pp), on the first
+    the word (V_pad h / t) and, for gpt2, position embeddings, on the last the output layer (for
+    gpt2 with pp > 1 its own copy of the tied embedding) and the final norm; under zb-v the first
+    holds the output layer and final norm too (the tied embedding is then one parameter)."""
+    h, t, p = shape.hidden_size, layout.tp, layout.pp
+    vocab = shape.padded_vocab(t) * h / t
+    params = shape.num_layers // p * layer_params_per_device(shape, t)
+    tied = shape.block == "gpt2"
+    # under zb-v device 0 holds both ends of the V, and the tied output layer is its embedding
+    holds_output = stage == 0 if layout.v_placement and p > 1 else stage == p - 1
+    if stage == 0:
+        params += vocab + (shape.seq_length * h if tied else 0)
+    if holds_output:
+        params += (0 if tied and (p == 1 or layout.v_placement) else vocab) + (2 * h if tied else h)
+    return params
+
+
+def stage_params(shape: ModelShape, layout: Layout) -> tuple[float, float]:
+    """Weights on the first and on the last pipeline device (embeddings, output layer, norms)."""
+    return stage_param_count(shape, layout, 0), stage_param_count(shape, layout, layout.pp - 1)
+
+
+def layer_activation_bytes(shape: ModelShape, layout: Layout, recompute: str | None = None) -> float:
+    """Korthikanti et al. 2022 bytes kept per layer per micro-batch, for any f and block.
+
+    Context parallelism splits the sequence: every term is divided by cp.
+    """
+    s, b, h = shape.seq_length, layout.micro_batch_size, shape.hidden_size
+    t, sp, c = layout.tp, layout.sequence_parallel, layout.cp
+    recompute = recompute or layout.recompute
+    sbh = s * b * h / c
+    e, masks = shape.activation_bytes, ACT_MASK_BYTES if shape.dropout else 0
+    if recompute == "full":
+        return e * sbh / (t if sp else 1)
+    replicated = ACT_TENSORS_REPLICATED * e + 2 * masks          # 10 in bf16 with dropout
+    attn = ACT_TENSORS_SPLIT_ATTN - 2 + 2 * shape.kv_hidden / h  # Q, K, V, projection input
+    split = (attn * e * sbh                                      # 8 without GQA
+             + ACT_TENSORS_MLP[shape.block] * e * s * b * shape.ffn_hidden_size / c)  # 4 or 6 per sbf
+    base = (replicated * sbh + split) / t if sp else replicated * sbh + split / t
+    if recompute == "selective":
+        return base
+    return base + scores_activation_bytes(shape, layout)
+
+
+def scores_activation_bytes(shape: ModelShape, layout: Layout) -> float:
+    """The attention scores' share (5 a s^2 b / t bytes), zero with fused attention."""
+    if shape.fused_attention:
+        return 0.0
+    s, e = shape.seq_length, shape.activation_bytes
+    per = e + (ACT_MASK_BYTES + e if shape.dropout else 0)  # 5 in bf16 with dropout
+    return per * shape.num_attention_heads * s * s * layout.micro_batch_size / layout.tp
+
+
+def in_flight(shape: ModelShape, layout: Layout, stage: int) -> float:
+    """Micro-batches whose activations a pipeline device holds at its peak (Megatron's warm-up;
+    zero-bubble schedules count a micro-batch until its W, the weight gradients needing the
+    layers' inputs: zb-h1 min(p, m) on every device, zb-v the schedule's own peak of half-stage
+    chunks, p stages' worth once m >= 2p - 1)."""
+    p, v, m = layout.pp, layout.vp, num_micro_batches(shape, layout)
+    if p == 1:
+        return 1.0
+    if layout.schedule == "zb-h1":
+        return float(min(p, m))
+    if layout.schedule == "zb-v":
+        from parallel.pipeline.schedules import build_schedule, in_flight_peaks
+        return in_flight_peaks(build_schedule("zb-v", p, min(m, 2 * p)))[stage] / 2
+    if v == 1:
+        return float(min(p - stage, m))
+    return min(((p - stage - 1) * 2 + (v - 1) * p + 1) / v, float(m))
+
+
+def communicators(layout: Layout, tied_embeddings: bool, stage: str = "first") -> tuple[int, int]:
+    """(collective communicators, point-to-point neighbour pairs) of a device of the "first",
+    "middle" or "last" stage: one per process group of more than one rank that issues a
+    collective (world, tp, cp, dp or, when cp > 1, dp x cp, pp, mp = tp x pp, and the
+    tied-embedding pair of the first and last stages), and, with pp > 1, its pipeline neighbours
+    (one at either end; two for a middle stage, and at the ends when the interleaved schedule wraps
+    the last stage around to the first and pp > 2).
+
+    >>> communicators(Layout(tp=2, pp=2, dp=2), tied_embeddings=True)  # world tp dp pp mp embedding
+    (6, 1)
+    """
+    t, c, p, d = layout.tp, layout.cp, layout.pp, layout.dp
+    # with cp > 1 gradients are reduced over dp x cp: the DP group alone carries no collective;
+    # under zb-v the tied pair is one device: its group is never used, so never created
+    paired = p > 1 and tied_embeddings and stage != "middle" and not layout.v_placement
+    groups = [layout.world_size, t, c, d if c == 1 else 1, d * c if c > 1 else 1, p, t * p,
+              2 if paired else 1]
+    neighbours = 0 if p == 1 else (2 if (layout.vp > 1 or stage == "middle") and p > 2 else 1)
+    return sum(1 for size in groups if size > 1), neighbours
+
+
+def comm_buffer_bytes(layout: Layout, backend: str, tied_embeddings: bool, stage: str = "first") -> float:
+    """Bytes the communication library reserves on one device for its communicators."""
+    collective, p2p = communicators(layout, tied_embeddings, stage)
+    return collective * COMM_BUFFER_BYTES[backend] + p2p * P2P_BUFFER_BYTES[backend]
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """Bytes on one device, by part. A new part is a new field (and its line in memory_per_device)."""
+    weights: float  # bf16 parameters
+    grads: float  # fp32 main gradients
+    optimizer: float  # fp32 master weights, Adam m and v (ZeRO-1: a 1/(dp*cp) shard)
+    activations: float  # the layers' saved activations x micro-batches in flight
+    transient: float  # one layer rebuilt by recomputation during backward
+    pipeline_ends: float  # embedding dropout mask (first stage), final norm + fp32 logits (last)
+    comm_buffers: float = 0.0  # HCCL / NCCL communicator buffers (comm_buffer_bytes)
+    stage: str = "only"  # which device this is: "only" (pp = 1), "first" or "last"
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self) if f.name != "stage")
+
+    def as_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["total"] = self.total
+        return out
+
+
+def optimizer_bytes_per_param(shape: ModelShape, layout: Layout) -> float:
+    """fp32 master, Adam m and v per weight (an fp32 weight is its own master), split over the
+    dp x cp ranks under ZeRO (whose shards always keep an fp32 master)."""
+    if layout.zero:
+        return OPTIMIZER_STATE_BYTES / (layout.dp * layout.cp)
+    return OPTIMIZER_STATE_BYTES - (4 if shape.weight_bytes == 4 else 0)
+
+
+def stage_name(layout: Layout, stage: int) -> str:
+    if layout.pp == 1:
+        return "only"
+    return "first" if stage == 0 else "last" if stage == layout.pp - 1 else "middle"
+
+
+def stage_memory(shape: ModelShape, layout: Layout, stage: int, backend: str = "gloo") -> MemoryTerms:
+    """Bytes on a device of pipeline rank ``stage``; ``backend`` (hccl, nccl, gloo) prices the
+    communicator buffers."""
+    s, b, h, t, c = shape.seq_length, layout.micro_batch_size, shape.hidden_size, layout.tp, layout.cp
+    shards = layout.dp * c if layout.zero else 1
+    params = stage_param_count(shape, layout, stage)
+    layers = shape.num_layers // layout.pp
+    transient = {"full": layer_activation_bytes(shape, layout, "none"),
+                 "selective": scores_activation_bytes(shape, layout),
+                 "none": 0.0}[layout.recompute]
+    shard = t if layout.sequence_parallel else 1
+    # the embedding's dropout mask, per micro-batch in flight (none without dropout)
+    embedding = s * b * h / c / shard * (ACT_MASK_BYTES if shape.dropout else 0)
+    # the final norm's and the output layer's inputs, and the fp32 logits
+    logits = (2 * shape.activation_bytes * s * b * h / shard + 4 * s * b * shape.padded_vocab(t) / t) / c
+    name = stage_name(layout, stage)
+    ends = {"only": embedding + logits, "first": embedding * in_flight(shape, layout, 0),
+            "last": logits, "middle": 0.0}[name]
+    if layout.v_placement and layout.pp > 1:  # device 0: the embedding and the output layer
+        ends = {"first": embedding * in_flight(shape, layout, 0) + logits}.get(name, 0.0)
+    grads = GRAD_BYTES / (shards if layout.zero and layout.zero_stage == 2 else 1)
+    return MemoryTerms(params * shape.weight_bytes, params * grads,
+                       params * optimizer_bytes_per_param(shape, layout),
+                       layers * layer_activation_bytes(shape, layout) * in_flight(shape, layout, stage),
+                       transient, ends, comm_buffer_bytes(layout, backend, shape.block == "gpt2", name),
+                       name)
+
+
+def memory_per_device(shape: ModelShape, layout: Layout, backend: str = "gloo") -> MemoryTerms:
+    """Bytes on the most loaded pipeline device (the first or the last); ``backend`` (hccl, nccl,
+    gloo) prices the communicator buffers."""
+    first = stage_memory(shape, layout, 0, backend)
+    if layout.pp == 1:
+        return first
+    return max(first, stage_memory(shape, layout, layout.pp - 1, backend), key=lambda mem: mem.total)
