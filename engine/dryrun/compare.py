@@ -77,9 +77,14 @@ def planner_inputs(cfg, grid) -> tuple[ModelShape, Layout] | str:
                        m.seq_length, cfg.data.global_batch_size, m.ffn_hidden_size, m.block,
                        fused_attention=True, recompute_early_stop=True, activation_bytes=elem,
                        dropout=m.dropout > 0, num_query_groups=m.num_query_groups, weight_bytes=elem)
-    layout = Layout(grid.tp, grid.pp, grid.dp, par.virtual_pipeline_size, cfg.data.micro_batch_size,
+    # the planner's schedules: 1f1b (interleaved with vp > 1), zb-h1, zb-v; 1f1b-w holds what 1F1B
+    # holds, GPipe more (KNOWN)
+    zero_bubble = par.pipeline_schedule in ("zb-h1", "zb-v") and grid.pp > 1
+    schedule = par.pipeline_schedule if zero_bubble else "1f1b"
+    layout = Layout(grid.tp, grid.pp, grid.dp, par.chunks_per_rank, cfg.data.micro_batch_size,
                     par.recompute, par.use_distributed_optimizer,
-                    par.sequence_parallel and grid.tp > 1, grid.cp, par.order, par.zero_stage)
+                    par.sequence_parallel and grid.tp > 1, grid.cp, par.order,
+                    schedule=schedule, zero_stage=par.zero_stage)
     return shape, layout
 
 

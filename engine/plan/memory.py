@@ -7,7 +7,7 @@ model.py and explained in docs/planner.md.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from engine.plan.model import (ACT_MASK_BYTES, ACT_TENSORS_MLP, ACT_TENSORS_REPLICATED,
                                ACT_TENSORS_SPLIT_ATTN, COMM_BUFFER_BYTES, GRAD_BYTES,

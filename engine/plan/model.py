@@ -7,7 +7,7 @@ inside a node, every other group is priced on the links its ranks span (timing.p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from engine.plan.flops import BLOCKS, RECOMPUTE, default_ffn_hidden
 from engine.plan.hardware import DeviceSpec
