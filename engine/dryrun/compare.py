@@ -36,6 +36,9 @@ KNOWN = (
     ("activation_bytes", lambda cfg, lay: lay.sequence_parallel, _SP),
     ("activation_bytes", lambda cfg, lay: cfg.parallel.pipeline_schedule == "gpipe",
      "the planner plans 1F1B's micro-batches in flight; GPipe keeps all of them"),
+    ("activation_bytes", lambda cfg, lay: lay.schedule in ("zb-h1", "zb-v"),
+     "the planner keeps a micro-batch's whole activations until its W (an upper bound); after B "
+     "only what W needs stays (the linears' inputs and output gradients)"),
     ("tp_comm_bytes", lambda cfg, lay: lay.sequence_parallel, _SP),
     ("tp_comm_bytes", lambda cfg, lay: lay.pp > 1 and lay.tp > 1 and not lay.sequence_parallel,
      _SCATTER),

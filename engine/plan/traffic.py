@@ -49,8 +49,13 @@ def _tp_per_layer(layout: Layout, msg: float) -> float:
 
 def _sends(layout: Layout, stage: int) -> tuple[int, int]:
     """(activations sent, gradients sent) per micro-batch by pipeline rank ``stage``: one per
-    chunk, except forward out of the last virtual stage and backward out of the first."""
+    chunk, except forward out of the last virtual stage and backward out of the first. In zb-v's
+    V the turn from chunk 0 to chunk 1 on rank p-1 is local, and rank 0 holds both ends: each end
+    rank sends one activation and one gradient, the others two of each. Receives mirror sends."""
     v, p = layout.vp, layout.pp
+    if layout.v_placement:
+        inner = (stage != 0) + (stage != p - 1)
+        return inner, inner
     return v - (stage == p - 1), v - (stage == 0)
 
 
@@ -75,7 +80,7 @@ def step_traffic(shape: ModelShape, layout: Layout, stage: int,
         acts, grads = _sends(layout, stage)
         pp = (acts + grads) * msg / t
         if t > 1 and not sp:                                     # re-gather on every receive
-            tp += (layout.vp - (stage == 0) + layout.vp - (stage == p - 1)) * msg / t
+            tp += (acts + grads) * msg / t
     cp = 0.0
     if c > 1:
         if cp_comm_type != "p2p":
@@ -90,7 +95,7 @@ def step_traffic(shape: ModelShape, layout: Layout, stage: int,
     if shards > 1:
         dp = params * GRAD_BYTES + (params / shards * shape.weight_bytes if layout.zero else 0.0)
     embedding = 0.0
-    if shape.block == "gpt2" and p > 1 and stage in (0, p - 1):
+    if shape.block == "gpt2" and p > 1 and stage in (0, p - 1) and not layout.v_placement:
         embedding = shape.padded_vocab(t) * h / t * GRAD_BYTES / (shards if layout.zero else 1)
     return {"tp": m * tp, "cp": None if cp is None else m * cp, "pp": m * pp, "dp": dp,
             "embedding": embedding}
