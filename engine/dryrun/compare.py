@@ -3,7 +3,7 @@
 ``planner_inputs`` turns the run's configuration into the planner's ``ModelShape`` and ``Layout``
 (fused attention and early-stopping recomputation, as the engine runs; activation and weight bytes
 from ``--precision``; dropout masks only with ``--dropout`` > 0). ``compare_role`` puts the role's
-representative next to the planner's device of the same pipeline rank (engine/plan/model.py
+representative next to the planner's device of the same pipeline rank (engine/plan/memory.py
 ``stage_memory``, engine/plan/traffic.py ``step_traffic``) and flags a difference above
 ``TOLERANCE``; where the reason is known (the planner prices something this engine does not do,
 or the other way round) the row says it. docs/planner.md, "Dry runs", lists them with figures.

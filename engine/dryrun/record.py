@@ -20,7 +20,7 @@ optimizer step with ZeRO's parameter all-gather. What it records:
   and recomputed tensors while a backward runs (transient), the received gradient buffers, the
   allocator's cache;
 - communicators: the process groups of more than one rank this rank belongs to, and its pipeline
-  peers, which HCCL and NCCL give buffers of their own (engine/plan/model.py, comm_buffer_bytes).
+  peers, which HCCL and NCCL give buffers of their own (engine/plan/memory.py, comm_buffer_bytes).
 """
 from __future__ import annotations
 
