@@ -25,7 +25,7 @@ train-serial: $(STAMP)
 	$(PY) -m engine.train --config configs/train_3d.yaml --tp 1 --pp 1 --run-dir runs/serial
 
 test: $(STAMP)
-	$(PY) -m pytest tests -p no:cacheprovider
+	$(PY) -m pytest tests -p no:cacheprovider --durations=15
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.overhead

@@ -170,7 +170,7 @@ def test_peers_end_to_end_dp2(tmp_path):
     assert res["engine_tokens_per_s"] > 0 and res["native_tokens_per_s"] > 0
     assert res["ratio"] == pytest.approx(res["engine_tokens_per_s"] / res["native_tokens_per_s"])
     report = peers.report([res], peers.SPEC, 2, 1, 1e-4)
-    assert "| (1,1,2) | 2 |" in report and "| yes |" in report
+    assert "| (1,1,2) | 1f1b | 2 |" in report and "| yes |" in report
 
 
 def test_checkpoint_benchmark_sizes_and_tiny_run(tmp_path, capsys):

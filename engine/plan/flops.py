@@ -184,10 +184,17 @@ def count_flops(fn, *args, **kwargs):
     """Run ``fn(*args, **kwargs)`` under torch.utils.flop_counter; return (its result, FLOPs).
 
     The counter sees matrix multiplies, convolutions and attention kernels (2 FLOPs per
-    multiply-add, the convention above); element-wise work is not counted.
+    multiply-add, the convention above); element-wise work is not counted. On the meta device the
+    attention kernel is the CPU flash kernel (kernels/attention.py), which torch's counter has no
+    formula for: it is counted as SDPA's.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-    counter = FlopCounterMode(display=False)
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    def cpu_flash(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_flop_count(query_shape, key_shape, value_shape)
+    counter = FlopCounterMode(display=False, custom_mapping={
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_flash})
     with counter:
         result = fn(*args, **kwargs)
     return result, float(counter.get_total_flops())
