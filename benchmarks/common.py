@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.metrics import summarize_run  # noqa: E402
+from engine.metrics import steady, summarize_run  # noqa: E402,F401 (steady: the benchmarks' warm-up cut)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
@@ -82,22 +82,11 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def steady(records: list[dict], warmup: int) -> list[dict]:
-    """The records after the first ``warmup`` steps; an error when nothing is left to measure."""
-    if warmup < 0:
-        raise ValueError(f"warm-up steps must be >= 0, got {warmup}")
-    kept = records[warmup:]
-    if not kept:
-        raise ValueError(f"{len(records)} steps recorded and {warmup} discarded as warm-up: nothing "
-                         f"left to measure; raise --steps above --warmup")
-    return kept
-
 
 def summarize(records: list[dict], warmup: int) -> dict:
     """Steady-state figures of one run: the trainer's own closing summary
     (``engine.metrics.summarize_run``), totals over the steps after ``warmup`` (tokens over
     seconds, FLOPs over seconds), never means of per-step rates."""
-    steady(records, warmup)  # the benchmarks' error message when nothing is left
     return summarize_run(records, warmup)
 
 

@@ -139,18 +139,24 @@ def _weighted(kept: list[dict], key: str, weight: str = "step_time_s") -> float 
     return sum(v * w for v, w in pairs) / total if total > 0 else None
 
 
-def summarize_run(records: list[dict], warmup: int = WARMUP_STEPS) -> dict:
-    """Totals over time of the steps after the first ``warmup``, never means of per-step rates:
-    tokens/s = all tokens / all seconds; TFLOP/s, MFU and HFU = all FLOPs / all seconds (each step's
-    rate weighted by its time); the measured and simulated bubbles = idle time / pipeline time
-    (weighted by each step's forward/backward phase); bytes and ``time_*`` per step = totals / steps.
-    Shared by the trainer's closing table and the benchmarks (benchmarks/common.py)."""
+def steady(records: list[dict], warmup: int) -> list[dict]:
+    """The records after the first ``warmup`` steps; an error when nothing is left to measure."""
     if warmup < 0:
         raise ValueError(f"warm-up steps must be >= 0, got {warmup}")
     kept = records[warmup:]
     if not kept:
         raise ValueError(f"{len(records)} steps recorded and {warmup} discarded as warm-up: nothing "
                          f"left to measure; raise --steps above --warmup")
+    return kept
+
+
+def summarize_run(records: list[dict], warmup: int = WARMUP_STEPS) -> dict:
+    """Totals over time of the steps after the first ``warmup``, never means of per-step rates:
+    tokens/s = all tokens / all seconds; TFLOP/s, MFU and HFU = all FLOPs / all seconds (each step's
+    rate weighted by its time); the measured and simulated bubbles = idle time / pipeline time
+    (weighted by each step's forward/backward phase); bytes and ``time_*`` per step = totals / steps.
+    Shared by the trainer's closing table and the benchmarks (benchmarks/common.py)."""
+    kept = steady(records, warmup)
     seconds = sum(r["step_time_s"] for r in kept)
     tokens = sum(r["tokens"] for r in kept)
     phase = "time_forward_backward_s" if all(r.get("time_forward_backward_s") is not None
