@@ -152,5 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_and_exit(argv: list[str] | None = None) -> None:
+    """The command line's entry: ``main``, then an exit that skips interpreter teardown once
+    everything is written. Tearing down the interpreter while a communication backend's worker
+    thread still releases the last reference to a collective's tensors aborts the process
+    (pytorch/pytorch#179291), which would turn a finished run into a failed one under torchrun."""
+    code = main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit()

@@ -14,8 +14,10 @@ would refuse (a float64 reduction, ``gather``, ...) fails the test. ``backend_ru
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -40,6 +42,9 @@ def _worker(rank, world_size, port, grid, fn, args, out_dir, timeout_s, rules):
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
+    # a native abort (SIGABRT, SIGSEGV) leaves every thread's Python stack in the rank's .fault file
+    fault = open(os.path.join(out_dir, f"{rank}.fault"), "w")  # noqa: SIM115 - open until exit
+    faulthandler.enable(fault, all_threads=True)
     ps = None
     try:
         ps = ParallelState.initialize(grid, torch.device("cpu"), "gloo",
@@ -52,6 +57,13 @@ def _worker(rank, world_size, port, grid, fn, args, out_dir, timeout_s, rules):
         os._exit(1)  # a failed rank ends the job; peers time out instead of hanging forever
     if ps is not None:
         ps.destroy()
+    # The result is saved and the groups are gone: leave without interpreter teardown. There, a
+    # gloo worker thread that still drops the last reference to a collective's tensors must take
+    # the GIL of an interpreter being finalized, and the process aborts ("terminate called
+    # without an active exception"; pytorch/pytorch#179291) after every check has passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 DEADLINE_S = 900.0  # a spawned group still running after this long is hung
@@ -96,6 +108,11 @@ def run_distributed(fn, world_size: int | None = None, grid: RankGrid | None = N
             else:
                 errors.append(f"--- rank {rank} ---\n{data['error']}")
                 results.append(None)
+        for rank in range(world_size):
+            fault = os.path.join(out_dir, f"{rank}.fault")
+            if os.path.exists(fault) and os.path.getsize(fault):
+                with open(fault) as f:
+                    errors.append(f"--- rank {rank}: native crash, every thread's stack ---\n{f.read()}")
         if errors or failure is not None:
             raise AssertionError("distributed run failed:\n" + "\n".join(errors) + f"\n{failure or ''}")
         return results
