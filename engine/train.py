@@ -157,7 +157,11 @@ def run_and_exit(argv: list[str] | None = None) -> None:
     everything is written. Tearing down the interpreter while a communication backend's worker
     thread still releases the last reference to a collective's tensors aborts the process
     (pytorch/pytorch#179291), which would turn a finished run into a failed one under torchrun."""
-    code = main(argv)
+    exit_now(main(argv))
+
+
+def exit_now(code: int) -> None:
+    """Flush what was printed and leave with ``code``, skipping interpreter teardown."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -6,6 +6,7 @@ import sys
 
 
 from engine.device import setup_device
+from engine.train import exit_now
 from parallel.state import LaunchEnv, ParallelState
 from parallel.topology import RankGrid
 
@@ -27,3 +28,4 @@ def main(out_dir: str, tp: int, pp: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    exit_now(0)
