@@ -112,9 +112,11 @@ class StepCheck:
     loss_scale: float            # the scale this step's loss was multiplied by
 
 
-def grad_stats(optimizer, scaler, overflow=None) -> torch.Tensor:
+def grad_stats(optimizer, scaler, overflow=None, share: bool = False) -> torch.Tensor:
     """The step's gradient statistics, on the device and before any host read: a (2,) fp32
-    tensor [this rank's overflow flag, squared global gradient norm (equal on every rank)].
+    tensor [this rank's overflow flag, squared global gradient norm (equal on every rank)], or
+    with ``share`` [flag, this rank's share of the squared norm], to be summed over the world by
+    the step's statistics all-reduce (one collective fewer).
 
     ``optimizer`` is a parallel.dp optimizer (its helpers know whether gradients are ZeRO shards).
     With a dynamic scale the gradients are unscaled and checked for inf/nan in one multi-tensor
@@ -129,7 +131,7 @@ def grad_stats(optimizer, scaler, overflow=None) -> torch.Tensor:
     status = overflow.flag() if overflow is not None else None
     if status is not None:
         found = status.reshape(()) if found is None else torch.maximum(found, status.reshape(()))
-    norm_sq = optimizer.grad_norm_sq().reshape(())
+    norm_sq = (optimizer.grad_norm_sq_share() if share else optimizer.grad_norm_sq()).reshape(())
     if found is None:
         found = torch.zeros_like(norm_sq)
     return torch.stack([found.to(torch.float32), norm_sq.to(torch.float32)])

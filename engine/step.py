@@ -35,7 +35,7 @@ import torch
 from engine.device import DeviceClock
 from engine.loss_scaler import apply_grad_stats, grad_stats
 from parallel.grads import sync_sequence_parallel_grads
-from parallel.pipeline.bubble import pipeline_bubble
+from parallel.pipeline.bubble import PendingBubble
 from parallel.pipeline.executor import run_schedule, sum_embedding_grads
 from parallel.pipeline.schedules import forward_only_schedule
 from parallel.pipeline.timeline import TimelineEvent
@@ -142,17 +142,16 @@ def reduce_step_stats(ps: ParallelState, local_loss: torch.Tensor, grads: torch.
 
     ``local_loss``: this rank's loss (0-d device tensor), counted on the ranks of tp rank 0 that
     run the last virtual stage (``holds_loss``, as in ``mean_loss_over_grid``) and averaged over
-    DP x CP. ``grads``: ``grad_stats``'s (flag, norm²); the flags are summed (> 0: an
-    overflow somewhere), the norm², already grid-wide, is taken from global rank 0 alone (every
-    other rank adds an exact 0). ``per_rank`` values (e.g. the idle fraction) are averaged over
+    DP x CP. ``grads``: ``grad_stats(share=True)``'s (flag, this rank's share of the norm²); the
+    flags are summed (> 0: an overflow somewhere), the shares add up to the grid-wide norm², so
+    the norm needs no collective of its own. ``per_rank`` values (e.g. the idle fraction) are averaged over
     the world, ``per_stage`` ones (each rank fills its own stage's slots) over a stage's ranks;
     ``counts`` (small integers, a StepAgreement's) are summed.
     """
     device = grads.device
     owner = (ps.is_last_stage if holds_loss is None else holds_loss) and ps.tp_rank == 0
     zero = torch.zeros(1, dtype=torch.float32, device=device)
-    parts = [local_loss.reshape(1).to(torch.float32) if owner else zero, grads[:1],
-             grads[1:] if ps.rank == 0 else zero]
+    parts = [local_loss.reshape(1).to(torch.float32) if owner else zero, grads]
     if per_rank or per_stage or counts:
         parts.append(_to_device([*per_rank, *per_stage, *counts], device))
     t = torch.cat(parts)
@@ -282,21 +281,26 @@ class Stepper:
             return torch.zeros((), dtype=torch.float32, device=batches[0].tokens.device), result
         return local / scale, result
 
-    def statistics(self, local_loss: torch.Tensor, pipe):
+    def statistics(self, local_loss: torch.Tensor, pipe, bubble: PendingBubble | None = None):
         """After the gradients are complete: unscale and check for overflow, the squared norm, the
-        bubble, the step's one statistics all-reduce, then skip or clip. Returns (StepStats,
-        StepCheck)."""
-        grads = grad_stats(self.optimizer, self.scaler, self.overflow)
+        bubble (``bubble``: its all-reduce issued when the pipeline phase ended), the step's one
+        statistics all-reduce, then skip or clip. Returns (StepStats, StepCheck)."""
+        if pipe is not None and bubble is None:
+            bubble = self._start_bubble(pipe)
+        grads = grad_stats(self.optimizer, self.scaler, self.overflow, share=True)
         per_rank, stage_times = (), ()
         if pipe is not None:
-            with self.ps.comm.uncounted():  # the phase's span: not traffic of the step
-                per_rank = (pipeline_bubble(self.ps, pipe.events),)
+            per_rank = (bubble.result(),)
             stage_times = stage_compute_times(pipe.events, self.ps)
         stats = reduce_step_stats(self.ps, local_loss, grads, per_rank, stage_times,
                                   self.agreement.local(), self.holds_loss)
         check = apply_grad_stats(self.optimizer, self.scaler, stats.found_inf, stats.grad_norm_sq,
                                  self.clip_grad, self.reducer)
         return stats, check
+
+    def _start_bubble(self, pipe) -> PendingBubble:
+        with self.ps.comm.uncounted():  # the phase's span: not traffic of the step
+            return PendingBubble(self.ps, pipe.events)
 
     def run(self, batches, lr: float, step: int | None = None) -> StepOutput:
         """One optimizer step over this rank's micro-batches; ``step`` (1-based) names it in
@@ -326,12 +330,13 @@ class Stepper:
         t = [clock.stamp()]
         local_loss, pipe = self._forward_backward(batches, scale, marks)
         t.append(clock.stamp())
+        bubble = self._start_bubble(pipe) if pipe is not None else None  # waited in statistics
         self.reducer.finish()
         t.append(clock.stamp())
         sync_sequence_parallel_grads(self.params, self.ps)
         sum_embedding_grads(self.ps, self.shared)
         t.append(clock.stamp())
-        stats, check = self.statistics(local_loss, pipe)
+        stats, check = self.statistics(local_loss, pipe, bubble)
         t.append(clock.stamp())
         return Computed(stats.loss, check, scale, pipe, stats, self.agreement.split(stats.counts),
                         snapshot, t, marks)

@@ -6,7 +6,9 @@ The norm is that of the serial model's gradient, so each logical value must be c
 - a parameter replicated over TP holds the same gradient on every TP rank: count it on tp_rank 0;
 - the last stage's copy of a tied embedding (``param.shared_embedding``) duplicates the first
   stage's: skip it;
-- the partial sums are added over ``ps.mp_group`` (TP x PP). Gradients are already averaged over
+- the partial sums are added over ``ps.mp_group`` (TP x PP) by ``grid_norm_sq_``; the training
+  step instead adds each rank's share (the optimizers' ``grad_norm_sq_share``) in its statistics
+  all-reduce over the world (engine/step.py). Gradients are already averaged over
   DP (and CP) and identical there, so DP is not summed, except under ZeRO where each rank of the
   DP x CP group holds only a shard of the gradient (``over_dp=True``: summed over ``dp_cp_group``).
 

@@ -6,8 +6,8 @@ communication per step, and gradient compression.
   to a relative 1e-4.
 - With a small ``--bucket-size-mb`` (several buckets) each step issues exactly one collective per
   bucket, all of them during the last micro-batch's backward (earlier micro-batches only
-  accumulate); ``dp_comm_bytes`` is the payload handed to the DP collectives (ZeRO's norm scalar
-  and parameter all-gathers included) and ``dp_comm_wire_bytes`` their ring-model bytes.
+  accumulate); ``dp_comm_bytes`` is the payload handed to the DP collectives (ZeRO's parameter
+  all-gathers included) and ``dp_comm_wire_bytes`` their ring-model bytes.
 - ZeRO-2 issues the same collectives and trains the same model; the memory keys are the stage's.
 - ``--grad-compression int8`` / ``topk`` train on real text (the loss falls) with at most 0.27x /
   0.03x of the uncompressed wire bytes once the warm-up is over, also under ZeRO-2 (whose
@@ -130,11 +130,12 @@ def assert_one_collective_per_bucket(result: dict, dp: int, zero: bool, what: st
     assert len(buckets) >= 3, f"{what}: expected several buckets, got {len(buckets)}"
     op = "reduce_scatter" if zero else "all_reduce"
     want_wire = sum(wire_bytes(op, b["numel"] * 4, dp) for b in buckets)
-    # payload: every bucket's buffer; ZeRO adds the norm's fp32 scalar and each bucket's updated shard
+    # payload: every bucket's buffer; ZeRO adds each bucket's updated shard (the norm's shares
+    # travel in the step's statistics all-reduce over the world, not over DP)
     want_payload = sum(b["numel"] * 4 for b in buckets)
     if zero:
-        want_payload += 4 + sum(b["numel"] // dp * 4 for b in buckets)
-        step_wire = want_wire + wire_bytes("all_reduce", 4, dp) + sum(
+        want_payload += sum(b["numel"] // dp * 4 for b in buckets)
+        step_wire = want_wire + sum(
             wire_bytes("all_gather", b["numel"] // dp * 4, dp) for b in buckets)
     else:
         step_wire = want_wire

@@ -100,19 +100,20 @@ def in_flight(shape: ModelShape, layout: Layout, stage: int) -> float:
 def communicators(layout: Layout, tied_embeddings: bool, stage: str = "first") -> tuple[int, int]:
     """(collective communicators, point-to-point neighbour pairs) of a device of the "first",
     "middle" or "last" stage: one per process group of more than one rank that issues a
-    collective (world, tp, cp, dp or, when cp > 1, dp x cp, pp, mp = tp x pp, and the
-    tied-embedding pair of the first and last stages), and, with pp > 1, its pipeline neighbours
-    (one at either end; two for a middle stage, and at the ends when the interleaved schedule wraps
-    the last stage around to the first and pp > 2).
+    collective (world, tp, cp, dp or, when cp > 1, dp x cp, pp, and the tied-embedding pair of
+    the first and last stages; the training step sums the gradient norm in its statistics
+    all-reduce over the world, so the mp = tp x pp group issues none), and, with pp > 1, its
+    pipeline neighbours (one at either end; two for a middle stage, and at the ends when the
+    interleaved schedule wraps the last stage around to the first and pp > 2).
 
-    >>> communicators(Layout(tp=2, pp=2, dp=2), tied_embeddings=True)  # world tp dp pp mp embedding
-    (6, 1)
+    >>> communicators(Layout(tp=2, pp=2, dp=2), tied_embeddings=True)  # world tp dp pp embedding
+    (5, 1)
     """
     t, c, p, d = layout.tp, layout.cp, layout.pp, layout.dp
     # with cp > 1 gradients are reduced over dp x cp: the DP group alone carries no collective;
     # under zb-v the tied pair is one device: its group is never used, so never created
     paired = p > 1 and tied_embeddings and stage != "middle" and not layout.v_placement
-    groups = [layout.world_size, t, c, d if c == 1 else 1, d * c if c > 1 else 1, p, t * p,
+    groups = [layout.world_size, t, c, d if c == 1 else 1, d * c if c > 1 else 1, p,
               2 if paired else 1]
     neighbours = 0 if p == 1 else (2 if (layout.vp > 1 or stage == "middle") and p > 2 else 1)
     return sum(1 for size in groups if size > 1), neighbours

@@ -88,6 +88,15 @@ class _GradAccess:
         local = local_norm_sq(self._views(counted=True), self._device())
         return grid_norm_sq_(local, self.ps, over_dp=self.sharded)
 
+    def grad_norm_sq_share(self) -> torch.Tensor:
+        """This rank's share of the squared global norm (0-d fp32, no collective): summed over
+        the world it is ``grad_norm_sq()``. Under ZeRO every rank's shard counts; otherwise the
+        gradients are the same on every rank of the DP x CP group and its first rank counts."""
+        local = local_norm_sq(self._views(counted=True), self._device())
+        if self.sharded or self.ps.dp_cp_group.rank == 0:
+            return local
+        return torch.zeros_like(local)
+
     def check_and_unscale_(self, inv_scale: float) -> torch.Tensor:
         """This rank's overflow flag (0-d fp32) and the gradients unscaled, in one pass."""
         return check_and_unscale_(self.grad_tensors(), inv_scale, self._device())

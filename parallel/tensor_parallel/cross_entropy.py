@@ -3,12 +3,13 @@
 Each TP rank holds logits for a contiguous vocabulary slice. The max and the sum of exponentials
 are reduced over TP (numerically stable log-sum-exp), the target logit is picked by the rank that
 owns it, and logits of padding entries (index >= vocab_size) are excluded, so padding changes
-neither the loss nor the gradients.
+neither the loss nor the gradients. Without TP, torch's fused ``cross_entropy`` does the same.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from parallel.comm import group_size
 
@@ -54,5 +55,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
                                  vocab_start: int, vocab_size: int) -> torch.Tensor:
-    """Per-token loss (b, s) in fp32; the gradient flows back in fp32 to the logits' dtype."""
+    """Per-token loss (b, s) in fp32; the gradient flows back in fp32 to the logits' dtype.
+
+    With the vocabulary on one rank (no TP) nothing is reduced: the padding columns are sliced
+    off and torch's own fused ``cross_entropy`` computes the same log-sum-exp in fewer kernels
+    (the padding's gradient is the slice's zeros)."""
+    if group_size(group) == 1:
+        real = logits[..., : vocab_size - vocab_start].float()  # (b, s, V): no padding columns
+        # the ids autograd keeps are a copy of this micro-batch's (as the vocab-parallel path's
+        # are), not a view pinning the storage of the whole batch the labels were cut from
+        ids = target.flatten().clone()
+        return F.cross_entropy(real.flatten(0, -2), ids, reduction="none").view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size)

@@ -117,6 +117,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, in/tp)
         store = self.weight_grad_store
+        if self.group.size == 1:  # nothing to reduce: the bias goes into the GEMM (addmm)
+            return (F.linear(x, self.weight, self.bias) if store is None
+                    else linear_defer_w(x, self.weight, self.bias, store))  # (b, s, out)
         y = F.linear(x, self.weight) if store is None else linear_defer_w(x, self.weight, None, store)
         # (b, s, out) partial sums
         if self.sequence_parallel:
