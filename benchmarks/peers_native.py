@@ -400,14 +400,12 @@ def main(argv=None) -> int:
             out.close()
         dist.barrier()
         dist.destroy_process_group()
-    if args.schedule != "1f1b":
-        # torch 2.13's zero-bubble schedules leave a C++ thread joinable at interpreter exit
-        # ("terminate called without an active exception", SIGABRT) after every step is done and
-        # written: end the process here instead
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
+    # every step is done and written: end the process here, without interpreter teardown, where
+    # a gloo worker thread releasing a collective's tensors aborts it ("terminate called without
+    # an active exception", SIGABRT; pytorch/pytorch#179291), seen with every schedule
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
