@@ -229,3 +229,28 @@ def test_indivisible_shapes_fail_with_the_size_to_change():
         ColumnParallelLinear(16, 30, ps, "col", INIT)
     with pytest.raises(ValueError, match=r"row input size \(30\) is not divisible by tp=4"):
         RowParallelLinear(30, 16, ps, "row", INIT)
+
+
+def test_cross_entropy_without_tp_equals_the_vocab_parallel_function():
+    """One rank holds the whole (padded) vocabulary: the fused ``F.cross_entropy`` path gives the
+    loss and logit gradients of the vocabulary-parallel Function run on that one rank, padding
+    columns' gradient exactly 0, in fp32 and from bf16 logits."""
+    from parallel.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
+    torch.manual_seed(0)
+    vocab, padded = 500, padded_vocab_size(500, 1)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (3 * torch.randn(2, 16, padded)).to(dtype)
+        target = torch.randint(0, vocab, (2, 16))
+        target[0, 0] = vocab - 1  # the last real entry
+        fused = logits.clone().requires_grad_()
+        ref = logits.clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(fused, target, None, 0, vocab)
+        want = _VocabParallelCrossEntropy.apply(ref, target, None, 0, vocab)
+        assert loss.dtype == want.dtype == torch.float32 and loss.shape == (2, 16)
+        torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+        weights = torch.rand(2, 16)
+        (loss * weights).sum().backward()
+        (want * weights).sum().backward()
+        assert fused.grad.dtype == dtype
+        torch.testing.assert_close(fused.grad.float(), ref.grad.float(), rtol=1e-5, atol=1e-6)
+        assert torch.count_nonzero(fused.grad[..., vocab:]) == 0
