@@ -183,7 +183,9 @@ def pp2_dp2_checks(ps):
                ("interleaved", 2, 3, 0.0)]
     report = check_equivalence(ps, widths, configs, shape_fn=True)
     check_embedding_sum(ps)
-    report.append(expect_comm_error(ps, fail_stage=1, timeout_s=2.0))
+    # stage 1 fails at micro-batch 1; micro-batch 0's gradient must still reach stage 0 within the
+    # timeout, which on a loaded 2-core machine (4 ranks) took longer than 2 s once
+    report.append(expect_comm_error(ps, fail_stage=1, timeout_s=10.0))
     return report
 
 
@@ -264,7 +266,7 @@ def test_pp2_dp2_schedules_match_serial_and_failure_names_stage():
             stage1 = grid.rank_of(pp=1, dp=grid.coord(rank).dp)
             assert failure.startswith("PipelineCommError: pipeline stage 1 "
                                       f"(rank {stage1}) sent no gradient for micro-batch 1 "
-                                      "within 2 s"), failure
+                                      "within 10 s"), failure
 
 
 def test_dead_stage_is_named_by_its_neighbour():
