@@ -70,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.config import OptimConfig  # noqa: E402
 from engine.data import GlobalBatchSampler, build_data, collate  # noqa: E402
 from engine.lr_schedule import learning_rate  # noqa: E402
+from engine.train import exit_now  # noqa: E402
 from parallel.pipeline.partition import stage_layers  # noqa: E402
 
 TP_PLAN_KEYS = {"attn.qkv": "col", "attn.proj": "row", "mlp.fc1": "col", "mlp.fc2": "row"}
@@ -403,9 +404,7 @@ def main(argv=None) -> int:
     # every step is done and written: end the process here, without interpreter teardown, where
     # a gloo worker thread releasing a collective's tensors aborts it ("terminate called without
     # an active exception", SIGABRT; pytorch/pytorch#179291), seen with every schedule
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import torch
 from engine.device import DeviceClock
 from engine.loss_scaler import apply_grad_stats, grad_stats
 from parallel.grads import sync_sequence_parallel_grads
-from parallel.pipeline.bubble import PendingBubble
+from parallel.pipeline.bubble import COMPUTE_CATS, pipeline_bubble
 from parallel.pipeline.executor import run_schedule, sum_embedding_grads
 from parallel.pipeline.schedules import forward_only_schedule
 from parallel.pipeline.timeline import TimelineEvent
@@ -43,9 +43,10 @@ from parallel.state import ParallelState
 
 TIME_KEYS = ("time_forward_backward_s", "time_dp_finish_s", "time_grad_sync_s", "time_clip_s",
              "time_optimizer_s")
-# the parts of a step after the forward/backward phase: (timeline name, category, metric key)
-_PHASES = (("DP finish", "dp", "time_dp_finish_s"), ("grad sync", "grad_sync", "time_grad_sync_s"),
-           ("clip", "clip", "time_clip_s"), ("optimizer", "optimizer", "time_optimizer_s"))
+# the parts of a step after the forward/backward phase, in TIME_KEYS[1:]'s order: (timeline
+# name, category)
+_PHASES = (("DP finish", "dp"), ("grad sync", "grad_sync"), ("clip", "clip"),
+           ("optimizer", "optimizer"))
 
 
 @dataclass
@@ -62,26 +63,16 @@ class StepOutput:
 
 
 def mean_loss_over_grid(local_sum: float, ps: ParallelState, device,
-                        per_rank: tuple[float, ...] = (),
-                        per_stage: tuple[float, ...] = (),
-                        holds_loss: bool | None = None) -> tuple[float, list[float], list[float]]:
-    """One all-reduce over the world for a step's statistics: the global-batch loss (held by
-    the ranks of tp rank 0 that run the last virtual stage, averaged over DP x CP), the world
-    mean of ``per_rank`` values (e.g. the idle fraction) and the per-pipeline-stage mean of
-    ``per_stage`` values (each rank fills only its own stage's slots, e.g. mean forward and backward
-    times). ``holds_loss``: whether this rank runs the last virtual stage (default: the last
-    pipeline rank; pipeline rank 0 under the V placement). fp32: HCCL reduces no float64."""
+                        holds_loss: bool | None = None) -> float:
+    """The global-batch loss from one fp32 all-reduce over the world (HCCL reduces no float64):
+    held by the ranks of tp rank 0 that run the last virtual stage (``holds_loss``; default the
+    last pipeline rank), averaged over DP x CP."""
     if ps.world_size == 1:
-        return local_sum, list(per_rank), list(per_stage)
+        return local_sum
     owner = (ps.is_last_stage if holds_loss is None else holds_loss) and ps.tp_rank == 0
-    t = torch.tensor([local_sum if owner else 0.0, *per_rank, *per_stage], dtype=torch.float32,
-                     device=device)
+    t = torch.tensor([local_sum if owner else 0.0], dtype=torch.float32, device=device)
     ps.world_group.all_reduce(t)
-    values = t.tolist()
-    ranks_per_stage = ps.tp_size * ps.cp_size * ps.dp_size
-    k = 1 + len(per_rank)
-    return (values[0] / (ps.dp_size * ps.cp_size), [v / ps.world_size for v in values[1:k]],
-            [v / ranks_per_stage for v in values[k:]])
+    return t.item() / (ps.dp_size * ps.cp_size)
 
 
 @dataclass
@@ -179,15 +170,14 @@ def micro_batch_loss(out: torch.Tensor, mb, num_micro: int, dp: int) -> torch.Te
     return (out * mb.loss_mask).sum() * (dp / max(mb.loss_tokens, 1))
 
 
-STAGE_CATS = ("forward", "backward", "weight")
 
 
 def stage_compute_times(events, ps: ParallelState) -> tuple[float, ...]:
     """(mean forward s, mean backward s, mean W s) of this rank, in its stage's slots of a 3*pp
     vector (W 0.0 in schedules without W actions)."""
-    k = len(STAGE_CATS)
+    k = len(COMPUTE_CATS)
     slots = [0.0] * (k * ps.pp_size)
-    for j, cat in enumerate(STAGE_CATS):
+    for j, cat in enumerate(COMPUTE_CATS):
         spans = [e.end - e.start for e in events if e.cat == cat]
         slots[k * ps.pp_rank + j] = sum(spans) / len(spans) if spans else 0.0
     return tuple(slots)
@@ -281,26 +271,22 @@ class Stepper:
             return torch.zeros((), dtype=torch.float32, device=batches[0].tokens.device), result
         return local / scale, result
 
-    def statistics(self, local_loss: torch.Tensor, pipe, bubble: PendingBubble | None = None):
+    def statistics(self, local_loss: torch.Tensor, pipe):
         """After the gradients are complete: unscale and check for overflow, the squared norm, the
-        bubble (``bubble``: its all-reduce issued when the pipeline phase ended), the step's one
-        statistics all-reduce, then skip or clip. Returns (StepStats, StepCheck)."""
-        if pipe is not None and bubble is None:
-            bubble = self._start_bubble(pipe)
+        bubble, the step's one statistics all-reduce, then skip or clip. Returns (StepStats,
+        StepCheck). Reading the pipeline's events waits for the device: it comes after the
+        gradient checks are queued."""
         grads = grad_stats(self.optimizer, self.scaler, self.overflow, share=True)
         per_rank, stage_times = (), ()
         if pipe is not None:
-            per_rank = (bubble.result(),)
+            with self.ps.comm.uncounted():  # the phase's span: not traffic of the step
+                per_rank = (pipeline_bubble(self.ps, pipe.events),)
             stage_times = stage_compute_times(pipe.events, self.ps)
         stats = reduce_step_stats(self.ps, local_loss, grads, per_rank, stage_times,
                                   self.agreement.local(), self.holds_loss)
         check = apply_grad_stats(self.optimizer, self.scaler, stats.found_inf, stats.grad_norm_sq,
                                  self.clip_grad, self.reducer)
         return stats, check
-
-    def _start_bubble(self, pipe) -> PendingBubble:
-        with self.ps.comm.uncounted():  # the phase's span: not traffic of the step
-            return PendingBubble(self.ps, pipe.events)
 
     def run(self, batches, lr: float, step: int | None = None) -> StepOutput:
         """One optimizer step over this rank's micro-batches; ``step`` (1-based) names it in
@@ -330,13 +316,12 @@ class Stepper:
         t = [clock.stamp()]
         local_loss, pipe = self._forward_backward(batches, scale, marks)
         t.append(clock.stamp())
-        bubble = self._start_bubble(pipe) if pipe is not None else None  # waited in statistics
         self.reducer.finish()
         t.append(clock.stamp())
         sync_sequence_parallel_grads(self.params, self.ps)
         sum_embedding_grads(self.ps, self.shared)
         t.append(clock.stamp())
-        stats, check = self.statistics(local_loss, pipe, bubble)
+        stats, check = self.statistics(local_loss, pipe)
         t.append(clock.stamp())
         return Computed(stats.loss, check, scale, pipe, stats, self.agreement.split(stats.counts),
                         snapshot, t, marks)
@@ -349,7 +334,7 @@ class Stepper:
         t.append(clock.stamp())
         self.agreed = pre.agreed
         comm = self.ps.comm.since(pre.snapshot)
-        marks += [(name, cat, t[i + 1], t[i + 2], -1, 0) for i, (name, cat, _) in enumerate(_PHASES)]
+        marks += [(name, cat, t[i + 1], t[i + 2], -1, 0) for i, (name, cat) in enumerate(_PHASES)]
         events = list(pre.pipe.events) if pre.pipe is not None else []
         events += [TimelineEvent(self.ps.rank, name, cat, clock.wall(a), clock.wall(b), micro, chunk)
                    for name, cat, a, b, micro, chunk in marks]
@@ -358,7 +343,7 @@ class Stepper:
                          dict(zip(TIME_KEYS, times)), events)
         if pre.pipe is not None:
             out.extra["bubble_measured"] = pre.stats.per_rank[0]
-            k = len(STAGE_CATS)
+            k = len(COMPUTE_CATS)
             out.extra["stage_fwd_s"] = pre.stats.per_stage[0::k]
             out.extra["stage_bwd_s"] = pre.stats.per_stage[1::k]
             out.extra["stage_wgt_s"] = pre.stats.per_stage[2::k]
@@ -376,12 +361,11 @@ class Stepper:
             else:
                 local = sum(micro_batch_loss(model(mb.tokens, mb.labels, mb.inputs), mb, m, dp).item()
                             for mb in batches)
-            return mean_loss_over_grid(local, self.ps, device)[0]
+            return mean_loss_over_grid(local, self.ps, device)
         actions = forward_only_schedule(self.ps.pp_size, m, len(self.chunks), self.placement)
         self.clock.anchor()
         result = run_schedule(self.ps, actions, list(self.chunks), self._forward_step(batches, 1.0),
                               m, self.act_shape, self.act_dtype, self.timeout_s, clock=self.clock,
                               deallocate_outputs=False, forward_only=True,
                               scatter_gather=self.scatter_gather)
-        return mean_loss_over_grid(sum(result.losses), self.ps, device,
-                                   holds_loss=self.holds_loss)[0]
+        return mean_loss_over_grid(sum(result.losses), self.ps, device, holds_loss=self.holds_loss)

@@ -76,7 +76,7 @@ def _peers(ps) -> str | None:
     failed = monitor.activity.failed if monitor is not None else None
     if heartbeat is None or failed is None:
         return None
-    group = ps.world_group if failed[1] == "world" else getattr(ps, f"{failed[1]}_group", None)
+    group = getattr(ps, f"{failed[1]}_group", None)
     return heartbeat.describe(failed, group.ranks if group is not None else ())
 
 

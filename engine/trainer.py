@@ -181,7 +181,6 @@ class Trainer:
             from engine.compile import compile_chunks
             self.chunks = compile_chunks(self.chunks, self.dev, cfg.log.compile_cache_root)
         self.num_params_local = sum(p.numel() for p in self.chunks.parameters())  # each once
-        self.holds_loss = any(c.post_process for c in self.chunks)
 
     def _build_step(self) -> None:
         self._build_optimizer()
@@ -283,7 +282,7 @@ class Trainer:
         micro = sampler.micro_batches(step, self.ps.dp_rank, self.ps.dp_size,
                                       self.cfg.data.micro_batch_size)
         pack, loss_tokens = self.packing, None
-        if pack is not None and pack.eod_mask_loss and self.holds_loss:
+        if pack is not None and pack.eod_mask_loss and self.stepper.holds_loss:
             # the mean is over the unmasked tokens of the whole global batch, whatever the layout
             loss_tokens = count_loss_tokens(ds, sampler.global_batch(step), pack.eod_id)
         batches = [micro_batch(collate(ds, idx), pack, loss_tokens) for idx in micro]  # (b, s) each

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.plan.flops import count_flops, formula_block, logits_forward_flops, step_flops
+from engine.plan.flops import (achieved_tflops, count_flops, formula_block, logits_forward_flops,
+                               step_flops)
+from engine.plan.flops import utilization as plan_utilization
 from engine.plan.hardware import peak_tflops
 
 
@@ -97,11 +99,12 @@ def run_peak_tflops(dev, precision: str, given: float | None, tf32: bool | None 
 
 
 def per_device(flops: float | None, seconds: float, devices: int) -> float | None:
-    """TFLOP/s per device, None when the FLOPs are unknown."""
+    """TFLOP/s per device (``engine.plan.flops.achieved_tflops``), None when the FLOPs are unknown."""
     if flops is None or seconds <= 0:
         return None
-    return flops / seconds / devices / 1e12
+    return achieved_tflops(flops, seconds, devices)
 
 
 def utilization(tflops: float | None, peak: float | None) -> float | None:
-    return None if tflops is None or not peak else tflops / peak
+    """``engine.plan.flops.utilization``, None also when the achieved figure is unknown."""
+    return None if tflops is None else plan_utilization(tflops, peak)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import faulthandler
 import os
 import socket
-import sys
 import tempfile
 import time
 import traceback
@@ -25,6 +24,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from engine.train import exit_now
 from parallel.state import LaunchEnv, ParallelState
 from parallel.topology import RankGrid
 
@@ -61,9 +61,7 @@ def _worker(rank, world_size, port, grid, fn, args, out_dir, timeout_s, rules):
     # gloo worker thread that still drops the last reference to a collective's tensors must take
     # the GIL of an interpreter being finalized, and the process aborts ("terminate called
     # without an active exception"; pytorch/pytorch#179291) after every check has passed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 DEADLINE_S = 900.0  # a spawned group still running after this long is hung

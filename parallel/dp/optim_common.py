@@ -92,10 +92,9 @@ class _GradAccess:
         """This rank's share of the squared global norm (0-d fp32, no collective): summed over
         the world it is ``grad_norm_sq()``. Under ZeRO every rank's shard counts; otherwise the
         gradients are the same on every rank of the DP x CP group and its first rank counts."""
-        local = local_norm_sq(self._views(counted=True), self._device())
         if self.sharded or self.ps.dp_cp_group.rank == 0:
-            return local
-        return torch.zeros_like(local)
+            return local_norm_sq(self._views(counted=True), self._device())
+        return torch.zeros((), dtype=torch.float32, device=self._device())
 
     def check_and_unscale_(self, inv_scale: float) -> torch.Tensor:
         """This rank's overflow flag (0-d fp32) and the gradients unscaled, in one pass."""

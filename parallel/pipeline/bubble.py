@@ -161,28 +161,14 @@ def pipeline_bubble(ps, events) -> float:
     """This rank's ``rank_bubble`` over its pipeline's phase, on every rank of the pipeline group:
     the phase's first and last instants come from all stages through one all-reduce (max of
     int64 microseconds: HCCL reduces no float64)."""
-    return PendingBubble(ps, events).result()
-
-
-class PendingBubble:
-    """``pipeline_bubble`` in two halves: the all-reduce is issued asynchronously when it is
-    made, so the step's next collectives (the tied-embedding and norm all-reduces) run while it
-    completes; ``result()`` waits and returns the rank's bubble."""
-
-    def __init__(self, ps, events):
-        import torch
-        import torch.distributed as dist
-        self.phase = phase_times(events)
-        self.ends = torch.tensor([-round(self.phase.first * 1e6), round(self.phase.last * 1e6)],
-                                 dtype=torch.int64, device=ps.device)
-        self.work = ps.pp_group.all_reduce(self.ends, op=dist.ReduceOp.MAX, async_op=True)
-
-    def result(self) -> float:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        first_us, last_us = self.ends.tolist()
-        return rank_bubble(self.phase, -first_us / 1e6, last_us / 1e6)
+    import torch
+    import torch.distributed as dist
+    phase = phase_times(events)
+    ends = torch.tensor([-round(phase.first * 1e6), round(phase.last * 1e6)], dtype=torch.int64,
+                        device=ps.device)
+    ps.pp_group.all_reduce(ends, op=dist.ReduceOp.MAX)
+    first_us, last_us = ends.tolist()
+    return rank_bubble(phase, -first_us / 1e6, last_us / 1e6)
 
 
 @dataclass

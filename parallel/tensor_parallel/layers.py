@@ -59,21 +59,13 @@ class ColumnParallelLinear(nn.Module):
     def enter(self, x: torch.Tensor) -> torch.Tensor:  # (b, s[/tp], in) -> (b, s, in)
         """Bring the input into the TP region: all-gather the sequence under sequence parallelism,
         else identity (all-reduce of its gradient). Layers that read the same input should use
-        ``column_parallel_linears`` (one collective each way, the shard saved once); ``entered=True``
-        on ``forward`` takes an input already entered (its weight gradient keeps the full input)."""
+        ``column_parallel_linears`` (one collective each way, the shard saved once)."""
         if self.sequence_parallel:
             return gather_from_sequence(x, self.group)
         return copy_to_tp(x, self.group)
 
-    def forward(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:  # (b, s[/tp], in)
-        if self.sequence_parallel and not entered and self.group.size > 1:
-            y = seq_gather_linear(x, [self.weight], [self.bias], self.group,
-                                  self.weight_grad_store)  # (b, s, out/tp), the shard saved
-        else:
-            if not entered:
-                x = self.enter(x)  # (b, s, in)
-            y = self._linear(x)  # (b, s, out/tp)
-        return gather_from_tp(y, self.group) if self.gather_output else y
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s[/tp], in) -> (b, s, out/tp)
+        return column_parallel_linears([self], x)[0]
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_grad_store is None:
@@ -85,7 +77,7 @@ def column_parallel_linears(layers: list[ColumnParallelLinear], x: torch.Tensor)
     """Several column-parallel layers on the same input (SwiGLU's gate and up): one all-gather
     (or one all-reduce of the gradient) for all, under sequence parallelism one saved shard."""
     first = layers[0]
-    if first.sequence_parallel and first.group.size > 1:
+    if first.sequence_parallel and first.group.size > 1:  # (b, s, out/tp) each, the shard saved
         outs = seq_gather_linear(x, [m.weight for m in layers], [m.bias for m in layers],
                                  first.group, first.weight_grad_store)
         outs = list(outs) if isinstance(outs, tuple) else [outs]

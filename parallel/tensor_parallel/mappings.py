@@ -38,19 +38,24 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.chunk(size, dim=dim)[group.rank].contiguous()
 
 
-def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def _gather(x: torch.Tensor, dim: int, group, async_op: bool = False):
     """All-gather into one (size, *x.shape) tensor, then lay the pieces out along ``dim``.
+    With ``async_op``: (a function returning the laid-out tensor once the handle is waited
+    for, the handle).
 
     The single-tensor collectives (rather than lists of tensors) keep torch.compile graphs whole.
     """
     size, dim = group_size(group), dim % x.dim()
     buf = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    group.all_gather_into(buf, x.contiguous())
-    if dim == 0:
-        return buf
-    out_shape = list(x.shape)
-    out_shape[dim] *= size
-    return buf.view(size, *x.shape).movedim(0, dim).reshape(out_shape)  # (.., size*x.shape[dim], ..)
+    handle = group.all_gather_into(buf, x.contiguous(), async_op=async_op)
+
+    def laid_out() -> torch.Tensor:
+        if dim == 0:
+            return buf
+        out_shape = list(x.shape)
+        out_shape[dim] *= size
+        return buf.view(size, *x.shape).movedim(0, dim).reshape(out_shape)  # (.., size*x.shape[dim], ..)
+    return (laid_out, handle) if async_op else laid_out()
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.comm import group_size
+from parallel.tensor_parallel.mappings import _gather, _reduce_scatter
 from parallel.weight_grad import WeightGradStore, accumulate, accumulate_matmul, apply_split
 
 
@@ -67,32 +67,6 @@ class _LinearDeferW(torch.autograd.Function):
         return grad_x, gw, gb, None
 
 
-def _gather_seq(shard: torch.Tensor, group, async_op: bool = False):
-    """All-gather a (b, s/tp, h) shard into (b, s, h); with ``async_op`` also the handle."""
-    size = group_size(group)
-    buf = torch.empty((size * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype,
-                      device=shard.device)
-    handle = group.all_gather_into(buf, shard.contiguous(), async_op=async_op)
-
-    def laid_out() -> torch.Tensor:
-        b, s, h = shard.shape
-        return buf.view(size, b, s, h).movedim(0, 1).reshape(b, size * s, h)
-    return (laid_out, handle) if async_op else laid_out()
-
-
-def _reduce_scatter_seq(full: torch.Tensor, group) -> torch.Tensor:
-    """Sum (b, s, h) over the group and keep this rank's (b, s/tp, h) sequence shard."""
-    size = group_size(group)
-    b, s, h = full.shape
-    if s % size:
-        raise ValueError(f"sequence length {s} is not divisible by tp={size}: sequence "
-                         f"parallelism keeps s/tp positions per rank")
-    stacked = full.reshape(b, size, s // size, h).movedim(1, 0).contiguous()  # (tp, b, s/tp, h)
-    out = torch.empty((b, s // size, h), dtype=full.dtype, device=full.device)
-    group.reduce_scatter_into(out, stacked.view(size * b, s // size, h))
-    return out
-
-
 class _SeqGatherLinearReduceScatter(torch.autograd.Function):
     """Column-parallel linear(s) on a sequence shard: forward all-gather + GEMMs, backward GEMMs +
     reduce-scatter, the input re-gathered for the weight gradients (module docstring).
@@ -100,7 +74,7 @@ class _SeqGatherLinearReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard, group, store, *params):
-        full = _gather_seq(shard, group)  # (b, s, h)
+        full = _gather(shard, 1, group)  # (b, s, h)
         weights, biases = params[0::2], params[1::2]
         ctx.save_for_backward(shard)
         ctx.group, ctx.store, ctx.weights, ctx.biases = group, store, weights, biases
@@ -111,10 +85,10 @@ class _SeqGatherLinearReduceScatter(torch.autograd.Function):
     def backward(ctx, *grads):
         (shard,) = ctx.saved_tensors
         group, weights, biases = ctx.group, ctx.weights, ctx.biases
-        grads = [g if g is not None else None for g in grads]
+        grads = list(grads)
         deferred = ctx.store is not None and ctx.store.capturing
         overlap = not torch.compiler.is_compiling()  # a traced backward keeps no async handles
-        later = None if deferred else _gather_seq(shard, group, async_op=overlap)
+        later = None if deferred else _gather(shard, 1, group, async_op=overlap)
         if later is not None and not overlap:
             gathered = later
             later = (lambda: gathered, None)
@@ -123,7 +97,7 @@ class _SeqGatherLinearReduceScatter(torch.autograd.Function):
             if g is not None:
                 part = g.matmul(w)  # (b, s, h)
                 grad_full = part if grad_full is None else grad_full + part
-        grad_shard = _reduce_scatter_seq(grad_full, group) if grad_full is not None else None
+        grad_shard = _reduce_scatter(grad_full, 1, group) if grad_full is not None else None
         params = [p for w, b in zip(weights, biases) for p in (w, b) if p is not None]
 
         def weight_grads(full: torch.Tensor) -> None:
@@ -132,7 +106,7 @@ class _SeqGatherLinearReduceScatter(torch.autograd.Function):
                     _weight_grads(w, b, g, full)
 
         if deferred:
-            ctx.store.defer(lambda: weight_grads(_gather_seq(shard, group)), params,
+            ctx.store.defer(lambda: weight_grads(_gather(shard, 1, group)), params,
                             (shard, *[g for g in grads if g is not None]))
             return (grad_shard, None, None) + (None,) * (2 * len(weights))
         laid_out, handle = later
