@@ -420,7 +420,6 @@ class Trainer:
 
     def save(self, step: int) -> str:
         from engine.checkpoint import save_checkpoint
-        self.params_ready()
         return save_checkpoint(self, step)
 
     def maybe_load(self) -> int:

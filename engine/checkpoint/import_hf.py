@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -24,8 +23,10 @@ import sys
 import torch
 from safetensors import safe_open
 
-from engine.checkpoint.index import (FORMAT, INDEX_NAME, LATEST, CheckpointError, step_dir_name,
-                                     write_json, write_shard)
+from engine.checkpoint.index import (FORMAT, INDEX_NAME, CheckpointError, sha256_file,
+                                     step_dir_name, write_json, write_shard)
+from engine.checkpoint.export import fuse_qkv
+from engine.checkpoint.writer import promote
 from models.config import GPTConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -52,12 +53,6 @@ def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
-    """q, k, v (h, ...) head-major -> (3h, ...) with rows ordered (head, q|k|v, head_dim)."""
-    parts = [t.reshape(heads, -1, *t.shape[1:]) for t in (q, k, v)]  # (n, d, ...) each
-    return torch.stack(parts, dim=1).reshape(-1, *q.shape[1:])
-
-
 def _require(cond: bool, what: str, hf_dir: str) -> None:
     if not cond:
         raise CheckpointError(f"{hf_dir}: {what}")
@@ -82,8 +77,8 @@ def _gpt2(c: dict, w: dict, hf_dir: str) -> tuple[GPTConfig, dict]:
     for i in range(layers):
         src, dst = f"h.{i}", f"layers.{i}"
         qkv_w = w[f"{src}.attn.c_attn.weight"].t()  # Conv1D (h, 3h) -> (3h, h) = q | k | v
-        sd[f"{dst}.attn.qkv.weight"] = _fuse_qkv(*qkv_w.split(h), n)
-        sd[f"{dst}.attn.qkv.bias"] = _fuse_qkv(*w[f"{src}.attn.c_attn.bias"].split(h), n)
+        sd[f"{dst}.attn.qkv.weight"] = fuse_qkv(*qkv_w.split(h), n, n)
+        sd[f"{dst}.attn.qkv.bias"] = fuse_qkv(*w[f"{src}.attn.c_attn.bias"].split(h), n, n)
         for theirs, ours in (("attn.c_proj", "attn.proj"), ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")):
             sd[f"{dst}.{ours}.weight"] = w[f"{src}.{theirs}.weight"].t()
             sd[f"{dst}.{ours}.bias"] = w[f"{src}.{theirs}.bias"]
@@ -132,8 +127,8 @@ def _llama(c: dict, w: dict, hf_dir: str) -> tuple[GPTConfig, dict]:
     for i in range(layers):
         src, dst = f"model.layers.{i}", f"layers.{i}"
         a = f"{src}.self_attn"
-        sd[f"{dst}.attn.qkv.weight"] = _fuse_qkv(w[f"{a}.q_proj.weight"], w[f"{a}.k_proj.weight"],
-                                                 w[f"{a}.v_proj.weight"], n)
+        sd[f"{dst}.attn.qkv.weight"] = fuse_qkv(w[f"{a}.q_proj.weight"], w[f"{a}.k_proj.weight"],
+                                                w[f"{a}.v_proj.weight"], n, kv)
         sd.update({f"{dst}.attn.proj.weight": w[f"{a}.o_proj.weight"],
                    f"{dst}.mlp.gate.weight": w[f"{src}.mlp.gate_proj.weight"],
                    f"{dst}.mlp.up.weight": w[f"{src}.mlp.up_proj.weight"],
@@ -152,9 +147,7 @@ def _tokenizer_facts(out_dir: str) -> dict:
     if not os.path.isfile(path):
         return {"tokenizer": None, "eot_id": None, "tokenizer_sha256": None}
     tok = load_hf_tokenizer(out_dir)
-    with open(path, "rb") as fh:
-        sha = hashlib.sha256(fh.read()).hexdigest()
-    return {"tokenizer": "hf", "eot_id": tok.eot_id, "tokenizer_sha256": sha}
+    return {"tokenizer": "hf", "eot_id": tok.eot_id, "tokenizer_sha256": sha256_file(path)}
 
 
 def import_hf(hf_dir: str, save: str) -> str:
@@ -199,14 +192,7 @@ def import_hf(hf_dir: str, save: str) -> str:
         "tensors": entries, "files": {fname: info},
         "ranks": {"0": {"coord": [0, 0, 0], "file": fname, "own": []}},
         "source": {"hf_dir": os.path.abspath(hf_dir), "architectures": c.get("architectures")}})
-    if os.path.isdir(final):
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    link = os.path.join(save, f".{LATEST}.tmp")
-    if os.path.lexists(link):
-        os.remove(link)
-    os.symlink(os.path.basename(final), link)
-    os.replace(link, os.path.join(save, LATEST))
+    promote(tmp, final)
     return final
 
 

@@ -104,7 +104,10 @@ def snapshot(trainer, step: int, tmp: str, host=None) -> Snapshot:
     """This rank's slices, per-rank state and (rank 0) the index metadata, as of this boundary.
     Tensors are views of the live state (the synchronous save writes them before training goes on)
     unless ``host(key, t)`` is given: it returns a host copy of ``t``, which the background path
-    needs because the next step updates parameters, moments and residuals in place."""
+    needs because the next step updates parameters, moments and residuals in place. ZeRO's
+    parameter all-gathers still in flight are waited for first: no copy reads a half-gathered
+    parameter."""
+    trainer.params_ready()
     cfg, ps = trainer.cfg, trainer.ps
     shard = _Shard(f"rank_{ps.rank:05d}.safetensors")
     specs = {s.name: s for s in param_specs(trainer.chunks, ps, cfg.model.vocab_size)}
@@ -179,6 +182,31 @@ def save_checkpoint(trainer, step: int) -> str:
     return final
 
 
+def promote(tmp: str, final: str) -> None:
+    """Make the complete directory ``tmp`` the checkpoint ``final`` and point ``latest`` at it,
+    each by an atomic rename (a checkpoint already at ``final`` is swapped out first and removed
+    last), then fsync the parent so the renames survive a crash."""
+    root = os.path.dirname(final)
+    old = None
+    if os.path.isdir(final):
+        old = f"{final}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    link = os.path.join(root, f".{LATEST}.tmp")
+    if os.path.lexists(link):
+        os.remove(link)
+    os.symlink(os.path.basename(final), link)
+    os.replace(link, os.path.join(root, LATEST))
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def publish(snap: Snapshot) -> None:
     """Rank 0, once every rank's files are in ``snap.tmp``: merge the per-rank JSON into
     index.json, rename, repoint latest, prune."""
@@ -203,24 +231,7 @@ def publish(snap: Snapshot) -> None:
         shutil.copyfile(data["tokenizer_file"], os.path.join(tmp, "tokenizer.json"))
     write_json(os.path.join(tmp, INDEX_NAME), {**meta, "tensors": tensors, "files": files, "ranks": ranks})
     root = os.path.dirname(final)
-    old = None
-    if os.path.isdir(final):
-        old = f"{final}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-    os.rename(tmp, final)
-    link = os.path.join(root, f".{LATEST}.tmp")
-    if os.path.lexists(link):
-        os.remove(link)
-    os.symlink(os.path.basename(final), link)
-    os.replace(link, os.path.join(root, LATEST))
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+    promote(tmp, final)
     for _, path in list_checkpoints(root)[:-snap.keep_last]:
         if os.path.realpath(path) != os.path.realpath(final):
             shutil.rmtree(path, ignore_errors=True)
