@@ -114,10 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
     for option, (name, value, text, group) in CONSTANTS.items():
         if name in table:
             groups[group].add_argument(option, dest=name, action="store_const", const=value, help=text)
-    known = {o for a in parser._actions for o in a.option_strings}
-    for option, (needs, _) in MEGATRON_ANSWERS.items():
-        if needs in table and option not in known:  # implied by the real flag: accepted, no effect
-            parser.add_argument(option, dest="_implied", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
@@ -144,13 +140,13 @@ def suggest(unknown: str, candidates: dict[str, str]) -> str | None:
 
 def _option_candidates(parser) -> dict[str, str]:
     return {o.lstrip("-"): a.dest for a in parser._actions for o in a.option_strings
-            if o.startswith("--") and a.dest not in ("help", "_implied")}
+            if o.startswith("--") and a.dest != "help"}
 
 
 def _unknown(parser, token: str) -> ConfigError:
     name = token.split("=")[0]
     if name in MEGATRON_ANSWERS:
-        return ConfigError(f"{name}: {MEGATRON_ANSWERS[name][1]}")
+        return ConfigError(f"{name}: {MEGATRON_ANSWERS[name]}")
     if not name.startswith("-"):
         return ConfigError(f"unexpected value {token!r}: every flag takes one value except --data-path "
                            f"({HELP_HINT})")
@@ -190,7 +186,6 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if unknown:
         raise _unknown(parser, unknown[0])
     flags = vars(args)
-    flags.pop("_implied", None)
     path = flags.pop("config", None)
     values = load_recipe(path) if path else {}
     values.update(flags)

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from models.config import GPTConfig
+from parallel.pipeline.schedules import chunks_per_rank, schedule_placement
 from parallel.topology import RankGrid
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "1f1b-w", "zb-h1", "zb-v")
@@ -96,14 +97,12 @@ class ParallelConfig:
     @property
     def chunks_per_rank(self) -> int:
         """Model chunks a pipeline rank holds: 2 for zb-v (pp > 1), else --virtual-pipeline-size."""
-        if self.pp == 1:
-            return 1
-        return 2 if self.pipeline_schedule == "zb-v" else self.virtual_pipeline_size
+        return 1 if self.pp == 1 else chunks_per_rank(self.pipeline_schedule, self.virtual_pipeline_size)
 
     @property
     def placement(self) -> str:
         """How chunks sit on ranks: "v" for zb-v (pp > 1), else Megatron's loop."""
-        return "v" if self.pipeline_schedule == "zb-v" and self.pp > 1 else "loop"
+        return "loop" if self.pp == 1 else schedule_placement(self.pipeline_schedule)
 
     def grid(self, world_size: int) -> RankGrid:
         mp = self.tp * self.cp * self.pp

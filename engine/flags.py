@@ -202,39 +202,29 @@ CONSTANTS = {
 _BLOCK = ("the block decides it: --block llama (RMSNorm, RoPE, SwiGLU, no biases, untied output) "
           "or --block gpt2 (LayerNorm, learned positions, GELU, biases, tied embeddings)")
 _KERNELS = "kernels are chosen per device (kernels/); drop the flag"
-# Megatron flags without a field here: (the field that would make the flag real, the answer).
-MEGATRON_ANSWERS: dict[str, tuple[str | None, str]] = {
-    "--num-query-groups": ("num_query_groups", "grouped-query attention is not available in this "
-                           "build; drop the flag (every head has its own keys and values)"),
-    "--group-query-attention": ("num_query_groups", "grouped-query attention is not available in "
-                                "this build; drop the flag"),
-    "--reset-attention-mask": ("reset_attention_mask", "packed-document masking is not available in "
-                               "this build; drop the flag"),
-    "--reset-position-ids": ("reset_position_ids", "packed-document positions are not available in "
-                             "this build; drop the flag"),
-    "--eod-mask-loss": ("eod_mask_loss", "end-of-document loss masking is not available in this "
-                        "build; drop the flag"),
-    "--use-flash-attn": (None, _KERNELS), "--transformer-impl": (None, _KERNELS),
-    "--use-mcore-models": (None, "there is one model implementation; drop the flag"),
-    "--no-masked-softmax-fusion": (None, _KERNELS), "--attention-softmax-in-fp32": (None, _KERNELS),
-    "--swiglu": (None, _BLOCK), "--normalization": (None, _BLOCK),
-    "--position-embedding-type": (None, _BLOCK), "--use-rotary-position-embeddings": (None, _BLOCK),
-    "--untie-embeddings-and-output-weights": (None, _BLOCK), "--disable-bias-linear": (None, _BLOCK),
-    "--attention-dropout": (None, "one --dropout (alias --hidden-dropout) covers attention and "
-                            "residual dropout"),
-    "--distributed-backend": (None, "the backend follows the device (nccl on CUDA, hccl on Ascend, "
-                              "gloo on CPU); choose the device with --device"),
-    "--lr-warmup-fraction": (None, "give the warm-up in steps with --lr-warmup-iters"),
-    "--train-samples": (None, "give the length in steps with --train-iters (samples = steps x "
-                        "--global-batch-size)"),
-    "--lr-decay-samples": (None, "give the decay length in steps with --lr-decay-iters"),
-    "--lr-warmup-samples": (None, "give the warm-up in steps with --lr-warmup-iters"),
-    "--loss-scale": (None, "fp16 uses a dynamic loss scaler: set its start with --initial-loss-scale"),
-    "--make-vocab-size-divisible-by": (None, "the vocabulary is padded to a multiple of 128 x tp "
-                                       "automatically; drop the flag"),
-    "--num-workers": (None, "data is memory-mapped and read in the training process; drop the flag"),
-    "--data-impl": (None, "data is always Megatron's memory-mapped indexed format; drop the flag"),
-    "--expert-model-parallel-size": (None, "mixture-of-experts models are not supported"),
-    "--num-experts": (None, "mixture-of-experts models are not supported"),
-    "--tensorboard-log-interval": (None, "dashboards follow --log-interval"),
+# Megatron flags without a field here, and what to do instead.
+MEGATRON_ANSWERS: dict[str, str] = {
+    "--use-flash-attn": _KERNELS, "--transformer-impl": _KERNELS,
+    "--use-mcore-models": "there is one model implementation; drop the flag",
+    "--no-masked-softmax-fusion": _KERNELS, "--attention-softmax-in-fp32": _KERNELS,
+    "--swiglu": _BLOCK, "--normalization": _BLOCK,
+    "--position-embedding-type": _BLOCK, "--use-rotary-position-embeddings": _BLOCK,
+    "--untie-embeddings-and-output-weights": _BLOCK, "--disable-bias-linear": _BLOCK,
+    "--attention-dropout": "one --dropout (alias --hidden-dropout) covers attention and "
+                           "residual dropout",
+    "--distributed-backend": "the backend follows the device (nccl on CUDA, hccl on Ascend, "
+                             "gloo on CPU); choose the device with --device",
+    "--lr-warmup-fraction": "give the warm-up in steps with --lr-warmup-iters",
+    "--train-samples": "give the length in steps with --train-iters (samples = steps x "
+                        "--global-batch-size)",
+    "--lr-decay-samples": "give the decay length in steps with --lr-decay-iters",
+    "--lr-warmup-samples": "give the warm-up in steps with --lr-warmup-iters",
+    "--loss-scale": "fp16 uses a dynamic loss scaler: set its start with --initial-loss-scale",
+    "--make-vocab-size-divisible-by": "the vocabulary is padded to a multiple of 128 x tp "
+                                      "automatically; drop the flag",
+    "--num-workers": "data is memory-mapped and read in the training process; drop the flag",
+    "--data-impl": "data is always Megatron's memory-mapped indexed format; drop the flag",
+    "--expert-model-parallel-size": "mixture-of-experts models are not supported",
+    "--num-experts": "mixture-of-experts models are not supported",
+    "--tensorboard-log-interval": "dashboards follow --log-interval",
 }

@@ -355,7 +355,7 @@ class Trainer:
         return result
 
     def train_one(self, step: int) -> dict:
-        cfg, ps = self.cfg, self.ps
+        cfg = self.cfg
         self.dev.reset_peak_memory()
         self.clock.synchronize()  # the step's events start on an idle device
         self.profiler.before_step(step + 1)

@@ -28,7 +28,6 @@ from contextlib import contextmanager
 from typing import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 
 
 class _Token:
@@ -230,9 +229,3 @@ def layer_norm_split(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def rms_norm_split(x: torch.Tensor, weight: torch.Tensor, eps: float,
                    store: WeightGradStore | None) -> torch.Tensor:
     return apply_split(_RMSNormSplit, store, x, weight, eps, store)
-
-
-def reference_layer_norm(x, weight, bias, eps):
-    """What ``layer_norm_split`` computes, through plain autograd (tests compare against it)."""
-    return F.layer_norm(x, (x.shape[-1],), weight.to(x.dtype),
-                        bias.to(x.dtype) if bias is not None else None, eps)

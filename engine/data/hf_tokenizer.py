@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
 from pathlib import Path
 
 from engine.config import TOKENIZER_TYPES
+from engine.data.tokenizer import HFBacked
 
 END_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|eot_id|>", "<eos>")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -42,7 +42,7 @@ def _special(directory: Path, key: str) -> str | None:
     return None
 
 
-class HFTokenizer:
+class HFTokenizer(HFBacked):
     """A HF ``tokenizers.Tokenizer`` with the interface of the built-in ones (spec "hf")."""
 
     spec = "hf"
@@ -70,18 +70,6 @@ class HFTokenizer:
                              f"tokenizer_config.json next to it")
         bos_id = tok.token_to_id(bos) if bos else None
         return cls(tok, eot_id, bos_id, file)
-
-    def token_text(self, i: int | None) -> str | None:
-        return None if i is None else self._tok.id_to_token(int(i))
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts)]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write tokenizer.json; a byte copy of the source file, so checksums still match."""

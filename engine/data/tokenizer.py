@@ -46,7 +46,21 @@ class ByteTokenizer:
         return "".join(out)
 
 
-class BPETokenizer:
+class HFBacked:
+    """Encoding and decoding through a HF ``tokenizers.Tokenizer`` held as ``_tok``."""
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode many documents at once; HF parallelizes this across cores."""
+        return [e.ids for e in self._tok.encode_batch(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class BPETokenizer(HFBacked):
     """Byte-level BPE (GPT-2 style pre-tokenization) backed by a HF ``tokenizers.Tokenizer``.
 
     ``vocab_size`` is the size actually learned, which is below the requested size when the training text
@@ -62,16 +76,6 @@ class BPETokenizer:
             raise ValueError(f"BPE tokenizer has no {EOT_TEXT!r} token: it was not trained by gridtron")
         self.eot_id = eot
         self.vocab_size = hf_tokenizer.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encode many documents at once; HF parallelizes this across cores."""
-        return [e.ids for e in self._tok.encode_batch(texts)]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write HF's own JSON form (loadable by ``tokenizers.Tokenizer.from_file``) atomically."""

@@ -55,16 +55,14 @@ EW_REPLICATED = 22  # two LayerNorms (4 each) + two fused bias-dropout-adds (7 e
 EW_SHARDED_ATTN = 12  # Q, K, V layout changes (read + write 3 s b h/t)
 EW_MLP = {"gpt2": 4, "llama": 6}  # fused bias-GeLU (read + write s b f) or SwiGLU (read 2, write 1)
 EW_SCORES = 9  # per a*s*s*b: fused scale-mask-softmax (read + write) and dropout (read, write, mask)
-# Korthikanti et al. 2022 activation bytes per layer, generalised to any f (see docs/planner.md).
-# ACT_REPLICATED: LayerNorm inputs (2 x 2), QKV and MLP inputs, i.e. the column-parallel inputs
-# (2 x 2), dropout masks (2 x 1). Under sequence parallelism every one of them is a sequence shard:
-# the column-parallel layers keep only their s/tp input shard and all-gather it again in backward.
-ACT_REPLICATED = 10
-ACT_SPLIT_ATTN = 8  # Q, K, V and the output projection's input, split by TP
-ACT_MLP = {"gpt2": 4, "llama": 6}  # per s b f: GeLU input + output, or gate, up and product
-ACT_SCORES = 5  # per a*s*s*b: softmax output (2), dropout mask (1), dropout output (2)
+# Korthikanti et al. 2022 activation bytes per layer, generalised to any f (see docs/planner.md):
+# in bf16 with dropout 10 s b h replicated (LayerNorm inputs 2 x 2, QKV and MLP inputs, i.e. the
+# column-parallel inputs, 2 x 2, dropout masks 2 x 1), 8 s b h split by TP (Q, K, V and the output
+# projection's input), 4 or 6 s b f for the MLP, 5 a s^2 b for the scores. Under sequence
+# parallelism every replicated one is a sequence shard: the column-parallel layers keep only their
+# s/tp input shard and all-gather it again in backward.
 ACT_MASK_BYTES = 1  # a dropout mask's byte per element
-# The same accounting by tensor count, for activations of any element size (ModelShape.activation_bytes)
+# Kept as tensor counts, for activations of any element size (ModelShape.activation_bytes)
 # and with or without dropout masks (ModelShape.dropout); ACT_BYTES with dropout gives the above.
 ACT_TENSORS_REPLICATED = 4  # two LayerNorm inputs, the QKV and MLP inputs (+ 2 dropout masks)
 ACT_TENSORS_SPLIT_ATTN = 4  # Q, K, V, the output projection's input

@@ -39,7 +39,6 @@ class Kind(str, Enum):
 RECV_F, F, SEND_F, RECV_B, B, SEND_B, W = (Kind.RECV_F, Kind.F, Kind.SEND_F, Kind.RECV_B, Kind.B,
                                            Kind.SEND_B, Kind.W)
 COMM_KINDS = frozenset({RECV_F, SEND_F, RECV_B, SEND_B})
-COMPUTE_KINDS = frozenset({F, B, W})
 BATCH_ORDER = {SEND_F: 0, RECV_F: 1, SEND_B: 2, RECV_B: 3}
 
 

@@ -93,12 +93,6 @@ class PipelineResult:
         return self._events
 
     @property
-    def wall_s(self) -> float:
-        """Device time from this rank's first action to its last."""
-        ev = self.events
-        return ev[-1].end - ev[0].start if ev else 0.0
-
-    @property
     def wait_s(self) -> float:
         """Device time spent in transfers (posting and waiting for receives and sends)."""
         return sum(e.end - e.start for e in self.events if e.cat == "comm")

@@ -72,13 +72,6 @@ class Transfer:
                f"within {timeout_s:g} s"
 
 
-def neighbour_ranks(ps) -> tuple[int, int]:
-    """Global ranks of the previous and next pipeline stage (wrapping around, as interleaving
-    sends chunk c's output of the last stage to chunk c+1 of the first)."""
-    pp, me = ps.pp_size, ps.pp_rank
-    return ps.stage_rank((me - 1) % pp), ps.stage_rank((me + 1) % pp)
-
-
 def init_p2p(ps) -> None:
     """Create the pipeline group's communicator with one collective, on every rank of the group.
 

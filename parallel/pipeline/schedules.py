@@ -25,7 +25,7 @@ two ranks in posting order.
 """
 from __future__ import annotations
 
-from parallel.pipeline.actions import (B, BATCH_ORDER, COMM_KINDS, F, RECV_B, RECV_F, SEND_B,
+from parallel.pipeline.actions import (B, COMM_KINDS, F, RECV_B, RECV_F, SEND_B,
                                        SEND_F, W, Action, Kind, RankProgram, Schedule,
                                        has_weight_actions, placement_of)
 from parallel.pipeline.replay import (ScheduleError, in_flight_peaks, match_messages, replay,
@@ -34,8 +34,6 @@ from parallel.pipeline.zero_bubble import (one_f_one_b_w_order, timeline_program
                                           zb_v_order)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "1f1b-w", "zb-h1", "zb-v")
-ZERO_BUBBLE = ("1f1b-w", "zb-h1", "zb-v")   # schedules that split backwards into B and W
-_BATCH_ORDER = BATCH_ORDER
 
 
 def chunks_per_rank(name: str, vp: int = 1) -> int:
@@ -48,14 +46,13 @@ def schedule_placement(name: str) -> str:
     return "v" if name == "zb-v" else "loop"
 
 
-_RankBuilder = RankProgram
 
 
 # ---- the schedules ----------------------------------------------------------------------------
 
 def _gpipe(pp: int, m: int, rank: int) -> list[Action]:
     """All forwards, then all backwards: every micro-batch's activations are held at once."""
-    rb = _RankBuilder(pp, rank)
+    rb = RankProgram(pp, rank)
     for micro in range(m):              # forward phase (warmup: the whole batch)
         rb.forward(micro)
     for micro in range(m):              # backward phase (cooldown)
@@ -65,7 +62,7 @@ def _gpipe(pp: int, m: int, rank: int) -> list[Action]:
 
 def _one_f_one_b(pp: int, m: int, rank: int) -> list[Action]:
     """PipeDream-flush / Megatron 1F1B: at most ``pp - rank`` micro-batches in flight on a rank."""
-    rb = _RankBuilder(pp, rank)
+    rb = RankProgram(pp, rank)
     warmup = min(pp - rank - 1, m)
     steady = m - warmup
     for micro in range(warmup):                     # warmup: fill the pipeline
