@@ -43,6 +43,18 @@ class LayerContext:
     mask_cache: kernels.NpuMaskCache = field(default_factory=kernels.NpuMaskCache, compare=False,
                                              repr=False)
     rng: object = None
+    cp_positions_cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def cp_positions(self, s: int, cp_group, device) -> torch.Tensor:
+        """(1, s) global positions of a context-parallel shard's s tokens, built once per shape and
+        shared by every layer (one tensor, so the RoPE cache's lookup hits after the first layer)."""
+        key = (s, cp_group.size, cp_group.rank, str(device))
+        hit = self.cp_positions_cache.get(key)
+        if hit is None:
+            hit = shard_positions(s, cp_group.size, cp_group.rank, load_balanced(self.cp_comm_type),
+                                  device).unsqueeze(0)
+            self.cp_positions_cache[key] = hit
+        return hit
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "selective", "full"):
@@ -161,7 +173,8 @@ class ParallelAttention(nn.Module):
             if self.cp_group.size > 1:
                 return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type,
                                                   dropout_p=dropout, document_ids=document_ids,
-                                                  cu_seqlens=cu_seqlens)
+                                                  cu_seqlens=cu_seqlens, mask_cache=self.mask_cache,
+                                                  paths=self.paths)
             return kernels.attention(q, k, v, causal=True, dropout_p=dropout,
                                      document_ids=document_ids, cu_seqlens=cu_seqlens,
                                      mask_cache=self.mask_cache, paths=self.paths)
@@ -172,8 +185,7 @@ class ParallelAttention(nn.Module):
             return inputs.position_ids
         if self.cp_group.size == 1:
             return None
-        return shard_positions(s, self.cp_group.size, self.cp_group.rank,
-                               load_balanced(self.cp_comm_type), device).unsqueeze(0)
+        return self.ctx.cp_positions(s, self.cp_group, device)
 
     def _documents(self, inputs):
         """(document_ids, cu_seqlens) attention reads: the shard's, or under CP the whole rows'."""

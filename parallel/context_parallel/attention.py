@@ -25,7 +25,8 @@ def ulysses_kv_repeat(kv_heads: int, cp: int) -> int:
 
 
 def ulysses_attention(q, k, v, group, dropout_p: float = 0.0, scale: float | None = None,
-                      document_ids=None, cu_seqlens=None) -> torch.Tensor:
+                      document_ids=None, cu_seqlens=None, mask_cache=None,
+                      paths=None) -> torch.Tensor:
     """q (b, n, s/cp, d), k, v (b, n_kv, s/cp, d) contiguous sequence shards -> (b, n, s/cp, d).
     ``document_ids`` / ``cu_seqlens``: those of the WHOLE rows (packed documents), or None."""
     rep = ulysses_kv_repeat(k.shape[1], group.size)
@@ -33,24 +34,27 @@ def ulysses_attention(q, k, v, group, dropout_p: float = 0.0, scale: float | Non
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     qh, kh, vh = seq_to_head(q, group), seq_to_head(k, group), seq_to_head(v, group)
     out = kernels.attention(qh, kh, vh, causal=True, dropout_p=dropout_p, scale=scale,
-                            document_ids=document_ids, cu_seqlens=cu_seqlens)  # (b, n/cp, s, d)
+                            document_ids=document_ids, cu_seqlens=cu_seqlens,
+                            mask_cache=mask_cache, paths=paths)  # (b, n/cp, s, d)
     return head_to_seq(out, group)
 
 
 def context_parallel_attention(q, k, v, group, comm_type: str = "p2p", *, dropout_p: float = 0.0,
                                scale: float | None = None, document_ids=None,
-                               cu_seqlens=None) -> torch.Tensor:
+                               cu_seqlens=None, mask_cache=None, paths=None) -> torch.Tensor:
     """Causal attention of this CP rank's sequence shard over the whole sequence.
 
     q (b, n, s/cp, d), k and v (b, n_kv, s/cp, d), the shard sharding.py assigns for ``comm_type``;
     ``document_ids`` (b, s) and ``cu_seqlens`` describe the WHOLE rows' documents (None: one document
-    per row). Returns (b, n, s/cp, d).
+    per row). ``mask_cache`` and ``paths``: the layer's NPU causal mask and fused-kernel choices
+    (kernels.attention's). Returns (b, n, s/cp, d).
     """
     if comm_type not in COMM_TYPES:
         raise ValueError(f"--cp-comm-type must be one of {COMM_TYPES}, got {comm_type!r}")
     if comm_type == "a2a":
-        return ulysses_attention(q, k, v, group, dropout_p, scale, document_ids, cu_seqlens)
+        return ulysses_attention(q, k, v, group, dropout_p, scale, document_ids, cu_seqlens,
+                                 mask_cache, paths)
     if dropout_p > 0.0:
         raise ValueError("ring attention (--cp-comm-type p2p) applies no attention dropout: use "
                          "--dropout 0 or --cp-comm-type a2a")
-    return ring_attention(q, k, v, group, document_ids, scale)
+    return ring_attention(q, k, v, group, document_ids, scale, mask_cache)

@@ -72,11 +72,10 @@ class _RingAttention(torch.autograd.Function):
     backward: key/value blocks around the ring again, with their travelling dK/dV accumulators."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, docs, scale):
+    def forward(ctx, q, k, v, group, docs, scale, cache):
         p, r = group.size, group.rank
         q = q.contiguous()
         c = q.shape[2] // 2
-        cache = NpuMaskCache()
         kv = torch.stack((k, v))  # (2, b, n_kv, 2c, d): one buffer travels
         b, n, sl, d = q.shape
         # laid out (b, s, n, d) in memory, as SDPA's output: the model's head merge is then a view
@@ -92,17 +91,16 @@ class _RingAttention(torch.autograd.Function):
             kv = recv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *(() if docs is None else (docs,)))
-        ctx.group, ctx.scale, ctx.packed = group, scale, docs is not None
+        ctx.group, ctx.scale, ctx.packed, ctx.cache = group, scale, docs is not None, cache
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *rest = ctx.saved_tensors
         docs = rest[0] if ctx.packed else None
-        group, scale = ctx.group, ctx.scale
+        group, scale, cache = ctx.group, ctx.scale, ctx.cache
         p, r = group.size, group.rank
         c = q.shape[2] // 2
-        cache = NpuMaskCache()
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack((k, v))
@@ -127,16 +125,18 @@ class _RingAttention(torch.autograd.Function):
             _wait(kv_works)
             kv = recv
         _wait(dkv_works)
-        return dq.to(q.dtype), dkv_recv[0], dkv_recv[1], None, None, None
+        return dq.to(q.dtype), dkv_recv[0], dkv_recv[1], None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
-                   document_ids: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                   document_ids: torch.Tensor | None = None, scale: float | None = None,
+                   mask_cache: NpuMaskCache | None = None) -> torch.Tensor:
     """Causal attention of this rank's load-balanced shard over the whole sequence of the CP ring.
 
     q (b, n, 2c, d), k and v (b, n_kv, 2c, d): the shard's heads (chunks r and 2cp-1-r along dim 2).
     ``document_ids``: (b, s) int, the document of every token of the WHOLE rows (packed documents),
-    or None. Returns (b, n, 2c, d). On a group of one it is plain causal attention of the shard.
+    or None. ``mask_cache``: the NPU causal mask shared by the model's layers (None: one for this
+    call). Returns (b, n, 2c, d). On a group of one it is plain causal attention of the shard.
     """
     p = group.size
     b, _, s_local, _ = q.shape
@@ -151,4 +151,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
         chunks = torch.tensor([[j, 2 * p - 1 - j] for j in range(p)], device=document_ids.device)
         # (cp, b, 2c): the document ids of every rank's shard
         docs = document_ids.view(b, 2 * p, c)[:, chunks].reshape(b, p, s_local).transpose(0, 1).contiguous()
-    return _RingAttention.apply(q, k, v, group, docs, scale)
+    cache = mask_cache if mask_cache is not None else NpuMaskCache()
+    return _RingAttention.apply(q, k, v, group, docs, scale, cache)
