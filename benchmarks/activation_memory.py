@@ -20,10 +20,11 @@ from contextlib import contextmanager
 
 import torch
 
+from engine.dryrun.record import _Held, _storage
+
 
 def _key(t: torch.Tensor) -> tuple[int, int]:
-    storage = t.untyped_storage()
-    return storage.data_ptr(), storage.nbytes()
+    return _storage(t), t.untyped_storage().nbytes()
 
 
 class ActivationMemory:
@@ -87,10 +88,3 @@ class ActivationMemory:
             executor._RankRun.record = record
             if store is not None:
                 store.on_hold = None
-
-
-class _Held:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor

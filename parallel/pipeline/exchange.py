@@ -20,9 +20,12 @@ already is each rank's sequence shard, and nothing more is split.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from parallel.pipeline.p2p import PostedBatch, Transfer, post, wait_posted
+from parallel.tensor_parallel.mappings import _gather, _split
 
 
 class Split:
@@ -34,34 +37,26 @@ class Split:
         self.enabled = enabled and self.group.size > 1
 
     def applies(self, shape) -> bool:
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        return self.enabled and numel % self.group.size == 0
+        return self.enabled and math.prod(int(s) for s in shape) % self.group.size == 0
 
     def piece(self, t: torch.Tensor) -> torch.Tensor:
         """This TP rank's contiguous slice of ``t`` flattened (what it sends)."""
         if not self.applies(t.shape):
             return t.contiguous()
-        return t.reshape(-1).chunk(self.group.size)[self.group.rank].contiguous()
+        return _split(t.reshape(-1), 0, self.group)
 
     def buffer(self, shape, dtype, device) -> torch.Tensor:
         """The receive buffer: the slice's size when split, else the whole tensor."""
         if not self.applies(shape):
             return torch.empty(shape, dtype=dtype, device=device)
-        numel = 1
-        for s in shape:
-            numel *= int(s)
+        numel = math.prod(int(s) for s in shape)
         return torch.empty((numel // self.group.size,), dtype=dtype, device=device)
 
     def whole(self, received: torch.Tensor, shape) -> torch.Tensor:
         """The tensor every TP rank of the sender held, from this rank's received slice."""
         if not self.applies(shape):
             return received
-        full = torch.empty((received.numel() * self.group.size,), dtype=received.dtype,
-                           device=received.device)
-        self.group.all_gather_into(full, received)
-        return full.view(shape)
+        return _gather(received, 0, self.group).view(shape)
 
 
 class Exchange:
