@@ -32,7 +32,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -247,6 +247,7 @@ class PostedBatch:
     waited for alone; NCCL and HCCL may coalesce the batch into one work, waited as a whole."""
     transfers: list[Transfer]
     works: list
+    waited: set = field(default_factory=set)  # indices into ``works`` already waited for
 
     @property
     def per_transfer(self) -> bool:
@@ -258,6 +259,18 @@ class PostedBatch:
             return list(self.works), list(self.transfers)
         indices = sorted(set(indices))
         return [self.works[i] for i in indices], [self.transfers[i] for i in indices]
+
+    def unwaited(self, indices) -> tuple[list, list[Transfer]]:
+        """``select(indices)`` less the works already waited for (a coalesced batch's one work is
+        waited for once, whichever receive or send asks for it first); marks them waited."""
+        if not self.per_transfer:
+            if self.waited:
+                return [], []
+            self.waited.update(range(len(self.works)))
+            return list(self.works), list(self.transfers)
+        todo = sorted(set(indices) - self.waited)
+        self.waited.update(todo)
+        return [self.works[i] for i in todo], [self.transfers[i] for i in todo]
 
     def completed(self, indices) -> bool:
         works, _ = self.select(indices)
@@ -278,7 +291,7 @@ def post(ps, transfers: list[Transfer], timeout_s: float | None = None, vp: int 
 def wait_posted(ps, batch: PostedBatch, indices=None, timeout_s: float | None = None, vp: int = 1,
                 waiter=None) -> None:
     """Wait for the transfers at ``indices`` of a posted batch (None: all of them)."""
-    works, transfers = batch.select(range(len(batch.transfers)) if indices is None else indices)
+    works, transfers = batch.unwaited(range(len(batch.transfers)) if indices is None else indices)
     if works:
         (waiter or HostWait()).wait(ps, works, transfers, timeout_s, vp)
 
