@@ -58,8 +58,22 @@ class StepOutput:
     comm: dict  # per group kind: calls, payload_bytes, wire_bytes this step (parallel/comm.py)
     pipeline: object = None  # PipelineResult when pp > 1
     times: dict = field(default_factory=dict)  # TIME_KEYS: device seconds, mean over ranks
-    events: list = field(default_factory=list, repr=False)  # this rank's TimelineEvents
+    marks: list = field(default_factory=list, repr=False)  # (name, cat, start, end, micro, chunk)
     extra: dict = field(default_factory=dict)
+    rank: int = 0
+    wall: object = field(default=None, repr=False)  # the clock's stamp -> epoch seconds
+    _events: list | None = field(default=None, repr=False)
+
+    @property
+    def events(self) -> list:
+        """This rank's TimelineEvents: the pipeline's actions and the step's phases (resolved on
+        first read, by --timeline: a step that is not drawn converts no stamps)."""
+        if self._events is None:
+            events = list(self.pipeline.events) if self.pipeline is not None else []
+            self._events = events + [TimelineEvent(self.rank, name, cat, self.wall(a), self.wall(b),
+                                                   micro, chunk)
+                                     for name, cat, a, b, micro, chunk in self.marks]
+        return self._events
 
 
 def mean_loss_over_grid(local_sum: float, ps: ParallelState, device,
@@ -335,12 +349,9 @@ class Stepper:
         self.agreed = pre.agreed
         comm = self.ps.comm.since(pre.snapshot)
         marks += [(name, cat, t[i + 1], t[i + 2], -1, 0) for i, (name, cat) in enumerate(_PHASES)]
-        events = list(pre.pipe.events) if pre.pipe is not None else []
-        events += [TimelineEvent(self.ps.rank, name, cat, clock.wall(a), clock.wall(b), micro, chunk)
-                   for name, cat, a, b, micro, chunk in marks]
         times = [clock.elapsed_s(t[i], t[i + 1]) for i in range(len(t) - 1)]
         out = StepOutput(pre.loss, pre.check.grad_norm, pre.check.skipped, pre.scale, comm, pre.pipe,
-                         dict(zip(TIME_KEYS, times)), events)
+                         dict(zip(TIME_KEYS, times)), marks, rank=self.ps.rank, wall=clock.timebase())
         if pre.pipe is not None:
             out.extra["bubble_measured"] = pre.stats.per_rank[0]
             k = len(COMPUTE_CATS)

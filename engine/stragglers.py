@@ -19,32 +19,23 @@ waited for: it arrived last). The blocked time is broken down by traffic kind (t
 the rest: world, mp, embedding).
 
 Clock: anything with ``stamp()`` and ``elapsed_s(start, end)``. On the CPU, where gloo blocks the
-calling thread until its collective completes, ``HostClock`` (perf_counter). On CUDA/NPU the host
-returns from a collective before the device has waited for it: there the clock must stamp the
-device's stream (engine/device.py's device clock, events read after the step's synchronization),
+calling thread until its collective completes, host stamps (``parallel.pipeline.executor.HostClock``,
+perf_counter). On CUDA/NPU the host returns from a collective before the device has waited for
+it: there the clock must stamp the device's stream (engine/device.py's device clock, events read after the step's synchronization),
 so a span is the time the stream was blocked.
 """
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
+from parallel.pipeline.executor import HostClock
+
 CATEGORIES = ("tp", "cp", "pp", "dp", "other")
 WIDTH = 1 + len(CATEGORIES)      # compute seconds, then blocked seconds per category
 _CATEGORY = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "dp_cp": "dp"}
-
-
-class HostClock:
-    """Host stamps: right where a collective blocks the calling thread (gloo on the CPU)."""
-
-    def stamp(self) -> float:
-        return time.perf_counter()
-
-    def elapsed_s(self, start: float, end: float) -> float:
-        return end - start
 
 
 @dataclass

@@ -92,7 +92,7 @@ class Activity:
     every member); point-to-point batches are counted apart in ``p2p`` (neighbours post different
     numbers of them). ``last`` is the (op, kind, number) entered last, ``blocked`` the (op, kind,
     number, wall time) the host is waiting in now (None while it computes), ``failed`` the one whose
-    call or wait raised. With a ``clock`` (anything with ``stamp()``, e.g. engine.stragglers.HostClock
+    call or wait raised. With a ``clock`` (anything with ``stamp()``, e.g. parallel.pipeline.executor.HostClock
     or a device clock) every blocked interval is appended to ``spans`` as (kind, start, end)
     stamps; the reader empties the list. ``step`` is set by the training loop."""
     entered: dict = field(default_factory=lambda: {k: 0 for k in GROUP_KINDS})
