@@ -36,14 +36,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.pipeline.partition import stage_layers
+from parallel.pipeline.partition import placement_stages, stage_layers
 from parallel.pipeline.schedules import build_schedule, in_flight_peaks
 from parallel.topology import RankGrid
 
 
 @dataclass(frozen=True)
 class Role:
-    name: str                        # "only stage", "first stage", "middle stages", "last stage"
+    name: str                        # "only stage", "first stage", "middle stages", "last stage",
+                                     # "first and last stage", "turn stage" (zb-v)
     stages: tuple[int, ...]          # pipeline ranks with this role
     ranks: tuple[int, ...]           # every global rank of those stages, ascending
     representative: int              # the global rank that is built
@@ -68,9 +69,11 @@ def stage_in_flight(cfg, pp: int, num_micro: int) -> list[int]:
     return in_flight_peaks(lists)
 
 
-def _name(embedding: bool, output: bool, count: int) -> str:
+def _name(embedding: bool, output: bool, count: int, pp: int, turn: bool = False) -> str:
     if embedding and output:
-        return "only stage"
+        return "only stage" if pp == 1 else "first and last stage"  # zb-v's rank 0
+    if turn:
+        return "turn stage"  # zb-v's last rank: both chunks of the V's bottom
     if embedding:
         return "first stage"
     if output:
@@ -80,22 +83,26 @@ def _name(embedding: bool, output: bool, count: int) -> str:
 
 def rank_roles(cfg, grid: RankGrid) -> list[Role]:
     """The layout's roles in pipeline order; ``cfg`` is the run's RunConfig (already validated)."""
-    par, pp, vp = cfg.parallel, grid.pp, cfg.parallel.virtual_pipeline_size
+    par, pp = cfg.parallel, grid.pp
+    vp, placement = (par.chunks_per_rank, par.placement) if pp > 1 else (1, "loop")  # zb-v: 2, "v"
     num_micro = cfg.data.num_microbatches(grid.dp)
     flight = stage_in_flight(cfg, pp, num_micro)
     by_signature: dict[tuple, list[int]] = {}
     layers = {}
     for stage in range(pp):
-        chunks = tuple(stage_layers(cfg.model.num_layers, pp, vp, stage, par.stage_end_weight))
+        chunks = tuple(stage_layers(cfg.model.num_layers, pp, vp, stage, par.stage_end_weight,
+                                    placement))
         layers[stage] = chunks
-        key = (stage == 0, stage == pp - 1, tuple(len(r) for r in chunks))
+        virtual = placement_stages(pp, vp, stage, placement)  # as the trainer builds them
+        turn = any(b - a == 1 for a, b in zip(virtual, virtual[1:]))  # zb-v's last rank: no hop
+        key = (0 in virtual, pp * vp - 1 in virtual, turn, tuple(len(r) for r in chunks))
         by_signature.setdefault(key, []).append(stage)
     roles = []
-    for (embedding, output, _), stages in by_signature.items():
+    for (embedding, output, turn, _), stages in by_signature.items():
         in_flight = {s: flight[s] for s in stages}
         rep_stage = max(stages, key=lambda s: (in_flight[s], -s))
         ranks = tuple(sorted(r for r in range(grid.world_size) if grid.coord(r).pp in stages))
-        roles.append(Role(_name(embedding, output, len(stages)), tuple(stages), ranks,
+        roles.append(Role(_name(embedding, output, len(stages), pp, turn), tuple(stages), ranks,
                           grid.rank_of(pp=rep_stage), layers[rep_stage], embedding, output,
                           in_flight))
     return roles
