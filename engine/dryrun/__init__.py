@@ -31,12 +31,10 @@ class DryRun:
     device_memory: int | None = None
     usable: int | None = None        # device memory x the planner's usable fraction
     notes: list = field(default_factory=list)
-    tolerance: float = 0.05
 
     def buffers(self, record) -> int:
-        from engine.plan.model import COMM_BUFFER_BYTES, P2P_BUFFER_BYTES
-        return (record.communicators * COMM_BUFFER_BYTES.get(self.backend, 0)
-                + record.p2p_peers * P2P_BUFFER_BYTES.get(self.backend, 0))
+        from engine.plan.memory import buffer_bytes
+        return int(buffer_bytes(record.communicators, record.p2p_peers, self.backend))
 
     def total(self, record) -> int:
         m = record.metrics
@@ -104,14 +102,14 @@ def dry_run(cfg, world_size: int, device: str | None = None, memory_gb: float | 
     ``device``: a planner device name (``engine.plan.hardware``: "a100-80gb", "ascend910b2", ...)
     for the memory check, the backend (hccl for Ascend, else nccl) and its rules; without it the
     recipe's ``--device`` decides the backend (npu: hccl, cuda: nccl, else gloo)."""
-    from engine.dryrun.compare import TOLERANCE, compare_role, planner_inputs
+    from engine.dryrun.compare import compare_role, planner_inputs
     from engine.plan.hardware import get_device_spec
-    from engine.plan.model import GIB, MEMORY_USABLE_FRACTION
+    from engine.plan.model import GIB, MEMORY_USABLE_FRACTION, backend_of
     from parallel.backend_rules import resolve
     spec = get_device_spec(device) if device else None
     per_node = devices_per_node or (spec.devices_per_node if spec else None) or 8
     backend = ({"npu": "hccl", "cuda": "nccl"}.get(cfg.device, "gloo") if spec is None else
-               "hccl" if spec.name.startswith("ascend") else "gloo" if spec.name == "cpu" else "nccl")
+               backend_of(spec.name))
     built, grid, notes = prepare(cfg, world_size, per_node)
     rules = resolve(built.parallel.backend_rules, backend, spec.name if spec else "")
     gib = memory_gb if memory_gb is not None else (spec.memory_gb if spec else None)
@@ -127,5 +125,4 @@ def dry_run(cfg, world_size: int, device: str | None = None, memory_gb: float | 
     return DryRun(built, grid, records, rules, backend, built.data.num_microbatches(grid.dp),
                   comparison,
                   None if gib is None else int(gib * GIB),
-                  None if gib is None else int(gib * GIB * MEMORY_USABLE_FRACTION), notes,
-                  TOLERANCE)
+                  None if gib is None else int(gib * GIB * MEMORY_USABLE_FRACTION), notes)

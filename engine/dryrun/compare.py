@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.plan.flops import BLOCKS
-from engine.plan.model import COMM_BUFFER_BYTES, P2P_BUFFER_BYTES, Layout, ModelShape
-from engine.plan.memory import stage_memory
+from engine.plan.memory import buffer_bytes, stage_memory
+from engine.plan.model import Layout, ModelShape
 from engine.plan.traffic import step_traffic
 
 TOLERANCE = 0.05
@@ -101,8 +101,7 @@ def compare_role(record, cfg, shape: ModelShape, layout: Layout, backend: str) -
     stage = record.stage
     mem = stage_memory(shape, layout, stage, backend)
     traffic = step_traffic(shape, layout, stage, cfg.parallel.cp_comm_type)
-    buffers = (record.communicators * COMM_BUFFER_BYTES.get(backend, 0)
-               + record.p2p_peers * P2P_BUFFER_BYTES.get(backend, 0))
+    buffers = buffer_bytes(record.communicators, record.p2p_peers, backend)
     m = record.metrics
     pairs = [("param_bytes", m["param_bytes"], mem.weights),
              ("grad_bytes", m["grad_bytes"], mem.grads),

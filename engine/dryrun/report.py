@@ -21,6 +21,7 @@ import json
 import math
 from collections import Counter
 
+from engine.dryrun.compare import TOLERANCE
 from engine.dryrun.record import bytes_by_kind
 from engine.dryrun.roles import describe_stages
 
@@ -100,7 +101,7 @@ def text(result) -> str:
     if isinstance(result.comparison, str):
         out += ["", f"planner: no estimate ({result.comparison})"]
     else:
-        out += ["", f"planner (differences above {100 * result.tolerance:.0f}% flagged):"]
+        out += ["", f"planner (differences above {100 * TOLERANCE:.0f}% flagged):"]
         out += [comparison_table(r.role.name, rows) for r, rows in zip(result.records,
                                                                         result.comparison)]
     s = summary(result)

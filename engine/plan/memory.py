@@ -119,10 +119,14 @@ def communicators(layout: Layout, tied_embeddings: bool, stage: str = "first") -
     return sum(1 for size in groups if size > 1), neighbours
 
 
+def buffer_bytes(collective: int, p2p: int, backend: str) -> float:
+    """What ``backend`` reserves for ``collective`` communicators and ``p2p`` pipeline neighbours."""
+    return collective * COMM_BUFFER_BYTES.get(backend, 0) + p2p * P2P_BUFFER_BYTES.get(backend, 0)
+
+
 def comm_buffer_bytes(layout: Layout, backend: str, tied_embeddings: bool, stage: str = "first") -> float:
     """Bytes the communication library reserves on one device for its communicators."""
-    collective, p2p = communicators(layout, tied_embeddings, stage)
-    return collective * COMM_BUFFER_BYTES[backend] + p2p * P2P_BUFFER_BYTES[backend]
+    return buffer_bytes(*communicators(layout, tied_embeddings, stage), backend)
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,11 @@ class ModelShape:
         return -(-self.vocab_size // step) * step
 
 
+def backend_of(device_name: str) -> str:
+    """The collective backend of a device spec's name: hccl (Ascend), gloo (CPU), else nccl."""
+    return "hccl" if device_name.startswith("ascend") else "gloo" if device_name == "cpu" else "nccl"
+
+
 @dataclass(frozen=True)
 class Cluster:
     """Devices and links as the model sees them; bandwidths are effective bus bandwidths (GB/s)."""
@@ -150,8 +155,7 @@ class Cluster:
     @property
     def backend(self) -> str:
         """The collective backend the devices use: hccl (Ascend), nccl (NVIDIA), gloo (CPU)."""
-        name = self.device.name
-        return "hccl" if name.startswith("ascend") else "gloo" if name == "cpu" else "nccl"
+        return backend_of(self.device.name)
 
     def __post_init__(self) -> None:
         if self.num_devices < 1 or self.devices_per_node < 1:
