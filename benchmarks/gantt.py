@@ -90,7 +90,7 @@ def draw_gantt(source, path: str, title: str = "", show_numbers: bool = True) ->
 
 def main() -> None:
     from parallel.pipeline.bubble import simulate, theoretical_bubble
-    from parallel.pipeline.schedules import SCHEDULES, build_schedule, chunks_per_rank
+    from parallel.pipeline.schedules import SCHEDULES, build_schedule, chunks_per_rank, has_weight_actions
 
     parser = argparse.ArgumentParser(description="Draw a simulated pipeline schedule")
     parser.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES))
@@ -103,7 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     lists = build_schedule(args.schedule, args.pp, args.m, args.vp)
     v = chunks_per_rank(args.schedule, args.vp)
-    split = args.schedule in ("1f1b-w", "zb-h1", "zb-v")
+    split = has_weight_actions(lists)
     bwd = args.bwd_ratio / v / (2 if split else 1)
     sim = simulate(lists, 1.0 / v, bwd, wgt_time=bwd if split else None)
     theory = theoretical_bubble(args.schedule, args.pp, args.m, args.vp)

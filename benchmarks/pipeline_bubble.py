@@ -43,14 +43,12 @@ from benchmarks.gantt import draw_gantt  # noqa: E402
 from engine.cli import parse_args  # noqa: E402
 from engine.metrics import summarize_run  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
-from parallel.pipeline.bubble import measured_bubble, simulate, theoretical_bubble  # noqa: E402
-from parallel.pipeline.schedules import (build_schedule, chunks_per_rank,  # noqa: E402
+from parallel.pipeline.bubble import (COMPUTE_CATS, measured_bubble, simulate,  # noqa: E402
+                                      theoretical_bubble)
+from parallel.pipeline.schedules import (SCHEDULES, build_schedule, chunks_per_rank,  # noqa: E402
                                          has_weight_actions, replay)
 from parallel.topology import RankGrid  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "1f1b-w", "zb-h1", "zb-v")
-CATS = ("forward", "backward", "weight")
 
 
 def model_flags(args) -> list[str]:
@@ -90,10 +88,10 @@ def run_rank(ps, runs: list[tuple[str, int, int, list[str]]], steps: int) -> lis
 
 def stage_times(events_by_rank: list[list[dict]], pp: int, vp: int) -> dict[str, list[float]]:
     """Mean forward, backward and W seconds per (rank, chunk), indexed chunk * pp + rank."""
-    table = {cat: [0.0] * (pp * vp) for cat in CATS}
+    table = {cat: [0.0] * (pp * vp) for cat in COMPUTE_CATS}
     for rank, events in enumerate(events_by_rank):
         for chunk in range(vp):
-            for cat in CATS:
+            for cat in COMPUTE_CATS:
                 spans = [e["end"] - e["start"] for e in events
                          if e["cat"] == cat and e["chunk"] == chunk]
                 table[cat][chunk * pp + rank] = statistics.mean(spans) if spans else 0.0
@@ -105,9 +103,8 @@ def replay_measured(lists, events_by_rank: list[list[dict]]) -> float:
     free): unlike ``simulate`` with stage means, it keeps the step-to-step variation of the
     compute times, so the rest of the gap to the measurement is what the transfers cost."""
     took = {(rank, e["cat"][0], e["microbatch"], e["chunk"]): e["end"] - e["start"]
-            for rank, events in enumerate(events_by_rank) for e in events if e["cat"] in CATS}
-    letter = {"f": "f", "b": "b", "w": "w"}
-    times = replay(lists, lambda rank, a: took[(rank, letter[a.kind.value], a.microbatch, a.chunk)])
+            for rank, events in enumerate(events_by_rank) for e in events if e["cat"] in COMPUTE_CATS}
+    times = replay(lists, lambda rank, a: took[(rank, a.kind.value, a.microbatch, a.chunk)])
     makespan = max(end for spans in times for _, end in spans)
     busy = sum(end - start for actions, spans in zip(lists, times)
                for a, (start, end) in zip(actions, spans) if not a.is_comm)

@@ -44,7 +44,7 @@ import torch
 from torch.autograd import Variable
 
 from parallel.grads import all_reduce_grads_, reduced_grad
-from parallel.pipeline.actions import neighbour, placement_of
+from parallel.pipeline.actions import has_weight_actions, neighbour, placement_of
 from parallel.pipeline.exchange import Exchange, Split
 from parallel.pipeline.p2p import Transfer
 from parallel.pipeline.schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action
@@ -339,7 +339,7 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
             raise ValueError(f"run_schedule on {ps.device.type} needs clock= (engine.device."
                              f"DeviceClock): host stamps would time kernel launches, not kernels")
         clock = HostClock()
-    split_w = any(a.kind == W for a in actions)
+    split_w = has_weight_actions(actions)
     run = _RankRun(ps, chunks, forward_step, num_microbatches, tensor_shape, dtype, timeout_s,
                    clock, deallocate_outputs, waiter, placement, weight_grads, split_w,
                    scatter_gather)

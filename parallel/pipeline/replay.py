@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 from parallel.pipeline.actions import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Kind,
-                                       message, neighbour, placement_of)
+                                       has_weight_actions, message, neighbour, placement_of)
 from parallel.pipeline.partition import virtual_stage
 
 
@@ -197,7 +197,7 @@ def in_flight_peaks(lists) -> list[int]:
     inputs the forward saved), else its B."""
     peaks = []
     for actions in lists:
-        ends = W if any(a.kind == W for a in actions) else B
+        ends = W if has_weight_actions(actions) else B
         live = peak = 0
         for a in actions:
             live += (a.kind == F) - (a.kind == ends)
@@ -219,7 +219,7 @@ def _positions(actions: list[Action], rank: int) -> dict[tuple, int]:
 def _check_program(lists, pp: int, vp: int, m: int, placement: str) -> None:
     """Every (micro, chunk) runs F, B and (all or none) W once, in that order, each F and B wrapped
     by exactly its transfers; on a boundary inside a rank the stages run in pipeline order."""
-    split = any(a.kind == W for actions in lists for a in actions)
+    split = has_weight_actions(lists)
     for rank, actions in enumerate(lists):
         where = _positions(actions, rank)
         for micro in range(m):
