@@ -22,7 +22,8 @@ import numpy as np
 class GlobalBatchSampler:
     """Seeded global batches with a resumable position (``next_step``) for checkpoints."""
 
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int):
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int, key: tuple = ()):
+        """``key``: integers drawn into every epoch's seed after ``seed`` (a blend's member stream)."""
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}: the dataset is empty")
         if global_batch_size < 1:
@@ -31,16 +32,17 @@ class GlobalBatchSampler:
             raise ValueError(f"seed must be >= 0, got {seed}")
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
-        self.seed = seed
+        self.seed, self.key = seed, tuple(key)
         self.next_step = 0  # the step whose batch the training loop consumes next
         self._perms: dict[int, np.ndarray] = {}  # memo of recent epochs' permutations
 
     def epoch_permutation(self, epoch: int) -> np.ndarray:
-        """The order of all samples in ``epoch``: (num_samples,) int64, seeded by (seed, epoch)."""
+        """The order of all samples in ``epoch``: (num_samples,) int64, seeded by (seed, *key, epoch)."""
         if epoch not in self._perms:
             if len(self._perms) >= 2:  # a batch spans at most a few epochs; keep memory flat
                 self._perms.clear()
-            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            rng = np.random.default_rng([self.seed, *self.key, epoch])
+            self._perms[epoch] = rng.permutation(self.num_samples)
         return self._perms[epoch]
 
     def take(self, pos: int, end: int) -> list[int]:
@@ -118,21 +120,10 @@ class BlendedSampler(GlobalBatchSampler):
         if not hasattr(self, "sizes"):
             return
         self._phase = float(np.random.default_rng([_BLEND, self.seed]).random())
-        self._members = [GlobalBatchSampler(n, self.global_batch_size, 0) for n in self.sizes]
-        for m, member in enumerate(self._members):  # member m's own epochs: rng([seed, BLEND, m, epoch])
-            member.epoch_permutation = self._member_perm(member, m)
+        # member m's own epochs: rng([seed, BLEND, m, epoch])
+        self._members = [GlobalBatchSampler(n, self.global_batch_size, self.seed, key=(_BLEND, m))
+                         for m, n in enumerate(self.sizes)]
         self._memo = (0, np.zeros(len(self.sizes), dtype=np.int64))
-
-    def _member_perm(self, member: GlobalBatchSampler, m: int):
-        cache: dict[int, np.ndarray] = {}
-
-        def perm(epoch: int) -> np.ndarray:
-            if epoch not in cache:
-                if len(cache) >= 2:
-                    cache.clear()
-                cache[epoch] = np.random.default_rng([self.seed, _BLEND, m, epoch]).permutation(member.num_samples)
-            return cache[epoch]
-        return perm
 
     def step_counts(self, steps: np.ndarray) -> np.ndarray:
         """Samples each member gives to each of ``steps``: (K, M) int64, rows summing to G."""
