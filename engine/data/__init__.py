@@ -124,8 +124,9 @@ def build_data(data_path: str | list[str] | None, seq_length: int, seed: int, mo
     if vocab_size is not None and vocab_size != vocab:
         raise ValueError(f"vocab size {vocab_size} does not match the data at {prefixes[0]}, tokenized with "
                          f"{infos[0]['tokenizer']} ({vocab} tokens): drop --vocab-size or set it to {vocab}")
-    splits = {name: [TokenDataset(p, seq_length, name, split, seed, meta=info)
-                     for p, info in zip(prefixes, infos)] for name in SPLITS}
+    per_prefix = [TokenDataset.all_splits(p, seq_length, split, seed, info)
+                  for p, info in zip(prefixes, infos)]
+    splits = {name: [datasets[name] for datasets in per_prefix] for name in SPLITS}
     for p, ds, info in zip(prefixes, splits["train"], infos):
         if read_meta(p) is None:
             _check_ids(ds, vocab)

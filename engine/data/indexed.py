@@ -145,19 +145,23 @@ class TokenDataset:
     """
 
     def __init__(self, prefix: str | os.PathLike, seq_length: int, split: str = "train",
-                 splits: str = "969,30,1", seed: int = 0, meta: dict | None = None):
+                 splits: str = "969,30,1", seed: int = 0, meta: dict | None = None,
+                 shared: tuple | None = None):
+        """``shared``: (Documents, document_split's ids by split) of this prefix, opened once for
+        all three splits (``TokenDataset.all_splits``)."""
         if seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {seq_length}")
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        docs = Documents(str(prefix))
+        docs, by_split = shared or (Documents(str(prefix)), None)
         self.prefix, self.tokens, self.split = docs.prefix, docs.tokens, split
         info = {**(docs.meta or {}), **(meta or {})}
         self.vocab_size = info.get("vocab_size")
         self.eot_id = info.get("eot_id")
         self.tokenizer_spec = info.get("tokenizer")
-        self.num_docs_total = docs.num_docs
-        ids = document_split(docs.num_docs, parse_split(splits), seed)[split]  # (D_split,)
+        if by_split is None:
+            by_split = document_split(docs.num_docs, parse_split(splits), seed)
+        ids = by_split[split]  # (D_split,)
         self.doc_ids = ids
         self._starts = docs.starts[ids]                                          # (D_split,)
         self._cum = np.concatenate([[0], np.cumsum(docs.lengths[ids], dtype=np.int64)])  # (D_split+1,)
@@ -167,6 +171,14 @@ class TokenDataset:
             raise ValueError(f"{self.prefix}: the training split ({len(ids)} of {docs.num_docs} "
                              f"documents, {int(self._cum[-1])} tokens) holds no sample of seq_length+1 "
                              f"= {seq_length + 1} tokens: use a smaller --seq-length or more data")
+
+    @classmethod
+    def all_splits(cls, prefix, seq_length: int, splits: str = "969,30,1", seed: int = 0,
+                   meta: dict | None = None) -> dict[str, "TokenDataset"]:
+        """The train, valid and test datasets of ``prefix``, its documents opened and split once."""
+        docs = Documents(str(prefix))
+        shared = (docs, document_split(docs.num_docs, parse_split(splits), seed))
+        return {name: cls(prefix, seq_length, name, splits, seed, meta, shared) for name in SPLITS}
 
     def __len__(self) -> int:
         return self.num_samples
