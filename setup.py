@@ -16,5 +16,5 @@ setup(
         "hf": ["transformers"],          # loading exported checkpoints in transformers
         "npu": ["torch_npu"],
     },
-    entry_points={"console_scripts": ["gridtron-train=engine.train:run_and_exit"]},
+    entry_points={"console_scripts": ["gridtron-train=engine.training.launch:run_and_exit"]},
 )

@@ -34,8 +34,8 @@ import torch
 
 from engine.checkpoint.async_writer import Checkpointer
 from engine.checkpoint.writer import save_checkpoint
-from engine.cli import parse_args
-from engine.trainer import Trainer
+from engine.config.cli import parse_args
+from engine.training.trainer import Trainer
 
 BYTES_PER_PARAM = 12  # fp32 parameter + exp_avg + exp_avg_sq
 VOCAB, SEQ = 1024, 32

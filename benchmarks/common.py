@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.metrics import steady, summarize_run  # noqa: E402,F401 (steady: the benchmarks' warm-up cut)
+from engine.observe.metrics import steady, summarize_run  # noqa: E402,F401 (steady: the benchmarks' warm-up cut)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
@@ -85,7 +85,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 def summarize(records: list[dict], warmup: int) -> dict:
     """Steady-state figures of one run: the trainer's own closing summary
-    (``engine.metrics.summarize_run``), totals over the steps after ``warmup`` (tokens over
+    (``engine.observe.metrics.summarize_run``), totals over the steps after ``warmup`` (tokens over
     seconds, FLOPs over seconds), never means of per-step rates."""
     return summarize_run(records, warmup)
 
@@ -177,7 +177,7 @@ def single_thread_peak_tflops() -> float:
     other work on the machine only ever lowers it), measured once by the driver so every run of an
     invocation divides by the same number."""
     import torch
-    from engine.device import measure_cpu_peak_tflops
+    from engine.device.runtime import measure_cpu_peak_tflops
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

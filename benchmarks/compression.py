@@ -36,12 +36,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import yaml  # noqa: E402
 
-from engine.cli import parse_args  # noqa: E402
+from engine.config.cli import parse_args  # noqa: E402
 from engine.data.corpus import stdlib_dir  # noqa: E402
 from engine.data.prepare import prepare  # noqa: E402
-from engine.trainer import Trainer  # noqa: E402
+from engine.training.trainer import Trainer  # noqa: E402
 from parallel.topology import RankGrid  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
+from tests.helpers.dist_utils import run_distributed  # noqa: E402
 
 CORPUS_PACKAGES = ("json", "email", "http", "xml", "logging", "asyncio")
 

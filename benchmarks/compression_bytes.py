@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from parallel.comm import wire_bytes  # noqa: E402
 from parallel.dp import Int8Compressor, TopKCompressor  # noqa: E402
 from parallel.topology import RankGrid  # noqa: E402
-from tests.dist_utils import gather_tensors, record_comm, run_distributed  # noqa: E402
+from tests.helpers.dist_utils import gather_tensors, record_comm, run_distributed  # noqa: E402
 
 MAKERS = (("none", None), ("int8", lambda: Int8Compressor(256)), ("topk 1%", lambda: TopKCompressor(0.01)),
           ("topk 10%", lambda: TopKCompressor(0.1)))

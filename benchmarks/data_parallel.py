@@ -21,7 +21,7 @@ gradient bytes per step of each compressor.
 
 Each configuration trains a few steps on dp gloo processes (one spawned group per dp, one thread
 per process); times and tokens/s are totals over the steps after the first (tokens over seconds,
-``engine.metrics.summarize_run``), bytes and collectives medians per step. With more ranks than CPU cores the
+``engine.observe.metrics.summarize_run``), bytes and collectives medians per step. With more ranks than CPU cores the
 ranks share cores, which lowers the efficiency beyond what communication alone costs: read the
 scaling columns as an upper bound on the overhead, not as a property of the reducer.
 """
@@ -35,11 +35,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.cli import parse_args  # noqa: E402
-from engine.metrics import summarize_run  # noqa: E402
-from engine.trainer import Trainer  # noqa: E402
+from engine.config.cli import parse_args  # noqa: E402
+from engine.observe.metrics import summarize_run  # noqa: E402
+from engine.training.trainer import Trainer  # noqa: E402
 from parallel.topology import RankGrid  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
+from tests.helpers.dist_utils import run_distributed  # noqa: E402
 
 BUCKETS_MB = (0.05, 0.25, 1.0, 25.0)
 WARMUP = 1

@@ -33,8 +33,8 @@ sys.path.insert(0, str(REPO))
 
 import kernels  # noqa: E402
 from benchmarks.common import markdown_table  # noqa: E402
-from engine.device import detect_device_type, setup_device  # noqa: E402
-from engine.metrics import summarize_run  # noqa: E402
+from engine.device.runtime import detect_device_type, setup_device  # noqa: E402
+from engine.observe.metrics import summarize_run  # noqa: E402
 
 MODEL = {"num-layers": 24, "hidden-size": 2048, "num-attention-heads": 16, "seq-length": 2048,
          "vocab-size": 51200}

@@ -28,12 +28,12 @@ from pathlib import Path
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the fake groups' harmless teardown warning
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.cli import parse_args  # noqa: E402
+from engine.config.cli import parse_args  # noqa: E402
 from engine.dryrun import dry_run  # noqa: E402
 from engine.plan.model import GIB, Layout, ModelShape  # noqa: E402
 from engine.plan.memory import memory_per_device  # noqa: E402
 
-ROWS = [  # name, (layers, hidden, heads), GPUs, batch, (tp, pp, vp, mbs): tests/test_plan.py PAPER
+ROWS = [  # name, (layers, hidden, heads), GPUs, batch, (tp, pp, vp, mbs): tests/engine/plan/test_plan.py PAPER
     ("1.7B", (24, 2304, 24), 32, 512, (1, 1, 1, 16)),
     ("3.6B", (30, 3072, 32), 64, 512, (2, 1, 1, 16)),
     ("7.5B", (36, 4096, 32), 128, 512, (4, 1, 1, 16)),

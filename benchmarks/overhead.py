@@ -30,9 +30,9 @@ import time
 
 import torch
 
-from engine.cli import parse_args
-from engine.lr_schedule import learning_rate
-from engine.trainer import Trainer
+from engine.config.cli import parse_args
+from engine.training.lr_schedule import learning_rate
+from engine.training.trainer import Trainer
 
 
 def engine_side(args) -> Trainer:

@@ -67,10 +67,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import OptimConfig  # noqa: E402
+from engine.config.schema import OptimConfig  # noqa: E402
 from engine.data import GlobalBatchSampler, build_data, collate  # noqa: E402
-from engine.lr_schedule import learning_rate  # noqa: E402
-from engine.train import exit_now  # noqa: E402
+from engine.training.lr_schedule import learning_rate  # noqa: E402
+from engine.training.launch import exit_now  # noqa: E402
 from parallel.pipeline.partition import stage_layers  # noqa: E402
 
 TP_PLAN_KEYS = {"attn.qkv": "col", "attn.proj": "row", "mlp.fc1": "col", "mlp.fc2": "row"}

@@ -40,15 +40,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.activation_memory import ActivationMemory  # noqa: E402
 from benchmarks.gantt import draw_gantt  # noqa: E402
-from engine.cli import parse_args  # noqa: E402
-from engine.metrics import summarize_run  # noqa: E402
-from engine.trainer import Trainer  # noqa: E402
+from engine.config.cli import parse_args  # noqa: E402
+from engine.observe.metrics import summarize_run  # noqa: E402
+from engine.training.trainer import Trainer  # noqa: E402
 from parallel.pipeline.bubble import (COMPUTE_CATS, measured_bubble, simulate,  # noqa: E402
                                       theoretical_bubble)
 from parallel.pipeline.schedules import (SCHEDULES, build_schedule, chunks_per_rank,  # noqa: E402
                                          has_weight_actions, replay)
 from parallel.topology import RankGrid  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
+from tests.helpers.dist_utils import run_distributed  # noqa: E402
 
 
 def model_flags(args) -> list[str]:

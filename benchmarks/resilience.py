@@ -19,9 +19,9 @@ import statistics
 
 import torch
 
-from engine.cli import parse_args
-from engine.faults import GradFault
-from engine.trainer import Trainer
+from engine.config.cli import parse_args
+from engine.observe.faults import GradFault
+from engine.training.trainer import Trainer
 
 WARMUP = 3
 

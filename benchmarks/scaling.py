@@ -87,8 +87,9 @@ def job_argv(base: list[str], layout: Layout, batch: int, steps: int, metrics: P
 
 def why_not(argv: list[str], world: int) -> str | None:
     """The engine's own pre-launch verdict on this job (None: it can run)."""
-    from engine.cli import ConfigError, parse_args
-    from engine.validate import validate_run
+    from engine.base import ConfigError
+    from engine.config.cli import parse_args
+    from engine.training.validate import validate_run
     from parallel.state import LaunchEnv
     try:
         cfg = parse_args(argv)
@@ -237,9 +238,9 @@ def main(argv=None) -> int:
     layouts = plan_layouts(nprocs, [parse_layout(t) for t in args.layouts] if args.layouts else None)
     base = recipe_flags(args.config)
     if args.strong_batch is None:
-        from engine.cli import parse_args
+        from engine.config.cli import parse_args
         args.strong_batch = parse_args(base).data.global_batch_size
-    from engine.device import detect_device_type
+    from engine.device.runtime import detect_device_type
     on_cpu = detect_device_type("auto") == "cpu"
     peak = args.peak_tflops
     if peak is None and on_cpu:

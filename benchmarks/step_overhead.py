@@ -6,7 +6,7 @@ Two trainers are built from the same recipe (a model of many small layers, so th
 cost is dominated by per-parameter work, the case this benchmark exists for) and fed the same
 batches. Each step runs forward and backward untimed on both, then times the part after backward:
 
-- "now": what ``engine.step.Stepper.run`` does after backward: multi-tensor ops over the few flat
+- "now": what ``engine.training.step.Stepper.run`` does after backward: multi-tensor ops over the few flat
   gradient buffers (``grad_stats``), the step's one all-reduce and host read
   (``reduce_step_stats``), ``apply_grad_stats``, the optimizer (fused AdamW on CPU), and one
   multi-tensor master-to-parameter copy;
@@ -40,9 +40,9 @@ from collections import Counter
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from engine.cli import parse_args
-from engine.lr_schedule import learning_rate
-from engine.trainer import Trainer
+from engine.config.cli import parse_args
+from engine.training.lr_schedule import learning_rate
+from engine.training.trainer import Trainer
 from parallel.grad_norm import (check_and_unscale_reference, counted_grads,
                                 local_norm_sq_reference, scale_reference)
 from parallel.grads import current_grad, sync_sequence_parallel_grads

@@ -52,7 +52,7 @@ class KernelPaths:
     """Which fused torch_npu ops an NPU runs (True) or replaces by the portable path (False).
 
     Chosen once per run by the engine's device module from the chip's documented support
-    (engine/chips.py) and handed down explicitly (models pass it to each kernel call); the kernels
+    (engine/device/chips.py) and handed down explicitly (models pass it to each kernel call); the kernels
     never look at the chip. Off an NPU it has no effect: the CUDA and CPU paths do not read it.
     """
     fusion_attention: bool = True   # torch_npu.npu_fusion_attention, else SDPA

@@ -25,7 +25,7 @@ by all groups of one ``ParallelState``. Its methods are thin wrappers over torch
    set, the spans of time it spent blocked (inside a synchronous call, or in ``wait()`` on the
    handle of an asynchronous one). The heartbeat (parallel/heartbeat.py) publishes it so that a
    rank stuck in a collective can name the peers that never entered it; the straggler report
-   (engine/stragglers.py) sums the spans.
+   (engine/observe/stragglers.py) sums the spans.
 
 Inside a ``torch.compile`` graph only the rules apply (at trace time): the TP and CP collectives of
 compiled model chunks are not counted, so the trainer reports ``tp_comm_bytes`` and

@@ -8,7 +8,7 @@ The norm is that of the serial model's gradient, so each logical value must be c
   stage's: skip it;
 - the partial sums are added over ``ps.mp_group`` (TP x PP) by ``grid_norm_sq_``; the training
   step instead adds each rank's share (the optimizers' ``grad_norm_sq_share``) in its statistics
-  all-reduce over the world (engine/step.py). Gradients are already averaged over
+  all-reduce over the world (engine/training/step.py). Gradients are already averaged over
   DP (and CP) and identical there, so DP is not summed, except under ZeRO where each rank of the
   DP x CP group holds only a shard of the gradient (``over_dp=True``: summed over ``dp_cp_group``).
 
@@ -20,10 +20,10 @@ whichever optimizer it uses.
 The step's path (``local_norm_sq``, ``grid_norm_sq_``, ``scale_``, ``check_and_unscale_``) keeps
 every result on the device: one ``torch._foreach_*`` op per list of gradient tensors (callers pass
 the few flat buffers the gradients live in, see parallel/dp/optim_common.py), and the one host read of the
-step happens where the step's statistics are read (engine/step.py). ``global_grad_norm``,
+step happens where the step's statistics are read (engine/training/step.py). ``global_grad_norm``,
 ``clip_grads`` and ``found_inf`` read the result on the host, for callers outside the step.
 The ``*_reference`` functions are the former per-parameter loops (one to four kernels per
-tensor): the multi-tensor paths equal them bit for bit on the CPU (tests/test_foreach_grads.py), and
+tensor): the multi-tensor paths equal them bit for bit on the CPU (tests/engine/training/test_foreach_grads.py), and
 benchmarks/step_overhead.py times both.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ summed over all ranks::
     [ranks asking to stop (SIGTERM), ranks whose part of the save in flight is written and
      verified, ranks whose background write failed]
 
-They ride on the step's statistics all-reduce (``counts``, a source of engine/step.py's
+They ride on the step's statistics all-reduce (``counts``, a source of engine/training/step.py's
 ``StepAgreement``, sampled when the step's gradients are checked), so a training step costs no
 collective of its own here; a boundary without them (a caller that runs no step) issues one int32
 all-reduce (``agree``) instead.
@@ -118,7 +118,7 @@ class Checkpointer:
 
     def counts(self) -> list[int]:
         """This rank's [stop requested, save in flight written, save in flight failed], for the
-        step's agreement (engine/step.py StepAgreement)."""
+        step's agreement (engine/training/step.py StepAgreement)."""
         mine = self.flight.counts() if self.flight is not None else [0, 0]
         return [int(getattr(self.trainer, "stop_signal", None) is not None), *mine]
 

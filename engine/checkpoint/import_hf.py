@@ -152,7 +152,7 @@ def _tokenizer_facts(out_dir: str) -> dict:
 
 def import_hf(hf_dir: str, save: str) -> str:
     """Write ``save/iter_0000000`` (and ``save/latest``); return the checkpoint directory."""
-    from engine.config import CompressionConfig, RunConfig
+    from engine.config.schema import CompressionConfig, RunConfig
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         raise CheckpointError(f"{hf_dir} has no config.json: pass a directory written by transformers' "

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from engine.base import ConfigError
 from engine.checkpoint.index import CheckpointError, TensorReader, intact_hint, read_index, resolve, verify
 from engine.checkpoint.specs import (LAYOUT_KEYS, ParamSpec, data_info, layout_of, param_specs,
                                      saved_layout)
@@ -26,7 +27,6 @@ MODEL_SHAPE_SKIP = ("seq_length", "vocab_size", "dropout", "seed")  # the run's 
 
 def with_checkpoint_args(cfg):
     """``cfg`` with the model shape of the checkpoint at --load (pure: a JSON read)."""
-    from engine.cli import ConfigError
     try:
         index = read_index(resolve(cfg.checkpoint.load))
     except CheckpointError as exc:

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from engine.data.corpus import builtin_corpus
-from engine.config import TOKENIZER_TYPES
+from engine.data.hf_tokenizer import TOKENIZER_TYPES
 from engine.data.indexed import convert_legacy, read_index
 from engine.data.prepare import TEXT_EXTENSIONS, prepare
 

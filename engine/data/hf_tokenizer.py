@@ -18,9 +18,12 @@ import os
 import shutil
 from pathlib import Path
 
-from engine.config import TOKENIZER_TYPES
-from engine.data.tokenizer import HFBacked
+from engine.data.tokenizer_base import HFBacked, atomic_write_text
 
+# Megatron-LM's --tokenizer-type values; the ones without a Hugging Face file are refused by name
+TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "Llama2Tokenizer", "Llama3Tokenizer",
+                   "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "TikTokenizer",
+                   "NullTokenizer")
 END_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|eot_id|>", "<eos>")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json")
@@ -73,7 +76,6 @@ class HFTokenizer(HFBacked):
 
     def save(self, path: str | os.PathLike) -> None:
         """Write tokenizer.json; a byte copy of the source file, so checksums still match."""
-        from engine.data.tokenizer import atomic_write_text
         if self.file and os.path.isfile(self.file):
             tmp = f"{path}.tmp-{os.getpid()}"
             shutil.copyfile(self.file, tmp)

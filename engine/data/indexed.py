@@ -30,7 +30,8 @@ import torch
 
 from engine.data.megatron import IndexedTokens, is_indexed, megatron_dtype, write_index, write_indexed
 from engine.data.splits import SPLITS, document_split, parse_split
-from engine.data.tokenizer import atomic_write_text, strip_data_suffix
+from engine.data.tokenizer import strip_data_suffix
+from engine.data.tokenizer_base import atomic_write_text
 
 FORMAT = "gridtron-data-v2"
 LEGACY_FORMAT = "gridtron-tokens-v1"

@@ -13,6 +13,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from engine.data.tokenizer_base import HFBacked, atomic_write_text
+
 EOT_TEXT = "<|endoftext|>"
 
 
@@ -44,20 +46,6 @@ class ByteTokenizer:
                 raise ValueError(f"token id {i} is outside the byte tokenizer's vocabulary (0..256)")
         out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
-
-
-class HFBacked:
-    """Encoding and decoding through a HF ``tokenizers.Tokenizer`` held as ``_tok``."""
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encode many documents at once; HF parallelizes this across cores."""
-        return [e.ids for e in self._tok.encode_batch(texts)]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 class BPETokenizer(HFBacked):
@@ -153,11 +141,3 @@ def strip_data_suffix(path: str) -> str:
         if path.endswith(suffix):
             return path[: -len(suffix)]
     return path
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write to a temporary sibling, then rename: readers never see a half-written file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

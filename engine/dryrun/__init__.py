@@ -51,8 +51,8 @@ def prepare(cfg, world_size: int, devices_per_node: int = 8):
     and the compression policy) on a copy of ``cfg`` whose paths (data, checkpoints, logs,
     dashboards) are left out, since they belong to the machine that will run it; raises
     ConfigError for what the run would reject."""
-    from engine.cli import ConfigError
-    from engine.validate import validate_run
+    from engine.base import ConfigError
+    from engine.training.validate import validate_run
     from parallel.dp import CompressionPolicy, PolicyError
     from parallel.state import LaunchEnv
     cfg = copy.deepcopy(cfg)

@@ -9,7 +9,7 @@ time: the group is destroyed at the end of the block and the next role re-create
 
 ``build_rank`` then creates the rank's process groups with ``ParallelState.initialize`` (every group
 of the grid, as a run does; about 0.2 s at 8,192 ranks) and builds its model chunks, reducer,
-optimizer and step with ``engine.trainer.Trainer.assemble`` under ``torch.device("meta")``:
+optimizer and step with ``engine.training.trainer.Trainer.assemble`` under ``torch.device("meta")``:
 parameters, gradient buffers and optimizer state are meta tensors, so their bytes come from shapes
 and dtypes and nothing is allocated. Weight initialisation draws nothing on the meta device.
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from engine.device import DeviceInfo
+from engine.device.runtime import DeviceInfo
 from parallel.state import LaunchEnv, ParallelState
 from parallel.topology import RankGrid
 
@@ -59,7 +59,7 @@ def build_rank(cfg, grid: RankGrid, launch: LaunchEnv, rules: str | None, regist
     ``fake_rank``): ``.ps``, ``.chunks``, ``.reducer``, ``.optimizer``, ``.memory``, ``.stepper``.
     ``observer`` sees the collectives of the setup (the pipeline's and the ring's first
     all-reduce), and stays attached."""
-    from engine.trainer import Trainer
+    from engine.training.trainer import Trainer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")      # the layout's notes were said once, by validation
         ps = ParallelState.initialize(grid, META, FAKE_BACKEND, launch,

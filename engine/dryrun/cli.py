@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.cli import ConfigError, parse_args
-from engine.config import DEVICES
+from engine.base import ConfigError
+from engine.training.launch import run_config
+from engine.config.schema import DEVICES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         rest += ["--device", device]
         device = None
     try:
-        cfg = parse_args(rest)
+        cfg = run_config(rest)
         result = dry_run(cfg, args.world_size, device, args.memory_gb, args.devices_per_node)
     except KeyError as exc:                 # an unknown --device name
         print(f"gridtron dry run: {exc.args[0]}", file=sys.stderr)

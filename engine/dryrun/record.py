@@ -9,7 +9,7 @@ optimizer step with ZeRO's parameter all-gather. What it records:
 - every ``CommEvent`` the rank's ``ps.comm`` observers see (op, group kind, dtype, payload bytes;
   ``counted`` is False for the few that ``ps.comm.uncounted()`` keeps out of the step's traffic,
   the pipeline bubble's two instants), and the step's per-kind counters, from which
-  ``engine.step_record.comm_metrics`` gives the metrics' ``*_comm_bytes`` keys;
+  ``engine.training.step_record.comm_metrics`` gives the metrics' ``*_comm_bytes`` keys;
 - ``memory_bytes(reducer, optimizer)``: ``param_bytes``, ``grad_bytes``, ``optimizer_state_bytes``
   by dtype, computed from the constructed objects exactly as the run's metrics are;
 - activations: every tensor autograd saves for backward (``saved_tensors_hooks``), counted once per
@@ -34,8 +34,8 @@ import torch
 from engine.data.packing import MicroBatch
 from engine.dryrun.build import META, HostReads, build_rank, fake_rank
 from engine.dryrun.roles import Role
-from engine.lr_schedule import learning_rate
-from engine.step_record import comm_metrics
+from engine.training.lr_schedule import learning_rate
+from engine.training.step_record import comm_metrics
 from parallel.comm import GROUP_KINDS
 from parallel.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F
 from parallel.state import LaunchEnv

@@ -19,7 +19,7 @@ own shard: the all-reduce over TP of the sequence-parallel norms' gradients
 when no norm does. So under ZeRO a stage's role is split by ``shard_signatures`` (computed from the
 built reducer's buckets, identical on every rank of the stage) into the shard positions that sum
 the same number of elements; large models, whose norms sit in buckets of their own, split into
-none. tests/test_dryrun.py builds every rank of small layouts and checks that the ranks of one
+none. tests/engine/dryrun/test_dryrun.py builds every rank of small layouts and checks that the ranks of one
 role record the same bytes.
 
 A role is the set of stages with the same signature (embedding?, output?, layer count per chunk);

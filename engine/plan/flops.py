@@ -47,7 +47,7 @@ This engine recomputes with ``torch.utils.checkpoint(use_reentrant=False)``, who
 (on by default) ends the recomputation once every tensor backward needs is rebuilt. Nothing inside
 the layer saves the output of its last matrix multiply (the MLP's down projection, h x f), so that
 one is not run again: ``recompute_early_stop=True`` (the default) subtracts 2 h f per token per
-layer from F_full; ``False`` gives Megatron's count above. tests/test_flops.py checks the engine's
+layer from F_full; ``False`` gives Megatron's count above. tests/engine/plan/test_flops.py checks the engine's
 count against torch.utils.flop_counter on the engine's own model, and Megatron's against the
 closed forms.
 

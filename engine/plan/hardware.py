@@ -12,7 +12,7 @@ entry. ``peak_tflops(device, precision, tf32=False)`` picks the one a run comput
   is given. ``lookup_peak_tflops(raw_name)`` stays the half-precision peak, for existing callers.
 
 Which fused torch_npu ops each Ascend SKU runs and how it reports float overflow (saturation or
-Inf/NaN mode) are in the chip table, ``engine/chips.py``; docs/hardware.md lists both per SKU.
+Inf/NaN mode) are in the chip table, ``engine/device/chips.py``; docs/hardware.md lists both per SKU.
 
 Units: ``peak_tflops`` in TFLOP/s, ``memory_gb`` in GiB (2**30 bytes, as the runtime reports it),
 all bandwidths in GB/s (10**9 bytes/s) per direction and per device, the unit nccl-tests and

@@ -41,7 +41,7 @@ P2P_BUFFER_BYTES = {"hccl": 2 * P2P_HCCL_BUFFSIZE_MB * 2 ** 20, "nccl": 0, "gloo
 # Fraction of the dense peak the matrix multiplies reach, lumping kernel efficiency and whatever the
 # model does not itemise. Fitted (bisection, search.fit_achievable_fraction) on ONE published row,
 # FIT_ROW of Narayanan et al. 2021 Table 1 (1.7B: tp 1, pp 1, dp 32, no model-parallel traffic);
-# tests/test_plan.py re-derives it from that row and holds the nine other rows to 15%.
+# tests/engine/plan/test_plan.py re-derives it from that row and holds the nine other rows to 15%.
 DEFAULT_ACHIEVABLE_FRACTION = 0.668
 FIT_ROW = "1.7B"
 HBM_EFFICIENCY = 0.75  # fraction of HBM bandwidth reached by fused element-wise kernels

@@ -1,8 +1,8 @@
 """What the planner prints: ``--explain``'s term-by-term breakdown and the launch command.
 
 ``launch_command`` writes the ``torchrun ... -m engine.train`` line of a layout with this engine's
-flag names (engine/cli.py: the config fields with dashes); tests/test_plan.py parses it back with
-torchrun's own parser and ``engine.cli.parse_args`` and compares the result with the layout.
+flag names (engine/config/cli.py: the config fields with dashes); tests/engine/plan/test_plan.py parses it back with
+torchrun's own parser and ``engine.config.cli.parse_args`` and compares the result with the layout.
 """
 from __future__ import annotations
 

@@ -255,7 +255,7 @@ def pipeline_bubble_s(layout: Layout, m: int, mean: PassTime) -> float:
     each micro-batch fewer than stages. ZB-V (chunks of half a stage): (p-1) max(T_F, T_B) / 2, or
     the dependency chain of the last micro-batches, (4m + 4p - 2) chunk steps, when m is small.
     With equal T_F, T_B, T_W these are the closed forms of parallel/pipeline/bubble.py (the
-    replays of the schedules give them exactly; tests/test_zero_bubble_schedules.py).
+    replays of the schedules give them exactly; tests/parallel/pipeline/test_zero_bubble_schedules.py).
     """
     p, v, total = layout.pp, layout.vp, mean.total
     if p == 1:

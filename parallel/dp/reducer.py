@@ -50,7 +50,7 @@ parallelism, the CP ranks that hold the same parameters (one collective over the
 ``stats()`` reads this step's collectives over that group from the communication layer's counters.
 
 ``pre_reduce_hooks`` are called with each bucket as it is launched, before it is divided by dp and
-reduced: the bucket then holds this rank's own accumulated gradients (engine/anomaly.py looks for
+reduced: the bucket then holds this rank's own accumulated gradients (engine/observe/anomaly.py looks for
 non-finite ones there, before the reduction spreads them to every replica).
 """
 from __future__ import annotations

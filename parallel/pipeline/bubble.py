@@ -4,7 +4,7 @@ Measured (``measured_bubble``, the ``bubble_measured`` metric): per rank, the de
 spends in pipeline transfers plus its idle before its first and after its last action, over the
 span of the step's pipeline phase (first action of any stage to the last); averaged over ranks.
 The simulation's idle fraction means the same on a replayed schedule, so with deterministic stage
-costs the two agree (tests/test_bubble_timing.py).
+costs the two agree (tests/parallel/pipeline/test_bubble_timing.py).
 
 The bubble is the fraction of a step's wall time that a stage spends idle. With ``p`` stages, ``m``
 micro-batches and equal work per stage, GPipe and 1F1B both idle ``(p-1)`` forward+backward slots

@@ -15,7 +15,7 @@ waited for where a compute step needs it (exchange.py). The model side is one ca
     sum_embedding_grads(ps, tied_params)           # then DP reduction and the optimizer step
 
 Timing: every action is bracketed by two stamps of ``clock`` on the device's stream (events on
-CUDA/NPU, ``engine.device.DeviceClock``), so a span is the device's time for that action, and the
+CUDA/NPU, ``engine.device.clock.DeviceClock``), so a span is the device's time for that action, and the
 time in a transfer is how long the stream waited for it. Stamps become ``TimelineEvent``s in wall
 seconds only when ``PipelineResult.events`` is first read (after the step, so reading them does not
 stall the device in the middle of it). On CPU without a clock, ``time.perf_counter`` stamps are
@@ -310,7 +310,7 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
     virtual stage the scalar loss already divided by ``num_microbatches``; ``x`` is None on the
     first virtual stage. ``tensor_shape`` is the activation shape between stages, or a
     function ``(chunk, micro) -> shape`` of this rank's chunk input when it varies.
-    ``clock`` stamps the device's stream (``engine.device.DeviceClock``, anchored by the caller);
+    ``clock`` stamps the device's stream (``engine.device.clock.DeviceClock``, anchored by the caller);
     None is allowed on CPU only, where host stamps are device stamps.
     ``forward_only`` runs a schedule of forwards and activation transfers only (validation, under
     torch.no_grad): outputs are dropped once sent instead of being kept for a backward.
@@ -337,7 +337,7 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
     if clock is None:
         if ps.device.type != "cpu":
             raise ValueError(f"run_schedule on {ps.device.type} needs clock= (engine.device."
-                             f"DeviceClock): host stamps would time kernel launches, not kernels")
+                             f"clock.DeviceClock): host stamps would time kernel launches, not kernels")
         clock = HostClock()
     split_w = has_weight_actions(actions)
     run = _RankRun(ps, chunks, forward_step, num_microbatches, tensor_shape, dtype, timeout_s,

@@ -1,0 +1,12 @@
+"""Configuration and the command line: what a run is, as typed data.
+
+- ``schema.py``: the dataclass configs (``RunConfig`` and its sections), validated in
+  ``__post_init__``, and the choices they accept;
+- ``flags.py``: how each field is presented as a flag (help, group, Megatron-LM spellings);
+- ``fields.py``: the table of user-settable fields shared by the command line and recipes;
+- ``recipe.py``: YAML recipes (``--config``), checked against the fields' types;
+- ``cli.py``: ``parse_args``, the flags over the recipe, as a ``RunConfig``.
+
+Imports only ``engine.base`` and ``engine.data`` (its parsers of ``--data-path`` and ``--split``);
+nothing here reads a checkpoint or starts a process group.
+"""

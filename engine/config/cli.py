@@ -1,0 +1,115 @@
+"""Command line and YAML recipes for ``python -m engine.train``.
+
+Flags are generated from the config dataclasses (``--num-layers`` for ``num_layers``); help, group,
+choices and Megatron-LM's spellings come from the table in engine/config/flags.py, defaults from the
+dataclasses. A YAML recipe (``--config``, engine/config/recipe.py) uses the same keys, flat or grouped in
+the config's own sections; flags given on the command line override it. Unknown flags and keys are
+errors that name the intended flag when the intent is clear, and Megatron flags that have no
+equivalent here are answered with what to do instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import typing
+
+from engine.base import ConfigError
+from engine.config.fields import SECTIONS, field_table, flag_info, suggest
+from engine.config.flags import CONSTANTS, GROUPS, MEGATRON_ANSWERS
+from engine.config.recipe import load_recipe
+from engine.config.schema import RunConfig
+
+HELP_HINT = "python -m engine.train --help lists every flag"
+
+
+def option_name(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + exit
+        raise ConfigError(f"{message} ({HELP_HINT})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m engine.train", description=__doc__,
+                     usage="%(prog)s [--config FILE] [--FLAG VALUE ...]",
+                     argument_default=argparse.SUPPRESS, allow_abbrev=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML recipe; flags override its keys")
+    groups = {g: parser.add_argument_group(g) for g in GROUPS}
+    table = field_table()
+    for name, info in table.items():
+        flag = flag_info(name)
+        group = groups.get(flag.group, groups["training"])
+        flags = [option_name(name)] + list(flag.aliases)
+        shown = flag.default_text or ("none" if info.default is None else info.default)
+        text = f"{flag.help} (default: {shown})"
+        if info.type is bool:
+            group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, help=text)
+        elif info.type is dict:
+            group.add_argument(*flags, dest=name, type=json.loads, metavar="JSON", help=text)
+        elif info.type is list:
+            group.add_argument(*flags, dest=name, nargs="+", metavar="ITEM", help=text)
+        else:
+            metavar = None if flag.choices else {int: "N", float: "X"}.get(info.type, name.upper())
+            group.add_argument(*flags, dest=name, type=info.type, choices=flag.choices,
+                               metavar=metavar, help=text)
+    for option, (name, value, text, group) in CONSTANTS.items():
+        if name in table:
+            groups[group].add_argument(option, dest=name, action="store_const", const=value, help=text)
+    return parser
+
+
+def _option_candidates(parser) -> dict[str, str]:
+    return {o.lstrip("-"): a.dest for a in parser._actions for o in a.option_strings
+            if o.startswith("--") and a.dest != "help"}
+
+
+def _unknown(parser, token: str) -> ConfigError:
+    name = token.split("=")[0]
+    if name in MEGATRON_ANSWERS:
+        return ConfigError(f"{name}: {MEGATRON_ANSWERS[name]}")
+    if not name.startswith("-"):
+        return ConfigError(f"unexpected value {token!r}: every flag takes one value except --data-path "
+                           f"({HELP_HINT})")
+    close = suggest(name, _option_candidates(parser))
+    hint = f"; did you mean --{close}?" if close else ""
+    return ConfigError(f"unknown argument {name!r}{hint} ({HELP_HINT})")
+
+
+RULES_ENV = "GRIDTRON_BACKEND_RULES"  # default of --backend-rules (the test suite sets it to hccl)
+
+
+def config_from_values(values: dict, explicit: typing.Iterable[str] = ()) -> RunConfig:
+    """A RunConfig from flat {field: value} (values already of the field's type)."""
+    table = field_table()
+    if "backend_rules" not in values and os.environ.get(RULES_ENV):
+        values = {**values, "backend_rules": os.environ[RULES_ENV]}
+    sections: dict[str, dict] = {s: {} for s in SECTIONS}
+    top = {}
+    for name, value in values.items():
+        info = table[name]
+        if info.type is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        (sections[info.section] if info.section else top)[name] = value
+    if "seed" in top:
+        sections["model"]["seed"] = top["seed"]
+    try:
+        built = {s: cls(**sections[s]) for s, cls in SECTIONS.items()}
+        return RunConfig(**built, **top, explicit=tuple(sorted(set(explicit))))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise _unknown(parser, unknown[0])
+    flags = vars(args)
+    path = flags.pop("config", None)
+    values = load_recipe(path) if path else {}
+    values.update(flags)
+    return config_from_values(values, values)

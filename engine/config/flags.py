@@ -1,0 +1,231 @@
+"""The command line's one table: help, group, Megatron spellings and choices of every config field.
+
+Each field of the config dataclasses (engine/config/schema.py, models/config.py) becomes ``--field-name``;
+``FLAGS`` says how it is presented. A field without an entry here fails ``tests/engine/config/test_cli.py``: add
+one when you add a field. Entries for fields that do not exist yet are allowed (they take effect
+when the field appears). ``MEGATRON_ANSWERS`` answers Megatron-LM flags that have no field here, so
+a user typing from habit learns what to do instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config.schema import (BACKEND_RULES, COMPRESSORS, CP_COMM_TYPES, DECAY_STYLES, DEVICES, PRECISIONS, RECOMPUTE, SCHEDULES,
+                           WANDB_MODES)
+from engine.data.hf_tokenizer import TOKENIZER_TYPES
+
+GROUPS = ("model", "parallelism", "training", "mixed precision", "data", "checkpoints", "logging")
+
+
+@dataclass(frozen=True)
+class Flag:
+    help: str
+    group: str
+    aliases: tuple[str, ...] = ()
+    choices: tuple[str, ...] | None = None
+    default_text: str | None = None  # shown instead of the dataclass default (e.g. a derived one)
+
+
+F = Flag
+FLAGS: dict[str, Flag] = {
+    # ---- model -------------------------------------------------------------------------------
+    "num_layers": F("transformer blocks", "model"),
+    "hidden_size": F("width of the residual stream h", "model", ("--hidden",)),
+    "num_attention_heads": F("attention heads (a multiple of --tp)", "model", ("--heads",)),
+    "num_query_groups": F("key/value head groups for grouped-query attention (--num-attention-heads "
+                          "must be a multiple)", "model"),
+    "group_query_attention": F("Megatron's switch for grouped-query attention; give the group count "
+                               "with --num-query-groups (on its own it is an error)", "model"),
+    "ffn_hidden_size": F("MLP width", "model", default_text="4h for gpt2, 8h/3 rounded to 64 for llama"),
+    "seq_length": F("tokens per sample", "model", ("--seq-len",)),
+    "max_position_embeddings": F("length of the position table (learned positions) or of the RoPE "
+                                 "range", "model", default_text="--seq-length"),
+    "vocab_size": F("vocabulary size; only for --mock-data or data without a tokenizer (otherwise the "
+                    "data's, and a different value is an error)", "model", default_text="the data's"),
+    "block": F("transformer block: gpt2, llama, or module:Class for your own", "model"),
+    "dropout": F("dropout on attention probabilities and residual branches", "model",
+                 ("--hidden-dropout",)),
+    "init_std": F("standard deviation of the normal weight initialisation", "model",
+                  ("--init-method-std",)),
+    "norm_eps": F("epsilon of LayerNorm / RMSNorm", "model", ("--norm-epsilon", "--layernorm-epsilon")),
+    "rope_base": F("rotary embedding base (llama)", "model", ("--rotary-base",)),
+    # ---- parallelism -------------------------------------------------------------------------
+    "tp": F("tensor-parallel size (inside a node)", "parallelism", ("--tensor-model-parallel-size",)),
+    "cp": F("context-parallel size (sequence split across ranks)", "parallelism",
+            ("--context-parallel-size",)),
+    "cp_comm_type": F("context-parallel attention: p2p (ring attention, K/V blocks travel the CP "
+                      "ring, load-balanced causal chunks) or a2a (Ulysses all-to-all from sequence "
+                      "to head shards; heads/tp must be divisible by cp)", "parallelism",
+                      choices=CP_COMM_TYPES),
+    "pp": F("pipeline-parallel size (stages)", "parallelism", ("--pipeline-model-parallel-size",)),
+    "dp": F("data-parallel size", "parallelism", ("--data-parallel-size",), default_text="world / (tp x pp)"),
+    "virtual_pipeline_size": F("model chunks per pipeline stage (interleaved schedule)", "parallelism",
+                               ("--virtual-pipeline-model-parallel-size", "--vp")),
+    "pipeline_schedule": F("pipeline schedule: gpipe, 1f1b, interleaved (with --vp), or a "
+                           "zero-bubble one splitting backwards into B and W: 1f1b-w, zb-h1, zb-v "
+                           "(two chunks per rank in a V)", "parallelism", choices=SCHEDULES),
+    "scatter_gather_tensors_in_pipeline": F("without sequence parallelism, send 1/tp of each "
+                                            "stage boundary tensor per TP rank and all-gather it "
+                                            "on the receiving stage", "parallelism"),
+    "stage_end_weight": F("count the embedding / output layer as this many blocks when splitting layers "
+                          "over stages (0: split by block count)", "parallelism"),
+    "sequence_parallel": F("keep norms, dropout and residuals on a sequence shard (needs --tp > 1)",
+                           "parallelism"),
+    "recompute": F("activation recomputation", "parallelism", ("--recompute-granularity",), RECOMPUTE),
+    "use_distributed_optimizer": F("the distributed optimizer: shard the optimizer state over DP "
+                                   "ranks (ZeRO-1; --zero-stage 2 also the gradients)", "parallelism"),
+    "zero_stage": F("with --use-distributed-optimizer: 1 shards the optimizer state over DP (ZeRO-1); "
+                    "2 also keeps only this rank's shard of the fp32 gradient once a bucket is "
+                    "reduce-scattered (ZeRO-2)", "parallelism", choices=(1, 2)),
+    "overlap_grad_reduce": F("launch each gradient bucket's reduction as soon as its last gradient "
+                             "is in, during backward (--no-overlap-grad-reduce: all after backward)",
+                             "parallelism"),
+    "overlap_param_gather": F("with --use-distributed-optimizer: leave each bucket's parameter "
+                              "all-gather in flight until the next forward reaches the first module "
+                              "using it (--no-overlap-param-gather: wait right after the update; "
+                              "always so under --compile)", "parallelism"),
+    "order": F("rank order of the grid, fastest-varying first", "parallelism"),
+    "bucket_size_mb": F("size of a DP gradient bucket in MB", "parallelism"),
+    "timeout_s": F("seconds a collective may take before the job ends naming it", "parallelism"),
+    "backend_rules": F("check every collective against a backend's rules before it is issued: auto "
+                       "(the backend's own on NPU/GPU, none on gloo), none, hccl (Atlas A2/A3), "
+                       "hccl:950, nccl; default from GRIDTRON_BACKEND_RULES", "parallelism",
+                       choices=BACKEND_RULES),
+    "grad_compression": F("DP gradient compression", "parallelism", choices=COMPRESSORS),
+    "grad_compression_ratio": F("fraction of entries top-k keeps", "parallelism", ("--topk-ratio",)),
+    "grad_compression_warmup_steps": F("optimizer steps that exchange uncompressed gradients before "
+                                       "--grad-compression starts; top-k takes Adam's second moment "
+                                       "from them, so it needs at least 1", "parallelism"),
+    "grad_compression_variance_refresh": F("top-k: steps between refreshes of Adam's frozen second "
+                                           "moment from the DP ranks' local squared gradients (0: "
+                                           "keep the one from the warm-up)", "parallelism"),
+    "grad_compression_policy": F("per-branch compression rules as a JSON object (see "
+                                 "configs/compression_policy.yaml)", "parallelism"),
+    "device": F("device type", "parallelism", choices=DEVICES),
+    # ---- training ----------------------------------------------------------------------------
+    "train_iters": F("total optimizer steps (a resumed run continues up to it)", "training", ("--iters",)),
+    "micro_batch_size": F("sequences per micro-batch", "training", ("--mbs",)),
+    "global_batch_size": F("sequences per optimizer step (micro-batches = global / (micro x dp))",
+                           "training", ("--gbs",)),
+    "lr": F("peak learning rate", "training"),
+    "min_lr": F("learning rate at the end of the decay", "training"),
+    "lr_warmup_iters": F("steps of linear warm-up", "training"),
+    "lr_decay_style": F("learning-rate decay after warm-up", "training", choices=DECAY_STYLES),
+    "lr_decay_iters": F("step at which the decay reaches --min-lr", "training",
+                        default_text="--train-iters"),
+    "weight_decay": F("AdamW weight decay (not on biases, norms and position tables)", "training"),
+    "adam_beta1": F("AdamW beta1", "training"),
+    "adam_beta2": F("AdamW beta2", "training"),
+    "adam_eps": F("AdamW epsilon", "training"),
+    "clip_grad": F("clip the global gradient norm to this (0: off)", "training"),
+    "seed": F("seed of initialisation, sampling, document split and dropout", "training"),
+    "rerun_on_anomaly": F("a non-finite or spiking loss or gradient norm re-runs the step once from "
+                          "its saved inputs before any update: a clean re-run (transient fault) is "
+                          "applied, a repeated non-finite one stops the run naming the rank, "
+                          "micro-batch and parameter", "training"),
+    "spike_factor": F("a loss or gradient norm above this many times the median of the last "
+                      "--spike-window steps is an anomaly (0: off)", "training"),
+    "spike_window": F("steps in the running median of --spike-factor", "training"),
+    "compile": F("torch.compile the model chunks with the device's backend", "training"),
+    # ---- mixed precision ---------------------------------------------------------------------
+    "precision": F("parameter and compute precision (--bf16 / --fp16 also work)", "mixed precision",
+                   choices=PRECISIONS),
+    "initial_loss_scale": F("fp16: starting loss scale", "mixed precision"),
+    "loss_scale_window": F("fp16: steps without overflow before the scale doubles", "mixed precision"),
+    "hysteresis": F("fp16: overflows tolerated before the scale halves", "mixed precision"),
+    "allow_tf32": F("let fp32 matmuls use TF32 (CUDA) or HF32 (Ascend); MFU then divides by that "
+                    "peak", "mixed precision"),
+    "min_loss_scale": F("fp16: the scale never drops below this", "mixed precision"),
+    # ---- data --------------------------------------------------------------------------------
+    "data_path": F("prepared data: PREFIX (Megatron's PREFIX.bin/.idx), or a blend 'W1 PREFIX1 W2 "
+                   "PREFIX2 ...', or several prefixes weighted by size", "data",
+                   default_text="the built-in corpus"),
+    "split": F("train,validation,test weights; documents are assigned by a seeded shuffle", "data"),
+    "mock_data": F("random tokens instead of data (needs --vocab-size)", "data"),
+    "tokenizer": F("tokenizer of the built-in corpus: byte or bpe:N", "data"),
+    "tokenizer_type": F("Megatron tokenizer type (with --tokenizer-model, or --vocab-file/--merge-file "
+                        "for GPT2BPETokenizer)", "data", choices=TOKENIZER_TYPES),
+    "tokenizer_model": F("a tokenizer.json or a Hugging Face tokenizer directory", "data"),
+    "vocab_file": F("GPT-2's vocab.json (GPT2BPETokenizer)", "data"),
+    "merge_file": F("GPT-2's merges.txt (GPT2BPETokenizer)", "data"),
+    "cache_dir": F("cache of the built-in corpus", "data", default_text="~/.cache/gridtron/corpus"),
+    "reset_attention_mask": F("packed documents: no attention across end-of-document tokens", "data"),
+    "reset_position_ids": F("packed documents: positions restart after each end-of-document token", "data"),
+    "eod_mask_loss": F("packed documents: no loss on end-of-document tokens", "data"),
+    # ---- checkpoints -------------------------------------------------------------------------
+    "save": F("checkpoint directory", "checkpoints", default_text="RUN_DIR/checkpoints with --run-dir"),
+    "save_interval": F("save every N steps (0: only at the end)", "checkpoints"),
+    "load": F("checkpoint (or --save root) to start from", "checkpoints"),
+    "keep_last": F("checkpoints kept in --save", "checkpoints"),
+    "async_save": F("copy each save to host memory at the step boundary and write it in the "
+                    "background while training goes on; latest moves once every rank's files are "
+                    "complete and verified", "checkpoints"),
+    "finetune": F("load only the model weights from --load: step 0, fresh optimizer and sampler",
+                  "checkpoints"),
+    "load_optim": F("restore the optimizer state from --load (--no-load-optim: fresh AdamW moments)",
+                    "checkpoints"),
+    "load_rng": F("restore the random states from --load", "checkpoints"),
+    "use_checkpoint_args": F("take the model shape (layers, width, heads, block, ...) from --load",
+                             "checkpoints"),
+    # ---- logging -----------------------------------------------------------------------------
+    "run_dir": F("root of the run's outputs: metrics.jsonl, timeline.json, loss.png, checkpoints/, "
+                 "compile_cache/", "logging"),
+    "metrics_file": F("JSONL metrics, one object per step", "logging", default_text="RUN_DIR/metrics.jsonl"),
+    "timeline": F("Chrome-trace timeline of the last steps", "logging", default_text="RUN_DIR/timeline.json"),
+    "profile_steps": F("optimizer steps A-B (1-based) recorded by torch.profiler (ops, shapes, "
+                       "memory), one Perfetto trace per rank", "logging"),
+    "profile_dir": F("where --profile-steps writes its traces", "logging",
+                     default_text="<run-dir>/profile"),
+    "plot": F("PNG of loss and throughput", "logging", default_text="RUN_DIR/loss.png"),
+    "log_interval": F("steps between console lines and dashboard points", "logging"),
+    "log_straggler": F("every --log-interval steps, report the slowest ranks by compute and the rank "
+                       "the others waited for in collectives (straggler_rank, straggler_ratio)",
+                       "logging"),
+    "eval_interval": F("validate every N steps (0: never)", "logging"),
+    "eval_iters": F("global batches per validation", "logging"),
+    "progress": F("progress bar on stderr", "logging"),
+    "peak_tflops": F("device peak TFLOP/s for MFU", "logging", default_text="from the hardware table"),
+    "tensorboard_dir": F("write TensorBoard event files here", "logging"),
+    "wandb_project": F("log to this Weights & Biases project (pip install wandb)", "logging"),
+    "wandb_exp_name": F("W&B run name", "logging"),
+    "wandb_save_dir": F("where W&B keeps its files", "logging", default_text="RUN_DIR, else ."),
+    "wandb_mode": F("W&B mode (offline needs no network; wandb sync uploads later)", "logging",
+                    choices=WANDB_MODES),
+}
+
+# Megatron spellings that set a field to one value.
+CONSTANTS = {
+    "--bf16": ("precision", "bf16", "same as --precision bf16", "mixed precision"),
+    "--fp16": ("precision", "fp16", "same as --precision fp16", "mixed precision"),
+    "--recompute-activations": ("recompute", "selective", "same as --recompute selective", "parallelism"),
+}
+
+_BLOCK = ("the block decides it: --block llama (RMSNorm, RoPE, SwiGLU, no biases, untied output) "
+          "or --block gpt2 (LayerNorm, learned positions, GELU, biases, tied embeddings)")
+_KERNELS = "kernels are chosen per device (kernels/); drop the flag"
+# Megatron flags without a field here, and what to do instead.
+MEGATRON_ANSWERS: dict[str, str] = {
+    "--use-flash-attn": _KERNELS, "--transformer-impl": _KERNELS,
+    "--use-mcore-models": "there is one model implementation; drop the flag",
+    "--no-masked-softmax-fusion": _KERNELS, "--attention-softmax-in-fp32": _KERNELS,
+    "--swiglu": _BLOCK, "--normalization": _BLOCK,
+    "--position-embedding-type": _BLOCK, "--use-rotary-position-embeddings": _BLOCK,
+    "--untie-embeddings-and-output-weights": _BLOCK, "--disable-bias-linear": _BLOCK,
+    "--attention-dropout": "one --dropout (alias --hidden-dropout) covers attention and "
+                           "residual dropout",
+    "--distributed-backend": "the backend follows the device (nccl on CUDA, hccl on Ascend, "
+                             "gloo on CPU); choose the device with --device",
+    "--lr-warmup-fraction": "give the warm-up in steps with --lr-warmup-iters",
+    "--train-samples": "give the length in steps with --train-iters (samples = steps x "
+                        "--global-batch-size)",
+    "--lr-decay-samples": "give the decay length in steps with --lr-decay-iters",
+    "--lr-warmup-samples": "give the warm-up in steps with --lr-warmup-iters",
+    "--loss-scale": "fp16 uses a dynamic loss scaler: set its start with --initial-loss-scale",
+    "--make-vocab-size-divisible-by": "the vocabulary is padded to a multiple of 128 x tp "
+                                      "automatically; drop the flag",
+    "--num-workers": "data is memory-mapped and read in the training process; drop the flag",
+    "--data-impl": "data is always Megatron's memory-mapped indexed format; drop the flag",
+    "--expert-model-parallel-size": "mixture-of-experts models are not supported",
+    "--num-experts": "mixture-of-experts models are not supported",
+    "--tensorboard-log-interval": "dashboards follow --log-interval",
+}

@@ -1,0 +1,120 @@
+"""YAML recipes (``--config FILE``): the same keys as the flags, checked against the config's types.
+
+Keys are snake_case or dashed, flat or grouped under the config's own sections (``model:``,
+``parallel:``, ``optim:``, ``precision:``, ``data:``, ``compression:``, ``checkpoint:``, ``log:``).
+PyYAML reads ``3e-4`` as a string (YAML 1.1 wants ``3.0e-4``): a float field accepts it. Everything
+else must already have the field's type: ``num_layers: 2.7`` or ``mock_data: "false"`` is an error
+naming the key, the value and the type expected. Malformed YAML is one line with file, line and
+column.
+"""
+from __future__ import annotations
+
+import yaml
+
+from engine.base import ConfigError, FieldInfo
+from engine.config.fields import SECTIONS, field_table, flag_info, suggest
+
+TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+              dict: "a mapping", list: "a list (or one string)"}
+
+
+def _expected(info: FieldInfo) -> str:
+    return TYPE_NAMES[info.type] + (" or null" if info.optional else "")
+
+
+def coerce(key: str, value, info: FieldInfo, where: str):
+    """``value`` as the field's type, or a ConfigError that says what was expected."""
+    def bad():
+        return ConfigError(f"{where}: {key}: {value!r} is not {_expected(info)} "
+                           f"({info.type.__name__} expected)")
+    if value is None:
+        if info.optional:
+            return None
+        raise bad()
+    tp = info.type
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad()
+    elif tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad()
+    elif tp is float:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise bad() from None
+        elif not isinstance(value, (int, float)):
+            raise bad()
+        value = float(value)
+    elif tp is str:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise bad()
+        value = str(value)
+    elif tp is list:
+        if isinstance(value, str):
+            value = value.split()
+        elif not isinstance(value, list) or any(isinstance(v, (bool, list, dict)) or v is None
+                                                for v in value):
+            raise bad()
+        value = [str(v) for v in value]
+    elif tp is dict:
+        if not isinstance(value, dict):
+            raise bad()
+    choices = flag_info(key).choices
+    if choices and value is not None and value not in choices:
+        raise ConfigError(f"{where}: {key}: {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def _read(path: str):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return yaml.safe_load(fh)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"--config {path}: no such file") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+        raise ConfigError(f"--config {where}: malformed YAML: {problem}") from exc
+
+
+def _unknown(key: str, table: dict, where: str) -> ConfigError:
+    close = suggest(key, {k.replace("_", "-"): k for k in table})
+    hint = f"; did you mean {close.replace('-', '_')!r}?" if close else ""
+    return ConfigError(f"{where}: unknown key {key!r}{hint}")
+
+
+def load_recipe(path: str) -> dict:
+    """The recipe's {field: value}, flattened and type-checked."""
+    raw = _read(path) or {}
+    where = f"--config {path}"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: a recipe is a mapping of keys to values")
+    table, values = field_table(), {}
+
+    def put(key, value, section=None):
+        name = str(key).replace("-", "_")
+        if name not in table:
+            raise _unknown(str(key), table, where)
+        info = table[name]
+        if section is not None and info.section != section:
+            home = f"{info.section}:" if info.section else "the top level"
+            raise ConfigError(f"{where}: {key!r} is not a {section} key; it belongs under {home}")
+        if name in values:
+            raise ConfigError(f"{where}: {name} is given twice")
+        values[name] = coerce(name, value, info, where)
+
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name in SECTIONS and isinstance(value, dict):
+            for inner, v in value.items():
+                put(inner, v, name)
+        elif name in SECTIONS and name not in table:
+            raise ConfigError(f"{where}: {key}: expected a mapping of {name} keys, got {value!r}")
+        else:
+            put(key, value)
+    return values

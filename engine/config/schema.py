@@ -1,0 +1,338 @@
+"""Typed run configuration: one small dataclass per concern, each validated in __post_init__.
+
+``RunConfig`` bundles them for the trainer; layers only ever see the piece they need (GPTConfig,
+LayerContext), never the whole run configuration.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from models.config import GPTConfig
+from parallel.pipeline.schedules import chunks_per_rank, schedule_placement
+from parallel.topology import RankGrid
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "1f1b-w", "zb-h1", "zb-v")
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "selective", "full")
+COMPRESSORS = ("none", "int8", "topk")
+CP_COMM_TYPES = ("p2p", "a2a")
+BACKEND_RULES = ("auto", "none", "hccl", "hccl:950", "nccl")
+DECAY_STYLES = ("cosine", "linear", "constant")
+DEVICES = ("auto", "npu", "cuda", "cpu")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def parse_steps(text: str | None) -> tuple[int, int] | None:
+    """``"3-5"`` -> (3, 5); ``"4"`` -> (4, 4); None -> None. Steps are 1-based."""
+    if text is None or str(text).strip() == "":
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+))?\s*", str(text))
+    if not match:
+        raise ValueError(f"--profile-steps takes A-B (steps A to B, 1-based), e.g. 3-5, got {text!r}")
+    first, last = int(match.group(1)), int(match.group(2) or match.group(1))
+    if first < 1 or last < first:
+        raise ValueError(f"--profile-steps {text}: need 1 <= A <= B")
+    return first, last
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None  # default: world / (tp * cp * pp)
+    cp: int = 1  # context parallelism: each sample's sequence split over cp ranks
+    # context-parallel attention: p2p (ring attention, load-balanced causal chunks) or a2a (Ulysses:
+    # all-to-all from sequence to head shards; needs heads / tp divisible by cp)
+    cp_comm_type: str = "p2p"
+    virtual_pipeline_size: int = 1
+    # 1f1b-w, zb-h1 and zb-v split every backward into B (input gradient) and W (weight gradients);
+    # zb-v holds two chunks per rank in a V (parallel/pipeline/zero_bubble.py)
+    pipeline_schedule: str = "1f1b"
+    # without sequence parallelism each TP rank sends 1/tp of a stage boundary tensor and the
+    # receiving stage all-gathers it over TP (Megatron-LM's name)
+    scatter_gather_tensors_in_pipeline: bool = True
+    # count the embedding / output layer as this many blocks when splitting layers over stages
+    # (0: split by block count alone, which needs num_layers % (pp * vp) == 0)
+    stage_end_weight: float = 0.0
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    use_distributed_optimizer: bool = False
+    # help: with --use-distributed-optimizer: 1 shards the optimizer state over DP (ZeRO-1); 2 also
+    # keeps only this rank's shard of the fp32 gradient once a bucket is reduce-scattered (ZeRO-2)
+    zero_stage: int = 1
+    # help: launch each gradient bucket's reduction as soon as its last gradient is in, during
+    # backward (--no-overlap-grad-reduce: all of them after backward)
+    overlap_grad_reduce: bool = True
+    # help: with --use-distributed-optimizer: leave each bucket's parameter all-gather in flight
+    # until the next forward reaches the first module using it (--no-overlap-param-gather: wait
+    # right after the update; always so under --compile)
+    overlap_param_gather: bool = True
+    order: str = "tp-cp-dp-pp"
+    bucket_size_mb: float = 25.0
+    timeout_s: float = 300.0
+    # check every collective against a backend's rules: auto (the backend's own on NPU/GPU, none on
+    # gloo), none, hccl (Atlas A2/A3), hccl:950, nccl
+    backend_rules: str = "auto"
+
+    def __post_init__(self):
+        if self.backend_rules not in BACKEND_RULES:
+            raise ValueError(f"--backend-rules must be one of {BACKEND_RULES}, got {self.backend_rules!r}")
+        for key in ("tp", "cp", "pp", "virtual_pipeline_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"--cp-comm-type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
+        if self.pipeline_schedule not in SCHEDULES:
+            raise ValueError(f"--pipeline-schedule must be one of {SCHEDULES}, got {self.pipeline_schedule!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"--recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.stage_end_weight < 0:
+            raise ValueError(f"--stage-end-weight must be >= 0, got {self.stage_end_weight}")
+        if self.pipeline_schedule == "zb-v" and self.virtual_pipeline_size not in (1, 2):
+            raise ValueError(f"--pipeline-schedule zb-v always runs 2 model chunks per rank (in a "
+                             f"V); drop --virtual-pipeline-size {self.virtual_pipeline_size} or "
+                             f"set it to 2")
+        if self.virtual_pipeline_size > 1 and self.pipeline_schedule not in ("interleaved", "zb-v"):
+            raise ValueError("--virtual-pipeline-size > 1 needs --pipeline-schedule interleaved")
+        if self.pipeline_schedule == "interleaved" and self.pp == 1:
+            raise ValueError("--pipeline-schedule interleaved needs --pp > 1")
+        if self.zero_stage not in (1, 2):
+            raise ValueError(f"--zero-stage must be 1 or 2, got {self.zero_stage} (stage 0 is "
+                             f"the default optimizer: leave out --use-distributed-optimizer)")
+        if self.zero_stage == 2 and not self.use_distributed_optimizer:
+            raise ValueError("--zero-stage 2 shards the distributed optimizer's gradients: add "
+                             "--use-distributed-optimizer")
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks a pipeline rank holds: 2 for zb-v (pp > 1), else --virtual-pipeline-size."""
+        return 1 if self.pp == 1 else chunks_per_rank(self.pipeline_schedule, self.virtual_pipeline_size)
+
+    @property
+    def placement(self) -> str:
+        """How chunks sit on ranks: "v" for zb-v (pp > 1), else Megatron's loop."""
+        return "loop" if self.pp == 1 else schedule_placement(self.pipeline_schedule)
+
+    def grid(self, world_size: int) -> RankGrid:
+        mp = self.tp * self.cp * self.pp
+        dp = self.dp if self.dp is not None else world_size // mp
+        if dp < 1 or mp * dp != world_size:
+            cp = f"{self.cp}*" if self.cp > 1 else ""
+            raise ValueError(f"world size {world_size} != tp*{'cp*' if cp else ''}pp*dp = {self.tp}*"
+                             f"{cp}{self.pp}*{self.dp if self.dp is not None else '?'}; launch that "
+                             f"many processes or change --tp/--cp/--pp/--dp")
+        return RankGrid(tp=self.tp, cp=self.cp, pp=self.pp, dp=dp, order=self.order)
+
+
+@dataclass
+class OptimConfig:
+    train_iters: int = 100
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    lr_warmup_iters: int = 10
+    lr_decay_style: str = "cosine"
+    lr_decay_iters: int | None = None  # default: train_iters
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    # bad steps (engine/observe/anomaly.py): a non-finite or spiking loss or gradient norm is caught before
+    # the update; with rerun_on_anomaly the step runs again once from its saved inputs
+    rerun_on_anomaly: bool = False
+    spike_factor: float = 0.0   # a value above this x the running median is a spike (0: off)
+    spike_window: int = 32      # steps in that running median
+
+    def __post_init__(self):
+        if self.spike_factor != 0 and self.spike_factor <= 1:
+            raise ValueError(f"--spike-factor must be above 1 (or 0: off), got {self.spike_factor}; "
+                             f"a spike is a value above that many times the running median")
+        if self.spike_window < 1:
+            raise ValueError(f"--spike-window must be >= 1, got {self.spike_window}")
+        if self.train_iters < 1:
+            raise ValueError(f"--train-iters must be >= 1, got {self.train_iters}")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= --min-lr <= --lr and --lr > 0, got lr={self.lr} min_lr={self.min_lr}")
+        if self.lr_decay_style not in DECAY_STYLES:
+            raise ValueError(f"--lr-decay-style must be cosine, linear or constant, got {self.lr_decay_style!r}")
+        if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
+            raise ValueError(f"--lr-decay-iters {self.lr_decay_iters} must be above --lr-warmup-iters "
+                             f"{self.lr_warmup_iters}")
+        if self.lr_warmup_iters < 0 or self.clip_grad < 0 or self.weight_decay < 0:
+            raise ValueError("--lr-warmup-iters, --clip-grad and --weight-decay must be >= 0")
+
+
+@dataclass
+class PrecisionConfig:
+    precision: str = "fp32"
+    initial_loss_scale: float = 1024.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    # help: let fp32 matmuls run on TF32 (NVIDIA) / HF32 (Ascend) units; MFU then divides by the
+    # TF32/HF32 peak instead of the plain fp32 one
+    allow_tf32: bool = False
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.initial_loss_scale <= 0 or self.loss_scale_window < 1 or self.hysteresis < 1:
+            raise ValueError("--initial-loss-scale must be > 0, --loss-scale-window and --hysteresis >= 1")
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] | None = None  # [PREFIX], or Megatron's blend [W1, PREFIX1, W2, PREFIX2, ...]
+    split: str = "969,30,1"
+    mock_data: bool = False
+    tokenizer: str = "bpe:8192"
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    cache_dir: str | None = None
+    # help: packed documents: each token attends only to earlier tokens of its own document (the
+    # end-of-document token closes a document), as Megatron-LM's --reset-attention-mask
+    reset_attention_mask: bool = False
+    # help: packed documents: positions restart at 0 after every end-of-document token (learned
+    # position embeddings and RoPE alike), as Megatron-LM's --reset-position-ids
+    reset_position_ids: bool = False
+    # help: drop the loss where the input is the end-of-document token (its target starts the next
+    # document); the loss is the mean over the remaining tokens of the global batch
+    eod_mask_loss: bool = False
+
+    def __post_init__(self):
+        from engine.data.blend import parse_data_path
+        from engine.data.splits import parse_split
+        if isinstance(self.data_path, str):
+            self.data_path = self.data_path.split()
+        if self.data_path is not None:
+            self.data_path = [str(p) for p in self.data_path]
+            parse_data_path(self.data_path)
+        parse_split(self.split)
+        if self.micro_batch_size < 1 or self.global_batch_size < 1:
+            raise ValueError("--micro-batch-size and --global-batch-size must be >= 1")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"--global-batch-size {self.global_batch_size} is not a multiple of "
+                             f"--micro-batch-size {self.micro_batch_size}")
+
+    def num_microbatches(self, dp: int) -> int:
+        if self.global_batch_size % (self.micro_batch_size * dp):
+            raise ValueError(
+                f"--global-batch-size {self.global_batch_size} is not divisible by micro-batch-size x "
+                f"dp = {self.micro_batch_size} x {dp}; choose a global batch that is a multiple of "
+                f"{self.micro_batch_size * dp}")
+        return self.global_batch_size // (self.micro_batch_size * dp)
+
+
+@dataclass
+class CompressionConfig:
+    grad_compression: str = "none"
+    grad_compression_ratio: float = 0.01
+    grad_compression_policy: dict | None = None
+    # help: optimizer steps that exchange uncompressed gradients before --grad-compression starts;
+    # top-k takes Adam's second moment from them, so it needs at least 1
+    grad_compression_warmup_steps: int = 4
+    # help: top-k: steps between refreshes of Adam's frozen second moment from the DP ranks' local
+    # squared gradients (0: keep the one from the warm-up)
+    grad_compression_variance_refresh: int = 100
+
+    def __post_init__(self):
+        if self.grad_compression not in COMPRESSORS:
+            raise ValueError(f"--grad-compression must be one of {COMPRESSORS}, got {self.grad_compression!r}")
+        if not 0.0 < self.grad_compression_ratio <= 1.0:
+            raise ValueError(f"--grad-compression-ratio must be in (0, 1], got {self.grad_compression_ratio}")
+        if self.grad_compression_warmup_steps < 0 or self.grad_compression_variance_refresh < 0:
+            raise ValueError("--grad-compression-warmup-steps and --grad-compression-variance-refresh "
+                             "must be >= 0")
+        if self.grad_compression == "topk" and self.grad_compression_warmup_steps < 1:
+            raise ValueError("--grad-compression topk needs --grad-compression-warmup-steps >= 1: "
+                             "Adam's second moment of the compressed parameters comes from the "
+                             "uncompressed warm-up steps")
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None
+    save_interval: int = 0
+    load: str | None = None
+    keep_last: int = 2
+    finetune: bool = False
+    load_optim: bool = True
+    load_rng: bool = True
+    use_checkpoint_args: bool = False
+    async_save: bool = False  # copy shards to host at the step boundary, write them in the background
+
+    def __post_init__(self):
+        if self.save_interval < 0 or self.keep_last < 1:
+            raise ValueError("--save-interval must be >= 0 and --keep-last >= 1")
+
+
+@dataclass
+class LogConfig:
+    run_dir: str | None = None
+    metrics_file: str | None = None  # default RUN_DIR/metrics.jsonl
+    timeline: str | None = None      # default RUN_DIR/timeline.json
+    plot: str | None = None          # default RUN_DIR/loss.png
+    log_interval: int = 10
+    log_straggler: bool = True  # every log_interval steps, name the ranks the others waited for
+    eval_interval: int = 0
+    eval_iters: int = 4
+    progress: bool = True
+    peak_tflops: float | None = None
+    tensorboard_dir: str | None = None
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    wandb_mode: str = "online"
+    # help: optimizer steps A-B (1-based) recorded by torch.profiler (ops, shapes, memory) into
+    # --profile-dir, default <run-dir>/profile
+    profile_steps: str | None = None
+    profile_dir: str | None = None
+
+    def __post_init__(self):
+        if self.eval_interval < 0 or self.eval_iters < 1:
+            raise ValueError("--eval-interval must be >= 0 and --eval-iters >= 1")
+        if self.log_interval < 1:
+            raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
+        if self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"--wandb-mode must be one of {WANDB_MODES}, got {self.wandb_mode!r}")
+        if self.profile_steps is not None:
+            parse_steps(self.profile_steps)
+        if self.run_dir:
+            for key, name in RUN_DIR_FILES.items():
+                if getattr(self, key) is None:
+                    setattr(self, key, os.path.join(self.run_dir, name))
+
+    @property
+    def compile_cache_root(self) -> str:
+        return self.run_dir or "runs/latest"
+
+
+RUN_DIR_FILES = {"metrics_file": "metrics.jsonl", "timeline": "timeline.json", "plot": "loss.png"}
+
+
+@dataclass
+class RunConfig:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    device: str = "auto"
+    compile: bool = False
+    seed: int = 1234
+    explicit: tuple[str, ...] = ()  # the keys a user set (flags or recipe), filled in by engine.config.cli
+
+    def __post_init__(self):
+        if self.log.run_dir and self.checkpoint.save is None:
+            self.checkpoint.save = os.path.join(self.log.run_dir, "checkpoints")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")

@@ -1,0 +1,142 @@
+"""Ascend chip capabilities, as data: which generation a device name belongs to, which fused
+torch_npu ops its documentation supports there, and how the chip reports a float overflow.
+
+Pure Python (no torch_npu): the device module (engine/device/runtime.py) reads the chip's name with
+``torch_npu.npu.get_device_name`` and hands it to ``npu_kernel_paths`` and ``overflow_mode``; the
+choice travels down to the kernels as a ``kernels.dispatch.KernelPaths`` (nothing below the engine
+reads a chip name). Peaks and memory per SKU are in ``engine/plan/hardware.py``; docs/hardware.md
+joins the two tables.
+
+Device names (torch_npu ``get_device_name``, the SoC names of torch_npu's ``SocVersion`` enum and of
+the CANN runtime), by product generation:
+
+=================  ==========================================  ====================================
+generation         names                                       product
+=================  ==========================================  ====================================
+atlas-training     Ascend910A, Ascend910ProA, Ascend910PremiumA, Atlas training series (Ascend 910)
+                   Ascend910ProB, Ascend910B (no digit: the
+                   first-generation SoC 104, not a 910B1-B4)
+atlas-a2           Ascend910B1, B2, B2C, B3, B4, B4-1           Atlas A2 training series (910B)
+atlas-a3           Ascend910_9391, _9381, _9372, _9392, _9382,  Atlas A3 training series (910C)
+                   _9362
+ascend950          Ascend950PR_*, Ascend950DT_*                 Ascend 950 (Atlas 350)
+=================  ==========================================  ====================================
+
+Fused ops per generation (a generation missing from a row runs the portable reference path, with
+one note at start-up):
+
+- ``npu_fusion_attention`` (FlashAttentionScore): Atlas A2 training series in the op-plugin API
+  page (docs/context/torch_npu-npu_fusion_attention.md); A2 and A3 in Ascend Extension for PyTorch
+  6.0.0, "FlashAttentionScore" (ptmoddevg/trainingmigrguide/performance_tuning_0027); 950PR/950DT,
+  A3 and A2 training in CANN ops-transformer attention/flash_attention_score/README.md. Not the
+  Atlas training series.
+- ``npu_swiglu``: Atlas A2 training series (op-plugin and torch_npu 6.0/7.x API pages), A2 and A3
+  ("SwiGlu", Ascend Extension for PyTorch 7.3.0 performance_tuning_0035). Nothing published for the
+  Atlas training series or the 950.
+- ``npu_rms_norm``: Atlas training, A2 and A3 training series (Ascend Extension for PyTorch 6.0.0 and
+  7.0.0 API reference, "torch_npu.npu_rms_norm").
+- ``npu_rotary_mul``: Atlas training, A2 and A3 training series (op-plugin 7.3.0
+  docs/context/torch_npu-npu_rotary_mul.md).
+
+Float overflow (CANN runtime, ``aclrtFloatOverflowMode``; TF adapter ``set_device_sat_mode``; CANN
+environment variable ``INF_NAN_MODE_ENABLE``): the Atlas training series supports only the
+saturation mode (an overflow becomes +-MAX, a NaN becomes 0, so ``isfinite`` never fires); A2 and A3
+default to the IEEE Inf/NaN mode and can be switched to saturation (``INF_NAN_MODE_ENABLE=0``);
+the 950 supports only Inf/NaN. On a saturation-mode chip the overflow check reads the float status
+register instead (``torch_npu.npu_clear_float_status`` / ``npu_get_float_status``, documented for
+the Atlas training, A2 and A3 series), see engine/device/runtime.py.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from kernels.dispatch import KernelPaths
+
+
+@dataclass(frozen=True)
+class Generation:
+    key: str
+    product: str
+    patterns: tuple[str, ...]     # regexes on the lower-cased name with spaces, '-' and '_' removed
+    overflow: str                 # default mode: "saturation" or "inf_nan"
+    saturation_only: bool = False
+    inf_nan_only: bool = False
+
+
+GENERATIONS = (
+    Generation("atlas-a2", "Atlas A2 training series", (r"^ascend910b[1-4]",), "inf_nan"),
+    Generation("atlas-a3", "Atlas A3 training series", (r"^ascend9109[0-9]{3}$",), "inf_nan"),
+    Generation("ascend950", "Ascend 950 (Atlas 350)", (r"^ascend950",), "inf_nan", inf_nan_only=True),
+    Generation("atlas-training", "Atlas training series", (r"^ascend910(a|proa|premiuma|prob|b)?$",),
+               "saturation", saturation_only=True),
+)
+
+# op (a KernelPaths field) -> generations whose documentation lists it; sources in the docstring
+FUSED_OPS = MappingProxyType({
+    "fusion_attention": frozenset({"atlas-a2", "atlas-a3", "ascend950"}),
+    "swiglu": frozenset({"atlas-a2", "atlas-a3"}),
+    "rms_norm": frozenset({"atlas-training", "atlas-a2", "atlas-a3"}),
+    "rotary_mul": frozenset({"atlas-training", "atlas-a2", "atlas-a3"}),
+})
+TORCH_NPU_OPS = MappingProxyType({"fusion_attention": "npu_fusion_attention", "swiglu": "npu_swiglu",
+                                  "rms_norm": "npu_rms_norm", "rotary_mul": "npu_rotary_mul"})
+OVERFLOW_MODES = ("saturation", "inf_nan")
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[\s_\-]+", "", name.strip().lower())
+
+
+def generation_of(device_name: str) -> Generation | None:
+    """The generation of an Ascend device name, or None (not an Ascend training chip we know).
+
+    >>> [generation_of(n).key for n in ("Ascend910B2", "Ascend910_9392", "Ascend910ProB", "Ascend950PR_9589")]
+    ['atlas-a2', 'atlas-a3', 'atlas-training', 'ascend950']
+    """
+    key = _normalise(device_name)
+    for gen in GENERATIONS:
+        if any(re.search(p, key) for p in gen.patterns):
+            return gen
+    return None
+
+
+def npu_kernel_paths(device_name: str) -> tuple[KernelPaths, list[str]]:
+    """The fused ops an NPU of this name runs, and one note per op it does not (reference path).
+
+    >>> paths, notes = npu_kernel_paths("Ascend910A")
+    >>> paths.fusion_attention, paths.swiglu, paths.rms_norm, paths.rotary_mul, len(notes)
+    (False, False, True, True, 2)
+    """
+    gen = generation_of(device_name)
+    flags, notes = {}, []
+    for op, gens in FUSED_OPS.items():
+        flags[op] = gen is not None and gen.key in gens
+        if not flags[op]:
+            where = f"{gen.product} ({device_name})" if gen else f"unknown NPU {device_name!r}"
+            notes.append(f"torch_npu.{TORCH_NPU_OPS[op]} is not documented for {where}: "
+                         f"{op.replace('_', ' ')} runs the portable reference path")
+    return KernelPaths(**flags), notes
+
+
+def overflow_mode(device_name: str, runtime_inf_nan: bool | None = None) -> str:
+    """How this chip reports float overflow: "saturation" (read the float status register) or
+    "inf_nan" (gradients hold inf/nan, ``isfinite`` works).
+
+    ``runtime_inf_nan`` is what ``torch_npu.npu.utils.is_support_inf_nan()`` said (None: not asked);
+    it decides where the chip supports both modes (A2, A3 with ``INF_NAN_MODE_ENABLE``); a chip with
+    only one mode has that one. An unknown chip follows the runtime, else saturation (the safe
+    choice: the status register also catches an overflow that did produce inf).
+
+    >>> overflow_mode("Ascend910A"), overflow_mode("Ascend910B3"), overflow_mode("Ascend910B3", False)
+    ('saturation', 'inf_nan', 'saturation')
+    """
+    gen = generation_of(device_name)
+    if gen is not None and gen.saturation_only:
+        return "saturation"
+    if gen is not None and gen.inf_nan_only:
+        return "inf_nan"
+    if runtime_inf_nan is not None:
+        return "inf_nan" if runtime_inf_nan else "saturation"
+    return gen.overflow if gen is not None else "saturation"

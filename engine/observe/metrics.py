@@ -1,0 +1,242 @@
+"""Per-step metrics: the JSONL file of DESIGN.md, the progress bar and the closing summary.
+
+Only global rank 0 writes. The required keys are listed in REQUIRED_KEYS; the trainer fills them
+all (null where a value does not apply, e.g. the bubble without PP, or cannot be known);
+``valid_loss`` is added on the steps that validate. A fresh run truncates the file; a run resumed at
+step k keeps the records of steps 1..k and appends after them. The console shows a line (or the
+progress bar's figures) every ``log_interval`` steps. What the keys mean:
+
+- ``step_time_s``: device time of the whole step (an event pair on the device's stream, read after
+  the step; ``engine.device.clock.DeviceClock``); ``tokens_per_s`` = tokens / step_time_s.
+- ``tflops_per_device``: the FLOPs the step executed (recomputation included, as Megatron-LM and
+  the planner report) / step_time_s / devices, and ``hfu`` = that over the dense peak of the run's
+  precision; ``model_tflops_per_device``: the model's FLOPs only (no recomputation), and ``mfu`` =
+  that over the same peak (engine/observe/utilization.py). Null where the FLOPs or the peak are unknown.
+- ``bubble_measured``: per rank, device time in pipeline transfers plus idle before its first and
+  after its last action, over the pipeline phase; averaged over ranks (parallel/pipeline/bubble.py).
+  ``bubble_simulated``: the schedule replayed with this step's mean forward/backward time per stage.
+- ``time_forward_backward_s``, ``time_dp_finish_s``, ``time_grad_sync_s``, ``time_clip_s``,
+  ``time_optimizer_s``: device seconds of each part of the step on global rank 0 (engine/training/step.py);
+  none of them is in the bubble.
+- ``*_comm_bytes``: payload this rank handed to each group kind's collectives this step.
+
+Summaries (``summarize_run``) are totals over time with warm-up steps left out.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+REQUIRED_KEYS = ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens", "step_time_s",
+                 "tokens_per_s", "tflops_per_device", "mfu", "hfu", "bubble_theoretical",
+                 "bubble_simulated", "bubble_measured", "dp_comm_bytes", "dp_comm_wire_bytes",
+                 "tp_comm_bytes", "pp_comm_bytes", "param_bytes", "grad_bytes", "optimizer_state_bytes",
+                 "peak_memory_bytes", "time_forward_backward_s",
+                 "time_dp_finish_s", "time_grad_sync_s", "time_clip_s", "time_optimizer_s")
+# optional: the trainer's loop adds them; save_blocking_s is the time the step boundary spent on
+# checkpoints (the whole save when synchronous, the host copy and publication with --async-save),
+# null where it had none to do
+# anomaly: what made the step anomalous (a non-finite or spiking loss or gradient norm), rerun:
+# "transient" or "persistent" after a re-run (engine/observe/anomaly.py); straggler_rank / straggler_ratio /
+# straggler_waited_for every --log-interval steps (engine/observe/stragglers.py), null on other steps
+OPTIONAL_KEYS = ("save_blocking_s", "anomaly", "rerun", "straggler_rank", "straggler_ratio",
+                 "straggler_waited_for")
+
+
+@dataclass
+class MetricsLog:
+    path: str | None = None
+    enabled: bool = True
+    progress: bool = True
+    total_steps: int = 0
+    log_interval: int = 1
+    records: list[dict] = field(default_factory=list)
+    _bar: object = None
+    _fh: object = None
+
+    def __post_init__(self):
+        if not self.enabled:
+            return
+        if self.progress:
+            from tqdm import tqdm
+            self._bar = tqdm(total=self.total_steps, desc="train", unit="step", dynamic_ncols=True,
+                             file=sys.stderr)
+
+    def start_at(self, step: int) -> None:
+        """Open the file for a run that starts after ``step`` completed steps (0: a fresh run)."""
+        if self.enabled and self.path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            kept = []
+            if step and os.path.isfile(self.path):
+                with open(self.path, encoding="utf-8") as fh:
+                    for line in fh:
+                        try:
+                            if json.loads(line)["step"] <= step:
+                                kept.append(line if line.endswith("\n") else line + "\n")
+                        except (ValueError, KeyError, TypeError):
+                            continue  # a line cut short by a crash
+            tmp = f"{self.path}.tmp-{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.writelines(kept)
+            os.replace(tmp, self.path)
+            self._fh = open(self.path, "a", encoding="utf-8")
+        if self._bar is not None:
+            self._bar.update(step)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        missing = [k for k in REQUIRED_KEYS if k not in record]
+        if missing:
+            raise KeyError(f"metrics record misses {missing}")
+        self.records.append(record)
+        if self.path and self._fh is None:
+            self.start_at(0)
+        if self._fh:
+            self._fh.write(json.dumps(record) + "\n")
+            self._fh.flush()
+        due = record["step"] % self.log_interval == 0 or "valid_loss" in record
+        mfu = record["mfu"]
+        if self._bar is not None:
+            if due or record["step"] == 1:
+                self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                      mfu="n/a" if mfu is None else f"{100 * mfu:.1f}%", refresh=False)
+            self._bar.update(1)
+        elif due:
+            valid = f" | valid loss {record['valid_loss']:.4f}" if "valid_loss" in record else ""
+            print(f"step {record['step']}/{self.total_steps}: loss {record['loss']:.4f} | lr "
+                  f"{record['lr']:.3g} | {record['tokens_per_s']:.0f} tokens/s | MFU "
+                  f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'}{valid}", file=sys.stderr)
+
+    def note(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._fh:
+            self._fh.close()
+
+
+WARMUP_STEPS = 1  # steps the closing summary leaves out (allocator growth, lazy init, compile)
+
+
+def _weighted(kept: list[dict], key: str, weight: str = "step_time_s") -> float | None:
+    """sum(value * weight) / sum(weight): for a per-step rate weighted by the step's time, the
+    total over time (e.g. MFU = all model FLOPs / all seconds / devices / peak); None when any
+    step lacks the value (the total is then unknown)."""
+    pairs = [(r.get(key), r.get(weight)) for r in kept]
+    if not pairs or any(v is None or w is None for v, w in pairs):
+        return None
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total > 0 else None
+
+
+def steady(records: list[dict], warmup: int) -> list[dict]:
+    """The records after the first ``warmup`` steps; an error when nothing is left to measure."""
+    if warmup < 0:
+        raise ValueError(f"warm-up steps must be >= 0, got {warmup}")
+    kept = records[warmup:]
+    if not kept:
+        raise ValueError(f"{len(records)} steps recorded and {warmup} discarded as warm-up: nothing "
+                         f"left to measure; raise --steps above --warmup")
+    return kept
+
+
+def summarize_run(records: list[dict], warmup: int = WARMUP_STEPS) -> dict:
+    """Totals over time of the steps after the first ``warmup``, never means of per-step rates:
+    tokens/s = all tokens / all seconds; TFLOP/s, MFU and HFU = all FLOPs / all seconds (each step's
+    rate weighted by its time); the measured and simulated bubbles = idle time / pipeline time
+    (weighted by each step's forward/backward phase); bytes and ``time_*`` per step = totals / steps.
+    Shared by the trainer's closing table and the benchmarks (benchmarks/common.py)."""
+    kept = steady(records, warmup)
+    seconds = sum(r["step_time_s"] for r in kept)
+    tokens = sum(r["tokens"] for r in kept)
+    phase = "time_forward_backward_s" if all(r.get("time_forward_backward_s") is not None
+                                            for r in kept) else "step_time_s"
+    per_step = lambda key: (None if any(r.get(key) is None for r in kept)  # noqa: E731
+                            else sum(r[key] for r in kept) / len(kept))
+    out = {"steps": len(kept), "warmup": warmup, "first_step": kept[0].get("step"),
+           "last_step": kept[-1].get("step"), "seconds": seconds, "tokens": tokens,
+           "step_time_s": seconds / len(kept),
+           "tokens_per_s": tokens / seconds if seconds > 0 else None,
+           "tflops_per_device": _weighted(kept, "tflops_per_device"),
+           "model_tflops_per_device": _weighted(kept, "model_tflops_per_device"),
+           "mfu": _weighted(kept, "mfu"), "hfu": _weighted(kept, "hfu"),
+           "bubble_theoretical": kept[-1].get("bubble_theoretical"),
+           "bubble_simulated": _weighted(kept, "bubble_simulated", phase),
+           "bubble_measured": _weighted(kept, "bubble_measured", phase)}
+    for key in ("dp_comm_bytes", "dp_comm_wire_bytes", "tp_comm_bytes", "pp_comm_bytes",
+                "time_forward_backward_s", "time_dp_finish_s", "time_grad_sync_s", "time_clip_s",
+                "time_optimizer_s"):
+        out[key] = per_step(key)
+    out["peak_memory_bytes"] = max((r.get("peak_memory_bytes") or 0) for r in kept) or None
+    return out
+
+
+def summary_table(records: list[dict], extra: dict[str, str], warmup: int = WARMUP_STEPS) -> str:
+    """A plain-text table closing a run: losses over all steps; throughput, utilisation, bubble and
+    times as totals over the steps after ``warmup`` warm-up steps (the table says which)."""
+    if not records:
+        return "no steps were run"
+    warmup = min(warmup, len(records) - 1)
+    s = summarize_run(records, warmup)
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.2f}%"  # noqa: E731
+    num = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+    timed = f"{s['first_step']}..{s['last_step']}" + (
+        f" ({warmup} warm-up step{'s' if warmup > 1 else ''} left out)" if warmup else
+        " (no warm-up step left out)")
+    rows = [("steps", f"{records[0]['step']}..{records[-1]['step']}"),
+            ("first / last loss", f"{records[0]['loss']:.4f} / {records[-1]['loss']:.4f}"),
+            ("skipped steps", str(sum(bool(r["skipped"]) for r in records))),
+            ("timed steps", timed),
+            ("step time (total / steps)", f"{s['step_time_s']:.3f} s"),
+            ("tokens/s (tokens / seconds)", num(s["tokens_per_s"], ".0f")),
+            ("TFLOP/s per device (executed / model)",
+             f"{num(s['tflops_per_device'], '.4f')} / {num(s['model_tflops_per_device'], '.4f')}"),
+            ("MFU / HFU", f"{pct(s['mfu'])} / {pct(s['hfu'])}")]
+    if s["bubble_theoretical"] is not None:
+        rows.append(("bubble (theory / simulated / measured)",
+                     f"{s['bubble_theoretical']:.3f} / {num(s['bubble_simulated'], '.3f')} / "
+                     f"{num(s['bubble_measured'], '.3f')}"))
+        if records[-1].get("activations_in_flight") is not None:
+            rows.append(("micro-batches in flight (rank 0)", str(records[-1]["activations_in_flight"])))
+    if s["time_forward_backward_s"] is not None:
+        rows.append(("fwd+bwd / DP finish / optimizer",
+                     f"{s['time_forward_backward_s']:.3f} / {s['time_dp_finish_s']:.3f} / "
+                     f"{s['time_optimizer_s']:.3f} s"))
+    rows.append(("DP bytes per step", num(s["dp_comm_bytes"], ".0f")))
+    rows.append(("peak memory", f"{(s['peak_memory_bytes'] or 0) / 2**20:.0f} MiB"))
+    rows.extend(extra.items())
+    width = max(len(k) for k, _ in rows)
+    value_width = max(40, *(len(str(v)) for _, v in rows))
+    line = "+" + "-" * (width + 2) + "+" + "-" * (value_width + 2) + "+"
+    body = [f"| {k:<{width}} | {str(v):<{value_width}} |" for k, v in rows]
+    return "\n".join([line, *body, line])
+
+
+def plot_metrics(records: list[dict], path: str, valid: list[tuple[int, float]] = ()) -> str:
+    """Loss (train and validation) and throughput against step, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = [r["step"] for r in records]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(steps, [r["loss"] for r in records], label="train")
+    if valid:
+        ax1.plot([s for s, _ in valid], [v for _, v in valid], "o-", label="validation")
+    ax1.set_xlabel("step"), ax1.set_ylabel("loss"), ax1.legend(), ax1.grid(alpha=0.3)
+    ax2.plot(steps, [r["tokens_per_s"] for r in records])
+    ax2.set_xlabel("step"), ax2.set_ylabel("tokens/s"), ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

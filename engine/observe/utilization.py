@@ -1,0 +1,110 @@
+"""What a run's MFU and HFU divide: the step's FLOPs (model and executed) and the dense peak.
+
+- ``mfu`` = model FLOPs of a step (no recomputation) / step time / devices / dense peak
+  (``model_tflops_per_device`` before the division by the peak);
+- ``hfu`` = executed FLOPs (recomputation included) over the same time and peak
+  (``tflops_per_device``, the figure Megatron-LM and the planner report).
+
+The FLOPs come from ``engine.plan.flops.step_flops`` for the blocks it has a formula for (gpt2,
+llama). A block without one (a user's class, or a built-in subclass that changes ``forward``) is
+measured instead: one block is built on the meta device (no memory, no initialisation cost) and its
+forward on one (1, s, h) sequence runs under ``torch.utils.flop_counter``, which counts the same
+operations the formulas do (matrix multiplies and attention, 2 FLOPs per multiply-add). The model
+count is then ``3 x`` that forward per layer and token (backward = twice the forward, the formulas'
+convention) plus the logit layer; on the built-in blocks this equals the formula exactly
+(tests/engine/observe/test_utilization.py). What recomputation re-runs inside a user's block is not known, so with
+``--recompute`` a measured block has no executed count (``tflops_per_device`` and ``hfu`` null). If the measurement fails too,
+``mfu`` and ``hfu`` are null and a warning says why, once.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from engine.plan.flops import (achieved_tflops, count_flops, formula_block, logits_forward_flops,
+                               step_flops)
+from engine.plan.flops import utilization as plan_utilization
+from engine.plan.hardware import peak_tflops
+
+
+@dataclass(frozen=True)
+class RunFlops:
+    model: float | None      # per optimizer step; None: unknown
+    executed: float | None
+    source: str              # "formula gpt2", "flop_counter", or why there is no count
+
+
+def block_forward_flops(block_cls, cfg) -> float:
+    """FLOPs of one block's forward over one sequence of ``cfg.seq_length``, counted on meta."""
+    from models.layers import LayerContext
+    from parallel.state import ParallelState
+    from parallel.tensor_parallel import Initializer
+    ctx = LayerContext(Initializer(0, cfg.init_std))
+    with torch.device("meta"):
+        block = block_cls(cfg, 0, ParallelState.serial("meta"), ctx).eval()
+    x = torch.zeros(1, cfg.seq_length, cfg.hidden_size, device="meta")
+    with torch.no_grad():
+        return count_flops(block, x)[1]
+
+
+def run_flops(cfg, block_cls, recompute: str, global_batch: int) -> RunFlops:
+    """Model and executed FLOPs of one optimizer step of the run (see the module docstring)."""
+    m = cfg
+    name = formula_block(block_cls)
+    if name is not None:
+        f = step_flops(global_batch, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
+                       ffn_hidden=m.ffn_hidden_size, block=name, recompute=recompute,
+                       kv_hidden=m.kv_hidden_size)
+        return RunFlops(f.model, f.executed, f"formula {name}")
+    label = f"{block_cls.__module__}.{block_cls.__qualname__}"
+    try:
+        per_sequence = block_forward_flops(block_cls, m)
+    except Exception as exc:  # noqa: BLE001 - any failure of a user's block means "unknown"
+        warnings.warn(f"block {label} has no FLOPs formula and could not be measured on the meta "
+                      f"device ({type(exc).__name__}: {exc}): tflops_per_device, mfu and hfu are "
+                      f"null for this run")
+        return RunFlops(None, None, f"none ({type(exc).__name__})")
+    tokens = global_batch * m.seq_length
+    model = 3 * (m.num_layers * global_batch * per_sequence
+                 + logits_forward_flops(tokens, m.hidden_size, m.vocab_size))
+    executed = model if recompute == "none" else None
+    note = "" if executed is not None else (f"; with --recompute {recompute} what the block "
+                                            f"recomputes is unknown, so tflops_per_device and "
+                                            f"hfu are null")
+    warnings.warn(f"block {label} has no FLOPs formula: its FLOPs are counted with "
+                  f"torch.utils.flop_counter on one sequence (forward x 3){note}")
+    return RunFlops(model, executed, "flop_counter")
+
+
+def tf32_enabled(kind: str) -> bool:
+    """Whether fp32 matmuls run on TF32 tensor cores (CUDA: float32 matmul precision below
+    "highest"); fp32 peaks then are the TF32 ones."""
+    return kind == "cuda" and torch.get_float32_matmul_precision() != "highest"
+
+
+def run_peak_tflops(dev, precision: str, given: float | None, tf32: bool | None = None) -> float | None:
+    """The dense peak MFU/HFU divide by: ``--peak-tflops``, else the table's for this device and
+    precision (``tf32``: fp32 matmuls on TF32/HF32 units, as ``engine.device.runtime.set_matmul_precision``
+    set them; None reads CUDA's setting), else (CPU) a one-time matmul measurement; None when no
+    figure is known."""
+    if given:
+        return given
+    peak = peak_tflops(dev.name, precision, tf32_enabled(dev.type) if tf32 is None else tf32)
+    if peak is None and dev.type == "cpu":
+        from engine.device.runtime import measure_cpu_peak_tflops
+        peak = measure_cpu_peak_tflops()
+    return peak
+
+
+def per_device(flops: float | None, seconds: float, devices: int) -> float | None:
+    """TFLOP/s per device (``engine.plan.flops.achieved_tflops``), None when the FLOPs are unknown."""
+    if flops is None or seconds <= 0:
+        return None
+    return achieved_tflops(flops, seconds, devices)
+
+
+def utilization(tflops: float | None, peak: float | None) -> float | None:
+    """``engine.plan.flops.utilization``, None also when the achieved figure is unknown."""
+    return None if tflops is None else plan_utilization(tflops, peak)

@@ -1,0 +1,102 @@
+"""What a training step and a run report: the metrics record of one step (DESIGN.md's keys and
+their exact meanings), the resilience keys beside it, and the closing summary.
+
+Every figure here is computed from what the step measured on the device (``dt``: the step's device
+time; ``out``: engine.training.step.StepOutput) and from the trainer's fixed facts (FLOPs per step, the dense
+peak, the exact bytes of parameters, gradients and optimizer state).
+"""
+from __future__ import annotations
+
+from engine.observe.metrics import plot_metrics, summary_table
+from engine.observe.utilization import per_device, utilization
+from parallel.pipeline.bubble import simulate
+from parallel.pipeline.schedules import has_weight_actions
+
+MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
+
+
+def comm_metrics(comm: dict, compiled: bool = False) -> dict:
+    """The step's bytes per traffic kind: payload handed to collectives (``*_comm_bytes``) and, for
+    DP, the ring-model bytes on the wire. DP is the gradient/parameter group (DP x CP with context
+    parallelism); PP counts the activations and gradients this rank sends to its neighbours. TP and
+    CP collectives inside compiled chunks are not counted (parallel/comm.py): null then."""
+    def total(kinds, key):
+        return sum(comm[k][key] for k in kinds)
+    return {"dp_comm_bytes": total(("dp", "dp_cp"), "payload_bytes"),
+            "dp_comm_wire_bytes": total(("dp", "dp_cp"), "wire_bytes"),
+            "tp_comm_bytes": None if compiled else total(("tp",), "payload_bytes"),
+            "cp_comm_bytes": None if compiled else total(("cp",), "payload_bytes"),
+            "pp_comm_bytes": total(("pp",), "payload_bytes")}
+
+
+def simulated_bubble(schedule_lists, out) -> float | None:
+    """The schedule replayed with this step's measured mean forward/backward (and weight-gradient)
+    time per stage: what the bubble would be from stage imbalance alone, without communication or
+    noise."""
+    if out.pipeline is None:
+        return None
+    fwd, bwd, wgt = out.extra["stage_fwd_s"], out.extra["stage_bwd_s"], out.extra["stage_wgt_s"]
+    if min(fwd) <= 0 or min(bwd) <= 0:
+        return None
+    split = has_weight_actions(schedule_lists)
+    return simulate(schedule_lists, fwd, bwd, wgt_time=wgt if split else None).idle_fraction
+
+
+def step_record(trainer, step: int, out, dt: float, lr: float) -> dict:
+    """Step ``step``'s (0-based) metrics record: tokens over the step's device time ``dt``, model
+    and executed FLOPs over it per device, the bubble three ways, bytes per traffic kind, memory."""
+    cfg, world = trainer.cfg, trainer.ps.world_size
+    tokens = cfg.data.global_batch_size * cfg.model.seq_length
+    model_tflops = per_device(trainer.flops.model, dt, world)
+    tflops = per_device(trainer.flops.executed, dt, world)
+    return {"step": step + 1, "loss": out.loss, "lr": lr, "grad_norm": out.grad_norm,
+            "loss_scale": out.loss_scale, "skipped": out.skipped, "tokens": tokens,
+            "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops_per_device": tflops,
+            "model_tflops_per_device": model_tflops,
+            "mfu": utilization(model_tflops, trainer.peak_tflops),
+            "hfu": utilization(tflops, trainer.peak_tflops),
+            "model_flops": trainer.flops.model, "executed_flops": trainer.flops.executed,
+            **out.times,
+            "bubble_theoretical": trainer.bubble_theory,
+            "bubble_measured": out.extra.get("bubble_measured"),
+            "bubble_simulated": simulated_bubble(getattr(trainer, "schedule_lists", None), out),
+            "activations_in_flight": (out.pipeline.peak_in_flight
+                                      if out.pipeline is not None else None),
+            **comm_metrics(out.comm, cfg.compile),
+            **{k: trainer.memory[k] for k in MEMORY_KEYS},
+            "peak_memory_bytes": trainer.dev.peak_memory_bytes()}
+
+
+def resilience_metrics(trainer, step: int, record: dict, log) -> None:
+    """The step's anomaly keys and, every --log-interval steps, the straggler report (one
+    all-gather, on every rank at the same steps), into ``record``."""
+    record.update(trainer.guard.record() if trainer.guard is not None else
+                  {"anomaly": None, "rerun": None})
+    report = None
+    if trainer.stragglers is not None:
+        trainer.stragglers.end_step()
+        if (step + 1) % trainer.cfg.log.log_interval == 0:
+            report = trainer.stragglers.report(step + 1)
+    record.update(report.metrics() if report is not None else
+                  dict.fromkeys(("straggler_rank", "straggler_ratio", "straggler_waited_for")))
+    if report is not None and trainer.is_main:
+        log.note(f"gridtron: {report.describe(trainer.grid)}")
+
+
+def run_summary(trainer, result) -> str:
+    """The closing summary table of ``result`` (a RunResult with records), with the run's facts."""
+    cfg = trainer.cfg
+    extra = {"layout": trainer.grid.describe(), "device": f"{trainer.dev.type} ({trainer.dev.name})"}
+    if result.valid:
+        extra["validation loss"] = f"{result.valid[0][1]:.4f} -> {result.valid[-1][1]:.4f}"
+    if result.checkpoint:
+        extra["checkpoint"] = result.checkpoint
+    if result.stopped:
+        extra["stopped"] = result.stopped
+    if not trainer.flops.source.startswith("formula"):
+        extra["FLOPs"] = trainer.flops.source
+    if trainer.profiler.written:
+        extra["profile"] = trainer.profiler.written
+    if cfg.log.plot:
+        extra["plot"] = plot_metrics(result.records, cfg.log.plot, result.valid)
+    return summary_table(result.records, extra)

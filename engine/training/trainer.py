@@ -1,0 +1,446 @@
+"""The training job: build everything from a RunConfig, then loop over steps with metrics,
+validation, checkpoints and a summary.
+
+Setup order matters for errors: the whole configuration is validated (pure, identical on every
+rank) before the process group exists, so a bad configuration never leaves a rank in a collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import threading
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.base import ConfigError
+from engine.config.schema import RunConfig
+from engine.observe.dashboards import Dashboards
+from engine.data import build_data, collate
+from engine.data.packing import MicroBatch, count_loss_tokens, micro_batch
+from engine.device.clock import DeviceClock, EventPair
+from engine.device.runtime import set_matmul_precision, setup_device
+from engine.training.loss_scaler import ConstantScaler, DynamicLossScaler
+from engine.training.lr_schedule import learning_rate
+from engine.observe.metrics import MetricsLog
+from engine.observe.profiling import StepProfiler
+from engine.training.step import Stepper
+from engine.training.step_record import resilience_metrics, run_summary, step_record
+from engine.observe.utilization import run_flops, run_peak_tflops
+from engine.training.validate import validate_packing, validate_run
+from models import LayerContext, build_chunks
+from models.layers import ParallelAttention
+from models.registry import BlockRegistry
+from parallel.backend_rules import resolve as resolve_rules
+from parallel.context_parallel import init_ring, load_balanced, shard_index
+from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
+                         MixedPrecisionOptimizer, PolicyError, memory_bytes)
+from parallel.pipeline.bubble import theoretical_bubble
+from parallel.pipeline.timeline import gather_events, write_chrome_trace
+from parallel.pipeline.partition import placement_stages, stage_layers
+from parallel.pipeline.p2p import init_p2p, waiter_for
+from parallel.pipeline.schedules import build_schedule, has_weight_actions, validate_schedule
+from parallel.random import ModelParallelRNG
+from parallel.state import LaunchEnv, ParallelState
+from parallel.tensor_parallel import Initializer
+from parallel.weight_grad import WeightGradStore, attach_weight_grad_store
+
+TIMELINE_STEPS = 3
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class TrainingDiverged(RuntimeError):
+    """A NaN/Inf loss in fp32: the run stops and names the last good checkpoint."""
+
+
+@dataclass
+class RunResult:
+    records: list[dict] = field(default_factory=list)
+    valid: list[tuple[int, float]] = field(default_factory=list)
+    summary: str = ""
+    checkpoint: str | None = None
+    stopped: str | None = None  # why the run ended before --train-iters (SIGTERM)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, registry: BlockRegistry | None = None,
+                 launch: LaunchEnv | None = None):
+        self.cfg, self.registry = cfg, registry
+        self.launch = launch or LaunchEnv.from_env()
+        self.grid, notes = validate_run(cfg, self.launch, registry)
+        try:  # a bad per-branch compression policy fails here, before any collective
+            CompressionPolicy.coerce(cfg.compression)
+        except PolicyError as exc:
+            raise ConfigError(f"grad_compression_policy: {exc}") from exc
+        self.dev = setup_device(cfg.device, self.launch.local_rank, self.launch.local_world_size)
+        self.tf32 = set_matmul_precision(self.dev.type, cfg.precision.allow_tf32)
+        rules = resolve_rules(cfg.parallel.backend_rules, self.dev.backend, self.dev.name)
+        self.ps = ParallelState.initialize(self.grid, self.dev.device, self.dev.backend, self.launch,
+                                           timeout_s=cfg.parallel.timeout_s, backend_rules=rules)
+        self.is_main = self.ps.rank == 0
+        for note in (*notes, *self.dev.notes):  # the chip's fallbacks: said once, by rank 0
+            if self.is_main:
+                warnings.warn(note)
+        from parallel.heartbeat import Heartbeat
+        self.heartbeat = Heartbeat.for_state(self.ps, cfg.parallel.timeout_s, self.dev.backend)
+        self._build_data()
+        self._build_model()
+        self._build_step()
+
+    @classmethod
+    def assemble(cls, cfg: RunConfig, ps: ParallelState, dev,
+                 registry: BlockRegistry | None = None) -> "Trainer":
+        """One rank's model chunks, reducer, optimizer and step on a ``ParallelState`` made
+        elsewhere, by the same code as a run, without data, device setup, heartbeat or monitors:
+        what ``engine.dryrun`` builds on the meta device under a fake process group (``dev``: an
+        ``engine.device.runtime.DeviceInfo`` of that device)."""
+        self = cls.__new__(cls)
+        self.cfg, self.registry, self.ps, self.dev = cfg, registry, ps, dev
+        self.grid, self.launch, self.is_main = ps.grid, None, ps.rank == 0
+        self.num_micro = cfg.data.num_microbatches(ps.dp_size)
+        self._build_model()
+        self._build_optimizer()
+        self._build_stepper()
+        return self
+
+    # ---- setup ----------------------------------------------------------------------------
+    def _build_data(self) -> None:
+        cfg, ps = self.cfg, self.ps
+        d = cfg.data
+        given_vocab = d.mock_data or "vocab_size" in cfg.explicit  # else the data's vocabulary
+
+        def build():
+            try:
+                return build_data(d.data_path, cfg.model.seq_length, cfg.seed, mock=d.mock_data,
+                                  vocab_size=cfg.model.vocab_size if given_vocab else None,
+                                  tokenizer=d.tokenizer, cache_dir=d.cache_dir, split=d.split,
+                                  tokenizer_model=d.tokenizer_model, tokenizer_type=d.tokenizer_type,
+                                  vocab_file=d.vocab_file, merge_file=d.merge_file,
+                                  progress=cfg.log.progress and ps.rank == 0)
+            except (ValueError, FileNotFoundError) as exc:  # e.g. a corpus too small for --seq-length
+                raise ConfigError(f"data: {exc}") from exc
+
+        if ps.world_size > 1 and not cfg.data.mock_data and cfg.data.data_path is None:
+            # rank 0 prepares and caches the built-in corpus once; its outcome reaches every rank,
+            # so a failure there ends all ranks with the same message instead of a hang
+            outcome = None
+            if ps.rank == 0:
+                try:
+                    self.data = build()
+                except ConfigError as exc:
+                    outcome = str(exc)
+            outcome = ps.world_group.broadcast_object(outcome, src=0)
+            if outcome is not None:
+                raise ConfigError(outcome)
+            if ps.rank != 0:
+                self.data = build()
+        else:
+            self.data = build()
+        self.cfg.model.vocab_size = self.data.vocab_size
+        self.packing = validate_packing(cfg, getattr(self.data.train, "eot_id", None))
+        self.sampler = self.data.sampler("train", cfg.data.global_batch_size, cfg.seed)
+        if cfg.log.eval_interval and len(self.data.valid) == 0:
+            raise ConfigError(f"--eval-interval {cfg.log.eval_interval} needs validation data, but "
+                              f"--split {d.split} leaves none of {self.data.prefix}'s documents for "
+                              f"it: give the validation split a weight or more documents, or drop "
+                              f"--eval-interval")
+        self.num_micro = cfg.data.num_microbatches(ps.dp_size)
+        # context parallelism: the positions of every row this rank keeps (chunks r and 2cp-1-r
+        # for the ring, the r-th contiguous shard for Ulysses)
+        self.cp_index = None if ps.cp_size == 1 else torch.tensor(
+            shard_index(cfg.model.seq_length, ps.cp_size, ps.cp_rank,
+                        load_balanced(cfg.parallel.cp_comm_type)), dtype=torch.long)
+
+    def _build_model(self) -> None:
+        cfg, ps = self.cfg, self.ps
+        vp, placement = cfg.parallel.chunks_per_rank, cfg.parallel.placement  # zb-v: 2, "v"
+        ranges = stage_layers(cfg.model.num_layers, ps.pp_size, vp, ps.pp_rank,
+                              cfg.parallel.stage_end_weight, placement)
+        virtual = placement_stages(ps.pp_size, vp, ps.pp_rank, placement)
+        ctx = LayerContext(Initializer(cfg.seed, cfg.model.init_std),
+                           sequence_parallel=cfg.parallel.sequence_parallel and ps.tp_size > 1,
+                           recompute=cfg.parallel.recompute,
+                           cp_comm_type=cfg.parallel.cp_comm_type, kernel_paths=self.dev.kernel_paths)
+        # dropout streams (parallel/random.py): per chunk, split regions per TP rank, replicated
+        # regions the same on every TP rank, all distinct over pp, dp, cp and chunks
+        self.rng = ModelParallelRNG.for_state(cfg.seed, ps, vp)
+        self.rng.seed_default()
+        ctxs = [dataclasses.replace(ctx, rng=tracker) for tracker in self.rng.trackers]
+        self.dtype = DTYPES[cfg.precision.precision]
+        self.chunks = build_chunks(cfg.model, ps, ctxs, ranges, virtual, ps.pp_size * vp,
+                                   self.registry).to(device=self.dev.device, dtype=self.dtype)
+        if ps.cp_size > 1 and any(len(c.layers) for c in self.chunks) and not any(
+                isinstance(m, ParallelAttention) for c in self.chunks for m in c.modules()):
+            raise ConfigError(f"--cp {ps.cp_size}: --block {cfg.model.block} has no "
+                              f"models.layers.ParallelAttention, the attention that sees the whole "
+                              f"sequence under context parallelism; build the block's attention "
+                              f"from it or use --cp 1")
+        if cfg.compile:
+            from engine.device.compile import compile_chunks
+            self.chunks = compile_chunks(self.chunks, self.dev, cfg.log.compile_cache_root)
+        self.num_params_local = sum(p.numel() for p in self.chunks.parameters())  # each once
+
+    def _build_step(self) -> None:
+        self._build_optimizer()
+        self._build_stepper()
+        self._build_monitors()
+
+    def _build_optimizer(self) -> None:
+        """Loss scaler, gradient reducer, optimizer and their exact memory (``self.memory``)."""
+        cfg, ps = self.cfg, self.ps
+        p = cfg.precision
+        self.scaler = (DynamicLossScaler(p.initial_loss_scale, 2.0, 0.5, p.loss_scale_window,
+                                         p.hysteresis, p.min_loss_scale)
+                       if p.precision == "fp16" else ConstantScaler(1.0))
+        named = [(n, q) for c in self.chunks for n, q in c.logical_named_parameters()]
+        self.reducer = GradReducer(named, ps, bucket_size_mb=cfg.parallel.bucket_size_mb,
+                                   compression_policy=cfg.compression,
+                                   overlap=cfg.parallel.overlap_grad_reduce)
+        self.reducer.loss_scaler = self.scaler   # top-k's local variance statistics, unscaled
+        o = cfg.optim
+        groups = [{"params": [q for n, q in named if q.ndim >= 2 and "position" not in n],
+                   "weight_decay": o.weight_decay},
+                  {"params": [q for n, q in named if q.ndim < 2 or "position" in n],
+                   "weight_decay": 0.0}]  # no decay on biases, norms and position tables
+        adam = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                    weight_decay=o.weight_decay)
+        if cfg.parallel.use_distributed_optimizer:
+            # under --compile the chunks' forward pre-hooks would be traced: gather synchronously
+            overlap = cfg.parallel.overlap_param_gather and not cfg.compile
+            self.optimizer = DistributedOptimizer(groups, self.reducer, ps, zero_stage=cfg.parallel.zero_stage,
+                                                  overlap_param_gather=overlap, **adam)
+            self.optimizer.register_param_gather_hooks(self.chunks)
+        else:
+            self.optimizer = MixedPrecisionOptimizer(groups, self.reducer, ps, **adam)
+        # exact bytes each of this rank's parameters, gradients and optimizer state hold
+        self.memory = memory_bytes(self.reducer, self.optimizer)
+
+    def _build_stepper(self) -> None:
+        """The pipeline schedule, the p2p and ring communicators, the B/W split's store, the clock
+        and the ``Stepper``."""
+        cfg, ps = self.cfg, self.ps
+        actions = act_shape = self.waiter = self.weight_grads = None
+        self.timeline: list = []  # events of the last few steps, for --timeline
+        sp = cfg.parallel.sequence_parallel and ps.tp_size > 1
+        if ps.pp_size > 1:
+            vp = cfg.parallel.virtual_pipeline_size
+            self.schedule_lists = build_schedule(cfg.parallel.pipeline_schedule, ps.pp_size,
+                                                 self.num_micro, vp)
+            validate_schedule(self.schedule_lists)
+            actions = self.schedule_lists[ps.pp_rank]
+            s = cfg.model.seq_length // ps.cp_size // (ps.tp_size if sp else 1)
+            act_shape = (cfg.data.micro_batch_size, s, cfg.model.hidden_size)
+            init_p2p(ps)
+            self.waiter = waiter_for(self.dev.backend)
+            if has_weight_actions(self.schedule_lists):
+                # the B/W split: the layers queue weight gradients in B, the schedule's W runs
+                # them into main_grad and tells the reducer (parallel/weight_grad.py)
+                self.weight_grads = WeightGradStore(on_ready=self.reducer.grad_accumulated)
+                self.reducer.disable_grad_views()
+                attach_weight_grad_store(list(self.chunks), self.weight_grads)
+        init_ring(ps)
+        self.clock = DeviceClock(self.dev.type)
+        self.stepper = Stepper(ps, self.chunks, self.reducer, self.optimizer, self.scaler,
+                               cfg.optim.clip_grad, actions, act_shape, self.dtype,
+                               cfg.parallel.timeout_s, self.dev.overflow_check(), self.waiter,
+                               clock=self.clock, placement=cfg.parallel.placement,
+                               weight_grads=self.weight_grads,
+                               scatter_gather=cfg.parallel.scatter_gather_tensors_in_pipeline
+                               and not sp)
+
+    def _build_monitors(self) -> None:
+        """FLOPs and peak for MFU, the profiler, the anomaly guard, stragglers, the bubble."""
+        cfg, ps = self.cfg, self.ps
+        with warnings.catch_warnings():
+            if not self.is_main:  # the one-time note on a block without a formula: rank 0 only
+                warnings.simplefilter("ignore")
+            self.flops = run_flops(cfg.model, self.chunks[0].block_cls, cfg.parallel.recompute,
+                                   cfg.data.global_batch_size)
+        self.peak_tflops = run_peak_tflops(self.dev, cfg.precision.precision, cfg.log.peak_tflops,
+                                           self.tf32)
+        self.profiler = StepProfiler.from_config(cfg.log, self.dev.type, ps.rank)
+        from engine.observe.anomaly import AnomalyGuard
+        from engine.observe.stragglers import StragglerMonitor
+        self.guard = AnomalyGuard.for_trainer(self)  # None without --rerun-on-anomaly/--spike-factor
+        # the step's device clock (events on CUDA/NPU, perf_counter on CPU)
+        self.stragglers = (StragglerMonitor(ps, self.clock)
+                           if cfg.log.log_straggler and ps.world_size > 1 else None)
+        self.bubble_theory = (theoretical_bubble(cfg.parallel.pipeline_schedule, ps.pp_size,
+                                                 self.num_micro, cfg.parallel.virtual_pipeline_size)
+                              if ps.pp_size > 1 else None)
+
+    # ---- data -----------------------------------------------------------------------------
+    def _batches(self, step: int, dataset=None, sampler=None) -> list[MicroBatch]:
+        """This rank's micro-batches of ``step`` (``MicroBatch``: tokens, labels and, with packed
+        documents, the per-token metadata every stage builds alike from the same tokens); under
+        context parallelism this rank's sequence shard of each (global positions, the loss count
+        of the whole global batch)."""
+        sampler = sampler or self.sampler
+        ds = dataset or self.data.train
+        micro = sampler.micro_batches(step, self.ps.dp_rank, self.ps.dp_size,
+                                      self.cfg.data.micro_batch_size)
+        pack, loss_tokens = self.packing, None
+        if pack is not None and pack.eod_mask_loss and self.stepper.holds_loss:
+            # the mean is over the unmasked tokens of the whole global batch, whatever the layout
+            loss_tokens = count_loss_tokens(ds, sampler.global_batch(step), pack.eod_id)
+        batches = [micro_batch(collate(ds, idx), pack, loss_tokens) for idx in micro]  # (b, s) each
+        if self.cp_index is not None:
+            batches = [mb.select(self.cp_index) for mb in batches]  # (b, s/cp) each
+        return [mb.to(self.dev.device) for mb in batches]
+
+    # ---- loop -----------------------------------------------------------------------------
+    def train(self) -> RunResult:
+        cfg, ps = self.cfg, self.ps
+        result = RunResult()
+        start = self.maybe_load()
+        log = MetricsLog(cfg.log.metrics_file if self.is_main else None, enabled=self.is_main,
+                         progress=cfg.log.progress, total_steps=cfg.optim.train_iters,
+                         log_interval=cfg.log.log_interval)
+        log.start_at(start)
+        dash = Dashboards(cfg, self.is_main, start)
+        if self.is_main:
+            log.note(f"gridtron: {self.grid.describe()} on {self.dev.type}; {self.num_micro} "
+                     f"micro-batches/step; {self.num_params_local:,} parameters on rank 0")
+        from engine.checkpoint.async_writer import Checkpointer
+        self.checkpointer = Checkpointer(self)
+        # the checkpointer's stop/save counters ride on each step's statistics all-reduce
+        self.stepper.agreement.set("checkpoint", 3, self.checkpointer.counts)
+        previous_handler = self._install_stop_handler()
+        try:
+            for step in range(start, cfg.optim.train_iters):
+                if self.stragglers is not None:
+                    self.stragglers.begin_step(step + 1)
+                record = self.train_one(step)
+                resilience_metrics(self, step, record, log)
+                if cfg.log.eval_interval and (step + 1) % cfg.log.eval_interval == 0:
+                    vloss = self.evaluate()
+                    record["valid_loss"] = vloss
+                    result.valid.append((step + 1, vloss))
+                    if cfg.log.progress:
+                        log.note(f"step {step + 1}: validation loss {vloss:.4f}")
+                interval = cfg.checkpoint.save_interval
+                b = self.checkpointer.boundary(step + 1, bool(interval) and (step + 1) % interval == 0,
+                                               self.stop_signal is not None,
+                                               last=step + 1 == cfg.optim.train_iters,
+                                               agreed=self.stepper.agreed.get("checkpoint"))
+                record["save_blocking_s"] = b.blocking_s
+                log.log(record)
+                dash.log(record)
+                result.records.append(record)
+                result.checkpoint = b.published or result.checkpoint
+                if b.stop:  # SIGTERM on some rank: every rank stops after this step
+                    result.stopped = f"stopped by SIGTERM after step {step + 1}"
+                    log.note(f"gridtron: {result.stopped} (of {cfg.optim.train_iters})"
+                             + (f"; saved {b.published}" if b.published else ""))
+                    break
+            if cfg.checkpoint.save and not result.records:
+                result.checkpoint = self.save(cfg.optim.train_iters)
+            self.params_ready()  # the last step's parameter all-gathers
+        finally:
+            log.close()
+            dash.close()
+            self.profiler.close()
+            if previous_handler is not None:
+                signal.signal(signal.SIGTERM, previous_handler)
+        if self.is_main and result.records:
+            result.summary = run_summary(self, result)
+        if cfg.log.timeline:
+            gathered = gather_events(ps, self.timeline_events)
+            if self.is_main:
+                labels = {r: f"rank {r} (tp {c.tp}, pp {c.pp}, dp {c.dp})"
+                          for r in range(ps.world_size) for c in [self.grid.coord(r)]}
+                write_chrome_trace(cfg.log.timeline, gathered, labels)
+        return result
+
+    def train_one(self, step: int) -> dict:
+        cfg = self.cfg
+        self.dev.reset_peak_memory()
+        self.clock.synchronize()  # the step's events start on an idle device
+        self.profiler.before_step(step + 1)
+        timer = EventPair(self.clock).start()
+        batches = self._batches(step)
+        lr = learning_rate(step, cfg.optim)
+        self.stepper.current_step = step + 1  # names the step in anomaly reports
+        out = self.stepper.run(batches, lr)
+        dt = timer.stop().elapsed_s()  # device time of the whole step
+        self.profiler.after_step(step + 1)
+        self.sampler.next_step = step + 1
+        if not math.isfinite(out.loss) and cfg.precision.precision != "fp16":
+            last = self.last_checkpoint()
+            raise TrainingDiverged(f"loss is {out.loss} at step {step + 1}; last good checkpoint: "
+                                   f"{last or 'none saved'}")
+        if cfg.log.timeline:
+            for e in out.events:
+                e.args["step"] = step + 1
+            self.timeline.append(out.events)
+            del self.timeline[:-TIMELINE_STEPS]
+        return step_record(self, step, out, dt, lr)
+
+    @property
+    def timeline_events(self) -> list:
+        return [e for step in self.timeline for e in step]
+
+    def params_ready(self) -> None:
+        """Wait for ZeRO's parameter all-gathers still in flight (overlapped with the next forward
+        otherwise): whatever reads the parameters outside a training forward calls this first."""
+        finish = getattr(self.optimizer, "finish_param_gather", None)
+        if finish is not None:
+            finish()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over ``eval_iters`` global batches of the validation split."""
+        cfg = self.cfg
+        self.params_ready()
+        sampler = self.data.sampler("valid", cfg.data.global_batch_size, cfg.seed)
+        for c in self.chunks:
+            c.eval()
+        total = 0.0
+        for it in range(cfg.log.eval_iters):
+            total += self.stepper.forward_only(self._batches(it, self.data.valid, sampler))
+        for c in self.chunks:
+            c.train()
+        return total / cfg.log.eval_iters
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def _install_stop_handler(self):
+        """SIGTERM (a scheduler's, or torchrun's to every rank) only sets ``stop_signal``: the run
+        finishes its step, waits for a save in flight, saves (with --save) and returns cleanly.
+        Returns the previous handler (None off the main thread, where none can be installed)."""
+        self.stop_signal = None
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def on_sigterm(signum, frame):
+            self.stop_signal = signum
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        return signal.SIG_DFL if previous is None else previous  # None: set outside Python
+
+    def save(self, step: int) -> str:
+        from engine.checkpoint import save_checkpoint
+        return save_checkpoint(self, step)
+
+    def maybe_load(self) -> int:
+        """The step to start from: --load, or an unfinished run's checkpoint in --save
+        (engine/checkpoint/resume.py)."""
+        from engine.checkpoint.resume import resume
+        return resume(self)
+
+    def last_checkpoint(self) -> str | None:
+        root = self.cfg.checkpoint.save
+        latest = os.path.join(root, "latest") if root else None
+        if latest and os.path.exists(latest):
+            return os.path.realpath(latest)
+        return getattr(self, "loaded_checkpoint", None)
+
+    def close(self) -> None:
+        self.params_ready()
+        self.reducer.remove_hooks()
+        if self.waiter is not None and hasattr(self.waiter, "watchdog"):
+            self.waiter.watchdog.stop()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        self.ps.destroy()

@@ -1,0 +1,207 @@
+import pytest
+
+from engine.base import ConfigError
+from engine.config.cli import parse_args
+from engine.training.validate import validate_run
+from parallel.state import LaunchEnv
+
+
+def test_flags_and_aliases():
+    cfg = parse_args(["--tensor-model-parallel-size", "2", "--pp", "2", "--num-layers", "8",
+                      "--sequence-parallel", "--precision", "bf16", "--mbs", "2", "--gbs", "8"])
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.model.num_layers) == (2, 2, 8)
+    assert cfg.parallel.sequence_parallel and cfg.precision.precision == "bf16"
+    assert (cfg.data.micro_batch_size, cfg.data.global_batch_size) == (2, 8)
+
+
+def test_yaml_recipe_and_override(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("num-layers: 6\nhidden_size: 96\nnum_attention_heads: 4\nlr: 1.0e-3\n")
+    cfg = parse_args(["--config", str(recipe), "--num-layers", "2"])
+    assert cfg.model.num_layers == 2 and cfg.model.hidden_size == 96 and cfg.optim.lr == 1e-3
+
+
+def test_unknown_flag_and_key(tmp_path):
+    with pytest.raises(ConfigError, match="unknown argument '--num-layer'; did you mean --num-layers"):
+        parse_args(["--num-layer", "3"])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("hiden_size: 64\n")
+    with pytest.raises(ConfigError, match="unknown key 'hiden_size'; did you mean 'hidden_size'"):
+        parse_args(["--config", str(recipe)])
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_args(["--config", str(tmp_path / "missing.yaml")])
+
+
+@pytest.mark.parametrize("argv,world,match", [
+    (["--tp", "2", "--pp", "2"], 8 - 1, "world size 7 != tp\\*pp\\*dp"),
+    (["--tp", "3", "--hidden-size", "64", "--num-attention-heads", "4"], 3,
+     "--num-attention-heads 4 is not divisible by --tp 3"),
+    (["--tp", "2", "--num-attention-heads", "3", "--hidden-size", "96"], 2,
+     "--num-attention-heads 3 is not divisible by --tp 2"),
+    (["--tp", "2", "--ffn-hidden-size", "101"], 2, "--ffn-hidden-size 101 is not divisible by --tp 2"),
+    (["--tp", "2", "--sequence-parallel", "--seq-length", "63"], 2,
+     "--seq-length 63 is not divisible by --tp 2"),
+    (["--pp", "3", "--num-layers", "4"], 3, "--num-layers 4 is not divisible by pp x virtual"),
+    (["--pp", "4", "--num-layers", "3", "--stage-end-weight", "1"], 4, "cannot split 3 layers"),
+    (["--dp", "2", "--micro-batch-size", "4", "--global-batch-size", "12"], 2,
+     "not divisible by micro-batch-size x dp"),
+    (["--pp", "2", "--pipeline-schedule", "interleaved", "--virtual-pipeline-size", "2",
+      "--num-layers", "4", "--micro-batch-size", "1", "--global-batch-size", "3"], 2,
+     "multiple of --pp"),
+    (["--data-path", "/nonexistent/corpus"], 1, "no prepared data there"),
+    (["--block", "no_such_module:Block"], 1, "cannot import module"),
+])
+def test_validation_errors(argv, world, match):
+    cfg = parse_args(argv)
+    with pytest.raises(ConfigError, match=match):
+        validate_run(cfg, LaunchEnv(0, world, 0, world))
+
+
+def test_value_errors_are_config_errors():
+    with pytest.raises(ConfigError, match="--pipeline-schedule: invalid choice: .zigzag."):
+        parse_args(["--pipeline-schedule", "zigzag"])
+    with pytest.raises(ConfigError, match="--seq-length 256 is longer than the position table"):
+        parse_args(["--seq-length", "256", "--max-position-embeddings", "128"])
+    with pytest.raises(ConfigError, match="--grad-compression-ratio must be in"):
+        parse_args(["--grad-compression", "topk", "--grad-compression-ratio", "1.5"])
+
+
+# ---- a command line that explains itself ------------------------------------------------------
+
+def test_every_flag_has_help_a_group_and_its_default():
+    from engine.config.cli import build_parser
+    from engine.config.fields import field_table
+    from engine.config.flags import FLAGS, GROUPS
+    missing = [name for name in field_table() if not (FLAGS.get(name) and FLAGS[name].help)]
+    assert not missing, f"add help for these config fields to engine/config/flags.py FLAGS: {missing}"
+    assert all(FLAGS[n].group in GROUPS for n in field_table())
+    parser = build_parser()
+    for action in parser._actions:
+        if action.dest not in ("help", "_implied"):
+            assert action.help, f"{action.option_strings} has no help"
+    text = parser.format_help()
+    positions = [text.index(f"\n{g}:\n") for g in GROUPS]
+    assert positions == sorted(positions)  # grouped as Megatron groups them, in that order
+    assert "--precision {fp32,bf16,fp16}" in text and "(default: fp32)" in text
+    assert "--lr-decay-style {cosine,linear,constant}" in text and "(default: cosine)" in text
+    assert "(default: world / (tp x pp))" in text  # a derived default says how it is derived
+
+
+def test_megatron_spellings():
+    from engine.config.fields import field_table
+    cfg = parse_args(["--bf16", "--lr-decay-style", "linear", "--lr-decay-iters", "50", "--split", "98,2,0",
+                      "--tokenizer-type", "HuggingFaceTokenizer", "--finetune", "--no-load-optim",
+                      "--recompute-activations", "--hidden-dropout", "0.1", "--init-method-std", "0.01"])
+    assert cfg.precision.precision == "bf16" and cfg.optim.lr_decay_style == "linear"
+    assert cfg.optim.lr_decay_iters == 50 and cfg.data.split == "98,2,0"
+    assert cfg.data.tokenizer_type == "HuggingFaceTokenizer" and cfg.parallel.recompute == "selective"
+    assert cfg.checkpoint.finetune and not cfg.checkpoint.load_optim
+    assert cfg.model.dropout == 0.1 and cfg.model.init_std == 0.01
+    assert parse_args(["--fp16"]).precision.precision == "fp16"
+    with pytest.raises(ConfigError, match="invalid choice: 'WSD'"):
+        parse_args(["--lr-decay-style", "WSD"])
+    if "num_query_groups" in field_table():  # grouped-query attention has landed
+        assert parse_args(["--num-query-groups", "2", "--group-query-attention"]).model.num_query_groups == 2
+    else:
+        with pytest.raises(ConfigError, match="^--num-query-groups: grouped-query attention is not available"):
+            parse_args(["--num-query-groups", "2"])
+    with pytest.raises(ConfigError, match="^--use-flash-attn: kernels are chosen per device"):
+        parse_args(["--use-flash-attn"])
+    with pytest.raises(ConfigError, match="--block llama"):
+        parse_args(["--swiglu"])
+
+
+def test_lr_decay_iters_ends_the_decay_early():
+    from engine.training.lr_schedule import learning_rate
+    o = parse_args(["--lr", "1.0", "--min-lr", "0.1", "--lr-warmup-iters", "0", "--train-iters", "100",
+                    "--lr-decay-style", "linear", "--lr-decay-iters", "50"]).optim
+    assert learning_rate(25, o) == pytest.approx(0.55) and learning_rate(50, o) == learning_rate(99, o) == 0.1
+
+
+@pytest.mark.parametrize("flag,meant", [
+    ("--num-layer", "--num-layers"), ("--hiden-size", "--hidden-size"),
+    ("--global-batch", "--global-batch-size"), ("--sequence-paralel", "--sequence-parallel"),
+    ("--tensor-parallel-size", "--tensor-model-parallel-size"),
+    ("--ep", None), ("--foo-bar", None), ("--log-dir", None), ("--layers", None), ("--lr-decay", None),
+])
+def test_unknown_flag_hints_only_the_flag_meant(flag, meant):
+    with pytest.raises(ConfigError) as exc:
+        parse_args([flag, "1"])
+    message = str(exc.value)
+    assert message.startswith(f"unknown argument {flag!r}")
+    if meant:
+        assert f"did you mean {meant}?" in message
+    else:
+        assert "did you mean" not in message, message
+
+
+def _recipe(tmp_path, text):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_values_are_checked_against_the_config_types(tmp_path):
+    cfg = parse_args(["--config", _recipe(tmp_path, "lr: 3e-4\nmin_lr: 0\nnum_layers: 3\nmock_data: true\n"
+                                                    "data_path: 0.5 a 0.5 b\n")])
+    assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.min_lr, float) and cfg.model.num_layers == 3
+    assert cfg.data.mock_data is True and cfg.data.data_path == ["0.5", "a", "0.5", "b"]
+    cfg = parse_args(["--config", _recipe(tmp_path, "data_path: [0.3, a, 0.7, b]\n")])
+    assert cfg.data.data_path == ["0.3", "a", "0.7", "b"]
+    cases = [("num_layers: 2.7\n", "num_layers: 2.7 is not an integer \\(int expected\\)"),
+             ('mock_data: "false"\n', "mock_data: 'false' is not true or false \\(bool expected\\)"),
+             ("lr: fast\n", "lr: 'fast' is not a number \\(float expected\\)"),
+             ("num_layers: true\n", "num_layers: True is not an integer"),
+             ("precision: fp8\n", "precision: 'fp8' is not one of fp32, bf16, fp16"),
+             ("tp: null\n", "tp: None is not an integer"),
+             ("model:\n  lr: 1.0\n", "'lr' is not a model key; it belongs under optim:"),
+             ("model: 3\n", "model: expected a mapping of model keys"),
+             ("optim:\n  lr: 1.0\nlr: 2.0\n", "lr is given twice")]
+    for text, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            parse_args(["--config", _recipe(tmp_path, text)])
+
+
+def test_yaml_sections_and_malformed_files(tmp_path):
+    cfg = parse_args(["--config", _recipe(tmp_path, "model:\n  num_layers: 2\n  hidden_size: 96\n"
+                                                    "parallel:\n  tp: 2\noptim:\n  lr: 1.0e-3\n"
+                                                    "precision:\n  precision: bf16\nseed: 7\n")])
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.parallel.tp) == (2, 96, 2)
+    assert cfg.optim.lr == 1e-3 and cfg.precision.precision == "bf16" and cfg.seed == 7
+    assert parse_args(["--config", _recipe(tmp_path, "precision: fp16\n")]).precision.precision == "fp16"
+    path = _recipe(tmp_path, "num_layers: 2\nhidden_size: [64\nlr: 1\n")
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--config", path])
+    message = str(exc.value)
+    assert "\n" not in message and message.startswith(f"--config {path}:") and "malformed YAML" in message
+    line, column = message.split(":")[1:3]
+    assert (int(line), int(column)) == (3, 3)
+
+
+def test_run_dir_is_the_root_of_every_output(tmp_path):
+    cfg = parse_args(["--config", "configs/train_3d.yaml"])
+    outputs = [cfg.log.metrics_file, cfg.log.timeline, cfg.log.plot, cfg.checkpoint.save]
+    assert cfg.log.run_dir == "runs/3d" and all(p.startswith("runs/3d/") for p in outputs), outputs
+    serial = parse_args(["--config", "configs/train_3d.yaml", "--tp", "1", "--pp", "1", "--run-dir", "runs/serial"])
+    outputs = [serial.log.metrics_file, serial.log.timeline, serial.log.plot, serial.checkpoint.save,
+               serial.log.compile_cache_root]
+    assert all(p.startswith("runs/serial") for p in outputs), outputs
+    makefile = open("Makefile").read()
+    assert "--config configs/train_3d.yaml --tp 1 --pp 1 --run-dir runs/serial" in makefile
+    explicit = parse_args(["--run-dir", str(tmp_path), "--save", str(tmp_path / "elsewhere")])
+    assert explicit.checkpoint.save == str(tmp_path / "elsewhere")
+    assert explicit.log.metrics_file == str(tmp_path / "metrics.jsonl")
+    bare = parse_args([])
+    assert bare.checkpoint.save is None and bare.log.metrics_file is None  # no run dir: nothing written
+
+
+def test_late_errors_come_early(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="--save .*is a file, not a directory; choose a directory"):
+        validate_run(parse_args(["--save", str(tmp_path / "file" / "ck")]), LaunchEnv(0, 1, 0, 1))
+    with pytest.raises(ConfigError, match="--tensorboard-dir .*is a file"):
+        validate_run(parse_args(["--tensorboard-dir", str(tmp_path / "file" / "tb")]), LaunchEnv(0, 1, 0, 1))
+    import torch
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="^--device cuda, but this torch .* sees no CUDA device"):
+            validate_run(parse_args(["--device", "cuda"]), LaunchEnv(0, 1, 0, 1))

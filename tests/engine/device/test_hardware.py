@@ -1,0 +1,234 @@
+"""The hardware a run is for, checked on the CPU: the chip table's choices per Ascend SKU, those
+choices reaching the kernels (a model on the torch_npu stand-in calls exactly the fused ops its
+chip supports), the overflow decision on saturation-mode chips, device binding from the visible
+devices, the TF32/HF32 switch, and the MFU peak of the precision actually used."""
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+import engine.device.runtime as device_mod
+import kernels
+from engine.device.chips import FUSED_OPS, GENERATIONS, generation_of, npu_kernel_paths, overflow_mode
+from engine.config.schema import RunConfig
+from engine.device.runtime import NO_OVERFLOW_REGISTER, DeviceInfo, FloatStatusCheck, device_index, set_matmul_precision, setup_device
+from engine.training.loss_scaler import DynamicLossScaler, ConstantScaler, unscale_and_check
+from engine.plan.hardware import DEVICE_SPECS, lookup_device
+from engine.observe.utilization import run_peak_tflops
+from models import GPTChunk, GPTConfig, LayerContext
+from parallel.dp import MixedPrecisionOptimizer
+from parallel.state import LaunchEnv, ParallelState
+from parallel.tensor_parallel import Initializer
+from tests.helpers.npu_fake import install_fake_npu
+
+ALL_OPS = {"npu_fusion_attention", "npu_swiglu", "npu_rms_norm", "npu_rotary_mul"}
+# SKU name as torch_npu.npu.get_device_name reports it -> (generation, fused ops it runs, overflow)
+SKUS = {
+    "Ascend910A": ("atlas-training", {"npu_rms_norm", "npu_rotary_mul"}, "saturation"),
+    "Ascend910ProA": ("atlas-training", {"npu_rms_norm", "npu_rotary_mul"}, "saturation"),
+    "Ascend910PremiumA": ("atlas-training", {"npu_rms_norm", "npu_rotary_mul"}, "saturation"),
+    "Ascend910ProB": ("atlas-training", {"npu_rms_norm", "npu_rotary_mul"}, "saturation"),
+    "Ascend910B1": ("atlas-a2", ALL_OPS, "inf_nan"),
+    "Ascend910B2": ("atlas-a2", ALL_OPS, "inf_nan"),
+    "Ascend910B2C": ("atlas-a2", ALL_OPS, "inf_nan"),
+    "Ascend910B3": ("atlas-a2", ALL_OPS, "inf_nan"),
+    "Ascend910B4": ("atlas-a2", ALL_OPS, "inf_nan"),
+    "Ascend910B4-1": ("atlas-a2", ALL_OPS, "inf_nan"),
+    "Ascend910_9391": ("atlas-a3", ALL_OPS, "inf_nan"),
+    "Ascend910_9382": ("atlas-a3", ALL_OPS, "inf_nan"),
+    "Ascend910_9362": ("atlas-a3", ALL_OPS, "inf_nan"),
+    "Ascend950PR_9589": ("ascend950", {"npu_fusion_attention"}, "inf_nan"),
+    "Ascend950DT_9591": ("ascend950", {"npu_fusion_attention"}, "inf_nan"),
+}
+TORCH_NPU = {"fusion_attention": "npu_fusion_attention", "swiglu": "npu_swiglu",
+             "rms_norm": "npu_rms_norm", "rotary_mul": "npu_rotary_mul"}
+
+
+@pytest.mark.parametrize("name", sorted(SKUS))
+def test_chip_table_per_sku(name):
+    generation, ops, mode = SKUS[name]
+    assert generation_of(name).key == generation
+    paths, notes = npu_kernel_paths(name)
+    assert {TORCH_NPU[f.name] for f in dataclasses.fields(paths) if getattr(paths, f.name)} == ops
+    assert len(notes) == len(ALL_OPS - ops) and all(name in n for n in notes)
+    assert overflow_mode(name) == mode
+
+
+def test_overflow_mode_follows_the_chip_then_the_runtime():
+    # a chip with one mode has that mode whatever the runtime says
+    assert overflow_mode("Ascend910A", runtime_inf_nan=True) == "saturation"
+    assert overflow_mode("Ascend950PR_9589", runtime_inf_nan=False) == "inf_nan"
+    # A2 / A3 can be switched to saturation (INF_NAN_MODE_ENABLE=0): the runtime decides
+    assert overflow_mode("Ascend910B2", runtime_inf_nan=False) == "saturation"
+    assert overflow_mode("Ascend910_9392", runtime_inf_nan=True) == "inf_nan"
+    # an unknown NPU: the runtime, else the safe choice (the status register sees every overflow)
+    assert overflow_mode("Ascend310P3", runtime_inf_nan=True) == "inf_nan"
+    assert overflow_mode("Ascend310P3") == "saturation"
+    paths, notes = npu_kernel_paths("Ascend310P3")
+    assert not any(dataclasses.astuple(paths)) and len(notes) == 4 and "unknown NPU" in notes[0]
+
+
+def test_every_ascend_sku_of_the_hardware_table_is_in_the_chip_table():
+    for key in DEVICE_SPECS:
+        if key.startswith("ascend") and key != "ascend910b":   # (a key without a SKU digit)
+            assert generation_of(key) is not None, key
+    assert lookup_device("Ascend910ProB") is None   # a 910 of another bin: no published peak
+    assert set(FUSED_OPS) == {f.name for f in dataclasses.fields(kernels.KernelPaths)}
+    assert {g.key for g in GENERATIONS} >= {gen for gens in FUSED_OPS.values() for gen in gens}
+
+
+def _llama_on_fake_npu(monkeypatch, chip: str | None):
+    """A 1-layer llama (head_dim 128, within npu_rotary_mul's limits) forward on the stand-in;
+    ``chip`` None: on the CPU paths, the reference."""
+    fake = install_fake_npu(monkeypatch) if chip else None
+    paths = npu_kernel_paths(chip)[0] if chip else kernels.ALL_FUSED
+    cfg = GPTConfig(num_layers=1, hidden_size=256, num_attention_heads=2, seq_length=8,
+                    vocab_size=64, block="llama")
+    model = GPTChunk(cfg, ParallelState.serial(), LayerContext(Initializer(3), kernel_paths=paths),
+                     range(1))
+    tokens = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        loss = model(tokens, tokens).mean()
+    return fake, loss
+
+
+@pytest.mark.parametrize("chip", ["Ascend910A", "Ascend910B3", "Ascend950PR_9589"])
+def test_model_calls_exactly_the_chips_fused_ops(monkeypatch, chip):
+    fake, loss = _llama_on_fake_npu(monkeypatch, chip)
+    called = {c.split(":")[0] for c in fake.calls}
+    assert called == SKUS[chip][1], (chip, fake.calls)
+    monkeypatch.undo()                 # the CPU paths compute the same model
+    _, ref = _llama_on_fake_npu(monkeypatch, None)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+
+
+class _Register:
+    """The overflow check's interface (clear / flag), standing for the float status register."""
+
+    def __init__(self, overflowed: bool):
+        self.overflowed, self.cleared = overflowed, 0
+
+    def clear(self):
+        self.cleared += 1
+
+    def flag(self):
+        return torch.tensor(1.0 if self.overflowed else 0.0)
+
+
+def test_saturated_overflow_skips_the_step_although_gradients_are_finite():
+    """On a saturation-mode chip an fp16 overflow leaves +-65504 in the gradients; only the
+    register knows. The scaler must back off and skip exactly when the register says so."""
+    ps = ParallelState.serial()
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    opt = MixedPrecisionOptimizer([p], ps=ps)
+    for register, skipped in ((_Register(True), True), (_Register(False), False)):
+        scaler = DynamicLossScaler(init_scale=4.0, hysteresis=1)
+        p.grad = torch.tensor([65504.0, -65504.0, 4.0], dtype=torch.float16)   # saturated, finite
+        check = unscale_and_check(opt, scaler, overflow=register)
+        assert check.skipped == skipped and scaler.scale == (2.0 if skipped else 4.0)
+    # bf16/fp32 (constant scale): the register is the only overflow signal there too
+    p.grad = torch.tensor([1.0, 2.0, 2.0], dtype=torch.float16)
+    assert unscale_and_check(opt, ConstantScaler(), overflow=_Register(True)).skipped
+    assert not unscale_and_check(opt, ConstantScaler(), overflow=_Register(False)).skipped
+
+
+def test_overflow_check_is_the_register_only_on_saturation_mode_npus():
+    npu = DeviceInfo("npu", torch.device("cpu"), "hccl", "Ascend910A", overflow_mode="saturation")
+    assert isinstance(npu.overflow_check(), FloatStatusCheck)
+    for dev in (DeviceInfo("npu", torch.device("cpu"), "hccl", "Ascend910B2"),
+                DeviceInfo("cuda", torch.device("cpu"), "nccl", "NVIDIA H100"),
+                DeviceInfo("cpu", torch.device("cpu"), "gloo", "cpu")):
+        assert dev.overflow_check() is NO_OVERFLOW_REGISTER
+        assert NO_OVERFLOW_REGISTER.flag() is None
+
+
+def test_device_binding_from_the_visible_devices(monkeypatch):
+    slurm = LaunchEnv.from_env({"SLURM_PROCID": "7", "SLURM_NTASKS": "8", "SLURM_LOCALID": "3",
+                                "SLURM_NTASKS_PER_NODE": "4(x2)"})
+    assert (slurm.local_rank, slurm.local_world_size) == (3, 4)
+    bound = []
+    fake_cuda = types.SimpleNamespace(set_device=bound.append, get_device_name=lambda i: "NVIDIA H100",
+                                      is_available=lambda: True, device_count=lambda: 1)
+    monkeypatch.setattr(device_mod.torch, "cuda", fake_cuda)
+    dev = setup_device("cuda", slurm.local_rank, slurm.local_world_size)   # one visible device
+    assert bound == [0] and dev.device == torch.device("cuda", 0) and dev.backend == "nccl"
+    fake_cuda.device_count = lambda: 4                                      # torchrun: all four
+    assert setup_device("cuda", 3, 4).device.index == 3 and bound[-1] == 3
+    fake_cuda.device_count = lambda: 2
+    with pytest.raises(ValueError, match="share"):
+        setup_device("cuda", 3, 4)
+    assert device_index(6, 8, 8) == 6 and device_index(6, 8, 1) == 0
+    with pytest.raises(ValueError, match="no device"):
+        device_index(0, 1, 0)
+
+
+def test_tf32_switch_and_mfu_peak_per_precision():
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        assert set_matmul_precision("cuda", True) is True
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert set_matmul_precision("cuda", False) is False
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert set_matmul_precision("cpu", True) is False
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+    def peak(device, name, precision, tf32, override=None):
+        return run_peak_tflops(types.SimpleNamespace(type=device, name=name), precision, override,
+                               tf32)
+
+    from engine.config.cli import parse_args
+    assert parse_args(["--allow-tf32"]).precision.allow_tf32 and not RunConfig().precision.allow_tf32
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert peak("cuda", h100, "bf16", False) == 989.0
+    assert peak("cuda", h100, "fp32", False) == 67.0       # no TF32: the plain fp32 peak
+    assert peak("cuda", h100, "fp32", True) == 494.7       # --allow-tf32
+    assert peak("npu", "Ascend910B2", "bf16", False) == DEVICE_SPECS["ascend910b2"].peak_tflops
+    assert peak("npu", "Ascend910B2", "fp32", True) is None  # no published HF32 peak: MFU null
+    assert peak("cuda", h100, "fp32", False, override=50.0) == 50.0
+
+
+def test_rope_tables_are_built_once_and_equal_the_uncached_ones():
+    cache = kernels.RopeCache()
+    cos, sin = cache.table(12, 16, 10000.0, torch.bfloat16)
+    ref = kernels.rope_cos_sin(12, 16, 10000.0, None, torch.bfloat16)
+    assert torch.equal(cos, ref[0]) and torch.equal(sin, ref[1])
+    short = cache.table(5, 16, 10000.0, torch.bfloat16)          # served by the longer table
+    assert torch.equal(short[0], ref[0][:5]) and cache.builds == 1
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 0]])
+    at = cache.at(positions, 16, 10000.0, torch.float32, length=12)
+    want = kernels.rope_cos_sin_at(positions, 16, 10000.0, torch.float32)
+    assert torch.equal(at[0], want[0]) and torch.equal(at[1], want[1])
+    assert cache.at(positions, 16, 10000.0, torch.float32, length=12) is at   # same micro-batch
+    cache.table(12, 16, 10000.0, torch.float32)
+    assert cache.builds == 2                                       # one per (dim, base, dtype, device)
+
+
+def test_a_model_builds_one_rope_table_and_one_npu_mask(monkeypatch):
+    install_fake_npu(monkeypatch)
+    cfg = GPTConfig(num_layers=3, hidden_size=256, num_attention_heads=2, seq_length=8,
+                    vocab_size=64, block="llama")
+    ctx = LayerContext(Initializer(3))
+    model = GPTChunk(cfg, ParallelState.serial(), ctx, range(3))
+    gets = []
+    real_get = ctx.mask_cache.get
+    monkeypatch.setattr(ctx.mask_cache, "get", lambda device: gets.append(device) or real_get(device))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(2):                                          # two micro-batches, no inputs
+            model(torch.randint(0, 64, (1, 8), generator=g))
+    assert ctx.rope_cache.builds == 1 and len(ctx.mask_cache) == 1 and len(gets) == 6
+
+
+def test_docstring_examples():
+    import doctest
+
+    import engine.device.chips
+    import engine.plan.memory
+    import parallel.pipeline.p2p
+    for module in (engine.device.chips, device_mod, parallel.pipeline.p2p, engine.plan.memory):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

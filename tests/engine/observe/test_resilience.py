@@ -1,0 +1,270 @@
+"""Resilience: bad steps re-run and attributed, stragglers and hangs named.
+
+A NaN planted in one rank's gradient once (transient) is caught before the update, re-run from the
+step's saved inputs and reported as transient, and the run's losses equal a run without the fault;
+planted on every execution (persistent) it stops the run on every rank naming the step, rank,
+micro-batch and parameter. A finite gradient far above the running median is a spike. Detection
+adds no collective to a step. A rank made slow is named as the straggler; a rank made to hang is
+named by its peers, from their heartbeats, when the collective times out."""
+import io
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import engine.checkpoint.async_writer as async_writer
+from engine.observe.anomaly import Finding, PersistentAnomaly, SpikeDetector
+from engine.base import ConfigError
+from engine.config.cli import parse_args
+from engine.observe.faults import GradFault, HangRank, Released, SlowRank
+from engine.training.step import StepAgreement
+from engine.observe.stragglers import StragglerReport
+from engine.training.launch import describe_comm_failure
+from engine.training.trainer import Trainer
+from parallel.comm import Activity
+from parallel.heartbeat import Heartbeat, describe_peers
+from parallel.topology import RankGrid
+from tests.helpers.dist_utils import record_comm, run_distributed
+
+TINY = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--lr", "2e-3", "--lr-warmup-iters", "1", "--timeout-s", "60"]
+PARAM = "layers.1.mlp.fc2.weight"
+
+
+# ---- pure parts ---------------------------------------------------------------------------------
+def test_spike_detector_worked_example():
+    d = SpikeDetector(5.0, window=3)
+    for v in (2.0, float("nan"), 2.2):
+        d.accept(v)
+    assert d.threshold() is None and not d.is_spike(1e9)  # two accepted values: not judged yet
+    d.accept(2.1)
+    assert d.threshold() == pytest.approx(10.5)
+    assert d.is_spike(10.6) and not d.is_spike(10.4) and not d.is_spike(float("inf"))
+    d.accept(100.0)  # the window keeps the last 3: [2.2, 2.1, 100] -> median 2.2
+    assert d.threshold() == pytest.approx(11.0)
+    assert not SpikeDetector(0.0).is_spike(1e30)
+
+
+def test_spike_flags_are_checked():
+    with pytest.raises(ConfigError, match="--spike-factor must be above 1"):
+        parse_args(TINY + ["--spike-factor", "0.5"])
+    with pytest.raises(ConfigError, match="--spike-window must be >= 1"):
+        parse_args(TINY + ["--spike-window", "0"])
+
+
+def test_finding_travels_as_int32_codes():
+    f = Finding(3, True, False, 2, -1, 1, "layers.11.attn.qkv.weight")
+    row = torch.tensor(f.encode(), dtype=torch.int32).tolist()
+    assert Finding.decode(3, row) == f
+    assert Finding.decode(0, Finding(0, False, False, 0, -1, -1, None).encode()).first_param is None
+
+
+def test_step_agreement_splits_sums():
+    a = StepAgreement()
+    a.set("checkpoint", 3, lambda: [1, 0, 0])
+    a.set("other", 2, lambda: [0, 1])
+    assert a.local() == [1, 0, 0, 0, 1]
+    assert a.split([1.0, 4.0, 0.0, 0.0, 2.0]) == {"checkpoint": [1, 4, 0], "other": [0, 2]}
+    a.set("other", 2, lambda: [0])
+    with pytest.raises(ValueError, match="other must give 2 non-negative integers"):
+        a.local()
+
+
+def test_straggler_report_formula():
+    # rank 2 computes 0.9 s; the lower median of [0.3, 0.4, 0.9, 0.35] is 0.35; rank 2 waited least
+    rows = [[0.3, 0.1, 0, 0, 0.5, 0.1], [0.4, 0.1, 0, 0, 0.4, 0.1], [0.9, 0, 0, 0, 0.05, 0],
+            [0.35, 0.1, 0, 0, 0.45, 0.1]]
+    r = StragglerReport.from_rows((1, 10), rows)
+    assert (r.straggler_rank, r.waited_for) == (2, 2)
+    assert r.straggler_ratio == pytest.approx(0.9 / 0.35)
+    text = r.describe(RankGrid(tp=2, dp=2))
+    assert "slowest by compute rank 2 (tp 0, pp 0, dp 1) 0.900 s" in text
+    assert "the others waited for rank 2 (tp 0, pp 0, dp 1)" in text
+
+
+def test_describe_peers_sorts_members():
+    now = 100.0
+    beats = {0: {"t": 99.8, "step": 4, "entered": {"dp": 7}, "last": ["all_reduce", "dp", 7],
+                 "blocked": ["all_reduce", "dp", 7, 95.0]},
+             1: {"t": 99.5, "step": 4, "entered": {"dp": 5}, "last": ["all_reduce", "world", 9],
+                 "blocked": None},
+             2: {"t": 80.0, "step": 3, "entered": {"dp": 6}, "last": None, "blocked": None},
+             3: None}
+    text = describe_peers(("all_reduce", "dp", 7), [0, 1, 2, 3], beats, now, stale_s=4.0)
+    assert text.startswith("all_reduce #7 of the dp group (ranks [0, 1, 2, 3]): entered by rank 0; "
+                           "not entered by rank 1 (step 4, not in a collective, last entered "
+                           "all_reduce #9 of world, heartbeat 0.5 s ago)"), text
+    assert "rank 2 (step 3, not in a collective, heartbeat 20.0 s ago; silent since: dead or frozen)" in text
+    assert "rank 3 (no heartbeat" in text
+    text = describe_peers(("p2p", "pp", 12), [0, 1], beats, now, stale_s=4.0)
+    assert text == ("point-to-point batch #12 of the pp group (ranks [0, 1]): rank 0 (step 4, "
+                    "blocked in all_reduce #7 of dp for 5.0 s, last entered all_reduce #7 of dp, "
+                    "heartbeat 0.2 s ago); rank 1 (step 4, not in a collective, last entered "
+                    "all_reduce #9 of world, heartbeat 0.5 s ago)"), text
+
+
+def test_heartbeat_through_a_store_and_its_watchdog():
+    store = dist.HashStore()
+    acts = [Activity(), Activity()]
+    out = io.StringIO()
+    beats = [Heartbeat(store, r, acts[r], {"dp": (0, 1)}, interval_s=0.1, watchdog_s=0.5, stream=out)
+             for r in (0, 1)]
+    acts[1].step = 3
+    acts[1].enter("all_reduce", "dp")
+    beats[1].beat()
+    acts[0].step = 3
+    tag = acts[0].enter("all_reduce", "dp")
+    tag = acts[0].enter("all_reduce", "dp")  # rank 0 is one collective ahead
+    acts[0].blocked = (*tag, time.time() - 1.0)
+    beats[0].beat()
+    beats[0]._watch()
+    text = out.getvalue()
+    assert "rank 0 has been blocked for 1 s in all_reduce #2 of the dp group (ranks [0, 1]): " \
+           "entered by rank 0; not entered by rank 1 (step 3, not in a collective, last entered " \
+           "all_reduce #1 of dp" in text, text
+    beats[0]._watch()
+    assert out.getvalue() == text  # reported once per stuck collective
+
+
+# ---- re-runs on 2 ranks -------------------------------------------------------------------------
+def _train(argv, faults=(), keep=False):
+    trainer = Trainer(parse_args(argv))
+    for fault in faults:
+        fault.install(trainer)
+    try:
+        result = trainer.train()
+        return result.records, trainer.guard, trainer
+    finally:
+        if not keep:
+            trainer.close()
+
+
+def bad_steps(ps):
+    out = {}
+    base = TINY + ["--train-iters", "4", "--dropout", "0.1"]  # the re-run must restore the RNG
+    guarded = base + ["--rerun-on-anomaly"]
+    # no collective is added to a step by the guard
+    events = {}
+    for name, argv in (("plain", base), ("guarded", guarded)):
+        trainer = Trainer(parse_args(argv))
+        with record_comm(trainer.ps) as ev:
+            trainer.stepper.run(trainer._batches(0), 1e-3, 1)
+        events[name] = [(e.op, e.group, e.dtype, e.payload_bytes) for e in ev]
+        trainer.close()
+    out["events"] = events
+    calls = []
+    real_agree = async_writer.agree
+    async_writer.agree = lambda ps, counts: calls.append(counts) or real_agree(ps, counts)
+    try:
+        records, _, _ = _train(base)
+    finally:
+        async_writer.agree = real_agree
+    out["clean"], out["agree_calls"] = [r["loss"] for r in records], len(calls)
+    fault = GradFault(rank=1, step=2, param=PARAM, micro_batch=1)
+    records, guard, _ = _train(guarded, [fault])
+    out["transient"] = ([r["loss"] for r in records], [(r["anomaly"], r["rerun"]) for r in records],
+                        guard.anomalies[0].describe(guard.ps.grid), fault.planted)
+    fault = GradFault(rank=1, step=3, param=PARAM, micro_batch=1, repeat=True)
+    try:
+        _train(guarded, [fault])
+        out["persistent"] = "no error"
+    except PersistentAnomaly as exc:
+        out["persistent"] = str(exc)
+    # a finite gradient 1e6 times too large at step 6: a gradient-norm spike, transient
+    spiky = TINY + ["--train-iters", "6", "--rerun-on-anomaly", "--spike-factor", "10"]
+    out["spike_clean"] = [r["loss"] for r in _train(spiky)[0]]
+    records, guard, _ = _train(spiky, [GradFault(rank=0, step=6, param="layers.0.attn.qkv.weight",
+                                                 value=1e6)])
+    out["spike"] = ([r["loss"] for r in records], records[-1]["anomaly"], records[-1]["rerun"])
+    # pipeline: rank 0 is stage 0; its gradient of micro-batch 0 is bad on every execution
+    fault = GradFault(rank=0, step=2, param="layers.0.attn.qkv.weight", micro_batch=0, repeat=True)
+    try:
+        _train(guarded + ["--pp", "2"], [fault])
+        out["pipeline"] = "no error"
+    except PersistentAnomaly as exc:
+        out["pipeline"] = str(exc)
+    return out
+
+
+def test_bad_steps_rerun_and_attribution():
+    res = run_distributed(bad_steps, grid=RankGrid(dp=2), timeout_s=120)
+    for rank in (0, 1):
+        r = res[rank]
+        plain, guarded = r["events"]["plain"], r["events"]["guarded"]
+        # the guard judges the loss and norm the statistics all-reduce already agreed: it adds
+        # no collective and no byte to a step
+        assert plain[-1][:2] == ("all_reduce", "world")
+        assert guarded == plain, r["events"]
+        assert r["agree_calls"] == 0  # the checkpointer's counters rode on the statistics
+        losses, marks, text, planted = r["transient"]
+        assert losses == r["clean"], (losses, r["clean"])  # exactly the fault-free run
+        assert marks[1] == ("non-finite gradient norm", "transient")
+        assert marks[0] == marks[2] == marks[3] == (None, None)
+        assert "step 2: non-finite gradient norm; run again from the step's saved inputs: it did " \
+               "not repeat: transient" in text, text
+        assert "rank 1 (tp 0/1, pp 0/1, dp 1/2): micro-batch unknown" in text, text
+        assert f"first non-finite gradient {PARAM} (1 parameter non-finite before the " \
+               f"data-parallel reduction)" in text and "rank 0" not in text, text
+        assert planted == (1 if rank == 1 else 0)
+        text = r["persistent"]
+        assert "step 3: non-finite gradient norm; run again from the step's saved inputs: it " \
+               "repeated (non-finite gradient norm): persistent" in text, text
+        assert f"rank 1 (tp 0/1, pp 0/1, dp 1/2): micro-batch 1, first non-finite gradient {PARAM}" in text, text
+        assert "The run stops; last good checkpoint: none saved" in text
+        losses, why, verdict = r["spike"]
+        assert losses == r["spike_clean"] and verdict == "transient", r["spike"]
+        assert why.startswith("gradient-norm spike (") and "> --spike-factor 10 x the median" in why
+        text = r["pipeline"]
+        assert "step 2: non-finite gradient norm" in text and "persistent" in text, text
+        assert "rank 0 (tp 0/1, pp 0/2, dp 0/1): micro-batch 0, first non-finite gradient " \
+               "layers.0.attn.qkv.weight" in text and "rank 1 (" not in text, text
+
+
+# ---- stragglers and hangs -----------------------------------------------------------------------
+def slow_rank(ps):
+    argv = TINY + ["--train-iters", "2", "--log-interval", "2"]
+    out = []
+    # dp=2: rank 1's peer waits in the DP reduction; pp=2: stage 1 (rank 1) waits in its
+    # receives for stage 0 (rank 0), which must then count as wait, not as rank 1's compute
+    for extra, slow in (([], SlowRank(rank=1, seconds=0.4)), (["--pp", "2"], SlowRank(rank=0, seconds=0.2))):
+        records, _, _ = _train(argv + extra, [slow])
+        out.append([(r["straggler_rank"], r["straggler_ratio"], r["straggler_waited_for"])
+                    for r in records])
+    return out
+
+
+def hung_rank(ps, release):
+    trainer = Trainer(parse_args(TINY + ["--train-iters", "3", "--timeout-s", "3"]))
+    HangRank(rank=1, step=2, release=release).install(trainer)
+    start = time.perf_counter()
+    try:
+        trainer.train()
+    except Released:
+        return "released", None
+    except RuntimeError as exc:
+        message = describe_comm_failure(exc, trainer.ps, 3.0)
+        waited = time.perf_counter() - start
+        open(release, "w").close()
+        return message, waited
+    finally:
+        trainer.heartbeat.stop()
+    return "no error", None
+
+
+def test_straggler_and_hang_are_named(tmp_path):
+    res = run_distributed(slow_rank, grid=RankGrid(dp=2), timeout_s=120)
+    for rank in (0, 1):
+        (dp_first, dp_report), (pp_first, pp_report) = res[rank]
+        assert dp_first == pp_first == (None, None, None)  # reports every --log-interval steps
+        assert (dp_report[0], dp_report[2]) == (1, 1), res[rank]
+        assert (pp_report[0], pp_report[2]) == (0, 0), res[rank]
+    res = run_distributed(hung_rank, grid=RankGrid(dp=2), args=(str(tmp_path / "release"),),
+                          timeout_s=60)
+    assert res[1] == ("released", None)
+    message, waited = res[0]
+    assert waited < 12, waited  # step 1, then the 3 s timeout of step 2's DP reduction
+    assert "over the dp group (ranks [0, 1]) in GradReducer.finish" in message, message
+    assert "Heartbeats: all_reduce #" in message and "of the dp group (ranks [0, 1]): entered by " \
+           "rank 0; not entered by rank 1 (step 2, not in a collective" in message, message

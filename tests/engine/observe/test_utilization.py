@@ -1,0 +1,72 @@
+"""MFU and HFU: model vs executed FLOPs, the flop_counter fallback for blocks without a formula
+(exact on the built-in blocks), null with a warning when a block cannot be measured, and the
+dense peak per precision."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.plan.flops import step_flops
+from engine.observe.utilization import per_device, run_flops, run_peak_tflops, utilization
+from models import GPT2Block, GPTConfig, LlamaBlock
+
+
+class MyGPT2(GPT2Block):
+    """A user's subclass: no formula is assumed for it, even though it computes what GPT2Block does."""
+
+
+class MyLlama(LlamaBlock):
+    pass
+
+
+class Broken(torch.nn.Module):
+    def __init__(self, cfg, layer_idx, ps, ctx):
+        super().__init__()
+
+    def forward(self, x):
+        raise RuntimeError("this block cannot run on meta tensors")
+
+
+@pytest.mark.parametrize("block,cls", [("gpt2", MyGPT2), ("llama", MyLlama)])
+def test_counted_flops_equal_the_formula_on_builtin_blocks(block, cls):
+    cfg = GPTConfig(num_layers=3, hidden_size=128, num_attention_heads=4, seq_length=64,
+                    vocab_size=512, block=block, num_query_groups=2)
+    with pytest.warns(UserWarning, match="has no FLOPs formula: its FLOPs are counted"):
+        counted = run_flops(cfg, cls, "none", global_batch=6)
+    want = step_flops(6, 64, 3, 128, 512, cfg.ffn_hidden_size, block, "none",
+                      kv_hidden=cfg.kv_hidden_size)
+    assert counted.source == "flop_counter"
+    assert counted.model == want.model and counted.executed == want.executed
+    formula = run_flops(cfg, LlamaBlock if block == "llama" else GPT2Block, "full", 6)
+    assert formula.source == f"formula {block}" and formula.executed > formula.model
+    with pytest.warns(UserWarning, match="tflops_per_device and hfu are null"):
+        recomputed = run_flops(cfg, cls, "full", 6)
+    assert recomputed.model == want.model and recomputed.executed is None
+
+
+def test_a_block_that_cannot_be_measured_has_null_flops():
+    cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128)
+    with pytest.warns(UserWarning, match="tflops_per_device, mfu and hfu are null"):
+        flops = run_flops(cfg, Broken, "none", 4)
+    assert flops.model is None and flops.executed is None
+    assert per_device(flops.model, 1.0, 8) is None and utilization(None, 312.0) is None
+    assert utilization(per_device(3.12e14, 1.0, 1), 312.0) == pytest.approx(1.0)
+
+
+def test_peaks_are_the_dense_ones_of_the_precision():
+    class Dev:
+        type, name = "cuda", "NVIDIA A100-SXM4-80GB"
+    assert run_peak_tflops(Dev, "bf16", None) == 312.0
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert run_peak_tflops(Dev, "fp32", None) == 19.5
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls
+        assert run_peak_tflops(Dev, "fp32", None) == 156.0
+    finally:
+        torch.set_float32_matmul_precision(old)
+    assert run_peak_tflops(Dev, "bf16", 100.0) == 100.0
+
+    class Npu:
+        type, name = "npu", "Ascend910B2"
+    assert run_peak_tflops(Npu, "fp32", None) is None  # no published figure: no MFU, not a guess

@@ -1,0 +1,33 @@
+"""A two-node launch on this machine: two torchrun agents (--nnodes 2, 2 processes each) meeting at a
+c10d rendezvous on 127.0.0.1."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers.dist_utils import free_port
+
+ROOT = str(Path(__file__).resolve().parents[3])
+
+
+def test_two_node_launch_keeps_tp_inside_a_node(tmp_path):
+    port = free_port()
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    agents = [subprocess.Popen(
+        [torchrun, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "probe",
+         "--max-restarts", "0", os.path.join(ROOT, "tests", "helpers", "launch_probe.py"), str(tmp_path), "2", "1"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in (0, 1)]
+    outputs = [a.communicate(timeout=180)[0] for a in agents]
+    assert all(a.returncode == 0 for a in agents), "\n".join(outputs)
+    infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    node_of = {i["rank"]: i["node"] for i in infos}
+    for info in infos:
+        assert info["local_world_size"] == 2
+        assert info["bound_to"] == info["local_rank"] == info["rank"] % 2  # LOCAL_RANK, not RANK
+        assert len({node_of[r] for r in info["tp_group"]}) == 1, info  # TP inside one node
+        assert len({node_of[r] for r in info["dp_group"]}) == 2, info  # DP across the nodes
+    assert sorted(tuple(i["tp_group"]) for i in infos) == [(0, 1), (0, 1), (2, 3), (2, 3)]

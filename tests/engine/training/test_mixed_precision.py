@@ -1,0 +1,137 @@
+"""Mixed precision through the real trainer on pp=2 x dp=2: bf16 and fp16 track fp32, and an fp16
+overflow on one rank makes every rank skip the step while the loss scale follows the hysteresis
+rules.
+
+The reference is the serial fp32 run on real text (a byte-level corpus of a few stdlib packages),
+so the loss falls by more than the tolerance and "close to fp32" means something. The overflow is
+injected by the test (an inf written into one gradient on one rank after the DP reduction), not by
+engine code.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.config.cli import parse_args
+from engine.data.corpus import stdlib_dir
+from engine.data.prepare import prepare
+from engine.training.trainer import Trainer
+from parallel.state import LaunchEnv
+from parallel.topology import RankGrid
+from tests.helpers.dist_utils import run_distributed
+
+STEPS = 8                   # the overflow run
+TRACK_STEPS = 6             # the fp32 / bf16 / fp16 comparison
+TOLERANCE = 0.02            # relative distance of a low-precision loss from fp32's, every step
+INITIAL_SCALE = 1024.0
+HYSTERESIS = 2
+OVERFLOW_RANK = 3           # (tp 0, pp 1, dp 1): the last stage of the second replica
+OVERFLOW_STEPS = (2, 3, 6)  # 1-based
+
+
+def base(data: str, steps: int = STEPS) -> list[str]:
+    return ["--data-path", data, "--no-progress", "--device", "cpu", "--num-layers", "2",
+            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--global-batch-size", "16", "--micro-batch-size", "4", "--train-iters", str(steps),
+            "--lr", "3e-3", "--min-lr", "3e-3", "--lr-warmup-iters", "0", "--peak-tflops", "1",
+            "--initial-loss-scale", str(INITIAL_SCALE), "--hysteresis", str(HYSTERESIS)]
+
+
+def _checksum(trainer: Trainer) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for c in trainer.chunks for p in c.parameters()])
+
+
+def train(ps, argv: list[str], inject: bool) -> dict:
+    """Train; with ``inject``, rank OVERFLOW_RANK writes an inf into a reduced gradient at the
+    OVERFLOW_STEPS. Records whether each step changed this rank's parameters."""
+    trainer = Trainer(parse_args(argv))
+    reducer, finish, run = trainer.reducer, trainer.reducer.finish, trainer.stepper.run
+    step, changed = [0], []
+
+    def finish_with_overflow():
+        finish()
+        step[0] += 1
+        if inject and ps.rank == OVERFLOW_RANK and step[0] in OVERFLOW_STEPS:
+            trainer.optimizer.grad_pieces()[0][0].view(-1)[0] = float("inf")
+
+    def run_and_compare(batches, lr):
+        before = _checksum(trainer)
+        out = run(batches, lr)
+        changed.append(not torch.equal(before, _checksum(trainer)))
+        return out
+
+    reducer.finish, trainer.stepper.run = finish_with_overflow, run_and_compare
+    records = trainer.train().records
+    return {"records": records, "changed": changed, "opt_steps": trainer.optimizer.step_count}
+
+
+def train_all(ps, jobs: list[tuple[list[str], bool]]) -> list[dict]:
+    return [train(ps, argv, inject) for argv, inject in jobs]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    prefix = tmp_path_factory.mktemp("mp_corpus") / "corpus"
+    prepare([stdlib_dir() / "json", stdlib_dir() / "email"], prefix, "byte", max_bytes=400_000,
+            extensions=(".py",))
+    return str(prefix)
+
+
+@pytest.fixture(scope="module")
+def runs(corpus):
+    short = base(corpus, TRACK_STEPS)
+    fp32 = Trainer(parse_args(short + ["--precision", "fp32"]), launch=LaunchEnv())
+    reference = [r["loss"] for r in fp32.train().records]
+    layout = ["--pp", "2", "--dp", "2"]
+    jobs = [(short + layout + ["--precision", "bf16", "--use-distributed-optimizer"], False),
+            (short + layout + ["--precision", "fp16"], False),
+            (base(corpus) + layout + ["--precision", "fp16"], True)]
+    return reference, run_distributed(train_all, grid=RankGrid(pp=2, dp=2), args=(jobs,))
+
+
+@pytest.mark.parametrize("index, precision", [(0, "bf16"), (1, "fp16")])
+def test_low_precision_tracks_fp32(runs, index, precision):
+    reference, results = runs
+    assert reference[-1] < reference[0] - 0.5, reference     # the run learns: the check has teeth
+    records = results[0][index]["records"]
+    losses = [r["loss"] for r in records]
+    assert len(losses) == len(reference) == TRACK_STEPS
+    for step, (got, want) in enumerate(zip(losses, reference), start=1):
+        assert abs(got - want) <= TOLERANCE * want, f"{precision} step {step}: {got} vs fp32 {want}"
+    assert not any(r["skipped"] for r in records)
+    scale = INITIAL_SCALE if precision == "fp16" else 1.0
+    assert all(r["loss_scale"] == scale for r in records)
+
+
+def expected_scales() -> list[tuple[bool, float]]:
+    """(skipped, loss scale used) per step: an overflow always skips; the scale halves when the
+    hysteresis budget (restored only when the scale grows) is used up."""
+    scale, budget, out = INITIAL_SCALE, HYSTERESIS, []
+    for step in range(1, STEPS + 1):
+        overflow = step in OVERFLOW_STEPS
+        out.append((overflow, scale))
+        if overflow:
+            budget -= 1
+            if budget <= 0:
+                scale /= 2
+    return out
+
+
+def test_overflow_on_one_rank_skips_the_step_everywhere(runs):
+    _, results = runs
+    want = expected_scales()
+    assert want[3] == (False, INITIAL_SCALE / 2) and want[6] == (False, INITIAL_SCALE / 4)
+    for rank, rank_results in enumerate(results):
+        run = rank_results[2]
+        got = [(r["skipped"], r["loss_scale"]) for r in run["records"]]
+        assert got == want, (rank, got)
+        # a skipped step leaves every parameter untouched on every rank; the others update them
+        assert run["changed"] == [not skipped for skipped, _ in want], (rank, run["changed"])
+        assert run["opt_steps"] == STEPS - len(OVERFLOW_STEPS)
+        for r in run["records"]:
+            assert (r["grad_norm"] is None) == r["skipped"]
+            assert math.isfinite(r["loss"])
+    losses = [r["loss"] for r in results[0][2]["records"]]
+    assert losses[-1] < losses[0] - 0.3, losses               # and training carries on

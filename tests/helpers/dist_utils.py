@@ -1,0 +1,139 @@
+"""Run a function on N real gloo ranks on this CPU and collect what each rank returns.
+
+    results = run_distributed(check_fn, world_size=4, grid=RankGrid(tp=2, dp=2), args=(...))
+
+``check_fn(ps, *args)`` must be a module-level function (it is pickled into spawned processes);
+``results[rank]`` is its return value. An exception on any rank fails the call with that rank's
+traceback; a rank that has not finished within ``deadline_s`` (a hang) fails it too, naming the
+ranks still running, and every rank is killed. Spawn one group per test function and do many
+checks inside it: startup costs seconds.
+
+Every collective runs under the backend rules named by ``GRIDTRON_BACKEND_RULES`` (tests/conftest.py
+sets "hccl" for the whole suite, read here once): gloo executes the collectives, and anything HCCL
+would refuse (a float64 reduction, ``gather``, ...) fails the test. ``backend_rules=`` overrides it.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import socket
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from engine.training.launch import exit_now
+from parallel.state import LaunchEnv, ParallelState
+from parallel.topology import RankGrid
+
+SUITE_RULES = os.environ.get("GRIDTRON_BACKEND_RULES") or None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, grid, fn, args, out_dir, timeout_s, rules):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    # a native abort (SIGABRT, SIGSEGV) leaves every thread's Python stack in the rank's .fault file
+    fault = open(os.path.join(out_dir, f"{rank}.fault"), "w")  # noqa: SIM115 - open until exit
+    faulthandler.enable(fault, all_threads=True)
+    ps = None
+    try:
+        ps = ParallelState.initialize(grid, torch.device("cpu"), "gloo",
+                                      LaunchEnv.from_env(), timeout_s=timeout_s, backend_rules=rules)
+        result = fn(ps, *args)
+        torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        torch.save({"ok": False, "error": traceback.format_exc()},
+                   os.path.join(out_dir, f"{rank}.pt"))
+        os._exit(1)  # a failed rank ends the job; peers time out instead of hanging forever
+    if ps is not None:
+        ps.destroy()
+    # The result is saved and the groups are gone: leave without interpreter teardown. There, a
+    # gloo worker thread that still drops the last reference to a collective's tensors must take
+    # the GIL of an interpreter being finalized, and the process aborts ("terminate called
+    # without an active exception"; pytorch/pytorch#179291) after every check has passed.
+    exit_now(0)
+
+
+DEADLINE_S = 900.0  # a spawned group still running after this long is hung
+
+
+def run_distributed(fn, world_size: int | None = None, grid: RankGrid | None = None,
+                    args: tuple = (), timeout_s: float = 120.0, backend_rules: str | None = "suite",
+                    deadline_s: float = DEADLINE_S) -> list:
+    """``timeout_s``: the process groups' collective timeout; ``deadline_s``: the whole call's."""
+    grid = grid or RankGrid(dp=world_size)
+    rules = SUITE_RULES if backend_rules == "suite" else backend_rules
+    world_size = grid.world_size
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_worker, args=(world_size, free_port(), grid, fn, args, out_dir,
+                                                timeout_s, rules),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        failure, end = None, time.monotonic() + deadline_s
+        try:
+            while not ctx.join(timeout=min(5.0, max(0.1, end - time.monotonic()))):
+                if time.monotonic() >= end:
+                    hung = [r for r in range(world_size)
+                            if not os.path.exists(os.path.join(out_dir, f"{r}.pt"))]
+                    for proc in ctx.processes:
+                        if proc.is_alive():
+                            proc.kill()
+                    for proc in ctx.processes:
+                        proc.join(10)
+                    failure = TimeoutError(f"rank(s) {hung or 'all'} still running after "
+                                           f"{deadline_s:g} s (a hang): every rank was killed")
+                    break
+        except Exception as exc:  # noqa: BLE001 - rank errors are read from their files
+            failure = exc
+        results, errors = [], []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"{rank}.pt")
+            if not os.path.exists(path):
+                results.append(None)
+                continue
+            data = torch.load(path, weights_only=False)
+            if data["ok"]:
+                results.append(data["result"])
+            else:
+                errors.append(f"--- rank {rank} ---\n{data['error']}")
+                results.append(None)
+        for rank in range(world_size):
+            fault = os.path.join(out_dir, f"{rank}.fault")
+            if os.path.exists(fault) and os.path.getsize(fault):
+                with open(fault) as f:
+                    errors.append(f"--- rank {rank}: native crash, every thread's stack ---\n{f.read()}")
+        if errors or failure is not None:
+            raise AssertionError("distributed run failed:\n" + "\n".join(errors) + f"\n{failure or ''}")
+        return results
+
+
+def gather_tensors(group, t: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``t`` (equal shapes) from a CommGroup, in group order (one all-gather)."""
+    out = torch.empty((group.size, *t.shape), dtype=t.dtype, device=t.device)
+    group.all_gather_into(out.view(group.size * t.shape[0] if t.dim() else group.size, *t.shape[1:]),
+                          t.contiguous())
+    return list(out.unbind(0))
+
+
+class record_comm:
+    """Context manager: every CommEvent issued through ``ps``'s groups while inside, in order."""
+
+    def __init__(self, ps):
+        self.ps, self.events = ps, []
+
+    def __enter__(self):
+        self.ps.comm.observers.append(self.events.append)
+        return self.events
+
+    def __exit__(self, *exc):
+        self.ps.comm.observers.remove(self.events.append)
+        return False

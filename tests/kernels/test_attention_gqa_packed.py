@@ -1,0 +1,186 @@
+"""Grouped-query attention and packed documents in kernels/attention.py and kernels/rope.py.
+
+- Fewer key/value heads (G = 1, 2 and n) on the CPU path match the fp32 reference, forward and
+  backward, and equal attention with the key/value heads repeated (query head i reads head i // (n/G)).
+- A batch of packed documents gives, token for token, what each document gives alone.
+- Cumulative lengths: worked examples, both directions, and a shard recomputes its own.
+- NPU: fewer KV heads go to npu_fusion_attention as they are (BNSD/BSND); packed documents go in the
+  TND layout with actual_seq_qlen/kvlen = the cumulative ends and sparse_mode 3; checked through a
+  stand-in that implements the documented semantics (tests/helpers/npu_fake.py).
+- CUDA varlen: the argument preparation for torch.nn.attention.varlen.varlen_attn (which needs a GPU),
+  fed to a plain per-segment evaluation of its documented semantics.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import kernels
+from models.batch import AttentionInputs
+from tests.helpers.npu_fake import install_fake_npu
+
+attn_mod = importlib.import_module("kernels.attention")
+FP32 = dict(atol=2e-5, rtol=2e-5)
+
+
+def _qkv(b, n, g, s, d, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, n, s, d, generator=gen).to(dtype)
+    k, v = (torch.randn(b, g, s, d, generator=gen).to(dtype) for _ in range(2))
+    return [t.requires_grad_(True) for t in (q, k, v)]
+
+
+def _out_and_grads(fn, inputs, seed=7):
+    xs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*xs)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+    return [out.detach(), *torch.autograd.grad(out, xs, up)]
+
+
+def _close(a_list, b_list, dtype=torch.float32):
+    for a, b in zip(a_list, b_list):
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, **FP32)
+        else:
+            assert (a.float() - b.float()).norm() / b.float().norm() < 2e-2
+
+
+# rows [a a a a | b b b] and [c c | d d d d d]: documents of lengths 4, 3 and 2, 5
+DOCS = torch.tensor([[0, 0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1]], dtype=torch.int32)
+CU = (0, 4, 7, 9, 14)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fewer_key_value_heads_match_reference_and_repetition(groups, dtype):
+    q, k, v = _qkv(2, 4, groups, 7, 8, dtype=dtype)
+    _close(_out_and_grads(kernels.attention, [q, k, v]),
+           _out_and_grads(kernels.attention_reference, [q, k, v]), dtype)
+    rep = 4 // groups  # the same as multi-head attention over repeated key/value heads
+    out = kernels.attention(q, k, v)
+    full = kernels.attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1))
+    _close([out], [full], dtype)
+    if 1 < groups < 4:  # and not the same as another grouping of the query heads
+        other = kernels.attention(q, k.repeat(1, rep, 1, 1), v.repeat(1, rep, 1, 1))
+        assert not torch.allclose(out.float(), other.float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_packed_documents_equal_documents_alone(groups):
+    q, k, v = _qkv(2, 4, groups, 7, 8, seed=1)
+    for fn in (kernels.attention, kernels.attention_reference):
+        packed = fn(q, k, v, document_ids=DOCS)
+        for row, spans in ((0, [(0, 4), (4, 7)]), (1, [(0, 2), (2, 7)])):
+            for a, b in spans:
+                alone = fn(*(t[row:row + 1, :, a:b] for t in (q, k, v)))
+                torch.testing.assert_close(packed[row:row + 1, :, a:b], alone, **FP32)
+    # the kernel takes either description of the documents, with gradients like the reference
+    ref = _out_and_grads(lambda *t: kernels.attention_reference(*t, document_ids=DOCS), [q, k, v])
+    _close(_out_and_grads(lambda *t: kernels.attention(*t, document_ids=DOCS), [q, k, v]), ref)
+    _close(_out_and_grads(lambda *t: kernels.attention(*t, cu_seqlens=CU), [q, k, v]), ref)
+    assert not torch.allclose(kernels.attention(q, k, v), ref[0])  # the mask does something
+
+
+def test_cumulative_lengths_and_masks():
+    assert kernels.cu_seqlens_from_document_ids(DOCS) == CU
+    assert kernels.cu_seqlens_from_document_ids(torch.tensor([[0, 0, 1], [0, 1, 1]])) == (0, 2, 3, 4, 6)
+    assert kernels.cu_seqlens_from_document_ids(torch.zeros(3, 4, dtype=torch.int32)) == (0, 4, 8, 12)
+    ids = attn_mod.document_ids_from_cu_seqlens(CU, 2, 7)
+    assert kernels.cu_seqlens_from_document_ids(ids) == CU
+    mask = kernels.document_mask(torch.tensor([[0, 0, 1]]))  # True = masked
+    assert mask.shape == (1, 1, 3, 3)
+    assert mask[0, 0].tolist() == [[False, True, True], [False, False, True], [True, True, False]]
+    inputs = AttentionInputs(torch.arange(7).expand(2, 7), DOCS, CU)
+    shard = inputs.narrow(3, 3)  # tokens 3..5 of each row, e.g. a context-parallel shard
+    assert shard.position_ids.tolist() == [[3, 4, 5]] * 2
+    assert shard.document_ids.tolist() == [[0, 1, 1], [1, 1, 1]] and shard.cu_seqlens == (0, 1, 3, 6)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        AttentionInputs(torch.zeros(2, 7, dtype=torch.long), DOCS)
+    with pytest.raises(ValueError, match="b\\*s"):
+        AttentionInputs(torch.zeros(2, 7, dtype=torch.long), DOCS, (0, 4, 7))
+    with pytest.raises(ValueError, match="equal query and key lengths"):
+        q, k, v = _qkv(2, 4, 2, 7, 8)
+        kernels.attention(q, k[:, :, :5], v[:, :, :5], document_ids=DOCS)
+
+
+def test_rope_at_positions_equals_table_rows():
+    cos, sin = kernels.rope_cos_sin(16, 8, 500.0)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 5], [3, 4, 0, 1, 2, 3]])
+    c, s = kernels.rope_cos_sin_at(pos, 8, 500.0)
+    assert c.shape == s.shape == (2, 1, 6, 8)
+    assert torch.equal(c[:, 0], cos[pos]) and torch.equal(s[:, 0], sin[pos])  # bitwise
+    x = torch.randn(2, 3, 6, 8)
+    torch.testing.assert_close(kernels.apply_rope(x, c, s), kernels.apply_rope_reference(x, c, s))
+
+
+# ---------------------------------------------------------------- NPU
+
+
+@pytest.mark.parametrize("bsnd_memory", [False, True])
+def test_npu_grouped_query_attention_branch(monkeypatch, bsnd_memory):
+    fake = install_fake_npu(monkeypatch)
+    b, n, g, s, d = 2, 4, 2, 7, 8
+    if bsnd_memory:  # key/value heads as views of (b, s, g, d) memory, as a projection gives them
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _qkv(b, n, g, s, d))
+    else:
+        q, k, v = _qkv(b, n, g, s, d)
+    cache = kernels.NpuMaskCache()
+    _close(_out_and_grads(lambda *t: kernels.attention(*t, mask_cache=cache), [q, k, v]),
+           _out_and_grads(kernels.attention_reference, [q, k, v]))
+    assert fake.calls[-1] == "npu_fusion_attention:" + ("BSND" if bsnd_memory else "BNSD")
+
+
+def test_npu_packed_documents_go_as_tnd(monkeypatch):
+    fake = install_fake_npu(monkeypatch)
+    q, k, v = _qkv(2, 4, 2, 7, 8, seed=3)
+    ref = _out_and_grads(lambda *t: kernels.attention_reference(*t, document_ids=DOCS), [q, k, v])
+    for docs in (dict(document_ids=DOCS, cu_seqlens=CU), dict(document_ids=DOCS), dict(cu_seqlens=CU)):
+        _close(_out_and_grads(lambda *t: kernels.attention(*t, **docs), [q, k, v]), ref)
+    assert fake.calls == ["npu_fusion_attention:TND"] * 3  # one call per forward
+    kw = attn_mod.npu_varlen_kwargs(q, CU, causal=True, dropout_p=0.1, scale=None)
+    assert kw["actual_seq_qlen"] == kw["actual_seq_kvlen"] == [4, 7, 9, 14]  # no leading 0
+    assert kw["sparse_mode"] == 3 and torch.equal(kw["atten_mask"], attn_mod.npu_compressed_causal_mask())
+    assert kw["keep_prob"] == pytest.approx(0.9) and kw["scale"] == pytest.approx(8 ** -0.5)
+    many = tuple(range(0, 1026))  # 1025 one-token documents
+    with pytest.raises(ValueError, match="at most 1024 document pieces.*--micro-batch-size"):
+        attn_mod.npu_varlen_kwargs(q, many, True, 0.0, None)
+
+
+def test_tnd_layout_is_a_view_of_projection_memory():
+    bsnd = torch.randn(2, 7, 4, 8)  # (b, s, n, d): heads split off a (b, s, h) projection
+    t = attn_mod.to_tnd(bsnd.transpose(1, 2))
+    assert t.shape == (14, 4, 8) and t.data_ptr() == bsnd.data_ptr()
+    assert torch.equal(t[8], bsnd[1, 1])  # token 1 of row 1
+    assert torch.equal(attn_mod.from_tnd(t, 2, 7), bsnd.transpose(1, 2))
+
+
+# ---------------------------------------------------------------- CUDA varlen
+
+
+def _varlen_semantics(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
+    """torch.nn.attention.varlen.varlen_attn as documented: (T, H, D) tensors split at the
+    cumulative positions; window (-1, 0) is causal; fewer key/value heads only with enable_gqa."""
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and window_size == (-1, 0)
+    assert enable_gqa == (k.shape[1] != q.shape[1])
+    cu = cu_q.tolist()
+    assert cu == cu_k.tolist() and max_q == max_k == max(b - a for a, b in zip(cu, cu[1:]))
+    out = torch.empty_like(q)
+    for a, b in zip(cu, cu[1:]):
+        seg = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # (1, H, len, D)
+        out[a:b] = kernels.attention_reference(*seg, scale=scale)[0].transpose(0, 1)
+    return out
+
+
+def test_cuda_varlen_argument_preparation():
+    q, k, v = _qkv(2, 4, 2, 7, 8, seed=4, dtype=torch.bfloat16)
+    args, kwargs = attn_mod.cuda_varlen_args(q, k, v, CU, None)
+    assert [tuple(t.shape) for t in args[:3]] == [(14, 4, 8), (14, 2, 8), (14, 2, 8)]
+    assert args[3].tolist() == list(CU) and args[5:] == (5, 5)
+    out = attn_mod.from_tnd(_varlen_semantics(*args, **kwargs), 2, 7)
+    _close([out], [kernels.attention_reference(q, k, v, document_ids=DOCS)], torch.bfloat16)
+    assert attn_mod.cuda_varlen_usable(q, True, 0.0)
+    assert not attn_mod.cuda_varlen_usable(q, True, 0.1)  # varlen_attn has no dropout
+    assert not attn_mod.cuda_varlen_usable(q.float(), True, 0.0)  # flash: half precision only
+    assert not attn_mod.cuda_varlen_usable(torch.empty(1, 1, 2, 12, dtype=torch.bfloat16), True, 0.0)

@@ -1,0 +1,132 @@
+"""ZeRO-2 against ZeRO-1, the unsharded optimizer and serial AdamW, and the exact memory keys
+against the formulas of each stage and against the storage the tensors really hold."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel.dp import DistributedOptimizer, GradReducer, MixedPrecisionOptimizer, memory_bytes
+from parallel.state import ParallelState
+from parallel.topology import RankGrid
+from tests.helpers.dist_utils import run_distributed
+from tests.parallel.dp.test_dp_reducer import backward_step, groups, lr_at, make_model, serial_train
+
+SMALL = 300 * 4 / 2 ** 20
+POLICY = {"default": "none", "warmup_steps": 1, "rules": [
+    {"pattern": "mlp*", "compressor": "topk", "ratio": 0.1}, {"pattern": "attn*", "compressor": "int8"}]}
+
+
+def train(ps, stage: int, steps: int, dtype=torch.float32, policy=None):
+    model = make_model(dtype)
+    reducer = GradReducer(model, ps, bucket_size_mb=SMALL, compression_policy=policy)
+    if stage:
+        opt = DistributedOptimizer(groups(model), reducer, ps, lr=0.0, betas=(0.9, 0.95),
+                                   zero_stage=stage, overlap_param_gather=True)
+        opt.register_param_gather_hooks([model])
+    else:
+        opt = MixedPrecisionOptimizer(groups(model), reducer, ps, lr=0.0, betas=(0.9, 0.95))
+    norms = []
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        backward_step(model, reducer, step, ps.dp_size, ps.dp_rank, m=2)
+        if stage == 2:   # only the shards are left: no full gradient anywhere
+            assert all(b.storage is None for b in reducer.buckets)
+            assert all(getattr(p, "main_grad", None) is None for p in model.parameters())
+        norms.append(opt.clip_grad_norm(0.5))
+        opt.step(lr_at(step))
+    if stage:
+        opt.finish_param_gather()
+    return model, opt, reducer, norms
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views share their base's)."""
+    seen = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def check_stages(ps) -> None:
+    ref, _, _, ref_norms = train(ps, 0, 4)
+    serial, serial_norms = serial_train(4)
+    for stage in (1, 2):
+        model, opt, _, norms = train(ps, stage, 4)
+        assert norms == pytest.approx(ref_norms, rel=1e-6), stage
+        for (name, a), b, s in zip(model.named_parameters(), ref.parameters(), serial.parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=f"stage {stage} vs stage 0: {name}")
+            torch.testing.assert_close(a, s, rtol=0, atol=1e-5, msg=f"stage {stage} vs serial: {name}")
+    # stage 1 and 2 differ only in where the shard lives: bit-identical
+    one, opt1, _, _ = train(ps, 1, 3, torch.bfloat16)
+    two, opt2, _, _ = train(ps, 2, 3, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(one.parameters(), two.parameters()))
+    assert torch.equal(opt1.master, opt2.master) and torch.equal(opt1.exp_avg_sq, opt2.exp_avg_sq)
+
+
+def check_memory(ps) -> None:
+    dp = ps.dp_size
+    for dtype in (torch.float32, torch.bfloat16):
+        for stage in (0, 1, 2):
+            model, opt, reducer, _ = train(ps, stage, 1, dtype)
+            mem = memory_bytes(reducer, opt)
+            n = sum(p.numel() for p in model.parameters())
+            padded = sum(b.numel for b in reducer.buckets)                 # >= n, a multiple of 16 dp
+            elem = torch.empty((), dtype=dtype).element_size()
+            grads = 4 * padded // (dp if stage == 2 else 1)
+            if stage == 0:
+                tensors = len(list(model.parameters()))
+                state = 8 * n + 4 * tensors + (4 * n if dtype != torch.float32 else 0)
+                params = elem * n
+            else:   # fp32 master, exp_avg, exp_avg_sq of this rank's shards (padding included)
+                state = 12 * padded // dp
+                params = elem * padded
+            assert (mem["param_bytes"], mem["grad_bytes"], mem["optimizer_state_bytes"]) == \
+                (params, grads, state), (dtype, stage, mem)
+            assert mem["param_bytes_by_dtype"] == {str(dtype)[6:]: params}
+            # ... and what the tensors really hold
+            held_params = storage_bytes(model.parameters())
+            held_grads = storage_bytes([b.shard for b in reducer.buckets] if stage == 2 else
+                                       [buf.data for buf in reducer.buffers])
+            if stage:
+                held_state = storage_bytes([opt.master, opt.exp_avg, opt.exp_avg_sq])
+            else:
+                st = [t for s in opt.inner.state.values() for t in s.values()]
+                held_state = storage_bytes(st + [m for m, p in zip(opt.masters, opt.params) if m is not p])
+            assert (held_params, held_grads, held_state) == (params, grads, state), (dtype, stage)
+    # compression adds its residuals (the bucket, plus the owner's shard without ZeRO) and, for
+    # top-k, the local squared-gradient statistics
+    for stage in (0, 2):
+        model, opt, reducer, _ = train(ps, stage, 1, policy=POLICY)
+        extra = 0
+        for b in reducer.buckets:
+            if b.compressor is not None:
+                extra += 4 * b.numel + (0 if stage else 4 * b.numel // dp)
+            if b.variance is not None:
+                extra += 4 * b.numel
+        n, padded = sum(p.numel() for p in model.parameters()), sum(b.numel for b in reducer.buckets)
+        adam = 12 * padded // dp if stage else 8 * n + 4 * len(list(model.parameters()))
+        assert extra > 0 and memory_bytes(reducer, opt)["optimizer_state_bytes"] == adam + extra
+        held = storage_bytes([t for b in reducer.buckets if b.compressor
+                              for t in b.compressor.state_tensors()]
+                             + [b.variance.sq for b in reducer.buckets if b.variance is not None])
+        assert held == extra
+
+
+def all_checks(ps) -> bool:
+    check_stages(ps)
+    check_memory(ps)
+    return True
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero2_and_memory_on_gloo(dp):
+    assert all(run_distributed(all_checks, grid=RankGrid(dp=dp)))
+
+
+def test_serial_memory_formulas():
+    ps = ParallelState.serial()
+    model, opt, reducer, _ = train(ps, 2, 2)
+    mem = memory_bytes(reducer, opt)
+    padded = sum(b.numel for b in reducer.buckets)
+    assert mem["grad_bytes"] == 4 * padded and mem["optimizer_state_bytes"] == 12 * padded
