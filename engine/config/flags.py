@@ -167,6 +167,8 @@ FLAGS: dict[str, Flag] = {
     "load_rng": F("restore the random states from --load", "checkpoints"),
     "use_checkpoint_args": F("take the model shape (layers, width, heads, block, ...) from --load",
                              "checkpoints"),
+    "overwrite": F("let a fresh run replace another run's checkpoints in --save (they are moved aside "
+                   "until the new run's first checkpoint is complete)", "checkpoints"),
     # ---- logging -----------------------------------------------------------------------------
     "run_dir": F("root of the run's outputs: metrics.jsonl, timeline.json, loss.png, checkpoints/, "
                  "compile_cache/", "logging"),
@@ -181,6 +183,8 @@ FLAGS: dict[str, Flag] = {
     "log_straggler": F("every --log-interval steps, report the slowest ranks by compute and the rank "
                        "the others waited for in collectives (straggler_rank, straggler_ratio)",
                        "logging"),
+    "straggler_threshold": F("report a rank as a straggler when its compute exceeds its peers' (same "
+                             "pipeline stage and role) by this ratio", "logging"),
     "eval_interval": F("validate every N steps (0: never)", "logging"),
     "eval_iters": F("global batches per validation", "logging"),
     "progress": F("progress bar on stderr", "logging"),

@@ -266,6 +266,7 @@ class CheckpointConfig:
     load_rng: bool = True
     use_checkpoint_args: bool = False
     async_save: bool = False  # copy shards to host at the step boundary, write them in the background
+    overwrite: bool = False   # a fresh run may replace another run's checkpoints in --save (moved aside first)
 
     def __post_init__(self):
         if self.save_interval < 0 or self.keep_last < 1:
@@ -280,6 +281,7 @@ class LogConfig:
     plot: str | None = None          # default RUN_DIR/loss.png
     log_interval: int = 10
     log_straggler: bool = True  # every log_interval steps, name the ranks the others waited for
+    straggler_threshold: float = 1.2  # a rank is a straggler past this ratio over its peers' compute
     eval_interval: int = 0
     eval_iters: int = 4
     progress: bool = True
@@ -299,6 +301,9 @@ class LogConfig:
             raise ValueError("--eval-interval must be >= 0 and --eval-iters >= 1")
         if self.log_interval < 1:
             raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
+        if not self.straggler_threshold > 1.0:
+            raise ValueError(f"--straggler-threshold must be above 1.0 (a ratio over the peers' compute), "
+                             f"got {self.straggler_threshold}")
         if self.wandb_mode not in WANDB_MODES:
             raise ValueError(f"--wandb-mode must be one of {WANDB_MODES}, got {self.wandb_mode!r}")
         if self.profile_steps is not None:
