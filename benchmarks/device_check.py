@@ -1,194 +1,287 @@
-"""Accelerator check, ready to run on a CUDA or Ascend NPU machine (``make device-check``).
+"""Accelerator check in one call: ``PYTHONPATH=. python3 -m benchmarks.device_check --out DIR``.
 
-    python -m benchmarks.device_check                 # kernels, then the 1.3B GPT eager and compiled
-    python -m benchmarks.device_check --steps 20 --skip-compile
+Runs as it is on a CUDA or Ascend NPU machine with any torch from 2.4: no virtual environment, no
+pip, no network (``make device-check`` uses the current Python when its torch sees a device). The
+plan, each stage a subprocess with its own deadline inside the whole check's budget
+(``--budget-s``, default 480 s, so the check ends within 8 minutes):
 
-1. Kernels: every op's device path (``kernels`` dispatches on the tensor's device: npu_fusion_attention
-   / SDPA, npu_rms_norm, npu_rotary_mul, npu_swiglu, ...) against its plain-math reference on the
-   same bf16 inputs, forward and backward (causal attention, grouped-query attention and packed
-   documents included); the reference runs in fp32.
-2. Training: a single-device GPT of about 1.3B parameters (24 layers, hidden 2048, 16 heads, seq
-   2048, bf16, mock data) for ``--steps`` steps, once eager and once with ``--compile``, each a
-   separate ``python -m engine.train`` process writing its metrics file; the table gives tokens/s,
-   TFLOP/s per device, MFU and HFU as totals over the steps after ``--warmup`` (compilation happens
-   in the warm-up steps), and the peak memory.
+1. ``kernels``: every kernel's device path against its reference (benchmarks/device_kernels.py);
+2. ``eager``: a GPT of about 1.3B parameters (24 layers, hidden 2048, 16 heads, seq 2048, bf16,
+   mock data) for ``--steps`` steps: tokens/s, TFLOP/s, MFU, HFU, peak memory and the step's parts
+   as totals over the steps after ``--warmup`` (engine.observe.metrics.summarize_run);
+3. ``compiled``: the same with ``--compile`` (compilation falls in the warm-up steps);
+4. if time remains, ``zero``: the same model with the distributed optimizer (ZeRO-1) on the one
+   device, and ``packed``: packed documents (``--reset-attention-mask --reset-position-ids
+   --eod-mask-loss``), shorter.
 
-On a machine without an accelerator it says so and exits 0: there is nothing to check. The whole
-check fits in about 8 minutes on one A100/H100-class device. Paste the printed tables into
-docs/benchmarks.md.
+A stage that runs past its deadline is stopped and reported as such in the table, with what it
+measured until then; a stage that fails is reported with the last line of its log; neither raises.
+Results: ``DIR/device_check.json`` and ``DIR/device_check.md`` (the markdown printed at the end),
+with each stage's log beside them. Without an accelerator it says "nothing to check" and exits 0;
+``--allow-cpu --tiny`` runs the whole plan on the CPU with a tiny model (how the tests check it).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import kernels  # noqa: E402
-from benchmarks.common import markdown_table  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.common import markdown_table, read_jsonl  # noqa: E402
 from engine.device.runtime import detect_device_type, setup_device  # noqa: E402
 from engine.observe.metrics import summarize_run  # noqa: E402
 
 MODEL = {"num-layers": 24, "hidden-size": 2048, "num-attention-heads": 16, "seq-length": 2048,
          "vocab-size": 51200}
-# (forward, gradient) tolerances on bf16 inputs against the fp32 reference
-TOLERANCE = {torch.bfloat16: (3e-2, 6e-2), torch.float16: (5e-3, 1e-2), torch.float32: (1e-4, 1e-4)}
+TINY = {"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": 64,
+        "vocab-size": 256}
+RESERVE_S = 15.0   # kept back from the budget for writing the report
+MIN_STAGE_S = 20.0  # a stage that would get less than this is skipped
 
 
-# ---- kernels ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    cap_s: float                 # its own deadline at most
+    optional: bool = False       # run only while time remains
+    flags: tuple[str, ...] = ()  # extra engine.train flags (training stages)
+    steps: int | None = None     # at most --steps (None: --steps)
 
-def kernel_cases(device: torch.device, dtype: torch.dtype, seq: int = 512):
-    """(name, device-path fn, reference fn, inputs): the ops at a training-like size."""
-    g = torch.Generator().manual_seed(0)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
-
-    b, n, d, ffn = 2, 8, 64, 1408
-    h = n * d
-    cos, sin = kernels.rope_cos_sin(seq, d, device=device, dtype=dtype)
-    docs = torch.zeros(b, seq, dtype=torch.int32)
-    docs[:, seq // 3:] = 1
-    docs[1, 2 * seq // 3:] = 2
-    docs = docs.to(device)
-    return [
-        ("attention causal", kernels.attention, kernels.attention_reference,
-         [rand(b, n, seq, d), rand(b, n, seq, d), rand(b, n, seq, d)]),
-        ("attention GQA (8 q / 2 kv heads)", kernels.attention, kernels.attention_reference,
-         [rand(b, n, seq, d), rand(b, 2, seq, d), rand(b, 2, seq, d)]),
-        ("attention packed documents",
-         lambda q, k, v: kernels.attention(q, k, v, document_ids=docs),
-         lambda q, k, v: kernels.attention_reference(q, k, v, document_ids=docs),
-         [rand(b, n, seq, d), rand(b, n, seq, d), rand(b, n, seq, d)]),
-        ("layer_norm", kernels.layer_norm, kernels.layer_norm_reference,
-         [rand(b, seq, h), rand(h), rand(h)]),
-        ("rms_norm", kernels.rms_norm, kernels.rms_norm_reference, [rand(b, seq, h), rand(h)]),
-        ("rope", lambda x: kernels.apply_rope(x, cos, sin),
-         lambda x: kernels.apply_rope_reference(x, cos, sin), [rand(b, n, seq, d)]),
-        ("swiglu", kernels.swiglu, kernels.swiglu_reference, [rand(b, seq, ffn), rand(b, seq, ffn)]),
-    ]
+    @property
+    def training(self) -> bool:
+        return self.name != "kernels"
 
 
-def _run(fn, inputs, up):
-    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
-    out = fn(*leaves)
-    out.backward(up.to(out.dtype))
-    return out.detach().float(), [x.grad.float() for x in leaves]
+@dataclass
+class StageResult:
+    name: str
+    status: str                  # ok | failed | deadline | skipped
+    deadline_s: float | None
+    wall_s: float | None
+    detail: str = ""
+    kernels: list = field(default_factory=list)
+    summary: dict | None = None
 
 
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max(1, max |b|)"""
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1.0))
+def plan(skip_compile: bool = False) -> list[Stage]:
+    """The stages in order. Caps are sized for a 1.3B model on one H100/H200-class device: 20
+    eager steps take about a minute, inductor's first compile two to three."""
+    stages = [Stage("kernels", 90.0), Stage("eager", 180.0)]
+    if not skip_compile:
+        stages.append(Stage("compiled", 240.0, flags=("--compile",)))
+    stages += [Stage("zero", 120.0, optional=True, flags=("--use-distributed-optimizer",), steps=10),
+               Stage("packed", 120.0, optional=True, steps=10,
+                     flags=("--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"))]
+    return stages
 
 
-def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                  seq: int = 512) -> list[dict]:
-    """Each case's forward and gradient error of the device path against the reference."""
-    fwd_tol, grad_tol = TOLERANCE[dtype]
-    rows = []
-    for name, fused, ref, inputs in kernel_cases(device, dtype, seq):
-        with torch.no_grad():
-            shape = fused(*inputs).shape
-        up = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(device)
-        out, grads = _run(fused, inputs, up)
-        ref_out, ref_grads = _run(ref, [x.float() for x in inputs], up)
-        fwd = _err(out, ref_out)
-        grad = max(_err(a, b) for a, b in zip(grads, ref_grads))
-        rows.append({"op": name, "forward": fwd, "gradient": grad,
-                     "ok": fwd <= fwd_tol and grad <= grad_tol})
-    return rows
+def deadline_for(stage: Stage, remaining_s: float) -> float | None:
+    """The stage's deadline given the budget left, or None when it gets no run (too little time).
+
+    >>> deadline_for(Stage("eager", 180.0), 500.0), deadline_for(Stage("eager", 180.0), 100.0)
+    (180.0, 85.0)
+    >>> deadline_for(Stage("zero", 120.0, optional=True), 30.0) is None
+    True
+    """
+    left = remaining_s - RESERVE_S
+    if left < MIN_STAGE_S:
+        return None
+    return min(stage.cap_s, left)
 
 
-# ---- training --------------------------------------------------------------------------------
-
-def train_argv(kind: str, steps: int, metrics: str, run_dir: str, compile_: bool,
-               micro_batch: int = 4, global_batch: int = 16, model: dict | None = None,
-               precision: str = "bf16") -> list[str]:
+def train_argv(kind: str, steps: int, metrics: str, run_dir: str, flags=(), micro_batch: int = 4,
+               global_batch: int = 16, model: dict | None = None, precision: str = "bf16") -> list[str]:
+    """engine.train's flags for a stage: mock data, no checkpoint, no plot (matplotlib is not
+    needed), metrics to ``metrics``."""
     argv = ["--mock-data", "--device", kind, "--precision", precision, "--no-progress",
-            "--train-iters", str(steps), "--lr-warmup-iters", "2",
+            "--train-iters", str(steps), "--lr-warmup-iters", "2", "--log-interval", "1",
             "--micro-batch-size", str(micro_batch), "--global-batch-size", str(global_batch),
-            "--metrics-file", metrics, "--run-dir", run_dir]
+            "--metrics-file", metrics, "--run-dir", run_dir, "--save", "", "--plot", ""]
     for key, value in (model or MODEL).items():
         argv += [f"--{key}", str(value)]
-    return argv + (["--compile"] if compile_ else [])
+    return argv + list(flags)
 
 
-def run_training(kind: str, steps: int, warmup: int, out: Path, compile_: bool,
-                 timeout_s: float, micro_batch: int = 4, global_batch: int = 16,
-                 model: dict | None = None, precision: str = "bf16") -> dict:
-    """One ``python -m engine.train`` process; its metrics summarised (totals after warm-up)."""
-    tag = "compile" if compile_ else "eager"
-    metrics = out / f"{tag}.jsonl"
-    metrics.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "engine.train",
-           *train_argv(kind, steps, str(metrics), str(out / tag), compile_, micro_batch,
-                       global_batch, model, precision)]
+def _run_process(cmd: list[str], log_path: Path, deadline_s: float) -> tuple[int | None, float]:
+    """(exit code or None when stopped at the deadline, wall seconds); the whole process group
+    is stopped at the deadline."""
     start = time.monotonic()
-    with open(out / f"{tag}.log", "w") as log:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                              env=dict(os.environ, PYTHONPATH=str(REPO)))
-    if proc.returncode != 0:
-        tail = (out / f"{tag}.log").read_text().splitlines()[-15:]
-        raise RuntimeError(f"{tag} run exited with {proc.returncode}:\n" + "\n".join(tail))
-    from benchmarks.common import read_jsonl
-    summary = summarize_run(read_jsonl(metrics), warmup)
-    return {"run": tag, "wall_s": time.monotonic() - start, **summary}
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+    return code, time.monotonic() - start
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _last_line(path: Path) -> str:
+    lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    return lines[-1].strip()[:300] if lines else "(no output)"
+
+
+def run_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> StageResult:
+    log = out / f"{stage.name}.log"
+    if not stage.training:
+        data = out / "kernels.json"
+        data.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "benchmarks.device_check", "--stage", "kernels",
+               "--out", str(out), "--device", kind] + (["--tiny"] if args.tiny else [])
+        code, wall = _run_process(cmd, log, deadline_s)
+        rows = json.loads(data.read_text()) if code == 0 and data.exists() else []
+        status = "ok" if code == 0 and rows and all(r["ok"] for r in rows) else \
+            "deadline" if code is None else "failed"
+        detail = "" if status == "ok" else \
+            f"stopped at its {deadline_s:g} s deadline" if code is None else \
+            ("outside tolerance: " + ", ".join(r["op"] for r in rows if not r["ok"]) if code == 0
+             else f"exit {code}: {_last_line(log)}")
+        return StageResult(stage.name, status, deadline_s, wall, detail, kernels=rows)
+    metrics = out / f"{stage.name}.jsonl"
+    metrics.unlink(missing_ok=True)
+    steps = min(stage.steps or args.steps, args.steps)
+    model, precision = (TINY, "fp32") if args.tiny else (MODEL, "bf16")
+    cmd = [sys.executable, "-m", "engine.train",
+           *train_argv(kind, steps, str(metrics), str(out / stage.name), stage.flags,
+                       args.micro_batch_size, args.global_batch_size, model, precision)]
+    code, wall = _run_process(cmd, log, deadline_s)
+    records = read_jsonl(metrics) if metrics.exists() else []
+    warmup = min(args.warmup, len(records) - 1)
+    summary = summarize_run(records, warmup) if records else None
+    if code == 0:
+        return StageResult(stage.name, "ok", deadline_s, wall, summary=summary)
+    if code is None:
+        return StageResult(stage.name, "deadline", deadline_s, wall,
+                           f"stopped at its {deadline_s:g} s deadline after {len(records)} of "
+                           f"{steps} steps", summary=summary)
+    return StageResult(stage.name, "failed", deadline_s, wall, f"exit {code}: {_last_line(log)}",
+                       summary=summary)
+
+
+def run_plan(stages: list[Stage], out: Path, kind: str, args, clock=time.monotonic) -> list[StageResult]:
+    """Every stage in order within the budget; optional ones only while time remains."""
+    end = clock() + args.budget_s
+    results = []
+    for stage in stages:
+        deadline = deadline_for(stage, end - clock())
+        if deadline is None:
+            results.append(StageResult(stage.name, "skipped", None, None,
+                                       "no time left in the budget"))
+            continue
+        print(f"device_check: {stage.name} (deadline {deadline:.0f} s)", flush=True)
+        results.append(run_stage(stage, deadline, out, kind, args))
+    return results
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+def _pct(v):
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _num(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def report(results: list[StageResult], header: dict) -> str:
+    lines = [f"device_check: {header['device']} ({header['device_name']}), torch {header['torch']}, "
+             f"Python {header['python']}; budget {header['budget_s']:.0f} s, took "
+             f"{header['wall_s']:.0f} s", ""]
+    stage_rows = [[r.name, r.status, _num(r.deadline_s, ".0f"), _num(r.wall_s, ".0f"), r.detail or "-"]
+                  for r in results]
+    lines += [markdown_table(["stage", "status", "deadline (s)", "wall (s)", "detail"], stage_rows), ""]
+    kern = next((r for r in results if r.kernels), None)
+    if kern:
+        lines += [markdown_table(["op", "device path", "forward err", "gradient err", "within tolerance"],
+                                 [[k["op"], k["path"], f"{k['forward']:.2e}", f"{k['gradient']:.2e}",
+                                   "yes" if k["ok"] else "NO"] for k in kern.kernels]),
+                  "", "errors: max |device - reference| / max(1, max |reference|)", ""]
+    runs = [r for r in results if r.summary]
+    if runs:
+        lines.append(markdown_table(
+            ["run", "steps timed", "tokens/s", "TFLOP/s per device (model)", "MFU", "HFU",
+             "step time (s)", "fwd+bwd / DP finish / optimizer (s)", "peak memory (GiB)"],
+            [[r.name, str(r.summary["steps"]), _num(r.summary["tokens_per_s"], ".0f"),
+              _num(r.summary["model_tflops_per_device"], ".1f"), _pct(r.summary["mfu"]),
+              _pct(r.summary["hfu"]), _num(r.summary["step_time_s"], ".3f"),
+              " / ".join(_num(r.summary[k], ".3f") for k in
+                         ("time_forward_backward_s", "time_dp_finish_s", "time_optimizer_s")),
+              _num((r.summary["peak_memory_bytes"] or 0) / 2**30, ".1f")] for r in runs]))
+        lines += ["", f"model: {header['model']}; totals over the steps after the warm-up "
+                      f"({header['warmup']} steps left out); MFU against the dense peak of "
+                      f"engine/plan/hardware.py."]
+    return "\n".join(lines)
+
+
+def _kernels_stage(args) -> int:
+    from benchmarks.device_kernels import check_kernels
+    dev = setup_device(args.device, 0)
+    dtype, seq = (torch.float32, 64) if args.tiny else (torch.bfloat16, 512)
+    rows = check_kernels(dev.device, dtype, seq)
+    (Path(args.out) / "kernels.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.device_check",
+                                description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--out", default="runs/device_check", help="where the JSON, markdown and logs go")
+    p.add_argument("--budget-s", type=float, default=480.0, help="the whole check's deadline")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the totals")
     p.add_argument("--skip-compile", action="store_true")
-    p.add_argument("--skip-training", action="store_true")
-    p.add_argument("--out", default="runs/device_check")
     p.add_argument("--micro-batch-size", type=int, default=4, help="lower it on a 40 GB device")
     p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--timeout-s", type=float, default=300.0, help="per training run")
-    a = p.parse_args(argv)
+    p.add_argument("--allow-cpu", action="store_true", help="run the plan on the CPU (with --tiny)")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model in fp32 instead of the 1.3B one")
+    p.add_argument("--stage", choices=["kernels"], help=argparse.SUPPRESS)
+    p.add_argument("--device", default="auto", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.stage == "kernels":
+        return _kernels_stage(args)
+    if args.budget_s <= 0 or args.steps < 2 or not 0 <= args.warmup < args.steps:
+        print("device_check: need --budget-s > 0, --steps >= 2 and 0 <= --warmup < --steps", file=sys.stderr)
+        return 2
     kind = detect_device_type("auto")
-    if kind == "cpu":
+    if kind == "cpu" and not args.allow_cpu:
         print("device_check: no accelerator (CUDA or Ascend NPU) found: nothing to check")
         return 0
-    dev = setup_device(kind, 0)
-    device = dev.device
-    print(f"device_check: {kind} ({dev.name}), torch {torch.__version__}\n")
-    rows = check_kernels(device)
-    paths = kernels.kernel_paths(kind)
-    print(markdown_table(["op", "device path", "forward err", "gradient err", "within tolerance"],
-                         [[r["op"], paths.get(r["op"].split(" ")[0], "-"), f"{r['forward']:.2e}",
-                           f"{r['gradient']:.2e}", "yes" if r["ok"] else "NO"] for r in rows]))
-    failed = [r["op"] for r in rows if not r["ok"]]
-    print(f"\nerrors: max |device - reference| / max(1, max |reference|); bf16 tolerance "
-          f"{TOLERANCE[torch.bfloat16]}\n")
-    if a.skip_training:
-        return 1 if failed else 0
-    out = Path(a.out).resolve()
+    start = time.monotonic()
+    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    batch = (a.micro_batch_size, a.global_batch_size)
-    runs = [run_training(kind, a.steps, a.warmup, out, False, a.timeout_s, *batch)]
-    if not a.skip_compile:
-        runs.append(run_training(kind, a.steps, a.warmup, out, True, a.timeout_s, *batch))
-    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
-    print(markdown_table(
-        ["run", "tokens/s", "TFLOP/s per device (model)", "MFU", "HFU", "step time (s)",
-         "peak memory (GiB)", "wall (s)"],
-        [[r["run"], f"{r['tokens_per_s']:.0f}", f"{r['model_tflops_per_device']:.1f}", pct(r["mfu"]),
-          pct(r["hfu"]), f"{r['step_time_s']:.3f}", f"{(r['peak_memory_bytes'] or 0) / 2**30:.1f}",
-          f"{r['wall_s']:.0f}"] for r in runs]))
-    print(f"\nGPT 1.3B ({', '.join(f'{k} {v}' for k, v in MODEL.items())}), bf16, micro-batch "
-          f"{a.micro_batch_size}, global batch {a.global_batch_size}; totals over steps {a.warmup + 1}..{a.steps} ({a.warmup} warm-up steps "
-          f"left out); peaks are the dense bf16 ones of engine/plan/hardware.py.")
-    if failed:
-        print(f"device_check: kernels outside tolerance: {', '.join(failed)}")
-    return 1 if failed else 0
+    dev = setup_device(kind, 0)
+    header = {"device": kind, "device_name": dev.name, "torch": torch.__version__,
+              "python": platform.python_version(), "budget_s": args.budget_s, "warmup": args.warmup,
+              "model": ", ".join(f"{k} {v}" for k, v in (TINY if args.tiny else MODEL).items())
+              + (", fp32" if args.tiny else ", bf16")
+              + f", micro-batch {args.micro_batch_size}, global batch {args.global_batch_size}"}
+    results = run_plan(plan(args.skip_compile), out, kind, args)
+    header["wall_s"] = time.monotonic() - start
+    text = report(results, header)
+    (out / "device_check.json").write_text(json.dumps(
+        {**header, "stages": [asdict(r) for r in results]}, indent=1))
+    (out / "device_check.md").write_text(text + "\n")
+    print(text)
+    print(f"\ndevice_check: wrote {out / 'device_check.json'} and {out / 'device_check.md'}")
+    return 1 if any(r.status == "failed" for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -1,11 +1,23 @@
-"""benchmarks/device_check.py on a machine without an accelerator: a clear "nothing to check", and
-the parts that run anywhere (the kernel comparison on CPU, the 1.3B recipe's flags and size)."""
+"""benchmarks/device_check.py, the accelerator check in one call, exercised on the CPU: "nothing to
+check" without an accelerator; the plan and its deadlines; the whole plan end to end with a tiny
+model (``--allow-cpu --tiny``), its JSON and markdown; a stage that overruns its deadline or fails is
+reported in the table, not raised; the 1.3B recipe's size."""
 from __future__ import annotations
+
+import json
+import types
 
 import torch
 
 from benchmarks import device_check
+from benchmarks.device_check import RESERVE_S, MIN_STAGE_S, Stage, deadline_for, plan
+from benchmarks.device_kernels import check_kernels
 from engine.config.cli import parse_args
+
+
+def _args(**kw):
+    base = dict(tiny=True, steps=3, warmup=1, micro_batch_size=2, global_batch_size=4, budget_s=300.0)
+    return types.SimpleNamespace(**{**base, **kw})
 
 
 def test_without_an_accelerator_there_is_nothing_to_check(capsys, monkeypatch):
@@ -15,18 +27,65 @@ def test_without_an_accelerator_there_is_nothing_to_check(capsys, monkeypatch):
 
 
 def test_kernel_comparison_runs_on_cpu():
-    rows = device_check.check_kernels(torch.device("cpu"), torch.float32, seq=64)
+    rows = check_kernels(torch.device("cpu"), torch.float32, seq=64)
     assert [r["op"].split(" ")[0] for r in rows] == ["attention"] * 3 + ["layer_norm", "rms_norm",
                                                                       "rope", "swiglu"]
     assert all(r["ok"] for r in rows), rows
+
+
+def test_plan_and_deadlines():
+    assert [s.name for s in plan()] == ["kernels", "eager", "compiled", "zero", "packed"]
+    assert [s.name for s in plan(skip_compile=True)] == ["kernels", "eager", "zero", "packed"]
+    stage = Stage("eager", 180.0)
+    assert deadline_for(stage, 1000.0) == 180.0                      # its own cap
+    assert deadline_for(stage, 100.0) == 100.0 - RESERVE_S           # what the budget leaves
+    assert deadline_for(stage, RESERVE_S + MIN_STAGE_S - 1) is None  # too little: skipped
+
+
+def test_no_budget_skips_every_stage_without_running_one(tmp_path):
+    args = _args(budget_s=RESERVE_S + MIN_STAGE_S - 1)
+    results = device_check.run_plan(plan(), tmp_path, "cpu", args)
+    assert [(r.name, r.status) for r in results] == [(s.name, "skipped") for s in plan()]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
+    code = device_check.main(["--allow-cpu", "--tiny", "--skip-compile", "--out", str(tmp_path),
+                              "--steps", "3", "--warmup", "1", "--micro-batch-size", "2",
+                              "--global-batch-size", "4"])
+    assert code == 0, capsys.readouterr().out
+    data = json.loads((tmp_path / "device_check.json").read_text())
+    assert [(s["name"], s["status"]) for s in data["stages"]] == [
+        ("kernels", "ok"), ("eager", "ok"), ("zero", "ok"), ("packed", "ok")]
+    kernels = data["stages"][0]["kernels"]
+    assert len(kernels) == 7 and all(k["ok"] for k in kernels)
+    for stage in data["stages"][1:]:
+        s = stage["summary"]
+        assert s["steps"] == 2 and s["tokens"] == 2 * 4 * 64 and s["tokens_per_s"] > 0
+        assert s["mfu"] is not None and s["peak_memory_bytes"] > 0
+    md = (tmp_path / "device_check.md").read_text()
+    assert "| eager | ok |" in md and "| packed | ok |" in md and "tokens/s" in md
+    assert md.strip() in capsys.readouterr().out
+
+
+def test_overrun_and_failure_are_reported_not_raised(tmp_path):
+    args = _args(steps=50)
+    late = device_check.run_stage(Stage("eager", 1.0), 1.0, tmp_path, "cpu", args)
+    assert late.status == "deadline" and late.wall_s < 30
+    assert late.detail.startswith("stopped at its 1 s deadline after ")
+    bad = device_check.run_stage(Stage("eager", 60.0, flags=("--num-layers", "0")), 60.0, tmp_path,
+                                 "cpu", _args())
+    assert bad.status == "failed" and bad.detail.startswith("exit 2: gridtron: configuration error:")
+    assert "num-layers" in bad.detail or "num_layers" in bad.detail
 
 
 def test_training_recipe_is_the_13b_gpt():
     from models import GPTChunk, LayerContext
     from parallel.state import ParallelState
     from parallel.tensor_parallel import Initializer
-    cfg = parse_args(device_check.train_argv("cuda", 20, "m.jsonl", "runs/x", compile_=True))
+    cfg = parse_args(device_check.train_argv("cuda", 20, "m.jsonl", "runs/x", ("--compile",)))
     assert cfg.compile and cfg.precision.precision == "bf16" and cfg.device == "cuda"
+    assert not cfg.checkpoint.save and not cfg.log.plot  # no 16 GB save, no matplotlib needed
     m = cfg.model
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (24, 2048, 16, 2048)
     with torch.device("meta"):
@@ -34,14 +93,3 @@ def test_training_recipe_is_the_13b_gpt():
                          range(m.num_layers))
     params = sum(p.numel() for p in model.parameters())
     assert 1.25e9 < params < 1.45e9, params
-
-
-def test_training_run_and_its_summary_on_cpu(tmp_path):
-    """The launch-and-summarise path, with a tiny model in place of the 1.3B one."""
-    tiny = {"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": 32,
-            "vocab-size": 256}
-    row = device_check.run_training("cpu", 3, 1, tmp_path, False, 120, micro_batch=2,
-                                    global_batch=4, model=tiny, precision="fp32")
-    assert row["run"] == "eager" and row["steps"] == 2 and row["warmup"] == 1
-    assert row["tokens"] == 2 * 4 * 32 and row["tokens_per_s"] > 0 and row["mfu"] > 0
-    assert row["peak_memory_bytes"] > 0
