@@ -26,13 +26,13 @@ functions so that it is tested on machines without an NPU.
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
 import torch.nn.functional as F
 
 from kernels.dispatch import KernelPaths, device_kind, import_torch_npu
+from kernels.signatures import accepts, keyword_names
 
 # npu_fusion_attention's causal sparse modes (2 = leftUpCausal) take this fixed "compressed" lower
 # triangle instead of an (s, s) mask, for every sequence length.
@@ -250,30 +250,60 @@ def cuda_varlen_usable(q: torch.Tensor, causal: bool, dropout_p: float) -> bool:
 
 
 def cuda_varlen_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens,
-                     scale: float | None) -> tuple[tuple, dict]:
-    """(args, kwargs) for varlen_attn: TND tensors, int32 cumulative lengths (N + 1,) on q's device
-    for queries and keys alike, the longest segment, causal as window (-1, 0)."""
+                     scale: float | None, varlen=None) -> tuple[tuple, dict] | None:
+    """(args, kwargs) for ``varlen``'s call (torch.nn.attention.varlen.varlen_attn when None): TND
+    tensors, int32 cumulative lengths (N + 1,) on q's device for queries and keys alike, the
+    longest segment; causal as ``window_size=(-1, 0)`` where it takes that keyword, else
+    ``is_causal=True`` (its first release); fewer key/value heads through ``enable_gqa`` where it
+    takes it, else repeated. None when this signature cannot express the call (kernels/signatures.py).
+    """
+    if varlen is None:
+        from torch.nn.attention.varlen import varlen_attn as varlen
+    takes = keyword_names(varlen)
+    kwargs = {}
+    if "window_size" in takes:
+        kwargs["window_size"] = (-1, 0)
+    elif "is_causal" in takes:
+        kwargs["is_causal"] = True
+    else:
+        return None
+    scale_value = resolve_scale(scale, q.shape[3])
+    if "scale" in takes:
+        kwargs["scale"] = scale_value
+    elif scale is not None and scale != resolve_scale(None, q.shape[3]):
+        return None
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in takes:
+            kwargs["enable_gqa"] = True
+        else:  # query head i reads key/value head i // rep
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
     longest = max(int(b) - int(a) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
-    kwargs = {"scale": resolve_scale(scale, q.shape[3]), "window_size": (-1, 0),
-              "enable_gqa": k.shape[1] != q.shape[1]}
     return (to_tnd(q), to_tnd(k), to_tnd(v), cu, cu, longest, longest), kwargs
 
 
 def _attention_cuda_varlen(q, k, v, scale, cu_seqlens) -> torch.Tensor | None:
-    """The varlen kernel where this torch has it (documented signature with window_size), else None."""
+    """The varlen kernel where this torch has one whose signature serves the call, else None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    if "window_size" not in inspect.signature(varlen_attn).parameters:
+    call = cuda_varlen_args(q, k, v, cu_seqlens, scale, varlen_attn)
+    if call is None:
         return None
-    args, kwargs = cuda_varlen_args(q, k, v, cu_seqlens, scale)
+    args, kwargs = call
     return from_tnd(varlen_attn(*args, **kwargs), q.shape[0], q.shape[2])
 
 
 def _attention_sdpa(q, k, v, causal, dropout_p, scale, document_ids):
-    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    gqa = {}
+    if k.shape[1] != q.shape[1]:
+        if accepts(F.scaled_dot_product_attention, "enable_gqa"):  # torch >= 2.5
+            gqa = {"enable_gqa": True}
+        else:  # query head i reads key/value head i // rep
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scale = resolve_scale(scale, q.shape[-1])
     if document_ids is None and q.device.type == "meta":
         # the meta device (engine/dryrun: shapes, no data) would take SDPA's math fallback, whose
