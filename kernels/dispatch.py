@@ -59,6 +59,10 @@ class KernelPaths:
     swiglu: bool = True             # torch_npu.npu_swiglu, else silu(gate) * up
     rms_norm: bool = True           # torch_npu.npu_rms_norm, else F.rms_norm
     rotary_mul: bool = True         # torch_npu.npu_rotary_mul, else the rotate-half expression
+    # which documented shape table npu_rotary_mul is held to (kernels/rope.py ROTARY_TABLES):
+    # "a2-a3" (Atlas A2/A3 training series, jit_compile=False, torch_npu's default there) or
+    # "atlas-training" (Ascend 910A / 910ProB)
+    rotary_table: str = "a2-a3"
 
 
 ALL_FUSED = KernelPaths()

@@ -17,13 +17,20 @@ import torch
 
 from kernels.dispatch import KernelPaths, device_kind, import_torch_npu
 
-# Documented limits of npu_rotary_mul: head_dim a multiple of 128, B and N at most 1000, broadcast
-# axes (B and N for BNSD input) at most 1024 elements in total, and for BNSD no B*N > 8*S.
-NPU_ROTARY_HEAD_DIM_MULTIPLE = 128
-NPU_ROTARY_MAX_BATCH_OR_HEADS = 1000
-NPU_ROTARY_MAX_BROADCAST = 1024
-NPU_ROTARY_MAX_BN_PER_S = 8
-
+# Documented shape limits of npu_rotary_mul in "half" mode, per chip table (the call the engine
+# makes: BNSD or BSND input, cos/sin broadcast as 11SD / 1S1D or B1SD / BS1D, no gradient for them):
+# - "a2-a3": Atlas A2 / A3 training series with jit_compile=False (torch_npu's default there;
+#   torch_npu 7.0.0 API reference, torch_npu.npu_rotary_mul, constraints): D even and below 896,
+#   B and N below 1000 (B*N <= 1024 only when cos/sin need gradients, which they do not here).
+#   The "D a multiple of 128" rule of older pages is the jit_compile=True (and Atlas training) one.
+# - "atlas-training": Ascend 910A / 910ProB (torch_npu 6.0.0 API reference): D a multiple of 128,
+#   B and N at most 1000, broadcast axes at most 1024 elements in total, and for BNSD no B*N > 8*S.
+ROTARY_TABLES = ("a2-a3", "atlas-training")
+NPU_ROTARY_MAX_HEAD_DIM = 896            # a2-a3: D < 896
+NPU_ROTARY_HEAD_DIM_MULTIPLE = 128       # atlas-training
+NPU_ROTARY_MAX_BATCH_OR_HEADS = 1000     # a2-a3: < 1000; atlas-training: <= 1000
+NPU_ROTARY_MAX_BROADCAST = 1024          # atlas-training
+NPU_ROTARY_MAX_BN_PER_S = 8              # atlas-training, BNSD
 
 def rope_cos_sin(
     seq_len: int,
@@ -150,9 +157,20 @@ def npu_rotary_layout(x: torch.Tensor) -> str:
     return "BSND" if not x.is_contiguous() and x.transpose(1, 2).is_contiguous() else "BNSD"
 
 
-def npu_rotary_supported(x: torch.Tensor) -> bool:
-    """Whether npu_rotary_mul's documented shape limits hold for x (b, n, s, d)."""
+def npu_rotary_supported(x: torch.Tensor, table: str = "a2-a3") -> bool:
+    """Whether npu_rotary_mul's documented shape limits of ``table`` hold for x (b, n, s, d).
+
+    >>> [npu_rotary_supported(torch.empty(2, 8, 16, d, device="meta")) for d in (64, 96, 128, 896)]
+    [True, True, True, False]
+    >>> [npu_rotary_supported(torch.empty(2, 8, 16, d, device="meta"), "atlas-training") for d in (64, 128)]
+    [False, True]
+    """
     b, n, s, d = x.shape
+    if table == "a2-a3":
+        return d % 2 == 0 and d < NPU_ROTARY_MAX_HEAD_DIM and b < NPU_ROTARY_MAX_BATCH_OR_HEADS \
+            and n < NPU_ROTARY_MAX_BATCH_OR_HEADS
+    if table != "atlas-training":
+        raise ValueError(f"unknown npu_rotary_mul table {table!r}; expected one of {ROTARY_TABLES}")
     return (
         d % NPU_ROTARY_HEAD_DIM_MULTIPLE == 0
         and b <= NPU_ROTARY_MAX_BATCH_OR_HEADS
@@ -181,7 +199,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """Rotate q or k, x (b, n, s, d), by cos/sin (s, d) from ``rope_cos_sin``; returns (b, n, s, d).
     ``paths``: the chip's fused ops (None: all); without ``rotary_mul`` an NPU runs the expression."""
     _check_rope(x, cos, sin)
-    if device_kind(x) == "npu" and (paths is None or paths.rotary_mul) and npu_rotary_supported(x):
+    table = "a2-a3" if paths is None else paths.rotary_table
+    if device_kind(x) == "npu" and (paths is None or paths.rotary_mul) and npu_rotary_supported(x, table):
         torch_npu = import_torch_npu()
         layout, xa, r1, r2 = npu_rotary_args(x, cos, sin)
         out = torch_npu.npu_rotary_mul(xa, r1, r2)

@@ -111,6 +111,8 @@ def npu_kernel_paths(device_name: str) -> tuple[KernelPaths, list[str]]:
     """
     gen = generation_of(device_name)
     flags, notes = {}, []
+    if gen is not None and gen.key == "atlas-training":
+        flags["rotary_table"] = "atlas-training"  # kernels/rope.py: its own shape table
     for op, gens in FUSED_OPS.items():
         flags[op] = gen is not None and gen.key in gens
         if not flags[op]:

@@ -152,6 +152,7 @@ class FakeTorchNpu:
         self.calls.append("npu_rotary_mul")
         assert x.dim() == r1.dim() == r2.dim() == 4 and r1.dtype == x.dtype
         assert torch.broadcast_shapes(x.shape, r1.shape, r2.shape) == x.shape
+        assert x.shape[-1] % 2 == 0 and x.shape[-1] < 896  # the widest documented table (A2/A3)
         x1, x2 = torch.chunk(x, 2, -1)
         return r1 * x + r2 * torch.cat((-x2, x1), dim=-1)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kernels
-from kernels.dispatch import OPS, device_kind, kernel_paths
+from kernels.dispatch import OPS, KernelPaths, device_kind, kernel_paths
 from tests.helpers.npu_fake import install_fake_npu
 
 # kernels.attention and kernels.swiglu are the functions; the modules come from the import system.
@@ -258,11 +258,23 @@ def test_npu_rotary_args_and_limits():
     layout, xa, r1, r2 = rope_mod.npu_rotary_args(bsnd.transpose(1, 2), cos, sin)
     assert layout == "BSND" and xa.is_contiguous() and xa.data_ptr() == bsnd.data_ptr()
     assert r1.shape == r2.shape == (1, 6, 1, 128) and torch.equal(r1[0, :, 0], cos)
-    assert rope_mod.npu_rotary_supported(x)
-    assert not rope_mod.npu_rotary_supported(torch.empty(2, 4, 6, 64))  # head_dim not a multiple of 128
-    assert not rope_mod.npu_rotary_supported(torch.empty(8, 8, 6, 128))  # B*N > 8*S for BNSD
-    assert rope_mod.npu_rotary_supported(torch.empty(8, 6, 8, 128).transpose(1, 2))  # no such limit for BSND
-    assert not rope_mod.npu_rotary_supported(torch.empty(1, 1001, 1000, 128))  # N > 1000
+    # Ascend 910A / 910ProB: its own table
+    old = "atlas-training"
+    assert rope_mod.npu_rotary_supported(x, old)
+    assert not rope_mod.npu_rotary_supported(torch.empty(2, 4, 6, 64), old)  # head_dim not a multiple of 128
+    assert not rope_mod.npu_rotary_supported(torch.empty(8, 8, 6, 128), old)  # B*N > 8*S for BNSD
+    assert rope_mod.npu_rotary_supported(torch.empty(8, 6, 8, 128).transpose(1, 2), old)  # not for BSND
+    assert not rope_mod.npu_rotary_supported(torch.empty(1, 1001, 1000, 128), old)  # N > 1000
+    # Atlas A2 / A3 with jit_compile=False: D even and below 896, B and N below 1000
+    for d in (64, 96, 128, 256, 894):
+        assert rope_mod.npu_rotary_supported(torch.empty(2, 4, 6, d)), d
+    for d in (63, 896, 1024):
+        assert not rope_mod.npu_rotary_supported(torch.empty(2, 4, 6, d)), d
+    assert rope_mod.npu_rotary_supported(torch.empty(8, 8, 6, 128))  # no B*N <= 8*S rule there
+    assert not rope_mod.npu_rotary_supported(torch.empty(1, 1000, 6, 128))  # N < 1000
+    assert not rope_mod.npu_rotary_supported(torch.empty(1000, 1, 6, 128))  # B < 1000
+    with pytest.raises(ValueError, match="unknown npu_rotary_mul table"):
+        rope_mod.npu_rotary_supported(x, "a5")
 
 
 def test_npu_swiglu_input_splits_back_to_gate_and_up():
@@ -312,11 +324,15 @@ def test_npu_norm_swiglu_rope_branches(fake_npu):
         _compare(lambda t: kernels.apply_rope(view(t), cos, sin),
                  lambda t: kernels.apply_rope_reference(view(t), cos, sin), [q], torch.float32)
     assert fake_npu.calls.count("npu_rotary_mul") == 2
-    (small,) = _inputs([(1, 2, 6, 16)], torch.float32, seed=9)  # outside the documented limits
+    (small,) = _inputs([(1, 2, 6, 16)], torch.float32, seed=9)  # head_dim 16: A2/A3 take it
     cos, sin = kernels.rope_cos_sin(6, 16)
     _compare(lambda t: kernels.apply_rope(t, cos, sin), lambda t: kernels.apply_rope_reference(t, cos, sin),
              [small], torch.float32)
-    assert fake_npu.calls.count("npu_rotary_mul") == 2  # fell back to the plain expression
+    assert fake_npu.calls.count("npu_rotary_mul") == 3
+    ascend910a = KernelPaths(fusion_attention=False, swiglu=False, rotary_table="atlas-training")
+    _compare(lambda t: kernels.apply_rope(t, cos, sin, paths=ascend910a),
+             lambda t: kernels.apply_rope_reference(t, cos, sin), [small], torch.float32)
+    assert fake_npu.calls.count("npu_rotary_mul") == 3  # outside the 910A's table: the plain expression
 
 
 # ---------------------------------------------------------------- dispatch table and package hygiene
