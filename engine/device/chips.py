@@ -63,6 +63,7 @@ class Generation:
     overflow: str                 # default mode: "saturation" or "inf_nan"
     saturation_only: bool = False
     inf_nan_only: bool = False
+    bf16: bool = True             # bfloat16 arithmetic (torch_npu's IsBF16Supported: Ascend910B1 on)
 
 
 GENERATIONS = (
@@ -70,7 +71,7 @@ GENERATIONS = (
     Generation("atlas-a3", "Atlas A3 training series", (r"^ascend9109[0-9]{3}$",), "inf_nan"),
     Generation("ascend950", "Ascend 950 (Atlas 350)", (r"^ascend950",), "inf_nan", inf_nan_only=True),
     Generation("atlas-training", "Atlas training series", (r"^ascend910(a|proa|premiuma|prob|b)?$",),
-               "saturation", saturation_only=True),
+               "saturation", saturation_only=True, bf16=False),
 )
 
 # op (a KernelPaths field) -> generations whose documentation lists it; sources in the docstring
@@ -142,3 +143,21 @@ def overflow_mode(device_name: str, runtime_inf_nan: bool | None = None) -> str:
     if runtime_inf_nan is not None:
         return "inf_nan" if runtime_inf_nan else "saturation"
     return gen.overflow if gen is not None else "saturation"
+
+
+def precision_problem(device_name: str, precision: str) -> str | None:
+    """Why ``--precision`` cannot run on this NPU (one line naming the chip and what to use), or None.
+
+    The Atlas training series (Ascend 910A, 910ProB, ...) has no bfloat16 arithmetic (torch_npu's
+    ``IsBF16Supported`` holds from Ascend910B1 on); fp16 with the loss scaler is its mixed precision.
+
+    >>> precision_problem("Ascend910B3", "bf16") is None, precision_problem("Ascend910A", "fp16") is None
+    (True, True)
+    >>> precision_problem("Ascend910ProB", "bf16").split(":")[0]
+    '--precision bf16 needs bfloat16 arithmetic, which Ascend910ProB (Atlas training series) does not have'
+    """
+    gen = generation_of(device_name)
+    if precision == "bf16" and gen is not None and not gen.bf16:
+        return (f"--precision bf16 needs bfloat16 arithmetic, which {device_name} ({gen.product}) does "
+                f"not have: use --precision fp16 (the dynamic loss scaler keeps it stable) or fp32")
+    return None

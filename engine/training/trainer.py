@@ -22,6 +22,7 @@ from engine.observe.dashboards import Dashboards
 from engine.data import build_data, collate
 from engine.data.packing import MicroBatch, count_loss_tokens, micro_batch
 from engine.device.clock import DeviceClock, EventPair
+from engine.device.chips import precision_problem
 from engine.device.runtime import set_matmul_precision, setup_device
 from engine.training.loss_scaler import ConstantScaler, DynamicLossScaler
 from engine.training.lr_schedule import learning_rate
@@ -76,6 +77,9 @@ class Trainer:
         except PolicyError as exc:
             raise ConfigError(f"grad_compression_policy: {exc}") from exc
         self.dev = setup_device(cfg.device, self.launch.local_rank, self.launch.local_world_size)
+        problem = precision_problem(self.dev.name, cfg.precision.precision) if self.dev.type == "npu" else None
+        if problem:  # a chip without bf16: before any process group exists
+            raise ConfigError(problem)
         self.tf32 = set_matmul_precision(self.dev.type, cfg.precision.allow_tf32)
         rules = resolve_rules(cfg.parallel.backend_rules, self.dev.backend, self.dev.name)
         self.ps = ParallelState.initialize(self.grid, self.dev.device, self.dev.backend, self.launch,

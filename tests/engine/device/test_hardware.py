@@ -234,3 +234,32 @@ def test_docstring_examples():
     for module in (engine.device.chips, device_mod, parallel.pipeline.p2p, engine.plan.memory):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+@pytest.mark.parametrize("name", sorted(SKUS))
+def test_bf16_only_where_the_chip_has_it(name):
+    from engine.device.chips import precision_problem
+    problem = precision_problem(name, "bf16")
+    assert (problem is not None) == (SKUS[name][0] == "atlas-training")
+    assert precision_problem(name, "fp16") is None and precision_problem(name, "fp32") is None
+    if problem:
+        assert name in problem and "--precision fp16" in problem and "\n" not in problem
+
+
+def test_bf16_on_a_910a_stops_at_start_with_one_line(monkeypatch, capsys):
+    """engine.train on an Ascend 910A: the device setup (there is no NPU here) returns what the
+    device module reports for that chip; the run stops before any process group, exit 2."""
+    import engine.training.trainer as trainer_mod
+    from engine.training.launch import main
+    made = []
+    monkeypatch.setattr(trainer_mod, "setup_device", lambda *a, **k: DeviceInfo(
+        "npu", torch.device("cpu"), "hccl", "Ascend910A", *npu_kernel_paths("Ascend910A")[:1]))
+    monkeypatch.setattr(trainer_mod.ParallelState, "initialize", lambda *a, **k: made.append(1))
+    code = main(["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "32",
+                 "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "1",
+                 "--global-batch-size", "1", "--train-iters", "1", "--precision", "bf16", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and made == []
+    assert err == ["gridtron: configuration error: --precision bf16 needs bfloat16 arithmetic, which "
+                   "Ascend910A (Atlas training series) does not have: use --precision fp16 (the dynamic "
+                   "loss scaler keeps it stable) or fp32"]
