@@ -85,14 +85,18 @@ DEVICE_SPECS = MappingProxyType({
     "ascend910b": DeviceSpec("ascend910b", _cube_tflops(24, 1800), 64.0, 196.0, 25.0, 8, 1600.0),
     # NVIDIA datasheets, dense (the datasheets' starred figures are 2:4 sparse, twice these):
     # A100 fp32 19.5, tf32 156, bf16/fp16 312; H100 SXM fp32 67, tf32 494.7, bf16 989; H100 PCIe
-    # fp32 51, tf32 378, bf16 756; H200 SXM as H100 SXM. NVLink3: 12 links x 25 GB/s = 300 GB/s per
-    # direction; DGX A100: one HDR 200 Gb/s HCA per GPU. NVLink4: 450 GB/s per direction; DGX
-    # H100/H200: one NDR 400 Gb/s HCA per GPU.
+    # fp32 51, tf32 378, bf16 756; H200 SXM as H100 SXM. NVL (PCIe cards, NVLink bridges): H100 NVL
+    # fp32 60, tf32 417.5, bf16 835, 94 GB, 3.9 TB/s, bridges 600 GB/s both ways (300 per direction);
+    # H200 NVL fp32 60, tf32 417.5, bf16 835, 141 GB, 4.8 TB/s, bridges 900 GB/s both ways (450).
+    # NVLink3: 12 links x 25 GB/s = 300 GB/s per direction; DGX A100: one HDR 200 Gb/s HCA per GPU.
+    # NVLink4: 450 GB/s per direction; DGX H100/H200: one NDR 400 Gb/s HCA per GPU.
     "a100-40gb": DeviceSpec("a100-40gb", 312.0, 40.0, 300.0, 25.0, 8, 1555.0, 19.5, 156.0),
     "a100-80gb": DeviceSpec("a100-80gb", 312.0, 80.0, 300.0, 25.0, 8, 2039.0, 19.5, 156.0),
     "h100": DeviceSpec("h100", 989.0, 80.0, 450.0, 50.0, 8, 3350.0, 67.0, 494.7),
     "h100-pcie": DeviceSpec("h100-pcie", 756.0, 80.0, 300.0, 50.0, 8, 2000.0, 51.0, 378.0),
     "h200": DeviceSpec("h200", 989.0, 141.0, 450.0, 50.0, 8, 4800.0, 67.0, 494.7),
+    "h100-nvl": DeviceSpec("h100-nvl", 835.0, 94.0, 300.0, 50.0, 8, 3900.0, 60.0, 417.5),
+    "h200-nvl": DeviceSpec("h200-nvl", 835.0, 141.0, 450.0, 50.0, 8, 4800.0, 60.0, 417.5),
     # CPU: no table peak (the trainer measures a matmul); gloo over shared memory / Ethernet.
     "cpu": DeviceSpec("cpu", None, None, 10.0, 1.25, 1, None),
 })
@@ -100,7 +104,9 @@ DEVICE_SPECS = MappingProxyType({
 # Raw device names (torch.cuda/torch.npu get_device_name, lower-cased, spaces and '-' and '_'
 # removed) to table keys. First match wins, so more specific patterns come first.
 _NAME_RULES = (
+    (r"h200nvl", "h200-nvl"),
     (r"gh200|h200", "h200"),
+    (r"h100nvl", "h100-nvl"),
     (r"h100(pcie|80gbpcie)", "h100-pcie"),
     (r"h100|h800", "h100"),
     (r"a100.*40gb|a100(pcie|sxm4)?$", "a100-40gb"),
@@ -125,6 +131,8 @@ def lookup_device(device_name: str) -> str | None:
 
     >>> lookup_device("NVIDIA H100 80GB HBM3"), lookup_device("Ascend910B2")
     ('h100', 'ascend910b2')
+    >>> lookup_device("NVIDIA H200 NVL"), lookup_device("NVIDIA H200"), lookup_device("NVIDIA H100 NVL")
+    ('h200-nvl', 'h200', 'h100-nvl')
     """
     if device_name in DEVICE_SPECS:
         return device_name

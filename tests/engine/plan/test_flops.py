@@ -188,7 +188,7 @@ def test_peak_lookup_rejects_unknowns():
     ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H800", "h100"), ("Ascend910B2", "ascend910b2"),
     ("Ascend910B2C", "ascend910b2"), ("Ascend910B3", "ascend910b3"), ("Ascend910B4-1", "ascend910b4"),
     ("Ascend910B1", "ascend910b1"), ("Ascend910A", "ascend910"), ("Ascend910ProA", "ascend910"),
-    ("h100", "h100"), ("cpu", "cpu"),
+    ("h100", "h100"), ("cpu", "cpu"), ("NVIDIA H100 NVL", "h100-nvl"), ("NVIDIA H200 NVL", "h200-nvl"),
 ])
 def test_device_name_lookup(raw, key):
     assert lookup_device(raw) == key
