@@ -38,6 +38,9 @@ class MixedPrecisionOptimizer(_GradAccess):
         self.betas, self.eps = betas, eps
         self._decay = [wd for _, _, wd in entries]
         self.variance_frozen = False
+        # host copies of the frozen parameters' Adam step (index -> step): read from the state once,
+        # then counted here, so the per-step update reads no device scalar (one sync per tensor)
+        self._host_steps: dict[int, int] = {}
         if reducer is not None:
             reducer.beta2 = betas[1]
 
@@ -107,16 +110,20 @@ class MixedPrecisionOptimizer(_GradAccess):
         """The frozen-variance update of variance.py on the state torch's AdamW keeps."""
         if not frozen:
             return
+        for i in frozen:
+            if i not in self._host_steps:  # once per tensor and run (a resume reads it again)
+                self._host_steps[i] = int(self.inner.state[self.masters[i]]["step"])
         if not self.variance_frozen:                      # the warm-up is over
             for i in frozen:
                 st = self.inner.state[self.masters[i]]
-                st["exp_avg_sq"].div_(1 - self.betas[1] ** int(st["step"]))
+                st["exp_avg_sq"].div_(1 - self.betas[1] ** self._host_steps[i])
             self.variance_frozen = True
         refreshed = self.reducer.refreshed
         for i in sorted(frozen):
             p, m = self.params[i], self.masters[i]
             st = self.inner.state[m]
             st["step"] += 1
+            self._host_steps[i] += 1
             bucket = self.reducer.bucket_of(p)
             if bucket.index in refreshed:
                 slot = next(s for s in bucket.slots if s.param is p)
@@ -124,7 +131,7 @@ class MixedPrecisionOptimizer(_GradAccess):
                 st["exp_avg_sq"].copy_(refreshed[bucket.index][lo:lo + slot.numel].view_as(m))
             wd = self._decay[i]
             _frozen_adamw_(m.view(-1), current_grad(p).to(torch.float32).reshape(-1),
-                           st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1), int(st["step"]), lr,
+                           st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1), self._host_steps[i], lr,
                            self.betas, self.eps, [(0, m.numel(), wd)] if wd else [])
 
     @property
@@ -152,6 +159,7 @@ class MixedPrecisionOptimizer(_GradAccess):
     def load_state_dict(self, sd: dict) -> None:
         step = int(sd["step"])
         self.variance_frozen = bool(sd.get("variance_frozen", False))
+        self._host_steps = {}
         cover = {e["name"]: (e["start"], e["end"]) for e in sd.get("pieces", [])}
         for name, p, m in zip(self.names, self.params, self.masters):
             tensors = _covering(sd, cover, name, 0, p.numel(), p.numel())
