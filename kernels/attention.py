@@ -90,7 +90,8 @@ def npu_compressed_causal_mask(device: torch.device | str | None = None) -> torc
 
 
 class NpuMaskCache:
-    """Holds one compressed causal mask per device so repeated attention calls reuse it.
+    """Holds one compressed causal mask per device so repeated attention calls reuse it, and the
+    device copy of the last packed-document lengths (``cu_seqlens_on``).
 
     The mask is independent of the sequence length (sparse_mode 2 uses the compressed form), so the
     key is the device alone. Owned by whoever calls ``attention`` (a model or block), never global.
@@ -98,6 +99,20 @@ class NpuMaskCache:
 
     def __init__(self) -> None:
         self._masks: dict[torch.device, torch.Tensor] = {}
+        self._cu: tuple = (None, None, None)  # (host cu_seqlens, device, its int32 device copy)
+
+    def cu_seqlens_on(self, cu_seqlens, device: torch.device) -> torch.Tensor:
+        """``cu_seqlens`` as an int32 tensor on ``device``, copied once per micro-batch: every layer
+        of a micro-batch passes the same host tuple, which is copied from pinned memory without
+        blocking the host (a pageable copy per layer would synchronize the stream each time)."""
+        key, dev, tensor = self._cu
+        if key is not cu_seqlens or dev != device:
+            host = torch.tensor(cu_seqlens, dtype=torch.int32)
+            if device.type in ("cuda", "npu"):
+                host = host.pin_memory()
+            tensor = host.to(device, non_blocking=True)
+            self._cu = (cu_seqlens, device, tensor)
+        return tensor
 
     def get(self, device: torch.device | str) -> torch.Tensor:
         device = torch.device(device)
@@ -250,7 +265,8 @@ def cuda_varlen_usable(q: torch.Tensor, causal: bool, dropout_p: float) -> bool:
 
 
 def cuda_varlen_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens,
-                     scale: float | None, varlen=None) -> tuple[tuple, dict] | None:
+                     scale: float | None, varlen=None,
+                     cache: NpuMaskCache | None = None) -> tuple[tuple, dict] | None:
     """(args, kwargs) for ``varlen``'s call (torch.nn.attention.varlen.varlen_attn when None): TND
     tensors, int32 cumulative lengths (N + 1,) on q's device for queries and keys alike, the
     longest segment; causal as ``window_size=(-1, 0)`` where it takes that keyword, else
@@ -278,18 +294,18 @@ def cuda_varlen_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         else:  # query head i reads key/value head i // rep
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
+    cu = (cache if cache is not None else NpuMaskCache()).cu_seqlens_on(cu_seqlens, q.device)
     longest = max(int(b) - int(a) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
     return (to_tnd(q), to_tnd(k), to_tnd(v), cu, cu, longest, longest), kwargs
 
 
-def _attention_cuda_varlen(q, k, v, scale, cu_seqlens) -> torch.Tensor | None:
+def _attention_cuda_varlen(q, k, v, scale, cu_seqlens, cache=None) -> torch.Tensor | None:
     """The varlen kernel where this torch has one whose signature serves the call, else None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    call = cuda_varlen_args(q, k, v, cu_seqlens, scale, varlen_attn)
+    call = cuda_varlen_args(q, k, v, cu_seqlens, scale, varlen_attn, cache)
     if call is None:
         return None
     args, kwargs = call
@@ -347,7 +363,7 @@ def attention(
     if kind == "cuda" and packed and cuda_varlen_usable(q, causal, dropout_p):
         if cu_seqlens is None:
             cu_seqlens = cu_seqlens_from_document_ids(document_ids)
-        out = _attention_cuda_varlen(q, k, v, scale, cu_seqlens)
+        out = _attention_cuda_varlen(q, k, v, scale, cu_seqlens, mask_cache)
         if out is not None:
             return out
     if packed and document_ids is None:

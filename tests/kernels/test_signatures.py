@@ -114,3 +114,15 @@ def test_sdpa_without_enable_gqa_repeats_the_heads(monkeypatch, packed):
     kw = {"document_ids": DOCS} if packed else {}
     out = kernels.attention(q, k, v, **kw)
     torch.testing.assert_close(out, kernels.attention_reference(q, k, v, **kw), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_lengths_copied_to_the_device_once_per_micro_batch():
+    """Every layer of a micro-batch passes the same host cu_seqlens: one device copy serves them."""
+    cache = kernels.NpuMaskCache()
+    q, k, v = _qkv(4, 2, torch.bfloat16)
+    first = [attn_mod.cuda_varlen_args(q, k, v, CU, None, varlen_2_13, cache)[0][3] for _ in range(3)]
+    assert first[0] is first[1] is first[2] and first[0].tolist() == list(CU)
+    assert first[0].dtype == torch.int32
+    other = (0, 7, 14)  # the next micro-batch's
+    again = attn_mod.cuda_varlen_args(q, k, v, other, None, varlen_2_13, cache)[0][3]
+    assert again is not first[0] and again.tolist() == [0, 7, 14]
