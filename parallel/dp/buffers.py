@@ -103,9 +103,14 @@ class Bucket:
             slot.param.main_grad = self.storage[slot.start - self.start:slot.end - self.start] \
                 .view_as(slot.param)
 
-    def free_storage(self) -> None:
+    def free_storage(self, used_on=None) -> None:
+        """Drop the ZeRO-2 full gradient. ``used_on``: a stream other than the one that allocated
+        it whose queued work may still read it; the caching allocator (CUDA, NPU) is told
+        (``record_stream``), so the block is reused only once that work is done."""
         if self.buffer.data is not None:
             return
+        if used_on is not None and self.storage is not None:
+            self.storage.record_stream(used_on)
         self.storage = None
         for slot in self.slots:
             slot.param.main_grad = None

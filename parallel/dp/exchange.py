@@ -68,6 +68,11 @@ class ExchangeWorker:
         return results
 
     @property
+    def stream(self):
+        """The side stream the jobs run on (None on CPU, where there are no streams)."""
+        return self._stream
+
+    @property
     def busy(self) -> bool:
         return bool(self._futures)
 

@@ -341,7 +341,9 @@ class GradReducer:
         data.div_(self.dp)
         if self.shard_grads:
             bucket.compressor.reduce_scatter_(data, self.group, bucket.shard_view(self.dp_rank, self.dp))
-            bucket.free_storage()
+            # the side stream may still read the storage: the allocator must not hand the block to
+            # the next backward (on the compute stream) before that work is done
+            bucket.free_storage(used_on=self._worker.stream)
         else:
             bucket.compressor.all_reduce_(data, self.group)
 

@@ -130,3 +130,26 @@ def test_serial_memory_formulas():
     mem = memory_bytes(reducer, opt)
     padded = sum(b.numel for b in reducer.buckets)
     assert mem["grad_bytes"] == 4 * padded and mem["optimizer_state_bytes"] == 12 * padded
+
+
+def test_freed_bucket_storage_is_recorded_on_the_stream_that_still_reads_it(monkeypatch):
+    """ZeRO-2 with compression frees a bucket's full gradient on the exchange worker right after
+    queueing its reduce-scatter on the side stream: the caching allocator must be told that stream
+    uses the block (``record_stream``), or it could hand it to the next backward before the side
+    stream has read it. On CPU there are no streams, so the call is recorded by a stand-in."""
+    from parallel.dp import CompressorSpec
+    from parallel.dp.buffers import GradBuffer
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: recorded.append((t, s)))
+    param = torch.nn.Parameter(torch.zeros(8))
+    buf = GradBuffer([("w", param)], CompressorSpec("topk", 0.5), bucket_numel=8)
+    buf.release(world=2)
+    bucket = buf.buckets[0]
+    bucket.ensure_storage()
+    storage = bucket.storage
+    side = object()  # the worker's side stream
+    bucket.free_storage(used_on=side)
+    assert recorded == [(storage, side)] and bucket.storage is None and param.main_grad is None
+    bucket.ensure_storage()
+    bucket.free_storage()  # freed on the stream that allocated it: nothing to record
+    assert len(recorded) == 1
