@@ -74,6 +74,7 @@ class CommEvent:
     payload_bytes: int
     wire_bytes: int
     async_op: bool = False
+    received_bytes: int = 0  # what a recv lands (its payload is 0: traffic counts what is sent)
 
 
 @dataclass
@@ -242,7 +243,7 @@ class CommGroup:
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def _issue(self, op: str, tensor: torch.Tensor | None, payload: int | None = None,
-               async_op: bool = False, reduce_op=None, tensors=None) -> None:
+               async_op: bool = False, reduce_op=None, tensors=None, received: int = 0) -> None:
         check(self.monitor.rules, op, self.kind, tensors if tensors is not None else
               ([tensor] if tensor is not None else []), reduce_op)
         if torch.compiler.is_compiling():
@@ -253,7 +254,7 @@ class CommGroup:
         nbytes = _nbytes(tensor) if payload is None and tensor is not None else (payload or 0)
         self.monitor._account(CommEvent(op, self.kind, self.ranks,
                                         None if tensor is None else str(tensor.dtype)[6:], nbytes,
-                                        wire_bytes(op, nbytes, self.size), async_op))
+                                        wire_bytes(op, nbytes, self.size), async_op, received))
 
     def _run(self, name: str, fn: Callable, /, *args, async_op: bool = False, **kwargs):
         """Issue the torch.distributed call ``fn`` as collective ``name`` of this group in the
@@ -324,7 +325,7 @@ class CommGroup:
             if kind == "send":
                 self._issue("send", t)
             else:
-                self._issue("recv", t, payload=0)
+                self._issue("recv", t, payload=0, received=_nbytes(t))
             ops.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer,
                                   self.process_group))
         if not ops:

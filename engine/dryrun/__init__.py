@@ -31,6 +31,8 @@ class DryRun:
     device_memory: int | None = None
     usable: int | None = None        # device memory x the planner's usable fraction
     notes: list = field(default_factory=list)
+    precision: str = "fp32"          # what was built
+    precision_source: str = ""       # why: --precision, or whose default
 
     def buffers(self, record) -> int:
         from engine.plan.memory import buffer_bytes
@@ -68,7 +70,7 @@ def prepare(cfg, world_size: int, devices_per_node: int = 8):
     if world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {world_size}")
     launch = LaunchEnv(0, world_size, 0, min(devices_per_node, world_size))
-    grid, layout_notes = validate_run(cfg, launch)
+    grid, layout_notes = validate_run(cfg, launch, memory=(None, ""))  # planned for other machines
     try:
         CompressionPolicy.coerce(cfg.compression)
     except PolicyError as exc:
@@ -102,11 +104,13 @@ def dry_run(cfg, world_size: int, device: str | None = None, memory_gb: float | 
     ``device``: a planner device name (``engine.plan.hardware``: "a100-80gb", "ascend910b2", ...)
     for the memory check, the backend (hccl for Ascend, else nccl) and its rules; without it the
     recipe's ``--device`` decides the backend (npu: hccl, cuda: nccl, else gloo)."""
-    from engine.dryrun.compare import compare_role, planner_inputs
+    from engine.dryrun.compare import compare_role
+    from engine.training.validate import planner_inputs
     from engine.plan.hardware import get_device_spec
-    from engine.plan.model import GIB, MEMORY_USABLE_FRACTION, backend_of
+    from engine.plan.model import GIB, MEMORY_USABLE_FRACTION, PLAN_PRECISION, backend_of
     from parallel.backend_rules import resolve
     spec = get_device_spec(device) if device else None
+    cfg, source = _precision(cfg, device if spec is not None else None, PLAN_PRECISION)
     per_node = devices_per_node or (spec.devices_per_node if spec else None) or 8
     backend = ({"npu": "hccl", "cuda": "nccl"}.get(cfg.device, "gloo") if spec is None else
                backend_of(spec.name))
@@ -125,4 +129,21 @@ def dry_run(cfg, world_size: int, device: str | None = None, memory_gb: float | 
     return DryRun(built, grid, records, rules, backend, built.data.num_microbatches(grid.dp),
                   comparison,
                   None if gib is None else int(gib * GIB),
-                  None if gib is None else int(gib * GIB * MEMORY_USABLE_FRACTION), notes)
+                  None if gib is None else int(gib * GIB * MEMORY_USABLE_FRACTION), notes,
+                  built.precision.precision, source)
+
+
+def _precision(cfg, planner_device: str | None, plan_precision: str):
+    """(the configuration to build, why its precision): --precision when given; for a planner
+    --device without it, the planner's own default (engine.plan plans mixed precision), so that
+    the two tools describe the same run; else engine.train's default."""
+    if "precision" in cfg.explicit:
+        return cfg, "--precision"
+    if planner_device is None:
+        return cfg, (f"engine.train's default without --precision; engine.plan plans "
+                     f"{plan_precision}: give --precision {plan_precision} to compare with it")
+    cfg = copy.deepcopy(cfg)
+    cfg.precision.precision = plan_precision
+    return cfg, (f"engine.plan's default for --device {planner_device}, so that both tools plan "
+                 f"the same run; engine.train's default is fp32: run it with --precision "
+                 f"{plan_precision}, as engine.plan's command does, or give --precision here")

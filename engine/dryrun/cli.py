@@ -15,18 +15,31 @@ than the usable memory; 2, the run would reject the configuration (the message s
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 
 from engine.base import ConfigError
-from engine.training.launch import run_config
+from engine.config.fields import suggest
 from engine.config.schema import DEVICES
+from engine.plan.model import MAX_DEVICES
+from engine.training.launch import run_config
+from engine.training.validate import unwritable
+
+HELP_HINT = "python -m engine.dryrun --help lists its flags, python -m engine.train --help the others"
+OWN_FLAGS = ("world-size", "device", "memory-gb", "devices-per-node", "json")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + exit
+        raise ConfigError(f"{message} ({HELP_HINT})")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.dryrun", description=__doc__.split("\n\n")[0],
-                                epilog="Every other flag is engine.train's (python -m engine.train "
-                                       "--help).", allow_abbrev=False)
-    p.add_argument("--world-size", type=int, required=True, help="ranks of the job")
+    p = _Parser(prog="python -m engine.dryrun", description=__doc__.split("\n\n")[0],
+                epilog="Every other flag is engine.train's (python -m engine.train --help).",
+                allow_abbrev=False)
+    p.add_argument("--world-size", type=int, help="ranks of the job (required)")
     p.add_argument("--device", help="planner device name (python -m engine.plan --help lists them) "
                                     "or engine.train's npu/cuda/cpu/auto")
     p.add_argument("--memory-gb", type=float, help="device memory in GiB (overrides --device's)")
@@ -35,15 +48,54 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args: argparse.Namespace, rest: list[str]) -> None:
+    """The dry run's own flags, before any work (ConfigError, one line): a misspelt one of them
+    among engine.train's, the world size, the node size, the memory and the --json path."""
+    for token in rest:
+        name = token.split("=")[0]
+        if name.startswith("--") and name[2:] not in OWN_FLAGS:
+            meant = suggest(name, {f: f for f in OWN_FLAGS})
+            if meant:
+                raise ConfigError(f"unknown argument {name!r}; did you mean --{meant}? ({HELP_HINT})")
+    if args.world_size is None:
+        raise ConfigError("--world-size N is required: the ranks of the job")
+    if not 1 <= args.world_size <= MAX_DEVICES:
+        raise ConfigError(f"--world-size must be between 1 and {MAX_DEVICES:,}, got {args.world_size}")
+    if args.devices_per_node is not None and not 1 <= args.devices_per_node <= MAX_DEVICES:
+        raise ConfigError(f"--devices-per-node must be between 1 and {MAX_DEVICES:,}, got "
+                          f"{args.devices_per_node}")
+    if args.memory_gb is not None and not (math.isfinite(args.memory_gb) and args.memory_gb > 0):
+        raise ConfigError(f"--memory-gb must be a positive number of GiB, got {args.memory_gb}")
+    if args.json is not None:
+        problem = json_path_problem(args.json)
+        if problem:
+            raise ConfigError(f"--json {args.json}: {problem}; choose a file path you can write to")
+
+
+def json_path_problem(path: str) -> str | None:
+    """Why ``path`` cannot take the --json document (None when it can); creates nothing."""
+    if not path or path.endswith(os.sep):
+        return "names a directory, not a file"
+    if os.path.isdir(path):
+        return "is a directory"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "is not writable"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"{parent} does not exist" if not os.path.exists(parent) else f"{parent} is a file"
+    return unwritable(parent)
+
+
 def main(argv: list[str] | None = None) -> int:
     from engine.dryrun import dry_run
     from engine.dryrun.report import text, write_json
-    args, rest = build_parser().parse_known_args(argv)
-    device = args.device
-    if device in DEVICES:                   # engine.train's meaning: the backend, no memory
-        rest += ["--device", device]
-        device = None
     try:
+        args, rest = build_parser().parse_known_args(argv)
+        check_args(args, rest)
+        device = args.device
+        if device in DEVICES:               # engine.train's meaning: the backend, no memory
+            rest += ["--device", device]
+            device = None
         cfg = run_config(rest)
         result = dry_run(cfg, args.world_size, device, args.memory_gb, args.devices_per_node)
     except KeyError as exc:                 # an unknown --device name

@@ -1,8 +1,9 @@
 """Every figure of the dry run next to the planner's estimate for the same layout.
 
-``planner_inputs`` turns the run's configuration into the planner's ``ModelShape`` and ``Layout``
-(fused attention and early-stopping recomputation, as the engine runs; activation and weight bytes
-from ``--precision``; dropout masks only with ``--dropout`` > 0). ``compare_role`` puts the role's
+``planner_inputs`` (engine/training/validate.py, whose memory check at start uses it too) turns the
+run's configuration into the planner's ``ModelShape`` and ``Layout`` (fused attention and
+early-stopping recomputation, as the engine runs; activation and weight bytes from ``--precision``;
+dropout masks only with ``--dropout`` > 0). ``compare_role`` puts the role's
 representative next to the planner's device of the same pipeline rank (engine/plan/memory.py
 ``stage_memory``, engine/plan/traffic.py ``step_traffic``) and flags a difference above
 ``TOLERANCE``; where the reason is known (the planner prices something this engine does not do,
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.plan.flops import BLOCKS
 from engine.plan.memory import buffer_bytes, stage_memory
 from engine.plan.model import Layout, ModelShape
 from engine.plan.traffic import step_traffic
@@ -68,27 +68,6 @@ class Row:
     def flagged(self) -> bool:
         d = self.difference
         return d is not None and abs(d) > TOLERANCE
-
-
-def planner_inputs(cfg, grid) -> tuple[ModelShape, Layout] | str:
-    """The planner's view of the run, or why it has none."""
-    m, par = cfg.model, cfg.parallel
-    if m.block not in BLOCKS:
-        return f"the planner has formulas for {', '.join(BLOCKS)} blocks only (--block {m.block})"
-    elem = 4 if cfg.precision.precision == "fp32" else 2
-    shape = ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size,
-                       m.seq_length, cfg.data.global_batch_size, m.ffn_hidden_size, m.block,
-                       fused_attention=True, recompute_early_stop=True, activation_bytes=elem,
-                       dropout=m.dropout > 0, num_query_groups=m.num_query_groups, weight_bytes=elem)
-    # the planner's schedules: 1f1b (interleaved with vp > 1), zb-h1, zb-v; 1f1b-w holds what 1F1B
-    # holds, GPipe more (KNOWN)
-    zero_bubble = par.pipeline_schedule in ("zb-h1", "zb-v") and grid.pp > 1
-    schedule = par.pipeline_schedule if zero_bubble else "1f1b"
-    layout = Layout(grid.tp, grid.pp, grid.dp, par.chunks_per_rank, cfg.data.micro_batch_size,
-                    par.recompute, par.use_distributed_optimizer,
-                    par.sequence_parallel and grid.tp > 1, grid.cp, par.order,
-                    schedule=schedule, zero_stage=par.zero_stage)
-    return shape, layout
 
 
 def _why(figure: str, cfg, layout: Layout) -> str:

@@ -6,8 +6,8 @@ pipeline schedule (``parallel.pipeline.executor``, the same transfers in the sam
 reduction, the sequence-parallel and tied-embedding all-reduces, the statistics all-reduce and the
 optimizer step with ZeRO's parameter all-gather. What it records:
 
-- every ``CommEvent`` the rank's ``ps.comm`` observers see (op, group kind, dtype, payload bytes;
-  ``counted`` is False for the few that ``ps.comm.uncounted()`` keeps out of the step's traffic,
+- every ``CommEvent`` the rank's ``ps.comm`` observers see (op, group kind, dtype, payload bytes,
+  and for a receive the bytes it landed, ``received_bytes``; ``counted`` is False for the few that ``ps.comm.uncounted()`` keeps out of the step's traffic,
   the pipeline bubble's two instants), and the step's per-kind counters, from which
   ``engine.training.step_record.comm_metrics`` gives the metrics' ``*_comm_bytes`` keys;
 - ``memory_bytes(reducer, optimizer)``: ``param_bytes``, ``grad_bytes``, ``optimizer_state_bytes``
@@ -221,8 +221,12 @@ def record_role(cfg, grid, role: Role, rules: str | None, devices_per_node: int,
                     out = trainer.stepper.run(batches, learning_rate(0, cfg.optim), step=1)
             finally:
                 ps.comm.observers.remove(observe)
+            # "bytes": the payload handed over (0 for a recv, whose traffic its sender counts);
+            # a recv also says what it landed
             collectives = [{"op": e.op, "group": e.group, "dtype": e.dtype, "bytes": e.payload_bytes,
-                            "counted": counted} for e, counted in events]
+                            "counted": counted,
+                            **({"received_bytes": e.received_bytes} if e.op == "recv" else {})}
+                           for e, counted in events]
             comm = {k: out.comm[k] for k in GROUP_KINDS}
             flight = role.in_flight[ps.pp_rank]
             per_micro = saved.peak / flight

@@ -3,12 +3,14 @@ summary, and the ``--json`` document.
 
 JSON layout (bytes are integers, one object per role)::
 
-    {"layout": {"world_size", "tp", "cp", "pp", "dp", "order", "micro_batches", "backend_rules"},
+    {"layout": {"world_size", "tp", "cp", "pp", "dp", "order", "micro_batches", "backend_rules",
+                "precision", "precision_source"},
      "roles": [{"name", "ranks", "stages", "representative", "param_bytes", "grad_bytes",
                 "optimizer_state_bytes", "activation_bytes", "activation_bytes_by_stage",
                 "in_flight", "comm_buffer_bytes", "total_bytes", "fits", "memory_by_dtype",
                 "comm": {kind: {"calls", "payload_bytes", "wire_bytes"}},
-                "collectives": [{"op", "group", "dtype", "bytes", "counted"}],
+                "collectives": [{"op", "group", "dtype", "bytes", "counted"}, a recv with
+                                "received_bytes" (its "bytes", the payload it hands over, are 0)],
                 "holds": {...}, "planner": [{"figure", "dry_run", "planner", "difference",
                 "flagged", "why"}]}],
      "summary": {"largest_role", "largest_rank", "largest_total_bytes", "device_memory_bytes",
@@ -71,12 +73,13 @@ def collective_table(record) -> str:
     for c in record.collectives:
         key = (c["op"], c["group"], c["dtype"] or "-")
         calls[key] += 1
-        total[key] += c["bytes"]
+        total[key] += c.get("received_bytes", c["bytes"])  # a receive: what it landed
     lines = [f"  {record.role.name} (rank {record.rank}): {len(record.collectives)} collectives and "
              f"transfers in one step"]
     for key in sorted(calls):
         op, group, dtype = key
-        lines.append(f"    {op:<15}{group:<10}{dtype:<10}{calls[key]:>6} x  {_bytes(total[key]):>12}")
+        lines.append(f"    {op:<15}{group:<10}{dtype:<10}{calls[key]:>6} x  {_bytes(total[key]):>12}"
+                     + ("  received" if op == "recv" else ""))
     return "\n".join(lines)
 
 
@@ -96,6 +99,7 @@ def text(result) -> str:
     out = [f"gridtron dry run: {g.describe()} on the meta device, "
            f"{result.num_micro} micro-batches per step, collectives checked against "
            f"{result.rules or 'no backend rules'}",
+           f"precision: {result.precision} ({result.precision_source})",
            "", role_table(result), "", "collectives of one training step:"]
     out += [collective_table(r) for r in result.records]
     if isinstance(result.comparison, str):
@@ -158,7 +162,8 @@ def as_json(result) -> dict:
         roles.append(entry)
     return {"layout": {"world_size": g.world_size, "tp": g.tp, "cp": g.cp, "pp": g.pp, "dp": g.dp,
                        "order": g.order, "micro_batches": result.num_micro,
-                       "backend_rules": result.rules},
+                       "backend_rules": result.rules, "precision": result.precision,
+                       "precision_source": result.precision_source},
             "roles": roles, "summary": summary(result)}
 
 

@@ -56,13 +56,18 @@ def scalars(record: dict) -> dict[str, float]:
 
 
 class Dashboards:
-    """The dashboards of one run (rank 0 only; elsewhere every method does nothing)."""
+    """The dashboards of one run (rank 0 only; elsewhere every method does nothing). They are
+    opened at the first record, once the run's first step is done: a run that fails before writes
+    no event file and starts no wandb run."""
 
     def __init__(self, cfg, enabled: bool, start_step: int = 0):
         self.interval = cfg.log.log_interval
         self.tb = self.wandb = None
-        if not enabled:
-            return
+        self._pending = (cfg, start_step) if enabled else None
+
+    def _open(self) -> None:
+        cfg, start_step = self._pending
+        self._pending = None
         log = cfg.log
         if log.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
@@ -78,6 +83,8 @@ class Dashboards:
                                     mode=log.wandb_mode, config=config)
 
     def log(self, record: dict) -> None:
+        if self._pending is not None:
+            self._open()
         step = record["step"]
         values = scalars(record)
         if step % self.interval:
@@ -91,6 +98,7 @@ class Dashboards:
             self.wandb.log(values, step=step)
 
     def close(self) -> None:
+        self._pending = None
         if self.tb is not None:
             self.tb.flush()
             self.tb.close()

@@ -2,9 +2,12 @@
 
 Only global rank 0 writes. The required keys are listed in REQUIRED_KEYS; the trainer fills them
 all (null where a value does not apply, e.g. the bubble without PP, or cannot be known);
-``valid_loss`` is added on the steps that validate. A fresh run truncates the file; a run resumed at
-step k keeps the records of steps 1..k and appends after them. The console shows a line (or the
-progress bar's figures) every ``log_interval`` steps. What the keys mean:
+``valid_loss`` is added on the steps that validate. The file is written from the first step's
+record on (a run that fails earlier leaves the old file as it was): a fresh run swaps in a new file
+atomically, a run resumed at step k keeps the records of steps 1..k and appends after them. The
+progress bar shows the latest step's loss and, like the closing summary, tokens/s and MFU over the
+run so far without the warm-up step (``RunningTotals``); without the bar, one console line every
+``log_interval`` steps with the same figures. What the keys mean:
 
 - ``step_time_s``: device time of the whole step (an event pair on the device's stream, read after
   the step; ``engine.device.clock.DeviceClock``); ``tokens_per_s`` = tokens / step_time_s.
@@ -45,16 +48,77 @@ OPTIONAL_KEYS = ("save_blocking_s", "anomaly", "rerun", "straggler_rank", "strag
                  "straggler_waited_for")
 
 
+WARMUP_STEPS = 1  # steps the closing summary leaves out (allocator growth, lazy init, compile)
+
+
+@dataclass
+class RunningTotals:
+    """The summary's throughput figures so far, updated one record at a time: tokens / seconds and
+    MFU = model FLOPs / seconds / devices / peak (each step's MFU weighted by its time) over the
+    records after the first ``warmup`` (over the latest alone while only warm-up steps are in),
+    exactly as ``summary_table`` computes them at the end."""
+    warmup: int = WARMUP_STEPS
+    count: int = 0
+    seconds: float = 0.0
+    tokens: float = 0.0
+    mfu_seconds: float | None = 0.0   # sum of mfu x step time; None once a step had no MFU
+    last: dict | None = None
+
+    def add(self, record: dict) -> None:
+        self.count += 1
+        self.last = record
+        if self.count <= self.warmup:
+            return
+        dt = record["step_time_s"]
+        self.seconds += dt
+        self.tokens += record["tokens"]
+        if self.mfu_seconds is not None:
+            mfu = record.get("mfu")
+            self.mfu_seconds = None if mfu is None or dt is None else self.mfu_seconds + mfu * dt
+
+    @property
+    def first_step(self) -> int | None:
+        """The first step the figures cover."""
+        if self.last is None:
+            return None
+        return self.last["step"] - (self.count - self.warmup - 1 if self.count > self.warmup else 0)
+
+    def tokens_per_s(self) -> float | None:
+        if self.count <= self.warmup:
+            r = self.last
+            return None if r is None else r["tokens_per_s"]
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+    def mfu(self) -> float | None:
+        if self.count <= self.warmup:
+            return None if self.last is None else self.last.get("mfu")
+        if self.mfu_seconds is None or self.seconds <= 0:
+            return None
+        return self.mfu_seconds / self.seconds
+
+
+def percent(value: float | None) -> str:
+    """A fraction as the summary prints it: 12.34%, or n/a."""
+    return "n/a" if value is None else f"{100 * value:.2f}%"
+
+
 @dataclass
 class MetricsLog:
+    """The metrics file, the progress bar (or one console line per interval) and notes, on global
+    rank 0. The file is opened at the first record, once the run's first step is done: a run that
+    fails before leaves the file of an earlier run as it was. A fresh run then replaces the file
+    atomically with a new one (written beside it, swapped in by ``os.replace``); a run resumed at
+    step k keeps the records of steps 1..k the same way and appends after them."""
     path: str | None = None
     enabled: bool = True
     progress: bool = True
     total_steps: int = 0
     log_interval: int = 1
     records: list[dict] = field(default_factory=list)
+    totals: RunningTotals = field(default_factory=RunningTotals)
     _bar: object = None
     _fh: object = None
+    _start: int = 0
 
     def __post_init__(self):
         if not self.enabled:
@@ -65,25 +129,34 @@ class MetricsLog:
                              file=sys.stderr)
 
     def start_at(self, step: int) -> None:
-        """Open the file for a run that starts after ``step`` completed steps (0: a fresh run)."""
-        if self.enabled and self.path:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            kept = []
-            if step and os.path.isfile(self.path):
-                with open(self.path, encoding="utf-8") as fh:
-                    for line in fh:
-                        try:
-                            if json.loads(line)["step"] <= step:
-                                kept.append(line if line.endswith("\n") else line + "\n")
-                        except (ValueError, KeyError, TypeError):
-                            continue  # a line cut short by a crash
-            tmp = f"{self.path}.tmp-{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.writelines(kept)
-            os.replace(tmp, self.path)
-            self._fh = open(self.path, "a", encoding="utf-8")
+        """A run that starts after ``step`` completed steps (0: a fresh run). Touches no file."""
+        self._start = step
         if self._bar is not None:
             self._bar.update(step)
+
+    def _open(self, first: str) -> None:
+        """The file with the records the run keeps (none when fresh) and ``first``, swapped in
+        atomically, then open for appending."""
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        kept = []
+        if self._start and os.path.isfile(self.path):
+            with open(self.path, encoding="utf-8") as fh:
+                for line in fh:
+                    try:
+                        if json.loads(line)["step"] <= self._start:
+                            kept.append(line if line.endswith("\n") else line + "\n")
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a line cut short by a crash
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.writelines(kept)
+                fh.write(first)
+            os.replace(tmp, self.path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -92,23 +165,28 @@ class MetricsLog:
         if missing:
             raise KeyError(f"metrics record misses {missing}")
         self.records.append(record)
+        self.totals.add(record)
+        line = json.dumps(record) + "\n"
         if self.path and self._fh is None:
-            self.start_at(0)
+            self._open(line)
+        elif self._fh:
+            self._fh.write(line)
         if self._fh:
-            self._fh.write(json.dumps(record) + "\n")
             self._fh.flush()
         due = record["step"] % self.log_interval == 0 or "valid_loss" in record
-        mfu = record["mfu"]
+        tok_s, mfu = self.totals.tokens_per_s(), self.totals.mfu()
         if self._bar is not None:
-            if due or record["step"] == 1:
-                self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                      mfu="n/a" if mfu is None else f"{100 * mfu:.1f}%", refresh=False)
+            # the latest step's loss; tokens/s and MFU of the run so far, as the summary's
+            self._bar.set_postfix(loss=f"{record['loss']:.4f}",
+                                  tok_s="n/a" if tok_s is None else f"{tok_s:.0f}",
+                                  mfu=percent(mfu), refresh=False)
             self._bar.update(1)
         elif due:
             valid = f" | valid loss {record['valid_loss']:.4f}" if "valid_loss" in record else ""
+            span = f"steps {self.totals.first_step}-{record['step']}"
             print(f"step {record['step']}/{self.total_steps}: loss {record['loss']:.4f} | lr "
-                  f"{record['lr']:.3g} | {record['tokens_per_s']:.0f} tokens/s | MFU "
-                  f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'}{valid}", file=sys.stderr)
+                  f"{record['lr']:.3g} | {'n/a' if tok_s is None else f'{tok_s:.0f}'} tokens/s, "
+                  f"MFU {percent(mfu)} ({span}){valid}", file=sys.stderr)
 
     def note(self, text: str) -> None:
         if not self.enabled:
@@ -125,7 +203,6 @@ class MetricsLog:
             self._fh.close()
 
 
-WARMUP_STEPS = 1  # steps the closing summary leaves out (allocator growth, lazy init, compile)
 
 
 def _weighted(kept: list[dict], key: str, weight: str = "step_time_s") -> float | None:
@@ -188,7 +265,7 @@ def summary_table(records: list[dict], extra: dict[str, str], warmup: int = WARM
         return "no steps were run"
     warmup = min(warmup, len(records) - 1)
     s = summarize_run(records, warmup)
-    pct = lambda v: "n/a" if v is None else f"{100 * v:.2f}%"  # noqa: E731
+    pct = percent
     num = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
     timed = f"{s['first_step']}..{s['last_step']}" + (
         f" ({warmup} warm-up step{'s' if warmup > 1 else ''} left out)" if warmup else

@@ -1,4 +1,5 @@
-"""Stragglers, named: each rank's own work against the time it waited for its peers.
+"""Stragglers, named: a rank slower than its peers doing the same work, against the time it
+waited for them.
 
 A collective cannot complete before its last member has entered it, so the time a rank spends
 blocked in the communication layer (inside a synchronous collective, in ``wait()`` on the handle
@@ -10,13 +11,27 @@ computes longer and waits less; its peers wait for it::
     rank 0:  |== compute 0.20 ==|........ waits 0.30 for rank 1 ........|== reduce ==|
     rank 1:  |================ compute 0.50 =================|. 0.00 .|== reduce ==|
 
-Every ``--log-interval`` steps the ranks exchange their sums over the interval with one small
-all-gather (fp32, ``WIDTH`` values per rank; no other collective is added to any step) and every
-rank computes the same report: ``straggler_rank``, the rank with the most compute,
-``straggler_ratio``, its compute over the median rank's (the lower median, so that with two ranks it
-is the other one), and ``straggler_waited_for``, the rank that waited least (the one its peers
-waited for: it arrived last). The blocked time is broken down by traffic kind (tp, cp, pp, dp, and
-the rest: world, mp, embedding).
+Ranks only compare with their peers: the ranks of the same role (``peer_roles``), which run the
+same layers on equal shares of the batch. The role is the set of virtual pipeline stages a rank's
+chunks hold: the last stage (output layer and loss) and the first (embedding) do more work than
+the middle ones, and under zb-v's V placement pipeline rank 0 holds both the first and the last
+stage, so comparing across stages would name a healthy end stage at every interval. A rank is a
+straggler when its compute exceeds the lower median of its peers' compute by more than the
+threshold (``--straggler-threshold``, default 1.2); a rank without a peer (dp = tp = cp = 1 in its
+stage) is compared with nobody.
+
+Every ``--log-interval`` steps the ranks exchange their sums over the interval (the first step a
+process runs, its warm-up, left out) with one small all-gather (fp32, ``WIDTH`` values per rank; no other collective is added to any step) and every
+rank computes the same report. Its keys, in every interval's record:
+
+- ``straggler_rank``: the straggler with the largest ratio, or null when no rank passed the
+  threshold;
+- ``straggler_ratio``: the largest ratio of any rank's compute over its peers' (also when it is
+  below the threshold, so the figure can be watched); null when no rank has a peer;
+- ``straggler_waited_for``: the rank blocked least in collectives, the one the others waited for.
+
+The blocked time is broken down by traffic kind (tp, cp, pp, dp, and the rest: world, mp,
+embedding) in the printed line, which appears only when a straggler is found.
 
 Clock: anything with ``stamp()`` and ``elapsed_s(start, end)``. On the CPU, where gloo blocks the
 calling thread until its collective completes, host stamps (``parallel.pipeline.executor.HostClock``,
@@ -27,15 +42,57 @@ so a span is the time the stream was blocked.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable
 
 import torch
 
+from engine.config.schema import LogConfig
+from engine.observe.metrics import WARMUP_STEPS
 from parallel.pipeline.executor import HostClock
+from parallel.pipeline.partition import placement_stages
 
 CATEGORIES = ("tp", "cp", "pp", "dp", "other")
 WIDTH = 1 + len(CATEGORIES)      # compute seconds, then blocked seconds per category
 _CATEGORY = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "dp_cp": "dp"}
+DEFAULT_THRESHOLD = LogConfig.straggler_threshold
+Role = tuple  # ((name, value), ...): ranks with equal roles are peers
+
+
+def peer_roles(grid, chunks_per_rank: int = 1, placement: str = "loop",
+               extra: Callable[[int], tuple] | None = None) -> list[Role]:
+    """Each rank's role, in rank order: ``(("stages", the virtual stages of its chunks),)``
+    (parallel.pipeline.partition.placement_stages: with Megatron's loop placement rank r holds r,
+    r + p, ...; with zb-v's V placement r and 2p - 1 - r). ``extra(rank)`` adds more
+    ``(name, value)`` pairs for work that differs inside a stage: the hook for MoE expert
+    parallelism, whose ranks of one stage hold different experts."""
+    roles = []
+    for rank in range(grid.world_size):
+        stages = placement_stages(grid.pp, chunks_per_rank, grid.coord(rank).pp, placement)
+        roles.append((("stages", tuple(stages)),) + (tuple(extra(rank)) if extra else ()))
+    return roles
+
+
+def peer_ratios(compute: list[float], roles: list[Hashable]) -> list[float | None]:
+    """Each rank's compute over the lower median of its peers' (the other ranks of its role; with
+    one peer, that peer's). None for a rank without peers, or whose peers computed for no time."""
+    ratios = []
+    for r, role in enumerate(roles):
+        peers = [compute[q] for q, other in enumerate(roles) if other == role and q != r]
+        median = statistics.median_low(peers) if peers else 0.0
+        ratios.append(compute[r] / median if median > 0 else None)
+    return ratios
+
+
+def describe_role(role: Role) -> str:
+    parts = []
+    for name, value in role:
+        if name == "stages":
+            parts.append(("pipeline stage " if len(value) == 1 else "pipeline stages ")
+                         + ", ".join(map(str, value)))
+        else:
+            parts.append(f"{name} {value}")
+    return ", ".join(parts)
 
 
 @dataclass
@@ -43,55 +100,93 @@ class StragglerReport:
     steps: tuple[int, int]          # first and last step of the interval (1-based)
     compute_s: list[float]          # per rank: step time not blocked in collectives
     blocked_s: list[list[float]]    # per rank: blocked seconds per CATEGORIES entry
-    straggler_rank: int
-    straggler_ratio: float | None   # None when the median rank computed for no time at all
-    waited_for: int
+    roles: list                     # per rank: its role (ranks of equal roles are peers)
+    ratios: list                    # per rank: compute over its peers' (None without peers)
+    threshold: float
+    waited_for: int                 # the rank blocked least: the one the others waited for
+    stragglers: list[int] = field(default_factory=list)  # past the threshold, largest ratio first
 
     @classmethod
-    def from_rows(cls, steps, rows: list[list[float]]) -> "StragglerReport":
+    def from_rows(cls, steps, rows: list[list[float]], roles: list | None = None,
+                  threshold: float = DEFAULT_THRESHOLD) -> "StragglerReport":
+        """``rows``: per rank [compute, blocked per category]; ``roles``: per rank (default: every
+        rank one role, all peers)."""
+        if not threshold > 1.0:
+            raise ValueError(f"straggler threshold must be above 1.0, got {threshold}")
         compute = [r[0] for r in rows]
         blocked = [list(r[1:]) for r in rows]
-        slow = max(range(len(rows)), key=lambda r: (compute[r], -r))
-        median = statistics.median_low(compute)
+        roles = list(roles) if roles is not None else [()] * len(rows)
+        if len(roles) != len(rows):
+            raise ValueError(f"{len(rows)} ranks reported but {len(roles)} roles given")
+        ratios = peer_ratios(compute, roles)
+        found = sorted((r for r, x in enumerate(ratios) if x is not None and x > threshold),
+                       key=lambda r: (-ratios[r], r))
         waited_for = min(range(len(rows)), key=lambda r: (sum(blocked[r]), r))
-        return cls(steps, compute, blocked, slow, compute[slow] / median if median > 0 else None,
-                   waited_for)
+        return cls(steps, compute, blocked, roles, ratios, threshold, waited_for, found)
+
+    @property
+    def found(self) -> bool:
+        return bool(self.stragglers)
+
+    @property
+    def straggler_rank(self) -> int | None:
+        return self.stragglers[0] if self.stragglers else None
+
+    @property
+    def straggler_ratio(self) -> float | None:
+        known = [x for x in self.ratios if x is not None]
+        return max(known) if known else None
 
     def metrics(self) -> dict:
         return {"straggler_rank": self.straggler_rank, "straggler_ratio": self.straggler_ratio,
                 "straggler_waited_for": self.waited_for}
 
-    def describe(self, grid=None, top: int = 3) -> str:
+    def describe(self, grid=None) -> str:
+        """One line naming every straggler, its peers and whom the others waited for."""
         def who(r):
             if grid is None:
                 return f"rank {r}"
             c = grid.coord(r)
-            return f"rank {r} (tp {c.tp}, pp {c.pp}, dp {c.dp})"
-        order = sorted(range(len(self.compute_s)), key=lambda r: -self.compute_s[r])[:top]
-        slowest = ", ".join(f"{who(r)} {self.compute_s[r]:.3f} s" for r in order)
-        median = statistics.median_low(self.compute_s)
-        ratio = "n/a" if self.straggler_ratio is None else f"{self.straggler_ratio:.2f}x"
+            cp = f", cp {c.cp}" if grid.cp > 1 else ""
+            return f"rank {r} (tp {c.tp}{cp}, pp {c.pp}, dp {c.dp})"
+        named = []
+        for r in self.stragglers:
+            peers = [q for q, role in enumerate(self.roles) if role == self.roles[r] and q != r]
+            median = statistics.median_low([self.compute_s[q] for q in peers])
+            shown = ", ".join(map(str, peers[:4])) + (", ..." if len(peers) > 4 else "")
+            role = describe_role(self.roles[r])
+            named.append(f"{who(r)} computed {self.compute_s[r]:.3f} s, {self.ratios[r]:.2f}x the "
+                         f"{median:.3f} s of its peers (rank{'s' if len(peers) > 1 else ''} {shown}"
+                         + (f": {role}" if role else "") + ")")
         waits = sorted(sum(b) for b in self.blocked_s)
         w = self.waited_for
         kinds = ", ".join(f"{k} {v:.3f} s" for k, v in
                           zip(CATEGORIES, [statistics.median_low(col) for col in zip(*self.blocked_s)])
                           if v > 0)
-        return (f"stragglers, steps {self.steps[0]}-{self.steps[1]}: slowest by compute {slowest} "
-                f"(median {median:.3f} s; straggler {ratio}); the others waited for {who(w)} "
+        return (f"stragglers, steps {self.steps[0]}-{self.steps[1]} (past --straggler-threshold "
+                f"{self.threshold:g}x): " + "; ".join(named) + f"; the others waited for {who(w)} "
                 f"(it waited {sum(self.blocked_s[w]):.3f} s, the median rank "
                 f"{statistics.median_low(waits):.3f} s" + (f": {kinds}" if kinds else "") + ")")
 
 
 class StragglerMonitor:
-    """Per-step sums of compute and blocked time on this rank, and the interval's report."""
+    """Per-step sums of compute and blocked time on this rank, and the interval's report.
+    ``roles``: every rank's role (``peer_roles``; default: its pipeline stage)."""
 
-    def __init__(self, ps, clock=None):
+    def __init__(self, ps, clock=None, roles: list | None = None,
+                 threshold: float = DEFAULT_THRESHOLD):
         self.ps = ps
         self.clock = clock or HostClock()
+        self.roles = roles if roles is not None else peer_roles(ps.grid)
+        if len(self.roles) != ps.world_size:
+            raise ValueError(f"StragglerMonitor: {len(self.roles)} roles for {ps.world_size} ranks")
+        self.threshold = threshold
+        self.last_report: StragglerReport | None = None  # the latest interval's, on every rank
         self.activity = ps.comm.activity
         self.activity.clock = self.clock
         self._reset()
         self._t0 = None
+        self._steps_seen, self._counting = 0, False
 
     def _reset(self) -> None:
         self.compute = 0.0
@@ -100,15 +195,21 @@ class StragglerMonitor:
 
     def begin_step(self, step: int) -> None:
         """Before step ``step`` (1-based) starts: spans recorded since (validation, saves) are
-        dropped."""
+        dropped. The first ``WARMUP_STEPS`` steps this process runs are not counted: lazy
+        initialisation and allocator growth differ between ranks by more than any threshold."""
         self.activity.spans.clear()
         self.activity.step = step
-        if self.first_step is None:
+        self._steps_seen += 1
+        self._counting = self._steps_seen > WARMUP_STEPS
+        if self._counting and self.first_step is None:
             self.first_step = step
         self._t0 = self.clock.stamp()
 
     def end_step(self) -> None:
         """After the step (the device synchronized): add its compute and blocked times."""
+        if not self._counting:
+            self.activity.spans.clear()
+            return
         end = self.clock.stamp()
         total = self.clock.elapsed_s(self._t0, end)
         blocked = 0.0
@@ -121,7 +222,7 @@ class StragglerMonitor:
 
     def report(self, step: int) -> StragglerReport | None:
         """One all-gather over the world (every rank calls it at the same steps); None on a
-        single rank."""
+        single rank and for an interval of warm-up steps only (on every rank alike)."""
         if self.ps.world_size == 1 or self.first_step is None:
             self._reset()
             return None
@@ -130,7 +231,8 @@ class StragglerMonitor:
         out = torch.empty(self.ps.world_size * WIDTH, dtype=torch.float32, device=self.ps.device)
         self.ps.world_group.all_gather_into(out, mine)
         rows = out.view(self.ps.world_size, WIDTH).tolist()
-        report = StragglerReport.from_rows((self.first_step, step), rows)
+        report = StragglerReport.from_rows((self.first_step, step), rows, self.roles, self.threshold)
+        self.last_report = report
         self._reset()
         self.activity.spans.clear()  # the gather's own span
         return report

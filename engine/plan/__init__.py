@@ -7,7 +7,8 @@
 - ``model.py``: model shape, cluster, layout, topology rules and memory per device, by part;
 - ``timing.py``: the step-time estimate of one layout, by term;
 - ``report.py``: ``--explain`` and the ``torchrun ... -m engine.train`` command of a layout;
-- ``search.py``: enumeration, ranking and the command line (``python -m engine.plan``).
+- ``search.py``: enumeration, ranking and the command line (``python -m engine.plan``);
+- ``arguments.py``: the command line's checks, before any work.
 
 See docs/planner.md.
 """

@@ -14,6 +14,8 @@ from engine.plan.hardware import DeviceSpec
 from engine.plan.placement import DEFAULT_ORDER, all_groups_intra, parse_order
 
 GIB = 2 ** 30
+MAX_DEVICES = 2 ** 20  # 1,048,576 ranks: more than any cluster; a larger count is a typo
+PLAN_PRECISION = "bf16"  # what the planner plans unless told (--precision); the dry run follows it
 PLAN_SCHEDULES = ("1f1b", "zb-h1", "zb-v")  # interleaved: "1f1b" with vp > 1
 # Mixed-precision Adam (Megatron): bf16 weight 2 + fp32 main grad 4 + fp32 master, m, v 12.
 WEIGHT_BYTES = 2

@@ -80,6 +80,16 @@ def _link_line(est: Estimate, devices_per_node: int) -> str:
     return "  groups of rank 0: " + ("; ".join(parts) if parts else "none (one device)")
 
 
+def _cp_note(est: Estimate) -> str:
+    """What cp_comm is: the exposed part of the ring exchange, the rest hidden under attention."""
+    if est.layout.cp == 1:
+        return "  (no context parallelism)"
+    ring = est.cp_ring_s
+    hidden = max(0.0, ring - est.time.cp_comm)
+    return (f"  exposed part of a {_seconds(ring).strip()} ring exchange; "
+            f"{_seconds(hidden).strip()} of it hidden under the attention blocks")
+
+
 def explain(est: Estimate, devices_per_node: int) -> str:
     """Every term of the estimate: step time by term, memory by part, FLOPs and rates."""
     lay, t, mem = est.layout, est.time, est.memory
@@ -90,7 +100,8 @@ def explain(est: Estimate, devices_per_node: int) -> str:
              f"step time {_seconds(t.total).strip()}"]
     for name, value in t.as_dict().items():
         if name != "total":
-            lines.append(f"  {name:<16}{_seconds(value)}  {100 * value / t.total:5.1f}%")
+            lines.append(f"  {name:<16}{_seconds(value)}  {100 * value / t.total:5.1f}%"
+                         + (_cp_note(est) if name == "cp_comm" else ""))
     lines.append(f"memory per device ({mem.stage} stage) {mem.total / GIB:.2f} GiB "
                  f"({'fits' if est.fits else 'does NOT fit'})")
     for name, value in mem.as_dict().items():

@@ -27,9 +27,10 @@ from itertools import product
 
 import yaml
 
+from engine.plan.arguments import check_args
 from engine.plan.hardware import DEVICE_SPECS, get_device_spec
-from engine.plan.model import (GIB, MEMORY_USABLE_FRACTION, PLAN_SCHEDULES, Cluster, Layout, ModelShape,
-                               check_layout)
+from engine.plan.model import (GIB, MEMORY_USABLE_FRACTION, PLAN_PRECISION, PLAN_SCHEDULES, Cluster,
+                               Layout, ModelShape, check_layout)
 from engine.plan.placement import DEFAULT_ORDER, parse_order
 from engine.plan.report import explain, launch_command
 from engine.plan.timing import Estimate, estimate
@@ -100,8 +101,16 @@ def measured_step_time(metrics_path: str) -> float:
     Step time is the one measured figure whose meaning does not depend on how the trainer counts
     FLOPs (model or executed); the fit compares it with the planner's own step time.
     """
+    records = []
     with open(metrics_path) as fh:
-        records = [json.loads(line) for line in fh if line.strip()]
+        for number, line in enumerate(fh, 1):
+            try:
+                records.append(json.loads(line)) if line.strip() else None
+            except ValueError as exc:
+                raise ValueError(f"--calibrate {metrics_path}: line {number} is not JSON ({exc}); "
+                                 f"give the metrics.jsonl of a run") from exc
+    if not all(isinstance(r, dict) for r in records):
+        raise ValueError(f"--calibrate {metrics_path}: expected one JSON object per line")
     timed = [r for r in records[1:] or records if not r.get("skipped") and r.get("step_time_s")]
     records = timed or [r for r in records if r.get("step_time_s")]
     if not records:
@@ -139,9 +148,16 @@ def link_busbw(preflight_path: str) -> dict[str, float]:
     the per-device inter-node share (an entry's optional "link" field overrides the name).
     """
     with open(preflight_path) as fh:
-        entries = json.load(fh)
+        try:
+            entries = json.load(fh)
+        except ValueError as exc:
+            raise ValueError(f"--calibrate-links {preflight_path}: not JSON ({exc}); give the "
+                             f"preflight's --json file") from exc
     if isinstance(entries, dict):
         entries = entries.get("results", entries.get("links", []))
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"--calibrate-links {preflight_path}: expected a list of "
+                         f"{{op, group, bytes, busbw_gbps}} objects")
     found: dict[str, list[tuple[float, float]]] = {"intra": [], "inter": []}
     for entry in entries:
         group = str(entry.get("link") or entry.get("group", "")).lower()
@@ -173,8 +189,17 @@ def _on_off(value: str, flag: str) -> tuple[bool, ...]:
     return {"on": (True,), "off": (False,), "both": (False, True)}[picked]
 
 
+HELP_HINT = "python -m engine.plan --help lists every flag"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line (main prints it) instead of usage + exit
+        raise ValueError(f"{message} ({HELP_HINT})")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.plan", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="python -m engine.plan", description=__doc__.split("\n\n")[0],
+                allow_abbrev=False)
     p.add_argument("--config", help="YAML recipe with the model keys (snake_case or dashed)")
     for key in SHAPE_KEYS:
         p.add_argument("--" + key.replace("_", "-"), dest=key, type=str if key == "block" else int)
@@ -186,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "torch.utils.checkpoint); off: reruns the whole forward (Megatron-LM)")
     p.add_argument("--device", default="a100-80gb",
                    help=f"one of {', '.join(DEVICE_SPECS)} or a raw device name")
-    p.add_argument("--devices", type=int, required=True, help="total devices")
+    p.add_argument("--devices", type=int, help="total devices (required)")
     p.add_argument("--devices-per-node", type=int)
     p.add_argument("--intra-node-gbps", type=float, help="link rate inside a node, GB/s per direction")
     p.add_argument("--inter-node-gbps", type=float, help="per-device share of the network, GB/s")
@@ -207,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", default="none,selective,full", help="comma list to search")
     p.add_argument("--zero", default="both", help="ZeRO-1: on, off or both")
     p.add_argument("--sequence-parallel", default="both", help="on, off or both")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16"),
+    p.add_argument("--precision", default=PLAN_PRECISION, choices=("bf16", "fp16"),
                    help="mixed precision of the planned run (both use the half-precision peak)")
     p.add_argument("--data-path", help="data for the printed command (default: --mock-data)")
     p.add_argument("--top", type=int, default=10)
@@ -222,8 +247,17 @@ def build_parser() -> argparse.ArgumentParser:
 def shape_from_args(args: argparse.Namespace) -> ModelShape:
     values = {}
     if args.config:
-        with open(args.config) as fh:
-            recipe = yaml.safe_load(fh) or {}
+        try:
+            with open(args.config) as fh:
+                recipe = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            raise ValueError(f"--config {args.config}: not valid YAML{where}: "
+                             f"{getattr(exc, 'problem', None) or exc}") from exc
+        if not isinstance(recipe, dict):
+            raise ValueError(f"--config {args.config}: expected a mapping of keys to values, got "
+                             f"a {type(recipe).__name__}")
         for key, value in recipe.items():
             name = str(key).replace("-", "_").lstrip("_")
             name = KEY_ALIASES.get(name, name)
@@ -270,8 +304,8 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
             parts = [int(x) for x in args.layout.split(",")]
         except ValueError:
             parts = []
-        if len(parts) not in (2, 3):
-            raise ValueError(f"--layout expects TP,PP[,VP], got {args.layout!r}")
+        if len(parts) not in (2, 3) or min(parts) < 1:
+            raise ValueError(f"--layout expects TP,PP[,VP] of positive integers, got {args.layout!r}")
         space = replace(space, tp=parts[0], pp=parts[1], vp=parts[2] if len(parts) == 3 else 1)
     return space
 
@@ -320,12 +354,16 @@ def _row_text(est: Estimate) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
+        check_args(args)
         shape, cluster, space = shape_from_args(args), cluster_from_args(args), space_from_args(args)
         if args.calibrate:
             cluster = _calibrated(args, shape, cluster, space)
-    except (ValueError, KeyError, OSError) as exc:
+    except OSError as exc:  # a file that went away or cannot be read after the checks
+        print(f"engine.plan: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except (ValueError, KeyError) as exc:
         print(f"engine.plan: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
     results = search(shape, cluster, space)
@@ -342,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.explain:
             print(explain(est, dpn), end="\n\n")
     if not args.json:
-        print(f"{'' if args.explain else chr(10)}best layout (rank order {results[0].layout.order}), "
-              f"on every node:\n"
+        print(f"{'' if args.explain else chr(10)}best layout (rank order {results[0].layout.order}, "
+              f"planned in {args.precision}), on every node:\n"
               f"{launch_command(shape, results[0].layout, dpn, args.precision, args.data_path)}")
     return 0

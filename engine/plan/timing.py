@@ -3,7 +3,7 @@
 Per layer and micro-batch a device spends: matrix FLOPs / (peak * achievable fraction), memory-bound
 bytes / (HBM bandwidth * HBM_EFFICIENCY), a fixed per-pass overhead, the TP collectives over its
 node's links and, with context parallelism, the part of the K/V ring exchange that the attention
-core does not hide. A pipeline device adds p2p messages (blocking, as the engine's 1F1B) and the
+core does not hide (hop by hop; the last dK/dV hop is always exposed). A pipeline device adds p2p messages (blocking, as the engine's 1F1B) and the
 TP all-gather that rebuilds a received activation; the first holds the embedding, the last the
 logits and loss. The step is then
 
@@ -75,6 +75,7 @@ class PassTime:
     pp_comm: float = 0.0  # p2p sends and receives + the TP all-gather on receive
     backward: float = 0.0  # the part of the above that runs in backward (for the DP overlap)
     weight: float = 0.0  # the part of backward that is weight-gradient GEMMs (a zero-bubble W)
+    cp_ring: float = 0.0  # the whole CP ring exchange, hidden or not (not in total: cp_comm is)
 
     @property
     def total(self) -> float:
@@ -125,18 +126,25 @@ def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links
     tp_re = (tp_fwd - (one if shape.recompute_early_stop else 0.0)) if rc == "full" else 0.0
     # CP ring (parallel/context_parallel/ring.py): each hop passes a rank's K and V chunks, 2 b s h_kv
     # / (cp tp) elements, to the next rank: cp-1 hops forward; backward cp-1 hops of K and V and cp of
-    # their dK, dV accumulators (the last hop returns them to their owner), hidden behind the
-    # attention core of the block in hand where it is long enough.
-    cp_fwd = cp_bwd = cp_re = 0.0
+    # their dK, dV accumulators. A hop hides only behind the attention block computed while it is in
+    # flight (the rank's attention core is cp equal blocks, one per ring step; each step waits for
+    # its hops before the next): forward, block i hides the K/V hop i+1; backward, block i hides
+    # the K/V hop i+1 and block i-1's dK/dV hop (two hops on one link; the first and the last step
+    # one), and the last dK/dV hop, which returns the accumulators to their owners, has nothing
+    # left to hide behind. ``cp_ring`` keeps the whole exchange for --explain.
+    cp_fwd = cp_bwd = cp_re = cp_ring = 0.0
     if c > 1:
         hop = 2 * b * s * shape.kv_hidden / (c * t) * ACT_BYTES / (links.cp * 1e9) + COLLECTIVE_LATENCY_S
-        ring, ring_bwd = (c - 1) * hop, (2 * c - 1) * hop
-        cp_fwd = max(0.0, ring - attn / rate)
-        cp_bwd = max(0.0, ring_bwd - 2 * attn / rate)
-        cp_re = cp_fwd if rc in ("full", "selective") else 0.0
+        block_f = attn / rate / c
+        block_b = 2 * block_f
+        cp_fwd = (c - 1) * max(0.0, hop - block_f)
+        cp_bwd = 2 * max(0.0, hop - block_b) + (c - 2) * max(0.0, 2 * hop - block_b) + hop
+        redo = rc in ("full", "selective")
+        cp_re = cp_fwd if redo else 0.0
+        cp_ring = ((c - 1) * (2 if redo else 1) + 2 * c - 1) * hop
     backward = bwd + recompute + tp_bwd + tp_re + cp_bwd + cp_re
     return PassTime(fwd + bwd, recompute, tp_fwd + tp_bwd + tp_re, cp_fwd + cp_bwd + cp_re, 0.0, backward,
-                    gemm / rate)
+                    gemm / rate, cp_ring)
 
 
 def pipeline_ends(shape: ModelShape, cluster: Cluster, layout: Layout,
@@ -178,7 +186,7 @@ class TimeTerms:
     compute: float  # forward + backward of every micro-batch (mean device), recomputation excluded
     recompute: float  # recomputed forwards
     tp_comm: float  # TP collectives (incl. SP's backward re-gather, the embedding and loss)
-    cp_comm: float  # exposed part of the CP ring exchange
+    cp_comm: float  # exposed part of the CP ring exchange (the whole one: Estimate.cp_ring_s)
     pp_comm: float  # pipeline p2p + the all-gather that rebuilds a received activation
     bubble: float  # the schedule's idle time (pipeline_bubble_s)
     imbalance: float  # the slowest device (first or last, carrying an end) setting the pace
@@ -206,6 +214,7 @@ class Estimate:
     num_devices: int
     peak_tflops: float
     links: Links
+    cp_ring_s: float = 0.0  # the whole CP ring exchange of the step; time.cp_comm is its exposed part
 
     @property
     def step_time_s(self) -> float:
@@ -308,4 +317,5 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
                        shape.vocab_size, shape.ffn_hidden_size, shape.block, layout.recompute,
                        shape.recompute_early_stop)
     fits = mem.total <= cluster.memory_gb * GIB * MEMORY_USABLE_FRACTION
-    return Estimate(layout, terms, mem, fits, flops, cluster.num_devices, cluster.peak_tflops, links)
+    return Estimate(layout, terms, mem, fits, flops, cluster.num_devices, cluster.peak_tflops, links,
+                    cp_ring_s=m * mean.cp_ring)

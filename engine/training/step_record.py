@@ -13,6 +13,7 @@ from parallel.pipeline.bubble import simulate
 from parallel.pipeline.schedules import has_weight_actions
 
 MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
+TIMELINE_STEPS = 3  # the steps --timeline keeps (the trainer's)
 
 
 def comm_metrics(comm: dict, compiled: bool = False) -> dict:
@@ -69,7 +70,8 @@ def step_record(trainer, step: int, out, dt: float, lr: float) -> dict:
 
 def resilience_metrics(trainer, step: int, record: dict, log) -> None:
     """The step's anomaly keys and, every --log-interval steps, the straggler report (one
-    all-gather, on every rank at the same steps), into ``record``."""
+    all-gather, on every rank at the same steps), into ``record``; a console line only when a rank
+    is slower than its peers past --straggler-threshold (engine/observe/stragglers.py)."""
     record.update(trainer.guard.record() if trainer.guard is not None else
                   {"anomaly": None, "rerun": None})
     report = None
@@ -79,14 +81,32 @@ def resilience_metrics(trainer, step: int, record: dict, log) -> None:
             report = trainer.stragglers.report(step + 1)
     record.update(report.metrics() if report is not None else
                   dict.fromkeys(("straggler_rank", "straggler_ratio", "straggler_waited_for")))
-    if report is not None and trainer.is_main:
+    if report is not None and report.found and trainer.is_main:  # a line only for a straggler
         log.note(f"gridtron: {report.describe(trainer.grid)}")
 
 
+def describe_data(trainer) -> str:
+    """What the run trained on: mock data, the --data-path prefixes (a blend as given) or the
+    built-in corpus, with its training samples, split and vocabulary."""
+    d, data = trainer.cfg.data, trainer.data
+    if d.mock_data:
+        return f"mock data, vocabulary {data.vocab_size}"
+    source = (" ".join(map(str, d.data_path)) if d.data_path else
+              f"built-in corpus {data.prefix} (--tokenizer {d.tokenizer})")
+    return (f"{source}: {len(data.train):,} training samples (--split {d.split}), vocabulary "
+            f"{data.vocab_size}")
+
+
 def run_summary(trainer, result) -> str:
-    """The closing summary table of ``result`` (a RunResult with records), with the run's facts."""
+    """The closing summary table of ``result`` (a RunResult with records), with the run's facts:
+    layout, device, data, and where the metrics, timeline, plot, profile and checkpoint went."""
     cfg = trainer.cfg
-    extra = {"layout": trainer.grid.describe(), "device": f"{trainer.dev.type} ({trainer.dev.name})"}
+    extra = {"layout": trainer.grid.describe(), "device": f"{trainer.dev.type} ({trainer.dev.name})",
+             "data": describe_data(trainer)}
+    if cfg.log.metrics_file:
+        extra["metrics"] = cfg.log.metrics_file
+    if cfg.log.timeline:
+        extra["timeline"] = f"{cfg.log.timeline} (the last {TIMELINE_STEPS} steps)"
     if result.valid:
         extra["validation loss"] = f"{result.valid[0][1]:.4f} -> {result.valid[-1][1]:.4f}"
     if result.checkpoint:

@@ -227,3 +227,107 @@ def test_planner_agrees_with_the_dry_run(world, flags):
                 assert abs(row.difference) <= TOLERANCE, where
             if row.flagged:  # every other difference has its reason in docs/planner.md
                 assert row.why and row.why != "not explained", where
+
+
+# ---- receives, precision, bad arguments ---------------------------------------------------------
+
+PIPE = TINY + ["--pp", "2", "--global-batch-size", "8", "--micro-batch-size", "1"]
+
+
+def test_receives_show_the_bytes_they_land(capsys):
+    from engine.dryrun.report import as_json, text
+    result = dry_run(parse_args(PIPE), 4)
+    first, last = result.records
+    act = 1 * 32 * 64 * 4  # (b, s, h) fp32, per micro-batch
+    for rec in (first, last):
+        recvs = [c for c in rec.collectives if c["op"] == "recv"]
+        assert len(recvs) == 4 and all(c["bytes"] == 0 and c["received_bytes"] == act for c in recvs)
+        assert all("received_bytes" not in c for c in rec.collectives if c["op"] != "recv")
+    # what one stage lands is what the other sends: activations forward, gradients backward
+    sent = lambda rec: sum(c["bytes"] for c in rec.collectives if c["op"] == "send")  # noqa: E731
+    landed = lambda rec: sum(c["received_bytes"] for c in rec.collectives if c["op"] == "recv")  # noqa: E731
+    assert landed(first) == sent(last) == 4 * act and landed(last) == sent(first) == 4 * act
+    assert first.metrics["pp_comm_bytes"] == sent(first)  # traffic counts what is sent, once
+    out = text(result)
+    assert "    recv           pp        float32        4 x     32.00 KiB  received" in out, out
+    assert "    send           pp        float32        4 x     32.00 KiB\n" in out
+    doc = as_json(result)
+    assert [c["received_bytes"] for c in doc["roles"][0]["collectives"] if c["op"] == "recv"] == [act] * 4
+
+
+def test_precision_agrees_with_the_planner_and_is_printed():
+    from engine.dryrun.report import as_json, text
+    from engine.plan.search import build_parser as plan_parser
+    planned = plan_parser().get_default("precision")
+    assert planned == "bf16"
+    on_device = dry_run(parse_args(PIPE), 4, "h100")  # no --precision: the planner's
+    assert on_device.precision == on_device.cfg.precision.precision == planned
+    told = dry_run(parse_args(PIPE + ["--precision", planned]), 4, "h100")
+    assert on_device.records[0].metrics == told.records[0].metrics  # the same run as told
+    lines = text(on_device).splitlines()
+    assert lines[1].startswith("precision: bf16 (engine.plan's default for --device h100, so that "
+                               "both tools plan the same run; engine.train's default is fp32: run "
+                               "it with --precision bf16"), lines[1]
+    assert as_json(on_device)["layout"]["precision"] == "bf16"
+    assert text(told).splitlines()[1] == "precision: bf16 (--precision)"
+    fp32 = dry_run(parse_args(PIPE + ["--precision", "fp32"]), 4, "h100")
+    assert fp32.precision == "fp32" and text(fp32).splitlines()[1] == "precision: fp32 (--precision)"
+    assert fp32.records[0].metrics["param_bytes"] == 2 * told.records[0].metrics["param_bytes"]
+    plain = dry_run(parse_args(PIPE), 4)  # engine.train's --device (cpu): engine.train's default
+    assert plain.precision == "fp32"
+    assert text(plain).splitlines()[1] == ("precision: fp32 (engine.train's default without "
+                                           "--precision; engine.plan plans bf16: give --precision "
+                                           "bf16 to compare with it)")
+
+
+BAD_DRYRUN_ARGS = [  # the dry run's arguments (TINY's model follows), the one line expected
+    (["--world-size", "0"], "configuration error: --world-size must be between 1 and 1,048,576, got 0"),
+    (["--world-size", "-4"], "configuration error: --world-size must be between 1 and 1,048,576, got -4"),
+    (["--world-size", "1000000000000"],
+     "configuration error: --world-size must be between 1 and 1,048,576, got 1000000000000"),
+    (["--world-size", "4.5"], "configuration error: argument --world-size: invalid int value: '4.5'"),
+    ([], "configuration error: --world-size N is required: the ranks of the job"),
+    (["--world-siz", "4"], "configuration error: unknown argument '--world-siz'; did you mean --world-size?"),
+    (["--world-size", "4", "--devices-per-node", "0"],
+     "configuration error: --devices-per-node must be between 1 and 1,048,576, got 0"),
+    (["--world-size", "4", "--memory-gb", "-1"],
+     "configuration error: --memory-gb must be a positive number of GiB, got -1.0"),
+    (["--world-size", "4", "--memory-gb", "inf"],
+     "configuration error: --memory-gb must be a positive number of GiB, got inf"),
+    (["--world-size", "4", "--memory-gb", "nan"],
+     "configuration error: --memory-gb must be a positive number of GiB, got nan"),
+    (["--world-size", "4", "--device", "h10"], "unknown device 'h10'; known: "),
+    (["--world-size", "4", "--num-layers", "0"], "configuration error: --num-layers must be >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD_DRYRUN_ARGS, ids=[" ".join(a) or "none" for a, _ in BAD_DRYRUN_ARGS])
+def test_bad_arguments_get_one_line(extra, message, capsys):
+    from engine.dryrun.cli import main
+    assert main(TINY + extra) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"gridtron dry run: {message}"), captured.err
+
+
+def test_json_path_is_checked_before_any_work(tmp_path, capsys):
+    import hashlib
+    from engine.dryrun.cli import main
+    kept = tmp_path / "kept.json"
+    kept.write_text('{"an": "earlier dry run"}')
+    digest = hashlib.sha256(kept.read_bytes()).hexdigest()
+    (tmp_path / "file").write_text("x")
+    cases = [(str(tmp_path), "is a directory"),
+             (str(tmp_path / "missing" / "d.json"), f"{tmp_path / 'missing'} does not exist"),
+             (str(tmp_path / "file" / "d.json"), f"{tmp_path / 'file'} is a file"),
+             (str(tmp_path) + "/", "names a directory, not a file")]
+    for path, why in cases:
+        assert main(["--world-size", "4", "--json", path] + PIPE) == 2, path
+        err = capsys.readouterr().err
+        assert err == (f"gridtron dry run: configuration error: --json {path}: {why}; choose a file "
+                       f"path you can write to\n"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "kept.json"]
+    assert hashlib.sha256(kept.read_bytes()).hexdigest() == digest
+    assert main(["--world-size", "4", "--json", str(kept)] + PIPE) == 0  # a writable file: replaced
+    assert json.loads(kept.read_text())["layout"]["pp"] == 2

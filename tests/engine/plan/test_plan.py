@@ -282,14 +282,20 @@ def test_context_parallel_ring_term():
     slow = Cluster.from_device(A100, 16, devices_per_node=2)  # cp ring across nodes
     links = layout_links(slow, lay)
     assert links.cp == slow.inter_busbw_gbps
-    ring = 2 * (c - 1) / c * b * s * h / t * ACT_BYTES / (links.cp * 1e9) + (c - 1) * COLLECTIVE_LATENCY_S
-    attn = 4 * (s * b / c) * s * h / t / (312e12 * DEFAULT_ACHIEVABLE_FRACTION)
-    assert ring > attn
-    ring_bwd = ring * (2 * c - 1) / (c - 1)  # K, V c-1 hops and dK, dV c hops
-    assert layer_time(shape, slow, lay, links).cp_comm == pytest.approx(ring - attn + ring_bwd - 2 * attn,
-                                                                        rel=1e-9)
-    fast = layout_links(cluster(16), lay)  # one node: the ring hides under the attention core
-    assert layer_time(shape, cluster(16), lay, fast).cp_comm == 0.0
+    hop = 2 * b * s * h / (c * t) * ACT_BYTES / (links.cp * 1e9) + COLLECTIVE_LATENCY_S
+    block = 4 * (s * b / c) * s * h / t / (312e12 * DEFAULT_ACHIEVABLE_FRACTION) / c  # one ring step
+    assert hop > 2 * block  # across nodes every hop outlasts its block
+    # forward: c-1 hops, each behind one block; backward: the first and last steps one hop behind
+    # a block of 2x the work, the c-2 others two hops (K/V and dK/dV), then the last dK/dV hop bare
+    exposed = (c - 1) * (hop - block) + 2 * (hop - 2 * block) + (c - 2) * (2 * hop - 2 * block) + hop
+    t_slow = layer_time(shape, slow, lay, links)
+    assert t_slow.cp_comm == pytest.approx(exposed, rel=1e-9)
+    assert t_slow.cp_ring == pytest.approx((c - 1 + 2 * c - 1) * hop, rel=1e-9)
+    fast = layout_links(cluster(16), lay)  # one node: each hop hides under its block but the last
+    t_fast = layer_time(shape, cluster(16), lay, fast)
+    fast_hop = 2 * b * s * h / (c * t) * ACT_BYTES / (fast.cp * 1e9) + COLLECTIVE_LATENCY_S
+    assert fast_hop < block and t_fast.cp_comm == pytest.approx(fast_hop, rel=1e-9)
+    assert t_fast.cp_ring == pytest.approx((3 * c - 2) * fast_hop, rel=1e-9)
     assert layer_time(shape, cluster(16), lay, fast).compute < \
         layer_time(shape, cluster(16), Layout(t, 1, 8, micro_batch_size=b), fast).compute / 2
 
@@ -567,3 +573,90 @@ def test_worked_examples_in_docstrings():
     for module in (placement, flops, hardware):
         failed, tried = doctest.testmod(module)
         assert tried > 0 and failed == 0, module.__name__
+
+
+# ---- --explain's cp_comm and bad arguments -----------------------------------------------------
+
+CP_ARGS = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8", "--vocab-size",
+           "1000", "--seq-length", "8192", "--global-batch-size", "8", "--devices", "8", "--device",
+           "h100", "--cp", "2", "--layout", "2,1", "--micro-batch-size", "1", "--recompute", "none",
+           "--zero", "off", "--sequence-parallel", "off"]
+
+
+def test_explain_shows_the_cp_ring_and_its_exposed_part(capsys):
+    assert plan.main(CP_ARGS + ["--explain"]) == 0
+    out = capsys.readouterr().out
+    shape = ModelShape(8, 1024, 8, 1000, 8192, 8, fused_attention=True, recompute_early_stop=True)
+    c = Cluster.from_device(DEVICE_SPECS["h100"], 8)
+    est = estimate(shape, c, Layout(2, 1, 2, micro_batch_size=1, cp=2))
+    t = est.time
+    # a cp=2 layout inside one node: the last dK/dV hop of every layer's backward is exposed
+    hop = 2 * 8192 * 1024 / (2 * 2) * ACT_BYTES / (est.links.cp * 1e9) + COLLECTIVE_LATENCY_S
+    micro = 8 // 2
+    assert t.cp_comm == pytest.approx(8 * micro * hop, rel=1e-9) and t.cp_comm > 0
+    assert est.cp_ring_s == pytest.approx(8 * micro * 4 * hop, rel=1e-9)
+    line = next(ln for ln in out.splitlines() if ln.startswith("  cp_comm"))
+    assert line == (f"  cp_comm         {t.cp_comm * 1e3:10.2f} ms  {100 * t.cp_comm / t.total:5.1f}%  "
+                    f"exposed part of a {est.cp_ring_s * 1e3:.2f} ms ring exchange; "
+                    f"{(est.cp_ring_s - t.cp_comm) * 1e3:.2f} ms of it hidden under the attention "
+                    f"blocks"), line
+    assert "best layout (rank order tp-cp-dp-pp, planned in bf16), on every node:" in out
+    assert plan.main(ARGS + PAPER_FLAGS + ["--explain"]) == 0
+    assert re.search(r"^  cp_comm +0\.00 ms +0\.0%  \(no context parallelism\)$",
+                     capsys.readouterr().out, re.M)
+
+
+BAD_PLAN_ARGS = [  # extra arguments over ARGS (which holds --devices 512), the one line expected
+    (["--devices", "0"], "--devices must be between 1 and 1,048,576, got 0"),
+    (["--devices", "-8"], "--devices must be between 1 and 1,048,576, got -8"),
+    (["--devices", "1000000000000"], "--devices must be between 1 and 1,048,576, got 1000000000000"),
+    (["--devices", "1e3"], "argument --devices: invalid int value: '1e3'"),
+    (["--devices-per-node", "0"], "--devices-per-node must be between 1 and --devices 512, got 0"),
+    (["--devices-per-node", "1024"], "--devices-per-node must be between 1 and --devices 512, got 1024"),
+    (["--num-layers", "0"], "--num-layers must be a positive integer, got 0"),
+    (["--hidden-size", "-5"], "--hidden-size must be a positive integer, got -5"),
+    (["--global-batch-size", "0"], "--global-batch-size must be a positive integer, got 0"),
+    (["--ffn-hidden-size", "0"], "--ffn-hidden-size must be a positive integer, got 0"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be a positive integer, got 0"),
+    (["--top", "0"], "--top must be >= 1, got 0"),
+    (["--layout", "0,1"], "--layout expects TP,PP[,VP] of positive integers, got '0,1'"),
+    (["--layout", "2,-1"], "--layout expects TP,PP[,VP] of positive integers, got '2,-1'"),
+    (["--peak-tflops", "inf"], "--peak-tflops must be a positive number, got inf"),
+    (["--memory-gb", "nan"], "--memory-gb must be a positive number, got nan"),
+    (["--intra-node-gbps", "-1"], "--intra-node-gbps must be a positive number, got -1.0"),
+    (["--achievable-fraction", "1.5"], "--achievable-fraction must be in (0, 1], got 1.5"),
+    (["--device", "a200"], "unknown device 'a200'; known: "),
+    (["--config", "/nonexistent/r.yaml"], "--config /nonexistent/r.yaml: no such file"),
+    (["--calibrate-links", "/"], "--calibrate-links /: is a directory; give a file"),
+    (["--explai"], "unrecognized arguments: --explai (python -m engine.plan --help lists every flag)"),
+    (["--devic", "8"], "unrecognized arguments: --devic 8"),
+    (["--precision", "fp32"], "argument --precision: invalid choice: 'fp32'"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD_PLAN_ARGS, ids=[" ".join(a) for a, _ in BAD_PLAN_ARGS])
+def test_bad_arguments_get_one_line(extra, message, capsys):
+    assert plan.main(ARGS + extra) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"engine.plan: {message}"), captured.err
+
+
+def test_bad_input_files_get_one_line(tmp_path, capsys):
+    cases = {"r.yaml": ("num_layers: [1", "not valid YAML (line 1, column 15)"),
+             "list.yaml": ("[1, 2]", "expected a mapping of keys to values, got a list"),
+             "m.jsonl": ('{"step": 1}\nnot json\n', "line 2 is not JSON"),
+             "links.json": ("{oops", "not JSON")}
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+    flags = {"r.yaml": "--config", "list.yaml": "--config", "m.jsonl": "--calibrate",
+             "links.json": "--calibrate-links"}
+    for name, (_, message) in cases.items():
+        path = str(tmp_path / name)
+        argv = ARGS + PAPER_FLAGS + [flags[name], path]
+        assert plan.main(argv) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith(f"engine.plan: {flags[name]} {path}: {message}") and err.count("\n") == 1, err
+    assert plan.main(ARGS[:-2]) == 2
+    assert capsys.readouterr().err == "engine.plan: --devices N is required: the cluster's total devices\n"
