@@ -16,13 +16,14 @@ $(STAMP): requirements-cpu.txt setup.py
 	touch $(STAMP)
 
 # The main job: 3D-parallel GPT pretraining (tp=2, pp=2, dp=2) on the built-in corpus, 8 CPU processes.
+# --overwrite: a repeated `make train` replaces the previous one's finished run in runs/3d.
 train: $(STAMP)
-	$(TORCHRUN) --standalone --nproc-per-node $(NPROC) -m engine.train --config configs/train_3d.yaml
+	$(TORCHRUN) --standalone --nproc-per-node $(NPROC) -m engine.train --config configs/train_3d.yaml --overwrite
 	$(PY) -m engine.generate --load runs/3d/checkpoints --prompt "def main(" --max-new-tokens 64
 
 # The same recipe in one process (tp=pp=dp=1).
 train-serial: $(STAMP)
-	$(PY) -m engine.train --config configs/train_3d.yaml --tp 1 --pp 1 --run-dir runs/serial
+	$(PY) -m engine.train --config configs/train_3d.yaml --tp 1 --pp 1 --run-dir runs/serial --overwrite
 
 test: $(STAMP)
 	$(PY) -m pytest tests -p no:cacheprovider --durations=15

@@ -3,7 +3,9 @@ package (configuration, checkpoints, data, the loop, the tools) can raise and re
 import circle."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 
 
 class ConfigError(ValueError):
@@ -17,3 +19,32 @@ class FieldInfo:
     type: type           # int, float, str, bool, dict or list
     optional: bool
     default: object
+
+
+class ToolParser(argparse.ArgumentParser):
+    """argparse for the command-line tools: no abbreviated flags (a prefix one tool accepted and
+    another refused), and a bad argument raises ConfigError (one line, printed by the tool's main)
+    instead of usage text and exit 2. Subparsers are ToolParsers too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        raise ConfigError(f"{message} ({self.prog} --help lists its arguments)")
+
+
+def unwritable(path: str) -> str | None:
+    """Why a directory cannot be created or written at ``path`` (None when it can). Looks at the
+    nearest existing ancestor; creates nothing."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        return f"{probe} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None

@@ -7,14 +7,15 @@
 - ``async_writer.py``: saves at step boundaries, in a background thread with ``--async-save``
   (completion agreed at later boundaries, published by the writer's ``publish``);
 - ``reader.py``: ``load_checkpoint`` under any layout;
-- ``resume.py``: where a run starts (``--load``, or the unfinished run in ``--save``);
-- ``export.py``: ``python -m engine.export`` to Hugging Face transformers.
+- ``resume.py``: where a run starts (``--load``, or this run's unfinished run in ``--save``), and the
+  refusal of another run's checkpoints there (``--overwrite`` moves them aside);
+- ``export.py``: ``python -m engine.export`` to Hugging Face transformers;
+- ``import_hf.py``: ``python -m engine.import_hf``, a transformers GPT-2 or Llama in.
 
 ``python -m engine.checkpoint inspect DIR`` prints a checkpoint. See docs/checkpoints.md.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 from engine.checkpoint.index import (CheckpointError, TensorReader, has_checkpoint, inspect,
@@ -29,12 +30,19 @@ __all__ = ["save_checkpoint", "load_checkpoint", "has_checkpoint", "saved_step",
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.checkpoint")
+    from engine.base import ConfigError, ToolParser
+    parser = ToolParser(prog="python -m engine.checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("inspect", help="print step, layout and tensors; verify checksums").add_argument("dir")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         return inspect(args.dir)
+    except ConfigError as exc:
+        print(f"gridtron: {exc}", file=sys.stderr)
+        return 2
     except CheckpointError as exc:
         print(f"gridtron: checkpoint error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"gridtron: checkpoint error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
         return 1

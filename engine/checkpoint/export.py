@@ -4,7 +4,7 @@ gpt2 blocks become ``GPT2LMHeadModel``, llama blocks ``LlamaForCausalLM``; the o
 holds ``config.json`` and ``model.safetensors`` (plus ``tokenizer.json`` and ``tokenizer_config.json``
 with the eos/bos tokens when the checkpoint has a tokenizer), loadable with
 ``AutoModelForCausalLM.from_pretrained(DIR2)`` and ``AutoTokenizer.from_pretrained(DIR2)``; every
-file is world-readable. The full logical
+file is world-readable. ``--out`` must be new or empty unless ``--overwrite``. The full logical
 tensors are read from the checkpoint whatever layout saved them; vocabulary padding is never stored.
 
 Weight mapping. Our fused QKV weight is ((n + 2G) d, h) for n heads of size d in G key/value groups,
@@ -29,7 +29,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-
+from engine.base import ConfigError, ToolParser, unwritable
 from engine.checkpoint.index import CheckpointError, TensorReader, intact_hint, read_index, resolve, verify
 
 
@@ -121,10 +121,35 @@ def _llama(get, m: dict, eot: int | None) -> tuple[dict, dict]:
 EXPORTERS = {"gpt2": _gpt2, "llama": _llama}
 
 
-def export_hf(path: str, out: str) -> dict:
-    """Write ``out/config.json`` and ``out/model.safetensors``; return the config."""
+EXPORTED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "generation_config.json")  # every file export writes
+
+
+def check_out_dir(flag: str, path: str, overwrite: bool) -> None:
+    """``path`` can be a tool's output directory: a directory (or none yet) that can be written and,
+    unless ``overwrite``, is empty. ConfigError naming ``flag`` otherwise; creates nothing."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a file: give a directory")
+    if (problem := unwritable(path)):
+        raise ConfigError(f"{flag} {path}: {problem}; choose a directory you can write to")
+    held = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    if held and not overwrite:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise ConfigError(f"{flag} {path} is not empty (it holds {shown}): choose a new directory, "
+                          f"or add --overwrite to replace what is there")
+
+
+def export_hf(path: str, out: str, overwrite: bool = False) -> dict:
+    """Write ``out/config.json`` and ``out/model.safetensors`` (and the tokenizer files); return the
+    config. Everything is read and checked before anything is written; ``out`` must be empty
+    unless ``overwrite`` (then the files of an earlier export there are replaced)."""
     ckpt = resolve(path)
     index = read_index(ckpt)
+    root = os.path.realpath(os.path.dirname(ckpt))
+    if os.path.realpath(out) in (os.path.realpath(ckpt), root):
+        raise ConfigError(f"--out {out} is the checkpoint's own directory: give the export a "
+                          f"directory of its own")
+    check_out_dir("--out", out, overwrite)
     problems = verify(ckpt, index)
     if problems:
         raise CheckpointError(f"checkpoint {ckpt} is damaged: " + "; ".join(problems)
@@ -135,37 +160,61 @@ def export_hf(path: str, out: str) -> dict:
     reader = TensorReader(ckpt, index)
 
     def get(name: str) -> torch.Tensor:
+        if f"model/{name}" not in index["tensors"]:
+            raise CheckpointError(f"checkpoint {ckpt} has no tensor {name}: it is not a whole "
+                                  f"{m['block']} model")
         shape = index["tensors"][f"model/{name}"]["shape"]
         return reader.read(f"model/{name}", [0] * len(shape), shape)
 
     eot = index["data"].get("eot_id") if index["data"]["tokenizer"] else None
     sd, config = EXPORTERS[m["block"]](get, m, eot)
     config.update({"dtype": "float32", "torch_dtype": "float32"})
+    tokenizer = _tokenizer_text(ckpt, eot)
     os.makedirs(out, exist_ok=True)
+    for name in EXPORTED:  # --overwrite: no file of an earlier export outlives this one
+        if os.path.isfile(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
     save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(out, "model.safetensors"),
               metadata={"format": "pt"})
     with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2)
-    if os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
+    if tokenizer is not None:
         for name in ("tokenizer.json", "special_tokens_map.json", "generation_config.json"):
             if os.path.isfile(os.path.join(ckpt, name)):
                 shutil.copyfile(os.path.join(ckpt, name), os.path.join(out, name))
-        _tokenizer_config(ckpt, out, eot, m["max_position_embeddings"])
+        _tokenizer_config(ckpt, out, tokenizer, m["max_position_embeddings"])
     os.chmod(out, 0o755)
-    for name in os.listdir(out):  # world-readable, whatever the umask of the saving job
-        os.chmod(os.path.join(out, name), 0o644)
+    for name in EXPORTED:  # world-readable, whatever the umask of the saving job
+        if os.path.isfile(os.path.join(out, name)):
+            os.chmod(os.path.join(out, name), 0o644)
     return config
 
 
-def _tokenizer_config(ckpt: str, out: str, eot: int | None, max_length: int) -> None:
+def _tokenizer_text(ckpt: str, eot: int | None) -> str | None:
+    """None without a tokenizer in the checkpoint; else the end-of-text token's text ("" when the
+    checkpoint has its own tokenizer_config.json or no end-of-text id). Reads the tokenizer, so a
+    damaged one is found before anything is written."""
+    path = os.path.join(ckpt, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    from tokenizers import Tokenizer
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions
+        raise CheckpointError(f"{path} cannot be read as a tokenizer ({exc})") from exc
+    if os.path.isfile(os.path.join(ckpt, "tokenizer_config.json")) or eot is None:
+        return ""
+    return tok.id_to_token(eot) or ""
+
+
+def _tokenizer_config(ckpt: str, out: str, eot_text: str, max_length: int) -> None:
     """tokenizer_config.json: the checkpoint's own (an imported model's), else eos/bos from the
     end-of-text token, so transformers' AutoTokenizer knows where text ends."""
     own = os.path.join(ckpt, "tokenizer_config.json")
     if os.path.isfile(own):
         shutil.copyfile(own, os.path.join(out, "tokenizer_config.json"))
         return
-    from tokenizers import Tokenizer
-    text = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json")).id_to_token(eot) if eot is not None else None
+    text = eot_text or None
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
               "eos_token": text, "bos_token": text, "clean_up_tokenization_spaces": False}
     with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as fh:
@@ -173,16 +222,25 @@ def _tokenizer_config(ckpt: str, out: str, eot: int | None, max_length: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(prog="python -m engine.export", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="checkpoint directory (or its --save root)")
     parser.add_argument("--to", choices=["hf"], default="hf")
-    parser.add_argument("--out", required=True, help="output directory")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", required=True, help="output directory (new or empty)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the files of an earlier export in a non-empty --out")
     try:
-        config = export_hf(args.load, args.out)
+        args = parser.parse_args(argv)
+        config = export_hf(args.load, args.out, args.overwrite)
+    except ConfigError as exc:
+        print(f"gridtron: {exc}", file=sys.stderr)
+        return 2
     except CheckpointError as exc:
         print(f"gridtron: checkpoint error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"gridtron: cannot write {exc.filename or args.out}: {exc.strerror or exc}",
+              file=sys.stderr)
         return 1
     print(f"wrote {config['architectures'][0]} to {args.out}")
     return 0

@@ -36,6 +36,7 @@ from safetensors.torch import save as safetensors_bytes
 FORMAT = "gridtron-checkpoint-v1"
 INDEX_NAME = "index.json"
 LATEST = "latest"
+ASIDE = "overwritten"  # where --overwrite keeps a replaced run's checkpoints until the first save
 _STEP_DIR = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -61,6 +62,12 @@ def resolve(path: str) -> str:
     """The checkpoint directory meant by ``path``: itself when it holds an index, else what
     ``path/latest`` points at (a symlink, or a small file naming the directory), else the newest
     complete ``iter_*`` directory under it."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} does not exist: pass a directory written by --save, or one "
+                              f"of its iter_* directories")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is a file, not a checkpoint directory: pass a directory "
+                              f"written by --save, or one of its iter_* directories")
     if os.path.isfile(os.path.join(path, INDEX_NAME)):
         return path
     latest = os.path.join(path, LATEST)
@@ -78,21 +85,85 @@ def resolve(path: str) -> str:
                           f"directory written by --save, or one of its iter_* directories")
 
 
-def read_index(ckpt: str) -> dict:
+def read_index(ckpt: str, hint: bool = True) -> dict:
+    """The parsed and checked ``index.json`` of checkpoint directory ``ckpt``; a missing, garbled or
+    incomplete index is a CheckpointError (naming, with ``hint``, the newest intact earlier
+    checkpoint)."""
     path = os.path.join(ckpt, INDEX_NAME)
+    where = (lambda: intact_hint(os.path.dirname(ckpt), exclude=ckpt)) if hint else (lambda: "")
     try:
         with open(path, encoding="utf-8") as fh:
             index = json.load(fh)
     except FileNotFoundError as exc:
-        raise CheckpointError(f"{path} is missing: the save did not finish"
-                              + intact_hint(os.path.dirname(ckpt), exclude=ckpt)) from exc
+        raise CheckpointError(f"{path} is missing: the save did not finish" + where()) from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is damaged ({exc})"
-                              + intact_hint(os.path.dirname(ckpt), exclude=ckpt)) from exc
-    if index.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a gridtron checkpoint index (format "
-                              f"{index.get('format')!r}, expected {FORMAT!r})")
+        raise CheckpointError(f"{path} is damaged ({exc})" + where()) from exc
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc})") from exc
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        what = index.get("format") if isinstance(index, dict) else type(index).__name__
+        raise CheckpointError(f"{path} is not a gridtron checkpoint index (format {what!r}, "
+                              f"expected {FORMAT!r})")
+    if (problem := index_problem(index)):
+        raise CheckpointError(f"{path} is damaged: {problem}" + where())
     return index
+
+
+def _count(value, least: int = 0) -> bool:
+    return type(value) is int and value >= least
+
+
+# what every reader of an index (the loader, resume, inspect, export, generate) relies on
+_MODEL_COUNTS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
+_LAYOUT_COUNTS = ("tp", "pp", "dp", "virtual_pipeline_size", "world_size")
+_DATA_KEYS = ("tokenizer", "vocab_size", "mock", "prefix", "tokenizer_sha256")
+
+
+def index_problem(index: dict) -> str | None:
+    """Why a parsed index cannot be read as the loader reads it (None when it can): a step that is
+    not a count, a section missing or of the wrong kind, a tensor, file or rank entry without the
+    fields that locate and check its bytes. Pure."""
+    step = index.get("step")
+    if not _count(step):
+        return f"its step is {step!r}, not a number of optimizer steps"
+    for key in ("layout", "model", "data", "tensors", "files", "ranks"):
+        if not isinstance(index.get(key), dict):
+            return f"its {key!r} section is missing or not a JSON object"
+    model, layout, data = index["model"], index["layout"], index["data"]
+    if not isinstance(model.get("block"), str):
+        return f"model.block is {model.get('block')!r}, not a block name"
+    for section, name, keys in (("model", model, _MODEL_COUNTS), ("layout", layout, _LAYOUT_COUNTS)):
+        for key in keys:
+            if not _count(name.get(key), 1):
+                return f"{section}.{key} is {name.get(key)!r}, not a positive integer"
+    if not isinstance(layout.get("precision"), str) or \
+            not isinstance(layout.get("use_distributed_optimizer"), bool):
+        return "layout.precision or layout.use_distributed_optimizer is missing"
+    if (missing := [k for k in _DATA_KEYS if k not in data]):
+        return f"data.{missing[0]} is missing"
+    for name, f in index["files"].items():
+        if not isinstance(f, dict) or not isinstance(f.get("sha256"), str) or not all(
+                _count(f.get(k)) for k in ("bytes", "header_bytes", "header_crc32")) or \
+                not isinstance(f.get("tensors"), dict) or not all(
+                isinstance(r, list) and len(r) == 3 and all(_count(v) for v in r)
+                for r in f["tensors"].values()):
+            return f"the entry of file {name!r} lacks its size, sha256 or byte ranges"
+    for name, entry in index["tensors"].items():
+        ok = isinstance(entry, dict) and isinstance(entry.get("shape"), list) and \
+            all(_count(v) for v in entry["shape"]) and isinstance(entry.get("dtype"), str) and \
+            isinstance(entry.get("pieces"), list)
+        for piece in entry.get("pieces", []) if ok else []:
+            ok = ok and isinstance(piece, dict) and piece.get("file") in index["files"] and \
+                isinstance(piece.get("key"), str) and all(
+                    isinstance(piece.get(k), list) and len(piece[k]) == len(entry["shape"])
+                    and all(_count(v) for v in piece[k]) for k in ("offsets", "shape"))
+        if not ok:
+            return f"the entry of tensor {name!r} lacks its shape, dtype or pieces"
+    for rank, r in index["ranks"].items():
+        if not (isinstance(r, dict) and r.get("file") in index["files"] and isinstance(r.get("coord"), list)
+                and len(r["coord"]) == 3 and isinstance(r.get("own"), list)):
+            return f"the entry of rank {rank!r} lacks its file, coordinates or keys"
+    return None
 
 
 def write_json(path: str, data: dict) -> None:
@@ -175,7 +246,7 @@ def find_intact(root: str, exclude: str | None = None) -> str | None:
         if os.path.realpath(path) == skip:
             continue
         try:
-            index = read_index(path)
+            index = read_index(path, hint=False)
         except CheckpointError:
             continue
         if not verify(path, index):

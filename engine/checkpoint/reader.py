@@ -34,6 +34,13 @@ def with_checkpoint_args(cfg):
     saved = index["model"]
     known = {f.name for f in dataclasses.fields(cfg.model)}
     shape = {k: v for k, v in saved.items() if k in known and k not in MODEL_SHAPE_SKIP}
+    for key, value in shape.items():  # a size the user set that the checkpoint contradicts
+        if key in cfg.explicit and getattr(cfg.model, key) != value:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"--use-checkpoint-args takes {flag} {value} from the checkpoint "
+                              f"{cfg.checkpoint.load}, but {flag} {getattr(cfg.model, key)} was given: "
+                              f"drop {flag} (or --use-checkpoint-args to choose the model shape "
+                              f"yourself)")
     if "max_position_embeddings" in shape and cfg.model.seq_length > shape["max_position_embeddings"]:
         raise ConfigError(f"--seq-length {cfg.model.seq_length} is longer than the checkpoint's position "
                           f"table ({shape['max_position_embeddings']}); use a shorter --seq-length")
@@ -100,15 +107,18 @@ def load_model_params(specs: list[ParamSpec], reader: TensorReader) -> None:
             s.param.copy_(t.to(s.param.device))
 
 
-def load_checkpoint(trainer, load_dir: str) -> int:
-    """Restore everything into a built trainer; return the step to continue from."""
+def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) -> int:
+    """Restore everything into a built trainer; return the step to continue from.
+    ``weights_only`` (default: --finetune) loads the model weights alone and starts at step 0;
+    resuming this run's own checkpoint passes False."""
     cfg, ps = trainer.cfg, trainer.ps
     ck = cfg.checkpoint
+    weights_only = ck.finetune if weights_only is None else weights_only
     ckpt = resolve(load_dir)
     index = read_index(ckpt)
     check_compatible(index, cfg, data_info(trainer), ckpt)
-    step = int(index["step"])
-    if step >= cfg.optim.train_iters and not ck.finetune and \
+    step = index["step"]
+    if step >= cfg.optim.train_iters and not weights_only and \
             os.path.realpath(load_dir) == os.path.realpath(ck.load or ""):
         raise CheckpointError(f"checkpoint {ckpt} is at step {step} and --train-iters is "
                               f"{cfg.optim.train_iters}: nothing to train. --train-iters counts all "
@@ -118,7 +128,7 @@ def load_checkpoint(trainer, load_dir: str) -> int:
     reader = TensorReader(ckpt, index)
     specs = param_specs(trainer.chunks, ps, cfg.model.vocab_size)
     load_model_params(specs, reader)
-    if ck.finetune or step == 0:  # weights only: the run starts at step 0 with fresh state
+    if weights_only or step == 0:  # weights only: the run starts at step 0 with fresh state
         trainer.optimizer.load_state_dict({"step": 0, "pieces": [], "state": {}})
         trainer.loaded_checkpoint, trainer.loaded_step = ckpt, 0
         return 0

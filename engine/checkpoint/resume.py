@@ -1,44 +1,213 @@
-"""Where a run starts: ``--load``, or the unfinished run's checkpoint in ``--save``.
+"""Where a run starts: ``--load``, this run's own unfinished checkpoint in ``--save``, or nothing; and
+whose checkpoints a ``--save`` directory may be given to.
 
 A job that torchrun restarts passes the same flags again: with ``--save DIR`` alone it continues from
 DIR's latest checkpoint by itself; with ``--load A --save B`` it continues from B's when that is newer
-(a later step) than A's. A ``--save`` holding a finished run (its step >= ``--train-iters``) is not
-resumed: the new run replaces its checkpoints, and says so.
+(a later step) than A's. That is only done for checkpoints of *this* run: the recipe the index stores
+(``RECIPE``: model shape, data and tokenizer, global batch size, seed) equals this run's, and their
+step is below this run's ``--train-iters`` (so a larger ``--train-iters`` continues a run; the
+learning rate, layout and logging may change between attempts). Any other checkpoint in ``--save``
+(another model or recipe, a run already at or past ``--train-iters``, an imported model) belongs to
+another run: the run stops before training with one line naming the directory, what it holds and
+the ways on (``--load`` it, a new ``--run-dir``/``--save``, or ``--overwrite``). With ``--overwrite``
+rank 0 moves them into ``SAVE/overwritten/`` (itself a checkpoint directory: ``--load
+SAVE/overwritten`` continues that run), and the first checkpoint this run publishes removes it (engine/checkpoint/writer.py ``publish``). Until then a ``--save`` whose
+``overwritten/`` is still there is refused without ``--overwrite``, so nothing is lost to a crash.
+
+``plan_start`` decides from the configuration and the shared file system alone, so every rank
+reaches the same answer, before any collective (engine/training/launch.py calls it before the
+process group exists; the trainer again when it starts).
 """
 from __future__ import annotations
 
+import json
 import os
-import warnings
+import shutil
+from dataclasses import dataclass
 
-from engine.checkpoint.index import has_checkpoint, saved_step
+from engine.checkpoint.index import (ASIDE, INDEX_NAME, LATEST, CheckpointError, has_checkpoint,
+                                     read_index, resolve, saved_step)
 from engine.checkpoint.reader import load_checkpoint
+
+# (config section, key) pairs that make two runs the same run; None: a RunConfig field
+RECIPE = (("model", "block"), ("model", "num_layers"), ("model", "hidden_size"),
+          ("model", "num_attention_heads"), ("model", "num_query_groups"), ("model", "ffn_hidden_size"),
+          ("model", "max_position_embeddings"), ("model", "seq_length"), ("data", "data_path"),
+          ("data", "mock_data"), ("data", "tokenizer"), ("data", "tokenizer_model"),
+          ("data", "tokenizer_type"), ("data", "vocab_file"), ("data", "merge_file"), ("data", "split"),
+          ("data", "global_batch_size"), (None, "seed"))
+
+
+@dataclass(frozen=True)
+class Start:
+    """How a run starts. ``source``: the checkpoint root to load (None: from scratch);
+    ``resumed``: it is this run's own checkpoint in --save (loaded in full, even under --finetune);
+    ``replace``: the --save directory whose checkpoints rank 0 moves aside first (--overwrite)."""
+    source: str | None = None
+    step: int | None = None
+    resumed: bool = False
+    replace: str | None = None
+    held: str | None = None  # what ``replace`` holds, for the line rank 0 prints
+
+
+def _plain(value):
+    """A value as it reads back from the index's JSON (tuples become lists)."""
+    return json.loads(json.dumps(value))
+
+
+def recipe_differences(index: dict, cfg) -> list[str]:
+    """``--flag THERE there, HERE here`` for every RECIPE key where the checkpoint's run and ``cfg``
+    differ (the vocabulary too when this run gives it: --mock-data or --vocab-size). Pure."""
+    saved = index.get("config") if isinstance(index.get("config"), dict) else {}
+    keys = list(RECIPE)
+    if cfg.data.mock_data or "vocab_size" in cfg.explicit:
+        keys.append(("model", "vocab_size"))
+    out = []
+    for section, key in keys:
+        here = _plain(getattr(getattr(cfg, section) if section else cfg, key))
+        there = (saved.get(section) or {}).get(key) if section else saved.get(key)
+        if section == "model" and key == "vocab_size":
+            there = index["model"]["vocab_size"]
+        if there != here:
+            flag = "--" + key.replace("_", "-")
+            out.append(f"{flag} {_text(there)} there, {_text(here)} here")
+    return out
+
+
+def _text(value) -> str:
+    if isinstance(value, list):
+        return " ".join(str(v) for v in value)
+    return "unset" if value is None else str(value)
+
+
+def describe(index: dict) -> str:
+    """What a checkpoint holds, in one phrase: its step and model shape."""
+    m = index["model"]
+    what = f"step {index['step']}, {m['block']} layers={m['num_layers']} hidden={m['hidden_size']} " \
+           f"heads={m['num_attention_heads']}"
+    return what + (", imported by engine.import_hf" if "source" in index else "")
+
+
+def _save_flag(cfg) -> str:
+    ck, run_dir = cfg.checkpoint, cfg.log.run_dir
+    if run_dir and "save" not in cfg.explicit and \
+            os.path.realpath(ck.save) == os.path.realpath(os.path.join(run_dir, "checkpoints")):
+        return f"--run-dir {run_dir}: {ck.save}"
+    return f"--save {ck.save}"
+
+
+def _refusal(cfg, index: dict, differences: list[str]) -> CheckpointError:
+    save, iters = cfg.checkpoint.save, cfg.optim.train_iters
+    step = index["step"]
+    shape = any(d.startswith(f"--{k.replace('_', '-')} ") for d in differences
+                for section, k in RECIPE if section == "model")
+    if "source" in index:  # a step-0 import: its shape comes with --use-checkpoint-args
+        what, cont = describe(index), f"--load {save} --use-checkpoint-args to train from it"
+    else:
+        shown = "; ".join(differences[:3]) + (f"; and {len(differences) - 3} more"
+                                              if len(differences) > 3 else "")
+        why = f"another recipe: {shown}" if differences else \
+            f"a finished run: step {step}, and this run's --train-iters is {iters}"
+        what = f"{describe(index)}; {why}"
+        cont = f"--load {save}" + (" --use-checkpoint-args" if shape else "") + " to continue it" + \
+            (f" (with a --train-iters above {step})" if step >= iters else "")
+    return CheckpointError(
+        f"{_save_flag(cfg)} holds the checkpoints of another run ({what}): pass {cont}, give this "
+        f"run a new --run-dir or --save, or add --overwrite to replace them (they are moved to "
+        f"{os.path.join(save, ASIDE)} and deleted once this run's first checkpoint is saved)")
+
+
+def _aside_refusal(cfg) -> CheckpointError:
+    aside = os.path.join(cfg.checkpoint.save, ASIDE)
+    try:
+        what = describe(read_index(resolve(aside), hint=False))
+    except CheckpointError:
+        what = "checkpoints"
+    return CheckpointError(
+        f"{_save_flag(cfg)}: {aside} holds the checkpoints ({what}) that an --overwrite run moved "
+        f"aside and that no checkpoint of it has replaced yet: pass --load {aside} to continue "
+        f"them, move them back into {cfg.checkpoint.save}, give this run a new --run-dir or --save, "
+        f"or add --overwrite to replace them")
+
+
+def plan_start(cfg) -> Start:
+    """How the run of ``cfg`` starts, or a CheckpointError when its --save holds another run's
+    checkpoints (see the module's docstring). Pure: reads the configuration and the shared file
+    system, changes nothing."""
+    ck = cfg.checkpoint
+    save, load = ck.save, ck.load
+    aside = bool(save) and os.path.isdir(os.path.join(save, ASIDE))
+    same = bool(load) and bool(save) and os.path.realpath(load) == os.path.realpath(save)
+    if not save or not has_checkpoint(save):
+        if aside and not ck.overwrite:
+            raise _aside_refusal(cfg)
+        if same:  # --load DIR --save DIR on an empty DIR (Megatron-LM's first run) starts afresh
+            return Start()
+        return Start(source=load, step=saved_step(load) if load else None)
+    if same:
+        return Start(source=load, step=saved_step(load))  # continuing what --load names
+    if os.path.isfile(os.path.join(save, INDEX_NAME)):
+        raise CheckpointError(f"{_save_flag(cfg)} is one checkpoint (it holds {INDEX_NAME}), not a "
+                              f"directory of them: save into {os.path.dirname(os.path.abspath(save))} "
+                              f"or a new directory (and --load {save} to start from it)")
+    index = read_index(resolve(save))  # a damaged --save is named, never silently replaced
+    step, differences = index["step"], recipe_differences(index, cfg)
+    if not differences and step < cfg.optim.train_iters:  # this run's own, unfinished
+        if not load:
+            return Start(source=save, step=step, resumed=True)
+        given = saved_step(load)
+        # under --finetune steps count from 0 again: any saved progress is newer than --load
+        if given is None or step > given or (ck.finetune and step > 0):
+            return Start(source=save, step=step, resumed=True)
+        return Start(source=load, step=given)
+    if not ck.overwrite:
+        raise _refusal(cfg, index, differences)
+    return Start(source=load, step=saved_step(load) if load else None, replace=save,
+                 held=describe(index))
+
+
+def move_aside(save: str) -> str:
+    """Move ``save``'s checkpoints (``latest`` and every ``iter_*``) into ``save/overwritten``, by
+    renames inside ``save``; returns that directory. A leftover ``overwritten`` is a replaced run's
+    whose replacement has saved since (``publish`` removes it then): it is removed first."""
+    aside = os.path.join(save, ASIDE)
+    shutil.rmtree(aside, ignore_errors=True)
+    os.makedirs(aside)
+    for name in sorted(os.listdir(save)):
+        if name == LATEST or name.startswith("iter_"):
+            os.rename(os.path.join(save, name), os.path.join(aside, name))
+    fd = os.open(save, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return aside
 
 
 def resume(trainer) -> int:
-    """Load --load; without it, resume from --save when that holds an unfinished run's
-    checkpoint (so a job restarted by torchrun continues by itself). With both, a restarted
-    job resumes from --save's latest when it is newer (a later step) than --load's."""
-    ck = trainer.cfg.checkpoint
-    same = ck.load and ck.save and os.path.realpath(ck.load) == os.path.realpath(ck.save)
-    fresh = same and not has_checkpoint(ck.save)
-    if ck.load and not same and has_checkpoint(ck.save):
-        mine, given = saved_step(ck.save), saved_step(ck.load)
-        if mine is not None and (given is None or mine > given):
-            if trainer.is_main:
-                print(f"gridtron: resuming from {ck.save} (step {mine}), newer than --load "
-                      f"{ck.load} (step {given})", flush=True)
-            return load_checkpoint(trainer, ck.save)
-    if ck.load and not fresh:  # (--load DIR --save DIR on a first run starts from scratch)
-        return load_checkpoint(trainer, ck.load)
-    if has_checkpoint(ck.save):
-        step = saved_step(ck.save)
-        if step is None or step < trainer.cfg.optim.train_iters:
-            if trainer.is_main:
-                print(f"gridtron: resuming from {ck.save} (step {step}); pass --load to choose "
-                      f"another checkpoint", flush=True)
-            return load_checkpoint(trainer, ck.save)
-        if trainer.is_main:
-            warnings.warn(f"{ck.save} already holds a finished run (step {step} >= --train-iters "
-                          f"{trainer.cfg.optim.train_iters}): starting a new run that will replace "
-                          f"its checkpoints; pass --load {ck.save} to continue from it instead")
-    return 0
+    """Carry out ``plan_start`` on a built trainer: move another run's checkpoints aside
+    (--overwrite; rank 0, once every rank has decided), then load. Returns the step to continue
+    from."""
+    from engine.checkpoint.writer import _barrier
+    cfg, main = trainer.cfg, trainer.is_main
+    start = plan_start(cfg)
+    if start.replace:
+        _barrier(trainer.ps, f"before moving the checkpoints in {start.replace} aside")
+        if main:
+            aside = move_aside(start.replace)
+            print(f"gridtron: --overwrite: moved the checkpoints in {start.replace} ({start.held}) to "
+                  f"{aside}; they are deleted once this run's first checkpoint is saved (until then "
+                  f"--load {aside} continues that run)", flush=True)
+    if start.source is None:
+        return 0
+    if start.resumed:
+        if main:
+            print(f"gridtron: resuming from {start.source} (step {start.step})"
+                  + (f", newer than --load {cfg.checkpoint.load}" if cfg.checkpoint.load else "")
+                  + "; pass --load to choose another checkpoint", flush=True)
+        return load_checkpoint(trainer, start.source, weights_only=False)
+    step = load_checkpoint(trainer, start.source)
+    if main:
+        only = f" (weights only: training starts at step {step})" if start.step != step else ""
+        print(f"gridtron: loaded {trainer.loaded_checkpoint} at step {start.step}{only}", flush=True)
+    return step

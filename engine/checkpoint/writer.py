@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint.index import (FORMAT, INDEX_NAME, LATEST, CheckpointError, file_damage,
+from engine.checkpoint.index import (ASIDE, FORMAT, INDEX_NAME, LATEST, CheckpointError, file_damage,
                                      list_checkpoints, step_dir_name, write_json, write_shard)
 from engine.checkpoint.specs import ParamSpec, data_info, device_rng, layout_of, param_specs
 from parallel.dp.residuals import logical_residual_pieces
@@ -209,7 +209,7 @@ def promote(tmp: str, final: str) -> None:
 
 def publish(snap: Snapshot) -> None:
     """Rank 0, once every rank's files are in ``snap.tmp``: merge the per-rank JSON into
-    index.json, rename, repoint latest, prune."""
+    index.json, rename, repoint latest, prune (and drop what --overwrite moved aside)."""
     tmp, final = snap.tmp, snap.final
     tensors, files, ranks = {}, {}, {}
     for r in range(snap.world_size):
@@ -232,6 +232,9 @@ def publish(snap: Snapshot) -> None:
     write_json(os.path.join(tmp, INDEX_NAME), {**meta, "tensors": tensors, "files": files, "ranks": ranks})
     root = os.path.dirname(final)
     promote(tmp, final)
+    # the checkpoints an --overwrite run moved aside (engine/checkpoint/resume.py) go once it has
+    # published one of its own
+    shutil.rmtree(os.path.join(root, ASIDE), ignore_errors=True)
     for _, path in list_checkpoints(root)[:-snap.keep_last]:
         if os.path.realpath(path) != os.path.realpath(final):
             shutil.rmtree(path, ignore_errors=True)

@@ -32,6 +32,34 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} ({HELP_HINT})")
 
 
+GIVEN = "_given"  # namespace attribute: (option, field, value) of every setting of a switch's field
+
+
+class _Recorded(argparse.Action):
+    """Stores like ``store`` / ``store_const`` and records who set the field, so that two options
+    setting one field to different values (``--fp16 --bf16``, ``--precision fp32 --bf16``) are
+    refused instead of the last silently winning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = self.const if self.nargs == 0 else values
+        getattr(namespace, GIVEN, None) or setattr(namespace, GIVEN, [])
+        getattr(namespace, GIVEN).append((option_string, self.dest, value))
+        setattr(namespace, self.dest, value)
+
+
+def _conflicts(given: list[tuple[str, str, object]]) -> None:
+    first: dict[str, tuple[str, object]] = {}
+    for option, dest, value in given:
+        if dest in first and first[dest][1] != value and CONSTANTS.keys() & {option, first[dest][0]}:
+            was, old = first[dest]
+            def show(o, v):
+                return o if o in CONSTANTS else f"{o} {v}"
+            raise ConfigError(f"{show(was, old)} and {show(option, value)} contradict each other "
+                              f"(both set --{dest.replace('_', '-')}); give one")
+        if option in CONSTANTS or dest not in first or first[dest][0] not in CONSTANTS:
+            first[dest] = (option, value)  # a repeated plain flag: the last wins, as for every flag
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m engine.train", description=__doc__,
                      usage="%(prog)s [--config FILE] [--FLAG VALUE ...]",
@@ -40,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML recipe; flags override its keys")
     groups = {g: parser.add_argument_group(g) for g in GROUPS}
     table = field_table()
+    switched = {name for name, *_ in CONSTANTS.values()}  # fields a Megatron switch also sets
     for name, info in table.items():
         flag = flag_info(name)
         group = groups.get(flag.group, groups["training"])
@@ -54,11 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(*flags, dest=name, nargs="+", metavar="ITEM", help=text)
         else:
             metavar = None if flag.choices else {int: "N", float: "X"}.get(info.type, name.upper())
+            action = _Recorded if name in switched else "store"
             group.add_argument(*flags, dest=name, type=info.type, choices=flag.choices,
-                               metavar=metavar, help=text)
+                               metavar=metavar, help=text, action=action)
     for option, (name, value, text, group) in CONSTANTS.items():
         if name in table:
-            groups[group].add_argument(option, dest=name, action="store_const", const=value, help=text)
+            groups[group].add_argument(option, dest=name, action=_Recorded, nargs=0, const=value,
+                                       help=text)
     return parser
 
 
@@ -109,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     if unknown:
         raise _unknown(parser, unknown[0])
     flags = vars(args)
+    _conflicts(flags.pop(GIVEN, []))
     path = flags.pop("config", None)
     values = load_recipe(path) if path else {}
     values.update(flags)

@@ -180,9 +180,10 @@ FLAGS: dict[str, Flag] = {
                      default_text="<run-dir>/profile"),
     "plot": F("PNG of loss and throughput", "logging", default_text="RUN_DIR/loss.png"),
     "log_interval": F("steps between console lines and dashboard points", "logging"),
-    "log_straggler": F("every --log-interval steps, report the slowest ranks by compute and the rank "
-                       "the others waited for in collectives (straggler_rank, straggler_ratio)",
-                       "logging"),
+    "log_straggler": F("every --log-interval steps, compare each rank's compute with its peers' "
+                       "(same pipeline stages), name the ranks past --straggler-threshold and the "
+                       "rank the others waited for (straggler_rank, straggler_ratio, "
+                       "straggler_waited_for)", "logging"),
     "straggler_threshold": F("report a rank as a straggler when its compute exceeds its peers' (same "
                              "pipeline stage and role) by this ratio", "logging"),
     "eval_interval": F("validate every N steps (0: never)", "logging"),

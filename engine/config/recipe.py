@@ -5,7 +5,7 @@ Keys are snake_case or dashed, flat or grouped under the config's own sections (
 PyYAML reads ``3e-4`` as a string (YAML 1.1 wants ``3.0e-4``): a float field accepts it. Everything
 else must already have the field's type: ``num_layers: 2.7`` or ``mock_data: "false"`` is an error
 naming the key, the value and the type expected. Malformed YAML is one line with file, line and
-column.
+column; a key given twice (in one mapping, or as ``lr`` and ``optim: lr``) names both lines.
 """
 from __future__ import annotations
 
@@ -69,10 +69,45 @@ def coerce(key: str, value, info: FieldInfo, where: str):
     return value
 
 
+class _Mapping(dict):
+    """A YAML mapping that remembers the line (1-based) of each key."""
+    lines: dict
+
+
+class _Loader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last silently)
+    and records each key's line."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            self.flatten_mapping(node)  # YAML merge keys (<<) first, as SafeLoader does
+        lines = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                continue  # an unhashable key: the base constructor reports it
+            if key in lines:
+                raise ConfigError(f"{self.name}:{line}: {key} is given twice (lines {lines[key]} and "
+                                  f"{line}); keep one")
+            lines[key] = line
+        out = _Mapping(super().construct_mapping(node, deep=deep))
+        out.lines = lines
+        return out
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _Loader.construct_mapping)
+
+
 def _read(path: str):
     try:
         with open(path, encoding="utf-8") as fh:
-            return yaml.safe_load(fh)
+            loader = _Loader(fh)
+            loader.name = f"--config {path}"
+            try:
+                return loader.get_single_data()
+            finally:
+                loader.dispose()
     except FileNotFoundError as exc:
         raise ConfigError(f"--config {path}: no such file") from exc
     except yaml.YAMLError as exc:
@@ -94,9 +129,9 @@ def load_recipe(path: str) -> dict:
     where = f"--config {path}"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: a recipe is a mapping of keys to values")
-    table, values = field_table(), {}
+    table, values, seen = field_table(), {}, {}
 
-    def put(key, value, section=None):
+    def put(key, value, section=None, line=None):
         name = str(key).replace("-", "_")
         if name not in table:
             raise _unknown(str(key), table, where)
@@ -105,16 +140,22 @@ def load_recipe(path: str) -> dict:
             home = f"{info.section}:" if info.section else "the top level"
             raise ConfigError(f"{where}: {key!r} is not a {section} key; it belongs under {home}")
         if name in values:
-            raise ConfigError(f"{where}: {name} is given twice")
+            first, spelled = seen[name]
+            raise ConfigError(f"{where}:{line}: {name} is given twice ({spelled} on line {first}, "
+                              f"{section + '.' if section else ''}{key} on line {line}); keep one")
+        seen[name] = (line, f"{section + '.' if section else ''}{key}")
         values[name] = coerce(name, value, info, where)
+
+    def line_of(mapping, key):
+        return getattr(mapping, "lines", {}).get(key)
 
     for key, value in raw.items():
         name = str(key).replace("-", "_")
         if name in SECTIONS and isinstance(value, dict):
             for inner, v in value.items():
-                put(inner, v, name)
+                put(inner, v, name, line_of(value, inner))
         elif name in SECTIONS and name not in table:
             raise ConfigError(f"{where}: {key}: expected a mapping of {name} keys, got {value!r}")
         else:
-            put(key, value)
+            put(key, value, line=line_of(raw, key))
     return values

@@ -271,6 +271,10 @@ class CheckpointConfig:
     def __post_init__(self):
         if self.save_interval < 0 or self.keep_last < 1:
             raise ValueError("--save-interval must be >= 0 and --keep-last >= 1")
+        for flag, on in (("--finetune", self.finetune), ("--use-checkpoint-args", self.use_checkpoint_args)):
+            if on and not self.load:
+                raise ValueError(f"{flag} reads the checkpoint given by --load, and there is none: "
+                                 f"add --load DIR, or drop {flag}")
 
 
 @dataclass

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from engine.data.blend import BlendedDataset, normalise, parse_data_path
 from engine.data.corpus import builtin_corpus
 from engine.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer, resolve_tokenizer
-from engine.data.indexed import MockDataset, TokenDataset, collate, read_meta
+from engine.data.errors import DataError
+from engine.data.indexed import MockDataset, TokenDataset, check_ids, collate, read_meta
 from engine.data.prepare import prepare
 from engine.data.sampler import BlendedSampler, GlobalBatchSampler
 from engine.data.splits import SPLITS
@@ -21,9 +22,9 @@ from engine.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, s
 
 MOCK_NUM_SAMPLES = 2**20  # mock samples are generated on demand, so this only bounds the index space
 MOCK_VALID_FRACTION = 0.02
-CHECKED_TOKENS = 16 * 2**20  # token ids checked against the vocabulary at start-up (Megatron data)
+CHECKED_TOKENS = 16 * 2**20  # token ids checked against the vocabulary at start-up (then per read)
 
-__all__ = ["DataBundle", "build_data", "TokenDataset", "MockDataset", "BlendedDataset", "collate",
+__all__ = ["DataBundle", "DataError", "build_data", "TokenDataset", "MockDataset", "BlendedDataset", "collate",
            "GlobalBatchSampler", "BlendedSampler", "load_tokenizer", "load_hf_tokenizer",
            "ByteTokenizer", "BPETokenizer", "HFTokenizer", "prepare", "builtin_corpus"]
 
@@ -84,15 +85,6 @@ def _describe(prefix: str, external, vocab_size: int | None) -> dict:
                      f"GPT2BPETokenizer --vocab-file --merge-file), or --vocab-size")
 
 
-def _check_ids(ds: TokenDataset, vocab_size: int) -> None:
-    head = ds.tokens[:CHECKED_TOKENS]
-    top = int(head.max()) if len(head) else 0
-    if top >= vocab_size:
-        raise ValueError(f"{ds.prefix} holds token id {top}, outside the {vocab_size}-token vocabulary: "
-                         f"the data was made with another tokenizer; pass that one (or a larger "
-                         f"--vocab-size)")
-
-
 def build_data(data_path: str | list[str] | None, seq_length: int, seed: int, mock: bool = False,
                vocab_size: int | None = None, tokenizer: str = "bpe:8192",
                cache_dir: str | os.PathLike | None = None, split: str = "969,30,1",
@@ -127,9 +119,8 @@ def build_data(data_path: str | list[str] | None, seq_length: int, seed: int, mo
     per_prefix = [TokenDataset.all_splits(p, seq_length, split, seed, info)
                   for p, info in zip(prefixes, infos)]
     splits = {name: [datasets[name] for datasets in per_prefix] for name in SPLITS}
-    for p, ds, info in zip(prefixes, splits["train"], infos):
-        if read_meta(p) is None:
-            _check_ids(ds, vocab)
+    for ds in splits["train"]:  # the rest is checked document by document as it is read
+        check_ids(ds.documents, vocab, CHECKED_TOKENS)
     weights = [w for w, _ in entries]
     if weights[0] is None:  # prefixes without weights: weighted by their training samples
         weights = [len(d) for d in splits["train"]]

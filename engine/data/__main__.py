@@ -2,6 +2,7 @@
 
   python -m engine.data prepare --input PATHS... --output PREFIX [--tokenizer bpe:8192|byte|PREFIX]
                                 [--tokenizer-model HF_DIR_OR_TOKENIZER_JSON] [--tokenizer-type TYPE]
+                                [--overwrite]   # a PREFIX that holds data is refused without it
   python -m engine.data corpus [--tokenizer bpe:8192] [--cache-dir DIR]   # build the built-in corpus now
   python -m engine.data info PREFIX
   python -m engine.data convert PREFIX [--output NEW_PREFIX]   # old gridtron layout -> Megatron's
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine.base import ConfigError, ToolParser
 from engine.data.corpus import builtin_corpus
 from engine.data.hf_tokenizer import TOKENIZER_TYPES
 from engine.data.indexed import convert_legacy, read_index
@@ -27,8 +29,8 @@ def summary(prefix: str, index: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.data", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(prog="python -m engine.data", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize text files into PREFIX.bin / .idx / .json")
     p.add_argument("--input", nargs="+", required=True, help="files or directories (searched recursively)")
@@ -46,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-chars", type=int, default=None, help="train BPE on the leading text only")
     p.add_argument("--ext", nargs="+", default=list(TEXT_EXTENSIONS),
                    help=f"extensions searched in directories (default: {' '.join(TEXT_EXTENSIONS)})")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the prepared data already at --output")
     c = sub.add_parser("corpus", help="prepare the built-in standard-library corpus into the cache")
     c.add_argument("--tokenizer", default="bpe:8192")
     c.add_argument("--cache-dir", default=None)
@@ -54,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("convert", help="write the Megatron index for data in the old gridtron layout")
     v.add_argument("prefix")
     v.add_argument("--output", default=None, help="new prefix (default: convert in place)")
-    args = parser.parse_args(argv)
-
+    try:
+        args = parser.parse_args(argv)
+    except ConfigError as e:
+        print(f"gridtron: {e}", file=sys.stderr)
+        return 2
     try:
         if args.command == "prepare":
             index = prepare(args.input, args.output, args.tokenizer, max_bytes=args.max_bytes,
@@ -63,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                             extensions=[e if e.startswith(".") else f".{e}" for e in args.ext],
                             tokenizer_model=args.tokenizer_model, tokenizer_type=args.tokenizer_type,
                             vocab_file=args.vocab_file, merge_file=args.merge_file,
-                            progress=args.progress)
+                            progress=args.progress, overwrite=args.overwrite)
             print(summary(args.output, index))
         elif args.command == "convert":
             out = args.output or args.prefix
@@ -74,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
             print(summary(prefix, read_index(prefix)))
         else:
             print(summary(args.prefix, read_index(args.prefix)))
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (OSError, ValueError) as e:
+        why = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else e
+        print(f"gridtron: data error: {why}", file=sys.stderr)
         return 2
     return 0
 

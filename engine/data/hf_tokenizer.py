@@ -13,11 +13,11 @@ with ``--vocab-file`` and ``--merge-file`` (or a directory), ``NullTokenizer`` f
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 
+from engine.data.errors import read_json, tokenizer_from_file
 from engine.data.tokenizer_base import HFBacked, atomic_write_text
 
 # Megatron-LM's --tokenizer-type values; the ones without a Hugging Face file are refused by name
@@ -39,7 +39,7 @@ def _special(directory: Path, key: str) -> str | None:
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         path = directory / name
         if path.is_file():
-            text = _token_text(json.loads(path.read_text(encoding="utf-8")).get(key))
+            text = _token_text(read_json(path, "repair or remove it").get(key))
             if text:
                 return text
     return None
@@ -56,9 +56,9 @@ class HFTokenizer(HFBacked):
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, eot_id: int | None = None,
-                  eos: str | None = None, bos: str | None = None) -> "HFTokenizer":
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(str(path))
+                  eos: str | None = None, bos: str | None = None,
+                  fix: str = "pass a tokenizer.json that HF tokenizers can read") -> "HFTokenizer":
+        tok = tokenizer_from_file(path, fix)  # ``fix``: what the error tells the user to do
         return cls._finish(tok, str(path), eot_id, eos, bos)
 
     @classmethod

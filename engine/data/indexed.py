@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.data.errors import PREPARE_AGAIN, DataError, bad_token, read_json
 from engine.data.megatron import IndexedTokens, is_indexed, megatron_dtype, write_index, write_indexed
 from engine.data.splits import SPLITS, document_split, parse_split
 from engine.data.tokenizer import strip_data_suffix
@@ -59,11 +60,23 @@ def read_meta(prefix: str | os.PathLike) -> dict | None:
     path = Path(f"{strip_data_suffix(str(prefix))}.json")
     if not path.is_file():
         return None
-    meta = json.loads(path.read_text(encoding="utf-8"))
+    meta = read_json(path)
     if meta.get("format") not in (FORMAT, LEGACY_FORMAT):
-        raise ValueError(f"{path} is not a gridtron data description (format {meta.get('format')!r})"
-                         f": prepare the data again")
+        raise DataError(f"{path} is not a gridtron data description (format {meta.get('format')!r})"
+                        f": {PREPARE_AGAIN}")
+    needed = REQUIRED_META[meta["format"]]
+    if (missing := [k for k in needed if k not in meta]):
+        raise DataError(f"{path} lacks {', '.join(missing)}: {PREPARE_AGAIN}")
+    vocab, eot = meta["vocab_size"], meta["eot_id"]
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1 or \
+            not isinstance(eot, int) or isinstance(eot, bool) or not 0 <= eot < vocab:
+        raise DataError(f"{path}: vocab_size {vocab!r} and eot_id {eot!r} must be integers with "
+                        f"0 <= eot_id < vocab_size: {PREPARE_AGAIN}")
     return meta
+
+
+REQUIRED_META = {FORMAT: ("tokenizer", "vocab_size", "eot_id"),
+                 LEGACY_FORMAT: ("tokenizer", "vocab_size", "eot_id", "dtype", "num_tokens", "doc_offsets")}
 
 
 def read_index(prefix: str | os.PathLike) -> dict:
@@ -105,6 +118,22 @@ class Documents:
             raise ValueError(f"{self.prefix}.json describes a corpus whose {self.prefix}.idx is "
                              f"missing: prepare the data again")
         self.num_docs = len(self.starts)
+        if self.num_docs == 0 or int(self.lengths.sum()) == 0:
+            raise DataError(f"{self.prefix}.bin holds no tokens ({self.num_docs} documents): "
+                            f"{PREPARE_AGAIN} from non-empty text")
+
+    def document_of(self, position: int) -> int:
+        """The document holding token ``position`` of the .bin."""
+        return int(np.searchsorted(self.starts, position, side="right")) - 1
+
+
+def check_ids(docs: Documents, vocab_size: int, limit: int) -> None:
+    """DataError when a token id among the first ``limit`` tokens is outside the vocabulary (the
+    start-up check; TokenDataset checks every document's ids as it reads them)."""
+    head = docs.tokens[:limit]                                                    # (<= limit,)
+    if len(head) and int(head.max()) >= vocab_size:
+        pos = int(np.argmax(head >= vocab_size))
+        raise bad_token(f"{docs.prefix}.bin", docs.document_of(pos), int(head[pos]), vocab_size)
 
 
 def open_tokens(prefix: str | os.PathLike) -> tuple[np.memmap, dict]:
@@ -156,6 +185,7 @@ class TokenDataset:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         docs, by_split = shared or (Documents(str(prefix)), None)
         self.prefix, self.tokens, self.split = docs.prefix, docs.tokens, split
+        self.documents = docs
         info = {**(docs.meta or {}), **(meta or {})}
         self.vocab_size = info.get("vocab_size")
         self.eot_id = info.get("eot_id")
@@ -194,7 +224,11 @@ class TokenDataset:
         while pos < end:  # a window spans the tail of one document and the heads of the next
             begin = int(self._starts[k]) + pos - int(self._cum[k])
             take = min(end, int(self._cum[k + 1])) - pos
-            pieces.append(self.tokens[begin: begin + take])
+            piece = self.tokens[begin: begin + take]                              # (take,)
+            if take and self.vocab_size is not None and int(piece.max()) >= self.vocab_size:
+                raise bad_token(f"{self.prefix}.bin", int(self.doc_ids[k]), int(piece.max()),
+                                self.vocab_size)
+            pieces.append(piece)
             pos += take
             k += 1
         return torch.from_numpy(np.concatenate(pieces).astype(np.int64))  # (s+1,)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.data.errors import PREPARE_AGAIN, DataError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = 34
@@ -133,6 +135,9 @@ class IndexedTokens:
         if num_doc_idx < 1 or self.document_indices[0] != 0 or self.document_indices[-1] != num_seq:
             raise ValueError(f"{idx_path}: document indices do not span the {num_seq} sequences")
         bin_size = os.path.getsize(bin_path)
+        if bin_size == 0 or num_seq == 0:
+            raise DataError(f"{bin_path} holds no tokens ({num_seq} sequences in {idx_path}): "
+                            f"{PREPARE_AGAIN} from non-empty text")
         end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize \
             if num_seq else 0
         if bin_size < end or bin_size % self.dtype.itemsize:

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from engine.base import unwritable
 from engine.data.hf_tokenizer import HFTokenizer, resolve_tokenizer
 from engine.data.indexed import write_documents
 from engine.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, parse_spec, train_bpe
@@ -69,7 +70,10 @@ def read_documents(files: Iterable[Path], progress=None) -> Iterator[str]:
                 for lineno, line in enumerate(lines, 1):
                     if not line.strip():
                         continue
-                    record = json.loads(line)
+                    try:
+                        record = json.loads(line)
+                    except ValueError as exc:
+                        raise ValueError(f"{f}:{lineno}: not a JSON line ({exc})") from exc
                     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                         raise ValueError(f"{f}:{lineno}: a .jsonl line must be an object with a string "
                                          f"'text' field")
@@ -113,12 +117,33 @@ def encode_documents(tokenizer, texts: Iterable[str]) -> Iterator[list[int]]:
         yield from tokenizer.encode_batch(batch)
 
 
+OUTPUT_SUFFIXES = (".bin", ".idx", ".json", ".tokenizer.json")  # what prepare writes per prefix
+
+
+def check_output(output: str | os.PathLike, overwrite: bool = False) -> None:
+    """``output`` is a prefix prepare may write: not a directory, in a directory that can be
+    written, and (unless ``overwrite``) holding no prepared data yet. ValueError otherwise; creates
+    nothing."""
+    out = str(output)
+    if not out or out.endswith(os.sep) or os.path.isdir(out):
+        raise ValueError(f"--output {out!r} is a directory: give a prefix inside it (e.g. "
+                         f"{os.path.join(out or '.', 'corpus')}), which names PREFIX.bin, .idx and .json")
+    if (problem := unwritable(os.path.dirname(os.path.abspath(out)))):
+        raise ValueError(f"--output {out}: {problem}; choose a prefix in a directory you can write to")
+    held = [f"{out}{s}" for s in OUTPUT_SUFFIXES if os.path.lexists(f"{out}{s}")]
+    if (odd := [p for p in held if not os.path.isfile(p)]):
+        raise ValueError(f"--output {out}: {odd[0]} is not a file; choose another prefix")
+    if held and not overwrite:
+        raise ValueError(f"--output {out} already holds prepared data ({', '.join(held)}): choose "
+                         f"another prefix, or add --overwrite to replace it")
+
+
 def prepare(inputs: Iterable[str | os.PathLike], output: str | os.PathLike, tokenizer: str = "bpe:8192",
             max_bytes: int | None = None, train_chars: int | None = None,
             extensions: Iterable[str] = TEXT_EXTENSIONS, skip_dirs: Iterable[str] = (),
             tokenizer_model: str | None = None, tokenizer_type: str | None = None,
             vocab_file: str | None = None, merge_file: str | None = None,
-            progress: bool = False) -> dict:
+            progress: bool = False, overwrite: bool = False) -> dict:
     """Tokenize ``inputs`` into ``output``.bin/.idx/.json (+ .tokenizer.json for BPE and HF
     tokenizers) and return the description.
 
@@ -126,7 +151,13 @@ def prepare(inputs: Iterable[str | os.PathLike], output: str | os.PathLike, toke
     trained on (the leading documents), since training on a sample is much faster and nearly as good.
     ``tokenizer_model`` / ``tokenizer_type`` / ``vocab_file`` + ``merge_file`` name a tokenizer from
     the ecosystem (hf_tokenizer.py) and then replace ``tokenizer``. ``progress`` shows a bar.
+    An ``output`` that already holds prepared data is refused unless ``overwrite``; nothing is
+    written there until every document is tokenized (a failure leaves it as it was, or empty).
     """
+    check_output(output, overwrite)
+    for name, value in (("--max-bytes", max_bytes), ("--train-chars", train_chars)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
     hf = resolve_tokenizer(tokenizer_type, tokenizer_model, vocab_file, merge_file)
     if hf is None and tokenizer_type == "NullTokenizer":
         raise ValueError("--tokenizer-type NullTokenizer cannot tokenize text: name a tokenizer")
@@ -140,9 +171,11 @@ def prepare(inputs: Iterable[str | os.PathLike], output: str | os.PathLike, toke
                          f"directories are searched for {' '.join(extensions)} files: pass non-empty "
                          f"text files or directories that hold them")
     tok = make_tokenizer(tokenizer, documents, train_chars, hf)
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(tok, (BPETokenizer, HFTokenizer)):
-        tok.save(f"{output}.tokenizer.json")
+    parent = Path(output).parent
+    made = [p for p in (parent, *parent.parents) if not p.exists()]  # removed again on failure
+    parent.mkdir(parents=True, exist_ok=True)
+    tok_path = Path(f"{output}.tokenizer.json")
+    tok_tmp = tok_path.with_name(f".{tok_path.name}.tmp-{os.getpid()}")
     extra = {"inputs": inputs, "num_files": len(files)}
     bar = None
     if progress:
@@ -150,7 +183,23 @@ def prepare(inputs: Iterable[str | os.PathLike], output: str | os.PathLike, toke
         bar = tqdm(total=len(files), desc=f"tokenizing {Path(output).name}", unit="file",
                    dynamic_ncols=True, file=sys.stderr)
     try:
-        return write_documents(output, encode_documents(tok, read_documents(files, bar)), tok, extra)
+        if isinstance(tok, (BPETokenizer, HFTokenizer)):
+            tok.save(tok_tmp)  # beside the data once the data is complete
+        meta = write_documents(output, encode_documents(tok, read_documents(files, bar)), tok, extra)
+        if tok_tmp.exists():
+            os.replace(tok_tmp, tok_path)
+        else:
+            tok_path.unlink(missing_ok=True)  # (--overwrite) not the previous data's tokenizer
+        return meta
+    except BaseException:
+        tok_tmp.unlink(missing_ok=True)
+        for d in made:  # directories this call created, innermost first, if still empty
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
     finally:
+        tok_tmp.unlink(missing_ok=True)
         if bar is not None:
             bar.close()

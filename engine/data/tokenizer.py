@@ -8,11 +8,11 @@ persisted as HF's JSON file next to the prepared data (``PREFIX.tokenizer.json``
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from engine.data.errors import PREPARE_AGAIN, DataError, read_json, tokenizer_from_file
 from engine.data.tokenizer_base import HFBacked, atomic_write_text
 
 EOT_TEXT = "<|endoftext|>"
@@ -72,9 +72,7 @@ class BPETokenizer(HFBacked):
     @classmethod
     def load(cls, path: str | os.PathLike, spec: str | None = None) -> "BPETokenizer":
         """Load a saved tokenizer; ``spec`` (kept in the data index) defaults to the learned size."""
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(path))
+        tok = tokenizer_from_file(path)
         return cls(tok, spec or f"bpe:{tok.get_vocab_size(with_added_tokens=True)}")
 
 
@@ -118,13 +116,15 @@ def load_tokenizer(prefix_or_spec: str | os.PathLike):
     prefix = strip_data_suffix(s)
     index = Path(f"{prefix}.json")
     if index.is_file():
-        meta = json.loads(index.read_text(encoding="utf-8"))
+        meta = read_json(index)
+        if not isinstance(meta.get("tokenizer"), str) or not isinstance(meta.get("eot_id"), int):
+            raise DataError(f"{index} names no tokenizer (keys tokenizer and eot_id): {PREPARE_AGAIN}")
         spec = meta["tokenizer"]
         if spec == "byte":
             return ByteTokenizer()
         if spec == "hf":
             from engine.data.hf_tokenizer import HFTokenizer
-            return HFTokenizer.from_file(tokenizer_path(prefix), eot_id=meta["eot_id"])
+            return HFTokenizer.from_file(tokenizer_path(prefix), eot_id=meta["eot_id"], fix=PREPARE_AGAIN)
         return BPETokenizer.load(tokenizer_path(prefix), spec)
     if tokenizer_path(prefix).is_file():
         return BPETokenizer.load(tokenizer_path(prefix))

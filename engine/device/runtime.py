@@ -117,6 +117,30 @@ def device_count(kind: str) -> int:
     return 0
 
 
+def available_memory(kind: str, local_rank: int = 0, local_world_size: int = 1,
+                     meminfo: str = "/proc/meminfo") -> tuple[int | None, str]:
+    """Bytes this process may still allocate on its device, and where the figure comes from.
+
+    npu / cuda: the free memory of the device ``device_index`` binds (``mem_get_info``). cpu: the
+    host's MemAvailable (``meminfo``) shared by the node's ``local_world_size`` processes. (None,
+    why) when it cannot be read; nothing is then refused for memory.
+    """
+    if kind in ("npu", "cuda"):
+        index = device_index(local_rank, local_world_size, device_count(kind))
+        module = torch.npu if kind == "npu" else torch.cuda
+        free, total = module.mem_get_info(index)
+        return int(free), f"free on {kind}:{index} (of {total / 2 ** 30:.1f} GiB)"
+    try:
+        with open(meminfo) as fh:
+            fields = dict(line.split(":", 1) for line in fh if ":" in line)
+        kib = int(fields["MemAvailable"].split()[0])
+    except (OSError, KeyError, ValueError):
+        return None, f"{meminfo} has no MemAvailable"
+    share = max(1, local_world_size)
+    shared = f", shared by {share} processes on this node" if share > 1 else ""
+    return kib * 1024 // share, f"host memory available (MemAvailable{shared})"
+
+
 def _cpu_max_rss_bytes() -> int:
     import resource
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB

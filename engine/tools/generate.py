@@ -9,12 +9,13 @@ small models trained here.
 """
 from __future__ import annotations
 
-import argparse
+import math
 import os
 import sys
 
 import torch
 
+from engine.base import ConfigError, ToolParser
 from engine.checkpoint import CheckpointError, load_model_params, param_specs
 from engine.checkpoint.index import TensorReader, intact_hint, read_index, resolve, verify
 from engine.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer
@@ -34,12 +35,24 @@ def load_model(path: str, registry=None, device: str = "cpu") -> tuple[GPTChunk,
     if problems:
         raise CheckpointError(f"checkpoint {ckpt} is damaged: " + "; ".join(problems)
                               + intact_hint(os.path.dirname(ckpt), exclude=ckpt))
-    cfg = GPTConfig(**index["model"])
+    try:
+        cfg = GPTConfig(**index["model"])
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {ckpt}: its model configuration cannot be built ({exc})") from exc
     ps = ParallelState.serial(device)
     chunk = GPTChunk(cfg, ps, LayerContext(Initializer(cfg.seed, cfg.init_std)), range(cfg.num_layers),
                      registry=registry).to(device)
     load_model_params(param_specs([chunk], ps, cfg.vocab_size), TensorReader(ckpt, index))
     return chunk.eval(), index, ckpt
+
+
+def tokenizer_options(vocab_size: int) -> str:
+    """The overrides that fit a model of ``vocab_size`` tokens (only those: the byte tokenizer
+    only for the byte tokenizer's own vocabulary)."""
+    options = ["--tokenizer byte"] if vocab_size == ByteTokenizer.vocab_size else []
+    options += [f"--tokenizer PREFIX (data prepared with a {vocab_size}-token tokenizer)",
+                f"--tokenizer-model (a tokenizer of {vocab_size} tokens)"]
+    return ", ".join(options[:-1]) + " or " + options[-1]
 
 
 def checkpoint_tokenizer(ckpt: str, index: dict):
@@ -54,14 +67,17 @@ def checkpoint_tokenizer(ckpt: str, index: dict):
     if data["prefix"] and os.path.isfile(f"{data['prefix']}.json"):
         return load_tokenizer(data["prefix"])
     raise CheckpointError(f"checkpoint {ckpt} has no tokenizer (it was trained on "
-                          f"{'mock data' if data['mock'] else data['prefix']}): pass --tokenizer "
-                          f"byte, a prepared data prefix, or --tokenizer-model")
+                          f"{'mock data' if data['mock'] else data['prefix']}): pass "
+                          f"{tokenizer_options(index['model']['vocab_size'])}")
 
 
 @torch.no_grad()
 def generate_ids(model: GPTChunk, ids: list[int], max_new_tokens: int = 64, temperature: float = 0.8,
-                 top_k: int | None = 40, seed: int = 0, stop_id: int | None = None) -> list[int]:
-    """Continue ``ids``; temperature 0 is greedy. Returns only the new ids (stops at ``stop_id``)."""
+                 top_k: int | None = 40, seed: int = 0, stop_id: int | None = None,
+                 vocab_limit: int | None = None) -> list[int]:
+    """Continue ``ids``; temperature 0 is greedy. Returns only the new ids (stops at ``stop_id``).
+    ``vocab_limit``: only ids below it are drawn (a tokenizer smaller than the model's vocabulary
+    cannot decode the others)."""
     if not ids:
         raise ValueError("the prompt encodes to no tokens: give a non-empty prompt")
     window = model.cfg.max_position_embeddings
@@ -71,7 +87,9 @@ def generate_ids(model: GPTChunk, ids: list[int], max_new_tokens: int = 64, temp
     new: list[int] = []
     for _ in range(max_new_tokens):
         x = torch.tensor([out[-window:]], device=device)  # (1, s)
-        logits = model(x)[0, -1, :model.cfg.vocab_size].float().cpu()  # padding columns dropped
+        logits = model(x)[0, -1, :model.cfg.vocab_size].float().cpu()  # (v,) padding columns dropped
+        if vocab_limit is not None and vocab_limit < logits.numel():
+            logits[vocab_limit:] = float("-inf")
         if temperature <= 0:
             nxt = int(logits.argmax())
         else:
@@ -101,38 +119,81 @@ def generate_text(trainer_or_model, tokenizer, prompt: str, max_new_tokens: int 
     model.eval()
     try:
         new = generate_ids(model, tokenizer.encode(prompt), max_new_tokens, temperature, top_k, seed,
-                           getattr(tokenizer, "eot_id", None))
+                           getattr(tokenizer, "eot_id", None), getattr(tokenizer, "vocab_size", None))
     finally:
         model.train(was_training)
     return prompt + tokenizer.decode(new)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.generate", description=__doc__)
+def build_parser() -> ToolParser:
+    parser = ToolParser(prog="python -m engine.generate", description=__doc__)
     parser.add_argument("--load", required=True, help="checkpoint directory (or its --save root)")
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-k", type=int, default=40)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to add (at least 1)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy; above: sampling")
+    parser.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest; 0: all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", help="override: 'byte' or a prepared data prefix")
     parser.add_argument("--tokenizer-model", help="override: a tokenizer.json or a Hugging Face "
                                                   "tokenizer directory")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def check_args(args) -> None:
+    """Every argument of the command line, before anything is loaded (ConfigError)."""
+    if not args.prompt:
+        raise ConfigError("--prompt is empty: give the text to continue")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ConfigError(f"--temperature must be 0 (greedy) or a positive number, got {args.temperature}")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k must be 0 (no cut) or positive, got {args.top_k}")
+    if args.tokenizer and args.tokenizer_model:
+        raise ConfigError("--tokenizer and --tokenizer-model both name a tokenizer: give one")
+
+
+def pick_tokenizer(args, ckpt: str, index: dict):
+    """The tokenizer to use, checked against the model's vocabulary."""
+    name = args.tokenizer_model or args.tokenizer
+    flag = "--tokenizer-model" if args.tokenizer_model else "--tokenizer"
     try:
-        model, index, ckpt = load_model(args.load)
         if args.tokenizer_model:
             tok = load_hf_tokenizer(args.tokenizer_model)
         elif args.tokenizer:
             tok = load_tokenizer(args.tokenizer)
         else:
             tok = checkpoint_tokenizer(ckpt, index)
-        if tok.vocab_size > index["model"]["vocab_size"]:
-            raise ValueError(f"the tokenizer has {tok.vocab_size} tokens but the model only "
-                             f"{index['model']['vocab_size']}: pass the tokenizer it was trained with")
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a garbled file: json, tokenizers and OS errors alike
+        where = f"{flag} {name}" if name else f"the tokenizer of checkpoint {ckpt}"
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{where} cannot be loaded ({why})") from exc
+    vocab = index["model"]["vocab_size"]
+    if tok.vocab_size > vocab:
+        raise ConfigError(f"the tokenizer has {tok.vocab_size} tokens but the model only {vocab}: "
+                          f"pass the tokenizer it was trained with ({tokenizer_options(vocab)})")
+    return tok
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        check_args(args)
+        ckpt = resolve(args.load)
+        index = read_index(ckpt)
+        tok = pick_tokenizer(args, ckpt, index)
+        model, index, ckpt = load_model(ckpt)
         text = generate_text(model, tok, args.prompt, args.max_new_tokens, args.temperature,
                              args.top_k, args.seed)
-    except (CheckpointError, ValueError, FileNotFoundError) as exc:
+    except ConfigError as exc:
+        print(f"gridtron: {exc}", file=sys.stderr)
+        return 2
+    except CheckpointError as exc:
+        print(f"gridtron: checkpoint error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # e.g. a prompt that encodes to no tokens
         print(f"gridtron: {exc}", file=sys.stderr)
         return 1
     print(f"--- sample from {ckpt} (step {index['step']}) ---\n{text}")

@@ -10,9 +10,12 @@ whole job.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
+import time
+from dataclasses import dataclass
 
 from engine.base import ConfigError
 from engine.config.cli import parse_args
@@ -82,33 +85,6 @@ def _peers(ps) -> str | None:
     return heartbeat.describe(failed, group.ranks if group is not None else ())
 
 
-def isolate_restart_attempt(cfg) -> bool:
-    """Under torchrun, start the default process group on a store namespace of its own attempt.
-
-    torchrun lets workers share its rendezvous TCPStore, which outlives a restart: the keys a dead
-    attempt's workers wrote (their gloo addresses, NCCL ids) are still there, and a restarted worker
-    can read a dead peer's entry before the live one overwrites it (connection refused, or a hang).
-    Prefixing the store with TORCHELASTIC_RESTART_COUNT gives every attempt a clean namespace.
-    ParallelState then reuses this group. Returns whether a group was created here.
-    """
-    import datetime
-
-    import torch.distributed as dist
-
-    from engine.device.runtime import BACKENDS, detect_device_type
-    env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("WORLD_SIZE", "1")) < 2 \
-            or dist.is_initialized():
-        return False
-    timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]),
-                          is_master=False, timeout=timeout)
-    store = dist.PrefixStore(f"gridtron/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group(BACKENDS[detect_device_type(cfg.device)], store=store,
-                            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), timeout=timeout)
-    return True
-
-
 def run_config(argv: list[str] | None = None):
     """The run's configuration from its command line: flags over the YAML recipe, then, with
     ``--use-checkpoint-args``, the model shape saved in the ``--load`` checkpoint."""
@@ -120,28 +96,44 @@ def run_config(argv: list[str] | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.checkpoint import CheckpointError
+    from engine.config.schema import ParallelConfig
+    from parallel.state import Disagreement, LaunchEnv, PeerStopped, RendezvousError
+    launch, timeout_s = LaunchEnv.from_env(), ParallelConfig().timeout_s
     try:
         cfg = run_config(argv)
+        timeout_s = cfg.parallel.timeout_s
+        from engine.training.validate import validate_run
+        validate_run(cfg, launch)  # pure, before any process group exists
+        from engine.checkpoint.resume import plan_start
+        plan_start(cfg)  # --save holds no other run's checkpoints (pure, the same on every rank)
     except ConfigError as exc:
-        print(f"gridtron: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return stop(f"configuration error: {exc}", launch, timeout_s)
+    except CheckpointError as exc:  # --use-checkpoint-args reads --load
+        return stop(f"checkpoint error: {exc}", launch, timeout_s)
     from engine.observe.anomaly import PersistentAnomaly
-    from engine.checkpoint import CheckpointError
     from engine.training.trainer import Trainer, TrainingDiverged
-    from engine.training.validate import validate_run
-    from parallel.state import LaunchEnv
     try:
-        validate_run(cfg, LaunchEnv.from_env())  # pure, before any process group exists
-        own_group = isolate_restart_attempt(cfg)
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg)  # meets the other ranks first (parallel/state.py Rendezvous)
+    except PeerStopped as exc:  # the lowest rank that stopped says why
+        return stop(exc.message, launch, timeout_s, Report.of(exc.meeting, exc.rank))
+    except Disagreement as exc:  # every rank found it: rank 0 says it
+        return stop(f"configuration error: {exc}", launch, timeout_s, Report.of(exc.meeting, exc.rank))
+    except RendezvousError as exc:
+        if launch.rank == min(exc.arrived or (launch.rank,)):
+            print(f"gridtron: {exc}", file=sys.stderr)
+        write_error_file(str(exc))
+        return 1
     except (ConfigError, ValueError) as exc:  # e.g. data too small for --seq-length
-        print(f"gridtron: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return stop(f"configuration error: {exc}", launch, timeout_s)
     try:
         result = trainer.train()
     except CheckpointError as exc:
-        print(f"gridtron: checkpoint error: {exc}", file=sys.stderr)
-        return 2
+        return stop(f"checkpoint error: {exc}", launch, timeout_s)
+    except ConfigError as exc:  # e.g. a token id outside the vocabulary, found as it is read
+        from engine.data.errors import DataError
+        data = "data: " if isinstance(exc, DataError) else ""
+        return stop(f"configuration error: {data}{exc}", launch, timeout_s)
     except (TrainingDiverged, PersistentAnomaly) as exc:
         print(f"gridtron: training diverged: {exc}", file=sys.stderr)
         return 1
@@ -158,10 +150,108 @@ def main(argv: list[str] | None = None) -> int:
                 print(trainer.sample_text)
     finally:
         trainer.close()
-        if own_group:
-            import torch.distributed as dist
-            dist.destroy_process_group()
     return 0
+
+
+FAILED = "gridtron/failed"  # where ranks that stop once the process group exists say so
+SETTLE_S = 2.0  # how long such a rank waits for lower ranks that may have stopped on the same error
+
+
+@dataclass
+class Report:
+    """Who prints a mistake found by several ranks, and how they leave: ``rank`` prints and then
+    sets ``prefix``/said; the others wait for it (under torchrun the first worker to exit gets
+    the rest terminated, the printer included), then add themselves to ``prefix``/gone; the
+    store's host leaves last (a store call after its host is gone logs C++ stacks)."""
+    rank: int
+    store: object = None
+    prefix: str = ""
+    hosts: bool = False
+    ranks: int = 1  # ranks taking part
+
+    @classmethod
+    def of(cls, meeting, rank: int) -> "Report":
+        """The report of a failed rendezvous meeting (parallel/state.py ``Rendezvous``)."""
+        return cls(rank, meeting.store, meeting.name, meeting.hosts, meeting.arrived)
+
+    def close(self, me: int) -> None:
+        if self.store is None:
+            return
+        end = time.monotonic() + SETTLE_S
+        if me == self.rank:
+            _quietly(self.store.set, f"{self.prefix}/said", "1")
+        while me != self.rank and time.monotonic() < end and \
+                not _quietly(self.store.check, [f"{self.prefix}/said"]):
+            time.sleep(0.01)
+        gone = _quietly(self.store.add, f"{self.prefix}/gone", 1)
+        while self.hosts and time.monotonic() < end and gone is not True and gone < self.ranks:
+            time.sleep(0.01)
+            gone = _quietly(self.store.add, f"{self.prefix}/gone", 0)
+
+
+def stop(line: str, launch, timeout_s: float, report: Report | None = None) -> int:
+    """End this rank on a user's mistake (exit 2) with ``line`` printed once for the whole job,
+    by the lowest rank that found it, whichever phase found it: before the process group the
+    ranks compare notes at the rendezvous (parallel/state.py ``Rendezvous.stop``), after it
+    through the process group's store. ``report``: who says it, when already known.
+
+    torchrun's agent restarts the workers after any non-zero exit while --max-restarts allows
+    (torch/distributed/elastic/agent/server/api.py): no exit code stops it, so every attempt
+    ends the same way within seconds, and each rank leaves the line in torchrun's error file
+    (TORCHELASTIC_ERROR_FILE), which the agent shows as the failure's root cause.
+    """
+    report = report or first_to_report(line, launch, timeout_s)
+    write_error_file(line)
+    if report.rank == launch.rank:
+        print(f"gridtron: {line}", file=sys.stderr, flush=True)
+    report.close(launch.rank)
+    return 2
+
+
+def _quietly(call, *args):
+    """A store call whose failure (its host gone) means there is no one left to wait for."""
+    try:
+        return call(*args)
+    except RuntimeError:
+        return True
+
+
+def first_to_report(line: str, launch, timeout_s: float) -> Report:
+    """Who reports the error this rank stopped on: the lowest rank that stopped (this one when
+    no other rank can be asked)."""
+    import torch.distributed as dist
+
+    from parallel.state import LayoutError, Rendezvous, RendezvousError
+    if launch.world_size == 1:
+        return Report(launch.rank)
+    try:
+        if not dist.is_initialized():
+            meeting = Rendezvous.open(launch, timeout_s)
+            return Report.of(meeting, meeting.stop(line))
+        store, rank, world = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+        store.set(f"{FAILED}/{rank}", line)
+        count = store.add(f"{FAILED}/count", 1)
+        end = time.monotonic() + min(SETTLE_S, timeout_s)
+        while count < world and time.monotonic() < end:  # the others failing alike report at once
+            time.sleep(0.01)
+            count = store.add(f"{FAILED}/count", 0)
+        lower = [r for r in range(rank) if store.check([f"{FAILED}/{r}"])]
+        hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        return Report(lower[0] if lower else rank, store, FAILED, hosts, count)
+    except (RendezvousError, LayoutError, RuntimeError):
+        return Report(launch.rank)  # no one to ask: say it here
+
+
+def write_error_file(line: str) -> None:
+    """torchrun's error file (TORCHELASTIC_ERROR_FILE, set by its agent for each worker), in the
+    format its ProcessFailure reads: the one line instead of "To enable traceback see ..."."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as fh:
+                json.dump({"message": f"gridtron: {line}", "timestamp": str(int(time.time()))}, fh)
+        except OSError:
+            pass
 
 
 def run_and_exit(argv: list[str] | None = None) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.base import ConfigError
+from engine.config.digest import resolved_flags
 from engine.config.schema import RunConfig
 from engine.observe.dashboards import Dashboards
 from engine.data import build_data, collate
@@ -29,7 +30,7 @@ from engine.training.lr_schedule import learning_rate
 from engine.observe.metrics import MetricsLog
 from engine.observe.profiling import StepProfiler
 from engine.training.step import Stepper
-from engine.training.step_record import resilience_metrics, run_summary, step_record
+from engine.training.step_record import TIMELINE_STEPS, resilience_metrics, run_summary, step_record
 from engine.observe.utilization import run_flops, run_peak_tflops
 from engine.training.validate import validate_packing, validate_run
 from models import LayerContext, build_chunks
@@ -49,7 +50,6 @@ from parallel.state import LaunchEnv, ParallelState
 from parallel.tensor_parallel import Initializer
 from parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 
-TIMELINE_STEPS = 3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -82,8 +82,10 @@ class Trainer:
             raise ConfigError(problem)
         self.tf32 = set_matmul_precision(self.dev.type, cfg.precision.allow_tf32)
         rules = resolve_rules(cfg.parallel.backend_rules, self.dev.backend, self.dev.name)
+        # every rank meets the others with its resolved flags before the first collective
         self.ps = ParallelState.initialize(self.grid, self.dev.device, self.dev.backend, self.launch,
-                                           timeout_s=cfg.parallel.timeout_s, backend_rules=rules)
+                                           timeout_s=cfg.parallel.timeout_s, backend_rules=rules,
+                                           agreement=resolved_flags(cfg))
         self.is_main = self.ps.rank == 0
         for note in (*notes, *self.dev.notes):  # the chip's fallbacks: said once, by rank 0
             if self.is_main:
@@ -267,10 +269,14 @@ class Trainer:
                                            self.tf32)
         self.profiler = StepProfiler.from_config(cfg.log, self.dev.type, ps.rank)
         from engine.observe.anomaly import AnomalyGuard
-        from engine.observe.stragglers import StragglerMonitor
+        from engine.observe.stragglers import StragglerMonitor, peer_roles
         self.guard = AnomalyGuard.for_trainer(self)  # None without --rerun-on-anomaly/--spike-factor
-        # the step's device clock (events on CUDA/NPU, perf_counter on CPU)
-        self.stragglers = (StragglerMonitor(ps, self.clock)
+        # the step's device clock (events on CUDA/NPU, perf_counter on CPU); ranks compare with
+        # the peers of their pipeline stages only
+        self.stragglers = (StragglerMonitor(ps, self.clock,
+                                            peer_roles(self.grid, cfg.parallel.chunks_per_rank,
+                                                       cfg.parallel.placement),
+                                            cfg.log.straggler_threshold)
                            if cfg.log.log_straggler and ps.world_size > 1 else None)
         self.bubble_theory = (theoretical_bubble(cfg.parallel.pipeline_schedule, ps.pp_size,
                                                  self.num_micro, cfg.parallel.virtual_pipeline_size)

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import os
 
-from engine.base import ConfigError
+from engine.base import ConfigError, unwritable
 from engine.config.schema import RunConfig
 from engine.observe.dashboards import missing_packages
 from engine.data.blend import parse_data_path
 from engine.data.packing import PackingConfig
 from engine.data.tokenizer import strip_data_suffix
-from engine.device.runtime import detect_device_type
+from engine.device.runtime import BACKENDS, available_memory, detect_device_type
+from engine.plan.flops import BLOCKS
+from engine.plan.memory import MemoryTerms, stage_memory
+from engine.plan.model import Layout, ModelShape
+from engine.training.lr_schedule import learning_rate
 from models.blocks import takes_attention_inputs
 from models.registry import BlockRegistry, default_registry
 from parallel.pipeline.partition import partition_layers
@@ -22,13 +26,16 @@ from parallel.state import LaunchEnv, LayoutError, check_layout
 from parallel.topology import RankGrid
 
 
-def validate_run(cfg: RunConfig, launch: LaunchEnv,
-                 registry: BlockRegistry | None = None) -> tuple[RankGrid, list[str]]:
-    """Return the grid and warnings, or raise ConfigError."""
+def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | None = None,
+                 memory: tuple[int | None, str] | None = None) -> tuple[RankGrid, list[str]]:
+    """Return the grid and warnings, or raise ConfigError. ``memory``: (bytes this rank may
+    allocate, where that figure comes from); by default read from the device
+    (engine/device/runtime.py ``available_memory``)."""
     par, m = cfg.parallel, cfg.model
     try:
         grid = par.grid(launch.world_size)
         notes = check_layout(grid, launch)
+        kind = detect_device_type(cfg.device)
     except (LayoutError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
     tp = grid.tp
@@ -56,10 +63,6 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv,
                           f"{grid.pp} x {chunks}{why}; choose a layer count that is a "
                           f"multiple of {stages}, or weight the end stages with --stage-end-weight")
     try:
-        partition_layers(m.num_layers, grid.pp, chunks, par.stage_end_weight)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    try:
         micro = cfg.data.num_microbatches(grid.dp)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
@@ -68,23 +71,26 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv,
                           f"({micro} = global {cfg.data.global_batch_size} / (micro "
                           f"{cfg.data.micro_batch_size} x dp {grid.dp})) to be a multiple of --pp "
                           f"{grid.pp}; change --global-batch-size or use --pipeline-schedule 1f1b")
+    # sizes against memory before anything is allocated (or partitioned: 1e9 layers take minutes)
+    available, source = memory or available_memory(kind, launch.local_rank, launch.local_world_size)
+    if (problem := memory_problem(cfg, grid, launch.rank, available, source, BACKENDS[kind])):
+        raise ConfigError(problem)
+    try:
+        partition_layers(m.num_layers, grid.pp, chunks, par.stage_end_weight)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     if cfg.data.data_path and not cfg.data.mock_data:
         for _, prefix in parse_data_path(cfg.data.data_path):
             if not _data_exists(prefix):
                 raise ConfigError(f"--data-path {prefix}: no prepared data there (expected PREFIX.bin "
                                   f"and PREFIX.idx); run python -m engine.data prepare first")
-    try:
-        detect_device_type(cfg.device)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    for flag, path in (("--save", cfg.checkpoint.save), ("--run-dir", cfg.log.run_dir),
-                       ("--tensorboard-dir", cfg.log.tensorboard_dir)):
-        if path and (problem := unwritable(path)):
-            raise ConfigError(f"{flag} {path}: {problem}; choose a directory you can write to")
-    for flag, path in (("--metrics-file", cfg.log.metrics_file), ("--timeline", cfg.log.timeline),
-                       ("--plot", cfg.log.plot)):
-        if path and (problem := unwritable(os.path.dirname(os.path.abspath(path)))):
-            raise ConfigError(f"{flag} {path}: {problem}; choose a path you can write to")
+    check_outputs(cfg)
+    if "lr_warmup_iters" in cfg.explicit and cfg.optim.lr_warmup_iters > cfg.optim.train_iters:
+        o = cfg.optim
+        notes.append(f"--lr-warmup-iters {o.lr_warmup_iters} is longer than the run (--train-iters "
+                     f"{o.train_iters}): the learning rate ends at "
+                     f"{learning_rate(o.train_iters - 1, o):.3g} and never reaches --lr {o.lr:g}; "
+                     f"shorten the warm-up or train longer")
     for problem in missing_packages(cfg.log):
         raise ConfigError(problem)
     if cfg.data.mock_data and not m.vocab_size:
@@ -104,6 +110,124 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv,
                           f"has forward(x) only: define forward(self, x, inputs=None) and pass "
                           f"inputs to ParallelAttention (see models/blocks.py)")
     return grid, notes
+
+
+def output_paths(cfg: RunConfig) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(directories, files) the run writes, as (flag, path) pairs."""
+    log, ck = cfg.log, cfg.checkpoint
+    dirs = [("--save", ck.save), ("--run-dir", log.run_dir), ("--tensorboard-dir", log.tensorboard_dir)]
+    if log.profile_steps:
+        dirs.append(("--profile-dir", log.profile_dir))
+    if log.wandb_project and log.wandb_mode != "disabled":
+        dirs.append(("--wandb-save-dir", log.wandb_save_dir))
+    files = [("--metrics-file", log.metrics_file), ("--timeline", log.timeline), ("--plot", log.plot)]
+    return [(f, p) for f, p in dirs if p], [(f, p) for f, p in files if p]
+
+
+def check_outputs(cfg: RunConfig) -> None:
+    """Every output path can be written and is of the right kind (a directory, or a file that is
+    not a directory), and no two outputs are one file; creates nothing."""
+    dirs, files = output_paths(cfg)
+    for flag, path in dirs:
+        if (problem := unwritable(path)):
+            raise ConfigError(f"{flag} {path}: {problem}; choose a directory you can write to")
+    for flag, path in files:
+        if os.path.isdir(path):
+            raise ConfigError(f"{flag} {path} is a directory; give a file name (e.g. "
+                              f"{os.path.join(path, os.path.basename(RUN_DIR_NAMES[flag]))})")
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            raise ConfigError(f"{flag} {path} is not writable; choose a path you can write to")
+        if (problem := unwritable(os.path.dirname(os.path.abspath(path)))):
+            raise ConfigError(f"{flag} {path}: {problem}; choose a path you can write to")
+    seen: dict[str, str] = {}
+    for flag, path in files:
+        real = os.path.realpath(path)
+        if real in seen:
+            raise ConfigError(f"{seen[real]} and {flag} are both {path}: each output needs a file "
+                              f"of its own")
+        seen[real] = flag
+
+
+RUN_DIR_NAMES = {"--metrics-file": "metrics.jsonl", "--timeline": "timeline.json", "--plot": "loss.png"}
+
+
+def planner_inputs(cfg, grid, vocab_size: int | None = None) -> tuple[ModelShape, Layout] | str:
+    """The planner's view of the run (engine/plan/model.py), or why it has none: fused attention
+    and early-stopping recomputation, as the engine runs; activation and weight bytes from
+    ``--precision``; dropout masks only with ``--dropout`` > 0. ``vocab_size`` replaces the
+    configuration's (e.g. a lower bound before the data is read)."""
+    m, par = cfg.model, cfg.parallel
+    if m.block not in BLOCKS:
+        return f"the planner has formulas for {', '.join(BLOCKS)} blocks only (--block {m.block})"
+    elem = 4 if cfg.precision.precision == "fp32" else 2
+    shape = ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, vocab_size or m.vocab_size,
+                       m.seq_length, cfg.data.global_batch_size, m.ffn_hidden_size, m.block,
+                       fused_attention=True, recompute_early_stop=True, activation_bytes=elem,
+                       dropout=m.dropout > 0, num_query_groups=m.num_query_groups, weight_bytes=elem)
+    # the planner's schedules: 1f1b (interleaved with vp > 1), zb-h1, zb-v; 1f1b-w holds what 1F1B
+    # holds, GPipe more (engine/dryrun/compare.py KNOWN)
+    zero_bubble = par.pipeline_schedule in ("zb-h1", "zb-v") and grid.pp > 1
+    schedule = par.pipeline_schedule if zero_bubble else "1f1b"
+    layout = Layout(grid.tp, grid.pp, grid.dp, par.chunks_per_rank, cfg.data.micro_batch_size,
+                    par.recompute, par.use_distributed_optimizer,
+                    par.sequence_parallel and grid.tp > 1, grid.cp, par.order,
+                    schedule=schedule, zero_stage=par.zero_stage)
+    return shape, layout
+
+
+TERMS = {"weights": ("the weights", "model"), "grads": ("the gradients", "model"),
+         "optimizer": ("the optimizer state", "model"), "activations": ("the activations", "batch"),
+         "transient": ("recomputation's rebuilt layer", "batch"),
+         "pipeline_ends": ("the logits and the embedding's masks", "batch"),
+         "comm_buffers": ("the communicator buffers", "groups")}
+FIXES = {"model": "fewer or narrower layers (--num-layers, --hidden-size, --ffn-hidden-size) or more "
+                  "ranks to split them (--tp, --pp; --use-distributed-optimizer shards the optimizer "
+                  "state)",
+         "batch": "a smaller --micro-batch-size or --seq-length, --recompute full, or more --tp / "
+                  "--pp / --cp",
+         "groups": "fewer process groups of more than one rank"}
+
+
+def size_text(n: float) -> str:
+    """Bytes as KiB ... EiB (three significant digits)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024:
+            return f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} EiB"
+
+
+def memory_problem(cfg: RunConfig, grid: RankGrid, rank: int, available: int | None, source: str,
+                   backend: str) -> str | None:
+    """Why this rank's share of the run cannot fit in ``available`` bytes (None when it can, or
+    when no estimate or no figure exists). Pure: the planner's memory model
+    (engine/plan/memory.py ``stage_memory``: weights, gradients, optimizer state, activations of
+    the micro-batches the schedule keeps in flight, the pipeline ends, communicator buffers) for
+    this rank's pipeline stage. Before the data is read the vocabulary counts only when it is
+    given (--vocab-size, --mock-data); otherwise as one token, so the estimate is a lower bound and
+    a run that fits is never refused."""
+    if available is None:
+        return None
+    given_vocab = cfg.data.mock_data or "vocab_size" in cfg.explicit
+    try:
+        planned = planner_inputs(cfg, grid, None if given_vocab else 1)
+    except ValueError:  # a layout the planner does not model: no estimate
+        return None
+    if isinstance(planned, str):
+        return None
+    shape, layout = planned
+    stage = grid.coord(rank).pp
+    terms: MemoryTerms = stage_memory(shape, layout, stage, backend)
+    if terms.total <= available:
+        return None
+    parts = {k: v for k, v in terms.as_dict().items() if k in TERMS}
+    largest = max(parts, key=parts.get)
+    what, kind = TERMS[largest]
+    where = f"rank {rank} (pipeline stage {stage})" if grid.pp > 1 else f"rank {rank}"
+    return (f"this run needs about {size_text(terms.total)} of memory on {where}, more than the "
+            f"{size_text(available)} {source}; the largest part is {what} "
+            f"({size_text(parts[largest])}, engine/plan/memory.py's estimate): choose "
+            f"{FIXES[kind]}")
 
 
 def _validate_cp(cfg: RunConfig, grid: RankGrid) -> None:
@@ -150,17 +274,3 @@ def _data_exists(path: str) -> bool:
                                                 or os.path.exists(prefix + ".json"))
 
 
-def unwritable(path: str) -> str | None:
-    """Why a directory cannot be created or written at ``path`` (None when it can). Looks at the
-    nearest existing ancestor; creates nothing."""
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        return f"{probe} is a file, not a directory"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{probe} is not writable"
-    return None

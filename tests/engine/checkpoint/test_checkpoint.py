@@ -83,10 +83,10 @@ def test_crash_mid_save_keep_last_and_auto_resume(tmp_path, monkeypatch):
     # no --load: the run resumes from --save's latest checkpoint and finishes like the reference
     assert losses(args + ["--save", run_dir]) == ref[2:]
     assert sorted(os.listdir(run_dir)) == ["iter_0000004", "iter_0000006", "latest"]
-    # a finished run is not resumed: a new run starts (and says so)
+    # a finished run is neither resumed nor replaced (tests/engine/checkpoint/test_overwrite.py)
     trainer = Trainer(parse_args(TINY + args + ["--save", run_dir]))
-    with pytest.warns(UserWarning, match="already holds a finished run"):
-        assert trainer.maybe_load() == 0
+    with pytest.raises(ckpt_mod.CheckpointError, match="holds the checkpoints of another run"):
+        trainer.maybe_load()
     trainer.close()
 
 

@@ -90,7 +90,7 @@ def test_every_flag_has_help_a_group_and_its_default():
 def test_megatron_spellings():
     from engine.config.fields import field_table
     cfg = parse_args(["--bf16", "--lr-decay-style", "linear", "--lr-decay-iters", "50", "--split", "98,2,0",
-                      "--tokenizer-type", "HuggingFaceTokenizer", "--finetune", "--no-load-optim",
+                      "--tokenizer-type", "HuggingFaceTokenizer", "--finetune", "--load", "ck", "--no-load-optim",
                       "--recompute-activations", "--hidden-dropout", "0.1", "--init-method-std", "0.01"])
     assert cfg.precision.precision == "bf16" and cfg.optim.lr_decay_style == "linear"
     assert cfg.optim.lr_decay_iters == 50 and cfg.data.split == "98,2,0"
