@@ -47,17 +47,23 @@ class _Recorded(argparse.Action):
         setattr(namespace, self.dest, value)
 
 
+def _shown(option: str, value) -> str:
+    return option if option in CONSTANTS else f"{option} {value}"
+
+
 def _conflicts(given: list[tuple[str, str, object]]) -> None:
-    first: dict[str, tuple[str, object]] = {}
+    """A ConfigError when a switch (``--bf16``) and another setting of its field disagree; a
+    plain flag given twice keeps argparse's rule (the last wins)."""
+    kept: dict[str, tuple[str, object]] = {}  # field -> the setting that stands so far
     for option, dest, value in given:
-        if dest in first and first[dest][1] != value and CONSTANTS.keys() & {option, first[dest][0]}:
-            was, old = first[dest]
-            def show(o, v):
-                return o if o in CONSTANTS else f"{o} {v}"
-            raise ConfigError(f"{show(was, old)} and {show(option, value)} contradict each other "
-                              f"(both set --{dest.replace('_', '-')}); give one")
-        if option in CONSTANTS or dest not in first or first[dest][0] not in CONSTANTS:
-            first[dest] = (option, value)  # a repeated plain flag: the last wins, as for every flag
+        if dest in kept:
+            was, old = kept[dest]
+            if old != value and (option in CONSTANTS or was in CONSTANTS):
+                raise ConfigError(f"{_shown(was, old)} and {_shown(option, value)} contradict each "
+                                  f"other (both set --{dest.replace('_', '-')}); give one")
+            if was in CONSTANTS and option not in CONSTANTS:
+                continue  # --bf16 --precision bf16: the switch stays the one named
+        kept[dest] = (option, value)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -205,3 +205,14 @@ def test_late_errors_come_early(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="^--device cuda, but this torch .* sees no CUDA device"):
             validate_run(parse_args(["--device", "cuda"]), LaunchEnv(0, 1, 0, 1))
+
+
+def test_switches_and_their_field_agree_or_are_refused():
+    # the same value twice, or a plain flag repeated (the last wins, as for every flag), is fine
+    assert parse_args(["--bf16", "--precision", "bf16"]).precision.precision == "bf16"
+    assert parse_args(["--precision", "fp32", "--precision", "fp16"]).precision.precision == "fp16"
+    assert parse_args(["--recompute-activations", "--recompute", "selective"]).parallel.recompute == "selective"
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--bf16", "--precision", "bf16", "--fp16"])
+    assert str(info.value) == ("--bf16 and --fp16 contradict each other (both set --precision); "
+                               "give one")
