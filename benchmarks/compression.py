@@ -4,13 +4,15 @@ compressor at dp=2 and dp=4 for several seeds; final-loss gaps, bytes, step time
     python -m benchmarks.compression                               # 600 steps, dp 2 and 4, 3 seeds
     python -m benchmarks.compression --steps 200 --dp 2 --seeds 1  # a quick look
 
-Runs per (dp, seed): no compression, int8, top-k (``--topk-ratio``) and the per-branch policy of
+Runs per (dp, seed): no compression, int8, top-k (``--topk-ratio``), onebit (1-bit Adam,
+parallel/dp/onebit.py) and the per-branch policy of
 ``--policy`` (a YAML recipe's ``grad_compression_policy``; default configs/compression_policy.yaml);
 at the dp sizes of ``--ablation-dp`` also top-k with the warm-up's second moment kept for good
 (no refreshes), to show what the refreshes buy.
-The compressed runs use the engine's defaults: error feedback on both sides of the exchange, the
-first ``--warmup`` steps uncompressed, and for top-k Adam's second moment frozen after the warm-up
-and refreshed every ``--variance-refresh`` steps (parallel/dp/variance.py). The data is real text:
+The compressed runs use the engine's defaults: error feedback on both sides of the exchange; int8
+starts after ``--warmup`` uncompressed steps; top-k, onebit and the policy after a warm-up of
+``--warmup-fraction`` of the run, then Adam's second moment is frozen and refreshed on the
+``--variance-refresh`` schedule (parallel/dp/warmup.py, variance.py). The data is real text:
 a byte-level corpus of a few standard-library packages, prepared into ``--out`` on first use (or
 ``--data-path``), since random tokens cannot show a learning difference.
 
@@ -80,28 +82,40 @@ def jobs_for(args, data: str, dp: int) -> list[tuple[str, int, list[str]]]:
                 "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.steps),
                 "--lr", str(args.lr), "--min-lr", str(args.lr / 10),
                 "--lr-warmup-iters", str(max(1, args.steps // 20)), "--peak-tflops", "1",
-                "--seed", str(seed), "--grad-compression-warmup-steps", str(args.warmup),
+                "--seed", str(seed),
                 "--grad-compression-variance-refresh", str(args.variance_refresh)]
-        jobs += [("none", seed, base), ("int8", seed, base + ["--grad-compression", "int8"]),
+        frac = ["--grad-compression-warmup-fraction", str(args.warmup_fraction)]
+        jobs += [("none", seed, base),
+                 ("int8", seed, base + ["--grad-compression", "int8",
+                                        "--grad-compression-warmup-steps", str(args.warmup)]),
                  (f"topk {args.topk_ratio:g}", seed,
-                  base + ["--grad-compression", "topk", "--grad-compression-ratio", str(args.topk_ratio)])]
+                  base + frac + ["--grad-compression", "topk", "--grad-compression-ratio",
+                                 str(args.topk_ratio)]),
+                 ("onebit", seed, base + frac + ["--grad-compression", "onebit"])]
         if dp in args.ablation_dp:   # what the refreshes buy: the warm-up's variance kept for good
             jobs.append((f"topk {args.topk_ratio:g}, v frozen for good", seed,
-                         base + ["--grad-compression", "topk", "--grad-compression-ratio",
-                                 str(args.topk_ratio), "--grad-compression-variance-refresh", "0"]))
+                         base + frac + ["--grad-compression", "topk", "--grad-compression-ratio",
+                                 str(args.topk_ratio), "--grad-compression-variance-refresh", "off"]))
         if args.policy:
             with open(args.policy) as fh:
                 policy = yaml.safe_load(fh)["grad_compression_policy"]
-            policy = {**policy, "warmup_steps": args.warmup, "variance_refresh": args.variance_refresh}
+            policy = {k: v for k, v in policy.items() if k != "warmup_steps"}
+            policy = {**policy, "warmup_fraction": args.warmup_fraction,
+                      "variance_refresh": args.variance_refresh}
             jobs.append((f"policy ({Path(args.policy).name})", seed,
                          base + ["--grad-compression-policy", json.dumps(policy)]))
+    if args.only is not None:
+        jobs = [j for j in jobs if j[0] == "none" or any(j[0].startswith(o) for o in args.only)]
     return jobs
 
 
 def report(results: dict, args) -> str:
     window = min(args.window, args.steps)
-    lines = [f"{args.steps} steps, final loss = mean of the last {window} steps, warm-up "
-             f"{args.warmup} uncompressed steps, top-k variance refresh every {args.variance_refresh}\n",
+    warm = max(1, round(args.warmup_fraction * args.steps))
+    lines = [f"{args.steps} steps, final loss = mean of the last {window} steps; uncompressed "
+             f"warm-up: int8 {args.warmup} steps, top-k, onebit and the policy "
+             f"{args.warmup_fraction:g} x {args.steps} = {warm} steps; variance refresh "
+             f"{args.variance_refresh}\n",
              "| dp | seed | compressor | final loss | gap to none | DP bytes vs none (whole run) "
              "| median step time (s) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     summary = {}
@@ -156,9 +170,13 @@ def main() -> None:
     parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--topk-ratio", type=float, default=0.01)
-    parser.add_argument("--warmup", type=int, default=4, help="uncompressed steps first")
-    parser.add_argument("--variance-refresh", type=int, default=100,
-                        help="top-k: steps between refreshes of Adam's frozen second moment")
+    parser.add_argument("--warmup", type=int, default=4, help="int8: uncompressed steps first")
+    parser.add_argument("--warmup-fraction", type=float, default=0.15,
+                        help="top-k, onebit, policy: uncompressed warm-up as a fraction of --steps")
+    parser.add_argument("--variance-refresh", default="auto",
+                        help="top-k, onebit: auto (off for onebit, exp for top-k), exp, K, or off")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="run only these compressors (names as printed; none always runs)")
     parser.add_argument("--ablation-dp", type=int, nargs="*", default=[2],
                         help="dp sizes that also run top-k with the variance frozen for good")
     parser.add_argument("--policy", default="configs/compression_policy.yaml",

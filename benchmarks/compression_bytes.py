@@ -22,12 +22,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parallel.comm import wire_bytes  # noqa: E402
-from parallel.dp import Int8Compressor, TopKCompressor  # noqa: E402
+from parallel.dp import Int8Compressor, OneBitCompressor, TopKCompressor  # noqa: E402
 from parallel.topology import RankGrid  # noqa: E402
 from tests.helpers.dist_utils import gather_tensors, record_comm, run_distributed  # noqa: E402
 
 MAKERS = (("none", None), ("int8", lambda: Int8Compressor(256)), ("topk 1%", lambda: TopKCompressor(0.01)),
-          ("topk 10%", lambda: TopKCompressor(0.1)))
+          ("topk 10%", lambda: TopKCompressor(0.1)),
+          # beta1 0: the sign exchange of the buffer itself (in training it carries the momentum)
+          ("onebit", lambda: OneBitCompressor(256, beta1=0.0)))
 
 
 def _buffer(rank: int, numel: int, step: int) -> torch.Tensor:

@@ -162,6 +162,9 @@ def run_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> St
     records = read_jsonl(metrics) if metrics.exists() else []
     warmup = min(args.warmup, len(records) - 1)
     summary = summarize_run(records, warmup) if records else None
+    if summary is not None:  # the most host waits any timed step made (engine/device/syncs.py)
+        syncs = [r["host_syncs"] for r in records[warmup:] if r.get("host_syncs") is not None]
+        summary["host_syncs_per_step"] = max(syncs) if syncs else None
     if code == 0:
         return StageResult(stage.name, "ok", deadline_s, wall, summary=summary)
     if code is None:
@@ -214,12 +217,14 @@ def report(results: list[StageResult], header: dict) -> str:
     if runs:
         lines.append(markdown_table(
             ["run", "steps timed", "tokens/s", "TFLOP/s per device (model)", "MFU", "HFU",
-             "step time (s)", "fwd+bwd / DP finish / optimizer (s)", "peak memory (GiB)"],
+             "step time (s)", "fwd+bwd / DP finish / optimizer (s)", "host syncs per step",
+             "peak memory (GiB)"],
             [[r.name, str(r.summary["steps"]), _num(r.summary["tokens_per_s"], ".0f"),
               _num(r.summary["model_tflops_per_device"], ".1f"), _pct(r.summary["mfu"]),
               _pct(r.summary["hfu"]), _num(r.summary["step_time_s"], ".3f"),
               " / ".join(_num(r.summary[k], ".3f") for k in
                          ("time_forward_backward_s", "time_dp_finish_s", "time_optimizer_s")),
+              _num(r.summary.get("host_syncs_per_step"), "d"),
               _num((r.summary["peak_memory_bytes"] or 0) / 2**30, ".1f")] for r in runs]))
         lines += ["", f"model: {header['model']}; totals over the steps after the warm-up "
                       f"({header['warmup']} steps left out); MFU against the dense peak of "

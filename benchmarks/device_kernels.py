@@ -11,9 +11,45 @@ from __future__ import annotations
 import torch
 
 import kernels
+from kernels.attention_lse import attention_lse, attention_lse_backward, merge_partial
 
 # (forward, gradient) tolerances on low-precision inputs against the fp32 reference
 TOLERANCE = {torch.bfloat16: (3e-2, 6e-2), torch.float16: (5e-3, 1e-2), torch.float32: (1e-4, 1e-4)}
+
+
+class _TwoBlocks(torch.autograd.Function):
+    """Causal attention computed as ring attention computes it on one rank: key/value blocks of
+    half the sequence, partial results merged by log-sum-exp, each block's backward with the merged
+    out and lse (kernels.attention_lse on the device's block kernel)."""
+
+    @staticmethod
+    def _steps(s):
+        h = s // 2
+        return [(slice(0, h), slice(0, h), True), (slice(h, s), slice(0, h), False),
+                (slice(h, s), slice(h, s), True)]
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
+        for qs, ks, causal in _TwoBlocks._steps(q.shape[2]):
+            o, l = attention_lse(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal)
+            out[:, :, qs], lse[:, :, qs] = merge_partial(out[:, :, qs], lse[:, :, qs], o, l)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v)]
+        for qs, ks, causal in _TwoBlocks._steps(q.shape[2]):
+            gq, gk, gv = attention_lse_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks],
+                                                out[:, :, qs], lse[:, :, qs], causal)
+            grads[0][:, :, qs] += gq.float()
+            grads[1][:, :, ks] += gk.float()
+            grads[2][:, :, ks] += gv.float()
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
 
 def kernel_cases(device: torch.device, dtype: torch.dtype, seq: int = 512):
@@ -39,6 +75,8 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, seq: int = 512):
          lambda q, k, v: kernels.attention(q, k, v, document_ids=docs),
          lambda q, k, v: kernels.attention_reference(q, k, v, document_ids=docs),
          [rand(b, n, seq, d), rand(b, n, seq, d), rand(b, n, seq, d)]),
+        ("ring_block attention (two blocks merged, GQA)", _TwoBlocks.apply, kernels.attention_reference,
+         [rand(b, n, seq, d), rand(b, 2, seq, d), rand(b, 2, seq, d)]),
         ("layer_norm", kernels.layer_norm, kernels.layer_norm_reference,
          [rand(b, seq, h), rand(h), rand(h)]),
         ("rms_norm", kernels.rms_norm, kernels.rms_norm_reference, [rand(b, seq, h), rand(h)]),

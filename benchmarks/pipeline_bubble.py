@@ -82,6 +82,7 @@ def run_rank(ps, runs: list[tuple[str, int, int, list[str]]], steps: int) -> lis
                 record = trainer.train_one(step)
             slot["records"].append(record)
     for trainer in trainers:
+        trainer.flush()  # the last step's timings and bubble (records are filled in place)
         trainer.close()
     return out
 

@@ -57,8 +57,11 @@ def main(argv=None) -> dict:
             rec = t.train_one(step)
             if t.guard is not None:
                 rec.update(t.guard.record())
-            times[name].append(rec["step_time_s"])
+            times[name].append(rec)  # step_time_s is filled after the next step's wait
             losses[name].append(rec["loss"])
+    for name, t in runs.items():
+        t.flush()
+        times[name] = [rec["step_time_s"] for rec in times[name]]
     steady = {k: [v for i, v in enumerate(ts) if i >= WARMUP and i != args.fault_step - 1]
               for k, ts in times.items()}
     med = {k: statistics.median(v) for k, v in steady.items()}

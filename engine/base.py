@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
+from typing import Callable
 
 
 class ConfigError(ValueError):
@@ -48,3 +50,28 @@ def unwritable(path: str) -> str | None:
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{probe} is not writable"
     return None
+
+
+def os_error_text(exc: OSError, fallback: str | None = None) -> str:
+    """'PATH: reason' of an OSError (the path it names, else ``fallback``)."""
+    where = exc.filename or fallback
+    why = exc.strerror or str(exc)
+    return f"{where}: {why}" if where else why
+
+
+def run_tool(body: Callable[[], int], *errors: tuple[type[BaseException], Callable, int]) -> int:
+    """Run a side tool's ``body`` so that a user's mistake ends with one line on stderr and an exit
+    code, never a traceback: a ConfigError (a bad argument) prints ``gridtron: MESSAGE`` and
+    returns 2; each ``(kind, text, code)`` in ``errors`` turns an exception of that kind into
+    ``gridtron: text(exc)`` and ``code``, the first match winning. Anything else propagates."""
+    try:
+        return body()
+    except ConfigError as exc:
+        print(f"gridtron: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - matched against the tool's own kinds, else re-raised
+        for kind, text, code in errors:
+            if isinstance(exc, kind):
+                print(f"gridtron: {text(exc)}", file=sys.stderr)
+                return code
+        raise

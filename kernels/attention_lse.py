@@ -22,9 +22,14 @@ Paths (one dispatch, on the tensors' device):
   passed as ``softmax_max = lse``, ``softmax_sum = 1`` (the kernel recomputes
   P = exp(S - max) / sum, which is then exp(S - lse)). Causal blocks use sparse_mode 2 with the
   compressed mask, document masks an explicit (b, 1, sq, sk) mask with sparse_mode 0.
+  Only where the chip table lists the op (``KernelPaths.fusion_attention``; not on the Atlas
+  training series 910A / 910ProB): elsewhere an NPU runs the blockwise path, as the layer's own
+  attention runs SDPA there.
+- CUDA: PyTorch's flash or memory-efficient SDPA kernels, which return the log-sum-exp
+  (kernels/attention_lse_cuda.py); shapes neither takes run the blockwise path.
 - CPU: ATen's flash-attention kernel for CPU (``_scaled_dot_product_flash_attention_for_cpu`` and
   its backward), which returns the log-sum-exp and takes fewer key/value heads.
-- CUDA and anything else: ``attention_lse_blockwise``, plain math in fp32 tiled over the queries
+- Anything else: ``attention_lse_blockwise``, plain math in fp32 tiled over the queries
   (key/value heads shared by query groups through broadcasting, never repeated in memory).
 - ``attention_lse_reference``: the whole formula in fp32 at once, the yardstick for tests.
 
@@ -40,7 +45,8 @@ import torch
 from kernels.attention import (NPU_SPARSE_MODE_DEFAULT, NPU_SPARSE_MODE_LEFT_UP_CAUSAL,
                                NpuMaskCache, causal_mask, npu_attention_layout,
                                npu_compressed_causal_mask, resolve_scale)
-from kernels.dispatch import device_kind, import_torch_npu
+from kernels.attention_lse_cuda import cuda_backward, cuda_block_kernel, cuda_forward, cuda_ops
+from kernels.dispatch import KernelPaths, device_kind, import_torch_npu
 
 NPU_SOFTMAX_REPEAT = 8  # npu_fusion_attention's softmax_max / softmax_sum: (b, n, s, 8)
 TILE_ELEMENTS = 2 ** 24  # scores per tile of the blockwise path (64 MB in fp32)
@@ -266,29 +272,48 @@ def _npu_backward(dout, q, k, v, out, lse, causal, mask, scale, mask_cache):
 
 # ---- dispatch ----------------------------------------------------------------------------------
 
+def block_path(q: torch.Tensor, mask=None, paths: KernelPaths | None = None) -> str:
+    """Which kernel runs a block of q: 'npu', 'cuda-flash', 'cuda-efficient', 'cpu-flash' or
+    'blockwise'. ``paths``: the chip's fused ops (None: all)."""
+    kind = device_kind(q)
+    if kind == "npu":
+        return "npu" if paths is None or paths.fusion_attention else "blockwise"
+    if kind == "cuda":
+        kernel = cuda_block_kernel(q, mask, cuda_ops())
+        return "blockwise" if kernel is None else f"cuda-{kernel}"
+    if kind == "cpu" and _aten_cpu_ops() is not None:
+        return "cpu-flash"
+    return "blockwise"
+
+
 def attention_lse(q, k, v, causal: bool = False, mask=None, scale=None, *,
-                  mask_cache: NpuMaskCache | None = None):
+                  mask_cache: NpuMaskCache | None = None, paths: KernelPaths | None = None):
     """(out (b, n, sq, d) in q's dtype, lse (b, n, sq) fp32) of q against one key/value block."""
     _check(q, k, v, mask)
     scale = resolve_scale(scale, q.shape[-1])
-    kind = device_kind(q)
-    if kind == "npu":
+    path = block_path(q, mask, paths)
+    if path == "npu":
         out, lse = _npu_forward(q, k, v, causal, mask, scale, mask_cache)
-    elif kind == "cpu" and (ops := _aten_cpu_ops()) is not None:
-        out, lse = _cpu_forward(ops, q, k, v, causal, mask, scale)
+    elif path.startswith("cuda-"):
+        out, lse = cuda_forward(path[5:], cuda_ops(), q, k, v, causal, mask, scale)
+    elif path == "cpu-flash":
+        out, lse = _cpu_forward(_aten_cpu_ops(), q, k, v, causal, mask, scale)
     else:
         return attention_lse_blockwise(q, k, v, causal, mask, scale)
     return _fix_empty(out, lse, _empty_rows(mask, causal))
 
 
 def attention_lse_backward(dout, q, k, v, out, lse, causal: bool = False, mask=None, scale=None, *,
-                           mask_cache: NpuMaskCache | None = None):
+                           mask_cache: NpuMaskCache | None = None,
+                           paths: KernelPaths | None = None):
     """(dq, dk, dv) of one block, given the MERGED out and lse of the queries over all blocks."""
     _check(q, k, v, mask)
     scale = resolve_scale(scale, q.shape[-1])
-    kind = device_kind(q)
-    if kind == "npu":
+    path = block_path(q, mask, paths)
+    if path == "npu":
         return _npu_backward(dout, q, k, v, out, lse, causal, mask, scale, mask_cache)
-    if kind == "cpu" and (ops := _aten_cpu_ops()) is not None:
-        return _cpu_backward(ops, dout, q, k, v, out, lse, causal, mask, scale)
+    if path.startswith("cuda-"):
+        return cuda_backward(path[5:], cuda_ops(), dout, q, k, v, out, lse, causal, mask, scale)
+    if path == "cpu-flash":
+        return _cpu_backward(_aten_cpu_ops(), dout, q, k, v, out, lse, causal, mask, scale)
     return attention_lse_blockwise_backward(dout, q, k, v, out, lse, causal, mask, scale)

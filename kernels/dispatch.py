@@ -27,6 +27,7 @@ _PATHS: dict[str, dict[str, str]] = {
         "rms_norm": "torch_npu.npu_rms_norm",
         "rope": "torch_npu.npu_rotary_mul (plain expression outside its documented shape limits)",
         "swiglu": "torch_npu.npu_swiglu (gate = first half)",
+        "ring_block": "torch_npu.npu_fusion_attention with its softmax statistics (the blockwise fp32 path where the chip table lacks it)",
     },
     "cuda": {
         "attention": "torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient); packed documents: torch.nn.attention.varlen.varlen_attn in bf16/fp16",
@@ -34,6 +35,7 @@ _PATHS: dict[str, dict[str, str]] = {
         "rms_norm": "torch.nn.functional.rms_norm",
         "rope": "plain expression x*cos + rotate_half(x)*sin",
         "swiglu": "plain expression silu(gate) * up",
+        "ring_block": "aten._scaled_dot_product_flash_attention (bf16/fp16, no mask) or _efficient_attention, with their log-sum-exp",
     },
     "cpu": {
         "attention": "torch.nn.functional.scaled_dot_product_attention",
@@ -41,6 +43,7 @@ _PATHS: dict[str, dict[str, str]] = {
         "rms_norm": "torch.nn.functional.rms_norm",
         "rope": "plain expression x*cos + rotate_half(x)*sin",
         "swiglu": "plain expression silu(gate) * up",
+        "ring_block": "aten._scaled_dot_product_flash_attention_for_cpu, with its log-sum-exp",
     },
 }
 

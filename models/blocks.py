@@ -20,7 +20,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from models.config import GPTConfig
-from models.layers import Dropout, LayerContext, Norm, ParallelAttention, ParallelMLP
+from models.layers import Dropout, LayerContext, Norm, ParallelAttention
+from models.moe.layer import build_mlp
 from parallel.state import ParallelState
 
 
@@ -39,7 +40,8 @@ class TransformerBlock(nn.Module):
         self.norm1 = Norm(self.norm_kind, cfg.hidden_size, cfg.norm_eps, sp, ctx.kernel_paths)
         self.attn = ParallelAttention(cfg, ps, ctx, f"{name}.attn", bias=self.bias, rope=self.rope)
         self.norm2 = Norm(self.norm_kind, cfg.hidden_size, cfg.norm_eps, sp, ctx.kernel_paths)
-        self.mlp = ParallelMLP(cfg, ps, ctx, f"{name}.mlp", kind=self.mlp_kind, bias=self.bias)
+        # the dense MLP, or a mixture of experts where --moe-layer-freq puts one (models/moe)
+        self.mlp = build_mlp(cfg, layer_idx, ps, ctx, f"{name}.mlp", kind=self.mlp_kind, bias=self.bias)
         self.drop = Dropout(cfg.dropout, ctx, "hidden")
 
     def _forward(self, x, inputs=None):  # (b, s[/tp], h)

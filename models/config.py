@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.moe.config import check_moe_fields, moe_layer_pattern
+
 
 @dataclass
 class GPTConfig:
@@ -26,6 +28,19 @@ class GPTConfig:
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
     seed: int = 1234
+    # mixture of experts (models/moe, docs/moe.md): off unless num_experts is set
+    num_experts: int | None = None
+    moe_layer_freq: str = "1"  # N: every N-th layer; or a 0/1 list per layer, "[0,1,1,1]"
+    moe_ffn_hidden_size: int | None = None  # default ffn_hidden_size
+    moe_shared_expert_intermediate_size: int | None = None  # an always-active shared expert
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_grouped_gemm: bool = False
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
@@ -55,6 +70,15 @@ class GPTConfig:
                              f"({self.max_position_embeddings}); raise --max-position-embeddings")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        check_moe_fields(self)
+        if self.num_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether global layer ``layer_idx`` replaces its MLP by a mixture of experts."""
+        if self.num_experts is None:
+            return False
+        return moe_layer_pattern(self.moe_layer_freq, self.num_layers)[layer_idx]
 
     @property
     def head_dim(self) -> int:

@@ -29,9 +29,10 @@ Sources (the table below transcribes them; cite them when changing an entry):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 _INTS = (torch.int8, torch.int16, torch.int32, torch.int64)
 _UINTS = (torch.uint8, torch.uint16, torch.uint32, torch.uint64)
@@ -57,6 +58,8 @@ class RuleSet:
     no_prod: frozenset = frozenset()  # dtypes whose "prod" reduction is refused
     missing: frozenset = frozenset()  # collectives the backend does not implement
     source: str = ""
+    # calls already found allowed: (op, group, dtypes, reduce op) -> checked once, not per call
+    passed: set = field(default_factory=set, compare=False, repr=False)
 
 
 def _hccl(name: str, reduce_dtypes: frozenset, source: str) -> RuleSet:
@@ -79,6 +82,9 @@ RULES: dict[str, RuleSet] = {
                     frozenset({"sum", "prod", "max", "min", "avg"}),
                     source="NCCL API ncclDataType_t / ncclRedOp_t; PyTorch ProcessGroupNCCL"),
 }
+
+
+_RED_OP_TYPE = dist.ReduceOp.RedOpType
 
 
 class BackendRuleError(RuntimeError):
@@ -122,10 +128,28 @@ def _reduce_op_name(op) -> str:
     return str(op).rsplit(".", 1)[-1].lower()
 
 
-def check(rules: RuleSet | None, op: str, group: str, tensors=(), reduce_op=None) -> None:
-    """Raise BackendRuleError if ``rules`` refuse collective ``op`` over ``group`` on ``tensors``."""
+def check(rules: RuleSet | None, op: str, group: str, tensors=(), reduce_op=None,
+          cache: bool = True) -> None:
+    """Raise BackendRuleError if ``rules`` refuse collective ``op`` over ``group`` on ``tensors``.
+    ``cache=False`` inside a torch.compile trace (the caller knows; see below)."""
     if rules is None:
         return
+    # A TP step issues hundreds of small collectives with a handful of distinct signatures: the
+    # verdict depends only on these, so an allowed signature is checked once (a refused one raises
+    # every time). A reduce op that is not a plain enum member (premul-sum) is never cached.
+    # Inside a torch.compile trace the check runs once anyway, and mutating the cache there would
+    # be a side effect Dynamo guards on: trace-time checks bypass it (parallel.comm passes
+    # cache=False there).
+    plain = cache and (reduce_op is None or isinstance(reduce_op, _RED_OP_TYPE))
+    key = (op, group, tuple([t.dtype for t in tensors]), reduce_op) if plain else None
+    if key is not None and key in rules.passed:
+        return
+    _check(rules, op, group, tensors, reduce_op)
+    if key is not None:
+        rules.passed.add(key)
+
+
+def _check(rules: RuleSet, op: str, group: str, tensors, reduce_op) -> None:
     where = f"{op} over the {group} group"
     if op in rules.missing:
         raise BackendRuleError(f"{rules.name} does not implement {op} ({where}); use all_gather "

@@ -2,12 +2,14 @@
 byte counters and observers.
 
 A ``CommGroup`` is one process group of the rank grid (kind "tp", "cp", "pp", "dp", "dp_cp", "mp",
-"embedding" or "world") with its global ranks, this rank's index in it and a ``CommMonitor`` shared
-by all groups of one ``ParallelState``. Its methods are thin wrappers over torch.distributed that
+"embedding" or "world", or of the expert grid: "ep", "edp") with its global ranks, this rank's
+index in it and a ``CommMonitor`` shared by all groups of one ``ParallelState``. Its methods are
+thin wrappers over torch.distributed that
 
 1. check the call against the backend's rules (``parallel.backend_rules``: HCCL refuses float64
    reductions and ``gather``, NCCL refuses int16, ...) before anything is sent, so a collective the
-   real backend would refuse fails the CPU suite too;
+   real backend would refuse fails the CPU suite too; with rules on, a group is also refused to a
+   thread outside its ``lane`` (``parallel.lanes``: a worker thread has communicators of its own);
 2. count, per group kind, the payload this rank hands over (the bytes of the tensor it passes:
    all-reduce and reduce-scatter their input buffer, all-gather its own shard, all-to-all its send
    buffer, point-to-point its sends, broadcast the source's buffer) and the ring-model estimate of
@@ -25,7 +27,10 @@ by all groups of one ``ParallelState``. Its methods are thin wrappers over torch
    set, the spans of time it spent blocked (inside a synchronous call, or in ``wait()`` on the
    handle of an asynchronous one). The heartbeat (parallel/heartbeat.py) publishes it so that a
    rank stuck in a collective can name the peers that never entered it; the straggler report
-   (engine/observe/stragglers.py) sums the spans.
+   (engine/observe/stragglers.py) sums the spans;
+5. report each collective's tensors, and each ``wait()`` / completed ``is_completed()`` of its
+   handle, to the stream-order checker when a test installed one (parallel/streams.py,
+   parallel/stream_check.py); otherwise that is a no-op.
 
 Inside a ``torch.compile`` graph only the rules apply (at trace time): the TP and CP collectives of
 compiled model chunks are not counted, so the trainer reports ``tp_comm_bytes`` and
@@ -44,9 +49,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from parallel import streams
 from parallel.backend_rules import check, check_object, get_rules
+from parallel.lanes import MAIN_LANE, check_lane
 
-GROUP_KINDS = ("tp", "cp", "pp", "dp", "dp_cp", "mp", "embedding", "world")
+GROUP_KINDS = ("tp", "cp", "pp", "dp", "dp_cp", "mp", "embedding", "world", "ep", "edp")
 
 
 def wire_bytes(op: str, nbytes: int, size: int) -> int:
@@ -75,6 +82,7 @@ class CommEvent:
     wire_bytes: int
     async_op: bool = False
     received_bytes: int = 0  # what a recv lands (its payload is 0: traffic counts what is sent)
+    lane: str = MAIN_LANE    # the group's lane (parallel/lanes.py): a worker's own communicator
 
 
 @dataclass
@@ -134,13 +142,25 @@ class Activity:
 class TrackedWork:
     """The handle of an asynchronous collective: ``wait()`` counts as blocked time of its
     collective; everything else is the torch.distributed handle's."""
-    __slots__ = ("work", "activity", "tag")
+    __slots__ = ("work", "activity", "tag", "access")
 
-    def __init__(self, work, activity: Activity, tag: tuple):
+    def __init__(self, work, activity: Activity, tag: tuple, access=None):
         self.work, self.activity, self.tag = work, activity, tag
+        self.access = access  # the stream-order checker's record of it (parallel/streams.py)
 
     def wait(self, *args, **kwargs):
-        return self.activity.block(self.tag, self.work.wait, *args, **kwargs)
+        if self.access is None and not streams.checking():
+            return self.activity.block(self.tag, self.work.wait, *args, **kwargs)
+        with streams.collective_call():
+            result = self.activity.block(self.tag, self.work.wait, *args, **kwargs)
+        streams.collective_waited(self.access)
+        return result
+
+    def is_completed(self) -> bool:
+        done = self.work.is_completed()
+        if done:  # the host saw it finish: what it issues next is ordered after the collective
+            streams.collective_waited(self.access)
+        return done
 
     def __getattr__(self, name):
         return getattr(self.work, name)
@@ -223,6 +243,8 @@ class CommGroup:
     pg: object = None
     monitor: CommMonitor = field(default_factory=CommMonitor)
     world: bool = False               # the default (world) group: pg None means "default group"
+    lane: str = MAIN_LANE             # the threads that may issue on it (parallel/lanes.py)
+    first_thread: str | None = field(default=None, repr=False)  # for check_lane's message
 
     def __post_init__(self) -> None:
         if self.kind not in GROUP_KINDS:
@@ -239,22 +261,36 @@ class CommGroup:
         return None if self.world else self.pg
 
     def __repr__(self) -> str:
-        return f"CommGroup({self.kind}, ranks={list(self.ranks)})"
+        lane = "" if self.lane == MAIN_LANE else f", lane={self.lane}"
+        return f"CommGroup({self.kind}, ranks={list(self.ranks)}{lane})"
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def _issue(self, op: str, tensor: torch.Tensor | None, payload: int | None = None,
                async_op: bool = False, reduce_op=None, tensors=None, received: int = 0) -> None:
-        check(self.monitor.rules, op, self.kind, tensors if tensors is not None else
-              ([tensor] if tensor is not None else []), reduce_op)
-        if torch.compiler.is_compiling():
+        monitor = self.monitor
+        rules = monitor.rules
+        compiling = torch.compiler.is_compiling()
+        if rules is not None:
+            check(rules, op, self.kind, tensors if tensors is not None else
+                  ([tensor] if tensor is not None else []), reduce_op, cache=not compiling)
+        if compiling:
             # inside a torch.compile graph the rules are checked once, when it is traced; counting
             # would be a Python side effect that breaks the graph, so compiled regions are not
             # counted (the trainer reports their traffic kinds as null under --compile)
             return
+        if rules is not None:
+            check_lane(rules, self, op)   # one communicator, one thread (parallel/lanes.py)
         nbytes = _nbytes(tensor) if payload is None and tensor is not None else (payload or 0)
-        self.monitor._account(CommEvent(op, self.kind, self.ranks,
-                                        None if tensor is None else str(tensor.dtype)[6:], nbytes,
-                                        wire_bytes(op, nbytes, self.size), async_op, received))
+        if not monitor.observers:  # the common case: count, without building the event
+            if not monitor._paused:
+                c = monitor.counters[self.kind]
+                c.calls += 1
+                c.payload_bytes += nbytes
+                c.wire_bytes += wire_bytes(op, nbytes, self.size)
+            return
+        monitor._account(CommEvent(op, self.kind, self.ranks,
+                                   None if tensor is None else str(tensor.dtype)[6:], nbytes,
+                                   wire_bytes(op, nbytes, self.size), async_op, received, self.lane))
 
     def _run(self, name: str, fn: Callable, /, *args, async_op: bool = False, **kwargs):
         """Issue the torch.distributed call ``fn`` as collective ``name`` of this group in the
@@ -262,9 +298,20 @@ class CommGroup:
         if torch.compiler.is_compiling():
             return fn(*args, async_op=async_op, **kwargs)
         activity = self.monitor.activity
+        if not streams.checking():  # the common case: no stream-order checker installed
+            tag = activity.enter(name, self.kind)
+            work = activity.block(tag, fn, *args, async_op=async_op, **kwargs)
+            return TrackedWork(work, activity, tag) if async_op and work is not None else work
+        access = streams.collective_issued(name, self._stream_name(),
+                                           [a for a in args if isinstance(a, torch.Tensor)], async_op)
         tag = activity.enter(name, self.kind)
-        work = activity.block(tag, fn, *args, async_op=async_op, **kwargs)
-        return TrackedWork(work, activity, tag) if async_op and work is not None else work
+        with streams.collective_call():
+            work = activity.block(tag, fn, *args, async_op=async_op, **kwargs)
+        return TrackedWork(work, activity, tag, access) if async_op and work is not None else work
+
+    def _stream_name(self) -> str:
+        """The communicator's stream for the stream-order checker: one per group and lane."""
+        return self.kind if self.lane == MAIN_LANE else f"{self.kind}/{self.lane}"
 
     # ---- tensor collectives (in place or into ``out``) ---------------------------------------
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -302,6 +349,17 @@ class CommGroup:
         return self._run("all_to_all", dist.all_to_all_single, out, t, group=self.process_group,
                          async_op=async_op)
 
+    def all_to_all_v(self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int],
+                     in_splits: list[int]):
+        """Uneven splits along dim 0: rows ``in_splits[j]`` of ``t`` go to rank j, ``out`` gets
+        ``out_splits[i]`` rows from rank i (expert-parallel token dispatch)."""
+        if self.size == 1:
+            out.copy_(t.reshape(out.shape))
+            return None
+        self._issue("all_to_all", t, tensors=[t, out])
+        return self._run("all_to_all", dist.all_to_all_single, out, t, output_split_sizes=out_splits,
+                         input_split_sizes=in_splits, group=self.process_group)
+
     def broadcast(self, t: torch.Tensor, src: int = 0, async_op: bool = False):
         """``src`` is the index in this group (0: its first rank)."""
         if self.size == 1:
@@ -330,10 +388,15 @@ class CommGroup:
                                   self.process_group))
         if not ops:
             return []
+        accesses = [streams.collective_issued(kind, self._stream_name(), [t], True)
+                    for kind, t, _ in transfers]
         activity = self.monitor.activity
         tag = activity.enter("p2p", self.kind)
-        works = activity.block(tag, dist.batch_isend_irecv, ops)
-        return [TrackedWork(w, activity, tag) for w in works]
+        with streams.collective_call():
+            works = activity.block(tag, dist.batch_isend_irecv, ops)
+        if len(works) != len(accesses):  # one coalesced work: waiting for it covers them all
+            accesses = accesses[-1:] * len(works)
+        return [TrackedWork(w, activity, tag, a) for w, a in zip(works, accesses)]
 
     # ---- object collectives (setup, checkpoints, timelines: never in the step) --------------------
     def all_gather_object(self, obj) -> list:

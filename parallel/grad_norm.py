@@ -4,6 +4,9 @@ ops and no host sync on the step's path.
 The norm is that of the serial model's gradient, so each logical value must be counted once:
 - a TP-sharded parameter (``param.tp_sharded``) holds a distinct slice on every TP rank: count all;
 - a parameter replicated over TP holds the same gradient on every TP rank: count it on tp_rank 0;
+- an expert's parameter (``param.expert_parallel``, models/moe) is distinct on every rank of its
+  EP group (``ps.ep_group``) and replicated over EDP and TP: ``global_grad_norm`` sums those over
+  the EP group (on tp_rank 0); the step's share path does not know experts yet;
 - the last stage's copy of a tied embedding (``param.shared_embedding``) duplicates the first
   stage's: skip it;
 - the partial sums are added over ``ps.mp_group`` (TP x PP) by ``grid_norm_sq_``; the training
@@ -152,7 +155,14 @@ def global_grad_norm(params, ps: ParallelState, over_dp: bool | None = None) -> 
     over_dp = is_sharded(params) if over_dp is None else over_dp
     pieces = grad_pieces(params)
     device = pieces[0][0].device if pieces else ps.device
-    total = grid_norm_sq_(local_norm_sq(counted_grads(pieces, ps), device), ps, over_dp)
+    experts = [(g, p) for g, p in pieces if getattr(p, "expert_parallel", False)]
+    local = local_norm_sq(counted_grads([(g, p) for g, p in pieces
+                                         if not getattr(p, "expert_parallel", False)], ps), device)
+    if experts:  # each EP rank holds distinct experts (replicated over EDP and TP): add them
+        part = local_norm_sq(counted_grads(experts, ps), device)
+        ps.ep_group.all_reduce(part)
+        local = local + part
+    total = grid_norm_sq_(local, ps, over_dp)
     return math.sqrt(total.item())
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.comm import CommGroup, CommMonitor, single_rank_group
+from parallel.lanes import EXCHANGE_LANE
 from parallel.topology import Coord, RankGrid
 
 
@@ -284,6 +285,10 @@ class ParallelState:
     callers never test for None: a collective on a group of one rank is a no-op. All groups share
     one ``CommMonitor`` (``ps.comm``): the backend rules every collective is checked against and
     the byte counters per group kind.
+
+    ``dp_exchange_group``: the DP x CP ranks on a communicator of the exchange worker's own
+    (parallel/lanes.py), of ``dp_cp_group``'s kind; made only with ``initialize(dp_exchange=True)``
+    (gradient compression: the planner counts its buffers then) or when it has one rank.
     """
     grid: RankGrid
     rank: int = 0
@@ -299,12 +304,22 @@ class ParallelState:
     mp_group: CommGroup = None
     embedding_group: CommGroup = None
     world_group: CommGroup = None
+    dp_exchange_group: CommGroup | None = None   # DP x CP on the exchange worker's lane
+    ep_group: CommGroup = None         # expert-parallel ranks (parallel/expert_groups.py)
+    edp_group: CommGroup = None        # expert-data-parallel: where expert gradients are summed
     owns_process_group: bool = False
 
     def __post_init__(self) -> None:
         for dim in GROUP_DIMS:
             if getattr(self, f"{dim}_group") is None:
                 setattr(self, f"{dim}_group", single_rank_group(dim, self.rank, self.comm))
+        if self.dp_exchange_group is None and self.dp_cp_group.size == 1:
+            self.dp_exchange_group = single_rank_group(self.dp_cp_group.kind, self.rank, self.comm)
+            self.dp_exchange_group.lane = EXCHANGE_LANE
+        if self.ep_group is None:  # no expert parallelism: experts are replicated like the rest
+            self.ep_group = single_rank_group("ep", self.rank, self.comm)
+        if self.edp_group is None:  # parallel.expert_parallel.init_expert_groups sets both
+            self.edp_group = self.dp_cp_group
         if self.world_group is None:
             self.world_group = CommGroup("world", tuple(range(self.grid.world_size)), self.rank,
                                          None, self.comm, world=True)
@@ -318,7 +333,8 @@ class ParallelState:
     def initialize(cls, grid: RankGrid, device: torch.device, backend: str,
                    launch: LaunchEnv | None = None, timeout_s: float = 300.0,
                    backend_rules: str | None = None,
-                   agreement: dict[str, str] | None = None) -> "ParallelState":
+                   agreement: dict[str, str] | None = None,
+                   dp_exchange: bool = False) -> "ParallelState":
         """Join (or start) the default process group and create every group of the grid.
 
         ``device`` must already be bound by LOCAL_RANK (the device module does that); on NCCL it is
@@ -329,6 +345,8 @@ class ParallelState:
         already, before the first collective with an ``agreement``) the ranks meet on the
         rendezvous store (``Rendezvous.agree``): a rank that never comes, a rank that stopped on
         an error and ranks whose ``agreement`` differs are named within ``timeout_s``.
+        ``dp_exchange`` also creates ``dp_exchange_group`` (needed by gradient compression), last,
+        so that every rank creates the same groups in the same order; it cannot be made later.
         """
         launch = launch or LaunchEnv.from_env()
         for note in check_layout(grid, launch):
@@ -350,10 +368,9 @@ class ParallelState:
         elif agreement is not None:
             Rendezvous.open(launch, timeout_s).agree(agreement)
         rank = dist.get_rank()
-        groups = {}
-        for dim in GROUP_DIMS:
-            if dim == "dp_cp" and grid.cp == 1:
-                continue                                   # the DP group itself (below)
+
+        def create(dim: str, lane: str | None = None) -> CommGroup:
+            """Every group of ``dim`` (new_group is collective), in grid order; this rank's."""
             mine = None
             for ranks in grid.groups(dim):
                 if len(ranks) == 1:
@@ -363,9 +380,16 @@ class ParallelState:
                 pg = dist.new_group(ranks, timeout=timeout, backend=backend)
                 if rank in ranks:
                     mine = CommGroup(dim, tuple(ranks), ranks.index(rank), pg, monitor)
-            groups[f"{dim}_group"] = mine
+            if lane is not None:
+                mine.lane = lane
+            return mine
+
+        groups = {f"{dim}_group": create(dim) for dim in GROUP_DIMS
+                  if not (dim == "dp_cp" and grid.cp == 1)}   # with cp 1: the DP group itself
         if grid.cp == 1:
             groups["dp_cp_group"] = groups["dp_group"]
+        if dp_exchange:
+            groups["dp_exchange_group"] = create("dp_cp" if grid.cp > 1 else "dp", EXCHANGE_LANE)
         return cls(grid, rank=rank, local_rank=launch.local_rank, device=torch.device(device),
                    backend=backend, comm=monitor, owns_process_group=owns, **groups)
 

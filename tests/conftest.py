@@ -12,3 +12,14 @@ os.environ.setdefault("GRIDTRON_BACKEND_RULES", "hccl")
 def corpus_cache(tmp_path_factory):
     """One cache directory for the built-in corpus, shared by every test of the session."""
     return str(tmp_path_factory.mktemp("corpus_cache"))
+
+
+@pytest.fixture
+def stream_checker():
+    """The stream-order checker (parallel/stream_check.py), installed and active on the test's
+    thread for the whole test; a violation it recorded fails the test at teardown."""
+    from parallel.stream_check import StreamChecker
+    checker = StreamChecker()
+    with checker.installed():
+        yield checker
+    checker.check()

@@ -30,19 +30,10 @@ __all__ = ["save_checkpoint", "load_checkpoint", "has_checkpoint", "saved_step",
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.base import ConfigError, ToolParser
+    from engine.base import ToolParser, os_error_text, run_tool
     parser = ToolParser(prog="python -m engine.checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("inspect", help="print step, layout and tensors; verify checksums").add_argument("dir")
-    try:
-        args = parser.parse_args(argv)
-        return inspect(args.dir)
-    except ConfigError as exc:
-        print(f"gridtron: {exc}", file=sys.stderr)
-        return 2
-    except CheckpointError as exc:
-        print(f"gridtron: checkpoint error: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"gridtron: checkpoint error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+    return run_tool(lambda: inspect(parser.parse_args(argv).dir),
+                    (CheckpointError, lambda e: f"checkpoint error: {e}", 1),
+                    (OSError, lambda e: f"checkpoint error: {os_error_text(e)}", 1))

@@ -33,7 +33,6 @@ SIGTERM reaches them on either side of a boundary.
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
@@ -43,6 +42,7 @@ import torch.distributed as dist
 from engine.checkpoint.index import CheckpointError
 from engine.checkpoint.writer import (Snapshot, _barrier, prepare_dir, publish, save_checkpoint,
                                       snapshot, unchanged_since_load, write_files)
+from parallel import streams
 
 
 def agree(ps, counts: list[int]) -> list[int]:
@@ -74,14 +74,13 @@ class HostBuffers:
 
 
 class _Flight:
-    """One save being written by a background thread."""
+    """One save being written by a background thread (parallel.streams.start_thread: it binds the
+    rank's device, and the stream-order checker orders the next copy into the host buffers after
+    the thread's reads only through ``join`` or ``finished``)."""
 
-    def __init__(self, snap: Snapshot):
+    def __init__(self, snap: Snapshot, device):
         self.snap, self.error = snap, None
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name=f"gridtron-save-{snap.step}")
-        self.thread.start()
+        self.thread = streams.start_thread(f"gridtron-save-{snap.step}", self._run, device)
 
     def _run(self) -> None:
         try:
@@ -90,11 +89,10 @@ class _Flight:
             self.error = exc
         finally:
             self.snap.tensors = {}  # release the host copies
-            self.done.set()
 
     def counts(self) -> list[int]:
         """(written and verified, failed) for this rank, as of now."""
-        if not self.done.is_set():
+        if not self.thread.finished():
             return [0, 0]
         return [0, 1] if self.error is not None else [1, 0]
 
@@ -160,7 +158,7 @@ class Checkpointer:
             snap = snapshot(self.trainer, step, tmp, host=self.buffers.copy)
         finally:
             torch.set_num_threads(threads)
-        self.flight = _Flight(snap)
+        self.flight = _Flight(snap, self.ps.device)
 
     def wait(self) -> str | None:
         """Block until the save in flight is written on every rank and published; every rank

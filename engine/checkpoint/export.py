@@ -29,7 +29,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from engine.base import ConfigError, ToolParser, unwritable
+from engine.base import ConfigError, ToolParser, os_error_text, run_tool, unwritable
 from engine.checkpoint.index import CheckpointError, TensorReader, intact_hint, read_index, resolve, verify
 
 
@@ -229,21 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory (new or empty)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the files of an earlier export in a non-empty --out")
-    try:
-        args = parser.parse_args(argv)
+    parsed = {}
+
+    def body() -> int:
+        args = parsed["args"] = parser.parse_args(argv)
         config = export_hf(args.load, args.out, args.overwrite)
-    except ConfigError as exc:
-        print(f"gridtron: {exc}", file=sys.stderr)
-        return 2
-    except CheckpointError as exc:
-        print(f"gridtron: checkpoint error: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"gridtron: cannot write {exc.filename or args.out}: {exc.strerror or exc}",
-              file=sys.stderr)
-        return 1
-    print(f"wrote {config['architectures'][0]} to {args.out}")
-    return 0
+        print(f"wrote {config['architectures'][0]} to {args.out}")
+        return 0
+
+    return run_tool(body, (CheckpointError, lambda e: f"checkpoint error: {e}", 1),
+                    (OSError, lambda e: f"cannot write {os_error_text(e, parsed['args'].out)}", 1))
 
 
 if __name__ == "__main__":

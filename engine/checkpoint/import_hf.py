@@ -27,7 +27,7 @@ import sys
 import torch
 from safetensors import safe_open
 
-from engine.base import ConfigError, ToolParser
+from engine.base import ConfigError, ToolParser, os_error_text, run_tool
 from engine.checkpoint.index import (ASIDE, FORMAT, INDEX_NAME, CheckpointError, sha256_file,
                                      step_dir_name, write_json, write_shard)
 from engine.checkpoint.export import check_out_dir, fuse_qkv
@@ -335,26 +335,22 @@ def main(argv: list[str] | None = None) -> int:
                                                       "empty)")
     parser.add_argument("--overwrite", action="store_true",
                         help="let the import replace the checkpoints in a non-empty --save")
-    try:
-        args = parser.parse_args(argv)
+    parsed = {}
+
+    def body() -> int:
+        args = parsed["args"] = parser.parse_args(argv)
         ckpt = import_hf(args.load, args.save, args.overwrite)
-    except ConfigError as exc:
-        print(f"gridtron: {exc}", file=sys.stderr)
-        return 2
-    except CheckpointError as exc:
-        print(f"gridtron: import error: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"gridtron: import error: {exc.filename or args.save}: {exc.strerror or exc}",
-              file=sys.stderr)
-        return 1
-    with open(os.path.join(ckpt, INDEX_NAME), encoding="utf-8") as fh:
-        m = json.load(fh)["model"]
-    print(f"wrote {ckpt}: {m['block']}, {m['num_layers']} layers, hidden {m['hidden_size']}, "
-          f"{m['num_attention_heads']} heads, vocab {m['vocab_size']}\n"
-          f"continue pretraining with: python -m engine.train --load {args.save} --use-checkpoint-args "
-          f"--data-path PREFIX ... (data prepared with --tokenizer-model {args.load})")
-    return 0
+        with open(os.path.join(ckpt, INDEX_NAME), encoding="utf-8") as fh:
+            m = json.load(fh)["model"]
+        print(f"wrote {ckpt}: {m['block']}, {m['num_layers']} layers, hidden {m['hidden_size']}, "
+              f"{m['num_attention_heads']} heads, vocab {m['vocab_size']}\n"
+              f"continue pretraining with: python -m engine.train --load {args.save} "
+              f"--use-checkpoint-args --data-path PREFIX ... (data prepared with --tokenizer-model "
+              f"{args.load})")
+        return 0
+
+    return run_tool(body, (CheckpointError, lambda e: f"import error: {e}", 1),
+                    (OSError, lambda e: f"import error: {os_error_text(e, parsed['args'].save)}", 1))
 
 
 if __name__ == "__main__":

@@ -169,7 +169,9 @@ def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) ->
             trainer.dev.set_rng_state(own["rng/device"])
         if getattr(trainer, "rng", None) is not None:
             trainer.rng.load_state_tensors(own)
-    trainer.reducer.load_state_dict({"step": index["reducer"]["step"], "residuals": {
+    trainer.reducer.load_state_dict({"step": index["reducer"]["step"],
+                                     "warmup_steps": index["reducer"].get("warmup_steps"),
+                                     "residuals": {
         k[len("residual/"):]: v.to(ps.device) for k, v in own.items() if k.startswith("residual/")}})
     if not same:  # another layout: each rank takes an equal share of the summed residuals
 

@@ -148,7 +148,8 @@ def snapshot(trainer, step: int, tmp: str, host=None) -> Snapshot:
         meta = {"format": FORMAT, "step": step, "layout": layout_of(trainer),
                 "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(cfg.model),
                 "data": data_info(trainer), "sampler": {**trainer.sampler.state_dict(), "next_step": step},
-                "scaler": dict(trainer.scaler.state_dict()), "reducer": {"step": red["step"]},
+                "scaler": dict(trainer.scaler.state_dict()), "reducer": {"step": red["step"],
+                            "warmup_steps": red.get("warmup_steps")},
                 "optimizer": {"kind": sd["kind"], "step": sd["step"],
                               "variance_frozen": sd.get("variance_frozen", False)}}
     return Snapshot(step, tmp, checkpoint_dir(trainer, step), ps.rank, ps.world_size,

@@ -49,6 +49,26 @@ FLAGS: dict[str, Flag] = {
                   ("--init-method-std",)),
     "norm_eps": F("epsilon of LayerNorm / RMSNorm", "model", ("--norm-epsilon", "--layernorm-epsilon")),
     "rope_base": F("rotary embedding base (llama)", "model", ("--rotary-base",)),
+    "num_experts": F("experts per mixture-of-experts layer (off by default; docs/moe.md)", "model"),
+    "moe_layer_freq": F("which layers are MoE layers: N (every N-th, from layer 0) or a 0/1 list "
+                        "per layer such as [0,1,1,1]", "model"),
+    "moe_ffn_hidden_size": F("width of each expert's MLP", "model", default_text="--ffn-hidden-size"),
+    "moe_shared_expert_intermediate_size": F("width of an always-active shared expert (none by "
+                                             "default)", "model"),
+    "moe_router_topk": F("experts each token is routed to (K)", "model"),
+    "moe_router_score_function": F("router scores: softmax (top-k of the logits, softmax over the "
+                                   "chosen) or sigmoid", "model", choices=("softmax", "sigmoid")),
+    "moe_router_pre_softmax": F("softmax over all experts before the top-k (not renormalised)",
+                                "model"),
+    "moe_router_load_balancing_type": F("balancing loss: aux_loss (over each micro-step's tokens "
+                                        "of all DP ranks), seq_aux_loss (per sequence) or none",
+                                        "model", choices=("aux_loss", "seq_aux_loss", "none")),
+    "moe_aux_loss_coeff": F("weight of the balancing loss (0: off)", "model"),
+    "moe_z_loss_coeff": F("weight of the router z-loss (none: off)", "model"),
+    "moe_token_dispatcher_type": F("token exchange between expert-parallel ranks", "model",
+                                   choices=("alltoall",)),
+    "moe_grouped_gemm": F("accepted; the experts run as a loop over experts in this version",
+                          "model"),
     # ---- parallelism -------------------------------------------------------------------------
     "tp": F("tensor-parallel size (inside a node)", "parallelism", ("--tensor-model-parallel-size",)),
     "cp": F("context-parallel size (sequence split across ranks)", "parallelism",
@@ -94,14 +114,25 @@ FLAGS: dict[str, Flag] = {
     "grad_compression": F("DP gradient compression", "parallelism", choices=COMPRESSORS),
     "grad_compression_ratio": F("fraction of entries top-k keeps", "parallelism", ("--topk-ratio",)),
     "grad_compression_warmup_steps": F("optimizer steps that exchange uncompressed gradients before "
-                                       "--grad-compression starts; top-k takes Adam's second moment "
-                                       "from them, so it needs at least 1", "parallelism"),
-    "grad_compression_variance_refresh": F("top-k: steps between refreshes of Adam's frozen second "
-                                           "moment from the DP ranks' local squared gradients (0: "
-                                           "keep the one from the warm-up)", "parallelism"),
+                                       "--grad-compression starts (default: the warm-up fraction of "
+                                       "--train-iters for onebit and topk, 4 steps for int8); Adam's "
+                                       "second moment is frozen after them", "parallelism"),
+    "grad_compression_warmup_fraction": F("onebit, topk: the uncompressed warm-up as a fraction of "
+                                          "--train-iters, unless --grad-compression-warmup-steps "
+                                          "is given", "parallelism"),
+    "grad_compression_variance_refresh": F("onebit, topk: when Adam's frozen second moment is "
+                                           "refreshed from the DP ranks' local squared gradients: "
+                                           "exp (1, 2, 4, ... steps after the warm-up), a number of "
+                                           "steps, off (keep the warm-up's), or auto (off for onebit, "
+                                           "exp for topk)", "parallelism"),
     "grad_compression_policy": F("per-branch compression rules as a JSON object (see "
                                  "configs/compression_policy.yaml)", "parallelism"),
     "device": F("device type", "parallelism", choices=DEVICES),
+    "expert_model_parallel_size": F("expert-parallel size: ranks (drawn from dp x cp of a stage) "
+                                    "over which each MoE layer's experts are split", "parallelism",
+                                    ("--ep",)),
+    "expert_tensor_parallel_size": F("expert tensor-parallel size (only 1 is built)", "parallelism",
+                                     ("--etp",)),
     # ---- training ----------------------------------------------------------------------------
     "train_iters": F("total optimizer steps (a resumed run continues up to it)", "training", ("--iters",)),
     "micro_batch_size": F("sequences per micro-batch", "training", ("--mbs",)),

@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 
 from models.config import GPTConfig
 from parallel.pipeline.schedules import chunks_per_rank, schedule_placement
+from parallel.expert_groups import ExpertGrid
 from parallel.topology import RankGrid
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "1f1b-w", "zb-h1", "zb-v")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
-COMPRESSORS = ("none", "int8", "topk")
+COMPRESSORS = ("none", "int8", "topk", "onebit")
 CP_COMM_TYPES = ("p2p", "a2a")
 BACKEND_RULES = ("auto", "none", "hccl", "hccl:950", "nccl")
 DECAY_STYLES = ("cosine", "linear", "constant")
@@ -75,6 +76,9 @@ class ParallelConfig:
     # check every collective against a backend's rules: auto (the backend's own on NPU/GPU, none on
     # gloo), none, hccl (Atlas A2/A3), hccl:950, nccl
     backend_rules: str = "auto"
+    # mixture of experts: EP ranks drawn from the dp x cp ranks of a stage (parallel/expert_groups.py)
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1  # only 1 is built
 
     def __post_init__(self):
         if self.backend_rules not in BACKEND_RULES:
@@ -123,7 +127,9 @@ class ParallelConfig:
             raise ValueError(f"world size {world_size} != tp*{'cp*' if cp else ''}pp*dp = {self.tp}*"
                              f"{cp}{self.pp}*{self.dp if self.dp is not None else '?'}; launch that "
                              f"many processes or change --tp/--cp/--pp/--dp")
-        return RankGrid(tp=self.tp, cp=self.cp, pp=self.pp, dp=dp, order=self.order)
+        grid = RankGrid(tp=self.tp, cp=self.cp, pp=self.pp, dp=dp, order=self.order)
+        ExpertGrid(grid, self.expert_model_parallel_size, self.expert_tensor_parallel_size)
+        return grid
 
 
 @dataclass
@@ -234,25 +240,34 @@ class CompressionConfig:
     grad_compression: str = "none"
     grad_compression_ratio: float = 0.01
     grad_compression_policy: dict | None = None
-    # help: optimizer steps that exchange uncompressed gradients before --grad-compression starts;
-    # top-k takes Adam's second moment from them, so it needs at least 1
-    grad_compression_warmup_steps: int = 4
-    # help: top-k: steps between refreshes of Adam's frozen second moment from the DP ranks' local
-    # squared gradients (0: keep the one from the warm-up)
-    grad_compression_variance_refresh: int = 100
+    # help: optimizer steps that exchange uncompressed gradients before --grad-compression starts
+    # (default: --grad-compression-warmup-fraction of the run for onebit and topk, 4 for int8)
+    grad_compression_warmup_steps: int | None = None
+    # help: the warm-up as a fraction of --train-iters (onebit, topk; 1-bit Adam uses 0.15-0.25)
+    grad_compression_warmup_fraction: float = 0.15
+    # help: onebit, topk: when Adam's frozen second moment is refreshed from the DP ranks' local
+    # squared gradients: exp (0/1 Adam: 1, 2, 4, 8, ... steps after the warm-up), K steps, off,
+    # or auto (off for onebit, exp for topk)
+    grad_compression_variance_refresh: str = "auto"
 
     def __post_init__(self):
         if self.grad_compression not in COMPRESSORS:
             raise ValueError(f"--grad-compression must be one of {COMPRESSORS}, got {self.grad_compression!r}")
         if not 0.0 < self.grad_compression_ratio <= 1.0:
             raise ValueError(f"--grad-compression-ratio must be in (0, 1], got {self.grad_compression_ratio}")
-        if self.grad_compression_warmup_steps < 0 or self.grad_compression_variance_refresh < 0:
-            raise ValueError("--grad-compression-warmup-steps and --grad-compression-variance-refresh "
-                             "must be >= 0")
-        if self.grad_compression == "topk" and self.grad_compression_warmup_steps < 1:
-            raise ValueError("--grad-compression topk needs --grad-compression-warmup-steps >= 1: "
-                             "Adam's second moment of the compressed parameters comes from the "
-                             "uncompressed warm-up steps")
+        if self.grad_compression_warmup_steps is not None and self.grad_compression_warmup_steps < 0:
+            raise ValueError("--grad-compression-warmup-steps must be >= 0")
+        if not 0.0 <= self.grad_compression_warmup_fraction < 1.0:
+            raise ValueError(f"--grad-compression-warmup-fraction must be in [0, 1), got "
+                             f"{self.grad_compression_warmup_fraction}")
+        refresh = str(self.grad_compression_variance_refresh).strip().lower()
+        if refresh not in ("auto", "exp", "off") and not refresh.isdigit():
+            raise ValueError(f"--grad-compression-variance-refresh must be auto, exp, off or a number of "
+                             f"steps >= 0, got {self.grad_compression_variance_refresh!r}")
+        if self.grad_compression in ("topk", "onebit") and self.grad_compression_warmup_steps == 0:
+            raise ValueError(f"--grad-compression {self.grad_compression} needs "
+                             "--grad-compression-warmup-steps >= 1: Adam's second moment of the "
+                             "compressed parameters comes from the uncompressed warm-up steps")
 
 
 @dataclass
@@ -345,3 +360,34 @@ class RunConfig:
             self.checkpoint.save = os.path.join(self.log.run_dir, "checkpoints")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
+        check_expert_flags(self.model, self.parallel, self.checkpoint.save,
+                           self.compression.grad_compression)
+
+
+def check_expert_flags(model: GPTConfig, parallel: ParallelConfig, save: str | None = None,
+                       compression: str = "none") -> None:
+    """The expert flags against the model's experts and what this slice builds (dp is checked by
+    ``grid``); docs/moe.md lists what is not built yet."""
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
+    if etp != 1:
+        raise ValueError(f"--expert-tensor-parallel-size {etp}: expert tensor parallelism is not "
+                         f"built yet; use 1 (each expert whole on one rank)")
+    if ep < 1:
+        raise ValueError(f"--expert-model-parallel-size must be >= 1, got {ep}")
+    if model.num_experts is None:
+        if ep > 1:
+            raise ValueError(f"--expert-model-parallel-size {ep} splits mixture-of-experts layers, "
+                             f"which need --num-experts E; add it or use 1")
+        return
+    ExpertGrid.local_experts(model.num_experts, ep, 0)
+    if parallel.cp > 1 or (parallel.sequence_parallel and parallel.tp > 1):
+        raise ValueError("--num-experts with --cp > 1 or --sequence-parallel is not built yet; "
+                         "use --cp 1 and tensor parallelism without --sequence-parallel")
+    if ep == 1:
+        return
+    for flag, on in (("--use-distributed-optimizer", parallel.use_distributed_optimizer),
+                     ("--grad-compression", compression != "none"),
+                     ("checkpoints (--save, or --run-dir's checkpoints/)", save is not None)):
+        if on:
+            raise ValueError(f"--expert-model-parallel-size {ep} with {flag} is not built yet; "
+                             f"use --expert-model-parallel-size 1 for that")

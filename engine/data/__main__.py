@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.base import ConfigError, ToolParser
+from engine.base import ToolParser, os_error_text, run_tool
 from engine.data.corpus import builtin_corpus
 from engine.data.hf_tokenizer import TOKENIZER_TYPES
 from engine.data.indexed import convert_legacy, read_index
@@ -58,12 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("convert", help="write the Megatron index for data in the old gridtron layout")
     v.add_argument("prefix")
     v.add_argument("--output", default=None, help="new prefix (default: convert in place)")
-    try:
+    def body() -> int:
         args = parser.parse_args(argv)
-    except ConfigError as e:
-        print(f"gridtron: {e}", file=sys.stderr)
-        return 2
-    try:
         if args.command == "prepare":
             index = prepare(args.input, args.output, args.tokenizer, max_bytes=args.max_bytes,
                             train_chars=args.train_chars,
@@ -81,11 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             print(summary(prefix, read_index(prefix)))
         else:
             print(summary(args.prefix, read_index(args.prefix)))
-    except (OSError, ValueError) as e:
-        why = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else e
-        print(f"gridtron: data error: {why}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return run_tool(body, (OSError, lambda e: f"data error: {os_error_text(e)}", 2),
+                    (ValueError, lambda e: f"data error: {e}", 2))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,16 @@
   collective backend (hccl, nccl, gloo), TF32/HF32, the overflow check, the profiler API;
 - ``chips.py``: the Ascend chip table (which fused torch_npu ops a chip runs, overflow mode);
 - ``clock.py``: ``DeviceClock`` and ``EventPair``, device-time stamps on the current stream;
-- ``compile.py``: torch.compile with the device's backend and its artifact cache.
+- ``syncs.py``: ``SyncCounter``, the host's waits for the device, counted per training step;
+- ``compile.py``: torch.compile with the device's backend and its artifact cache;
+- ``streams``: side streams, events, ``record_stream`` and device-bound worker threads, re-exported
+  from ``parallel.streams``. The stream API lives in parallel/streams.py for layering reasons:
+  parallel/ (the DP exchange worker, ZeRO-2's storage release, the pipeline watchdog) needs it and
+  may not import engine/. The stream-order checker that tests install over it is
+  ``parallel.stream_check`` (docs/streams.md).
 
 Nothing outside this package calls ``torch.cuda`` or imports ``torch_npu`` for device control.
-Imports only ``engine.base`` (and ``kernels.dispatch`` for the kernel paths).
+Imports only ``engine.base`` (and ``kernels.dispatch`` for the kernel paths, ``parallel.streams``
+for the stream API).
 """
+from parallel import streams  # noqa: F401 - the stream API, see above

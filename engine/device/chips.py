@@ -161,3 +161,22 @@ def precision_problem(device_name: str, precision: str) -> str | None:
         return (f"--precision bf16 needs bfloat16 arithmetic, which {device_name} ({gen.product}) does "
                 f"not have: use --precision fp16 (the dynamic loss scaler keeps it stable) or fp32")
     return None
+
+
+COMPILE_ON_NPU = ("--compile on NPU: torch_npu's torch.compile backend (TorchAir) is documented for "
+                  "inference graphs only (TorchAir user guide, 'product positioning'), so a training "
+                  "graph with npu_fusion_attention's backward has no documented graph mode; run "
+                  "without --compile (the fused NPU kernels already run in eager mode)")
+
+
+def npu_start_problem(device_name: str, precision: str, compile: bool) -> str | None:
+    """The first reason this NPU run cannot start as configured (one line), or None.
+
+    >>> npu_start_problem("Ascend910B3", "bf16", compile=False) is None
+    True
+    >>> npu_start_problem("Ascend910B3", "bf16", compile=True).split(":")[0]
+    '--compile on NPU'
+    """
+    if compile:
+        return COMPILE_ON_NPU
+    return precision_problem(device_name, precision)

@@ -5,6 +5,15 @@ pipeline executor, the step timers, the timeline) stamps the device's stream ins
 NPU an event recorded on the current stream (torch.cuda.Event / torch.npu.Event with
 enable_timing=True), read with elapsed_time after the later event has completed; on CPU, where
 operations run synchronously on the calling thread, time.perf_counter().
+
+Every wait for the device goes through the clock and is counted by its ``syncs``
+(engine/device/syncs.py): ``synchronize``, ``read`` (a step's one blocking read of a tensor) and
+an ``elapsed_s`` whose later stamp the device has not reached yet. After a ``read`` everything
+stamped before it is complete, so the step's spans are read there without waiting, and the
+clock's anchor moves there: the stream has just drained, so "now" on the host is "now" on the
+device, with no ``synchronize`` of its own. On CPU the same bookkeeping runs on perf_counter
+stamps (a stamp later than the last read would wait on a GPU, and counts), so CPU tests count
+what a GPU run would.
 """
 from __future__ import annotations
 
@@ -13,6 +22,7 @@ import time
 import torch
 
 from engine.device.runtime import BACKENDS
+from engine.device.syncs import SyncCounter
 
 
 class DeviceClock:
@@ -29,23 +39,48 @@ class DeviceClock:
     that clock; ranks on different hosts line up as well as their host clocks agree (NTP).
     """
 
-    def __init__(self, kind: str = "cpu"):
+    def __init__(self, kind: str = "cpu", syncs: SyncCounter | None = None):
         if kind not in BACKENDS:
             raise ValueError(f"DeviceClock: device type must be one of {sorted(BACKENDS)}, got {kind!r}")
         self.kind = kind
+        self.syncs = syncs or SyncCounter()
         self._anchor = None
         self._anchor_wall = 0.0
+        self._settled = float("-inf")  # CPU: perf_counter of the last wait (stamps up to it are done)
 
     def _event(self):
         if self.kind == "cuda":
             return torch.cuda.Event(enable_timing=True)
         return torch.npu.Event(enable_timing=True)
 
-    def synchronize(self) -> None:
+    def synchronize(self, name: str = "synchronize") -> None:
+        """Wait until the device is idle (counted as ``name``)."""
         if self.kind == "cuda":
             torch.cuda.synchronize()
         elif self.kind == "npu":
             torch.npu.synchronize()
+        self._settle()
+        self.syncs.count(name, self.stamp())
+
+    def read(self, tensor: torch.Tensor, name: str) -> list:
+        """``tensor.tolist()``: a blocking read, counted as ``name``; afterwards every stamp made
+        so far is complete and the anchor is "now" (the stream just drained up to the read)."""
+        stamp = self.stamp()
+        with self.syncs.ignored():
+            values = tensor.tolist()
+        self.syncs.count(name, stamp)
+        self._settle()
+        self._anchor_wall, self._anchor = time.time(), self.stamp()
+        return values
+
+    def _settle(self) -> None:
+        self._settled = time.perf_counter()
+
+    def _done(self, stamp) -> bool:
+        if self.kind == "cpu":
+            return stamp <= self._settled
+        query = getattr(stamp, "query", None)
+        return bool(query()) if query is not None else False
 
     def stamp(self):
         """Mark "now" on the current stream: an event (CUDA/NPU) or perf_counter() seconds (CPU)."""
@@ -57,14 +92,19 @@ class DeviceClock:
 
     def elapsed_s(self, start, end) -> float:
         """Device seconds from stamp ``start`` to stamp ``end`` (waits until ``end`` completed)."""
+        if not self._done(end):
+            self.syncs.count("event wait", end)
+            if self.kind != "cpu":
+                end.synchronize()
+            self._settle()
         if self.kind == "cpu":
             return end - start
-        end.synchronize()
         return start.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
 
     def anchor(self) -> None:
-        """Synchronize, then tie a fresh stamp to the host's epoch clock (see ``wall``)."""
-        self.synchronize()
+        """Synchronize, then tie a fresh stamp to the host's epoch clock (see ``wall``); ``read``
+        moves the anchor too, without a synchronize of its own."""
+        self.synchronize("anchor")
         self._anchor_wall = time.time()
         self._anchor = self.stamp()
 
@@ -73,7 +113,8 @@ class DeviceClock:
         return self.timebase()(stamp)
 
     def timebase(self):
-        """``wall`` bound to the current anchor, for stamps read after a later ``anchor()``."""
+        """``wall`` bound to the current anchor, for stamps read after a later ``anchor()``. Take
+        it before the stamps it will convert: they must come after its anchor."""
         if self._anchor is None:
             raise RuntimeError("DeviceClock.wall needs anchor() first")
         anchor, anchor_wall = self._anchor, self._anchor_wall

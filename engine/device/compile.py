@@ -1,9 +1,11 @@
 """``--compile``: torch.compile every model chunk with the device's backend, caching what the
 compiler produces under the run directory so that the next run of the same recipe reuses it.
 
-Backends: Inductor on cpu and cuda; on Ascend, TorchAir's NPU backend
-(``torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())``), which lowers the FX graph
-to an Ascend IR graph. torchair is imported only on that path.
+Backends: Inductor on cpu and cuda. On Ascend, torch_npu's torch.compile backend is TorchAir, whose
+user guide positions it for inference graphs only (beta); nothing in torch_npu's documentation
+covers a training graph with npu_fusion_attention's backward, so ``--compile`` on an NPU stops at
+start-up with one line (``engine.device.chips.COMPILE_ON_NPU``) rather than compile a graph whose
+backward has no documented graph mode.
 
 Chunks are compiled in place (``nn.Module.compile``), so they keep their type, their methods
 (``shared_embedding_params``, ...) and their parameter names: checkpoints, gradient buckets and the
@@ -20,9 +22,6 @@ too, but they serialise the same artifacts into one pickled blob meant for shipp
 another machine; the directory cache already serves "same run directory, next run" and loading a
 pickle from a run directory is something this project does not do.
 
-TorchAir's own compile cache (``torchair.inference.cache_compile``) is documented for inference only
-and excludes graphs with random-number ops such as dropout, so on NPU a training run recompiles its
-graphs; the Inductor variables are still set, harmlessly.
 """
 from __future__ import annotations
 
@@ -31,23 +30,18 @@ from pathlib import Path
 
 from torch import nn
 
+from engine.device.chips import COMPILE_ON_NPU
+
 CACHE_DIRNAME = "compile_cache"
-BACKEND_NAMES = {"cpu": "inductor", "cuda": "inductor", "npu": "torchair npu backend"}
 
 
 def compile_backend(device_type: str):
-    """The torch.compile backend for a device type: "inductor" or TorchAir's NPU backend object."""
+    """The torch.compile backend for a device type: "inductor" (cpu, cuda)."""
     if device_type in ("cpu", "cuda"):
         return "inductor"
     if device_type == "npu":
-        try:
-            import torchair  # only present with the npu extra on an Ascend machine
-        except ImportError as exc:
-            raise RuntimeError("--compile on NPU needs torchair (installed with torch_npu's CANN "
-                               "toolkit); install it or run without --compile") from exc
-        config = torchair.CompilerConfig()
-        return torchair.get_npu_backend(compiler_config=config)
-    raise ValueError(f"--compile supports cpu, cuda and npu devices, not {device_type!r}")
+        raise ValueError(COMPILE_ON_NPU)
+    raise ValueError(f"--compile supports cpu and cuda devices, not {device_type!r}")
 
 
 def configure_compile_cache(run_dir: str | os.PathLike) -> Path:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.device.chips import npu_kernel_paths, overflow_mode
-from kernels.dispatch import ALL_FUSED, KernelPaths
+from kernels.dispatch import ALL_FUSED, KernelPaths, import_torch_npu
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 
@@ -216,24 +216,53 @@ class FloatStatusCheck:
     ``INF_NAN_MODE_ENABLE=0``): an overflowing fp16 result saturates to +-MAX and a NaN becomes 0,
     so gradients stay finite and ``isfinite`` never fires; the chip records the overflow in its
     float status register instead. ``clear()`` before the step's forward, ``flag()`` after the
-    gradients are final: a 0-d fp32 tensor on the device, 1.0 if any kernel overflowed in between
-    (no host sync; torch_npu.npu_clear_float_status / npu_get_float_status, which the torch_npu API
-    reference documents for the Atlas training, A2 and A3 series; torch_npu's own GradScaler and
-    DeepSpeed's NPU loss scaler use the same pair of calls).
+    gradients are final: a 0-d fp32 tensor on the device, 1.0 if any kernel overflowed in between.
+
+    Which torch_npu calls, probed on the installed torch_npu (never assumed):
+
+    - ``torch_npu.npu_clear_float_status`` / ``npu_get_float_status`` on an 8-word fp32 buffer: the
+      op-plugin reference documents the pair (beta) for the Atlas training, A2 and A3 series; the
+      flag stays on the device, no host sync. torch_npu's own GradScaler and DeepSpeed's NPU loss
+      scaler read the same register.
+    - where a torch_npu lacks them, the public wrappers ``torch_npu.npu.utils.clear_npu_overflow_flag``
+      / ``npu_check_overflow`` (documented for the same series; in saturation mode they ignore
+      their argument and read the register, and ``npu_check_overflow`` clears it). They return a
+      host bool, so that path costs one synchronisation per step.
+
+    torch_npu's ``get_npu_overflow_flag`` is not used: it raises on chips that support Inf/NaN mode
+    (Ascend910B1 and later), and this check only runs in saturation mode anyway.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, torch_npu=None):
         self.device = device
+        self._tnpu = torch_npu
+        self.api: str | None = None  # chosen on first use, from the installed torch_npu
         self._status = torch.zeros(8, dtype=torch.float32, device=device)  # the register's 8 words
 
+    def _calls(self):
+        """(get, clear) of the installed torch_npu, probed once."""
+        if self.api is None:
+            tnpu = self._tnpu if self._tnpu is not None else import_torch_npu()
+            if hasattr(tnpu, "npu_get_float_status") and hasattr(tnpu, "npu_clear_float_status"):
+                self.api = "npu_get_float_status"
+                self._pair = (tnpu.npu_get_float_status, tnpu.npu_clear_float_status)
+            else:
+                self.api = "npu_check_overflow"
+                self._pair = (tnpu.npu.utils.npu_check_overflow, tnpu.npu.utils.clear_npu_overflow_flag)
+        return self._pair
+
     def clear(self) -> None:
-        import torch_npu
-        torch_npu.npu_clear_float_status(self._status)
+        _, clear = self._calls()
+        if self.api == "npu_get_float_status":
+            clear(self._status)
+        else:
+            clear()
 
     def flag(self) -> torch.Tensor:
-        import torch_npu
-        status = torch_npu.npu_get_float_status(self._status)
-        return (status.float().sum() > 0).float()
+        get, _ = self._calls()
+        if self.api == "npu_get_float_status":
+            return (get(self._status).float().sum() > 0).float()
+        return torch.tensor(float(bool(get(0.0))), device=self.device)  # a host bool: one sync
 
 
 class _NoOverflowRegister:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from engine.device.runtime import DeviceInfo
+from parallel.dp.policy import CompressionPolicy
 from parallel.state import LaunchEnv, ParallelState
 from parallel.topology import RankGrid
 
@@ -63,7 +64,8 @@ def build_rank(cfg, grid: RankGrid, launch: LaunchEnv, rules: str | None, regist
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")      # the layout's notes were said once, by validation
         ps = ParallelState.initialize(grid, META, FAKE_BACKEND, launch,
-                                      timeout_s=cfg.parallel.timeout_s, backend_rules=rules)
+                                      timeout_s=cfg.parallel.timeout_s, backend_rules=rules,
+                                      dp_exchange=CompressionPolicy.coerce(cfg.compression).any_compressed)
         if observer is not None:
             ps.comm.observers.append(observer)
         with torch.device(META):

@@ -133,10 +133,17 @@ def meta_batches(cfg, ps, num_micro: int) -> list[MicroBatch]:
     return [one() for _ in range(num_micro)]
 
 
-def _communicators(events) -> int:
+def _communicators(events, reducer=None) -> int:
     """Process groups that issued a collective (setup or step; point-to-point transfers aside):
-    HCCL and NCCL create a group's communicator, and its buffers, on its first collective."""
-    return len({(e.group, e.ranks) for e in events if e.op not in ("send", "recv")})
+    HCCL and NCCL create a group's communicator, and its buffers, on its first collective. The
+    exchange worker's DP group has the DP group's kind and ranks (its lane tells them apart); with
+    a compressing ``reducer`` it counts even when the recorded step is a warm-up step, since the
+    first compressed step creates it."""
+    groups = {(e.group, e.ranks, e.lane) for e in events if e.op not in ("send", "recv")}
+    if reducer is not None and reducer.compressed:
+        g = reducer.exchange_group
+        groups.add((g.kind, g.ranks, g.lane))
+    return len(groups)
 
 
 def _p2p_peers(ps, actions) -> int:
@@ -234,7 +241,8 @@ def record_role(cfg, grid, role: Role, rules: str | None, devices_per_node: int,
                 role, rank, ps.pp_rank, dict(trainer.memory), saved.peak,
                 {s: round(per_micro * role.in_flight[s]) for s in role.stages}, collectives, comm,
                 {**comm_metrics(out.comm), **{k: trainer.memory[k] for k in MEMORY_KEYS}},
-                _communicators(setup + [e for e, _ in events]), _p2p_peers(ps, trainer.stepper.actions),
+                _communicators(setup + [e for e, _ in events], trainer.reducer),
+                _p2p_peers(ps, trainer.stepper.actions),
                 _holds(cfg, trainer), events=[e for e, _ in events], tensor_devices=_devices(trainer),
                 shard_buckets=_shard_buckets(trainer))
         finally:

@@ -186,6 +186,7 @@ class StragglerMonitor:
         self.activity.clock = self.clock
         self._reset()
         self._t0 = None
+        self._pending = None  # the last step's (start, end, blocked spans), read after a later wait
         self._steps_seen, self._counting = 0, False
 
     def _reset(self) -> None:
@@ -206,23 +207,31 @@ class StragglerMonitor:
         self._t0 = self.clock.stamp()
 
     def end_step(self) -> None:
-        """After the step (the device synchronized): add its compute and blocked times."""
-        if not self._counting:
-            self.activity.spans.clear()
+        """After the step: keep its stamps; the previous step's (complete since this step's wait,
+        engine/device/syncs.py) are added now, so reading them does not wait for the device."""
+        self._add_pending()
+        if self._counting:
+            self._pending = (self._t0, self.clock.stamp(), list(self.activity.spans))
+        self.activity.spans.clear()
+
+    def _add_pending(self) -> None:
+        """Add the kept step's compute and blocked times (waits if the device is not there yet)."""
+        if self._pending is None:
             return
-        end = self.clock.stamp()
-        total = self.clock.elapsed_s(self._t0, end)
+        start, end, spans = self._pending
+        self._pending = None
+        total = self.clock.elapsed_s(start, end)
         blocked = 0.0
-        for kind, a, b in self.activity.spans:
+        for kind, a, b in spans:
             dt = self.clock.elapsed_s(a, b)
             self.blocked[_CATEGORY.get(kind, "other")] += dt
             blocked += dt
-        self.activity.spans.clear()
         self.compute += max(0.0, total - blocked)
 
     def report(self, step: int) -> StragglerReport | None:
         """One all-gather over the world (every rank calls it at the same steps); None on a
         single rank and for an interval of warm-up steps only (on every rank alike)."""
+        self._add_pending()  # the interval's last step (a wait, once per report)
         if self.ps.world_size == 1 or self.first_step is None:
             self._reset()
             return None

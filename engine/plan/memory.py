@@ -102,19 +102,22 @@ def communicators(layout: Layout, tied_embeddings: bool, stage: str = "first") -
     "middle" or "last" stage: one per process group of more than one rank that issues a
     collective (world, tp, cp, dp or, when cp > 1, dp x cp, pp, and the tied-embedding pair of
     the first and last stages; the training step sums the gradient norm in its statistics
-    all-reduce over the world, so the mp = tp x pp group issues none), and, with pp > 1, its
+    all-reduce over the world, so the mp = tp x pp group issues none; with compression, the
+    exchange worker's own dp x cp communicator, parallel/lanes.py), and, with pp > 1, its
     pipeline neighbours (one at either end; two for a middle stage, and at the ends when the
     interleaved schedule wraps the last stage around to the first and pp > 2).
 
     >>> communicators(Layout(tp=2, pp=2, dp=2), tied_embeddings=True)  # world tp dp pp embedding
     (5, 1)
+    >>> communicators(Layout(tp=2, pp=2, dp=2, compression=True), tied_embeddings=True)
+    (6, 1)
     """
     t, c, p, d = layout.tp, layout.cp, layout.pp, layout.dp
     # with cp > 1 gradients are reduced over dp x cp: the DP group alone carries no collective;
     # under zb-v the tied pair is one device: its group is never used, so never created
     paired = p > 1 and tied_embeddings and stage != "middle" and not layout.v_placement
     groups = [layout.world_size, t, c, d if c == 1 else 1, d * c if c > 1 else 1, p,
-              2 if paired else 1]
+              2 if paired else 1, d * c if layout.compression else 1]
     neighbours = 0 if p == 1 else (2 if (layout.vp > 1 or stage == "middle") and p > 2 else 1)
     return sum(1 for size in groups if size > 1), neighbours
 
@@ -152,11 +155,12 @@ class MemoryTerms:
 
 
 def optimizer_bytes_per_param(shape: ModelShape, layout: Layout) -> float:
-    """fp32 master, Adam m and v per weight (an fp32 weight is its own master), split over the
-    dp x cp ranks under ZeRO (whose shards always keep an fp32 master)."""
+    """fp32 master, Adam m and v per weight (an fp32 weight is its own master, also under ZeRO:
+    parallel/dp/master.py), split over the dp x cp ranks under ZeRO."""
+    per_weight = OPTIMIZER_STATE_BYTES - (4 if shape.weight_bytes == 4 else 0)
     if layout.zero:
-        return OPTIMIZER_STATE_BYTES / (layout.dp * layout.cp)
-    return OPTIMIZER_STATE_BYTES - (4 if shape.weight_bytes == 4 else 0)
+        return per_weight / (layout.dp * layout.cp)
+    return per_weight
 
 
 def stage_name(layout: Layout, stage: int) -> str:

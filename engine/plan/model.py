@@ -207,6 +207,8 @@ class Layout:
     # a V: device 0 holds the embedding and the output layer)
     schedule: str = "1f1b"
     zero_stage: int = 1  # with zero: 1 shards the optimizer state, 2 also the fp32 gradients
+    # DP gradient compression: its exchange worker thread has a DP x CP communicator of its own
+    compression: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule == "zb-v" and self.vp == 1:

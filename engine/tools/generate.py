@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from engine.base import ConfigError, ToolParser
+from engine.base import ConfigError, ToolParser, run_tool
 from engine.checkpoint import CheckpointError, load_model_params, param_specs
 from engine.checkpoint.index import TensorReader, intact_hint, read_index, resolve, verify
 from engine.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer
@@ -178,7 +178,7 @@ def pick_tokenizer(args, ckpt: str, index: dict):
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
+    def body() -> int:
         args = build_parser().parse_args(argv)
         check_args(args)
         ckpt = resolve(args.load)
@@ -187,14 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         model, index, ckpt = load_model(ckpt)
         text = generate_text(model, tok, args.prompt, args.max_new_tokens, args.temperature,
                              args.top_k, args.seed)
-    except ConfigError as exc:
-        print(f"gridtron: {exc}", file=sys.stderr)
-        return 2
-    except CheckpointError as exc:
-        print(f"gridtron: checkpoint error: {exc}", file=sys.stderr)
-        return 1
-    except ValueError as exc:  # e.g. a prompt that encodes to no tokens
-        print(f"gridtron: {exc}", file=sys.stderr)
-        return 1
-    print(f"--- sample from {ckpt} (step {index['step']}) ---\n{text}")
-    return 0
+        print(f"--- sample from {ckpt} (step {index['step']}) ---\n{text}")
+        return 0
+
+    return run_tool(body, (CheckpointError, lambda e: f"checkpoint error: {e}", 1),
+                    (ValueError, str, 1))  # e.g. a prompt that encodes to no tokens

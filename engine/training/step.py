@@ -4,12 +4,24 @@ pipeline executor when pp > 1), gradient reduction, overflow check, clipping and
 The order inside a step follows the mixed-precision recipe: scale the loss -> backward -> finish the
 DP reduction -> sum the sequence-parallel and tied-embedding gradients -> unscale and check for
 overflow, squared global norm (on the device) -> one all-reduce of the step's statistics over the
-world and its one host read (``reduce_step_stats``; with a pipeline the phase's span is read just
-before, from a max over the stage's ranks, for the measured bubble) -> an overflow anywhere in the
-grid makes every rank skip -> clip the global norm -> optimizer step.
+world and its one host read (``reduce_step_stats``, engine/training/step_stats.py; with a pipeline
+it carries the previous step's bubble) -> an overflow anywhere in the grid makes every rank skip
+-> clip the global norm -> optimizer step.
+
+Host waits: a step waits for the device once, at the statistics read (``DeviceClock.read``,
+counted by engine/device/syncs.py); nothing waits before the forward, so ZeRO's parameter
+all-gathers queued by the previous update overlap this step's first forwards and the device keeps
+working while the host collates. The read comes before the update because the skip decision and
+the clipping coefficient are taken on the host (a device-side skip would have to mask every
+optimizer write and the scaler's state); scalars the update needs on the host (the optimizer's
+``host_reads``) come along in the same read. What runs after it is read at the next step's wait
+(engine/training/late_figures.py): ``time_clip_s``, ``time_optimizer_s`` and, with a pipeline,
+the measured bubble and the per-stage means, which ride on the next step's all-reduce.
+``StepOutput.complete`` says when they are in; ``Stepper.flush`` reads the last step's.
 
 Timing: each part is bracketed by stamps of a ``DeviceClock`` on the device's stream (events on
-CUDA/NPU), read after the step: ``time_forward_backward_s`` (the forward/backward phase, the
+CUDA/NPU), read at the step's wait (the clipping's and the update's at the next one):
+``time_forward_backward_s`` (the forward/backward phase, the
 pipeline phase with pp > 1), ``time_dp_finish_s`` (finishing the DP gradient reduction: what the
 backward did not hide), ``time_grad_sync_s`` (the sequence-parallel and tied-embedding
 all-reduces), ``time_clip_s`` (unscale, overflow check, global norm, the statistics all-reduce and
@@ -33,9 +45,13 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.device.clock import DeviceClock
+from engine.training.late_figures import LateFigures
 from engine.training.loss_scaler import apply_grad_stats, grad_stats
+from engine.training.step_stats import (StepAgreement, StepStats, mean_loss_over_grid,  # noqa: F401
+                                        reduce_step_stats)
+from models.moe.stats import set_aux_grad_scale
 from parallel.grads import sync_sequence_parallel_grads
-from parallel.pipeline.bubble import COMPUTE_CATS, pipeline_bubble
+from parallel.pipeline.bubble import COMPUTE_CATS, phase_times
 from parallel.pipeline.executor import run_schedule, sum_embedding_grads
 from parallel.pipeline.schedules import forward_only_schedule
 from parallel.pipeline.timeline import TimelineEvent
@@ -62,6 +78,7 @@ class StepOutput:
     extra: dict = field(default_factory=dict)
     rank: int = 0
     wall: object = field(default=None, repr=False)  # the clock's stamp -> epoch seconds
+    complete: bool = False  # the late figures (time_optimizer_s, the bubble) are in
     _events: list | None = field(default=None, repr=False)
 
     @property
@@ -74,99 +91,6 @@ class StepOutput:
                                                    micro, chunk)
                                      for name, cat, a, b, micro, chunk in self.marks]
         return self._events
-
-
-def mean_loss_over_grid(local_sum: float, ps: ParallelState, device,
-                        holds_loss: bool | None = None) -> float:
-    """The global-batch loss from one fp32 all-reduce over the world (HCCL reduces no float64):
-    held by the ranks of tp rank 0 that run the last virtual stage (``holds_loss``; default the
-    last pipeline rank), averaged over DP x CP."""
-    if ps.world_size == 1:
-        return local_sum
-    owner = (ps.is_last_stage if holds_loss is None else holds_loss) and ps.tp_rank == 0
-    t = torch.tensor([local_sum if owner else 0.0], dtype=torch.float32, device=device)
-    ps.world_group.all_reduce(t)
-    return t.item() / (ps.dp_size * ps.cp_size)
-
-
-@dataclass
-class StepStats:
-    loss: float                  # mean token loss over the global batch
-    found_inf: float             # > 0: some rank overflowed
-    grad_norm_sq: float          # squared global gradient norm (after unscaling)
-    per_rank: list[float]        # world means of the per-rank values
-    per_stage: list[float]       # per-stage means of the per-stage values
-    counts: list[float] = field(default_factory=list)  # world sums of the agreement's counts
-
-
-class StepAgreement:
-    """Small non-negative integers that every rank adds to the step's statistics all-reduce, summed
-    over the world (exact in fp32 up to 2**24). Each source is ``fn() -> list[int]`` of a fixed
-    width, called once per execution of the step; ``agreed[name]`` are the sums, identical on every
-    rank. Example: the checkpointer's [stop requested, save written, save failed] on 4 ranks of
-    which one got SIGTERM and all finished writing: [1, 4, 0]."""
-
-    def __init__(self):
-        self.sources: dict[str, tuple[int, object]] = {}
-
-    def set(self, name: str, width: int, fn) -> None:
-        self.sources[name] = (width, fn)
-
-    def local(self) -> list[int]:
-        out = []
-        for name, (width, fn) in self.sources.items():
-            values = [int(v) for v in fn()]
-            if len(values) != width or min(values, default=0) < 0:
-                raise ValueError(f"StepAgreement: {name} must give {width} non-negative integers, "
-                                 f"got {values}")
-            out += values
-        return out
-
-    def split(self, values) -> dict[str, list[int]]:
-        out, k = {}, 0
-        for name, (width, _) in self.sources.items():
-            out[name] = [int(round(v)) for v in values[k:k + width]]
-            k += width
-        return out
-
-
-def _to_device(values: list[float], device) -> torch.Tensor:
-    """Host floats as a device tensor without a host sync (pinned memory, asynchronous copy)."""
-    t = torch.tensor(values, dtype=torch.float32)
-    if torch.device(device).type in ("cpu", "meta") or not values:  # (meta: a dry run's)
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def reduce_step_stats(ps: ParallelState, local_loss: torch.Tensor, grads: torch.Tensor,
-                      per_rank: tuple[float, ...] = (),
-                      per_stage: tuple[float, ...] = (), counts=(),
-                      holds_loss: bool | None = None) -> StepStats:
-    """The step's one collective and one host read: [loss, overflow flag, grad norm², per-rank
-    values, per-stage values], summed over the world in fp32 (HCCL reduces no float64).
-
-    ``local_loss``: this rank's loss (0-d device tensor), counted on the ranks of tp rank 0 that
-    run the last virtual stage (``holds_loss``, as in ``mean_loss_over_grid``) and averaged over
-    DP x CP. ``grads``: ``grad_stats(share=True)``'s (flag, this rank's share of the norm²); the
-    flags are summed (> 0: an overflow somewhere), the shares add up to the grid-wide norm², so
-    the norm needs no collective of its own. ``per_rank`` values (e.g. the idle fraction) are averaged over
-    the world, ``per_stage`` ones (each rank fills its own stage's slots) over a stage's ranks;
-    ``counts`` (small integers, a StepAgreement's) are summed.
-    """
-    device = grads.device
-    owner = (ps.is_last_stage if holds_loss is None else holds_loss) and ps.tp_rank == 0
-    zero = torch.zeros(1, dtype=torch.float32, device=device)
-    parts = [local_loss.reshape(1).to(torch.float32) if owner else zero, grads]
-    if per_rank or per_stage or counts:
-        parts.append(_to_device([*per_rank, *per_stage, *counts], device))
-    t = torch.cat(parts)
-    ps.world_group.all_reduce(t)
-    values = t.tolist()  # the step's one host sync
-    k, j = 3 + len(per_rank), 3 + len(per_rank) + len(per_stage)
-    ranks_per_stage = ps.world_size // ps.pp_size
-    return StepStats(values[0] / (ps.dp_size * ps.cp_size), values[1], values[2],
-                     [v / ps.world_size for v in values[3:k]],
-                     [v / ranks_per_stage for v in values[k:j]], values[j:])
 
 
 def micro_batch_loss(out: torch.Tensor, mb, num_micro: int, dp: int) -> torch.Tensor:
@@ -209,6 +133,9 @@ class Computed:
     snapshot: dict           # communication counters at the start
     stamps: list             # DeviceClock stamps: start, after forward/backward, DP finish, grad sync, statistics
     marks: list              # pp=1 forward/backward marks (name, cat, start, end, micro, chunk)
+    wall: object = None      # the clock's timebase taken before the step's first stamp
+    phase: object = None     # pp > 1: this rank's PhaseTimes, read after the statistics wait
+    stage_times: tuple = ()  # pp > 1: this rank's compute means in its stage's slots
 
 
 class Stepper:
@@ -240,6 +167,9 @@ class Stepper:
         self.guard = None               # engine.observe.anomaly.AnomalyGuard: reviews a step before its update
         self.current_step = None        # the step being run (1-based), as the trainer names it
         self.micro_losses = None        # this rank's per-micro-batch losses of the last execution (device)
+        self.late: LateFigures | None = None  # the last step's figures read at the next wait
+        if self.clock._anchor is None:  # the first timebase; later steps move it at their wait
+            self.clock.anchor()
 
     def _forward_step(self, batches, scale: float):
         """The executor's callback: a chunk's output, or on the last chunk the scaled mean loss."""
@@ -262,6 +192,7 @@ class Stepper:
         m = len(batches)
         marks = [] if marks is None else marks
         self.reducer.set_num_microbatches(m)  # a parameter's m-th accumulation launches its bucket
+        set_aux_grad_scale(self.chunks, scale / m)  # MoE balancing losses weigh like the token loss
         if self.ps.pp_size == 1:
             model, losses, stamp = self.chunks[0], [], self.clock.stamp
             for i, mb in enumerate(batches):
@@ -287,17 +218,20 @@ class Stepper:
 
     def statistics(self, local_loss: torch.Tensor, pipe):
         """After the gradients are complete: unscale and check for overflow, the squared norm, the
-        bubble, the step's one statistics all-reduce, then skip or clip. Returns (StepStats,
-        StepCheck). Reading the pipeline's events waits for the device: it comes after the
-        gradient checks are queued."""
+        previous step's bubble, the step's one statistics all-reduce and its one wait, then skip
+        or clip. Returns (StepStats, StepCheck)."""
         grads = grad_stats(self.optimizer, self.scaler, self.overflow, share=True)
         per_rank, stage_times = (), ()
-        if pipe is not None:
+        if self.late is not None:
             with self.ps.comm.uncounted():  # the phase's span: not traffic of the step
-                per_rank = (pipeline_bubble(self.ps, pipe.events),)
-            stage_times = stage_compute_times(pipe.events, self.ps)
+                per_rank, stage_times = self.late.carried(self.ps)
+        wanted = getattr(self.optimizer, "host_reads", None)  # scalars the update reads on the host
+        local = wanted(grads.device) if wanted is not None else []
         stats = reduce_step_stats(self.ps, local_loss, grads, per_rank, stage_times,
-                                  self.agreement.local(), self.holds_loss)
+                                  self.agreement.local(), self.holds_loss, clock=self.clock,
+                                  local=local)
+        if wanted is not None:
+            self.optimizer.host_values(stats.local)
         check = apply_grad_stats(self.optimizer, self.scaler, stats.found_inf, stats.grad_norm_sq,
                                  self.clip_grad, self.reducer)
         return stats, check
@@ -308,7 +242,6 @@ class Stepper:
         bad is reviewed (run again) before any update."""
         if step is not None:
             self.current_step = step
-        self.clock.anchor()  # synchronize: the step starts on an idle device
         if self.guard is not None:
             self.guard.before(self)
         pre = self.compute(batches)
@@ -327,6 +260,7 @@ class Stepper:
         if self.overflow is not None:
             self.overflow.clear()
         scale = float(self.scaler.scale)
+        wall = clock.timebase()  # anchored before this step's stamps (at the last wait)
         t = [clock.stamp()]
         local_loss, pipe = self._forward_backward(batches, scale, marks)
         t.append(clock.stamp())
@@ -337,11 +271,16 @@ class Stepper:
         t.append(clock.stamp())
         stats, check = self.statistics(local_loss, pipe)
         t.append(clock.stamp())
+        phase = stage_times = None
+        if pipe is not None:  # complete since the wait: read without waiting
+            phase, stage_times = phase_times(pipe.events), stage_compute_times(pipe.events, self.ps)
         return Computed(stats.loss, check, scale, pipe, stats, self.agreement.split(stats.counts),
-                        snapshot, t, marks)
+                        snapshot, t, marks, wall, phase, stage_times or ())
 
     def apply(self, pre: Computed, lr: float) -> StepOutput:
-        """The update of a computed step (none when it is skipped), then its figures."""
+        """The update of a computed step (none when it is skipped), then its figures: the
+        previous step's late ones are completed (this step's wait followed them), this step's
+        update span and bubble wait for the next step's wait (``out.complete`` False until then)."""
         clock, t, marks = self.clock, list(pre.stamps), list(pre.marks)
         if not pre.check.skipped:
             self.optimizer.step(lr)
@@ -349,34 +288,52 @@ class Stepper:
         self.agreed = pre.agreed
         comm = self.ps.comm.since(pre.snapshot)
         marks += [(name, cat, t[i + 1], t[i + 2], -1, 0) for i, (name, cat) in enumerate(_PHASES)]
-        times = [clock.elapsed_s(t[i], t[i + 1]) for i in range(len(t) - 1)]
+        times = [clock.elapsed_s(t[i], t[i + 1]) for i in range(len(t) - 3)] + [None, None]
         out = StepOutput(pre.loss, pre.check.grad_norm, pre.check.skipped, pre.scale, comm, pre.pipe,
-                         dict(zip(TIME_KEYS, times)), marks, rank=self.ps.rank, wall=clock.timebase())
-        if pre.pipe is not None:
-            out.extra["bubble_measured"] = pre.stats.per_rank[0]
-            k = len(COMPUTE_CATS)
-            out.extra["stage_fwd_s"] = pre.stats.per_stage[0::k]
-            out.extra["stage_bwd_s"] = pre.stats.per_stage[1::k]
-            out.extra["stage_wgt_s"] = pre.stats.per_stage[2::k]
+                         dict(zip(TIME_KEYS, times)), marks, rank=self.ps.rank, wall=pre.wall)
+        if self.late is not None:
+            self.late.complete(clock, pre.stats)
+        self.late = LateFigures(out, (t[-3], t[-2], t[-1]), pre.phase, pre.stage_times)
         return out
+
+    def flush(self) -> None:
+        """Read the last step's late figures (every rank, after its last step: with a pipeline
+        this is one more statistics all-reduce). Its wait is outside any step."""
+        late, self.late = self.late, None
+        if late is None:
+            return
+        stats = None
+        if late.phase is not None:
+            with self.ps.comm.uncounted():
+                per_rank, per_stage = late.carried(self.ps)
+                zero = torch.zeros((), dtype=torch.float32, device=self.ps.device)
+                stats = reduce_step_stats(self.ps, zero, torch.zeros(2, device=self.ps.device),
+                                          per_rank, per_stage, clock=self.clock)
+        else:
+            self.clock.synchronize("flush")
+        late.complete(self.clock, stats)
 
     @torch.no_grad()
     def forward_only(self, batches) -> float:
         """Mean loss of these micro-batches over the grid, without gradients (validation)."""
+        """Mean loss of these micro-batches over the grid, without gradients (validation): one
+        host read, of the all-reduced sum; with pp > 1 transfers are waited for as in training
+        (the step's waiter: on the stream under NCCL/HCCL), with no device-wide synchronize."""
         m = len(batches)
         device, dp = batches[0].tokens.device, self.ps.dp_cp_group.size
         if self.ps.pp_size == 1:
             model = self.chunks[0]
-            if batches[0].loss_mask is None:
-                local = sum(model(mb.tokens, mb.labels, mb.inputs).mean().item() for mb in batches) / m
-            else:
-                local = sum(micro_batch_loss(model(mb.tokens, mb.labels, mb.inputs), mb, m, dp).item()
-                            for mb in batches)
-            return mean_loss_over_grid(local, self.ps, device)
+            losses = [micro_batch_loss(model(mb.tokens, mb.labels, mb.inputs), mb, m, dp)
+                      for mb in batches]
+            return mean_loss_over_grid(torch.stack(losses).float().sum(), self.ps, device,
+                                       clock=self.clock)
         actions = forward_only_schedule(self.ps.pp_size, m, len(self.chunks), self.placement)
-        self.clock.anchor()
         result = run_schedule(self.ps, actions, list(self.chunks), self._forward_step(batches, 1.0),
-                              m, self.act_shape, self.act_dtype, self.timeout_s, clock=self.clock,
-                              deallocate_outputs=False, forward_only=True,
+                              m, self.act_shape, self.act_dtype, self.timeout_s, waiter=self.waiter,
+                              clock=self.clock, deallocate_outputs=False, forward_only=True,
                               scatter_gather=self.scatter_gather)
-        return mean_loss_over_grid(sum(result.losses), self.ps, device, holds_loss=self.holds_loss)
+        local = result.loss_sum
+        if local is None:  # not the last stage: its slot is not counted
+            local = torch.zeros((), dtype=torch.float32, device=device)
+        return mean_loss_over_grid(local, self.ps, device, holds_loss=self.holds_loss,
+                                   clock=self.clock)

@@ -14,6 +14,9 @@ from parallel.pipeline.schedules import has_weight_actions
 
 MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
 TIMELINE_STEPS = 3  # the steps --timeline keeps (the trainer's)
+# the keys read at the next step's wait (engine/training/late_figures.py): null until then
+LATE_KEYS = ("step_time_s", "tokens_per_s", "tflops_per_device", "model_tflops_per_device", "mfu",
+             "hfu", "time_clip_s", "time_optimizer_s", "bubble_measured", "bubble_simulated")
 
 
 def comm_metrics(comm: dict, compiled: bool = False) -> dict:
@@ -34,7 +37,7 @@ def simulated_bubble(schedule_lists, out) -> float | None:
     """The schedule replayed with this step's measured mean forward/backward (and weight-gradient)
     time per stage: what the bubble would be from stage imbalance alone, without communication or
     noise."""
-    if out.pipeline is None:
+    if out.pipeline is None or "stage_fwd_s" not in out.extra:
         return None
     fwd, bwd, wgt = out.extra["stage_fwd_s"], out.extra["stage_bwd_s"], out.extra["stage_wgt_s"]
     if min(fwd) <= 0 or min(bwd) <= 0:
@@ -43,19 +46,22 @@ def simulated_bubble(schedule_lists, out) -> float | None:
     return simulate(schedule_lists, fwd, bwd, wgt_time=wgt if split else None).idle_fraction
 
 
-def step_record(trainer, step: int, out, dt: float, lr: float) -> dict:
+def step_record(trainer, step: int, out, dt: float | None, lr: float, syncs=None) -> dict:
     """Step ``step``'s (0-based) metrics record: tokens over the step's device time ``dt``, model
-    and executed FLOPs over it per device, the bubble three ways, bytes per traffic kind, memory."""
+    and executed FLOPs over it per device, the bubble three ways, bytes per traffic kind, memory,
+    the step's host waits (``syncs``: engine.device.syncs.SyncEvent list). ``dt`` None: the step's
+    late keys (LATE_KEYS) are null, to be filled by ``LateRecords``."""
     cfg, world = trainer.cfg, trainer.ps.world_size
     tokens = cfg.data.global_batch_size * cfg.model.seq_length
-    model_tflops = per_device(trainer.flops.model, dt, world)
-    tflops = per_device(trainer.flops.executed, dt, world)
+    late = dt is None
+    model_tflops = None if late else per_device(trainer.flops.model, dt, world)
+    tflops = None if late else per_device(trainer.flops.executed, dt, world)
     return {"step": step + 1, "loss": out.loss, "lr": lr, "grad_norm": out.grad_norm,
             "loss_scale": out.loss_scale, "skipped": out.skipped, "tokens": tokens,
-            "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops_per_device": tflops,
-            "model_tflops_per_device": model_tflops,
-            "mfu": utilization(model_tflops, trainer.peak_tflops),
-            "hfu": utilization(tflops, trainer.peak_tflops),
+            "step_time_s": dt, "tokens_per_s": None if late else tokens / dt,
+            "tflops_per_device": tflops, "model_tflops_per_device": model_tflops,
+            "mfu": None if late else utilization(model_tflops, trainer.peak_tflops),
+            "hfu": None if late else utilization(tflops, trainer.peak_tflops),
             "model_flops": trainer.flops.model, "executed_flops": trainer.flops.executed,
             **out.times,
             "bubble_theoretical": trainer.bubble_theory,
@@ -65,7 +71,42 @@ def step_record(trainer, step: int, out, dt: float, lr: float) -> dict:
                                       if out.pipeline is not None else None),
             **comm_metrics(out.comm, cfg.compile),
             **{k: trainer.memory[k] for k in MEMORY_KEYS},
-            "peak_memory_bytes": trainer.dev.peak_memory_bytes()}
+            "peak_memory_bytes": trainer.dev.peak_memory_bytes(),
+            "host_syncs": None if syncs is None else len(syncs),
+            "host_sync_points": None if syncs is None else [e.name for e in syncs]}
+
+
+class LateRecords:
+    """The trainer's records whose late keys wait for the next step's wait (see
+    engine/training/late_figures.py): ``add`` after a step; ``complete()`` after the next one (or
+    after ``Stepper.flush``) fills them in place; ``take()`` hands the whole ones over, in order."""
+
+    def __init__(self, trainer):
+        self.trainer, self.pending, self.done = trainer, [], []  # pending: (step, out, timer, lr, record)
+
+    def add(self, step: int, out, timer, lr: float, record: dict) -> None:
+        self.pending.append((step, out, timer, lr, record))
+
+    def complete(self) -> None:
+        """Fill the records whose step's figures are in (``out.complete``), in place."""
+        while self.pending and self.pending[0][1].complete:
+            step, out, timer, lr, record = self.pending.pop(0)
+            full = step_record(self.trainer, step, out, timer.elapsed_s(), lr)
+            record.update({k: full[k] for k in LATE_KEYS})
+            self.done.append(record)
+
+    def write(self, log, dash, records: list) -> None:
+        """Hand the completed records to the metrics log, the dashboards and ``records``."""
+        for record in self.take():
+            log.log(record)
+            dash.log(record)
+            records.append(record)
+
+    def take(self) -> list[dict]:
+        """The records completed since the last ``take``, in step order."""
+        self.complete()
+        done, self.done = self.done, []
+        return done
 
 
 def resilience_metrics(trainer, step: int, record: dict, log) -> None:

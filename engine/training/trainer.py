@@ -23,14 +23,16 @@ from engine.observe.dashboards import Dashboards
 from engine.data import build_data, collate
 from engine.data.packing import MicroBatch, count_loss_tokens, micro_batch
 from engine.device.clock import DeviceClock, EventPair
-from engine.device.chips import precision_problem
+from engine.device.chips import npu_start_problem
 from engine.device.runtime import set_matmul_precision, setup_device
 from engine.training.loss_scaler import ConstantScaler, DynamicLossScaler
 from engine.training.lr_schedule import learning_rate
 from engine.observe.metrics import MetricsLog
 from engine.observe.profiling import StepProfiler
 from engine.training.step import Stepper
-from engine.training.step_record import TIMELINE_STEPS, resilience_metrics, run_summary, step_record
+from engine.training.step_record import (TIMELINE_STEPS, LateRecords, resilience_metrics,
+                                         run_summary, step_record)
+from engine.training.step_syncs import StepTimeline, counted_step
 from engine.observe.utilization import run_flops, run_peak_tflops
 from engine.training.validate import validate_packing, validate_run
 from models import LayerContext, build_chunks
@@ -40,8 +42,8 @@ from parallel.backend_rules import resolve as resolve_rules
 from parallel.context_parallel import init_ring, load_balanced, shard_index
 from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
                          MixedPrecisionOptimizer, PolicyError, memory_bytes)
+from parallel.expert_parallel import init_expert_groups
 from parallel.pipeline.bubble import theoretical_bubble
-from parallel.pipeline.timeline import gather_events, write_chrome_trace
 from parallel.pipeline.partition import placement_stages, stage_layers
 from parallel.pipeline.p2p import init_p2p, waiter_for
 from parallel.pipeline.schedules import build_schedule, has_weight_actions, validate_schedule
@@ -73,19 +75,22 @@ class Trainer:
         self.launch = launch or LaunchEnv.from_env()
         self.grid, notes = validate_run(cfg, self.launch, registry)
         try:  # a bad per-branch compression policy fails here, before any collective
-            CompressionPolicy.coerce(cfg.compression)
+            compressed = CompressionPolicy.coerce(cfg.compression).any_compressed
         except PolicyError as exc:
             raise ConfigError(f"grad_compression_policy: {exc}") from exc
         self.dev = setup_device(cfg.device, self.launch.local_rank, self.launch.local_world_size)
-        problem = precision_problem(self.dev.name, cfg.precision.precision) if self.dev.type == "npu" else None
-        if problem:  # a chip without bf16: before any process group exists
+        problem = (npu_start_problem(self.dev.name, cfg.precision.precision, cfg.compile)
+                   if self.dev.type == "npu" else None)
+        if problem:  # a chip without bf16, or --compile: before any process group exists
             raise ConfigError(problem)
         self.tf32 = set_matmul_precision(self.dev.type, cfg.precision.allow_tf32)
         rules = resolve_rules(cfg.parallel.backend_rules, self.dev.backend, self.dev.name)
         # every rank meets the others with its resolved flags before the first collective
         self.ps = ParallelState.initialize(self.grid, self.dev.device, self.dev.backend, self.launch,
                                            timeout_s=cfg.parallel.timeout_s, backend_rules=rules,
-                                           agreement=resolved_flags(cfg))
+                                           agreement=resolved_flags(cfg), dp_exchange=compressed)
+        # mixture of experts: the EP and EDP groups, cut from the dp x cp ranks of each stage
+        init_expert_groups(self.ps, cfg.parallel.expert_model_parallel_size, cfg.parallel.timeout_s)
         self.is_main = self.ps.rank == 0
         for note in (*notes, *self.dev.notes):  # the chip's fallbacks: said once, by rank 0
             if self.is_main:
@@ -203,7 +208,8 @@ class Trainer:
                        if p.precision == "fp16" else ConstantScaler(1.0))
         named = [(n, q) for c in self.chunks for n, q in c.logical_named_parameters()]
         self.reducer = GradReducer(named, ps, bucket_size_mb=cfg.parallel.bucket_size_mb,
-                                   compression_policy=cfg.compression,
+                                   compression_policy=CompressionPolicy.coerce(
+                                       cfg.compression, cfg.optim.train_iters),
                                    overlap=cfg.parallel.overlap_grad_reduce)
         self.reducer.loss_scaler = self.scaler   # top-k's local variance statistics, unscaled
         o = cfg.optim
@@ -229,7 +235,8 @@ class Trainer:
         and the ``Stepper``."""
         cfg, ps = self.cfg, self.ps
         actions = act_shape = self.waiter = self.weight_grads = None
-        self.timeline: list = []  # events of the last few steps, for --timeline
+        self.timeline = StepTimeline(TIMELINE_STEPS)  # the last few steps, for --timeline
+        self.late_records = LateRecords(self)  # records waiting for their late keys
         sp = cfg.parallel.sequence_parallel and ps.tp_size > 1
         if ps.pp_size > 1:
             vp = cfg.parallel.virtual_pipeline_size
@@ -324,6 +331,7 @@ class Trainer:
                 if self.stragglers is not None:
                     self.stragglers.begin_step(step + 1)
                 record = self.train_one(step)
+                self.late_records.write(log, dash, result.records)  # the previous step's, complete
                 resilience_metrics(self, step, record, log)
                 if cfg.log.eval_interval and (step + 1) % cfg.log.eval_interval == 0:
                     vloss = self.evaluate()
@@ -337,15 +345,14 @@ class Trainer:
                                                last=step + 1 == cfg.optim.train_iters,
                                                agreed=self.stepper.agreed.get("checkpoint"))
                 record["save_blocking_s"] = b.blocking_s
-                log.log(record)
-                dash.log(record)
-                result.records.append(record)
                 result.checkpoint = b.published or result.checkpoint
                 if b.stop:  # SIGTERM on some rank: every rank stops after this step
                     result.stopped = f"stopped by SIGTERM after step {step + 1}"
                     log.note(f"gridtron: {result.stopped} (of {cfg.optim.train_iters})"
                              + (f"; saved {b.published}" if b.published else ""))
                     break
+            self.flush()  # the last step's late figures (one wait, after the steps)
+            self.late_records.write(log, dash, result.records)
             if cfg.checkpoint.save and not result.records:
                 result.checkpoint = self.save(cfg.optim.train_iters)
             self.params_ready()  # the last step's parameter all-gathers
@@ -358,40 +365,39 @@ class Trainer:
         if self.is_main and result.records:
             result.summary = run_summary(self, result)
         if cfg.log.timeline:
-            gathered = gather_events(ps, self.timeline_events)
-            if self.is_main:
-                labels = {r: f"rank {r} (tp {c.tp}, pp {c.pp}, dp {c.dp})"
-                          for r in range(ps.world_size) for c in [self.grid.coord(r)]}
-                write_chrome_trace(cfg.log.timeline, gathered, labels)
+            self.timeline.write(ps, self.grid, cfg.log.timeline)
         return result
 
     def train_one(self, step: int) -> dict:
+        """Step ``step`` (0-based). Its record's late keys (LATE_KEYS: the step's time and what
+        follows from it, the update's span, the bubble) are null until the next step's wait fills
+        them in place (or ``stepper.flush`` after the last): nothing waits for the device before
+        the forward, and the step waits once (engine/device/syncs.py, counted in ``host_syncs``)."""
         cfg = self.cfg
         self.dev.reset_peak_memory()
-        self.clock.synchronize()  # the step's events start on an idle device
         self.profiler.before_step(step + 1)
-        timer = EventPair(self.clock).start()
-        batches = self._batches(step)
+        timer = EventPair(self.clock).start()  # read at the next step's wait
+        batches = self._batches(step)  # host tensors, then queued copies: not the step's waits
         lr = learning_rate(step, cfg.optim)
         self.stepper.current_step = step + 1  # names the step in anomaly reports
-        out = self.stepper.run(batches, lr)
-        dt = timer.stop().elapsed_s()  # device time of the whole step
+        out, events = counted_step(self, batches, lr, timer)
         self.profiler.after_step(step + 1)
         self.sampler.next_step = step + 1
         if not math.isfinite(out.loss) and cfg.precision.precision != "fp16":
             last = self.last_checkpoint()
             raise TrainingDiverged(f"loss is {out.loss} at step {step + 1}; last good checkpoint: "
                                    f"{last or 'none saved'}")
-        if cfg.log.timeline:
-            for e in out.events:
-                e.args["step"] = step + 1
-            self.timeline.append(out.events)
-            del self.timeline[:-TIMELINE_STEPS]
-        return step_record(self, step, out, dt, lr)
+        if cfg.log.timeline:  # converted at the end: converting stamps now would wait
+            self.timeline.add(step + 1, out, events)
+        record = step_record(self, step, out, None, lr, events)
+        self.late_records.add(step, out, timer, lr, record)
+        return record
 
-    @property
-    def timeline_events(self) -> list:
-        return [e for step in self.timeline for e in step]
+    def flush(self) -> None:
+        """Fill the late keys of the records ``train_one`` returned so far (the last one's after
+        one more wait; with a pipeline a collective: every rank calls it)."""
+        self.stepper.flush()
+        self.late_records.complete()
 
     def params_ready(self) -> None:
         """Wait for ZeRO's parameter all-gathers still in flight (overlapped with the next forward

@@ -21,6 +21,7 @@ from engine.plan.model import Layout, ModelShape
 from engine.training.lr_schedule import learning_rate
 from models.blocks import takes_attention_inputs
 from models.registry import BlockRegistry, default_registry
+from parallel.dp.policy import CompressionPolicy
 from parallel.pipeline.partition import partition_layers
 from parallel.state import LaunchEnv, LayoutError, check_layout
 from parallel.topology import RankGrid
@@ -171,7 +172,8 @@ def planner_inputs(cfg, grid, vocab_size: int | None = None) -> tuple[ModelShape
     layout = Layout(grid.tp, grid.pp, grid.dp, par.chunks_per_rank, cfg.data.micro_batch_size,
                     par.recompute, par.use_distributed_optimizer,
                     par.sequence_parallel and grid.tp > 1, grid.cp, par.order,
-                    schedule=schedule, zero_stage=par.zero_stage)
+                    schedule=schedule, zero_stage=par.zero_stage,
+                    compression=CompressionPolicy.coerce(cfg.compression).any_compressed)
     return shape, layout
 
 

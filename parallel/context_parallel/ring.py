@@ -3,7 +3,9 @@ rank merges the partial results of its queries with the log-sum-exp rule.
 
 Every rank holds the load-balanced shard of sharding.py: chunks r and 2cp-1-r of the sequence, each
 of c = s / (2 cp) tokens, as the two halves of its local sequence. At ring step i rank r holds the
-keys and values of rank j = (r - i) mod cp and computes (kernels.attention_lse):
+keys and values of rank j = (r - i) mod cp and computes (kernels.attention_lse, on the block kernel of the device and chip: the NPU's fusion
+attention where the chip table lists it, PyTorch's flash / memory-efficient SDPA kernels on CUDA,
+ATen's CPU flash kernel):
 
     step 0 (j = r):  all its queries against its own keys, causal               2c x 2c, half masked
     j < r:           all its queries against j's FIRST half (chunk j), unmasked   2c x c
@@ -26,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention import NpuMaskCache
+from kernels.dispatch import KernelPaths
 from kernels.attention_lse import attention_lse, attention_lse_backward, merge_partial
 
 
@@ -72,7 +75,7 @@ class _RingAttention(torch.autograd.Function):
     backward: key/value blocks around the ring again, with their travelling dK/dV accumulators."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, docs, scale, cache):
+    def forward(ctx, q, k, v, group, docs, scale, cache, paths):
         p, r = group.size, group.rank
         q = q.contiguous()
         c = q.shape[2] // 2
@@ -85,13 +88,14 @@ class _RingAttention(torch.autograd.Function):
             recv, works = _exchange(group, kv) if step < p - 1 else (None, [])
             src, qs, ks, causal = _blocks(step, r, p, c)
             o, l = attention_lse(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal,
-                                 _mask(docs, r, src, qs, ks), scale, mask_cache=cache)
+                                 _mask(docs, r, src, qs, ks), scale, mask_cache=cache, paths=paths)
             out[:, :, qs], lse[:, :, qs] = merge_partial(out[:, :, qs], lse[:, :, qs], o, l)
             _wait(works)
             kv = recv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *(() if docs is None else (docs,)))
         ctx.group, ctx.scale, ctx.packed, ctx.cache = group, scale, docs is not None, cache
+        ctx.paths = paths
         return out
 
     @staticmethod
@@ -111,7 +115,7 @@ class _RingAttention(torch.autograd.Function):
             gq, gk, gv = attention_lse_backward(dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks],
                                                 kv[1][:, :, ks], out[:, :, qs], lse[:, :, qs],
                                                 causal, _mask(docs, r, src, qs, ks), scale,
-                                                mask_cache=cache)
+                                                mask_cache=cache, paths=ctx.paths)
             dq[:, :, qs] += gq
             if step == 0:
                 acc = torch.zeros_like(kv)
@@ -125,18 +129,21 @@ class _RingAttention(torch.autograd.Function):
             _wait(kv_works)
             kv = recv
         _wait(dkv_works)
-        return dq.to(q.dtype), dkv_recv[0], dkv_recv[1], None, None, None, None
+        return dq.to(q.dtype), dkv_recv[0], dkv_recv[1], None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
                    document_ids: torch.Tensor | None = None, scale: float | None = None,
-                   mask_cache: NpuMaskCache | None = None) -> torch.Tensor:
+                   mask_cache: NpuMaskCache | None = None,
+                   paths: KernelPaths | None = None) -> torch.Tensor:
     """Causal attention of this rank's load-balanced shard over the whole sequence of the CP ring.
 
     q (b, n, 2c, d), k and v (b, n_kv, 2c, d): the shard's heads (chunks r and 2cp-1-r along dim 2).
     ``document_ids``: (b, s) int, the document of every token of the WHOLE rows (packed documents),
     or None. ``mask_cache``: the NPU causal mask shared by the model's layers (None: one for this
-    call). Returns (b, n, 2c, d). On a group of one it is plain causal attention of the shard.
+    call). ``paths``: the chip's fused ops (kernels.KernelPaths; None: all), so a chip without
+    npu_fusion_attention runs the portable block kernel. Returns (b, n, 2c, d). On a group of one it
+    is plain causal attention of the shard.
     """
     p = group.size
     b, _, s_local, _ = q.shape
@@ -152,4 +159,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
         # (cp, b, 2c): the document ids of every rank's shard
         docs = document_ids.view(b, 2 * p, c)[:, chunks].reshape(b, p, s_local).transpose(0, 1).contiguous()
     cache = mask_cache if mask_cache is not None else NpuMaskCache()
-    return _RingAttention.apply(q, k, v, group, docs, scale, cache)
+    return _RingAttention.apply(q, k, v, group, docs, scale, cache, paths)

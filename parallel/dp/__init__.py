@@ -3,6 +3,7 @@ gather, gradient compression with error feedback and frozen-variance Adam, memor
 from parallel.dp.buffers import Bucket, GradBuffer, ParamSlot
 from parallel.dp.compression import Compressor, Int8Compressor, TopKCompressor
 from parallel.dp.memory import memory_bytes
+from parallel.dp.onebit import OneBitCompressor
 from parallel.dp.policy import CompressionPolicy, CompressorSpec, PolicyError
 from parallel.dp.reducer import GradReducer, named_parameters
 from parallel.dp.variance import LocalVariance, LogQuantizer
@@ -13,5 +14,5 @@ __all__ = [
     "Bucket", "GradBuffer", "ParamSlot", "Compressor", "Int8Compressor", "TopKCompressor",
     "CompressionPolicy", "CompressorSpec", "PolicyError", "GradReducer", "named_parameters",
     "DistributedOptimizer", "MixedPrecisionOptimizer", "ShardPiece", "memory_bytes",
-    "LocalVariance", "LogQuantizer",
+    "LocalVariance", "LogQuantizer", "OneBitCompressor",
 ]

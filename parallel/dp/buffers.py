@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from parallel import streams
 from parallel.dp.compression import Compressor
 from parallel.dp.policy import CompressorSpec
 
@@ -103,14 +104,16 @@ class Bucket:
             slot.param.main_grad = self.storage[slot.start - self.start:slot.end - self.start] \
                 .view_as(slot.param)
 
-    def free_storage(self, used_on=None) -> None:
+    def free_storage(self, used_on: streams.Stream | None = None) -> None:
         """Drop the ZeRO-2 full gradient. ``used_on``: a stream other than the one that allocated
         it whose queued work may still read it; the caching allocator (CUDA, NPU) is told
-        (``record_stream``), so the block is reused only once that work is done."""
+        (``record_stream``), so the block is reused only once that work is done. The release goes
+        through parallel/streams.py, where the stream-order checker sees it."""
         if self.buffer.data is not None:
             return
-        if used_on is not None and self.storage is not None:
-            self.storage.record_stream(used_on)
+        if self.storage is not None:
+            streams.record_stream(self.storage, used_on)
+            streams.released(self.storage)
         self.storage = None
         for slot in self.slots:
             slot.param.main_grad = None

@@ -5,47 +5,46 @@ done inside the gradient hook it would stall backward for all of it. ``ExchangeW
 hands the job to a single background thread and returns at once, so backward goes on computing
 earlier layers' gradients while the bucket is encoded and sent. One thread keeps the collectives
 of every rank in the same order (jobs run in submission order, and the reducer submits buckets
-in index order); while the worker is in use, every DP collective of the step is issued from it.
+in index order); while the worker is in use, every DP collective of the step is issued from it,
+on a communicator of its own (``ps.dp_exchange_group``, the thread's lane: parallel/lanes.py), so
+that it never shares one with the TP and CP collectives autograd issues meanwhile.
 
 On an accelerator the jobs run on a side stream that first waits for an event recorded on the
 submitting stream (the bucket's gradients are complete there), and ``drain`` makes the caller's
-stream wait for the side stream, so the optimizer sees the results. This uses only the
-device-generic ``torch.Stream`` / ``torch.Event``; on CPU there are no streams and the thread alone
-provides the overlap (ATen kernels release the GIL).
+stream wait for the side stream, so the optimizer sees the results. Streams, events and the thread
+come from parallel/streams.py (device-generic, and observed by the stream-order checker; the
+thread binds the rank's device before its first job); on CPU there are no streams and the thread
+alone provides the overlap (ATen kernels release the GIL).
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
+
+from parallel import streams
+from parallel.lanes import EXCHANGE_LANE, enter_lane
 
 
 class ExchangeWorker:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
-        self._pool: ThreadPoolExecutor | None = None
+        # the thread is in the exchange lane: its collectives go on ps.dp_exchange_group
+        self._worker = streams.SerialWorker("dp-exchange", self.device, initializer=enter_lane,
+                                            initargs=(EXCHANGE_LANE,))
         self._futures: list[Future] = []
-        self._stream = None
-        if self.device.type not in ("cpu", "meta"):
-            self._stream = torch.Stream(device=self.device)
+        self._stream = streams.side_stream("dp-exchange", self.device)
 
     def submit(self, fn, *args) -> Future:
         """Run ``fn(*args)`` on the worker after everything submitted before."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dp-exchange")
-        event = None
-        if self._stream is not None:
-            event = torch.Event(device=self.device)
-            event.record()
-        future = self._pool.submit(self._run, fn, args, event)
+        event = streams.record_event(streams.current_stream(self.device))
+        future = self._worker.submit(self._run, fn, args, event)
         self._futures.append(future)
         return future
 
     def _run(self, fn, args, event):
-        if self._stream is None:
-            return fn(*args)
-        self._stream.wait_event(event)
-        with self._stream:
+        streams.wait_event(event, self._stream)
+        with streams.use(self._stream):
             return fn(*args)
 
     def drain(self) -> list:
@@ -59,17 +58,15 @@ class ExchangeWorker:
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 error = error or exc
                 results.append(None)
+        if futures:
+            streams.wait_stream(streams.current_stream(self.device), self._stream)
         if error is not None:
             raise error
-        if self._stream is not None and futures:
-            done = torch.Event(device=self.device)
-            done.record(self._stream)
-            torch.accelerator.current_stream(self.device).wait_event(done)
         return results
 
     @property
-    def stream(self):
-        """The side stream the jobs run on (None on CPU, where there are no streams)."""
+    def stream(self) -> streams.Stream:
+        """The side stream the jobs run on (a name only on CPU, where there are no streams)."""
         return self._stream
 
     @property
@@ -77,6 +74,4 @@ class ExchangeWorker:
         return bool(self._futures)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self._worker.close()

@@ -9,8 +9,8 @@ to the byte:
 - ``grad_bytes``: the gradient buffers (stages 0 and 1: the full fp32 buffers; stage 2: the
   persistent 1/dp shards, since a bucket's full gradient is only alive from its first gradient of
   a step until its reduce-scatter completes);
-- ``optimizer_state_bytes``: fp32 masters and Adam moments (ZeRO: 12 bytes per element of this
-  rank's shards; torch's AdamW: 8 bytes per element plus a 4-byte step per tensor, plus an fp32
+- ``optimizer_state_bytes``: fp32 masters and Adam moments (ZeRO: 8 bytes per element of this
+  rank's shards, 12 for bf16/fp16 parameters, whose fp32 master is a copy; torch's AdamW: 8 bytes per element plus a 4-byte step per tensor, plus an fp32
   master per low-precision parameter), and the compressors' state: error-feedback residuals (the
   bucket's fp32 values, plus the owner's 1/dp shard without ZeRO) and, for top-k, the local
   squared-gradient statistics (the bucket's fp32 values).
@@ -18,8 +18,8 @@ to the byte:
 Formulas per rank for a model of N parameters in buckets of total padded size P (P >= N) and AdamW:
 
     stage 0: grads 4P, state 8N + 4 (#tensors) [+ 4N masters if params are bf16/fp16]
-    stage 1: grads 4P, state 12 P / dp
-    stage 2: grads 4 P / dp, state 12 P / dp
+    stage 1: grads 4P, state 8 P / dp [12 P / dp if params are bf16/fp16]
+    stage 2: grads 4 P / dp, state 8 P / dp [12 P / dp if params are bf16/fp16]
 
 Transient buffers (a ZeRO-2 bucket during backward, a compressor's packed messages) are not
 included; ``peak_memory_bytes`` sees them.
@@ -55,8 +55,9 @@ def memory_bytes(reducer, optimizer) -> dict:
             for b in buf.buckets:
                 grads[_name(buf.grad_dtype)] += _nbytes(b.shard.numel(), b.shard.dtype)
     if sharded:
-        n = optimizer.master.numel()
-        state["float32"] += 3 * _nbytes(n, torch.float32)          # master, exp_avg, exp_avg_sq
+        n = optimizer.exp_avg.numel()
+        owned = getattr(optimizer.master, "owned_numel", n)       # fp32 params are their master
+        state["float32"] += _nbytes(2 * n + owned, torch.float32)  # exp_avg, exp_avg_sq, master
     elif optimizer is not None:
         for p, m in zip(optimizer.params, optimizer.masters):
             state["float32"] += 2 * _nbytes(p.numel(), torch.float32) + 4   # moments + step

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from parallel.dp.onebit import (bind_momentum, momentum_adamw_, momentum_buckets, momentum_now,
+                                seed_due)
 from parallel.dp.optim_common import (FUSED_ADAMW_DEVICES, _GradAccess, _covering, _entries,
                                       _frozen_adamw_, _sparse_now, copy_)
 from parallel.dp.reducer import GradReducer
@@ -43,6 +45,7 @@ class MixedPrecisionOptimizer(_GradAccess):
         self._host_steps: dict[int, int] = {}
         if reducer is not None:
             reducer.beta2 = betas[1]
+            bind_momentum(reducer, betas[0])
 
     def grad_pieces(self):
         return [(g, p) for p in self.params if (g := current_grad(p)) is not None]
@@ -69,6 +72,18 @@ class MixedPrecisionOptimizer(_GradAccess):
         self._frozen_step(frozen, lr)
         with torch.no_grad():
             self._copy_masters_to_params()
+        self._seed_momentum(seed_due(self.reducer))
+
+    def _seed_momentum(self, buckets) -> None:
+        """1-bit buckets (onebit.py): their compressor's momentum from exp_avg, in bucket layout."""
+        index = {p: i for i, p in enumerate(self.params)}
+        for b in buckets:
+            full = torch.zeros(b.numel, dtype=torch.float32, device=b.compressor.residual.device)
+            for slot in b.slots:
+                st = self.inner.state.get(self.masters[index[slot.param]], {})
+                if "exp_avg" in st:
+                    full[slot.start - b.start:slot.end - b.start] = st["exp_avg"].reshape(-1)
+            b.compressor.set_momentum(full)
 
     def _borrow_grads(self, frozen: set[int] = frozenset()) -> tuple[list, list]:
         """Point each master's .grad at its parameter's gradient (main_grad: already fp32 and
@@ -105,6 +120,31 @@ class MixedPrecisionOptimizer(_GradAccess):
         return {i for i, (p, m) in enumerate(zip(self.params, self.masters))
                 if _sparse_now(self.reducer.bucket_of(p)) and "exp_avg_sq" in self.inner.state.get(m, {})}
 
+    def host_reads(self, device) -> list[torch.Tensor]:
+        """The scalars on ``device`` that the coming update reads on the host: AdamW's ``step`` of
+        each tensor entering the frozen-variance phase (once per tensor and run; a device tensor
+        under fused AdamW). The training step reads them along with its statistics, so they cost
+        no wait of their own; ``host_values`` hands their values back. A ``step`` held elsewhere
+        (the CPU, under a GPU run) is a host value and is read here (no device wait)."""
+        self._wanted = []
+        missing = [i for i in sorted(self._frozen_now()) if i not in self._host_steps]
+        out = []
+        for i in missing:
+            step = self.inner.state[self.masters[i]]["step"]
+            if isinstance(step, torch.Tensor) and step.device == torch.device(device):
+                self._wanted.append(i)
+                out.append(step)
+            else:  # a host value: torch's own method, not a counted device read
+                self._host_steps[i] = int(torch._C.TensorBase.item(step)
+                                          if isinstance(step, torch.Tensor) else step)
+        return out
+
+    def host_values(self, values) -> None:
+        """The values of ``host_reads``' tensors, read by the step's one wait."""
+        for i, v in zip(getattr(self, "_wanted", []), values):
+            self._host_steps[i] = int(v)
+        self._wanted = []
+
     @torch.no_grad()
     def _frozen_step(self, frozen: set[int], lr: float) -> None:
         """The frozen-variance update of variance.py on the state torch's AdamW keeps."""
@@ -130,9 +170,10 @@ class MixedPrecisionOptimizer(_GradAccess):
                 lo = slot.start - bucket.start
                 st["exp_avg_sq"].copy_(refreshed[bucket.index][lo:lo + slot.numel].view_as(m))
             wd = self._decay[i]
-            _frozen_adamw_(m.view(-1), current_grad(p).to(torch.float32).reshape(-1),
-                           st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1), self._host_steps[i], lr,
-                           self.betas, self.eps, [(0, m.numel(), wd)] if wd else [])
+            update = momentum_adamw_ if momentum_now(bucket) else _frozen_adamw_
+            update(m.view(-1), current_grad(p).to(torch.float32).reshape(-1),
+                   st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1), self._host_steps[i], lr,
+                   self.betas, self.eps, [(0, m.numel(), wd)] if wd else [])
 
     @property
     def step_count(self) -> int:
@@ -172,3 +213,5 @@ class MixedPrecisionOptimizer(_GradAccess):
                                                             device=m.device if self._fused else "cpu"),
                                        "exp_avg": tensors["exp_avg"].view_as(m).clone(),
                                        "exp_avg_sq": tensors["exp_avg_sq"].view_as(m).clone()}
+        if step > 0 and self.reducer is not None and self.reducer.dp > 1:
+            self._seed_momentum(momentum_buckets(self.reducer))   # (the reducer's state wins)

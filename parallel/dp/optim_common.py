@@ -54,17 +54,20 @@ class _GradAccess:
     def grad_pieces(self) -> list[tuple[torch.Tensor, torch.nn.Parameter]]:
         raise NotImplementedError
 
-    def _views(self, counted: bool) -> list[torch.Tensor]:
+    def _views(self, counted: bool, part: str = "all") -> list[torch.Tensor]:
         """Gradients as flat runs (all of them, or those counted in the norm). With a reducer the
         views are fixed for the optimizer's life and built once; plain ``param.grad`` tensors are
         new every step."""
         cache = self.__dict__.setdefault("_view_cache", {})
-        if counted in cache:
-            return cache[counted]
+        if (counted, part) in cache:
+            return cache[(counted, part)]
         pieces = self.grad_pieces()
+        if part != "all":  # "expert": models/moe's expert weights, "dense": everything else
+            pieces = [(g, p) for g, p in pieces
+                      if bool(getattr(p, "expert_parallel", False)) == (part == "expert")]
         views = coalesce_views(counted_grads(pieces, self.ps) if counted else [g for g, _ in pieces])
         if self.reducer is not None:
-            cache[counted] = views
+            cache[(counted, part)] = views
         return views
 
     def grad_tensors(self) -> list[torch.Tensor]:
@@ -83,18 +86,34 @@ class _GradAccess:
         """Multiply the gradients by a clipping coefficient (``clip_coefficient``)."""
         scale_(self.grad_tensors(), coef)
 
+    @property
+    def _expert_parallel(self) -> bool:
+        """Expert weights differ between the ranks of an EP group (parallel/expert_groups.py)."""
+        return self.ps.edp_group is not self.ps.dp_cp_group and self.ps.ep_group.size > 1
+
     def grad_norm_sq(self) -> torch.Tensor:
         """The squared global norm, a 0-d fp32 tensor on the device, equal on every rank."""
-        local = local_norm_sq(self._views(counted=True), self._device())
+        if not self._expert_parallel:
+            local = local_norm_sq(self._views(counted=True), self._device())
+            return grid_norm_sq_(local, self.ps, over_dp=self.sharded)
+        experts = local_norm_sq(self._views(True, "expert"), self._device())
+        self.ps.ep_group.all_reduce(experts)  # distinct experts on each EP rank
+        local = local_norm_sq(self._views(True, "dense"), self._device()) + experts
         return grid_norm_sq_(local, self.ps, over_dp=self.sharded)
 
     def grad_norm_sq_share(self) -> torch.Tensor:
         """This rank's share of the squared global norm (0-d fp32, no collective): summed over
         the world it is ``grad_norm_sq()``. Under ZeRO every rank's shard counts; otherwise the
         gradients are the same on every rank of the DP x CP group and its first rank counts."""
-        if self.sharded or self.ps.dp_cp_group.rank == 0:
+        if self.sharded or (self.ps.dp_cp_group.rank == 0 and not self._expert_parallel):
             return local_norm_sq(self._views(counted=True), self._device())
-        return torch.zeros((), dtype=torch.float32, device=self._device())
+        share = torch.zeros((), dtype=torch.float32, device=self._device())
+        if self._expert_parallel:  # expert weights: the first rank of each EDP group counts them
+            if self.ps.dp_cp_group.rank == 0:
+                share = share + local_norm_sq(self._views(True, "dense"), self._device())
+            if self.ps.edp_group.rank == 0:
+                share = share + local_norm_sq(self._views(True, "expert"), self._device())
+        return share
 
     def check_and_unscale_(self, inv_scale: float) -> torch.Tensor:
         """This rank's overflow flag (0-d fp32) and the gradients unscaled, in one pass."""

@@ -2,8 +2,10 @@
 
     grad_compression:
       default: none               # or int8, topk, or a mapping like a rule without 'pattern'
-      warmup_steps: 4             # steps 1..4 exchange uncompressed gradients (default 4)
-      variance_refresh: 100       # top-k: Adam's frozen second moment refreshed every 100 steps
+      warmup_fraction: 0.15       # of --train-iters uncompressed (onebit, topk; default 0.15)
+      warmup_steps: 90            # or a number of steps (wins over the fraction)
+      variance_refresh: auto      # onebit, topk: exp (0/1 Adam), every K steps, off; auto:
+                                  # off for onebit alone, exp with top-k (warmup.py)
       rules:                      # fnmatch on parameter names, first match wins
         - {pattern: "*embed*", compressor: none}
         - {pattern: "*attn*",  compressor: int8, chunk_size: 256}
@@ -13,8 +15,9 @@ Embeddings and norms are small and sensitive, MLP gradients are large and tolera
 a policy lets each branch pay only the error it can afford. The reducer forms buckets per
 compressor, so one bucket never mixes two compressors.
 
-Top-k needs at least one warm-up step: Adam's second moment of its parameters is frozen after the
-warm-up and refreshed every ``variance_refresh`` steps (parallel/dp/variance.py).
+Top-k and onebit need at least one warm-up step: Adam's second moment of their parameters is
+frozen after the warm-up and refreshed on the ``variance_refresh`` schedule (variance.py,
+warmup.py); the warm-up is a fraction of the run for them (warmup.py), 4 steps for int8 alone.
 """
 from __future__ import annotations
 
@@ -22,11 +25,13 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 from parallel.dp.compression import Compressor, Int8Compressor, TopKCompressor
+from parallel.dp.onebit import OneBitCompressor
+from parallel.dp.warmup import (DEFAULT_VARIANCE_REFRESH, DEFAULT_WARMUP_STEPS, check_fraction,
+                                parse_refresh, refresh_at, resolve_warmup)
 
-KINDS = ("none", "int8", "topk")
-DEFAULT_WARMUP_STEPS = 4       # uncompressed steps before compression starts
-DEFAULT_VARIANCE_REFRESH = 100  # steps between refreshes of top-k's frozen second moment
-_OPTIONS = {"none": (), "int8": ("chunk_size",), "topk": ("ratio",)}
+KINDS = ("none", "int8", "topk", "onebit")
+FROZEN_VARIANCE = ("topk", "onebit")   # Adam's second moment frozen after the warm-up
+_OPTIONS = {"none": (), "int8": ("chunk_size",), "topk": ("ratio",), "onebit": ("chunk_size",)}
 
 
 class PolicyError(ValueError):
@@ -45,14 +50,18 @@ class CompressorSpec:
             raise PolicyError(f"compressor: unknown compressor {self.kind!r}; use one of {', '.join(KINDS)}")
         if self.ratio is not None and self.kind != "topk":
             raise PolicyError(f"ratio: only the topk compressor takes a ratio, not {self.kind!r}")
-        if self.chunk_size is not None and self.kind != "int8":
-            raise PolicyError(f"chunk_size: only the int8 compressor takes a chunk_size, not {self.kind!r}")
+        if self.chunk_size is not None and self.kind not in ("int8", "onebit"):
+            raise PolicyError(f"chunk_size: only the int8 and onebit compressors take a chunk_size, "
+                              f"not {self.kind!r}")
         if self.ratio is not None and (isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float))
                                        or not 0.0 < self.ratio <= 1.0):
             raise PolicyError(f"ratio: must be a number in (0, 1], got {self.ratio!r}")
         if self.chunk_size is not None and (isinstance(self.chunk_size, bool)
                                             or not isinstance(self.chunk_size, int) or self.chunk_size < 1):
             raise PolicyError(f"chunk_size: must be a positive integer, got {self.chunk_size!r}")
+        if self.kind == "onebit" and self.chunk_size is not None and self.chunk_size % 8:
+            raise PolicyError(f"chunk_size: onebit packs 8 signs per byte; use a multiple of 8, "
+                              f"got {self.chunk_size!r}")
 
     @property
     def compressed(self) -> bool:
@@ -64,6 +73,8 @@ class CompressorSpec:
             return Int8Compressor(chunk_size=self.chunk_size or 256)
         if self.kind == "topk":
             return TopKCompressor(ratio=0.01 if self.ratio is None else float(self.ratio))
+        if self.kind == "onebit":
+            return OneBitCompressor(chunk_size=self.chunk_size or 256)
         return None
 
     def describe(self) -> str:
@@ -101,45 +112,63 @@ class Rule:
 
 @dataclass(frozen=True)
 class CompressionPolicy:
+    """``warmup_steps`` is resolved (warmup.py: a fraction of the run for compressors that freeze
+    the variance); ``variance_refresh`` is "exp", K > 0 or 0 (off) once built ("auto" resolves)."""
     default: CompressorSpec = field(default_factory=CompressorSpec)
     warmup_steps: int = 0
     rules: tuple[Rule, ...] = ()
-    variance_refresh: int = DEFAULT_VARIANCE_REFRESH
+    variance_refresh: int | str = DEFAULT_VARIANCE_REFRESH
 
     def __post_init__(self) -> None:
-        for key in ("warmup_steps", "variance_refresh"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise PolicyError(f"{key}: must be a non-negative integer, got {value!r}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) \
+                or self.warmup_steps < 0:
+            raise PolicyError(f"warmup_steps: must be a non-negative integer, got {self.warmup_steps!r}")
+        try:
+            topk = self.default.kind == "topk" or any(r.spec.kind == "topk" for r in self.rules)
+            object.__setattr__(self, "variance_refresh",
+                               parse_refresh(self.variance_refresh, sparse_topk=topk))
+        except ValueError as exc:
+            raise PolicyError(str(exc)) from None
         if self.any_sparse and self.warmup_steps < 1:
             raise PolicyError("warmup_steps: top-k needs at least 1 uncompressed warm-up step, from "
-                              "which Adam's second moment of its parameters is taken; use "
-                              f"warmup_steps >= 1 (default {DEFAULT_WARMUP_STEPS})")
+                              "which Adam's second moment of its parameters is taken (onebit too); "
+                              f"use warmup_steps >= 1 (default {DEFAULT_WARMUP_STEPS})")
 
     @classmethod
     def none(cls) -> "CompressionPolicy":
         return cls()
 
     @classmethod
-    def uniform(cls, kind: str, ratio: float | None = None, warmup_steps: int = DEFAULT_WARMUP_STEPS,
-                variance_refresh: int = DEFAULT_VARIANCE_REFRESH) -> "CompressionPolicy":
-        """One compressor for every parameter (the --grad-compression / --grad-compression-ratio flags)."""
+    def uniform(cls, kind: str, ratio: float | None = None, warmup_steps: int | None = None,
+                variance_refresh: int | str = DEFAULT_VARIANCE_REFRESH,
+                warmup_fraction: float | None = None, train_iters: int | None = None,
+                ) -> "CompressionPolicy":
+        """One compressor for every parameter (the --grad-compression* flags)."""
         value = {"compressor": kind}
         if kind == "topk" and ratio is not None:
             value["ratio"] = ratio
         spec = CompressorSpec.parse(value, "grad_compression")
-        return cls(spec, warmup_steps if spec.compressed else 0, (), variance_refresh)
+        cls._check_fraction(warmup_fraction)
+        warmup = resolve_warmup(warmup_steps, warmup_fraction, train_iters, kind in FROZEN_VARIANCE)
+        return cls(spec, warmup if spec.compressed else 0, (), variance_refresh)
+
+    @staticmethod
+    def _check_fraction(fraction) -> None:
+        try:
+            check_fraction(fraction)
+        except ValueError as exc:
+            raise PolicyError(str(exc)) from None
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "CompressionPolicy":
+    def from_dict(cls, d: dict | None, train_iters: int | None = None) -> "CompressionPolicy":
         if d is None:
             return cls()
         if not isinstance(d, dict):
             raise PolicyError(f"grad_compression: expected a mapping, got {d!r}")
-        extra = set(d) - {"default", "warmup_steps", "variance_refresh", "rules"}
+        extra = set(d) - {"default", "warmup_steps", "warmup_fraction", "variance_refresh", "rules"}
         if extra:
             raise PolicyError(f"{sorted(extra)[0]}: unknown key; a policy has default, warmup_steps, "
-                              f"variance_refresh and rules")
+                              f"warmup_fraction, variance_refresh and rules")
         default = CompressorSpec.parse(d.get("default", "none"), "default")
         rules_in = d.get("rules", []) or []
         if not isinstance(rules_in, (list, tuple)):
@@ -155,25 +184,36 @@ class CompressionPolicy:
             if "compressor" not in rule:
                 raise PolicyError(f"{where}.compressor: missing; use one of {', '.join(KINDS)}")
             rules.append(Rule(pattern, CompressorSpec.parse(rule, where)))
-        return cls(default, d.get("warmup_steps", DEFAULT_WARMUP_STEPS), tuple(rules),
-                   d.get("variance_refresh", DEFAULT_VARIANCE_REFRESH))
+        cls._check_fraction(d.get("warmup_fraction"))
+        frozen = default.kind in FROZEN_VARIANCE or any(r.spec.kind in FROZEN_VARIANCE for r in rules)
+        steps = d.get("warmup_steps")                      # (a bad value is named by __post_init__)
+        warmup = steps if steps is not None else \
+            resolve_warmup(None, d.get("warmup_fraction"), train_iters, frozen)
+        return cls(default, warmup, tuple(rules), d.get("variance_refresh", DEFAULT_VARIANCE_REFRESH))
 
     @classmethod
-    def coerce(cls, value) -> "CompressionPolicy":
+    def coerce(cls, value, train_iters: int | None = None) -> "CompressionPolicy":
         """A policy from a policy, its dict form, None, or a config object carrying the flags
-        grad_compression, grad_compression_ratio and grad_compression_policy (the dict wins)."""
+        grad_compression, grad_compression_ratio, grad_compression_warmup_steps / _fraction,
+        grad_compression_variance_refresh and grad_compression_policy (the dict wins).
+        ``train_iters`` sizes a fractional warm-up (without it the warm-up is 4 steps)."""
         if isinstance(value, cls):
             return value
         if value is None or isinstance(value, dict):
-            return cls.from_dict(value)
+            return cls.from_dict(value, train_iters)
         if hasattr(value, "grad_compression"):
             if getattr(value, "grad_compression_policy", None):
-                return cls.from_dict(value.grad_compression_policy)
+                return cls.from_dict(value.grad_compression_policy, train_iters)
             return cls.uniform(value.grad_compression, getattr(value, "grad_compression_ratio", None),
-                               getattr(value, "grad_compression_warmup_steps", DEFAULT_WARMUP_STEPS),
+                               getattr(value, "grad_compression_warmup_steps", None),
                                getattr(value, "grad_compression_variance_refresh",
-                                       DEFAULT_VARIANCE_REFRESH))
+                                       DEFAULT_VARIANCE_REFRESH),
+                               getattr(value, "grad_compression_warmup_fraction", None), train_iters)
         raise PolicyError(f"grad_compression: expected a policy mapping, got {type(value).__name__}")
+
+    def refresh_due(self, step: int) -> bool:
+        """Whether 1-based ``step`` refreshes the frozen second moment (warmup.py's schedule)."""
+        return refresh_at(step, self.warmup_steps, self.variance_refresh)
 
     def compressor_for(self, name: str) -> CompressorSpec:
         """The spec of the first rule whose pattern matches ``name`` (case-sensitive), else the default."""
@@ -192,4 +232,6 @@ class CompressionPolicy:
 
     @property
     def any_sparse(self) -> bool:
-        return self.default.kind == "topk" or any(r.spec.kind == "topk" for r in self.rules)
+        """Whether some compressor freezes Adam's second moment (top-k, onebit)."""
+        return self.default.kind in FROZEN_VARIANCE or any(r.spec.kind in FROZEN_VARIANCE
+                                                           for r in self.rules)

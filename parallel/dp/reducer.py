@@ -25,7 +25,8 @@ Uncompressed buckets are async collectives issued from the hook. In a step where
 active (after the policy's warm-up) every bucket goes to the ``ExchangeWorker`` instead
 (exchange.py): compressed buckets are encoded, exchanged and decoded on its thread while backward
 continues, and uncompressed ones are issued from there too, so one thread orders all DP
-collectives. ``finish()`` waits for everything.
+collectives, on ``ps.dp_exchange_group`` (the same ranks on a communicator of the worker's own:
+parallel/lanes.py), as does the variance refresh. ``finish()`` waits for everything.
 
 Schedules where one step runs several backward passes per parameter in an interleaved order
 (virtual pipeline stages) can use ``set_num_microbatches(n)`` instead: a parameter then counts as
@@ -54,6 +55,8 @@ reduced: the bucket then holds this rank's own accumulated gradients (engine/obs
 non-finite ones there, before the reduction spreads them to every replica).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -117,9 +120,18 @@ class GradReducer:
             # covers the same elements on both stages and the tied gradients can be summed after
             # the reduction
             alone = id(p) if getattr(p, "tied_across_stages", False) else None
-            groups.setdefault((p.dtype, self.policy.compressor_for(name), alone), []).append((name, p))
+            # expert weights (models/moe) are summed over the expert-data-parallel group instead
+            expert = bool(getattr(p, "expert_parallel", False))
+            groups.setdefault((p.dtype, self.policy.compressor_for(name), alone, expert),
+                              []).append((name, p))
         self.buffers = [GradBuffer(members, spec, grad_dtype, bucket_numel, pad)
-                        for (_, spec, _), members in groups.items()]
+                        for (_, spec, _, _), members in groups.items()]
+        experts = [buf for (*_, expert), buf in zip(groups, self.buffers) if expert]
+        if experts and ps.edp_group is not ps.dp_cp_group and (
+                any(buf.spec.compressed for buf in self.buffers)):  # the worker orders dp_cp only
+            raise ValueError("GradReducer: gradient compression with expert parallelism is not "
+                             "built yet; leave --grad-compression off with "
+                             "--expert-model-parallel-size > 1")
         self.buckets: list[Bucket] = sorted((b for buf in self.buffers for b in buf.buckets),
                                             key=lambda b: position[b.slots[0].param])
         self._bucket_of = {}
@@ -132,7 +144,15 @@ class GradReducer:
                     bucket.variance = LocalVariance(bucket.numel, device)
             for slot in bucket.slots:
                 self._bucket_of[slot.param] = bucket
+            # the group a bucket is summed over; the division stays by the DP x CP size, since an
+            # expert's gradient already holds the contributions of its EP ranks' tokens
+            bucket.group = ps.edp_group if bucket.buffer in experts else None
         self.compressed = self.dp > 1 and any(b.compressor is not None for b in self.buckets)
+        self.exchange_group = ps.dp_exchange_group          # the worker's own communicator
+        if self.compressed and self.exchange_group is None:
+            raise ValueError("GradReducer: gradient compression over the DP group needs its "
+                             "exchange group; build the state with ParallelState.initialize(..., "
+                             "dp_exchange=True)")
         self._worker = ExchangeWorker(device) if self.compressed else None
         # autograd accumulates straight into the buffer for parameters of the gradient's dtype
         self._aliased = [p for _, p in named if p.dtype == grad_dtype]
@@ -167,6 +187,9 @@ class GradReducer:
             raise ValueError(f"GradReducer.shard: ZeRO stage must be 1 or 2, got {stage}")
         if self._pending or (self._worker is not None and self._worker.busy):
             raise RuntimeError("GradReducer.shard: collectives in flight; call finish() first")
+        if self.ps.edp_group is not self.ps.dp_cp_group and any(b.group for b in self.buckets):
+            raise ValueError("the distributed optimizer with expert parallelism is not built yet; "
+                             "leave out --use-distributed-optimizer with --expert-model-parallel-size > 1")
         self.shard_grads, self.zero_stage = True, stage
         if stage == 2:
             for buf in self.buffers:
@@ -186,10 +209,8 @@ class GradReducer:
 
     def refresh_due(self, step: int) -> bool:
         """Whether the sparse buckets' second moment is (re)set from the ranks' local statistics
-        at ``step``: the first compressed step and every ``variance_refresh`` steps after the
-        warm-up (variance.py); never with ``variance_refresh`` 0."""
-        w, k = self.policy.warmup_steps, self.policy.variance_refresh
-        return (self.compressing(step) and k > 0 and (step == w + 1 or (step - w) % k == 0)
+        at ``step``, on the policy's ``variance_refresh`` schedule (warmup.py)."""
+        return (self.compressing(step) and self.policy.refresh_due(step)
                 and any(b.variance is not None for b in self.buckets))
 
     # ---- per-step protocol ----------------------------------------------------------------
@@ -315,14 +336,17 @@ class GradReducer:
         if self._via_worker:
             compressed = bucket.compressor is not None
             bucket.compressed_step = compressed
-            self._worker.submit(self._exchange if compressed else self._start, bucket)
+            self._worker.submit(self._exchange if compressed else self._start, bucket,
+                                self.exchange_group)
         else:
             self._pending.append(self._start(bucket))
             if self.zero_stage == 2:
                 self._collect_completed()
 
-    def _start(self, bucket: Bucket):
-        """Issue the bucket's uncompressed async collective: (handle, bucket, output or None)."""
+    def _start(self, bucket: Bucket, group=None):
+        """Issue the bucket's uncompressed async collective on ``group`` (the worker passes its
+        own; default the reducer's): (handle, bucket, output or None)."""
+        group = group or bucket.group or self.group
         data = bucket.data
         if bucket.variance is not None:                    # a sparse bucket's warm-up step
             self._local_variance(bucket, data)
@@ -330,26 +354,27 @@ class GradReducer:
         if self.shard_grads:
             out = bucket.shard if bucket.shard is not None else \
                 torch.empty(bucket.numel // self.dp, dtype=data.dtype, device=data.device)
-            return self.group.reduce_scatter_into(out, data, async_op=True), bucket, out
-        return self.group.all_reduce(data, async_op=True), bucket, None
+            return group.reduce_scatter_into(out, data, async_op=True), bucket, out
+        return group.all_reduce(data, async_op=True), bucket, None
 
-    def _exchange(self, bucket: Bucket) -> None:
-        """A compressed bucket's whole exchange (on the worker thread)."""
+    def _exchange(self, bucket: Bucket, group) -> None:
+        """A compressed bucket's whole exchange (on the worker thread, over its ``group``)."""
         data = bucket.data
         if bucket.variance is not None:
             self._local_variance(bucket, data)
         data.div_(self.dp)
         if self.shard_grads:
-            bucket.compressor.reduce_scatter_(data, self.group, bucket.shard_view(self.dp_rank, self.dp))
+            bucket.compressor.reduce_scatter_(data, group, bucket.shard_view(self.dp_rank, self.dp))
             # the side stream may still read the storage: the allocator must not hand the block to
             # the next backward (on the compute stream) before that work is done
             bucket.free_storage(used_on=self._worker.stream)
         else:
-            bucket.compressor.all_reduce_(data, self.group)
+            bucket.compressor.all_reduce_(data, group)
 
     def _refresh(self) -> dict[int, torch.Tensor]:
-        """The sparse buckets' local statistics averaged over DP: {bucket index: full or shard}."""
-        return {b.index: b.variance.average(self.group, self.beta2, self.shard_grads)
+        """The sparse buckets' local statistics averaged over DP: {bucket index: full or shard}
+        (on the worker thread, after every bucket)."""
+        return {b.index: b.variance.average(self.exchange_group, self.beta2, self.shard_grads)
                 for b in self.buckets if b.variance is not None}
 
     def _local_variance(self, bucket: Bucket, data: torch.Tensor) -> None:
@@ -401,10 +426,12 @@ class GradReducer:
                 state.update({f"bucket{b.index}.{k}": v for k, v in b.compressor.state_dict().items()})
             if b.variance is not None:
                 state.update({f"bucket{b.index}.variance_{k}": v for k, v in b.variance.state_dict().items()})
-        return {"step": self.step, "residuals": state}
+        return {"step": self.step, "warmup_steps": self.policy.warmup_steps, "residuals": state}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+        if state.get("warmup_steps") is not None:       # the saved phase wins (warmup.py)
+            self.policy = dataclasses.replace(self.policy, warmup_steps=int(state["warmup_steps"]))
         residuals = state.get("residuals", {})
         for b in self.buckets:
             prefix = f"bucket{b.index}."

@@ -26,7 +26,8 @@ Both share one interface for the trainer: ``step(lr)``, ``zero_grad()``, ``grad_
 ZeRO pieces also give the bucket, the absolute offset in the gradient buffer and the offset in
 this rank's flat shard. ``load_state_dict`` accepts any pieces that cover this rank's ranges (for
 example full per-parameter tensors with start 0), so a checkpoint module can re-shard across DP
-sizes. "master" may be absent (fp32 checkpoints): the current parameter values are used.
+sizes. "master" is absent for fp32 parameters (their own shard is the master, master.py) and may
+be absent in any checkpoint: the current parameter values are used then.
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
+from parallel.dp.master import MasterShards
+from parallel.dp.onebit import (bind_momentum, momentum_adamw_, momentum_buckets, momentum_now,
+                                seed_due)
 from parallel.dp.optim_common import (_GradAccess, _adamw_, _covering, _entries, _frozen_adamw_,
                                       _sparse_now)
 from parallel.dp.param_gather import ParamGather
@@ -69,6 +73,7 @@ class DistributedOptimizer(_GradAccess):
                              f"reducer's ({len(wd_of)} given, reducer holds {len(reducer.names)})")
         reducer.shard(zero_stage)
         reducer.beta2 = betas[1]
+        bind_momentum(reducer, betas[0])
         self.zero_stage = zero_stage
         self.reducer, self.ps, self.lr, self.betas, self.eps = reducer, ps, lr, betas, eps
         self.dp, self.rank = reducer.dp, reducer.dp_rank      # over DP x CP
@@ -100,13 +105,16 @@ class DistributedOptimizer(_GradAccess):
             b = reducer.buckets[piece.bucket]
             lo = piece.buffer_start - b.shard_range(self.rank, self.dp)[0]
             piece.param.main_grad_shard = b.shard_view(self.rank, self.dp)[lo:lo + piece.end - piece.start]
-        self.master = torch.zeros(offset, dtype=torch.float32, device=device)     # (shard,)
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.param_gather = ParamGather(reducer, overlap_param_gather)
+        # fp32 parameters: their own shard is the master (master.py); others get an fp32 copy
+        self.master = MasterShards([(b, off, n) for b, off, n, _ in self._shards],
+                                   lambda b: self.param_gather.flat[id(b.buffer)],
+                                   self.rank, self.dp, device)
+        self.exp_avg = torch.zeros(offset, dtype=torch.float32, device=device)     # (shard,)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self._load_master_from_params()
         self.step_count = 0
         self.variance_frozen = False
-        self.param_gather = ParamGather(reducer, overlap_param_gather)
 
     def register_param_gather_hooks(self, modules) -> None:
         """With ``overlap_param_gather``: forward pre-hooks that wait for each module's buckets."""
@@ -130,8 +138,9 @@ class DistributedOptimizer(_GradAccess):
 
     def _load_master_from_params(self, only=None) -> None:
         for piece in self.pieces:
-            if only is None or piece in only:
-                self.master[self._piece_slice(piece)] = piece.param.detach().reshape(-1)[piece.start:piece.end]
+            sl = self._piece_slice(piece)
+            if (only is None or piece in only) and not self.master.aliased(sl):
+                self.master[sl] = piece.param.detach().reshape(-1)[piece.start:piece.end]
 
     def grad_pieces(self):
         """This rank's averaged gradient shard, as views into the reducer's buffers."""
@@ -161,13 +170,23 @@ class DistributedOptimizer(_GradAccess):
             if _sparse_now(b):
                 if b.index in refreshed:
                     self.exp_avg_sq[sl] = refreshed[b.index]
-                _frozen_adamw_(self.master[sl], g, self.exp_avg[sl], self.exp_avg_sq[sl],
-                               self.step_count, lr, self.betas, self.eps, segments)
+                update = momentum_adamw_ if momentum_now(b) else _frozen_adamw_
+                update(self.master[sl], g, self.exp_avg[sl], self.exp_avg_sq[sl],
+                       self.step_count, lr, self.betas, self.eps, segments)
             else:
                 _adamw_(self.master[sl], g, self.exp_avg[sl], self.exp_avg_sq[sl], self.step_count,
                         lr, self.betas, self.eps, segments)
+        self._seed_momentum(seed_due(self.reducer))
         self.param_gather.launch([(b, self.master[off:off + n].to(b.param_dtype))
                                   for b, off, n, _ in self._shards])
+
+    def _seed_momentum(self, buckets) -> None:
+        """1-bit buckets (onebit.py): hand this rank's exp_avg shard to the compressor, whose next
+        exchange all-gathers the shards into the full momentum."""
+        ids = {id(b) for b in buckets}
+        for b, off, n, _ in self._shards:
+            if id(b) in ids:
+                b.compressor.set_momentum_shard(self.exp_avg[off:off + n])
 
     def state_dict(self, clone: bool = True) -> dict:
         """``clone=False`` returns views of the live state (for a caller that copies them itself)."""
@@ -179,8 +198,9 @@ class DistributedOptimizer(_GradAccess):
             pieces.append({"name": p.name, "shape": list(p.param.shape), "start": p.start, "end": p.end,
                            "bucket": p.bucket, "buffer_start": p.buffer_start,
                            "shard_offset": p.shard_offset})
-            state[p.name] = {"exp_avg": copy(self.exp_avg[sl]), "exp_avg_sq": copy(self.exp_avg_sq[sl]),
-                             "master": copy(self.master[sl])}
+            state[p.name] = {"exp_avg": copy(self.exp_avg[sl]), "exp_avg_sq": copy(self.exp_avg_sq[sl])}
+            if not self.master.aliased(sl):   # an fp32 parameter is its own master: not stored twice
+                state[p.name]["master"] = copy(self.master[sl])
         return {"kind": "distributed", "step": self.step_count, "dp_rank": self.rank, "dp_size": self.dp,
                 "variance_frozen": self.variance_frozen, "pieces": pieces, "state": state}
 
@@ -201,4 +221,6 @@ class DistributedOptimizer(_GradAccess):
                 elif self.step_count > 0:
                     raise KeyError(f"optimizer state for {p.name!r} lacks {key!r}")
         self._load_master_from_params(only=no_master)
+        if self.step_count > 0 and self.dp > 1:     # (the reducer's own state, if saved, wins)
+            self._seed_momentum(momentum_buckets(self.reducer))
 

@@ -171,6 +171,24 @@ def pipeline_bubble(ps, events) -> float:
     return rank_bubble(phase, -first_us / 1e6, last_us / 1e6)
 
 
+def pipeline_bubble_tensor(ps, phase: PhaseTimes):
+    """``pipeline_bubble`` without a host read: this rank's bubble as a 0-d fp32 device tensor,
+    from the same MAX all-reduce of the phase's ends (int64 microseconds). The trainer adds it to
+    the next step's statistics all-reduce, so the bubble costs no wait of its own."""
+    import torch
+    import torch.distributed as dist
+    first_us, last_us = round(phase.first * 1e6), round(phase.last * 1e6)
+    ends = torch.tensor([-first_us, last_us], dtype=torch.int64)
+    if torch.device(ps.device).type not in ("cpu", "meta"):  # a pageable copy would wait
+        ends = ends.pin_memory().to(ps.device, non_blocking=True)
+    ends = ends.to(ps.device)
+    ps.pp_group.all_reduce(ends, op=dist.ReduceOp.MAX)
+    start, end = -ends[0], ends[1]  # the pipeline's first and last instants (us)
+    # differences of int64 microseconds are exact; only then fp32
+    idle = ((first_us - start) + (end - last_us)).to(torch.float32) + phase.wait * 1e6
+    return idle / (end - start).clamp(min=1).to(torch.float32)
+
+
 @dataclass
 class BubbleMeasurement:
     per_rank: list[float]        # rank_bubble of each rank over the pipeline's common span

@@ -37,6 +37,8 @@ from typing import Callable
 
 import torch
 
+from parallel import streams
+
 
 class PipelineCommError(RuntimeError):
     """A neighbouring stage did not complete a transfer (timed out, failed or disconnected)."""
@@ -138,7 +140,10 @@ class TransferWatchdog:
     completed, and calls ``on_timeout(message)`` once for a batch whose work raised or that is
     still incomplete ``timeout_s`` after it was posted. It keeps the works until they complete,
     and of the transfers only what the message needs (not their tensors, so a sent activation's
-    memory is freed when the executor drops it). ``stop()`` ends the thread.
+    memory is freed when the executor drops it). ``stop()`` ends the thread. The thread binds the
+    rank's device first (parallel/streams.py ``start_thread``); an error of the watchdog itself
+    while it polls a batch goes to ``on_timeout`` as one line naming the transfers it watched
+    (``watchdog_failure``), so a broken poll ends the job instead of silently losing the timeout.
     """
 
     def __init__(self, on_timeout: Callable[[str], None] = exit_on_timeout, poll_s: float | None = None):
@@ -146,7 +151,7 @@ class TransferWatchdog:
         self._batches: list = []              # (deadline, works, transfers, ps, timeout_s, vp)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: streams.StreamThread | None = None
         self.fired: list[str] = []
         self._no_data = torch.empty(0)
 
@@ -160,9 +165,12 @@ class TransferWatchdog:
             if self.poll_s is None or timeout_s / 10 < self.poll_s:
                 self.poll_s = min(1.0, timeout_s / 10)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="gridtron-p2p-watchdog",
-                                                daemon=True)
-                self._thread.start()
+                # bound to the rank's device (a work's poll may touch the device runtime); an
+                # error that escapes the loop still ends the job with one line
+                self._thread = streams.start_thread(
+                    "gridtron-p2p-watchdog", self._run, ps.device,
+                    on_error=lambda exc: exit_on_timeout(f"the pipeline watchdog failed: "
+                                                         f"{type(exc).__name__}: {exc}"))
                 atexit.register(self.stop)  # a daemon thread in a backend call aborts exit
 
     @property
@@ -182,22 +190,44 @@ class TransferWatchdog:
             with self._lock:
                 keep = []
                 for batch in self._batches:
-                    deadline, works, transfers, ps, timeout_s, vp = batch
-                    errors = [w for w in works if _work_error(w) is not None]
-                    if errors:
-                        cause = str(_work_error(errors[0])).splitlines()[0]
-                        fire.append(failure_message(ps, _culprits(works, transfers), cause,
-                                                    timeout_s, False, vp))
-                    elif not all(w.is_completed() for w in works):
-                        if now < deadline:
-                            keep.append(batch)
-                        else:
-                            fire.append(failure_message(ps, _culprits(works, transfers),
-                                                        "watchdog", timeout_s, True, vp))
+                    try:
+                        message = self._poll(batch, now)
+                    except Exception as exc:  # noqa: BLE001 - the job must not lose the timeout
+                        message = watchdog_failure(batch[3], batch[2], exc)
+                    if message is None:
+                        keep.append(batch)
+                    elif message:
+                        fire.append(message)
                 self._batches = keep
             for message in fire:
                 self.fired.append(message)
                 self.on_timeout(message)
+
+
+    @staticmethod
+    def _poll(batch, now: float) -> str | None:
+        """None: keep watching; "": completed; else the failure's message."""
+        deadline, works, transfers, ps, timeout_s, vp = batch
+        errors = [w for w in works if _work_error(w) is not None]
+        if errors:
+            cause = str(_work_error(errors[0])).splitlines()[0]
+            return failure_message(ps, _culprits(works, transfers), cause, timeout_s, False, vp)
+        if all(w.is_completed() for w in works):
+            return ""
+        if now < deadline:
+            return None
+        return failure_message(ps, _culprits(works, transfers), "watchdog", timeout_s, True, vp)
+
+
+def watchdog_failure(ps, transfers: list[Transfer], exc: BaseException) -> str:
+    """One line for an error of the watchdog itself while it polled ``transfers``: the job ends
+    (a dead watchdog would lose the transfer's timeout), naming what it was watching."""
+    what = "; ".join(f"{t.op} of the {t.what} of micro-batch {t.microbatch} with pipeline stage "
+                     f"{t.peer_stage} (rank {t.peer_rank})" for t in transfers)
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    me = f"pipeline stage {ps.pp_rank} (rank {ps.rank})"
+    return f"the transfer watchdog of {me} failed while watching the {what}: " \
+           f"{type(exc).__name__}: {first}"
 
 
 def _work_error(work):

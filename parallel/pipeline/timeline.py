@@ -4,7 +4,9 @@ Every rank records ``TimelineEvent``s (forward, backward, transfer waits from th
 trainer adds its own, e.g. the optimizer step) with wall-clock times, so events of different
 processes on one host line up. ``gather_events`` collects them on rank 0 with ``gather_object`` over
 the default group (one collective, no files to merge); ``write_chrome_trace`` writes
-``{"traceEvents": [...]}`` with complete ("X") events in microseconds.
+``{"traceEvents": [...]}`` with complete ("X") events in microseconds. Events of category
+``INSTANT_CATS`` ("sync": where the host waited for the device, engine/device/syncs.py) are
+instants ("i", a marker on the rank's track), not spans.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+INSTANT_CATS = ("sync",)
 
 
 @dataclass
@@ -60,9 +63,14 @@ def chrome_trace(events_by_rank, labels: dict[int, str] | None = None) -> dict:
         args = dict(e.get("args") or {})
         if e.get("microbatch", -1) >= 0:
             args.update(microbatch=e["microbatch"], chunk=e.get("chunk", 0))
+        ts = round((e["start"] - origin) * 1e6, 3)
+        if e["cat"] in INSTANT_CATS:
+            trace.append({"name": e["name"], "cat": e["cat"], "ph": "i", "s": "t", "pid": 0,
+                          "tid": e["rank"], "ts": ts, "args": args})
+            continue
         trace.append({"name": e["name"], "cat": e["cat"], "ph": "X", "pid": 0, "tid": e["rank"],
-                      "ts": round((e["start"] - origin) * 1e6, 3),
-                      "dur": round(max(0.0, e["end"] - e["start"]) * 1e6, 3), "args": args})
+                      "ts": ts, "dur": round(max(0.0, e["end"] - e["start"]) * 1e6, 3),
+                      "args": args})
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 

@@ -28,8 +28,8 @@ def test_without_an_accelerator_there_is_nothing_to_check(capsys, monkeypatch):
 
 def test_kernel_comparison_runs_on_cpu():
     rows = check_kernels(torch.device("cpu"), torch.float32, seq=64)
-    assert [r["op"].split(" ")[0] for r in rows] == ["attention"] * 3 + ["layer_norm", "rms_norm",
-                                                                      "rope", "swiglu"]
+    assert [r["op"].split(" ")[0] for r in rows] == ["attention"] * 3 + ["ring_block", "layer_norm",
+                                                                      "rms_norm", "rope", "swiglu"]
     assert all(r["ok"] for r in rows), rows
 
 
@@ -58,11 +58,12 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
     assert [(s["name"], s["status"]) for s in data["stages"]] == [
         ("kernels", "ok"), ("eager", "ok"), ("zero", "ok"), ("packed", "ok")]
     kernels = data["stages"][0]["kernels"]
-    assert len(kernels) == 7 and all(k["ok"] for k in kernels)
+    assert len(kernels) == 8 and all(k["ok"] for k in kernels)
     for stage in data["stages"][1:]:
         s = stage["summary"]
         assert s["steps"] == 2 and s["tokens"] == 2 * 4 * 64 and s["tokens_per_s"] > 0
         assert s["mfu"] is not None and s["peak_memory_bytes"] > 0
+        assert s["host_syncs_per_step"] == 1  # the step's one statistics read
     md = (tmp_path / "device_check.md").read_text()
     assert "| eager | ok |" in md and "| packed | ok |" in md and "tokens/s" in md
     assert md.strip() in capsys.readouterr().out

@@ -171,7 +171,8 @@ def corpus(tmp_path_factory):
 def test_dp2_equivalence_buckets_and_compression(serial, corpus, tmp_path):
     small = ["--bucket-size-mb", "0.05"]
     zero2 = ["--use-distributed-optimizer", "--zero-stage", "2"]
-    topk = ["--grad-compression", "topk", "--grad-compression-ratio", "0.01"]
+    topk = ["--grad-compression", "topk", "--grad-compression-ratio", "0.01",  # 4 steps, every 100
+            "--grad-compression-warmup-steps", "4", "--grad-compression-variance-refresh", "100"]
     jobs = [("count", layout(1, 1, 2, 2, *small)),
             ("count", layout(1, 1, 2, 2, "--use-distributed-optimizer", *small)),
             ("count", layout(1, 1, 2, 2, *zero2, *small)),
@@ -198,7 +199,7 @@ def test_dp2_equivalence_buckets_and_compression(serial, corpus, tmp_path):
     assert zero2_run["memory"]["grad_bytes"] * 2 == zero["memory"]["grad_bytes"] == plain["memory"]["grad_bytes"]
     assert zero2_run["memory"]["optimizer_state_bytes"] == zero["memory"]["optimizer_state_bytes"]
 
-    warmup = 4   # --grad-compression-warmup-steps' default
+    warmup = 4   # int8's default warm-up, and top-k's here
     for name, run, limit in (("none", none, None), ("int8", int8, 0.27), ("topk", topk_run, 0.03),
                              ("policy", policy, None), ("topk ZeRO-1", topk_z1, None),
                              ("topk ZeRO-2", topk_z2, None)):

@@ -47,8 +47,10 @@ def _worker(rank, world_size, port, grid, fn, args, out_dir, timeout_s, rules):
     faulthandler.enable(fault, all_threads=True)
     ps = None
     try:
+        # with the exchange worker's DP group, so that any check can build a compressed reducer
         ps = ParallelState.initialize(grid, torch.device("cpu"), "gloo",
-                                      LaunchEnv.from_env(), timeout_s=timeout_s, backend_rules=rules)
+                                      LaunchEnv.from_env(), timeout_s=timeout_s, backend_rules=rules,
+                                      dp_exchange=True)
         result = fn(ps, *args)
         torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
     except BaseException:  # noqa: BLE001 - reported to the parent

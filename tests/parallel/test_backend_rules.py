@@ -131,3 +131,20 @@ def test_rules_bite_on_gloo_and_bytes_are_counted():
                 + wire_bytes("broadcast", 20 if r == 0 else 0, n) + 6)
         assert dp == {"calls": 7, "payload_bytes": payload, "wire_bytes": wire}, (r, dp)
         assert all(v["calls"] == 0 for k, v in res["since"].items() if k != "dp")
+
+
+def test_an_allowed_signature_is_checked_once_and_a_refused_one_every_time():
+    import dataclasses
+
+    import torch.distributed as dist
+    rules = dataclasses.replace(get_rules("hccl"), passed=set())
+    t32 = torch.ones(4)
+    check(rules, "all_reduce", "tp", [t32], reduce_op=dist.ReduceOp.SUM)
+    check(rules, "all_reduce", "tp", [torch.zeros(9)], reduce_op=dist.ReduceOp.SUM)  # same signature
+    assert rules.passed == {("all_reduce", "tp", (torch.float32,), dist.ReduceOp.SUM)}
+    for _ in range(2):
+        with pytest.raises(BackendRuleError, match="float64"):
+            check(rules, "all_reduce", "tp", [t32.double()], reduce_op=dist.ReduceOp.SUM)
+        with pytest.raises(BackendRuleError, match="avg"):
+            check(rules, "all_reduce", "tp", [t32], reduce_op=dist.ReduceOp.AVG)
+    assert len(rules.passed) == 1

@@ -257,3 +257,14 @@ def test_sigterm_during_background_save_waits_for_it(tmp_path):
     assert os.readlink(root / "latest") == f"iter_{last:07d}"  # the final save at the stop
     assert not [n for n in os.listdir(root) if n.endswith(".tmp")]
     assert inspect(str(root / "iter_0000002"), out=open(os.devnull, "w")) == 0  # complete, verified
+
+
+def test_async_save_under_the_stream_checker(tmp_path, stream_checker):
+    """Training with background saves under the stream-order checker: the copy into the reused
+    host buffers, the writer thread's reads of them and the next save's copy are ordered (the
+    thread is joined or seen finished before its buffers are written again)."""
+    root = tmp_path / "ck"
+    _run(TINY + ["--train-iters", "4", "--save-interval", "1", "--keep-last", "2", "--save",
+                 str(root), "--async-save"])
+    assert sorted(os.listdir(root)) == ["iter_0000003", "iter_0000004", "latest"]
+    assert any(name.startswith("gridtron-save-") for name in stream_checker.streams)

@@ -122,7 +122,7 @@ def test_lr_decay_iters_ends_the_decay_early():
     ("--num-layer", "--num-layers"), ("--hiden-size", "--hidden-size"),
     ("--global-batch", "--global-batch-size"), ("--sequence-paralel", "--sequence-parallel"),
     ("--tensor-parallel-size", "--tensor-model-parallel-size"),
-    ("--ep", None), ("--foo-bar", None), ("--log-dir", None), ("--layers", None), ("--lr-decay", None),
+    ("--xp", None), ("--foo-bar", None), ("--log-dir", None), ("--layers", None), ("--lr-decay", None),
 ])
 def test_unknown_flag_hints_only_the_flag_meant(flag, meant):
     with pytest.raises(ConfigError) as exc:

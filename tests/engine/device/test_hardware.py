@@ -263,3 +263,84 @@ def test_bf16_on_a_910a_stops_at_start_with_one_line(monkeypatch, capsys):
     assert err == ["gridtron: configuration error: --precision bf16 needs bfloat16 arithmetic, which "
                    "Ascend910A (Atlas training series) does not have: use --precision fp16 (the dynamic "
                    "loss scaler keeps it stable) or fp32"]
+
+
+def test_compile_on_npu_stops_at_start_with_one_line(monkeypatch, capsys):
+    """TorchAir is documented for inference graphs only: --compile on an NPU stops before any
+    process group, exit 2, one line; the same run without --compile gets past the check."""
+    import engine.training.trainer as trainer_mod
+    from engine.training.launch import main
+    made = []
+    monkeypatch.setattr(trainer_mod, "setup_device", lambda *a, **k: DeviceInfo(
+        "npu", torch.device("cpu"), "hccl", "Ascend910B2", *npu_kernel_paths("Ascend910B2")[:1]))
+
+    def initialize(*a, **k):
+        made.append(1)
+        raise SystemExit(7)  # past the start-up checks: stop here
+
+    monkeypatch.setattr(trainer_mod.ParallelState, "initialize", initialize)
+    monkeypatch.setattr(trainer_mod, "set_matmul_precision", lambda *a: False)  # no torch_npu here
+    argv = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "32",
+            "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--train-iters", "1", "--precision", "bf16", "--no-progress"]
+    code = main([*argv, "--compile"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and made == []
+    assert len(err) == 1 and err[0].startswith("gridtron: configuration error: --compile on NPU: ")
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert made == [1]
+
+
+class _TorchNpuOps:
+    """A torch_npu with the float-status op pair: an 8-word register the 'kernels' set."""
+
+    def __init__(self):
+        self.register = torch.zeros(8)
+        self.calls = []
+
+    def npu_clear_float_status(self, buf):
+        self.calls.append("clear")
+        self.register.zero_()
+        return buf.zero_()
+
+    def npu_get_float_status(self, buf):
+        self.calls.append("get")
+        return self.register.to(torch.int32)
+
+
+class _TorchNpuWrappers:
+    """A torch_npu without the op pair, only torch_npu.npu.utils' public wrappers."""
+
+    def __init__(self):
+        self.overflowed = False
+        utils = types.SimpleNamespace(npu_check_overflow=self._check,
+                                      clear_npu_overflow_flag=self._clear)
+        self.npu = types.SimpleNamespace(utils=utils)
+
+    def _check(self, grad):
+        assert grad == 0.0  # ignored in saturation mode
+        hit, self.overflowed = self.overflowed, False  # the wrapper clears what it reports
+        return hit
+
+    def _clear(self):
+        self.overflowed = False
+
+
+def test_float_status_check_probes_the_installed_torch_npu():
+    ops = _TorchNpuOps()
+    check = FloatStatusCheck(torch.device("cpu"), torch_npu=ops)
+    check.clear()
+    assert check.api == "npu_get_float_status" and check.flag().item() == 0.0
+    ops.register[3] = 1.0  # a kernel overflowed
+    flag = check.flag()
+    assert flag.shape == () and flag.item() == 1.0 and ops.calls == ["clear", "get", "get"]
+    check.clear()
+    assert check.flag().item() == 0.0
+
+    wrappers = _TorchNpuWrappers()
+    check = FloatStatusCheck(torch.device("cpu"), torch_npu=wrappers)
+    check.clear()
+    assert check.api == "npu_check_overflow" and check.flag().item() == 0.0
+    wrappers.overflowed = True
+    assert check.flag().item() == 1.0 and check.flag().item() == 0.0

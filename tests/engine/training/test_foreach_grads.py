@@ -179,13 +179,12 @@ def _pp_host_reads(ps):
 def test_a_step_reads_the_device_once():
     for argv in (["--precision", "fp16"], ["--precision", "bf16", "--use-distributed-optimizer"]):
         for where in _host_reads_per_step(argv):
-            assert len(where) == 1 and where[0].startswith("step.py"), (argv, where)
-    # with a pipeline, the phase's span (an int64 max over the stage's ranks, for the measured
-    # bubble) is read too, before the statistics it joins: two reads, both of step statistics
+            assert len(where) == 1 and where[0].startswith("clock.py"), (argv, where)
+    # with a pipeline too: the previous step's phase span (an int64 max over the stage's ranks,
+    # for the measured bubble) is reduced on the device and joins this step's statistics
     for rank_reads in run_distributed(_pp_host_reads, grid=RankGrid(pp=2)):
         for where in rank_reads:
-            assert len(where) == 2 and where[0].startswith("bubble.py") \
-                and where[1].startswith("step.py"), where
+            assert len(where) == 1 and where[0].startswith("clock.py"), where
 
 
 def test_ops_after_backward_do_not_grow_with_the_parameters():

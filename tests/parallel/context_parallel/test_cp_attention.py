@@ -27,6 +27,7 @@ from parallel.context_parallel import (chunk_ids, context_parallel_attention, sh
                                        shard_positions, ulysses_kv_repeat)
 from parallel.topology import RankGrid
 from tests.helpers.dist_utils import record_comm, run_distributed
+from tests.helpers.stream_check import stream_checked
 
 TOL = dict(atol=3e-5, rtol=3e-5)
 
@@ -187,7 +188,8 @@ def record_ring_and_ulysses(ps):
 
 
 def both_checks(ps):
-    return check_against_full_attention(ps), record_ring_and_ulysses(ps)
+    # the ring's transfers and their waits, forward and backward, under the stream-order checker
+    return check_against_full_attention(ps), stream_checked(ps, record_ring_and_ulysses)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import torch
 from parallel.dp import DistributedOptimizer, GradReducer
 from parallel.topology import RankGrid
 from tests.helpers.dist_utils import record_comm, run_distributed
+from tests.helpers.stream_check import stream_checked
 from tests.parallel.dp.test_dp_reducer import backward_step, batch, groups, lr_at, make_model, serial_train
 
 SMALL = 200 * 4 / 2 ** 20
@@ -167,4 +168,6 @@ def all_checks(ps) -> bool:
 
 
 def test_overlap_by_order_of_events():
-    assert all(run_distributed(all_checks, grid=RankGrid(dp=2)))
+    """Under the stream-order checker (tests/helpers/stream_check.py): the reducer's overlapped
+    buckets, the exchange worker and ZeRO's overlapped all-gathers order every access."""
+    assert all(run_distributed(stream_checked, grid=RankGrid(dp=2), args=(all_checks,)))

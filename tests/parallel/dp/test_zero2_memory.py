@@ -5,10 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parallel import streams
 from parallel.dp import DistributedOptimizer, GradReducer, MixedPrecisionOptimizer, memory_bytes
+from parallel.dp.buffers import Bucket
 from parallel.state import ParallelState
+from parallel.stream_check import StreamChecker
 from parallel.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.stream_check import stream_checked
 from tests.parallel.dp.test_dp_reducer import backward_step, groups, lr_at, make_model, serial_train
 
 SMALL = 300 * 4 / 2 ** 20
@@ -61,7 +65,7 @@ def check_stages(ps) -> None:
     one, opt1, _, _ = train(ps, 1, 3, torch.bfloat16)
     two, opt2, _, _ = train(ps, 2, 3, torch.bfloat16)
     assert all(torch.equal(a, b) for a, b in zip(one.parameters(), two.parameters()))
-    assert torch.equal(opt1.master, opt2.master) and torch.equal(opt1.exp_avg_sq, opt2.exp_avg_sq)
+    assert torch.equal(opt1.master.owned, opt2.master.owned) and torch.equal(opt1.exp_avg_sq, opt2.exp_avg_sq)
 
 
 def check_memory(ps) -> None:
@@ -78,8 +82,9 @@ def check_memory(ps) -> None:
                 tensors = len(list(model.parameters()))
                 state = 8 * n + 4 * tensors + (4 * n if dtype != torch.float32 else 0)
                 params = elem * n
-            else:   # fp32 master, exp_avg, exp_avg_sq of this rank's shards (padding included)
-                state = 12 * padded // dp
+            else:   # exp_avg, exp_avg_sq of this rank's shards (padding included), and an fp32
+                # master copy for bf16 parameters (fp32 ones are their own master)
+                state = (8 if dtype == torch.float32 else 12) * padded // dp
                 params = elem * padded
             assert (mem["param_bytes"], mem["grad_bytes"], mem["optimizer_state_bytes"]) == \
                 (params, grads, state), (dtype, stage, mem)
@@ -89,7 +94,7 @@ def check_memory(ps) -> None:
             held_grads = storage_bytes([b.shard for b in reducer.buckets] if stage == 2 else
                                        [buf.data for buf in reducer.buffers])
             if stage:
-                held_state = storage_bytes([opt.master, opt.exp_avg, opt.exp_avg_sq])
+                held_state = storage_bytes([opt.master.owned, opt.exp_avg, opt.exp_avg_sq])
             else:
                 st = [t for s in opt.inner.state.values() for t in s.values()]
                 held_state = storage_bytes(st + [m for m, p in zip(opt.masters, opt.params) if m is not p])
@@ -105,7 +110,7 @@ def check_memory(ps) -> None:
             if b.variance is not None:
                 extra += 4 * b.numel
         n, padded = sum(p.numel() for p in model.parameters()), sum(b.numel for b in reducer.buckets)
-        adam = 12 * padded // dp if stage else 8 * n + 4 * len(list(model.parameters()))
+        adam = 8 * padded // dp if stage else 8 * n + 4 * len(list(model.parameters()))
         assert extra > 0 and memory_bytes(reducer, opt)["optimizer_state_bytes"] == adam + extra
         held = storage_bytes([t for b in reducer.buckets if b.compressor
                               for t in b.compressor.state_tensors()]
@@ -124,12 +129,46 @@ def test_zero2_and_memory_on_gloo(dp):
     assert all(run_distributed(all_checks, grid=RankGrid(dp=dp)))
 
 
+def _compressed_zero(ps) -> bool:
+    """ZeRO-2 and ZeRO-1 with compression on the exchange worker and the overlapped all-gather."""
+    for stage in (2, 1):
+        train(ps, stage, 3, policy=POLICY)
+    return True
+
+
+def _compressed_zero_checks(ps):
+    """The engine under the checker, then ZeRO-2 with the original defect planted back (the
+    worker's release without record_stream): its violations."""
+    clean = stream_checked(ps, _compressed_zero)
+    real = Bucket.free_storage
+    Bucket.free_storage = lambda self, used_on=None: real(self)
+    checker = StreamChecker()
+    try:
+        with checker.installed():
+            train(ps, 2, 2, policy=POLICY)
+    finally:
+        Bucket.free_storage = real
+    return clean, checker.violations
+
+
+def test_zero_with_compression_under_the_stream_checker():
+    """The exchange worker frees a ZeRO-2 bucket's storage while its side stream may still read
+    it; with record_stream the checker finds no violation on any path of the step, without it
+    the release is named."""
+    for clean, planted in run_distributed(_compressed_zero_checks, grid=RankGrid(dp=2)):
+        assert clean and planted, planted
+        assert all(v.startswith("released while in use: storage from zeros at "
+                                "parallel/dp/buffers.py") and "ensure_storage" in v
+                   and "on stream 'dp-exchange' hands the block to stream 'compute'" in v
+                   for v in planted), planted
+
+
 def test_serial_memory_formulas():
     ps = ParallelState.serial()
     model, opt, reducer, _ = train(ps, 2, 2)
     mem = memory_bytes(reducer, opt)
     padded = sum(b.numel for b in reducer.buckets)
-    assert mem["grad_bytes"] == 4 * padded and mem["optimizer_state_bytes"] == 12 * padded
+    assert mem["grad_bytes"] == 4 * padded and mem["optimizer_state_bytes"] == 8 * padded
 
 
 def test_freed_bucket_storage_is_recorded_on_the_stream_that_still_reads_it(monkeypatch):
@@ -147,9 +186,32 @@ def test_freed_bucket_storage_is_recorded_on_the_stream_that_still_reads_it(monk
     bucket = buf.buckets[0]
     bucket.ensure_storage()
     storage = bucket.storage
-    side = object()  # the worker's side stream
+    side = streams.Stream("dp-exchange", torch.device("cpu"), native=object())  # a device stream
     bucket.free_storage(used_on=side)
-    assert recorded == [(storage, side)] and bucket.storage is None and param.main_grad is None
+    assert recorded == [(storage, side.native)] and bucket.storage is None and param.main_grad is None
     bucket.ensure_storage()
     bucket.free_storage()  # freed on the stream that allocated it: nothing to record
     assert len(recorded) == 1
+
+
+def test_a_release_without_record_stream_is_caught(stream_checker):
+    """The checker's view of the same release: the side stream's read of the storage is covered
+    by record_stream, and is a violation without it."""
+    from parallel.dp import CompressorSpec
+    from parallel.dp.buffers import GradBuffer
+    param = torch.nn.Parameter(torch.zeros(8))
+    buf = GradBuffer([("w", param)], CompressorSpec("topk", 0.5), bucket_numel=8)
+    buf.release(world=2)
+    bucket = buf.buckets[0]
+    side = streams.side_stream("dp-exchange", "cpu")
+    for used_on in (side, None):
+        bucket.ensure_storage()
+        streams.wait_stream(side, streams.current_stream())
+        with streams.use(side):
+            bucket.storage.sum()                    # the worker's encode reads the gradient
+            bucket.free_storage(used_on=used_on)
+    (message,) = stream_checker.violations
+    assert message.startswith("released while in use") and "'dp-exchange'" in message
+    assert "hands the block to stream 'compute'" in message
+    assert "parallel/dp/buffers.py" in message     # the storage's origin: ensure_storage
+    stream_checker.violations.clear()

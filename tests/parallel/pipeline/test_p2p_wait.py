@@ -7,15 +7,22 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from parallel.pipeline.p2p import (HostWait, PipelineCommError, StreamWait, Transfer,
-                                   TransferWatchdog, communicate, waiter_for)
+from parallel.pipeline.p2p import (EXIT_PIPELINE_TIMEOUT, HostWait, PipelineCommError, StreamWait,
+                                   Transfer, TransferWatchdog, communicate, waiter_for)
 from parallel.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.stream_check import stream_checked
+
+ROOT = str(Path(__file__).resolve().parents[3])
 
 
 def test_waiter_per_backend():
@@ -57,7 +64,8 @@ def _watchdog_checks(ps):
 
 
 def test_watchdog_names_the_stage_that_sent_nothing():
-    results = run_distributed(_watchdog_checks, grid=RankGrid(pp=2))
+    # under the stream-order checker: the received buffer is read only after its wait
+    results = run_distributed(stream_checked, grid=RankGrid(pp=2), args=(_watchdog_checks,))
     first = results[0]
     assert first["fired_in_time"] and first["received"] == [0.0, 1.0, 2.0]
     assert first["messages"] == [
@@ -91,3 +99,62 @@ def test_stream_wait_reports_a_dead_neighbour_by_stage(tmp_path):
     message = json.loads((tmp_path / "0.json").read_text())["message"]
     assert message.startswith("pipeline stage 1 (rank 1) failed or disconnected before sending the "
                               "activation of micro-batch 2 (pipeline stage 0 (rank 0) was waiting)"), message
+
+
+class _BrokenWork:
+    """A work whose poll raises, as a device runtime error inside is_completed() would."""
+
+    def exception(self):
+        return None
+
+    def is_completed(self):
+        raise RuntimeError("device lost\nmore detail")
+
+
+_PS = SimpleNamespace(pp_rank=0, rank=0, device=torch.device("cpu"))
+_BROKEN = "the transfer watchdog of pipeline stage 0 (rank 0) failed while watching the recv " \
+          "of the activation of micro-batch 3 with pipeline stage 1 (rank 1): RuntimeError: " \
+          "device lost"
+
+
+def test_an_error_inside_the_watchdog_is_reported_naming_the_transfer():
+    messages, fired = [], threading.Event()
+    dog = TransferWatchdog(on_timeout=lambda m: (messages.append(m), fired.set()), poll_s=0.01)
+    dog.watch(_PS, [_BrokenWork()], [Transfer("recv", torch.empty(2), 1, 1, "activation", 3)],
+              30.0, 1)
+    assert fired.wait(10)
+    dog.stop()
+    assert messages == [_BROKEN] and dog.pending == 0
+
+
+def test_a_failing_watchdog_ends_the_process_with_one_line():
+    """The default: one line on stderr and the pipeline exit code, not a silently dead thread."""
+    code = (
+        "import time, torch\n"
+        "from tests.parallel.pipeline.test_p2p_wait import _BrokenWork, _PS\n"
+        "from parallel.pipeline.p2p import Transfer, TransferWatchdog\n"
+        "dog = TransferWatchdog(poll_s=0.01)\n"
+        "dog.watch(_PS, [_BrokenWork()], [Transfer('recv', torch.empty(2), 1, 1, 'activation', 3)],"
+        " 30.0, 1)\n"
+        "time.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == EXIT_PIPELINE_TIMEOUT, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"gridtron: PipelineCommError: {_BROKEN}"]
+
+
+def test_threads_bind_the_device_first(monkeypatch):
+    """start_thread makes the rank's device current on the new thread before its target runs."""
+    from parallel import streams
+    bound = []
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda i: bound.append(i))
+    seen = []
+    thread = streams.start_thread("probe", lambda: seen.append(list(bound)), torch.device("meta"))
+    thread.join()
+    assert seen == [[]]                     # no accelerator: nothing to bind
+    monkeypatch.setattr(streams, "_accelerator", lambda device: True)  # a stand-in device runtime
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: None)
+    thread = streams.start_thread("probe", lambda: seen.append(list(bound)),
+                                  torch.device("cuda", 3))
+    thread.join()
+    assert seen[-1] == [3]

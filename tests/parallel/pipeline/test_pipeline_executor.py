@@ -22,6 +22,7 @@ from parallel.pipeline.timeline import gather_events, write_chrome_trace
 from parallel.state import ParallelState
 from parallel.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.stream_check import stream_checked
 
 SEED = 1234
 MICRO_BATCH = 3
@@ -267,6 +268,19 @@ def test_pp2_dp2_schedules_match_serial_and_failure_names_stage():
             assert failure.startswith("PipelineCommError: pipeline stage 1 "
                                       f"(rank {stage1}) sent no gradient for micro-batch 1 "
                                       "within 10 s"), failure
+
+
+def _checked_schedules(ps):
+    widths = [4, 7, 5, 9, 6]
+    return check_equivalence(ps, widths, [("1f1b", 3, 1, 0.0), ("interleaved", 2, 2, 0.0)],
+                             shape_fn=True)
+
+
+def test_schedules_under_the_stream_checker():
+    """Every activation and gradient transfer is posted, waited for and only then read, and no
+    sent buffer is written before its send's wait (tests/helpers/stream_check.py)."""
+    reports = run_distributed(stream_checked, grid=RankGrid(pp=2), args=(_checked_schedules,))
+    assert all(len(r) == 2 for r in reports)
 
 
 def test_dead_stage_is_named_by_its_neighbour():

@@ -1,0 +1,187 @@
+"""Host synchronisations: where the host waits for the device, counted per training step.
+
+A host that waits for its device cannot queue the next kernels meanwhile: the device idles while
+the host collates, and collectives queued at the end of a step (ZeRO's parameter all-gathers) are
+forced to finish before the next one can start overlapping them. So a step waits exactly once,
+where the host needs values it cannot do without (the loss scaler's skip decision and the
+clipping coefficient, engine/training/step.py), and reads everything else it reports at that
+point or at the next step's.
+
+``SyncCounter`` counts the waits. It always sees the engine's own (``DeviceClock.synchronize``,
+an event wait of ``DeviceClock.elapsed_s``, ``DeviceClock.read``); inside ``watching()`` it also
+sees the implicit ones made by any code on the step's path, in the thread that entered it:
+
+- ``Tensor.item``, ``bool()``, ``float()``, ``int()``, ``index()`` of a tensor, ``tolist``, and
+  ``cpu()`` / ``to("cpu")`` of a device tensor (a blocking copy; ``non_blocking=True`` is not
+  one), by patching those ``torch.Tensor`` methods while some counter watches;
+- ``aten._local_scalar_dense`` reached from anywhere else (C++ callers of ``item``), through a
+  ``TorchDispatchMode``.
+
+On the CPU every tensor is the device's: a read of its value (``item``, ``tolist``, ``bool``...)
+counts, as it would block on a GPU, so a CPU test proves the GPU's count. A copy counts only where
+there is one (``cpu()`` of a CPU tensor is the tensor itself, and host-side state such as RNG
+states is CPU on every device), so CPU tests do not see a ``cpu()`` of what would be a device
+tensor on a GPU; a GPU run counts it. Device-to-host reads outside the watched window (the data
+pipeline's own host tensors) are not the step's and are not seen. The patch is installed once
+per process and dispatches on a thread-local slot, so threads that do not watch (the
+checkpoint writer's copies) are not counted and pay one attribute lookup per call.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# torch.Tensor methods that block until the device has produced the value they hand the host
+_BLOCKING = ("item", "tolist", "cpu", "to", "__bool__", "__float__", "__int__", "__index__")
+_local = threading.local()         # .counter: the SyncCounter watching in this thread
+_originals: dict[str, object] = {}  # name -> torch.Tensor's own method (while patched)
+_patch_lock = threading.Lock()
+_watchers = 0                      # counters watching in any thread (the patch stays while > 0)
+
+
+def _copies_to_host(tensor, name: str, args, kwargs) -> bool:
+    """``cpu()`` and ``to`` count when they copy a device tensor to the CPU without
+    ``non_blocking`` (a blocking copy)."""
+    if tensor.device.type == "cpu":
+        return False
+    if name == "cpu":
+        return True
+    if kwargs.get("non_blocking") or any(a is True for a in args[1:]):
+        return False
+    target = kwargs.get("device")
+    for a in args[:1]:
+        if isinstance(a, (str, torch.device)):
+            target = a
+        elif isinstance(a, torch.Tensor):
+            target = a.device
+    return target is not None and torch.device(target).type == "cpu"
+
+
+def _wrap(name: str, method):
+    def blocking(self, *args, **kwargs):
+        counter = getattr(_local, "counter", None)
+        if counter is None or counter._inside:
+            return method(self, *args, **kwargs)
+        if name in ("to", "cpu") and not _copies_to_host(self, name, args, kwargs):
+            return method(self, *args, **kwargs)
+        if self.device.type == "meta":
+            return method(self, *args, **kwargs)
+        counter._inside = True  # a read made of reads (tolist -> item) counts once
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            counter._inside = False
+            counter.count(f"tensor.{name.strip('_')}")
+    blocking.__name__, blocking.__doc__ = method.__name__, method.__doc__
+    return blocking
+
+
+def _patch() -> None:
+    global _watchers
+    with _patch_lock:
+        _watchers += 1
+        if _watchers == 1:
+            for name in _BLOCKING:
+                _originals[name] = getattr(torch.Tensor, name)
+                setattr(torch.Tensor, name, _wrap(name, _originals[name]))
+
+
+def _unpatch() -> None:
+    global _watchers
+    with _patch_lock:
+        _watchers -= 1
+        if _watchers == 0:
+            for name, method in _originals.items():
+                setattr(torch.Tensor, name, method)
+            _originals.clear()
+
+
+class _ScalarReads(TorchDispatchMode):
+    """``aten._local_scalar_dense`` that did not come through a patched method."""
+
+    def __init__(self, counter: "SyncCounter"):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._local_scalar_dense.default and not self.counter._inside:
+            self.counter.count("aten._local_scalar_dense")
+        return out
+
+
+@dataclass
+class SyncEvent:
+    """One host wait: its name and, when the caller has one, the device clock's stamp of it."""
+    name: str
+    stamp: object = None
+
+
+@dataclass
+class SyncCounter:
+    """Host waits for the device, per step (``begin_step`` / ``end_step``) and outside steps.
+
+        counter = SyncCounter()
+        with counter.step():             # or begin_step() ... end_step()
+            with counter.watching():     # also the implicit reads of this thread
+                ...one training step...
+        counter.last                     # the step's waits, e.g. [SyncEvent("statistics", ...)]
+
+    ``strict`` adds the dispatch mode (every aten op passes through Python: for tests, not for
+    a run's speed).
+    """
+    strict: bool = False
+    current: list[SyncEvent] | None = None     # the open step's waits (None between steps)
+    last: list[SyncEvent] = field(default_factory=list)   # the last finished step's
+    outside: int = 0                           # waits between steps (setup, validation, flush)
+    _inside: bool = False
+
+    def count(self, name: str, stamp=None) -> None:
+        if self.current is None:
+            self.outside += 1
+        else:
+            self.current.append(SyncEvent(name, stamp))
+
+    def begin_step(self) -> None:
+        self.current = []
+
+    def end_step(self) -> list[SyncEvent]:
+        self.last, self.current = self.current or [], None
+        return self.last
+
+    @contextlib.contextmanager
+    def step(self):
+        self.begin_step()
+        try:
+            yield self
+        finally:
+            self.end_step()
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Count the implicit host reads of this thread too, until the block ends."""
+        if getattr(_local, "counter", None) is not None:  # nested: the outer one counts
+            yield self
+            return
+        _patch()
+        _local.counter = self
+        mode = _ScalarReads(self) if self.strict else contextlib.nullcontext()
+        try:
+            with mode:
+                yield self
+        finally:
+            _local.counter = None
+            _unpatch()
+
+    @contextlib.contextmanager
+    def ignored(self):
+        """A read known not to be a device wait (e.g. of host tensors) inside a watched block."""
+        inside, self._inside = self._inside, True
+        try:
+            yield
+        finally:
+            self._inside = inside

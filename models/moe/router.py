@@ -1,0 +1,64 @@
+"""The top-k router: fp32 logits, stable top-k, and the score functions of Megatron-LM.
+
+- ``softmax`` (default, Mixtral): top-k of the logits, then a softmax over the K chosen ones.
+- ``softmax`` with ``pre_softmax``: softmax over all E experts first, then top-k of those
+  probabilities, not renormalised.
+- ``sigmoid``: top-k of sigmoid(logits), the chosen scores divided by their sum when K > 1.
+
+Ties are broken by the lower expert index (a stable descending sort), so the choice depends only on
+the token's values: every layout routes a token the same way. The logits are computed in fp32
+from an fp32 router weight whatever the activations' dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Routing:
+    weights: torch.Tensor   # (T, K) fp32: each chosen expert's weight in the token's output
+    experts: torch.Tensor   # (T, K) int64: the chosen experts, best first
+    logits: torch.Tensor    # (T, E) fp32
+    scores: torch.Tensor    # (T, E) fp32: per-expert probabilities the balancing losses use
+
+
+def stable_topk(t: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last dim; equal values keep index order (the lower index wins)."""
+    values, index = torch.sort(t, dim=-1, descending=True, stable=True)
+    return values[..., :k], index[..., :k]
+
+
+class TopKRouter(nn.Module):
+    """Replicated (E, h) fp32 weight, drawn from (seed, ``{name}.weight``) like every weight."""
+
+    def __init__(self, hidden: int, num_experts: int, topk: int, init, name: str,
+                 score_function: str = "softmax", pre_softmax: bool = False):
+        super().__init__()
+        self.num_experts, self.topk = num_experts, topk
+        self.score_function, self.pre_softmax = score_function, pre_softmax
+        self.weight = nn.Parameter(init.full(f"{name}.weight", (num_experts, hidden)))
+
+    def forward(self, x: torch.Tensor) -> Routing:  # (T, h)
+        logits = F.linear(x.float(), self.weight.float())  # (T, E) fp32
+        k = self.topk
+        if self.score_function == "sigmoid":
+            scores = torch.sigmoid(logits)
+            values, experts = stable_topk(scores, k)
+            weights = values / (values.sum(-1, keepdim=True) + 1e-20) if k > 1 else values
+            balance = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+            return Routing(weights, experts, logits, balance)
+        probs = torch.softmax(logits, dim=-1)
+        if self.pre_softmax:
+            weights, experts = stable_topk(probs, k)
+        else:
+            values, experts = stable_topk(logits, k)
+            weights = torch.softmax(values, dim=-1)
+        return Routing(weights, experts, logits, probs)
+
+    def extra_repr(self) -> str:
+        pre = ", pre_softmax" if self.pre_softmax else ""
+        return f"experts={self.num_experts}, topk={self.topk}, {self.score_function}{pre}"

@@ -1,0 +1,87 @@
+"""Expert-parallel rank arithmetic: pure Python, no torch.distributed.
+
+A mixture-of-experts layer refolds the ranks of its pipeline stage (parallel folding, as in
+Megatron-Core) into expert-tensor-parallel (ETP), expert-parallel (EP) and expert-data-parallel
+(EDP) groups. In this first slice ETP is 1 and the folding is drawn from the DP x CP ranks at
+equal tp and pp coordinates: each of those ``dp_cp`` groups (``RankGrid.groups("dp_cp")``, its
+ranks in rank order) is cut into consecutive blocks of ``ep`` ranks (the EP groups: the ranks that
+exchange tokens and hold disjoint experts), and the ranks at the same position of every block form
+an EDP group (the replicas of one set of experts, where their gradients are summed). So
+EP x EDP = dp x cp, and each TP rank of a stage holds an identical replica of its experts (the
+tokens of a TP group are the same without sequence parallelism).
+
+Worked example, 8 ranks, ``RankGrid(tp=2, dp=4)`` with ``ep=2``::
+
+    DP groups  [0, 2, 4, 6], [1, 3, 5, 7]
+    EP groups  [0, 2], [1, 3], [4, 6], [5, 7]     # consecutive pairs of each DP group
+    EDP groups [0, 4], [1, 5], [2, 6], [3, 7]     # the same position in every pair
+    ETP groups [0], [1], ..., [7]                 # etp = 1
+    expert_rank(6) == 1: rank 6 holds experts E/2 .. E-1 of every MoE layer
+
+With ``RankGrid(dp=2)`` and ``ep=2``: EP [0, 1], EDP [0], [1] (every expert lives on one rank).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel.topology import RankGrid
+
+EXPERT_DIMS = ("ep", "edp", "etp")
+
+
+@dataclass(frozen=True)
+class ExpertGrid:
+    grid: RankGrid
+    ep: int = 1
+    etp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("ep", "etp"):
+            size = getattr(self, name)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"--expert-{'model' if name == 'ep' else 'tensor'}-parallel-size "
+                                 f"must be a positive integer, got {size!r}")
+        if self.etp != 1:
+            raise ValueError(f"--expert-tensor-parallel-size {self.etp}: expert tensor parallelism "
+                             f"is not built yet; use 1 (each expert whole on one rank)")
+        dp_cp = self.grid.dp * self.grid.cp
+        if dp_cp % self.ep:
+            raise ValueError(f"--expert-model-parallel-size {self.ep} must divide dp x cp = "
+                             f"{self.grid.dp} x {self.grid.cp} = {dp_cp}: expert-parallel ranks are "
+                             f"drawn from the data- and context-parallel ranks of a stage")
+
+    @property
+    def edp(self) -> int:
+        return self.grid.dp * self.grid.cp // self.ep
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group of ``dim`` ("ep", "edp" or "etp"), in rank order."""
+        if dim == "etp":
+            return [[r] for r in range(self.grid.world_size)]
+        if dim not in EXPERT_DIMS:
+            raise ValueError(f"ExpertGrid: unknown dimension {dim!r}; use one of {EXPERT_DIMS}")
+        found = []
+        for ranks in self.grid.groups("dp_cp"):
+            if dim == "ep":
+                found += [ranks[i:i + self.ep] for i in range(0, len(ranks), self.ep)]
+            else:
+                found += [ranks[i::self.ep] for i in range(self.ep)]
+        return sorted(found)
+
+    def group_of(self, rank: int, dim: str) -> list[int]:
+        """The group of ``dim`` that holds ``rank``."""
+        self.grid.coord(rank)  # range check
+        return next(g for g in self.groups(dim) if rank in g)
+
+    def expert_rank(self, rank: int) -> int:
+        """``rank``'s index in its EP group: it holds experts [i * E/ep, (i + 1) * E/ep)."""
+        return self.group_of(rank, "ep").index(rank)
+
+    @staticmethod
+    def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
+        """The global indices of the experts an EP rank holds."""
+        if num_experts % ep:
+            raise ValueError(f"--num-experts {num_experts} is not divisible by "
+                             f"--expert-model-parallel-size {ep}; use a multiple of it")
+        per = num_experts // ep
+        return range(ep_rank * per, (ep_rank + 1) * per)

@@ -1,0 +1,38 @@
+"""Create the expert-parallel and expert-data-parallel groups of a ParallelState.
+
+``new_group`` is collective: every rank of the world creates every group, in the order of
+``ExpertGrid.groups`` (EP first, then EDP), after ``ParallelState.initialize``. The bad input
+(``ep`` not dividing dp x cp, etp > 1) is refused by the pure ``ExpertGrid`` before the first group.
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+from parallel.comm import CommGroup, single_rank_group
+from parallel.expert_groups import ExpertGrid
+from parallel.state import ParallelState
+
+
+def init_expert_groups(ps: ParallelState, ep: int, timeout_s: float = 300.0) -> ExpertGrid:
+    """Set ``ps.ep_group`` and ``ps.edp_group`` for expert parallelism of size ``ep``; with
+    ep = 1 the EP group is this rank alone and the EDP group is ``ps.dp_cp_group``."""
+    egrid = ExpertGrid(ps.grid, ep)
+    if ep == 1:
+        ps.ep_group = single_rank_group("ep", ps.rank, ps.comm)
+        ps.edp_group = ps.dp_cp_group
+        return egrid
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for dim in ("ep", "edp"):
+        mine = None
+        for ranks in egrid.groups(dim):
+            if len(ranks) == 1:
+                if ps.rank in ranks:
+                    mine = single_rank_group(dim, ps.rank, ps.comm)
+                continue
+            pg = dist.new_group(ranks, timeout=timeout, backend=ps.backend)
+            if ps.rank in ranks:
+                mine = CommGroup(dim, tuple(ranks), ranks.index(ps.rank), pg, ps.comm)
+        setattr(ps, f"{dim}_group", mine)
+    return egrid

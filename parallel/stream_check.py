@@ -1,0 +1,330 @@
+"""The stream-order checker: unordered accesses of one storage from two streams, found on the CPU.
+
+PyTorch's CUDA sanitizer (torch.cuda._sanitizer) finds kernels on two streams that touch the same
+memory without an event between them, but only on a GPU. This checker does the same over the
+engine's own stream API (parallel/streams.py), so it runs in CPU CI: every side stream, every
+worker thread and every communicator ("comm:<group kind>") is a named stream, and
+
+- a ``TorchDispatchMode``, entered on every thread the checker is active on (the test's thread,
+  threads of ``streams.start_thread``), sees each aten op and charges its accesses to the thread's
+  current named stream: arguments the schema marks as written (``alias_info.is_write``) and fresh
+  outputs are writes, the other tensor arguments reads (views are neither);
+- the communication layer reports each collective (parallel/comm.py): an asynchronous one first
+  orders its comm stream after the issuing stream, then accesses its tensors there (all-reduce and
+  broadcast write their tensor, the others write the first and read the rest, a send reads, a
+  receive writes); the handle's ``wait()`` (or ``is_completed()`` returning True) orders the
+  waiting stream after it, and a synchronous one is waited for at once. The ops a backend runs
+  inside the call or the wait (gloo copies a reduce-scatter's result into its output in
+  ``wait()``) are the collective's own and not charged to the calling thread's stream;
+- ``record_event`` / ``wait_event`` / ``wait_stream`` and thread start and join merge vector
+  clocks, as the sanitizer's event handler does: stream T is ordered after access n of stream S
+  when T's clock has S >= n.
+
+A violation is recorded, naming both streams, both ops and where the storage was created, when on
+one stream a storage is read after an unordered write of another stream, written after an
+unordered read or write, or released (``streams.released``) or reused (its address handed out
+again after Python dropped it) while another stream's access is not ordered before the stream
+that allocated it, unless ``record_stream`` named that stream (the caching allocator then defers
+the reuse). Accesses of comm streams do not hold a release back: the backends keep a collective's
+tensors alive until its work completes. ``check()`` raises ``StreamOrderError`` listing them.
+
+Storages are identified by ``untyped_storage().data_ptr()`` and a weak reference, so a new storage
+at an old address is told from the old one; accesses conflict only where their byte ranges overlap.
+Only what runs while the checker is active is seen. docs/streams.md says how tests turn it on.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from parallel import streams
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SKIP_FILES = (os.path.abspath(__file__), os.path.abspath(streams.__file__))
+
+
+class StreamOrderError(AssertionError):
+    """Two streams touched one storage without an ordering between them."""
+
+
+@dataclass(frozen=True)
+class Access:
+    stream: str
+    seq: int
+    op: str
+    lo: int          # the byte range of the storage it touched
+    hi: int
+    write: bool
+
+
+@dataclass
+class StorageRecord:
+    ref: StorageWeakRef
+    origin: str
+    alloc_stream: str
+    accesses: list = field(default_factory=list)   # the last ones that may still conflict
+    recorded: set = field(default_factory=set)     # streams named by record_stream
+    released: bool = False
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes of its storage a tensor (view) spans; None when it has no elements."""
+    if t.numel() == 0:
+        return None
+    span = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    elem = t.element_size()
+    return t.storage_offset() * elem, (t.storage_offset() + span) * elem
+
+
+def _tensors(value) -> list:
+    """The tensors of an op's argument or result (a tensor, or a list or tuple of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _origin(op: str) -> str:
+    """``op`` and the innermost frame of the repository outside the checker and the torch tree."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_ROOT) and path not in _SKIP_FILES and "/.venv/" not in path:
+            return f"{op} at {os.path.relpath(path, _ROOT)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return op
+
+
+class _Mode(TorchDispatchMode):
+    """One per thread (dispatch modes are thread-local): every aten op to the checker."""
+
+    def __init__(self, checker: "StreamChecker"):
+        super().__init__()
+        self.checker = checker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # collectives, and the backend's ops inside their calls and waits: reported by comm.py
+        if func.namespace != "c10d" and not streams.in_collective():
+            self.checker.on_op(func, args, kwargs, out)
+        return out
+
+
+class StreamChecker:
+    """Vector clocks per named stream and, per storage, its recent accesses by byte range (the
+    buckets of one flat gradient buffer are reduced while backward writes the next ones)."""
+
+    def __init__(self):
+        self.violations: list[str] = []
+        self._clocks: dict[str, dict[str, int]] = {}
+        self._records: dict[int, StorageRecord] = {}
+        self._lock = threading.RLock()
+        self._seen: set = set()
+
+    # ---- installation ---------------------------------------------------------------------
+    @contextmanager
+    def active(self):
+        """See this thread's aten ops while inside."""
+        with _Mode(self):
+            yield self
+
+    @contextmanager
+    def installed(self):
+        """Install the checker in parallel.streams and make it active on this thread."""
+        previous = streams.installed_checker()
+        streams.install_checker(self)
+        try:
+            with self.active():
+                yield self
+        finally:
+            if previous is not None:
+                streams.install_checker(previous)
+            else:
+                streams.uninstall_checker()
+
+    @property
+    def streams(self) -> list[str]:
+        """The named streams seen so far."""
+        with self._lock:
+            return sorted(self._clocks)
+
+    def check(self) -> None:
+        if self.violations:
+            raise StreamOrderError(f"{len(self.violations)} stream-order violation(s):\n" +
+                                   "\n".join(self.violations))
+
+    # ---- clocks -----------------------------------------------------------------------------
+    def _clock(self, stream: str) -> dict[str, int]:
+        clock = self._clocks.get(stream)
+        if clock is None:
+            clock = self._clocks[stream] = {stream: 0}
+        return clock
+
+    def _tick(self, stream: str) -> int:
+        clock = self._clock(stream)
+        clock[stream] += 1
+        return clock[stream]
+
+    def _ordered(self, access: Access, stream: str) -> bool:
+        return access.stream == stream or self._clock(stream).get(access.stream, 0) >= access.seq
+
+    def on_record(self, stream: str) -> dict:
+        with self._lock:
+            return dict(self._clock(stream))
+
+    def on_wait(self, stream: str, clock: dict) -> None:
+        with self._lock:
+            mine = self._clock(stream)
+            for name, seq in clock.items():
+                if seq > mine.get(name, 0):
+                    mine[name] = seq
+
+    # ---- storages ---------------------------------------------------------------------------
+    def _record(self, t: torch.Tensor, stream: str, op: str, fresh: bool) -> StorageRecord | None:
+        if t.device.type == "meta" or t.is_sparse:
+            return None
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0 or storage.nbytes() == 0:
+            return None
+        rec = self._records.get(ptr)
+        if rec is not None and rec.ref.expired():
+            self._reused(rec, stream, op)
+            rec = None
+        if rec is None:
+            origin = _origin(op) if fresh else _origin(op) + " (created before the checker saw it)"
+            rec = self._records[ptr] = StorageRecord(StorageWeakRef(storage), origin, stream)
+        return rec
+
+    def _violation(self, kind: str, rec: StorageRecord, stream: str, op: str, other: Access,
+                   pool: str | None = None) -> None:
+        """Record one violation (once per kind, origin, streams and ops). ``pool``: for a release
+        or reuse, the stream whose pool the block returns to."""
+        key = (kind, rec.origin, stream, other.stream, op, other.op)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        if pool == stream:  # a reuse: the new storage's op is on the pool's own stream
+            what = f"{op} on stream '{stream}' takes its block, but that stream is not ordered " \
+                   f"after {other.op} on stream '{other.stream}' (no event, wait or join, and " \
+                   f"no record_stream for that stream)"
+        elif pool is None:
+            what = f"{op} on stream '{stream}' is not ordered after {other.op} on stream " \
+                   f"'{other.stream}' (no event, wait or join between them)"
+        else:
+            what = f"{op} on stream '{stream}' hands the block to stream '{pool}', which is not " \
+                   f"ordered after {other.op} on stream '{other.stream}' (no event, wait or " \
+                   f"join, and no record_stream for that stream)"
+        self.violations.append(f"{kind}: storage from {rec.origin}: {what}")
+
+    def _touch(self, rec: StorageRecord, new: Access) -> None:
+        """Check ``new`` against the overlapping accesses of other streams, then keep it; an
+        access it fully covers is dropped (a later one ordered after ``new`` is after it too)."""
+        keep = []
+        for a in rec.accesses:
+            overlaps = a.lo < new.hi and new.lo < a.hi
+            if overlaps and (new.write or a.write) and not self._ordered(a, new.stream):
+                kind = f"{'write' if new.write else 'read'} after an unordered " \
+                       f"{'write' if a.write else 'read'}"
+                self._violation(kind, rec, new.stream, new.op, a)
+            covered = new.lo <= a.lo and a.hi <= new.hi and (new.write or
+                                                              (a.stream == new.stream and not a.write))
+            if not covered:
+                keep.append(a)
+        keep.append(new)
+        rec.accesses = keep
+
+    def _unfinished(self, rec: StorageRecord, stream: str) -> list[Access]:
+        """Accesses of other streams that work on ``stream`` is not ordered after (comm streams
+        and record_stream-ed ones excepted)."""
+        return [a for a in rec.accesses if not a.stream.startswith("comm:")
+                and a.stream not in rec.recorded and not self._ordered(a, stream)]
+
+    def _reused(self, rec: StorageRecord, stream: str, op: str) -> None:
+        if rec.released or rec.alloc_stream != stream:
+            return  # checked when released; or another stream's pool (the allocator keeps them apart)
+        for a in self._unfinished(rec, rec.alloc_stream):
+            self._violation("reused while in use", rec, stream, f"{op} (a new storage)", a,
+                            pool=stream)
+
+    def on_free(self, t: torch.Tensor, stream: str) -> None:
+        with self._lock:
+            rec = self._record(t, stream, "release", False)
+            if rec is None:
+                return
+            for a in self._unfinished(rec, rec.alloc_stream):
+                self._violation("released while in use", rec, stream, "the release", a,
+                                pool=rec.alloc_stream)
+            rec.released = True
+
+    def on_record_stream(self, t: torch.Tensor, stream: str) -> None:
+        with self._lock:
+            rec = self._record(t, streams.current_stream_name(), "record_stream", False)
+            if rec is not None:
+                rec.recorded.add(stream)
+
+    def access(self, stream: str, reads: list, writes: list, op: str, fresh: tuple = ()) -> None:
+        """One op on ``stream``: ``reads`` and ``writes`` are tensors; ``fresh`` (a subset of
+        ``writes``) were allocated by it."""
+        with self._lock:
+            seq = self._tick(stream)
+            written = []
+            for tensors, write in ((writes, True), (reads, False)):
+                for t in tensors:
+                    span = _byte_range(t)
+                    rec = None if span is None else \
+                        self._record(t, stream, op, write and any(t is f for f in fresh))
+                    if rec is None or (not write and (id(rec), span) in written):
+                        continue
+                    if write:
+                        written.append((id(rec), span))
+                    self._touch(rec, Access(stream, seq, op, span[0], span[1], write))
+
+    # ---- event sources ------------------------------------------------------------------------
+    def on_op(self, func, args, kwargs, out) -> None:
+        schema = func._schema
+        reads, writes = [], []
+        for i, arg in enumerate(schema.arguments):
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            if value is None:
+                continue
+            tensors = _tensors(value)
+            if not tensors:
+                continue
+            info = arg.alias_info
+            if info is not None and info.is_write:
+                writes += tensors
+            elif info is None:
+                reads += tensors
+            # an aliasing, non-writing argument is a view's base: no access
+        fresh = []
+        outs = out if len(schema.returns) > 1 else (out,)
+        for ret, value in zip(schema.returns, outs):
+            if ret.alias_info is None:
+                fresh += _tensors(value)
+        if reads or writes or fresh:
+            self.access(streams.current_stream_name(), reads, writes + fresh,
+                        func.overloadpacket.__name__, tuple(fresh))
+
+    def on_collective(self, op: str, group: str, tensors: list, issuer: str) -> dict:
+        """An async collective: ordered after ``issuer``, its accesses on "comm:<group>"."""
+        comm = f"comm:{group}"
+        with self._lock:
+            self.on_wait(comm, self.on_record(issuer))
+            if op in ("all_reduce", "broadcast", "recv"):
+                reads, writes = [], tensors
+            elif op == "send":
+                reads, writes = tensors, []
+            else:
+                reads, writes = tensors[1:], tensors[:1]
+            self.access(comm, reads, writes, f"{op} on {group}")
+            return self.on_record(comm)

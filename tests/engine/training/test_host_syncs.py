@@ -1,0 +1,157 @@
+"""A training step waits for the device at most once (engine/device/syncs.py): counted in strict
+mode (every implicit read of a tensor, not only the engine's own waits), for each pipeline
+schedule, ZeRO-1/2 with overlapped parameter all-gathers, gradient compression and context
+parallelism, fp16's dynamic scale and the anomaly guard's fast path; validation with pp > 1 on the step's waiter; an extra read planted in the step is
+seen (so the count can fail); the late figures are filled for every step, the last one too.
+
+One spawned group of four ranks runs every layout in turn (each a few steps).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.config.cli import parse_args
+from engine.device.clock import DeviceClock
+from engine.device.syncs import SyncCounter
+from engine.training.step_record import LATE_KEYS
+from engine.training.trainer import Trainer
+from parallel.topology import RankGrid
+from tests.helpers.dist_utils import run_distributed
+
+STEPS = 3
+BASE = ["--mock-data", "--vocab-size", "256", "--no-progress", "--device", "cpu",
+        "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--global-batch-size", "8", "--micro-batch-size", "1",
+        "--train-iters", str(STEPS), "--lr-warmup-iters", "0", "--log-interval", "100"]
+PP2 = ["--pp", "2", "--dp", "2"]
+LAYOUTS = {
+    "1f1b": PP2 + ["--pipeline-schedule", "1f1b", "--eval-interval", "2", "--eval-iters", "1"],
+    "interleaved": PP2 + ["--pipeline-schedule", "interleaved", "--virtual-pipeline-size", "2"],
+    "zb-h1": PP2 + ["--pipeline-schedule", "zb-h1"],
+    "zb-v": PP2 + ["--pipeline-schedule", "zb-v"],
+    "zero1-overlap": PP2 + ["--use-distributed-optimizer", "--overlap-param-gather"],
+    "zero2-overlap": ["--dp", "4", "--use-distributed-optimizer", "--zero-stage", "2",
+                      "--overlap-param-gather"],
+    "int8": ["--dp", "4", "--grad-compression", "int8"],
+    "topk": ["--dp", "4", "--grad-compression", "topk"],
+    "cp2": ["--cp", "2", "--dp", "2"],
+    "fp16": PP2 + ["--precision", "fp16"],
+    "guarded": ["--dp", "4", "--rerun-on-anomaly", "--spike-factor", "5"],  # a clean step's guard
+}
+
+
+def _train(argv, plant: bool = False) -> dict:
+    trainer = Trainer(parse_args(BASE + argv))
+    trainer.clock.syncs.strict = True  # every aten scalar read too
+    if plant:  # an extra read on the step's path: the count must see it
+        statistics = trainer.stepper.statistics
+
+        def statistics_with_a_read(local_loss, pipe):
+            float(local_loss.detach().sum().item())
+            return statistics(local_loss, pipe)
+        trainer.stepper.statistics = statistics_with_a_read
+    try:
+        result = trainer.train()
+    finally:
+        trainer.close()
+    return {"syncs": [r["host_syncs"] for r in result.records],
+            "points": [r["host_sync_points"] for r in result.records],
+            "late_null": [[k for k in LATE_KEYS if r[k] is None and
+                           not (k.startswith("bubble") and trainer.ps.pp_size == 1)
+                           and k not in ("mfu", "hfu")]  # null without a known peak
+                          for r in result.records],
+            "valid": result.valid, "outside": trainer.clock.syncs.outside}
+
+
+def _all_layouts(ps) -> dict:
+    out = {name: _train(argv) for name, argv in LAYOUTS.items()}
+    out["planted"] = _train(PP2, plant=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(_all_layouts, grid=RankGrid(dp=4), deadline_s=900.0)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_one_wait_per_step(runs, name):
+    for rank, result in enumerate(runs):
+        run = result[name]
+        assert len(run["syncs"]) == STEPS, (name, rank, run)
+        assert all(n == 1 for n in run["syncs"]), (name, rank, run["points"])
+        assert all(p == ["statistics"] for p in run["points"]), (name, rank, run["points"])
+        # the late figures of every step are filled, the last one's by the flush
+        assert all(not missing for missing in run["late_null"]), (name, rank, run["late_null"])
+        # between steps the engine waits only where it says: the clock's first anchor, the flush
+        # after the last step and one read per validation batch (the straggler monitor, on by
+        # default, reads each step's spans after the next step's wait: none)
+        assert run["outside"] == 2 + len(run["valid"]), (name, rank, run["outside"])
+
+
+def test_validation_with_a_pipeline_reads_once_per_batch(runs):
+    valid = [result["1f1b"]["valid"] for result in runs]
+    assert all(v == valid[0] for v in valid) and len(valid[0]) == 1  # the same loss on every rank
+    assert valid[0][0][1] > 0
+
+
+def test_a_planted_read_is_counted(runs):
+    for result in runs:
+        run = result["planted"]
+        assert run["syncs"] == [2] * STEPS, run["points"]
+        assert all("tensor.item" in p for p in run["points"]), run["points"]
+
+
+def test_counter_sees_implicit_reads_and_ignores_other_threads():
+    import threading
+    counter = SyncCounter(strict=True)
+    t = torch.ones(3)
+    with counter.step(), counter.watching():
+        t.sum().item()
+        bool(t.sum() > 0)
+        t.tolist()
+        t.to("cpu", non_blocking=True)   # no copy to wait for
+        with counter.ignored():
+            t.tolist()                   # a read known not to wait
+        worker = threading.Thread(target=lambda: t.sum().item())
+        worker.start()
+        worker.join()                    # another thread's read is not this step's
+    assert [e.name for e in counter.last] == ["tensor.item", "tensor.bool", "tensor.tolist"]
+    assert torch.Tensor.item.__qualname__ != "blocking"  # unpatched after the block
+    t.sum().item()
+    assert counter.outside == 0
+
+
+def test_clock_counts_waits_for_stamps_after_the_last_read():
+    clock = DeviceClock("cpu")
+    clock.anchor()
+    a = clock.stamp()
+    with clock.syncs.step():
+        b = clock.stamp()
+        clock.read(torch.zeros(2), "statistics")
+        clock.elapsed_s(a, b)            # complete since the read: no wait
+        c = clock.stamp()
+        clock.elapsed_s(b, c)            # after the read: a GPU would wait for it
+    assert [e.name for e in clock.syncs.last] == ["statistics", "event wait"]
+
+
+def test_timeline_marks_the_wait(tmp_path):
+    trace = tmp_path / "t.json"
+    trainer = Trainer(parse_args(BASE[:-2] + ["--num-layers", "2", "--train-iters", "2",
+                                             "--timeline", str(trace)]))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    events = json.loads(trace.read_text())["traceEvents"]
+    marks = [e for e in events if e["ph"] == "i"]
+    assert [(e["name"], e["args"]["step"]) for e in marks] == \
+        [("host sync: statistics", 1), ("host sync: statistics", 2)]
+    for step in (1, 2):  # after the backward, before the optimizer's span
+        spans = {e["name"]: e for e in events if e["ph"] == "X" and e["args"]["step"] == step}
+        mark = next(e for e in marks if e["args"]["step"] == step)
+        assert spans["grad sync"]["ts"] <= mark["ts"] + 0.01
+        assert mark["ts"] <= spans["optimizer"]["ts"] + 0.01

@@ -1,0 +1,55 @@
+"""The alltoall token dispatcher on two gloo ranks (one EP group): rows land on the rank holding
+their expert, sorted by (local expert, source rank); combine inverts it; gradients travel back;
+the collectives are the counts' all-to-all and one all-to-all with split sizes each way, on the
+"ep" group."""
+from __future__ import annotations
+
+import torch
+
+from parallel.expert_parallel import (alltoall_combine, alltoall_dispatch, init_expert_groups,
+                                      permute_tokens, unpermute_tokens)
+from parallel.topology import RankGrid
+from tests.helpers.dist_utils import record_comm, run_distributed
+
+E, K, T, H = 4, 2, 5, 3
+
+
+def _tokens(rank: int):
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=gen)
+    experts = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])  # (T, K)
+    return x, experts
+
+
+def _dispatch(ps):
+    init_expert_groups(ps, 2)
+    group = ps.ep_group
+    x, experts = _tokens(ps.rank)
+    x.requires_grad_(True)
+    weights = torch.full((T, K), 0.5)
+    with record_comm(ps) as events:
+        rows, perm = permute_tokens(x, experts, E)
+        got, state = alltoall_dispatch(rows, perm.counts, group)
+        # the expected rows: every rank's copies for my experts, by (local expert, source rank)
+        want = []
+        for local in range(E // 2):
+            e = 2 * ps.rank + local
+            for src in range(2):
+                sx, se = _tokens(src)
+                want += [sx[t] for t in range(T) for j in range(K) if se[t, j] == e]
+        assert torch.equal(got, torch.stack(want))
+        assert state.tokens_per_expert == [sum(int((_tokens(s)[1] == 2 * ps.rank + i).sum())
+                                                for s in range(2)) for i in range(2)]
+        back = alltoall_combine(got * 2.0, state, group)
+        out = unpermute_tokens(back, weights, perm)  # each token: 2 copies x 0.5 x 2x
+        torch.testing.assert_close(out, 2.0 * x)
+        out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+    ops = [(e.op, e.group) for e in events]
+    # forward: the counts, the rows, the rows back; backward: one all-to-all per direction
+    assert ops == [("all_to_all", "ep")] * 5, ops
+    return True
+
+
+def test_alltoall_dispatch_two_ranks():
+    assert run_distributed(_dispatch, grid=RankGrid(dp=2)) == [True, True]

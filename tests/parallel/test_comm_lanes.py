@@ -1,0 +1,103 @@
+"""One communicator, one thread (parallel/lanes.py).
+
+- Pure: ``check_lane`` refuses a group to a thread outside its lane, with a message naming the
+  group, the thread that first issued on it and the offending thread; without rules it is silent.
+- On gloo (2 ranks, HCCL rules): the exchange worker's thread is refused the main DP group, before
+  anything is sent, and is served on ``ps.dp_exchange_group``, its own communicator over the same
+  ranks; a thread outside the worker's lane is refused that one.
+- A compressed reducer needs the exchange group and says how to get it.
+"""
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+import torch
+
+from parallel.backend_rules import BackendRuleError, get_rules
+from parallel.comm import CommGroup, CommMonitor
+from parallel.dp.exchange import ExchangeWorker
+from parallel.dp.reducer import GradReducer
+from parallel.lanes import EXCHANGE_LANE, MAIN_LANE, check_lane, current_lane, lane
+from parallel.state import ParallelState
+from parallel.topology import RankGrid
+from tests.helpers.dist_utils import run_distributed
+
+HCCL = get_rules("hccl")
+
+
+def test_a_group_is_refused_outside_its_lane():
+    main = CommGroup("dp", (0, 1), 0)
+    own = CommGroup("dp", (0, 1), 0, lane=EXCHANGE_LANE)
+    assert current_lane() == MAIN_LANE and repr(own) == "CommGroup(dp, ranks=[0, 1], lane=dp-exchange)"
+    check_lane(HCCL, main, "all_reduce")                         # the main thread comes first
+    assert main.first_thread == threading.current_thread().name
+    with lane(EXCHANGE_LANE):
+        with pytest.raises(BackendRuleError) as exc:
+            check_lane(HCCL, main, "all_reduce")
+        check_lane(HCCL, own, "all_to_all")
+        check_lane(None, main, "all_reduce")                     # no rules: no check
+    message = str(exc.value)
+    assert "CommGroup(dp, ranks=[0, 1])" in message and "lane 'dp-exchange'" in message
+    assert f"first used by thread {main.first_thread!r}" in message
+    assert "ps.dp_exchange_group" in message and "deadlocks" in message
+    assert current_lane() == MAIN_LANE                           # the block's lane is undone
+    with pytest.raises(BackendRuleError, match="belongs to lane 'dp-exchange'"):
+        check_lane(HCCL, own, "all_gather")                      # and the other way round
+
+
+def _threads(ps):
+    """The exchange worker issues on the main DP group (refused on every rank before anything is
+    sent), then on its own group (delivered); a plain thread is refused the worker's group."""
+    main, own = ps.dp_group, ps.dp_exchange_group
+    assert (own.kind, own.ranks, own.lane) == (main.kind, main.ranks, EXCHANGE_LANE)
+    assert own.pg is not None and own.pg is not main.pg          # a communicator of its own
+    main.all_reduce(torch.ones(1))                               # the main thread was first
+    worker = ExchangeWorker(torch.device("cpu"))
+    x = torch.ones(2)
+    worker.submit(main.all_reduce, x)
+    try:
+        worker.drain()
+        refused = None
+    except BackendRuleError as exc:
+        refused = str(exc)
+    worker.submit(own.all_reduce, x)
+    worker.drain()
+    worker.close()
+    errors = []
+    thread = threading.Thread(target=lambda: _catch(errors, own.all_reduce, torch.ones(1)),
+                              name="stray")
+    thread.start()
+    thread.join()
+    main.all_reduce(torch.ones(1))                               # both groups are still usable
+    return {"refused": refused, "x": x.tolist(), "stray": errors}
+
+
+def _catch(errors, fn, *args):
+    try:
+        fn(*args)
+    except BackendRuleError as exc:
+        errors.append(str(exc))
+
+
+def test_worker_thread_gets_its_own_communicator_on_gloo():
+    for r in run_distributed(_threads, grid=RankGrid(dp=2), backend_rules="hccl"):
+        assert r["refused"] and re.search(r"thread 'dp-exchange[^']*' \(lane 'dp-exchange'\)",
+                                          r["refused"]), r["refused"]
+        assert "CommGroup(dp, ranks=[0, 1])" in r["refused"] and "'MainThread'" in r["refused"]
+        assert r["x"] == [2.0, 2.0]                              # summed once, on its own group
+        assert len(r["stray"]) == 1 and "thread 'stray' (lane 'main')" in r["stray"][0]
+
+
+def test_compression_needs_the_exchange_group():
+    monitor = CommMonitor("hccl")
+    dp = CommGroup("dp", (0, 1), 0, monitor=monitor)
+    ps = ParallelState(RankGrid(dp=2), comm=monitor, dp_group=dp, dp_cp_group=dp)
+    assert ps.dp_exchange_group is None                          # not asked for at start-up
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"dp_exchange=True"):
+        GradReducer(model, ps, compression_policy={"default": "int8", "warmup_steps": 0})
+    GradReducer(model, ps).remove_hooks()                        # uncompressed: not needed
+    serial = ParallelState.serial()
+    assert serial.dp_exchange_group.size == 1 and serial.dp_exchange_group.lane == EXCHANGE_LANE

@@ -1,0 +1,215 @@
+"""The stream-order checker catches each kind of violation planted on a fake second stream, names
+both streams and the tensor's origin, and accepts the orderings that fix them (an event wait, a
+stream wait, a thread join, record_stream before a release)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from parallel import streams
+from parallel.stream_check import StreamChecker, StreamOrderError
+from parallel.topology import RankGrid
+from tests.helpers.dist_utils import run_distributed
+
+
+@pytest.fixture
+def checker():
+    checker = StreamChecker()
+    with checker.installed():
+        yield checker
+
+
+def _one(checker: StreamChecker, kind: str) -> str:
+    assert len(checker.violations) == 1, checker.violations
+    message = checker.violations[0]
+    assert message.startswith(kind), message
+    return message
+
+
+def test_read_after_unordered_write(checker):
+    side = streams.side_stream("side", "cpu")
+    with streams.use(side):
+        x = torch.ones(4)                       # written on the side stream
+    x.sum()                                     # read on compute, nothing between
+    message = _one(checker, "read after an unordered write")
+    assert "'compute'" in message and "'side'" in message
+    assert "tests/parallel/test_stream_check.py" in message and "ones" in message
+    with pytest.raises(StreamOrderError, match="1 stream-order violation"):
+        checker.check()
+
+
+def test_a_wait_orders_it(checker):
+    side = streams.side_stream("side", "cpu")
+    with streams.use(side):
+        x = torch.ones(4)
+    streams.wait_stream(streams.current_stream(), side)
+    x.sum()
+    event = streams.record_event()              # and back: compute -> side through an event
+    x.add_(1)
+    streams.wait_event(event, side)
+    with streams.use(side):
+        x.mul_(2)                               # after the event, but not after add_: a race
+    assert len(checker.violations) == 1 and "add_" in checker.violations[0]
+    checker.violations.clear()
+    streams.wait_stream(side, streams.current_stream())
+    with streams.use(side):
+        x.mul_(2)
+    checker.check()
+
+
+def test_write_after_unordered_read(checker):
+    side = streams.side_stream("side", "cpu")
+    x = torch.ones(4)
+    streams.wait_stream(side, streams.current_stream())
+    with streams.use(side):
+        x * 2                                   # the side stream reads x
+    x.fill_(0)                                  # compute overwrites it before the read is done
+    message = _one(checker, "write after an unordered read")
+    assert "fill_ on stream 'compute'" in message and "mul on stream 'side'" in message
+
+
+def test_release_while_another_stream_reads(checker):
+    side = streams.side_stream("side", "cpu")
+    x, y = torch.ones(4), torch.ones(4)
+    streams.wait_stream(side, streams.current_stream())
+    with streams.use(side):
+        x * 2
+        y * 2
+    streams.released(x)                         # its block may go to the next allocation now
+    _one(checker, "released while in use")
+    streams.record_stream(y, side)              # the fix: the allocator waits for the side stream
+    streams.released(y)
+    assert len(checker.violations) == 1
+
+
+def test_reuse_of_a_freed_address_while_another_stream_reads(checker):
+    """A storage dropped by Python whose address a new storage of the same stream gets (as the
+    caching allocator hands a freed block to the next allocation of its stream); frombuffer makes
+    the reuse deterministic."""
+    side = streams.side_stream("side", "cpu")
+    memory = bytearray(4096)
+    x = torch.frombuffer(memory, dtype=torch.float32)
+    x.fill_(1)                                  # first seen on compute: its block is compute's
+    streams.wait_stream(side, streams.current_stream())
+    with streams.use(side):
+        x.sum()
+    del x
+    y = torch.frombuffer(memory, dtype=torch.float32)
+    y.zero_()
+    message = _one(checker, "reused while in use")
+    assert "zero_ (a new storage) on stream 'compute' takes its block" in message
+    assert "sum on stream 'side'" in message
+
+
+def test_backward_runs_under_the_checker(checker):
+    """autograd's CPU backward runs on the calling thread, under its dispatch mode."""
+    side = streams.side_stream("side", "cpu")
+    x = torch.ones(3, requires_grad=True)
+    w = torch.full((3,), 2.0)
+    loss = (x * w).sum()
+    streams.wait_stream(side, streams.current_stream())
+    with streams.use(side):
+        w.data.add_(1)                          # ordered after the forward's read
+    checker.check()
+    loss.backward()                             # mul's backward reads w: not ordered after add_
+    message = _one(checker, "read after an unordered write")
+    assert "add_ on stream 'side'" in message
+
+
+def test_thread_join_orders_its_work(checker):
+    box = {}
+    thread = streams.start_thread("writer", lambda: box.setdefault("t", torch.ones(4)), "cpu")
+    thread.thread.join()                        # a host join the checker does not see
+    box["t"].sum()
+    message = _one(checker, "read after an unordered write")
+    assert "'writer'" in message
+    checker.violations.clear()
+    thread = streams.start_thread("writer2", lambda: box.__setitem__("u", torch.ones(4)), "cpu")
+    thread.join()
+    box["u"].sum()
+    worker = streams.SerialWorker("serial", "cpu")
+    v = torch.ones(4)
+    worker.submit(v.mul_, 2).result()           # ordered after v's creation by the submit
+    worker.close()
+    checker.check()
+
+
+def test_thread_errors_reach_on_error():
+    errors = []
+
+    def boom():
+        raise ValueError("bad")
+
+    thread = streams.start_thread("boom", boom, "cpu", on_error=errors.append)
+    thread.join()
+    assert [str(e) for e in errors] == ["bad"] and isinstance(thread.error, ValueError)
+
+
+def _collective_checks(ps):
+    """Each rank plants, under its own checker, an async all-reduce read before wait() and a
+    send buffer overwritten before wait(), then runs the ordered versions."""
+    group, peer = ps.dp_group, ps.dp_group.ranks[1 - ps.dp_group.rank]
+    out = {}
+    checker = StreamChecker()
+    with checker.installed():
+        t = torch.ones(4)
+        work = group.all_reduce(t, async_op=True)
+        t.sum()                                 # read before the collective's write is waited
+        work.wait()
+        out["all_reduce"] = list(checker.violations)
+        checker.violations.clear()
+        s, r = torch.arange(4.0), torch.empty(4)
+        transfers = [("send", s, peer), ("recv", r, peer)] if ps.rank == 0 else \
+            [("recv", r, peer), ("send", s, peer)]
+        works = group.batch_isend_irecv(transfers)
+        s.zero_()                               # overwritten while the send may still read it
+        for w in works:
+            w.wait()
+        out["send"] = list(checker.violations)
+        checker.violations.clear()
+        t = torch.ones(4)                       # the ordered versions: no violation
+        work = group.all_reduce(t, async_op=True)
+        work.wait()
+        t.sum()
+        group.all_reduce(t)                     # synchronous: ordered at once
+        t.sum()
+        s, r = torch.arange(4.0), torch.empty(4)
+        for w in group.batch_isend_irecv(transfers[:0] + [(k, s if k == "send" else r, p)
+                                                          for k, _, p in transfers]):
+            w.wait()
+        s.zero_(), r.sum()
+        out["ordered"] = list(checker.violations)
+    return out
+
+
+def test_collective_violations():
+    for out in run_distributed(_collective_checks, grid=RankGrid(dp=2)):
+        (message,) = out["all_reduce"]
+        assert message.startswith("read after an unordered write")
+        assert "'comm:dp'" in message and "'compute'" in message and "all_reduce on dp" in message
+        (message,) = out["send"]
+        assert message.startswith("write after an unordered read") and "send on pp" not in message
+        assert "send on dp" in message and "zero_ on stream 'compute'" in message
+        assert out["ordered"] == []
+
+
+def test_side_streams_and_device_threads_come_from_the_stream_api():
+    """Nothing outside parallel/streams.py creates a side stream, an event between streams, a
+    worker thread or a record_stream call, so the checker sees every ordering (the heartbeat's
+    thread touches no device object; engine/device/ keeps its own timing events)."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    allowed = {"parallel/streams.py", "parallel/stream_check.py", "parallel/heartbeat.py"}
+    patterns = (r"threading\.Thread\(", "ThreadPoolExecutor", r"torch\.Stream\(", r"torch\.Event\(",
+                r"(?<!streams)\.record_stream\(", r"(?<!streams)\.wait_stream\(")
+    found = []
+    for package in ("engine", "models", "parallel", "kernels"):
+        for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel in allowed or rel.startswith("engine/device/"):
+                continue
+            text = path.read_text()
+            found += [f"{rel}: {p}" for p in patterns if re.search(p, text)]
+    assert not found, found
