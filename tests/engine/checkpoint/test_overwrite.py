@@ -4,7 +4,6 @@ was (sha256 before and after); --overwrite moves them aside until the new run's 
 published, and a crash before that leaves them loadable; a run whose recipe matches the directory's
 unfinished run resumes. On 1 rank through engine.training.launch.main and the Trainer, and on 2
 gloo ranks. Also: --load's "loaded" line, --use-checkpoint-args against an explicit size."""
-import hashlib
 import os
 import shutil
 
@@ -19,26 +18,12 @@ from engine.training.launch import run_config
 from engine.training.trainer import Trainer
 from parallel.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.files import tree_digests
 
 TINY = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--lr", "2e-3", "--lr-warmup-iters", "1", "--log-interval", "1"]
 SHAPE = "gpt2 layers=2 hidden=64 heads=4"
-
-
-def digests(root) -> dict[str, str]:
-    """Every file under ``root`` by relative path: its sha256, or a symlink's target."""
-    out = {}
-    for dirpath, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(dirpath, name)
-            rel = os.path.relpath(path, root)
-            if os.path.islink(path):
-                out[rel] = "-> " + os.readlink(path)
-            elif os.path.isfile(path):
-                with open(path, "rb") as fh:
-                    out[rel] = hashlib.sha256(fh.read()).hexdigest()
-    return out
 
 
 def records(argv, cls=Trainer) -> list[dict]:
@@ -101,12 +86,12 @@ def test_another_runs_checkpoints_are_refused_untouched(finished, capsys):
     ]
     capsys.readouterr()
     for argv, line in cases:
-        before = digests(finished["root"])
+        before = tree_digests(finished["root"])
         assert train_main(TINY + argv) == 2, argv
         out = capsys.readouterr()
         assert out.err.splitlines() == [line], argv
         assert "Traceback" not in out.err and "gridtron: tp=" not in out.out, argv  # never started
-        assert digests(finished["root"]) == before, argv  # metrics, timeline, checkpoints alike
+        assert tree_digests(finished["root"]) == before, argv  # metrics, timeline, checkpoints alike
 
 
 def test_a_damaged_save_directory_is_named_not_replaced(finished, tmp_path, capsys):
@@ -114,25 +99,25 @@ def test_a_damaged_save_directory_is_named_not_replaced(finished, tmp_path, caps
     shutil.copytree(finished["ck"], ck, symlinks=True)
     with open(os.path.join(ck, "iter_0000002", "index.json"), "w") as fh:
         fh.write('{"format": "gridtron-checkpoint-v1", "step": "two"}')
-    before = digests(ck)
+    before = tree_digests(ck)
     capsys.readouterr()
     for extra in ([], ["--overwrite"]):
         assert train_main(TINY + ["--train-iters", "4", "--num-layers", "1", "--save", ck] + extra) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) == 1 and f"{ck}/iter_0000002/index.json is damaged: its step is 'two', not a " \
             f"number of optimizer steps; the earlier checkpoint {ck}/iter_0000001 is intact" in err[0]
-        assert digests(ck) == before
+        assert tree_digests(ck) == before
 
 
 def test_overwrite_moves_aside_until_the_first_checkpoint(finished, tmp_path, monkeypatch, capsys):
     ck = str(tmp_path / "ck")
     shutil.copytree(finished["ck"], ck, symlinks=True)
-    before = digests(ck)
+    before = tree_digests(ck)
     seen = []
     real_publish = writer.publish
 
     def publish(snap):  # the state of the directory as the new run's first checkpoint is published
-        seen.append((sorted(os.listdir(ck)), digests(os.path.join(ck, "overwritten"))))
+        seen.append((sorted(os.listdir(ck)), tree_digests(os.path.join(ck, "overwritten"))))
         real_publish(snap)
 
     monkeypatch.setattr(writer, "publish", publish)
@@ -154,7 +139,7 @@ def test_overwrite_moves_aside_until_the_first_checkpoint(finished, tmp_path, mo
 def test_a_crash_before_the_first_checkpoint_keeps_them(finished, tmp_path, monkeypatch, capsys):
     ck = str(tmp_path / "ck")
     shutil.copytree(finished["ck"], ck, symlinks=True)
-    before = digests(ck)
+    before = tree_digests(ck)
     real_write = writer.write_shard
 
     def failing_write(tensors, path):
@@ -166,9 +151,9 @@ def test_a_crash_before_the_first_checkpoint_keeps_them(finished, tmp_path, monk
         records(argv + ["--overwrite"])
     monkeypatch.setattr(writer, "write_shard", real_write)
     aside = os.path.join(ck, "overwritten")
-    assert digests(aside) == before and saved_step(aside) == 2
+    assert tree_digests(aside) == before and saved_step(aside) == 2
     # without --overwrite, nothing may replace them; --load continues them
-    kept = digests(ck)
+    kept = tree_digests(ck)
     capsys.readouterr()
     assert train_main(TINY + argv) == 2
     err = capsys.readouterr().err.splitlines()
@@ -176,9 +161,9 @@ def test_a_crash_before_the_first_checkpoint_keeps_them(finished, tmp_path, monk
                    f"{SHAPE}) that an --overwrite run moved aside and that no checkpoint of it has "
                    f"replaced yet: pass --load {aside} to continue them, move them back into {ck}, give "
                    f"this run a new --run-dir or --save, or add --overwrite to replace them"]
-    assert digests(ck) == kept
+    assert tree_digests(ck) == kept
     assert [r["step"] for r in records(["--train-iters", "3", "--load", aside])] == [3]
-    assert digests(ck) == kept
+    assert tree_digests(ck) == kept
     # the job restarted with --overwrite starts afresh and, once it has saved, removes them
     assert [r["step"] for r in records(argv + ["--overwrite"])] == [1, 2]
     assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000002", "latest"]
@@ -229,18 +214,18 @@ def two_ranks(ps, root):
     (aside until the first publish, then gone) and a matching unfinished run that resumes."""
     ck, out = os.path.join(root, "ck"), {}
     records(["--train-iters", "2", "--save", ck, "--save-interval", "1"])
-    before = digests(ck) if ps.rank == 0 else None
+    before = tree_digests(ck) if ps.rank == 0 else None
     try:
         records(["--train-iters", "4", "--num-layers", "1", "--save", ck])
     except CheckpointError as exc:
         out["refused"] = str(exc)
-    out["unchanged"] = digests(ck) == before if ps.rank == 0 else None
+    out["unchanged"] = tree_digests(ck) == before if ps.rank == 0 else None
     seen = []
     if ps.rank == 0:  # rank 0 publishes
         real_publish = writer.publish
 
         def publish(snap):
-            seen.append(digests(os.path.join(ck, "overwritten")))
+            seen.append(tree_digests(os.path.join(ck, "overwritten")))
             real_publish(snap)
         writer.publish = publish
     out["overwrite"] = [r["step"] for r in records(["--train-iters", "2", "--num-layers", "1", "--save",

@@ -4,7 +4,6 @@ engine.export, engine.data prepare, engine.import_hf, engine.generate and engine
 missing and wrong-kind paths, outputs that already hold something (refused unless --overwrite),
 damaged checkpoints, truncated safetensors, malformed config.json, negative counts and temperatures,
 abbreviated flags. Then --overwrite does replace, and a tokenizer a tool suggests works."""
-import hashlib
 import json
 import os
 import shutil
@@ -19,27 +18,11 @@ from engine.data.__main__ import main as data_main
 from engine.data.prepare import prepare
 from engine.tools.generate import main as generate_main
 from engine.training.trainer import Trainer
+from tests.helpers.files import tree_digests
 
 TINY = ["--mock-data", "--no-progress", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--train-iters", "1"]
-
-
-def snapshot(root: str) -> dict[str, str]:
-    """Every directory, file (sha256) and symlink (target) under ``root``."""
-    out = {}
-    for dirpath, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(dirpath, name)
-            rel = os.path.relpath(path, root)
-            if os.path.islink(path):
-                out[rel] = "-> " + os.readlink(path)
-            elif os.path.isdir(path):
-                out[rel] = "dir"
-            else:
-                with open(path, "rb") as fh:
-                    out[rel] = hashlib.sha256(fh.read()).hexdigest()
-    return out
 
 
 def _edit_json(path: str, change) -> None:
@@ -202,7 +185,7 @@ def _fill(text: str, root: str) -> str:
 @pytest.mark.parametrize("tool,argv,code,says", CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_bad_input_is_one_line_and_changes_nothing(ws, capsys, tool, argv, code, says):
-    before = snapshot(ws)
+    before = tree_digests(ws)
     capsys.readouterr()
     assert TOOLS[tool]([_fill(a, ws) for a in argv]) == code
     err = capsys.readouterr().err
@@ -210,7 +193,7 @@ def test_bad_input_is_one_line_and_changes_nothing(ws, capsys, tool, argv, code,
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("gridtron: "), err
     assert _fill(says, ws) in lines[0]
-    assert snapshot(ws) == before
+    assert tree_digests(ws) == before
 
 
 def test_inspect_reports_damaged_files_and_fails(ws, capsys):
