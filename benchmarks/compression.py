@@ -7,8 +7,8 @@ compressor at dp=2 and dp=4 for several seeds; final-loss gaps, bytes, step time
 Runs per (dp, seed): no compression, int8, top-k (``--topk-ratio``), onebit (1-bit Adam,
 parallel/dp/onebit.py) and the per-branch policy of
 ``--policy`` (a YAML recipe's ``grad_compression_policy``; default configs/compression_policy.yaml);
-at the dp sizes of ``--ablation-dp`` also top-k with the warm-up's second moment kept for good
-(no refreshes), to show what the refreshes buy.
+at the dp sizes of ``--ablation-dp`` also top-k with 0/1 Adam's ``exp`` refreshes of the second
+moment and top-k with DGC's momentum factor masking, to show what the defaults (off) avoid.
 The compressed runs use the engine's defaults: error feedback on both sides of the exchange; int8
 starts after ``--warmup`` uncompressed steps; top-k, onebit and the policy after a warm-up of
 ``--warmup-fraction`` of the run, then Adam's second moment is frozen and refreshed on the
@@ -92,10 +92,16 @@ def jobs_for(args, data: str, dp: int) -> list[tuple[str, int, list[str]]]:
                   base + frac + ["--grad-compression", "topk", "--grad-compression-ratio",
                                  str(args.topk_ratio)]),
                  ("onebit", seed, base + frac + ["--grad-compression", "onebit"])]
-        if dp in args.ablation_dp:   # what the refreshes buy: the warm-up's variance kept for good
-            jobs.append((f"topk {args.topk_ratio:g}, v frozen for good", seed,
-                         base + frac + ["--grad-compression", "topk", "--grad-compression-ratio",
-                                 str(args.topk_ratio), "--grad-compression-variance-refresh", "off"]))
+        if dp in args.ablation_dp:   # what 0/1 Adam's refreshes and DGC's masking would change
+            topk = base + frac + ["--grad-compression", "topk", "--grad-compression-ratio",
+                                  str(args.topk_ratio)]
+            masked = {"default": {"compressor": "topk", "ratio": args.topk_ratio,
+                                  "momentum_masking": True},
+                      "warmup_fraction": args.warmup_fraction, "variance_refresh": args.variance_refresh}
+            jobs += [(f"topk {args.topk_ratio:g}, refresh exp", seed,
+                      topk + ["--grad-compression-variance-refresh", "exp"]),
+                     (f"topk {args.topk_ratio:g}, momentum masking", seed,
+                      base + ["--grad-compression-policy", json.dumps(masked)])]
         if args.policy:
             with open(args.policy) as fh:
                 policy = yaml.safe_load(fh)["grad_compression_policy"]
@@ -174,11 +180,11 @@ def main() -> None:
     parser.add_argument("--warmup-fraction", type=float, default=0.15,
                         help="top-k, onebit, policy: uncompressed warm-up as a fraction of --steps")
     parser.add_argument("--variance-refresh", default="auto",
-                        help="top-k, onebit: auto (off for onebit, exp for top-k), exp, K, or off")
+                        help="top-k, onebit: auto (off), exp, K, or off")
     parser.add_argument("--only", nargs="*", default=None,
                         help="run only these compressors (names as printed; none always runs)")
     parser.add_argument("--ablation-dp", type=int, nargs="*", default=[2],
-                        help="dp sizes that also run top-k with the variance frozen for good")
+                        help="dp sizes that also run top-k with exp refreshes and with masking")
     parser.add_argument("--policy", default="configs/compression_policy.yaml",
                         help="YAML recipe whose grad_compression_policy is run too ('' to skip)")
     parser.add_argument("--data-path", default=None, help="prepared corpus (default: a byte corpus)")

@@ -11,17 +11,24 @@ a change of load on a shared machine hits all of them alike. Per run it prints:
 
 - theoretical: the closed form for equal stages (parallel/pipeline/bubble.py; F, B, W equal for
   the zero-bubble schedules);
-- simulated: ``bubble.simulate`` replaying the very schedule the executor ran, with each virtual
-  stage's mean forward, backward (B) and W device time measured from the events (transfers free),
-  per step; totals over the measured steps (the trainer's ``bubble_simulated``);
+- simulated, free transfers: ``bubble.simulate`` replaying the very schedule the executor ran, with
+  each virtual stage's mean forward, backward (B) and W device time measured from the events,
+  transfers free, per step; totals over the measured steps (``bubble_simulated_compute``);
+- simulated: the same replay with the measured transfers too, each stage's post time per transfer
+  and mean receive latency per direction (parallel/pipeline/transfers.py; the trainer's
+  ``bubble_simulated``);
 - measured: the ``bubble_measured`` metric: per rank the device time in pipeline transfers plus the
   idle before its first and after its last action, over the pipeline phase; averaged over ranks;
   totals over the measured steps (idle time over pipeline time);
+- exposed: ``time_pp_exposed_s``, seconds per step a rank's compute waited on transfers already on
+  their way (posting, and waits after both sides posted), mean over ranks, and that over the
+  forward/backward phase;
 - tokens/s: all tokens over all step seconds of the measured steps, and the ratio to 1F1B's;
 - peak activation MB: the most bytes of activations held at once on any rank during the last
   step (benchmarks/activation_memory.py: autograd's saved tensors and what W closures keep);
-- for the last step, the replay with stage means, the replay with each action's own measured
-  time (transfers still free) and the measurement; the mean F, B and W times.
+- for the last step, the replay with stage means and measured transfers, the replay with each
+  action's own measured time and each message's stage latency, and the measurement; the mean F,
+  B and W times.
 
 The first ``--warmup`` steps of every run are left out. Two PNG Gantt charts per run go to
 ``--out`` (the measured last step and the simulation; W blocks orange). On a machine with fewer
@@ -47,6 +54,7 @@ from parallel.pipeline.bubble import (COMPUTE_CATS, measured_bubble, simulate,  
                                       theoretical_bubble)
 from parallel.pipeline.schedules import (SCHEDULES, build_schedule, chunks_per_rank,  # noqa: E402
                                          has_weight_actions, replay)
+from parallel.pipeline.transfers import exposure  # noqa: E402
 from parallel.topology import RankGrid  # noqa: E402
 from tests.helpers.dist_utils import run_distributed  # noqa: E402
 
@@ -72,6 +80,7 @@ def run_rank(ps, runs: list[tuple[str, int, int, list[str]]], steps: int) -> lis
                 def keep(batches, lr, run=run, slot=slot):
                     result = run(batches, lr)
                     slot["events"] = [e.to_dict() for e in result.pipeline.events]
+                    slot["spans"] = result.pipeline.transfer_spans
                     return result
                 trainer.stepper.run = keep
                 with tracker.watch(trainer):
@@ -99,13 +108,14 @@ def stage_times(events_by_rank: list[list[dict]], pp: int, vp: int) -> dict[str,
     return table
 
 
-def replay_measured(lists, events_by_rank: list[list[dict]]) -> float:
-    """Idle fraction of the schedule replayed with each action's own measured time (transfers
-    free): unlike ``simulate`` with stage means, it keeps the step-to-step variation of the
-    compute times, so the rest of the gap to the measurement is what the transfers cost."""
+def replay_measured(lists, events_by_rank: list[list[dict]], costs) -> float:
+    """Idle fraction of the schedule replayed with each action's own measured time and the
+    measured transfer costs (``costs``: transfers.StageTransfers): unlike ``simulate`` with stage
+    means, it keeps the step-to-step variation of the compute times."""
     took = {(rank, e["cat"][0], e["microbatch"], e["chunk"]): e["end"] - e["start"]
             for rank, events in enumerate(events_by_rank) for e in events if e["cat"] in COMPUTE_CATS}
-    times = replay(lists, lambda rank, a: took[(rank, a.kind.value, a.microbatch, a.chunk)])
+    times = replay(lists, lambda rank, a: took[(rank, a.kind.value, a.microbatch, a.chunk)],
+                   *costs.costs(lists))
     makespan = max(end for spans in times for _, end in spans)
     busy = sum(end - start for actions, spans in zip(lists, times)
                for a, (start, end) in zip(actions, spans) if not a.is_comm)
@@ -156,8 +166,9 @@ def main() -> None:
             times = stage_times(events, pp, chunks)
             lists = build_schedule(schedule, pp, m, vp)
             split = has_weight_actions(lists)
-            sim = simulate(lists, times["forward"], times["backward"],
-                           wgt_time=times["weight"] if split else None)
+            costs = exposure(lists, [results[rank][i]["spans"] for rank in range(pp)]).stages
+            sim = simulate(lists, times["forward"], times["backward"], costs.costs(lists)[0],
+                           times["weight"] if split else None, costs.costs(lists)[1])
             last = measured_bubble(events)
             peak = max(results[rank][i]["peak"] for rank in range(pp))
             if schedule == "1f1b":
@@ -165,8 +176,12 @@ def main() -> None:
             rows.append({"schedule": schedule, "pp": pp, "m": m, "v": chunks,
                          "theory": theoretical_bubble(schedule, pp, m, vp),
                          "sim": summary["bubble_simulated"], "meas": summary["bubble_measured"],
+                         "sim_free": summary["bubble_simulated_compute"],
+                         "exposed": summary["time_pp_exposed_s"],
+                         "phase_s": summary["time_forward_backward_s"],
                          "tokens_per_s": summary["tokens_per_s"], "peak_mb": peak / 2 ** 20,
-                         "last": (sim.idle_fraction, replay_measured(lists, events), last.mean),
+                         "last": (sim.idle_fraction, replay_measured(lists, events, costs),
+                                  last.mean),
                          "f": statistics.mean(times["forward"]), "b": statistics.mean(times["backward"]),
                          "w": statistics.mean(times["weight"]) if split else None})
             stem = os.path.join(args.out, f"pipeline_{schedule}_p{pp}_m{m}")
@@ -179,23 +194,29 @@ def main() -> None:
             if row["pp"] == pp:
                 row["vs_1f1b"] = (row["tokens_per_s"] / base[row["m"]]) if row["m"] in base else None
 
-    print("| schedule | p | m | v | theoretical | simulated | measured | tokens/s | vs 1F1B "
-          "| peak activations (MB) | last step: simulated / each action's time / measured "
-          "| mean F / B / W (ms) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| schedule | p | m | v | theoretical | simulated, free transfers | simulated "
+          "| measured | measured - simulated | exposed PP transfers (ms/step, share of phase) "
+          "| tokens/s | vs 1F1B | peak activations (MB) "
+          "| last step: simulated / each action's time / measured | mean F / B / W (ms) |")
+    print("| --- " * 15 + "|")
     for r in rows:
         w = f"{r['w'] * 1e3:.1f}" if r["w"] is not None else "-"
         ratio = f"{r['vs_1f1b']:.2f}" if r.get("vs_1f1b") is not None else "-"
         s, e, ms = r["last"]
+        share = r["exposed"] / r["phase_s"] if r["phase_s"] else 0.0
         print(f"| {r['schedule']} | {r['pp']} | {r['m']} | {r['v']} | {r['theory']:.3f} "
-              f"| {r['sim']:.3f} | {r['meas']:.3f} | {r['tokens_per_s']:.0f} | {ratio} "
+              f"| {r['sim_free']:.3f} | {r['sim']:.3f} | {r['meas']:.3f} "
+              f"| {r['meas'] - r['sim']:+.3f} | {r['exposed'] * 1e3:.1f} ({share:.3f}) "
+              f"| {r['tokens_per_s']:.0f} | {ratio} "
               f"| {r['peak_mb']:.1f} | {s:.3f} / {e:.3f} / {ms:.3f} "
               f"| {r['f'] * 1e3:.1f} / {r['b'] * 1e3:.1f} / {w} |")
     print()
     print(f"Totals over steps {args.warmup + 1}..{args.steps} of each run ({args.warmup} warm-up "
           f"steps left out), the schedules of one (p, m) run step by step in turn in one process "
           f"group. simulated: the executed schedule replayed with each step's measured mean "
-          f"F/B/W time per stage, transfers free. measured: the bubble_measured metric "
+          f"F/B/W time per stage and its measured transfers (post time, receive latency per "
+          f"stage and direction); free transfers: the same replay with transfers costing "
+          f"nothing. exposed: time_pp_exposed_s (mean over ranks). measured: the bubble_measured metric "
           f"(transfers + idle before the first and after the last action, over the pipeline "
           f"phase). Peak activations: the most bytes held at once by autograd's saved tensors and "
           f"W closures on any rank, last step.")

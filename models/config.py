@@ -41,6 +41,10 @@ class GPTConfig:
     moe_z_loss_coeff: float | None = None
     moe_token_dispatcher_type: str = "alltoall"
     moe_grouped_gemm: bool = False
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3)
+    moe_router_bias_update_rate: float = 1e-3
+    moe_expert_capacity_factor: float | None = None  # None: dropless
+    moe_pad_expert_input_to_capacity: bool = False
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):

@@ -175,13 +175,16 @@ def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) ->
         k[len("residual/"):]: v.to(ps.device) for k, v in own.items() if k.startswith("residual/")}})
     if not same:  # another layout: each rank takes an equal share of the summed residuals
 
-        def read(name, param):
-            key = f"optim/grad_residual/{name}"
-            if key not in reader:
-                return None
-            s = by_name[name]
-            return reader.read(key, s.offsets, list(param.shape)).to(ps.device)
+        def reading(prefix):
+            def read(name, param):
+                key = f"optim/{prefix}/{name}"
+                if key not in reader:
+                    return None
+                s = by_name[name]
+                return reader.read(key, s.offsets, list(param.shape)).to(ps.device)
+            return read
 
-        fold_logical_residuals(trainer.reducer, ps, read)
+        fold_logical_residuals(trainer.reducer, ps, reading("grad_residual"))
+        fold_logical_residuals(trainer.reducer, ps, reading("grad_momentum"), kind="momentum")
     trainer.loaded_checkpoint, trainer.loaded_step = ckpt, step
     return step

@@ -127,11 +127,13 @@ def snapshot(trainer, step: int, tmp: str, host=None) -> Snapshot:
                       host=host)
     # error-feedback residuals summed over the ranks that share them: any layout can take them up
     # (a collective: every rank builds them here, in the snapshot, on the main thread)
-    for name, _, a, b, t in logical_residual_pieces(trainer.reducer, ps):
-        s = specs[name]
-        if s.writer:
-            whole = a == 0 and b == s.param.numel()
-            shard.add(f"optim/grad_residual/{name}", s, t, None if whole else (a, b), host=host)
+    # (and the compressors' momenta, as DP means: onebit's M, top-k's velocities)
+    for kind, prefix in (("residual", "grad_residual"), ("momentum", "grad_momentum")):
+        for name, _, a, b, t in logical_residual_pieces(trainer.reducer, ps, kind):
+            s = specs[name]
+            if s.writer:
+                whole = a == 0 and b == s.param.numel()
+                shard.add(f"optim/{prefix}/{name}", s, t, None if whole else (a, b), host=host)
     own = {"rng/cpu": torch.get_rng_state()}
     if (dev_rng := device_rng(trainer.dev)) is not None:
         own["rng/device"] = dev_rng.cpu()

@@ -69,6 +69,16 @@ FLAGS: dict[str, Flag] = {
                                    choices=("alltoall",)),
     "moe_grouped_gemm": F("accepted; the experts run as a loop over experts in this version",
                           "model"),
+    "moe_router_enable_expert_bias": F("aux-loss-free balancing: a per-expert bias on the sigmoid "
+                                       "scores for the choice of experts, updated from the global "
+                                       "expert load after each step", "model"),
+    "moe_router_bias_update_rate": F("step of the expert bias update: bias += rate * "
+                                     "sign(mean load - load)", "model"),
+    "moe_expert_capacity_factor": F("expert capacity = ceil(F * tokens * K / E) per micro-batch; "
+                                    "the lowest-scored assignments beyond it are dropped (unset: "
+                                    "dropless)", "model"),
+    "moe_pad_expert_input_to_capacity": F("pad each expert's input to its capacity (fixed shapes, "
+                                          "no host read of the counts)", "model"),
     # ---- parallelism -------------------------------------------------------------------------
     "tp": F("tensor-parallel size (inside a node)", "parallelism", ("--tensor-model-parallel-size",)),
     "cp": F("context-parallel size (sequence split across ranks)", "parallelism",
@@ -91,6 +101,10 @@ FLAGS: dict[str, Flag] = {
                           "over stages (0: split by block count)", "parallelism"),
     "sequence_parallel": F("keep norms, dropout and residuals on a sequence shard (needs --tp > 1)",
                            "parallelism"),
+    "tp_comm_overlap": F("with --sequence-parallel: pipeline the all-gather before each "
+                         "column-parallel GEMM and the reduce-scatter after each row-parallel GEMM "
+                         "with the GEMMs, in tp chunks on a ring of point-to-point transfers (fused "
+                         "ops on CUDA/Ascend where available; docs/communication.md)", "parallelism"),
     "recompute": F("activation recomputation", "parallelism", ("--recompute-granularity",), RECOMPUTE),
     "use_distributed_optimizer": F("the distributed optimizer: shard the optimizer state over DP "
                                    "ranks (ZeRO-1; --zero-stage 2 also the gradients)", "parallelism"),
@@ -123,8 +137,10 @@ FLAGS: dict[str, Flag] = {
     "grad_compression_variance_refresh": F("onebit, topk: when Adam's frozen second moment is "
                                            "refreshed from the DP ranks' local squared gradients: "
                                            "exp (1, 2, 4, ... steps after the warm-up), a number of "
-                                           "steps, off (keep the warm-up's), or auto (off for onebit, "
-                                           "exp for topk)", "parallelism"),
+                                           "steps, off (keep the warm-up's), or auto (off)", "parallelism"),
+    "grad_compression_sparsity_warmup_steps": F("topk: compressed steps over which the fraction "
+                                                "sent falls from 0.25 to the ratio (default 0.2 "
+                                                "of --train-iters)", "parallelism"),
     "grad_compression_policy": F("per-branch compression rules as a JSON object (see "
                                  "configs/compression_policy.yaml)", "parallelism"),
     "device": F("device type", "parallelism", choices=DEVICES),

@@ -58,6 +58,9 @@ class ParallelConfig:
     # (0: split by block count alone, which needs num_layers % (pp * vp) == 0)
     stage_end_weight: float = 0.0
     sequence_parallel: bool = False
+    # help: under --sequence-parallel, pipeline the all-gather before each column-parallel GEMM and
+    # the reduce-scatter after each row-parallel GEMM with the GEMMs, in tp chunks (Megatron's name)
+    tp_comm_overlap: bool = False
     recompute: str = "none"
     use_distributed_optimizer: bool = False
     # help: with --use-distributed-optimizer: 1 shards the optimizer state over DP (ZeRO-1); 2 also
@@ -105,6 +108,10 @@ class ParallelConfig:
         if self.zero_stage not in (1, 2):
             raise ValueError(f"--zero-stage must be 1 or 2, got {self.zero_stage} (stage 0 is "
                              f"the default optimizer: leave out --use-distributed-optimizer)")
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise ValueError("--tp-comm-overlap needs --sequence-parallel (it overlaps the "
+                             "sequence-parallel all-gather and reduce-scatter with the GEMMs); "
+                             "add --sequence-parallel or drop --tp-comm-overlap")
         if self.zero_stage == 2 and not self.use_distributed_optimizer:
             raise ValueError("--zero-stage 2 shards the distributed optimizer's gradients: add "
                              "--use-distributed-optimizer")
@@ -247,8 +254,11 @@ class CompressionConfig:
     grad_compression_warmup_fraction: float = 0.15
     # help: onebit, topk: when Adam's frozen second moment is refreshed from the DP ranks' local
     # squared gradients: exp (0/1 Adam: 1, 2, 4, 8, ... steps after the warm-up), K steps, off,
-    # or auto (off for onebit, exp for topk)
+    # or auto (off)
     grad_compression_variance_refresh: str = "auto"
+    # help: topk: compressed steps over which the fraction sent falls from 0.25 to the ratio
+    # (Deep Gradient Compression's sparsity warm-up; default 0.2 of --train-iters)
+    grad_compression_sparsity_warmup_steps: int | None = None
 
     def __post_init__(self):
         if self.grad_compression not in COMPRESSORS:
@@ -257,6 +267,9 @@ class CompressionConfig:
             raise ValueError(f"--grad-compression-ratio must be in (0, 1], got {self.grad_compression_ratio}")
         if self.grad_compression_warmup_steps is not None and self.grad_compression_warmup_steps < 0:
             raise ValueError("--grad-compression-warmup-steps must be >= 0")
+        if self.grad_compression_sparsity_warmup_steps is not None \
+                and self.grad_compression_sparsity_warmup_steps < 0:
+            raise ValueError("--grad-compression-sparsity-warmup-steps must be >= 0 (0: no ramp)")
         if not 0.0 <= self.grad_compression_warmup_fraction < 1.0:
             raise ValueError(f"--grad-compression-warmup-fraction must be in [0, 1), got "
                              f"{self.grad_compression_warmup_fraction}")
@@ -383,6 +396,9 @@ def check_expert_flags(model: GPTConfig, parallel: ParallelConfig, save: str | N
     if parallel.cp > 1 or (parallel.sequence_parallel and parallel.tp > 1):
         raise ValueError("--num-experts with --cp > 1 or --sequence-parallel is not built yet; "
                          "use --cp 1 and tensor parallelism without --sequence-parallel")
+    if model.moe_router_enable_expert_bias and save is not None:
+        raise ValueError("--moe-router-enable-expert-bias with checkpoints (--save, or --run-dir's "
+                         "checkpoints/) is not built yet: the expert bias is not saved; drop one")
     if ep == 1:
         return
     for flag, on in (("--use-distributed-optimizer", parallel.use_distributed_optimizer),

@@ -85,6 +85,26 @@ TORCH_NPU_OPS = MappingProxyType({"fusion_attention": "npu_fusion_attention", "s
                                   "rms_norm": "npu_rms_norm", "rotary_mul": "npu_rotary_mul"})
 OVERFLOW_MODES = ("saturation", "inf_nan")
 
+# --tp-comm-overlap's fused communication-compute (MC2) ops: generation -> the TP sizes its
+# documentation gives (op-plugin 7.3.0 docs/context/torch_npu-npu_all_gather_base_mm.md and
+# torch_npu-npu_mm_reduce_scatter_base.md: A2 2/4/8 ranks on an HCCS full mesh, A3 2-32 on a double
+# ring; fp16/bf16, 2-D operands, k in [256, 65535), m divisible by the world size, no bias). The
+# layers' probe (parallel/tensor_parallel/overlap_fused.py, which reads no chip name) holds A2's
+# sizes; elsewhere the chunked ring runs. Not yet run on a chip.
+TP_OVERLAP_OPS = MappingProxyType({
+    op: MappingProxyType({"atlas-a2": (2, 4, 8), "atlas-a3": (2, 4, 8, 16, 32)})
+    for op in ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base")})
+
+
+def tp_overlap_fused(device_name: str, tp: int) -> bool:
+    """Whether both fused TP-overlap ops are documented for this chip at this TP size.
+
+    >>> tp_overlap_fused("Ascend910B3", 8), tp_overlap_fused("Ascend910_9392", 16), tp_overlap_fused("Ascend910A", 2)
+    (True, True, False)
+    """
+    gen = generation_of(device_name)
+    return gen is not None and all(tp in sizes.get(gen.key, ()) for sizes in TP_OVERLAP_OPS.values())
+
 
 def _normalise(name: str) -> str:
     return re.sub(r"[\s_\-]+", "", name.strip().lower())

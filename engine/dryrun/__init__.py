@@ -33,6 +33,8 @@ class DryRun:
     notes: list = field(default_factory=list)
     precision: str = "fp32"          # what was built
     precision_source: str = ""       # why: --precision, or whose default
+    tp_comm_overlap: bool = False    # the layers' TP gathers and scatters run as chunk rings
+    overlaps: list = field(default_factory=list)  # overlap.OverlapRow lists per role
 
     def buffers(self, record) -> int:
         from engine.plan.memory import buffer_bytes
@@ -98,13 +100,18 @@ def record_roles(cfg, grid, rules: str | None, devices_per_node: int, registry=N
 
 
 def dry_run(cfg, world_size: int, device: str | None = None, memory_gb: float | None = None,
-            devices_per_node: int | None = None, registry=None) -> DryRun:
-    """Validate, build one rank per role, record its step, compare with the planner.
+            devices_per_node: int | None = None, registry=None,
+            tp_comm_overlap: bool = False) -> DryRun:
+    """Validate, build one rank per role, record its step, compare with the planner, and list
+    which of its collectives are overlapped with compute (overlap.py).
 
     ``device``: a planner device name (``engine.plan.hardware``: "a100-80gb", "ascend910b2", ...)
     for the memory check, the backend (hccl for Ascend, else nccl) and its rules; without it the
-    recipe's ``--device`` decides the backend (npu: hccl, cuda: nccl, else gloo)."""
+    recipe's ``--device`` decides the backend (npu: hccl, cuda: nccl, else gloo).
+    ``tp_comm_overlap``: list the layers' TP gathers and scatters as chunk rings (also on when the
+    run's configuration has ``tp_comm_overlap`` set)."""
     from engine.dryrun.compare import compare_role
+    from engine.dryrun.overlap import role_overlap
     from engine.training.validate import planner_inputs
     from engine.plan.hardware import get_device_spec
     from engine.plan.model import GIB, MEMORY_USABLE_FRACTION, PLAN_PRECISION, backend_of
@@ -126,11 +133,17 @@ def dry_run(cfg, world_size: int, device: str | None = None, memory_gb: float | 
                      "buffers; the kernels' document masks are not built)")
     if cfg.compile:
         notes.append("--compile: built uncompiled; a compiled run issues the same collectives")
-    return DryRun(built, grid, records, rules, backend, built.data.num_microbatches(grid.dp),
-                  comparison,
+    ring = bool(getattr(built.parallel, "tp_comm_overlap", False) or tp_comm_overlap)
+    num_micro = built.data.num_microbatches(grid.dp)
+    overlaps = []
+    for r in records:
+        rows, note = role_overlap(r, built, grid, ring, num_micro, planned, cfg.compile)
+        overlaps.append(rows)
+        notes += [note] if note else []
+    return DryRun(built, grid, records, rules, backend, num_micro, comparison,
                   None if gib is None else int(gib * GIB),
                   None if gib is None else int(gib * GIB * MEMORY_USABLE_FRACTION), notes,
-                  built.precision.precision, source)
+                  built.precision.precision, source, ring, overlaps)
 
 
 def _precision(cfg, planner_device: str | None, plan_precision: str):

@@ -8,8 +8,9 @@ run's own flags: ``--world-size`` (the job's ranks), ``--device`` (a planner dev
 a100-80gb, h100, ascend910b2: its memory for the fit check and its backend, HCCL or NCCL, whose
 rules every collective is checked against and whose communicators are priced; engine.train's
 npu/cuda/cpu/auto choose the backend only), ``--memory-gb`` (overrides the device's memory),
-``--devices-per-node`` (default the device's, else 8: TP groups must stay inside a node) and
-``--json FILE``. Exit status: 0, every rank fits (or no memory was given); 1, some rank needs more
+``--devices-per-node`` (default the device's, else 8: TP groups must stay inside a node),
+``--tp-comm-overlap`` (until engine.train has it: list the layers' TP collectives as chunk rings)
+and ``--json FILE``. Exit status: 0, every rank fits (or no memory was given); 1, some rank needs more
 than the usable memory; 2, the run would reject the configuration (the message says why).
 """
 from __future__ import annotations
@@ -27,7 +28,14 @@ from engine.training.launch import run_config
 from engine.training.validate import unwritable
 
 HELP_HINT = "python -m engine.dryrun --help lists its flags, python -m engine.train --help the others"
-OWN_FLAGS = ("world-size", "device", "memory-gb", "devices-per-node", "json")
+OWN_FLAGS = ("world-size", "device", "memory-gb", "devices-per-node", "json", "tp-comm-overlap")
+
+
+def _train_has_tp_comm_overlap() -> bool:
+    """Whether engine.train has --tp-comm-overlap itself (then its parser reads it from the run's
+    flags and recipe); until it does, the dry run takes it as one of its own flags."""
+    from engine.config.schema import ParallelConfig
+    return "tp_comm_overlap" in getattr(ParallelConfig, "__dataclass_fields__", {})
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-gb", type=float, help="device memory in GiB (overrides --device's)")
     p.add_argument("--devices-per-node", type=int, help="ranks per node (default: the device's, else 8)")
     p.add_argument("--json", metavar="FILE", help="write the roles, collectives and comparison here")
+    if not _train_has_tp_comm_overlap():
+        p.add_argument("--tp-comm-overlap", action="store_true",
+                       help="list the layers' TP gathers and scatters as chunk rings beside their "
+                            "GEMMs (Megatron-LM's flag; with --sequence-parallel)")
     return p
 
 
@@ -97,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             rest += ["--device", device]
             device = None
         cfg = run_config(rest)
-        result = dry_run(cfg, args.world_size, device, args.memory_gb, args.devices_per_node)
+        result = dry_run(cfg, args.world_size, device, args.memory_gb, args.devices_per_node,
+                         tp_comm_overlap=getattr(args, "tp_comm_overlap", False))
     except KeyError as exc:                 # an unknown --device name
         print(f"gridtron dry run: {exc.args[0]}", file=sys.stderr)
         return 2

@@ -4,13 +4,14 @@ summary, and the ``--json`` document.
 JSON layout (bytes are integers, one object per role)::
 
     {"layout": {"world_size", "tp", "cp", "pp", "dp", "order", "micro_batches", "backend_rules",
-                "precision", "precision_source"},
+                "precision", "precision_source", "tp_comm_overlap"},
      "roles": [{"name", "ranks", "stages", "representative", "param_bytes", "grad_bytes",
                 "optimizer_state_bytes", "activation_bytes", "activation_bytes_by_stage",
                 "in_flight", "comm_buffer_bytes", "total_bytes", "fits", "memory_by_dtype",
                 "comm": {kind: {"calls", "payload_bytes", "wire_bytes"}},
                 "collectives": [{"op", "group", "dtype", "bytes", "counted"}, a recv with
                                 "received_bytes" (its "bytes", the payload it hands over, are 0)],
+                "overlap": [{"what", "ops", "group", "calls", "bytes", "overlapped", "how"}],
                 "holds": {...}, "planner": [{"figure", "dry_run", "planner", "difference",
                 "flagged", "why"}]}],
      "summary": {"largest_role", "largest_rank", "largest_total_bytes", "device_memory_bytes",
@@ -83,6 +84,24 @@ def collective_table(record) -> str:
     return "\n".join(lines)
 
 
+def overlap_header(result) -> str:
+    par, on = result.cfg.parallel, (lambda flag: "on" if flag else "off")  # noqa: E731
+    return (f"overlapped with compute (--tp-comm-overlap {on(result.tp_comm_overlap)}, "
+            f"--overlap-grad-reduce {on(par.overlap_grad_reduce)}, --overlap-param-gather "
+            f"{on(par.overlap_param_gather and par.use_distributed_optimizer)}):")
+
+
+def overlap_table(record, rows) -> str:
+    """One role's step by overlap: what is hidden under compute, and how; what is exposed."""
+    hidden = sum(r.calls for r in rows if r.overlapped)
+    lines = [f"  {record.role.name} (rank {record.rank}): {hidden} of {sum(r.calls for r in rows)} "
+             f"overlapped"]
+    for r in rows:
+        lines.append(f"    {r.what:<13}{r.group:<10}{r.ops:<37}{r.calls:>6} x {_bytes(r.bytes):>12}  "
+                     f"{'overlapped' if r.overlapped else 'exposed':<11}{r.how}")
+    return "\n".join(lines)
+
+
 def comparison_table(name: str, rows) -> str:
     lines = [f"  {name}: dry run / planner"]
     for row in rows:
@@ -102,6 +121,9 @@ def text(result) -> str:
            f"precision: {result.precision} ({result.precision_source})",
            "", role_table(result), "", "collectives of one training step:"]
     out += [collective_table(r) for r in result.records]
+    if result.overlaps:
+        out += ["", overlap_header(result)]
+        out += [overlap_table(r, rows) for r, rows in zip(result.records, result.overlaps)]
     if isinstance(result.comparison, str):
         out += ["", f"planner: no estimate ({result.comparison})"]
     else:
@@ -153,7 +175,8 @@ def as_json(result) -> dict:
                  "fits": None if result.usable is None else result.fits(r),
                  "memory_by_dtype": {k: m[f"{k}_by_dtype"] for k in
                                      ("param_bytes", "grad_bytes", "optimizer_state_bytes")},
-                 "comm": r.comm, "collectives": r.collectives, "holds": r.holds}
+                 "comm": r.comm, "collectives": r.collectives, "holds": r.holds,
+                 "overlap": [row.as_dict() for row in result.overlaps[i]] if result.overlaps else []}
         if not isinstance(result.comparison, str):
             entry["planner"] = [{"figure": row.figure, "dry_run": row.dry_run,
                                  "planner": row.planner, "difference": _finite(row.difference),
@@ -163,7 +186,8 @@ def as_json(result) -> dict:
     return {"layout": {"world_size": g.world_size, "tp": g.tp, "cp": g.cp, "pp": g.pp, "dp": g.dp,
                        "order": g.order, "micro_batches": result.num_micro,
                        "backend_rules": result.rules, "precision": result.precision,
-                       "precision_source": result.precision_source},
+                       "precision_source": result.precision_source,
+                       "tp_comm_overlap": result.tp_comm_overlap},
             "roles": roles, "summary": summary(result)}
 
 

@@ -26,11 +26,20 @@ SCALARS = {  # metrics key -> dashboard tag
     "bubble_theoretical": "pipeline/bubble_theoretical",
     "bubble_simulated": "pipeline/bubble_simulated",
     "bubble_measured": "pipeline/bubble_measured",
+    "bubble_simulated_compute": "pipeline/bubble_simulated_compute",
+    "time_pp_exposed_s": "comm/time_pp_exposed_s",
+    "time_dp_exposed_s": "comm/time_dp_exposed_s",
+    "time_zero_gather_exposed_s": "comm/time_zero_gather_exposed_s",
     "dp_comm_bytes": "comm/dp_comm_bytes",
     "dp_comm_wire_bytes": "comm/dp_comm_wire_bytes",
     "tp_comm_bytes": "comm/tp_comm_bytes",
     "cp_comm_bytes": "comm/cp_comm_bytes",
     "pp_comm_bytes": "comm/pp_comm_bytes",
+    "ep_comm_bytes": "comm/ep_comm_bytes",
+    "moe_aux_loss": "moe/aux_loss",
+    "moe_z_loss": "moe/z_loss",
+    "moe_load_imbalance": "moe/load_imbalance",
+    "moe_tokens_dropped": "moe/tokens_dropped",
     "peak_memory_bytes": "memory/peak_memory_bytes",
     "straggler_rank": "stragglers/straggler_rank",
     "straggler_ratio": "stragglers/straggler_ratio",
@@ -50,9 +59,17 @@ def missing_packages(log_cfg) -> list[str]:
     return out
 
 
+# metrics keys whose value is a list: one tag per entry, TAG/i
+LISTS = {"moe_expert_load": "moe/expert_load"}
+
+
 def scalars(record: dict) -> dict[str, float]:
-    return {tag: float(record[key]) for key, tag in SCALARS.items()
-            if record.get(key) is not None and not isinstance(record[key], bool)}
+    out = {tag: float(record[key]) for key, tag in SCALARS.items()
+           if record.get(key) is not None and not isinstance(record[key], bool)}
+    for key, tag in LISTS.items():
+        for i, v in enumerate(record.get(key) or ()):
+            out[f"{tag}/{i}"] = float(v)
+    return out
 
 
 class Dashboards:

@@ -17,7 +17,14 @@ run so far without the warm-up step (``RunningTotals``); without the bar, one co
   that over the same peak (engine/observe/utilization.py). Null where the FLOPs or the peak are unknown.
 - ``bubble_measured``: per rank, device time in pipeline transfers plus idle before its first and
   after its last action, over the pipeline phase; averaged over ranks (parallel/pipeline/bubble.py).
-  ``bubble_simulated``: the schedule replayed with this step's mean forward/backward time per stage.
+  ``bubble_simulated``: the schedule replayed with this step's mean forward/backward time per stage
+  and its measured transfers (post time, receive latency; parallel/pipeline/transfers.py);
+  ``bubble_simulated_compute``: the same replay with free transfers (stage imbalance alone).
+- ``time_pp_exposed_s``: seconds a rank's compute waited on pipeline transfers that were already
+  on their way (posting, and each wait after both sides had posted), averaged over ranks;
+  ``time_dp_exposed_s``: the step's wait in the DP reduction's ``finish`` for collectives still in
+  flight after the backward; ``time_zero_gather_exposed_s``: the forward's waits for ZeRO's
+  overlapped parameter all-gathers (null without them). Device seconds of global rank 0.
 - ``time_forward_backward_s``, ``time_dp_finish_s``, ``time_grad_sync_s``, ``time_clip_s``,
   ``time_optimizer_s``: device seconds of each part of the step on global rank 0 (engine/training/step.py);
   none of them is in the bubble.
@@ -46,6 +53,11 @@ REQUIRED_KEYS = ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "to
 # straggler_waited_for every --log-interval steps (engine/observe/stragglers.py), null on other steps
 OPTIONAL_KEYS = ("save_blocking_s", "anomaly", "rerun", "straggler_rank", "straggler_ratio",
                  "straggler_waited_for")
+# mixture of experts (models/moe/step_figures.py), null without MoE layers: the step's balancing
+# losses, the per-expert load of the global batch summed over MoE layers and its max / mean, the
+# assignments a capacity dropped, the payload handed to the dispatch collectives
+MOE_KEYS = ("moe_aux_loss", "moe_z_loss", "moe_expert_load", "moe_load_imbalance",
+            "moe_tokens_dropped", "ep_comm_bytes")
 
 
 WARMUP_STEPS = 1  # steps the closing summary leaves out (allocator growth, lazy init, compile)
@@ -249,13 +261,29 @@ def summarize_run(records: list[dict], warmup: int = WARMUP_STEPS) -> dict:
            "mfu": _weighted(kept, "mfu"), "hfu": _weighted(kept, "hfu"),
            "bubble_theoretical": kept[-1].get("bubble_theoretical"),
            "bubble_simulated": _weighted(kept, "bubble_simulated", phase),
-           "bubble_measured": _weighted(kept, "bubble_measured", phase)}
+           "bubble_measured": _weighted(kept, "bubble_measured", phase),
+           "bubble_simulated_compute": _weighted(kept, "bubble_simulated_compute", phase)}
     for key in ("dp_comm_bytes", "dp_comm_wire_bytes", "tp_comm_bytes", "pp_comm_bytes",
                 "time_forward_backward_s", "time_dp_finish_s", "time_grad_sync_s", "time_clip_s",
-                "time_optimizer_s"):
+                "time_optimizer_s", "time_pp_exposed_s", "time_dp_exposed_s",
+                "time_zero_gather_exposed_s"):
         out[key] = per_step(key)
     out["peak_memory_bytes"] = max((r.get("peak_memory_bytes") or 0) for r in kept) or None
+    out.update(summarize_moe(kept))
     return out
+
+
+def summarize_moe(kept: list[dict]) -> dict:
+    """The MoE totals of the kept steps: EP bytes per step, the load summed over the steps and its
+    max / mean, the dropped assignments in all; empty without MoE."""
+    loads = [r.get("moe_expert_load") for r in kept]
+    if any(load is None for load in loads):
+        return {}
+    total = [sum(col) for col in zip(*loads)]
+    mean = sum(total) / len(total) if total else 0
+    return {"ep_comm_bytes": sum(r["ep_comm_bytes"] or 0 for r in kept) / len(kept),
+            "moe_expert_load": total, "moe_load_imbalance": max(total) / mean if mean else None,
+            "moe_tokens_dropped": sum(r["moe_tokens_dropped"] for r in kept)}
 
 
 def summary_table(records: list[dict], extra: dict[str, str], warmup: int = WARMUP_STEPS) -> str:
@@ -283,13 +311,29 @@ def summary_table(records: list[dict], extra: dict[str, str], warmup: int = WARM
         rows.append(("bubble (theory / simulated / measured)",
                      f"{s['bubble_theoretical']:.3f} / {num(s['bubble_simulated'], '.3f')} / "
                      f"{num(s['bubble_measured'], '.3f')}"))
+        if s["time_pp_exposed_s"] is not None:
+            rows.append(("bubble simulated with free transfers / exposed PP transfers",
+                         f"{num(s['bubble_simulated_compute'], '.3f')} / "
+                         f"{s['time_pp_exposed_s']:.4f} s per step"))
         if records[-1].get("activations_in_flight") is not None:
             rows.append(("micro-batches in flight (rank 0)", str(records[-1]["activations_in_flight"])))
     if s["time_forward_backward_s"] is not None:
         rows.append(("fwd+bwd / DP finish / optimizer",
                      f"{s['time_forward_backward_s']:.3f} / {s['time_dp_finish_s']:.3f} / "
                      f"{s['time_optimizer_s']:.3f} s"))
+    if s["time_dp_exposed_s"] is not None:
+        gather = s["time_zero_gather_exposed_s"]
+        rows.append(("exposed DP reduction / ZeRO gather",
+                     f"{s['time_dp_exposed_s']:.4f} / "
+                     f"{'n/a' if gather is None else format(gather, '.4f')} s per step"))
     rows.append(("DP bytes per step", num(s["dp_comm_bytes"], ".0f")))
+    if "moe_expert_load" in s:
+        last = records[-1]
+        rows += [("MoE aux / z loss (last step)",
+                  f"{num(last.get('moe_aux_loss'), '.4g')} / {num(last.get('moe_z_loss'), '.4g')}"),
+                 ("MoE load imbalance (max / mean)", num(s["moe_load_imbalance"], ".3f")),
+                 ("MoE assignments dropped", str(s["moe_tokens_dropped"])),
+                 ("EP bytes per step", num(s["ep_comm_bytes"], ".0f"))]
     rows.append(("peak memory", f"{(s['peak_memory_bytes'] or 0) / 2**20:.0f} MiB"))
     rows.extend(extra.items())
     width = max(len(k) for k, _ in rows)

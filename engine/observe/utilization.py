@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.plan.flops import (achieved_tflops, count_flops, formula_block, logits_forward_flops,
-                               step_flops)
+                               moe_shape, step_flops)
 from engine.plan.flops import utilization as plan_utilization
 from engine.plan.hardware import peak_tflops
 
@@ -56,7 +56,7 @@ def run_flops(cfg, block_cls, recompute: str, global_batch: int) -> RunFlops:
     if name is not None:
         f = step_flops(global_batch, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
                        ffn_hidden=m.ffn_hidden_size, block=name, recompute=recompute,
-                       kv_hidden=m.kv_hidden_size)
+                       kv_hidden=m.kv_hidden_size, moe=moe_shape(m))
         return RunFlops(f.model, f.executed, f"formula {name}")
     label = f"{block_cls.__module__}.{block_cls.__qualname__}"
     try:

@@ -57,6 +57,19 @@ softmax, dropout, scores x V), adding its forward, 4 s h per token per layer::
     F_selective = F + 4 B s^2 l h
 
 The attention core is counted in full (s^2, causal masking not discounted), as Megatron does.
+
+Mixture of experts (``moe=MoEShape``, docs/moe.md). An MoE layer's MLP is replaced by what a token
+actually runs: the router (h x E), its K experts (n_mat matrices of h x f_e each) and the shared
+expert when there is one (h x f_s)::
+
+    MLP_moe = 2 h E + 2 n_mat h (K f_e + f_s)        per token, forward
+
+so MFU is against the active parameters, as Megatron reports MoE models. The count is the dropless
+one: assignments a capacity drops are still counted, padding rows are not. Under full
+recomputation with the early stop, an MoE layer's last matrix multiply whose output nothing saves
+is the shared expert's down projection (2 h f_s; none without a shared expert: the experts'
+outputs are saved by the weighted combine). tests/engine/plan/test_flops_moe.py checks the count
+against torch.utils.flop_counter on the engine's MoE model.
 """
 from __future__ import annotations
 
@@ -94,6 +107,38 @@ def _check(block: str, recompute: str) -> None:
                          f"use formula_block() to test first, or count_flops()")
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The MoE layers of a model for its FLOPs: ``layers`` of them, ``num_experts`` E, ``topk`` K,
+    expert width ``ffn_hidden`` f_e and shared expert width ``shared_ffn`` f_s (0: none)."""
+    layers: int
+    num_experts: int
+    topk: int
+    ffn_hidden: int
+    shared_ffn: int = 0
+
+    def __post_init__(self):
+        if min(self.layers, self.num_experts, self.topk, self.ffn_hidden) < 1 or self.shared_ffn < 0:
+            raise ValueError(f"MoEShape needs positive layers, experts, top-k and width: {self}")
+
+
+def moe_shape(cfg) -> MoEShape | None:
+    """The MoEShape of a model config (models.config.GPTConfig), None without MoE layers."""
+    if getattr(cfg, "num_experts", None) is None:
+        return None
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    if not layers:
+        return None
+    return MoEShape(layers, cfg.num_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size,
+                    cfg.moe_shared_expert_intermediate_size or 0)
+
+
+def moe_mlp_forward_flops(tokens: float, hidden: int, block: str, moe: MoEShape) -> float:
+    """Forward FLOPs of one MoE layer's MLP over ``tokens`` tokens: router, K experts, shared."""
+    n = _MLP_MATRICES[block]
+    return 2.0 * tokens * hidden * (moe.num_experts + n * (moe.topk * moe.ffn_hidden + moe.shared_ffn))
 
 
 def layer_matmul_params(hidden: int, ffn_hidden: int, block: str = "gpt2",
@@ -144,8 +189,10 @@ def recomputed_layer_flops(tokens: float, seq_length: int, hidden: int, ffn_hidd
 
 def step_flops(global_batch: int, seq_length: int, num_layers: int, hidden: int, vocab: int,
                ffn_hidden: int | None = None, block: str = "gpt2", recompute: str = "none",
-               recompute_early_stop: bool = True, kv_hidden: int | None = None) -> StepFlops:
-    """Model and executed FLOPs of one optimizer step over ``global_batch`` sequences.
+               recompute_early_stop: bool = True, kv_hidden: int | None = None,
+               moe: MoEShape | None = None) -> StepFlops:
+    """Model and executed FLOPs of one optimizer step over ``global_batch`` sequences; ``moe``: of
+    the ``num_layers`` layers, ``moe.layers`` have an MoE MLP (active experts counted).
 
     Raises ValueError for a block without a formula (check with formula_block first).
     """
@@ -153,9 +200,19 @@ def step_flops(global_batch: int, seq_length: int, num_layers: int, hidden: int,
     f = ffn_hidden if ffn_hidden is not None else default_ffn_hidden(hidden, block)
     tokens = global_batch * seq_length
     layers = num_layers * layer_forward_flops(tokens, seq_length, hidden, f, block, kv_hidden)
-    model = 3 * layers + 3 * logits_forward_flops(tokens, hidden, vocab)
     extra = num_layers * recomputed_layer_flops(tokens, seq_length, hidden, f, block, recompute,
                                                 recompute_early_stop, kv_hidden)
+    if moe is not None:
+        if moe.layers > num_layers:
+            raise ValueError(f"{moe.layers} MoE layers in a model of {num_layers} layers")
+        change = moe_mlp_forward_flops(tokens, hidden, block, moe) - \
+            2.0 * tokens * _MLP_MATRICES[block] * hidden * f   # per MoE layer, forward
+        layers += moe.layers * change
+        if recompute == "full":
+            kept = 2.0 * tokens * hidden * (moe.shared_ffn if recompute_early_stop else 0)
+            dense_skip = 2.0 * tokens * hidden * f if recompute_early_stop else 0.0
+            extra += moe.layers * (change + dense_skip - kept)
+    model = 3 * layers + 3 * logits_forward_flops(tokens, hidden, vocab)
     return StepFlops(model, model + extra)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.plan.flops import BLOCKS, RECOMPUTE, default_ffn_hidden
-from engine.plan.hardware import DeviceSpec
+from engine.plan.hardware import OVERLAP_EFFICIENCY, DeviceSpec, OverlapEfficiency
 from engine.plan.placement import DEFAULT_ORDER, all_groups_intra, parse_order
 
 GIB = 2 ** 30
@@ -153,6 +153,9 @@ class Cluster:
     achievable_fraction: float = DEFAULT_ACHIEVABLE_FRACTION
     grad_reduce_bytes: int = 4  # fp32 main grads; 2 where grads are reduced in bf16/fp16
     grad_bucket_bytes: float = DEFAULT_GRAD_BUCKET_BYTES
+    # fraction of the hideable communication each overlap hides (None: the backend's,
+    # hardware.OVERLAP_EFFICIENCY); --calibrate fits it
+    overlap: OverlapEfficiency | None = None
 
     @property
     def backend(self) -> str:
@@ -160,6 +163,8 @@ class Cluster:
         return backend_of(self.device.name)
 
     def __post_init__(self) -> None:
+        if self.overlap is None:
+            object.__setattr__(self, "overlap", OVERLAP_EFFICIENCY[self.backend])
         if self.num_devices < 1 or self.devices_per_node < 1:
             raise ValueError("--devices and --devices-per-node must be >= 1")
         if self.num_devices > self.devices_per_node and self.num_devices % self.devices_per_node:
@@ -209,6 +214,15 @@ class Layout:
     zero_stage: int = 1  # with zero: 1 shards the optimizer state, 2 also the fp32 gradients
     # DP gradient compression: its exchange worker thread has a DP x CP communicator of its own
     compression: bool = False
+    # Overlaps (Megatron-LM's flag names; engine/plan/overlap.py models them). tp_comm_overlap: the
+    # sequence-parallel all-gathers and reduce-scatters of each layer as a ring of tp chunks beside
+    # their GEMMs (no effect without sequence parallelism, as in Megatron-LM, which requires it).
+    # overlap_grad_reduce: the DP reduction per bucket under the last micro-batch's backward (off:
+    # all after backward). overlap_param_gather: ZeRO's all-gather per bucket ahead of the layer
+    # that needs it in the next forward (off: waited for after the update). The engine's defaults.
+    tp_comm_overlap: bool = False
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
 
     def __post_init__(self) -> None:
         if self.schedule == "zb-v" and self.vp == 1:

@@ -37,6 +37,12 @@ def train_args(shape: ModelShape, layout: Layout, precision: str = "bf16",
         args.append("--sequence-parallel")
     if layout.zero:
         args.append("--use-distributed-optimizer")
+    if layout.tp_comm_overlap and layout.sequence_parallel:
+        args.append("--tp-comm-overlap")
+    if not layout.overlap_grad_reduce and layout.dp * layout.cp > 1:
+        args.append("--no-overlap-grad-reduce")
+    if layout.zero and not layout.overlap_param_gather:
+        args.append("--no-overlap-param-gather")
     order = engine_order(layout.order, layout.cp)
     if order != engine_order(DEFAULT_ORDER, layout.cp):
         args += ["--order", order]
@@ -90,18 +96,56 @@ def _cp_note(est: Estimate) -> str:
             f"{_seconds(hidden).strip()} of it hidden under the attention blocks")
 
 
+def _hidden_note(est: Estimate, name: str) -> str:
+    """What a communication term is: the exposed part, and how much of it is hidden, under what."""
+    lay, hidden = est.layout, est.hidden.get(name, 0.0)
+    shown = _seconds(hidden).strip()
+    if name == "tp_comm":
+        if lay.tp == 1:
+            return "  (no tensor parallelism)"
+        if lay.tp_comm_overlap and lay.sequence_parallel:
+            return f"  exposed; {shown} hidden under the GEMMs (--tp-comm-overlap: tp-chunk rings)"
+        why = "needs sequence parallelism" if lay.tp_comm_overlap else "no --tp-comm-overlap"
+        return f"  exposed; {shown} hidden ({why})"
+    if name == "pp_comm":
+        return "  (no pipeline)" if lay.pp == 1 else f"  exposed; {shown} hidden (blocking transfers)"
+    if name == "dp_comm":
+        if lay.dp * lay.cp == 1:
+            return "  (no data parallelism)"
+        if not lay.overlap_grad_reduce:
+            return f"  exposed; {shown} hidden (--overlap-grad-reduce off: after backward)"
+        return f"  exposed; {shown} hidden under the last backward (per bucket, last bucket exposed)"
+    if name == "zero_allgather":
+        if not lay.zero:
+            return "  (no ZeRO)"
+        if not lay.overlap_param_gather:
+            return f"  exposed; {shown} hidden (--overlap-param-gather off: after the update)"
+        return f"  exposed; {shown} hidden ahead of the next forward (per bucket, first bucket exposed)"
+    return ""
+
+
+def _overlap_line(est: Estimate) -> str:
+    lay, eff = est.layout, est.efficiency
+    on = lambda flag: "on" if flag else "off"  # noqa: E731
+    line = (f"  overlaps: tp-comm-overlap {on(lay.tp_comm_overlap and lay.sequence_parallel)}, "
+            f"grad reduce {on(lay.overlap_grad_reduce)}, param gather {on(lay.overlap_param_gather)}")
+    if eff is not None:
+        line += f"; efficiency tp {eff.tp:.2f}, dp {eff.dp:.2f}, zero {eff.zero:.2f}"
+    return line
+
+
 def explain(est: Estimate, devices_per_node: int) -> str:
     """Every term of the estimate: step time by term, memory by part, FLOPs and rates."""
     lay, t, mem = est.layout, est.time, est.memory
     lines = [f"layout tp={lay.tp} cp={lay.cp} pp={lay.pp} dp={lay.dp} vp={lay.vp} "
              f"mbs={lay.micro_batch_size} recompute={lay.recompute} zero={'on' if lay.zero else 'off'} "
              f"sp={'on' if lay.sequence_parallel else 'off'} order={lay.order}",
-             _link_line(est, devices_per_node),
+             _link_line(est, devices_per_node), _overlap_line(est),
              f"step time {_seconds(t.total).strip()}"]
     for name, value in t.as_dict().items():
         if name != "total":
             lines.append(f"  {name:<16}{_seconds(value)}  {100 * value / t.total:5.1f}%"
-                         + (_cp_note(est) if name == "cp_comm" else ""))
+                         + (_cp_note(est) if name == "cp_comm" else _hidden_note(est, name)))
     lines.append(f"memory per device ({mem.stage} stage) {mem.total / GIB:.2f} GiB "
                  f"({'fits' if est.fits else 'does NOT fit'})")
     for name, value in mem.as_dict().items():

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from dataclasses import dataclass, replace
 from itertools import product
@@ -28,6 +27,9 @@ from itertools import product
 import yaml
 
 from engine.plan.arguments import check_args
+# calibration lives in calibrate.py; its functions stay importable from here for existing callers
+from engine.plan.calibrate import (fit_achievable_fraction, fit_overlap_efficiency,  # noqa: F401
+                                   link_busbw, measured_exposed, measured_step_time)
 from engine.plan.hardware import DEVICE_SPECS, get_device_spec
 from engine.plan.model import (GIB, MEMORY_USABLE_FRACTION, PLAN_PRECISION, PLAN_SCHEDULES, Cluster,
                                Layout, ModelShape, check_layout)
@@ -40,8 +42,8 @@ SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", 
 KEY_ALIASES = {"heads": "num_attention_heads", "hidden": "hidden_size", "seq_len": "seq_length",
                "gbs": "global_batch_size"}
 JSON_KEYS = ("tp", "cp", "pp", "dp", "vp", "schedule", "micro_batch_size", "recompute", "zero",
-             "sequence_parallel",
-             "order", "memory_bytes_per_device", "step_time_s", "tflops_per_device",
+             "sequence_parallel", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather",
+             "order", "comm_hidden", "memory_bytes_per_device", "step_time_s", "tflops_per_device",
              "model_tflops_per_device", "mfu", "hfu", "time_terms", "memory_terms", "command")
 
 
@@ -58,6 +60,11 @@ class SearchSpace:
     vp: int | None = None
     micro_batch_size: int | None = None
     schedules: tuple[str, ...] = ("1f1b",)  # with pp > 1; add "zb-h1", "zb-v" to weigh them
+    # the overlaps (Layout's fields, Megatron-LM's flags): --tp-comm-overlap, --overlap-grad-reduce,
+    # --overlap-param-gather; the engine's defaults
+    tp_comm_overlap: bool = False
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
 
 
 def _divisors(n: int) -> list[int]:
@@ -81,7 +88,9 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, space: SearchSpace):
                 for zero in space.zero if dp * cp > 1 else (False,):
                     for sp in space.sequence_parallel if tp > 1 else (False,):
                         layout = Layout(tp, pp, dp, vp, mbs, rc, zero, sp, cp, space.order,
-                                        schedule)
+                                        schedule, tp_comm_overlap=space.tp_comm_overlap,
+                                        overlap_grad_reduce=space.overlap_grad_reduce,
+                                        overlap_param_gather=space.overlap_param_gather)
                         if check_layout(shape, cluster, layout) is None:
                             yield layout
 
@@ -91,87 +100,6 @@ def search(shape: ModelShape, cluster: Cluster, space: SearchSpace = SearchSpace
     results = [e for e in (estimate(shape, cluster, lay) for lay in candidate_layouts(shape, cluster, space))
                if e.fits]
     return sorted(results, key=lambda e: e.step_time_s)
-
-
-# ---- calibration -------------------------------------------------------------------------------
-
-def measured_step_time(metrics_path: str) -> float:
-    """Median step_time_s of a metrics JSONL, without the first (warm-up) step and skipped steps.
-
-    Step time is the one measured figure whose meaning does not depend on how the trainer counts
-    FLOPs (model or executed); the fit compares it with the planner's own step time.
-    """
-    records = []
-    with open(metrics_path) as fh:
-        for number, line in enumerate(fh, 1):
-            try:
-                records.append(json.loads(line)) if line.strip() else None
-            except ValueError as exc:
-                raise ValueError(f"--calibrate {metrics_path}: line {number} is not JSON ({exc}); "
-                                 f"give the metrics.jsonl of a run") from exc
-    if not all(isinstance(r, dict) for r in records):
-        raise ValueError(f"--calibrate {metrics_path}: expected one JSON object per line")
-    timed = [r for r in records[1:] or records if not r.get("skipped") and r.get("step_time_s")]
-    records = timed or [r for r in records if r.get("step_time_s")]
-    if not records:
-        raise ValueError(f"--calibrate {metrics_path}: no step with step_time_s")
-    return statistics.median(r["step_time_s"] for r in records)
-
-
-def fit_achievable_fraction(shape: ModelShape, cluster: Cluster, layout: Layout, tflops: float) -> float:
-    """The achievable fraction at which the model predicts ``tflops`` executed TFLOP/s per device
-    (bisection; for a measured step time pass executed FLOPs / step time / devices).
-
-    Predicted TFLOP/s grows monotonically with the fraction; a measurement above the prediction at
-    fraction 1 (links or HBM faster than assumed) returns 1.0.
-    """
-    def predicted(frac: float) -> float:
-        return estimate(shape, replace(cluster, achievable_fraction=frac), layout).tflops_per_device
-    lo, hi = 1e-4, 1.0
-    if predicted(hi) <= tflops:
-        return hi
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if predicted(mid) < tflops else (lo, mid)
-    return (lo + hi) / 2
-
-
-_INTRA_GROUPS = ("tp", "intra", "node", "intra_node")
-_INTER_GROUPS = ("dp", "pp", "inter", "inter_node", "world", "global")
-
-
-def link_busbw(preflight_path: str) -> dict[str, float]:
-    """{'intra': GB/s, 'inter': GB/s} from a preflight JSON list of {op, group, bytes, busbw_gbps}.
-
-    For each link class the entries with the largest message size (the bandwidth-bound regime)
-    are averaged. Groups named tp/intra/node measure intra-node links; dp/pp/inter/world measure
-    the per-device inter-node share (an entry's optional "link" field overrides the name).
-    """
-    with open(preflight_path) as fh:
-        try:
-            entries = json.load(fh)
-        except ValueError as exc:
-            raise ValueError(f"--calibrate-links {preflight_path}: not JSON ({exc}); give the "
-                             f"preflight's --json file") from exc
-    if isinstance(entries, dict):
-        entries = entries.get("results", entries.get("links", []))
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise ValueError(f"--calibrate-links {preflight_path}: expected a list of "
-                         f"{{op, group, bytes, busbw_gbps}} objects")
-    found: dict[str, list[tuple[float, float]]] = {"intra": [], "inter": []}
-    for entry in entries:
-        group = str(entry.get("link") or entry.get("group", "")).lower()
-        cls = "intra" if group in _INTRA_GROUPS else "inter" if group in _INTER_GROUPS else None
-        if cls and entry.get("busbw_gbps"):
-            found[cls].append((float(entry.get("bytes", 0)), float(entry["busbw_gbps"])))
-    out = {}
-    for cls, rows in found.items():
-        if rows:
-            top = max(size for size, _ in rows)
-            out[cls] = statistics.mean(bw for size, bw in rows if size == top)
-    if not out:
-        raise ValueError(f"--calibrate-links {preflight_path}: no entry with a known group and busbw_gbps")
-    return out
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -232,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", default="none,selective,full", help="comma list to search")
     p.add_argument("--zero", default="both", help="ZeRO-1: on, off or both")
     p.add_argument("--sequence-parallel", default="both", help="on, off or both")
+    p.add_argument("--tp-comm-overlap", action="store_true",
+                   help="plan the TP collectives of each layer as chunk rings beside their GEMMs "
+                        "(Megatron-LM's flag; with sequence parallelism)")
+    p.add_argument("--overlap-grad-reduce", default="on", choices=("on", "off"),
+                   help="on (the engine's default): the DP reduction per bucket under the last "
+                        "backward; off: all after backward")
+    p.add_argument("--overlap-param-gather", default="on", choices=("on", "off"),
+                   help="on (the engine's default): ZeRO's all-gather per bucket ahead of the next "
+                        "forward; off: waited for after the update")
     p.add_argument("--precision", default=PLAN_PRECISION, choices=("bf16", "fp16"),
                    help="mixed precision of the planned run (both use the half-precision peak)")
     p.add_argument("--data-path", help="data for the printed command (default: --mock-data)")
@@ -298,7 +235,10 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
                         _on_off(args.zero, "--zero"), _on_off(args.sequence_parallel, "--sequence-parallel"),
                         cps, args.order, micro_batch_size=args.micro_batch_size,
                         schedules=_choice(args.pipeline_schedule, PLAN_SCHEDULES,
-                                          "--pipeline-schedule"))
+                                          "--pipeline-schedule"),
+                        tp_comm_overlap=args.tp_comm_overlap,
+                        overlap_grad_reduce=args.overlap_grad_reduce == "on",
+                        overlap_param_gather=args.overlap_param_gather == "on")
     if args.layout:
         try:
             parts = [int(x) for x in args.layout.split(",")]
@@ -339,9 +279,23 @@ def _calibrated(args, shape: ModelShape, cluster: Cluster, space: SearchSpace) -
     step = measured_step_time(args.calibrate)
     tflops = estimate(shape, cluster, layout).flops.executed / step / cluster.num_devices / 1e12
     frac = fit_achievable_fraction(shape, cluster, layout, tflops)
+    cluster = replace(cluster, achievable_fraction=frac)
+    exposed = measured_exposed(args.calibrate)
+    for _ in range(50 if exposed else 0):  # the efficiencies at that fraction, the fraction
+        before = (frac, cluster.overlap)      # again with them, until neither moves
+        cluster = replace(cluster, overlap=fit_overlap_efficiency(shape, cluster, layout, exposed))
+        frac = fit_achievable_fraction(shape, cluster, layout, tflops)
+        cluster = replace(cluster, achievable_fraction=frac)
+        if abs(frac - before[0]) < 1e-9 and cluster.overlap == before[1]:
+            break
     print(f"calibrated achievable fraction {frac:.3f} from a measured step of {step:.4g} s "
           f"({tflops:.2f} executed TFLOP/s per device, peak {cluster.peak_tflops})", file=sys.stderr)
-    return replace(cluster, achievable_fraction=frac)
+    if exposed:
+        eff = cluster.overlap
+        print(f"calibrated overlap efficiency tp {eff.tp:.3f}, dp {eff.dp:.3f}, zero {eff.zero:.3f} "
+              f"from the measured exposed communication ("
+              + ", ".join(f"{k} {v:.4g} s" for k, v in exposed.items()) + ")", file=sys.stderr)
+    return cluster
 
 
 def _row_text(est: Estimate) -> str:

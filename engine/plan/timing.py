@@ -2,7 +2,8 @@
 
 Per layer and micro-batch a device spends: matrix FLOPs / (peak * achievable fraction), memory-bound
 bytes / (HBM bandwidth * HBM_EFFICIENCY), a fixed per-pass overhead, the TP collectives over its
-node's links and, with context parallelism, the part of the K/V ring exchange that the attention
+node's links (with ``--tp-comm-overlap`` the part of each layer's chunk rings that its GEMMs do not
+hide, overlap.py) and, with context parallelism, the part of the K/V ring exchange that the attention
 core does not hide (hop by hop; the last dK/dV hop is always exposed). A pipeline device adds p2p messages (blocking, as the engine's 1F1B) and the
 TP all-gather that rebuilds a received activation; the first holds the embedding, the last the
 logits and loss. The step is then
@@ -12,8 +13,9 @@ logits and loss. The step is then
   + the schedule's bubble: (p - 1) / v micro-batches of the mean device for 1F1B and
     interleaved; for the zero-bubble schedules from the mean device's forward, input-gradient (B)
     and weight-gradient (W) times, ``pipeline_bubble_s``
-  + the DP gradient reduction left exposed (bucketed, overlapped with the first stage's last
-    backward; at least the last bucket is exposed), plus ZeRO-1's parameter all-gather
+  + the DP gradient reduction left exposed (bucketed, overlapped with every stage's last
+    backward; at least the last bucket is exposed), plus what ZeRO-1's parameter all-gather
+    leaves exposed ahead of the next forward (overlap.py; both per the layout's overlap flags)
   + the optimizer step (memory-bound)
 
 ``TimeTerms`` holds them; a new term (a zero-bubble schedule's, ZeRO-2's) is one more field and
@@ -21,7 +23,7 @@ the line that fills it. All constants live in engine/plan/model.py, explained in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from engine.plan.flops import (StepFlops, attention_core_forward_flops, layer_forward_flops,
                                logits_forward_flops, recomputed_layer_flops, step_flops)
@@ -30,21 +32,9 @@ from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_REPLI
                                MEMORY_USABLE_FRACTION, OPTIMIZER_BYTES_PER_PARAM, Cluster, Layout,
                                ModelShape, num_micro_batches)
 from engine.plan.memory import MemoryTerms, memory_per_device, stage_params
+from engine.plan.collectives import allreduce_s, gather_or_scatter_s
+from engine.plan.overlap import data_parallel_overlap, ring_recompute_extra_flops, tp_layer_overlap
 from engine.plan.placement import collective_busbw, group_of_rank0, p2p_gbps
-
-
-def allreduce_s(nbytes: float, ranks: int, busbw_gbps: float) -> float:
-    """Ring all-reduce: every rank moves 2 (k-1)/k of the buffer at the bus bandwidth."""
-    if ranks == 1:
-        return 0.0
-    return 2 * (ranks - 1) / ranks * nbytes / (busbw_gbps * 1e9) + COLLECTIVE_LATENCY_S
-
-
-def gather_or_scatter_s(nbytes: float, ranks: int, busbw_gbps: float) -> float:
-    """All-gather or reduce-scatter of a buffer of ``nbytes`` in total: (k-1)/k of it moves."""
-    if ranks == 1:
-        return 0.0
-    return (ranks - 1) / ranks * nbytes / (busbw_gbps * 1e9) + COLLECTIVE_LATENCY_S
 
 
 @dataclass(frozen=True)
@@ -76,6 +66,7 @@ class PassTime:
     backward: float = 0.0  # the part of the above that runs in backward (for the DP overlap)
     weight: float = 0.0  # the part of backward that is weight-gradient GEMMs (a zero-bubble W)
     cp_ring: float = 0.0  # the whole CP ring exchange, hidden or not (not in total: cp_comm is)
+    tp_hidden: float = 0.0  # TP ring time hidden under the GEMMs (--tp-comm-overlap; not in total)
 
     @property
     def total(self) -> float:
@@ -116,14 +107,19 @@ def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links
     # backward. With SP: all-gather + reduce-scatter pairs each way, plus the all-gather of each
     # column-parallel input's saved s/tp shard in backward. A recomputed forward repeats its own.
     # Early stop leaves out the down projection's collective (the last one of the forward).
+    # With --tp-comm-overlap (SP only) each of them is a ring of tp chunks beside its GEMM
+    # (overlap.py): the exposed part is counted here, the hidden part kept for --explain.
     msg = ACT_BYTES * sbh
-    if sp:
-        one = gather_or_scatter_s(msg, t, links.tp)
-        tp_fwd, tp_bwd = 4 * one, 6 * one
+    tp_hidden = 0.0
+    if sp and layout.tp_comm_overlap and t > 1:
+        rings = tp_layer_overlap(shape, layout, tokens, links.tp, rate, cluster.overlap.tp)
+        tp_fwd, tp_re, tp_bwd = (r.exposed for r in rings)
+        tp_hidden = sum(r.hidden for r in rings)
+        recompute += ring_recompute_extra_flops(shape, layout, tokens) / rate
     else:
-        one = allreduce_s(msg, t, links.tp)
-        tp_fwd = tp_bwd = 2 * one
-    tp_re = (tp_fwd - (one if shape.recompute_early_stop else 0.0)) if rc == "full" else 0.0
+        one = (gather_or_scatter_s if sp else allreduce_s)(msg, t, links.tp)
+        tp_fwd, tp_bwd = (4 * one, 6 * one) if sp else (2 * one, 2 * one)
+        tp_re = (tp_fwd - (one if shape.recompute_early_stop else 0.0)) if rc == "full" else 0.0
     # CP ring (parallel/context_parallel/ring.py): each hop passes a rank's K and V chunks, 2 b s h_kv
     # / (cp tp) elements, to the next rank: cp-1 hops forward; backward cp-1 hops of K and V and cp of
     # their dK, dV accumulators. A hop hides only behind the attention block computed while it is in
@@ -144,7 +140,7 @@ def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links
         cp_ring = ((c - 1) * (2 if redo else 1) + 2 * c - 1) * hop
     backward = bwd + recompute + tp_bwd + tp_re + cp_bwd + cp_re
     return PassTime(fwd + bwd, recompute, tp_fwd + tp_bwd + tp_re, cp_fwd + cp_bwd + cp_re, 0.0, backward,
-                    gemm / rate, cp_ring)
+                    gemm / rate, cp_ring, tp_hidden)
 
 
 def pipeline_ends(shape: ModelShape, cluster: Cluster, layout: Layout,
@@ -215,6 +211,9 @@ class Estimate:
     peak_tflops: float
     links: Links
     cp_ring_s: float = 0.0  # the whole CP ring exchange of the step; time.cp_comm is its exposed part
+    # seconds of each communication term hidden under compute (the term itself is what is exposed)
+    hidden: dict = field(default_factory=dict)
+    efficiency: object = None  # the cluster's hardware.OverlapEfficiency the estimate used
 
     @property
     def step_time_s(self) -> float:
@@ -251,7 +250,10 @@ class Estimate:
                 "step_time_s": self.step_time_s, "tflops_per_device": self.tflops_per_device,
                 "model_tflops_per_device": self.model_tflops_per_device,
                 "mfu": self.mfu, "hfu": self.hfu,
-                "time_terms": self.time.as_dict(), "memory_terms": self.memory.as_dict()}
+                "tp_comm_overlap": lay.tp_comm_overlap, "overlap_grad_reduce": lay.overlap_grad_reduce,
+                "overlap_param_gather": lay.overlap_param_gather,
+                "time_terms": self.time.as_dict(), "comm_hidden": dict(self.hidden),
+                "memory_terms": self.memory.as_dict()}
 
 
 def pipeline_bubble_s(layout: Layout, m: int, mean: PassTime) -> float:
@@ -295,27 +297,29 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
         stages = [body + embedding + p2p, body + logits + p2p] + [body + p2p] * (p - 2)
     mean = sum(stages[1:], stages[0]).scale(1 / p)
     slowest = max(stages, key=lambda st: st.total)
-    # DP: gradients of the first device (whose last backward ends the step) reduced over the dp x cp
-    # ranks; the bucketed reduction hides under that last backward except the final bucket.
-    first_params, last_params = stage_params(shape, layout)
-    grads = first_params * cluster.grad_reduce_bytes
+    # DP and ZeRO (overlap.py): each stage's gradients reduced over its dp x cp ranks per bucket
+    # under its last backward (the first stage's ends the step), ZeRO's gather ahead of the next
+    # forward; stages in pipeline order (``stages`` holds the last one second).
+    ordered = stages if p == 1 or layout.v_placement else [stages[0]] + stages[2:] + [stages[1]]
+    dp, zero = data_parallel_overlap(shape, cluster, layout, links.dp,
+                                     [st.backward for st in ordered],
+                                     [st.total - st.backward for st in ordered])
     reducers = d * c
-    reduce_s = (gather_or_scatter_s if layout.zero else allreduce_s)(grads, reducers, links.dp)
-    window = stages[0].backward
-    last_bucket = reduce_s * min(1.0, cluster.grad_bucket_bytes / grads)
-    dp_exposed = max(reduce_s - window, last_bucket) if reducers > 1 else 0.0
-    allgather = gather_or_scatter_s(first_params * ACT_BYTES, reducers, links.dp) if layout.zero else 0.0
+    first_params, last_params = stage_params(shape, layout)
     _, mem_s = _rates(cluster)
     opt_params = max(first_params, last_params) / (reducers if layout.zero else 1)
     terms = TimeTerms(compute=m * mean.compute, recompute=m * mean.recompute, tp_comm=m * mean.tp_comm,
                       cp_comm=m * mean.cp_comm, pp_comm=m * mean.pp_comm,
                       bubble=pipeline_bubble_s(layout, m, mean),
                       imbalance=m * (slowest.total - mean.total),
-                      dp_comm=dp_exposed, zero_allgather=allgather,
+                      dp_comm=dp.exposed, zero_allgather=zero.exposed,
                       optimizer=mem_s(opt_params * OPTIMIZER_BYTES_PER_PARAM))
     flops = step_flops(shape.global_batch_size, shape.seq_length, shape.num_layers, shape.hidden_size,
                        shape.vocab_size, shape.ffn_hidden_size, shape.block, layout.recompute,
                        shape.recompute_early_stop)
     fits = mem.total <= cluster.memory_gb * GIB * MEMORY_USABLE_FRACTION
+    hidden = {"tp_comm": m * mean.tp_hidden, "cp_comm": max(0.0, m * (mean.cp_ring - mean.cp_comm)),
+              "pp_comm": 0.0, "dp_comm": dp.hidden, "zero_allgather": zero.hidden}
     return Estimate(layout, terms, mem, fits, flops, cluster.num_devices, cluster.peak_tflops, links,
-                    cp_ring_s=m * mean.cp_ring)
+                    cp_ring_s=m * mean.cp_ring, hidden=hidden,
+                    efficiency=cluster.overlap)

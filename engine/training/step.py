@@ -25,7 +25,10 @@ CUDA/NPU), read at the step's wait (the clipping's and the update's at the next 
 pipeline phase with pp > 1), ``time_dp_finish_s`` (finishing the DP gradient reduction: what the
 backward did not hide), ``time_grad_sync_s`` (the sequence-parallel and tied-embedding
 all-reduces), ``time_clip_s`` (unscale, overflow check, global norm, the statistics all-reduce and
-clipping) and ``time_optimizer_s`` (the update, ZeRO's parameter all-gather included). They are
+clipping) and ``time_optimizer_s`` (the update, ZeRO's parameter all-gather included); beside
+them ``time_dp_exposed_s`` (the reducer's wait for collectives still in flight, inside the DP
+finish) and ``time_zero_gather_exposed_s`` (the forward's waits for ZeRO's overlapped parameter
+gathers), from stamps the reducer and the gather take on the same clock. They are
 this rank's (the metrics carry global rank 0's): averaging them over ranks would need a second
 collective after the update. The bubble is the world mean (it travels in the statistics). The
 same spans, with every forward and backward (and with pp > 1 every transfer), are the step's
@@ -50,6 +53,7 @@ from engine.training.loss_scaler import apply_grad_stats, grad_stats
 from engine.training.step_stats import (StepAgreement, StepStats, mean_loss_over_grid,  # noqa: F401
                                         reduce_step_stats)
 from models.moe.stats import set_aux_grad_scale
+from models.moe.step_figures import StepFigures, update_expert_bias
 from parallel.grads import sync_sequence_parallel_grads
 from parallel.pipeline.bubble import COMPUTE_CATS, phase_times
 from parallel.pipeline.executor import run_schedule, sum_embedding_grads
@@ -121,6 +125,18 @@ def stage_compute_times(events, ps: ParallelState) -> tuple[float, ...]:
     return tuple(slots)
 
 
+def exposed_times(clock, waits: dict) -> dict:
+    """``time_dp_exposed_s`` (the DP reduction's wait for its collectives in flight after the
+    backward, parallel/dp/reducer.py ``finish``) and, under ZeRO with overlapped parameter
+    gathers, ``time_zero_gather_exposed_s`` (the forward's waits for them, param_gather.py):
+    device seconds between stamp pairs taken before the step's wait, so reading them waits for
+    nothing. A wait that had nothing in flight left no stamps and counts 0.0; None: there is no
+    such wait (no ZeRO parameter gather)."""
+    return {key: None if pairs is None else
+            sum((clock.elapsed_s(a, b) for a, b in (p for p in pairs if p is not None)), 0.0)
+            for key, pairs in waits.items()}
+
+
 @dataclass
 class Computed:
     """One execution of a step up to (not including) the update."""
@@ -136,6 +152,9 @@ class Computed:
     wall: object = None      # the clock's timebase taken before the step's first stamp
     phase: object = None     # pp > 1: this rank's PhaseTimes, read after the statistics wait
     stage_times: tuple = ()  # pp > 1: this rank's compute means in its stage's slots
+    spans: list | None = None  # pp > 1: this rank's transfer spans (parallel/pipeline/transfers.py)
+    waits: dict = field(default_factory=dict)  # exposed-time stamp pairs (see exposed_times)
+    moe: dict | None = None  # the step's MoE figures (models/moe/step_figures.py), None without MoE
 
 
 class Stepper:
@@ -145,12 +164,14 @@ class Stepper:
                  schedule_actions=None, act_shape=None, act_dtype=torch.float32,
                  timeout_s: float = 300.0, overflow=None, waiter=None,
                  clock: DeviceClock | None = None, placement: str = "loop",
-                 weight_grads=None, scatter_gather: bool = False):
+                 weight_grads=None, scatter_gather: bool = False, schedule_lists=None):
         """``overflow``: the device module's ``overflow_check()`` (the float status register on a
         saturation-mode NPU), None elsewhere; ``waiter``: ``p2p.waiter_for(backend)``; ``clock``:
         the device timing API (engine/device/clock.py); ``placement``: of the chunks on pipeline ranks;
         ``weight_grads``: the ``WeightGradStore`` the chunks' layers use under a schedule with W
-        actions; ``scatter_gather``: split stage boundary tensors over TP (exchange.py)."""
+        actions; ``scatter_gather``: split stage boundary tensors over TP (exchange.py);
+        ``schedule_lists``: the whole schedule (every rank's program), for the transfers'
+        figures (time_pp_exposed_s and the replay with transfers)."""
         self.ps, self.chunks, self.reducer = ps, chunks, reducer
         self.optimizer, self.scaler, self.clip_grad = optimizer, scaler, clip_grad
         self.actions, self.act_shape, self.act_dtype = schedule_actions, act_shape, act_dtype
@@ -168,6 +189,14 @@ class Stepper:
         self.current_step = None        # the step being run (1-based), as the trainer names it
         self.micro_losses = None        # this rank's per-micro-batch losses of the last execution (device)
         self.late: LateFigures | None = None  # the last step's figures read at the next wait
+        self.moe = StepFigures.of(chunks)  # MoE figures: read at the statistics' one wait
+        self.moe_figures: dict | None = None
+        self.num_micro = 1
+        self.schedule_lists = schedule_lists
+        self.param_gather = getattr(optimizer, "param_gather", None)  # ZeRO's, when overlapped
+        for timed in (reducer, self.param_gather):  # their waits, stamped for the exposed times
+            if timed is not None:
+                timed.clock = self.clock
         if self.clock._anchor is None:  # the first timebase; later steps move it at their wait
             self.clock.anchor()
 
@@ -189,7 +218,7 @@ class Stepper:
         """``batches``: this rank's micro-batches (engine.data.packing.MicroBatch). Returns this
         rank's loss as a 0-d device tensor (not read here) and the pipeline result; with pp=1 the
         forwards and backwards are appended to ``marks`` as (name, cat, start, end, micro, chunk)."""
-        m = len(batches)
+        m = self.num_micro = len(batches)
         marks = [] if marks is None else marks
         self.reducer.set_num_microbatches(m)  # a parameter's m-th accumulation launches its bucket
         set_aux_grad_scale(self.chunks, scale / m)  # MoE balancing losses weigh like the token loss
@@ -216,6 +245,16 @@ class Stepper:
             return torch.zeros((), dtype=torch.float32, device=batches[0].tokens.device), result
         return local / scale, result
 
+    def _moe_sums(self, device) -> tuple:
+        """The MoE figures (models/moe/step_figures.py) summed over the world, on the device: an
+        all-reduce of their own, read along with the statistics."""
+        if self.moe is None:
+            return ()
+        v = self.moe.vector(self.chunks, self.num_micro, self.ps.tp_rank == 0, device)
+        if self.ps.world_size > 1:
+            self.ps.world_group.all_reduce(v)
+        return tuple(v.unbind())
+
     def statistics(self, local_loss: torch.Tensor, pipe):
         """After the gradients are complete: unscale and check for overflow, the squared norm, the
         previous step's bubble, the step's one statistics all-reduce and its one wait, then skip
@@ -227,9 +266,13 @@ class Stepper:
                 per_rank, stage_times = self.late.carried(self.ps)
         wanted = getattr(self.optimizer, "host_reads", None)  # scalars the update reads on the host
         local = wanted(grads.device) if wanted is not None else []
+        n_local, moe = len(local), self._moe_sums(grads.device)
         stats = reduce_step_stats(self.ps, local_loss, grads, per_rank, stage_times,
                                   self.agreement.local(), self.holds_loss, clock=self.clock,
-                                  local=local)
+                                  local=[*local, *moe])
+        if moe:  # read with the statistics (the step's one wait)
+            self.moe_figures = self.moe.read(stats.local[n_local:], self.ps.dp_cp_group.size)
+            stats.local = stats.local[:n_local]
         if wanted is not None:
             self.optimizer.host_values(stats.local)
         check = apply_grad_stats(self.optimizer, self.scaler, stats.found_inf, stats.grad_norm_sq,
@@ -261,21 +304,28 @@ class Stepper:
             self.overflow.clear()
         scale = float(self.scaler.scale)
         wall = clock.timebase()  # anchored before this step's stamps (at the last wait)
+        if self.param_gather is not None:
+            self.param_gather.waited = []  # waits outside a step are not the step's
         t = [clock.stamp()]
         local_loss, pipe = self._forward_backward(batches, scale, marks)
         t.append(clock.stamp())
         self.reducer.finish()
         t.append(clock.stamp())
+        waits = {"time_dp_exposed_s": [getattr(self.reducer, "wait_stamps", None)],
+                 "time_zero_gather_exposed_s": None if self.param_gather is None
+                 else list(self.param_gather.waited)}  # this step's forward waited for those
         sync_sequence_parallel_grads(self.params, self.ps)
         sum_embedding_grads(self.ps, self.shared)
         t.append(clock.stamp())
         stats, check = self.statistics(local_loss, pipe)
         t.append(clock.stamp())
-        phase = stage_times = None
+        phase = stage_times = spans = None
         if pipe is not None:  # complete since the wait: read without waiting
             phase, stage_times = phase_times(pipe.events), stage_compute_times(pipe.events, self.ps)
+            spans = pipe.transfer_spans
         return Computed(stats.loss, check, scale, pipe, stats, self.agreement.split(stats.counts),
-                        snapshot, t, marks, wall, phase, stage_times or ())
+                        snapshot, t, marks, wall, phase, stage_times or (), spans, waits,
+                        moe=self.moe_figures)
 
     def apply(self, pre: Computed, lr: float) -> StepOutput:
         """The update of a computed step (none when it is skipped), then its figures: the
@@ -284,6 +334,8 @@ class Stepper:
         clock, t, marks = self.clock, list(pre.stamps), list(pre.marks)
         if not pre.check.skipped:
             self.optimizer.step(lr)
+            if pre.moe is not None:  # aux-loss-free balancing: the global load moves the bias
+                update_expert_bias(self.chunks, self.moe, pre.moe["loads"])
         t.append(clock.stamp())
         self.agreed = pre.agreed
         comm = self.ps.comm.since(pre.snapshot)
@@ -291,9 +343,13 @@ class Stepper:
         times = [clock.elapsed_s(t[i], t[i + 1]) for i in range(len(t) - 3)] + [None, None]
         out = StepOutput(pre.loss, pre.check.grad_norm, pre.check.skipped, pre.scale, comm, pre.pipe,
                          dict(zip(TIME_KEYS, times)), marks, rank=self.ps.rank, wall=pre.wall)
+        out.times.update(exposed_times(clock, pre.waits))
+        out.extra["moe"] = pre.moe
         if self.late is not None:
             self.late.complete(clock, pre.stats)
-        self.late = LateFigures(out, (t[-3], t[-2], t[-1]), pre.phase, pre.stage_times)
+        transfers = (self.schedule_lists, pre.spans) if self.schedule_lists and pre.spans is not None \
+            else None
+        self.late = LateFigures(out, (t[-3], t[-2], t[-1]), pre.phase, pre.stage_times, transfers)
         return out
 
     def flush(self) -> None:

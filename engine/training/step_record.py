@@ -9,14 +9,19 @@ from __future__ import annotations
 
 from engine.observe.metrics import plot_metrics, summary_table
 from engine.observe.utilization import per_device, utilization
+from models.moe.step_figures import moe_record
 from parallel.pipeline.bubble import simulate
 from parallel.pipeline.schedules import has_weight_actions
+from parallel.pipeline.transfers import StageTransfers
 
 MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
 TIMELINE_STEPS = 3  # the steps --timeline keeps (the trainer's)
 # the keys read at the next step's wait (engine/training/late_figures.py): null until then
 LATE_KEYS = ("step_time_s", "tokens_per_s", "tflops_per_device", "model_tflops_per_device", "mfu",
-             "hfu", "time_clip_s", "time_optimizer_s", "bubble_measured", "bubble_simulated")
+             "hfu", "time_clip_s", "time_optimizer_s", "bubble_measured", "bubble_simulated",
+             "bubble_simulated_compute")
+# late too, and null without a pipeline (like the bubbles): the exposed pipeline transfer time
+PP_LATE_KEYS = ("time_pp_exposed_s",)
 
 
 def comm_metrics(comm: dict, compiled: bool = False) -> dict:
@@ -33,17 +38,26 @@ def comm_metrics(comm: dict, compiled: bool = False) -> dict:
             "pp_comm_bytes": total(("pp",), "payload_bytes")}
 
 
-def simulated_bubble(schedule_lists, out) -> float | None:
+def simulated_bubble(schedule_lists, out, transfers: bool = True) -> float | None:
     """The schedule replayed with this step's measured mean forward/backward (and weight-gradient)
-    time per stage: what the bubble would be from stage imbalance alone, without communication or
-    noise."""
+    time per stage and, with ``transfers``, each stage's measured post time per transfer and mean
+    receive latency (parallel/pipeline/transfers.py): the bubble of stage imbalance and
+    transfers, without noise (``bubble_simulated``); ``transfers=False``: of stage imbalance
+    alone (``bubble_simulated_compute``). None where a figure is missing."""
     if out.pipeline is None or "stage_fwd_s" not in out.extra:
         return None
     fwd, bwd, wgt = out.extra["stage_fwd_s"], out.extra["stage_bwd_s"], out.extra["stage_wgt_s"]
     if min(fwd) <= 0 or min(bwd) <= 0:
         return None
+    p2p = post = 0.0
+    if transfers:
+        if "stage_post_s" not in out.extra:
+            return None
+        costs = StageTransfers(out.extra["stage_post_s"], out.extra["stage_latency_f_s"],
+                               out.extra["stage_latency_b_s"])
+        p2p, post = costs.costs(schedule_lists)
     split = has_weight_actions(schedule_lists)
-    return simulate(schedule_lists, fwd, bwd, wgt_time=wgt if split else None).idle_fraction
+    return simulate(schedule_lists, fwd, bwd, p2p, wgt if split else None, post).idle_fraction
 
 
 def step_record(trainer, step: int, out, dt: float | None, lr: float, syncs=None) -> dict:
@@ -67,9 +81,13 @@ def step_record(trainer, step: int, out, dt: float | None, lr: float, syncs=None
             "bubble_theoretical": trainer.bubble_theory,
             "bubble_measured": out.extra.get("bubble_measured"),
             "bubble_simulated": simulated_bubble(getattr(trainer, "schedule_lists", None), out),
+            "bubble_simulated_compute": simulated_bubble(getattr(trainer, "schedule_lists", None),
+                                                         out, transfers=False),
+            "time_pp_exposed_s": out.extra.get("time_pp_exposed_s"),
             "activations_in_flight": (out.pipeline.peak_in_flight
                                       if out.pipeline is not None else None),
             **comm_metrics(out.comm, cfg.compile),
+            **moe_record(out.extra.get("moe"), out.comm),
             **{k: trainer.memory[k] for k in MEMORY_KEYS},
             "peak_memory_bytes": trainer.dev.peak_memory_bytes(),
             "host_syncs": None if syncs is None else len(syncs),
@@ -92,7 +110,7 @@ class LateRecords:
         while self.pending and self.pending[0][1].complete:
             step, out, timer, lr, record = self.pending.pop(0)
             full = step_record(self.trainer, step, out, timer.elapsed_s(), lr)
-            record.update({k: full[k] for k in LATE_KEYS})
+            record.update({k: full[k] for k in LATE_KEYS + PP_LATE_KEYS})
             self.done.append(record)
 
     def write(self, log, dash, records: list) -> None:

@@ -49,7 +49,7 @@ from parallel.pipeline.p2p import init_p2p, waiter_for
 from parallel.pipeline.schedules import build_schedule, has_weight_actions, validate_schedule
 from parallel.random import ModelParallelRNG
 from parallel.state import LaunchEnv, ParallelState
-from parallel.tensor_parallel import Initializer
+from parallel.tensor_parallel import Initializer, set_tp_comm_overlap
 from parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -183,6 +183,8 @@ class Trainer:
         self.dtype = DTYPES[cfg.precision.precision]
         self.chunks = build_chunks(cfg.model, ps, ctxs, ranges, virtual, ps.pp_size * vp,
                                    self.registry).to(device=self.dev.device, dtype=self.dtype)
+        if cfg.parallel.tp_comm_overlap:  # chunked TP rings / fused ops (tensor_parallel/overlap.py)
+            set_tp_comm_overlap(self.chunks, "auto")
         if ps.cp_size > 1 and any(len(c.layers) for c in self.chunks) and not any(
                 isinstance(m, ParallelAttention) for c in self.chunks for m in c.modules()):
             raise ConfigError(f"--cp {ps.cp_size}: --block {cfg.model.block} has no "
@@ -212,6 +214,7 @@ class Trainer:
                                        cfg.compression, cfg.optim.train_iters),
                                    overlap=cfg.parallel.overlap_grad_reduce)
         self.reducer.loss_scaler = self.scaler   # top-k's local variance statistics, unscaled
+        self.reducer.local_clip = cfg.optim.clip_grad   # top-k's local clipping (dgc.py)
         o = cfg.optim
         groups = [{"params": [q for n, q in named if q.ndim >= 2 and "position" not in n],
                    "weight_decay": o.weight_decay},
@@ -262,7 +265,8 @@ class Trainer:
                                clock=self.clock, placement=cfg.parallel.placement,
                                weight_grads=self.weight_grads,
                                scatter_gather=cfg.parallel.scatter_gather_tensors_in_pipeline
-                               and not sp)
+                               and not sp,
+                               schedule_lists=self.schedule_lists if ps.pp_size > 1 else None)
 
     def _build_monitors(self) -> None:
         """FLOPs and peak for MFU, the profiler, the anomaly guard, stragglers, the bubble."""

@@ -20,7 +20,9 @@ MOE_DEFAULTS = {"moe_layer_freq": "1", "moe_ffn_hidden_size": None,
                 "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
                 "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,
                 "moe_z_loss_coeff": None, "moe_token_dispatcher_type": "alltoall",
-                "moe_grouped_gemm": False}
+                "moe_grouped_gemm": False, "moe_router_enable_expert_bias": False,
+                "moe_router_bias_update_rate": 1e-3, "moe_expert_capacity_factor": None,
+                "moe_pad_expert_input_to_capacity": False}
 
 
 def moe_layer_pattern(freq, num_layers: int) -> list[bool]:
@@ -94,4 +96,17 @@ def check_moe_fields(cfg) -> None:
     for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(cfg, key)}")
+    f = cfg.moe_expert_capacity_factor
+    if f is not None and not f > 0:
+        raise ValueError(f"--moe-expert-capacity-factor {f} must be > 0 (leave it unset for "
+                         f"dropless routing)")
+    if cfg.moe_pad_expert_input_to_capacity and f is None:
+        raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor F "
+                         "(dropless routing has no capacity to pad to)")
+    if cfg.moe_router_enable_expert_bias and cfg.moe_router_score_function != "sigmoid":
+        raise ValueError("--moe-router-enable-expert-bias works on sigmoid scores (DeepSeek-V3); "
+                         "add --moe-router-score-function sigmoid")
+    if not cfg.moe_router_bias_update_rate >= 0:
+        raise ValueError(f"--moe-router-bias-update-rate must be >= 0, got "
+                         f"{cfg.moe_router_bias_update_rate}")
     moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)

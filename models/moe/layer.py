@@ -3,8 +3,10 @@
 ``MoELayer.forward(x)`` takes (b, s, h) and returns (b, s, h): route (models/moe/router.py), permute
 and dispatch over ``ps.ep_group`` (parallel/expert_parallel), run the local experts, combine,
 un-permute with the router weights, add the always-active shared expert (a dense tensor-parallel
-``ParallelMLP``), and attach the balancing losses' gradient (models/moe/balancing.py). Dropless:
-every assignment is computed, no capacity.
+``ParallelMLP``), and attach the balancing losses' gradient (models/moe/balancing.py). Dropless
+by default: every assignment is computed; with a capacity factor the lowest-weighted assignments
+beyond each expert's capacity are dropped, optionally padding each expert to it
+(models/moe/capacity.py).
 
 Under tensor parallelism every TP rank holds the same tokens (sequence parallelism is refused in
 this slice) and an identical replica of its experts; the EP group joins ranks of one TP
@@ -14,6 +16,7 @@ coordinate. The losses and loads of each forward are recorded for the step's fig
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 from torch import nn
@@ -22,18 +25,23 @@ from models.config import GPTConfig
 from models.layers import LayerContext, ParallelMLP
 from models.moe.balancing import (IdentityForwardAuxGradBackward, aux_loss_share, seq_aux_loss_share,
                                   z_loss_share)
+from models.moe.capacity import choose, expert_capacity, padded_rows
 from models.moe.experts import LocalExperts
 from models.moe.router import TopKRouter
 from parallel.expert_groups import ExpertGrid
-from parallel.expert_parallel import (alltoall_combine, alltoall_dispatch, permute_tokens,
-                                      unpermute_tokens)
+from parallel.expert_parallel import (alltoall_combine, alltoall_dispatch, permute_padded,
+                                      permute_tokens, unpermute_tokens)
 from parallel.state import ParallelState
 
 
 class MoELayer(nn.Module):
     def __init__(self, cfg: GPTConfig, ps: ParallelState, ctx: LayerContext, name: str,
-                 kind: str = "gelu", bias: bool = True):
+                 kind: str = "gelu", bias: bool = True, layer_idx: int | None = None):
         super().__init__()
+        if layer_idx is None:  # "layers.L.mlp": the global index from the weights' name
+            found = re.match(r"layers\.(\d+)\.", name)
+            layer_idx = int(found.group(1)) if found else None
+        self.layer_idx = layer_idx  # global layer index: the layer's slot in the step's figures
         if ctx.sequence_parallel and ps.tp_size > 1:
             raise ValueError("--sequence-parallel with --num-experts is not built yet; drop "
                              "--sequence-parallel (tensor parallelism alone works)")
@@ -45,7 +53,11 @@ class MoELayer(nn.Module):
         self.balancing = cfg.moe_router_load_balancing_type
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff or 0.0
         self.router = TopKRouter(cfg.hidden_size, e, cfg.moe_router_topk, ctx.init, f"{name}.router",
-                                 cfg.moe_router_score_function, cfg.moe_router_pre_softmax)
+                                 cfg.moe_router_score_function, cfg.moe_router_pre_softmax,
+                                 expert_bias=cfg.moe_router_enable_expert_bias)
+        self.bias_update_rate = cfg.moe_router_bias_update_rate
+        self.capacity_factor = cfg.moe_expert_capacity_factor
+        self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity
         local = ExpertGrid.local_experts(e, ps.ep_group.size, ps.ep_group.rank)
         self.experts = LocalExperts(cfg, ctx, f"{name}.experts", kind, bias, local)
         shared = cfg.moe_shared_expert_intermediate_size
@@ -71,20 +83,37 @@ class MoELayer(nn.Module):
         counts = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts).float()
         return loss, aux, counts
 
+    def _permute(self, tokens: torch.Tensor, routing):
+        """(rows sorted by expert, Permutation, the padded capacity or None, dropped count)."""
+        e = self.num_experts
+        if self.capacity_factor is None:
+            rows, perm = permute_tokens(tokens, routing.experts, e)
+            return rows, perm, None, routing.logits.new_zeros(())
+        t, k = routing.experts.shape
+        choice = choose(routing.weights, routing.experts, e,
+                        expert_capacity(t, k, e, self.capacity_factor))
+        dropped = choice.dropped.float()
+        if not self.pad_to_capacity:
+            rows, perm = permute_tokens(tokens, routing.experts, e, keep=choice.keep)
+            return rows, perm, None, dropped
+        rows, perm = permute_padded(tokens, *padded_rows(choice, routing.experts), choice.capacity)
+        return rows, perm, choice.capacity, dropped
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, h)
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)                                    # (T, h)
         routing = self.router(tokens)
         loss, aux, counts = self._balancing_loss(routing, b)
-        rows, perm = permute_tokens(tokens, routing.experts, self.num_experts)  # (T K, h)
-        expert_in, state = alltoall_dispatch(rows, perm.counts, self.ep_group)  # (N, h)
+        rows, perm, capacity, dropped = self._permute(tokens, routing)       # (R, h)
+        expert_in, state = alltoall_dispatch(rows, perm.counts, self.ep_group, capacity)  # (N, h)
         expert_out = self.experts(expert_in, state.tokens_per_expert)          # (N, h)
-        rows = alltoall_combine(expert_out, state, self.ep_group)               # (T K, h)
+        rows = alltoall_combine(expert_out, state, self.ep_group)               # (R, h)
         out = unpermute_tokens(rows, routing.weights, perm).to(x.dtype).view(b, s, h)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
-        self.records.append({"aux_loss": aux, "z_loss": (loss.detach() - aux),
-                             "load": counts.detach()})
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside a backward
+            self.records.append({"aux_loss": aux, "z_loss": (loss.detach() - aux),
+                                 "load": counts.detach(), "dropped": dropped})
         if loss.requires_grad and torch.is_grad_enabled():
             out = IdentityForwardAuxGradBackward.apply(out, loss, self.aux_grad_scale)
         return out
@@ -95,5 +124,5 @@ def build_mlp(cfg: GPTConfig, layer_idx: int, ps: ParallelState, ctx: LayerConte
     """The MLP of global layer ``layer_idx``: an ``MoELayer`` where ``--moe-layer-freq`` puts one,
     else the dense ``ParallelMLP``. A user's block calls this to get MoE layers for free."""
     if cfg.is_moe_layer(layer_idx):
-        return MoELayer(cfg, ps, ctx, name, kind=kind, bias=bias)
+        return MoELayer(cfg, ps, ctx, name, kind=kind, bias=bias, layer_idx=layer_idx)
     return ParallelMLP(cfg, ps, ctx, name, kind=kind, bias=bias)

@@ -5,6 +5,11 @@
   probabilities, not renormalised.
 - ``sigmoid``: top-k of sigmoid(logits), the chosen scores divided by their sum when K > 1.
 
+With ``expert_bias`` (aux-loss-free balancing, DeepSeek-V3; sigmoid scores only) the experts are
+chosen by the top-k of scores + bias, and their weights are the unbiased scores of the chosen ones.
+The bias is a buffer (E,) fp32, moved by ``models.moe.step_figures.update_expert_bias`` after each
+optimizer step, never by the gradient.
+
 Ties are broken by the lower expert index (a stable descending sort), so the choice depends only on
 the token's values: every layout routes a token the same way. The logits are computed in fp32
 from an fp32 router weight whatever the activations' dtype.
@@ -36,18 +41,30 @@ class TopKRouter(nn.Module):
     """Replicated (E, h) fp32 weight, drawn from (seed, ``{name}.weight``) like every weight."""
 
     def __init__(self, hidden: int, num_experts: int, topk: int, init, name: str,
-                 score_function: str = "softmax", pre_softmax: bool = False):
+                 score_function: str = "softmax", pre_softmax: bool = False,
+                 expert_bias: bool = False):
         super().__init__()
         self.num_experts, self.topk = num_experts, topk
         self.score_function, self.pre_softmax = score_function, pre_softmax
         self.weight = nn.Parameter(init.full(f"{name}.weight", (num_experts, hidden)))
+        if expert_bias and score_function != "sigmoid":
+            raise ValueError("--moe-router-enable-expert-bias works on sigmoid scores; add "
+                             "--moe-router-score-function sigmoid")
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
 
     def forward(self, x: torch.Tensor) -> Routing:  # (T, h)
         logits = F.linear(x.float(), self.weight.float())  # (T, E) fp32
         k = self.topk
         if self.score_function == "sigmoid":
             scores = torch.sigmoid(logits)
-            values, experts = stable_topk(scores, k)
+            if self.expert_bias is None:
+                values, experts = stable_topk(scores, k)
+            else:  # the bias chooses, the unbiased scores weigh
+                _, experts = stable_topk(scores + self.expert_bias, k)
+                values = scores.gather(1, experts)
             weights = values / (values.sum(-1, keepdim=True) + 1e-20) if k > 1 else values
             balance = scores / (scores.sum(-1, keepdim=True) + 1e-20)
             return Routing(weights, experts, logits, balance)

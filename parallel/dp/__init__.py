@@ -2,6 +2,7 @@
 gather, gradient compression with error feedback and frozen-variance Adam, memory accounting."""
 from parallel.dp.buffers import Bucket, GradBuffer, ParamSlot
 from parallel.dp.compression import Compressor, Int8Compressor, TopKCompressor
+from parallel.dp.dgc import MomentumTopKCompressor
 from parallel.dp.memory import memory_bytes
 from parallel.dp.onebit import OneBitCompressor
 from parallel.dp.policy import CompressionPolicy, CompressorSpec, PolicyError
@@ -14,5 +15,5 @@ __all__ = [
     "Bucket", "GradBuffer", "ParamSlot", "Compressor", "Int8Compressor", "TopKCompressor",
     "CompressionPolicy", "CompressorSpec", "PolicyError", "GradReducer", "named_parameters",
     "DistributedOptimizer", "MixedPrecisionOptimizer", "ShardPiece", "memory_bytes",
-    "LocalVariance", "LogQuantizer", "OneBitCompressor",
+    "LocalVariance", "LogQuantizer", "OneBitCompressor", "MomentumTopKCompressor",
 ]

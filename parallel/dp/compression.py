@@ -82,6 +82,7 @@ class Compressor:
     """
     name = "none"
     sparse = False
+    owner_phase = False        # True while the owner compresses its summed shard (phase 2)
 
     def __init__(self) -> None:
         self.residual: torch.Tensor | None = None          # (n,) what this rank has not sent yet
@@ -144,11 +145,15 @@ class Compressor:
         shard = pieces.sum(0)                                    # (width,) my shard, summed
         m = math.ceil(n / p)
         shard[:m] += self.owner_residual
-        packed, sent = self._encode(shard.unsqueeze(0))
-        self.owner_residual.copy_((shard - sent[0])[:m])
-        gathered = torch.empty(p, packed.shape[1], dtype=torch.uint8, device=flat.device)
-        group.all_gather_into(gathered, packed)
-        flat.copy_(_unrows(self._decode(gathered, shard.numel()), n))
+        self.owner_phase = True                                  # (top-k's owner density, dgc.py)
+        try:
+            packed, sent = self._encode(shard.unsqueeze(0))
+            self.owner_residual.copy_((shard - sent[0])[:m])
+            gathered = torch.empty(p, packed.shape[1], dtype=torch.uint8, device=flat.device)
+            group.all_gather_into(gathered, packed)
+            flat.copy_(_unrows(self._decode(gathered, shard.numel()), n))
+        finally:
+            self.owner_phase = False
 
     def reduce_scatter_(self, flat: torch.Tensor, group, out: torch.Tensor) -> None:
         """ZeRO: ``out`` (ceil(n / p),) receives this rank's shard of the sum; ``flat`` is not
@@ -168,9 +173,17 @@ class Compressor:
         x = _rows(flat, p, width) + _rows(self.residual, p, width)
         packed, sent = self._encode(x)
         self.residual.copy_(_unrows(x - sent, n))
+        self._sent(sent, n)
         recv = torch.empty_like(packed)
         group.all_to_all_single(recv.view(-1), packed.view(-1))
         return self._decode(recv, width)
+
+    def _sent(self, sent: torch.Tensor, n: int) -> None:
+        """Phase 1 sent ``sent`` ((p, width) rows, decoded); for subclasses that act on it."""
+
+    def prepare_step(self, compressed_step: int, ramp_steps: int, local_clip: float) -> None:
+        """Before each compressed exchange, on every rank alike: the 1-based count of compressed
+        steps so far, the policy's sparsity warm-up and the local clipping norm (dgc.py)."""
 
     # subclasses: rows of ``width`` values -> (packed uint8 rows, the values they decode to)
     def _width(self, m: int) -> int:

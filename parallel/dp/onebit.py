@@ -37,6 +37,7 @@ import math
 import torch
 
 from parallel.dp.compression import Compressor, _as_bytes, _split_bytes
+from parallel.dp.momentum_state import MomentumState
 
 
 def _shifts(device) -> torch.Tensor:
@@ -58,80 +59,21 @@ def unpack_signs(packed: torch.Tensor, width: int) -> torch.Tensor:
     return bits.view(rows, width).bool()
 
 
-class OneBitCompressor(Compressor):
+class OneBitCompressor(MomentumState, Compressor):
     """Sign plus a per-chunk scale, with error feedback on both sides, of the local momentum."""
     name = "onebit"
     sparse = True                  # the frozen-variance update applies (variance.py)
-    exchanges_momentum = True      # the exchanged buffer is the new first moment, not a gradient
 
     def __init__(self, chunk_size: int = 256, beta1: float = 0.9):
         super().__init__()
         if chunk_size < 8 or chunk_size % 8:
             raise ValueError(f"OneBitCompressor: chunk_size must be a positive multiple of 8, "
                              f"got {chunk_size}")
-        if not 0.0 <= beta1 < 1.0:
-            raise ValueError(f"OneBitCompressor: beta1 must be in [0, 1), got {beta1}")
-        self.chunk_size, self.beta1 = chunk_size, beta1
-        self.loss_scale = lambda: 1.0                 # the trainer's scale, set by bind_momentum
-        self.momentum: torch.Tensor | None = None     # (n,) M, unscaled, equal on all ranks
-        self._previous: torch.Tensor | None = None    # M before the latest exchange (for a skip)
-        self._can_undo = False
-        self._seed_shard: torch.Tensor | None = None  # ZeRO: this rank's shard of M to gather
+        self.chunk_size = chunk_size
+        self._init_momentum(beta1)
 
-    # ---- state ---------------------------------------------------------------------------------
     def allocate(self, n: int, p: int, sharded: bool, device) -> None:
         super().allocate(n, p, False, device)         # phase 2 runs under ZeRO too
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        return super().state_tensors() + [t for t in (self.momentum, self._previous) if t is not None]
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        out = super().state_dict()
-        if self.momentum is not None:
-            out["momentum"] = self.momentum
-        return out
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        state = dict(state)
-        momentum = state.pop("momentum", None)
-        super().load_state_dict(state)
-        if momentum is not None:
-            self.momentum, self._seed_shard = momentum.clone().float(), None
-            self._previous, self._can_undo = None, False
-
-    def rescale_(self, factor: float) -> None:
-        """Only the residuals live in the gradient buffer's scaled units; M is unscaled."""
-        for t in Compressor.state_tensors(self):
-            t.mul_(factor)
-
-    def reset(self) -> None:
-        """After a skipped step: drop the residuals and put back the M of the step before."""
-        for t in Compressor.state_tensors(self):
-            t.zero_()
-        if self._can_undo:
-            self.momentum, self._previous = self._previous, self.momentum
-            self._can_undo = False
-
-    def set_momentum(self, full: torch.Tensor) -> None:
-        """M from the optimizer's exp_avg laid out like the bucket (unscaled)."""
-        self.momentum = full.detach().float().clone()
-        self._seed_shard, self._previous, self._can_undo = None, None, False
-
-    def set_momentum_shard(self, shard: torch.Tensor) -> None:
-        """ZeRO: this rank's shard of M; the next exchange all-gathers the shards."""
-        self._seed_shard = shard.detach().float().clone()
-        self.momentum, self._previous, self._can_undo = None, None, False
-
-    # ---- exchanges -----------------------------------------------------------------------------
-    def _momentum_now(self, n: int, group) -> torch.Tensor:
-        if self._seed_shard is not None:
-            gathered = torch.empty(group.size, self._seed_shard.numel(), dtype=torch.float32,
-                                   device=self._seed_shard.device)
-            group.all_gather_into(gathered, self._seed_shard.unsqueeze(0))
-            self.momentum, self._seed_shard = gathered.view(-1)[:n].clone(), None
-        if self.momentum is None or self.momentum.numel() != n:
-            self.momentum = torch.zeros(n, dtype=torch.float32, device=self.residual.device)
-        return self.momentum
 
     def all_reduce_(self, flat: torch.Tensor, group) -> None:
         """``flat``: this rank's gradient divided by p (scaled); afterwards the new M (scaled),
@@ -144,10 +86,9 @@ class OneBitCompressor(Compressor):
         old = self._momentum_now(n, group)
         flat.mul_(1.0 - self.beta1).add_(old, alpha=self.beta1 * scale / p)
         self.sign_all_reduce_(flat, group)
-        new = self._previous if self._previous is not None and self._previous.numel() == n \
-            else torch.empty_like(old)
+        new = self._spare(old)
         torch.div(flat, scale, out=new)
-        self._previous, self.momentum, self._can_undo = old, new, True
+        self._advance(old, new)
 
     def sign_all_reduce_(self, flat: torch.Tensor, group) -> None:
         """The compressed two-phase sum of ``flat`` over ``group``, error-fed on both sides."""

@@ -29,6 +29,8 @@ class ParamGather:
         self._handles: dict[int, tuple] = {}     # bucket index -> (work, input shard kept alive)
         self._hooks: list = []
         self.on_wait = None                      # test hook: called with the bucket index
+        self.clock = None                        # a DeviceClock: each wait is stamped
+        self.waited: list = []                   # (start, end) stamps of the waits since cleared
 
     def output(self, bucket) -> torch.Tensor:
         """The bucket's parameters as one flat tensor of their dtype."""
@@ -49,7 +51,10 @@ class ParamGather:
         if item is not None:
             if self.on_wait is not None:
                 self.on_wait(index)
+            start = self.clock.stamp() if self.clock is not None else None
             item[0].wait()
+            if start is not None:  # the step's time_zero_gather_exposed_s (engine/training/step.py)
+                self.waited.append((start, self.clock.stamp()))
 
     def wait_all(self) -> None:
         for index in sorted(self._handles, reverse=True):

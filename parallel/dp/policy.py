@@ -5,7 +5,9 @@
       warmup_fraction: 0.15       # of --train-iters uncompressed (onebit, topk; default 0.15)
       warmup_steps: 90            # or a number of steps (wins over the fraction)
       variance_refresh: auto      # onebit, topk: exp (0/1 Adam), every K steps, off; auto:
-                                  # off for onebit alone, exp with top-k (warmup.py)
+                                  # off (warmup.py)
+      sparsity_warmup_steps: 120  # topk: compressed steps over which the fraction sent falls
+                                  # from 0.25 to the ratio (default 0.2 of the run; dgc.py)
       rules:                      # fnmatch on parameter names, first match wins
         - {pattern: "*embed*", compressor: none}
         - {pattern: "*attn*",  compressor: int8, chunk_size: 256}
@@ -24,14 +26,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
-from parallel.dp.compression import Compressor, Int8Compressor, TopKCompressor
+from parallel.dp.compression import Compressor, Int8Compressor
+from parallel.dp.dgc import MomentumTopKCompressor
 from parallel.dp.onebit import OneBitCompressor
 from parallel.dp.warmup import (DEFAULT_VARIANCE_REFRESH, DEFAULT_WARMUP_STEPS, check_fraction,
-                                parse_refresh, refresh_at, resolve_warmup)
+                                parse_refresh, refresh_at, resolve_sparsity_warmup, resolve_warmup)
 
 KINDS = ("none", "int8", "topk", "onebit")
 FROZEN_VARIANCE = ("topk", "onebit")   # Adam's second moment frozen after the warm-up
-_OPTIONS = {"none": (), "int8": ("chunk_size",), "topk": ("ratio",), "onebit": ("chunk_size",)}
+_OPTIONS = {"none": (), "int8": ("chunk_size",), "topk": ("ratio", "momentum_masking"),
+            "onebit": ("chunk_size",)}
 
 
 class PolicyError(ValueError):
@@ -44,12 +48,17 @@ class CompressorSpec:
     kind: str = "none"
     ratio: float | None = None          # topk: fraction of values sent, in (0, 1]
     chunk_size: int | None = None       # int8: values sharing one scale
+    momentum_masking: bool | None = None  # topk: DGC's momentum factor masking (default off)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise PolicyError(f"compressor: unknown compressor {self.kind!r}; use one of {', '.join(KINDS)}")
         if self.ratio is not None and self.kind != "topk":
             raise PolicyError(f"ratio: only the topk compressor takes a ratio, not {self.kind!r}")
+        if self.momentum_masking is not None and (self.kind != "topk"
+                                                  or not isinstance(self.momentum_masking, bool)):
+            raise PolicyError(f"momentum_masking: true or false, for the topk compressor only; got "
+                              f"{self.momentum_masking!r} for {self.kind!r}")
         if self.chunk_size is not None and self.kind not in ("int8", "onebit"):
             raise PolicyError(f"chunk_size: only the int8 and onebit compressors take a chunk_size, "
                               f"not {self.kind!r}")
@@ -72,7 +81,8 @@ class CompressorSpec:
         if self.kind == "int8":
             return Int8Compressor(chunk_size=self.chunk_size or 256)
         if self.kind == "topk":
-            return TopKCompressor(ratio=0.01 if self.ratio is None else float(self.ratio))
+            return MomentumTopKCompressor(ratio=0.01 if self.ratio is None else float(self.ratio),
+                                          masking=bool(self.momentum_masking))
         if self.kind == "onebit":
             return OneBitCompressor(chunk_size=self.chunk_size or 256)
         return None
@@ -99,7 +109,8 @@ class CompressorSpec:
             allowed = ", ".join(("compressor", *_OPTIONS[kind]))
             raise PolicyError(f"{where}.{key}: not an option of the {kind} compressor (allowed: {allowed})")
         try:
-            return cls(kind, value.get("ratio"), value.get("chunk_size"))
+            return cls(kind, value.get("ratio"), value.get("chunk_size"),
+                       value.get("momentum_masking"))
         except PolicyError as exc:
             raise PolicyError(f"{where}.{exc}") from None
 
@@ -113,20 +124,23 @@ class Rule:
 @dataclass(frozen=True)
 class CompressionPolicy:
     """``warmup_steps`` is resolved (warmup.py: a fraction of the run for compressors that freeze
-    the variance); ``variance_refresh`` is "exp", K > 0 or 0 (off) once built ("auto" resolves)."""
+    the variance); ``variance_refresh`` is "exp", K > 0 or 0 (off) once built ("auto" resolves);
+    ``sparsity_warmup_steps``: top-k's density ramp after the warm-up (dgc.py), resolved too."""
     default: CompressorSpec = field(default_factory=CompressorSpec)
     warmup_steps: int = 0
     rules: tuple[Rule, ...] = ()
     variance_refresh: int | str = DEFAULT_VARIANCE_REFRESH
+    sparsity_warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) \
                 or self.warmup_steps < 0:
             raise PolicyError(f"warmup_steps: must be a non-negative integer, got {self.warmup_steps!r}")
+        ramp = self.sparsity_warmup_steps
+        if isinstance(ramp, bool) or not isinstance(ramp, int) or ramp < 0:
+            raise PolicyError(f"sparsity_warmup_steps: must be a non-negative integer, got {ramp!r}")
         try:
-            topk = self.default.kind == "topk" or any(r.spec.kind == "topk" for r in self.rules)
-            object.__setattr__(self, "variance_refresh",
-                               parse_refresh(self.variance_refresh, sparse_topk=topk))
+            object.__setattr__(self, "variance_refresh", parse_refresh(self.variance_refresh))
         except ValueError as exc:
             raise PolicyError(str(exc)) from None
         if self.any_sparse and self.warmup_steps < 1:
@@ -142,7 +156,7 @@ class CompressionPolicy:
     def uniform(cls, kind: str, ratio: float | None = None, warmup_steps: int | None = None,
                 variance_refresh: int | str = DEFAULT_VARIANCE_REFRESH,
                 warmup_fraction: float | None = None, train_iters: int | None = None,
-                ) -> "CompressionPolicy":
+                sparsity_warmup_steps: int | None = None) -> "CompressionPolicy":
         """One compressor for every parameter (the --grad-compression* flags)."""
         value = {"compressor": kind}
         if kind == "topk" and ratio is not None:
@@ -150,7 +164,8 @@ class CompressionPolicy:
         spec = CompressorSpec.parse(value, "grad_compression")
         cls._check_fraction(warmup_fraction)
         warmup = resolve_warmup(warmup_steps, warmup_fraction, train_iters, kind in FROZEN_VARIANCE)
-        return cls(spec, warmup if spec.compressed else 0, (), variance_refresh)
+        ramp = resolve_sparsity_warmup(sparsity_warmup_steps, train_iters, kind == "topk")
+        return cls(spec, warmup if spec.compressed else 0, (), variance_refresh, ramp)
 
     @staticmethod
     def _check_fraction(fraction) -> None:
@@ -165,10 +180,11 @@ class CompressionPolicy:
             return cls()
         if not isinstance(d, dict):
             raise PolicyError(f"grad_compression: expected a mapping, got {d!r}")
-        extra = set(d) - {"default", "warmup_steps", "warmup_fraction", "variance_refresh", "rules"}
+        extra = set(d) - {"default", "warmup_steps", "warmup_fraction", "variance_refresh",
+                          "sparsity_warmup_steps", "rules"}
         if extra:
             raise PolicyError(f"{sorted(extra)[0]}: unknown key; a policy has default, warmup_steps, "
-                              f"warmup_fraction, variance_refresh and rules")
+                              f"warmup_fraction, variance_refresh, sparsity_warmup_steps and rules")
         default = CompressorSpec.parse(d.get("default", "none"), "default")
         rules_in = d.get("rules", []) or []
         if not isinstance(rules_in, (list, tuple)):
@@ -189,13 +205,19 @@ class CompressionPolicy:
         steps = d.get("warmup_steps")                      # (a bad value is named by __post_init__)
         warmup = steps if steps is not None else \
             resolve_warmup(None, d.get("warmup_fraction"), train_iters, frozen)
-        return cls(default, warmup, tuple(rules), d.get("variance_refresh", DEFAULT_VARIANCE_REFRESH))
+        topk = default.kind == "topk" or any(r.spec.kind == "topk" for r in rules)
+        ramp = d.get("sparsity_warmup_steps")
+        if ramp is None:
+            ramp = resolve_sparsity_warmup(None, train_iters, topk)
+        return cls(default, warmup, tuple(rules), d.get("variance_refresh", DEFAULT_VARIANCE_REFRESH),
+                   ramp)
 
     @classmethod
     def coerce(cls, value, train_iters: int | None = None) -> "CompressionPolicy":
         """A policy from a policy, its dict form, None, or a config object carrying the flags
         grad_compression, grad_compression_ratio, grad_compression_warmup_steps / _fraction,
-        grad_compression_variance_refresh and grad_compression_policy (the dict wins).
+        grad_compression_variance_refresh, grad_compression_sparsity_warmup_steps and
+        grad_compression_policy (the dict wins).
         ``train_iters`` sizes a fractional warm-up (without it the warm-up is 4 steps)."""
         if isinstance(value, cls):
             return value
@@ -208,7 +230,8 @@ class CompressionPolicy:
                                getattr(value, "grad_compression_warmup_steps", None),
                                getattr(value, "grad_compression_variance_refresh",
                                        DEFAULT_VARIANCE_REFRESH),
-                               getattr(value, "grad_compression_warmup_fraction", None), train_iters)
+                               getattr(value, "grad_compression_warmup_fraction", None), train_iters,
+                               getattr(value, "grad_compression_sparsity_warmup_steps", None))
         raise PolicyError(f"grad_compression: expected a policy mapping, got {type(value).__name__}")
 
     def refresh_due(self, step: int) -> bool:

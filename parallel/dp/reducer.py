@@ -107,6 +107,7 @@ class GradReducer:
         self.shard_grads, self.zero_stage = False, 0
         self.beta2 = 0.999                  # Adam's, for the local variance (set by the optimizer)
         self.loss_scaler = None             # the trainer's (its .scale); local variance unscaled by it
+        self.local_clip = 0.0               # the trainer's clipping norm, for top-k's local clip
         self.names = {p: n for n, p in named}
 
         elem = torch.empty((), dtype=grad_dtype).element_size()
@@ -158,6 +159,8 @@ class GradReducer:
         self._aliased = [p for _, p in named if p.dtype == grad_dtype]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
         self.pre_reduce_hooks: list = []    # fn(bucket), before each bucket's reduction
+        self.clock = None                   # a DeviceClock: finish() stamps its wait (the step's)
+        self.wait_stamps = None             # (start, end) of finish()'s wait, None: none waited
         self.step = 1                       # 1-based optimizer step, advanced by finish()
         self._num_mb = None
         self.refreshed: dict[int, torch.Tensor] = {}
@@ -247,6 +250,9 @@ class GradReducer:
             return
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
+        # the wait for what is still in flight after the backward: time_dp_exposed_s
+        start = self.clock.stamp() if self.clock is not None and \
+            (self._pending or self._via_worker) else None
         if self._via_worker:
             if self.refresh_due(self.step):            # after every bucket, on the same thread
                 self._worker.submit(self._refresh)
@@ -258,6 +264,8 @@ class GradReducer:
                 item[0].wait()
             self._complete(item)
         self._pending = []
+        if start is not None:
+            self.wait_stamps = (start, self.clock.stamp())
         self._finished = True
         self._is_last = False
         self.step += 1
@@ -283,6 +291,7 @@ class GradReducer:
 
     # ---- hooks and launches ----------------------------------------------------------------
     def _reset_step_state(self) -> None:
+        self.wait_stamps = None
         self._snapshot = self.ps.comm.snapshot()
         self._is_last = False
         self._counts: dict = {}
@@ -363,6 +372,8 @@ class GradReducer:
         if bucket.variance is not None:
             self._local_variance(bucket, data)
         data.div_(self.dp)
+        bucket.compressor.prepare_step(self.step - self.policy.warmup_steps,
+                                       self.policy.sparsity_warmup_steps, self.local_clip)
         if self.shard_grads:
             bucket.compressor.reduce_scatter_(data, group, bucket.shard_view(self.dp_rank, self.dp))
             # the side stream may still read the storage: the allocator must not hand the block to

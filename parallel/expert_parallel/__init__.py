@@ -5,9 +5,9 @@ per-expert split sizes, and their inverses, one autograd.Function per pattern).
 The rank arithmetic itself is pure and lives in parallel/expert_groups.py; the model side (router,
 experts, the MoE layer) in models/moe/.
 """
-from parallel.expert_parallel.dispatch import (alltoall_combine, alltoall_dispatch, permute_tokens,
-                                               unpermute_tokens)
+from parallel.expert_parallel.dispatch import (alltoall_combine, alltoall_dispatch, permute_padded,
+                                               permute_tokens, unpermute_tokens)
 from parallel.expert_parallel.groups import init_expert_groups
 
-__all__ = ["alltoall_combine", "alltoall_dispatch", "permute_tokens", "unpermute_tokens",
-           "init_expert_groups"]
+__all__ = ["alltoall_combine", "alltoall_dispatch", "permute_padded", "permute_tokens",
+           "unpermute_tokens", "init_expert_groups"]

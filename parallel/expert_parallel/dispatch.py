@@ -14,7 +14,11 @@ group of P ranks holding E/P experts each (rank j: experts [j E/P, (j+1) E/P))::
 
 Each communication or data-movement pattern is one autograd.Function named by its forward and
 backward pair, with a thin public function taking the group. Dropless: every row is sent; the
-split sizes are read on the host (the one host sync the alltoall dispatcher needs).
+split sizes are read on the host (the one host sync the alltoall dispatcher needs). With a
+capacity (models/moe/capacity.py), ``permute_tokens(..., keep=)`` leaves the dropped assignments
+out (reading the kept count on the host), and ``permute_padded`` makes exactly ``capacity`` rows
+per expert (padding rows weigh 0): ``alltoall_dispatch(..., capacity=C)`` then knows every split
+without exchanging or reading counts, so the padded path has no host read at all.
 """
 from __future__ import annotations
 
@@ -84,22 +88,42 @@ class Permutation:
     tokens: torch.Tensor
     counts: torch.Tensor
     num_tokens: int
+    mask: torch.Tensor | None = None  # (R,) 1.0 for a routed row, 0.0 for padding (padded only)
 
 
-def permute_tokens(x: torch.Tensor, experts: torch.Tensor, num_experts: int):
-    """(T, h) tokens and (T, K) expert indices -> (T K, h) rows sorted by expert, Permutation."""
+def permute_tokens(x: torch.Tensor, experts: torch.Tensor, num_experts: int,
+                   keep: torch.Tensor | None = None):
+    """(T, h) tokens and (T, K) expert indices -> (R, h) rows sorted by expert, Permutation.
+    Dropless R = T K; with ``keep`` (T, K) bool only the kept assignments (R read on the host)."""
     t, k = experts.shape
     flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (T K,): expert-major, token order inside
+    if keep is None:
+        order = torch.argsort(flat, stable=True)  # (T K,): expert-major, token order inside
+        counts = torch.bincount(flat, minlength=num_experts)
+    else:  # dropped assignments sort after every expert and are cut off
+        sent = torch.where(keep.reshape(-1), flat, torch.full_like(flat, num_experts))
+        counts = torch.bincount(sent, minlength=num_experts + 1)[:num_experts]
+        order = torch.argsort(sent, stable=True)[:int(keep.sum())]
     tokens = torch.div(order, k, rounding_mode="floor")
-    counts = torch.bincount(flat, minlength=num_experts)
     rows = _GatherRowsForwardScatterAddBackward.apply(x, tokens)
     return rows, Permutation(order, tokens, counts, t)
 
 
+def permute_padded(x: torch.Tensor, tokens: torch.Tensor, flat_index: torch.Tensor,
+                   mask: torch.Tensor, capacity: int):
+    """Padded to capacity: ``tokens``, ``flat_index`` (into the (T K) assignments) and ``mask``
+    (E C,) give each expert's C rows in order -> (E C, h) rows and the Permutation."""
+    e = tokens.numel() // capacity
+    counts = torch.full((e,), capacity, dtype=torch.long, device=x.device)
+    rows = _GatherRowsForwardScatterAddBackward.apply(x, tokens)
+    return rows, Permutation(flat_index, tokens, counts, x.shape[0], mask)
+
+
 def unpermute_tokens(rows: torch.Tensor, weights: torch.Tensor, perm: Permutation) -> torch.Tensor:
-    """(T K, h) expert outputs in the permuted order, (T, K) router weights -> (T, h)."""
-    w = weights.reshape(-1).index_select(0, perm.order)  # (T K,) in the rows' order
+    """(R, h) expert outputs in the permuted order, (T, K) router weights -> (T, h)."""
+    w = weights.reshape(-1).index_select(0, perm.order)  # (R,) in the rows' order
+    if perm.mask is not None:
+        w = w * perm.mask
     return _WeightedScatterAddForwardGatherBackward.apply(rows, w, perm.tokens, perm.num_tokens)
 
 
@@ -112,20 +136,33 @@ class DispatchState:
     tokens_per_expert: list          # rows of each local expert after the dispatch
 
 
-def alltoall_dispatch(rows: torch.Tensor, counts: torch.Tensor, group: CommGroup):
+def alltoall_dispatch(rows: torch.Tensor, counts: torch.Tensor, group: CommGroup,
+                      capacity: int | None = None):
     """Send each expert's rows to the EP rank holding it. ``rows`` (R, h) sorted by expert and
-    ``counts`` (E,) -> (N, h) rows of this rank's experts, sorted by local expert, and the state."""
+    ``counts`` (E,) -> (N, h) rows of this rank's experts, sorted by local expert, and the state.
+    ``capacity``: every expert has exactly that many rows from every rank (padded input), so the
+    splits are known without an exchange or a host read."""
     p = group.size
     e = counts.numel()
     local = e // p
     if p == 1:
-        return rows, DispatchState([], [], None, counts.tolist())
-    send = counts.view(p, local).contiguous()  # (P, E/P): row j for rank j's experts
-    recv = torch.empty_like(send)               # row i: what rank i sends to my experts
-    group.all_to_all_single(recv, send)
-    in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        per_expert = [capacity] * e if capacity is not None else counts.tolist()
+        return rows, DispatchState([], [], None, per_expert)
+    if capacity is not None:
+        in_splits = out_splits = [capacity * local] * p
+        recv = None
+    else:
+        send = counts.view(p, local).contiguous()  # (P, E/P): row j for rank j's experts
+        recv = torch.empty_like(send)               # row i: what rank i sends to my experts
+        group.all_to_all_single(recv, send)
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
     received = _AllToAllVForwardAllToAllVBackward.apply(rows, group, out_splits, in_splits)
     local_ids = torch.arange(local, device=rows.device).repeat(p)  # (P E/P,)
+    if recv is None:
+        ids = local_ids.repeat_interleave(capacity)                   # (N,)
+        order = torch.argsort(ids, stable=True)
+        return received.index_select(0, order), DispatchState(in_splits, out_splits, order,
+                                                              [capacity * p] * local)
     ids = torch.repeat_interleave(local_ids, recv.reshape(-1))      # (N,)
     order = torch.argsort(ids, stable=True)                          # (local expert, source rank)
     return received.index_select(0, order), DispatchState(in_splits, out_splits, order,

@@ -33,7 +33,7 @@ each of F, B and W of one chunk (what ``simulate`` with equal costs reproduces):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from parallel.pipeline.schedules import B, F, SCHEDULES, W, Action, has_weight_actions, replay
 
@@ -86,9 +86,13 @@ def _per_stage(value, pp: int, vp: int, label: str):
 
 
 def simulate(lists: list[list[Action]], fwd_time: float | Sequence[float],
-             bwd_time: float | Sequence[float], p2p_time: float = 0.0,
-             wgt_time: float | Sequence[float] | None = None) -> SimResult:
-    """Replay a schedule with the given per-stage costs; transfers cost ``p2p_time`` each.
+             bwd_time: float | Sequence[float], p2p_time: float | Callable = 0.0,
+             wgt_time: float | Sequence[float] | None = None,
+             post_time: float | Callable = 0.0) -> SimResult:
+    """Replay a schedule with the given per-stage costs; a message completes ``p2p_time`` after
+    both sides posted it and posting a transfer occupies its rank for ``post_time`` (each a float
+    or a function (rank, action) -> seconds, ``schedules.replay``; measured ones:
+    ``transfers.StageTransfers.costs``). Time in transfers counts as idle, as in the measurement.
 
     Dependencies are the executor's (``schedules.replay``): a forward needs its input from the
     previous virtual stage, a backward its output gradient from the next one and its own
@@ -111,7 +115,7 @@ def simulate(lists: list[list[Action]], fwd_time: float | Sequence[float],
     def cost(rank: int, action: Action) -> float:
         return table[action.kind](rank, action.chunk)
 
-    times = replay(lists, cost, p2p_time)
+    times = replay(lists, cost, p2p_time, post_time)
     makespan = max((end for spans in times for _, end in spans), default=0.0)
     timings, idle = [], []
     for actions, spans in zip(lists, times):
@@ -175,14 +179,26 @@ def pipeline_bubble_tensor(ps, phase: PhaseTimes):
     """``pipeline_bubble`` without a host read: this rank's bubble as a 0-d fp32 device tensor,
     from the same MAX all-reduce of the phase's ends (int64 microseconds). The trainer adds it to
     the next step's statistics all-reduce, so the bubble costs no wait of its own."""
+    return reduce_phase(ps, phase)[0]
+
+
+def reduce_phase(ps, phase: PhaseTimes, extra: Sequence[int] = ()):
+    """``pipeline_bubble_tensor``'s MAX all-reduce over the pipeline group, of the phase's ends
+    and of ``extra`` int64 values (transfers.py: every rank's post times): (this rank's bubble as
+    a 0-d fp32 device tensor, the reduced ``extra`` as an int64 device tensor)."""
     import torch
     import torch.distributed as dist
     first_us, last_us = round(phase.first * 1e6), round(phase.last * 1e6)
-    ends = torch.tensor([-first_us, last_us], dtype=torch.int64)
+    ends = torch.tensor([-first_us, last_us, *extra], dtype=torch.int64)
     if torch.device(ps.device).type not in ("cpu", "meta"):  # a pageable copy would wait
         ends = ends.pin_memory().to(ps.device, non_blocking=True)
     ends = ends.to(ps.device)
     ps.pp_group.all_reduce(ends, op=dist.ReduceOp.MAX)
+    return _bubble(phase, first_us, last_us, ends), ends[2:]
+
+
+def _bubble(phase: PhaseTimes, first_us: int, last_us: int, ends):
+    import torch
     start, end = -ends[0], ends[1]  # the pipeline's first and last instants (us)
     # differences of int64 microseconds are exact; only then fp32
     idle = ((first_us - start) + (end - last_us)).to(torch.float32) + phase.wait * 1e6

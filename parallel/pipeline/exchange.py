@@ -68,9 +68,11 @@ class Exchange:
         self.waiting: dict[tuple, tuple[PostedBatch, int, object]] = {}  # consumer -> receive
         self.sending: list[tuple[PostedBatch, list[int]]] = []           # batches with sends
 
-    def post(self, transfers: list[Transfer], receives: list[tuple[tuple, int, object]]) -> None:
-        """Post a batch. ``receives``: (consumer key, index in ``transfers``, on_arrival(buffer))
-        for each receive; the consumer key is ("f" | "b", micro, chunk) of the step needing it."""
+    def post(self, transfers: list[Transfer],
+             receives: list[tuple[tuple, int, object]]) -> PostedBatch:
+        """Post a batch and return it. ``receives``: (consumer key, index in ``transfers``,
+        on_arrival(buffer)) for each receive; the consumer key is ("f" | "b", micro, chunk) of the
+        step needing it."""
         self.reap()
         batch = post(self.ps, transfers, self.timeout_s, self.vp)
         for key, index, on_arrival in receives:
@@ -78,6 +80,7 @@ class Exchange:
         sends = [i for i, t in enumerate(transfers) if t.op == "send"]
         if sends:
             self.sending.append((batch, sends))
+        return batch
 
     def needs(self, key) -> bool:
         return key in self.waiting

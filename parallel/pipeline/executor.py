@@ -19,7 +19,9 @@ CUDA/NPU, ``engine.device.clock.DeviceClock``), so a span is the device's time f
 time in a transfer is how long the stream waited for it. Stamps become ``TimelineEvent``s in wall
 seconds only when ``PipelineResult.events`` is first read (after the step, so reading them does not
 stall the device in the middle of it). On CPU without a clock, ``time.perf_counter`` stamps are
-the device's: CPU operations run synchronously.
+the device's: CPU operations run synchronously. Transfers are stamped twice over: each batch's
+post and each wait are also kept as ``PipelineResult.spans`` naming the program indices they
+cover, from which transfers.py finds the exposed transfer time and the replay's transfer costs.
 
 Memory: once an output activation has been sent, only its autograd graph is needed, so its storage
 is replaced by a one-element tensor (Megatron's ``deallocate_output_tensor``); its backward then
@@ -36,8 +38,6 @@ output directly, and its B hands the input gradient straight to the earlier stag
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -48,69 +48,11 @@ from parallel.pipeline.actions import has_weight_actions, neighbour, placement_o
 from parallel.pipeline.exchange import Exchange, Split
 from parallel.pipeline.p2p import Transfer
 from parallel.pipeline.schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action
+from parallel.pipeline.result import HostClock, PipelineResult  # noqa: F401 (re-exported)
 from parallel.pipeline.timeline import TimelineEvent
 
 PipelineEvent = TimelineEvent
 ShapeSpec = Sequence[int] | Callable[[int, int], Sequence[int]]
-
-
-class HostClock:
-    """``time.perf_counter`` stamps: the device's own time on CPU only (see DeviceClock)."""
-
-    def __init__(self) -> None:
-        self._wall0, self._perf0 = time.time(), time.perf_counter()
-
-    def stamp(self) -> float:
-        return time.perf_counter()
-
-    def elapsed_s(self, start: float, end: float) -> float:
-        return end - start
-
-    def wall(self, stamp: float) -> float:
-        return self._wall0 + stamp - self._perf0
-
-    def timebase(self):
-        return self.wall
-
-
-@dataclass
-class PipelineResult:
-    loss_values: torch.Tensor | None  # last stage: forward_step's value per micro-batch, (m,) on
-                                      # the device (reading it is a host sync); else None
-    peak_in_flight: int            # most (micro-batch, chunk) activations held at once
-    marks: list = field(repr=False, default_factory=list)  # (name, cat, start, end, micro, chunk)
-    wall: object = field(repr=False, default=None)  # stamp -> epoch seconds (clock.timebase())
-    rank: int = 0
-    _events: list | None = field(repr=False, default=None)
-
-    @property
-    def events(self) -> list[TimelineEvent]:
-        """This rank's actions as TimelineEvents in wall seconds (resolved once, on first read)."""
-        if self._events is None:
-            wall = self.wall
-            self._events = [TimelineEvent(self.rank, name, cat, wall(a), wall(b), micro, chunk)
-                            for name, cat, a, b, micro, chunk in self.marks]
-        return self._events
-
-    @property
-    def wait_s(self) -> float:
-        """Device time spent in transfers (posting and waiting for receives and sends)."""
-        return sum(e.end - e.start for e in self.events if e.cat == "comm")
-
-    @property
-    def losses(self) -> list[float]:
-        """The micro-batch losses on the host (one device sync), empty off the last stage."""
-        return [] if self.loss_values is None else self.loss_values.float().tolist()
-
-    @property
-    def loss_sum(self) -> torch.Tensor | None:
-        """Sum of the micro-batch losses as a 0-d device tensor (no sync), None off the last stage."""
-        return None if self.loss_values is None else self.loss_values.float().sum()
-
-    @property
-    def loss(self) -> float | None:
-        """Sum of the micro-batch losses: the step's mean loss when they were pre-divided by m."""
-        return sum(self.losses) if self.loss_values is not None else None
 
 
 def _free_output(out: torch.Tensor) -> bool:
@@ -150,6 +92,9 @@ class _RankRun:
         self.grad_in: dict = {}       # gradients of inputs awaiting their send
         self.losses: dict[int, torch.Tensor] = {}
         self.marks: list = []  # (name, cat, start stamp, end stamp, micro, chunk)
+        self.spans: list = []  # transfers: (post | wait, start stamp, end stamp, action indices)
+        self.recv_at: dict = {}        # consumer key -> index of its receive in the program
+        self.batch_at: dict = {}       # id(posted batch) -> program indices of its transfers
         self.live = self.peak = 0
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -182,6 +127,7 @@ class _RankRun:
             start = self.now()
             self.exchange.wait_for([key])
             self.record(f"wait {kind.upper()}{micro}.{chunk}", "comm", start, micro, chunk)
+            self.spans.append(("wait", start, self.marks[-1][3], (self.recv_at.pop(key),)))
 
     # ---- compute ------------------------------------------------------------------------------
     def forward(self, micro: int, chunk: int) -> None:
@@ -241,9 +187,11 @@ class _RankRun:
         self.record(f"W{micro}.{chunk}", "weight", start, micro, chunk)
 
     # ---- communication ------------------------------------------------------------------------
-    def transfer(self, actions: list[Action], then: Action | None) -> None:
-        """Post one batch; wait at once for what ``then`` (the next compute step) consumes."""
+    def transfer(self, actions: list[Action], then: Action | None, first: int = 0) -> None:
+        """Post one batch (``actions``, at index ``first`` of the program); wait at once for what
+        ``then`` (the next compute step) consumes."""
         transfers, receives = [], []
+        indices = tuple(range(first, first + len(actions)))
         for a in actions:
             key = (a.microbatch, a.chunk)
             step = -1 if a.kind in (RECV_F, SEND_B) else +1
@@ -274,21 +222,33 @@ class _RankRun:
                                           peer_rank, "gradient", a.microbatch, peer_chunk))
             else:
                 raise ValueError(f"not a transfer action: {a!r}")
+        for (key, _, _), i in zip(receives, [i for i, a in zip(indices, actions)
+                                             if a.kind in (RECV_F, RECV_B)]):
+            self.recv_at[key] = i
         start = self.now()
-        self.exchange.post(transfers, receives)
+        batch = self.exchange.post(transfers, receives)
+        self.batch_at[id(batch)] = indices
         for a in actions:
             if a.kind == SEND_F:
                 self._sent_output((a.microbatch, a.chunk))
-        if then is not None and then.kind in (F, B):
-            self.exchange.wait_for([(then.kind.value, then.microbatch, then.chunk)])
         self.record("+".join(repr(a) for a in actions), "comm", start)
+        posted = self.marks[-1][3]
+        self.spans.append(("post", start, posted, indices))
+        if then is not None and then.kind in (F, B):
+            key = (then.kind.value, then.microbatch, then.chunk)
+            if self.exchange.wait_for([key]):
+                self.record(f"wait {then.kind.value.upper()}{then.microbatch}.{then.chunk}",
+                            "comm", posted, then.microbatch, then.chunk)
+                self.spans.append(("wait", posted, self.marks[-1][3], (self.recv_at.pop(key),)))
 
     def finish(self) -> None:
         start = self.now()
-        pending = bool(self.exchange.sending)
+        pending = tuple(self.batch_at[id(batch)][k] for batch, sends in self.exchange.sending
+                        for k in sends)
         self.exchange.finish()
         if pending:
             self.record("wait sends", "comm", start)
+            self.spans.append(("wait", start, self.marks[-1][3], pending))
 
     def _sent_output(self, key) -> None:
         out, freed = self.outputs[key]
@@ -350,7 +310,7 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
             j = i
             while j < len(actions) and actions[j].is_comm:
                 j += 1
-            run.transfer(actions[i:j], actions[j] if j < len(actions) else None)
+            run.transfer(actions[i:j], actions[j] if j < len(actions) else None, i)
             i = j
             continue
         if a.kind == F:
@@ -372,7 +332,7 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
                            f"{weight_grads.pending} never ran (a B without its W)")
     stacked = [run.losses[k] for k in sorted(run.losses)]
     losses = torch.stack(stacked) if stacked else None  # kept on the device: no sync here
-    return PipelineResult(losses, run.peak, run.marks, clock.timebase(), ps.rank)
+    return PipelineResult(losses, run.peak, run.marks, clock.timebase(), ps.rank, run.spans)
 
 
 def sum_embedding_grads(ps, params) -> None:

@@ -127,18 +127,34 @@ def consumers(actions: list[Action]) -> dict[int, int]:
             for i, a in enumerate(actions) if a.kind in (RECV_F, RECV_B)}
 
 
+def _transfer_cost(value, label: str) -> Callable[[int, Action], float]:
+    if callable(value):
+        return value
+    if not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"replay: {label} must be seconds >= 0 or a function (rank, action) -> "
+                         f"seconds, got {value!r}")
+    return lambda rank, action: float(value)
+
+
 def replay(lists, compute_time: Callable[[int, Action], float],
-           p2p_time: float = 0.0) -> list[list[tuple[float, float]]]:
+           p2p_time: float | Callable[[int, Action], float] = 0.0,
+           post_time: float | Callable[[int, Action], float] = 0.0
+           ) -> list[list[tuple[float, float]]]:
     """Replay the program as the executor runs it: (start, end) of every action on every rank.
 
-    Compute actions run back to back, each after the receives it consumes. A batch of transfers
-    is posted when the rank reaches it, without waiting; a receive completes ``p2p_time`` after
-    both it and the peer's send are posted, and the rank waits for it just before the compute
-    action that consumes it; sends are waited for at the end of the program. A transfer's span is
-    (posted, completed). Raises ``ScheduleError`` if no rank can move.
+    Compute actions run back to back, each after the receives it consumes. A transfer is posted
+    when the rank reaches it, without waiting for it: posting occupies the rank for
+    ``post_time(rank, action)``, and its side is ready when that ends. A message is ready once
+    both sides are; its receive is waited for just before the compute action that consumes it,
+    and costs ``p2p_time(rank, action)`` (asked of the receive; a float: every message the same)
+    from the later of the message being ready and the compute needing it: the wait after both
+    (parallel/pipeline/transfers.py measures exactly that part of a wait as exposed). A send
+    completes with its receive; the rank waits for its sends at the end of the program. A
+    transfer's span is (post start, completed). Raises ``ScheduleError`` if no rank can move.
     """
     pp = len(lists)
     partner = match_messages(lists)
+    latency, post = _transfer_cost(p2p_time, "p2p_time"), _transfer_cost(post_time, "post_time")
     needs: list[dict[int, list[int]]] = []
     for actions in lists:
         table: dict[int, list[int]] = {}
@@ -146,12 +162,14 @@ def replay(lists, compute_time: Callable[[int, Action], float],
             table.setdefault(consumer, []).append(recv)
         needs.append(table)
     pos, clock = [0] * pp, [0.0] * pp
+    started: dict[tuple[int, int], float] = {}
     posted: dict[tuple[int, int], float] = {}
+    arrived: dict[tuple[int, int], float] = {}      # receives, once consumed: their completion
     times: list[list] = [[None] * len(actions) for actions in lists]
 
-    def completed(r: int, i: int) -> float | None:
+    def ready(r: int, i: int) -> float | None:
         other = posted.get(partner[(r, i)])
-        return None if other is None else max(posted[(r, i)], other) + p2p_time
+        return None if other is None else max(posted[(r, i)], other)
 
     while any(pos[r] <= len(lists[r]) for r in range(pp)):
         moved, blocked = False, {}
@@ -160,7 +178,7 @@ def replay(lists, compute_time: Callable[[int, Action], float],
                 i = pos[r]
                 if i == len(actions):                       # the end: wait for every send
                     sends = [j for j, a in enumerate(actions) if a.kind in (SEND_F, SEND_B)]
-                    done = [completed(r, j) for j in sends]
+                    done = [arrived.get(partner[(r, j)]) for j in sends]
                     if any(t is None for t in done):
                         j = sends[done.index(None)]
                         blocked[r] = (actions[j], partner[(r, j)])
@@ -170,15 +188,21 @@ def replay(lists, compute_time: Callable[[int, Action], float],
                     continue
                 action = actions[i]
                 if action.is_comm:
+                    started[(r, i)] = clock[r]
+                    clock[r] += float(post(r, action))
                     posted[(r, i)] = clock[r]
                     pos[r], moved = i + 1, True
                     continue
-                done = [completed(r, j) for j in needs[r].get(i, ())]
+                recvs = needs[r].get(i, ())
+                done = [ready(r, j) for j in recvs]
                 if any(t is None for t in done):
-                    j = needs[r][i][done.index(None)]
+                    j = recvs[done.index(None)]
                     blocked[r] = (actions[j], partner[(r, j)])
                     break
-                start = max([clock[r], *done])
+                start = clock[r]
+                for j, t in zip(recvs, done):
+                    arrived[(r, j)] = max(t, clock[r]) + float(latency(r, actions[j]))
+                    start = max(start, arrived[(r, j)])
                 clock[r] = start + compute_time(r, action)
                 times[r][i] = (start, clock[r])
                 pos[r], moved = i + 1, True
@@ -187,7 +211,8 @@ def replay(lists, compute_time: Callable[[int, Action], float],
     for r, actions in enumerate(lists):
         for i, a in enumerate(actions):
             if a.is_comm:
-                times[r][i] = (posted[(r, i)], completed(r, i))
+                end = arrived[(r, i)] if a.kind in (RECV_F, RECV_B) else arrived[partner[(r, i)]]
+                times[r][i] = (started[(r, i)], end)
     return times
 
 

@@ -7,7 +7,10 @@ TP once per step). Biases of row-parallel layers are added once, after the reduc
 Under sequence parallelism a column-parallel layer keeps only its input's sequence shard for the
 weight gradient and all-gathers it again in backward (split_linear.py). Each layer has a
 ``weight_grad_store`` (None by default): with a store attached (a zero-bubble schedule,
-parallel/weight_grad.py) its weight gradients wait for the schedule's W action.
+parallel/weight_grad.py) its weight gradients wait for the schedule's W action. Under sequence
+parallelism ``tp_comm_overlap`` (None by default; "auto" or "ring", set by
+``overlap.set_tp_comm_overlap``) pipelines the all-gather before a column-parallel GEMM and the
+reduce-scatter after a row-parallel GEMM with the GEMMs, chunk by chunk (overlap.py).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from parallel.state import ParallelState
 from parallel.tensor_parallel.init import Initializer
 from parallel.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_from_tp,
                                                reduce_from_tp, reduce_scatter_to_sequence)
+from parallel.tensor_parallel.overlap import ring_gather_linear, ring_linear_reduce_scatter
 from parallel.tensor_parallel.split_linear import (embedding_defer_w, linear_defer_w,
                                                    seq_gather_linear)
 
@@ -55,6 +59,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _mark(init.param(f"{name}.bias", (out_features,), "zeros", **shard_args),
                           tp_sharded=True) if bias else None
         self.weight_grad_store = None
+        self.tp_comm_overlap = None  # "auto" | "ring": overlap.py, under sequence parallelism
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:  # (b, s[/tp], in) -> (b, s, in)
         """Bring the input into the TP region: all-gather the sequence under sequence parallelism,
@@ -77,7 +82,11 @@ def column_parallel_linears(layers: list[ColumnParallelLinear], x: torch.Tensor)
     """Several column-parallel layers on the same input (SwiGLU's gate and up): one all-gather
     (or one all-reduce of the gradient) for all, under sequence parallelism one saved shard."""
     first = layers[0]
-    if first.sequence_parallel and first.group.size > 1:  # (b, s, out/tp) each, the shard saved
+    if first.sequence_parallel and first.group.size > 1 and first.tp_comm_overlap:
+        outs = ring_gather_linear(x, [m.weight for m in layers], [m.bias for m in layers],
+                                  first.group, first.weight_grad_store, first.tp_comm_overlap)
+        outs = list(outs) if isinstance(outs, tuple) else [outs]
+    elif first.sequence_parallel and first.group.size > 1:  # (b, s, out/tp) each, the shard saved
         outs = seq_gather_linear(x, [m.weight for m in layers], [m.bias for m in layers],
                                  first.group, first.weight_grad_store)
         outs = list(outs) if isinstance(outs, tuple) else [outs]
@@ -106,12 +115,16 @@ class RowParallelLinear(nn.Module):
         self.bias = _mark(init.param(f"{name}.bias", (out_features,), "zeros"),
                           sequence_parallel=sequence_parallel) if bias else None
         self.weight_grad_store = None
+        self.tp_comm_overlap = None  # "auto" | "ring": overlap.py, under sequence parallelism
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, in/tp)
         store = self.weight_grad_store
         if self.group.size == 1:  # nothing to reduce: the bias goes into the GEMM (addmm)
             return (F.linear(x, self.weight, self.bias) if store is None
                     else linear_defer_w(x, self.weight, self.bias, store))  # (b, s, out)
+        if self.sequence_parallel and self.tp_comm_overlap:  # GEMM chunks + reduce-scatter ring
+            y = ring_linear_reduce_scatter(x, self.weight, self.group, store, self.tp_comm_overlap)
+            return y if self.bias is None else y + self.bias  # (b, s/tp, out)
         y = F.linear(x, self.weight) if store is None else linear_defer_w(x, self.weight, None, store)
         # (b, s, out) partial sums
         if self.sequence_parallel:

@@ -14,7 +14,8 @@ communication per step, and gradient compression.
   compressed exchange is phase 1 only: the same as ZeRO-1 to the bit); the per-branch policy of
   configs/compression_policy.yaml gives every bucket the compressor its rules name; invalid
   policies and ratios fail before training.
-- Under the 3D layouts compression keeps every DP replica identical (ZeRO-2 and not).
+- Under the 3D layouts compression (top-k, int8, onebit with ZeRO-2) keeps every DP replica
+  identical.
 """
 from __future__ import annotations
 
@@ -172,7 +173,8 @@ def test_dp2_equivalence_buckets_and_compression(serial, corpus, tmp_path):
     small = ["--bucket-size-mb", "0.05"]
     zero2 = ["--use-distributed-optimizer", "--zero-stage", "2"]
     topk = ["--grad-compression", "topk", "--grad-compression-ratio", "0.01",  # 4 steps, every 100
-            "--grad-compression-warmup-steps", "4", "--grad-compression-variance-refresh", "100"]
+            "--grad-compression-warmup-steps", "4", "--grad-compression-variance-refresh", "100",
+            "--grad-compression-sparsity-warmup-steps", "0"]
     jobs = [("count", layout(1, 1, 2, 2, *small)),
             ("count", layout(1, 1, 2, 2, "--use-distributed-optimizer", *small)),
             ("count", layout(1, 1, 2, 2, *zero2, *small)),
@@ -223,7 +225,7 @@ def check_policy_buckets(policy: dict, none: dict) -> None:
     with open(POLICY_RECIPE) as fh:
         recipe = yaml.safe_load(fh)["grad_compression_policy"]
     options = {"none": (), "int8": ("chunk_size",), "topk": ("ratio",)}
-    classes = {"none": None, "int8": "Int8Compressor", "topk": "TopKCompressor"}
+    classes = {"none": None, "int8": "Int8Compressor", "topk": "MomentumTopKCompressor"}
     seen = set()
     for bucket in policy["buckets"]:
         for name in bucket["names"]:
@@ -267,7 +269,9 @@ def test_3d_layouts(serial):
         ("plain", layout(2, 2, 2, 2, "--sequence-parallel", "--grad-compression", "topk",
                          "--grad-compression-ratio", "0.05", "--grad-compression-warmup-steps", "1")),
         ("plain", layout(2, 2, 2, 2, "--sequence-parallel", "--use-distributed-optimizer", "--zero-stage",
-                         "2", "--grad-compression", "int8", "--grad-compression-warmup-steps", "1"))]
+                         "2", "--grad-compression", "int8", "--grad-compression-warmup-steps", "1")),
+        ("plain", layout(2, 2, 2, 2, "--sequence-parallel", "--use-distributed-optimizer", "--zero-stage",
+                         "2", "--grad-compression", "onebit", "--grad-compression-warmup-steps", "2"))]
     results = run_distributed(run_jobs, grid=RankGrid(tp=2, pp=2, dp=2), args=(jobs + compressed_jobs,))
     for i, (_, argv) in enumerate(jobs):
         what = " ".join(argv[len(MOCK):])

@@ -10,8 +10,13 @@ balancing loss (aux + z) and gradient norm must agree to a relative 1e-4:
   aux loss (one micro-batch per rank, so every micro-step is the global batch), a shared expert
   and the z-loss; llama blocks with the per-sequence aux loss, sigmoid scores and an uneven split
   into micro-batches (2 per rank against 1 or 4 in the serial run), MoE every second layer.
-- Through the real trainer (engine/training): ep 2 over dp 2, and ep 2 over dp 2 with pp 2, against
-  the serial trainer's per-step losses and gradient norms.
+- ep 2 over dp 2 with a capacity factor (assignments dropped, padded and not), and with the
+  expert bias of aux-loss-free balancing (its update from the global load, equal to serial, and the
+  serial bias moves); the step's MoE figures (models/moe/step_figures.py) as the trainer reads
+  them: the per-expert load and the dropped count exactly, the bias to 1e-6.
+- Through the real trainer (engine/training): ep 2 over dp 2 (sigmoid scores and the expert bias,
+  with the MoE metrics of the step records), and ep 2 over dp 2 with pp 2, against the serial
+  trainer's per-step losses, gradient norms and MoE metrics.
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ import torch
 
 from models import LayerContext, build_chunks
 from models.config import GPTConfig
-from models.moe.stats import pop_moe_stats, set_aux_grad_scale
+from models.moe.stats import moe_layers, pop_moe_stats, set_aux_grad_scale
+from models.moe.step_figures import StepFigures, update_expert_bias
 from parallel.dp.reducer import GradReducer
 from parallel.expert_parallel import init_expert_groups
 from parallel.grad_norm import clip_grads
@@ -35,6 +41,11 @@ GPT2 = dict(block="gpt2", num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0
 LLAMA = dict(block="llama", num_experts=4, moe_router_topk=2, moe_layer_freq="[0,1]",
              moe_router_score_function="sigmoid", moe_router_load_balancing_type="seq_aux_loss",
              moe_aux_loss_coeff=0.05, moe_ffn_hidden_size=24)
+# capacity is per micro-batch and the global aux loss per micro-step: per-sequence aux loss here
+CAPACITY = {**GPT2, "moe_expert_capacity_factor": 0.75, "moe_router_load_balancing_type": "seq_aux_loss"}
+PADDED = {**LLAMA, "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+BIAS = {**LLAMA, "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.05,
+        "moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "none"}
 
 
 def model_config(kind: dict) -> GPTConfig:
@@ -43,7 +54,7 @@ def model_config(kind: dict) -> GPTConfig:
 
 
 def train(ps: ParallelState, cfg: GPTConfig, micro_per_rank: int) -> list[tuple[float, ...]]:
-    """(loss, balancing loss, grad norm) per step of this layout."""
+    """(loss, balancing loss, grad norm, dropped, load..., bias...) per step of this layout."""
     torch.manual_seed(0)
     chunks = build_chunks(cfg, ps, LayerContext(Initializer(SEED, cfg.init_std)), [range(cfg.num_layers)],
                           [0], 1)
@@ -51,6 +62,7 @@ def train(ps: ParallelState, cfg: GPTConfig, micro_per_rank: int) -> list[tuple[
     reducer = GradReducer(model, ps, bucket_size_mb=0.01)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.5)
+    figures = StepFigures.of(chunks)
     dp, dp_rank = ps.dp_cp_group.size, ps.dp_cp_group.rank
     per_rank = GLOBAL_BATCH // dp
     mb = per_rank // micro_per_rank
@@ -71,11 +83,18 @@ def train(ps: ParallelState, cfg: GPTConfig, micro_per_rank: int) -> list[tuple[
         reducer.finish()
         norm = clip_grads(params, 1.0, ps)
         opt.step()
+        sums = figures.vector(chunks, micro_per_rank, ps.tp_rank == 0, torch.device("cpu"))
+        ps.world_group.all_reduce(sums)  # as the trainer's step does
+        moe = figures.read(sums.tolist(), dp)
+        update_expert_bias(chunks, figures, moe["loads"])
         stats = pop_moe_stats(chunks, micro_per_rank)
-        figures = torch.tensor([float(total), stats["aux_loss"] + stats["z_loss"]])
-        ps.dp_cp_group.all_reduce(figures)
-        loss_v, aux_v = (figures / dp).tolist()
-        out.append((loss_v, aux_v, norm))
+        figures_ = torch.tensor([float(total), stats["aux_loss"] + stats["z_loss"]])
+        ps.dp_cp_group.all_reduce(figures_)
+        loss_v, aux_v = (figures_ / dp).tolist()
+        assert abs(moe["moe_aux_loss"] + moe["moe_z_loss"] - aux_v) <= 1e-5 * max(abs(aux_v), 1e-6)
+        bias = [float(v) for m in moe_layers(chunks) if m.router.expert_bias is not None
+                for v in m.router.expert_bias]
+        out.append((loss_v, aux_v, norm, moe["moe_tokens_dropped"], *moe["moe_expert_load"], *bias))
     reducer.remove_hooks()
     held = {n.split(".experts.experts.")[1].split(".")[0] for n, _ in model.named_parameters()
             if ".experts.experts." in n}
@@ -95,7 +114,10 @@ def _layouts(ps: ParallelState, layouts: list) -> list:
             grid, torch.device("cpu"), "gloo", LaunchEnv.from_env(), backend_rules=rules)
         init_expert_groups(lps, ep)
         assert lps.ep_group.size == ep and (ep == 1 or lps.edp_group is not lps.dp_cp_group)
-        results.append((f"{grid.describe()} ep={ep} {kind['block']}", serial, train(lps, cfg, micro)))
+        tag = " capacity" if cfg.moe_expert_capacity_factor else ""
+        tag += " bias" if cfg.moe_router_enable_expert_bias else ""
+        results.append((f"{grid.describe()} ep={ep} {kind['block']}{tag}", serial,
+                        train(lps, cfg, micro)))
     return results
 
 
@@ -103,16 +125,28 @@ def _check(results) -> None:
     for per_rank in results:
         for name, serial, layout in per_rank:
             for step, (a, b) in enumerate(zip(serial, layout)):
-                for what, x, y in zip(("loss", "balancing loss", "grad norm"), a, b):
+                assert len(a) == len(b), name
+                for i, (x, y) in enumerate(zip(a, b)):
+                    what = ("loss", "balancing loss", "grad norm", "dropped")[i] if i < 4 else \
+                        f"load/bias entry {i - 4}"
                     assert abs(x - y) <= REL * max(abs(x), 1e-6), \
                         f"{name} step {step + 1}: {what} {y} != serial {x}"
-            assert serial[0][1] > 0
+            if "bias" in name:
+                assert any(v != 0 for v in serial[-1][4 + 4:]), "the serial run's bias moved"
+            else:
+                assert serial[0][1] > 0
+            if "capacity" in name:
+                assert all(s[3] > 0 for s in serial), "the capacity dropped assignments"
 
 
 def test_moe_ep2_dp2_equals_serial():
     _check(run_distributed(_layouts, grid=RankGrid(dp=2), args=([
         (RankGrid(dp=2), 2, GPT2, 1, 1),
         (RankGrid(dp=2), 2, LLAMA, 2, 4),
+        # capacity is per micro-batch: the same micro-batch size (4 sequences) in both runs
+        (RankGrid(dp=2), 2, CAPACITY, 1, 2),
+        (RankGrid(dp=2), 2, PADDED, 1, 2),
+        (RankGrid(dp=2), 2, BIAS, 2, 4),
     ],)))
 
 
@@ -140,8 +174,27 @@ def _trainer_losses(ps, argv: list[str]) -> dict:
     trainer = Trainer(parse_args(argv))
     records = trainer.train().records
     trainer.close()
-    return {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
+    return {**{k: [r[k] for r in records] for k in ("loss", "grad_norm") + MOE_KEYS},
             "ep": trainer.ps.ep_group.size}
+
+
+MOE_KEYS = ("moe_aux_loss", "moe_z_loss", "moe_expert_load", "moe_load_imbalance",
+            "moe_tokens_dropped", "ep_comm_bytes")
+BIAS_FLAGS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+              "--moe-router-bias-update-rate", "0.05"]
+
+
+def _check_moe_metrics(got: dict, ref: list, what: str) -> None:
+    """The step records' MoE metrics against the serial run's: the same figures, except the EP
+    traffic (none serially)."""
+    for step, r in enumerate(ref):
+        assert got["moe_expert_load"][step] == r["moe_expert_load"], (what, step)
+        assert sum(r["moe_expert_load"]) == 8 * 16 * 2 * 2  # tokens x K x MoE layers
+        assert got["moe_tokens_dropped"][step] == r["moe_tokens_dropped"] == 0
+        for key in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance"):
+            assert abs(got[key][step] - r[key]) <= REL * abs(r[key]), (what, key, step)
+        assert r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 and r["ep_comm_bytes"] == 0
+        assert got["ep_comm_bytes"][step] > 0
 
 
 def test_trainer_ep2_dp2_equals_serial():
@@ -149,15 +202,18 @@ def test_trainer_ep2_dp2_equals_serial():
     per rank here against 4 in the serial run), the reducer and the step's gradient norm."""
     from engine.config.cli import parse_args
     from engine.training.trainer import Trainer
-    serial = Trainer(parse_args(TRAINER + ["--micro-batch-size", "2"]), launch=LaunchEnv())
+    serial = Trainer(parse_args(TRAINER + BIAS_FLAGS + ["--micro-batch-size", "2"]), launch=LaunchEnv())
     ref = serial.train().records
+    bias = [m.router.expert_bias.clone() for m in moe_layers(serial.chunks)]
     serial.close()
+    assert all(b.abs().sum() > 0 for b in bias)  # the step's update moved the bias
     runs = run_distributed(_trainer_losses, grid=RankGrid(dp=2), args=(
-        TRAINER + ["--dp", "2", "--ep", "2", "--micro-batch-size", "2"],))
+        TRAINER + BIAS_FLAGS + ["--dp", "2", "--ep", "2", "--micro-batch-size", "2"],))
     assert runs[0]["ep"] == 2
     for key in ("loss", "grad_norm"):
         for step, (got, want) in enumerate(zip(runs[0][key], [r[key] for r in ref]), start=1):
             assert abs(got - want) <= REL * abs(want), f"ep=2 dp=2: {key} at step {step} is {got}, serial {want}"
+    _check_moe_metrics(runs[0], ref, "ep=2 dp=2")
 
 
 def test_trainer_pp2_dp2_ep2_equals_serial():
@@ -174,3 +230,4 @@ def test_trainer_pp2_dp2_ep2_equals_serial():
     for key in ("loss", "grad_norm"):
         for step, (got, want) in enumerate(zip(runs[0][key], [r[key] for r in ref]), start=1):
             assert abs(got - want) <= REL * abs(want), f"pp=2 dp=2 ep=2: {key} at step {step} is {got}, serial {want}"
+    _check_moe_metrics(runs[0], ref, "pp=2 dp=2 ep=2")  # one MoE layer per stage: the world's sums

@@ -13,6 +13,8 @@ the uninterrupted run's losses. One spawned group per world size runs every layo
 """
 from __future__ import annotations
 
+import functools
+
 import os
 
 import pytest
@@ -91,10 +93,17 @@ def assert_same_grads(per_rank_a: list[dict], per_rank_b: list[dict], what: str)
                                    msg=lambda m: f"{what}: {name}: {m}")
 
 
-@pytest.fixture(scope="module")
-def serial():
+@functools.lru_cache(maxsize=1)
+def serial_runs() -> dict:
+    """The serial references, computed once per test process (tests/parallel/tensor_parallel's
+    overlap runs compare against them too)."""
     return {block: train(["--micro-batch-size", str(GLOBAL_BATCH), "--block", block], LaunchEnv())
             for block in ("gpt2", "llama")}
+
+
+@pytest.fixture(scope="module")
+def serial():
+    return serial_runs()
 
 
 PP2 = [

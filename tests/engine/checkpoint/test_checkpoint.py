@@ -3,6 +3,7 @@
 bf16 masters under ZeRO-1)."""
 import io
 import json
+import math
 import os
 
 import pytest
@@ -111,7 +112,8 @@ TOPK = ["--grad-compression", "topk", "--grad-compression-ratio", "0.1", "--grad
 
 def same_layout_resumes(ps, root):
     """dp=2 runs whose per-rank state matters, each resumed from step 2 of a 4-step run; then a
-    compressed ZeRO-2 checkpoint resumed without ZeRO (another layout: residuals are folded)."""
+    compressed ZeRO-2 checkpoint resumed without ZeRO (another layout: residuals are folded, the
+    velocities start from their mean)."""
     out = {}
     for tag, extra in [("topk", TOPK),
                        ("topk-fp16-zero2", TOPK + ["--precision", "fp16", "--initial-loss-scale", "4096",
@@ -139,6 +141,12 @@ def same_layout_resumes(ps, root):
         saved = reader.read(f"optim/grad_residual/{name}", specs[name].offsets, list(param.shape), flat=(a, b))
         torch.testing.assert_close(t, saved, rtol=1e-6, atol=1e-9)
     held = sum(float(t.abs().sum()) for *_, t in pieces)
+    # top-k's per-rank velocities: every rank of the new layout starts from their DP mean
+    moments = logical_residual_pieces(trainer.reducer, ps, "momentum")
+    assert moments
+    for name, param, a, b, t in moments:
+        saved = reader.read(f"optim/grad_momentum/{name}", specs[name].offsets, list(param.shape), flat=(a, b))
+        torch.testing.assert_close(t, saved, rtol=1e-6, atol=1e-9)
     trainer.close()
     out["zero2->stage0"] = (full, losses(TOPK + ["--train-iters", "4", "--load", path]), held)
     return out
@@ -147,10 +155,12 @@ def same_layout_resumes(ps, root):
 def test_same_layout_per_rank_state(tmp_path):
     results = run_distributed(same_layout_resumes, grid=RankGrid(dp=2), args=(str(tmp_path),))
     full, resumed, held = results[0].pop("zero2->stage0")
-    # step 3 is trained from the same state; from step 4 on the stage-0 exchange (two phases) has
-    # delivered a slightly different gradient than ZeRO-2's (one phase)
+    # step 3 is trained from the same parameters. From step 4 on the runs differ: the stage-0
+    # exchange (two phases) delivers another sparse sum than ZeRO-2's (one phase), and each rank
+    # selects its top-k from the mean velocity instead of its own; what carries over exactly, the
+    # pending residual mass and the mean velocity, is checked against the checkpoint above
     assert held > 0 and resumed[0] == pytest.approx(full[2], rel=1e-6)
-    assert resumed[1] == pytest.approx(full[3], rel=1e-2)
+    assert len(resumed) == 2 and all(math.isfinite(x) for x in resumed)
     for tag, (full, resumed) in results[0].items():
         assert resumed == full[2:], tag
     index = json.load(open(tmp_path / "topk" / "iter_0000002" / "index.json"))

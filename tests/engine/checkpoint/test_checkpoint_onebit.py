@@ -1,7 +1,8 @@
 """1-bit Adam's state in checkpoints: the worker and server residuals, the synchronized momentum,
 the frozen variance and the phase resume bit-identically on the same layout (fp32, and fp16
 under ZeRO-2), a run resumed mid-warm-up keeps its warm-up, and under another layout the
-residuals fold as summed logical tensors and the momentum is seeded from exp_avg."""
+residuals fold as summed logical tensors and the momentum comes back from its logical DP mean
+(equal to exp_avg, which holds M)."""
 import os
 
 import torch
@@ -40,7 +41,7 @@ def resumes(ps, root):
     trainer.maybe_load()
     out["warmup"] = trainer.reducer.policy.warmup_steps
     trainer.close()
-    # ZeRO-2 -> no ZeRO: residuals folded from the summed logical tensors, momentum from exp_avg
+    # ZeRO-2 -> no ZeRO: residuals folded from the summed logical tensors, M from its mean
     path = os.path.join(root, "onebit-fp16-zero2", "iter_0000002")
     trainer = Trainer(parse_args(TINY + ONEBIT + ["--precision", "fp16", "--initial-loss-scale", "4096",
                                                   "--train-iters", "4", "--load", path]))

@@ -331,3 +331,49 @@ def test_json_path_is_checked_before_any_work(tmp_path, capsys):
     assert hashlib.sha256(kept.read_bytes()).hexdigest() == digest
     assert main(["--world-size", "4", "--json", str(kept)] + PIPE) == 0  # a writable file: replaced
     assert json.loads(kept.read_text())["layout"]["pp"] == 2
+
+
+# ---- which collectives are overlapped -----------------------------------------------------------
+
+def test_overlap_rows_sort_a_step():
+    from engine.dryrun.overlap import overlap_rows
+    c = lambda op, group, n=4: {"op": op, "group": group, "dtype": "bfloat16", "bytes": n}  # noqa: E731
+    step = ([c("send", "tp"), c("recv", "tp"), c("all_gather", "tp"), c("all_reduce", "tp"),
+             c("reduce_scatter", "dp", 8), c("reduce_scatter", "dp", 8), c("all_gather", "dp"),
+             c("send", "pp"), c("all_reduce", "world")])
+    rows = overlap_rows(step, tp=2, ring=True, overlap_grad_reduce=True, overlap_param_gather=True,
+                        zero=True)
+    got = [(r.what, r.ops, r.calls, r.bytes, r.overlapped) for r in rows]
+    assert got == [("tp ring", "send/recv", 2, 8, True), ("tp", "all_gather/all_reduce", 2, 8, False),
+                   ("dp buckets", "reduce_scatter", 2, 16, True), ("zero gathers", "all_gather", 1, 4, True),
+                   ("pp", "send", 1, 4, False), ("other", "all_reduce", 1, 4, False)]
+    off = overlap_rows(step, tp=2, ring=False, overlap_grad_reduce=False, overlap_param_gather=False,
+                       zero=True)
+    assert [r.overlapped for r in off if r.what in ("dp buckets", "zero gathers")] == [False, False]
+
+
+def test_dry_run_lists_the_overlapped_collectives(capsys):
+    """tp 2, pp 2, dp 2 with SP and ZeRO-1: with --tp-comm-overlap the first stage's 2 layers run
+    2 x 4 x 10 rings of one send each, its DP buckets and ZeRO gathers are overlapped."""
+    from engine.dryrun.cli import main
+    from engine.dryrun.report import as_json
+    argv = TINY + ["--tp", "2", "--pp", "2", "--sequence-parallel", "--use-distributed-optimizer",
+                   "--global-batch-size", "8", "--micro-batch-size", "1", "--tp-comm-overlap"]
+    result = dry_run(parse_args(argv), 8, "h100")   # engine.train's --tp-comm-overlap
+    assert result.tp_comm_overlap and not [n for n in result.notes if "ring sends" in n]
+    first = {r.what: r for r in result.overlaps[0]}
+    assert (first["tp ring"].ops, first["tp ring"].calls, first["tp ring"].overlapped) == ("send/recv", 160, True)
+    assert first["tp"].overlapped is False and "all_reduce" in first["tp"].ops
+    assert (first["dp buckets"].calls, first["dp buckets"].overlapped) == (2, True)
+    assert (first["zero gathers"].calls, first["zero gathers"].overlapped) == (2, True)
+    assert first["pp"].overlapped is False
+    doc = as_json(result)
+    assert doc["layout"]["tp_comm_overlap"] is True
+    row = doc["roles"][0]["overlap"][2]
+    assert (row["what"], row["ops"], row["group"], row["calls"], row["overlapped"]) == (
+        "dp buckets", "reduce_scatter", "dp", 2, True)
+    assert main(["--world-size", "8"] + argv) == 0
+    out = capsys.readouterr().out
+    assert ("overlapped with compute (--tp-comm-overlap on, --overlap-grad-reduce on, "
+            "--overlap-param-gather on):") in out
+    assert "tp ring      tp        send/recv" in out and "zero gathers dp        all_gather" in out

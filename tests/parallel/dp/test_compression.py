@@ -17,7 +17,7 @@ from tests.helpers.dist_utils import gather_tensors, record_comm, run_distribute
 from tests.parallel.dp.test_dp_reducer import backward_step, make_model, serial_grads
 
 N = 50_000
-POLICY = {"default": "none", "warmup_steps": 1, "rules": [
+POLICY = {"default": "none", "warmup_steps": 1, "variance_refresh": "exp", "rules": [
     {"pattern": "*embed*", "compressor": "none"},
     {"pattern": "*attn*", "compressor": "int8", "chunk_size": 64},
     {"pattern": "*mlp*", "compressor": "topk", "ratio": 0.05}]}
@@ -179,7 +179,7 @@ def check_policy_reducer(ps) -> None:
         n_comp = sum(b.compressor is not None for b in reducer.buckets)
         n_sparse = sum(b.variance is not None for b in reducer.buckets)
         refresh = 2 * n_sparse if reducer.refresh_due(step) else 0   # the variance exchange
-        # the default schedule (exp): 1, 2, 4, ... steps after the warm-up
+        # the exp schedule: 1, 2, 4, ... steps after the warm-up
         assert reducer.refresh_due(step) == (step - POLICY["warmup_steps"] in (1, 2))
         assert reducer.stats()["calls"] == len(reducer.buckets) + (n_comp if compressed else 0) + refresh
         for bucket in reducer.buckets:

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 
 from parallel.comm import wire_bytes
 from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
@@ -17,6 +16,7 @@ from parallel.dp.onebit import pack_signs, unpack_signs
 from parallel.dp.warmup import refresh_steps, resolve_warmup
 from parallel.topology import RankGrid
 from tests.helpers.dist_utils import gather_tensors, record_comm, run_distributed
+from tests.helpers.linear_model import Linear, full_state
 
 N, C = 5_000, 64
 
@@ -117,15 +117,6 @@ def check_momentum_exchange(ps) -> None:
     assert torch.equal(fresh._previous, M)
 
 
-class Linear(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(N))
-
-    def forward(self, c):
-        return (self.w * c).sum()
-
-
 def check_optimizers(ps) -> None:
     """Warm-up W = 2 of plain AdamW, then: the compressor's M is seeded from exp_avg, exp_avg
     becomes the exchanged M, v stays frozen, and w moves by lr * M / (1 - b1^t) / (sqrt(v) + eps);
@@ -135,7 +126,7 @@ def check_optimizers(ps) -> None:
               "variance_refresh": "off"}
     finals = []
     for stage in (0, 1, 2):
-        model = Linear()
+        model = Linear(N)
         reducer = GradReducer(model, ps, compression_policy=policy)
         reducer.loss_scaler = SimpleNamespace(scale=1.0)
         cls = DistributedOptimizer if stage else MixedPrecisionOptimizer
@@ -148,8 +139,8 @@ def check_optimizers(ps) -> None:
             model(rank_input(ps.dp_rank, step)).backward()
             reducer.finish()
             before = model.w.detach().clone()
-            v = full_state(ps, opt, stage, "exp_avg_sq")
-            m_before = full_state(ps, opt, stage, "exp_avg")
+            v = full_state(ps, opt, stage, "exp_avg_sq", N)
+            m_before = full_state(ps, opt, stage, "exp_avg", N)
             opt.step(lr)
             if stage:
                 opt.finish_param_gather()
@@ -159,8 +150,8 @@ def check_optimizers(ps) -> None:
                 v = v / (1 - betas[1] ** warm)
             if step > warm:
                 M = bucket.compressor.momentum[:N]
-                torch.testing.assert_close(full_state(ps, opt, stage, "exp_avg"), M)
-                torch.testing.assert_close(full_state(ps, opt, stage, "exp_avg_sq"), v)
+                torch.testing.assert_close(full_state(ps, opt, stage, "exp_avg", N), M)
+                torch.testing.assert_close(full_state(ps, opt, stage, "exp_avg_sq", N), v)
                 delta = -lr * M / (1 - betas[0] ** step) / (v.sqrt() + eps)
                 torch.testing.assert_close(model.w.detach() - before, delta, rtol=1e-4, atol=1e-7)
             assert all(torch.equal(o, model.w.detach()) for o in gather_tensors(ps.dp_group, model.w.detach()))
@@ -168,14 +159,6 @@ def check_optimizers(ps) -> None:
         reducer.remove_hooks()
     # (no ZeRO runs torch's AdamW in the warm-up: sign flips make it differ beyond rounding)
     assert torch.equal(finals[1], finals[2])
-
-
-def full_state(ps, opt, stage, key) -> torch.Tensor:
-    if not stage:
-        st = opt.inner.state.get(opt.masters[0], {})
-        return st[key].clone() if key in st else torch.zeros(N)
-    t = getattr(opt, key)
-    return torch.cat(gather_tensors(ps.dp_group, t.clone()))[:N]
 
 
 def all_checks(ps) -> bool:

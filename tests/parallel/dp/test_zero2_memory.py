@@ -100,7 +100,9 @@ def check_memory(ps) -> None:
                 held_state = storage_bytes(st + [m for m, p in zip(opt.masters, opt.params) if m is not p])
             assert (held_params, held_grads, held_state) == (params, grads, state), (dtype, stage)
     # compression adds its residuals (the bucket, plus the owner's shard without ZeRO) and, for
-    # top-k, the local squared-gradient statistics
+    # top-k, the local squared-gradient statistics and its velocity, seeded from exp_avg at the
+    # end of the warm-up (the one step here): the whole bucket, or under ZeRO this rank's shard
+    # until the first compressed exchange gathers it
     for stage in (0, 2):
         model, opt, reducer, _ = train(ps, stage, 1, policy=POLICY)
         extra = 0
@@ -109,12 +111,15 @@ def check_memory(ps) -> None:
                 extra += 4 * b.numel + (0 if stage else 4 * b.numel // dp)
             if b.variance is not None:
                 extra += 4 * b.numel
+            if b.spec.kind == "topk":
+                extra += 4 * b.numel // dp if stage else 4 * b.numel
         n, padded = sum(p.numel() for p in model.parameters()), sum(b.numel for b in reducer.buckets)
         adam = 8 * padded // dp if stage else 8 * n + 4 * len(list(model.parameters()))
         assert extra > 0 and memory_bytes(reducer, opt)["optimizer_state_bytes"] == adam + extra
         held = storage_bytes([t for b in reducer.buckets if b.compressor
                               for t in b.compressor.state_tensors()]
                              + [b.variance.sq for b in reducer.buckets if b.variance is not None])
+        # (under ZeRO the seed shard is a copy of exp_avg's: a storage of its own)
         assert held == extra
 
 

@@ -1,0 +1,153 @@
+"""Calibration: the planner's fitted constants from a measured run (``--calibrate``) and link
+bandwidths from a preflight measurement (``--calibrate-links``).
+
+- ``fit_achievable_fraction``: the compute fraction at which the model predicts a measured step;
+- ``fit_overlap_efficiency``: the overlap efficiencies (hardware.OverlapEfficiency) at which the
+  model's exposed TP and DP communication equals the run's ``time_tp_exposed_s`` and
+  ``time_dp_exposed_s`` (engine metrics, device time the compute stream waited);
+- ``link_busbw``: intra- and inter-node bus bandwidths from the preflight's JSON.
+
+docs/planner.md, "Calibration", says what each fits and from which figures.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import replace
+
+from engine.plan.hardware import OverlapEfficiency
+from engine.plan.model import Cluster, Layout, ModelShape
+from engine.plan.timing import estimate
+
+
+def _timed_records(metrics_path: str) -> list[dict]:
+    """The records of a metrics JSONL with a step time, without the first (warm-up) step and
+    skipped steps (all timed ones when nothing else is left)."""
+    records = []
+    with open(metrics_path) as fh:
+        for number, line in enumerate(fh, 1):
+            try:
+                records.append(json.loads(line)) if line.strip() else None
+            except ValueError as exc:
+                raise ValueError(f"--calibrate {metrics_path}: line {number} is not JSON ({exc}); "
+                                 f"give the metrics.jsonl of a run") from exc
+    if not all(isinstance(r, dict) for r in records):
+        raise ValueError(f"--calibrate {metrics_path}: expected one JSON object per line")
+    timed = [r for r in records[1:] or records if not r.get("skipped") and r.get("step_time_s")]
+    records = timed or [r for r in records if r.get("step_time_s")]
+    if not records:
+        raise ValueError(f"--calibrate {metrics_path}: no step with step_time_s")
+    return records
+
+
+def measured_step_time(metrics_path: str) -> float:
+    """Median step_time_s of a metrics JSONL, without the first (warm-up) step and skipped steps.
+
+    Step time is the one measured figure whose meaning does not depend on how the trainer counts
+    FLOPs (model or executed); the fit compares it with the planner's own step time.
+    """
+    return statistics.median(r["step_time_s"] for r in _timed_records(metrics_path))
+
+
+def measured_exposed(metrics_path: str) -> dict[str, float]:
+    """Median ``time_tp_exposed_s`` and ``time_dp_exposed_s`` (device time the compute stream
+    waited on TP and on DP communication) of the same steps, where the run reported them (a null
+    or missing key is left out)."""
+    records = _timed_records(metrics_path)
+    out = {}
+    for key in ("time_tp_exposed_s", "time_dp_exposed_s"):
+        values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+        if values:
+            out[key] = statistics.median(values)
+    return out
+
+
+def _bisect_efficiency(exposed, measured: float) -> float:
+    """The efficiency in [0, 1] at which ``exposed(e)`` (not increasing in e) equals ``measured``."""
+    lo, hi = 0.0, 1.0
+    if exposed(hi) >= measured:
+        return hi
+    if exposed(lo) <= measured:
+        return lo
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if exposed(mid) < measured else (mid, hi)
+    return (lo + hi) / 2
+
+
+def fit_overlap_efficiency(shape: ModelShape, cluster: Cluster, layout: Layout,
+                           measured: dict[str, float]) -> OverlapEfficiency:
+    """The overlap efficiencies at which the model's exposed communication equals a measured
+    run's: ``tp`` from ``time_tp_exposed_s`` against ``tp_comm`` (only with --tp-comm-overlap and
+    sequence parallelism, where it has a meaning), then ``dp`` and ``zero`` together (one value)
+    from ``time_dp_exposed_s`` against ``dp_comm + zero_allgather``. A figure the run did not report,
+    or that the layout cannot tell, keeps the cluster's value."""
+    eff = cluster.overlap
+    run = lambda e: estimate(shape, replace(cluster, overlap=e), layout).time  # noqa: E731
+    if "time_tp_exposed_s" in measured and layout.tp_comm_overlap and layout.sequence_parallel \
+            and layout.tp > 1:
+        tp = _bisect_efficiency(lambda e: run(replace(eff, tp=e)).tp_comm, measured["time_tp_exposed_s"])
+        eff = replace(eff, tp=tp)
+    if "time_dp_exposed_s" in measured and layout.dp * layout.cp > 1 and (
+            layout.overlap_grad_reduce or (layout.zero and layout.overlap_param_gather)):
+        both = lambda e: run(replace(eff, dp=e, zero=e))  # noqa: E731
+        dp = _bisect_efficiency(lambda e: both(e).dp_comm + both(e).zero_allgather,
+                                measured["time_dp_exposed_s"])
+        eff = replace(eff, dp=dp, zero=dp)
+    return eff
+
+
+def fit_achievable_fraction(shape: ModelShape, cluster: Cluster, layout: Layout, tflops: float) -> float:
+    """The achievable fraction at which the model predicts ``tflops`` executed TFLOP/s per device
+    (bisection; for a measured step time pass executed FLOPs / step time / devices).
+
+    Predicted TFLOP/s grows monotonically with the fraction; a measurement above the prediction at
+    fraction 1 (links or HBM faster than assumed) returns 1.0.
+    """
+    def predicted(frac: float) -> float:
+        return estimate(shape, replace(cluster, achievable_fraction=frac), layout).tflops_per_device
+    lo, hi = 1e-4, 1.0
+    if predicted(hi) <= tflops:
+        return hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted(mid) < tflops else (lo, mid)
+    return (lo + hi) / 2
+
+
+_INTRA_GROUPS = ("tp", "intra", "node", "intra_node")
+_INTER_GROUPS = ("dp", "pp", "inter", "inter_node", "world", "global")
+
+
+def link_busbw(preflight_path: str) -> dict[str, float]:
+    """{'intra': GB/s, 'inter': GB/s} from a preflight JSON list of {op, group, bytes, busbw_gbps}.
+
+    For each link class the entries with the largest message size (the bandwidth-bound regime)
+    are averaged. Groups named tp/intra/node measure intra-node links; dp/pp/inter/world measure
+    the per-device inter-node share (an entry's optional "link" field overrides the name).
+    """
+    with open(preflight_path) as fh:
+        try:
+            entries = json.load(fh)
+        except ValueError as exc:
+            raise ValueError(f"--calibrate-links {preflight_path}: not JSON ({exc}); give the "
+                             f"preflight's --json file") from exc
+    if isinstance(entries, dict):
+        entries = entries.get("results", entries.get("links", []))
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"--calibrate-links {preflight_path}: expected a list of "
+                         f"{{op, group, bytes, busbw_gbps}} objects")
+    found: dict[str, list[tuple[float, float]]] = {"intra": [], "inter": []}
+    for entry in entries:
+        group = str(entry.get("link") or entry.get("group", "")).lower()
+        cls = "intra" if group in _INTRA_GROUPS else "inter" if group in _INTER_GROUPS else None
+        if cls and entry.get("busbw_gbps"):
+            found[cls].append((float(entry.get("bytes", 0)), float(entry["busbw_gbps"])))
+    out = {}
+    for cls, rows in found.items():
+        if rows:
+            top = max(size for size, _ in rows)
+            out[cls] = statistics.mean(bw for size, bw in rows if size == top)
+    if not out:
+        raise ValueError(f"--calibrate-links {preflight_path}: no entry with a known group and busbw_gbps")
+    return out

@@ -1,0 +1,123 @@
+"""A training step's MoE figures, read with the step's one host wait, and the expert-bias update.
+
+``StepFigures.of(chunks)`` knows the run's MoE layers (their global indices give each a slot, so
+every rank's vector has the same length whichever layers it holds). After the backward,
+``vector(...)`` puts this rank's figures on the device, without a host read:
+
+    [aux share, z share, dropped assignments, load of MoE layer 0 (E), load of MoE layer 1 (E), ...]
+
+from the records of the layers' forwards (models/moe/layer.py): the balancing losses' shares
+averaged over the step's micro-batches, the assignments a capacity dropped and, per layer, the
+assignments the router chose per expert (before any drop), summed over the micro-batches. Only
+TP rank 0 counts (the ranks of a TP group route the same tokens); the trainer sums the vector over
+the world in the step's statistics all-reduce (engine/training/step.py) and ``read`` turns the sums
+into the step's figures:
+
+- ``moe_aux_loss``, ``moe_z_loss``: the balancing losses as trained (coefficients included), summed
+  over the MoE layers, each layer's the mean of the DP x CP ranks' shares: layout-independent;
+- ``moe_expert_load``: per expert, the assignments of the whole global batch summed over the MoE
+  layers; ``moe_load_imbalance``: its max over its mean (1.0: balanced);
+- ``moe_tokens_dropped``: the (token, expert) assignments the capacity dropped in the step;
+- ``loads``: the per-layer global loads, which ``update_expert_bias`` uses after the update.
+
+Counts are exact in the fp32 all-reduce up to 2**24 per expert and layer and step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.moe.stats import moe_layers
+
+FIXED = 3  # aux share, z share, dropped
+
+
+@dataclass
+class StepFigures:
+    num_experts: int
+    slots: dict          # global layer index -> slot in the vector's loads
+
+    @classmethod
+    def of(cls, chunks) -> "StepFigures | None":
+        """None for a model without MoE layers (the MoE metrics are null then)."""
+        cfg = getattr(chunks[0], "cfg", None) if chunks else None
+        if cfg is None or cfg.num_experts is None:
+            return None
+        layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+        return cls(cfg.num_experts, {layer: j for j, layer in enumerate(layers)})
+
+    @property
+    def width(self) -> int:
+        return FIXED + len(self.slots) * self.num_experts
+
+    def vector(self, chunks, num_microbatches: int, counted: bool, device) -> torch.Tensor:
+        """This rank's figures (see the module docstring), fp32 on ``device``; zeros where
+        ``counted`` is False. No host read."""
+        out = torch.zeros(self.width, dtype=torch.float32, device=device)
+        if not counted:
+            return out
+        e, m = self.num_experts, max(num_microbatches, 1)
+        for layer in moe_layers(chunks):
+            if not layer.records:
+                continue
+            recs = layer.records
+            out[0] += torch.stack([r["aux_loss"].float() for r in recs]).sum().to(device) / m
+            out[1] += torch.stack([r["z_loss"].float() for r in recs]).sum().to(device) / m
+            out[2] += torch.stack([r["dropped"].float() for r in recs]).sum().to(device)
+            at = FIXED + self._slot(layer) * e
+            out[at:at + e] += torch.stack([r["load"] for r in recs]).sum(0).to(device)
+        return out
+
+    def _slot(self, layer) -> int:
+        if layer.layer_idx not in self.slots:
+            raise ValueError(f"an MoE layer with global index {layer.layer_idx} is not an MoE layer "
+                             f"of --moe-layer-freq: build it with build_mlp(cfg, layer_idx, ...)")
+        return self.slots[layer.layer_idx]
+
+    def read(self, sums: list[float], dp_cp: int) -> dict:
+        """The step's figures from the world sums of ``vector``; ``dp_cp``: the DP x CP size."""
+        e = self.num_experts
+        loads = [[round(v) for v in sums[FIXED + j * e:FIXED + (j + 1) * e]]
+                 for j in range(len(self.slots))]
+        total = [sum(col) for col in zip(*loads)] if loads else [0] * e
+        return {"moe_aux_loss": sums[0] / dp_cp, "moe_z_loss": sums[1] / dp_cp,
+                "moe_tokens_dropped": round(sums[2]), "moe_expert_load": total,
+                "moe_load_imbalance": imbalance(total), "loads": loads}
+
+
+def imbalance(load) -> float | None:
+    """max / mean of per-expert loads (1.0: balanced); None without any load."""
+    mean = sum(load) / len(load) if len(load) else 0.0
+    return max(load) / mean if mean > 0 else None
+
+
+def moe_record(figures: dict | None, comm: dict) -> dict:
+    """The step record's MoE keys (null without MoE): the figures of ``read`` and the payload
+    bytes handed to the dispatch collectives (group kind ``ep``)."""
+    keys = ("moe_aux_loss", "moe_z_loss", "moe_expert_load", "moe_load_imbalance",
+            "moe_tokens_dropped")
+    if figures is None:
+        return {**dict.fromkeys(keys), "ep_comm_bytes": None}
+    return {**{k: figures[k] for k in keys}, "ep_comm_bytes": comm["ep"]["payload_bytes"]}
+
+
+def update_expert_bias(chunks, figures: StepFigures, loads: list[list[int]]) -> None:
+    """After an optimizer step: bias += rate * sign(mean load - load) for each MoE layer with an
+    expert bias, ``loads`` being the global per-layer loads of ``StepFigures.read``: the same on
+    every rank, so every layout moves the bias alike. Host values, copied without a wait."""
+    for layer in moe_layers(chunks):
+        bias = layer.router.expert_bias
+        if bias is None:
+            continue
+        load = loads[figures._slot(layer)]
+        mean = sum(load) / len(load)
+        step = [layer.bias_update_rate * ((mean > v) - (mean < v)) for v in load]
+        bias.add_(_to_device(step, bias.device))
+
+
+def _to_device(values: list[float], device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.float32)
+    if torch.device(device).type in ("cpu", "meta"):
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,142 @@
+"""The fused communication-compute ops behind ``--tp-comm-overlap``, per backend, probed.
+
+NOT YET RUN: written against the documented APIs; only the chunked ring (ring.py) has run (gloo,
+CPU). ``fused_path(t, group, mode)`` returns the fused implementation for a tensor's device and
+the group's backend, or None for the ring:
+
+- CUDA on NCCL, where the installed torch registers them (``torch.distributed._symmetric_memory``):
+  ``torch.ops.symm_mem.fused_all_gather_matmul(A_shard, Bs, gather_dim, group_name, return_A=)``
+  and ``fused_matmul_reduce_scatter(A, B, "sum", scatter_dim, group_name)``, both with
+  gather/scatter dim 1 (the sequence of (b, s, h)), on a group enabled for symmetric memory.
+- Ascend on HCCL: ``torch_npu.npu_all_gather_base_mm(x1, x2, hcom, world_size, gather_output=)``
+  -> (x1 gathered @ x2, x1 gathered) and ``npu_mm_reduce_scatter_base(x1, x2, hcom, world_size,
+  reduce_op="sum")``, through the group's ``get_hccl_comm_name``. Documented (op-plugin 7.3.0
+  docs/context/torch_npu-npu_all_gather_base_mm.md, -npu_mm_reduce_scatter_base.md; the chip
+  table, engine/device/chips.py ``TP_OVERLAP_OPS``): Atlas A2 (2, 4, 8 ranks, HCCS full mesh)
+  and A3 (2 to 32 ranks) training series, fp16/bf16, 2-D operands with k in [256, 65535), m
+  divisible by the world size, no bias. Both gather / scatter dim 0 of a 2-D operand, so a
+  (b, s, h) activation is laid out rank-major ((n, b, s/n, h) flattened) around them. A call
+  outside those limits runs the plain collective and GEMM (through ``CommGroup``).
+
+Both fused families go around ``CommGroup``'s wrappers; each call is still checked against the
+backend rules and counted (``_count``) as the collective it replaces.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from kernels.dispatch import device_kind, import_torch_npu
+from parallel.tensor_parallel.mappings import _gather, _reduce_scatter
+
+SEQ = 1
+NPU_WORLD_SIZES = (2, 4, 8)          # Atlas A2's documented sizes (A3 also 16, 32)
+NPU_K_RANGE = (256, 65535)           # k in [256, 65535)
+NPU_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def symm_mem_ops() -> bool:
+    """Whether the installed torch registers the symmetric-memory fused ops."""
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401  registers torch.ops.symm_mem
+    except Exception:
+        return False
+    ns = torch.ops.symm_mem
+    return all(hasattr(ns, op) for op in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter"))
+
+
+@functools.lru_cache(maxsize=None)
+def npu_ops() -> bool:
+    """Whether torch_npu (importable only on a machine with CANN) has the fused ops."""
+    try:
+        npu = import_torch_npu()
+    except RuntimeError:
+        return False
+    return all(hasattr(npu, op) for op in ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base"))
+
+
+def _pg(group):
+    return group.process_group or dist.group.WORLD
+
+
+def _count(group, op: str, tensor: torch.Tensor) -> None:
+    """Rules and counters for a collective a fused op performs (CommGroup's own bookkeeping)."""
+    group._issue(op, tensor, tensors=[tensor], reduce_op=dist.ReduceOp.SUM if op != "all_gather" else None)
+
+
+class SymmMemPath:
+    """CUDA, NCCL: PyTorch's micro-pipelined symmetric-memory ops."""
+    name = "symm_mem"
+
+    def all_gather_matmul(self, shard, bs, group, gather: bool = False):
+        """shard (b, s/n, k), bs [(k, o_i)] -> (gathered (b, s, k) or None, [(b, s, o_i)])."""
+        _count(group, "all_gather", shard)
+        a, outs = torch.ops.symm_mem.fused_all_gather_matmul(shard, list(bs), SEQ, _pg(group).group_name,
+                                                             return_A=gather)
+        return a, list(outs)
+
+    def matmul_reduce_scatter(self, a, b, group):
+        """a (b, s, k), b (k, o) -> (b, s/n, o): (a @ b) summed over the group, this rank's chunk."""
+        _count(group, "reduce_scatter", a[..., :1].expand(*a.shape[:-1], b.shape[-1]))
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", SEQ, _pg(group).group_name)
+
+
+class NpuMc2Path:
+    """Ascend, HCCL: torch_npu's fused communication-compute (MC2) ops."""
+    name = "npu_mc2"
+
+    @staticmethod
+    def _ok(x: torch.Tensor, k: int, group) -> bool:
+        return (x.dtype in NPU_DTYPES and NPU_K_RANGE[0] <= k < NPU_K_RANGE[1]
+                and group.size in NPU_WORLD_SIZES)
+
+    @staticmethod
+    def _hcom(group) -> str:
+        rank = dist.get_rank()   # get_hccl_comm_name takes this process's global rank
+        return _pg(group)._get_backend(torch.device("npu")).get_hccl_comm_name(rank)
+
+    def all_gather_matmul(self, shard, bs, group, gather: bool = False):
+        n, (b, sc, k) = group.size, shard.shape
+        if not self._ok(shard, k, group):
+            full = _gather(shard, SEQ, group)                        # (b, s, k)
+            return (full if gather else None), [full.matmul(w) for w in bs]
+        npu, widths = import_torch_npu(), [w.shape[-1] for w in bs]
+        _count(group, "all_gather", shard)
+        out, gathered = npu.npu_all_gather_base_mm(shard.reshape(-1, k), torch.cat(list(bs), dim=1),
+                                                   self._hcom(group), n, gather_output=gather)
+        out = out.view(n, b, sc, -1).movedim(0, 1).reshape(b, n * sc, -1)   # (b, s, sum o_i)
+        if gather:
+            gathered = gathered.view(n, b, sc, k).movedim(0, 1).reshape(b, n * sc, k)
+        return (gathered if gather else None), list(out.split(widths, dim=-1))
+
+    def matmul_reduce_scatter(self, a, b, group):
+        n, (bs, s, k) = group.size, a.shape
+        if not self._ok(a, k, group):
+            return _reduce_scatter(a.matmul(b), SEQ, group)
+        rank_major = a.view(bs, n, s // n, k).movedim(1, 0).reshape(-1, k)  # (n b s/n, k)
+        _count(group, "reduce_scatter", rank_major[:, :1].expand(-1, b.shape[-1]))
+        out = import_torch_npu().npu_mm_reduce_scatter_base(rank_major, b, self._hcom(group), n,
+                                                            reduce_op="sum")
+        return out.view(bs, s // n, -1)                               # (b, s/n, o)
+
+
+SYMM_MEM, NPU_MC2 = SymmMemPath(), NpuMc2Path()
+
+
+def fused_path(t: torch.Tensor, group, mode: str = "auto"):
+    """The fused implementation for ``t``'s device and ``group``'s backend, or None (the ring).
+    ``mode`` "ring" always answers None."""
+    kind = device_kind(t)
+    if mode == "ring" or kind == "cpu" or (group.pg is None and not group.world):
+        return None
+    backend = dist.get_backend(_pg(group))
+    if kind == "cuda" and backend == "nccl" and symm_mem_ops():
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+        enable_symm_mem_for_group(_pg(group).group_name)
+        return SYMM_MEM
+    if kind == "npu" and backend == "hccl" and npu_ops():
+        return NPU_MC2
+    return None
