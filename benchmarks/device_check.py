@@ -72,6 +72,7 @@ class StageResult:
     detail: str = ""
     kernels: list = field(default_factory=list)
     summary: dict | None = None
+    gemm_chunks: list = field(default_factory=list)   # the TP overlap's chunked GEMM on one device
 
 
 def plan(skip_compile: bool = False) -> list[Stage]:
@@ -144,13 +145,16 @@ def run_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> St
                "--out", str(out), "--device", kind] + (["--tiny"] if args.tiny else [])
         code, wall = _run_process(cmd, log, deadline_s)
         rows = json.loads(data.read_text()) if code == 0 and data.exists() else []
+        chunks = out / "gemm_chunks.json"
+        gemm = json.loads(chunks.read_text()) if code == 0 and chunks.exists() else []
         status = "ok" if code == 0 and rows and all(r["ok"] for r in rows) else \
             "deadline" if code is None else "failed"
         detail = "" if status == "ok" else \
             f"stopped at its {deadline_s:g} s deadline" if code is None else \
             ("outside tolerance: " + ", ".join(r["op"] for r in rows if not r["ok"]) if code == 0
              else f"exit {code}: {_last_line(log)}")
-        return StageResult(stage.name, status, deadline_s, wall, detail, kernels=rows)
+        return StageResult(stage.name, status, deadline_s, wall, detail, kernels=rows,
+                           gemm_chunks=gemm)
     metrics = out / f"{stage.name}.jsonl"
     metrics.unlink(missing_ok=True)
     steps = min(stage.steps or args.steps, args.steps)
@@ -213,6 +217,13 @@ def report(results: list[StageResult], header: dict) -> str:
                                  [[k["op"], k["path"], f"{k['forward']:.2e}", f"{k['gradient']:.2e}",
                                    "yes" if k["ok"] else "NO"] for k in kern.kernels]),
                   "", "errors: max |device - reference| / max(1, max |reference|)", ""]
+    if kern and kern.gemm_chunks:
+        lines += [markdown_table(["tp chunks", "plain GEMM (ms)", "chunked GEMMs (ms)", "ratio",
+                                  "max err"],
+                                 [[str(g["tp"]), f"{g['plain_ms']:.3f}", f"{g['chunked_ms']:.3f}",
+                                   f"{g['ratio']:.3f}", f"{g['max_err']:.1e}"] for g in kern.gemm_chunks]),
+                  "", "--tp-comm-overlap's decomposition on one device: one TP rank's column GEMM "
+                      "cut into tp sequence chunks against the plain GEMM (device time, median)", ""]
     runs = [r for r in results if r.summary]
     if runs:
         lines.append(markdown_table(
@@ -238,6 +249,10 @@ def _kernels_stage(args) -> int:
     dtype, seq = (torch.float32, 64) if args.tiny else (torch.bfloat16, 512)
     rows = check_kernels(dev.device, dtype, seq)
     (Path(args.out) / "kernels.json").write_text(json.dumps(rows, indent=1))
+    from benchmarks.device_gemm_chunks import time_chunked_gemm
+    shape = dict(tokens=256, hidden=64, ffn=256, repeats=3) if args.tiny else {}
+    (Path(args.out) / "gemm_chunks.json").write_text(
+        json.dumps(time_chunked_gemm(dev.device, dtype, **shape), indent=1))
     return 0
 
 

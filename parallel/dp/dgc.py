@@ -22,8 +22,8 @@ One exchange, on every rank r of p (the bucket holds g_r / p, multiplied by the 
                     sent (DGC's momentum factor masking: the sent mass must not keep pushing
                     through the velocity). Off by default: a coordinate sent every step then
                     moves by (1 - beta1) g, a tenth of the momentum's step, and on the
-                    compression benchmark masking cost 2.7 points (600 steps, dp 2, seed 1:
-                    +4.4 % against +1.8 %, docs/benchmarks.md)
+                    compression benchmark masking cost about 2 points (600 steps, dp 2, three
+                    seeds: +5.25 % against +2.93 %, docs/benchmarks.md)
     phase 2         the owner sums the p pieces (up to p k values), adds its residual, keeps the
                     OWNER_FACTOR k = 2 k largest and an all-gather returns every shard (under ZeRO
                     phase 1 only: the owner keeps the exact sum of its shard, which is all its

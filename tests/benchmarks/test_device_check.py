@@ -59,6 +59,10 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
         ("kernels", "ok"), ("eager", "ok"), ("zero", "ok"), ("packed", "ok")]
     kernels = data["stages"][0]["kernels"]
     assert len(kernels) == 8 and all(k["ok"] for k in kernels)
+    # the TP overlap's chunked GEMM against the plain one: the same values, timed
+    gemm = data["stages"][0]["gemm_chunks"]
+    assert [g["tp"] for g in gemm] == [2, 4, 8]
+    assert all(g["max_err"] < 1e-5 and g["plain_ms"] > 0 and g["chunked_ms"] > 0 for g in gemm)
     for stage in data["stages"][1:]:
         s = stage["summary"]
         assert s["steps"] == 2 and s["tokens"] == 2 * 4 * 64 and s["tokens_per_s"] > 0
@@ -66,6 +70,7 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
         assert s["host_syncs_per_step"] == 1  # the step's one statistics read
     md = (tmp_path / "device_check.md").read_text()
     assert "| eager | ok |" in md and "| packed | ok |" in md and "tokens/s" in md
+    assert "chunked GEMMs (ms)" in md
     assert md.strip() in capsys.readouterr().out
 
 

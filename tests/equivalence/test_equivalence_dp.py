@@ -266,8 +266,10 @@ def test_3d_layouts(serial):
                              "--use-distributed-optimizer")),
             ("plain", layout(4, 2, 1, 2, "--sequence-parallel"))]
     compressed_jobs = [  # compression with TP, SP, PP (tied embedding across stages) and ZeRO
+        # (one warm-up step: v from one gradient is refreshed at the first compressed step)
         ("plain", layout(2, 2, 2, 2, "--sequence-parallel", "--grad-compression", "topk",
-                         "--grad-compression-ratio", "0.05", "--grad-compression-warmup-steps", "1")),
+                         "--grad-compression-ratio", "0.05", "--grad-compression-warmup-steps", "1",
+                         "--grad-compression-variance-refresh", "exp")),
         ("plain", layout(2, 2, 2, 2, "--sequence-parallel", "--use-distributed-optimizer", "--zero-stage",
                          "2", "--grad-compression", "int8", "--grad-compression-warmup-steps", "1")),
         ("plain", layout(2, 2, 2, 2, "--sequence-parallel", "--use-distributed-optimizer", "--zero-stage",
