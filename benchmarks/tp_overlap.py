@@ -29,28 +29,19 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO
+from benchmarks.common import torchrun
 from benchmarks.tp_release import RECIPE, tokens_per_s
 
 LAYOUTS = {"tp=2": ["--tp=2"], "(2,2,2)": ["--tp=2", "--pp=2", "--dp=2"]}
 
 
 def job(layout: list[str], overlap: bool, steps: int, metrics: Path, timeout_s: float) -> None:
-    import subprocess
-    from benchmarks.common import TORCHRUN
     world = 8 if "--pp=2" in layout else 2
     recipe = [a for a in RECIPE if a != "--tp=2"] + layout + ["--sequence-parallel"]
-    cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={world}", "-m", "engine.train", *recipe,
-           *(["--tp-comm-overlap"] if overlap else []), f"--train-iters={steps}",
-           "--metrics-file", str(metrics), "--run-dir", str(metrics.parent / metrics.stem)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TORCH_CPP_LOG_LEVEL="ERROR")
-    log = metrics.with_suffix(".log")
-    with open(log, "w") as fh:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                              timeout=timeout_s)
-    if proc.returncode != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
+    torchrun(world, ["-m", "engine.train", *recipe, *(["--tp-comm-overlap"] if overlap else []),
+                     f"--train-iters={steps}", "--metrics-file", str(metrics),
+                     "--run-dir", str(metrics.parent / metrics.stem)],
+             metrics.with_suffix(".log"), timeout_s)
 
 
 # ---- the timeline ------------------------------------------------------------------------------

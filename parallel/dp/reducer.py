@@ -141,7 +141,8 @@ class GradReducer:
             bucket.index, bucket.compressor = i, bucket.spec.build()
             if bucket.compressor is not None and self.dp > 1:
                 bucket.compressor.allocate(bucket.numel, self.dp, False, device)
-                if bucket.compressor.sparse:
+                if bucket.compressor.sparse and self.policy.variance_refresh != 0:
+                    # the statistics only feed the refreshes: none without a schedule
                     bucket.variance = LocalVariance(bucket.numel, device)
             for slot in bucket.slots:
                 self._bucket_of[slot.param] = bucket

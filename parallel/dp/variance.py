@@ -11,8 +11,8 @@ error feedback's "nothing is lost, only delayed" carries over to the parameters.
 How (``policy.warmup_steps`` = W, ``policy.variance_refresh`` = K):
 
 - steps 1..W exchange uncompressed gradients and run plain AdamW;
-- every step each rank adds the square of its own, uncompressed gradient to ``LocalVariance.sq``
-  (an EMA with Adam's beta2, bias-corrected by its count);
+- with a refresh schedule (K != 0), every step each rank adds the square of its own,
+  uncompressed gradient to ``LocalVariance.sq`` (an EMA with Adam's beta2, bias-corrected by its count);
 - from step W+1 the optimizer stops updating v for parameters in sparse buckets (v is kept
   bias-corrected from then on) and applies m / (sqrt(v) + eps) with the usual first-moment bias
   correction;
