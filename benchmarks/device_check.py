@@ -60,7 +60,7 @@ class Stage:
 
     @property
     def training(self) -> bool:
-        return self.name != "kernels"
+        return self.name not in ("kernels", "tp_overlap")
 
 
 @dataclass
@@ -73,6 +73,7 @@ class StageResult:
     kernels: list = field(default_factory=list)
     summary: dict | None = None
     gemm_chunks: list = field(default_factory=list)   # the TP overlap's chunked GEMM on one device
+    tp_overlap: dict | None = None  # tp=2 without / with --tp-comm-overlap on two devices
 
 
 def plan(skip_compile: bool = False) -> list[Stage]:
@@ -81,7 +82,8 @@ def plan(skip_compile: bool = False) -> list[Stage]:
     stages = [Stage("kernels", 90.0), Stage("eager", 180.0)]
     if not skip_compile:
         stages.append(Stage("compiled", 240.0, flags=("--compile",)))
-    stages += [Stage("zero", 120.0, optional=True, flags=("--use-distributed-optimizer",), steps=10),
+    stages += [Stage("tp_overlap", 150.0, optional=True, steps=10),
+               Stage("zero", 120.0, optional=True, flags=("--use-distributed-optimizer",), steps=10),
                Stage("packed", 120.0, optional=True, steps=10,
                      flags=("--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"))]
     return stages
@@ -136,8 +138,23 @@ def _last_line(path: Path) -> str:
     return lines[-1].strip()[:300] if lines else "(no output)"
 
 
+def _tp_overlap_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> StageResult:
+    from benchmarks.device_tp_overlap import run_tp_overlap, tp_overlap_flags
+    steps = min(stage.steps or args.steps, args.steps)
+    model, precision = (TINY, "fp32") if args.tiny else (MODEL, "bf16")
+
+    def argv_for(name: str, metrics: str, flags) -> list[str]:
+        return train_argv(kind, steps, metrics, str(out / f"tp_overlap_{name}"), tp_overlap_flags(flags),
+                          args.micro_batch_size, args.global_batch_size, model, precision)
+    got = run_tp_overlap(deadline_s, out, kind, argv_for, _run_process, args.warmup)
+    return StageResult(stage.name, got["status"], deadline_s, got["wall_s"], got["detail"],
+                       tp_overlap=got)
+
+
 def run_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> StageResult:
     log = out / f"{stage.name}.log"
+    if stage.name == "tp_overlap":
+        return _tp_overlap_stage(stage, deadline_s, out, kind, args)
     if not stage.training:
         data = out / "kernels.json"
         data.unlink(missing_ok=True)
@@ -224,6 +241,13 @@ def report(results: list[StageResult], header: dict) -> str:
                                    f"{g['ratio']:.3f}", f"{g['max_err']:.1e}"] for g in kern.gemm_chunks]),
                   "", "--tp-comm-overlap's decomposition on one device: one TP rank's column GEMM "
                       "cut into tp sequence chunks against the plain GEMM (device time, median)", ""]
+    pair = next((r.tp_overlap for r in results if r.tp_overlap and r.tp_overlap.get("rows")), None)
+    if pair:
+        lines += [markdown_table(["tp=2 with SP", "tokens/s", "exposed TP (s per step)"],
+                                 [[row["run"], _num(row["tokens_per_s"], ".0f"),
+                                   _num(row["time_tp_exposed_s"], ".4f")] for row in pair["rows"]]),
+                  "", f"--tp-comm-overlap on one device pair: overlap / plain tokens/s = "
+                      f"{_num(pair.get('ratio'), '.3f')}", ""]
     runs = [r for r in results if r.summary]
     if runs:
         lines.append(markdown_table(

@@ -1,4 +1,5 @@
-"""Fused kernels with one dispatch per op: NPU (torch_npu), CUDA and CPU paths, each with a reference.
+"""Fused kernels with one dispatch per op: NPU (torch_npu), CUDA and CPU paths, each with a reference
+(attention, norms, RoPE, SwiGLU, and the grouped GEMM of mixture-of-experts layers).
 
 Every op picks its path from the input tensor's ``device.type``; ``kernel_paths(device_type)`` says
 which implementation runs where. This package imports nothing from engine/, models/ or parallel/.
@@ -7,6 +8,7 @@ which implementation runs where. This package imports nothing from engine/, mode
 from kernels.attention import (NpuMaskCache, attention, attention_reference, causal_mask,
                                cu_seqlens_from_document_ids, document_mask)
 from kernels.dispatch import ALL_FUSED, OPS, KernelPaths, device_kind, kernel_paths
+from kernels.grouped_gemm import grouped_linear, grouped_linear_reference
 from kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from kernels.rope import (RopeCache, apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_at,
                           rotate_half)
@@ -26,6 +28,8 @@ __all__ = [
     "cu_seqlens_from_document_ids",
     "document_mask",
     "device_kind",
+    "grouped_linear",
+    "grouped_linear_reference",
     "kernel_paths",
     "layer_norm",
     "layer_norm_reference",

@@ -28,6 +28,7 @@ _PATHS: dict[str, dict[str, str]] = {
         "rope": "torch_npu.npu_rotary_mul (plain expression outside its documented shape limits)",
         "swiglu": "torch_npu.npu_swiglu (gate = first half)",
         "ring_block": "torch_npu.npu_fusion_attention with its softmax statistics (the blockwise fp32 path where the chip table lacks it)",
+        "grouped_gemm": "torch_npu.npu_grouped_matmul (x, weight, y one tensor each, group_type=0; the loop where the chip table lacks it)",
     },
     "cuda": {
         "attention": "torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient); packed documents: torch.nn.attention.varlen.varlen_attn in bf16/fp16",
@@ -36,6 +37,7 @@ _PATHS: dict[str, dict[str, str]] = {
         "rope": "plain expression x*cos + rotate_half(x)*sin",
         "swiglu": "plain expression silu(gate) * up",
         "ring_block": "aten._scaled_dot_product_flash_attention (bf16/fp16, no mask) or _efficient_attention, with their log-sum-exp",
+        "grouped_gemm": "torch._grouped_mm in bf16 with 16-byte aligned strides where the installed torch has it, else a loop of F.linear",
     },
     "cpu": {
         "attention": "torch.nn.functional.scaled_dot_product_attention",
@@ -44,6 +46,7 @@ _PATHS: dict[str, dict[str, str]] = {
         "rope": "plain expression x*cos + rotate_half(x)*sin",
         "swiglu": "plain expression silu(gate) * up",
         "ring_block": "aten._scaled_dot_product_flash_attention_for_cpu, with its log-sum-exp",
+        "grouped_gemm": "a loop of F.linear over the groups",
     },
 }
 
@@ -62,6 +65,7 @@ class KernelPaths:
     swiglu: bool = True             # torch_npu.npu_swiglu, else silu(gate) * up
     rms_norm: bool = True           # torch_npu.npu_rms_norm, else F.rms_norm
     rotary_mul: bool = True         # torch_npu.npu_rotary_mul, else the rotate-half expression
+    grouped_matmul: bool = True     # torch_npu.npu_grouped_matmul, else a loop of GEMMs (MoE experts)
     # which documented shape table npu_rotary_mul is held to (kernels/rope.py ROTARY_TABLES):
     # "a2-a3" (Atlas A2/A3 training series, jit_compile=False, torch_npu's default there) or
     # "atlas-training" (Ascend 910A / 910ProB)

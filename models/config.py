@@ -18,6 +18,9 @@ class GPTConfig:
     # help: accepted for Megatron-LM compatibility; grouped-query attention is on whenever
     # --num-query-groups is below --num-attention-heads, so this flag changes nothing by itself
     group_query_attention: bool = False
+    # help: RMSNorm over each head's query and key (head_dim wide, one weight shared by the heads),
+    # after the QKV projection and before rotary embeddings (Megatron's --qk-layernorm; Qwen3, OLMo2)
+    qk_layernorm: bool = False
     ffn_hidden_size: int | None = None  # default 4h (gpt2) or 8h/3 rounded to 64 (llama)
     seq_length: int = 128
     max_position_embeddings: int | None = None  # default seq_length

@@ -136,6 +136,12 @@ class ParallelAttention(nn.Module):
     (head, q|k|v, head_dim), the layout of multi-head checkpoints. Key/value heads are never
     repeated in memory: the kernel takes fewer of them.
 
+    With ``cfg.qk_layernorm`` each head's query and key are RMS-normalised over head_dim after the
+    projection and before RoPE (``q_norm``, ``k_norm``: one (d,) weight each, shared by every head,
+    as Qwen3). The weight is replicated on the TP ranks but each rank sees only its own heads, so
+    its gradient is partial: it is marked like a sequence-parallel norm weight and summed over TP
+    once per step (parallel/grads.py), which keeps the replicas equal.
+
     ``forward(x, inputs)`` takes the micro-batch's ``AttentionInputs`` (per-token positions for RoPE,
     documents for packed sequences); without them positions are 0..s-1 and each row one document.
 
@@ -163,6 +169,11 @@ class ParallelAttention(nn.Module):
                                         bias=bias, sequence_parallel=ctx.sequence_parallel)
         self.proj = RowParallelLinear(h, h, ps, f"{name}.proj", ctx.init, bias=bias,
                                       sequence_parallel=ctx.sequence_parallel, std=out_std)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_layernorm:  # partial gradients on every TP rank: summed over TP (see above)
+            partial = ps.tp_size > 1 or ctx.sequence_parallel
+            self.q_norm = Norm("rmsnorm", cfg.head_dim, cfg.norm_eps, partial, ctx.kernel_paths)
+            self.k_norm = Norm("rmsnorm", cfg.head_dim, cfg.norm_eps, partial, ctx.kernel_paths)
 
     def _core(self, q, k, v, document_ids=None, cu_seqlens=None):
         """Under context parallelism ``document_ids`` / ``cu_seqlens`` are the whole rows'."""
@@ -212,6 +223,8 @@ class ParallelAttention(nn.Module):
         qkv = self.qkv(x)  # (b, s, (n + 2G) d / tp)
         b, s, _ = qkv.shape
         q, k, v = self.split_qkv(qkv)
+        if self.q_norm is not None:  # over head_dim: q (b, n/tp, s, d), k (b, G/tp, s, d)
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             pos = self._positions(inputs, s, x.device)
             if pos is None:  # (s, d), built once per shape (RopeCache)

@@ -103,7 +103,10 @@ class Activity:
     number, wall time) the host is waiting in now (None while it computes), ``failed`` the one whose
     call or wait raised. With a ``clock`` (anything with ``stamp()``, e.g. parallel.pipeline.executor.HostClock
     or a device clock) every blocked interval is appended to ``spans`` as (kind, start, end)
-    stamps; the reader empties the list. ``step`` is set by the training loop."""
+    stamps; the reader empties the list. ``watched``: group kinds whose blocked intervals are
+    also appended, as (start, end) stamps of ``watch_clock``, to ``watched[kind]`` (the step's
+    exposed TP time, engine/training/step.py; the step empties them), with or without ``clock``.
+    ``step`` is set by the training loop."""
     entered: dict = field(default_factory=lambda: {k: 0 for k in GROUP_KINDS})
     p2p: int = 0
     last: tuple | None = None
@@ -111,6 +114,8 @@ class Activity:
     failed: tuple | None = None
     clock: object = None
     spans: list = field(default_factory=list)
+    watched: dict = field(default_factory=dict)
+    watch_clock: object = None
     step: int = 0
 
     def enter(self, op: str, kind: str) -> tuple:
@@ -127,6 +132,8 @@ class Activity:
         """Run ``fn`` (a collective call or a wait) as time blocked in ``tag``."""
         clock = self.clock
         start = clock.stamp() if clock is not None else None
+        watch = self.watched.get(tag[1]) if self.watched else None
+        w_start = self.watch_clock.stamp() if watch is not None else None
         self.blocked = (*tag, time.time())
         try:
             return fn(*args, **kwargs)
@@ -135,6 +142,8 @@ class Activity:
             raise
         finally:
             self.blocked = None
+            if watch is not None:
+                watch.append((w_start, self.watch_clock.stamp()))
             if start is not None:
                 self.spans.append((tag[1], start, clock.stamp()))
 

@@ -2,13 +2,21 @@
 
 A mixture-of-experts layer refolds the ranks of its pipeline stage (parallel folding, as in
 Megatron-Core) into expert-tensor-parallel (ETP), expert-parallel (EP) and expert-data-parallel
-(EDP) groups. In this first slice ETP is 1 and the folding is drawn from the DP x CP ranks at
+(EDP) groups. ETP is 1 or tp (the ETP groups are then the TP groups: every TP rank holds 1/tp of
+each of its experts, models/moe/experts.py), and the folding is drawn from the DP x CP ranks at
 equal tp and pp coordinates: each of those ``dp_cp`` groups (``RankGrid.groups("dp_cp")``, its
 ranks in rank order) is cut into consecutive blocks of ``ep`` ranks (the EP groups: the ranks that
 exchange tokens and hold disjoint experts), and the ranks at the same position of every block form
 an EDP group (the replicas of one set of experts, where their gradients are summed). So
-EP x EDP = dp x cp, and each TP rank of a stage holds an identical replica of its experts (the
-tokens of a TP group are the same without sequence parallelism).
+EP x EDP = dp x cp, and with ETP = 1 each TP rank of a stage holds an identical replica of its
+experts (with ETP = tp its slice of them; the TP ranks route and dispatch the same tokens). Without
+sequence parallelism the tokens of a TP group are the same; with it each TP rank dispatches its
+own sequence shard through the EP group of its tp coordinate, and the replicas' gradients are
+summed over TP (models/moe/layer.py). Under context parallelism the EP ranks may be CP ranks of
+one data-parallel rank, each holding a slice of every sequence.
+
+With ``RankGrid(tp=2, cp=2)`` and ``ep=2``: DP x CP groups [0, 2], [1, 3] (the CP pairs), so EP
+[0, 2], [1, 3] and EDP [0], [1], [2], [3].
 
 Worked example, 8 ranks, ``RankGrid(tp=2, dp=4)`` with ``ep=2``::
 
@@ -16,7 +24,9 @@ Worked example, 8 ranks, ``RankGrid(tp=2, dp=4)`` with ``ep=2``::
     EP groups  [0, 2], [1, 3], [4, 6], [5, 7]     # consecutive pairs of each DP group
     EDP groups [0, 4], [1, 5], [2, 6], [3, 7]     # the same position in every pair
     ETP groups [0], [1], ..., [7]                 # etp = 1
-    expert_rank(6) == 1: rank 6 holds experts E/2 .. E-1 of every MoE layer
+    ETP groups [0, 1], [2, 3], [4, 5], [6, 7]     # etp = 2: the TP groups
+    expert_rank(6) == 1: rank 6 holds experts E/2 .. E-1 of every MoE layer (etp 2: their first
+                         halves of fc1 rows and fc2 columns, rank 7 the second)
 
 With ``RankGrid(dp=2)`` and ``ep=2``: EP [0, 1], EDP [0], [1] (every expert lives on one rank).
 """
@@ -41,9 +51,10 @@ class ExpertGrid:
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"--expert-{'model' if name == 'ep' else 'tensor'}-parallel-size "
                                  f"must be a positive integer, got {size!r}")
-        if self.etp != 1:
-            raise ValueError(f"--expert-tensor-parallel-size {self.etp}: expert tensor parallelism "
-                             f"is not built yet; use 1 (each expert whole on one rank)")
+        if self.etp not in (1, self.grid.tp):
+            raise ValueError(f"--expert-tensor-parallel-size {self.etp}: only 1 (each expert whole "
+                             f"on one rank) or --tp {self.grid.tp} (the TP group splits every "
+                             f"expert) is built")
         dp_cp = self.grid.dp * self.grid.cp
         if dp_cp % self.ep:
             raise ValueError(f"--expert-model-parallel-size {self.ep} must divide dp x cp = "
@@ -57,7 +68,8 @@ class ExpertGrid:
     def groups(self, dim: str) -> list[list[int]]:
         """Every group of ``dim`` ("ep", "edp" or "etp"), in rank order."""
         if dim == "etp":
-            return [[r] for r in range(self.grid.world_size)]
+            return (self.grid.groups("tp") if self.etp > 1
+                    else [[r] for r in range(self.grid.world_size)])
         if dim not in EXPERT_DIMS:
             raise ValueError(f"ExpertGrid: unknown dimension {dim!r}; use one of {EXPERT_DIMS}")
         found = []

@@ -6,7 +6,10 @@ The norm is that of the serial model's gradient, so each logical value must be c
 - a parameter replicated over TP holds the same gradient on every TP rank: count it on tp_rank 0;
 - an expert's parameter (``param.expert_parallel``, models/moe) is distinct on every rank of its
   EP group (``ps.ep_group``) and replicated over EDP and TP: ``global_grad_norm`` sums those over
-  the EP group (on tp_rank 0); the step's share path does not know experts yet;
+  the EP group (on tp_rank 0); under ZeRO each EDP rank holds a distinct shard of them, so the
+  DP x CP sum (EP x EDP ranks) already counts each once and the EP sum is left out; under
+  expert tensor parallelism an expert's slices are ``tp_sharded`` like any TP shard (counted on
+  every TP rank, summed over TP by ``grid_norm_sq_``);
 - the last stage's copy of a tied embedding (``param.shared_embedding``) duplicates the first
   stage's: skip it;
 - the partial sums are added over ``ps.mp_group`` (TP x PP) by ``grid_norm_sq_``; the training
@@ -160,7 +163,8 @@ def global_grad_norm(params, ps: ParallelState, over_dp: bool | None = None) -> 
                                          if not getattr(p, "expert_parallel", False)], ps), device)
     if experts:  # each EP rank holds distinct experts (replicated over EDP and TP): add them
         part = local_norm_sq(counted_grads(experts, ps), device)
-        ps.ep_group.all_reduce(part)
+        if not over_dp:  # (ZeRO shards: the DP x CP sum below covers the EP ranks as well)
+            ps.ep_group.all_reduce(part)
         local = local + part
     total = grid_norm_sq_(local, ps, over_dp)
     return math.sqrt(total.item())

@@ -307,6 +307,7 @@ class ParallelState:
     dp_exchange_group: CommGroup | None = None   # DP x CP on the exchange worker's lane
     ep_group: CommGroup = None         # expert-parallel ranks (parallel/expert_groups.py)
     edp_group: CommGroup = None        # expert-data-parallel: where expert gradients are summed
+    etp_group: CommGroup = None        # expert-tensor-parallel: the TP group under ETP, else this rank
     owns_process_group: bool = False
 
     def __post_init__(self) -> None:
@@ -320,6 +321,8 @@ class ParallelState:
             self.ep_group = single_rank_group("ep", self.rank, self.comm)
         if self.edp_group is None:  # parallel.expert_parallel.init_expert_groups sets both
             self.edp_group = self.dp_cp_group
+        if self.etp_group is None:  # each expert whole on one rank (init_expert_groups' etp)
+            self.etp_group = single_rank_group("tp", self.rank, self.comm)
         if self.world_group is None:
             self.world_group = CommGroup("world", tuple(range(self.grid.world_size)), self.rank,
                                          None, self.comm, world=True)

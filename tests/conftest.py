@@ -23,3 +23,14 @@ def stream_checker():
     with checker.installed():
         yield checker
     checker.check()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny matrices: faster, and fair to a shared machine
+    (``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,6 +1,9 @@
 """``python -m engine.export --load DIR --to hf --out DIR2``: a Hugging Face transformers model.
 
-gpt2 blocks become ``GPT2LMHeadModel``, llama blocks ``LlamaForCausalLM``; the output directory
+gpt2 blocks become ``GPT2LMHeadModel``; llama blocks ``LlamaForCausalLM``, with ``--qk-layernorm``
+``Qwen3ForCausalLM``, with experts ``MixtralForCausalLM`` (every layer MoE, the default router) or,
+with ``--qk-layernorm``, ``Qwen3MoeForCausalLM`` (engine/checkpoint/hf_moe.py: the routers and
+experts, and the MoE models no transformers class holds, which are refused); the output directory
 holds ``config.json`` and ``model.safetensors`` (plus ``tokenizer.json`` and ``tokenizer_config.json``
 with the eos/bos tokens when the checkpoint has a tokenizer), loadable with
 ``AutoModelForCausalLM.from_pretrained(DIR2)`` and ``AutoTokenizer.from_pretrained(DIR2)``; every
@@ -31,6 +34,7 @@ from safetensors.torch import save_file
 
 from engine.base import ConfigError, ToolParser, os_error_text, run_tool, unwritable
 from engine.checkpoint.index import CheckpointError, TensorReader, intact_hint, read_index, resolve, verify
+from engine.checkpoint.hf_moe import export_family, export_moe_config, export_moe_layer
 
 
 def split_qkv(w: torch.Tensor, heads: int, groups: int | None = None) -> tuple[torch.Tensor, ...]:
@@ -63,6 +67,9 @@ def _mha_qkv(w: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
 
 
 def _gpt2(get, m: dict, eot: int | None) -> tuple[dict, dict]:
+    if m.get("num_experts") is not None or m.get("qk_layernorm"):
+        raise CheckpointError("--to hf: GPT2LMHeadModel has no mixture of experts and no "
+                              "--qk-layernorm; this gpt2-block model cannot be exported")
     n = m["num_attention_heads"]
     g = m.get("num_query_groups") or n
     sd = {"transformer.wte.weight": get("embedding.word.weight"),
@@ -89,9 +96,20 @@ def _gpt2(get, m: dict, eot: int | None) -> tuple[dict, dict]:
     return sd, config
 
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
 def _llama(get, m: dict, eot: int | None) -> tuple[dict, dict]:
+    family = export_family(m)
     n = m["num_attention_heads"]
     g = m.get("num_query_groups") or n
+    qk = m.get("qk_layernorm", False)
+    if m.get("num_experts") is not None:
+        from models.moe.config import moe_layer_pattern
+        moe = moe_layer_pattern(m["moe_layer_freq"], m["num_layers"])
+    else:
+        moe = [False] * m["num_layers"]
     sd = {"model.embed_tokens.weight": get("embedding.word.weight"),
           "model.norm.weight": get("final_norm.weight"), "lm_head.weight": get("output.weight")}
     for i in range(m["num_layers"]):
@@ -100,12 +118,18 @@ def _llama(get, m: dict, eot: int | None) -> tuple[dict, dict]:
         sd.update({f"{dst}.self_attn.q_proj.weight": q, f"{dst}.self_attn.k_proj.weight": k,
                    f"{dst}.self_attn.v_proj.weight": v,
                    f"{dst}.self_attn.o_proj.weight": get(f"{src}.attn.proj.weight"),
-                   f"{dst}.mlp.gate_proj.weight": get(f"{src}.mlp.gate.weight"),
-                   f"{dst}.mlp.up_proj.weight": get(f"{src}.mlp.up.weight"),
-                   f"{dst}.mlp.down_proj.weight": get(f"{src}.mlp.fc2.weight"),
                    f"{dst}.input_layernorm.weight": get(f"{src}.norm1.weight"),
                    f"{dst}.post_attention_layernorm.weight": get(f"{src}.norm2.weight")})
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        if qk:
+            sd.update({f"{dst}.self_attn.q_norm.weight": get(f"{src}.attn.q_norm.weight"),
+                       f"{dst}.self_attn.k_norm.weight": get(f"{src}.attn.k_norm.weight")})
+        if moe[i]:
+            sd.update(export_moe_layer(get, src, dst, m, family == "mixtral"))
+        else:
+            sd.update({f"{dst}.mlp.gate_proj.weight": get(f"{src}.mlp.gate.weight"),
+                       f"{dst}.mlp.up_proj.weight": get(f"{src}.mlp.up.weight"),
+                       f"{dst}.mlp.down_proj.weight": get(f"{src}.mlp.fc2.weight")})
+    config = {"architectures": [ARCHITECTURES[family]], "model_type": family,
               "vocab_size": m["vocab_size"], "hidden_size": m["hidden_size"],
               "intermediate_size": m["ffn_hidden_size"], "num_hidden_layers": m["num_layers"],
               "num_attention_heads": n, "num_key_value_heads": g,
@@ -115,6 +139,10 @@ def _llama(get, m: dict, eot: int | None) -> tuple[dict, dict]:
               "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
               "tie_word_embeddings": False, "attention_dropout": 0.0,
               "bos_token_id": eot, "eos_token_id": eot}
+    if family in ("qwen3", "qwen3_moe"):
+        config.update({"use_sliding_window": False, "sliding_window": None})
+    if family in ("mixtral", "qwen3_moe"):
+        config.update(export_moe_config(m, family))
     return sd, config
 
 

@@ -1,15 +1,18 @@
-"""``python -m engine.import_hf --load HF_DIR --save CKPT_DIR``: a Hugging Face transformers GPT-2 or
-Llama checkpoint (safetensors) becomes a gridtron checkpoint, the mirror of ``engine.export``.
+"""``python -m engine.import_hf --load HF_DIR --save CKPT_DIR``: a Hugging Face transformers GPT-2,
+Llama, Qwen3, Mixtral or Qwen3-MoE checkpoint (safetensors) becomes a gridtron checkpoint, the
+mirror of ``engine.export``.
 
 The model configuration is read from ``config.json``; the weights from ``model.safetensors`` (or
 the shards listed by ``model.safetensors.index.json``); the tokenizer files are copied. The result
 is a checkpoint of step 0 holding the full logical tensors, so it loads under any layout
 (``--load CKPT_DIR --use-checkpoint-args``) and continued pretraining starts from these weights
 with a fresh optimizer. The weight mapping is export.py's, inverted: GPT-2's Conv1D weights are
-(in, out) and transposed; the q, k and v projections are interleaved per head into our fused QKV
-rows (head, q|k|v, head_dim), so whole heads stay together under TP. Rotary embeddings need no
-permutation (both sides rotate halves). Grouped-query attention (num_key_value_heads <
-num_attention_heads) is refused with a clear error until the model supports it.
+(in, out) and transposed; the q, k and v projections are interleaved per key/value group into our
+fused QKV rows (group, [the group's query heads | k | v], head_dim), so whole groups stay together
+under TP; with grouped-query attention (``num_key_value_heads`` G < ``num_attention_heads``) G is
+``--num-query-groups``. Rotary embeddings need no permutation (both sides rotate halves). Qwen3
+and Qwen3-MoE are llama blocks with ``--qk-layernorm`` (``self_attn.q_norm`` / ``k_norm``);
+Mixtral and Qwen3-MoE's experts and routers are mapped by engine/checkpoint/hf_moe.py.
 
 Everything is read and checked first (config.json, the tokenizer, every weight against the shape our
 model needs, built on the meta device), before anything is written; ``--save`` must be new or empty
@@ -31,6 +34,7 @@ from engine.base import ConfigError, ToolParser, os_error_text, run_tool
 from engine.checkpoint.index import (ASIDE, FORMAT, INDEX_NAME, CheckpointError, sha256_file,
                                      step_dir_name, write_json, write_shard)
 from engine.checkpoint.export import check_out_dir, fuse_qkv
+from engine.checkpoint.hf_moe import import_moe_layer, mixtral_fields, qwen3_moe_fields
 from engine.checkpoint.writer import promote
 from models.config import GPTConfig
 
@@ -161,31 +165,48 @@ def _rope_theta(c: dict) -> float:
     return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
 
 
-def _llama_config(c: dict, hf_dir: str) -> GPTConfig:
+def _llama_config(c: dict, hf_dir: str, **extra) -> GPTConfig:
+    """Llama and the families built like it (``extra``: their GPTConfig fields on top)."""
     h, n, layers = (_count(c, k, hf_dir) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers"))
     kv = _count(c, "num_key_value_heads", hf_dir, n) if c.get("num_key_value_heads") is not None else n
-    _require(kv == n, f"grouped-query attention (num_key_value_heads {kv} < num_attention_heads {n}) "
-             f"is not supported yet; import a checkpoint whose every head has its own keys and values",
-             hf_dir)
-    _require(c.get("head_dim", h // n) == h // n, f"head_dim {c.get('head_dim')} != hidden_size / "
+    _require(n % kv == 0, f"num_key_value_heads {kv} does not divide num_attention_heads {n}", hf_dir)
+    _require(c.get("head_dim") in (None, h // n), f"head_dim {c.get('head_dim')} != hidden_size / "
              f"num_attention_heads = {h // n} is not supported", hf_dir)
     _require(c.get("hidden_act", "silu") == "silu", f"hidden_act {c.get('hidden_act')!r} is not "
              f"supported (SwiGLU uses silu)", hf_dir)
     _require(not c.get("attention_bias") and not c.get("mlp_bias"), "attention or MLP biases are not "
              "supported by the llama block", hf_dir)
+    positions = _count(c, "max_position_embeddings", hf_dir)
+    window = c.get("sliding_window")
+    _require(window is None or not c.get("use_sliding_window", True) or window >= positions,
+             f"sliding_window {window} (attention over a window shorter than max_position_embeddings "
+             f"{positions}) is not supported", hf_dir)
     try:
         theta = _rope_theta(c)
     except (ValueError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{hf_dir}: {exc}") from exc
-    positions = _count(c, "max_position_embeddings", hf_dir)
-    return GPTConfig(num_layers=layers, hidden_size=h, num_attention_heads=n,
+    return GPTConfig(num_layers=layers, hidden_size=h, num_attention_heads=n, num_query_groups=kv,
                      ffn_hidden_size=_count(c, "intermediate_size", hf_dir), seq_length=positions,
                      max_position_embeddings=positions, vocab_size=_count(c, "vocab_size", hf_dir),
-                     block="llama", norm_eps=_number(c, "rms_norm_eps", hf_dir, 1e-6), rope_base=theta)
+                     block="llama", norm_eps=_number(c, "rms_norm_eps", hf_dir, 1e-6), rope_base=theta,
+                     **extra)
+
+
+def _qwen3_config(c: dict, hf_dir: str) -> GPTConfig:
+    return _llama_config(c, hf_dir, qk_layernorm=True)
+
+
+def _mixtral_config(c: dict, hf_dir: str) -> GPTConfig:
+    return _llama_config(c, hf_dir, **mixtral_fields(c, hf_dir, _count))
+
+
+def _qwen3_moe_config(c: dict, hf_dir: str) -> GPTConfig:
+    layers = _count(c, "num_hidden_layers", hf_dir)
+    return _llama_config(c, hf_dir, qk_layernorm=True, **qwen3_moe_fields(c, hf_dir, layers, _count))
 
 
 def _llama_weights(cfg: GPTConfig, c: dict, w: dict) -> dict:
-    n = kv = cfg.num_attention_heads
+    n, kv = cfg.num_attention_heads, cfg.num_query_groups
     embed = w["model.embed_tokens.weight"]
     out = w.get("lm_head.weight")
     if out is None:
@@ -199,16 +220,24 @@ def _llama_weights(cfg: GPTConfig, c: dict, w: dict) -> dict:
         a = f"{src}.self_attn"
         sd[f"{dst}.attn.qkv.weight"] = fuse_qkv(w[f"{a}.q_proj.weight"], w[f"{a}.k_proj.weight"],
                                                 w[f"{a}.v_proj.weight"], n, kv)
+        if cfg.qk_layernorm:
+            sd.update({f"{dst}.attn.q_norm.weight": w[f"{a}.q_norm.weight"],
+                       f"{dst}.attn.k_norm.weight": w[f"{a}.k_norm.weight"]})
+        if cfg.is_moe_layer(i):
+            sd.update(import_moe_layer(w, src, dst, cfg.num_experts, c["model_type"] == "mixtral"))
+        else:
+            sd.update({f"{dst}.mlp.gate.weight": w[f"{src}.mlp.gate_proj.weight"],
+                       f"{dst}.mlp.up.weight": w[f"{src}.mlp.up_proj.weight"],
+                       f"{dst}.mlp.fc2.weight": w[f"{src}.mlp.down_proj.weight"]})
         sd.update({f"{dst}.attn.proj.weight": w[f"{a}.o_proj.weight"],
-                   f"{dst}.mlp.gate.weight": w[f"{src}.mlp.gate_proj.weight"],
-                   f"{dst}.mlp.up.weight": w[f"{src}.mlp.up_proj.weight"],
-                   f"{dst}.mlp.fc2.weight": w[f"{src}.mlp.down_proj.weight"],
                    f"{dst}.norm1.weight": w[f"{src}.input_layernorm.weight"],
                    f"{dst}.norm2.weight": w[f"{src}.post_attention_layernorm.weight"]})
     return sd
 
 
-IMPORTERS = {"gpt2": (_gpt2_config, _gpt2_weights), "llama": (_llama_config, _llama_weights)}
+IMPORTERS = {"gpt2": (_gpt2_config, _gpt2_weights), "llama": (_llama_config, _llama_weights),
+             "qwen3": (_qwen3_config, _llama_weights), "mixtral": (_mixtral_config, _llama_weights),
+             "qwen3_moe": (_qwen3_moe_config, _llama_weights)}
 
 
 def model_config(hf_dir: str) -> tuple[GPTConfig, dict]:
@@ -216,7 +245,8 @@ def model_config(hf_dir: str) -> tuple[GPTConfig, dict]:
     c = read_config(hf_dir)
     kind = c.get("model_type")
     if kind not in IMPORTERS:
-        raise CheckpointError(f"{hf_dir}: model_type {kind!r} is not supported; gpt2 and llama are")
+        raise CheckpointError(f"{hf_dir}: model_type {kind!r} is not supported; "
+                              f"{', '.join(IMPORTERS)} are")
     try:
         return IMPORTERS[kind][0](c, hf_dir), c
     except ValueError as exc:  # GPTConfig's own checks (e.g. heads that do not divide the width)
@@ -342,8 +372,13 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = import_hf(args.load, args.save, args.overwrite)
         with open(os.path.join(ckpt, INDEX_NAME), encoding="utf-8") as fh:
             m = json.load(fh)["model"]
+        extra = "".join((
+            f", {m['num_query_groups']} key/value groups"
+            if m["num_query_groups"] != m["num_attention_heads"] else "",
+            ", qk-layernorm" if m.get("qk_layernorm") else "",
+            f", {m['num_experts']} experts (top-{m['moe_router_topk']})" if m.get("num_experts") else ""))
         print(f"wrote {ckpt}: {m['block']}, {m['num_layers']} layers, hidden {m['hidden_size']}, "
-              f"{m['num_attention_heads']} heads, vocab {m['vocab_size']}\n"
+              f"{m['num_attention_heads']} heads{extra}, vocab {m['vocab_size']}\n"
               f"continue pretraining with: python -m engine.train --load {args.save} "
               f"--use-checkpoint-args --data-path PREFIX ... (data prepared with --tokenizer-model "
               f"{args.load})")

@@ -17,12 +17,16 @@ from safetensors import safe_open
 
 from engine.base import ConfigError
 from engine.checkpoint.index import CheckpointError, TensorReader, intact_hint, read_index, resolve, verify
-from engine.checkpoint.specs import (LAYOUT_KEYS, ParamSpec, data_info, layout_of, param_specs,
-                                     saved_layout)
+from engine.checkpoint.specs import (LAYOUT_KEYS, ParamSpec, buffer_specs, data_info, layout_of,
+                                     param_specs, saved_layout)
 from parallel.dp.residuals import fold_logical_residuals
 
 
 MODEL_SHAPE_SKIP = ("seq_length", "vocab_size", "dropout", "seed")  # the run's choices, not the shape
+# training choices of MoE layers: the checkpoint's under --use-checkpoint-args unless this run sets them
+MODEL_RUN_CHOICES = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type",
+                     "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
+                     "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_router_bias_update_rate")
 
 
 def with_checkpoint_args(cfg):
@@ -33,7 +37,8 @@ def with_checkpoint_args(cfg):
         raise ConfigError(f"--use-checkpoint-args: {exc}") from exc
     saved = index["model"]
     known = {f.name for f in dataclasses.fields(cfg.model)}
-    shape = {k: v for k, v in saved.items() if k in known and k not in MODEL_SHAPE_SKIP}
+    shape = {k: v for k, v in saved.items() if k in known and k not in MODEL_SHAPE_SKIP
+             and not (k in MODEL_RUN_CHOICES and k in cfg.explicit)}
     for key, value in shape.items():  # a size the user set that the checkpoint contradicts
         if key in cfg.explicit and getattr(cfg.model, key) != value:
             flag = "--" + key.replace("_", "-")
@@ -62,6 +67,11 @@ def check_compatible(index: dict, cfg, data: dict, where: str) -> None:
             raise CheckpointError(f"checkpoint {where} was saved with {flag} {saved[key]} but this run "
                                   f"has {flag} {getattr(model, key)}: use the checkpoint's model shape "
                                   f"(--use-checkpoint-args) or start without --load")
+    if saved.get("qk_layernorm", False) != model.qk_layernorm:  # else its norms would be skipped
+        given = "with --qk-layernorm, this run without" if saved.get("qk_layernorm", False) else \
+            "without --qk-layernorm, this run with it"
+        raise CheckpointError(f"checkpoint {where} was saved {given}: use the checkpoint's model "
+                              f"shape (--use-checkpoint-args) or start without --load")
     was, now = index["data"], data
     describe = lambda d: "mock data" if d["mock"] else f"tokenizer {d['tokenizer']} ({d['prefix']})"
     named = was["tokenizer"] is not None or was["mock"]  # an import without tokenizer names none
@@ -90,6 +100,15 @@ def _verify_shared(ps, ckpt: str, index: dict) -> None:
         problems = verify(ckpt, index, sorted(bad))
         raise CheckpointError(f"checkpoint {ckpt} is damaged: " + "; ".join(problems)
                               + intact_hint(os.path.dirname(ckpt), exclude=ckpt))
+
+
+def load_buffers(specs: list[ParamSpec], reader: TensorReader) -> None:
+    """The saved buffers (MoE expert biases); one the checkpoint lacks stays as built (zero: an
+    imported or older checkpoint has no bias yet)."""
+    for s in specs:
+        if f"model/{s.name}" in reader:
+            t = reader.read(f"model/{s.name}", s.offsets, list(s.param.shape), dtype=s.param.dtype)
+            s.param.copy_(t.to(s.param.device))
 
 
 def load_model_params(specs: list[ParamSpec], reader: TensorReader) -> None:
@@ -128,6 +147,7 @@ def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) ->
     reader = TensorReader(ckpt, index)
     specs = param_specs(trainer.chunks, ps, cfg.model.vocab_size)
     load_model_params(specs, reader)
+    load_buffers(buffer_specs(trainer.chunks, ps), reader)
     if weights_only or step == 0:  # weights only: the run starts at step 0 with fresh state
         trainer.optimizer.load_state_dict({"step": 0, "pieces": [], "state": {}})
         trainer.loaded_checkpoint, trainer.loaded_step = ckpt, 0

@@ -63,6 +63,32 @@ def param_specs(chunks, ps, vocab_size: int) -> list[ParamSpec]:
     return specs
 
 
+def buffer_specs(chunks, ps) -> list[ParamSpec]:
+    """One spec per saved buffer: each MoE router's expert bias (aux-loss-free balancing), under
+    its router weight's logical name with ``expert_bias`` for ``weight``. The bias is the same
+    on every rank (it moves with the global load), so TP rank 0 writes it (the DP rule applies
+    as for parameters)."""
+    specs = []
+    for chunk in chunks:
+        names = {id(p): n for n, p in chunk.logical_named_parameters()}
+        for m in chunk.modules():
+            bias = getattr(m, "expert_bias", None)
+            if isinstance(bias, torch.Tensor) and id(getattr(m, "weight", None)) in names:
+                name = names[id(m.weight)].rsplit(".", 1)[0] + ".expert_bias"
+                shape = list(bias.shape)
+                specs.append(ParamSpec(name, bias, shape, [0] * len(shape), shape, ps.tp_rank == 0))
+    return specs
+
+
+def first_replica(ps, param) -> bool:
+    """Whether this rank writes its copy of ``param`` among the DP x CP ranks that hold it: the
+    first of them, i.e. DP and CP rank 0 for dense parameters and expert-data-parallel rank 0 for
+    an expert's (its EP peers at DP x CP ranks 1 .. ep-1 hold the other experts)."""
+    if getattr(param, "expert_parallel", False) and getattr(ps, "edp_group", None) is not None:
+        return ps.edp_group.rank == 0
+    return ps.dp_rank == 0 and ps.cp_rank == 0  # CP ranks hold identical parameters too
+
+
 def device_rng(dev) -> torch.Tensor | None:
     return dev.get_rng_state()
 

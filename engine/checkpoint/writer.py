@@ -2,7 +2,9 @@
 descriptions into ``index.json``, renames the directory and repoints ``latest`` (atomic: a crash before
 the rename leaves the previous checkpoint and ``latest`` untouched). Replicated tensors are written
 once: TP-replicated ones by tp rank 0, DP- and CP-replicated ones by dp rank 0 of cp rank 0 (ZeRO
-state: every rank of the DP x CP group its own shard), a tied output embedding by the first stage only.
+state: every rank of the DP x CP group its own shard), an expert's by expert-data-parallel rank 0
+(each expert under its global index, so any ep reads it back), a tied output embedding by the
+first stage only. The MoE routers' expert biases are saved beside the parameters.
 
 A save has three parts, shared by the synchronous path here and the background one
 (``async_writer.py``): ``snapshot`` (at the step boundary: what this rank writes, and on rank 0 what
@@ -22,7 +24,8 @@ import torch.distributed as dist
 
 from engine.checkpoint.index import (ASIDE, FORMAT, INDEX_NAME, LATEST, CheckpointError, file_damage,
                                      list_checkpoints, step_dir_name, write_json, write_shard)
-from engine.checkpoint.specs import ParamSpec, data_info, device_rng, layout_of, param_specs
+from engine.checkpoint.specs import (ParamSpec, buffer_specs, data_info, device_rng, first_replica,
+                                     layout_of, param_specs)
 from parallel.dp.residuals import logical_residual_pieces
 
 
@@ -111,15 +114,14 @@ def snapshot(trainer, step: int, tmp: str, host=None) -> Snapshot:
     cfg, ps = trainer.cfg, trainer.ps
     shard = _Shard(f"rank_{ps.rank:05d}.safetensors")
     specs = {s.name: s for s in param_specs(trainer.chunks, ps, cfg.model.vocab_size)}
-    first_replica = ps.dp_rank == 0 and ps.cp_rank == 0  # CP ranks hold identical parameters too
-    for s in specs.values():
-        if s.writer and first_replica:
+    for s in [*specs.values(), *buffer_specs(trainer.chunks, ps)]:
+        if s.writer and first_replica(ps, s.param):
             shard.add(f"model/{s.name}", s, s.param.detach(), host=host)
     sd = trainer.optimizer.state_dict(clone=False)
     zero = sd["kind"] == "distributed"
     for piece in sd["pieces"]:
         s = specs[piece["name"]]
-        if not s.writer or not (zero or first_replica):
+        if not s.writer or not (zero or first_replica(ps, s.param)):
             continue
         whole = piece["start"] == 0 and piece["end"] == s.param.numel()
         for key, t in sd["state"][piece["name"]].items():

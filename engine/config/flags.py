@@ -36,6 +36,8 @@ FLAGS: dict[str, Flag] = {
                           "must be a multiple)", "model"),
     "group_query_attention": F("Megatron's switch for grouped-query attention; give the group count "
                                "with --num-query-groups (on its own it is an error)", "model"),
+    "qk_layernorm": F("RMSNorm over each attention head's query and key (one head_dim-wide weight "
+                      "each, shared by the heads) before rotary embeddings, as Qwen3 and OLMo2", "model"),
     "ffn_hidden_size": F("MLP width", "model", default_text="4h for gpt2, 8h/3 rounded to 64 for llama"),
     "seq_length": F("tokens per sample", "model", ("--seq-len",)),
     "max_position_embeddings": F("length of the position table (learned positions) or of the RoPE "
@@ -65,10 +67,13 @@ FLAGS: dict[str, Flag] = {
                                         "model", choices=("aux_loss", "seq_aux_loss", "none")),
     "moe_aux_loss_coeff": F("weight of the balancing loss (0: off)", "model"),
     "moe_z_loss_coeff": F("weight of the router z-loss (none: off)", "model"),
-    "moe_token_dispatcher_type": F("token exchange between expert-parallel ranks", "model",
-                                   choices=("alltoall",)),
-    "moe_grouped_gemm": F("accepted; the experts run as a loop over experts in this version",
-                          "model"),
+    "moe_token_dispatcher_type": F("token exchange between expert-parallel ranks: alltoall "
+                                   "(each assignment to its expert's rank) or allgather (every "
+                                   "rank gathers the EP group's tokens, reduce-scatter back)",
+                                   "model", choices=("alltoall", "allgather")),
+    "moe_grouped_gemm": F("one grouped GEMM per expert projection instead of a loop over experts "
+                          "(torch._grouped_mm on CUDA in bf16, npu_grouped_matmul on Atlas A2/A3; "
+                          "the loop elsewhere)", "model"),
     "moe_router_enable_expert_bias": F("aux-loss-free balancing: a per-expert bias on the sigmoid "
                                        "scores for the choice of experts, updated from the global "
                                        "expert load after each step", "model"),
@@ -104,7 +109,9 @@ FLAGS: dict[str, Flag] = {
     "tp_comm_overlap": F("with --sequence-parallel: pipeline the all-gather before each "
                          "column-parallel GEMM and the reduce-scatter after each row-parallel GEMM "
                          "with the GEMMs, in tp chunks on a ring of point-to-point transfers (fused "
-                         "ops on CUDA/Ascend where available; docs/communication.md)", "parallelism"),
+                         "ops on CUDA/Ascend where available); without it, on --device npu, the "
+                         "row-parallel GEMM and its all-reduce as Ascend's fused op "
+                         "(docs/communication.md)", "parallelism"),
     "recompute": F("activation recomputation", "parallelism", ("--recompute-granularity",), RECOMPUTE),
     "use_distributed_optimizer": F("the distributed optimizer: shard the optimizer state over DP "
                                    "ranks (ZeRO-1; --zero-stage 2 also the gradients)", "parallelism"),
@@ -147,8 +154,8 @@ FLAGS: dict[str, Flag] = {
     "expert_model_parallel_size": F("expert-parallel size: ranks (drawn from dp x cp of a stage) "
                                     "over which each MoE layer's experts are split", "parallelism",
                                     ("--ep",)),
-    "expert_tensor_parallel_size": F("expert tensor-parallel size (only 1 is built)", "parallelism",
-                                     ("--etp",)),
+    "expert_tensor_parallel_size": F("expert tensor-parallel size: 1, or --tp (the TP group "
+                                     "splits every expert)", "parallelism", ("--etp",)),
     # ---- training ----------------------------------------------------------------------------
     "train_iters": F("total optimizer steps (a resumed run continues up to it)", "training", ("--iters",)),
     "micro_batch_size": F("sequences per micro-batch", "training", ("--mbs",)),

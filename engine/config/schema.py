@@ -81,7 +81,7 @@ class ParallelConfig:
     backend_rules: str = "auto"
     # mixture of experts: EP ranks drawn from the dp x cp ranks of a stage (parallel/expert_groups.py)
     expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int = 1  # only 1 is built
+    expert_tensor_parallel_size: int = 1  # 1 or tp: the TP group splits every expert
 
     def __post_init__(self):
         if self.backend_rules not in BACKEND_RULES:
@@ -108,10 +108,6 @@ class ParallelConfig:
         if self.zero_stage not in (1, 2):
             raise ValueError(f"--zero-stage must be 1 or 2, got {self.zero_stage} (stage 0 is "
                              f"the default optimizer: leave out --use-distributed-optimizer)")
-        if self.tp_comm_overlap and not self.sequence_parallel:
-            raise ValueError("--tp-comm-overlap needs --sequence-parallel (it overlaps the "
-                             "sequence-parallel all-gather and reduce-scatter with the GEMMs); "
-                             "add --sequence-parallel or drop --tp-comm-overlap")
         if self.zero_stage == 2 and not self.use_distributed_optimizer:
             raise ValueError("--zero-stage 2 shards the distributed optimizer's gradients: add "
                              "--use-distributed-optimizer")
@@ -373,8 +369,17 @@ class RunConfig:
             self.checkpoint.save = os.path.join(self.log.run_dir, "checkpoints")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
-        check_expert_flags(self.model, self.parallel, self.checkpoint.save,
-                           self.compression.grad_compression)
+        if self.parallel.tp_comm_overlap and not self.parallel.sequence_parallel \
+                and self.device != "npu":
+            raise ValueError("--tp-comm-overlap needs --sequence-parallel (it overlaps the "
+                             "sequence-parallel all-gather and reduce-scatter with the GEMMs; "
+                             "without it only Ascend's fused matmul-all-reduce has something to "
+                             "overlap, with --device npu); add --sequence-parallel or drop "
+                             "--tp-comm-overlap")
+        if not (self.checkpoint.use_checkpoint_args and self.checkpoint.load
+                and self.model.num_experts is None):  # else checked with the checkpoint's model
+            check_expert_flags(self.model, self.parallel, self.checkpoint.save,
+                               self.compression.grad_compression)
 
 
 def check_expert_flags(model: GPTConfig, parallel: ParallelConfig, save: str | None = None,
@@ -382,9 +387,9 @@ def check_expert_flags(model: GPTConfig, parallel: ParallelConfig, save: str | N
     """The expert flags against the model's experts and what this slice builds (dp is checked by
     ``grid``); docs/moe.md lists what is not built yet."""
     ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
-    if etp != 1:
-        raise ValueError(f"--expert-tensor-parallel-size {etp}: expert tensor parallelism is not "
-                         f"built yet; use 1 (each expert whole on one rank)")
+    if etp not in (1, parallel.tp):
+        raise ValueError(f"--expert-tensor-parallel-size {etp}: only 1 (each expert whole on one "
+                         f"rank) or --tp {parallel.tp} (the TP group splits every expert) is built")
     if ep < 1:
         raise ValueError(f"--expert-model-parallel-size must be >= 1, got {ep}")
     if model.num_experts is None:
@@ -393,17 +398,14 @@ def check_expert_flags(model: GPTConfig, parallel: ParallelConfig, save: str | N
                              f"which need --num-experts E; add it or use 1")
         return
     ExpertGrid.local_experts(model.num_experts, ep, 0)
-    if parallel.cp > 1 or (parallel.sequence_parallel and parallel.tp > 1):
-        raise ValueError("--num-experts with --cp > 1 or --sequence-parallel is not built yet; "
-                         "use --cp 1 and tensor parallelism without --sequence-parallel")
-    if model.moe_router_enable_expert_bias and save is not None:
-        raise ValueError("--moe-router-enable-expert-bias with checkpoints (--save, or --run-dir's "
-                         "checkpoints/) is not built yet: the expert bias is not saved; drop one")
+    if etp > 1 and parallel.sequence_parallel:
+        raise ValueError(f"--expert-tensor-parallel-size {etp} with --sequence-parallel is not "
+                         f"built yet; drop one (ETP 1 works with --sequence-parallel)")
+    if etp > 1 and model.moe_ffn_hidden_size % etp:
+        raise ValueError(f"--moe-ffn-hidden-size {model.moe_ffn_hidden_size} is not divisible by "
+                         f"--expert-tensor-parallel-size {etp}; choose a multiple of it")
     if ep == 1:
         return
-    for flag, on in (("--use-distributed-optimizer", parallel.use_distributed_optimizer),
-                     ("--grad-compression", compression != "none"),
-                     ("checkpoints (--save, or --run-dir's checkpoints/)", save is not None)):
-        if on:
-            raise ValueError(f"--expert-model-parallel-size {ep} with {flag} is not built yet; "
-                             f"use --expert-model-parallel-size 1 for that")
+    if compression != "none":
+        raise ValueError(f"--expert-model-parallel-size {ep} with --grad-compression is not built "
+                         f"yet; use --expert-model-parallel-size 1 for that")

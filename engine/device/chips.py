@@ -37,6 +37,10 @@ one note at start-up):
   7.0.0 API reference, "torch_npu.npu_rms_norm").
 - ``npu_rotary_mul``: Atlas training, A2 and A3 training series (op-plugin 7.3.0
   docs/context/torch_npu-npu_rotary_mul.md).
+- ``npu_grouped_matmul`` (the MoE experts' grouped GEMM, kernels/grouped_gemm.py): A2 and A3
+  training series, and the Atlas inference series, which is not a training chip here (op-plugin
+  7.3.0 docs/context/torch_npu-npu_grouped_matmul.md, "产品支持情况"). Not the Atlas training
+  series; nothing published for the 950.
 
 Float overflow (CANN runtime, ``aclrtFloatOverflowMode``; TF adapter ``set_device_sat_mode``; CANN
 environment variable ``INF_NAN_MODE_ENABLE``): the Atlas training series supports only the
@@ -80,20 +84,27 @@ FUSED_OPS = MappingProxyType({
     "swiglu": frozenset({"atlas-a2", "atlas-a3"}),
     "rms_norm": frozenset({"atlas-training", "atlas-a2", "atlas-a3"}),
     "rotary_mul": frozenset({"atlas-training", "atlas-a2", "atlas-a3"}),
+    "grouped_matmul": frozenset({"atlas-a2", "atlas-a3"}),
 })
 TORCH_NPU_OPS = MappingProxyType({"fusion_attention": "npu_fusion_attention", "swiglu": "npu_swiglu",
-                                  "rms_norm": "npu_rms_norm", "rotary_mul": "npu_rotary_mul"})
+                                  "rms_norm": "npu_rms_norm", "rotary_mul": "npu_rotary_mul",
+                                  "grouped_matmul": "npu_grouped_matmul"})
 OVERFLOW_MODES = ("saturation", "inf_nan")
 
 # --tp-comm-overlap's fused communication-compute (MC2) ops: generation -> the TP sizes its
 # documentation gives (op-plugin 7.3.0 docs/context/torch_npu-npu_all_gather_base_mm.md and
 # torch_npu-npu_mm_reduce_scatter_base.md: A2 2/4/8 ranks on an HCCS full mesh, A3 2-32 on a double
 # ring; fp16/bf16, 2-D operands, k in [256, 65535), m divisible by the world size, no bias). The
-# layers' probe (parallel/tensor_parallel/overlap_fused.py, which reads no chip name) holds A2's
-# sizes; elsewhere the chunked ring runs. Not yet run on a chip.
+# trainer turns the fused ops on only where this table lists them (``tp_overlap_mode``); the
+# layers' own probe (parallel/tensor_parallel/overlap_fused.py) checks dtype, k and A2's sizes
+# per call; elsewhere the chunked ring runs. Not yet run on a chip.
 TP_OVERLAP_OPS = MappingProxyType({
     op: MappingProxyType({"atlas-a2": (2, 4, 8), "atlas-a3": (2, 4, 8, 16, 32)})
     for op in ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base")})
+# without sequence parallelism: the row-parallel GEMM and its all-reduce (op-plugin 7.3.0
+# docs/context/torch_npu-npu_mm_all_reduce_base.md lists Atlas A2 only; fp16/bf16, x1 2-D or 3-D,
+# x2 2-D; the MC2 family's 2/4/8 ranks and k range). Not yet run on a chip.
+TP_OVERLAP_ALL_REDUCE = MappingProxyType({"npu_mm_all_reduce_base": MappingProxyType({"atlas-a2": (2, 4, 8)})})
 
 
 def tp_overlap_fused(device_name: str, tp: int) -> bool:
@@ -104,6 +115,34 @@ def tp_overlap_fused(device_name: str, tp: int) -> bool:
     """
     gen = generation_of(device_name)
     return gen is not None and all(tp in sizes.get(gen.key, ()) for sizes in TP_OVERLAP_OPS.values())
+
+
+def tp_overlap_all_reduce_fused(device_name: str, tp: int) -> bool:
+    """Whether the fused matmul-all-reduce (no sequence parallelism) is documented here.
+
+    >>> tp_overlap_all_reduce_fused("Ascend910B3", 8), tp_overlap_all_reduce_fused("Ascend910_9392", 8)
+    (True, False)
+    """
+    gen = generation_of(device_name)
+    sizes = TP_OVERLAP_ALL_REDUCE["npu_mm_all_reduce_base"]
+    return gen is not None and tp in sizes.get(gen.key, ())
+
+
+def tp_overlap_mode(device_type: str, device_name: str, tp: int, sequence_parallel: bool) -> str:
+    """The layers' --tp-comm-overlap mode on this device: "auto" (the fused ops where the layers'
+    probe finds them, else the ring) or "ring" (never a fused op). On an Ascend chip "auto" only
+    where its documentation lists the ops this layout uses at this TP size (with sequence
+    parallelism the gather/scatter pair, without it the matmul-all-reduce); elsewhere "auto".
+
+    >>> tp_overlap_mode("npu", "Ascend910_9392", 8, True), tp_overlap_mode("npu", "Ascend910_9392", 8, False)
+    ('auto', 'ring')
+    >>> tp_overlap_mode("npu", "Ascend910A", 2, True), tp_overlap_mode("cuda", "NVIDIA H200", 8, True)
+    ('ring', 'auto')
+    """
+    if device_type != "npu":
+        return "auto"
+    documented = tp_overlap_fused if sequence_parallel else tp_overlap_all_reduce_fused
+    return "auto" if documented(device_name, tp) else "ring"
 
 
 def _normalise(name: str) -> str:
@@ -128,7 +167,9 @@ def npu_kernel_paths(device_name: str) -> tuple[KernelPaths, list[str]]:
 
     >>> paths, notes = npu_kernel_paths("Ascend910A")
     >>> paths.fusion_attention, paths.swiglu, paths.rms_norm, paths.rotary_mul, len(notes)
-    (False, False, True, True, 2)
+    (False, False, True, True, 3)
+    >>> npu_kernel_paths("Ascend910B3")[0].grouped_matmul, npu_kernel_paths("Ascend910A")[0].grouped_matmul
+    (True, False)
     """
     gen = generation_of(device_name)
     flags, notes = {}, []

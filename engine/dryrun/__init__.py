@@ -73,6 +73,8 @@ def prepare(cfg, world_size: int, devices_per_node: int = 8):
         raise ConfigError(f"--world-size must be >= 1, got {world_size}")
     launch = LaunchEnv(0, world_size, 0, min(devices_per_node, world_size))
     grid, layout_notes = validate_run(cfg, launch, memory=(None, ""))  # planned for other machines
+    from engine.dryrun.assumed import check_supported
+    check_supported(cfg)  # MoE: what balanced routing cannot stand in for
     try:
         CompressionPolicy.coerce(cfg.compression)
     except PolicyError as exc:

@@ -8,7 +8,8 @@ cpu and the meta device, so that meta tensors can be handed to it. One process i
 time: the group is destroyed at the end of the block and the next role re-creates it.
 
 ``build_rank`` then creates the rank's process groups with ``ParallelState.initialize`` (every group
-of the grid, as a run does; about 0.2 s at 8,192 ranks) and builds its model chunks, reducer,
+of the grid, as a run does; about 0.2 s at 8,192 ranks) and the expert groups with
+``init_expert_groups``, and builds its model chunks, reducer,
 optimizer and step with ``engine.training.trainer.Trainer.assemble`` under ``torch.device("meta")``:
 parameters, gradient buffers and optimizer state are meta tensors, so their bytes come from shapes
 and dtypes and nothing is allocated. Weight initialisation draws nothing on the meta device.
@@ -17,8 +18,10 @@ and dtypes and nothing is allocated. Weight initialisation draws nothing on the 
 (``tolist``, ``item``, ``float``, ...) of a meta tensor reads zeros (a loss of 0, no overflow, a
 gradient norm of 0, so the step is applied and clipping does nothing), and a tensor made from host
 values for the meta device (``torch.tensor(values, device=...)``) stays on the CPU with its values
-(the pipeline phase's first and last instants, which the bubble's all-reduce exchanges). Nothing
-else of the step is replaced.
+(the pipeline phase's first and last instants, which the bubble's all-reduce exchanges). A
+mixture-of-experts layer's routing counts are the one exception to "zeros": they carry the values
+of balanced routing, and so does the index arithmetic on them (assumed.py), so that the dispatch
+moves the rows a balanced run moves. Nothing else of the step is replaced.
 """
 from __future__ import annotations
 
@@ -30,7 +33,9 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from engine.device.runtime import DeviceInfo
+from engine.dryrun import assumed
 from parallel.dp.policy import CompressionPolicy
+from parallel.expert_parallel import init_expert_groups
 from parallel.state import LaunchEnv, ParallelState
 from parallel.topology import RankGrid
 
@@ -66,26 +71,29 @@ def build_rank(cfg, grid: RankGrid, launch: LaunchEnv, rules: str | None, regist
         ps = ParallelState.initialize(grid, META, FAKE_BACKEND, launch,
                                       timeout_s=cfg.parallel.timeout_s, backend_rules=rules,
                                       dp_exchange=CompressionPolicy.coerce(cfg.compression).any_compressed)
+        # mixture of experts: the EP and EDP groups, as the trainer makes them after the others
+        init_expert_groups(ps, cfg.parallel.expert_model_parallel_size, cfg.parallel.timeout_s,
+                           cfg.parallel.expert_tensor_parallel_size)
         if observer is not None:
             ps.comm.observers.append(observer)
         with torch.device(META):
             return Trainer.assemble(cfg, ps, META_DEVICE, registry)
 
 
-def _zeros(t: torch.Tensor):
-    return torch.zeros(t.shape, dtype=t.dtype)
+_READS = {torch.Tensor.tolist: lambda t: assumed.read(t).tolist(),
+          torch.Tensor.item: lambda t: assumed.read(t).item(),
+          torch.Tensor.__bool__: lambda t: bool(assumed.read(t)),
+          torch.Tensor.__float__: lambda t: float(assumed.read(t)),
+          torch.Tensor.__int__: lambda t: int(assumed.read(t))}
 
 
-_READS = {torch.Tensor.tolist: lambda t: _zeros(t).tolist(),
-          torch.Tensor.item: lambda t: _zeros(t).item(),
-          torch.Tensor.__bool__: lambda t: bool(_zeros(t)),
-          torch.Tensor.__float__: lambda t: float(_zeros(t)),
-          torch.Tensor.__int__: lambda t: int(_zeros(t))}
+def _run(func, args, kwargs):
+    return func(*args, **kwargs)
 
 
 class HostReads(TorchFunctionMode):
-    """Host reads of meta tensors read zeros; host values made for the meta device stay on the CPU
-    (see the module docstring)."""
+    """Host reads of meta tensors read zeros (routing counts: their assumed values, assumed.py);
+    host values made for the meta device stay on the CPU (see the module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -95,4 +103,5 @@ class HostReads(TorchFunctionMode):
             return read(args[0])
         if func is torch.tensor and torch.device(kwargs.get("device") or "cpu").type == "meta":
             kwargs = dict(kwargs, device="cpu")
-        return func(*args, **kwargs)
+        out = assumed.call(func, args, kwargs, _run)
+        return func(*args, **kwargs) if out is NotImplemented else out

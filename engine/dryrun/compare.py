@@ -6,7 +6,8 @@ early-stopping recomputation, as the engine runs; activation and weight bytes fr
 dropout masks only with ``--dropout`` > 0). ``compare_role`` puts the role's
 representative next to the planner's device of the same pipeline rank (engine/plan/memory.py
 ``stage_memory``, engine/plan/traffic.py ``step_traffic``) and flags a difference above
-``TOLERANCE``; where the reason is known (the planner prices something this engine does not do,
+``TOLERANCE``; with MoE layers also the EP dispatch's and the EDP reduction's bytes (the dry run's
+routing is balanced, engine/dryrun/assumed.py, as the planner's is); where the reason is known (the planner prices something this engine does not do,
 or the other way round) the row says it. docs/planner.md, "Dry runs", lists them with figures.
 """
 from __future__ import annotations
@@ -43,6 +44,15 @@ KNOWN = (
     ("tp_comm_bytes", lambda cfg, lay: lay.pp > 1 and lay.tp > 1 and not lay.sequence_parallel,
      _SCATTER),
     ("pp_comm_bytes", lambda cfg, lay: lay.tp > 1 and not lay.sequence_parallel, _SCATTER),
+    ("activation_bytes", lambda cfg, lay: cfg.model.num_experts is not None,
+     "an MoE layer keeps its routing's index vectors and fp32 router tensors, which the planner "
+     "counts per assignment and expert (ACT_MOE_*); the portable kernels' extra copies as above"),
+    ("ep_comm_bytes", lambda cfg, lay: cfg.model.moe_token_dispatcher_type == "allgather",
+     "the planner prices the alltoall dispatcher; allgather gathers every EP rank's tokens, "
+     "routing tables and weights and reduce-scatters the combine (no count exchange)"),
+    ("ep_comm_bytes", lambda cfg, lay: cfg.model.moe_expert_capacity_factor is not None,
+     "the planner prices dropless routing; a padded capacity sends ceil(F T K / E) rows per expert "
+     "and exchanges no counts"),
     ("*", lambda cfg, lay: cfg.parallel.stage_end_weight > 0,
      "--stage-end-weight gives the end stages fewer layers; the planner splits layers evenly"),
 )
@@ -93,6 +103,9 @@ def compare_role(record, cfg, shape: ModelShape, layout: Layout, backend: str) -
              ("dp_comm_bytes", m["dp_comm_bytes"], traffic["dp"]),
              ("embedding_comm_bytes", record.comm["embedding"]["payload_bytes"],
               traffic["embedding"])]
+    if shape.moe is not None:  # the dispatch all-to-alls (balanced routing) and the experts' EDP reduction
+        pairs += [("ep_comm_bytes", record.comm["ep"]["payload_bytes"], traffic["ep"]),
+                  ("edp_comm_bytes", record.comm["edp"]["payload_bytes"], traffic["edp"])]
     rows = []
     for name, dry, plan in pairs:
         row = Row(name, dry, plan)

@@ -18,6 +18,8 @@ engine's overlaps (the planner models each: engine/plan/overlap.py):
 - **zero gathers** (``--overlap-param-gather``, the default, with ``--use-distributed-optimizer``;
   off under ``--compile``): the parameter all-gathers, one per bucket, ahead of the layer that
   needs it in the next forward;
+- **ep** (MoE layers): the count exchange and the dispatch and combine all-to-alls, forward and
+  backward: exposed (the engine waits for each before the experts or the combine run);
 - **pp** and everything else (the tied embedding's and the statistics' all-reduces): exposed.
 
 Worked example (tests/engine/dryrun/test_dryrun.py): tp 2, pp 2, dp 2, SP, ZeRO-1, 4 layers, 4
@@ -31,12 +33,12 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 TP_RING_OPS = ("all_gather", "reduce_scatter")
-DP_GROUPS = ("dp", "dp_cp")
+DP_GROUPS = ("dp", "dp_cp", "edp")  # edp: the experts' buckets, reduced like the others
 
 
 @dataclass(frozen=True)
 class OverlapRow:
-    what: str          # "tp ring", "tp", "dp buckets", "zero gathers", "pp", "other"
+    what: str          # "tp ring", "tp", "dp buckets", "zero gathers", "ep", "pp", "other"
     ops: str           # the recorded operations, e.g. "all_gather/reduce_scatter"
     group: str
     calls: int
@@ -74,10 +76,10 @@ def _row_key(c: dict, zero: bool) -> tuple[str, str]:
         return "dp buckets", group
     if group in DP_GROUPS and op == "all_gather" and zero:
         return "zero gathers", group
-    return ("pp" if group == "pp" else "other"), group
+    return (group if group in ("pp", "ep") else "other"), group
 
 
-ORDER = ("tp ring", "tp", "dp buckets", "zero gathers", "pp", "other")
+ORDER = ("tp ring", "tp", "dp buckets", "zero gathers", "ep", "pp", "other")
 
 
 def overlap_rows(collectives: list[dict], *, tp: int, ring: bool, overlap_grad_reduce: bool,
@@ -105,6 +107,7 @@ def overlap_rows(collectives: list[dict], *, tp: int, ring: bool, overlap_grad_r
         "zero gathers": (overlap_param_gather,
                          "per bucket ahead of the layer that needs it in the next forward"
                          if overlap_param_gather else "exposed (waited for after the update)"),
+        "ep": (False, "exposed (MoE dispatch: count exchange, token all-to-alls each way)"),
         "pp": (False, "exposed (blocking pipeline transfers)"),
         "other": (False, "exposed"),
     }

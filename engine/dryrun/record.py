@@ -33,7 +33,7 @@ import torch
 
 from engine.data.packing import MicroBatch
 from engine.dryrun.build import META, HostReads, build_rank, fake_rank
-from engine.dryrun.roles import Role
+from engine.dryrun.roles import Role, expert_holdings
 from engine.training.lr_schedule import learning_rate
 from engine.training.step_record import comm_metrics
 from parallel.comm import GROUP_KINDS
@@ -175,12 +175,21 @@ def _holds(cfg, trainer) -> dict:
     if getattr(trainer.optimizer, "sharded", False):
         pad = sum(b.numel - sum(s.numel for s in b.slots) for b in trainer.reducer.buckets)
         out["zero_padding_elements"] = pad
-        dp = trainer.reducer.dp
+        # the ranks (of each bucket's own group: DP x CP, or EDP for expert buckets) whose shard
+        # ends in padding
         out["zero_padding_on_dp_ranks"] = sorted({
-            r for b in trainer.reducer.buckets for r in range(dp)
+            r for b in trainer.reducer.buckets for r in range(b.shard_world)
             if b.numel - sum(s.numel for s in b.slots) > 0
-            and b.shard_range(r, dp)[1] > b.slots[-1].end})
+            and b.shard_range(r, b.shard_world)[1] > b.slots[-1].end})
     out["parameters"] = sum(p.numel() for c in trainer.chunks for p in c.parameters())
+    # MoE layers: the experts this rank built (global indices per layer; the layer's ``experts``
+    # module, models/moe/experts.py LocalExperts, keeps them as ``local``)
+    held = {getattr(m, "layer_idx", None): list(m.experts.local) for c in trainer.chunks
+            for m in c.modules() if hasattr(getattr(m, "experts", None), "local")}
+    if held:
+        out["experts_held"] = held
+        out["expert_parameters"] = sum(p.numel() for c in trainer.chunks for p in c.parameters()
+                                       if getattr(p, "expert_parallel", False))
     return out
 
 
@@ -243,7 +252,8 @@ def record_role(cfg, grid, role: Role, rules: str | None, devices_per_node: int,
                 {**comm_metrics(out.comm), **{k: trainer.memory[k] for k in MEMORY_KEYS}},
                 _communicators(setup + [e for e, _ in events], trainer.reducer),
                 _p2p_peers(ps, trainer.stepper.actions),
-                _holds(cfg, trainer), events=[e for e, _ in events], tensor_devices=_devices(trainer),
+                {**_holds(cfg, trainer), **({"moe": moe} if (moe := expert_holdings(cfg, grid, role)) else {})},
+                events=[e for e, _ in events], tensor_devices=_devices(trainer),
                 shard_buckets=_shard_buckets(trainer))
         finally:
             trainer.reducer.remove_hooks()

@@ -22,7 +22,14 @@ the same number of elements; large models, whose norms sit in buckets of their o
 none. tests/engine/dryrun/test_dryrun.py builds every rank of small layouts and checks that the ranks of one
 role record the same bytes.
 
-A role is the set of stages with the same signature (embedding?, output?, layer count per chunk);
+Mixture-of-experts layers (docs/moe.md): an MoE layer's experts are split over the EP ranks of the
+stage (E/ep each, ``parallel/expert_groups.py``), so the ranks of a stage hold different experts
+but the same number of them: the expert part is per EP rank and changes no byte count either
+(``RoleRecord.holds`` lists which experts each EP rank holds). Which layers are MoE layers
+(``--moe-layer-freq``) does: a stage's signature counts its MoE layers per chunk.
+
+A role is the set of stages with the same signature (embedding?, output?, layer count and MoE
+layer count per chunk);
 its representative is the rank at tp = cp = dp = 0 of the stage with the most micro-batches in
 flight, so the role's largest activation memory is the one measured.
 
@@ -52,6 +59,7 @@ class Role:
     embedding: bool                  # a chunk holds the input embedding (virtual stage 0)
     output: bool                     # a chunk holds the output layer and the loss
     in_flight: dict                  # stage -> most (micro-batch, chunk) activations held at once
+    moe_layers: int = 0              # MoE layers among the representative's chunks
 
     @property
     def stage(self) -> int:
@@ -95,16 +103,17 @@ def rank_roles(cfg, grid: RankGrid) -> list[Role]:
         layers[stage] = chunks
         virtual = placement_stages(pp, vp, stage, placement)  # as the trainer builds them
         turn = any(b - a == 1 for a, b in zip(virtual, virtual[1:]))  # zb-v's last rank: no hop
-        key = (0 in virtual, pp * vp - 1 in virtual, turn, tuple(len(r) for r in chunks))
+        moe = tuple(sum(cfg.model.is_moe_layer(i) for i in r) for r in chunks)
+        key = (0 in virtual, pp * vp - 1 in virtual, turn, tuple(len(r) for r in chunks), moe)
         by_signature.setdefault(key, []).append(stage)
     roles = []
-    for (embedding, output, turn, _), stages in by_signature.items():
+    for (embedding, output, turn, _, moe), stages in by_signature.items():
         in_flight = {s: flight[s] for s in stages}
         rep_stage = max(stages, key=lambda s: (in_flight[s], -s))
         ranks = tuple(sorted(r for r in range(grid.world_size) if grid.coord(r).pp in stages))
         roles.append(Role(_name(embedding, output, len(stages), pp, turn), tuple(stages), ranks,
                           grid.rank_of(pp=rep_stage), layers[rep_stage], embedding, output,
-                          in_flight))
+                          in_flight, sum(moe)))
     return roles
 
 
@@ -149,8 +158,30 @@ def split_by_shard(role: Role, grid: RankGrid, signatures: list[tuple[int, int]]
             r for r in ranks if grid.coord(r).pp == role.stage)
         shards = sorted({index[r] for r in ranks})
         parts.append(Role(f"{role.name} [shards {describe_stages(tuple(shards))}]", role.stages,
-                          ranks, rep, role.chunks, role.embedding, role.output, role.in_flight))
+                          ranks, rep, role.chunks, role.embedding, role.output, role.in_flight,
+                          role.moe_layers))
     return parts
+
+
+def expert_holdings(cfg, grid: RankGrid, role: Role) -> dict:
+    """Which experts the ranks of ``role`` hold in each of its MoE layers (empty without): E/ep per
+    EP rank, EP rank i holding experts [i E/ep, (i + 1) E/ep) (``ExpertGrid``), and each rank's EP
+    rank, as ``{"experts_per_rank", "ep", "edp", "experts_of_ep_rank": {i: [first, last]},
+    "ep_rank_of": {rank: i}}``."""
+    from parallel.expert_groups import ExpertGrid
+    e = cfg.model.num_experts
+    if e is None or not role.moe_layers:
+        return {}
+    egrid = ExpertGrid(grid, cfg.parallel.expert_model_parallel_size)
+    ep = egrid.ep
+    per = e // ep
+    position = {}
+    for group in egrid.groups("ep"):
+        for i, r in enumerate(group):
+            position[r] = i
+    return {"experts_per_rank": per, "ep": ep, "edp": egrid.edp,
+            "experts_of_ep_rank": {i: [i * per, (i + 1) * per - 1] for i in range(ep)},
+            "ep_rank_of": {r: position[r] for r in role.ranks}}
 
 
 def describe_stages(stages: tuple[int, ...]) -> str:

@@ -29,6 +29,7 @@ SCALARS = {  # metrics key -> dashboard tag
     "bubble_simulated_compute": "pipeline/bubble_simulated_compute",
     "time_pp_exposed_s": "comm/time_pp_exposed_s",
     "time_dp_exposed_s": "comm/time_dp_exposed_s",
+    "time_tp_exposed_s": "comm/time_tp_exposed_s",
     "time_zero_gather_exposed_s": "comm/time_zero_gather_exposed_s",
     "dp_comm_bytes": "comm/dp_comm_bytes",
     "dp_comm_wire_bytes": "comm/dp_comm_wire_bytes",

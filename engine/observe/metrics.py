@@ -24,7 +24,9 @@ run so far without the warm-up step (``RunningTotals``); without the bar, one co
   on their way (posting, and each wait after both sides had posted), averaged over ranks;
   ``time_dp_exposed_s``: the step's wait in the DP reduction's ``finish`` for collectives still in
   flight after the backward; ``time_zero_gather_exposed_s``: the forward's waits for ZeRO's
-  overlapped parameter all-gathers (null without them). Device seconds of global rank 0.
+  overlapped parameter all-gathers (null without them); ``time_tp_exposed_s``: with tp > 1,
+  every interval the step spent blocked in a TP-group collective or its wait (null with tp = 1
+  and under --compile). Device seconds of global rank 0.
 - ``time_forward_backward_s``, ``time_dp_finish_s``, ``time_grad_sync_s``, ``time_clip_s``,
   ``time_optimizer_s``: device seconds of each part of the step on global rank 0 (engine/training/step.py);
   none of them is in the bubble.
@@ -266,7 +268,7 @@ def summarize_run(records: list[dict], warmup: int = WARMUP_STEPS) -> dict:
     for key in ("dp_comm_bytes", "dp_comm_wire_bytes", "tp_comm_bytes", "pp_comm_bytes",
                 "time_forward_backward_s", "time_dp_finish_s", "time_grad_sync_s", "time_clip_s",
                 "time_optimizer_s", "time_pp_exposed_s", "time_dp_exposed_s",
-                "time_zero_gather_exposed_s"):
+                "time_zero_gather_exposed_s", "time_tp_exposed_s"):
         out[key] = per_step(key)
     out["peak_memory_bytes"] = max((r.get("peak_memory_bytes") or 0) for r in kept) or None
     out.update(summarize_moe(kept))
@@ -326,6 +328,8 @@ def summary_table(records: list[dict], extra: dict[str, str], warmup: int = WARM
         rows.append(("exposed DP reduction / ZeRO gather",
                      f"{s['time_dp_exposed_s']:.4f} / "
                      f"{'n/a' if gather is None else format(gather, '.4f')} s per step"))
+    if s["time_tp_exposed_s"] is not None:
+        rows.append(("exposed TP communication", f"{s['time_tp_exposed_s']:.4f} s per step"))
     rows.append(("DP bytes per step", num(s["dp_comm_bytes"], ".0f")))
     if "moe_expert_load" in s:
         last = records[-1]

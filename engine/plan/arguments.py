@@ -10,7 +10,8 @@ import os
 from engine.plan.model import MAX_DEVICES
 
 SIZE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
-             "global_batch_size", "ffn_hidden_size", "micro_batch_size")
+             "global_batch_size", "ffn_hidden_size", "micro_batch_size", "num_experts",
+             "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
 
 
 def _readable(flag: str, path: str) -> None:

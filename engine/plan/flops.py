@@ -135,6 +135,13 @@ def moe_shape(cfg) -> MoEShape | None:
                     cfg.moe_shared_expert_intermediate_size or 0)
 
 
+def moe_layer_indices(cfg) -> tuple[int, ...]:
+    """The global indices of a model config's MoE layers (none without --num-experts)."""
+    if getattr(cfg, "num_experts", None) is None:
+        return ()
+    return tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+
+
 def moe_mlp_forward_flops(tokens: float, hidden: int, block: str, moe: MoEShape) -> float:
     """Forward FLOPs of one MoE layer's MLP over ``tokens`` tokens: router, K experts, shared."""
     n = _MLP_MATRICES[block]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from engine.plan.model import (ACT_MASK_BYTES, ACT_TENSORS_MLP, ACT_TENSORS_REPLICATED,
+from engine.plan.model import (ACT_MASK_BYTES, ACT_MOE_FP32_PER_EXPERT, ACT_MOE_INDEX_BYTES, moe_tokens,
+                               ACT_MOE_ROWS, ACT_TENSORS_MLP, ACT_TENSORS_REPLICATED,
                                ACT_TENSORS_SPLIT_ATTN, COMM_BUFFER_BYTES, GRAD_BYTES,
                                OPTIMIZER_STATE_BYTES, P2P_BUFFER_BYTES, Layout, ModelShape,
                                num_micro_batches)
@@ -25,8 +26,62 @@ def layer_params_per_device(shape: ModelShape, tp: int) -> float:
     return (attn + 2 * h * f + h + 2 * kv + f) / tp + 2 * h + 4 * h
 
 
+def stage_layers(shape: ModelShape, layout: Layout, stage: int) -> list[int]:
+    """Global indices of the layers pipeline rank ``stage`` holds, num_layers / (pp vp) per chunk:
+    virtual stages ``chunk * pp + stage`` (zb-v: ``stage`` and ``2 pp - 1 - stage``)."""
+    p, v = layout.pp, layout.vp
+    n = shape.num_layers // (p * v)
+    virtual = (stage, 2 * p - 1 - stage) if layout.v_placement else tuple(c * p + stage for c in range(v))
+    return [i for vs in virtual for i in range(vs * n, (vs + 1) * n)]
+
+
+def stage_moe_layers(shape: ModelShape, layout: Layout, stage: int) -> int:
+    """MoE layers among the layers of pipeline rank ``stage``."""
+    if shape.moe is None:
+        return 0
+    return sum(1 for i in stage_layers(shape, layout, stage) if shape.is_moe(i))
+
+
+def expert_params_per_layer(shape: ModelShape, ep: int) -> float:
+    """One MoE layer's expert weights on one rank: E/ep whole experts (expert tensor parallelism
+    is 1, so every TP rank holds the same ones): n_mat h f_e each, gpt2 also the biases f_e + h."""
+    moe, h = shape.moe, shape.hidden_size
+    f = moe.ffn_hidden
+    one = 3 * h * f if shape.block == "llama" else 2 * h * f + f + h
+    return moe.num_experts // ep * one
+
+
+def moe_dense_change_per_layer(shape: ModelShape, tp: int) -> float:
+    """What an MoE layer's dense parameters (the replicated (E, h) router and the tensor-parallel
+    shared expert) hold on one TP rank beyond, or short of, the dense MLP it replaces."""
+    moe, h, f = shape.moe, shape.hidden_size, shape.ffn_hidden_size
+    if shape.block == "llama":
+        mlp = lambda width: 3 * h * width / tp if width else 0.0  # noqa: E731
+    else:  # column-parallel fc1 and its bias split, fc2's bias replicated
+        mlp = lambda width: (2 * h * width + width) / tp + h if width else 0.0  # noqa: E731
+    return moe.num_experts * h + mlp(moe.shared_ffn) - mlp(f)
+
+
+def stage_param_split(shape: ModelShape, layout: Layout, stage: int) -> tuple[float, float]:
+    """(dense weights, expert weights) on a device of pipeline rank ``stage``: the expert ones are
+    the MoE layers' experts (reduced over the EDP group, sharded over it under ZeRO), the dense
+    ones everything else (``stage_param_count`` without MoE layers; the router and the shared
+    expert are dense)."""
+    total = _stage_dense_count(shape, layout, stage)
+    moe_layers = stage_moe_layers(shape, layout, stage)
+    if not moe_layers:
+        return total, 0.0
+    return (total + moe_layers * moe_dense_change_per_layer(shape, layout.tp),
+            moe_layers * expert_params_per_layer(shape, layout.ep))
+
+
 def stage_param_count(shape: ModelShape, layout: Layout, stage: int) -> float:
-    """Weights on a device of pipeline rank ``stage``: its layers (num_layers / pp), on the first
+    """Every weight on a device of pipeline rank ``stage``, dense and expert (``stage_param_split``)."""
+    return sum(stage_param_split(shape, layout, stage))
+
+
+def _stage_dense_count(shape: ModelShape, layout: Layout, stage: int) -> float:
+    """Weights on a device of pipeline rank ``stage`` with dense MLPs: its layers (num_layers / pp), on the first
     the word (V_pad h / t) and, for gpt2, position embeddings, on the last the output layer (for
     gpt2 with pp > 1 its own copy of the tied embedding) and the final norm; under zb-v the first
     holds the output layer and final norm too (the tied embedding is then one parameter)."""
@@ -97,13 +152,16 @@ def in_flight(shape: ModelShape, layout: Layout, stage: int) -> float:
     return min(((p - stage - 1) * 2 + (v - 1) * p + 1) / v, float(m))
 
 
-def communicators(layout: Layout, tied_embeddings: bool, stage: str = "first") -> tuple[int, int]:
+def communicators(layout: Layout, tied_embeddings: bool, stage: str = "first",
+                  moe: bool = False) -> tuple[int, int]:
     """(collective communicators, point-to-point neighbour pairs) of a device of the "first",
     "middle" or "last" stage: one per process group of more than one rank that issues a
     collective (world, tp, cp, dp or, when cp > 1, dp x cp, pp, and the tied-embedding pair of
     the first and last stages; the training step sums the gradient norm in its statistics
     all-reduce over the world, so the mp = tp x pp group issues none; with compression, the
-    exchange worker's own dp x cp communicator, parallel/lanes.py), and, with pp > 1, its
+    exchange worker's own dp x cp communicator, parallel/lanes.py; with ``moe``, a stage holding
+    MoE layers, and ep > 1 the EP group's all-to-alls and the EDP group's expert gradient
+    reduction), and, with pp > 1, its
     pipeline neighbours (one at either end; two for a middle stage, and at the ends when the
     interleaved schedule wraps the last stage around to the first and pp > 2).
 
@@ -118,6 +176,8 @@ def communicators(layout: Layout, tied_embeddings: bool, stage: str = "first") -
     paired = p > 1 and tied_embeddings and stage != "middle" and not layout.v_placement
     groups = [layout.world_size, t, c, d if c == 1 else 1, d * c if c > 1 else 1, p,
               2 if paired else 1, d * c if layout.compression else 1]
+    if moe and layout.ep > 1:
+        groups += [layout.ep, layout.edp]
     neighbours = 0 if p == 1 else (2 if (layout.vp > 1 or stage == "middle") and p > 2 else 1)
     return sum(1 for size in groups if size > 1), neighbours
 
@@ -127,9 +187,10 @@ def buffer_bytes(collective: int, p2p: int, backend: str) -> float:
     return collective * COMM_BUFFER_BYTES.get(backend, 0) + p2p * P2P_BUFFER_BYTES.get(backend, 0)
 
 
-def comm_buffer_bytes(layout: Layout, backend: str, tied_embeddings: bool, stage: str = "first") -> float:
+def comm_buffer_bytes(layout: Layout, backend: str, tied_embeddings: bool, stage: str = "first",
+                      moe: bool = False) -> float:
     """Bytes the communication library reserves on one device for its communicators."""
-    return buffer_bytes(*communicators(layout, tied_embeddings, stage), backend)
+    return buffer_bytes(*communicators(layout, tied_embeddings, stage, moe), backend)
 
 
 @dataclass(frozen=True)
@@ -154,13 +215,38 @@ class MemoryTerms:
         return out
 
 
-def optimizer_bytes_per_param(shape: ModelShape, layout: Layout) -> float:
+def optimizer_bytes_per_param(shape: ModelShape, layout: Layout, expert: bool = False) -> float:
     """fp32 master, Adam m and v per weight (an fp32 weight is its own master, also under ZeRO:
-    parallel/dp/master.py), split over the dp x cp ranks under ZeRO."""
+    parallel/dp/master.py), split under ZeRO over the dp x cp ranks, or for an ``expert`` weight
+    over its expert-data-parallel group (dp x cp / ep ranks)."""
     per_weight = OPTIMIZER_STATE_BYTES - (4 if shape.weight_bytes == 4 else 0)
     if layout.zero:
-        return per_weight / (layout.dp * layout.cp)
+        return per_weight / (layout.edp if expert else layout.dp * layout.cp)
     return per_weight
+
+
+def moe_activation_change(shape: ModelShape, layout: Layout, recompute: str | None = None) -> float:
+    """Bytes an MoE layer keeps per micro-batch beyond the dense layer it replaces (negative when
+    it keeps less): the dense MLP's ``n e s b f / t`` is replaced by the experts' ``e T K`` rows
+    (their gathered input and their outputs, which the weighted combine keeps,
+    ``ACT_MOE_ROWS e T K h``; ``n e T K f_e`` inside them, n as the dense MLP's), the shared
+    expert's ``n e T f_s / t``, the router's fp32 logits and scores (``ACT_MOE_FP32_PER_EXPERT``
+    x 4 T E; its fp32 copy of the input 4 T h when activations are not fp32) and the routing's
+    index vectors (``ACT_MOE_INDEX_BYTES`` per assignment), T = s b. Full recomputation keeps
+    only the layer's input: no change."""
+    recompute = recompute or layout.recompute
+    if shape.moe is None or recompute == "full":
+        return 0.0
+    moe, h, e, t = shape.moe, shape.hidden_size, shape.activation_bytes, layout.tp
+    tokens = shape.seq_length * layout.micro_batch_size / layout.cp
+    n = ACT_TENSORS_MLP[shape.block]
+    routed = moe_tokens(shape, layout)   # this TP rank's own under sequence parallelism
+    assignments = routed * moe.topk
+    kept = (e * assignments * (ACT_MOE_ROWS * h + n * moe.ffn_hidden)
+            + n * e * tokens * moe.shared_ffn / t
+            + 4 * routed * (ACT_MOE_FP32_PER_EXPERT * moe.num_experts + (h if e != 4 else 0))
+            + ACT_MOE_INDEX_BYTES * assignments)
+    return kept - n * e * tokens * shape.ffn_hidden_size / t
 
 
 def stage_name(layout: Layout, stage: int) -> str:
@@ -174,8 +260,10 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: int, backend: str = "
     communicator buffers."""
     s, b, h, t, c = shape.seq_length, layout.micro_batch_size, shape.hidden_size, layout.tp, layout.cp
     shards = layout.dp * c if layout.zero else 1
-    params = stage_param_count(shape, layout, stage)
+    dense, expert = stage_param_split(shape, layout, stage)
+    params = dense + expert
     layers = shape.num_layers // layout.pp
+    moe_layers = stage_moe_layers(shape, layout, stage)
     transient = {"full": layer_activation_bytes(shape, layout, "none"),
                  "selective": scores_activation_bytes(shape, layout),
                  "none": 0.0}[layout.recompute]
@@ -189,18 +277,30 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: int, backend: str = "
             "last": logits, "middle": 0.0}[name]
     if layout.v_placement and layout.pp > 1:  # device 0: the embedding and the output layer
         ends = {"first": embedding * in_flight(shape, layout, 0) + logits}.get(name, 0.0)
-    grads = GRAD_BYTES / (shards if layout.zero and layout.zero_stage == 2 else 1)
-    return MemoryTerms(params * shape.weight_bytes, params * grads,
-                       params * optimizer_bytes_per_param(shape, layout),
-                       layers * layer_activation_bytes(shape, layout) * in_flight(shape, layout, stage),
-                       transient, ends, comm_buffer_bytes(layout, backend, shape.block == "gpt2", name),
+    zero2 = layout.zero and layout.zero_stage == 2
+    grads = dense * (GRAD_BYTES / (shards if zero2 else 1)) + \
+        expert * (GRAD_BYTES / (layout.edp if zero2 else 1))
+    optimizer = dense * optimizer_bytes_per_param(shape, layout)
+    if expert:
+        optimizer += expert * optimizer_bytes_per_param(shape, layout, expert=True)
+    per_micro = layers * layer_activation_bytes(shape, layout)
+    if moe_layers:
+        per_micro += moe_layers * moe_activation_change(shape, layout)
+        if layout.recompute == "full":  # the rebuilt layer is an MoE one
+            transient += moe_activation_change(shape, layout, "none")
+    return MemoryTerms(params * shape.weight_bytes, grads, optimizer,
+                       per_micro * in_flight(shape, layout, stage), transient, ends,
+                       comm_buffer_bytes(layout, backend, shape.block == "gpt2", name, moe_layers > 0),
                        name)
 
 
 def memory_per_device(shape: ModelShape, layout: Layout, backend: str = "gloo") -> MemoryTerms:
-    """Bytes on the most loaded pipeline device (the first or the last); ``backend`` (hccl, nccl,
-    gloo) prices the communicator buffers."""
+    """Bytes on the most loaded pipeline device (the first or the last; with MoE layers any);
+    ``backend`` (hccl, nccl, gloo) prices the communicator buffers."""
     first = stage_memory(shape, layout, 0, backend)
     if layout.pp == 1:
         return first
-    return max(first, stage_memory(shape, layout, layout.pp - 1, backend), key=lambda mem: mem.total)
+    # with MoE layers a middle stage can hold the most experts (--moe-layer-freq)
+    others = range(1, layout.pp) if shape.moe is not None else (layout.pp - 1,)
+    return max([first] + [stage_memory(shape, layout, s, backend) for s in others],
+               key=lambda mem: mem.total)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.plan.flops import BLOCKS, RECOMPUTE, default_ffn_hidden
+from engine.plan.flops import BLOCKS, RECOMPUTE, MoEShape, default_ffn_hidden
 from engine.plan.hardware import OVERLAP_EFFICIENCY, DeviceSpec, OverlapEfficiency
 from engine.plan.placement import DEFAULT_ORDER, all_groups_intra, parse_order
 
@@ -69,6 +69,15 @@ ACT_MASK_BYTES = 1  # a dropout mask's byte per element
 ACT_TENSORS_REPLICATED = 4  # two LayerNorm inputs, the QKV and MLP inputs (+ 2 dropout masks)
 ACT_TENSORS_SPLIT_ATTN = 4  # Q, K, V, the output projection's input
 ACT_TENSORS_MLP = {"gpt2": 2, "llama": 3}
+# MoE layers (memory.moe_activation_change): the experts' gathered input rows and their outputs
+# (kept by the weighted combine), T K h each; the router's fp32 logits and scores, T E each; four
+# int64 index vectors per assignment (the sort by expert, the rows' tokens, the dispatch's re-sort
+# and its inverse). Time: the permutation's memory-bound passes, in units of T K h bytes (fp16):
+# gather, dispatch re-sort, combine re-sort, weighted sum, read + write each.
+ACT_MOE_ROWS = 2
+ACT_MOE_FP32_PER_EXPERT = 2
+ACT_MOE_INDEX_BYTES = 32
+EW_MOE_PERMUTE = 16
 VOCAB_PAD_MULTIPLE = 128  # the engine pads the vocabulary to a multiple of 128 x tp (equal shards)
 
 
@@ -99,6 +108,11 @@ class ModelShape:
     # Bytes per weight: 2 (bf16/fp16, with fp32 masters in the optimizer) or 4 (an fp32 run, whose
     # weights are their own masters).
     weight_bytes: int = WEIGHT_BYTES
+    # Mixture of experts (docs/moe.md): the MoE layers' shape (flops.MoEShape: experts, top-k,
+    # expert and shared-expert widths) and the global indices of the layers whose MLP is an MoE
+    # layer (``--moe-layer-freq``; every layer when left empty and ``moe.layers`` is num_layers).
+    moe: MoEShape | None = None
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
@@ -121,12 +135,27 @@ class ModelShape:
         if g is not None and (not isinstance(g, int) or g < 1 or self.num_attention_heads % g):
             raise ValueError(f"--num-query-groups {g!r} must be a positive divisor of "
                              f"--num-attention-heads {self.num_attention_heads}")
+        if self.moe is None:
+            if self.moe_layers:
+                raise ValueError("moe_layers without a MoEShape: give --num-experts")
+            return
+        if not self.moe_layers and self.moe.layers == self.num_layers:
+            object.__setattr__(self, "moe_layers", tuple(range(self.num_layers)))
+        layers = tuple(sorted(set(self.moe_layers)))
+        if len(layers) != self.moe.layers or layers[0] < 0 or layers[-1] >= self.num_layers:
+            raise ValueError(f"moe_layers {self.moe_layers} must name the {self.moe.layers} MoE "
+                             f"layers among the {self.num_layers} layers")
+        object.__setattr__(self, "moe_layers", layers)
 
     @property
     def kv_hidden(self) -> int:
         """Width of the key (and of the value) projection: query groups x head size."""
         groups = self.num_query_groups or self.num_attention_heads
         return groups * (self.hidden_size // self.num_attention_heads)
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether global layer ``layer`` has an MoE MLP."""
+        return layer in self.moe_layers
 
     def padded_vocab(self, tp: int) -> int:
         """The vocabulary as the engine allocates it: a multiple of 128 x tp (its padding rows are
@@ -223,11 +252,15 @@ class Layout:
     tp_comm_overlap: bool = False
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
+    # Expert parallelism (MoE layers): ep ranks drawn from the dp x cp ranks of a stage hold E/ep
+    # experts each; expert gradients reduce over the expert-data-parallel group of dp x cp / ep
+    # ranks (parallel/expert_groups.py). Last, so that positional layouts keep their meaning.
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if self.schedule == "zb-v" and self.vp == 1:
             object.__setattr__(self, "vp", 2)   # zb-v always runs two chunks per rank
-        for key in ("tp", "pp", "dp", "vp", "micro_batch_size", "cp"):
+        for key in ("tp", "pp", "dp", "vp", "micro_batch_size", "cp", "ep"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"layout {key} must be a positive integer, got {getattr(self, key)!r}")
         if self.schedule not in PLAN_SCHEDULES:
@@ -243,6 +276,11 @@ class Layout:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tp > 1")
         parse_order(self.order, self.cp)
+
+    @property
+    def edp(self) -> int:
+        """Ranks of an expert-data-parallel group: the replicas of one EP rank's experts."""
+        return self.dp * self.cp // self.ep if (self.dp * self.cp) % self.ep == 0 else 0
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -301,4 +339,25 @@ def check_layout(shape: ModelShape, cluster: Cluster, layout: Layout) -> str | N
     if v > 1 and layout.schedule == "1f1b" and num_micro_batches(shape, layout) % p:
         return (f"interleaved schedule: micro-batches {num_micro_batches(shape, layout)} "
                 f"not a multiple of pp {p}")
+    return check_moe_layout(shape, layout)
+
+
+def moe_tokens(shape: ModelShape, layout: Layout) -> float:
+    """Tokens one rank routes through an MoE layer per micro-batch: its s b / cp, and under
+    sequence parallelism its 1/tp shard of them (each TP rank routes its own,
+    models/moe/layer.py); without it every TP rank routes the same tokens."""
+    tokens = shape.seq_length * layout.micro_batch_size / layout.cp
+    return tokens / layout.tp if layout.sequence_parallel else tokens
+
+
+def check_moe_layout(shape: ModelShape, layout: Layout) -> str | None:
+    """The expert rules (engine/config/schema.py ``check_expert_flags``, parallel/expert_groups.py):
+    ep divides dp x cp and the experts, so that every command the planner prints runs."""
+    ep, moe = layout.ep, shape.moe
+    if moe is None:
+        return None if ep == 1 else f"ep {ep} needs MoE layers (--num-experts)"
+    if (layout.dp * layout.cp) % ep:
+        return f"ep {ep} does not divide dp x cp = {layout.dp * layout.cp}"
+    if moe.num_experts % ep:
+        return f"experts {moe.num_experts} not divisible by ep {ep}"
     return None

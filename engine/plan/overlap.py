@@ -218,7 +218,8 @@ def fit_efficiency(measured_s: float, exposed_at_one: float, exposed_at_zero: fl
 
 
 def data_parallel_overlap(shape: ModelShape, cluster, layout: Layout, dp_gbps: float,
-                          backward_s: list[float], forward_s: list[float]) -> tuple[Overlapped, Overlapped]:
+                          backward_s: list[float], forward_s: list[float],
+                          edp_gbps: float = 0.0) -> tuple[Overlapped, Overlapped]:
     """(DP gradient reduction, ZeRO parameter all-gather) of one step, exposed and hidden.
 
     Every pipeline stage reduces its own gradients (``--grad-reduce-bytes`` per element) over its
@@ -226,11 +227,13 @@ def data_parallel_overlap(shape: ModelShape, cluster, layout: Layout, dp_gbps: f
     under its window (``stage_windows`` of the stages' per-micro-batch ``backward_s``, pipeline
     order), at least its last bucket exposed; without it all of it after backward. ZeRO's bf16
     parameter all-gather likewise under ``forward_windows`` with ``overlap_param_gather``, at least
-    the first bucket exposed. The step waits for the stage that is exposed longest.
+    the first bucket exposed. The step waits for the stage that is exposed longest. With ep > 1
+    the experts' gradients (and ZeRO's gather of them) run over their EDP group at ``edp_gbps``
+    after the dense ones, in the same window.
     """
     from engine.plan.collectives import allreduce_s, gather_or_scatter_s
-    from engine.plan.memory import stage_param_count
-    reducers = layout.dp * layout.cp
+    from engine.plan.memory import stage_param_split
+    reducers, edp = layout.dp * layout.cp, layout.edp
     if reducers == 1:
         return Overlapped(), Overlapped()
     eff = cluster.overlap
@@ -238,15 +241,21 @@ def data_parallel_overlap(shape: ModelShape, cluster, layout: Layout, dp_gbps: f
     windows_b, windows_f = stage_windows(backward_s), forward_windows(forward_s)
     dp = zero = Overlapped()
     for stage in range(layout.pp):
-        params = stage_param_count(shape, layout, stage)
-        grads = params * cluster.grad_reduce_bytes
+        params, expert = stage_param_split(shape, layout, stage)
+        if layout.ep == 1:  # the experts' EDP group is the dp x cp group
+            params, expert = params + expert, 0.0
+        grads = (params + expert) * cluster.grad_reduce_bytes
         bucket = min(1.0, cluster.grad_bucket_bytes / grads) if grads else 1.0
-        reduce = reduce_op(grads, reducers, dp_gbps)
+        reduce = reduce_op(params * cluster.grad_reduce_bytes, reducers, dp_gbps)
+        if expert and edp > 1:
+            reduce += reduce_op(expert * cluster.grad_reduce_bytes, edp, edp_gbps)
         mine = (bucketed(reduce, windows_b[stage], reduce * bucket, eff.dp)
                 if layout.overlap_grad_reduce else Overlapped(reduce, 0.0))
         dp = max(dp, mine, key=lambda o: o.exposed)
         if layout.zero:
             gather = gather_or_scatter_s(params * ACT_BYTES, reducers, dp_gbps)
+            if expert and edp > 1:
+                gather += gather_or_scatter_s(expert * ACT_BYTES, edp, edp_gbps)
             mine = (bucketed(gather, windows_f[stage], gather * bucket, eff.zero)
                     if layout.overlap_param_gather else Overlapped(gather, 0.0))
             zero = max(zero, mine, key=lambda o: o.exposed)

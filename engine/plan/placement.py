@@ -79,6 +79,18 @@ def group_of_rank0(order: str, sizes: dict[str, int], dims: tuple[str, ...]) -> 
                            sizes.get("pp", 1), tuple(dims))
 
 
+def expert_groups_of_rank0(order: str, sizes: dict[str, int], ep: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(EP group, EDP group) of rank 0 (parallel/expert_groups.py): its dp x cp group, in rank
+    order, cut into consecutive blocks of ``ep`` ranks (the EP groups); the ranks at the same
+    position of every block form an EDP group.
+
+    >>> expert_groups_of_rank0("tp-cp-dp-pp", {"tp": 2, "cp": 1, "dp": 4, "pp": 1}, 2)
+    ((0, 2), (0, 4))
+    """
+    dp_cp = group_of_rank0(order, sizes, ("cp", "dp"))
+    return dp_cp[:ep], dp_cp[::ep]
+
+
 def members_per_node(ranks: tuple[int, ...], devices_per_node: int) -> dict[int, int]:
     """{node: how many of ``ranks`` it holds}."""
     out: dict[int, int] = {}

@@ -9,7 +9,8 @@ from __future__ import annotations
 import shlex
 
 from engine.plan.model import GIB, Layout, ModelShape
-from engine.plan.placement import DEFAULT_ORDER, engine_order, group_of_rank0, members_per_node
+from engine.plan.placement import (DEFAULT_ORDER, engine_order, expert_groups_of_rank0,
+                                   group_of_rank0, members_per_node)
 from engine.plan.timing import Estimate
 
 MASTER_ENDPOINT = "$MASTER_ADDR:29500"  # left for the shell of every node to expand
@@ -30,6 +31,8 @@ def train_args(shape: ModelShape, layout: Layout, precision: str = "bf16",
     args = ["--tp", str(layout.tp), "--pp", str(layout.pp)]
     if layout.cp > 1:
         args += ["--cp", str(layout.cp)]
+    if shape.moe is not None:
+        args += ["--ep", str(layout.ep)]
     args += ["--virtual-pipeline-size", str(layout.vp), "--pipeline-schedule", schedule_of(layout),
              "--micro-batch-size", str(layout.micro_batch_size),
              "--global-batch-size", str(shape.global_batch_size), "--recompute", layout.recompute]
@@ -50,8 +53,32 @@ def train_args(shape: ModelShape, layout: Layout, precision: str = "bf16",
              "--num-attention-heads", str(shape.num_attention_heads),
              "--ffn-hidden-size", str(shape.ffn_hidden_size), "--seq-length", str(shape.seq_length),
              "--vocab-size", str(shape.vocab_size), "--block", shape.block, "--precision", precision]
+    args += moe_args(shape)
     args += ["--data-path", data_path] if data_path else ["--mock-data"]
     return args
+
+
+def moe_args(shape: ModelShape) -> list[str]:
+    """engine.train's MoE flags for ``shape`` (none for a dense model): experts, top-k, widths
+    and which layers (``--moe-layer-freq`` as a 0/1 list unless every layer is one)."""
+    moe = shape.moe
+    if moe is None:
+        return []
+    args = ["--num-experts", str(moe.num_experts), "--moe-router-topk", str(moe.topk),
+            "--moe-ffn-hidden-size", str(moe.ffn_hidden)]
+    if moe.shared_ffn:
+        args += ["--moe-shared-expert-intermediate-size", str(moe.shared_ffn)]
+    if moe.layers != shape.num_layers:
+        flags = ",".join("1" if shape.is_moe(i) else "0" for i in range(shape.num_layers))
+        args += ["--moe-layer-freq", f"[{flags}]"]
+    return args
+
+
+def layout_text(layout: Layout) -> str:
+    """``tp=.. cp=.. pp=.. dp=.. ep=.. vp=.. mbs=.. recompute=.. zero=.. sp=..``: every layout line."""
+    return (f"tp={layout.tp} cp={layout.cp} pp={layout.pp} dp={layout.dp} ep={layout.ep} "
+            f"vp={layout.vp} mbs={layout.micro_batch_size} recompute={layout.recompute} "
+            f"zero={'on' if layout.zero else 'off'} sp={'on' if layout.sequence_parallel else 'off'}")
 
 
 def launch_command(shape: ModelShape, layout: Layout, devices_per_node: int, precision: str = "bf16",
@@ -83,6 +110,15 @@ def _link_line(est: Estimate, devices_per_node: int) -> str:
         where = "1 node" if len(nodes) == 1 else f"{len(nodes)} nodes x {min(nodes.values())}"
         name = "dp x cp" if dim == "dp" and lay.cp > 1 else dim
         parts.append(f"{name} {ranks[:4]}{'...' if len(ranks) > 4 else ''} ({where}, {gbps:.0f} GB/s)")
+    if lay.ep > 1:
+        ep_ranks, edp_ranks = expert_groups_of_rank0(lay.order, lay.sizes, lay.ep)
+        for name, ranks in (("ep", ep_ranks), ("edp", edp_ranks)):
+            if len(ranks) == 1:
+                continue
+            nodes = members_per_node(ranks, devices_per_node)
+            where = "1 node" if len(nodes) == 1 else f"{len(nodes)} nodes x {min(nodes.values())}"
+            rate = f", {est.links.edp:.0f} GB/s" if name == "edp" else ""
+            parts.append(f"{name} {ranks[:4]}{'...' if len(ranks) > 4 else ''} ({where}{rate})")
     return "  groups of rank 0: " + ("; ".join(parts) if parts else "none (one device)")
 
 
@@ -109,6 +145,10 @@ def _hidden_note(est: Estimate, name: str) -> str:
         return f"  exposed; {shown} hidden ({why})"
     if name == "pp_comm":
         return "  (no pipeline)" if lay.pp == 1 else f"  exposed; {shown} hidden (blocking transfers)"
+    if name == "ep_comm":
+        if lay.ep == 1:
+            return "  (no expert parallelism)"
+        return "  exposed: the MoE dispatch and combine all-to-alls (not overlapped)"
     if name == "dp_comm":
         if lay.dp * lay.cp == 1:
             return "  (no data parallelism)"
@@ -137,9 +177,7 @@ def _overlap_line(est: Estimate) -> str:
 def explain(est: Estimate, devices_per_node: int) -> str:
     """Every term of the estimate: step time by term, memory by part, FLOPs and rates."""
     lay, t, mem = est.layout, est.time, est.memory
-    lines = [f"layout tp={lay.tp} cp={lay.cp} pp={lay.pp} dp={lay.dp} vp={lay.vp} "
-             f"mbs={lay.micro_batch_size} recompute={lay.recompute} zero={'on' if lay.zero else 'off'} "
-             f"sp={'on' if lay.sequence_parallel else 'off'} order={lay.order}",
+    lines = [f"layout {layout_text(lay)} order={lay.order}",
              _link_line(est, devices_per_node), _overlap_line(est),
              f"step time {_seconds(t.total).strip()}"]
     for name, value in t.as_dict().items():

@@ -1,7 +1,7 @@
 """Cluster planner: ``python -m engine.plan`` ranks parallel layouts by predicted step time.
 
 It enumerates (tp, cp, pp, dp, virtual stages, micro-batch size, recompute, ZeRO-1, sequence
-parallelism) for the run's rank order (``--order``, default tp-cp-dp-pp; cp = 1 unless ``--cp``),
+parallelism and, for a mixture-of-experts model, ep) for the run's rank order (``--order``, default tp-cp-dp-pp; cp = 1 unless ``--cp``),
 drops the layouts that break a topology rule (engine/plan/model.check_layout) or do not fit in device
 memory, estimates each survivor's step time (engine/plan/timing.py), prints the best first and then
 the ``torchrun ... -m engine.train`` command of the best. ``--explain`` prints every term of each
@@ -34,14 +34,17 @@ from engine.plan.hardware import DEVICE_SPECS, get_device_spec
 from engine.plan.model import (GIB, MEMORY_USABLE_FRACTION, PLAN_PRECISION, PLAN_SCHEDULES, Cluster,
                                Layout, ModelShape, check_layout)
 from engine.plan.placement import DEFAULT_ORDER, parse_order
-from engine.plan.report import explain, launch_command
+from engine.plan.report import explain, launch_command, layout_text
 from engine.plan.timing import Estimate, estimate
 
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
               "global_batch_size", "ffn_hidden_size", "block")
 KEY_ALIASES = {"heads": "num_attention_heads", "hidden": "hidden_size", "seq_len": "seq_length",
                "gbs": "global_batch_size"}
-JSON_KEYS = ("tp", "cp", "pp", "dp", "vp", "schedule", "micro_batch_size", "recompute", "zero",
+# the MoE flags, as engine.train names them (engine/config/flags.py); --ep is the search's
+MOE_KEYS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+            "moe_shared_expert_intermediate_size")
+JSON_KEYS = ("tp", "cp", "pp", "dp", "ep", "vp", "schedule", "micro_batch_size", "recompute", "zero",
              "sequence_parallel", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather",
              "order", "comm_hidden", "memory_bytes_per_device", "step_time_s", "tflops_per_device",
              "model_tflops_per_device", "mfu", "hfu", "time_terms", "memory_terms", "command")
@@ -60,6 +63,7 @@ class SearchSpace:
     vp: int | None = None
     micro_batch_size: int | None = None
     schedules: tuple[str, ...] = ("1f1b",)  # with pp > 1; add "zb-h1", "zb-v" to weigh them
+    ep: tuple[int, ...] | None = None  # expert-parallel sizes (None: every one that divides)
     # the overlaps (Layout's fields, Megatron-LM's flags): --tp-comm-overlap, --overlap-grad-reduce,
     # --overlap-param-gather; the engine's defaults
     tp_comm_overlap: bool = False
@@ -69,6 +73,15 @@ class SearchSpace:
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def expert_sizes(shape: ModelShape, dp_cp: int, space: SearchSpace) -> list[int]:
+    """The ep sizes to weigh: 1 for a dense model, else those of ``space.ep`` (default: every
+    one) that divide both dp x cp and the experts."""
+    if shape.moe is None:
+        return [1]
+    wanted = space.ep or _divisors(dp_cp)
+    return [ep for ep in wanted if dp_cp % ep == 0 and shape.moe.num_experts % ep == 0]
 
 
 def candidate_layouts(shape: ModelShape, cluster: Cluster, space: SearchSpace):
@@ -84,13 +97,14 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, space: SearchSpace):
         mbss = [space.micro_batch_size] if space.micro_batch_size else _divisors(per_replica)
         for schedule in space.schedules if pp > 1 else ("1f1b",):
             chunks = {"zb-h1": [1], "zb-v": [2]}.get(schedule, vps)
-            for vp, mbs, rc in product(chunks, mbss, space.recompute):
+            for vp, mbs, rc, ep in product(chunks, mbss, space.recompute,
+                                           expert_sizes(shape, dp * cp, space)):
                 for zero in space.zero if dp * cp > 1 else (False,):
                     for sp in space.sequence_parallel if tp > 1 else (False,):
                         layout = Layout(tp, pp, dp, vp, mbs, rc, zero, sp, cp, space.order,
                                         schedule, tp_comm_overlap=space.tp_comm_overlap,
                                         overlap_grad_reduce=space.overlap_grad_reduce,
-                                        overlap_param_gather=space.overlap_param_gather)
+                                        overlap_param_gather=space.overlap_param_gather, ep=ep)
                         if check_layout(shape, cluster, layout) is None:
                             yield layout
 
@@ -153,6 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
                         f"left out when cp = 1)")
     p.add_argument("--cp", default="1", help="context-parallel sizes to search, a comma list (default 1)")
     p.add_argument("--layout", help="evaluate one layout: TP,PP[,VP]")
+    p.add_argument("--num-experts", type=int, help="experts per MoE layer (a mixture-of-experts "
+                                                    "model; engine.train's flag, docs/moe.md)")
+    p.add_argument("--moe-router-topk", type=int, help="experts per token (default 2)")
+    p.add_argument("--moe-ffn-hidden-size", type=int, help="each expert's width (default "
+                                                            "--ffn-hidden-size)")
+    p.add_argument("--moe-layer-freq", help="which layers are MoE: N (every N-th) or a 0/1 list")
+    p.add_argument("--moe-shared-expert-intermediate-size", type=int,
+                   help="width of an always-active shared expert")
+    p.add_argument("--ep", "--expert-model-parallel-size", dest="ep",
+                   help="expert-parallel sizes to search, a comma list (default: every size that "
+                        "divides dp x cp and the experts)")
     p.add_argument("--pipeline-schedule", default="1f1b",
                    help="comma list of pipeline schedules to weigh: 1f1b (interleaved with VP > 1), "
                         "zb-h1, zb-v")
@@ -198,14 +223,37 @@ def shape_from_args(args: argparse.Namespace) -> ModelShape:
         for key, value in recipe.items():
             name = str(key).replace("-", "_").lstrip("_")
             name = KEY_ALIASES.get(name, name)
-            if name in SHAPE_KEYS:
+            if name in SHAPE_KEYS + MOE_KEYS:
                 values[name] = value
-    values.update({k: getattr(args, k) for k in SHAPE_KEYS if getattr(args, k) is not None})
+    values.update({k: getattr(args, k) for k in SHAPE_KEYS + MOE_KEYS if getattr(args, k) is not None})
     missing = [k for k in SHAPE_KEYS[:6] if k not in values]
     if missing:
         raise ValueError("missing model keys: " + ", ".join("--" + k.replace("_", "-") for k in missing))
-    return ModelShape(**values, fused_attention=args.attention == "fused",
-                      recompute_early_stop=args.recompute_early_stop == "on")
+    moe = {k: values.pop(k) for k in MOE_KEYS if k in values}
+    shape = ModelShape(**values, fused_attention=args.attention == "fused",
+                       recompute_early_stop=args.recompute_early_stop == "on")
+    return with_moe(shape, moe) if moe else shape
+
+
+def with_moe(shape: ModelShape, moe: dict) -> ModelShape:
+    """``shape`` with the MoE layers the engine's flags ``moe`` describe: they are checked by the
+    engine's own model config (models.config.GPTConfig: --moe-router-topk above --num-experts,
+    a --moe-layer-freq list of the wrong length, ...), which also says which layers are MoE."""
+    from models.config import GPTConfig
+    from engine.plan.flops import moe_shape
+    if moe.get("num_experts") is None:
+        flags = ", ".join("--" + k.replace("_", "-") for k in moe)
+        raise ValueError(f"{flags} configure mixture-of-experts layers, which need --num-experts E")
+    if "moe_layer_freq" in moe:
+        moe["moe_layer_freq"] = str(moe["moe_layer_freq"])
+    cfg = GPTConfig(num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+                    num_attention_heads=shape.num_attention_heads, vocab_size=shape.vocab_size,
+                    seq_length=shape.seq_length, ffn_hidden_size=shape.ffn_hidden_size, **moe)
+    found = moe_shape(cfg)
+    if found is None:
+        return shape
+    return replace(shape, moe=found, moe_layers=tuple(i for i in range(cfg.num_layers)
+                                                      if cfg.is_moe_layer(i)))
 
 
 def cluster_from_args(args: argparse.Namespace) -> Cluster:
@@ -231,6 +279,14 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
         raise ValueError(f"--cp expects a comma list of positive integers, got {args.cp!r}")
     for cp in cps:
         parse_order(args.order, cp)
+    eps = None
+    if args.ep is not None:
+        try:
+            eps = tuple(int(x) for x in args.ep.split(",") if x.strip())
+        except ValueError:
+            eps = ()
+        if not eps or min(eps) < 1:
+            raise ValueError(f"--ep expects a comma list of positive integers, got {args.ep!r}")
     space = SearchSpace(_choice(args.recompute, ("none", "selective", "full"), "--recompute"),
                         _on_off(args.zero, "--zero"), _on_off(args.sequence_parallel, "--sequence-parallel"),
                         cps, args.order, micro_batch_size=args.micro_batch_size,
@@ -238,7 +294,7 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
                                           "--pipeline-schedule"),
                         tp_comm_overlap=args.tp_comm_overlap,
                         overlap_grad_reduce=args.overlap_grad_reduce == "on",
-                        overlap_param_gather=args.overlap_param_gather == "on")
+                        overlap_param_gather=args.overlap_param_gather == "on", ep=eps)
     if args.layout:
         try:
             parts = [int(x) for x in args.layout.split(",")]
@@ -299,10 +355,7 @@ def _calibrated(args, shape: ModelShape, cluster: Cluster, space: SearchSpace) -
 
 
 def _row_text(est: Estimate) -> str:
-    lay = est.layout
-    return (f"tp={lay.tp} cp={lay.cp} pp={lay.pp} dp={lay.dp} vp={lay.vp} mbs={lay.micro_batch_size} "
-            f"recompute={lay.recompute} zero={'on' if lay.zero else 'off'} "
-            f"sp={'on' if lay.sequence_parallel else 'off'}  "
+    return (f"{layout_text(est.layout)}  "
             f"mem {est.memory_bytes_per_device / GIB:.1f} GiB  step {est.step_time_s:.3f} s  "
             f"{est.tflops_per_device:.1f} TFLOP/s/device  MFU {100 * est.mfu:.1f}%  HFU {100 * est.hfu:.1f}%")
 

@@ -18,6 +18,14 @@ logits and loss. The step is then
     leaves exposed ahead of the next forward (overlap.py; both per the layout's overlap flags)
   + the optimizer step (memory-bound)
 
+An MoE layer (``moe_layer_change``) replaces its MLP's time by the router's, its experts' and the
+shared expert's: every TP rank holds the same experts (ETP = 1) and the same tokens, so the
+router and the experts run whole on each TP rank, T K rows per rank under balanced routing
+whatever the ep; its permutation passes are memory-bound; the dispatch and combine all-to-alls
+(forward, backward, and again under full recomputation) run over the EP group's links and are
+exposed (the engine does not overlap them): ``ep_comm``. The experts' gradients are reduced over
+their EDP group's links (overlap.py, with the dense ones).
+
 ``TimeTerms`` holds them; a new term (a zero-bubble schedule's, ZeRO-2's) is one more field and
 the line that fills it. All constants live in engine/plan/model.py, explained in docs/planner.md.
 """
@@ -27,14 +35,15 @@ from dataclasses import dataclass, field, fields
 
 from engine.plan.flops import (StepFlops, attention_core_forward_flops, layer_forward_flops,
                                logits_forward_flops, recomputed_layer_flops, step_flops)
-from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_REPLICATED, EW_SCORES,
-                               EW_SHARDED_ATTN, GIB, HBM_EFFICIENCY, LAYER_PASS_OVERHEAD_S,
+from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_MOE_PERMUTE, moe_tokens,
+                               EW_REPLICATED, EW_SCORES, EW_SHARDED_ATTN, GIB, HBM_EFFICIENCY, LAYER_PASS_OVERHEAD_S,
                                MEMORY_USABLE_FRACTION, OPTIMIZER_BYTES_PER_PARAM, Cluster, Layout,
                                ModelShape, num_micro_batches)
-from engine.plan.memory import MemoryTerms, memory_per_device, stage_params
-from engine.plan.collectives import allreduce_s, gather_or_scatter_s
+from engine.plan.memory import MemoryTerms, memory_per_device, stage_moe_layers, stage_param_split
+from engine.plan.collectives import allreduce_s, alltoall_s, gather_or_scatter_s
 from engine.plan.overlap import data_parallel_overlap, ring_recompute_extra_flops, tp_layer_overlap
-from engine.plan.placement import collective_busbw, group_of_rank0, p2p_gbps
+from engine.plan.placement import (collective_busbw, expert_groups_of_rank0, group_of_rank0,
+                                   p2p_gbps)
 
 
 @dataclass(frozen=True)
@@ -44,15 +53,19 @@ class Links:
     cp: float  # per-device rate of the ring's p2p
     pp: float  # per-device rate of pipeline p2p
     dp: float  # bus bandwidth of the gradient reduction over dp x cp ranks
+    edp: float = 0.0  # of the expert gradients' reduction over the EDP group (0: no experts)
+    ep: tuple = ()  # rank 0's EP group (the all-to-all's members; collectives.alltoall_s)
 
 
 def layout_links(cluster: Cluster, layout: Layout) -> Links:
     dpn, intra, inter = cluster.devices_per_node, cluster.intra_busbw_gbps, cluster.inter_busbw_gbps
     group = lambda *dims: group_of_rank0(layout.order, layout.sizes, dims)  # noqa: E731
+    ep_ranks, edp_ranks = expert_groups_of_rank0(layout.order, layout.sizes, layout.ep)
     return Links(collective_busbw(group("tp"), dpn, intra, inter),
                  p2p_gbps(group("cp"), dpn, intra, inter),
                  p2p_gbps(group("pp"), dpn, intra, inter),
-                 collective_busbw(group("cp", "dp"), dpn, intra, inter))
+                 collective_busbw(group("cp", "dp"), dpn, intra, inter),
+                 collective_busbw(edp_ranks, dpn, intra, inter), ep_ranks)
 
 
 @dataclass(frozen=True)
@@ -67,10 +80,11 @@ class PassTime:
     weight: float = 0.0  # the part of backward that is weight-gradient GEMMs (a zero-bubble W)
     cp_ring: float = 0.0  # the whole CP ring exchange, hidden or not (not in total: cp_comm is)
     tp_hidden: float = 0.0  # TP ring time hidden under the GEMMs (--tp-comm-overlap; not in total)
+    ep_comm: float = 0.0  # MoE dispatch and combine all-to-alls (exposed)
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tp_comm + self.cp_comm + self.pp_comm
+        return self.compute + self.recompute + self.tp_comm + self.cp_comm + self.pp_comm + self.ep_comm
 
     def __add__(self, other: "PassTime") -> "PassTime":
         return PassTime(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -143,6 +157,42 @@ def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links
                     gemm / rate, cp_ring, tp_hidden)
 
 
+def moe_layer_change(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links) -> PassTime:
+    """What one MoE layer adds to (or saves on) ``layer_time`` per micro-batch: its MLP's
+    matrices are the router (h x E) and K experts run whole on every TP rank, and the shared
+    expert split by TP, instead of the dense MLP split by TP; the permutation's memory-bound passes
+    (``EW_MOE_PERMUTE`` x T K h); the all-to-alls of the T K rows over the EP group, dispatch and
+    combine each way (traffic.py), exposed. Zero without MoE layers."""
+    moe = shape.moe
+    if moe is None:
+        return PassTime()
+    from engine.plan.flops import _MLP_MATRICES
+    s, b, h, t = shape.seq_length, layout.micro_batch_size, shape.hidden_size, layout.tp
+    rate, mem_s = _rates(cluster)
+    tokens, routed = s * b / layout.cp, moe_tokens(shape, layout)  # routed: this TP rank's
+    n = _MLP_MATRICES[shape.block]
+    whole = 2 * routed * h * (moe.num_experts + n * moe.topk * moe.ffn_hidden)  # every TP rank
+    gemm = whole + 2 * tokens * h * n * (moe.shared_ffn - shape.ffn_hidden_size) / t
+    ew = (EW_MLP[shape.block] * (routed * moe.topk * moe.ffn_hidden
+                                 + tokens * (moe.shared_ffn - shape.ffn_hidden_size) / t)
+          + EW_MOE_PERMUTE * routed * moe.topk * h)
+    fwd, bwd = gemm / rate + mem_s(ew), 2 * gemm / rate + mem_s(2 * ew)
+    one = 0.0
+    if layout.ep > 1:
+        rows = shape.activation_bytes * routed * moe.topk * h
+        one = alltoall_s(rows, links.ep, cluster.devices_per_node, cluster.intra_busbw_gbps,
+                         cluster.inter_busbw_gbps)
+    full = layout.recompute == "full"
+    redo = (gemm / rate + mem_s(ew)) if full else 0.0
+    if full and shape.recompute_early_stop:  # the skipped down projection: the shared expert's
+        redo -= 2 * tokens * h * (moe.shared_ffn - shape.ffn_hidden_size) / t / rate
+    counts = COLLECTIVE_LATENCY_S if one else 0.0  # the forward's count exchange: a few bytes
+    ep_fwd, ep_bwd = 2 * one + counts, 2 * one
+    ep_re = ep_fwd if full else 0.0
+    return PassTime(compute=fwd + bwd, recompute=redo, backward=bwd + redo + ep_bwd + ep_re,
+                    weight=gemm / rate, ep_comm=ep_fwd + ep_bwd + ep_re)
+
+
 def pipeline_ends(shape: ModelShape, cluster: Cluster, layout: Layout,
                   links: Links) -> tuple[PassTime, PassTime, PassTime]:
     """Per micro-batch: the embedding (first device), the logits and loss (last), and pipeline p2p."""
@@ -184,6 +234,7 @@ class TimeTerms:
     tp_comm: float  # TP collectives (incl. SP's backward re-gather, the embedding and loss)
     cp_comm: float  # exposed part of the CP ring exchange (the whole one: Estimate.cp_ring_s)
     pp_comm: float  # pipeline p2p + the all-gather that rebuilds a received activation
+    ep_comm: float  # MoE dispatch and combine all-to-alls over the EP group (exposed)
     bubble: float  # the schedule's idle time (pipeline_bubble_s)
     imbalance: float  # the slowest device (first or last, carrying an end) setting the pace
     dp_comm: float  # exposed DP gradient reduction (all-reduce; ZeRO-1: reduce-scatter)
@@ -242,7 +293,7 @@ class Estimate:
 
     def as_row(self) -> dict:
         lay = self.layout
-        return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "vp": lay.vp,
+        return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "vp": lay.vp,
                 "schedule": lay.pipeline_schedule,
                 "micro_batch_size": lay.micro_batch_size, "recompute": lay.recompute, "zero": lay.zero,
                 "sequence_parallel": lay.sequence_parallel, "order": lay.order,
@@ -280,6 +331,23 @@ def pipeline_bubble_s(layout: Layout, m: int, mean: PassTime) -> float:
     return (p - 1) / v * total
 
 
+def optimizer_params(shape: ModelShape, layout: Layout) -> float:
+    """Weights whose optimizer step the most loaded device runs: the first or the last device's
+    (with MoE layers any device's), under ZeRO its shard (dense ones over dp x cp, experts over
+    their EDP group)."""
+    p, reducers = layout.pp, layout.dp * layout.cp
+    stages = range(p) if shape.moe is not None else (0, p - 1)
+    most = 0.0
+    for stage in stages:
+        dense, expert = stage_param_split(shape, layout, stage)
+        if layout.zero:
+            mine = dense / reducers + (expert / layout.edp if expert else 0.0)
+        else:
+            mine = dense + expert
+        most = max(most, mine)
+    return most
+
+
 def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
     """Memory and step time of a layout that obeys check_layout (not re-checked here)."""
     p, v, d, c, m = layout.pp, layout.vp, layout.dp, layout.cp, num_micro_batches(shape, layout)
@@ -289,12 +357,17 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
     embedding, logits, p2p = pipeline_ends(shape, cluster, layout, links)
     layers = shape.num_layers // p
     body = layer.scale(layers)
+    # stage i's layers; with MoE layers each stage adds its own count of moe_layer_change
+    bodies = [body] * p
+    if shape.moe is not None:
+        change = moe_layer_change(shape, cluster, layout, links)
+        bodies = [body + change.scale(stage_moe_layers(shape, layout, i)) for i in range(p)]
     if p == 1:
-        stages = [body + embedding + logits]
+        stages = [bodies[0] + embedding + logits]
     elif layout.v_placement:  # device 0 runs the first and the last virtual stage
-        stages = [body + embedding + logits + p2p] + [body + p2p] * (p - 1)
-    else:
-        stages = [body + embedding + p2p, body + logits + p2p] + [body + p2p] * (p - 2)
+        stages = [bodies[0] + embedding + logits + p2p] + [b + p2p for b in bodies[1:]]
+    else:  # the last stage is kept second
+        stages = [bodies[0] + embedding + p2p, bodies[-1] + logits + p2p] + [b + p2p for b in bodies[1:-1]]
     mean = sum(stages[1:], stages[0]).scale(1 / p)
     slowest = max(stages, key=lambda st: st.total)
     # DP and ZeRO (overlap.py): each stage's gradients reduced over its dp x cp ranks per bucket
@@ -303,20 +376,18 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
     ordered = stages if p == 1 or layout.v_placement else [stages[0]] + stages[2:] + [stages[1]]
     dp, zero = data_parallel_overlap(shape, cluster, layout, links.dp,
                                      [st.backward for st in ordered],
-                                     [st.total - st.backward for st in ordered])
-    reducers = d * c
-    first_params, last_params = stage_params(shape, layout)
+                                     [st.total - st.backward for st in ordered], links.edp)
     _, mem_s = _rates(cluster)
-    opt_params = max(first_params, last_params) / (reducers if layout.zero else 1)
+    opt_params = optimizer_params(shape, layout)
     terms = TimeTerms(compute=m * mean.compute, recompute=m * mean.recompute, tp_comm=m * mean.tp_comm,
-                      cp_comm=m * mean.cp_comm, pp_comm=m * mean.pp_comm,
+                      cp_comm=m * mean.cp_comm, pp_comm=m * mean.pp_comm, ep_comm=m * mean.ep_comm,
                       bubble=pipeline_bubble_s(layout, m, mean),
                       imbalance=m * (slowest.total - mean.total),
                       dp_comm=dp.exposed, zero_allgather=zero.exposed,
                       optimizer=mem_s(opt_params * OPTIMIZER_BYTES_PER_PARAM))
     flops = step_flops(shape.global_batch_size, shape.seq_length, shape.num_layers, shape.hidden_size,
                        shape.vocab_size, shape.ffn_hidden_size, shape.block, layout.recompute,
-                       shape.recompute_early_stop)
+                       shape.recompute_early_stop, moe=shape.moe)
     fits = mem.total <= cluster.memory_gb * GIB * MEMORY_USABLE_FRACTION
     hidden = {"tp_comm": m * mean.tp_hidden, "cp_comm": max(0.0, m * (mean.cp_ring - mean.cp_comm)),
               "pp_comm": 0.0, "dp_comm": dp.hidden, "zero_allgather": zero.hidden}

@@ -25,13 +25,23 @@ forward under recomputation). Data parallelism: the fp32 gradients of the device
 Tied embeddings (gpt2, pp > 1): the first and last stages all-reduce the embedding's fp32
 gradient (its ZeRO shard). Not counted: the statistics all-reduce, the gradient norm's and the
 pipeline bubble's scalars (a few bytes), Ulysses' all-to-alls (``--cp-comm-type a2a``: None).
+
+Mixture of experts (``ModelShape.moe``, ``Layout.ep``; parallel/expert_parallel/dispatch.py), per
+MoE layer and micro-batch with ep > 1 (kind ``ep``): forward, the count exchange (an equal-split
+all-to-all of the (ep, E/ep) int64 table, ``8 E`` bytes) and two all-to-alls of the ``T K`` routed
+rows (T = s b tokens, K = top-k: ``e T K h`` bytes each, dispatch and combine; the payload is the
+whole send buffer, the rows a rank keeps included; dropless routing); backward, the two again
+with the gradients; a full recomputation repeats the forward's three. The experts' gradients are
+reduced over the expert-data-parallel group (kind ``edp``, dp x cp / ep ranks) instead of dp x cp;
+with ep = 1 that group is the dp x cp group and they count as ``dp``.
 """
 from __future__ import annotations
 
-from engine.plan.model import GRAD_BYTES, Layout, ModelShape, num_micro_batches
-from engine.plan.memory import stage_param_count
+from engine.plan.model import GRAD_BYTES, Layout, ModelShape, moe_tokens, num_micro_batches
+from engine.plan.memory import stage_moe_layers, stage_param_split
 
-KINDS = ("tp", "cp", "pp", "dp", "embedding")
+KINDS = ("tp", "cp", "pp", "dp", "embedding", "ep", "edp")
+COUNT_BYTES = 8  # an int64 per expert in the count exchange
 
 
 def _tp_per_layer(layout: Layout, msg: float) -> float:
@@ -89,13 +99,29 @@ def step_traffic(shape: ModelShape, layout: Layout, stage: int,
             block = 2 * e * b * (s / c) * shape.kv_hidden / t
             hops = (c - 1) * (2 if layout.recompute in ("full", "selective") else 1) + (c - 1) + c
             cp = layers * hops * block
-    params = stage_param_count(shape, layout, stage)
-    shards = layout.dp * c
-    dp = 0.0
+    dense, expert = stage_param_split(shape, layout, stage)
+    shards, ep = layout.dp * c, layout.ep
+    edp_ranks = shards // ep
+    # with ep = 1 the experts reduce over the dp x cp group itself
+    params, experts = (dense + expert, 0.0) if ep == 1 else (dense, expert)
+    dp = edp = 0.0
     if shards > 1:
         dp = params * GRAD_BYTES + (params / shards * shape.weight_bytes if layout.zero else 0.0)
+    if experts and edp_ranks > 1:
+        edp = experts * GRAD_BYTES + (experts / edp_ranks * shape.weight_bytes if layout.zero else 0.0)
     embedding = 0.0
     if shape.block == "gpt2" and p > 1 and stage in (0, p - 1) and not layout.v_placement:
         embedding = shape.padded_vocab(t) * h / t * GRAD_BYTES / (shards if layout.zero else 1)
     return {"tp": m * tp, "cp": None if cp is None else m * cp, "pp": m * pp, "dp": dp,
-            "embedding": embedding}
+            "embedding": embedding, "ep": m * stage_moe_layers(shape, layout, stage) * ep_per_layer(shape, layout),
+            "edp": edp}
+
+
+def ep_per_layer(shape: ModelShape, layout: Layout) -> float:
+    """Payload bytes one rank hands to the dispatch all-to-alls of one MoE layer per micro-batch
+    (the module docstring): ``(4 + 2 redo) e T K h + (1 + redo) 8 E``; 0 with ep = 1."""
+    if shape.moe is None or layout.ep == 1:
+        return 0.0
+    redo = 1 if layout.recompute == "full" else 0
+    rows = shape.activation_bytes * moe_tokens(shape, layout) * shape.moe.topk * shape.hidden_size
+    return (4 + 2 * redo) * rows + (1 + redo) * COUNT_BYTES * shape.moe.num_experts

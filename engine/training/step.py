@@ -127,7 +127,11 @@ def stage_compute_times(events, ps: ParallelState) -> tuple[float, ...]:
 
 def exposed_times(clock, waits: dict) -> dict:
     """``time_dp_exposed_s`` (the DP reduction's wait for its collectives in flight after the
-    backward, parallel/dp/reducer.py ``finish``) and, under ZeRO with overlapped parameter
+    backward, parallel/dp/reducer.py ``finish``), with tp > 1 ``time_tp_exposed_s`` (every
+    interval the step spent blocked in a TP-group collective or in the wait for one: the
+    layers' all-gathers, reduce-scatters and all-reduces, the --tp-comm-overlap ring's waits,
+    the vocabulary-parallel loss's and the sequence-parallel gradients' all-reduces; stamped by
+    the rank's comm Activity) and, under ZeRO with overlapped parameter
     gathers, ``time_zero_gather_exposed_s`` (the forward's waits for them, param_gather.py):
     device seconds between stamp pairs taken before the step's wait, so reading them waits for
     nothing. A wait that had nothing in flight left no stamps and counts 0.0; None: there is no
@@ -197,6 +201,11 @@ class Stepper:
         for timed in (reducer, self.param_gather):  # their waits, stamped for the exposed times
             if timed is not None:
                 timed.clock = self.clock
+        self.tp_waits = None  # with tp > 1: the TP group's blocked intervals (time_tp_exposed_s)
+        if ps.tp_size > 1:
+            activity = ps.comm.activity
+            self.tp_waits = activity.watched.setdefault("tp", [])
+            activity.watch_clock = self.clock
         if self.clock._anchor is None:  # the first timebase; later steps move it at their wait
             self.clock.anchor()
 
@@ -306,6 +315,8 @@ class Stepper:
         wall = clock.timebase()  # anchored before this step's stamps (at the last wait)
         if self.param_gather is not None:
             self.param_gather.waited = []  # waits outside a step are not the step's
+        if self.tp_waits is not None:
+            self.tp_waits.clear()
         t = [clock.stamp()]
         local_loss, pipe = self._forward_backward(batches, scale, marks)
         t.append(clock.stamp())
@@ -317,6 +328,7 @@ class Stepper:
         sync_sequence_parallel_grads(self.params, self.ps)
         sum_embedding_grads(self.ps, self.shared)
         t.append(clock.stamp())
+        waits["time_tp_exposed_s"] = None if self.tp_waits is None else list(self.tp_waits)
         stats, check = self.statistics(local_loss, pipe)
         t.append(clock.stamp())
         phase = stage_times = spans = None

@@ -78,6 +78,8 @@ def step_record(trainer, step: int, out, dt: float | None, lr: float, syncs=None
             "hfu": None if late else utilization(tflops, trainer.peak_tflops),
             "model_flops": trainer.flops.model, "executed_flops": trainer.flops.executed,
             **out.times,
+            # TP collectives traced into a compiled graph are not seen by the comm layer
+            "time_tp_exposed_s": None if cfg.compile else out.times.get("time_tp_exposed_s"),
             "bubble_theoretical": trainer.bubble_theory,
             "bubble_measured": out.extra.get("bubble_measured"),
             "bubble_simulated": simulated_bubble(getattr(trainer, "schedule_lists", None), out),

@@ -23,7 +23,7 @@ from engine.observe.dashboards import Dashboards
 from engine.data import build_data, collate
 from engine.data.packing import MicroBatch, count_loss_tokens, micro_batch
 from engine.device.clock import DeviceClock, EventPair
-from engine.device.chips import npu_start_problem
+from engine.device.chips import npu_start_problem, tp_overlap_mode
 from engine.device.runtime import set_matmul_precision, setup_device
 from engine.training.loss_scaler import ConstantScaler, DynamicLossScaler
 from engine.training.lr_schedule import learning_rate
@@ -90,7 +90,8 @@ class Trainer:
                                            timeout_s=cfg.parallel.timeout_s, backend_rules=rules,
                                            agreement=resolved_flags(cfg), dp_exchange=compressed)
         # mixture of experts: the EP and EDP groups, cut from the dp x cp ranks of each stage
-        init_expert_groups(self.ps, cfg.parallel.expert_model_parallel_size, cfg.parallel.timeout_s)
+        init_expert_groups(self.ps, cfg.parallel.expert_model_parallel_size, cfg.parallel.timeout_s,
+                           cfg.parallel.expert_tensor_parallel_size)
         self.is_main = self.ps.rank == 0
         for note in (*notes, *self.dev.notes):  # the chip's fallbacks: said once, by rank 0
             if self.is_main:
@@ -184,7 +185,8 @@ class Trainer:
         self.chunks = build_chunks(cfg.model, ps, ctxs, ranges, virtual, ps.pp_size * vp,
                                    self.registry).to(device=self.dev.device, dtype=self.dtype)
         if cfg.parallel.tp_comm_overlap:  # chunked TP rings / fused ops (tensor_parallel/overlap.py)
-            set_tp_comm_overlap(self.chunks, "auto")
+            set_tp_comm_overlap(self.chunks, tp_overlap_mode(self.dev.type, self.dev.name, ps.tp_size,
+                                                             cfg.parallel.sequence_parallel))
         if ps.cp_size > 1 and any(len(c.layers) for c in self.chunks) and not any(
                 isinstance(m, ParallelAttention) for c in self.chunks for m in c.modules()):
             raise ConfigError(f"--cp {ps.cp_size}: --block {cfg.model.block} has no "

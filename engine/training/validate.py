@@ -15,7 +15,7 @@ from engine.data.blend import parse_data_path
 from engine.data.packing import PackingConfig
 from engine.data.tokenizer import strip_data_suffix
 from engine.device.runtime import BACKENDS, available_memory, detect_device_type
-from engine.plan.flops import BLOCKS
+from engine.plan.flops import BLOCKS, moe_layer_indices, moe_shape
 from engine.plan.memory import MemoryTerms, stage_memory
 from engine.plan.model import Layout, ModelShape
 from engine.training.lr_schedule import learning_rate
@@ -164,7 +164,8 @@ def planner_inputs(cfg, grid, vocab_size: int | None = None) -> tuple[ModelShape
     shape = ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, vocab_size or m.vocab_size,
                        m.seq_length, cfg.data.global_batch_size, m.ffn_hidden_size, m.block,
                        fused_attention=True, recompute_early_stop=True, activation_bytes=elem,
-                       dropout=m.dropout > 0, num_query_groups=m.num_query_groups, weight_bytes=elem)
+                       dropout=m.dropout > 0, num_query_groups=m.num_query_groups, weight_bytes=elem,
+                       moe=moe_shape(m), moe_layers=moe_layer_indices(m))
     # the planner's schedules: 1f1b (interleaved with vp > 1), zb-h1, zb-v; 1f1b-w holds what 1F1B
     # holds, GPipe more (engine/dryrun/compare.py KNOWN)
     zero_bubble = par.pipeline_schedule in ("zb-h1", "zb-v") and grid.pp > 1
@@ -173,7 +174,8 @@ def planner_inputs(cfg, grid, vocab_size: int | None = None) -> tuple[ModelShape
                     par.recompute, par.use_distributed_optimizer,
                     par.sequence_parallel and grid.tp > 1, grid.cp, par.order,
                     schedule=schedule, zero_stage=par.zero_stage,
-                    compression=CompressionPolicy.coerce(cfg.compression).any_compressed)
+                    compression=CompressionPolicy.coerce(cfg.compression).any_compressed,
+                    ep=par.expert_model_parallel_size)
     return shape, layout
 
 

@@ -1,19 +1,26 @@
 """Load-balancing losses, defined so that every layout computes the same value.
 
-Each function returns this rank's *share*: a number whose mean over the DP x CP ranks is the loss
-of the step's micro-step, exactly as a micro-batch's mean token loss averages to the global one.
-The reducer averages gradients over those ranks, so back-propagating the share gives the gradient
-of the layout-independent loss.
+Each function returns this rank's *share*: a number whose mean over the DP x CP ranks, once the
+shares of a TP group under sequence parallelism are summed, is the loss of the step's micro-step,
+exactly as a micro-batch's mean token loss averages to the global one. The shares follow the
+gradient's path: the reducer averages gradients over the DP x CP ranks, and under sequence
+parallelism the router's and the experts' gradients are summed over the TP ranks (each saw its own
+tokens, parallel/grads.py ``sync_sequence_parallel_grads``), so back-propagating the share gives
+the gradient of the layout-independent loss in every layout.
 
 - ``aux_loss`` (Switch / GShard, Megatron's global aux loss): coeff * E / K * sum_i f_i P_i with
   f_i the fraction of the micro-step's token assignments that chose expert i and P_i the mean
-  probability of expert i, both over the tokens of *every* DP x CP rank's current micro-batch: the
-  per-expert counts (and the token count) are summed over the DP x CP group before the product.
-  The layouts agree when their micro-steps hold the same tokens: one micro-batch per step (the
-  micro-step is then the global batch) in every layout.
+  probability of expert i, both over the tokens of *every* DP x CP rank's current micro-batch
+  (and, under sequence parallelism, every TP rank's shard of it): the per-expert counts and the
+  token count are summed over those ranks before the product. The layouts agree when their
+  micro-steps hold the same tokens: one micro-batch per step (the micro-step is then the global
+  batch) in every layout.
 - ``seq_aux_loss``: the same product per sequence, averaged over sequences; a micro-batch's share
   is the mean over its sequences (like the token loss), so it agrees for any split of the batch.
-- ``z_loss``: coeff * mean over tokens of logsumexp(logits)^2 (a per-token mean).
+  A sequence split over ranks (TP under sequence parallelism, CP) has its per-expert counts summed
+  over them, and each rank adds its tokens' part of the mean probability.
+- ``z_loss``: coeff * mean over tokens of logsumexp(logits)^2 (a per-token mean); a TP rank under
+  sequence parallelism holds 1/tp of its micro-batch's tokens and takes 1/tp of the mean.
 """
 from __future__ import annotations
 
@@ -23,33 +30,50 @@ from parallel.comm import CommGroup
 
 
 def aux_loss_share(scores: torch.Tensor, experts: torch.Tensor, coeff: float,
-                   group: CommGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T, E) scores, (T, K) chosen experts -> (this rank's share, global counts (E,) fp32)."""
+                   group: CommGroup, token_groups: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, E) scores, (T, K) chosen experts -> (this rank's share, global counts (E,) fp32).
+
+    ``group``: the ranks whose shares are averaged (DP x CP); ``token_groups``: further groups
+    whose ranks hold other tokens of the same micro-batch and whose shares are summed (the TP
+    group under sequence parallelism)."""
     t, e = scores.shape
     k = experts.shape[1]
     counts = torch.bincount(experts.reshape(-1), minlength=e).to(torch.float32)
     both = torch.cat([counts, counts.new_tensor([t])])  # counts and tokens: one all-reduce
-    group.all_reduce(both)
+    for g in (group, *token_groups):
+        g.all_reduce(both)
     counts_g, tokens_g = both[:e], both[e]
     share = (counts_g * scores.sum(0)).sum() * (coeff * e * group.size / k) / (tokens_g * tokens_g)
     return share, counts_g
 
 
-def seq_aux_loss_share(scores: torch.Tensor, experts: torch.Tensor, batch: int,
-                       coeff: float) -> torch.Tensor:
-    """Per-sequence balancing loss, mean over this micro-batch's ``batch`` sequences."""
+def seq_aux_loss_share(scores: torch.Tensor, experts: torch.Tensor, batch: int, coeff: float,
+                       seq_groups: tuple = (), averaged: int = 1) -> torch.Tensor:
+    """Per-sequence balancing loss, mean over this micro-batch's ``batch`` sequences.
+
+    ``seq_groups``: the groups whose ranks hold the other pieces of these sequences (TP under
+    sequence parallelism, CP): the per-sequence counts are summed over them, and this rank's
+    share is its tokens' part of the sum over a sequence's pieces; ``averaged``: how many of those
+    ranks the gradient path averages over rather than sums (the CP size: the reducer averages over
+    DP x CP), which the share is multiplied by."""
     t, e = scores.shape
     s, k = t // batch, experts.shape[1]
     counts = torch.zeros(batch, e, dtype=torch.float32, device=scores.device)
     counts.scatter_add_(1, experts.reshape(batch, s * k),
                         torch.ones(batch, s * k, dtype=torch.float32, device=scores.device))
-    f = counts / (s * k)                                  # (b, E)
-    p = scores.view(batch, s, e).mean(1)                  # (b, E)
-    return (f * p).sum(-1).mean() * (coeff * e)
+    full = s                                               # the whole sequence's tokens
+    for g in seq_groups:
+        g.all_reduce(counts)
+        full *= g.size
+    f = counts / (full * k)                               # (b, E)
+    p = scores.view(batch, s, e).sum(1) / full            # (b, E): this rank's part of the mean
+    return (f * p).sum(-1).mean() * (coeff * e * averaged)
 
 
-def z_loss_share(logits: torch.Tensor, coeff: float) -> torch.Tensor:
-    return torch.logsumexp(logits, dim=-1).square().mean() * coeff
+def z_loss_share(logits: torch.Tensor, coeff: float, split: int = 1) -> torch.Tensor:
+    """``split``: the ranks summing their shares over one micro-batch's tokens (tp under
+    sequence parallelism)."""
+    return torch.logsumexp(logits, dim=-1).square().mean() * (coeff / split)
 
 
 class IdentityForwardAuxGradBackward(torch.autograd.Function):

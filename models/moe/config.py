@@ -13,7 +13,7 @@ import re
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
-DISPATCHERS = ("alltoall",)
+DISPATCHERS = ("alltoall", "allgather")
 # the fields that mean nothing without --num-experts, with their defaults
 MOE_DEFAULTS = {"moe_layer_freq": "1", "moe_ffn_hidden_size": None,
                 "moe_shared_expert_intermediate_size": None, "moe_router_topk": 2,
@@ -89,8 +89,8 @@ def check_moe_fields(cfg) -> None:
         raise ValueError(f"--moe-router-load-balancing-type must be one of {BALANCING_TYPES}, got "
                          f"{cfg.moe_router_load_balancing_type!r}")
     if cfg.moe_token_dispatcher_type not in DISPATCHERS:
-        raise ValueError(f"--moe-token-dispatcher-type {cfg.moe_token_dispatcher_type}: only "
-                         f"alltoall is built yet (allgather is not)")
+        raise ValueError(f"--moe-token-dispatcher-type {cfg.moe_token_dispatcher_type!r}: use one "
+                         f"of {', '.join(DISPATCHERS)} (flex/DeepEP is not built)")
     if cfg.moe_aux_loss_coeff < 0 or (cfg.moe_z_loss_coeff or 0.0) < 0:
         raise ValueError("--moe-aux-loss-coeff and --moe-z-loss-coeff must be >= 0")
     for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):

@@ -8,10 +8,22 @@ by default: every assignment is computed; with a capacity factor the lowest-weig
 beyond each expert's capacity are dropped, optionally padding each expert to it
 (models/moe/capacity.py).
 
-Under tensor parallelism every TP rank holds the same tokens (sequence parallelism is refused in
-this slice) and an identical replica of its experts; the EP group joins ranks of one TP
-coordinate. The losses and loads of each forward are recorded for the step's figures
-(models/moe/stats.py).
+Under tensor parallelism every TP rank holds an identical replica of its experts and router, and
+the EP group joins ranks of one TP coordinate. Without sequence parallelism the ranks of a TP group
+hold the same tokens (and compute the same gradients); with it each TP rank routes and dispatches
+its own sequence shard, (b, s/tp, h) in and out (no gather before the layer; the shared expert
+gathers and reduce-scatters as every ``ParallelMLP`` does), and the router's and experts'
+parameters are marked ``sequence_parallel``: their partial gradients are summed over TP after the
+DP reduction, as the norms' are (parallel/grads.py). Under context parallelism each CP rank holds a
+slice of every sequence; EP is drawn from the DP x CP ranks. With expert tensor parallelism
+(``ps.etp_group``, the TP group) each TP rank holds a slice of every local expert: the TP ranks
+route and dispatch the same tokens, each computes its partial fc2 output, and the combined
+(T, h) outputs are summed over TP (one all-reduce, after the linear combine and un-permute: T h
+elements against the experts' T K h); the tokens and router weights enter that region through
+``copy_to_tp``, whose backward sums the slices' partial gradients. The balancing losses sum their
+statistics over the ranks holding the other tokens of a micro-batch or sequence
+(models/moe/balancing.py). The losses and loads of each forward are recorded for the step's
+figures (models/moe/stats.py, models/moe/step_figures.py).
 """
 from __future__ import annotations
 
@@ -29,9 +41,11 @@ from models.moe.capacity import choose, expert_capacity, padded_rows
 from models.moe.experts import LocalExperts
 from models.moe.router import TopKRouter
 from parallel.expert_groups import ExpertGrid
-from parallel.expert_parallel import (alltoall_combine, alltoall_dispatch, permute_padded,
-                                      permute_tokens, unpermute_tokens)
+from parallel.expert_parallel import (allgather_combine, allgather_dispatch, alltoall_combine,
+                                      alltoall_dispatch, permute_padded, permute_tokens,
+                                      unpermute_tokens)
 from parallel.state import ParallelState
+from parallel.tensor_parallel.mappings import copy_to_tp, reduce_from_tp
 
 
 class MoELayer(nn.Module):
@@ -42,11 +56,12 @@ class MoELayer(nn.Module):
             found = re.match(r"layers\.(\d+)\.", name)
             layer_idx = int(found.group(1)) if found else None
         self.layer_idx = layer_idx  # global layer index: the layer's slot in the step's figures
-        if ctx.sequence_parallel and ps.tp_size > 1:
-            raise ValueError("--sequence-parallel with --num-experts is not built yet; drop "
-                             "--sequence-parallel (tensor parallelism alone works)")
-        if ps.cp_size > 1:
-            raise ValueError("--cp > 1 with --num-experts is not built yet; use --cp 1")
+        # under sequence parallelism each TP rank routes its own tokens: figures count every TP rank
+        self.tp_split = bool(ctx.sequence_parallel) and ps.tp_size > 1
+        self.etp_group = ps.etp_group  # the TP group under expert tensor parallelism, else this rank
+        if self.etp_group.size > 1 and self.tp_split:
+            raise ValueError(f"--expert-tensor-parallel-size {self.etp_group.size} with "
+                             f"--sequence-parallel is not built yet; drop one")
         e = cfg.num_experts
         self.ps, self.num_experts, self.topk = ps, e, cfg.moe_router_topk
         self.ep_group, self.balance_group = ps.ep_group, ps.dp_cp_group
@@ -58,12 +73,21 @@ class MoELayer(nn.Module):
         self.bias_update_rate = cfg.moe_router_bias_update_rate
         self.capacity_factor = cfg.moe_expert_capacity_factor
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity
+        self.dispatcher = cfg.moe_token_dispatcher_type  # "alltoall" or "allgather"
         local = ExpertGrid.local_experts(e, ps.ep_group.size, ps.ep_group.rank)
-        self.experts = LocalExperts(cfg, ctx, f"{name}.experts", kind, bias, local)
+        self.experts = LocalExperts(cfg, ctx, f"{name}.experts", kind, bias, local,
+                                    (self.etp_group.rank, self.etp_group.size))
         shared = cfg.moe_shared_expert_intermediate_size
         self.shared_expert = None if shared is None else ParallelMLP(
             dataclasses.replace(cfg, ffn_hidden_size=shared), ps, ctx, f"{name}.shared_expert",
             kind=kind, bias=bias)
+        if self.tp_split:  # replicas over TP that saw distinct tokens: gradients summed over TP
+            for p in (*self.router.parameters(), *self.experts.parameters()):
+                p.sequence_parallel = True
+        # the groups whose ranks hold other tokens of this micro-batch (summed shares), and of
+        # each of its sequences (TP under sequence parallelism, CP)
+        self.token_groups = (ps.tp_group,) if self.tp_split else ()
+        self.seq_groups = self.token_groups + ((ps.cp_group,) if ps.cp_size > 1 else ())
         self.aux_grad_scale = 1.0   # set per step: models.moe.stats.set_aux_grad_scale
         self.records: list[dict] = []
 
@@ -73,13 +97,15 @@ class MoELayer(nn.Module):
         loss = routing.logits.new_zeros(())
         if self.balancing == "aux_loss" and self.aux_coeff > 0:
             share, _ = aux_loss_share(routing.scores, routing.experts, self.aux_coeff,
-                                           self.balance_group)
+                                      self.balance_group, self.token_groups)
             loss = loss + share
         elif self.balancing == "seq_aux_loss" and self.aux_coeff > 0:
-            loss = loss + seq_aux_loss_share(routing.scores, routing.experts, batch, self.aux_coeff)
+            loss = loss + seq_aux_loss_share(routing.scores, routing.experts, batch, self.aux_coeff,
+                                             self.seq_groups, self.ps.cp_size)
         aux = loss.detach()
         if self.z_coeff > 0:
-            loss = loss + z_loss_share(routing.logits, self.z_coeff)
+            split = self.ps.tp_size if self.tp_split else 1
+            loss = loss + z_loss_share(routing.logits, self.z_coeff, split)
         counts = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts).float()
         return loss, aux, counts
 
@@ -99,16 +125,28 @@ class MoELayer(nn.Module):
         rows, perm = permute_padded(tokens, *padded_rows(choice, routing.experts), choice.capacity)
         return rows, perm, choice.capacity, dropped
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, h)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s[/tp][/cp], h)
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)                                    # (T, h)
         routing = self.router(tokens)
         loss, aux, counts = self._balancing_loss(routing, b)
-        rows, perm, capacity, dropped = self._permute(tokens, routing)       # (R, h)
-        expert_in, state = alltoall_dispatch(rows, perm.counts, self.ep_group, capacity)  # (N, h)
-        expert_out = self.experts(expert_in, state.tokens_per_expert)          # (N, h)
-        rows = alltoall_combine(expert_out, state, self.ep_group)               # (R, h)
-        out = unpermute_tokens(rows, routing.weights, perm).to(x.dtype).view(b, s, h)
+        # into the ETP region: identity, the backward sums the expert slices' partial gradients
+        tokens_in = copy_to_tp(tokens, self.etp_group)                          # (T, h)
+        weights = copy_to_tp(routing.weights, self.etp_group)                   # (T, K)
+        if self.dispatcher == "allgather":  # tokens travel, not rows: permute a zero-width view
+            _, perm, capacity, dropped = self._permute(tokens_in[:, :0], routing)
+            expert_in, state = allgather_dispatch(tokens_in, weights, perm, self.ep_group,
+                                                  capacity)                      # (N, h)
+            expert_out = self.experts(expert_in, state.tokens_per_expert)        # (N, h)
+            out = allgather_combine(expert_out, state, self.ep_group)            # (T, h)
+        else:
+            rows, perm, capacity, dropped = self._permute(tokens_in, routing)    # (R, h)
+            expert_in, state = alltoall_dispatch(rows, perm.counts, self.ep_group, capacity)
+            expert_out = self.experts(expert_in, state.tokens_per_expert)        # (N, h)
+            rows = alltoall_combine(expert_out, state, self.ep_group)             # (R, h)
+            out = unpermute_tokens(rows, weights, perm)                           # (T, h)
+        # the ETP slices' partial sums (identity without expert tensor parallelism)
+        out = reduce_from_tp(out.to(x.dtype), self.etp_group).view(b, s, h)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside a backward

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.tensor_parallel.split_linear import linear_defer_w
+
 
 @dataclass
 class Routing:
@@ -47,6 +49,7 @@ class TopKRouter(nn.Module):
         self.num_experts, self.topk = num_experts, topk
         self.score_function, self.pre_softmax = score_function, pre_softmax
         self.weight = nn.Parameter(init.full(f"{name}.weight", (num_experts, hidden)))
+        self.weight_grad_store = None  # a zero-bubble schedule's W takes the weight gradient
         if expert_bias and score_function != "sigmoid":
             raise ValueError("--moe-router-enable-expert-bias works on sigmoid scores; add "
                              "--moe-router-score-function sigmoid")
@@ -56,7 +59,11 @@ class TopKRouter(nn.Module):
             self.expert_bias = None
 
     def forward(self, x: torch.Tensor) -> Routing:  # (T, h)
-        logits = F.linear(x.float(), self.weight.float())  # (T, E) fp32
+        store = self.weight_grad_store
+        if store is not None and self.weight.dtype == torch.float32:  # W split off
+            logits = linear_defer_w(x.float(), self.weight, None, store)  # (T, E) fp32
+        else:
+            logits = F.linear(x.float(), self.weight.float())  # (T, E) fp32
         k = self.topk
         if self.score_function == "sigmoid":
             scores = torch.sigmoid(logits)

@@ -4,9 +4,10 @@
   micro-batch is back-propagated with (1 / micro-batches per step, times the loss scale), so the
   balancing losses weigh the same in every layout (engine/training/step.py calls it).
 - ``pop_moe_stats(chunks, m)`` after it: this rank's share of the step's balancing losses (summed
-  over layers, averaged over its ``m`` micro-batches: mean it over the DP x CP ranks for the
-  layout-independent value) and the per-expert loads (summed over layers and micro-batches).
-  Each call empties the layers' records.
+  over layers, averaged over its ``m`` micro-batches: sum it over the TP ranks of a layer under
+  sequence parallelism, then mean it over the DP x CP ranks for the layout-independent value)
+  and the per-expert loads (summed over layers and micro-batches). Each call empties the
+  layers' records.
 """
 from __future__ import annotations
 

@@ -8,13 +8,17 @@ every rank's vector has the same length whichever layers it holds). After the ba
 
 from the records of the layers' forwards (models/moe/layer.py): the balancing losses' shares
 averaged over the step's micro-batches, the assignments a capacity dropped and, per layer, the
-assignments the router chose per expert (before any drop), summed over the micro-batches. Only
-TP rank 0 counts (the ranks of a TP group route the same tokens); the trainer sums the vector over
-the world in the step's statistics all-reduce (engine/training/step.py) and ``read`` turns the sums
-into the step's figures:
+assignments the router chose per expert (before any drop), summed over the micro-batches. A
+layer whose TP ranks route the same tokens counts on TP rank 0 only; under sequence parallelism
+(each TP rank routes its own shard, ``MoELayer.tp_split``) every TP rank counts its tokens, and
+the balancing shares of a TP group add up to the DP x CP rank's (models/moe/balancing.py), so
+every token is counted once in every layout. The trainer sums the vector over the world in the
+step's statistics all-reduce (engine/training/step.py) and ``read`` turns the sums into the
+step's figures:
 
 - ``moe_aux_loss``, ``moe_z_loss``: the balancing losses as trained (coefficients included), summed
-  over the MoE layers, each layer's the mean of the DP x CP ranks' shares: layout-independent;
+  over the MoE layers, each layer's the mean of the DP x CP ranks' shares (a TP group's shares
+  summed under sequence parallelism): layout-independent;
 - ``moe_expert_load``: per expert, the assignments of the whole global batch summed over the MoE
   layers; ``moe_load_imbalance``: its max over its mean (1.0: balanced);
 - ``moe_tokens_dropped``: the (token, expert) assignments the capacity dropped in the step;
@@ -52,14 +56,13 @@ class StepFigures:
         return FIXED + len(self.slots) * self.num_experts
 
     def vector(self, chunks, num_microbatches: int, counted: bool, device) -> torch.Tensor:
-        """This rank's figures (see the module docstring), fp32 on ``device``; zeros where
-        ``counted`` is False. No host read."""
+        """This rank's figures (see the module docstring), fp32 on ``device``. ``counted``: whether
+        this rank counts the layers whose TP ranks route the same tokens (TP rank 0); layers under
+        sequence parallelism count on every rank. No host read."""
         out = torch.zeros(self.width, dtype=torch.float32, device=device)
-        if not counted:
-            return out
         e, m = self.num_experts, max(num_microbatches, 1)
         for layer in moe_layers(chunks):
-            if not layer.records:
+            if not layer.records or not (counted or layer.tp_split):
                 continue
             recs = layer.records
             out[0] += torch.stack([r["aux_loss"].float() for r in recs]).sum().to(device) / m

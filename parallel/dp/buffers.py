@@ -9,12 +9,13 @@ front of the buffer and can be reduced while backward is still running on earlie
 A buffer holds parameters of one (parameter dtype, compressor) pair; buckets are closed once they
 reach the configured size (a parameter is never split) and padded to a multiple of
 ``pad_multiple`` (a multiple of dp), so every bucket divides into equal per-rank shards for
-reduce-scatter (ZeRO)::
+reduce-scatter (ZeRO) over the group the bucket is summed over (an expert bucket: the
+expert-data-parallel group, whose size divides dp)::
 
     buffer:  | bucket 0: p9 p8 p7 pad | bucket 1: p6 p5 pad | ... |
     shard r of bucket b: [b.start + r * b.numel / dp, b.start + (r + 1) * b.numel / dp)
 
-ZeRO-2 (``GradBuffer.release(dp, rank)``) drops the flat buffer: each bucket then owns a
+ZeRO-2 (``GradBuffer.release(world)``) drops the flat buffer: each bucket then owns a
 persistent fp32 ``shard`` (numel / dp) that receives the reduce-scatter, and a full-size
 ``storage`` that exists only from the bucket's first gradient of a step until its reduction is done
 (``Bucket.ensure_storage`` / ``Bucket.free_storage``); ``param.main_grad`` is None in between.
@@ -59,6 +60,9 @@ class Bucket:
     shard: torch.Tensor | None = None     # ZeRO-2: this rank's reduced fp32 shard (persistent)
     compressed_step: bool = False         # whether this step's exchange went through the compressor
     variance: object = None               # sparse compressors: this rank's LocalVariance (variance.py)
+    group: object = None                  # the group it is summed over (None: the reducer's DP x CP)
+    shard_rank: int = 0                   # ZeRO: this rank's shard among the group's shard_world
+    shard_world: int = 1
 
     @property
     def numel(self) -> int:
@@ -85,6 +89,14 @@ class Bucket:
         """Absolute buffer range of ``rank``'s 1/world shard of this bucket."""
         size = self.numel // world
         return self.start + rank * size, self.start + (rank + 1) * size
+
+    def own_range(self) -> tuple[int, int]:
+        """Absolute buffer range of this rank's ZeRO shard (over the bucket's own group)."""
+        return self.shard_range(self.shard_rank, self.shard_world)
+
+    def own_view(self) -> torch.Tensor:
+        """This rank's reduced gradient shard over the bucket's own group (``shard_view``)."""
+        return self.shard_view(self.shard_rank, self.shard_world)
 
     def shard_view(self, rank: int, world: int) -> torch.Tensor:
         """This rank's reduced gradient shard: a view into the buffer, or the ZeRO-2 shard."""

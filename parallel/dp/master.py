@@ -17,7 +17,7 @@ import torch
 
 
 class MasterShards:
-    def __init__(self, shards, flat_params, rank: int, dp: int, device):
+    def __init__(self, shards, flat_params, device):
         """``shards``: (bucket, offset in the flat moments, length) per bucket; ``flat_params``:
         bucket -> the flat parameter tensor of its buffer (ParamGather's)."""
         owned = sum(n for b, _, n in shards if b.param_dtype != torch.float32)
@@ -26,7 +26,7 @@ class MasterShards:
         pos = 0
         for b, off, n in shards:
             if b.param_dtype == torch.float32:
-                s, e = b.shard_range(rank, dp)
+                s, e = b.own_range()             # (over the bucket's own group)
                 self._runs.append((off, n, flat_params(b)[s:e], True))
             else:
                 self._runs.append((off, n, self.owned[pos:pos + n], False))

@@ -21,6 +21,10 @@ Formulas per rank for a model of N parameters in buckets of total padded size P 
     stage 1: grads 4P, state 8 P / dp [12 P / dp if params are bf16/fp16]
     stage 2: grads 4 P / dp, state 8 P / dp [12 P / dp if params are bf16/fp16]
 
+With expert parallelism the expert buckets (this rank's E/ep experts, padded size P_e) are cut
+over the expert-data-parallel group instead, so under ZeRO P / dp reads P_d / dp + P_e / edp
+(edp = dp / ep; with dp read as dp x cp): the shards' own sizes are counted.
+
 Transient buffers (a ZeRO-2 bucket during backward, a compressor's packed messages) are not
 included; ``peak_memory_bytes`` sees them.
 """

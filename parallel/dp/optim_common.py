@@ -92,8 +92,10 @@ class _GradAccess:
         return self.ps.edp_group is not self.ps.dp_cp_group and self.ps.ep_group.size > 1
 
     def grad_norm_sq(self) -> torch.Tensor:
-        """The squared global norm, a 0-d fp32 tensor on the device, equal on every rank."""
-        if not self._expert_parallel:
+        """The squared global norm, a 0-d fp32 tensor on the device, equal on every rank. Under
+        ZeRO an expert's gradient is cut over its EDP group and the EP ranks hold distinct
+        experts, so every shard over DP x CP (= EP x EDP) is distinct: the DP x CP sum counts all."""
+        if not self._expert_parallel or self.sharded:
             local = local_norm_sq(self._views(counted=True), self._device())
             return grid_norm_sq_(local, self.ps, over_dp=self.sharded)
         experts = local_norm_sq(self._views(True, "expert"), self._device())
@@ -103,8 +105,9 @@ class _GradAccess:
 
     def grad_norm_sq_share(self) -> torch.Tensor:
         """This rank's share of the squared global norm (0-d fp32, no collective): summed over
-        the world it is ``grad_norm_sq()``. Under ZeRO every rank's shard counts; otherwise the
-        gradients are the same on every rank of the DP x CP group and its first rank counts."""
+        the world it is ``grad_norm_sq()``. Under ZeRO every rank's shard counts (an expert
+        bucket's shards, over its EDP group, too); otherwise the gradients are the same on every
+        rank of the DP x CP group and its first rank counts."""
         if self.sharded or (self.ps.dp_cp_group.rank == 0 and not self._expert_parallel):
             return local_norm_sq(self._views(counted=True), self._device())
         share = torch.zeros((), dtype=torch.float32, device=self._device())

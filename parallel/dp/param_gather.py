@@ -40,7 +40,8 @@ class ParamGather:
         """``shards``: (bucket, this rank's updated values in the parameters' dtype) per bucket."""
         self.wait_all()
         for bucket, shard in sorted(shards, key=lambda x: -x[0].index):   # forward order
-            work = self.group.all_gather_into(self.output(bucket), shard, async_op=self.overlap)
+            group = bucket.group or self.group       # an expert bucket: its EDP group
+            work = group.all_gather_into(self.output(bucket), shard, async_op=self.overlap)
             if work is not None:
                 self._handles[bucket.index] = (work, shard)
         if not self.overlap:

@@ -40,7 +40,8 @@ After ``finish()`` further element-wise reductions (sequence-parallel norms over
 embeddings over the embedding group) remain valid, also on ZeRO shards.
 
 ZeRO (``shard(stage)``, called by the distributed optimizer): buckets are reduce-scattered, and
-only this rank's shard of each bucket holds the averaged gradient after ``finish()``. Stage 1 keeps
+only this rank's shard of each bucket holds the averaged gradient after ``finish()`` (an expert
+bucket is cut over its expert-data-parallel group: ``bucket.shard_rank`` of ``bucket.shard_world``). Stage 1 keeps
 the full buffer; stage 2 frees it (buffers.py): a bucket's full gradient exists from its first
 gradient of the step until its reduce-scatter completes (completed collectives are collected at
 every launch), then only the persistent 1/dp shard remains. A compressed bucket under ZeRO runs
@@ -57,27 +58,16 @@ non-finite ones there, before the reduction spreads them to every replica).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
-from parallel.dp.buffers import Bucket, GradBuffer
+from parallel.dp.buffers import Bucket
+from parallel.dp.layout import build_buffers, named_parameters
 from parallel.dp.exchange import ExchangeWorker
 from parallel.dp.policy import CompressionPolicy
 from parallel.dp.variance import LocalVariance
 from parallel.state import ParallelState
-
-
-def named_parameters(params) -> list[tuple[str, torch.nn.Parameter]]:
-    """(name, param) pairs that require grad, from a Module, (name, param) pairs or bare params."""
-    if isinstance(params, torch.nn.Module):
-        params = params.named_parameters()
-    named, seen = [], set()
-    for i, item in enumerate(params):
-        name, param = item if isinstance(item, tuple) else (f"param{i}", item)
-        if param.requires_grad and id(param) not in seen:
-            seen.add(id(param))
-            named.append((name, param))
-    return named
 
 
 class GradReducer:
@@ -112,22 +102,11 @@ class GradReducer:
 
         elem = torch.empty((), dtype=grad_dtype).element_size()
         bucket_numel = max(1, int(bucket_size_mb * 2 ** 20) // elem)
-        pad = self.dp * 16 if self.dp > 1 else 1      # equal shards, 64-byte aligned in fp32
-        order = list(reversed(named))                  # backward produces the last params first
-        position = {p: i for i, (_, p) in enumerate(order)}
-        groups: dict[tuple, list] = {}
-        for name, p in order:
-            # a weight tied across pipeline stages gets a buffer of its own, so that its ZeRO shard
-            # covers the same elements on both stages and the tied gradients can be summed after
-            # the reduction
-            alone = id(p) if getattr(p, "tied_across_stages", False) else None
-            # expert weights (models/moe) are summed over the expert-data-parallel group instead
-            expert = bool(getattr(p, "expert_parallel", False))
-            groups.setdefault((p.dtype, self.policy.compressor_for(name), alone, expert),
-                              []).append((name, p))
-        self.buffers = [GradBuffer(members, spec, grad_dtype, bucket_numel, pad)
-                        for (_, spec, _, _), members in groups.items()]
-        experts = [buf for (*_, expert), buf in zip(groups, self.buffers) if expert]
+        # equal shards, 64-byte aligned in fp32 (over DP x CP, and over EDP for expert buckets)
+        world = math.lcm(self.dp, ps.edp_group.size)
+        pad = world * 16 if world > 1 else 1
+        position = {p: i for i, (_, p) in enumerate(reversed(named))}   # the backward order
+        self.buffers, experts = build_buffers(named, self.policy, grad_dtype, bucket_numel, pad)
         if experts and ps.edp_group is not ps.dp_cp_group and (
                 any(buf.spec.compressed for buf in self.buffers)):  # the worker orders dp_cp only
             raise ValueError("GradReducer: gradient compression with expert parallelism is not "
@@ -146,9 +125,11 @@ class GradReducer:
                     bucket.variance = LocalVariance(bucket.numel, device)
             for slot in bucket.slots:
                 self._bucket_of[slot.param] = bucket
-            # the group a bucket is summed over; the division stays by the DP x CP size, since an
-            # expert's gradient already holds the contributions of its EP ranks' tokens
+            # the group a bucket is summed over (and ZeRO-sharded over); the division stays by the
+            # DP x CP size, since an expert's gradient already holds its EP ranks' tokens' share
             bucket.group = ps.edp_group if bucket.buffer in experts else None
+            group = bucket.group or self.group
+            bucket.shard_rank, bucket.shard_world = group.rank, group.size
         self.compressed = self.dp > 1 and any(b.compressor is not None for b in self.buckets)
         self.exchange_group = ps.dp_exchange_group          # the worker's own communicator
         if self.compressed and self.exchange_group is None:
@@ -191,18 +172,15 @@ class GradReducer:
             raise ValueError(f"GradReducer.shard: ZeRO stage must be 1 or 2, got {stage}")
         if self._pending or (self._worker is not None and self._worker.busy):
             raise RuntimeError("GradReducer.shard: collectives in flight; call finish() first")
-        if self.ps.edp_group is not self.ps.dp_cp_group and any(b.group for b in self.buckets):
-            raise ValueError("the distributed optimizer with expert parallelism is not built yet; "
-                             "leave out --use-distributed-optimizer with --expert-model-parallel-size > 1")
         self.shard_grads, self.zero_stage = True, stage
-        if stage == 2:
+        if stage == 2:      # (an expert buffer's shards are over its expert-data-parallel group)
             for buf in self.buffers:
-                buf.release(self.dp)
+                buf.release(buf.buckets[0].shard_world)
             for p in self._aliased:
                 p.grad = None
         for b in self.buckets:
             if b.compressor is not None and self.dp > 1:
-                b.compressor.allocate(b.numel, self.dp, True, b.shard_view(self.dp_rank, self.dp).device)
+                b.compressor.allocate(b.numel, self.dp, True, b.own_view().device)
 
     def bucket_of(self, param: torch.nn.Parameter) -> Bucket | None:
         return self._bucket_of.get(param)
@@ -363,7 +341,7 @@ class GradReducer:
         data.div_(self.dp)
         if self.shard_grads:
             out = bucket.shard if bucket.shard is not None else \
-                torch.empty(bucket.numel // self.dp, dtype=data.dtype, device=data.device)
+                torch.empty(bucket.numel // bucket.shard_world, dtype=data.dtype, device=data.device)
             return group.reduce_scatter_into(out, data, async_op=True), bucket, out
         return group.all_reduce(data, async_op=True), bucket, None
 
@@ -376,7 +354,7 @@ class GradReducer:
         bucket.compressor.prepare_step(self.step - self.policy.warmup_steps,
                                        self.policy.sparsity_warmup_steps, self.local_clip)
         if self.shard_grads:
-            bucket.compressor.reduce_scatter_(data, group, bucket.shard_view(self.dp_rank, self.dp))
+            bucket.compressor.reduce_scatter_(data, group, bucket.own_view())
             # the side stream may still read the storage: the allocator must not hand the block to
             # the next backward (on the compute stream) before that work is done
             bucket.free_storage(used_on=self._worker.stream)
@@ -398,7 +376,7 @@ class GradReducer:
         """After the bucket's collective is done: its output into place, ZeRO-2 storage freed."""
         _, bucket, out = item
         if out is not None and out is not bucket.shard:
-            bucket.shard_view(self.dp_rank, self.dp).copy_(out)
+            bucket.own_view().copy_(out)
         bucket.free_storage()
 
     def _collect_completed(self) -> None:

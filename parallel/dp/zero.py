@@ -2,8 +2,9 @@
 
 ``MixedPrecisionOptimizer`` keeps an fp32 master copy of every low-precision parameter and steps
 ``torch.optim.AdamW`` on the masters (fp32 parameters are their own masters). ``DistributedOptimizer``
-(``--use-distributed-optimizer``) cuts the reducer's buckets into dp equal shards: gradients are
-reduce-scattered, each DP rank keeps masters and Adam moments only for its shard of every bucket,
+(``--use-distributed-optimizer``) cuts the reducer's buckets into dp equal shards (an expert
+bucket into |EDP| shards over its expert-data-parallel group, where it is summed): gradients are
+reduce-scattered, each rank keeps masters and Adam moments only for its shard of every bucket,
 updates them with the same element-wise math as torch.optim.AdamW, and all-gathers the updated
 values back into the parameters (cast to their dtype; per bucket, overlapped with the next forward
 with ``overlap_param_gather``, see param_gather.py). Optimizer memory per rank drops by dp;
@@ -80,8 +81,8 @@ class DistributedOptimizer(_GradAccess):
         self.pieces: list[ShardPiece] = []
         self._shards = []                     # (bucket, offset in flat shard, length, decay segments)
         offset = 0
-        for b in reducer.buckets:
-            s, e = b.shard_range(self.rank, self.dp)
+        for b in reducer.buckets:      # (an expert bucket's shards are over its EDP group)
+            s, e = b.own_range()
             segments = []
             for slot in b.slots:
                 lo, hi = max(s, slot.start), min(e, slot.end)
@@ -97,19 +98,18 @@ class DistributedOptimizer(_GradAccess):
                         segments.append((lo - s, hi - s, wd))
             self._shards.append((b, offset, e - s, segments))
             offset += e - s
-        device = reducer.buckets[0].shard_view(self.rank, self.dp).device
+        device = reducer.buckets[0].own_view().device
         for b in reducer.buckets:           # model-wide grad norm / clipping then read the shards
             for slot in b.slots:
                 slot.param.main_grad_shard = torch.empty(0, dtype=reducer.grad_dtype, device=device)
         for piece in self.pieces:
             b = reducer.buckets[piece.bucket]
-            lo = piece.buffer_start - b.shard_range(self.rank, self.dp)[0]
-            piece.param.main_grad_shard = b.shard_view(self.rank, self.dp)[lo:lo + piece.end - piece.start]
+            lo = piece.buffer_start - b.own_range()[0]
+            piece.param.main_grad_shard = b.own_view()[lo:lo + piece.end - piece.start]
         self.param_gather = ParamGather(reducer, overlap_param_gather)
         # fp32 parameters: their own shard is the master (master.py); others get an fp32 copy
         self.master = MasterShards([(b, off, n) for b, off, n, _ in self._shards],
-                                   lambda b: self.param_gather.flat[id(b.buffer)],
-                                   self.rank, self.dp, device)
+                                   lambda b: self.param_gather.flat[id(b.buffer)], device)
         self.exp_avg = torch.zeros(offset, dtype=torch.float32, device=device)     # (shard,)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self._load_master_from_params()
@@ -165,7 +165,7 @@ class DistributedOptimizer(_GradAccess):
         for b, off, n, segments in self._shards:
             if n == 0:
                 continue
-            g = b.shard_view(self.rank, self.dp).float()
+            g = b.own_view().float()
             sl = slice(off, off + n)
             if _sparse_now(b):
                 if b.index in refreshed:

@@ -19,6 +19,8 @@ capacity (models/moe/capacity.py), ``permute_tokens(..., keep=)`` leaves the dro
 out (reading the kept count on the host), and ``permute_padded`` makes exactly ``capacity`` rows
 per expert (padding rows weigh 0): ``alltoall_dispatch(..., capacity=C)`` then knows every split
 without exchanging or reading counts, so the padded path has no host read at all.
+
+The allgather dispatcher (allgather.py) reuses the row gather and the weighted scatter-add here.
 """
 from __future__ import annotations
 

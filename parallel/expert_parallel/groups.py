@@ -1,8 +1,9 @@
 """Create the expert-parallel and expert-data-parallel groups of a ParallelState.
 
 ``new_group`` is collective: every rank of the world creates every group, in the order of
-``ExpertGrid.groups`` (EP first, then EDP), after ``ParallelState.initialize``. The bad input
-(``ep`` not dividing dp x cp, etp > 1) is refused by the pure ``ExpertGrid`` before the first group.
+``ExpertGrid.groups`` (EP first, then EDP), after ``ParallelState.initialize``; the ETP group is
+the TP group itself (no new group). The bad input (``ep`` not dividing dp x cp, etp other than 1
+and tp) is refused by the pure ``ExpertGrid`` before the first group.
 """
 from __future__ import annotations
 
@@ -15,10 +16,14 @@ from parallel.expert_groups import ExpertGrid
 from parallel.state import ParallelState
 
 
-def init_expert_groups(ps: ParallelState, ep: int, timeout_s: float = 300.0) -> ExpertGrid:
+def init_expert_groups(ps: ParallelState, ep: int, timeout_s: float = 300.0,
+                       etp: int = 1) -> ExpertGrid:
     """Set ``ps.ep_group`` and ``ps.edp_group`` for expert parallelism of size ``ep``; with
-    ep = 1 the EP group is this rank alone and the EDP group is ``ps.dp_cp_group``."""
-    egrid = ExpertGrid(ps.grid, ep)
+    ep = 1 the EP group is this rank alone and the EDP group is ``ps.dp_cp_group``. ``etp`` (1 or
+    tp) sets ``ps.etp_group``: the TP group itself, or this rank alone."""
+    egrid = ExpertGrid(ps.grid, ep, etp)
+    if etp > 1:  # ETP = TP: no new process group
+        ps.etp_group = ps.tp_group
     if ep == 1:
         ps.ep_group = single_rank_group("ep", ps.rank, ps.comm)
         ps.edp_group = ps.dp_cp_group

@@ -22,7 +22,8 @@ from parallel.state import ParallelState
 from parallel.tensor_parallel.init import Initializer
 from parallel.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_from_tp,
                                                reduce_from_tp, reduce_scatter_to_sequence)
-from parallel.tensor_parallel.overlap import ring_gather_linear, ring_linear_reduce_scatter
+from parallel.tensor_parallel.overlap import (fused_linear_all_reduce, ring_gather_linear,
+                                              ring_linear_reduce_scatter)
 from parallel.tensor_parallel.split_linear import (embedding_defer_w, linear_defer_w,
                                                    seq_gather_linear)
 
@@ -125,6 +126,10 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel and self.tp_comm_overlap:  # GEMM chunks + reduce-scatter ring
             y = ring_linear_reduce_scatter(x, self.weight, self.group, store, self.tp_comm_overlap)
             return y if self.bias is None else y + self.bias  # (b, s/tp, out)
+        if self.tp_comm_overlap and not self.sequence_parallel:  # a fused GEMM + all-reduce
+            y = fused_linear_all_reduce(x, self.weight, self.group, store, self.tp_comm_overlap)
+            if y is not None:
+                return y if self.bias is None else y + self.bias  # (b, s, out)
         y = F.linear(x, self.weight) if store is None else linear_defer_w(x, self.weight, None, store)
         # (b, s, out) partial sums
         if self.sequence_parallel:

@@ -177,6 +177,29 @@ class _RingLinearReduceScatterGather(torch.autograd.Function):
 
 
 @torch.compiler.disable
+class _MatmulAllReduceForwardIdentityBackward(torch.autograd.Function):
+    """Row-parallel GEMM + all-reduce without sequence parallelism, as one fused op
+    (``path.matmul_all_reduce``: Ascend's MC2 matmul-all-reduce); the backward is the plain
+    layer's (the all-reduce's backward is the identity): dx = dy W, dW = dy^T x (deferred to
+    the W action under a zero-bubble schedule)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, store, path):
+        ctx.save_for_backward(x, weight)
+        ctx.store = store
+        return path.matmul_all_reduce(x, weight.t(), group)   # (b, s, out)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (b, s, out)
+        x, weight = ctx.saved_tensors
+        grad_x = grad.matmul(weight)                          # (b, s, in/tp)
+        if ctx.store is not None and ctx.store.capturing:
+            ctx.store.defer(lambda: _weight_grads([grad], [weight], [None], x, True), [weight],
+                            (x, grad))
+            return grad_x, None, None, None, None
+        return grad_x, _weight_grads([grad], [weight], [None], x, False)[0], None, None, None
+
+
 def _apply_eager(fn, *args):
     return fn.apply(*args)
 
@@ -208,6 +231,17 @@ def ring_linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group,
     if group_size(group) == 1:
         return F.linear(x, weight)
     return _apply(_RingLinearReduceScatterGather, x, weight, group, store, mode)
+
+
+def fused_linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, group,
+                            store: WeightGradStore | None = None, mode: str = "auto"):
+    """Without sequence parallelism: the row-parallel GEMM and its all-reduce as one fused op
+    where ``fused_path`` finds one that has it ((b, s, in/tp) -> (b, s, out), no bias), else
+    None: the caller runs the plain layer (nothing to pipeline on the other backends)."""
+    path = fused_path(x, group, mode) if group_size(group) > 1 else None
+    if path is None or not hasattr(path, "matmul_all_reduce"):
+        return None
+    return _apply(_MatmulAllReduceForwardIdentityBackward, x, weight, group, store, path)
 
 
 OVERLAP_MODES = ("auto", "ring")

@@ -17,6 +17,13 @@ the group's backend, or None for the ring:
   divisible by the world size, no bias. Both gather / scatter dim 0 of a 2-D operand, so a
   (b, s, h) activation is laid out rank-major ((n, b, s/n, h) flattened) around them. A call
   outside those limits runs the plain collective and GEMM (through ``CommGroup``).
+  Without sequence parallelism (``--tp-comm-overlap --device npu``) the row-parallel GEMM and
+  its all-reduce run as ``torch_npu.npu_mm_all_reduce_base(x1, x2, hcom, reduce_op="sum")``
+  (op-plugin 7.3.0 docs/context/torch_npu-npu_mm_all_reduce_base.md: Atlas A2 only, fp16/bf16,
+  x1 2-D or 3-D, x2 2-D (k, n); ``TP_OVERLAP_OPS`` holds A2's 2/4/8 ranks and k in
+  [256, 65535), the limits of the MC2 family; a bias given to it would be added on every rank
+  before the sum, so the layer adds its bias after). CUDA has no fused matmul-all-reduce in
+  torch: there, and on CPU, the plain GEMM and all-reduce run.
 
 Both fused families go around ``CommGroup``'s wrappers; each call is still checked against the
 backend rules and counted (``_count``) as the collective it replaces.
@@ -56,6 +63,15 @@ def npu_ops() -> bool:
     except RuntimeError:
         return False
     return all(hasattr(npu, op) for op in ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base"))
+
+
+@functools.lru_cache(maxsize=None)
+def npu_all_reduce_op() -> bool:
+    """Whether torch_npu has the fused matmul + all-reduce (used without sequence parallelism)."""
+    try:
+        return hasattr(import_torch_npu(), "npu_mm_all_reduce_base")
+    except RuntimeError:
+        return False
 
 
 def _pg(group):
@@ -121,6 +137,18 @@ class NpuMc2Path:
         out = import_torch_npu().npu_mm_reduce_scatter_base(rank_major, b, self._hcom(group), n,
                                                             reduce_op="sum")
         return out.view(bs, s // n, -1)                               # (b, s/n, o)
+
+    def matmul_all_reduce(self, a, b, group):
+        """a (b, s, k), b (k, o) -> (b, s, o): (a @ b) summed over the group (no bias), fused
+        where documented, else the plain GEMM and all-reduce."""
+        k = a.shape[-1]
+        if not (self._ok(a, k, group) and npu_all_reduce_op()):
+            y = a.matmul(b)
+            group.all_reduce(y)
+            return y
+        _count(group, "all_reduce", a[..., :1].expand(*a.shape[:-1], b.shape[-1]))
+        return import_torch_npu().npu_mm_all_reduce_base(a.contiguous(), b, self._hcom(group),
+                                                         reduce_op="sum")
 
 
 SYMM_MEM, NPU_MC2 = SymmMemPath(), NpuMc2Path()

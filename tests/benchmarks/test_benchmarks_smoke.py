@@ -207,3 +207,21 @@ def test_resilience_benchmark_tiny_run(capsys):
     row = resilience.main(["--steps", "5", "--fault-step", "4", "--hidden", "32", "--layers", "1"])
     assert row["faulty_losses_equal_plain"] and row["reruns"] == 1, row
     assert "fastest step: plain" in capsys.readouterr().out
+
+
+def test_moe_benchmark_skips_a_refused_dispatcher_and_tabulates():
+    """benchmarks/moe.py's pure parts: the engine's own parser decides what is skipped; the tables
+    carry the skipped reason, the imbalance and the validation losses."""
+    from benchmarks import moe
+    base = [*moe.MODEL, *moe.MOE, "--mock-data", "--vocab-size=512", "--dp=4", "--ep=2"]
+    assert moe.refused(base + ["--moe-token-dispatcher-type=alltoall"]) is None
+    assert "flex" in moe.refused(base + ["--moe-token-dispatcher-type=flex"])
+    tput = [{"dispatcher": "alltoall", "ep": 2, "tokens_per_s": 1234.4, "ep_comm_bytes": 4 * 2 ** 20},
+            {"dispatcher": "allgather", "ep": 2, "skipped": "not built"}]
+    runs = {"MoE, aux loss": {"imbalance": [1.5, 1.25, 1.0], "valid": [(2, 8.5), (4, 8.0)],
+                              "loss": [9.0, 8.0, 7.0]},
+            "dense": {"imbalance": [None] * 3, "valid": [(2, 8.4)], "loss": [9.0, 8.0, 6.0]}}
+    text = moe.tables(tput, runs, window=2)
+    assert "| alltoall | 2 | 1234 | 4.0 MiB |" in text and "skipped: not built" in text
+    assert "| MoE, aux loss | 1.50 | 1.50 | 1.125 | 8.500 | 8.000 | 7.500 |" in text
+    assert "| dense | - | - | - | 8.400 | 8.400 | 7.000 |" in text

@@ -34,8 +34,9 @@ def test_kernel_comparison_runs_on_cpu():
 
 
 def test_plan_and_deadlines():
-    assert [s.name for s in plan()] == ["kernels", "eager", "compiled", "zero", "packed"]
-    assert [s.name for s in plan(skip_compile=True)] == ["kernels", "eager", "zero", "packed"]
+    assert [s.name for s in plan()] == ["kernels", "eager", "compiled", "tp_overlap", "zero", "packed"]
+    assert [s.name for s in plan(skip_compile=True)] == ["kernels", "eager", "tp_overlap", "zero",
+                                                        "packed"]
     stage = Stage("eager", 180.0)
     assert deadline_for(stage, 1000.0) == 180.0                      # its own cap
     assert deadline_for(stage, 100.0) == 100.0 - RESERVE_S           # what the budget leaves
@@ -56,21 +57,29 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
     assert code == 0, capsys.readouterr().out
     data = json.loads((tmp_path / "device_check.json").read_text())
     assert [(s["name"], s["status"]) for s in data["stages"]] == [
-        ("kernels", "ok"), ("eager", "ok"), ("zero", "ok"), ("packed", "ok")]
+        ("kernels", "ok"), ("eager", "ok"), ("tp_overlap", "ok"), ("zero", "ok"), ("packed", "ok")]
     kernels = data["stages"][0]["kernels"]
     assert len(kernels) == 8 and all(k["ok"] for k in kernels)
     # the TP overlap's chunked GEMM against the plain one: the same values, timed
     gemm = data["stages"][0]["gemm_chunks"]
     assert [g["tp"] for g in gemm] == [2, 4, 8]
     assert all(g["max_err"] < 1e-5 and g["plain_ms"] > 0 and g["chunked_ms"] > 0 for g in gemm)
+    # tp=2 with SP without and with --tp-comm-overlap, two gloo processes here
+    pair = data["stages"][2]["tp_overlap"]
+    assert [r["run"] for r in pair["rows"]] == ["plain", "overlap"]
+    assert all(r["steps"] == 2 and r["tokens_per_s"] > 0 and r["time_tp_exposed_s"] > 0
+               for r in pair["rows"]), pair
+    assert pair["ratio"] == pair["rows"][1]["tokens_per_s"] / pair["rows"][0]["tokens_per_s"]
     for stage in data["stages"][1:]:
+        if stage["name"] == "tp_overlap":
+            continue
         s = stage["summary"]
         assert s["steps"] == 2 and s["tokens"] == 2 * 4 * 64 and s["tokens_per_s"] > 0
         assert s["mfu"] is not None and s["peak_memory_bytes"] > 0
         assert s["host_syncs_per_step"] == 1  # the step's one statistics read
     md = (tmp_path / "device_check.md").read_text()
     assert "| eager | ok |" in md and "| packed | ok |" in md and "tokens/s" in md
-    assert "chunked GEMMs (ms)" in md
+    assert "chunked GEMMs (ms)" in md and "| overlap |" in md and "overlap / plain tokens/s" in md
     assert md.strip() in capsys.readouterr().out
 
 
@@ -83,6 +92,14 @@ def test_overrun_and_failure_are_reported_not_raised(tmp_path):
                                  "cpu", _args())
     assert bad.status == "failed" and bad.detail.startswith("exit 2: gridtron: configuration error:")
     assert "num-layers" in bad.detail or "num_layers" in bad.detail
+
+
+def test_tp_overlap_stage_is_skipped_with_one_device(tmp_path, monkeypatch):
+    import benchmarks.device_tp_overlap as pair
+    monkeypatch.setattr(pair, "device_count", lambda kind: 1)
+    got = device_check.run_stage(Stage("tp_overlap", 60.0, optional=True), 60.0, tmp_path, "cuda", _args())
+    assert got.status == "skipped" and got.detail.startswith("one cuda device: no pair")
+    assert list(tmp_path.iterdir()) == []  # nothing was launched
 
 
 def test_training_recipe_is_the_13b_gpt():

@@ -11,7 +11,8 @@ import sys
 
 import torch
 
-KERNEL_MODULES = ("kernels.attention", "kernels.attention_lse", "kernels.norms", "kernels.rope", "kernels.swiglu")
+KERNEL_MODULES = ("kernels.attention", "kernels.attention_lse", "kernels.grouped_gemm", "kernels.norms",
+                  "kernels.rope", "kernels.swiglu")
 COMPRESSED_CAUSAL = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
 VARLEN_MAX_SEGMENTS = 1024  # documented maximum length of actual_seq_qlen in the TND layout
 
@@ -155,6 +156,28 @@ class FakeTorchNpu:
         assert x.shape[-1] % 2 == 0 and x.shape[-1] < 896  # the widest documented table (A2/A3)
         x1, x2 = torch.chunk(x, 2, -1)
         return r1 * x + r2 * torch.cat((-x2, x1), dim=-1)
+
+    def npu_grouped_matmul(self, x, weight, *, bias=None, group_list=None, split_item=0,
+                           group_type=None, group_list_type=0, **unused):
+        """The one-tensor case (x, weight, y one tensor each; op-plugin 7.3.0): x (m, k) not
+        transposed, weight (G, k, n) 3-D (transposed allowed), group_list an int64 tensor of
+        cumulative row counts (group_list_type 0: non-negative, non-decreasing, last = m),
+        group_type 0, split_item 2 or 3, at most 1024 groups, k and n below 65536."""
+        self.calls.append("npu_grouped_matmul")
+        assert not unused and bias is None  # the engine adds the bias itself
+        assert isinstance(x, list) and isinstance(weight, list) and len(x) == len(weight) == 1
+        x, w = x[0], weight[0]
+        assert x.dim() == 2 and x.is_contiguous() and w.dim() == 3
+        assert w.is_contiguous() or w.transpose(1, 2).is_contiguous()
+        assert x.dtype == w.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        assert group_type == 0 and group_list_type == 0 and split_item in (2, 3)
+        assert isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64
+        assert group_list.dim() == 1 and group_list.numel() == w.shape[0] <= 1024
+        ends = group_list.tolist()
+        assert all(0 <= a <= b for a, b in zip([0] + ends, ends)) and ends[-1] == x.shape[0]
+        assert x.shape[1] == w.shape[1] and max(x.shape[1], w.shape[2]) < 65536
+        outs = [x[a:b].float() @ w[g].float() for g, (a, b) in enumerate(zip([0] + ends, ends))]
+        return [torch.cat(outs).to(x.dtype)]
 
     def npu_swiglu(self, x, dim=-1):
         self.calls.append("npu_swiglu")

@@ -141,11 +141,15 @@ def test_blocks_train_with_moe(block):
     assert torch.isfinite(loss) and loss > 0
 
 
-def test_refused_layouts():
-    cfg = cfg_of()
+def test_sequence_parallel_marks_router_and_experts():
+    """Under sequence parallelism the replicas over TP saw distinct tokens: their gradients are
+    summed over TP like the norms' (tests/equivalence/test_equivalence_moe_layouts.py)."""
     ps = ParallelState(RankGrid(tp=2), rank=0)
-    with pytest.raises(ValueError, match="--sequence-parallel with --num-experts is not built yet"):
-        MoELayer(cfg, ps, LayerContext(Initializer(), sequence_parallel=True), "m")
+    for sp in (True, False):
+        layer = MoELayer(cfg_of(), ps, LayerContext(Initializer(), sequence_parallel=sp), "m")
+        params = [*layer.router.parameters(), *layer.experts.parameters()]
+        assert layer.tp_split is sp and params
+        assert all(getattr(p, "sequence_parallel", False) is sp for p in params)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -154,7 +158,7 @@ def test_refused_layouts():
     (["--moe-aux-loss-coeff", "0.01"], "--moe-aux-loss-coeff configure mixture-of-experts layers, which need --num-experts"),
     (["--moe-router-topk", "4", "--moe-layer-freq", "2"], "--moe-layer-freq, --moe-router-topk configure"),
     (["--ep", "2"], "--expert-model-parallel-size 2 splits mixture-of-experts layers"),
-    (["--num-experts", "4", "--etp", "2"], "expert tensor parallelism is not built yet"),
+    (["--num-experts", "4", "--etp", "2"], "--expert-tensor-parallel-size 2: only 1"),
     (["--num-experts", "4", "--moe-layer-freq", "[1,1]", "--num-layers", "4"], "the list needs 4 entries"),
     (["--num-experts", "4", "--moe-router-score-function", "relu"], "--moe-router-score-function"),
 ])

@@ -150,8 +150,6 @@ def test_dashboards_and_summary_carry_the_moe_metrics():
      "--moe-expert-capacity-factor -1.5 must be > 0"),
     (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
     (["--num-experts", "4", "--moe-router-enable-expert-bias"], "add --moe-router-score-function sigmoid"),
-    (["--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-      "--save", "/tmp/x"], "the expert bias is not saved"),
     (["--num-experts", "4", "--moe-router-bias-update-rate", "-1"], "must be >= 0"),
     (["--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor configure mixture-of-experts"),
 ])

@@ -46,7 +46,7 @@ def test_local_experts_and_bad_input():
         ExpertGrid.local_experts(6, 4, 0)
     with pytest.raises(ValueError, match="must divide dp x cp = 3 x 1 = 3"):
         ExpertGrid(RankGrid(dp=3), ep=2)
-    with pytest.raises(ValueError, match="expert tensor parallelism is not built yet"):
+    with pytest.raises(ValueError, match="--expert-tensor-parallel-size 2: only 1"):
         ExpertGrid(RankGrid(dp=2), ep=1, etp=2)
     with pytest.raises(ValueError, match="positive integer"):
         ExpertGrid(RankGrid(dp=2), ep=0)

@@ -205,13 +205,15 @@ def test_exported_tokenizer_config_from_a_trained_checkpoint(tmp_path):
     assert tok.eos_token_id == load_tokenizer(prefix).eot_id
 
 
-def test_grouped_query_attention_is_refused_in_one_line(hf, tmp_path, capsys):
+def test_key_value_heads_that_do_not_divide_the_heads_are_refused_in_one_line(hf, tmp_path, capsys):
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "gqa"))
+    path = tmp_path / "gqa" / "config.json"
+    path.write_text(path.read_text().replace('"num_key_value_heads": 2', '"num_key_value_heads": 3'))
     capsys.readouterr()  # transformers' own progress output
     assert import_main(["--load", str(tmp_path / "gqa"), "--save", str(tmp_path / "ck")]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert "grouped-query attention (num_key_value_heads 2 < num_attention_heads 4) is not supported" in err
+    assert "num_key_value_heads 3 does not divide num_attention_heads 4" in err
     assert not os.path.exists(tmp_path / "ck" / "latest")

@@ -1,0 +1,152 @@
+"""Token dispatch of a mixture-of-experts layer over its expert-parallel group by all-gather
+(``--moe-token-dispatcher-type allgather``, as Megatron-LM's MoEAllGatherTokenDispatcher).
+
+One layer's forward, T tokens of width h on each rank, each routed to K of E experts, the EP
+group of P ranks holding E/P experts each (rank j: experts [j E/P, (j+1) E/P))::
+
+    allgather_dispatch  the routing first: each rank's assignment table is all-gathered (int32;
+                        dropless or with unpadded capacity the expert of each of its T K
+                        assignments, E for a dropped one; padded to capacity C, the assignment in
+                        each of the E C slots, -1 for padding); then the tokens (T, h) -> (P T, h)
+                        and the router weights (T, K) -> (P T, K), each by an all-gather whose
+                        backward is a reduce-scatter. Each rank keeps the assignments to its local
+                        experts, sorted by (local expert, source rank, token): the same rows in the
+                        same order as the alltoall dispatcher gives its experts.
+    ... the experts run on contiguous row segments ...
+    allgather_combine   each row times its router weight, summed per gathered token into (P T, h)
+                        on this rank, then reduce-scattered back to the tokens' owners: (T, h), the
+                        weighted sum over the token's K experts (the sum in the weights' dtype, fp32
+                        with the router's fp32 weights, as ``unpermute_tokens`` sums)
+
+The layer hands over its ``Permutation`` (dispatch.py: ``permute_tokens`` or ``permute_padded``,
+built on a zero-width view of the tokens, so no rows are copied): its ``order``, ``counts`` and
+``mask`` say which assignments are kept. Every rank receives every token of the group, which costs
+(P - 1) T h per rank where the alltoall dispatcher moves about (P - 1)/P T K h, and no count
+exchange; dropless and with unpadded capacity the local row counts are read on the host (the one
+host sync, as the alltoall dispatcher reads its split sizes); padded to capacity nothing is read.
+Every collective goes through ``CommGroup`` (kind ``ep``): the backend rules check it and
+``ep_comm_bytes`` counts it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parallel.comm import CommGroup
+from parallel.expert_parallel.dispatch import (Permutation, _GatherRowsForwardScatterAddBackward,
+                                               _WeightedScatterAddForwardGatherBackward)
+
+
+class _AllGatherForwardReduceScatterBackward(torch.autograd.Function):
+    """Every rank's (n, ...) concatenated along dim 0 (P n, ...); the gradient of each rank's piece
+    is the sum over ranks of their gradients for it."""
+
+    @staticmethod
+    def forward(ctx, x, group: CommGroup):  # (n, ...)
+        ctx.group = group
+        out = x.new_empty((group.size * x.shape[0], *x.shape[1:]))
+        group.all_gather_into(out, x.contiguous())
+        return out  # (P n, ...)
+
+    @staticmethod
+    def backward(ctx, grad):  # (P n, ...)
+        group = ctx.group
+        out = grad.new_empty((grad.shape[0] // group.size, *grad.shape[1:]))
+        group.reduce_scatter_into(out, grad.contiguous())
+        return out, None
+
+
+class _ReduceScatterForwardAllGatherBackward(torch.autograd.Function):
+    """The sum over ranks of (P n, ...), this rank keeping its piece (n, ...); the gradient of the
+    whole is every rank's piece gradient, gathered."""
+
+    @staticmethod
+    def forward(ctx, x, group: CommGroup):  # (P n, ...)
+        ctx.group = group
+        out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
+        group.reduce_scatter_into(out, x.contiguous())
+        return out  # (n, ...)
+
+    @staticmethod
+    def backward(ctx, grad):  # (n, ...)
+        group = ctx.group
+        out = grad.new_empty((group.size * grad.shape[0], *grad.shape[1:]))
+        group.all_gather_into(out, grad.contiguous())
+        return out, None
+
+
+def all_gather_rows(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """(n, ...) -> (P n, ...) in rank order; backward reduce-scatters. One rank: x itself."""
+    return x if group.size == 1 else _AllGatherForwardReduceScatterBackward.apply(x, group)
+
+
+def reduce_scatter_rows(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """(P n, ...) summed over the group -> this rank's (n, ...); backward all-gathers."""
+    return x if group.size == 1 else _ReduceScatterForwardAllGatherBackward.apply(x, group)
+
+
+def _gather_table(table: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """All-gather an int32 routing table (no gradient)."""
+    if group.size == 1:
+        return table
+    out = table.new_empty((group.size * table.shape[0], *table.shape[1:]))
+    group.all_gather_into(out, table.contiguous())
+    return out
+
+
+@dataclass
+class AllGatherState:
+    """What ``allgather_combine`` needs: each expert row's gathered token (N,) into the P T
+    gathered tokens, its router weight (N,) (0 for a padding row), P T, and the rows per local
+    expert."""
+    tokens: torch.Tensor
+    weights: torch.Tensor
+    num_gathered: int
+    tokens_per_expert: list
+
+
+def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation,
+                       group: CommGroup, capacity: int | None = None):
+    """(T, h) tokens, (T, K) router weights and the layer's Permutation -> (N, h) rows of this
+    rank's experts sorted by (local expert, source rank, token), and the state. ``capacity``: the
+    Permutation is padded to exactly that many slots per expert (``permute_padded``)."""
+    p, rank = group.size, group.rank
+    t, k = weights.shape
+    e = perm.counts.numel()
+    local = e // p
+    lo = rank * local
+    device = x.device
+    if capacity is None:
+        kept = perm.order.numel()
+        table = torch.full((t * k,), e, dtype=torch.int32, device=device)    # (T K,) E: not sent
+        table[perm.order] = torch.repeat_interleave(
+            torch.arange(e, dtype=torch.int32, device=device), perm.counts, output_size=kept)
+        dest = _gather_table(table, group).long() - lo                        # (P T K,)
+        key = torch.where((dest >= 0) & (dest < local), dest, torch.full_like(dest, local))
+        per_expert = torch.bincount(key, minlength=local + 1)[:local].tolist()  # host read
+        flat = torch.argsort(key, stable=True)[:sum(per_expert)]             # (N,) into P T K
+        routed = None
+    else:
+        code = torch.where(perm.mask > 0, perm.order, torch.full_like(perm.order, -1)).int()
+        table = _gather_table(code, group).long().view(p, e, capacity)[:, lo:lo + local]
+        table = table.transpose(0, 1).reshape(-1)                          # (E/P P C,)
+        source = torch.arange(p, device=device).view(1, p, 1).expand(local, p, capacity).reshape(-1)
+        routed = table >= 0
+        flat = source * (t * k) + table.clamp(min=0)                        # (N,) into P T K
+        per_expert = [p * capacity] * local
+    tokens = torch.div(flat, k, rounding_mode="floor")                      # (N,) into P T
+    gathered_x = all_gather_rows(x, group)                                  # (P T, h)
+    row_weights = all_gather_rows(weights, group).reshape(-1).index_select(0, flat)  # (N,)
+    if routed is not None:
+        row_weights = row_weights * routed
+    rows = _GatherRowsForwardScatterAddBackward.apply(gathered_x, tokens)   # (N, h)
+    return rows, AllGatherState(tokens, row_weights, p * t, per_expert)
+
+
+def allgather_combine(rows: torch.Tensor, state: AllGatherState, group: CommGroup) -> torch.Tensor:
+    """(N, h) expert outputs -> (T, h): weighted and summed per gathered token, then
+    reduce-scattered to the tokens' owners."""
+    out = _WeightedScatterAddForwardGatherBackward.apply(rows, state.weights, state.tokens,
+                                                         state.num_gathered)  # (P T, h)
+    return reduce_scatter_rows(out, group)                                    # (T, h)

@@ -1,0 +1,159 @@
+"""The Ascend MC2 path of --tp-comm-overlap (parallel/tensor_parallel/overlap_fused.py
+``NpuMc2Path``), run on a real 2-rank gloo TP group through a stand-in for torch_npu's three fused
+ops. The stand-in implements each op's documented formula and input rules (op-plugin 7.3.0:
+fp16/bf16, 2-D x2 (k, n), k in [256, 65535), 2-D x1 for the gather/scatter ops and 2-D or 3-D for
+the all-reduce, gather and scatter along dim 0, world size equal to the communicator's) with real
+collectives on the group; what is under test is the path's argument preparation: the rank-major
+layout of (b, s, h) activations around the gather and scatter ops, the weight transposes, the
+bias kept out of the fused all-reduce, and the fallbacks outside the documented limits.
+
+- all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce against the plain collectives and
+  GEMMs (bf16, k = 256);
+- the row-parallel layer without sequence parallelism through the fused all-reduce
+  (``_MatmulAllReduceForwardIdentityBackward``): output, input and weight gradients equal the
+  plain layer's;
+- fp32 or k < 256 falls back to the plain ops and never calls the stand-in; on the CPU the layers
+  never take a fused path.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel.tensor_parallel import Initializer, RowParallelLinear, set_tp_comm_overlap
+from parallel.tensor_parallel import overlap_fused
+from parallel.tensor_parallel.mappings import _gather
+from parallel.tensor_parallel.overlap import _MatmulAllReduceForwardIdentityBackward
+from parallel.topology import RankGrid
+from tests.helpers.dist_utils import run_distributed
+
+HCOM = "hcom-tp"
+K = 256
+
+
+class FakeMc2:
+    """torch_npu's MC2 ops on one group: the documented formulas and input rules."""
+
+    def __init__(self, group):
+        self.group, self.calls = group, []
+
+    def _check(self, x1, x2, hcom, dims=(2,)):
+        assert hcom == HCOM, hcom
+        assert x1.dtype in (torch.float16, torch.bfloat16) and x2.dtype == x1.dtype, (x1.dtype, x2.dtype)
+        assert x1.dim() in dims and x2.dim() == 2, (x1.shape, x2.shape)
+        assert x1.shape[-1] == x2.shape[0] and 256 <= x2.shape[0] < 65535, (x1.shape, x2.shape)
+
+    def _pg(self):
+        return self.group.process_group
+
+    def npu_all_gather_base_mm(self, x1, x2, hcom, world_size, gather_output=True):
+        self._check(x1, x2, hcom)
+        assert world_size == self.group.size
+        self.calls.append("all_gather_base_mm")
+        parts = [torch.empty_like(x1, dtype=torch.float32) for _ in range(world_size)]
+        dist.all_gather(parts, x1.float(), group=self._pg())
+        gathered = torch.cat(parts)                                  # (n m, k), rank-major
+        out = (gathered @ x2.float()).to(x1.dtype)
+        return out, (gathered.to(x1.dtype) if gather_output else None)
+
+    def npu_mm_reduce_scatter_base(self, x1, x2, hcom, world_size, reduce_op="sum"):
+        self._check(x1, x2, hcom)
+        assert reduce_op == "sum" and world_size == self.group.size
+        assert x1.shape[0] % world_size == 0, x1.shape
+        self.calls.append("mm_reduce_scatter_base")
+        y = x1.float() @ x2.float()
+        dist.all_reduce(y, group=self._pg())
+        return y.chunk(world_size)[self.group.rank].to(x1.dtype).contiguous()
+
+    def npu_mm_all_reduce_base(self, x1, x2, hcom, reduce_op="sum", bias=None):
+        self._check(x1, x2, hcom, dims=(2, 3))
+        assert reduce_op == "sum"
+        self.calls.append("mm_all_reduce_base")
+        y = x1.float() @ x2.float() + (0 if bias is None else bias.float())
+        dist.all_reduce(y, group=self._pg())
+        return y.to(x1.dtype)
+
+
+def _rand(seed: int, *shape, scale: float = 1.0, dtype=torch.bfloat16) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def fused_group(ps) -> dict:
+    group, r = ps.tp_group, ps.tp_rank
+    fake = FakeMc2(group)
+    saved = (overlap_fused.import_torch_npu, overlap_fused.npu_all_reduce_op,
+             overlap_fused.NpuMc2Path._hcom)
+    overlap_fused.import_torch_npu = lambda: fake
+    overlap_fused.npu_all_reduce_op = lambda: True
+    overlap_fused.NpuMc2Path._hcom = staticmethod(lambda g: HCOM)
+    path, out = overlap_fused.NPU_MC2, {}
+    try:
+        # all-gather + GEMM: shard (b, s/n, k), two weights (k, o_i)
+        shard = _rand(10 + r, 2, 3, K)
+        ws = [_rand(20, K, 8, scale=0.05), _rand(21, K, 4, scale=0.05)]
+        gathered, outs = path.all_gather_matmul(shard, ws, group, gather=True)
+        full = _gather(shard.float(), 1, group)                          # (b, s, k)
+        out["ag_gathered"] = (gathered.float() - full).abs().max().item()
+        out["ag_outs"] = max((o.float() - (full @ w.float())).abs().max().item() for o, w in zip(outs, ws))
+        out["ag_shapes"] = [tuple(o.shape) for o in outs]
+        # GEMM + reduce-scatter: a (b, s, k) per rank -> chunk r of the sum, (b, s/n, o)
+        a, w = _rand(30 + r, 2, 6, K), _rand(40, K, 8, scale=0.05)
+        got = path.matmul_reduce_scatter(a, w, group).float()
+        total = a.float() @ w.float()
+        dist.all_reduce(total, group=group.process_group)
+        out["rs"] = (got - total.chunk(2, dim=1)[r]).abs().max().item()
+        out["rs_shape"] = tuple(got.shape)
+        # GEMM + all-reduce (no sequence parallelism)
+        got = path.matmul_all_reduce(a, w, group).float()
+        out["ar"] = (got - total).abs().max().item()
+        out["fused_calls"] = list(fake.calls)
+        # outside the documented limits: the plain ops, the stand-in untouched
+        fake.calls.clear()
+        a32, w32 = a.float(), w.float()
+        plain = path.matmul_all_reduce(a32, w32, group)
+        small = path.matmul_reduce_scatter(a[..., :128], w[:128], group)
+        out["fallback_calls"] = list(fake.calls)
+        out["fallback_ar"] = (plain - total).abs().max().item()
+        out["fallback_rs_shape"] = tuple(small.shape)
+        # the row-parallel layer's fused GEMM + all-reduce, forward and backward, against the
+        # plain layer (the same weights, bf16)
+        fake.calls.clear()
+        layer = RowParallelLinear(2 * K, 8, ps, "row", Initializer(seed=5, std=0.05), bias=True)
+        layer = layer.to(torch.bfloat16)
+        with torch.no_grad():
+            layer.bias.copy_(_rand(60, 8))
+        x = _rand(70 + r, 2, 6, K).requires_grad_()
+        dy = _rand(80, 2, 6, 8)
+        y_plain = layer(x)
+        (y_plain * dy).sum().backward()
+        ref = (y_plain.detach().float(), x.grad.float(), layer.weight.grad.float())
+        x.grad, layer.weight.grad, layer.bias.grad = None, None, None
+        y = _MatmulAllReduceForwardIdentityBackward.apply(x, layer.weight, group, None, path) + layer.bias
+        (y * dy).sum().backward()
+        out["layer"] = [(t.float() - u).abs().max().item()
+                        for t, u in zip((y.detach(), x.grad, layer.weight.grad), ref)]
+        out["layer_calls"] = list(fake.calls)
+    finally:
+        (overlap_fused.import_torch_npu, overlap_fused.npu_all_reduce_op) = saved[:2]
+        overlap_fused.NpuMc2Path._hcom = saved[2]
+    # on the CPU no fused path is taken: --tp-comm-overlap without SP leaves the layer plain
+    layer = RowParallelLinear(16, 8, ps, "cpu_row", Initializer(seed=5, std=0.5), bias=True)
+    x = _rand(90 + r, 2, 4, 8, dtype=torch.float32)
+    before = layer(x)
+    set_tp_comm_overlap(layer, "auto")
+    out["cpu_same"] = torch.equal(layer(x), before)
+    out["cpu_path"] = overlap_fused.fused_path(x, group)
+    return out
+
+
+def test_npu_mc2_path_prepares_the_documented_operands():
+    for r in run_distributed(fused_group, grid=RankGrid(tp=2)):
+        assert r["ag_gathered"] == 0.0
+        assert r["ag_outs"] < 3e-2 and r["ag_shapes"] == [(2, 6, 8), (2, 6, 4)], r
+        assert r["rs"] < 3e-2 and r["rs_shape"] == (2, 3, 8), r
+        assert r["ar"] < 3e-2, r
+        assert r["fused_calls"] == ["all_gather_base_mm", "mm_reduce_scatter_base", "mm_all_reduce_base"]
+        assert r["fallback_calls"] == [] and r["fallback_ar"] < 1e-4 and r["fallback_rs_shape"] == (2, 3, 8)
+        assert max(r["layer"]) < 5e-2, r["layer"]
+        assert r["layer_calls"] == ["mm_all_reduce_base"]
+        assert r["cpu_same"] and r["cpu_path"] is None
