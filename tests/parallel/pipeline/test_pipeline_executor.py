@@ -184,8 +184,8 @@ def pp2_dp2_checks(ps):
                ("interleaved", 2, 3, 0.0)]
     report = check_equivalence(ps, widths, configs, shape_fn=True)
     check_embedding_sum(ps)
-    # stage 1 fails at micro-batch 1; micro-batch 0's gradient must still reach stage 0 within the
-    # timeout, which on a loaded 2-core machine (4 ranks) took longer than 2 s once
+    # stage 1 fails at micro-batch 1; stage 0 must name it within the timeout, which on a loaded
+    # 2-core machine (4 ranks) took longer than 2 s once
     report.append(expect_comm_error(ps, fail_stage=1, timeout_s=10.0))
     return report
 
@@ -264,10 +264,13 @@ def test_pp2_dp2_schedules_match_serial_and_failure_names_stage():
         if grid.coord(rank).pp == 1:
             assert failure == "ValueError: injected failure"
         else:
+            # stage 1 fails in micro-batch 1's forward, after posting micro-batch 0's gradient;
+            # its process then leaves, and a posted gradient its peer had not received yet can
+            # go with it (as in a real crash): the peer then names micro-batch 0
             stage1 = grid.rank_of(pp=1, dp=grid.coord(rank).dp)
-            assert failure.startswith("PipelineCommError: pipeline stage 1 "
-                                      f"(rank {stage1}) sent no gradient for micro-batch 1 "
-                                      "within 10 s"), failure
+            assert any(failure.startswith("PipelineCommError: pipeline stage 1 "
+                                          f"(rank {stage1}) sent no gradient for micro-batch {m} "
+                                          "within 10 s") for m in (0, 1)), failure
 
 
 def _checked_schedules(ps):
