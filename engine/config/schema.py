@@ -378,12 +378,10 @@ class RunConfig:
                              "--tp-comm-overlap")
         if not (self.checkpoint.use_checkpoint_args and self.checkpoint.load
                 and self.model.num_experts is None):  # else checked with the checkpoint's model
-            check_expert_flags(self.model, self.parallel, self.checkpoint.save,
-                               self.compression.grad_compression)
+            check_expert_flags(self.model, self.parallel, self.compression.grad_compression)
 
 
-def check_expert_flags(model: GPTConfig, parallel: ParallelConfig, save: str | None = None,
-                       compression: str = "none") -> None:
+def check_expert_flags(model: GPTConfig, parallel: ParallelConfig, compression: str = "none") -> None:
     """The expert flags against the model's experts and what this slice builds (dp is checked by
     ``grid``); docs/moe.md lists what is not built yet."""
     ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size

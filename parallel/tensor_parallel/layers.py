@@ -116,7 +116,9 @@ class RowParallelLinear(nn.Module):
         self.bias = _mark(init.param(f"{name}.bias", (out_features,), "zeros"),
                           sequence_parallel=sequence_parallel) if bias else None
         self.weight_grad_store = None
-        self.tp_comm_overlap = None  # "auto" | "ring": overlap.py, under sequence parallelism
+        # "auto" | "ring": overlap.py (the ring under sequence parallelism; without it only a
+        # fused GEMM + all-reduce where the device has one)
+        self.tp_comm_overlap = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, in/tp)
         store = self.weight_grad_store
