@@ -73,14 +73,20 @@ def check_compatible(index: dict, cfg, data: dict, where: str) -> None:
         raise CheckpointError(f"checkpoint {where} was saved {given}: use the checkpoint's model "
                               f"shape (--use-checkpoint-args) or start without --load")
     was, now = index["data"], data
-    describe = lambda d: "mock data" if d["mock"] else f"tokenizer {d['tokenizer']} ({d['prefix']})"
+    describe = lambda d: "mock data" if d["mock"] else f"tokenizer {d['tokenizer']}" + (
+        f" ({d['prefix']})" if d["prefix"] else "")
     named = was["tokenizer"] is not None or was["mock"]  # an import without tokenizer names none
     if was["vocab_size"] != now["vocab_size"] or (named and was["tokenizer"] != now["tokenizer"]) or (
             was["tokenizer_sha256"] and now["tokenizer_sha256"]
             and was["tokenizer_sha256"] != now["tokenizer_sha256"]):
-        fix = f"--mock-data --vocab-size {was['vocab_size']}" if was["mock"] else \
-            f"--data-path {was['prefix']}, or data prepared with python -m engine.data prepare " \
-            f"--tokenizer {was['prefix']}"
+        if was["mock"]:
+            fix = f"--mock-data --vocab-size {was['vocab_size']}"
+        elif was["prefix"] is None:  # imported from Hugging Face: its data is the model's tokenizer's
+            fix = "data prepared with the model's own tokenizer: python -m engine.data prepare " \
+                  "--tokenizer-model <the Hugging Face model's directory>"
+        else:
+            fix = f"--data-path {was['prefix']}, or data prepared with python -m engine.data " \
+                  f"prepare --tokenizer {was['prefix']}"
         raise CheckpointError(
             f"checkpoint {where} was trained on a {was['vocab_size']}-token vocabulary from "
             f"{describe(was)}, but this run's data has {now['vocab_size']} tokens from {describe(now)}: "

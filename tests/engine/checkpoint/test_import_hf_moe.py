@@ -8,8 +8,9 @@ exactly the tensors (names and values) transformers saved, and transformers load
 transformers 5's fused in-memory expert tensors import as the per-expert ones it saves.
 Qwen3-MoE is imported both with ``norm_topk_prob`` false (``--moe-router-pre-softmax``) and true
 (the default router), its first layer dense (``mlp_only_layers``). (d) The imported MoE
-checkpoints load under ep 2 (dp 2, one spawned group for both) and train three steps with the
-serial run's losses, gradient norms and balancing losses (a run's own --moe-aux-loss-coeff
+checkpoints load under ep 2 (dp 2, one spawned group for both) and train three steps, on a corpus
+prepared with the models' own tokenizer (a byte-level BPE saved beside them), with the serial run's
+losses, gradient norms and balancing losses (a run's own --moe-aux-loss-coeff
 over the checkpoint's). Routers the engine does not build are refused in one line.
 """
 import json
@@ -32,7 +33,9 @@ from parallel.state import LaunchEnv  # noqa: E402
 from parallel.topology import RankGrid  # noqa: E402
 from tests.helpers.dist_utils import run_distributed  # noqa: E402
 
-VOCAB, SEQ = 128, 16
+VOCAB, SEQ = 320, 16
+TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 20
+        + "The quick brown fox jumps over the lazy dog. " * 30)
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
 MODELS = {
@@ -47,7 +50,7 @@ MODELS = {
         intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
         head_dim=16, norm_topk_prob=True, **SHAPE)),
 }
-TRAIN = ["--mock-data", "--vocab-size", str(VOCAB), "--use-checkpoint-args", "--seq-length", str(SEQ),
+TRAIN = ["--use-checkpoint-args", "--seq-length", str(SEQ),
          "--global-batch-size", "4", "--micro-batch-size", "2", "--train-iters", "3", "--precision",
          "fp32", "--lr", "1e-3", "--lr-warmup-iters", "0", "--no-progress", "--device", "cpu",
          "--peak-tflops", "1"]
@@ -58,8 +61,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    """{family: (HF dir, imported checkpoint dir)}."""
+    """{family: (HF dir, imported checkpoint dir)}, and "data": a corpus prepared with the
+    models' own tokenizer (a byte-level BPE saved beside each model, copied by the import)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from engine.data.__main__ import main as data_main
     root = tmp_path_factory.mktemp("hf_moe")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([TEXT], trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    tok.add_tokens([f"<|unused{i}|>" for i in range(VOCAB - len(tok))], special_tokens=True)
+    assert len(tok) == VOCAB  # the models' vocabulary: a checkpoint trains on its own tokenizer's data
     torch.manual_seed(0)
     dirs = {}
     for name, build in MODELS.items():
@@ -69,8 +85,13 @@ def hf(tmp_path_factory):
                 p.normal_(0.0, 0.2) if p.ndim >= 2 else p.uniform_(0.5, 1.5)
         path, ck = str(root / name), str(root / f"{name}_ck")
         model.save_pretrained(path)
+        tok.save_pretrained(path)
         assert import_main(["--load", path, "--save", ck]) == 0
         dirs[name] = (path, ck)
+    (root / "text.txt").write_text(TEXT)
+    dirs["data"] = str(root / "data" / "corpus")
+    assert data_main(["prepare", "--input", str(root / "text.txt"), "--output", dirs["data"],
+                      "--tokenizer-model", dirs["mixtral"][0], "--no-progress"]) == 0
     return dirs
 
 
@@ -156,12 +177,13 @@ def test_imported_moe_models_train_under_ep2_as_serially(hf):
                                           "seq_aux_loss", "--moe-aux-loss-coeff", "0.01"]}
     refs = []
     for family in families:
-        trainer = Trainer(run_config(TRAIN + ["--load", hf[family][1]] + extra[family]),
-                          launch=LaunchEnv())
+        trainer = Trainer(run_config(TRAIN + ["--load", hf[family][1], "--data-path", hf["data"]]
+                                     + extra[family]), launch=LaunchEnv())
         refs.append(trainer.train().records)
         trainer.close()
     assert refs[0][0]["moe_aux_loss"] == 0 and refs[1][0]["moe_aux_loss"] > 0
-    cases = [TRAIN + ["--load", hf[f][1], "--dp", "2", "--ep", "2"] + extra[f] for f in families]
+    cases = [TRAIN + ["--load", hf[f][1], "--data-path", hf["data"], "--dp", "2", "--ep", "2"]
+             + extra[f] for f in families]
     runs = run_distributed(_train, grid=RankGrid(dp=2), args=(cases,), timeout_s=120)
     for i, family in enumerate(families):
         assert runs[0][i]["ep"] == 2
@@ -214,3 +236,17 @@ def test_moe_models_without_a_transformers_class_are_refused():
                           ({"moe_layer_freq": "[0,1]"}, "dense layers without --qk-layernorm")):
         with pytest.raises(CheckpointError, match=words):
             export_family({**base, **change})
+
+
+def test_an_import_refuses_data_of_another_tokenizer_naming_its_own(hf):
+    from engine.training.launch import run_config
+    from engine.training.trainer import Trainer
+    trainer = Trainer(run_config(TRAIN + ["--load", hf["mixtral"][1], "--mock-data",
+                                          "--vocab-size", str(VOCAB)]), launch=LaunchEnv())
+    with pytest.raises(CheckpointError) as err:
+        trainer.train()
+    trainer.close()
+    msg = str(err.value)
+    assert "\n" not in msg and "None" not in msg, msg
+    assert "from tokenizer hf, but this run's data has 320 tokens from mock data" in msg, msg
+    assert "prepare --tokenizer-model <the Hugging Face model's directory>" in msg, msg
