@@ -166,20 +166,22 @@ def split_by_shard(role: Role, grid: RankGrid, signatures: list[tuple[int, int]]
 def expert_holdings(cfg, grid: RankGrid, role: Role) -> dict:
     """Which experts the ranks of ``role`` hold in each of its MoE layers (empty without): E/ep per
     EP rank, EP rank i holding experts [i E/ep, (i + 1) E/ep) (``ExpertGrid``), and each rank's EP
-    rank, as ``{"experts_per_rank", "ep", "edp", "experts_of_ep_rank": {i: [first, last]},
+    rank (under ETP = tp each TP rank holds its 1/etp slice of those experts), as
+    ``{"experts_per_rank", "ep", "edp", "etp", "experts_of_ep_rank": {i: [first, last]},
     "ep_rank_of": {rank: i}}``."""
     from parallel.expert_groups import ExpertGrid
     e = cfg.model.num_experts
     if e is None or not role.moe_layers:
         return {}
-    egrid = ExpertGrid(grid, cfg.parallel.expert_model_parallel_size)
+    egrid = ExpertGrid(grid, cfg.parallel.expert_model_parallel_size,
+                       getattr(cfg.parallel, "expert_tensor_parallel_size", 1) or 1)
     ep = egrid.ep
     per = e // ep
     position = {}
     for group in egrid.groups("ep"):
         for i, r in enumerate(group):
             position[r] = i
-    return {"experts_per_rank": per, "ep": ep, "edp": egrid.edp,
+    return {"experts_per_rank": per, "ep": ep, "edp": egrid.edp, "etp": egrid.etp,
             "experts_of_ep_rank": {i: [i * per, (i + 1) * per - 1] for i in range(ep)},
             "ep_rank_of": {r: position[r] for r in role.ranks}}
 

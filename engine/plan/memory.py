@@ -42,12 +42,14 @@ def stage_moe_layers(shape: ModelShape, layout: Layout, stage: int) -> int:
     return sum(1 for i in stage_layers(shape, layout, stage) if shape.is_moe(i))
 
 
-def expert_params_per_layer(shape: ModelShape, ep: int) -> float:
-    """One MoE layer's expert weights on one rank: E/ep whole experts (expert tensor parallelism
-    is 1, so every TP rank holds the same ones): n_mat h f_e each, gpt2 also the biases f_e + h."""
+def expert_params_per_layer(shape: ModelShape, ep: int, etp: int = 1) -> float:
+    """One MoE layer's expert weights on one rank: E/ep experts, n_mat h f_e each (gpt2 also the
+    biases f_e + h). With ETP = 1 every TP rank holds the same whole experts; with ETP = tp each
+    holds 1/etp of every matrix and of the fc1 bias, and the whole fc2 bias (models/moe/experts.py:
+    added by ETP rank 0 only): n_mat h f_e / etp, gpt2 also f_e / etp + h."""
     moe, h = shape.moe, shape.hidden_size
     f = moe.ffn_hidden
-    one = 3 * h * f if shape.block == "llama" else 2 * h * f + f + h
+    one = 3 * h * f / etp if shape.block == "llama" else (2 * h * f + f) / etp + h
     return moe.num_experts // ep * one
 
 
@@ -64,7 +66,8 @@ def moe_dense_change_per_layer(shape: ModelShape, tp: int) -> float:
 
 def stage_param_split(shape: ModelShape, layout: Layout, stage: int) -> tuple[float, float]:
     """(dense weights, expert weights) on a device of pipeline rank ``stage``: the expert ones are
-    the MoE layers' experts (reduced over the EDP group, sharded over it under ZeRO), the dense
+    the MoE layers' experts (E/ep per rank, 1/etp of each; reduced over the EDP group of
+    dp x cp / ep ranks, sharded over it under ZeRO, whatever the etp), the dense
     ones everything else (``stage_param_count`` without MoE layers; the router and the shared
     expert are dense)."""
     total = _stage_dense_count(shape, layout, stage)
@@ -72,7 +75,7 @@ def stage_param_split(shape: ModelShape, layout: Layout, stage: int) -> tuple[fl
     if not moe_layers:
         return total, 0.0
     return (total + moe_layers * moe_dense_change_per_layer(shape, layout.tp),
-            moe_layers * expert_params_per_layer(shape, layout.ep))
+            moe_layers * expert_params_per_layer(shape, layout.ep, layout.etp))
 
 
 def stage_param_count(shape: ModelShape, layout: Layout, stage: int) -> float:
@@ -229,7 +232,8 @@ def moe_activation_change(shape: ModelShape, layout: Layout, recompute: str | No
     """Bytes an MoE layer keeps per micro-batch beyond the dense layer it replaces (negative when
     it keeps less): the dense MLP's ``n e s b f / t`` is replaced by the experts' ``e T K`` rows
     (their gathered input and their outputs, which the weighted combine keeps,
-    ``ACT_MOE_ROWS e T K h``; ``n e T K f_e`` inside them, n as the dense MLP's), the shared
+    ``ACT_MOE_ROWS e T K h``; ``n e T K f_e / etp`` inside them, n as the dense MLP's: under
+    expert tensor parallelism each TP rank keeps its slice of the experts' width), the shared
     expert's ``n e T f_s / t``, the router's fp32 logits and scores (``ACT_MOE_FP32_PER_EXPERT``
     x 4 T E; its fp32 copy of the input 4 T h when activations are not fp32) and the routing's
     index vectors (``ACT_MOE_INDEX_BYTES`` per assignment), T = s b. Full recomputation keeps
@@ -242,7 +246,7 @@ def moe_activation_change(shape: ModelShape, layout: Layout, recompute: str | No
     n = ACT_TENSORS_MLP[shape.block]
     routed = moe_tokens(shape, layout)   # this TP rank's own under sequence parallelism
     assignments = routed * moe.topk
-    kept = (e * assignments * (ACT_MOE_ROWS * h + n * moe.ffn_hidden)
+    kept = (e * assignments * (ACT_MOE_ROWS * h + n * moe.ffn_hidden / layout.etp)
             + n * e * tokens * moe.shared_ffn / t
             + 4 * routed * (ACT_MOE_FP32_PER_EXPERT * moe.num_experts + (h if e != 4 else 0))
             + ACT_MOE_INDEX_BYTES * assignments)

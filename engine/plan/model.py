@@ -256,11 +256,15 @@ class Layout:
     # experts each; expert gradients reduce over the expert-data-parallel group of dp x cp / ep
     # ranks (parallel/expert_groups.py). Last, so that positional layouts keep their meaning.
     ep: int = 1
+    # Expert tensor parallelism: 1 (every TP rank holds whole replicas of its E/ep experts) or tp
+    # (the TP group splits every expert like the dense MLP; the EP and EDP groups are unchanged,
+    # drawn from the dp x cp ranks of one TP coordinate; models/moe/experts.py).
+    etp: int = 1
 
     def __post_init__(self) -> None:
         if self.schedule == "zb-v" and self.vp == 1:
             object.__setattr__(self, "vp", 2)   # zb-v always runs two chunks per rank
-        for key in ("tp", "pp", "dp", "vp", "micro_batch_size", "cp", "ep"):
+        for key in ("tp", "pp", "dp", "vp", "micro_batch_size", "cp", "ep", "etp"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"layout {key} must be a positive integer, got {getattr(self, key)!r}")
         if self.schedule not in PLAN_SCHEDULES:
@@ -352,12 +356,21 @@ def moe_tokens(shape: ModelShape, layout: Layout) -> float:
 
 def check_moe_layout(shape: ModelShape, layout: Layout) -> str | None:
     """The expert rules (engine/config/schema.py ``check_expert_flags``, parallel/expert_groups.py):
-    ep divides dp x cp and the experts, so that every command the planner prints runs."""
-    ep, moe = layout.ep, shape.moe
+    ep divides dp x cp and the experts, etp is 1 or tp (not with sequence parallelism) and divides
+    the expert width, so that every command the planner prints runs."""
+    ep, etp, moe = layout.ep, layout.etp, shape.moe
     if moe is None:
+        if etp > 1:
+            return f"etp {etp} needs MoE layers (--num-experts)"
         return None if ep == 1 else f"ep {ep} needs MoE layers (--num-experts)"
     if (layout.dp * layout.cp) % ep:
         return f"ep {ep} does not divide dp x cp = {layout.dp * layout.cp}"
     if moe.num_experts % ep:
         return f"experts {moe.num_experts} not divisible by ep {ep}"
+    if etp not in (1, layout.tp):
+        return f"etp {etp}: only 1 or tp {layout.tp} is built"
+    if etp > 1 and layout.sequence_parallel:
+        return f"etp {etp} with sequence parallelism is not built (the engine refuses it)"
+    if moe.ffn_hidden % etp:
+        return f"expert width {moe.ffn_hidden} not divisible by etp {etp}"
     return None

@@ -33,6 +33,8 @@ def train_args(shape: ModelShape, layout: Layout, precision: str = "bf16",
         args += ["--cp", str(layout.cp)]
     if shape.moe is not None:
         args += ["--ep", str(layout.ep)]
+        if layout.etp > 1:
+            args += ["--etp", str(layout.etp)]
     args += ["--virtual-pipeline-size", str(layout.vp), "--pipeline-schedule", schedule_of(layout),
              "--micro-batch-size", str(layout.micro_batch_size),
              "--global-batch-size", str(shape.global_batch_size), "--recompute", layout.recompute]
@@ -75,8 +77,10 @@ def moe_args(shape: ModelShape) -> list[str]:
 
 
 def layout_text(layout: Layout) -> str:
-    """``tp=.. cp=.. pp=.. dp=.. ep=.. vp=.. mbs=.. recompute=.. zero=.. sp=..``: every layout line."""
-    return (f"tp={layout.tp} cp={layout.cp} pp={layout.pp} dp={layout.dp} ep={layout.ep} "
+    """``tp=.. cp=.. pp=.. dp=.. ep=.. [etp=..] vp=.. mbs=.. recompute=.. zero=.. sp=..``: every
+    layout line (``etp=`` when expert tensor parallelism is on, etp = tp)."""
+    etp = f"etp={layout.etp} " if layout.etp > 1 else ""
+    return (f"tp={layout.tp} cp={layout.cp} pp={layout.pp} dp={layout.dp} ep={layout.ep} {etp}"
             f"vp={layout.vp} mbs={layout.micro_batch_size} recompute={layout.recompute} "
             f"zero={'on' if layout.zero else 'off'} sp={'on' if layout.sequence_parallel else 'off'}")
 
@@ -148,7 +152,8 @@ def _hidden_note(est: Estimate, name: str) -> str:
     if name == "ep_comm":
         if lay.ep == 1:
             return "  (no expert parallelism)"
-        return "  exposed: the MoE dispatch and combine all-to-alls (not overlapped)"
+        return "  exposed: the MoE dispatch and combine all-to-alls (not overlapped)" + (
+            f"; etp {lay.etp}: the experts' TP all-reduces are in tp_comm" if lay.etp > 1 else "")
     if name == "dp_comm":
         if lay.dp * lay.cp == 1:
             return "  (no data parallelism)"

@@ -1,7 +1,7 @@
 """Cluster planner: ``python -m engine.plan`` ranks parallel layouts by predicted step time.
 
 It enumerates (tp, cp, pp, dp, virtual stages, micro-batch size, recompute, ZeRO-1, sequence
-parallelism and, for a mixture-of-experts model, ep) for the run's rank order (``--order``, default tp-cp-dp-pp; cp = 1 unless ``--cp``),
+parallelism and, for a mixture-of-experts model, ep and etp: 1 or tp) for the run's rank order (``--order``, default tp-cp-dp-pp; cp = 1 unless ``--cp``),
 drops the layouts that break a topology rule (engine/plan/model.check_layout) or do not fit in device
 memory, estimates each survivor's step time (engine/plan/timing.py), prints the best first and then
 the ``torchrun ... -m engine.train`` command of the best. ``--explain`` prints every term of each
@@ -44,7 +44,7 @@ KEY_ALIASES = {"heads": "num_attention_heads", "hidden": "hidden_size", "seq_len
 # the MoE flags, as engine.train names them (engine/config/flags.py); --ep is the search's
 MOE_KEYS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
             "moe_shared_expert_intermediate_size")
-JSON_KEYS = ("tp", "cp", "pp", "dp", "ep", "vp", "schedule", "micro_batch_size", "recompute", "zero",
+JSON_KEYS = ("tp", "cp", "pp", "dp", "ep", "etp", "vp", "schedule", "micro_batch_size", "recompute", "zero",
              "sequence_parallel", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather",
              "order", "comm_hidden", "memory_bytes_per_device", "step_time_s", "tflops_per_device",
              "model_tflops_per_device", "mfu", "hfu", "time_terms", "memory_terms", "command")
@@ -64,6 +64,9 @@ class SearchSpace:
     micro_batch_size: int | None = None
     schedules: tuple[str, ...] = ("1f1b",)  # with pp > 1; add "zb-h1", "zb-v" to weigh them
     ep: tuple[int, ...] | None = None  # expert-parallel sizes (None: every one that divides)
+    # expert tensor parallelism: "1" (whole experts on every TP rank) and/or "tp" (the TP group
+    # splits every expert); weighed for MoE models with tp > 1 (never with sequence parallelism)
+    etp: tuple[str, ...] = ("1", "tp")
     # the overlaps (Layout's fields, Megatron-LM's flags): --tp-comm-overlap, --overlap-grad-reduce,
     # --overlap-param-gather; the engine's defaults
     tp_comm_overlap: bool = False
@@ -84,6 +87,14 @@ def expert_sizes(shape: ModelShape, dp_cp: int, space: SearchSpace) -> list[int]
     return [ep for ep in wanted if dp_cp % ep == 0 and shape.moe.num_experts % ep == 0]
 
 
+def expert_tensor_sizes(shape: ModelShape, tp: int, sp: bool, space: SearchSpace) -> list[int]:
+    """The etp sizes to weigh for a layout of ``tp`` ranks: 1 and/or tp (``space.etp``) for an
+    MoE model with tp > 1 and no sequence parallelism (ETP > 1 with it is not built), else 1."""
+    if shape.moe is None or tp == 1 or sp:
+        return [1] if "1" in space.etp or shape.moe is None or tp == 1 else []
+    return [1 if v == "1" else tp for v in space.etp]
+
+
 def candidate_layouts(shape: ModelShape, cluster: Cluster, space: SearchSpace):
     """Every layout of the space that obeys the topology rules (memory is checked later)."""
     n, dpn = cluster.num_devices, cluster.devices_per_node
@@ -101,12 +112,14 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, space: SearchSpace):
                                            expert_sizes(shape, dp * cp, space)):
                 for zero in space.zero if dp * cp > 1 else (False,):
                     for sp in space.sequence_parallel if tp > 1 else (False,):
-                        layout = Layout(tp, pp, dp, vp, mbs, rc, zero, sp, cp, space.order,
-                                        schedule, tp_comm_overlap=space.tp_comm_overlap,
-                                        overlap_grad_reduce=space.overlap_grad_reduce,
-                                        overlap_param_gather=space.overlap_param_gather, ep=ep)
-                        if check_layout(shape, cluster, layout) is None:
-                            yield layout
+                        for etp in expert_tensor_sizes(shape, tp, sp, space):
+                            layout = Layout(tp, pp, dp, vp, mbs, rc, zero, sp, cp, space.order,
+                                            schedule, tp_comm_overlap=space.tp_comm_overlap,
+                                            overlap_grad_reduce=space.overlap_grad_reduce,
+                                            overlap_param_gather=space.overlap_param_gather,
+                                            ep=ep, etp=etp)
+                            if check_layout(shape, cluster, layout) is None:
+                                yield layout
 
 
 def search(shape: ModelShape, cluster: Cluster, space: SearchSpace = SearchSpace()) -> list[Estimate]:
@@ -178,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", "--expert-model-parallel-size", dest="ep",
                    help="expert-parallel sizes to search, a comma list (default: every size that "
                         "divides dp x cp and the experts)")
+    p.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp", default="1,tp",
+                   help="expert tensor parallelism to weigh for an MoE model with tp > 1: 1 (whole "
+                        "experts on every TP rank), tp (the TP group splits every expert) or 1,tp "
+                        "(default); never with sequence parallelism")
     p.add_argument("--pipeline-schedule", default="1f1b",
                    help="comma list of pipeline schedules to weigh: 1f1b (interleaved with VP > 1), "
                         "zb-h1, zb-v")
@@ -287,6 +304,7 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
             eps = ()
         if not eps or min(eps) < 1:
             raise ValueError(f"--ep expects a comma list of positive integers, got {args.ep!r}")
+    etps = _choice(args.etp, ("1", "tp"), "--etp")
     space = SearchSpace(_choice(args.recompute, ("none", "selective", "full"), "--recompute"),
                         _on_off(args.zero, "--zero"), _on_off(args.sequence_parallel, "--sequence-parallel"),
                         cps, args.order, micro_batch_size=args.micro_batch_size,
@@ -294,7 +312,7 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
                                           "--pipeline-schedule"),
                         tp_comm_overlap=args.tp_comm_overlap,
                         overlap_grad_reduce=args.overlap_grad_reduce == "on",
-                        overlap_param_gather=args.overlap_param_gather == "on", ep=eps)
+                        overlap_param_gather=args.overlap_param_gather == "on", ep=eps, etp=etps)
     if args.layout:
         try:
             parts = [int(x) for x in args.layout.split(",")]

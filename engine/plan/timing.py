@@ -19,9 +19,11 @@ logits and loss. The step is then
   + the optimizer step (memory-bound)
 
 An MoE layer (``moe_layer_change``) replaces its MLP's time by the router's, its experts' and the
-shared expert's: every TP rank holds the same experts (ETP = 1) and the same tokens, so the
+shared expert's: with ETP = 1 every TP rank holds the same experts and the same tokens, so the
 router and the experts run whole on each TP rank, T K rows per rank under balanced routing
-whatever the ep; its permutation passes are memory-bound; the dispatch and combine all-to-alls
+whatever the ep; with ETP = tp each TP rank runs 1/tp of every expert on the same T K rows and
+the combined output is all-reduced over TP (forward; the inputs' gradients backward); its
+permutation passes are memory-bound; the dispatch and combine all-to-alls
 (forward, backward, and again under full recomputation) run over the EP group's links and are
 exposed (the engine does not overlap them): ``ep_comm``. The experts' gradients are reduced over
 their EDP group's links (overlap.py, with the dense ones).
@@ -159,21 +161,27 @@ def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links
 
 def moe_layer_change(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links) -> PassTime:
     """What one MoE layer adds to (or saves on) ``layer_time`` per micro-batch: its MLP's
-    matrices are the router (h x E) and K experts run whole on every TP rank, and the shared
-    expert split by TP, instead of the dense MLP split by TP; the permutation's memory-bound passes
-    (``EW_MOE_PERMUTE`` x T K h); the all-to-alls of the T K rows over the EP group, dispatch and
-    combine each way (traffic.py), exposed. Zero without MoE layers."""
+    matrices are the router (h x E, whole on every TP rank) and K experts (whole on every TP rank
+    with ETP = 1; with ETP = tp each TP rank runs 1/tp of every expert), and the shared expert
+    split by TP, instead of the dense MLP split by TP; the permutation's memory-bound passes
+    (``EW_MOE_PERMUTE`` x T K h, every TP rank permuting the same rows); the all-to-alls of the
+    T K rows over the EP group, dispatch and combine each way (traffic.py), exposed. TP: without a
+    shared expert the dense MLP's TP collectives are gone; with ETP = tp the combined (T, h)
+    output is all-reduced over TP forward, the tokens' and router weights' gradients backward
+    (traffic.moe_tp_per_layer). Zero without MoE layers."""
     moe = shape.moe
     if moe is None:
         return PassTime()
     from engine.plan.flops import _MLP_MATRICES
     s, b, h, t = shape.seq_length, layout.micro_batch_size, shape.hidden_size, layout.tp
+    etp, sp = layout.etp, layout.sequence_parallel
     rate, mem_s = _rates(cluster)
     tokens, routed = s * b / layout.cp, moe_tokens(shape, layout)  # routed: this TP rank's
     n = _MLP_MATRICES[shape.block]
-    whole = 2 * routed * h * (moe.num_experts + n * moe.topk * moe.ffn_hidden)  # every TP rank
+    # every TP rank: the router whole, the experts whole (ETP 1) or their 1/etp slices
+    whole = 2 * routed * h * (moe.num_experts + n * moe.topk * moe.ffn_hidden / etp)
     gemm = whole + 2 * tokens * h * n * (moe.shared_ffn - shape.ffn_hidden_size) / t
-    ew = (EW_MLP[shape.block] * (routed * moe.topk * moe.ffn_hidden
+    ew = (EW_MLP[shape.block] * (routed * moe.topk * moe.ffn_hidden / etp
                                  + tokens * (moe.shared_ffn - shape.ffn_hidden_size) / t)
           + EW_MOE_PERMUTE * routed * moe.topk * h)
     fwd, bwd = gemm / rate + mem_s(ew), 2 * gemm / rate + mem_s(2 * ew)
@@ -189,7 +197,22 @@ def moe_layer_change(shape: ModelShape, cluster: Cluster, layout: Layout, links:
     counts = COLLECTIVE_LATENCY_S if one else 0.0  # the forward's count exchange: a few bytes
     ep_fwd, ep_bwd = 2 * one + counts, 2 * one
     ep_re = ep_fwd if full else 0.0
-    return PassTime(compute=fwd + bwd, recompute=redo, backward=bwd + redo + ep_bwd + ep_re,
+    # TP (layer_time's convention: no SP all-reduces, SP gathers and scatters; the --tp-comm-overlap
+    # rings are left as the dense layer's)
+    tp_fwd = tp_bwd = tp_re = 0.0
+    if t > 1:
+        msg = ACT_BYTES * tokens * h
+        if not moe.shared_ffn and not (sp and layout.tp_comm_overlap):  # no MLP collectives
+            unit = (gather_or_scatter_s if sp else allreduce_s)(msg, t, links.tp)
+            tp_fwd, tp_bwd = (-2 * unit, -3 * unit) if sp else (-unit, -unit)
+            tp_re = -unit if sp and full else 0.0
+        if etp > 1:  # the experts' partial outputs summed over TP (no SP: the engine refuses it)
+            reduce = allreduce_s(msg, t, links.tp)
+            tp_fwd += reduce
+            tp_bwd += reduce + allreduce_s(4 * tokens * moe.topk, t, links.tp)
+            tp_re += reduce if full and moe.shared_ffn else 0.0
+    return PassTime(compute=fwd + bwd, recompute=redo, tp_comm=tp_fwd + tp_bwd + tp_re,
+                    backward=bwd + redo + ep_bwd + ep_re + tp_bwd + tp_re,
                     weight=gemm / rate, ep_comm=ep_fwd + ep_bwd + ep_re)
 
 
@@ -293,7 +316,8 @@ class Estimate:
 
     def as_row(self) -> dict:
         lay = self.layout
-        return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "vp": lay.vp,
+        return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "etp": lay.etp,
+                "vp": lay.vp,
                 "schedule": lay.pipeline_schedule,
                 "micro_batch_size": lay.micro_batch_size, "recompute": lay.recompute, "zero": lay.zero,
                 "sequence_parallel": lay.sequence_parallel, "order": lay.order,

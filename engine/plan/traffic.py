@@ -57,6 +57,51 @@ def _tp_per_layer(layout: Layout, msg: float) -> float:
     return fwd + bwd + (redo if layout.recompute == "full" else 0.0)
 
 
+def _mlp_tp_per_layer(layout: Layout, msg: float) -> float:
+    """The dense MLP's share of ``_tp_per_layer``: no SP, its row-parallel output's all-reduce
+    forward and its column-parallel input's gradient all-reduce backward; SP, a gather and a
+    scatter each way, the backward re-gather of its input's shard and, under full recomputation,
+    the forward's gather again (the last scatter is left out by the early stop)."""
+    t, sp = layout.tp, layout.sequence_parallel
+    if t == 1:
+        return 0.0
+    if sp:
+        return 2 * (msg / t + msg) + msg / t + (msg / t if layout.recompute == "full" else 0.0)
+    return 2 * msg
+
+
+def moe_tp_per_layer(shape: ModelShape, layout: Layout, msg: float) -> float:
+    """What an MoE layer changes in ``_tp_per_layer``'s bytes per micro-batch (models/moe/layer.py):
+    without a shared expert the dense MLP's TP collectives are gone (the router and the experts are
+    whole, or ETP-split, on every TP rank: no gather, scatter or TP-split matrix; the shared expert
+    is a dense TP MLP and issues what the MLP it replaces did). With ETP = tp the experts' partial
+    outputs are summed over TP: forward the all-reduce of the combined (T, h) output (``msg``),
+    backward the all-reduce of the tokens' gradient (``msg``, ``copy_to_tp``) and of the router
+    weights' fp32 (T, K) gradient; full recomputation repeats the forward's all-reduce when a
+    shared expert follows it (without one it is the layer's last collective, and the early stop
+    skips it)."""
+    if shape.moe is None or layout.tp == 1:
+        return 0.0
+    change = 0.0 if shape.moe.shared_ffn else -_mlp_tp_per_layer(layout, msg)
+    if layout.etp > 1:
+        tokens = msg / shape.activation_bytes / shape.hidden_size
+        change += 2 * msg + 4 * tokens * shape.moe.topk
+        if layout.recompute == "full" and shape.moe.shared_ffn:
+            change += msg
+    return change
+
+
+def expert_bias_fixup(shape: ModelShape, layout: Layout, stage: int) -> float:
+    """Bytes of the once-per-step all-reduce over TP of the experts' fc2-bias gradients under
+    ETP = tp (gpt2 experts: a whole (h,) bias per expert on every TP rank, used by ETP rank 0 and
+    marked ``sequence_parallel``, parallel/grads.py): fp32, E/ep biases per MoE layer; under ZeRO
+    the rank's shard of them (1/edp on average)."""
+    if shape.moe is None or layout.etp == 1 or layout.tp == 1 or shape.block != "gpt2":
+        return 0.0
+    count = stage_moe_layers(shape, layout, stage) * shape.moe.num_experts // layout.ep
+    return count * shape.hidden_size * GRAD_BYTES / (layout.edp if layout.zero else 1)
+
+
 def _sends(layout: Layout, stage: int) -> tuple[int, int]:
     """(activations sent, gradients sent) per micro-batch by pipeline rank ``stage``: one per
     chunk, except forward out of the last virtual stage and backward out of the first. In zb-v's
@@ -78,7 +123,8 @@ def step_traffic(shape: ModelShape, layout: Layout, stage: int,
     tokens = s * b / c
     msg = e * tokens * h
     layers = shape.num_layers // p
-    tp = layers * _tp_per_layer(layout, msg)
+    tp = layers * _tp_per_layer(layout, msg) \
+        + stage_moe_layers(shape, layout, stage) * moe_tp_per_layer(shape, layout, msg)
     if t > 1 and stage == 0:
         tp += msg + msg / t if sp else msg                      # the embedding
         if sp and shape.block == "gpt2":
@@ -112,7 +158,8 @@ def step_traffic(shape: ModelShape, layout: Layout, stage: int,
     embedding = 0.0
     if shape.block == "gpt2" and p > 1 and stage in (0, p - 1) and not layout.v_placement:
         embedding = shape.padded_vocab(t) * h / t * GRAD_BYTES / (shards if layout.zero else 1)
-    return {"tp": m * tp, "cp": None if cp is None else m * cp, "pp": m * pp, "dp": dp,
+    tp = m * tp + expert_bias_fixup(shape, layout, stage)
+    return {"tp": tp, "cp": None if cp is None else m * cp, "pp": m * pp, "dp": dp,
             "embedding": embedding, "ep": m * stage_moe_layers(shape, layout, stage) * ep_per_layer(shape, layout),
             "edp": edp}
 

@@ -18,7 +18,7 @@ from engine.dryrun import dry_run, prepare, record_roles
 from engine.dryrun.record import MEMORY_KEYS, record_role
 from engine.dryrun.roles import rank_roles
 from engine.plan.traffic import step_traffic
-from engine.training.validate import planner_inputs
+from engine.dryrun.compare import planner_view
 from parallel.topology import RankGrid
 from tests.helpers.dist_utils import SUITE_RULES, record_comm, run_distributed
 
@@ -35,6 +35,10 @@ LAYOUTS = {  # 4 ranks each
         "--block", "llama", "--tp", "2", "--ep", "2", "--moe-router-score-function", "sigmoid",
         "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01",
         "--moe-z-loss-coeff", "0.001", "--precision", "bf16", "--global-batch-size", "8",
+        "--micro-batch-size", "2"],
+    "gpt2 tp2 dp2 ep2 etp2, shared expert, aux loss, bf16": TINY + [
+        "--tp", "2", "--ep", "2", "--etp", "2", "--moe-shared-expert-intermediate-size", "32",
+        "--moe-aux-loss-coeff", "0.01", "--precision", "bf16", "--global-batch-size", "8",
         "--micro-batch-size", "2"],
     "gpt2 dp4 ep1, ZeRO-1, bf16": TINY + [
         "--use-distributed-optimizer", "--precision", "bf16", "--moe-aux-loss-coeff", "0.01",
@@ -75,7 +79,7 @@ def test_moe_dry_run_equals_a_real_step(real_steps, name):
     cfg, grid, _ = prepare(parse_args(LAYOUTS[name]), 4)
     roles = [rec.role for rec in record_roles(cfg, grid, SUITE_RULES, 4)]
     assert sorted(r for role in roles for r in role.ranks) == list(range(4))
-    shape, layout = planner_inputs(cfg, grid)
+    shape, layout = planner_view(cfg, grid)
     ep = cfg.parallel.expert_model_parallel_size
     for role in roles:
         records = {r: record_role(cfg, grid, role, SUITE_RULES, 4, rank=r) for r in role.ranks}
@@ -94,10 +98,31 @@ def test_moe_dry_run_equals_a_real_step(real_steps, name):
         assert len(dry_ep) == 1
         planned = step_traffic(shape, layout, role.stage)["ep"]
         assert dry_ep == {planned}
+        if cfg.parallel.expert_tensor_parallel_size > 1:  # the planner's ETP-aware figures
+            assert layout.etp == 2 and all(r.holds["moe"]["etp"] == 2 for r in records.values())
+            _planner_equals_dry_run(records.values(), shape, layout, role.stage)
         if ep > 1:
             assert planned > 0
             for group in {tuple(g) for g in _ep_groups(grid, ep) if set(g) <= set(role.ranks)}:
                 assert sum(real_steps[name][r]["ep_bytes"] for r in group) == ep * planned, group
+
+
+def _planner_equals_dry_run(records, shape, layout, stage):
+    """Weights, gradients, TP, EP and EDP bytes of the planner at the run's ETP equal the dry run's
+    (which equal the real step's), and differ from its ETP = 1 figures."""
+    from dataclasses import replace
+
+    from engine.plan.memory import stage_memory
+    mem, traffic = stage_memory(shape, layout, stage), step_traffic(shape, layout, stage)
+    whole = stage_memory(shape, replace(layout, etp=1), stage)
+    for rec in records:
+        m = rec.metrics
+        assert (m["param_bytes"], m["grad_bytes"]) == (mem.weights, mem.grads)
+        assert m["param_bytes"] < whole.weights
+        assert m["tp_comm_bytes"] == traffic["tp"] > step_traffic(shape, replace(layout, etp=1),
+                                                                 stage)["tp"]
+        assert (rec.comm["ep"]["payload_bytes"], rec.comm["edp"]["payload_bytes"]) == \
+            (traffic["ep"], traffic["edp"])
 
 
 def _ep_groups(grid, ep):

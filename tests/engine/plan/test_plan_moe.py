@@ -216,3 +216,94 @@ def test_sequence_and_context_parallel_ranks_route_their_own_tokens():
     assert sp == pytest.approx(plain / 2) and cp == pytest.approx(plain / 2)
     assert plain == 4 * SMALL.activation_bytes * SMALL.seq_length * base.micro_batch_size \
         * SMALL.moe.topk * SMALL.hidden_size
+
+
+def test_expert_tensor_parallel_memory_splits_every_expert_over_tp():
+    """ETP = tp: each TP rank holds 1/tp of every expert matrix and fc1 bias and the whole fc2
+    bias (models/moe/experts.py); ETP = 1 whole replicas on every TP rank. The gradients and
+    optimizer state follow, ZeRO sharding the experts' over EDP = dp x cp / ep either way."""
+    for tp, ep in ((2, 2), (4, 1), (2, 4)):
+        lay = Layout(tp=tp, pp=1, dp=4, ep=ep)
+        whole = E // ep * (FE * H + FE + H * FE + H)             # ETP 1: the tensor count's
+        split = E // ep * (FE * H // tp + FE // tp + H * FE // tp + H)
+        dense, expert = tensor_count(tp, ep, [0, 1, 2, 3], True, True)
+        assert expert == 2 * whole
+        assert stage_param_split(SMALL, lay, 0) == (dense, 2 * whole)
+        etp = replace(lay, etp=tp)
+        assert stage_param_split(SMALL, etp, 0) == (dense, 2 * split)
+        mem = stage_memory(SMALL, replace(etp, zero=True), 0)
+        assert mem.weights == 2 * (dense + 2 * split)
+        assert mem.optimizer == 12 * dense / 4 + 12 * 2 * split / (4 // ep)
+        assert replace(etp, zero=True).edp == 4 // ep
+    llama = replace(SMALL, block="llama")
+    lay = Layout(tp=2, pp=1, dp=4, ep=2)
+    assert stage_param_split(llama, replace(lay, etp=2), 0)[1] * 2 == \
+        stage_param_split(llama, lay, 0)[1] == 2 * E // 2 * 3 * H * FE
+    c = Cluster.from_device(H100, 8)
+    shape = replace(SMALL, global_batch_size=8)
+    assert check_layout(shape, c, replace(lay, etp=2)) is None
+    for bad, why in ((replace(lay, etp=4, tp=4, dp=2, ep=1), None),
+                     (replace(lay, etp=4), "only 1 or tp 2"),
+                     (replace(lay, etp=2, sequence_parallel=True), "sequence parallelism"),
+                     (Layout(tp=2, pp=1, dp=4, etp=2), None)):
+        got = check_layout(shape, c, bad)
+        assert (got is None) if why is None else (why in got), (bad, got)
+    assert "needs MoE layers" in check_layout(replace(shape, moe=None, moe_layers=()), c,
+                                              Layout(tp=2, pp=1, dp=4, etp=2))
+
+
+def test_expert_tensor_parallel_traffic_and_time():
+    """ETP = tp adds per MoE layer and micro-batch one all-reduce of the combined (T, h) output
+    forward and, backward, of the tokens' gradient (T, h) and the router weights' fp32 (T, K)
+    gradient, plus once per step the gpt2 experts' fc2-bias gradients over TP (fp32). A MoE
+    layer without a shared expert has none of the dense MLP's TP all-reduces."""
+    lay = Layout(tp=2, pp=1, dp=4, ep=2, micro_batch_size=2)
+    shape = replace(SMALL, global_batch_size=16)
+    micro, tokens = 16 // (4 * 2), S * 2
+    msg = 2 * tokens * H
+    base = step_traffic(shape, lay, 0)
+    etp = step_traffic(shape, replace(lay, etp=2), 0)
+    per_layer = 2 * msg + 4 * tokens * K
+    bias = 2 * E // 2 * H * 4                                   # two MoE layers, E/ep fc2 biases
+    assert etp["tp"] - base["tp"] == micro * 2 * per_layer + bias
+    assert (etp["ep"], etp["dp"]) == (base["ep"], base["dp"])   # the same rows, the same dense
+    split = stage_param_split(shape, replace(lay, etp=2), 0)[1]  # the EDP sum: the slices
+    assert etp["edp"] == 4 * split < base["edp"] == 4 * stage_param_split(shape, lay, 0)[1]
+    zero = step_traffic(shape, replace(lay, etp=2, zero=True), 0)
+    assert zero["tp"] - step_traffic(shape, replace(lay, zero=True), 0)["tp"] == \
+        micro * 2 * per_layer + bias / 2                         # the fix-up on the EDP shard
+    llama = replace(shape, block="llama")
+    assert step_traffic(llama, replace(lay, etp=2), 0)["tp"] - step_traffic(llama, lay, 0)["tp"] \
+        == micro * 2 * per_layer                                 # no expert biases
+    # without a shared expert the MoE layers issue none of the dense MLP's two all-reduces
+    alone = replace(shape, moe=replace(shape.moe, shared_ffn=0))
+    assert base["tp"] - step_traffic(alone, lay, 0)["tp"] == micro * 2 * 2 * msg
+    # time: the experts' work per rank divides by tp, the all-reduces are TP communication
+    c = Cluster.from_device(H100, 8)
+    one, split = (moe_layer_change(shape, c, x, layout_links(c, x)) for x in (lay, replace(lay, etp=2)))
+    assert split.compute < one.compute and split.tp_comm > one.tp_comm == 0.0
+    assert split.ep_comm == one.ep_comm
+
+
+def test_etp_in_the_search_every_line_and_every_command(capsys):
+    from torch.distributed.run import get_args_parser
+    from engine.config.cli import parse_args
+    assert plan.main(MOE_ARGS + ["--json", "--top", "400"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {row["etp"] for row in rows} == {1, 2, 4, 8} & {row["tp"] for row in rows} | {1}
+    split = [row for row in rows if row["etp"] > 1]
+    assert split and all(row["etp"] == row["tp"] and not row["sequence_parallel"] for row in split)
+    for row in split[:10]:
+        argv = shlex.split(row["command"])
+        cfg = parse_args(get_args_parser().parse_args(argv[1:]).training_script_args)
+        assert cfg.parallel.expert_tensor_parallel_size == row["etp"] == cfg.parallel.tp
+    for row in rows:
+        assert ("--etp " in row["command"]) == (row["etp"] > 1)
+    assert plan.main(MOE_ARGS + ["--layout", "2,1", "--etp", "tp", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("tp=")]
+    assert lines and all(" etp=2 " in ln for ln in lines) and "--etp 2 " in out.splitlines()[-1]
+    assert plan.main(MOE_ARGS + ["--layout", "2,1", "--etp", "1", "--json"]) == 0
+    assert {json.loads(ln)["etp"] for ln in capsys.readouterr().out.splitlines()} == {1}
+    assert plan.main(MOE_ARGS + ["--etp", "3"]) == 2
+    assert "--etp: expected a comma list" in capsys.readouterr().err
