@@ -120,6 +120,10 @@ class RNGTracker:
         self.seeds = dict(seeds)
         self.states = {r: _fresh_state(self.device, s) for r, s in seeds.items() if r != "default"}
         self._active: set[str] = set()
+        # context-manager factories entered around every recomputation (checkpoint_context): the
+        # modes a caller's step runs under, which autograd does not keep for the recomputation
+        # (the dry run's host-read mode, engine/dryrun/build.py)
+        self.recompute_modes: list = []
 
     @contextlib.contextmanager
     def fork(self, region: str):
@@ -162,7 +166,10 @@ class RNGTracker:
             now = self.get_states()
             self.set_states(start)
             try:
-                yield
+                with contextlib.ExitStack() as modes:
+                    for mode in self.recompute_modes:
+                        modes.enter_context(mode())
+                    yield
             finally:
                 self.set_states(now)
 

@@ -289,6 +289,8 @@ class ParallelState:
     ``dp_exchange_group``: the DP x CP ranks on a communicator of the exchange worker's own
     (parallel/lanes.py), of ``dp_cp_group``'s kind; made only with ``initialize(dp_exchange=True)``
     (gradient compression: the planner counts its buffers then) or when it has one rank.
+    ``edp_exchange_group``: the expert-data-parallel ranks on the same lane, for compressed expert
+    buckets (``init_expert_groups(..., exchange=True)``).
     """
     grid: RankGrid
     rank: int = 0
@@ -308,6 +310,9 @@ class ParallelState:
     ep_group: CommGroup = None         # expert-parallel ranks (parallel/expert_groups.py)
     edp_group: CommGroup = None        # expert-data-parallel: where expert gradients are summed
     etp_group: CommGroup = None        # expert-tensor-parallel: the TP group under ETP, else this rank
+    # EDP on the exchange worker's lane (init_expert_groups(..., exchange=True)): compressed expert
+    # buckets; without expert parallelism it is dp_exchange_group
+    edp_exchange_group: CommGroup | None = None
     owns_process_group: bool = False
 
     def __post_init__(self) -> None:
@@ -321,6 +326,8 @@ class ParallelState:
             self.ep_group = single_rank_group("ep", self.rank, self.comm)
         if self.edp_group is None:  # parallel.expert_parallel.init_expert_groups sets both
             self.edp_group = self.dp_cp_group
+        if self.edp_exchange_group is None and self.edp_group is self.dp_cp_group:
+            self.edp_exchange_group = self.dp_exchange_group
         if self.etp_group is None:  # each expert whole on one rank (init_expert_groups' etp)
             self.etp_group = single_rank_group("tp", self.rank, self.comm)
         if self.world_group is None:

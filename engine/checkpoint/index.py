@@ -282,7 +282,8 @@ def inspect(path: str, out=None) -> int:
     index = read_index(ckpt)
     lay, m = index["layout"], index["model"]
     print(f"checkpoint {ckpt}: step {index['step']}", file=out)
-    print(f"layout: tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} vp={lay['virtual_pipeline_size']} "
+    experts = f"ep={lay['ep']} etp={lay.get('etp', 1)} " if lay.get("ep", 1) > 1 or lay.get("etp", 1) > 1 else ""
+    print(f"layout: tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} {experts}vp={lay['virtual_pipeline_size']} "
           f"zero1={lay['use_distributed_optimizer']} "
           f"zero_stage={lay.get('zero_stage', 1) if lay['use_distributed_optimizer'] else 0} "
           f"precision={lay['precision']} "

@@ -14,7 +14,7 @@ from models.gpt import GPTChunk
 from parallel.topology import normalise_order
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "virtual_pipeline_size", "placement", "order")
+LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "virtual_pipeline_size", "placement", "order", "ep", "etp")
 
 
 @dataclass
@@ -95,7 +95,7 @@ def device_rng(dev) -> torch.Tensor | None:
 
 def saved_layout(index: dict) -> dict:
     """The layout an index records, in today's terms (cp=1 and the four-name order when absent)."""
-    layout = {"cp": 1, "placement": "loop", **index["layout"]}
+    layout = {"cp": 1, "placement": "loop", "ep": 1, "etp": 1, **index["layout"]}
     layout["order"] = "-".join(normalise_order(layout["order"]))
     return layout
 
@@ -103,6 +103,8 @@ def saved_layout(index: dict) -> dict:
 def layout_of(trainer) -> dict:
     cfg, g = trainer.cfg, trainer.grid
     return {"tp": g.tp, "cp": g.cp, "pp": g.pp, "dp": g.dp,
+            "ep": cfg.parallel.expert_model_parallel_size,
+            "etp": cfg.parallel.expert_tensor_parallel_size,
             "order": "-".join(normalise_order(cfg.parallel.order)),
             "virtual_pipeline_size": cfg.parallel.chunks_per_rank if g.pp > 1 else 1,
             "placement": cfg.parallel.placement,

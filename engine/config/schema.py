@@ -378,10 +378,10 @@ class RunConfig:
                              "--tp-comm-overlap")
         if not (self.checkpoint.use_checkpoint_args and self.checkpoint.load
                 and self.model.num_experts is None):  # else checked with the checkpoint's model
-            check_expert_flags(self.model, self.parallel, self.compression.grad_compression)
+            check_expert_flags(self.model, self.parallel)
 
 
-def check_expert_flags(model: GPTConfig, parallel: ParallelConfig, compression: str = "none") -> None:
+def check_expert_flags(model: GPTConfig, parallel: ParallelConfig) -> None:
     """The expert flags against the model's experts and what this slice builds (dp is checked by
     ``grid``); docs/moe.md lists what is not built yet."""
     ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
@@ -396,14 +396,6 @@ def check_expert_flags(model: GPTConfig, parallel: ParallelConfig, compression: 
                              f"which need --num-experts E; add it or use 1")
         return
     ExpertGrid.local_experts(model.num_experts, ep, 0)
-    if etp > 1 and parallel.sequence_parallel:
-        raise ValueError(f"--expert-tensor-parallel-size {etp} with --sequence-parallel is not "
-                         f"built yet; drop one (ETP 1 works with --sequence-parallel)")
     if etp > 1 and model.moe_ffn_hidden_size % etp:
         raise ValueError(f"--moe-ffn-hidden-size {model.moe_ffn_hidden_size} is not divisible by "
                          f"--expert-tensor-parallel-size {etp}; choose a multiple of it")
-    if ep == 1:
-        return
-    if compression != "none":
-        raise ValueError(f"--expert-model-parallel-size {ep} with --grad-compression is not built "
-                         f"yet; use --expert-model-parallel-size 1 for that")

@@ -68,12 +68,13 @@ def build_rank(cfg, grid: RankGrid, launch: LaunchEnv, rules: str | None, regist
     from engine.training.trainer import Trainer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")      # the layout's notes were said once, by validation
+        compressed = CompressionPolicy.coerce(cfg.compression).any_compressed
         ps = ParallelState.initialize(grid, META, FAKE_BACKEND, launch,
                                       timeout_s=cfg.parallel.timeout_s, backend_rules=rules,
-                                      dp_exchange=CompressionPolicy.coerce(cfg.compression).any_compressed)
+                                      dp_exchange=compressed)
         # mixture of experts: the EP and EDP groups, as the trainer makes them after the others
         init_expert_groups(ps, cfg.parallel.expert_model_parallel_size, cfg.parallel.timeout_s,
-                           cfg.parallel.expert_tensor_parallel_size)
+                           cfg.parallel.expert_tensor_parallel_size, exchange=compressed)
         if observer is not None:
             ps.comm.observers.append(observer)
         with torch.device(META):

@@ -117,7 +117,7 @@ def compare_role(record, cfg, shape: ModelShape, layout: Layout, backend: str) -
              ("tp_comm_bytes", m["tp_comm_bytes"], traffic["tp"]),
              ("cp_comm_bytes", m["cp_comm_bytes"], traffic["cp"]),
              ("pp_comm_bytes", m["pp_comm_bytes"], traffic["pp"]),
-             ("dp_comm_bytes", m["dp_comm_bytes"], traffic["dp"]),
+             ("dp_comm_bytes", m["dp_comm_bytes"], traffic["dp"] + traffic["edp"]),  # EDP's too
              ("embedding_comm_bytes", record.comm["embedding"]["payload_bytes"],
               traffic["embedding"])]
     if shape.moe is not None:  # the dispatch all-to-alls (balanced routing) and the experts' EDP reduction

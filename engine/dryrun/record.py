@@ -140,9 +140,9 @@ def _communicators(events, reducer=None) -> int:
     a compressing ``reducer`` it counts even when the recorded step is a warm-up step, since the
     first compressed step creates it."""
     groups = {(e.group, e.ranks, e.lane) for e in events if e.op not in ("send", "recv")}
-    if reducer is not None and reducer.compressed:
-        g = reducer.exchange_group
-        groups.add((g.kind, g.ranks, g.lane))
+    if reducer is not None and reducer.compressed:  # DP x CP's, and EDP's for expert buckets
+        for g in {b.exchange_group for b in reducer.buckets if b.compressor is not None}:
+            groups.add((g.kind, g.ranks, g.lane))
     return len(groups)
 
 
@@ -233,6 +233,8 @@ def record_role(cfg, grid, role: Role, rules: str | None, devices_per_node: int,
             batches = meta_batches(cfg, ps, trainer.num_micro)
             ps.comm.observers.append(observe)
             try:
+                for tracker in trainer.rng.trackers:  # full recomputation reads as the step does
+                    tracker.recompute_modes.append(HostReads)
                 with HostReads(), saved.hooks():
                     out = trainer.stepper.run(batches, learning_rate(0, cfg.optim), step=1)
             finally:

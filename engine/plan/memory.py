@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from engine.plan.model import (ACT_MASK_BYTES, ACT_MOE_FP32_PER_EXPERT, ACT_MOE_INDEX_BYTES, moe_tokens,
+from engine.plan.model import (ACT_MASK_BYTES, ACT_MOE_FP32_PER_EXPERT, ACT_MOE_INDEX_BYTES, moe_expert_tokens, moe_tokens,
                                ACT_MOE_ROWS, ACT_TENSORS_MLP, ACT_TENSORS_REPLICATED,
                                ACT_TENSORS_SPLIT_ATTN, COMM_BUFFER_BYTES, GRAD_BYTES,
                                OPTIMIZER_STATE_BYTES, P2P_BUFFER_BYTES, Layout, ModelShape,
@@ -236,7 +236,8 @@ def moe_activation_change(shape: ModelShape, layout: Layout, recompute: str | No
     expert tensor parallelism each TP rank keeps its slice of the experts' width), the shared
     expert's ``n e T f_s / t``, the router's fp32 logits and scores (``ACT_MOE_FP32_PER_EXPERT``
     x 4 T E; its fp32 copy of the input 4 T h when activations are not fp32) and the routing's
-    index vectors (``ACT_MOE_INDEX_BYTES`` per assignment), T = s b. Full recomputation keeps
+    index vectors (``ACT_MOE_INDEX_BYTES`` per assignment), T = s b (the rows and indices of
+    the TP group's gathered tokens under ETP with SP, ``moe_expert_tokens``). Full recomputation keeps
     only the layer's input: no change."""
     recompute = recompute or layout.recompute
     if shape.moe is None or recompute == "full":
@@ -245,7 +246,7 @@ def moe_activation_change(shape: ModelShape, layout: Layout, recompute: str | No
     tokens = shape.seq_length * layout.micro_batch_size / layout.cp
     n = ACT_TENSORS_MLP[shape.block]
     routed = moe_tokens(shape, layout)   # this TP rank's own under sequence parallelism
-    assignments = routed * moe.topk
+    assignments = moe_expert_tokens(shape, layout) * moe.topk   # the TP group's under ETP + SP
     kept = (e * assignments * (ACT_MOE_ROWS * h + n * moe.ffn_hidden / layout.etp)
             + n * e * tokens * moe.shared_ffn / t
             + 4 * routed * (ACT_MOE_FP32_PER_EXPERT * moe.num_experts + (h if e != 4 else 0))

@@ -354,10 +354,20 @@ def moe_tokens(shape: ModelShape, layout: Layout) -> float:
     return tokens / layout.tp if layout.sequence_parallel else tokens
 
 
+def moe_expert_tokens(shape: ModelShape, layout: Layout) -> float:
+    """Tokens whose rows one rank permutes, dispatches and computes its experts on per MoE layer
+    and micro-batch: the tokens it routes (``moe_tokens``), except under expert tensor parallelism
+    with sequence parallelism, where the TP ranks gather their shards and every expert slice
+    computes the TP group's s b / cp tokens."""
+    if layout.etp > 1 and layout.sequence_parallel:
+        return shape.seq_length * layout.micro_batch_size / layout.cp
+    return moe_tokens(shape, layout)
+
+
 def check_moe_layout(shape: ModelShape, layout: Layout) -> str | None:
     """The expert rules (engine/config/schema.py ``check_expert_flags``, parallel/expert_groups.py):
-    ep divides dp x cp and the experts, etp is 1 or tp (not with sequence parallelism) and divides
-    the expert width, so that every command the planner prints runs."""
+    ep divides dp x cp and the experts, etp is 1 or tp and divides the expert width, so that every
+    command the planner prints runs."""
     ep, etp, moe = layout.ep, layout.etp, shape.moe
     if moe is None:
         if etp > 1:
@@ -369,8 +379,6 @@ def check_moe_layout(shape: ModelShape, layout: Layout) -> str | None:
         return f"experts {moe.num_experts} not divisible by ep {ep}"
     if etp not in (1, layout.tp):
         return f"etp {etp}: only 1 or tp {layout.tp} is built"
-    if etp > 1 and layout.sequence_parallel:
-        return f"etp {etp} with sequence parallelism is not built (the engine refuses it)"
     if moe.ffn_hidden % etp:
         return f"expert width {moe.ffn_hidden} not divisible by etp {etp}"
     return None

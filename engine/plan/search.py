@@ -65,7 +65,7 @@ class SearchSpace:
     schedules: tuple[str, ...] = ("1f1b",)  # with pp > 1; add "zb-h1", "zb-v" to weigh them
     ep: tuple[int, ...] | None = None  # expert-parallel sizes (None: every one that divides)
     # expert tensor parallelism: "1" (whole experts on every TP rank) and/or "tp" (the TP group
-    # splits every expert); weighed for MoE models with tp > 1 (never with sequence parallelism)
+    # splits every expert); weighed for MoE models with tp > 1
     etp: tuple[str, ...] = ("1", "tp")
     # the overlaps (Layout's fields, Megatron-LM's flags): --tp-comm-overlap, --overlap-grad-reduce,
     # --overlap-param-gather; the engine's defaults
@@ -87,11 +87,11 @@ def expert_sizes(shape: ModelShape, dp_cp: int, space: SearchSpace) -> list[int]
     return [ep for ep in wanted if dp_cp % ep == 0 and shape.moe.num_experts % ep == 0]
 
 
-def expert_tensor_sizes(shape: ModelShape, tp: int, sp: bool, space: SearchSpace) -> list[int]:
+def expert_tensor_sizes(shape: ModelShape, tp: int, space: SearchSpace) -> list[int]:
     """The etp sizes to weigh for a layout of ``tp`` ranks: 1 and/or tp (``space.etp``) for an
-    MoE model with tp > 1 and no sequence parallelism (ETP > 1 with it is not built), else 1."""
-    if shape.moe is None or tp == 1 or sp:
-        return [1] if "1" in space.etp or shape.moe is None or tp == 1 else []
+    MoE model with tp > 1, else 1."""
+    if shape.moe is None or tp == 1:
+        return [1]
     return [1 if v == "1" else tp for v in space.etp]
 
 
@@ -112,7 +112,7 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, space: SearchSpace):
                                            expert_sizes(shape, dp * cp, space)):
                 for zero in space.zero if dp * cp > 1 else (False,):
                     for sp in space.sequence_parallel if tp > 1 else (False,):
-                        for etp in expert_tensor_sizes(shape, tp, sp, space):
+                        for etp in expert_tensor_sizes(shape, tp, space):
                             layout = Layout(tp, pp, dp, vp, mbs, rc, zero, sp, cp, space.order,
                                             schedule, tp_comm_overlap=space.tp_comm_overlap,
                                             overlap_grad_reduce=space.overlap_grad_reduce,
@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp", default="1,tp",
                    help="expert tensor parallelism to weigh for an MoE model with tp > 1: 1 (whole "
                         "experts on every TP rank), tp (the TP group splits every expert) or 1,tp "
-                        "(default); never with sequence parallelism")
+                        "(default)")
     p.add_argument("--pipeline-schedule", default="1f1b",
                    help="comma list of pipeline schedules to weigh: 1f1b (interleaved with VP > 1), "
                         "zb-h1, zb-v")

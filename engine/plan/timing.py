@@ -22,7 +22,9 @@ An MoE layer (``moe_layer_change``) replaces its MLP's time by the router's, its
 shared expert's: with ETP = 1 every TP rank holds the same experts and the same tokens, so the
 router and the experts run whole on each TP rank, T K rows per rank under balanced routing
 whatever the ep; with ETP = tp each TP rank runs 1/tp of every expert on the same T K rows and
-the combined output is all-reduced over TP (forward; the inputs' gradients backward); its
+the combined output is all-reduced over TP (forward; the inputs' gradients backward; with SP the
+TP ranks' shards are gathered in and the output reduce-scattered out, the experts computing the
+TP group's tokens); its
 permutation passes are memory-bound; the dispatch and combine all-to-alls
 (forward, backward, and again under full recomputation) run over the EP group's links and are
 exposed (the engine does not overlap them): ``ep_comm``. The experts' gradients are reduced over
@@ -37,13 +39,14 @@ from dataclasses import dataclass, field, fields
 
 from engine.plan.flops import (StepFlops, attention_core_forward_flops, layer_forward_flops,
                                logits_forward_flops, recomputed_layer_flops, step_flops)
-from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_MOE_PERMUTE, moe_tokens,
+from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_MOE_PERMUTE, moe_expert_tokens, moe_tokens,
                                EW_REPLICATED, EW_SCORES, EW_SHARDED_ATTN, GIB, HBM_EFFICIENCY, LAYER_PASS_OVERHEAD_S,
                                MEMORY_USABLE_FRACTION, OPTIMIZER_BYTES_PER_PARAM, Cluster, Layout,
                                ModelShape, num_micro_batches)
 from engine.plan.memory import MemoryTerms, memory_per_device, stage_moe_layers, stage_param_split
 from engine.plan.collectives import allreduce_s, alltoall_s, gather_or_scatter_s
 from engine.plan.overlap import data_parallel_overlap, ring_recompute_extra_flops, tp_layer_overlap
+from engine.plan.traffic import moe_sp_grad_sync
 from engine.plan.placement import (collective_busbw, expert_groups_of_rank0, group_of_rank0,
                                    p2p_gbps)
 
@@ -177,17 +180,18 @@ def moe_layer_change(shape: ModelShape, cluster: Cluster, layout: Layout, links:
     etp, sp = layout.etp, layout.sequence_parallel
     rate, mem_s = _rates(cluster)
     tokens, routed = s * b / layout.cp, moe_tokens(shape, layout)  # routed: this TP rank's
+    computed = moe_expert_tokens(shape, layout)  # the TP group's under ETP with SP
     n = _MLP_MATRICES[shape.block]
     # every TP rank: the router whole, the experts whole (ETP 1) or their 1/etp slices
-    whole = 2 * routed * h * (moe.num_experts + n * moe.topk * moe.ffn_hidden / etp)
+    whole = 2 * h * (routed * moe.num_experts + computed * n * moe.topk * moe.ffn_hidden / etp)
     gemm = whole + 2 * tokens * h * n * (moe.shared_ffn - shape.ffn_hidden_size) / t
-    ew = (EW_MLP[shape.block] * (routed * moe.topk * moe.ffn_hidden / etp
+    ew = (EW_MLP[shape.block] * (computed * moe.topk * moe.ffn_hidden / etp
                                  + tokens * (moe.shared_ffn - shape.ffn_hidden_size) / t)
-          + EW_MOE_PERMUTE * routed * moe.topk * h)
+          + EW_MOE_PERMUTE * computed * moe.topk * h)
     fwd, bwd = gemm / rate + mem_s(ew), 2 * gemm / rate + mem_s(2 * ew)
     one = 0.0
     if layout.ep > 1:
-        rows = shape.activation_bytes * routed * moe.topk * h
+        rows = shape.activation_bytes * computed * moe.topk * h
         one = alltoall_s(rows, links.ep, cluster.devices_per_node, cluster.intra_busbw_gbps,
                          cluster.inter_busbw_gbps)
     full = layout.recompute == "full"
@@ -206,11 +210,17 @@ def moe_layer_change(shape: ModelShape, cluster: Cluster, layout: Layout, links:
             unit = (gather_or_scatter_s if sp else allreduce_s)(msg, t, links.tp)
             tp_fwd, tp_bwd = (-2 * unit, -3 * unit) if sp else (-unit, -unit)
             tp_re = -unit if sp and full else 0.0
-        if etp > 1:  # the experts' partial outputs summed over TP (no SP: the engine refuses it)
+        if etp > 1 and not sp:  # the experts' partial outputs summed over TP
             reduce = allreduce_s(msg, t, links.tp)
             tp_fwd += reduce
             tp_bwd += reduce + allreduce_s(4 * tokens * moe.topk, t, links.tp)
             tp_re += reduce if full and moe.shared_ffn else 0.0
+        elif etp > 1:  # SP: the shards gathered in, the output reduce-scattered out
+            move = gather_or_scatter_s(msg, t, links.tp)
+            small = gather_or_scatter_s(12 * tokens * moe.topk, t, links.tp)  # weights, experts
+            tp_fwd += 2 * move + small
+            tp_bwd += 2 * move + gather_or_scatter_s(4 * tokens * moe.topk, t, links.tp)
+            tp_re += (move + small + (move if moe.shared_ffn else 0.0)) if full else 0.0
     return PassTime(compute=fwd + bwd, recompute=redo, tp_comm=tp_fwd + tp_bwd + tp_re,
                     backward=bwd + redo + ep_bwd + ep_re + tp_bwd + tp_re,
                     weight=gemm / rate, ep_comm=ep_fwd + ep_bwd + ep_re)
@@ -403,7 +413,11 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
                                      [st.total - st.backward for st in ordered], links.edp)
     _, mem_s = _rates(cluster)
     opt_params = optimizer_params(shape, layout)
-    terms = TimeTerms(compute=m * mean.compute, recompute=m * mean.recompute, tp_comm=m * mean.tp_comm,
+    # once per step: the MoE layers' partial gradients summed over TP (the most loaded stage's)
+    sp_sync = max(moe_sp_grad_sync(shape, layout, i) for i in range(p))
+    sync_s = allreduce_s(sp_sync, layout.tp, links.tp) if sp_sync else 0.0
+    terms = TimeTerms(compute=m * mean.compute, recompute=m * mean.recompute,
+                      tp_comm=m * mean.tp_comm + sync_s,
                       cp_comm=m * mean.cp_comm, pp_comm=m * mean.pp_comm, ep_comm=m * mean.ep_comm,
                       bubble=pipeline_bubble_s(layout, m, mean),
                       imbalance=m * (slowest.total - mean.total),

@@ -37,8 +37,8 @@ with ep = 1 that group is the dp x cp group and they count as ``dp``.
 """
 from __future__ import annotations
 
-from engine.plan.model import GRAD_BYTES, Layout, ModelShape, moe_tokens, num_micro_batches
-from engine.plan.memory import stage_moe_layers, stage_param_split
+from engine.plan.model import GRAD_BYTES, Layout, ModelShape, moe_expert_tokens, num_micro_batches
+from engine.plan.memory import expert_params_per_layer, stage_moe_layers, stage_param_split
 
 KINDS = ("tp", "cp", "pp", "dp", "embedding", "ep", "edp")
 COUNT_BYTES = 8  # an int64 per expert in the count exchange
@@ -79,27 +79,49 @@ def moe_tp_per_layer(shape: ModelShape, layout: Layout, msg: float) -> float:
     backward the all-reduce of the tokens' gradient (``msg``, ``copy_to_tp``) and of the router
     weights' fp32 (T, K) gradient; full recomputation repeats the forward's all-reduce when a
     shared expert follows it (without one it is the layer's last collective, and the early stop
-    skips it)."""
+    skips it). With sequence parallelism as well, the shards' tokens, router weights and experts
+    are all-gathered and the output reduce-scattered instead (their gradients the other way)."""
     if shape.moe is None or layout.tp == 1:
         return 0.0
     change = 0.0 if shape.moe.shared_ffn else -_mlp_tp_per_layer(layout, msg)
-    if layout.etp > 1:
-        tokens = msg / shape.activation_bytes / shape.hidden_size
-        change += 2 * msg + 4 * tokens * shape.moe.topk
-        if layout.recompute == "full" and shape.moe.shared_ffn:
-            change += msg
-    return change
+    if layout.etp == 1:
+        return change
+    t, k = layout.tp, shape.moe.topk
+    tokens = msg / shape.activation_bytes / shape.hidden_size
+    last = msg if layout.recompute == "full" and shape.moe.shared_ffn else 0.0
+    if not layout.sequence_parallel:
+        return change + 2 * msg + 4 * tokens * k + last
+    # SP: forward the gathers of the shards' tokens, fp32 router weights and int64 experts, and the
+    # reduce-scatter of the combined output; backward the reduce-scatters of the tokens' and
+    # weights' gradients and the gather of the output's; full recomputation the gathers again
+    gathers = msg / t + (4 + 8) * tokens / t * k
+    return change + gathers + msg + msg + 4 * tokens * k + msg / t + (
+        gathers + last if layout.recompute == "full" else 0.0)
 
 
-def expert_bias_fixup(shape: ModelShape, layout: Layout, stage: int) -> float:
-    """Bytes of the once-per-step all-reduce over TP of the experts' fc2-bias gradients under
-    ETP = tp (gpt2 experts: a whole (h,) bias per expert on every TP rank, used by ETP rank 0 and
-    marked ``sequence_parallel``, parallel/grads.py): fp32, E/ep biases per MoE layer; under ZeRO
-    the rank's shard of them (1/edp on average)."""
-    if shape.moe is None or layout.etp == 1 or layout.tp == 1 or shape.block != "gpt2":
+def moe_sp_grad_sync(shape: ModelShape, layout: Layout, stage: int) -> float:
+    """Bytes the MoE layers add to the once-per-step all-reduce over TP of the gradients marked
+    ``sequence_parallel`` (parallel/grads.py; fp32; under ZeRO this rank's shards: the router's
+    over dp x cp, the experts' over EDP, 1/shards on average). Under sequence parallelism each TP
+    rank routes its own tokens, so the router's (E, h) gradient and, with ETP = 1, its whole
+    experts' are partial sums over TP (models/moe/layer.py); with ETP = tp, SP or not, the expert
+    slices are whole but the gpt2 experts' fc2 biases (E/ep per MoE layer, whole on every TP
+    rank, used by ETP rank 0 only, models/moe/experts.py) are. Zero with tp = 1. (The dense
+    layers' sequence-parallel norms and biases are not counted here.)"""
+    moe = shape.moe
+    if moe is None or layout.tp == 1:
         return 0.0
-    count = stage_moe_layers(shape, layout, stage) * shape.moe.num_experts // layout.ep
-    return count * shape.hidden_size * GRAD_BYTES / (layout.edp if layout.zero else 1)
+    layers, h = stage_moe_layers(shape, layout, stage), shape.hidden_size
+    edp = layout.edp if layout.zero else 1
+    dense_shards = layout.dp * layout.cp if layout.zero else 1
+    count = 0.0
+    if layout.sequence_parallel:
+        count += layers * moe.num_experts * h / dense_shards
+        if layout.etp == 1:
+            count += layers * expert_params_per_layer(shape, layout.ep) / edp
+    if layout.etp > 1 and shape.block == "gpt2":
+        count += layers * moe.num_experts // layout.ep * h / edp
+    return count * GRAD_BYTES
 
 
 def _sends(layout: Layout, stage: int) -> tuple[int, int]:
@@ -158,7 +180,7 @@ def step_traffic(shape: ModelShape, layout: Layout, stage: int,
     embedding = 0.0
     if shape.block == "gpt2" and p > 1 and stage in (0, p - 1) and not layout.v_placement:
         embedding = shape.padded_vocab(t) * h / t * GRAD_BYTES / (shards if layout.zero else 1)
-    tp = m * tp + expert_bias_fixup(shape, layout, stage)
+    tp = m * tp + moe_sp_grad_sync(shape, layout, stage)
     return {"tp": tp, "cp": None if cp is None else m * cp, "pp": m * pp, "dp": dp,
             "embedding": embedding, "ep": m * stage_moe_layers(shape, layout, stage) * ep_per_layer(shape, layout),
             "edp": edp}
@@ -170,5 +192,5 @@ def ep_per_layer(shape: ModelShape, layout: Layout) -> float:
     if shape.moe is None or layout.ep == 1:
         return 0.0
     redo = 1 if layout.recompute == "full" else 0
-    rows = shape.activation_bytes * moe_tokens(shape, layout) * shape.moe.topk * shape.hidden_size
+    rows = shape.activation_bytes * moe_expert_tokens(shape, layout) * shape.moe.topk * shape.hidden_size
     return (4 + 2 * redo) * rows + (1 + redo) * COUNT_BYTES * shape.moe.num_experts

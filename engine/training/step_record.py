@@ -27,12 +27,14 @@ PP_LATE_KEYS = ("time_pp_exposed_s",)
 def comm_metrics(comm: dict, compiled: bool = False) -> dict:
     """The step's bytes per traffic kind: payload handed to collectives (``*_comm_bytes``) and, for
     DP, the ring-model bytes on the wire. DP is the gradient/parameter group (DP x CP with context
-    parallelism); PP counts the activations and gradients this rank sends to its neighbours. TP and
+    parallelism) and, under expert parallelism, the expert-data-parallel group its expert
+    gradients and parameters go over (kind ``edp``); PP counts the activations and gradients this rank sends to its neighbours. TP and
     CP collectives inside compiled chunks are not counted (parallel/comm.py): null then."""
     def total(kinds, key):
         return sum(comm[k][key] for k in kinds)
-    return {"dp_comm_bytes": total(("dp", "dp_cp"), "payload_bytes"),
-            "dp_comm_wire_bytes": total(("dp", "dp_cp"), "wire_bytes"),
+    dp = ("dp", "dp_cp", "edp")
+    return {"dp_comm_bytes": total(dp, "payload_bytes"),
+            "dp_comm_wire_bytes": total(dp, "wire_bytes"),
             "tp_comm_bytes": None if compiled else total(("tp",), "payload_bytes"),
             "cp_comm_bytes": None if compiled else total(("cp",), "payload_bytes"),
             "pp_comm_bytes": total(("pp",), "payload_bytes")}

@@ -91,7 +91,7 @@ class Trainer:
                                            agreement=resolved_flags(cfg), dp_exchange=compressed)
         # mixture of experts: the EP and EDP groups, cut from the dp x cp ranks of each stage
         init_expert_groups(self.ps, cfg.parallel.expert_model_parallel_size, cfg.parallel.timeout_s,
-                           cfg.parallel.expert_tensor_parallel_size)
+                           cfg.parallel.expert_tensor_parallel_size, exchange=compressed)
         self.is_main = self.ps.rank == 0
         for note in (*notes, *self.dev.notes):  # the chip's fallbacks: said once, by rank 0
             if self.is_main:

@@ -7,7 +7,10 @@ The weights stay one module per expert in both modes, so the parameter names
 (``layers.L.mlp.experts.e.fc1.weight``), their initialisation and the checkpoints do not depend on
 the flag: the grouped path stacks the local experts' weights per call into (E_local, out, in)
 tensors (one copy of the layer's expert weights per forward; the stack's backward hands each
-expert its slice of the grouped GEMM's weight gradient).
+expert its slice of the grouped GEMM's weight gradient). Under a zero-bubble schedule (a
+``WeightGradStore`` attached to the experts) each projection is one ``_GroupedLinearDeferW``
+(models/moe/grouped_split.py) instead: the input gradient in B, one closure per projection
+accumulating every expert's weight and bias gradients in W, as the looped experts' linears do.
 
 Expert ``e`` (its GLOBAL index) draws its weights from (seed, ``{name}.{e}.fc1``, ...), so an
 expert has the same values on whichever EP rank holds it. Every expert parameter is marked
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from models.moe.grouped_split import grouped_linear_defer_w
 from parallel.tensor_parallel.split_linear import linear_defer_w
 
 
@@ -114,16 +118,27 @@ class LocalExperts(nn.Module):
         outs = [self.experts[str(e)](piece) for e, piece in zip(self.local, pieces)]
         return torch.cat(outs) if outs else x[:0]
 
-    def _stacked(self, part: str):
-        """The local experts' ``part`` weights (E_local, out, in) (this ETP rank's shards) and
-        biases (E_local, out), or None (no biases, or fc2's off ETP rank 0)."""
+    def _params(self, part: str):
+        """The local experts' ``part`` weight Parameters (this ETP rank's shards) and biases, or
+        None (no biases, or fc2's off ETP rank 0)."""
         lins = [getattr(self.experts[str(e)], part) for e in self.local]
         here = part != "fc2" or self.experts[str(self.local[0])].fc2_bias_here
-        bias = torch.stack([lin["bias"] for lin in lins]) if "bias" in lins[0] and here else None
-        return torch.stack([lin["weight"] for lin in lins]), bias
+        biases = [lin["bias"] for lin in lins] if "bias" in lins[0] and here else None
+        return [lin["weight"] for lin in lins], biases
+
+    def _stacked(self, part: str):
+        """``_params`` stacked: weights (E_local, out, in) and biases (E_local, out) or None."""
+        weights, biases = self._params(part)
+        return torch.stack(weights), None if biases is None else torch.stack(biases)
 
     def _grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:  # (n, h)
+        # attach_weight_grad_store gives the store to every expert: the first one's stands for all
+        store = self.experts[str(self.local[0])].weight_grad_store
+
         def linear(inp, part):
+            if store is not None:  # W split off: one deferred closure per projection
+                weights, biases = self._params(part)
+                return grouped_linear_defer_w(inp, weights, biases, counts, store, self.paths)
             weights, bias = self._stacked(part)
             return kernels.grouped_linear(inp, weights, counts, bias, self.paths)
         if self.kind == "gelu":

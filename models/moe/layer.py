@@ -20,7 +20,13 @@ slice of every sequence; EP is drawn from the DP x CP ranks. With expert tensor 
 route and dispatch the same tokens, each computes its partial fc2 output, and the combined
 (T, h) outputs are summed over TP (one all-reduce, after the linear combine and un-permute: T h
 elements against the experts' T K h); the tokens and router weights enter that region through
-``copy_to_tp``, whose backward sums the slices' partial gradients. The balancing losses sum their
+``copy_to_tp``, whose backward sums the slices' partial gradients. With sequence parallelism too
+each TP rank routes its own shard; the shards' tokens, router weights and chosen experts are
+all-gathered over TP (the backward reduce-scatters the slices' partial gradients), every TP rank
+dispatches and computes its slices of the TP group's tokens, and the combined outputs are
+reduce-scattered back to the shards (the backward all-gathers their gradients), as Megatron's
+expert tensor parallelism under SP does; the router stays ``sequence_parallel``, the expert
+slices do not (they see every token of the TP group). The balancing losses sum their
 statistics over the ranks holding the other tokens of a micro-batch or sequence
 (models/moe/balancing.py). The losses and loads of each forward are recorded for the step's
 figures (models/moe/stats.py, models/moe/step_figures.py).
@@ -45,7 +51,8 @@ from parallel.expert_parallel import (allgather_combine, allgather_dispatch, all
                                       alltoall_dispatch, permute_padded, permute_tokens,
                                       unpermute_tokens)
 from parallel.state import ParallelState
-from parallel.tensor_parallel.mappings import copy_to_tp, reduce_from_tp
+from parallel.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_sequence_values,
+                                               reduce_from_tp, reduce_scatter_to_sequence)
 
 
 class MoELayer(nn.Module):
@@ -59,9 +66,8 @@ class MoELayer(nn.Module):
         # under sequence parallelism each TP rank routes its own tokens: figures count every TP rank
         self.tp_split = bool(ctx.sequence_parallel) and ps.tp_size > 1
         self.etp_group = ps.etp_group  # the TP group under expert tensor parallelism, else this rank
-        if self.etp_group.size > 1 and self.tp_split:
-            raise ValueError(f"--expert-tensor-parallel-size {self.etp_group.size} with "
-                             f"--sequence-parallel is not built yet; drop one")
+        # ETP with SP: route the own shard, gather the TP group's tokens for the expert slices
+        self.etp_sp = self.etp_group.size > 1 and self.tp_split
         e = cfg.num_experts
         self.ps, self.num_experts, self.topk = ps, e, cfg.moe_router_topk
         self.ep_group, self.balance_group = ps.ep_group, ps.dp_cp_group
@@ -82,7 +88,10 @@ class MoELayer(nn.Module):
             dataclasses.replace(cfg, ffn_hidden_size=shared), ps, ctx, f"{name}.shared_expert",
             kind=kind, bias=bias)
         if self.tp_split:  # replicas over TP that saw distinct tokens: gradients summed over TP
-            for p in (*self.router.parameters(), *self.experts.parameters()):
+            # (under ETP the expert slices see the whole TP group's tokens: their gradients are
+            # whole; the fc2 bias, used by ETP rank 0 only, is marked by ExpertMLP)
+            experts = () if self.etp_sp else tuple(self.experts.parameters())
+            for p in (*self.router.parameters(), *experts):
                 p.sequence_parallel = True
         # the groups whose ranks hold other tokens of this micro-batch (summed shares), and of
         # each of its sequences (TP under sequence parallelism, CP)
@@ -125,14 +134,30 @@ class MoELayer(nn.Module):
         rows, perm = permute_padded(tokens, *padded_rows(choice, routing.experts), choice.capacity)
         return rows, perm, choice.capacity, dropped
 
+    def _gather_routed(self, x: torch.Tensor, routing):
+        """ETP with SP: the TP group's tokens (b, s, h) -> (b s, h) in sequence order, and their
+        routing, each shard routed by its own TP rank: tokens and router weights all-gathered
+        along the sequence (backward: reduce-scattered, summing the expert slices' partial
+        gradients into each shard's), the chosen experts gathered as they are (no gradient)."""
+        b, _, h = x.shape
+        group, k = self.etp_group, self.topk
+        tokens = gather_from_sequence(x, group).reshape(-1, h)                   # (T tp, h)
+        weights = gather_from_sequence(routing.weights.view(b, -1, k), group).reshape(-1, k)
+        experts = gather_sequence_values(routing.experts.view(b, -1, k), group).reshape(-1, k)
+        return tokens, dataclasses.replace(routing, weights=weights, experts=experts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s[/tp][/cp], h)
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)                                    # (T, h)
         routing = self.router(tokens)
         loss, aux, counts = self._balancing_loss(routing, b)
-        # into the ETP region: identity, the backward sums the expert slices' partial gradients
-        tokens_in = copy_to_tp(tokens, self.etp_group)                          # (T, h)
-        weights = copy_to_tp(routing.weights, self.etp_group)                   # (T, K)
+        if self.etp_sp:  # the TP group's tokens, routed by their own TP ranks
+            tokens_in, routing = self._gather_routed(x, routing)                 # (T tp, h)
+            weights = routing.weights                                           # (T tp, K)
+            # (every TP rank then drops the same assignments: counted once, by ETP rank 0)
+        else:  # into the ETP region: identity, the backward sums the slices' partial gradients
+            tokens_in = copy_to_tp(tokens, self.etp_group)                      # (T, h)
+            weights = copy_to_tp(routing.weights, self.etp_group)               # (T, K)
         if self.dispatcher == "allgather":  # tokens travel, not rows: permute a zero-width view
             _, perm, capacity, dropped = self._permute(tokens_in[:, :0], routing)
             expert_in, state = allgather_dispatch(tokens_in, weights, perm, self.ep_group,
@@ -145,10 +170,16 @@ class MoELayer(nn.Module):
             expert_out = self.experts(expert_in, state.tokens_per_expert)        # (N, h)
             rows = alltoall_combine(expert_out, state, self.ep_group)             # (R, h)
             out = unpermute_tokens(rows, weights, perm)                           # (T, h)
-        # the ETP slices' partial sums (identity without expert tensor parallelism)
-        out = reduce_from_tp(out.to(x.dtype), self.etp_group).view(b, s, h)
+        # the ETP slices' partial sums (identity without expert tensor parallelism); under SP
+        # summed and cut back to this rank's shard (backward: the gradients all-gathered)
+        if self.etp_sp:
+            out = reduce_scatter_to_sequence(out.to(x.dtype).view(b, -1, h), self.etp_group)
+        else:
+            out = reduce_from_tp(out.to(x.dtype), self.etp_group).view(b, s, h)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
+        if self.etp_sp and self.etp_group.rank > 0:
+            dropped = torch.zeros_like(dropped)
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside a backward
             self.records.append({"aux_loss": aux, "z_loss": (loss.detach() - aux),
                                  "load": counts.detach(), "dropped": dropped})

@@ -61,6 +61,7 @@ class Bucket:
     compressed_step: bool = False         # whether this step's exchange went through the compressor
     variance: object = None               # sparse compressors: this rank's LocalVariance (variance.py)
     group: object = None                  # the group it is summed over (None: the reducer's DP x CP)
+    exchange_group: object = None         # that group on the exchange worker's lane (compression)
     shard_rank: int = 0                   # ZeRO: this rank's shard among the group's shard_world
     shard_world: int = 1
 

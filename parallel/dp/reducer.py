@@ -107,35 +107,37 @@ class GradReducer:
         pad = world * 16 if world > 1 else 1
         position = {p: i for i, (_, p) in enumerate(reversed(named))}   # the backward order
         self.buffers, experts = build_buffers(named, self.policy, grad_dtype, bucket_numel, pad)
-        if experts and ps.edp_group is not ps.dp_cp_group and (
-                any(buf.spec.compressed for buf in self.buffers)):  # the worker orders dp_cp only
-            raise ValueError("GradReducer: gradient compression with expert parallelism is not "
-                             "built yet; leave --grad-compression off with "
-                             "--expert-model-parallel-size > 1")
         self.buckets: list[Bucket] = sorted((b for buf in self.buffers for b in buf.buckets),
                                             key=lambda b: position[b.slots[0].param])
         self._bucket_of = {}
         device = self.buckets[0].data.device
         for i, bucket in enumerate(self.buckets):
-            bucket.index, bucket.compressor = i, bucket.spec.build()
-            if bucket.compressor is not None and self.dp > 1:
-                bucket.compressor.allocate(bucket.numel, self.dp, False, device)
+            # the group a bucket is summed over (and ZeRO-sharded over); the division stays by the
+            # DP x CP size, since an expert's gradient already holds its EP ranks' tokens' share.
+            # A compressed expert bucket is exchanged over the EDP ranks on the worker's lane.
+            expert = bucket.buffer in experts
+            bucket.group = ps.edp_group if expert else None
+            group = bucket.group or self.group
+            bucket.shard_rank, bucket.shard_world = group.rank, group.size
+            bucket.exchange_group = ps.edp_exchange_group if expert else ps.dp_exchange_group
+            # (an expert bucket of one EDP rank, ep = dp x cp, has nothing to exchange)
+            bucket.index = i
+            bucket.compressor = bucket.spec.build() if group.size > 1 or self.dp == 1 else None
+            if bucket.compressor is not None and group.size > 1:
+                bucket.compressor.allocate(bucket.numel, group.size, False, device)
                 if bucket.compressor.sparse and self.policy.variance_refresh != 0:
                     # the statistics only feed the refreshes: none without a schedule
                     bucket.variance = LocalVariance(bucket.numel, device)
             for slot in bucket.slots:
                 self._bucket_of[slot.param] = bucket
-            # the group a bucket is summed over (and ZeRO-sharded over); the division stays by the
-            # DP x CP size, since an expert's gradient already holds its EP ranks' tokens' share
-            bucket.group = ps.edp_group if bucket.buffer in experts else None
-            group = bucket.group or self.group
-            bucket.shard_rank, bucket.shard_world = group.rank, group.size
         self.compressed = self.dp > 1 and any(b.compressor is not None for b in self.buckets)
         self.exchange_group = ps.dp_exchange_group          # the worker's own communicator
-        if self.compressed and self.exchange_group is None:
-            raise ValueError("GradReducer: gradient compression over the DP group needs its "
+        missing = [b for b in self.buckets if b.compressor is not None and b.exchange_group is None]
+        if self.compressed and missing:
+            which = "EDP" if missing[0].group is not None else "DP"
+            raise ValueError(f"GradReducer: gradient compression over the {which} group needs its "
                              "exchange group; build the state with ParallelState.initialize(..., "
-                             "dp_exchange=True)")
+                             "dp_exchange=True) and init_expert_groups(..., exchange=True)")
         self._worker = ExchangeWorker(device) if self.compressed else None
         # autograd accumulates straight into the buffer for parameters of the gradient's dtype
         self._aliased = [p for _, p in named if p.dtype == grad_dtype]
@@ -180,7 +182,7 @@ class GradReducer:
                 p.grad = None
         for b in self.buckets:
             if b.compressor is not None and self.dp > 1:
-                b.compressor.allocate(b.numel, self.dp, True, b.own_view().device)
+                b.compressor.allocate(b.numel, b.shard_world, True, b.own_view().device)
 
     def bucket_of(self, param: torch.nn.Parameter) -> Bucket | None:
         return self._bucket_of.get(param)
@@ -325,7 +327,7 @@ class GradReducer:
             compressed = bucket.compressor is not None
             bucket.compressed_step = compressed
             self._worker.submit(self._exchange if compressed else self._start, bucket,
-                                self.exchange_group)
+                                bucket.exchange_group)   # DP x CP, or EDP for an expert bucket
         else:
             self._pending.append(self._start(bucket))
             if self.zero_stage == 2:
@@ -362,9 +364,10 @@ class GradReducer:
             bucket.compressor.all_reduce_(data, group)
 
     def _refresh(self) -> dict[int, torch.Tensor]:
-        """The sparse buckets' local statistics averaged over DP: {bucket index: full or shard}
-        (on the worker thread, after every bucket)."""
-        return {b.index: b.variance.average(self.exchange_group, self.beta2, self.shard_grads)
+        """The sparse buckets' local statistics averaged over the ranks that hold them (DP x CP,
+        EDP for an expert bucket): {bucket index: full or shard} (on the worker thread, after
+        every bucket)."""
+        return {b.index: b.variance.average(b.exchange_group, self.beta2, self.shard_grads)
                 for b in self.buckets if b.variance is not None}
 
     def _local_variance(self, bucket: Bucket, data: torch.Tensor) -> None:

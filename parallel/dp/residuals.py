@@ -4,7 +4,8 @@ Each rank's residual holds its share of the gradient that the compressed exchang
 delivered yet (in averaged units: buckets are divided by dp before they are compressed). The
 logical residual of a parameter is the sum of every rank's share:
 
-- over the DP x CP group: a reduce-scatter leaves each rank the sum for its 1/dp shard of the
+- over the DP x CP group (an expert bucket: over its expert-data-parallel group, the ranks that
+  hold the same experts): a reduce-scatter leaves each rank the sum for its 1/dp shard of the
   bucket (plus, without ZeRO, the owner residual of that shard), written as flat pieces like
   ZeRO's optimizer state;
 - over TP for sequence-parallel parameters, whose TP ranks each compressed a partial gradient
@@ -12,7 +13,8 @@ logical residual of a parameter is the sum of every rank's share:
 - over the first and last stage's copies of a tied embedding.
 
 ``fold_logical_residuals`` gives every rank of a new layout an equal share back (divided by dp,
-and by tp for sequence-parallel parameters; a tied copy gets none), so the next exchanges deliver
+or the EDP size for an expert, and by tp for sequence-parallel parameters; a tied copy gets
+none), so the next exchanges deliver
 exactly the gradient mass that was pending when the checkpoint was written. On the same layout
 the reader restores each rank's own residuals instead (bit-identical resumption).
 
@@ -46,16 +48,17 @@ def logical_residual_pieces(reducer, ps, kind: str = "residual",
     """(name, param, start, end, values): this rank's pieces of the logical residuals (or, with
     ``kind="momentum"``, momenta), flat ranges [start, end) of each parameter. A collective over DP
     (and TP, the embedding group) for every such bucket: all ranks of the layout must call it."""
-    dp, rank = reducer.dp, reducer.dp_rank
     pieces = []
     for b in reducer.buckets:
         c = b.compressor
         held = _held(c, kind)
         if held is None or held.numel() != b.numel:
             continue
+        group = b.group or reducer.group                  # an expert bucket's: its EDP group
+        dp, rank = group.size, group.rank
         n = b.numel // dp
         shard = torch.empty(n, dtype=torch.float32, device=held.device)
-        reducer.group.reduce_scatter_into(shard, held.clone())
+        group.reduce_scatter_into(shard, held.clone())
         if kind == "momentum":
             shard /= dp
         elif c.owner_residual is not None:
@@ -90,7 +93,7 @@ def fold_logical_residuals(reducer, ps, read, kind: str = "residual") -> None:
         if c is None or c.residual is None:
             continue
         c.reset()
-        _fold(reducer, ps, b, c.residual, read, reducer.dp)
+        _fold(reducer, ps, b, c.residual, read, (b.group or reducer.group).size)
 
 
 def _fold(reducer, ps, b, dst: torch.Tensor, read, dp_share: int) -> bool:

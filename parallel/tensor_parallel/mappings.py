@@ -190,3 +190,8 @@ def reduce_scatter_to_sequence(x, group):
 
 def scatter_to_sequence(x, group):
     return _apply(_SeqSplitGather, x, group)
+
+
+def gather_sequence_values(x, group):
+    """All-gather along the sequence (dim 1) of a tensor that carries no gradient (indices)."""
+    return x if group_size(group) == 1 else _gather(x.contiguous(), 1, group)

@@ -10,7 +10,9 @@ relative 1e-4 over 20 steps, the per-expert load and the dropped assignments exa
   the per-sequence aux loss, sigmoid scores, 2 micro-batches per rank); ``--moe-grouped-gemm`` on
   the ep 1 runs (the grouped path stacks the sharded weights), the loop on the ep 2 runs; the
   alltoall dispatcher with gelu, the allgather one with swiglu (and a padded capacity that
-  drops assignments); ZeRO-1 on the gelu ep 1 run;
+  drops assignments); ZeRO-1 on the gelu ep 1 run; with sequence parallelism gelu at ep 2
+  (alltoall) and swiglu at ep 1 (allgather, the padded capacity, grouped GEMM): each TP rank
+  routes its own shard and the slices compute the TP group's gathered tokens;
 - a checkpoint saved at etp 2 (step 10) resumes at etp 1 (tp 2, dp 2, ep 2) with the
   uninterrupted run's losses, and that run's checkpoint (step 15) back at etp 2 with ep 1; the
   index holds each expert weight as its logical tensor, in one piece per TP rank.
@@ -18,8 +20,8 @@ relative 1e-4 over 20 steps, the per-expert load and the dropped assignments exa
 One spawned group of 4 ranks runs every layout in sequence; the serial runs go first, in this
 process. In one process: the ETP groups are the TP groups; an expert's ETP slices draw the rows
 and columns of the whole expert and their partial outputs sum to its output, the fc2 bias once
-(loop and grouped paths); and the bad input (etp neither 1 nor tp, etp with sequence
-parallelism, an expert width that does not split) is refused in one line.
+(loop and grouped paths); and the bad input (etp neither 1 nor tp, an expert width that does
+not split) is refused in one line.
 """
 from __future__ import annotations
 
@@ -74,6 +76,10 @@ LAYOUTS = [
     ("gelu etp2 ep1 grouped zero", GPT2, 8, [*ETP, *mbs(4), *GROUPED,
                                              "--use-distributed-optimizer"]),
     ("swiglu etp2 ep1 grouped", LLAMA, 2, [*ETP, *mbs(2), *GROUPED]),
+    # with sequence parallelism: each TP rank routes its shard, the slices see the TP group's tokens
+    ("gelu etp2 ep2 sp", GPT2, 8, [*ETP, "--ep", "2", *mbs(4), "--sequence-parallel"]),
+    ("swiglu etp2 ep1 sp allgather capacity grouped", LLAMA + CAPACITY, 2,
+     [*ETP, *mbs(2), "--sequence-parallel", "--moe-token-dispatcher-type", "allgather", *GROUPED]),
 ]
 RESUMES = [  # (name, layout flags, the steps of the first run they continue)
     ("etp1 from etp2", ["--tp", "2", "--dp", "2", "--ep", "2", *mbs(4), "--load",
@@ -95,10 +101,11 @@ def _train(argv: list[str], launch: LaunchEnv | None = None) -> dict:
         norms = [global_grad_norm(params, ps), opt.grad_norm(), share.sqrt().item()]
         fc2_bias = [p.detach().clone() for n, p in trainer.chunks[0].named_parameters()
                     if n.endswith(".fc2.bias") and ".experts." in n]
+        etp_sp = {m.etp_sp for c in trainer.chunks for m in c.modules() if hasattr(m, "etp_sp")}
     finally:
         trainer.close()
     return {**{k: [r[k] for r in records] for k in KEYS}, "etp": ps.etp_group.size,
-            "norms": norms, "fc2_bias": fc2_bias}
+            "norms": norms, "fc2_bias": fc2_bias, "etp_sp": etp_sp}
 
 
 def _layouts(ps, root: str) -> dict:
@@ -125,6 +132,7 @@ def test_etp_equals_serial_and_checkpoints_reshard(tmp_path):
     for name, model, serial_mbs, _ in LAYOUTS:
         got, ref = runs[name], serial[(tuple(model), serial_mbs)]
         assert got["etp"] == 2 and len(ref["loss"]) == STEPS, name
+        assert got["etp_sp"] == {" sp" in name}, name  # the shards gathered for the slices
         assert got["norms"][0] > 0, name  # grad_norm.py, the optimizer's norm and its shares
         _close(name, "last norm", got["norms"][1:], got["norms"][:1] * 2)
         # the fc2 bias is whole on both TP ranks (0 and 1) and stays equal (its gradient summed)
@@ -203,8 +211,6 @@ def test_etp_groups_are_the_tp_groups():
                                   "one rank) or --tp 2"),
     (["--etp", "2"], "--expert-tensor-parallel-size 2: only 1 (each expert whole on one rank) "
                      "or --tp 1"),
-    (["--tp", "2", "--etp", "2", "--sequence-parallel"],
-     "--expert-tensor-parallel-size 2 with --sequence-parallel is not built yet"),
     (["--tp", "2", "--etp", "2", "--moe-ffn-hidden-size", "25"],
      "--moe-ffn-hidden-size 25 is not divisible by --expert-tensor-parallel-size 2"),
 ])
