@@ -27,12 +27,11 @@ import yaml
 
 from engine.base import ConfigError
 from engine.config.cli import parse_args
-from engine.data.corpus import stdlib_dir
-from engine.data.prepare import prepare
 from engine.training.trainer import Trainer
 from parallel.comm import wire_bytes
 from parallel.state import LaunchEnv, ParallelState
 from parallel.topology import RankGrid
+from tests.helpers.corpus import real_text_corpus
 from tests.helpers.dist_utils import record_comm, run_distributed
 
 STEPS = 3
@@ -163,10 +162,7 @@ def serial():
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """A small byte-level corpus of real text, so that losses can fall."""
-    prefix = tmp_path_factory.mktemp("dp_corpus") / "corpus"
-    prepare([stdlib_dir() / "json", stdlib_dir() / "email"], prefix, "byte", max_bytes=400_000,
-            extensions=(".py",))
-    return str(prefix)
+    return real_text_corpus(tmp_path_factory, "dp_corpus")
 
 
 def test_dp2_equivalence_buckets_and_compression(serial, corpus, tmp_path):

@@ -34,11 +34,10 @@ import pytest
 import torch
 
 from engine.config.cli import parse_args
-from engine.data.corpus import stdlib_dir
-from engine.data.prepare import prepare
 from engine.training.trainer import Trainer
 from parallel.state import LaunchEnv
 from parallel.topology import RankGrid
+from tests.helpers.corpus import real_text_corpus
 from tests.helpers.dist_utils import run_distributed
 
 STEPS, WARMUP, REL = 10, 2, 1e-4
@@ -64,10 +63,7 @@ REFERENCES = {"int8 ep1": INT8, "topk ep1": TOPK}
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """A small byte-level corpus of real text, so that losses can fall."""
-    prefix = tmp_path_factory.mktemp("moe_compression_corpus") / "corpus"
-    prepare([stdlib_dir() / "json", stdlib_dir() / "email"], prefix, "byte", max_bytes=400_000,
-            extensions=(".py",))
-    return str(prefix)
+    return real_text_corpus(tmp_path_factory, "moe_compression_corpus")
 
 
 def _train(argv: list[str], launch: LaunchEnv | None = None) -> dict:

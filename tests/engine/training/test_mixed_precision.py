@@ -15,11 +15,10 @@ import pytest
 import torch
 
 from engine.config.cli import parse_args
-from engine.data.corpus import stdlib_dir
-from engine.data.prepare import prepare
 from engine.training.trainer import Trainer
 from parallel.state import LaunchEnv
 from parallel.topology import RankGrid
+from tests.helpers.corpus import real_text_corpus
 from tests.helpers.dist_utils import run_distributed
 
 STEPS = 8                   # the overflow run
@@ -73,10 +72,7 @@ def train_all(ps, jobs: list[tuple[list[str], bool]]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    prefix = tmp_path_factory.mktemp("mp_corpus") / "corpus"
-    prepare([stdlib_dir() / "json", stdlib_dir() / "email"], prefix, "byte", max_bytes=400_000,
-            extensions=(".py",))
-    return str(prefix)
+    return real_text_corpus(tmp_path_factory, "mp_corpus")
 
 
 @pytest.fixture(scope="module")
