@@ -15,20 +15,26 @@ per-expert load of every step exactly (every token counted once):
   with sequence parallelism too and the per-sequence aux loss (each sequence split over TP and CP);
 - pp 2 (dp 2, ep 2) under zb-h1, zb-v and the interleaved schedule (2 virtual stages, selective
   recomputation), every layer an MoE layer, so every model chunk of both stages holds one; the
-  zero-bubble schedules run the router's and experts' weight gradients in their W actions.
+  zero-bubble schedules run the router's and experts' weight gradients in their W actions, under
+  zb-v with ``--moe-grouped-gemm`` (the grouped experts' ``_GroupedLinearDeferW``, against the
+  looped serial run): rank 0 counts the grouped W closures it ran, one per projection (fc1, fc2)
+  of each of its 2 MoE layers per micro-batch (4) and step, so none was computed in B.
 
 One spawned group of 4 ranks runs every layout in sequence; the serial runs go first, in this
 process. In one process: under a capturing ``WeightGradStore`` (the B/W split of the zero-bubble
-schedules) the router's and experts' weight gradients wait for W, and W gives the plain backward's.
+schedules) the router's and experts' weight gradients wait for W, and W gives the plain backward's,
+with looped and with grouped-GEMM experts.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
 from models import LayerContext, build_chunks
 from models.config import GPTConfig
+from models.moe import grouped_split
 from parallel.state import LaunchEnv, ParallelState
 from parallel.tensor_parallel import Initializer
 from parallel.topology import RankGrid
@@ -65,8 +71,9 @@ LAYOUTS = [
     ("tp2 cp2 ep2 aux_loss, full recompute", GPT2, 8, ["--tp", "2", "--cp", "2", "--ep", "2",
                                                        *mbs(8), "--recompute", "full"]),
     ("tp2 sp cp2 ep2 seq_aux_loss", LLAMA, 2, ["--tp", "2", "--cp", "2", "--ep", "2", *SP, *mbs(4)]),
-    ("pp2 zb-v dp2 ep2", PIPE, 2, ["--pp", "2", "--dp", "2", "--ep", "2", *mbs(1),
-                                   "--pipeline-schedule", "zb-v"]),
+    ("pp2 zb-v dp2 ep2 grouped gemm", PIPE, 2, ["--pp", "2", "--dp", "2", "--ep", "2", *mbs(1),
+                                                "--pipeline-schedule", "zb-v",
+                                                "--moe-grouped-gemm"]),
     ("pp2 zb-h1 dp2 ep2", PIPE, 2, ["--pp", "2", "--dp", "2", "--ep", "2", *mbs(1),
                                     "--pipeline-schedule", "zb-h1"]),
     ("pp2 interleaved dp2 ep2, selective recompute", PIPE, 2,
@@ -76,14 +83,23 @@ LAYOUTS = [
 KEYS = ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_expert_load")
 
 
+# the grouped experts' W closures this rank ran under zb-v: 20 steps x 4 micro-batches x 2 MoE
+# layers (one per model chunk) x 2 projections
+GROUPED_W = STEPS * (GLOBAL_BATCH // 2) * 2 * 2
+
+
 def _train(argv: list[str], launch: LaunchEnv | None = None) -> dict:
+    ran: list = []
+    real = grouped_split._weight_grads  # what a grouped projection's W closure calls
+    grouped_split._weight_grads = lambda *a: ran.append(1) or real(*a)
     trainer = Trainer(parse_args(BASE + argv), launch=launch)
     try:
         records = trainer.train().records
         ep = trainer.ps.ep_group.size
     finally:
         trainer.close()
-    return {**{k: [r[k] for r in records] for k in KEYS}, "ep": ep}
+        grouped_split._weight_grads = real
+    return {**{k: [r[k] for r in records] for k in KEYS}, "ep": ep, "grouped_w": len(ran)}
 
 
 def _layouts(ps, layouts: list) -> list[dict]:
@@ -108,15 +124,18 @@ def test_moe_sp_cp_and_pipeline_schedules_equal_serial():
         if key not in serial:
             serial[key] = _train(model + mbs(serial_mbs), launch=LaunchEnv())
     runs = run_distributed(_layouts, grid=RankGrid(dp=4), args=(LAYOUTS,))
-    for i, (name, model, serial_mbs, _) in enumerate(LAYOUTS):
+    for i, (name, model, serial_mbs, flags) in enumerate(LAYOUTS):
         _check(name, runs[0][i], serial[(tuple(model), serial_mbs)])
+        grouped = "--moe-grouped-gemm" in flags
+        assert runs[0][i]["grouped_w"] == (GROUPED_W if grouped else 0), name
 
 
-def test_moe_weight_gradients_wait_for_w():
+@pytest.mark.parametrize("grouped", [False, True], ids=["looped", "grouped"])
+def test_moe_weight_gradients_wait_for_w(grouped):
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ,
                     vocab_size=64, seed=7, block="llama", num_experts=4, moe_router_topk=2,
                     moe_aux_loss_coeff=0.05, moe_z_loss_coeff=1e-3,
-                    moe_shared_expert_intermediate_size=16)
+                    moe_shared_expert_intermediate_size=16, moe_grouped_gemm=grouped)
 
     def model():
         return build_chunks(cfg, ParallelState.serial(), LayerContext(Initializer(7, cfg.init_std)),
