@@ -112,8 +112,9 @@ def dry_run(cfg, world_size: int, device: str | None = None, memory_gb: float | 
     recipe's ``--device`` decides the backend (npu: hccl, cuda: nccl, else gloo).
     ``tp_comm_overlap``: list the layers' TP gathers and scatters as chunk rings (also on when the
     run's configuration has ``tp_comm_overlap`` set)."""
-    from engine.dryrun.compare import compare_role, planner_view
+    from engine.dryrun.compare import compare_role
     from engine.dryrun.overlap import role_overlap
+    from engine.training.validate import planner_inputs
     from engine.plan.hardware import get_device_spec
     from engine.plan.model import GIB, MEMORY_USABLE_FRACTION, PLAN_PRECISION, backend_of
     from parallel.backend_rules import resolve
@@ -126,7 +127,7 @@ def dry_run(cfg, world_size: int, device: str | None = None, memory_gb: float | 
     rules = resolve(built.parallel.backend_rules, backend, spec.name if spec else "")
     gib = memory_gb if memory_gb is not None else (spec.memory_gb if spec else None)
     records = record_roles(built, grid, rules, per_node, registry)
-    planned = planner_view(built, grid)  # the planner's view, with the run's ETP
+    planned = planner_inputs(built, grid)
     comparison = planned if isinstance(planned, str) else [
         compare_role(r, built, *planned, backend) for r in records]
     if cfg.data.reset_attention_mask or cfg.data.reset_position_ids:

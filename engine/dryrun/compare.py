@@ -58,23 +58,6 @@ KNOWN = (
 )
 
 
-def planner_view(cfg, grid) -> tuple[ModelShape, Layout] | str:
-    """engine/training/validate.py ``planner_inputs`` with the run's expert tensor parallelism
-    (``--expert-tensor-parallel-size``: 1 or tp) in the layout, so that the expert figures are the
-    planner's ETP-aware ones; or why the planner has none."""
-    from dataclasses import replace
-
-    from engine.training.validate import planner_inputs
-    planned = planner_inputs(cfg, grid)
-    if isinstance(planned, str):
-        return planned
-    shape, layout = planned
-    etp = getattr(cfg.parallel, "expert_tensor_parallel_size", 1) or 1
-    if shape.moe is not None and layout.etp != etp:
-        layout = replace(layout, etp=etp)
-    return shape, layout
-
-
 @dataclass(frozen=True)
 class Row:
     figure: str

@@ -174,7 +174,7 @@ def expert_holdings(cfg, grid: RankGrid, role: Role) -> dict:
     if e is None or not role.moe_layers:
         return {}
     egrid = ExpertGrid(grid, cfg.parallel.expert_model_parallel_size,
-                       getattr(cfg.parallel, "expert_tensor_parallel_size", 1) or 1)
+                       cfg.parallel.expert_tensor_parallel_size)
     ep = egrid.ep
     per = e // ep
     position = {}

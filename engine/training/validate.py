@@ -175,7 +175,8 @@ def planner_inputs(cfg, grid, vocab_size: int | None = None) -> tuple[ModelShape
                     par.sequence_parallel and grid.tp > 1, grid.cp, par.order,
                     schedule=schedule, zero_stage=par.zero_stage,
                     compression=CompressionPolicy.coerce(cfg.compression).any_compressed,
-                    ep=par.expert_model_parallel_size)
+                    ep=par.expert_model_parallel_size,
+                    etp=par.expert_tensor_parallel_size if m.num_experts else 1)
     return shape, layout
 
 

@@ -131,7 +131,6 @@ class GradReducer:
             for slot in bucket.slots:
                 self._bucket_of[slot.param] = bucket
         self.compressed = self.dp > 1 and any(b.compressor is not None for b in self.buckets)
-        self.exchange_group = ps.dp_exchange_group          # the worker's own communicator
         missing = [b for b in self.buckets if b.compressor is not None and b.exchange_group is None]
         if self.compressed and missing:
             which = "EDP" if missing[0].group is not None else "DP"

@@ -18,7 +18,7 @@ from engine.dryrun import dry_run, prepare, record_roles
 from engine.dryrun.record import MEMORY_KEYS, record_role
 from engine.dryrun.roles import rank_roles
 from engine.plan.traffic import step_traffic
-from engine.dryrun.compare import planner_view
+from engine.training.validate import planner_inputs
 from parallel.topology import RankGrid
 from tests.helpers.dist_utils import SUITE_RULES, record_comm, run_distributed
 
@@ -88,7 +88,7 @@ def test_moe_dry_run_equals_a_real_step(real_steps, name):
     cfg, grid, _ = prepare(parse_args(LAYOUTS[name]), 4)
     roles = [rec.role for rec in record_roles(cfg, grid, SUITE_RULES, 4)]
     assert sorted(r for role in roles for r in role.ranks) == list(range(4))
-    shape, layout = planner_view(cfg, grid)
+    shape, layout = planner_inputs(cfg, grid)
     ep = cfg.parallel.expert_model_parallel_size
     for role in roles:
         records = {r: record_role(cfg, grid, role, SUITE_RULES, 4, rank=r) for r in role.ranks}
