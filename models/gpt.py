@@ -11,17 +11,16 @@ no all-reduce (it receives two gradients per micro-batch, ``uses_per_microbatch 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.batch import AttentionInputs
 from models.blocks import takes_attention_inputs
 from models.config import GPTConfig
 from models.layers import Dropout, LayerContext, Norm
+from models.output import OutputLayer
 from models.registry import BlockRegistry, default_registry
 from parallel.context_parallel import load_balanced, shard_positions
 from parallel.state import ParallelState
-from parallel.tensor_parallel.split_linear import linear_defer_w
 from parallel.tensor_parallel import (VocabParallelEmbedding, copy_to_tp, gather_from_sequence,
                                       padded_vocab_size, scatter_to_sequence,
                                       vocab_parallel_cross_entropy, vocab_parallel_weight)
@@ -62,26 +61,33 @@ class GPTChunk(nn.Module):
             self.final_norm = Norm(block_cls.final_norm, h, cfg.norm_eps, ctx.sequence_parallel,
                                    ctx.kernel_paths)
             if self.tied and not pre_process and tied_embedding is not None:
-                object.__setattr__(self, "_tied_embedding", tied_embedding)  # not a submodule
                 tied_embedding.weight.uses_per_microbatch = 2
-            elif not (self.tied and pre_process):
+                self.output_layer = OutputLayer(tied=tied_embedding)  # the same rank's embedding
+            elif self.tied and pre_process:
+                self.output_layer = OutputLayer(tied=self.embed)
+            else:
                 name = "embedding.word" if self.tied else "output"
-                self.output_weight = vocab_parallel_weight(cfg.vocab_size, h, ps, name, ctx.init)
-                self.output_weight.shared_embedding = self.tied  # (V_pad/tp, h)
+                weight = vocab_parallel_weight(cfg.vocab_size, h, ps, name, ctx.init)
+                weight.shared_embedding = self.tied  # (V_pad/tp, h)
+                self.output_layer = OutputLayer(weight)
         for p in self.shared_embedding_params():
             p.tied_across_stages = True
-        self.weight_grad_store = None  # the output layer's W under a zero-bubble schedule
+
+    @property
+    def output_weight(self) -> nn.Parameter:
+        """The output weight this last chunk owns (AttributeError where it reads an embedding's)."""
+        out = self._modules.get("output_layer")
+        if out is None or not out.owns_weight:
+            raise AttributeError("this chunk owns no output weight")
+        return out.weight
 
     def output_matrix(self) -> torch.Tensor:
-        if self.tied and self.pre_process:
-            return self.embed.weight
-        tied = self.__dict__.get("_tied_embedding")
-        return tied.weight if tied is not None else self.output_weight
+        return self.output_layer.matrix()
 
     @property
     def tied_on_rank(self) -> bool:
         """Whether this last chunk's output layer is the embedding of a chunk on this rank."""
-        return "_tied_embedding" in self.__dict__
+        return self.post_process and not self.pre_process and not self.output_layer.owns_weight
 
     def shared_embedding_params(self) -> list[nn.Parameter]:
         """Both copies of a tied embedding that live on different stages (empty otherwise)."""
@@ -105,7 +111,7 @@ class GPTChunk(nn.Module):
                 name = "embedding.word.weight"
             elif name == "pos":
                 name = "embedding.position"
-            elif name == "output_weight":
+            elif name == "output_layer.weight":
                 name = "embedding.word.weight" if self.tied else "output.weight"
             yield name, p
 
@@ -154,10 +160,7 @@ class GPTChunk(nn.Module):
             x = gather_from_sequence(x, self.ps.tp_group)  # (b, s, h)
         else:
             x = copy_to_tp(x, self.ps.tp_group)
-        if self.weight_grad_store is None:
-            logits = F.linear(x, self.output_matrix())  # (b, s, V_pad/tp)
-        else:
-            logits = linear_defer_w(x, self.output_matrix(), None, self.weight_grad_store)
+        logits = self.output_layer(x)  # (b, s, V_pad/tp)
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group, self.vocab_start,

@@ -92,15 +92,22 @@ def _tensors(value) -> list:
     return []
 
 
-def _origin(op: str) -> str:
-    """``op`` and the innermost frame of the repository outside the checker and the torch tree."""
+def _site() -> str | None:
+    """The innermost frame of the repository outside the checker and the torch tree, as
+    ``path:line (function)``; None when there is none."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
         if path.startswith(_ROOT) and path not in _SKIP_FILES and "/.venv/" not in path:
-            return f"{op} at {os.path.relpath(path, _ROOT)}:{frame.f_lineno} ({frame.f_code.co_name})"
+            return f"{os.path.relpath(path, _ROOT)}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
-    return op
+    return None
+
+
+def _origin(op: str) -> str:
+    """``op`` and where the repository's code issued it."""
+    site = _site()
+    return op if site is None else f"{op} at {site}"
 
 
 class _Mode(TorchDispatchMode):
@@ -209,7 +216,8 @@ class StreamChecker:
                    pool: str | None = None) -> None:
         """Record one violation (once per kind, origin, streams and ops). ``pool``: for a release
         or reuse, the stream whose pool the block returns to."""
-        key = (kind, rec.origin, stream, other.stream, op, other.op)
+        site = _site() if pool is None else None   # where the op that found it was issued
+        key = (kind, rec.origin, stream, other.stream, op, other.op, site)
         if key in self._seen:
             return
         self._seen.add(key)
@@ -219,7 +227,8 @@ class StreamChecker:
                    f"no record_stream for that stream)"
         elif pool is None:
             what = f"{op} on stream '{stream}' is not ordered after {other.op} on stream " \
-                   f"'{other.stream}' (no event, wait or join between them)"
+                   f"'{other.stream}' (no event, wait or join between them)" + \
+                   (f"; the {op} is issued at {site}" if site else "")
         else:
             what = f"{op} on stream '{stream}' hands the block to stream '{pool}', which is not " \
                    f"ordered after {other.op} on stream '{other.stream}' (no event, wait or " \

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.checkpoint.index import CheckpointError
-from models.gpt import GPTChunk
+from models.output import OutputLayer
 from parallel.topology import normalise_order
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -39,8 +39,8 @@ def param_specs(chunks, ps, vocab_size: int) -> list[ParamSpec]:
                 shard[id(m.weight)] = (1, False)
             elif isinstance(m, VocabParallelEmbedding):
                 shard[id(m.weight)] = (0, True)
-            if isinstance(m, GPTChunk) and hasattr(m, "output_weight"):
-                shard[id(m.output_weight)] = (0, True)
+            if isinstance(m, OutputLayer) and m.owns_weight:
+                shard[id(m.weight)] = (0, True)
     specs = []
     for chunk in chunks:
         for name, p in chunk.logical_named_parameters():

@@ -4,21 +4,57 @@
 After the update each rank holds the new values of its shard of every bucket only. ``launch``
 starts one async all-gather per bucket, in the order forward uses them (the reverse of the backward
 bucket order), straight into the parameters: under ZeRO they are views into one flat tensor per
-gradient buffer with the same layout (``buffers.bind_param_buffer``), so no copy follows. With
-overlap on, a forward pre-hook on every module that owns parameters waits for the buckets of its
-own parameters just before it runs, so the gathers of later layers are still in flight while the
-first layers compute. Without overlap ``launch`` waits at once.
+gradient buffer with the same layout (``buffers.bind_param_buffer``), so no copy follows. Without
+overlap ``launch`` waits at once.
 
-A parameter is waited for in the pre-hook of the module that owns it. Everything that reads
-parameters outside a forward must call ``wait_all()`` first (the optimizer does so in its own
-``step``, ``state_dict``, ``grad_norm`` and ``clip_grad_norm``; the trainer before validation, a
-checkpoint save and the end of training): ``pending`` says whether anything is still in flight.
+Where the forward waits: at unit boundaries (``gather_units``), as FSDP's per-block units do. A
+unit is a block of the model chunk (an embedding, each transformer layer, the final norm, the
+output layer, each a child of the chunk or an element of one of its ``ModuleList``s): its forward
+pre-hook waits for the buckets of every parameter in its subtree. The chunk's own parameters are
+waited for at the chunk's start. So a parameter is ready before any code inside its block runs,
+however that code reads it: through the module that owns it, a parent reading a child's weight
+(SwiGLU's gate and up through ``_linear``), a ``ParameterDict`` without a forward (the MoE
+experts), a user's block, or a fused kernel handed the weight. The backward's reads of the same
+parameters (autograd's saved weights, a recomputation) come after the forward on the same
+stream, so they are ordered too. A read of another block's parameter is ordered only when that
+block ran earlier in the forward (a tied output layer reads the embedding's weight): a block that
+reads a later block's parameters is outside the contract (the stream checker reports it).
+
+Everything that reads parameters outside a forward must call ``wait_all()`` first (the optimizer
+does so in its own ``step``, ``state_dict``, ``grad_norm`` and ``clip_grad_norm``; the trainer
+before validation, a checkpoint save and the end of training): ``pending`` says whether anything is
+still in flight.
 """
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from parallel.dp.buffers import bind_param_buffer
+
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # modules without a forward: their elements are units
+
+
+def gather_units(roots) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """(module, the parameters its forward pre-hook waits for) for every unit of ``roots`` (the
+    model chunks), in module order. Example, a GPT chunk: (chunk, [pos]), (embed, [word]),
+    (layers[0], every parameter of layer 0), ..., (final_norm, ...), (output_layer, [weight])."""
+    units = []
+
+    def expand(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, CONTAINERS):
+                expand(child)
+            else:
+                units.append((child, list(child.parameters())))
+
+    for root in roots:
+        if isinstance(root, CONTAINERS):  # (the trainer's ModuleList of chunks)
+            units += gather_units(root.children())
+        else:
+            units.append((root, list(root.parameters(recurse=False))))
+            expand(root)
+    return units
 
 
 class ParamGather:
@@ -66,20 +102,15 @@ class ParamGather:
         return bool(self._handles)
 
     def register_hooks(self, modules) -> None:
-        """Forward pre-hooks on every module (of ``modules`` and their children) that directly
-        owns parameters of this reducer: each waits for the buckets of those parameters."""
+        """Forward pre-hooks on every unit of ``modules`` (``gather_units``) that holds parameters
+        of this reducer: each waits for the buckets of those parameters."""
         if not self.overlap:
             return
-        seen = set()
-        for root in modules:
-            for module in root.modules():
-                if id(module) in seen:
-                    continue
-                seen.add(id(module))
-                own = {self.reducer.bucket_of(p).index for p in module.parameters(recurse=False)
-                       if self.reducer.bucket_of(p) is not None}
-                if own:
-                    self._hooks.append(module.register_forward_pre_hook(self._waiter(sorted(own))))
+        for module, params in gather_units(modules):
+            own = {self.reducer.bucket_of(p).index for p in params
+                   if self.reducer.bucket_of(p) is not None}
+            if own:
+                self._hooks.append(module.register_forward_pre_hook(self._waiter(sorted(own))))
 
     def _waiter(self, indices: list[int]):
         def hook(module, args):

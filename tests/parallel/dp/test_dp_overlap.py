@@ -5,7 +5,8 @@
   observer blocks it) until backward has reached the first module of the model; a compression
   done inside the gradient hook could never let backward get there, so the wait would time out.
 - ZeRO's parameter all-gathers: all issued at the end of the step, each waited for only in the
-  forward pre-hook of the first module using it, after earlier modules of the next forward ran;
+  forward pre-hook of the first unit (a child of the model, with its subtree) using it, after
+  earlier units of the next forward ran;
   the overlapped run trains exactly like the synchronous one.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 import torch
 
 from parallel.dp import DistributedOptimizer, GradReducer
+from parallel.dp.param_gather import gather_units
 from parallel.topology import RankGrid
 from tests.helpers.dist_utils import record_comm, run_distributed
 from tests.helpers.stream_check import stream_checked
@@ -137,9 +139,13 @@ def check_param_gather_overlap(ps) -> None:
     assert sorted(w for _, w in waits) == list(range(n))
     head_wait = dict((w, i) for i, w in waits)[0]
     assert ("fwd", "embed") in log[first_forward:head_wait] and ("fwd", "attn") in log[first_forward:head_wait]
-    # each wait sits right before the forward of the first module owning a parameter of its bucket
-    owner = {name: {opt.reducer.bucket_of(p).index for p in m.parameters(recurse=False)}
-             for name, m in model.named_modules() if name}
+    # each wait sits right before the forward of the first unit (a child of the model, with its
+    # subtree: param_gather.gather_units) holding a parameter of its bucket
+    names = {m: name for name, m in model.named_modules()}
+    owner = {name: set() for name in names.values() if name}
+    for unit, params in gather_units([model]):
+        if names[unit]:
+            owner[names[unit]] |= {opt.reducer.bucket_of(p).index for p in params}
     for i, w in waits:
         nxt = next(e for e in log[i:] if e[0] == "fwd")
         assert w in owner[nxt[1]], (w, nxt, owner)
