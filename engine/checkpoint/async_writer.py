@@ -18,7 +18,9 @@ collective of its own here; a boundary without them (a caller that runs no step)
 all-reduce (``agree``) instead.
 
 When the second counter reaches the world size, rank 0 publishes the save with the synchronous
-path's own ``publish`` (merge the index, rename ``iter_X.tmp``, repoint ``latest``); until then the
+path's own ``publish`` (merge the index, rename ``iter_X.tmp``, repoint ``latest``), after the
+metrics record of the saved step, written at the step after it, is fsynced (``before_publish``:
+a run resumed from ``latest`` finds the records of every step up to it); until then the
 previous checkpoint stays the one ``latest`` names, so a crash during the background write loses
 nothing that was published. At most one save is in flight: a save that comes due while the previous
 one is still being written, the run's last step and an agreed stop all wait for it first. Example,
@@ -40,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.index import CheckpointError
-from engine.checkpoint.writer import (Snapshot, _barrier, prepare_dir, publish, save_checkpoint,
-                                      snapshot, unchanged_since_load, write_files)
+from engine.checkpoint.writer import (Snapshot, _barrier, before_publish, prepare_dir, publish,
+                                      save_checkpoint, snapshot, unchanged_since_load, write_files)
 from parallel import streams
 
 
@@ -142,7 +144,7 @@ class Checkpointer:
             if self.background and not (stop or last):
                 self.start(step)
             else:  # the run ends here: nothing to overlap with
-                published = save_checkpoint(self.trainer, step)
+                published = save_checkpoint(self.trainer, step, t0)
         return Boundary(stop, published, time.perf_counter() - t0 if worked else None)
 
     def start(self, step: int) -> None:
@@ -185,6 +187,7 @@ class Checkpointer:
                                   f"latest still names the previous checkpoint") from flight.error
         if done < self.ps.world_size:
             return None
+        before_publish(self.trainer, snap.step)  # its metrics record: written steps ago, fsynced now
         if self.ps.rank == 0:
             publish(snap)
         self.flight = None

@@ -9,7 +9,8 @@ first stage only. The MoE routers' expert biases are saved beside the parameters
 A save has three parts, shared by the synchronous path here and the background one
 (``async_writer.py``): ``snapshot`` (at the step boundary: what this rank writes, and on rank 0 what
 the index says about the run), ``write_files`` (pure file I/O, no collective: the rank's safetensors
-file and its JSON description) and ``publish`` (rank 0, once every rank's files are complete)."""
+file and its JSON description) and ``publish`` (rank 0, once every rank's files are complete and
+the run's metrics records up to the saved step are on disk: ``before_publish``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ import json
 import math
 import os
 import shutil
+import time
 from dataclasses import dataclass
 
 import torch
@@ -171,16 +173,29 @@ def write_files(snap: Snapshot, verify: bool = False) -> None:
     write_json(os.path.join(snap.tmp, f"rank_{snap.rank:05d}.json"), {**snap.rank_json, "file_info": info})
 
 
-def save_checkpoint(trainer, step: int) -> str:
-    """Save synchronously: every rank returns once the checkpoint is published."""
+def before_publish(trainer, step: int, blocking_s: float | None = None) -> None:
+    """What must be on disk before checkpoint ``step`` becomes ``latest``: the trainer's
+    ``before_publish`` (the metrics records of steps 1..step, written and fsynced), on every rank
+    (completing a record may be a collective); ``blocking_s``: the boundary's time on this save so
+    far. Nothing for a caller without one."""
+    hook = getattr(trainer, "before_publish", None)
+    if hook is not None:
+        hook(step, blocking_s)
+
+
+def save_checkpoint(trainer, step: int, started: float | None = None) -> str:
+    """Save synchronously: every rank returns once the checkpoint is published. ``started``: the
+    ``time.perf_counter()`` at which the step boundary began working on it."""
     ps = trainer.ps
     final = checkpoint_dir(trainer, step)
     if unchanged_since_load(trainer, step):
         return final  # nothing trained since this checkpoint was loaded
+    started = time.perf_counter() if started is None else started
     tmp = prepare_dir(trainer, step)
     snap = snapshot(trainer, step, tmp)
     write_files(snap)
     _barrier(ps, f"after writing the shards of {tmp}")
+    before_publish(trainer, step, time.perf_counter() - started)
     if ps.rank == 0:
         publish(snap)
     _barrier(ps, f"after publishing {final}")

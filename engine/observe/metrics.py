@@ -133,6 +133,7 @@ class MetricsLog:
     _bar: object = None
     _fh: object = None
     _start: int = 0
+    _dir_synced: bool = False
 
     def __post_init__(self):
         if not self.enabled:
@@ -201,6 +202,21 @@ class MetricsLog:
             print(f"step {record['step']}/{self.total_steps}: loss {record['loss']:.4f} | lr "
                   f"{record['lr']:.3g} | {'n/a' if tok_s is None else f'{tok_s:.0f}'} tokens/s, "
                   f"MFU {percent(mfu)} ({span}){valid}", file=sys.stderr)
+
+    def sync(self) -> None:
+        """Make every record logged so far durable: flush and fsync the file (a checkpoint becomes
+        ``latest`` only after its step's record is on disk: engine/training/trainer.py
+        ``before_publish``)."""
+        if self._fh:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            if not self._dir_synced:  # the rename that swapped the file in, once
+                fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self._dir_synced = True
 
     def note(self, text: str) -> None:
         if not self.enabled:

@@ -324,6 +324,7 @@ class Trainer:
                          log_interval=cfg.log.log_interval)
         log.start_at(start)
         dash = Dashboards(cfg, self.is_main, start)
+        self._outputs = (log, dash, result.records)  # where before_publish writes records
         if self.is_main:
             log.note(f"gridtron: {self.grid.describe()} on {self.dev.type}; {self.num_micro} "
                      f"micro-batches/step; {self.num_params_local:,} parameters on rank 0")
@@ -350,7 +351,8 @@ class Trainer:
                                                self.stop_signal is not None,
                                                last=step + 1 == cfg.optim.train_iters,
                                                agreed=self.stepper.agreed.get("checkpoint"))
-                record["save_blocking_s"] = b.blocking_s
+                # (a record written before its own save's publication keeps the time up to it)
+                record.setdefault("save_blocking_s", b.blocking_s)
                 result.checkpoint = b.published or result.checkpoint
                 if b.stop:  # SIGTERM on some rank: every rank stops after this step
                     result.stopped = f"stopped by SIGTERM after step {step + 1}"
@@ -363,6 +365,7 @@ class Trainer:
                 result.checkpoint = self.save(cfg.optim.train_iters)
             self.params_ready()  # the last step's parameter all-gathers
         finally:
+            self._outputs = None
             log.close()
             dash.close()
             self.profiler.close()
@@ -404,6 +407,27 @@ class Trainer:
         one more wait; with a pipeline a collective: every rank calls it)."""
         self.stepper.flush()
         self.late_records.complete()
+
+    def before_publish(self, step: int, blocking_s: float | None) -> None:
+        """Before checkpoint ``step`` becomes ``latest`` (engine/checkpoint/writer.py, on every
+        rank): the metrics records of steps up to ``step`` are written and fsynced, so a run that
+        dies after the publication and resumes from it finds every record up to it. A record not
+        yet complete (the save of the step just trained) is completed first: one more wait, and
+        with a pipeline a collective; its ``save_blocking_s`` is ``blocking_s``, the time its
+        boundary spent on the save so far."""
+        outputs = getattr(self, "_outputs", None)
+        if outputs is None:  # a save outside train()
+            return
+        log, dash, records = outputs
+        if any(pending[0] < step for pending in self.late_records.pending):  # 0-based steps
+            self.flush()
+        for record in self.late_records.take():
+            if record["step"] == step:
+                record.setdefault("save_blocking_s", blocking_s)
+            log.log(record)
+            dash.log(record)
+            records.append(record)
+        log.sync()
 
     def params_ready(self) -> None:
         """Wait for ZeRO's parameter all-gathers still in flight (overlapped with the next forward

@@ -268,3 +268,49 @@ def test_async_save_under_the_stream_checker(tmp_path, stream_checker):
                  str(root), "--async-save"])
     assert sorted(os.listdir(root)) == ["iter_0000003", "iter_0000004", "latest"]
     assert any(name.startswith("gridtron-save-") for name in stream_checker.streams)
+
+
+def test_latest_moves_only_after_the_steps_metrics_are_on_disk(tmp_path, monkeypatch):
+    """A save of step k publishes (latest -> iter_k) only once the metrics file holds the records of
+    steps 1..k, fsynced: a run killed after the publication and resumed from it misses no record.
+    Synchronous saves (the record of step k is completed at the boundary first) and background
+    ones (published steps later)."""
+    fsynced = {}  # the metrics file's text at its last fsync
+    real_fsync, real_publish = os.fsync, writer.publish
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith(".jsonl"):
+            fsynced[path] = open(path).read()
+        return real_fsync(fd)
+
+    published = []
+
+    def publish(snap):
+        text = "".join(fsynced.values())
+        published.append((snap.step, [json.loads(line)["step"] for line in text.splitlines()]))
+        return real_publish(snap)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(writer, "publish", publish)
+    monkeypatch.setattr(async_writer, "publish", publish)
+    for mode in ([], ["--async-save"]):
+        fsynced.clear()
+        published.clear()
+        metrics = tmp_path / f"m{len(mode)}.jsonl"
+        argv = TINY + ["--train-iters", "5", "--save-interval", "2", "--keep-last", "3", "--save",
+                       str(tmp_path / f"ck{len(mode)}"), "--metrics-file", str(metrics)] + mode
+        trainer = Trainer(parse_args(argv))
+        try:
+            records = trainer.train().records
+        finally:
+            trainer.close()
+        assert [step for step, _ in published] == [2, 4, 5], (mode, published)
+        for step, on_disk in published:
+            assert on_disk[:step] == list(range(1, step + 1)), (mode, step, on_disk)
+        # the file holds exactly the records the run returned (a record written before its own
+        # save's publication keeps the blocking time measured up to it)
+        assert [json.loads(line) for line in metrics.read_text().splitlines()] == \
+            json.loads(json.dumps(records))
+        assert [r["save_blocking_s"] is not None for r in records] == \
+            ([False, True, False, True, True] if not mode else [False, True, True, True, True])
