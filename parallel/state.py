@@ -102,8 +102,8 @@ class PeerStopped(LayoutError):
 
 
 class Disagreement(LayoutError):
-    """Ranks started with different configurations; every rank raises it, rank 0 reports it."""
-    rank = 0
+    """Ranks started with different configurations; every rank raises it and every rank reports it
+    (engine/training/launch.py): each operator's log names the flags and ranks that differ."""
 
     def __init__(self, message: str, meeting: "Rendezvous | None" = None):
         super().__init__(message)

@@ -117,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg)  # meets the other ranks first (parallel/state.py Rendezvous)
     except PeerStopped as exc:  # the lowest rank that stopped says why
         return stop(exc.message, launch, timeout_s, Report.of(exc.meeting, exc.rank))
-    except Disagreement as exc:  # every rank found it: rank 0 says it
-        return stop(f"configuration error: {exc}", launch, timeout_s, Report.of(exc.meeting, exc.rank))
+    except Disagreement as exc:  # every rank found it, and every rank says it (its log may be
+        # the only one its operator reads: another node's)
+        return stop(f"configuration error: {exc}", launch, timeout_s,
+                    Report.of(exc.meeting, launch.rank, everyone=True))
     except RendezvousError as exc:
         if launch.rank == min(exc.arrived or (launch.rank,)):
             print(f"gridtron: {exc}", file=sys.stderr)
@@ -162,25 +164,36 @@ class Report:
     """Who prints a mistake found by several ranks, and how they leave: ``rank`` prints and then
     sets ``prefix``/said; the others wait for it (under torchrun the first worker to exit gets
     the rest terminated, the printer included), then add themselves to ``prefix``/gone; the
-    store's host leaves last (a store call after its host is gone logs C++ stacks)."""
+    store's host leaves last (a store call after its host is gone logs C++ stacks). With
+    ``everyone`` (ranks that disagree with each other) every rank prints, and none leaves before
+    all have said it."""
     rank: int
     store: object = None
     prefix: str = ""
     hosts: bool = False
     ranks: int = 1  # ranks taking part
+    everyone: bool = False
 
     @classmethod
-    def of(cls, meeting, rank: int) -> "Report":
+    def of(cls, meeting, rank: int, everyone: bool = False) -> "Report":
         """The report of a failed rendezvous meeting (parallel/state.py ``Rendezvous``)."""
-        return cls(rank, meeting.store, meeting.name, meeting.hosts, meeting.arrived)
+        return cls(rank, meeting.store, meeting.name, meeting.hosts, meeting.arrived, everyone)
+
+    def says(self, me: int) -> bool:
+        return self.everyone or me == self.rank
 
     def close(self, me: int) -> None:
         if self.store is None:
             return
         end = time.monotonic() + SETTLE_S
-        if me == self.rank:
+        if self.everyone:
+            said = _quietly(self.store.add, f"{self.prefix}/said_by", 1)
+            while time.monotonic() < end and said is not True and said < self.ranks:
+                time.sleep(0.01)
+                said = _quietly(self.store.add, f"{self.prefix}/said_by", 0)
+        elif me == self.rank:
             _quietly(self.store.set, f"{self.prefix}/said", "1")
-        while me != self.rank and time.monotonic() < end and \
+        while not self.everyone and me != self.rank and time.monotonic() < end and \
                 not _quietly(self.store.check, [f"{self.prefix}/said"]):
             time.sleep(0.01)
         gone = _quietly(self.store.add, f"{self.prefix}/gone", 1)
@@ -191,7 +204,8 @@ class Report:
 
 def stop(line: str, launch, timeout_s: float, report: Report | None = None) -> int:
     """End this rank on a user's mistake (exit 2) with ``line`` printed once for the whole job,
-    by the lowest rank that found it, whichever phase found it: before the process group the
+    by the lowest rank that found it (by every rank when ``report.everyone``: ranks that disagree),
+    whichever phase found it: before the process group the
     ranks compare notes at the rendezvous (parallel/state.py ``Rendezvous.stop``), after it
     through the process group's store. ``report``: who says it, when already known.
 
@@ -202,7 +216,7 @@ def stop(line: str, launch, timeout_s: float, report: Report | None = None) -> i
     """
     report = report or first_to_report(line, launch, timeout_s)
     write_error_file(line)
-    if report.rank == launch.rank:
+    if report.says(launch.rank):
         print(f"gridtron: {line}", file=sys.stderr, flush=True)
     report.close(launch.rank)
     return 2

@@ -8,8 +8,12 @@ GRIDTRON_TEST_BLOCK_SAVE="STEP:MARKER[:RELEASE]": the background writer (--async
 of step STEP writes its first file (the safetensors shard), creates MARKER and then blocks, until
 the file RELEASE exists (forever without RELEASE: the test kills the process mid-write).
 
+GRIDTRON_TEST_RANK_ARGS='{"RANK": [ARG, ...]}': arguments that global rank RANK (RANK, or
+SLURM_PROCID) adds to the command line, e.g. ranks of one torchrun job started with different flags.
+
 Read here, never in engine code.
 """
+import json
 import os
 import sys
 import threading
@@ -48,7 +52,9 @@ def main() -> int:
             return info
 
         writer.write_shard = write_shard
-    return launch.main(sys.argv[1:])
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    extra = json.loads(os.environ.get("GRIDTRON_TEST_RANK_ARGS", "{}")).get(rank, [])
+    return launch.main(sys.argv[1:] + extra)
 
 
 if __name__ == "__main__":
