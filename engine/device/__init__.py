@@ -5,6 +5,8 @@
 - ``chips.py``: the Ascend chip table (which fused torch_npu ops a chip runs, overflow mode);
 - ``clock.py``: ``DeviceClock`` and ``EventPair``, device-time stamps on the current stream;
 - ``syncs.py``: ``SyncCounter``, the host's waits for the device, counted per training step;
+  ``sync_ops.py`` names the ops a GPU or NPU waits for (the count on CPU and NPU runs),
+  ``native_syncs.py`` counts CUDA's own synchronizing-operation warnings (CUDA runs);
 - ``compile.py``: torch.compile with the device's backend and its artifact cache;
 - ``streams``: side streams, events, ``record_stream`` and device-bound worker threads, re-exported
   from ``parallel.streams``. The stream API lives in parallel/streams.py for layering reasons:

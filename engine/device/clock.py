@@ -25,6 +25,16 @@ from engine.device.runtime import BACKENDS
 from engine.device.syncs import SyncCounter
 
 
+def counter_for(kind: str) -> SyncCounter:
+    """The step's wait counter for a device type: on CUDA the runtime's own report (the sync
+    debug mode, engine/device/native_syncs.py); elsewhere the dispatch mode that names every op
+    a GPU or NPU waits for (engine/device/sync_ops.py)."""
+    if kind == "cuda":
+        from engine.device.native_syncs import cuda_sync_warnings
+        return SyncCounter(native=cuda_sync_warnings, device_type=kind)
+    return SyncCounter(strict=True, device_type=kind)
+
+
 class DeviceClock:
     """Stamps on a device's current stream and the seconds between them.
 
@@ -43,7 +53,7 @@ class DeviceClock:
         if kind not in BACKENDS:
             raise ValueError(f"DeviceClock: device type must be one of {sorted(BACKENDS)}, got {kind!r}")
         self.kind = kind
-        self.syncs = syncs or SyncCounter()
+        self.syncs = syncs or counter_for(kind)
         self._anchor = None
         self._anchor_wall = 0.0
         self._settled = float("-inf")  # CPU: perf_counter of the last wait (stamps up to it are done)
@@ -55,10 +65,11 @@ class DeviceClock:
 
     def synchronize(self, name: str = "synchronize") -> None:
         """Wait until the device is idle (counted as ``name``)."""
-        if self.kind == "cuda":
-            torch.cuda.synchronize()
-        elif self.kind == "npu":
-            torch.npu.synchronize()
+        with self.syncs.ignored():  # counted once, here, under its name
+            if self.kind == "cuda":
+                torch.cuda.synchronize()
+            elif self.kind == "npu":
+                torch.npu.synchronize()
         self._settle()
         self.syncs.count(name, self.stamp())
 
@@ -95,7 +106,8 @@ class DeviceClock:
         if not self._done(end):
             self.syncs.count("event wait", end)
             if self.kind != "cpu":
-                end.synchronize()
+                with self.syncs.ignored():
+                    end.synchronize()
             self._settle()
         if self.kind == "cpu":
             return end - start

@@ -14,17 +14,28 @@ sees the implicit ones made by any code on the step's path, in the thread that e
 - ``Tensor.item``, ``bool()``, ``float()``, ``int()``, ``index()`` of a tensor, ``tolist``, and
   ``cpu()`` / ``to("cpu")`` of a device tensor (a blocking copy; ``non_blocking=True`` is not
   one), by patching those ``torch.Tensor`` methods while some counter watches;
-- ``aten._local_scalar_dense`` reached from anywhere else (C++ callers of ``item``), through a
-  ``TorchDispatchMode``.
+- with ``strict`` (the default off CUDA), every op that waits on a GPU or NPU, as a
+  ``TorchDispatchMode`` sees it (engine/device/sync_ops.py: scalar reads from C++, ``nonzero``,
+  boolean-mask indexing, ``bincount``, ``repeat_interleave`` without ``output_size``, ``unique``,
+  blocking copies between host and device), and tensors made from Python data for the device
+  (``torch.tensor(data, device=...)``, ``torch.as_tensor(data, device=...)``, ``new_tensor``:
+  a pageable host-to-device copy on a GPU), by patching those functions;
+- with ``native`` (CUDA runs), the waits the CUDA runtime itself reports
+  (``torch.cuda.set_sync_debug_mode("warn")``, engine/device/native_syncs.py), instead of the
+  dispatch mode: exact for the device, and free of the mode's per-op cost.
 
-On the CPU every tensor is the device's: a read of its value (``item``, ``tolist``, ``bool``...)
-counts, as it would block on a GPU, so a CPU test proves the GPU's count. A copy counts only where
-there is one (``cpu()`` of a CPU tensor is the tensor itself, and host-side state such as RNG
-states is CPU on every device), so CPU tests do not see a ``cpu()`` of what would be a device
-tensor on a GPU; a GPU run counts it. Device-to-host reads outside the watched window (the data
-pipeline's own host tensors) are not the step's and are not seen. The patch is installed once
-per process and dispatches on a thread-local slot, so threads that do not watch (the
-checkpoint writer's copies) are not counted and pay one attribute lookup per call.
+A wait reached through a patched method counts once, under the method's name. On the CPU every
+tensor is the device's: a read of its value (``item``, ``tolist``, ``bool``...) counts, as it would
+block on a GPU, and the dispatch mode names each op as a GPU would wait for it, so a CPU test
+proves the GPU's count (``benchmarks.device_check`` compares the two counts on CUDA). A copy
+counts only where there is one (``cpu()`` of a CPU tensor is the tensor itself, and host-side
+state such as RNG states is CPU on every device), so CPU tests do not see a ``cpu()`` of what
+would be a device tensor on a GPU; a GPU run counts it. Device-to-host reads outside the watched
+window (the data pipeline's own host tensors) are not the step's and are not seen. The patch is
+installed once per process and dispatches on a thread-local slot, so threads that do not watch
+(the checkpoint writer's copies) are not counted and pay one attribute lookup per call. The
+dispatch mode costs a few microseconds per op on the host (every op passes through Python): the
+price of a CPU or NPU run's ``host_syncs``.
 """
 from __future__ import annotations
 
@@ -33,10 +44,12 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from engine.device.sync_ops import DeviceWaitMode
 
 # torch.Tensor methods that block until the device has produced the value they hand the host
 _BLOCKING = ("item", "tolist", "cpu", "to", "__bool__", "__float__", "__int__", "__index__")
+# functions that build a tensor from Python data: for the device, a pageable host-to-device copy
+_FROM_DATA = (("torch", "tensor"), ("torch", "as_tensor"), ("Tensor", "new_tensor"))
 _local = threading.local()         # .counter: the SyncCounter watching in this thread
 _originals: dict[str, object] = {}  # name -> torch.Tensor's own method (while patched)
 _patch_lock = threading.Lock()
@@ -80,6 +93,23 @@ def _wrap(name: str, method):
     return blocking
 
 
+def _wrap_from_data(owner: str, name: str, fn):
+    """``torch.tensor(data, device=D)`` and its kin: counted (strict counters) when the tensor is
+    made for the counter's device type from host data."""
+    def from_data(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        counter = getattr(_local, "counter", None)
+        if counter is None or counter._inside or not counter.strict:
+            return out
+        explicit = owner == "Tensor" or kwargs.get("device") is not None
+        if explicit and isinstance(out, torch.Tensor) and out.device.type == counter.device_type \
+                and not (owner == "torch" and name == "as_tensor" and isinstance(args[0], torch.Tensor)):
+            counter.count(f"{owner.lower()}.{name} from host data")
+        return out
+    from_data.__name__, from_data.__doc__ = getattr(fn, "__name__", name), fn.__doc__
+    return from_data
+
+
 def _patch() -> None:
     global _watchers
     with _patch_lock:
@@ -88,6 +118,10 @@ def _patch() -> None:
             for name in _BLOCKING:
                 _originals[name] = getattr(torch.Tensor, name)
                 setattr(torch.Tensor, name, _wrap(name, _originals[name]))
+            for owner, name in _FROM_DATA:
+                holder = torch if owner == "torch" else torch.Tensor
+                _originals[f"{owner}.{name}"] = getattr(holder, name)
+                setattr(holder, name, _wrap_from_data(owner, name, _originals[f"{owner}.{name}"]))
 
 
 def _unpatch() -> None:
@@ -95,23 +129,10 @@ def _unpatch() -> None:
     with _patch_lock:
         _watchers -= 1
         if _watchers == 0:
-            for name, method in _originals.items():
-                setattr(torch.Tensor, name, method)
+            for key, method in _originals.items():
+                owner, _, name = key.rpartition(".")
+                setattr(torch if owner == "torch" else torch.Tensor, name, method)
             _originals.clear()
-
-
-class _ScalarReads(TorchDispatchMode):
-    """``aten._local_scalar_dense`` that did not come through a patched method."""
-
-    def __init__(self, counter: "SyncCounter"):
-        super().__init__()
-        self.counter = counter
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._local_scalar_dense.default and not self.counter._inside:
-            self.counter.count("aten._local_scalar_dense")
-        return out
 
 
 @dataclass
@@ -131,10 +152,14 @@ class SyncCounter:
                 ...one training step...
         counter.last                     # the step's waits, e.g. [SyncEvent("statistics", ...)]
 
-    ``strict`` adds the dispatch mode (every aten op passes through Python: for tests, not for
-    a run's speed).
+    ``strict`` adds the dispatch mode and the host-data copies (every aten op passes through
+    Python: a few microseconds each); ``native``, a context manager factory taking the counter,
+    adds the device runtime's own report of its waits (CUDA: engine/device/native_syncs.py).
+    ``device_type``: the run's device type (whose tensors made from host data are copies).
     """
     strict: bool = False
+    native: object = None
+    device_type: str = "cpu"
     current: list[SyncEvent] | None = None     # the open step's waits (None between steps)
     last: list[SyncEvent] = field(default_factory=list)   # the last finished step's
     outside: int = 0                           # waits between steps (setup, validation, flush)
@@ -169,13 +194,25 @@ class SyncCounter:
             return
         _patch()
         _local.counter = self
-        mode = _ScalarReads(self) if self.strict else contextlib.nullcontext()
+        mode = DeviceWaitMode(self.count, lambda: not self._inside) if self.strict \
+            else contextlib.nullcontext()
+        native = self.native(self) if self.native is not None else contextlib.nullcontext()
         try:
-            with mode:
+            with native, mode:
                 yield self
         finally:
             _local.counter = None
             _unpatch()
+
+    @contextlib.contextmanager
+    def watching_native(self):
+        """The device runtime's report alone (no patched method, no dispatch mode: what a compiled
+        step allows)."""
+        if self.native is None:
+            yield self
+            return
+        with self.native(self):
+            yield self
 
     @contextlib.contextmanager
     def ignored(self):

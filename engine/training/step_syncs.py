@@ -3,8 +3,9 @@ timeline where they happened; and the timeline of the last steps (``StepTimeline
 
 ``watch_syncs`` opens the counting window of engine/device/syncs.py around the device part of a
 step (not the host's collation of its batch: those are host tensors, whose reads wait for
-nothing). Under ``--compile`` the implicit reads are not watched (the patched tensor methods would
-be traced into the graphs): ``host_syncs`` then counts the engine's own waits only.
+nothing). Under ``--compile`` the dispatch mode and the patched tensor methods would be traced
+into the graphs, so only a device runtime's own report counts there (CUDA's, ``native``); on a
+device without one the step's waits cannot be known and ``host_syncs`` is null.
 ``sync_events`` turns a step's ``SyncEvent``s into "sync" instants of its timeline track.
 ``StepTimeline`` keeps the last steps' outputs unconverted: converting a step's stamps right after
 it would wait for its update; they are converted when the trace is written, after the last wait.
@@ -19,7 +20,8 @@ from parallel.pipeline.timeline import TimelineEvent, gather_events, write_chrom
 def counted_step(trainer, batches, lr: float, timer):
     """``trainer.stepper.run`` inside the step's counting window, the whole-step ``timer``
     stopped there and the previous step's record completed (read without waiting: after this
-    step's wait). Returns (StepOutput, the step's SyncEvents)."""
+    step's wait). Returns (StepOutput, the step's SyncEvents, or None where they cannot be known:
+    ``known_syncs``)."""
     syncs = trainer.clock.syncs
     syncs.begin_step()
     try:
@@ -29,14 +31,22 @@ def counted_step(trainer, batches, lr: float, timer):
             trainer.late_records.complete()
     finally:
         events = syncs.end_step()
-    return out, events
+    return out, events if known_syncs(trainer) else None
+
+
+def known_syncs(trainer) -> bool:
+    """Whether the step's waits are all seen: always in eager mode; under ``--compile`` only
+    through a device runtime's own report (CUDA)."""
+    return not trainer.cfg.compile or trainer.clock.syncs.native is not None
 
 
 def watch_syncs(trainer):
-    """The counting window of ``trainer``'s clock for the step's device work."""
+    """The counting window of ``trainer``'s clock for the step's device work (under --compile
+    the device runtime's report alone, where there is one)."""
+    syncs = trainer.clock.syncs
     if trainer.cfg.compile:
-        return contextlib.nullcontext()
-    return trainer.clock.syncs.watching()
+        return syncs.watching_native() if syncs.native is not None else contextlib.nullcontext()
+    return syncs.watching()
 
 
 def sync_events(out, syncs, step: int) -> list[TimelineEvent]:
@@ -46,7 +56,7 @@ def sync_events(out, syncs, step: int) -> list[TimelineEvent]:
     events = list(out.events)
     for e in events:
         e.args["step"] = step
-    for sync in syncs:
+    for sync in syncs or ():
         if sync.stamp is not None:
             at = out.wall(sync.stamp)
             events.append(TimelineEvent(out.rank, f"host sync: {sync.name}", "sync", at, at,
