@@ -9,8 +9,8 @@ process groups, and are illegal on NCCL/HCCL streams).
 Completion is agreed by the main thread at the following step boundaries, from three counters
 summed over all ranks::
 
-    [ranks asking to stop (SIGTERM), ranks whose part of the save in flight is written and
-     verified, ranks whose background write failed]
+    [ranks asking to stop (SIGTERM or SIGINT), ranks asking because of SIGINT, ranks whose part
+     of the save in flight is written and verified, ranks whose background write failed]
 
 They ride on the step's statistics all-reduce (``counts``, a source of engine/training/step.py's
 ``StepAgreement``, sampled when the step's gradients are checked), so a training step costs no
@@ -26,15 +26,16 @@ nothing that was published. At most one save is in flight: a save that comes due
 one is still being written, the run's last step and an agreed stop all wait for it first. Example,
 ``--save-interval 2`` on 2 ranks::
 
-    boundary 2: [0, 0, 0]  snapshot of step 2, writer threads start      (save_blocking_s: the copy)
-    boundary 3: [0, 1, 0]  rank 1 is done, rank 0 still writing
-    boundary 4: [0, 2, 0]  both done: rank 0 publishes iter_0000002; snapshot of step 4 ...
+    boundary 2: [0, 0, 0, 0]  snapshot of step 2, writer threads start   (save_blocking_s: the copy)
+    boundary 3: [0, 0, 1, 0]  rank 1 is done, rank 0 still writing
+    boundary 4: [0, 0, 2, 0]  both done: rank 0 publishes iter_0000002; snapshot of step 4 ...
 
 The stop counter rides on the same all-reduce so that all ranks stop after the same step, even when
-SIGTERM reaches them on either side of a boundary.
+SIGTERM (or Ctrl-C's SIGINT) reaches them on either side of a boundary.
 """
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass
 
@@ -101,9 +102,10 @@ class _Flight:
 
 @dataclass
 class Boundary:
-    stop: bool                 # every rank stops after this step (some rank got SIGTERM)
+    stop: bool                 # every rank stops after this step (some rank got SIGTERM/SIGINT)
     published: str | None      # the checkpoint published at this boundary, if any
     blocking_s: float | None   # time spent here on checkpoints; None when there was nothing to do
+    by: str | None = None      # what stopped the run: "SIGINT" when any rank got it, else "SIGTERM"
 
 
 class Checkpointer:
@@ -117,24 +119,32 @@ class Checkpointer:
         self.buffers = HostBuffers()
 
     def counts(self) -> list[int]:
-        """This rank's [stop requested, save in flight written, save in flight failed], for the
-        step's agreement (engine/training/step.py StepAgreement)."""
+        """This rank's [stop requested, by SIGINT, save in flight written, save in flight failed],
+        for the step's agreement (engine/training/step.py StepAgreement)."""
         mine = self.flight.counts() if self.flight is not None else [0, 0]
-        return [int(getattr(self.trainer, "stop_signal", None) is not None), *mine]
+        return [*self._stops(), *mine]
+
+    def _stops(self, requested: bool | None = None) -> list[int]:
+        """[stop requested, by SIGINT] of this rank (``requested``: whether it asks, else from the
+        trainer's ``stop_signal``)."""
+        sig = getattr(self.trainer, "stop_signal", None)
+        stop = sig is not None if requested is None else requested
+        return [int(stop), int(stop and sig == signal.SIGINT)]
 
     def boundary(self, step: int, due: bool, stop_requested: bool = False, last: bool = False,
                  agreed: list[int] | None = None) -> Boundary:
         """After optimizer step ``step`` (1-based): ``due`` when the save interval says so,
-        ``last`` on the run's last step; ``stop_requested`` when this rank received SIGTERM.
+        ``last`` on the run's last step; ``stop_requested`` when this rank received SIGTERM or
+        SIGINT.
         ``agreed``: the step's sums of ``counts()`` over all ranks (then ``stop_requested`` was
         part of them); without them the counters are all-reduced here."""
         t0 = time.perf_counter()
         worked = self.flight is not None
         if agreed is not None:
-            stops, done, failed = agreed
+            stops, interrupts, done, failed = agreed
         else:
             mine = self.flight.counts() if self.flight is not None else [0, 0]
-            stops, done, failed = agree(self.ps, [int(stop_requested), *mine])
+            stops, interrupts, done, failed = agree(self.ps, [*self._stops(stop_requested), *mine])
         published = self._conclude(done, failed)
         stop = stops > 0
         if (stop or last) and self.flight is not None:
@@ -145,7 +155,8 @@ class Checkpointer:
                 self.start(step)
             else:  # the run ends here: nothing to overlap with
                 published = save_checkpoint(self.trainer, step, t0)
-        return Boundary(stop, published, time.perf_counter() - t0 if worked else None)
+        by = ("SIGINT" if interrupts else "SIGTERM") if stop else None
+        return Boundary(stop, published, time.perf_counter() - t0 if worked else None, by)
 
     def start(self, step: int) -> None:
         """Wait for the save in flight, copy this rank's state to host memory, start the writer."""
@@ -168,7 +179,7 @@ class Checkpointer:
         if self.flight is None:
             return None
         self.flight.thread.join()
-        _, done, failed = agree(self.ps, [0, *self.flight.counts()])
+        _, _, done, failed = agree(self.ps, [0, 0, *self.flight.counts()])
         final = self._conclude(done, failed)
         _barrier(self.ps, f"after publishing {final}")
         return final

@@ -152,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(trainer.sample_text)
     finally:
         trainer.close()
-    return 0
+    return INTERRUPTED if result.interrupted else 0
 
 
+INTERRUPTED = 130  # 128 + SIGINT: a run stopped by Ctrl-C (cleanly, or before its steps)
 FAILED = "gridtron/failed"  # where ranks that stop once the process group exists say so
 SETTLE_S = 2.0  # how long such a rank waits for lower ranks that may have stopped on the same error
 
@@ -272,8 +273,18 @@ def run_and_exit(argv: list[str] | None = None) -> None:
     """The command line's entry: ``main``, then an exit that skips interpreter teardown once
     everything is written. Tearing down the interpreter while a communication backend's worker
     thread still releases the last reference to a collective's tensors aborts the process
-    (pytorch/pytorch#179291), which would turn a finished run into a failed one under torchrun."""
-    exit_now(main(argv))
+    (pytorch/pytorch#179291), which would turn a finished run into a failed one under torchrun.
+    Ctrl-C while training stops the run cleanly (engine/training/trainer.py); before or after the
+    steps it ends here, with one line and INTERRUPTED."""
+    try:
+        code = main(argv)
+    except KeyboardInterrupt:
+        from parallel.state import LaunchEnv
+        if LaunchEnv.from_env().rank == 0:
+            print("gridtron: interrupted (SIGINT) outside the training steps; nothing was saved "
+                  "by this run after its last checkpoint", file=sys.stderr)
+        code = INTERRUPTED
+    exit_now(code)
 
 
 def exit_now(code: int) -> None:

@@ -51,8 +51,8 @@ class StepAgreement:
     """Small non-negative integers that every rank adds to the step's statistics all-reduce, summed
     over the world (exact in fp32 up to 2**24). Each source is ``fn() -> list[int]`` of a fixed
     width, called once per execution of the step; ``agreed[name]`` are the sums, identical on every
-    rank. Example: the checkpointer's [stop requested, save written, save failed] on 4 ranks of
-    which one got SIGTERM and all finished writing: [1, 4, 0]."""
+    rank. Example: the checkpointer's [stop requested, by SIGINT, save written, save failed] on 4
+    ranks of which one got SIGTERM and all finished writing: [1, 0, 4, 0]."""
 
     def __init__(self):
         self.sources: dict[str, tuple[int, object]] = {}

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import signal
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -65,7 +66,8 @@ class RunResult:
     valid: list[tuple[int, float]] = field(default_factory=list)
     summary: str = ""
     checkpoint: str | None = None
-    stopped: str | None = None  # why the run ended before --train-iters (SIGTERM)
+    stopped: str | None = None  # why the run ended before --train-iters (SIGTERM, SIGINT)
+    interrupted: bool = False   # it was SIGINT (Ctrl-C): python -m engine.train exits 130
 
 
 class Trainer:
@@ -331,8 +333,8 @@ class Trainer:
         from engine.checkpoint.async_writer import Checkpointer
         self.checkpointer = Checkpointer(self)
         # the checkpointer's stop/save counters ride on each step's statistics all-reduce
-        self.stepper.agreement.set("checkpoint", 3, self.checkpointer.counts)
-        previous_handler = self._install_stop_handler()
+        self.stepper.agreement.set("checkpoint", 4, self.checkpointer.counts)
+        previous_handlers = self._install_stop_handler()
         try:
             for step in range(start, cfg.optim.train_iters):
                 if self.stragglers is not None:
@@ -354,8 +356,9 @@ class Trainer:
                 # (a record written before its own save's publication keeps the time up to it)
                 record.setdefault("save_blocking_s", b.blocking_s)
                 result.checkpoint = b.published or result.checkpoint
-                if b.stop:  # SIGTERM on some rank: every rank stops after this step
-                    result.stopped = f"stopped by SIGTERM after step {step + 1}"
+                if b.stop:  # SIGTERM or SIGINT on some rank: every rank stops after this step
+                    result.stopped = f"stopped by {b.by} after step {step + 1}"
+                    result.interrupted = b.by == "SIGINT"
                     log.note(f"gridtron: {result.stopped} (of {cfg.optim.train_iters})"
                              + (f"; saved {b.published}" if b.published else ""))
                     break
@@ -369,8 +372,8 @@ class Trainer:
             log.close()
             dash.close()
             self.profiler.close()
-            if previous_handler is not None:
-                signal.signal(signal.SIGTERM, previous_handler)
+            for signum, previous in previous_handlers.items():
+                signal.signal(signum, previous)
         if self.is_main and result.records:
             result.summary = run_summary(self, result)
         if cfg.log.timeline:
@@ -452,18 +455,32 @@ class Trainer:
         return total / cfg.log.eval_iters
 
     # ---- checkpoints ----------------------------------------------------------------------
-    def _install_stop_handler(self):
-        """SIGTERM (a scheduler's, or torchrun's to every rank) only sets ``stop_signal``: the run
-        finishes its step, waits for a save in flight, saves (with --save) and returns cleanly.
-        Returns the previous handler (None off the main thread, where none can be installed)."""
+    def _install_stop_handler(self) -> dict:
+        """SIGTERM (a scheduler's, or torchrun's to every rank) and SIGINT (Ctrl-C) only set
+        ``stop_signal``: the run finishes its step, waits for a save in flight (joining its writer
+        thread), saves (with --save) and returns cleanly. A second SIGINT leaves at once (exit
+        130) without waiting: ``latest`` still names the last published checkpoint. Returns the
+        previous handlers (none off the main thread, where none can be installed)."""
         self.stop_signal = None
         if threading.current_thread() is not threading.main_thread():
-            return None
+            return {}
 
-        def on_sigterm(signum, frame):
-            self.stop_signal = signum
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
-        return signal.SIG_DFL if previous is None else previous  # None: set outside Python
+        def on_signal(signum, frame):
+            if signum == signal.SIGINT and self.stop_signal == signal.SIGINT:
+                if self.is_main:
+                    print(f"gridtron: stopped by a second SIGINT during step "
+                          f"{self.stepper.current_step}, without waiting for it or a save in "
+                          f"flight; latest checkpoint: {self.last_checkpoint() or 'none saved'}",
+                          file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(130)
+            if self.stop_signal is None or signum == signal.SIGINT:
+                self.stop_signal = signum
+        previous = {}
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            old = signal.signal(signum, on_signal)
+            previous[signum] = signal.SIG_DFL if old is None else old  # None: set outside Python
+        return previous
 
     def save(self, step: int) -> str:
         from engine.checkpoint import save_checkpoint

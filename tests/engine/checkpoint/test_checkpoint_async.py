@@ -232,31 +232,59 @@ def test_killed_mid_write_resumes_from_previous_checkpoint(tmp_path, one_thread)
     assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000004", "iter_0000006", "latest"]
 
 
-def test_sigterm_during_background_save_waits_for_it(tmp_path):
-    root, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
-    marker, release = tmp_path / "writing", tmp_path / "release"
-    args = TINY + ["--train-iters", "40", "--save-interval", "2", "--keep-last", "5", "--save", str(root),
-                   "--async-save", "--metrics-file", str(metrics)]
-    proc = _worker(args, {"GRIDTRON_TEST_BLOCK_SAVE": f"2:{marker}:{release}"})
+def test_sigterm_or_sigint_during_background_save_waits_for_it(tmp_path):
+    """SIGTERM, and Ctrl-C's SIGINT alike (two runs at once), during a background save: the run
+    waits for the writer, saves the step it stopped after, prints one line and exits (0 after
+    SIGTERM, 130 after SIGINT), without a traceback or an abort."""
+    procs = {}
+    for sig in (signal.SIGTERM, signal.SIGINT, "twice"):
+        run = tmp_path / getattr(sig, "name", sig)
+        root, metrics = run / "ck", run / "m.jsonl"
+        marker, release = run / "writing", run / "release"
+        args = TINY + ["--train-iters", "40", "--save-interval", "2", "--keep-last", "5", "--save",
+                       str(root), "--async-save", "--metrics-file", str(metrics)]
+        procs[sig] = (_worker(args, {"GRIDTRON_TEST_BLOCK_SAVE": f"2:{marker}:{release}"}), run)
     try:
-        _wait_for(marker.exists, proc, "the step-2 save to start writing")
-        proc.send_signal(signal.SIGTERM)
+        for sig, (proc, run) in procs.items():
+            _wait_for((run / "writing").exists, proc, "the step-2 save to start writing")
+            proc.send_signal(signal.SIGINT if sig == "twice" else sig)
         time.sleep(1.5)
-        assert proc.poll() is None  # still waiting for the step-2 writer
-        assert not (root / "iter_0000002").exists() and not (root / "latest").exists()
-        release.touch()
-        out, err = proc.communicate(timeout=120)
+        for sig, (proc, run) in procs.items():
+            assert proc.poll() is None  # still waiting for the step-2 writer
+            root = run / "ck"
+            assert not (root / "iter_0000002").exists() and not (root / "latest").exists()
+            if sig == "twice":  # Ctrl-C again: leave now, abandoning the save in flight
+                proc.send_signal(signal.SIGINT)
+            else:
+                (run / "release").touch()
+        done = {sig: proc.communicate(timeout=120) for sig, (proc, _) in procs.items()}
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err[-3000:]
-    steps = [r["step"] for r in _steps(metrics)]
-    last = steps[-1]
-    assert steps == list(range(1, last + 1)) and 2 <= last < 40, steps
-    assert f"stopped by SIGTERM after step {last} (of 40)" in err, err[-3000:]
-    assert os.readlink(root / "latest") == f"iter_{last:07d}"  # the final save at the stop
-    assert not [n for n in os.listdir(root) if n.endswith(".tmp")]
-    assert inspect(str(root / "iter_0000002"), out=open(os.devnull, "w")) == 0  # complete, verified
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    proc, run = procs.pop("twice")
+    err = done["twice"][1]
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("gridtron:") and "SIG" in ln]
+    assert len(lines) == 1 and lines[0].startswith("gridtron: stopped by a second SIGINT during "
+                                                   "step "), err[-3000:]
+    assert lines[0].endswith("without waiting for it or a save in flight; latest checkpoint: none "
+                             "saved"), lines
+    assert sorted(os.listdir(run / "ck")) == ["iter_0000002.tmp"]  # abandoned; nothing published
+    for sig, (proc, run) in procs.items():
+        err = done[sig][1]
+        assert proc.returncode == (0 if sig == signal.SIGTERM else 130), err[-3000:]
+        root = run / "ck"
+        steps = [r["step"] for r in _steps(run / "m.jsonl")]
+        last = steps[-1]
+        assert steps == list(range(1, last + 1)) and 2 <= last < 40, steps
+        lines = [ln for ln in err.splitlines() if ln.startswith("gridtron:") and "SIG" in ln]
+        assert lines == [f"gridtron: stopped by {sig.name} after step {last} (of 40); saved "
+                         f"{root / f'iter_{last:07d}'}"], err[-3000:]
+        assert "Traceback" not in err and "terminate" not in err, err[-3000:]
+        assert os.readlink(root / "latest") == f"iter_{last:07d}"  # the final save at the stop
+        assert not [n for n in os.listdir(root) if n.endswith(".tmp")]
+        assert inspect(str(root / "iter_0000002"), out=open(os.devnull, "w")) == 0  # verified
 
 
 def test_async_save_under_the_stream_checker(tmp_path, stream_checker):

@@ -55,3 +55,21 @@ def test_ranks_with_different_model_flags_each_say_so_under_torchrun(tmp_path):
     assert run.returncode != 0
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", run.stderr)
     assert codes and set(codes) == {"2"}, run.stderr[-3000:]
+
+
+def test_ctrl_c_outside_the_steps_is_one_line_and_130(monkeypatch, capsys):
+    """SIGINT before the training steps (building, loading) or after them ends with one line and
+    exit 130, not a traceback; during the steps the trainer stops cleanly (test_checkpoint_async)."""
+    import engine.training.launch as launch
+
+    def interrupted(argv=None):
+        raise KeyboardInterrupt
+
+    codes = []
+    monkeypatch.setattr(launch, "main", interrupted)
+    monkeypatch.setattr(launch, "exit_now", codes.append)
+    monkeypatch.delenv("RANK", raising=False)
+    launch.run_and_exit([])
+    assert codes == [130]
+    assert capsys.readouterr().err == ("gridtron: interrupted (SIGINT) outside the training steps; "
+                                       "nothing was saved by this run after its last checkpoint\n")
