@@ -78,6 +78,12 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         check_moe_fields(self)
+        if self.num_experts is not None and not any(moe_layer_pattern(self.moe_layer_freq,
+                                                                      self.num_layers)):
+            raise ValueError(f"--moe-layer-freq {self.moe_layer_freq} selects none of the "
+                             f"{self.num_layers} layers: the model would be dense and "
+                             f"--num-experts {self.num_experts} unused; mark at least one layer 1, "
+                             f"or drop --num-experts")
         if self.num_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
 

@@ -344,7 +344,7 @@ class ParallelState:
                    launch: LaunchEnv | None = None, timeout_s: float = 300.0,
                    backend_rules: str | None = None,
                    agreement: dict[str, str] | None = None,
-                   dp_exchange: bool = False) -> "ParallelState":
+                   dp_exchange: bool = False, say_notes: bool = True) -> "ParallelState":
         """Join (or start) the default process group and create every group of the grid.
 
         ``device`` must already be bound by LOCAL_RANK (the device module does that); on NCCL it is
@@ -357,10 +357,11 @@ class ParallelState:
         an error and ranks whose ``agreement`` differs are named within ``timeout_s``.
         ``dp_exchange`` also creates ``dp_exchange_group`` (needed by gradient compression), last,
         so that every rank creates the same groups in the same order; it cannot be made later.
+        ``say_notes``: warn ``check_layout``'s notes on rank 0 (False: the caller says them).
         """
         launch = launch or LaunchEnv.from_env()
         for note in check_layout(grid, launch):
-            if launch.rank == 0:
+            if launch.rank == 0 and say_notes:
                 warnings.warn(note)
         monitor = CommMonitor(backend_rules)
         if grid.world_size == 1 and not dist.is_initialized():

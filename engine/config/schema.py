@@ -277,6 +277,12 @@ class CompressionConfig:
             raise ValueError(f"--grad-compression {self.grad_compression} needs "
                              "--grad-compression-warmup-steps >= 1: Adam's second moment of the "
                              "compressed parameters comes from the uncompressed warm-up steps")
+        if self.grad_compression in ("topk", "onebit") and self.grad_compression_warmup_steps is None \
+                and self.grad_compression_warmup_fraction == 0:
+            raise ValueError(f"--grad-compression {self.grad_compression} needs "
+                             "--grad-compression-warmup-fraction > 0 (or --grad-compression-warmup-"
+                             "steps >= 1): Adam's second moment of the compressed parameters comes "
+                             "from the uncompressed warm-up steps")
 
 
 @dataclass

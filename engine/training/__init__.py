@@ -2,9 +2,10 @@
 
 - ``launch.py``: ``python -m engine.train``'s main (configuration, start-up checks, exit codes);
 - ``validate.py``: the pure start-up checks of a configuration against the launch, on every rank
-  before any collective;
+  before any collective; ``unused_flags.py``: the notes on flags without effect in the layout;
 - ``trainer.py``: ``Trainer`` builds the model chunks, optimizer, reducer, data and checkpointer
-  and runs the loop (resume, validation, saves, metrics);
+  and runs the loop (resume, validation, saves, metrics); ``run_data.py`` its data,
+  ``run_events.py`` its notes, stop signals and the records a checkpoint's publication waits for;
 - ``step.py``: one optimizer step (the pipeline schedule, gradient statistics, the update);
 - ``step_record.py``: the step's metrics record, resilience keys and the closing summary;
 - ``lr_schedule.py``, ``loss_scaler.py``: the learning rate and the dynamic loss scaler.

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from engine.base import ConfigError
 from engine.config.cli import parse_args
+from engine.training.run_events import INTERRUPTED  # 128 + SIGINT: a run stopped by Ctrl-C
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _COMM = re.compile(r"timed out|timeout|connection (reset|closed)|closed by peer|broken pipe|"
@@ -155,7 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     return INTERRUPTED if result.interrupted else 0
 
 
-INTERRUPTED = 130  # 128 + SIGINT: a run stopped by Ctrl-C (cleanly, or before its steps)
 FAILED = "gridtron/failed"  # where ranks that stop once the process group exists say so
 SETTLE_S = 2.0  # how long such a rank waits for lower ranks that may have stopped on the same error
 

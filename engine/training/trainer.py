@@ -9,9 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import signal
-import sys
-import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -21,7 +18,7 @@ from engine.base import ConfigError
 from engine.config.digest import resolved_flags
 from engine.config.schema import RunConfig
 from engine.observe.dashboards import Dashboards
-from engine.data import build_data, collate
+from engine.data import collate
 from engine.data.packing import MicroBatch, count_loss_tokens, micro_batch
 from engine.device.clock import DeviceClock, EventPair
 from engine.device.chips import npu_start_problem, tp_overlap_mode
@@ -35,12 +32,15 @@ from engine.training.step_record import (TIMELINE_STEPS, LateRecords, resilience
                                          run_summary, step_record)
 from engine.training.step_syncs import StepTimeline, counted_step
 from engine.observe.utilization import run_flops, run_peak_tflops
-from engine.training.validate import validate_packing, validate_run
+from engine.training.run_data import build_run_data
+from engine.training.run_events import (install_stop_handlers, records_before_publish,
+                                        restore_handlers, say_notes)
+from engine.training.validate import validate_run
 from models import LayerContext, build_chunks
 from models.layers import ParallelAttention
 from models.registry import BlockRegistry
 from parallel.backend_rules import resolve as resolve_rules
-from parallel.context_parallel import init_ring, load_balanced, shard_index
+from parallel.context_parallel import init_ring
 from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
                          MixedPrecisionOptimizer, PolicyError, memory_bytes)
 from parallel.expert_parallel import init_expert_groups
@@ -90,19 +90,21 @@ class Trainer:
         # every rank meets the others with its resolved flags before the first collective
         self.ps = ParallelState.initialize(self.grid, self.dev.device, self.dev.backend, self.launch,
                                            timeout_s=cfg.parallel.timeout_s, backend_rules=rules,
-                                           agreement=resolved_flags(cfg), dp_exchange=compressed)
+                                           agreement=resolved_flags(cfg), dp_exchange=compressed,
+                                           say_notes=False)  # validate_run's notes hold them
         # mixture of experts: the EP and EDP groups, cut from the dp x cp ranks of each stage
         init_expert_groups(self.ps, cfg.parallel.expert_model_parallel_size, cfg.parallel.timeout_s,
                            cfg.parallel.expert_tensor_parallel_size, exchange=compressed)
         self.is_main = self.ps.rank == 0
-        for note in (*notes, *self.dev.notes):  # the chip's fallbacks: said once, by rank 0
-            if self.is_main:
-                warnings.warn(note)
+        self.say_notes((*notes, *self.dev.notes))  # and the chip's fallbacks
         from parallel.heartbeat import Heartbeat
         self.heartbeat = Heartbeat.for_state(self.ps, cfg.parallel.timeout_s, self.dev.backend)
         self._build_data()
         self._build_model()
         self._build_step()
+
+    def say_notes(self, notes) -> None:
+        say_notes(self.is_main, notes)  # one plain line each, rank 0 (run_events.py)
 
     @classmethod
     def assemble(cls, cfg: RunConfig, ps: ParallelState, dev,
@@ -122,51 +124,7 @@ class Trainer:
 
     # ---- setup ----------------------------------------------------------------------------
     def _build_data(self) -> None:
-        cfg, ps = self.cfg, self.ps
-        d = cfg.data
-        given_vocab = d.mock_data or "vocab_size" in cfg.explicit  # else the data's vocabulary
-
-        def build():
-            try:
-                return build_data(d.data_path, cfg.model.seq_length, cfg.seed, mock=d.mock_data,
-                                  vocab_size=cfg.model.vocab_size if given_vocab else None,
-                                  tokenizer=d.tokenizer, cache_dir=d.cache_dir, split=d.split,
-                                  tokenizer_model=d.tokenizer_model, tokenizer_type=d.tokenizer_type,
-                                  vocab_file=d.vocab_file, merge_file=d.merge_file,
-                                  progress=cfg.log.progress and ps.rank == 0)
-            except (ValueError, FileNotFoundError) as exc:  # e.g. a corpus too small for --seq-length
-                raise ConfigError(f"data: {exc}") from exc
-
-        if ps.world_size > 1 and not cfg.data.mock_data and cfg.data.data_path is None:
-            # rank 0 prepares and caches the built-in corpus once; its outcome reaches every rank,
-            # so a failure there ends all ranks with the same message instead of a hang
-            outcome = None
-            if ps.rank == 0:
-                try:
-                    self.data = build()
-                except ConfigError as exc:
-                    outcome = str(exc)
-            outcome = ps.world_group.broadcast_object(outcome, src=0)
-            if outcome is not None:
-                raise ConfigError(outcome)
-            if ps.rank != 0:
-                self.data = build()
-        else:
-            self.data = build()
-        self.cfg.model.vocab_size = self.data.vocab_size
-        self.packing = validate_packing(cfg, getattr(self.data.train, "eot_id", None))
-        self.sampler = self.data.sampler("train", cfg.data.global_batch_size, cfg.seed)
-        if cfg.log.eval_interval and len(self.data.valid) == 0:
-            raise ConfigError(f"--eval-interval {cfg.log.eval_interval} needs validation data, but "
-                              f"--split {d.split} leaves none of {self.data.prefix}'s documents for "
-                              f"it: give the validation split a weight or more documents, or drop "
-                              f"--eval-interval")
-        self.num_micro = cfg.data.num_microbatches(ps.dp_size)
-        # context parallelism: the positions of every row this rank keeps (chunks r and 2cp-1-r
-        # for the ring, the r-th contiguous shard for Ulysses)
-        self.cp_index = None if ps.cp_size == 1 else torch.tensor(
-            shard_index(cfg.model.seq_length, ps.cp_size, ps.cp_rank,
-                        load_balanced(cfg.parallel.cp_comm_type)), dtype=torch.long)
+        build_run_data(self)  # data, packing, sampler, num_micro, cp_index (run_data.py)
 
     def _build_model(self) -> None:
         cfg, ps = self.cfg, self.ps
@@ -275,11 +233,11 @@ class Trainer:
     def _build_monitors(self) -> None:
         """FLOPs and peak for MFU, the profiler, the anomaly guard, stragglers, the bubble."""
         cfg, ps = self.cfg, self.ps
-        with warnings.catch_warnings():
-            if not self.is_main:  # the one-time note on a block without a formula: rank 0 only
-                warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as caught:  # a block without a formula
+            warnings.simplefilter("always")
             self.flops = run_flops(cfg.model, self.chunks[0].block_cls, cfg.parallel.recompute,
                                    cfg.data.global_batch_size)
+        self.say_notes([str(w.message) for w in caught])
         self.peak_tflops = run_peak_tflops(self.dev, cfg.precision.precision, cfg.log.peak_tflops,
                                            self.tf32)
         self.profiler = StepProfiler.from_config(cfg.log, self.dev.type, ps.rank)
@@ -334,7 +292,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self)
         # the checkpointer's stop/save counters ride on each step's statistics all-reduce
         self.stepper.agreement.set("checkpoint", 4, self.checkpointer.counts)
-        previous_handlers = self._install_stop_handler()
+        previous_handlers = install_stop_handlers(self)  # SIGTERM, SIGINT (run_events.py)
         try:
             for step in range(start, cfg.optim.train_iters):
                 if self.stragglers is not None:
@@ -372,8 +330,7 @@ class Trainer:
             log.close()
             dash.close()
             self.profiler.close()
-            for signum, previous in previous_handlers.items():
-                signal.signal(signum, previous)
+            restore_handlers(previous_handlers)
         if self.is_main and result.records:
             result.summary = run_summary(self, result)
         if cfg.log.timeline:
@@ -412,25 +369,11 @@ class Trainer:
         self.late_records.complete()
 
     def before_publish(self, step: int, blocking_s: float | None) -> None:
-        """Before checkpoint ``step`` becomes ``latest`` (engine/checkpoint/writer.py, on every
-        rank): the metrics records of steps up to ``step`` are written and fsynced, so a run that
-        dies after the publication and resumes from it finds every record up to it. A record not
-        yet complete (the save of the step just trained) is completed first: one more wait, and
-        with a pipeline a collective; its ``save_blocking_s`` is ``blocking_s``, the time its
-        boundary spent on the save so far."""
+        """Before checkpoint ``step`` becomes ``latest`` (engine/checkpoint/writer.py, every
+        rank): the records of steps 1..step written and fsynced (run_events.py)."""
         outputs = getattr(self, "_outputs", None)
-        if outputs is None:  # a save outside train()
-            return
-        log, dash, records = outputs
-        if any(pending[0] < step for pending in self.late_records.pending):  # 0-based steps
-            self.flush()
-        for record in self.late_records.take():
-            if record["step"] == step:
-                record.setdefault("save_blocking_s", blocking_s)
-            log.log(record)
-            dash.log(record)
-            records.append(record)
-        log.sync()
+        if outputs is not None:  # (None: a save outside train())
+            records_before_publish(self, outputs, step, blocking_s)
 
     def params_ready(self) -> None:
         """Wait for ZeRO's parameter all-gathers still in flight (overlapped with the next forward
@@ -455,33 +398,6 @@ class Trainer:
         return total / cfg.log.eval_iters
 
     # ---- checkpoints ----------------------------------------------------------------------
-    def _install_stop_handler(self) -> dict:
-        """SIGTERM (a scheduler's, or torchrun's to every rank) and SIGINT (Ctrl-C) only set
-        ``stop_signal``: the run finishes its step, waits for a save in flight (joining its writer
-        thread), saves (with --save) and returns cleanly. A second SIGINT leaves at once (exit
-        130) without waiting: ``latest`` still names the last published checkpoint. Returns the
-        previous handlers (none off the main thread, where none can be installed)."""
-        self.stop_signal = None
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def on_signal(signum, frame):
-            if signum == signal.SIGINT and self.stop_signal == signal.SIGINT:
-                if self.is_main:
-                    print(f"gridtron: stopped by a second SIGINT during step "
-                          f"{self.stepper.current_step}, without waiting for it or a save in "
-                          f"flight; latest checkpoint: {self.last_checkpoint() or 'none saved'}",
-                          file=sys.stderr, flush=True)
-                sys.stdout.flush()
-                os._exit(130)
-            if self.stop_signal is None or signum == signal.SIGINT:
-                self.stop_signal = signum
-        previous = {}
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            old = signal.signal(signum, on_signal)
-            previous[signum] = signal.SIG_DFL if old is None else old  # None: set outside Python
-        return previous
-
     def save(self, step: int) -> str:
         from engine.checkpoint import save_checkpoint
         return save_checkpoint(self, step)

@@ -19,6 +19,7 @@ from engine.plan.flops import BLOCKS, moe_layer_indices, moe_shape
 from engine.plan.memory import MemoryTerms, stage_memory
 from engine.plan.model import Layout, ModelShape
 from engine.training.lr_schedule import learning_rate
+from engine.training.unused_flags import compression_notes, unused_flag_notes
 from models.blocks import takes_attention_inputs
 from models.registry import BlockRegistry, default_registry
 from parallel.dp.policy import CompressionPolicy
@@ -29,9 +30,10 @@ from parallel.topology import RankGrid
 
 def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | None = None,
                  memory: tuple[int | None, str] | None = None) -> tuple[RankGrid, list[str]]:
-    """Return the grid and warnings, or raise ConfigError. ``memory``: (bytes this rank may
-    allocate, where that figure comes from); by default read from the device
-    (engine/device/runtime.py ``available_memory``)."""
+    """Return the grid and notes (said once, by rank 0: a warm-up longer than the run, a flag that
+    has no effect in this layout: engine/training/unused_flags.py), or raise ConfigError.
+    ``memory``: (bytes this rank may allocate, where that figure comes from); by default read
+    from the device (engine/device/runtime.py ``available_memory``)."""
     par, m = cfg.parallel, cfg.model
     try:
         grid = par.grid(launch.world_size)
@@ -54,8 +56,6 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
         cp = f" / --cp {grid.cp} = {m.seq_length // grid.cp}" if grid.cp > 1 else ""
         raise ConfigError(f"--seq-length {m.seq_length}{cp} is not divisible by --tp {tp}, which "
                           f"--sequence-parallel needs; change one of them")
-    if par.sequence_parallel and tp == 1:
-        notes.append("--sequence-parallel has no effect with --tp 1")
     chunks = par.chunks_per_rank if grid.pp > 1 else 1
     stages = grid.pp * chunks
     if m.num_layers % stages and not par.stage_end_weight:
@@ -110,6 +110,8 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
         raise ConfigError(f"{needs} needs per-token metadata in every block, but --block {m.block} "
                           f"has forward(x) only: define forward(self, x, inputs=None) and pass "
                           f"inputs to ParallelAttention (see models/blocks.py)")
+    notes += compression_notes(cfg, grid)
+    notes += unused_flag_notes(cfg, grid, kind, getattr(block_cls, "position", None) == "rope")
     return grid, notes
 
 
