@@ -76,3 +76,34 @@ def check_lane(rules, group, op: str) -> None:
         f"{op} over {group!r} from thread {thread!r} (lane {mine!r}), but the group belongs to "
         f"lane {group.lane!r}{first}: {rules.name} deadlocks when two threads enqueue collectives "
         f"on one communicator, since the ranks see them in different orders; {fix}")
+
+
+def order_mismatch(sequences: dict[int, list[tuple]]) -> str | None:
+    """Where two ranks submitted to the communicators they share in different orders (None: they
+    never did). ``sequences[rank]``: that rank's collectives in submission order, each
+    ``(communicator, op)`` with ``communicator = (kind, lane, ranks)``; point-to-point transfers
+    left out (a send meets a receive). NCCL's rule for communicators used concurrently: every rank
+    submits to them in the same order; for each pair of ranks the sequences restricted to the
+    communicators both belong to must then be equal.
+
+    Example: rank 0 submits (tp all_reduce, dp all_to_all) and rank 1, a member of both groups,
+    (dp all_to_all, tp all_reduce): their restricted sequences differ at position 0."""
+    ranks = sorted(sequences)
+    used = {r: {c for c, _ in sequences[r]} for r in ranks}
+    for i, a in enumerate(ranks):
+        for b in ranks[i + 1:]:
+            shared = {c for c in used[a] & used[b] if a in c[2] and b in c[2]}
+            if not shared:
+                continue
+            sa = [x for x in sequences[a] if x[0] in shared]
+            sb = [x for x in sequences[b] if x[0] in shared]
+            if sa == sb:
+                continue
+            n = next((k for k, (x, y) in enumerate(zip(sa, sb)) if x != y), min(len(sa), len(sb)))
+            def name(x):
+                return "nothing" if x is None else \
+                    f"{x[1]} on {x[0][0]}{'' if x[0][1] == MAIN_LANE else '/' + x[0][1]} {list(x[0][2])}"
+            return (f"ranks {a} and {b} submit to their shared communicators in different orders: "
+                    f"submission {n + 1} is {name(sa[n] if n < len(sa) else None)} on rank {a} "
+                    f"but {name(sb[n] if n < len(sb) else None)} on rank {b}")
+    return None

@@ -48,6 +48,7 @@ from parallel import streams
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SKIP_FILES = (os.path.abspath(__file__), os.path.abspath(streams.__file__))
+_MODE_HOOKS = ("__torch_dispatch__", "__torch_function__")
 
 
 class StreamOrderError(AssertionError):
@@ -93,12 +94,14 @@ def _tensors(value) -> list:
 
 
 def _site() -> str | None:
-    """The innermost frame of the repository outside the checker and the torch tree, as
-    ``path:line (function)``; None when there is none."""
+    """The innermost frame of the repository outside the checker, the torch tree and any other
+    dispatch mode (a counter of host syncs sees the op first), as ``path:line (function)``; None
+    when there is none."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        if path.startswith(_ROOT) and path not in _SKIP_FILES and "/.venv/" not in path:
+        if path.startswith(_ROOT) and path not in _SKIP_FILES and "/.venv/" not in path \
+                and frame.f_code.co_name not in _MODE_HOOKS:
             return f"{os.path.relpath(path, _ROOT)}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
     return None

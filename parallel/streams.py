@@ -11,8 +11,7 @@ this module instead of calling ``torch.Stream`` / ``torch.Event`` or ``threading
   orderings the engine relies on, and the release of a storage another stream may still read;
 - ``start_thread(name, target, device)``: a worker thread that binds the rank's device first (as
   ProcessGroupHCCL's watchdog does: a thread starts on device 0 otherwise, and its first device
-  call would create a context there) and reports an exception instead of dying silently;
-  ``SerialWorker`` runs jobs on one such thread in submission order.
+  call would create a context there) and reports an exception instead of dying silently.
 
 Why a module of its own: the same calls are what the stream-order checker
 (``parallel.stream_check``) observes. On the CPU there are no streams, so the checker treats every
@@ -31,10 +30,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from queue import SimpleQueue
 from typing import Callable
 
 import torch
@@ -251,45 +248,6 @@ def start_thread(name: str, target: Callable[[], None], device, daemon: bool = T
     """Run ``target()`` on a new thread bound to ``device``. An exception ends the process with
     one line naming the thread (``report_and_exit``) unless ``on_error`` takes it."""
     return StreamThread(name, target, device, daemon, on_error)
-
-
-class SerialWorker:
-    """Jobs run one at a time on one ``start_thread`` thread, in submission order (Futures)."""
-
-    def __init__(self, name: str, device, initializer: Callable | None = None, initargs: tuple = ()):
-        """``initializer(*initargs)`` runs first on the thread (as ThreadPoolExecutor's does)."""
-        self.name, self.device = name, torch.device(device)
-        self.initializer, self.initargs = initializer, initargs
-        self._queue: SimpleQueue = SimpleQueue()
-        self._thread: StreamThread | None = None
-
-    def submit(self, fn: Callable, *args) -> Future:
-        if self._thread is None:
-            self._thread = start_thread(self.name, self._loop, self.device)
-        future: Future = Future()
-        self._queue.put((future, fn, args))
-        return future
-
-    def _loop(self) -> None:
-        if self.initializer is not None:
-            self.initializer(*self.initargs)
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - the submitter's result() raises it
-                future.set_exception(exc)
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
 
 
 # ---- the communication layer's hooks (parallel/comm.py) ---------------------------------------

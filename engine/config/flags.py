@@ -132,6 +132,10 @@ FLAGS: dict[str, Flag] = {
                        "(the backend's own on NPU/GPU, none on gloo), none, hccl (Atlas A2/A3), "
                        "hccl:950, nccl; default from GRIDTRON_BACKEND_RULES", "parallelism",
                        choices=BACKEND_RULES),
+    "stream_check": F("run under the stream-order checker: an access of one storage from two "
+                      "streams, worker threads or communicators without an event, wait or join "
+                      "between them is reported and ends the run with exit code 1 (slow; for tests "
+                      "and python -m engine.fuzz)", "parallelism"),
     "grad_compression": F("DP gradient compression", "parallelism", choices=COMPRESSORS),
     "grad_compression_ratio": F("fraction of entries top-k keeps", "parallelism", ("--topk-ratio",)),
     "grad_compression_warmup_steps": F("optimizer steps that exchange uncompressed gradients before "

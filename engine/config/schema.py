@@ -79,6 +79,10 @@ class ParallelConfig:
     # check every collective against a backend's rules: auto (the backend's own on NPU/GPU, none on
     # gloo), none, hccl (Atlas A2/A3), hccl:950, nccl
     backend_rules: str = "auto"
+    # help: run under the stream-order checker (parallel/stream_check.py): every access of a storage
+    # from two streams, threads or communicators must be ordered; a violation ends the run (slow: for
+    # tests and the layout fuzzer)
+    stream_check: bool = False
     # mixture of experts: EP ranks drawn from the dp x cp ranks of a stage (parallel/expert_groups.py)
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1  # 1 or tp: the TP group splits every expert

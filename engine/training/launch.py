@@ -99,7 +99,7 @@ def run_config(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> int:
     from engine.checkpoint import CheckpointError
     from engine.config.schema import ParallelConfig
-    from parallel.state import Disagreement, LaunchEnv, PeerStopped, RendezvousError
+    from parallel.state import LaunchEnv
     launch, timeout_s = LaunchEnv.from_env(), ParallelConfig().timeout_s
     try:
         cfg = run_config(argv)
@@ -112,6 +112,25 @@ def main(argv: list[str] | None = None) -> int:
         return stop(f"configuration error: {exc}", launch, timeout_s)
     except CheckpointError as exc:  # --use-checkpoint-args reads --load
         return stop(f"checkpoint error: {exc}", launch, timeout_s)
+    if not cfg.parallel.stream_check:
+        return train(cfg, launch, timeout_s)
+    from parallel.stream_check import StreamChecker
+    checker = StreamChecker()
+    with checker.installed():  # before the trainer starts a thread or a communicator
+        code = train(cfg, launch, timeout_s)
+    if checker.violations:
+        print(f"gridtron: stream-order check: {len(checker.violations)} violation(s) on rank "
+              f"{launch.rank}:", file=sys.stderr)
+        for line in checker.violations:
+            print(f"gridtron:   {line}", file=sys.stderr)
+        return code or 1
+    return code
+
+
+def train(cfg, launch, timeout_s: float) -> int:
+    """Build the trainer, train, print the summary; the exit code."""
+    from engine.checkpoint import CheckpointError
+    from parallel.state import Disagreement, PeerStopped, RendezvousError
     from engine.observe.anomaly import PersistentAnomaly
     from engine.training.trainer import Trainer, TrainingDiverged
     try:

@@ -2,9 +2,10 @@
 
 - Pure: ``check_lane`` refuses a group to a thread outside its lane, with a message naming the
   group, the thread that first issued on it and the offending thread; without rules it is silent.
-- On gloo (2 ranks, HCCL rules): the exchange worker's thread is refused the main DP group, before
-  anything is sent, and is served on ``ps.dp_exchange_group``, its own communicator over the same
-  ranks; a thread outside the worker's lane is refused that one.
+- On gloo (2 ranks, HCCL rules): a job of the exchange worker (run in the exchange lane, from the
+  step's thread) is refused the main DP group, before anything is sent, and is served on
+  ``ps.dp_exchange_group``, its own communicator over the same ranks; a thread outside the
+  worker's lane is refused that one.
 - A compressed reducer needs the exchange group and says how to get it.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from parallel.backend_rules import BackendRuleError, get_rules
 from parallel.comm import CommGroup, CommMonitor
 from parallel.dp.exchange import ExchangeWorker
 from parallel.dp.reducer import GradReducer
-from parallel.lanes import EXCHANGE_LANE, MAIN_LANE, check_lane, current_lane, lane
+from parallel.lanes import EXCHANGE_LANE, MAIN_LANE, check_lane, current_lane, lane, order_mismatch
 from parallel.state import ParallelState
 from parallel.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
@@ -48,17 +49,17 @@ def test_a_group_is_refused_outside_its_lane():
 
 
 def _threads(ps):
-    """The exchange worker issues on the main DP group (refused on every rank before anything is
-    sent), then on its own group (delivered); a plain thread is refused the worker's group."""
+    """The exchange worker's job issues on the main DP group (refused on every rank before
+    anything is sent), then on its own group (delivered); a plain thread is refused the worker's
+    group."""
     main, own = ps.dp_group, ps.dp_exchange_group
     assert (own.kind, own.ranks, own.lane) == (main.kind, main.ranks, EXCHANGE_LANE)
     assert own.pg is not None and own.pg is not main.pg          # a communicator of its own
     main.all_reduce(torch.ones(1))                               # the main thread was first
     worker = ExchangeWorker(torch.device("cpu"))
     x = torch.ones(2)
-    worker.submit(main.all_reduce, x)
     try:
-        worker.drain()
+        worker.submit(main.all_reduce, x)
         refused = None
     except BackendRuleError as exc:
         refused = str(exc)
@@ -81,9 +82,9 @@ def _catch(errors, fn, *args):
         errors.append(str(exc))
 
 
-def test_worker_thread_gets_its_own_communicator_on_gloo():
+def test_exchange_jobs_get_their_own_communicator_on_gloo():
     for r in run_distributed(_threads, grid=RankGrid(dp=2), backend_rules="hccl"):
-        assert r["refused"] and re.search(r"thread 'dp-exchange[^']*' \(lane 'dp-exchange'\)",
+        assert r["refused"] and re.search(r"thread 'MainThread' \(lane 'dp-exchange'\)",
                                           r["refused"]), r["refused"]
         assert "CommGroup(dp, ranks=[0, 1])" in r["refused"] and "'MainThread'" in r["refused"]
         assert r["x"] == [2.0, 2.0]                              # summed once, on its own group
@@ -101,3 +102,18 @@ def test_compression_needs_the_exchange_group():
     GradReducer(model, ps).remove_hooks()                        # uncompressed: not needed
     serial = ParallelState.serial()
     assert serial.dp_exchange_group.size == 1 and serial.dp_exchange_group.lane == EXCHANGE_LANE
+
+
+def test_order_mismatch_names_the_first_difference():
+    tp, dp = ("tp", MAIN_LANE, (0, 1)), ("dp", EXCHANGE_LANE, (0, 1))
+    other = ("tp", MAIN_LANE, (2, 3))
+    same = [(tp, "all_reduce"), (dp, "all_to_all"), (tp, "all_gather")]
+    assert order_mismatch({0: same, 1: list(same), 2: [(other, "all_reduce")]}) is None
+    swapped = [(dp, "all_to_all"), (tp, "all_reduce"), (tp, "all_gather")]
+    assert order_mismatch({0: same, 1: swapped}) == (
+        "ranks 0 and 1 submit to their shared communicators in different orders: submission 1 "
+        "is all_reduce on tp [0, 1] on rank 0 but all_to_all on dp/dp-exchange [0, 1] on rank 1")
+    # a rank outside a communicator is not held to its order; a missing submission is named
+    assert order_mismatch({0: same, 2: [(other, "all_reduce")]}) is None
+    assert "submission 3 is all_gather on tp [0, 1] on rank 0 but nothing on rank 1" in \
+        order_mismatch({0: same, 1: same[:2]})

@@ -129,10 +129,10 @@ def test_thread_join_orders_its_work(checker):
     thread = streams.start_thread("writer2", lambda: box.__setitem__("u", torch.ones(4)), "cpu")
     thread.join()
     box["u"].sum()
-    worker = streams.SerialWorker("serial", "cpu")
     v = torch.ones(4)
-    worker.submit(v.mul_, 2).result()           # ordered after v's creation by the submit
-    worker.close()
+    thread = streams.start_thread("writer3", lambda: v.mul_(2), "cpu")  # ordered after v's creation
+    thread.join()
+    v.sum()
     checker.check()
 
 

@@ -1,9 +1,9 @@
 """Overlap shown by the order of events on real gloo ranks, not by counting launches.
 
 - Uncompressed buckets: a bucket's collective is issued while backward still has modules to go.
-- Compressed buckets run on the exchange worker: the first compressed collective is held back (an
-  observer blocks it) until backward has reached the first module of the model; a compression
-  done inside the gradient hook could never let backward get there, so the wait would time out.
+- Compressed buckets are exchanged from their gradient hooks on the side stream "dp-exchange" (no
+  second host thread: every rank submits to its communicators in one order): their collectives
+  are issued before backward reaches the first module of the model.
 - ZeRO's parameter all-gathers: all issued at the end of the step, each waited for only in the
   forward pre-hook of the first unit (a child of the model, with its subtree) using it, after
   earlier units of the next forward ran;
@@ -11,11 +11,11 @@
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 
+from parallel import streams
 from parallel.dp import DistributedOptimizer, GradReducer
+from parallel.lanes import EXCHANGE_LANE, current_lane
 from parallel.dp.param_gather import gather_units
 from parallel.topology import RankGrid
 from tests.helpers.dist_utils import record_comm, run_distributed
@@ -60,44 +60,36 @@ def check_uncompressed_order(ps) -> None:
 
 
 def check_compressed_overlap(ps) -> None:
-    """A handshake fixes the order: the worker's first compressed collective waits for backward to
-    finish the first module (the embedding), whose backward hook first waits for that collective
-    to be on its way. Both waits succeed only if the exchange and backward run side by side; with
-    the exchange inside the gradient hook, the observer would block backward and time out."""
+    """A compressed bucket is exchanged from its gradient hook, on the side stream "dp-exchange"
+    in the exchange lane: its collectives are issued while backward still has modules to go (on
+    a device they run beside the rest of backward), and the compute stream waits for that stream
+    only in ``finish()``."""
     model = make_model()
     reducer = GradReducer(model, ps, bucket_size_mb=SMALL, compression_policy=POLICY)
     assert reducer.buckets[0].compressor is None and any(b.compressor for b in reducer.buckets)
     backward_step(model, reducer, 1, ps.dp_size, ps.dp_rank, m=1)         # warm-up step
-    log, issued, reached, waits = [], threading.Event(), threading.Event(), []
+    log = []
     log_backward(model, log)
 
-    def embed_done(*_):
-        waits.append(("backward waited for the collective", issued.wait(timeout=30)))
-        log.append(("bwd done", "embed"))
-        reached.set()
-
-    model.embed.register_full_backward_hook(embed_done)
-
     def observe(event):
-        log.append(("comm", event.op, threading.current_thread().name.startswith("dp-exchange")))
-        if event.op == "all_to_all" and not issued.is_set():
-            issued.set()
-            waits.append(("collective waited for backward", reached.wait(timeout=30)))
+        log.append(("comm", event.op, streams.current_stream_name(), current_lane()))
 
     ps.comm.observers.append(observe)
     try:
         reducer.zero_grad()
         reducer.set_last_microbatch(True)
         model(*batch(2)).backward()
+        log.append(("finish",))
         reducer.finish()
     finally:
         ps.comm.observers.remove(observe)
-    assert sorted(waits) == [("backward waited for the collective", True),
-                             ("collective waited for backward", True)], waits
     a2a = next(i for i, e in enumerate(log) if e[:2] == ("comm", "all_to_all"))
-    assert ("bwd done", "embed") in log[a2a:]
-    # every DP collective of the compressed step came from the worker thread, in bucket order
-    assert all(e[2] for e in log if e[0] == "comm")
+    assert ("bwd", "embed") in log[a2a:]
+    # every DP collective of the compressed step came from the side stream in the exchange
+    # lane, during backward, in bucket order
+    comm = [e for e in log if e[0] == "comm"]
+    assert comm and all(e[2:] == ("dp-exchange", EXCHANGE_LANE) for e in comm), comm
+    assert log.index(("finish",)) > max(i for i, e in enumerate(log) if e[0] == "comm")
     assert [b.compressed_step for b in reducer.buckets] == [b.compressor is not None for b in reducer.buckets]
     reducer.remove_hooks()
 

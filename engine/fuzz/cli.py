@@ -1,0 +1,161 @@
+"""The fuzzer's command line: draw, train, compare, stop at the first case that differs.
+
+    python -m engine.fuzz --minutes 30                 # as many cases as fit, on up to 8 ranks
+    python -m engine.fuzz --seed 7 --cases 20 --ranks 4
+    python -m engine.fuzz --case tp=2,pp=2,dp=2,schedule=zb-v,zero=1,block=llama
+
+Each case prints one line. The first case that fails (a rank's error, a stream-order violation,
+or a loss or gradient norm off the serial run's by more than DESIGN.md's relative 1e-4) prints
+why and the one-line command that reruns exactly that case, and the fuzzer exits with 1.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import random
+import sys
+import time
+import warnings
+from typing import Iterable
+
+from engine.base import ConfigError, ToolParser, run_tool
+from engine.fuzz.compare import judge, train_serial
+from engine.fuzz.pool import Pool
+from engine.fuzz.space import Case, draw
+
+RANKS = (2, 4, 8)
+
+
+def parser() -> ToolParser:
+    p = ToolParser(prog="python -m engine.fuzz",
+                   description="Train random valid layouts against the serial run, under the "
+                               "stream-order checker; stop at the first that differs.")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the draw's seed (default: from the clock, printed)")
+    p.add_argument("--cases", type=int, default=None, help="stop after this many cases")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="start no case after this many minutes (default 10 without --cases)")
+    p.add_argument("--ranks", type=int, default=8, choices=RANKS,
+                   help="the most processes a case uses")
+    p.add_argument("--steps", type=int, default=4, help="training steps per case")
+    p.add_argument("--case", default=None,
+                   help="run only this case (field=value,...: the spec a failure prints)")
+    p.add_argument("--deadline-s", type=float, default=300.0, help="a case running longer has hung")
+    return p
+
+
+def check(args) -> None:
+    if args.cases is not None and args.cases < 1:
+        raise ConfigError(f"--cases {args.cases}: give at least 1")
+    if args.minutes is not None and not args.minutes > 0:
+        raise ConfigError(f"--minutes {args.minutes}: give a positive number")
+    if args.steps < 2:
+        raise ConfigError(f"--steps {args.steps}: give at least 2 (the second step reads what the "
+                          f"first update gathered)")
+    if not args.deadline_s > 0:
+        raise ConfigError(f"--deadline-s {args.deadline_s}: give a positive number")
+    if args.case is not None:
+        try:
+            case = Case.parse(args.case)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
+        if case.world > max(RANKS):
+            raise ConfigError(f"--case {args.case}: {case.world} ranks, more than {max(RANKS)}")
+        problem = invalid(case, args.steps)
+        if problem:
+            raise ConfigError(f"--case {args.case}: {problem}")
+
+
+def invalid(case: Case, steps: int) -> str | None:
+    """Why the trainer would refuse ``case`` (None: it trains), by the trainer's own checks."""
+    from engine.config.cli import parse_args
+    from engine.training.validate import validate_run
+    from parallel.state import LaunchEnv
+    try:
+        validate_run(parse_args(case.argv(steps)), LaunchEnv(0, case.world, 0, case.world))
+    except (ConfigError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def seeded(seed: int, ranks: int) -> Iterable[Case]:
+    rng = random.Random(seed)
+    while True:
+        yield draw(rng, ranks)
+
+
+def serial_quietly(case: Case, steps: int) -> dict:
+    """The serial reference, its start line and notes kept off the fuzzer's output."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return train_serial(case, steps)
+
+
+def fuzz(cases: Iterable[Case], steps: int, deadline_s: float, limit: int | None = None,
+         end: float | None = None, setup=None, say=print) -> tuple[int, tuple[Case, str] | None]:
+    """Run ``cases`` until ``limit`` cases, the monotonic time ``end`` or the first failure;
+    returns (cases run, (the failed case, why) or None). ``setup``: see ``Pool``."""
+    pools: dict[int, Pool] = {}
+    serial: dict[tuple, dict] = {}
+    done = 0
+    try:
+        for case in cases:
+            if (limit is not None and done >= limit) or (end is not None and time.monotonic() > end):
+                break
+            t0 = time.monotonic()
+            key = case.model_key()
+            if key not in serial:
+                serial[key] = serial_quietly(case, steps)
+            pool = pools.get(case.world)
+            if pool is None or pool.broken:
+                if pool is not None:
+                    pool.close()
+                pool = pools[case.world] = Pool(case.world, setup)
+            verdict = judge(pool.run(done, case.argv(steps), deadline_s), serial[key])
+            done += 1
+            say(f"case {done}: {'ok' if verdict.ok else 'FAILED'} {case.spec()} "
+                f"({time.monotonic() - t0:.1f} s)")
+            if not verdict.ok:
+                return done, (case, verdict.why)
+    finally:
+        for pool in pools.values():
+            pool.close()
+    return done, None
+
+
+def run(args) -> int:
+    check(args)
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    if args.case is not None:
+        cases, limit, end = [Case.parse(args.case)], 1, None
+        say(f"gridtron fuzz: the case {args.case}, {args.steps} steps")
+    else:
+        if args.seed is None:
+            args.seed = random.SystemRandom().randrange(1 << 30)
+        minutes = args.minutes if args.minutes is not None or args.cases is not None else 10.0
+        cases, limit = seeded(args.seed, args.ranks), args.cases
+        end = time.monotonic() + 60 * minutes if minutes is not None else None
+        say(f"gridtron fuzz: seed {args.seed}, up to {args.ranks} ranks, {args.steps} steps per "
+            f"case" + (f", {args.cases} cases" if args.cases else "")
+            + (f", {minutes:g} minutes" if minutes else ""))
+    start = time.monotonic()
+    done, failed = fuzz(cases, args.steps, args.deadline_s, limit, end, say=say)
+    if failed is not None:
+        case, why = failed
+        say(f"gridtron fuzz: {why}\n"
+            f"reproduce: python -m engine.fuzz --case {case.spec()} --steps {args.steps}\n"
+            f"the run alone: {case.command(args.steps)}")
+        return 1
+    say(f"gridtron fuzz: {done} combination(s) equal to the serial run with no stream-order "
+        f"violation, in {(time.monotonic() - start) / 60:.1f} min"
+        + (f" (seed {args.seed})" if args.case is None else ""))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_tool(lambda: run(parser().parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The fuzzer's space: every layout the engine trains as the serial model, drawn constructively.
+
+A ``Case`` is one combination of the parallel dimensions and switches that DESIGN.md's equivalence
+covers (fp32, dropout 0, dropless routing): tp, cp, pp, dp, ep, etp, the pipeline schedule and its
+virtual stages, sequence parallelism, the ZeRO stage and its overlapped gather, the overlapped
+gradient reduction, the TP overlap, recomputation, the block kind (gpt2, llama, MoE on either, a
+user's block), grouped-query attention, packed documents, the MoE dispatcher and grouped GEMM, the
+CP attention and the gradient bucket size. ``draw(rng, ranks)`` picks each choice among the values
+the choices before it allow, so every draw is valid: no combination is launched and then refused (tests check a few
+thousand draws against the trainer's own validation). The model is small and the same for every
+layout of one model key (``Case.model_flags``), so one serial run is the reference of many cases.
+
+Worked example: ``draw(random.Random(0), 8)`` first picks a world size (2, 4 or 8), then tp from its
+divisors, then cp, pp and dp = world / (tp cp pp); the schedule among those pp allows (interleaved
+only with 2+ micro-batches per pipeline rank's multiple), and so on down to the MoE dispatcher.
+``Case.spec()`` writes it as ``tp=2,cp=1,pp=2,...``, ``Case.parse(spec)`` reads it back.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "1f1b-w", "zb-h1", "zb-v")
+BLOCKS = ("gpt2", "llama", "user")
+USER_BLOCK = "examples.parallel_block:ParallelResidualBlock"
+HIDDEN, HEADS, SEQ, VOCAB, GLOBAL_BATCH = 32, 4, 32, 24, 8
+EXPERTS, TOPK, EXPERT_FFN, GROUPS = 4, 2, 24, 2
+BASE = ["--mock-data", "--vocab-size", str(VOCAB), "--hidden-size", str(HIDDEN),
+        "--num-attention-heads", str(HEADS), "--seq-length", str(SEQ),
+        "--global-batch-size", str(GLOBAL_BATCH), "--precision", "fp32", "--lr", "3e-3",
+        "--lr-warmup-iters", "0", "--clip-grad", "1.0", "--device", "cpu", "--no-progress",
+        "--peak-tflops", "1"]
+PACKED = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+
+
+@dataclass(frozen=True)
+class Case:
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    schedule: str = "1f1b"
+    vp: int = 1                      # virtual stages of the interleaved schedule (zb-v: 2 itself)
+    micro: int = 1                   # micro-batch size
+    sp: bool = False
+    tp_overlap: bool = False
+    cp_comm: str = "p2p"
+    zero: int = 0                    # 0: the plain optimizer; 1, 2: the distributed optimizer
+    overlap_gather: bool = False
+    overlap_reduce: bool = True
+    recompute: str = "none"
+    block: str = "gpt2"
+    layers: int = 2
+    gqa: bool = False
+    packed: bool = False
+    moe: bool = False
+    ep: int = 1
+    etp: int = 1
+    dispatcher: str = "alltoall"
+    grouped: bool = False
+    bucket_kb: int = 0               # DP gradient bucket size in KiB; 0: the default (25 MB)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    # ---- flags ---------------------------------------------------------------------------------
+    def model_flags(self) -> list[str]:
+        """The model and its data: what the serial reference shares."""
+        flags = ["--num-layers", str(self.layers),
+                 "--block", USER_BLOCK if self.block == "user" else self.block]
+        if self.gqa:
+            flags += ["--num-query-groups", str(GROUPS)]
+        if self.packed:
+            flags += PACKED
+        if self.moe:
+            flags += ["--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK),
+                      "--moe-ffn-hidden-size", str(EXPERT_FFN),
+                      "--moe-router-load-balancing-type", "seq_aux_loss",
+                      "--moe-aux-loss-coeff", "0.01"]
+        return flags
+
+    def layout_flags(self) -> list[str]:
+        flags = ["--tp", str(self.tp), "--cp", str(self.cp), "--pp", str(self.pp),
+                 "--dp", str(self.dp), "--micro-batch-size", str(self.micro),
+                 "--recompute", self.recompute]
+        if self.pp > 1:
+            flags += ["--pipeline-schedule", self.schedule]
+            if self.vp > 1:
+                flags += ["--virtual-pipeline-size", str(self.vp)]
+        if self.sp:
+            flags.append("--sequence-parallel")
+        if self.tp_overlap:
+            flags.append("--tp-comm-overlap")
+        if self.cp > 1:
+            flags += ["--cp-comm-type", self.cp_comm]
+        if self.zero:
+            flags += ["--use-distributed-optimizer", "--zero-stage", str(self.zero),
+                      "--overlap-param-gather" if self.overlap_gather else "--no-overlap-param-gather"]
+        if not self.overlap_reduce:
+            flags.append("--no-overlap-grad-reduce")
+        if self.bucket_kb:  # small buckets: one block's parameters in several
+            flags += ["--bucket-size-mb", f"{self.bucket_kb / 1024:g}"]
+        if self.moe:
+            flags += ["--ep", str(self.ep), "--expert-tensor-parallel-size", str(self.etp),
+                      "--moe-token-dispatcher-type", self.dispatcher]
+            if self.grouped:
+                flags.append("--moe-grouped-gemm")
+        return flags
+
+    def argv(self, steps: int) -> list[str]:
+        return BASE + ["--train-iters", str(steps)] + self.model_flags() + self.layout_flags()
+
+    def serial_argv(self, steps: int) -> list[str]:
+        """The serial reference: one process, one micro-batch of the whole global batch."""
+        return BASE + ["--train-iters", str(steps)] + self.model_flags() + \
+            ["--micro-batch-size", str(GLOBAL_BATCH)]
+
+    def model_key(self) -> tuple:
+        return tuple(self.model_flags())
+
+    def command(self, steps: int) -> str:
+        """The run itself under torchrun with the stream checker (without the comparison)."""
+        return (f"torchrun --standalone --nproc-per-node {self.world} -m engine.train "
+                + " ".join(self.argv(steps)) + " --stream-check")
+
+    # ---- text ----------------------------------------------------------------------------------
+    def spec(self) -> str:
+        """``field=value,...`` for the fields that differ from the defaults."""
+        out = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value != f.default:
+                out.append(f"{f.name}={int(value) if isinstance(value, bool) else value}")
+        return ",".join(out) or "serial"
+
+    @classmethod
+    def parse(cls, spec: str) -> "Case":
+        """The inverse of ``spec``; a ValueError names a field or value it does not know."""
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        values = {}
+        for item in filter(None, spec.strip().split(",")):
+            if item == "serial":
+                continue
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if not sep or key not in kinds:
+                raise ValueError(f"--case {spec!r}: {item!r} is not field=value with a field of "
+                                 f"{', '.join(kinds)}")
+            kind = kinds[key]
+            try:
+                values[key] = (bool(int(value)) if kind == "bool" else
+                               int(value) if kind == "int" else value.strip())
+            except ValueError:
+                raise ValueError(f"--case {spec!r}: {key} takes {kind}, got {value!r}") from None
+        return cls(**values)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def draw(rng: random.Random, ranks: int) -> Case:
+    """One valid case for ``ranks`` processes at most (a power of two >= 2)."""
+    world = rng.choice([w for w in (2, 4, 8) if w <= ranks])
+    block = rng.choice(BLOCKS)
+    moe = block != "user" and rng.random() < 0.4
+    tp = rng.choice([t for t in _divisors(world) if t <= HEADS])
+    cp = rng.choice(_divisors(world // tp))
+    pp = rng.choice(_divisors(world // (tp * cp)))
+    dp = world // (tp * cp * pp)
+    micro = rng.choice([m for m in (1, 2) if GLOBAL_BATCH % (m * dp) == 0])
+    n_micro = GLOBAL_BATCH // (micro * dp)
+    schedule, vp = "1f1b", 1
+    if pp > 1:
+        options = [s for s in SCHEDULES if s != "interleaved" or n_micro % pp == 0]
+        schedule = rng.choice(options)
+        vp = 2 if schedule == "interleaved" else 1
+    chunks = 2 if schedule == "zb-v" and pp > 1 else vp
+    layers = pp * chunks * rng.choice([1, 2] if pp * chunks <= 4 else [1])
+    layers = max(layers, 2)
+    sp = tp > 1 and rng.random() < 0.6
+    tp_overlap = sp and rng.random() < 0.4
+    cp_comm = "p2p"
+    if cp > 1:
+        cp_comm = rng.choice(["p2p", "a2a"] if (HEADS // tp) % cp == 0 else ["p2p"])
+    zero = rng.choice([0, 1, 2]) if dp * cp > 1 else 0
+    overlap_gather = zero > 0 and rng.random() < 0.7
+    gqa = tp <= GROUPS and rng.random() < 0.4
+    packed = rng.random() < 0.3
+    ep = etp = 1
+    dispatcher, grouped = "alltoall", False
+    if moe:
+        ep = rng.choice([e for e in _divisors(dp * cp) if EXPERTS % e == 0])
+        etp = rng.choice([1, tp]) if tp > 1 else 1
+        dispatcher = rng.choice(["alltoall", "allgather"])
+        grouped = rng.random() < 0.5
+    return Case(tp=tp, cp=cp, pp=pp, dp=dp, schedule=schedule, vp=vp, micro=micro, sp=sp,
+                tp_overlap=tp_overlap, cp_comm=cp_comm, zero=zero, overlap_gather=overlap_gather,
+                overlap_reduce=rng.random() < 0.8, recompute=rng.choice(["none", "selective", "full"]),
+                block=block, layers=layers, gqa=gqa, packed=packed, moe=moe, ep=ep, etp=etp,
+                dispatcher=dispatcher, grouped=grouped, bucket_kb=rng.choice([0, 1, 4]))
+
+
+def draws(seed: int, ranks: int, count: int) -> list[Case]:
+    """``count`` cases of one seeded stream: the same list for the same arguments."""
+    rng = random.Random(seed)
+    return [draw(rng, ranks) for _ in range(count)]
