@@ -17,8 +17,9 @@ from safetensors import safe_open
 
 from engine.base import ConfigError
 from engine.checkpoint.index import CheckpointError, TensorReader, intact_hint, read_index, resolve, verify
-from engine.checkpoint.specs import (LAYOUT_KEYS, ParamSpec, buffer_specs, data_info, layout_of,
-                                     param_specs, saved_layout)
+from engine.checkpoint.specs import (LAYOUT_KEYS, ParamSpec, buffer_specs, by_owner, data_info,
+                                     layout_of, param_specs, read_flat, saved_layout)
+from models.moe.config import moe_layer_pattern
 from parallel.dp.residuals import fold_logical_residuals
 
 
@@ -55,18 +56,58 @@ def with_checkpoint_args(cfg):
         raise ConfigError(f"--use-checkpoint-args: {exc}") from exc
 
 
+# what a checkpoint written before a field existed holds in its place
+SHAPE_DEFAULTS = {"num_experts": None, "moe_ffn_hidden_size": None,
+                  "moe_shared_expert_intermediate_size": None, "moe_layer_freq": "1"}
+
+
+def _setting(flag: str, value, given: str, absent: str) -> str:
+    """``GIVEN --flag VALUE``, or ``ABSENT --flag`` and what that means for the model."""
+    if value is not None:
+        return f"{given} {flag} {value}"
+    return f"{absent} {flag}" + (" (a dense model)" if flag == "--num-experts" else "")
+
+
+def model_differences(saved: dict, model) -> list[tuple[str, object, object]]:
+    """(flag, the checkpoint's value, this run's) for every field of the model's shape that
+    differs: layers, widths, heads and key/value groups, and the mixture of experts (experts,
+    which layers hold them, their widths). Pure."""
+    keys = ["block", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+            "ffn_hidden_size", "num_experts"]
+    if model.num_experts is not None and saved.get("num_experts") is not None:
+        keys += ["moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"]
+    out = []
+    for key in keys:
+        there = saved.get(key, saved["num_attention_heads"] if key == "num_query_groups" else
+                          SHAPE_DEFAULTS.get(key))
+        if there != getattr(model, key):
+            out.append(("--" + key.replace("_", "-"), there, getattr(model, key)))
+    if not out and model.num_experts is not None:  # the same layers, the same experts
+        freq = saved.get("moe_layer_freq", "1")
+        there = [i for i, moe in enumerate(moe_layer_pattern(freq, saved["num_layers"])) if moe]
+        here = [i for i in range(model.num_layers) if model.is_moe_layer(i)]
+        if here != there:
+            out.append(("--moe-layer-freq", f"{freq} (MoE layers {there})",
+                        f"{model.moe_layer_freq} (MoE layers {here})"))
+    return out
+
+
 def check_compatible(index: dict, cfg, data: dict, where: str) -> None:
     """The run's model shape and vocabulary must be the checkpoint's (pure: same on every rank)."""
     saved, model = index["model"], cfg.model
-    keys = ["block", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"]
-    if "model/embedding.position" in index["tensors"]:
-        keys.append("max_position_embeddings")
-    for key in keys:
-        if saved[key] != getattr(model, key):
-            flag = "--" + key.replace("_", "-")
-            raise CheckpointError(f"checkpoint {where} was saved with {flag} {saved[key]} but this run "
-                                  f"has {flag} {getattr(model, key)}: use the checkpoint's model shape "
-                                  f"(--use-checkpoint-args) or start without --load")
+    differences = model_differences(saved, model)
+    if "model/embedding.position" in index["tensors"] and \
+            saved["max_position_embeddings"] != model.max_position_embeddings:
+        differences.append(("--max-position-embeddings", saved["max_position_embeddings"],
+                            model.max_position_embeddings))
+    if differences:
+        flag, there, here = differences[0]
+        more = f" (and {len(differences) - 1} more: " + ", ".join(
+            f"{f} {t} there, {h} here" for f, t, h in differences[1:]) + ")" if differences[1:] else ""
+        raise CheckpointError(f"checkpoint {where} was saved {_setting(flag, there, 'with', 'without')} "
+                              f"but this run has {_setting(flag, here, '', 'no').strip()}{more}: "
+                              f"use the checkpoint's model shape (--use-checkpoint-args) or start "
+                              f"without --load")
     if saved.get("qk_layernorm", False) != model.qk_layernorm:  # else its norms would be skipped
         given = "with --qk-layernorm, this run without" if saved.get("qk_layernorm", False) else \
             "without --qk-layernorm, this run with it"
@@ -127,9 +168,9 @@ def load_model_params(specs: list[ParamSpec], reader: TensorReader) -> None:
         if saved != s.global_shape:
             raise CheckpointError(f"checkpoint {reader.ckpt}: {s.name} has shape {saved} but this model "
                                   f"needs {s.global_shape}; use the checkpoint's model configuration")
-        t = reader.read(name, s.offsets, list(s.param.shape), dtype=s.param.dtype)
+        t = reader.read(name, s.offsets, list(s.shape), dtype=s.param.dtype)
         with torch.no_grad():
-            s.param.copy_(t.to(s.param.device))
+            s.local(s.param).copy_(t.to(s.param.device))
 
 
 def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) -> int:
@@ -160,16 +201,26 @@ def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) ->
         return 0
     if not ck.load_optim:
         trainer.optimizer.load_state_dict({"step": 0, "pieces": [], "state": {}})
-    by_name = {s.name: s for s in specs}
+    owners = by_owner(specs)  # each parameter's logical tensors (a stacked one holds several)
+
+    def flat_reader(key):
+        def read(s, flat):
+            name = f"{key}/{s.name}"
+            if name not in reader:
+                return None
+            return reader.read(name, s.offsets, list(s.shape), flat=flat or (0, s.numel))
+        return read
+
     current = trainer.optimizer.state_dict()
     state, pieces = {}, []
     for piece in current["pieces"] if ck.load_optim else []:
-        s, (a, b) = by_name[piece["name"]], (piece["start"], piece["end"])
-        pieces.append({"name": s.name, "start": a, "end": b})
-        state[s.name] = {key: reader.read(f"optim/{key}/{s.name}", s.offsets, list(s.param.shape),
-                                          flat=(a, b)).to(ps.device)
-                         for key in ("exp_avg", "exp_avg_sq", "master")
-                         if f"optim/{key}/{s.name}" in reader}
+        name, (a, b) = piece["name"], (piece["start"], piece["end"])
+        pieces.append({"name": name, "start": a, "end": b})
+        state[name] = {}
+        for key in ("exp_avg", "exp_avg_sq", "master"):
+            t = read_flat(owners[name], a, b, flat_reader(f"optim/{key}"))
+            if t is not None:
+                state[name][key] = t.to(ps.device)
     try:
         if ck.load_optim:
             trainer.optimizer.load_state_dict({
@@ -203,11 +254,9 @@ def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) ->
 
         def reading(prefix):
             def read(name, param):
-                key = f"optim/{prefix}/{name}"
-                if key not in reader:
-                    return None
-                s = by_name[name]
-                return reader.read(key, s.offsets, list(param.shape)).to(ps.device)
+                parts = owners[name]
+                t = read_flat(parts, 0, param.numel(), flat_reader(f"optim/{prefix}"))
+                return None if t is None else t.view(param.shape).to(ps.device)
             return read
 
         fold_logical_residuals(trainer.reducer, ps, reading("grad_residual"))

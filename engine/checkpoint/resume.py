@@ -20,6 +20,7 @@ process group exists; the trainer again when it starts).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -32,7 +33,9 @@ from engine.checkpoint.reader import load_checkpoint
 # (config section, key) pairs that make two runs the same run; None: a RunConfig field
 RECIPE = (("model", "block"), ("model", "num_layers"), ("model", "hidden_size"),
           ("model", "num_attention_heads"), ("model", "num_query_groups"), ("model", "ffn_hidden_size"),
-          ("model", "max_position_embeddings"), ("model", "seq_length"), ("data", "data_path"),
+          ("model", "max_position_embeddings"), ("model", "seq_length"), ("model", "qk_layernorm"),
+          ("model", "num_experts"), ("model", "moe_layer_freq"), ("model", "moe_ffn_hidden_size"),
+          ("model", "moe_shared_expert_intermediate_size"), ("data", "data_path"),
           ("data", "mock_data"), ("data", "tokenizer"), ("data", "tokenizer_model"),
           ("data", "tokenizer_type"), ("data", "vocab_file"), ("data", "merge_file"), ("data", "split"),
           ("data", "global_batch_size"), (None, "seed"))
@@ -64,14 +67,23 @@ def recipe_differences(index: dict, cfg) -> list[str]:
         keys.append(("model", "vocab_size"))
     out = []
     for section, key in keys:
-        here = _plain(getattr(getattr(cfg, section) if section else cfg, key))
-        there = (saved.get(section) or {}).get(key) if section else saved.get(key)
+        owner = getattr(cfg, section) if section else cfg
+        here = _plain(getattr(owner, key))
+        kept = saved.get(section) if section else saved
+        # a key the run's saved section lacks (written before the field existed): its default
+        there = kept.get(key, _default(owner, key)) if isinstance(kept, dict) and kept else None
         if section == "model" and key == "vocab_size":
             there = index["model"]["vocab_size"]
         if there != here:
             flag = "--" + key.replace("_", "-")
             out.append(f"{flag} {_text(there)} there, {_text(here)} here")
     return out
+
+
+def _default(owner, key: str):
+    """A field's default: what a checkpoint written before the field existed stands for."""
+    f = type(owner).__dataclass_fields__[key]
+    return _plain(f.default) if f.default is not dataclasses.MISSING else None
 
 
 def _text(value) -> str:
@@ -85,6 +97,8 @@ def describe(index: dict) -> str:
     m = index["model"]
     what = f"step {index['step']}, {m['block']} layers={m['num_layers']} hidden={m['hidden_size']} " \
            f"heads={m['num_attention_heads']}"
+    if m.get("num_experts"):
+        what += f" experts={m['num_experts']} top-{m.get('moe_router_topk')}"
     return what + (", imported by engine.import_hf" if "source" in index else "")
 
 

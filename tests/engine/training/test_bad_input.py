@@ -495,3 +495,50 @@ def test_one_line_once_and_a_missing_peer_named(bad):
     assert code == 1 and len(lines) == 1 and lines[0].startswith(
         "gridtron: rank 1 found no rendezvous store at 127.0.0.1:"), lines
     assert "within --timeout-s 3 s: rank 0, which serves it, did not arrive" in lines[0]
+
+
+# ---- a checkpoint of another model ------------------------------------------------------------
+
+def test_checkpoint_of_another_model_names_what_differs(saved, tmp_path, capsys):
+    """A mixture-of-experts checkpoint into a dense run, another expert count, other MoE layers or
+    expert width, a dense checkpoint into an MoE run: one line naming the flag and both values
+    (--load); the same checkpoint in --save is another run's, named by its recipe."""
+    from tests.fixtures.make_moe_ckpt_v1 import COMMON, HERE
+    fix = os.path.join(HERE, "gpt2", "iter_0000002")  # 4 experts of width 8, top-2, MoE layers 0, 1
+    dense = COMMON[:COMMON.index("--num-experts")]
+    dense = dense[:dense.index("--timeout-s")] + ["--train-iters", "4"]  # (a note in one process)
+    fix_flags = ["--num-experts", "4", "--moe-ffn-hidden-size", "8"]
+    fix_use = "use the checkpoint's model shape (--use-checkpoint-args) or start without --load"
+    cases = [
+        (dense + ["--load", fix], f"checkpoint {fix} was saved with --num-experts 4 but this run "
+                                  f"has no --num-experts (a dense model): {fix_use}"),
+        (dense + ["--num-experts", "8", "--moe-ffn-hidden-size", "8", "--load", fix],
+         f"checkpoint {fix} was saved with --num-experts 4 but this run has --num-experts 8: "
+         f"{fix_use}"),
+        (dense + fix_flags + ["--moe-layer-freq", "[0,1]", "--load", fix],
+         f"checkpoint {fix} was saved with --moe-layer-freq 1 (MoE layers [0, 1]) but this run has "
+         f"--moe-layer-freq [0,1] (MoE layers [1]): {fix_use}"),
+        (dense + ["--num-experts", "4", "--moe-ffn-hidden-size", "16", "--load", fix],
+         f"checkpoint {fix} was saved with --moe-ffn-hidden-size 8 but this run has "
+         f"--moe-ffn-hidden-size 16: {fix_use}"),
+        (TINY + ["--mock-data", "--vocab-size", "300", "--train-iters", "3", "--num-experts", "4",
+                 "--load", saved],
+         f"checkpoint {os.path.join(saved, 'iter_0000001')} was saved without --num-experts (a dense "
+         f"model) but this run has --num-experts 4: use the checkpoint's model shape "
+         f"(--use-checkpoint-args) or start without --load"),
+    ]
+    for argv, line in cases:
+        assert train_main(argv) == 2, argv
+        err = capsys.readouterr().err.splitlines()
+        assert err == [f"{CHECKPOINT}{line}"], err
+    run = tmp_path / "ck"  # the same checkpoint in --save: another run, by its recipe
+    os.makedirs(run)
+    os.symlink(fix, run / "iter_0000002")
+    os.symlink("iter_0000002", run / "latest")
+    assert train_main(dense + ["--save", str(run)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"{CHECKPOINT}--save {run} holds the checkpoints of another run (step 2, gpt2 layers=2 "
+        f"hidden=16 heads=2 experts=4 top-2; another recipe: --num-experts 4 there, unset here; "
+        f"--moe-ffn-hidden-size 8 there, unset here): pass --load {run} --use-checkpoint-args to "
+        f"continue it"), err
