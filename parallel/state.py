@@ -52,6 +52,16 @@ class LaunchEnv:
     def num_nodes(self) -> int:
         return max(1, self.world_size // max(1, self.local_world_size))
 
+    def one_host(self, ranks) -> bool:
+        """Whether global ``ranks`` run on one host (torchrun and Slurm's block distribution put
+        ranks node-major: host i holds ranks i*L .. (i+1)*L - 1, L the local world size).
+
+        >>> LaunchEnv(0, 16, 0, 8).one_host([0, 7]), LaunchEnv(0, 16, 0, 8).one_host([7, 8])
+        (True, False)
+        """
+        per_host = max(1, self.local_world_size)
+        return len({r // per_host for r in ranks}) <= 1
+
 
 def check_layout(grid: RankGrid, launch: LaunchEnv) -> list[str]:
     """Raise LayoutError for a grid that cannot run on this launch; return warnings.

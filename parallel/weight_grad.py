@@ -208,7 +208,10 @@ class _RMSNormSplit(torch.autograd.Function):
 
 
 @torch.compiler.disable
-def _apply_eager(fn, *args):
+def apply_eager(fn, *args):
+    """``fn.apply(*args)`` outside any torch.compile graph (Dynamo breaks the graph here). A
+    ``torch.compiler.disable`` on the ``autograd.Function`` class itself does not cover its
+    ``apply``: the call must be wrapped."""
     return fn.apply(*args)
 
 
@@ -217,7 +220,7 @@ def apply_split(fn, store: WeightGradStore | None, *args):
     Dynamo traces): the W closures are Python side effects of backward that a traced backward
     graph cannot hold. Eager calls skip the wrapper, which costs a frame-evaluation switch."""
     if store is not None and torch.compiler.is_compiling():
-        return _apply_eager(fn, *args)
+        return apply_eager(fn, *args)
     return fn.apply(*args)
 
 

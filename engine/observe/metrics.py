@@ -21,7 +21,9 @@ run so far without the warm-up step (``RunningTotals``); without the bar, one co
   and its measured transfers (post time, receive latency; parallel/pipeline/transfers.py);
   ``bubble_simulated_compute``: the same replay with free transfers (stage imbalance alone).
 - ``time_pp_exposed_s``: seconds a rank's compute waited on pipeline transfers that were already
-  on their way (posting, and each wait after both sides had posted), averaged over ranks;
+  on their way (posting, and each wait after both sides had posted), averaged over ranks; null
+  when the pipeline's ranks are on more than one host (it compares a peer's post times with this
+  rank's waits, which needs one clock), and ``bubble_simulated`` then replays free transfers;
   ``time_dp_exposed_s``: the step's wait in the DP reduction's ``finish`` for collectives still in
   flight after the backward; ``time_zero_gather_exposed_s``: the forward's waits for ZeRO's
   overlapped parameter all-gathers (null without them); ``time_tp_exposed_s``: with tp > 1,

@@ -228,7 +228,14 @@ class Trainer:
                                weight_grads=self.weight_grads,
                                scatter_gather=cfg.parallel.scatter_gather_tensors_in_pipeline
                                and not sp,
-                               schedule_lists=self.schedule_lists if ps.pp_size > 1 else None)
+                               schedule_lists=self.schedule_lists if ps.pp_size > 1 and
+                               self._one_clock(ps.pp_group.ranks) else None)
+
+    def _one_clock(self, ranks) -> bool:
+        """Whether ``ranks`` share one host's clock: the pipeline's exposed transfer time compares
+        a peer's post times with this rank's waits (parallel/pipeline/transfers.py), a figure
+        that cannot be known across hosts (it is null there)."""
+        return self.launch is None or self.launch.one_host(ranks)
 
     def _build_monitors(self) -> None:
         """FLOPs and peak for MFU, the profiler, the anomaly guard, stragglers, the bubble."""

@@ -155,7 +155,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
             raise ValueError(f"ring attention takes the whole rows' document ids (b, s) = "
                              f"({b}, {p * s_local}), got {tuple(document_ids.shape)}")
         c = s_local // 2
-        chunks = torch.tensor([[j, 2 * p - 1 - j] for j in range(p)], device=document_ids.device)
+        j = torch.arange(p, device=document_ids.device)   # on the device: no host-to-device copy
+        chunks = torch.stack([j, 2 * p - 1 - j], dim=1)   # (cp, 2): rank r holds chunks r, 2cp-1-r
         # (cp, b, 2c): the document ids of every rank's shard
         docs = document_ids.view(b, 2 * p, c)[:, chunks].reshape(b, p, s_local).transpose(0, 1).contiguous()
     cache = mask_cache if mask_cache is not None else NpuMaskCache()

@@ -1,8 +1,10 @@
 """Pipeline bubble: the closed forms, a discrete-event replay of a schedule, and the measurement.
 
 Measured (``measured_bubble``, the ``bubble_measured`` metric): per rank, the device time it
-spends in pipeline transfers plus its idle before its first and after its last action, over the
-span of the step's pipeline phase (first action of any stage to the last); averaged over ranks.
+spends in pipeline transfers plus its idle outside its own phase (the span less its first to last
+action), over the span of the step's pipeline phase, the longest of the ranks' phases; averaged
+over ranks. Only durations, each on its rank's own clock, enter: ranks on different hosts have
+clocks that disagree, so no instant of one rank is subtracted from another's.
 The simulation's idle fraction means the same on a replayed schedule, so with deterministic stage
 costs the two agree (tests/parallel/pipeline/test_bubble_timing.py).
 
@@ -150,67 +152,65 @@ def phase_times(events) -> PhaseTimes:
                       wait, compute)
 
 
-def rank_bubble(phase: PhaseTimes, start: float, end: float) -> float:
-    """A rank's bubble over the pipeline phase [start, end] (the first action of any rank of the
-    pipeline to the last): its time in transfers plus its idle before its first and after its last
-    action, over the span. Host time between actions (Python, kernel launches) is not counted."""
-    span = end - start
+def rank_bubble(phase: PhaseTimes, span: float) -> float:
+    """A rank's bubble over the pipeline phase of length ``span`` (the longest phase of the
+    pipeline's ranks, each measured on its own clock): its time in transfers plus the idle outside
+    its own phase (``span`` minus its phase), over the span. Only durations enter: no rank's
+    instants are compared with another's, whose clock may be another host's. Host time between
+    actions (Python, kernel launches) is not counted."""
     if span <= 0:
         raise ValueError(f"rank_bubble: the pipeline phase must have a positive span, got {span}")
-    idle = phase.wait + (phase.first - start) + (end - phase.last)
+    idle = phase.wait + span - (phase.last - phase.first)
     return idle / span
+
+
+def _us(seconds: float) -> int:
+    return round(seconds * 1e6)
 
 
 def pipeline_bubble(ps, events) -> float:
     """This rank's ``rank_bubble`` over its pipeline's phase, on every rank of the pipeline group:
-    the phase's first and last instants come from all stages through one all-reduce (max of
-    int64 microseconds: HCCL reduces no float64)."""
+    the longest phase of the stages through one all-reduce (max of int64 microseconds: HCCL
+    reduces no float64)."""
     import torch
     import torch.distributed as dist
     phase = phase_times(events)
-    ends = torch.tensor([-round(phase.first * 1e6), round(phase.last * 1e6)], dtype=torch.int64,
-                        device=ps.device)
-    ps.pp_group.all_reduce(ends, op=dist.ReduceOp.MAX)
-    first_us, last_us = ends.tolist()
-    return rank_bubble(phase, -first_us / 1e6, last_us / 1e6)
+    span = torch.tensor([_us(phase.last) - _us(phase.first)], dtype=torch.int64, device=ps.device)
+    ps.pp_group.all_reduce(span, op=dist.ReduceOp.MAX)
+    return rank_bubble(phase, span.item() / 1e6)
 
 
 def pipeline_bubble_tensor(ps, phase: PhaseTimes):
     """``pipeline_bubble`` without a host read: this rank's bubble as a 0-d fp32 device tensor,
-    from the same MAX all-reduce of the phase's ends (int64 microseconds). The trainer adds it to
-    the next step's statistics all-reduce, so the bubble costs no wait of its own."""
+    from the same MAX all-reduce of the phases' durations (int64 microseconds). The trainer adds
+    it to the next step's statistics all-reduce, so the bubble costs no wait of its own."""
     return reduce_phase(ps, phase)[0]
 
 
 def reduce_phase(ps, phase: PhaseTimes, extra: Sequence[int] = ()):
-    """``pipeline_bubble_tensor``'s MAX all-reduce over the pipeline group, of the phase's ends
-    and of ``extra`` int64 values (transfers.py: every rank's post times): (this rank's bubble as
-    a 0-d fp32 device tensor, the reduced ``extra`` as an int64 device tensor)."""
+    """``pipeline_bubble_tensor``'s MAX all-reduce over the pipeline group, of the phase's
+    duration and of ``extra`` int64 values (transfers.py: every rank's post times): (this rank's
+    bubble as a 0-d fp32 device tensor, the reduced ``extra`` as an int64 device tensor)."""
     import torch
     import torch.distributed as dist
-    first_us, last_us = round(phase.first * 1e6), round(phase.last * 1e6)
-    ends = torch.tensor([-first_us, last_us, *extra], dtype=torch.int64)
+    own = _us(phase.last) - _us(phase.first)
+    values = torch.tensor([own, *extra], dtype=torch.int64)
     if torch.device(ps.device).type not in ("cpu", "meta"):  # a pageable copy would wait
-        ends = ends.pin_memory().to(ps.device, non_blocking=True)
-    ends = ends.to(ps.device)
-    ps.pp_group.all_reduce(ends, op=dist.ReduceOp.MAX)
-    return _bubble(phase, first_us, last_us, ends), ends[2:]
-
-
-def _bubble(phase: PhaseTimes, first_us: int, last_us: int, ends):
-    import torch
-    start, end = -ends[0], ends[1]  # the pipeline's first and last instants (us)
+        values = values.pin_memory().to(ps.device, non_blocking=True)
+    values = values.to(ps.device)
+    ps.pp_group.all_reduce(values, op=dist.ReduceOp.MAX)
+    span = values[0]   # the pipeline's longest phase (us)
     # differences of int64 microseconds are exact; only then fp32
-    idle = ((first_us - start) + (end - last_us)).to(torch.float32) + phase.wait * 1e6
-    return idle / (end - start).clamp(min=1).to(torch.float32)
+    idle = (span - own).to(torch.float32) + phase.wait * 1e6
+    return idle / span.clamp(min=1).to(torch.float32), values[1:]
 
 
 @dataclass
 class BubbleMeasurement:
-    per_rank: list[float]        # rank_bubble of each rank over the pipeline's common span
+    per_rank: list[float]        # rank_bubble of each rank over the pipeline's span
     mean: float
     wait_per_rank: list[float]   # time in transfers / span (part of per_rank)
-    span: float                  # seconds from the pipeline's first action to its last
+    span: float                  # seconds: the longest of the ranks' phases (each on its own clock)
 
 
 def measured_bubble(events) -> BubbleMeasurement:
@@ -218,15 +218,17 @@ def measured_bubble(events) -> BubbleMeasurement:
 
     ``events`` is one list of executor events per pipeline rank (as gathered by
     ``timeline.gather_events``), or a flat list whose events carry ``rank``. Per rank: the time in
-    pipeline transfers plus the idle before its first and after its last action, over the span of
-    the pipeline phase (the earliest first action to the latest last action of all its ranks);
+    pipeline transfers plus the idle outside its own phase (its first to its last action), over the
+    span of the pipeline phase (the longest of the ranks' phases: each rank's duration on its own
+    clock, so hosts' clocks are never compared; under GPipe and 1F1B the first stage's phase runs
+    from the pipeline's first forward to its last backward, the whole phase; where another
+    stage's last W comes later the span is short by that tail);
     averaged over ranks. The optimizer, the DP reduction's tail, clipping and the tied /
     sequence-parallel all-reduces come after the phase and are not in it.
     """
     phases = [phase_times(rank_events) for rank_events in _group_by_rank(events)]
-    start, end = min(p.first for p in phases), max(p.last for p in phases)
-    per_rank = [rank_bubble(p, start, end) for p in phases]
-    span = end - start
+    span = max(_us(p.last) - _us(p.first) for p in phases) / 1e6
+    per_rank = [rank_bubble(p, span) for p in phases]
     return BubbleMeasurement(per_rank, sum(per_rank) / len(per_rank),
                              [p.wait / span for p in phases], span)
 

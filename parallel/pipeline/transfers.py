@@ -25,7 +25,9 @@ microseconds of the wall clock) into its slots of a vector with one slot per tra
 the whole schedule (``message_slots``), and one MAX all-reduce over the pipeline group, the one
 that also finds the phase's ends for the measured bubble, hands every rank all of them. The
 figures are then computed on the device (``rank_exposure``), without a host read, and travel in
-the next step's statistics all-reduce (engine/training/late_figures.py). ``exposure`` is the same
+the next step's statistics all-reduce (engine/training/late_figures.py). Comparing a peer's post
+time with this rank's wait needs one clock: the trainer computes these figures only when the
+pipeline's ranks share a host (``LaunchEnv.one_host``) and reports them as null otherwise. ``exposure`` is the same
 on the host, for a whole pipeline's gathered spans (benchmarks, tests).
 """
 from __future__ import annotations

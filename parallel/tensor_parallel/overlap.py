@@ -33,7 +33,7 @@ from parallel.comm import group_size
 from parallel.tensor_parallel.mappings import _check_divisible, _gather
 from parallel.tensor_parallel.overlap_fused import fused_path
 from parallel.tensor_parallel.ring import SEQ, chunk_of, ring_pass
-from parallel.weight_grad import WeightGradStore, accumulate, accumulate_matmul
+from parallel.weight_grad import WeightGradStore, accumulate, accumulate_matmul, apply_eager
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:  # (..., n) -> (N, n)
@@ -176,7 +176,6 @@ class _RingLinearReduceScatterGather(torch.autograd.Function):
         return grad_x, _flat(g_full).t().matmul(_flat(x)), None, None, None
 
 
-@torch.compiler.disable
 class _MatmulAllReduceForwardIdentityBackward(torch.autograd.Function):
     """Row-parallel GEMM + all-reduce without sequence parallelism, as one fused op
     (``path.matmul_all_reduce``: Ascend's MC2 matmul-all-reduce); the backward is the plain
@@ -200,14 +199,10 @@ class _MatmulAllReduceForwardIdentityBackward(torch.autograd.Function):
         return grad_x, _weight_grads([grad], [weight], [None], x, False)[0], None, None, None
 
 
-def _apply_eager(fn, *args):
-    return fn.apply(*args)
-
-
 def _apply(fn, *args):
     """``fn.apply``, outside any torch.compile graph (the ring's handles are Python state)."""
     if torch.compiler.is_compiling():
-        return _apply_eager(fn, *args)
+        return apply_eager(fn, *args)
     return fn.apply(*args)
 
 

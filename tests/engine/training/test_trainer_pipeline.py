@@ -7,6 +7,7 @@ One spawned group (pp=2 x dp=2, four ranks) trains GPipe, 1F1B and interleaved f
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch.distributed as dist
@@ -59,6 +60,10 @@ def train_with_files(ps, runs: list, folder: str) -> list[dict]:
         records = trainer.train().records
         out.append({"records": records, "peaks": peaks, "pp_rank": ps.pp_rank,
                     "num_micro": trainer.num_micro})
+    # the same 1F1B run as if each rank were a host of its own: the pipeline spans hosts
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    trainer = Trainer(parse_args(BASE + LAYOUT + ["--micro-batch-size", "2"]))
+    out.append({"records": trainer.train().records})
     return out
 
 
@@ -100,6 +105,17 @@ def test_metrics_carry_both_bubbles(pipeline_runs, index):
                    for e in last if e["tid"] == rank] for rank in pipeline]
         per_rank += measured_bubble(events).per_rank
     assert records[-1]["bubble_measured"] == pytest.approx(sum(per_rank) / len(per_rank), abs=1e-4)
+
+
+def test_exposed_transfers_only_on_one_host(pipeline_runs):
+    """time_pp_exposed_s compares a peer's post times with this rank's waits: computed when the
+    pipeline's ranks share a host, null when they do not; the bubble (durations only) is there
+    either way."""
+    results, _ = pipeline_runs
+    one_host, two_hosts = results[0][1]["records"], results[0][len(RUNS)]["records"]
+    assert all(r["time_pp_exposed_s"] is not None for r in one_host)
+    assert all(r["time_pp_exposed_s"] is None and r["bubble_measured"] is not None
+               for r in two_hosts)
 
 
 @pytest.mark.parametrize("index", range(len(RUNS)), ids=[r[0] for r in RUNS])
