@@ -51,6 +51,7 @@ from parallel.pipeline.schedules import build_schedule, has_weight_actions, vali
 from parallel.random import ModelParallelRNG
 from parallel.state import LaunchEnv, ParallelState
 from parallel.tensor_parallel import Initializer, set_tp_comm_overlap
+from parallel.tensor_parallel.overlap_fused import probe_mode
 from parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -145,8 +146,11 @@ class Trainer:
         self.chunks = build_chunks(cfg.model, ps, ctxs, ranges, virtual, ps.pp_size * vp,
                                    self.registry).to(device=self.dev.device, dtype=self.dtype)
         if cfg.parallel.tp_comm_overlap:  # chunked TP rings / fused ops (tensor_parallel/overlap.py)
-            set_tp_comm_overlap(self.chunks, tp_overlap_mode(self.dev.type, self.dev.name, ps.tp_size,
-                                                             cfg.parallel.sequence_parallel))
+            mode = tp_overlap_mode(self.dev.type, self.dev.name, ps.tp_size,
+                                   cfg.parallel.sequence_parallel)
+            mode, why = probe_mode(ps.tp_group, self.dev.device, mode)  # symmetric memory, once
+            say_notes(self.is_main, [why] if why else [])
+            set_tp_comm_overlap(self.chunks, mode)
         if ps.cp_size > 1 and any(len(c.layers) for c in self.chunks) and not any(
                 isinstance(m, ParallelAttention) for c in self.chunks for m in c.modules()):
             raise ConfigError(f"--cp {ps.cp_size}: --block {cfg.model.block} has no "

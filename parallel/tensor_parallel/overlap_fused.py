@@ -1,7 +1,9 @@
 """The fused communication-compute ops behind ``--tp-comm-overlap``, per backend, probed.
 
 NOT YET RUN: written against the documented APIs; only the chunked ring (ring.py) has run (gloo,
-CPU). ``fused_path(t, group, mode)`` returns the fused implementation for a tensor's device and
+CPU). ``probe_mode`` tries the symmetric-memory rendezvous once at start, on every rank of the TP
+group (PyTorch's own tests of these ops require peer access between the devices); where any rank
+fails it, the run uses the ring and says so in one line. ``fused_path(t, group, mode)`` returns the fused implementation for a tensor's device and
 the group's backend, or None for the ring:
 
 - CUDA on NCCL, where the installed torch registers them (``torch.distributed._symmetric_memory``):
@@ -42,6 +44,11 @@ SEQ = 1
 NPU_WORLD_SIZES = (2, 4, 8)          # Atlas A2's documented sizes (A3 also 16, 32)
 NPU_K_RANGE = (256, 65535)           # k in [256, 65535)
 NPU_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def symm_mem_namespace():
+    """``torch.ops.symm_mem`` (registered by importing torch.distributed._symmetric_memory)."""
+    return torch.ops.symm_mem
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,14 +97,15 @@ class SymmMemPath:
     def all_gather_matmul(self, shard, bs, group, gather: bool = False):
         """shard (b, s/n, k), bs [(k, o_i)] -> (gathered (b, s, k) or None, [(b, s, o_i)])."""
         _count(group, "all_gather", shard)
-        a, outs = torch.ops.symm_mem.fused_all_gather_matmul(shard, list(bs), SEQ, _pg(group).group_name,
-                                                             return_A=gather)
+        a, outs = symm_mem_namespace().fused_all_gather_matmul(shard, list(bs), SEQ,
+                                                              _pg(group).group_name, return_A=gather)
         return a, list(outs)
 
     def matmul_reduce_scatter(self, a, b, group):
         """a (b, s, k), b (k, o) -> (b, s/n, o): (a @ b) summed over the group, this rank's chunk."""
         _count(group, "reduce_scatter", a[..., :1].expand(*a.shape[:-1], b.shape[-1]))
-        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", SEQ, _pg(group).group_name)
+        return symm_mem_namespace().fused_matmul_reduce_scatter(a, b, "sum", SEQ,
+                                                                _pg(group).group_name)
 
 
 class NpuMc2Path:
@@ -152,6 +160,44 @@ class NpuMc2Path:
 
 
 SYMM_MEM, NPU_MC2 = SymmMemPath(), NpuMc2Path()
+
+
+def _symm_mem_rendezvous(group, device) -> None:
+    """Enable symmetric memory on the group and rendezvous one small buffer over it: what the
+    fused ops do on their first call, which needs peer access between the group's devices."""
+    from torch.distributed import _symmetric_memory as symm_mem
+    name = _pg(group).group_name
+    symm_mem.enable_symm_mem_for_group(name)
+    buf = symm_mem.empty(16, dtype=torch.float32, device=device)
+    symm_mem.rendezvous(buf, name)
+
+
+def probe_mode(group, device, mode: str = "auto") -> tuple[str, str | None]:
+    """The overlap mode the TP group can run, decided once at start by every rank of the group:
+    where ``mode`` is "auto" and the symmetric-memory fused ops would be chosen (CUDA, NCCL, ops
+    registered), each rank tries the rendezvous (``agree``). Returns (mode, None), or ("ring",
+    the one line that says why) where a rank failed it."""
+    device = torch.device(device)
+    if mode != "auto" or device.type != "cuda" or group.size == 1 or not symm_mem_ops() \
+            or dist.get_backend(_pg(group)) != "nccl":
+        return mode, None
+    return agree(group, lambda: _symm_mem_rendezvous(group, device), mode)
+
+
+def agree(group, attempt, mode: str) -> tuple[str, str | None]:
+    """Every rank of ``group`` runs ``attempt()``; all get ``(mode, None)`` when it succeeded on
+    every rank, else ("ring", a line naming the first rank that failed and why)."""
+    why = None
+    try:
+        attempt()
+    except Exception as exc:  # noqa: BLE001 - any failure means: not on these devices
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    failed = [(group.ranks[i], w) for i, w in enumerate(group.all_gather_object(why)) if w]
+    if not failed:
+        return mode, None
+    rank, why = failed[0]
+    return "ring", (f"--tp-comm-overlap: the TP group's devices cannot share symmetric memory "
+                    f"(rank {rank}: {why}); the chunked ring overlaps the TP communication instead")
 
 
 def fused_path(t: torch.Tensor, group, mode: str = "auto"):

@@ -14,14 +14,22 @@ bias kept out of the fused all-reduce, and the fallbacks outside the documented 
   plain layer's;
 - fp32 or k < 256 falls back to the plain ops and never calls the stand-in; on the CPU the layers
   never take a fused path.
+
+The CUDA path (``SymmMemPath``) the same way, through a stand-in for PyTorch's two
+symmetric-memory ops (``fused_all_gather_matmul``: A gathered along ``gather_dim`` and A @ B for
+every B; ``fused_matmul_reduce_scatter``: A @ B reduce-scattered along ``scatter_dim``): the
+column-parallel pair and the row-parallel layer under sequence parallelism with the fused path
+equal the plain layers, forward and backward. And the start-up probe's agreement (``agree``):
+when one rank's rendezvous fails, every rank runs the ring and the line names that rank.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from parallel.tensor_parallel import Initializer, RowParallelLinear, set_tp_comm_overlap
-from parallel.tensor_parallel import overlap_fused
+from parallel.tensor_parallel import (ColumnParallelLinear, Initializer, RowParallelLinear,
+                                      set_tp_comm_overlap)
+from parallel.tensor_parallel import overlap, overlap_fused
 from parallel.tensor_parallel.mappings import _gather
 from parallel.tensor_parallel.overlap import _MatmulAllReduceForwardIdentityBackward
 from parallel.topology import RankGrid
@@ -144,6 +152,101 @@ def fused_group(ps) -> dict:
     out["cpu_same"] = torch.equal(layer(x), before)
     out["cpu_path"] = overlap_fused.fused_path(x, group)
     return out
+
+
+class FakeSymmMem:
+    """PyTorch's symmetric-memory fused ops on one group: their documented results."""
+
+    def __init__(self, group):
+        self.group, self.calls = group, []
+
+    def fused_all_gather_matmul(self, a_shard, bs, gather_dim, group_name, return_A=True):
+        assert group_name == "tp-name" and gather_dim == 1, (group_name, gather_dim)
+        self.calls.append("fused_all_gather_matmul")
+        a = _gather(a_shard, gather_dim, self.group)
+        return (a if return_A else None), [a @ b for b in bs]
+
+    def fused_matmul_reduce_scatter(self, a, b, reduce_op, scatter_dim, group_name):
+        assert group_name == "tp-name" and scatter_dim == 1 and reduce_op == "sum"
+        self.calls.append("fused_matmul_reduce_scatter")
+        y = a @ b
+        dist.all_reduce(y, group=self.group.process_group)
+        return y.chunk(self.group.size, dim=scatter_dim)[self.group.rank].contiguous()
+
+
+class _Named:
+    group_name = "tp-name"
+
+
+def symm_mem_group(ps) -> dict:
+    """The column-parallel pair and the row-parallel layer under SP through SymmMemPath (the
+    stand-in), against the same layers with the plain collectives (fp32)."""
+    group, r = ps.tp_group, ps.tp_rank
+    fake = FakeSymmMem(group)
+    saved = (overlap_fused.symm_mem_namespace, overlap_fused.fused_path, overlap_fused._pg)
+    saved_layers = overlap.fused_path
+    out = {}
+    try:
+        overlap_fused.symm_mem_namespace = lambda: fake
+        overlap_fused._pg = lambda g: _Named()
+        path = overlap_fused.SYMM_MEM
+        shard = _rand(11 + r, 2, 3, 16, dtype=torch.float32)
+        ws = [_rand(12, 16, 8, dtype=torch.float32), _rand(13, 16, 4, dtype=torch.float32)]
+        gathered, outs = path.all_gather_matmul(shard, ws, group, gather=True)
+        full = _gather(shard, 1, group)
+        out["ag"] = max([(gathered - full).abs().max().item()] +
+                        [(o - full @ w).abs().max().item() for o, w in zip(outs, ws)])
+        a, w = _rand(14 + r, 2, 6, 16, dtype=torch.float32), _rand(15, 16, 8, dtype=torch.float32)
+        total = a @ w
+        dist.all_reduce(total, group=group.process_group)
+        out["rs"] = (path.matmul_reduce_scatter(a, w, group) - total.chunk(2, dim=1)[r]).abs().max().item()
+        out["calls"] = list(fake.calls)
+        # the layers under sequence parallelism through the fused path, forward and backward,
+        # against the plain layers with the same weights
+        overlap.fused_path = lambda t, g, mode="auto": path
+        col = ColumnParallelLinear(16, 8, ps, "col", Initializer(seed=7, std=0.5), bias=True,
+                                   sequence_parallel=True)
+        row = RowParallelLinear(8, 16, ps, "row", Initializer(seed=8, std=0.5), bias=True,
+                                sequence_parallel=True)
+        x = _rand(16 + r, 2, 3, 16, dtype=torch.float32).requires_grad_()
+        results = []
+        for mode in (None, "auto"):
+            set_tp_comm_overlap([col, row], mode)
+            x.grad = None
+            for p in (*col.parameters(), *row.parameters()):
+                p.grad = None
+            y = row(col(x))                                   # (b, s/tp, h)
+            (y * _rand(17 + r, *y.shape, dtype=torch.float32)).sum().backward()
+            results.append([y.detach(), x.grad, col.weight.grad, row.weight.grad])
+        out["layers"] = max((a - b).abs().max().item() for a, b in zip(*results))
+        out["layer_calls"] = fake.calls[2:]
+    finally:
+        overlap.fused_path = saved_layers
+        overlap_fused.symm_mem_namespace, overlap_fused.fused_path, overlap_fused._pg = saved
+    # the start-up probe: one rank failing its rendezvous puts every rank on the ring
+    def fails_on_rank_1():
+        if r == 1:
+            raise RuntimeError("peer access is not supported between these devices\nmore")
+    out["agree_ok"] = overlap_fused.agree(group, lambda: None, "auto")
+    out["agree_failed"] = overlap_fused.agree(group, fails_on_rank_1, "auto")
+    out["probe_cpu"] = overlap_fused.probe_mode(group, "cpu", "auto")
+    return out
+
+
+def test_symm_mem_path_and_the_start_up_probe():
+    for r in run_distributed(symm_mem_group, grid=RankGrid(tp=2)):
+        assert r["ag"] < 1e-5 and r["rs"] < 1e-5, r
+        assert r["calls"] == ["fused_all_gather_matmul", "fused_matmul_reduce_scatter"]
+        assert r["layers"] < 1e-5, r["layers"]
+        # forward: gather + GEMM (column), GEMM + scatter (row); backward: the row's gather +
+        # GEMM, then the column's GEMM + scatter
+        assert r["layer_calls"] == ["fused_all_gather_matmul", "fused_matmul_reduce_scatter"] * 2
+        assert r["agree_ok"] == ("auto", None)
+        assert r["agree_failed"] == ("ring", "--tp-comm-overlap: the TP group's devices cannot "
+                                     "share symmetric memory (rank 1: peer access is not supported "
+                                     "between these devices); the chunked ring overlaps the TP "
+                                     "communication instead")
+        assert r["probe_cpu"] == ("auto", None)       # nothing to probe on the CPU
 
 
 def test_npu_mc2_path_prepares_the_documented_operands():
