@@ -5,7 +5,8 @@ Keys are snake_case or dashed, flat or grouped under the config's own sections (
 PyYAML reads ``3e-4`` as a string (YAML 1.1 wants ``3.0e-4``): a float field accepts it. Everything
 else must already have the field's type: ``num_layers: 2.7`` or ``mock_data: "false"`` is an error
 naming the key, the value and the type expected. Malformed YAML is one line with file, line and
-column; a key given twice (in one mapping, or as ``lr`` and ``optim: lr``) names both lines.
+column; a key given twice (in one mapping, or as ``lr`` and ``optim: lr``) names both lines; a
+directory, an unreadable file or bytes that are not UTF-8 (with their line) are one line too.
 """
 from __future__ import annotations
 
@@ -110,11 +111,31 @@ def _read(path: str):
                 loader.dispose()
     except FileNotFoundError as exc:
         raise ConfigError(f"--config {path}: no such file") from exc
+    except IsADirectoryError as exc:
+        raise ConfigError(f"--config {path} is a directory; give the recipe's YAML file") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {path}:{_not_utf8(path)}; save the recipe as UTF-8") from exc
+    except OSError as exc:  # unreadable: permissions, a device, ...
+        raise ConfigError(f"--config {path}: cannot be read ({exc.strerror or exc}); give a "
+                          f"readable YAML file") from exc
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
         raise ConfigError(f"--config {where}: malformed YAML: {problem}") from exc
+
+
+def _not_utf8(path: str) -> str:
+    """'LINE: not UTF-8 text (byte 0xNN at offset K)' for the file's first byte that is not UTF-8
+    (the whole file decoded at once: a text stream's offsets count from its last chunk)."""
+    with open(path, "rb") as fh:
+        data = fh.read()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        return f"{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+    return " not UTF-8 text"
 
 
 def _unknown(key: str, table: dict, where: str) -> ConfigError:

@@ -178,6 +178,7 @@ def bad(tmp_path_factory):
                "float": "num_layers: 2.7\n", "section": "model:\n  lr: 1.0\n"}
     for name, text in recipes.items():
         (root / f"{name}.yaml").write_text(text)
+    (root / "latin1.yaml").write_bytes(b"num_layers: 2\n# r\xe9glage\nlr: 1.0e-3\n")
     (root / "t.txt").write_text("some text for the byte tokenizer " * 200)
     (root / "hi.txt").write_text("hi")
     data = root / "data"
@@ -262,6 +263,11 @@ CASES = [  # (id, argv, the line after its prefix, exit code)
      CONFIG + "--config {root}/section.yaml: 'lr' is not a model key; it belongs under optim:", 2),
     ("recipe-missing", MOCK + ["--config", R + "/none.yaml"],
      CONFIG + "--config {root}/none.yaml: no such file", 2),
+    ("recipe-directory", MOCK + ["--config", R + "/outdir"],
+     CONFIG + "--config {root}/outdir is a directory; give the recipe's YAML file", 2),
+    ("recipe-not-utf8", MOCK + ["--config", R + "/latin1.yaml"],
+     CONFIG + "--config {root}/latin1.yaml:2: not UTF-8 text (byte 0xe9 at offset 17); save the "
+              "recipe as UTF-8", 2),
     # -- sizes against memory (each within seconds: refused before anything is built)
     ("num-layers-1e9", MOCK + ["--num-layers", "1000000000"], CONFIG + MEMORY, 2),
     ("hidden-size-1e12", MOCK + ["--hidden-size", "1000000000000"], CONFIG + MEMORY, 2),
