@@ -8,19 +8,18 @@ run's own flags: ``--world-size`` (the job's ranks), ``--device`` (a planner dev
 a100-80gb, h100, ascend910b2: its memory for the fit check and its backend, HCCL or NCCL, whose
 rules every collective is checked against and whose communicators are priced; engine.train's
 npu/cuda/cpu/auto choose the backend only), ``--memory-gb`` (overrides the device's memory),
-``--devices-per-node`` (default the device's, else 8: TP groups must stay inside a node),
-``--tp-comm-overlap`` (until engine.train has it: list the layers' TP collectives as chunk rings)
-and ``--json FILE``. Exit status: 0, every rank fits (or no memory was given); 1, some rank needs more
-than the usable memory; 2, the run would reject the configuration (the message says why).
+``--devices-per-node`` (default the device's, else 8: TP groups must stay inside a node) and
+``--json FILE``. Exit status: 0, every rank fits (or no memory was given); 1, some rank needs more
+than the usable memory; 2, the run would reject the configuration: one line, ``gridtron:
+configuration error: ...``, as engine.train says it.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
-import sys
 
-from engine.base import ConfigError
+from engine.base import ConfigError, ToolParser, run_tool
 from engine.config.fields import suggest
 from engine.config.schema import DEVICES
 from engine.plan.model import MAX_DEVICES
@@ -28,35 +27,23 @@ from engine.training.launch import run_config
 from engine.training.validate import unwritable
 
 HELP_HINT = "python -m engine.dryrun --help lists its flags, python -m engine.train --help the others"
-OWN_FLAGS = ("world-size", "device", "memory-gb", "devices-per-node", "json", "tp-comm-overlap")
+OWN_FLAGS = ("world-size", "device", "memory-gb", "devices-per-node", "json")
 
 
-def _train_has_tp_comm_overlap() -> bool:
-    """Whether engine.train has --tp-comm-overlap itself (then its parser reads it from the run's
-    flags and recipe); until it does, the dry run takes it as one of its own flags."""
-    from engine.config.schema import ParallelConfig
-    return "tp_comm_overlap" in getattr(ParallelConfig, "__dataclass_fields__", {})
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of usage + exit
+class _Parser(ToolParser):
+    def error(self, message):  # one line, naming where both tools' flags are listed
         raise ConfigError(f"{message} ({HELP_HINT})")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m engine.dryrun", description=__doc__.split("\n\n")[0],
-                epilog="Every other flag is engine.train's (python -m engine.train --help).",
-                allow_abbrev=False)
+                epilog="Every other flag is engine.train's (python -m engine.train --help).")
     p.add_argument("--world-size", type=int, help="ranks of the job (required)")
     p.add_argument("--device", help="planner device name (python -m engine.plan --help lists them) "
                                     "or engine.train's npu/cuda/cpu/auto")
     p.add_argument("--memory-gb", type=float, help="device memory in GiB (overrides --device's)")
     p.add_argument("--devices-per-node", type=int, help="ranks per node (default: the device's, else 8)")
     p.add_argument("--json", metavar="FILE", help="write the roles, collectives and comparison here")
-    if not _train_has_tp_comm_overlap():
-        p.add_argument("--tp-comm-overlap", action="store_true",
-                       help="list the layers' TP gathers and scatters as chunk rings beside their "
-                            "GEMMs (Megatron-LM's flag; with --sequence-parallel)")
     return p
 
 
@@ -99,25 +86,26 @@ def json_path_problem(path: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """A mistake is one line, ``gridtron: configuration error: ...`` (an unknown --device: ``gridtron:
+    unknown device ...``), exit 2 (engine/base.py ``run_tool``)."""
     from engine.dryrun import dry_run
     from engine.dryrun.report import text, write_json
-    try:
-        args, rest = build_parser().parse_known_args(argv)
-        check_args(args, rest)
-        device = args.device
-        if device in DEVICES:               # engine.train's meaning: the backend, no memory
-            rest += ["--device", device]
-            device = None
-        cfg = run_config(rest)
-        result = dry_run(cfg, args.world_size, device, args.memory_gb, args.devices_per_node,
-                         tp_comm_overlap=getattr(args, "tp_comm_overlap", False))
-    except KeyError as exc:                 # an unknown --device name
-        print(f"gridtron dry run: {exc.args[0]}", file=sys.stderr)
-        return 2
-    except (ConfigError, ValueError) as exc:
-        print(f"gridtron dry run: configuration error: {exc}", file=sys.stderr)
-        return 2
-    print(text(result))
-    if args.json:
-        write_json(result, args.json)
-    return 0 if all(result.fits(r) for r in result.records) else 1
+
+    def body() -> int:
+        try:
+            args, rest = build_parser().parse_known_args(argv)
+            check_args(args, rest)
+            device = args.device
+            if device in DEVICES:               # engine.train's meaning: the backend, no memory
+                rest += ["--device", device]
+                device = None
+            cfg = run_config(rest)
+            result = dry_run(cfg, args.world_size, device, args.memory_gb, args.devices_per_node)
+        except (ConfigError, ValueError) as exc:
+            raise ConfigError(f"configuration error: {exc}") from exc
+        print(text(result))
+        if args.json:
+            write_json(result, args.json)
+        return 0 if all(result.fits(r) for r in result.records) else 1
+
+    return run_tool(body, (KeyError, lambda e: e.args[0], 2))  # an unknown --device name

@@ -1,6 +1,7 @@
-"""``python -m engine.plan``: see engine/plan/search.py."""
+"""``python -m engine.plan``: the command line is engine/tools/plan_cli.py (it reads engine.train's
+model flags and recipes), the search engine/plan/search.py."""
 import sys
 
-from engine.plan.search import main
+from engine.tools.plan_cli import main
 
 sys.exit(main())

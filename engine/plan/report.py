@@ -55,6 +55,8 @@ def train_args(shape: ModelShape, layout: Layout, precision: str = "bf16",
              "--num-attention-heads", str(shape.num_attention_heads),
              "--ffn-hidden-size", str(shape.ffn_hidden_size), "--seq-length", str(shape.seq_length),
              "--vocab-size", str(shape.vocab_size), "--block", shape.block, "--precision", precision]
+    if shape.num_query_groups not in (None, shape.num_attention_heads):
+        args += ["--num-query-groups", str(shape.num_query_groups)]
     args += moe_args(shape)
     args += ["--data-path", data_path] if data_path else ["--mock-data"]
     return args
@@ -86,14 +88,15 @@ def layout_text(layout: Layout) -> str:
 
 
 def launch_command(shape: ModelShape, layout: Layout, devices_per_node: int, precision: str = "bf16",
-                   data_path: str | None = None) -> str:
-    """The torchrun line to run on every node (one node: no rendezvous endpoint needed)."""
+                   data_path: str | None = None, model_flags: tuple[str, ...] = ()) -> str:
+    """The torchrun line to run on every node (one node: no rendezvous endpoint needed);
+    ``model_flags``: the user's model flags the shape does not carry (``--qk-layernorm``, ...)."""
     world = layout.world_size
     nodes = max(1, world // devices_per_node)
     per_node = min(world, devices_per_node)
     head = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(per_node)]
     rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f'"{MASTER_ENDPOINT}"'] if nodes > 1 else []
-    tail = [shlex.quote(a) for a in train_args(shape, layout, precision, data_path)]
+    tail = [shlex.quote(a) for a in [*train_args(shape, layout, precision, data_path), *model_flags]]
     return " ".join(head + rdzv + ["-m", "engine.train"] + tail)
 
 

@@ -257,7 +257,7 @@ def test_receives_show_the_bytes_they_land(capsys):
 
 def test_precision_agrees_with_the_planner_and_is_printed():
     from engine.dryrun.report import as_json, text
-    from engine.plan.search import build_parser as plan_parser
+    from engine.tools.plan_cli import build_parser as plan_parser
     planned = plan_parser().get_default("precision")
     assert planned == "bf16"
     on_device = dry_run(parse_args(PIPE), 4, "h100")  # no --precision: the planner's
@@ -308,7 +308,7 @@ def test_bad_arguments_get_one_line(extra, message, capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"gridtron dry run: {message}"), captured.err
+    assert len(lines) == 1 and lines[0].startswith(f"gridtron: {message}"), captured.err
 
 
 def test_json_path_is_checked_before_any_work(tmp_path, capsys):
@@ -325,7 +325,7 @@ def test_json_path_is_checked_before_any_work(tmp_path, capsys):
     for path, why in cases:
         assert main(["--world-size", "4", "--json", path] + PIPE) == 2, path
         err = capsys.readouterr().err
-        assert err == (f"gridtron dry run: configuration error: --json {path}: {why}; choose a file "
+        assert err == (f"gridtron: configuration error: --json {path}: {why}; choose a file "
                        f"path you can write to\n"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "kept.json"]
     assert hashlib.sha256(kept.read_bytes()).hexdigest() == digest

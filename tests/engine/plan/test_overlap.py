@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from engine.plan import search as plan
+from engine.tools import plan_cli
 from engine.plan.hardware import DEVICE_SPECS, OVERLAP_EFFICIENCY, OverlapEfficiency
 from engine.plan.model import ACT_BYTES, COLLECTIVE_LATENCY_S, Cluster, Layout, ModelShape
 from engine.plan.overlap import (Overlapped, bucketed, data_parallel_overlap, split, stage_windows,
@@ -170,7 +171,7 @@ ROW_70B = ["--num-layers", "84", "--hidden-size", "8192", "--num-attention-heads
 
 
 def test_cli_explain_and_json_with_tp_comm_overlap(capsys):
-    assert plan.main(ROW_70B + ["--tp-comm-overlap", "--top", "1", "--explain"]) == 0
+    assert plan_cli.main(ROW_70B + ["--tp-comm-overlap", "--top", "1", "--explain"]) == 0
     out = capsys.readouterr().out
     assert "overlaps: tp-comm-overlap on, grad reduce on, param gather on; efficiency tp 1.00" in out
     assert "hidden under the GEMMs (--tp-comm-overlap: tp-chunk rings)" in out
@@ -178,7 +179,7 @@ def test_cli_explain_and_json_with_tp_comm_overlap(capsys):
     assert "TFLOP/s per device: model 383.8" in out
     command = out.rstrip().splitlines()[-1]
     assert "--tp-comm-overlap" in command and "--sequence-parallel" in command
-    assert plan.main(ROW_70B + ["--tp-comm-overlap", "--top", "1", "--json"]) == 0
+    assert plan_cli.main(ROW_70B + ["--tp-comm-overlap", "--top", "1", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["tp_comm_overlap"] and row["comm_hidden"]["tp_comm"] > row["time_terms"]["tp_comm"]
     from engine.config.cli import parse_args
@@ -201,7 +202,7 @@ def test_calibrate_fits_the_overlap_efficiencies(tmp_path, capsys):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": i, "step_time_s": est.step_time_s, **measured}) + "\n"
                                for i in range(1, 5)))
-    assert plan.main(ROW_70B + ["--tp-comm-overlap", "--micro-batch-size", "1", "--recompute", "none",
+    assert plan_cli.main(ROW_70B + ["--tp-comm-overlap", "--micro-batch-size", "1", "--recompute", "none",
                                 "--zero", "on", "--sequence-parallel", "on", "--calibrate",
                                 str(metrics), "--json"]) == 0
     err = capsys.readouterr().err

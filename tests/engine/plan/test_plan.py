@@ -10,6 +10,7 @@ from itertools import permutations
 import pytest
 
 from engine.plan import search as plan
+from engine.tools import plan_cli
 from engine.plan.flops import step_flops
 from engine.plan.hardware import DEVICE_SPECS
 from engine.plan.model import (ACT_BYTES, DEFAULT_ACHIEVABLE_FRACTION, FIT_ROW, GIB,
@@ -425,7 +426,7 @@ PAPER_FLAGS = ["--layout", "8,2", "--micro-batch-size", "4", "--recompute", "ful
 
 
 def run_cli(argv, capsys):
-    assert plan.main(argv) == 0
+    assert plan_cli.main(argv) == 0
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
 
@@ -433,7 +434,7 @@ def test_cli_json_carries_every_term(capsys):
     rows = run_cli(ARGS + ["--json", "--top", "3"], capsys)
     assert len(rows) == 3
     for row in rows:
-        assert set(plan.JSON_KEYS) <= set(row)
+        assert set(plan_cli.JSON_KEYS) <= set(row)
         terms = row["time_terms"]
         assert sum(v for k, v in terms.items() if k != "total") == pytest.approx(row["step_time_s"])
         mem = row["memory_terms"]
@@ -444,7 +445,7 @@ def test_cli_json_carries_every_term(capsys):
 
 
 def test_cli_explain_prints_each_term(capsys):
-    assert plan.main(ARGS + PAPER_FLAGS + ["--explain", "--order", "tp-pp-dp"]) == 0
+    assert plan_cli.main(ARGS + PAPER_FLAGS + ["--explain", "--order", "tp-pp-dp"]) == 0
     out = capsys.readouterr().out
     names = [f.name for f in fields(TimeTerms)] + [f.name for f in fields(MemoryTerms) if f.name != "stage"]
     for name in names:
@@ -459,22 +460,26 @@ def test_cli_explain_prints_each_term(capsys):
 
 def test_cli_config_recipe_and_layout(tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("num-layers: 48\nhidden_size: 8192\nheads: 64\nvocab_size: 51200\n"
-                      "seq_length: 2048\nglobal-batch-size: 1536\nlr: 1.0e-4\n")
+    recipe.write_text("num-layers: 48\nhidden_size: 8192\nnum_attention_heads: 64\nvocab_size: 51200\n"
+                      "seq_length: 2048\nglobal-batch-size: 1536\nlr: 1.0e-4\ntp: 8\n")
     from_flags = run_cli(ARGS + PAPER_FLAGS + ["--json"], capsys)
     from_recipe = run_cli(["--config", str(recipe), "--devices", "512"] + PAPER_FLAGS + ["--json"], capsys)
     assert from_flags == from_recipe and len(from_flags) == 1
     assert (from_flags[0]["tp"], from_flags[0]["pp"], from_flags[0]["vp"]) == (8, 2, 1)
+    # the trainer's reader: a key it does not know is refused, as engine.train refuses it
+    recipe.write_text(recipe.read_text() + "heads: 64\n")
+    assert plan_cli.main(["--config", str(recipe), "--devices", "512"] + PAPER_FLAGS) == 2
+    assert capsys.readouterr().err == f"gridtron: --config {recipe}: unknown key 'heads'\n"
 
 
 def test_cli_explains_rejected_layout(capsys):
-    assert plan.main(ARGS + ["--layout", "16,2"]) == 1
+    assert plan_cli.main(ARGS + ["--layout", "16,2"]) == 1
     assert "inside a node" in capsys.readouterr().err
-    assert plan.main(ARGS + ["--layout", "8,1", "--recompute", "none", "--zero", "off"]) == 1
+    assert plan_cli.main(ARGS + ["--layout", "8,1", "--recompute", "none", "--zero", "off"]) == 1
     assert "GiB per device" in capsys.readouterr().err  # 39B weights alone need 88 GB at tp 8
-    assert plan.main(ARGS[:-2] + ["--devices", "12"]) == 2
+    assert plan_cli.main(ARGS[:-2] + ["--devices", "12"]) == 2
     assert "whole number of nodes" in capsys.readouterr().err
-    assert plan.main(ARGS + ["--cp", "2", "--order", "tp-dp-pp"]) == 2
+    assert plan_cli.main(ARGS + ["--cp", "2", "--order", "tp-dp-pp"]) == 2
     assert "does not place cp" in capsys.readouterr().err
 
 
@@ -507,7 +512,7 @@ def test_link_calibration(tmp_path):
         {"op": "all_reduce", "group": "mystery", "bytes": 1 << 30, "busbw_gbps": 1.0},
     ]))
     assert plan.link_busbw(str(pre)) == {"intra": 180.0, "inter": 22.0}
-    c = plan.cluster_from_args(plan.build_parser().parse_args(ARGS + ["--calibrate-links", str(pre)]))
+    c = plan_cli.cluster_from_args(plan_cli.build_parser().parse_args(ARGS + ["--calibrate-links", str(pre)]))
     assert (c.intra_busbw_gbps, c.inter_busbw_gbps) == (180.0, 22.0)
 
 
@@ -584,7 +589,7 @@ CP_ARGS = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads"
 
 
 def test_explain_shows_the_cp_ring_and_its_exposed_part(capsys):
-    assert plan.main(CP_ARGS + ["--explain"]) == 0
+    assert plan_cli.main(CP_ARGS + ["--explain"]) == 0
     out = capsys.readouterr().out
     shape = ModelShape(8, 1024, 8, 1000, 8192, 8, fused_attention=True, recompute_early_stop=True)
     c = Cluster.from_device(DEVICE_SPECS["h100"], 8)
@@ -601,7 +606,7 @@ def test_explain_shows_the_cp_ring_and_its_exposed_part(capsys):
                     f"{(est.cp_ring_s - t.cp_comm) * 1e3:.2f} ms of it hidden under the attention "
                     f"blocks"), line
     assert "best layout (rank order tp-cp-dp-pp, planned in bf16), on every node:" in out
-    assert plan.main(ARGS + PAPER_FLAGS + ["--explain"]) == 0
+    assert plan_cli.main(ARGS + PAPER_FLAGS + ["--explain"]) == 0
     assert re.search(r"^  cp_comm +0\.00 ms +0\.0%  \(no context parallelism\)$",
                      capsys.readouterr().out, re.M)
 
@@ -628,7 +633,8 @@ BAD_PLAN_ARGS = [  # extra arguments over ARGS (which holds --devices 512), the 
     (["--device", "a200"], "unknown device 'a200'; known: "),
     (["--config", "/nonexistent/r.yaml"], "--config /nonexistent/r.yaml: no such file"),
     (["--calibrate-links", "/"], "--calibrate-links /: is a directory; give a file"),
-    (["--explai"], "unrecognized arguments: --explai (python -m engine.plan --help lists every flag)"),
+    (["--explai"], "unrecognized arguments: --explai (python -m engine.plan --help lists its "
+                   "arguments)"),
     (["--devic", "8"], "unrecognized arguments: --devic 8"),
     (["--precision", "fp32"], "argument --precision: invalid choice: 'fp32'"),
 ]
@@ -636,16 +642,16 @@ BAD_PLAN_ARGS = [  # extra arguments over ARGS (which holds --devices 512), the 
 
 @pytest.mark.parametrize("extra, message", BAD_PLAN_ARGS, ids=[" ".join(a) for a, _ in BAD_PLAN_ARGS])
 def test_bad_arguments_get_one_line(extra, message, capsys):
-    assert plan.main(ARGS + extra) == 2
+    assert plan_cli.main(ARGS + extra) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"engine.plan: {message}"), captured.err
+    assert len(lines) == 1 and lines[0].startswith(f"gridtron: {message}"), captured.err
 
 
 def test_bad_input_files_get_one_line(tmp_path, capsys):
-    cases = {"r.yaml": ("num_layers: [1", "not valid YAML (line 1, column 15)"),
-             "list.yaml": ("[1, 2]", "expected a mapping of keys to values, got a list"),
+    cases = {"r.yaml": ("num_layers: [1", "malformed YAML: expected ',' or ']'"),
+             "list.yaml": ("[1, 2]", "a recipe is a mapping of keys to values"),
              "m.jsonl": ('{"step": 1}\nnot json\n', "line 2 is not JSON"),
              "links.json": ("{oops", "not JSON")}
     for name, (text, message) in cases.items():
@@ -655,8 +661,9 @@ def test_bad_input_files_get_one_line(tmp_path, capsys):
     for name, (_, message) in cases.items():
         path = str(tmp_path / name)
         argv = ARGS + PAPER_FLAGS + [flags[name], path]
-        assert plan.main(argv) == 2, name
+        assert plan_cli.main(argv) == 2, name
         err = capsys.readouterr().err
-        assert err.startswith(f"engine.plan: {flags[name]} {path}: {message}") and err.count("\n") == 1, err
-    assert plan.main(ARGS[:-2]) == 2
-    assert capsys.readouterr().err == "engine.plan: --devices N is required: the cluster's total devices\n"
+        where = f"{path}:1:15" if name == "r.yaml" else path  # the trainer's reader: line, column
+        assert err.startswith(f"gridtron: {flags[name]} {where}: {message}") and err.count("\n") == 1, err
+    assert plan_cli.main(ARGS[:-2]) == 2
+    assert capsys.readouterr().err == "gridtron: --devices N is required: the cluster's total devices\n"

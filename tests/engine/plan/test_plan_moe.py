@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from engine.plan import search as plan
+from engine.tools import plan_cli
 from engine.plan.flops import MoEShape, step_flops
 from engine.plan.hardware import DEVICE_SPECS
 from engine.plan.memory import stage_memory, stage_param_split
@@ -149,7 +150,7 @@ MOE_ARGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads"
 def test_ep_in_the_search_every_line_and_every_command(capsys):
     from torch.distributed.run import get_args_parser
     from engine.config.cli import parse_args
-    assert plan.main(MOE_ARGS + ["--json", "--top", "200"]) == 0
+    assert plan_cli.main(MOE_ARGS + ["--json", "--top", "200"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     eps = {row["ep"] for row in rows}
     assert eps > {1} and all(8 % ep == 0 and (row["dp"] * row["cp"]) % row["ep"] == 0
@@ -163,18 +164,18 @@ def test_ep_in_the_search_every_line_and_every_command(capsys):
         assert [cfg.model.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
         assert cfg.model.moe_shared_expert_intermediate_size == 128
         cfg.parallel.grid(16)                              # ep divides dp x cp
-    assert plan.main(MOE_ARGS + ["--top", "5", "--explain"]) == 0
+    assert plan_cli.main(MOE_ARGS + ["--top", "5", "--explain"]) == 0
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith(("tp=", "layout tp="))]
     assert len(lines) == 10 and all(" ep=" in ln for ln in lines)
     assert "  ep_comm " in out and out.rstrip().splitlines()[-1].count("--ep ") == 1
     # a pinned size; a bad one says so in one line
-    assert plan.main(MOE_ARGS + ["--json", "--ep", "2"]) == 0
+    assert plan_cli.main(MOE_ARGS + ["--json", "--ep", "2"]) == 0
     assert {json.loads(ln)["ep"] for ln in capsys.readouterr().out.splitlines()} == {2}
     for bad, message in ((["--ep", "0"], "--ep expects a comma list of positive integers"),
                          (["--moe-router-topk", "9"], "--moe-router-topk 9 must be between 1"),
                          (["--num-experts", "0"], "--num-experts must be a positive integer")):
-        assert plan.main(MOE_ARGS + bad) == 2
+        assert plan_cli.main(MOE_ARGS + bad) == 2
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and message in err, err
 
@@ -288,7 +289,7 @@ def test_expert_tensor_parallel_traffic_and_time():
 def test_etp_in_the_search_every_line_and_every_command(capsys):
     from torch.distributed.run import get_args_parser
     from engine.config.cli import parse_args
-    assert plan.main(MOE_ARGS + ["--json", "--top", "400"]) == 0
+    assert plan_cli.main(MOE_ARGS + ["--json", "--top", "400"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {row["etp"] for row in rows} == {1, 2, 4, 8} & {row["tp"] for row in rows} | {1}
     split = [row for row in rows if row["etp"] > 1]
@@ -300,11 +301,77 @@ def test_etp_in_the_search_every_line_and_every_command(capsys):
         assert cfg.parallel.expert_tensor_parallel_size == row["etp"] == cfg.parallel.tp
     for row in rows:
         assert ("--etp " in row["command"]) == (row["etp"] > 1)
-    assert plan.main(MOE_ARGS + ["--layout", "2,1", "--etp", "tp", "--top", "3"]) == 0
+    assert plan_cli.main(MOE_ARGS + ["--layout", "2,1", "--etp", "tp", "--top", "3"]) == 0
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith("tp=")]
     assert lines and all(" etp=2 " in ln for ln in lines) and "--etp 2 " in out.splitlines()[-1]
-    assert plan.main(MOE_ARGS + ["--layout", "2,1", "--etp", "1", "--json"]) == 0
+    assert plan_cli.main(MOE_ARGS + ["--layout", "2,1", "--etp", "1", "--json"]) == 0
     assert {json.loads(ln)["etp"] for ln in capsys.readouterr().out.splitlines()} == {1}
-    assert plan.main(MOE_ARGS + ["--etp", "3"]) == 2
+    assert plan_cli.main(MOE_ARGS + ["--etp", "3"]) == 2
     assert "--etp: expected a comma list" in capsys.readouterr().err
+
+
+def test_the_planner_reads_the_model_as_the_trainer_does(tmp_path, capsys):
+    """Every model flag of engine.train (with its Megatron spellings) is engine.plan's; a training
+    recipe is read by the trainer's reader; a grouped-query MoE recipe (Mixtral's kind, small) is
+    planned with the shape engine.train would build, and every printed command trains that model;
+    an --ep that no layout can have says why."""
+    from torch.distributed.run import get_args_parser
+    from engine.config.cli import parse_args
+    from engine.config.fields import field_table, flag_info
+    from engine.training.validate import planner_inputs
+    options = {o for a in plan_cli.build_parser()._actions for o in a.option_strings}
+    for name, info in field_table().items():
+        if info.section == "model":
+            assert {"--" + name.replace("_", "-"), *flag_info(name).aliases} <= options, name
+    recipe = tmp_path / "moe.yaml"
+    recipe.write_text("model:\n  block: llama\n  num_layers: 4\n  hidden_size: 256\n"
+                      "  num_attention_heads: 8\n  num_query_groups: 2\n  vocab_size: 1000\n"
+                      "  seq_length: 256\n  num_experts: 8\n  moe_router_topk: 2\n"
+                      "  moe_layer_freq: '[0,1,1,1]'\n  qk_layernorm: true\n  rope_base: 500000.0\n"
+                      "data:\n  global_batch_size: 64\n  mock_data: true\noptim:\n  lr: 1.0e-4\n")
+    cluster = ["--device", "h100", "--devices", "16"]
+    args = plan_cli.build_parser().parse_args(["--config", str(recipe)] + cluster)
+    shape = plan_cli.shape_from_args(args)
+    trainer_cfg = parse_args(["--config", str(recipe)])
+    want, _ = planner_inputs(trainer_cfg, trainer_cfg.parallel.grid(1))
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                "ffn_hidden_size", "vocab_size", "seq_length", "global_batch_size", "moe",
+                "moe_layers"):
+        assert getattr(shape, key) == getattr(want, key), key
+    assert plan_cli.main(["--config", str(recipe)] + cluster + ["--json", "--top", "5"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 5
+    for row in rows:
+        cfg = parse_args(get_args_parser().parse_args(shlex.split(row["command"])[1:])
+                         .training_script_args)
+        for key in ("num_query_groups", "qk_layernorm", "rope_base", "num_experts",
+                    "moe_router_topk", "ffn_hidden_size"):
+            assert getattr(cfg.model, key) == getattr(trainer_cfg.model, key), key
+        assert [cfg.model.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+    # the same with flags, Megatron's spellings among them
+    flags = ["--block", "llama", "--num-layers", "4", "--hidden", "256", "--heads", "8",
+             "--num-query-groups", "2", "--vocab-size", "1000", "--seq-len", "256", "--gbs", "64",
+             "--num-experts", "8", "--moe-layer-freq", "[0,1,1,1]", "--qk-layernorm",
+             "--rotary-base", "500000"]
+    assert plan_cli.main(flags + cluster + ["--json", "--top", "5"]) == 0
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == rows
+    for extra, message in (
+            (["--ep", "3"], "--ep 3 does not divide --num-experts 8: each expert-parallel rank "
+                            "holds num_experts / ep whole experts; choose a divisor of 8"),
+            (["--ep", "8", "--devices", "4"],
+             "--ep 8: no layout of --devices 4 has dp x cp divisible by it (expert-parallel groups "
+             "are cut from the dp x cp ranks of a pipeline stage); choose an ep that divides dp x "
+             "cp, or more devices"),
+            (["--ep", "4", "--layout", "8,2"], "--ep 4: no layout of --devices 16 with --layout "
+                                               "8,2 has dp x cp divisible by it"),
+            (["--num-query-groups", "3"], "--num-query-groups 3 must be a positive divisor of "
+                                          "--num-attention-heads 8")):
+        assert plan_cli.main(flags + cluster + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and err.startswith(f"gridtron: {message}"), err
+    dense = flags[:flags.index("--num-experts")]
+    assert plan_cli.main(dense + cluster + ["--ep", "2"]) == 2
+    assert capsys.readouterr().err == ("gridtron: --ep 2: expert parallelism splits "
+                                       "mixture-of-experts layers, and this model has none (add "
+                                       "--num-experts E, or drop --ep)\n")

@@ -1,0 +1,348 @@
+"""``python -m engine.plan``'s command line (engine/plan/search.py ranks the layouts).
+
+The model is given as ``python -m engine.train`` gives it: every model flag of the trainer's schema
+(models/config.py's fields with the help, choices and Megatron spellings of engine/config/flags.py,
+e.g. ``--num-query-groups``, ``--num-experts``, ``--moe-layer-freq``, ``--qk-layernorm``) and
+``--global-batch-size``, from the flags or a training recipe (``--config``, read by the trainer's
+own reader: an unknown key, a duplicate or a value of the wrong type is refused as the trainer
+refuses it; keys of the run that do not shape the model, such as ``lr`` or ``tp``, are accepted
+and left to the search). The model config is then validated by the model's own checks. The
+planner's own flags choose the cluster (``--devices``, ``--device``, ...) and the search space
+(``--cp``, ``--ep``, ``--recompute``, ... as comma lists). A mistake is one line, ``gridtron:
+...``, exit 2; no layout that fits is one line and exit 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from engine.base import ConfigError, ToolParser, os_error_text, run_tool
+from engine.config.fields import field_table, flag_info
+from engine.config.recipe import load_recipe
+from engine.plan.arguments import check_args
+from engine.plan.calibrate import (fit_achievable_fraction, fit_overlap_efficiency, link_busbw,
+                                   measured_exposed, measured_step_time)
+from engine.plan.flops import BLOCKS, moe_layer_indices, moe_shape
+from engine.plan.hardware import DEVICE_SPECS, get_device_spec
+from engine.plan.model import (GIB, MEMORY_USABLE_FRACTION, PLAN_PRECISION, PLAN_SCHEDULES, Cluster,
+                               Layout, ModelShape, check_layout)
+from engine.plan.placement import DEFAULT_ORDER, parse_order
+from engine.plan.report import explain, launch_command, layout_text, train_args
+from engine.plan.search import SearchSpace, candidate_layouts, search
+from engine.plan.timing import Estimate, estimate
+from models.config import GPTConfig
+
+# the model's flags (every field of models/config.py) and the one batch flag the planner needs
+MODEL_FIELDS = tuple(n for n, info in field_table().items() if info.section == "model")
+SHAPE_FIELDS = MODEL_FIELDS + ("global_batch_size",)
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
+            "global_batch_size")
+JSON_KEYS = ("tp", "cp", "pp", "dp", "ep", "etp", "vp", "schedule", "micro_batch_size", "recompute", "zero",
+             "sequence_parallel", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather",
+             "order", "comm_hidden", "memory_bytes_per_device", "step_time_s", "tflops_per_device",
+             "model_tflops_per_device", "mfu", "hfu", "time_terms", "memory_terms", "command")
+
+
+def _choice(value: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    picked = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [v for v in picked if v not in allowed]
+    if bad or not picked:
+        raise ConfigError(f"{flag}: expected a comma list of {allowed}, got {value!r}")
+    return picked
+
+
+def _on_off(value: str, flag: str) -> tuple[bool, ...]:
+    picked = _choice(value, ("on", "off", "both"), flag)[0]
+    return {"on": (True,), "off": (False,), "both": (False, True)}[picked]
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """engine.train's model flags and --global-batch-size, as its parser defines them."""
+    table = field_table()
+    group = p.add_argument_group("model (engine.train's flags: python -m engine.train --help)")
+    for name in SHAPE_FIELDS:
+        info, flag = table[name], flag_info(name)
+        flags = ["--" + name.replace("_", "-"), *flag.aliases]
+        if info.type is bool:
+            group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
+                               help=flag.help)
+        else:
+            group.add_argument(*flags, dest=name, type=info.type, choices=flag.choices,
+                               help=flag.help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ToolParser(prog="python -m engine.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="a training recipe (YAML, engine.train's keys); flags override "
+                                    "its model keys")
+    _add_model_flags(p)
+    p.add_argument("--attention", default="fused", choices=("fused", "unfused"),
+                   help="fused (this engine's flash-style kernels): no s x s scores kept or streamed; "
+                        "unfused: Megatron 2021's materialised softmax")
+    p.add_argument("--recompute-early-stop", default="on", choices=("on", "off"),
+                   help="on: full recomputation skips each layer's last matmul (this engine, "
+                        "torch.utils.checkpoint); off: reruns the whole forward (Megatron-LM)")
+    p.add_argument("--device", default="a100-80gb",
+                   help=f"one of {', '.join(DEVICE_SPECS)} or a raw device name")
+    p.add_argument("--devices", type=int, help="total devices (required)")
+    p.add_argument("--devices-per-node", type=int)
+    p.add_argument("--intra-node-gbps", type=float, help="link rate inside a node, GB/s per direction")
+    p.add_argument("--inter-node-gbps", type=float, help="per-device share of the network, GB/s")
+    p.add_argument("--peak-tflops", type=float, help="override the table's dense bf16/fp16 peak")
+    p.add_argument("--memory-gb", type=float, help="override the table's device memory (GiB)")
+    p.add_argument("--achievable-fraction", type=float, help="override the fitted compute fraction")
+    p.add_argument("--grad-reduce-bytes", type=int, default=4, choices=(2, 4),
+                   help="bytes per gradient element in the DP reduction (4: fp32 main grads)")
+    p.add_argument("--order", default=DEFAULT_ORDER,
+                   help=f"the run's rank order, fastest first (default {DEFAULT_ORDER}; cp may be "
+                        f"left out when cp = 1)")
+    p.add_argument("--cp", default="1", help="context-parallel sizes to search, a comma list (default 1)")
+    p.add_argument("--layout", help="evaluate one layout: TP,PP[,VP]")
+    p.add_argument("--ep", "--expert-model-parallel-size", dest="ep",
+                   help="expert-parallel sizes to search, a comma list (default: every size that "
+                        "divides dp x cp and the experts)")
+    p.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp", default="1,tp",
+                   help="expert tensor parallelism to weigh for an MoE model with tp > 1: 1 (whole "
+                        "experts on every TP rank), tp (the TP group splits every expert) or 1,tp "
+                        "(default)")
+    p.add_argument("--pipeline-schedule", default="1f1b",
+                   help="comma list of pipeline schedules to weigh: 1f1b (interleaved with VP > 1), "
+                        "zb-h1, zb-v")
+    p.add_argument("--micro-batch-size", type=int, help="pin the micro-batch size")
+    p.add_argument("--recompute", default="none,selective,full", help="comma list to search")
+    p.add_argument("--zero", default="both", help="ZeRO-1: on, off or both")
+    p.add_argument("--sequence-parallel", default="both", help="on, off or both")
+    p.add_argument("--tp-comm-overlap", action="store_true",
+                   help="plan the TP collectives of each layer as chunk rings beside their GEMMs "
+                        "(Megatron-LM's flag; with sequence parallelism)")
+    p.add_argument("--overlap-grad-reduce", default="on", choices=("on", "off"),
+                   help="on (the engine's default): the DP reduction per bucket under the last "
+                        "backward; off: all after backward")
+    p.add_argument("--overlap-param-gather", default="on", choices=("on", "off"),
+                   help="on (the engine's default): ZeRO's all-gather per bucket ahead of the next "
+                        "forward; off: waited for after the update")
+    p.add_argument("--precision", default=PLAN_PRECISION, choices=("bf16", "fp16"),
+                   help="mixed precision of the planned run (both use the half-precision peak)")
+    p.add_argument("--data-path", help="data for the printed command (default: --mock-data)")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--explain", action="store_true", help="print every term of each estimate")
+    p.add_argument("--calibrate", metavar="METRICS_JSONL",
+                   help="fit the achievable fraction to a measured run (give its --layout too)")
+    p.add_argument("--calibrate-links", metavar="PREFLIGHT_JSON")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    return p
+
+
+def model_from_args(args: argparse.Namespace) -> tuple[GPTConfig, int, dict]:
+    """The model config (validated by its own checks), the global batch size and every shape
+    setting given (recipe keys, then flags over them)."""
+    given = {}
+    if args.config:
+        recipe = load_recipe(args.config)  # the trainer's reader: unknown keys, types, duplicates
+        given = {k: v for k, v in recipe.items() if k in SHAPE_FIELDS}
+    given.update({k: getattr(args, k) for k in SHAPE_FIELDS if getattr(args, k) is not None})
+    missing = [k for k in REQUIRED if k not in given]
+    if missing:
+        raise ConfigError("missing model keys: " + ", ".join("--" + k.replace("_", "-")
+                                                             for k in missing))
+    try:
+        model = GPTConfig(**{k: v for k, v in given.items() if k in MODEL_FIELDS})
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if model.block not in BLOCKS:
+        raise ConfigError(f"--block {model.block}: the planner has formulas for the "
+                          f"{' and '.join(BLOCKS)} blocks only")
+    return model, given["global_batch_size"], given
+
+
+def shape_from_args(args: argparse.Namespace) -> ModelShape:
+    """The planner's view of the model (engine/plan/model.py), as engine.train would build it."""
+    model, gbs, given = model_from_args(args)
+    extra = {} if "dropout" not in given else {"dropout": model.dropout > 0}
+    return ModelShape(model.num_layers, model.hidden_size, model.num_attention_heads,
+                      model.vocab_size, model.seq_length, gbs, model.ffn_hidden_size, model.block,
+                      fused_attention=args.attention == "fused",
+                      recompute_early_stop=args.recompute_early_stop == "on",
+                      num_query_groups=model.num_query_groups, moe=moe_shape(model),
+                      moe_layers=moe_layer_indices(model), **extra)
+
+
+def model_flags(args: argparse.Namespace, shape: ModelShape) -> list[str]:
+    """The model flags the user set that the printed command does not already carry (e.g.
+    ``--qk-layernorm``, ``--rope-base``, the router's choices), so that it trains this model."""
+    _, _, given = model_from_args(args)
+    written = {a.lstrip("-").replace("-", "_") for a in train_args(shape, Layout(1, 1, 1))
+               if a.startswith("--")}
+    out = []
+    for name, value in given.items():
+        if name in written or name not in MODEL_FIELDS:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else f"--no-{name.replace('_', '-')}")
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def cluster_from_args(args: argparse.Namespace) -> Cluster:
+    spec = get_device_spec(args.device)
+    cluster = Cluster.from_device(spec, args.devices, args.devices_per_node, args.intra_node_gbps,
+                                  args.inter_node_gbps, args.peak_tflops, args.memory_gb,
+                                  grad_reduce_bytes=args.grad_reduce_bytes)
+    if args.calibrate_links:
+        links = link_busbw(args.calibrate_links)
+        cluster = replace(cluster, intra_busbw_gbps=links.get("intra", cluster.intra_busbw_gbps),
+                          inter_busbw_gbps=links.get("inter", cluster.inter_busbw_gbps))
+    if args.achievable_fraction is not None:
+        cluster = replace(cluster, achievable_fraction=args.achievable_fraction)
+    return cluster
+
+
+def _sizes(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"{flag} expects a comma list of positive integers, got {text!r}")
+    return sizes
+
+
+def space_from_args(args: argparse.Namespace) -> SearchSpace:
+    cps = _sizes(args.cp, "--cp")
+    for cp in cps:
+        parse_order(args.order, cp)
+    eps = None if args.ep is None else _sizes(args.ep, "--ep")
+    etps = _choice(args.etp, ("1", "tp"), "--etp")
+    space = SearchSpace(_choice(args.recompute, ("none", "selective", "full"), "--recompute"),
+                        _on_off(args.zero, "--zero"), _on_off(args.sequence_parallel, "--sequence-parallel"),
+                        cps, args.order, micro_batch_size=args.micro_batch_size,
+                        schedules=_choice(args.pipeline_schedule, PLAN_SCHEDULES,
+                                          "--pipeline-schedule"),
+                        tp_comm_overlap=args.tp_comm_overlap,
+                        overlap_grad_reduce=args.overlap_grad_reduce == "on",
+                        overlap_param_gather=args.overlap_param_gather == "on", ep=eps, etp=etps)
+    if args.layout:
+        try:
+            parts = [int(x) for x in args.layout.split(",")]
+        except ValueError:
+            parts = []
+        if len(parts) not in (2, 3) or min(parts) < 1:
+            raise ConfigError(f"--layout expects TP,PP[,VP] of positive integers, got {args.layout!r}")
+        space = replace(space, tp=parts[0], pp=parts[1], vp=parts[2] if len(parts) == 3 else 1)
+    return space
+
+
+def expert_problem(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> str | None:
+    """Why no layout can have the asked --ep (None when some can): no experts, an ep that does not
+    divide the experts, or no layout whose dp x cp ranks (where EP groups are drawn) it divides."""
+    if space.ep is None:
+        return None
+    eps = ",".join(map(str, space.ep))
+    if shape.moe is None:
+        return (f"--ep {eps}: expert parallelism splits mixture-of-experts layers, and this model "
+                f"has none (add --num-experts E, or drop --ep)")
+    experts = shape.moe.num_experts
+    if all(experts % ep for ep in space.ep):
+        return (f"--ep {eps} does not divide --num-experts {experts}: each expert-parallel rank "
+                f"holds num_experts / ep whole experts; choose a divisor of {experts}")
+    if next(candidate_layouts(shape, cluster, space), None) is None and \
+            next(candidate_layouts(shape, cluster, replace(space, ep=None)), None) is not None:
+        pinned = f" with --layout {space.tp},{space.pp}" if space.tp and space.pp else ""
+        return (f"--ep {eps}: no layout of --devices {cluster.num_devices}{pinned} has dp x cp "
+                f"divisible by it (expert-parallel groups are cut from the dp x cp ranks of a "
+                f"pipeline stage); choose an ep that divides dp x cp, or more devices")
+    return None
+
+
+def _explain_empty(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> str:
+    if space.tp and space.pp:
+        cp = space.cp[0]
+        dp = cluster.num_devices // (space.tp * space.pp * cp)
+        why = check_layout(shape, cluster, Layout(space.tp, space.pp, max(dp, 1), space.vp or 1,
+                                                  space.micro_batch_size or 1, cp=cp, order=space.order))
+        if why:
+            return f"layout rejected: {why}"
+        least = min((estimate(shape, cluster, lay).memory_bytes_per_device
+                     for lay in candidate_layouts(shape, cluster, space)), default=None)
+        if least is not None:
+            usable = cluster.memory_gb * MEMORY_USABLE_FRACTION
+            return (f"layout needs at least {least / GIB:.1f} GiB per device, {usable:.1f} GiB usable; "
+                    f"try --recompute full, --zero on or a larger pp")
+    return "no layout fits in device memory; add devices, allow --recompute full or --zero on"
+
+
+def _calibrated(args, shape: ModelShape, cluster: Cluster, space: SearchSpace) -> Cluster:
+    if not (space.tp and space.pp and space.micro_batch_size and len(space.recompute) == 1
+            and len(space.zero) == 1 and len(space.cp) == 1
+            and (space.tp == 1 or len(space.sequence_parallel) == 1)):
+        raise ConfigError("--calibrate needs the measured run's --layout, --micro-batch-size, "
+                          "--recompute, --zero, --cp and --sequence-parallel (one value each)")
+    layout = next(candidate_layouts(shape, cluster, space), None)
+    if layout is None:
+        raise ConfigError(_explain_empty(shape, cluster, space))
+    step = measured_step_time(args.calibrate)
+    tflops = estimate(shape, cluster, layout).flops.executed / step / cluster.num_devices / 1e12
+    frac = fit_achievable_fraction(shape, cluster, layout, tflops)
+    cluster = replace(cluster, achievable_fraction=frac)
+    exposed = measured_exposed(args.calibrate)
+    for _ in range(50 if exposed else 0):  # the efficiencies at that fraction, the fraction
+        before = (frac, cluster.overlap)      # again with them, until neither moves
+        cluster = replace(cluster, overlap=fit_overlap_efficiency(shape, cluster, layout, exposed))
+        frac = fit_achievable_fraction(shape, cluster, layout, tflops)
+        cluster = replace(cluster, achievable_fraction=frac)
+        if abs(frac - before[0]) < 1e-9 and cluster.overlap == before[1]:
+            break
+    print(f"calibrated achievable fraction {frac:.3f} from a measured step of {step:.4g} s "
+          f"({tflops:.2f} executed TFLOP/s per device, peak {cluster.peak_tflops})", file=sys.stderr)
+    if exposed:
+        eff = cluster.overlap
+        print(f"calibrated overlap efficiency tp {eff.tp:.3f}, dp {eff.dp:.3f}, zero {eff.zero:.3f} "
+              f"from the measured exposed communication ("
+              + ", ".join(f"{k} {v:.4g} s" for k, v in exposed.items()) + ")", file=sys.stderr)
+    return cluster
+
+
+def _row_text(est: Estimate) -> str:
+    return (f"{layout_text(est.layout)}  "
+            f"mem {est.memory_bytes_per_device / GIB:.1f} GiB  step {est.step_time_s:.3f} s  "
+            f"{est.tflops_per_device:.1f} TFLOP/s/device  MFU {100 * est.mfu:.1f}%  HFU {100 * est.hfu:.1f}%")
+
+
+def plan(args: argparse.Namespace) -> int:
+    """Rank the layouts and print them (exit 0), or say that none fits (exit 1)."""
+    check_args(args)
+    shape, cluster, space = shape_from_args(args), cluster_from_args(args), space_from_args(args)
+    if (problem := expert_problem(shape, cluster, space)):
+        raise ConfigError(problem)
+    if args.calibrate:
+        cluster = _calibrated(args, shape, cluster, space)
+    results = search(shape, cluster, space)
+    if not results:
+        print(f"gridtron: {_explain_empty(shape, cluster, space)}", file=sys.stderr)
+        return 1
+    dpn, extra = cluster.devices_per_node, model_flags(args, shape)
+    command = lambda est: launch_command(shape, est.layout, dpn, args.precision,  # noqa: E731
+                                         args.data_path, extra)
+    for est in results[:args.top]:
+        if args.json:
+            print(json.dumps({**est.as_row(), "command": command(est)}))
+            continue
+        print(_row_text(est))
+        if args.explain:
+            print(explain(est, dpn), end="\n\n")
+    if not args.json:
+        print(f"{'' if args.explain else chr(10)}best layout (rank order {results[0].layout.order}, "
+              f"planned in {args.precision}), on every node:\n{command(results[0])}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A user's mistake (a flag, a recipe, a model the trainer would refuse, an input file) is one
+    line, ``gridtron: ...``, exit 2 (engine/base.py ``run_tool``)."""
+    return run_tool(lambda: plan(build_parser().parse_args(argv)),
+                    (OSError, lambda e: os_error_text(e), 2),
+                    ((ValueError, KeyError), lambda e: e.args[0] if e.args else str(e), 2))
