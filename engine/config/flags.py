@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config.schema import (BACKEND_RULES, COMPRESSORS, CP_COMM_TYPES, DECAY_STYLES, DEVICES, PRECISIONS, RECOMPUTE, SCHEDULES,
+from engine.config.schema import (BACKEND_RULES, COMPRESSORS, DIST_BACKENDS, CP_COMM_TYPES, DECAY_STYLES, DEVICES, PRECISIONS, RECOMPUTE, SCHEDULES,
                            WANDB_MODES)
 from engine.data.hf_tokenizer import TOKENIZER_TYPES
 
@@ -71,9 +71,10 @@ FLAGS: dict[str, Flag] = {
                                    "(each assignment to its expert's rank) or allgather (every "
                                    "rank gathers the EP group's tokens, reduce-scatter back)",
                                    "model", choices=("alltoall", "allgather")),
-    "moe_grouped_gemm": F("one grouped GEMM per expert projection instead of a loop over experts "
-                          "(torch._grouped_mm on CUDA in bf16, npu_grouped_matmul on Atlas A2/A3; "
-                          "the loop elsewhere)", "model"),
+    "moe_grouped_gemm": F("one grouped GEMM per expert projection over the stacked expert weights "
+                          "(default; torch._grouped_mm on CUDA in bf16 and on CPU, "
+                          "npu_grouped_matmul on Atlas A2/A3); --no-moe-grouped-gemm: a loop of "
+                          "F.linear per expert over the same weights", "model"),
     "moe_router_enable_expert_bias": F("aux-loss-free balancing: a per-expert bias on the sigmoid "
                                        "scores for the choice of experts, updated from the global "
                                        "expert load after each step", "model"),
@@ -132,6 +133,11 @@ FLAGS: dict[str, Flag] = {
                        "(the backend's own on NPU/GPU, none on gloo), none, hccl (Atlas A2/A3), "
                        "hccl:950, nccl; default from GRIDTRON_BACKEND_RULES", "parallelism",
                        choices=BACKEND_RULES),
+    "distributed_backend": F("the process groups' backend: auto (hccl on an NPU, nccl on a GPU, "
+                             "gloo on the CPU), or gloo on any device: device tensors through "
+                             "gloo, which lets two processes share one GPU (NCCL refuses that); "
+                             "slow, and gloo has no point-to-point transfer of CUDA tensors",
+                             "parallelism", choices=DIST_BACKENDS),
     "stream_check": F("run under the stream-order checker: an access of one storage from two "
                       "streams, worker threads or communicators without an event, wait or join "
                       "between them is reported and ends the run with exit code 1 (slow; for tests "

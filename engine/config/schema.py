@@ -20,6 +20,7 @@ RECOMPUTE = ("none", "selective", "full")
 COMPRESSORS = ("none", "int8", "topk", "onebit")
 CP_COMM_TYPES = ("p2p", "a2a")
 BACKEND_RULES = ("auto", "none", "hccl", "hccl:950", "nccl")
+DIST_BACKENDS = ("auto", "nccl", "hccl", "gloo")
 DECAY_STYLES = ("cosine", "linear", "constant")
 DEVICES = ("auto", "npu", "cuda", "cpu")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -83,6 +84,9 @@ class ParallelConfig:
     # from two streams, threads or communicators must be ordered; a violation ends the run (slow: for
     # tests and the layout fuzzer)
     stream_check: bool = False
+    # the process groups' backend: auto (the device's: hccl, nccl, gloo on the CPU), or gloo with
+    # device tensors (two processes on one GPU, which NCCL refuses; benchmarks/device_two_ranks.py)
+    distributed_backend: str = "auto"
     # mixture of experts: EP ranks drawn from the dp x cp ranks of a stage (parallel/expert_groups.py)
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1  # 1 or tp: the TP group splits every expert
@@ -90,6 +94,9 @@ class ParallelConfig:
     def __post_init__(self):
         if self.backend_rules not in BACKEND_RULES:
             raise ValueError(f"--backend-rules must be one of {BACKEND_RULES}, got {self.backend_rules!r}")
+        if self.distributed_backend not in DIST_BACKENDS:
+            raise ValueError(f"--distributed-backend must be one of {DIST_BACKENDS}, got "
+                             f"{self.distributed_backend!r}")
         for key in ("tp", "cp", "pp", "virtual_pipeline_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")

@@ -82,6 +82,8 @@ class Trainer:
         except PolicyError as exc:
             raise ConfigError(f"grad_compression_policy: {exc}") from exc
         self.dev = setup_device(cfg.device, self.launch.local_rank, self.launch.local_world_size)
+        if cfg.parallel.distributed_backend != "auto":  # gloo with device tensors (validated)
+            self.dev = dataclasses.replace(self.dev, backend=cfg.parallel.distributed_backend)
         problem = (npu_start_problem(self.dev.name, cfg.precision.precision, cfg.compile)
                    if self.dev.type == "npu" else None)
         if problem:  # a chip without bf16, or --compile: before any process group exists

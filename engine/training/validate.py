@@ -41,6 +41,10 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
         kind = detect_device_type(cfg.device)
     except (LayoutError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
+    wanted = par.distributed_backend
+    if wanted not in ("auto", "gloo", BACKENDS[kind]):
+        raise ConfigError(f"--distributed-backend {wanted} does not run on a {kind} device (its "
+                          f"backend is {BACKENDS[kind]}); use auto, gloo, or the device it needs")
     tp = grid.tp
     if grid.cp > 1:
         _validate_cp(cfg, grid)

@@ -34,9 +34,10 @@ def test_kernel_comparison_runs_on_cpu():
 
 
 def test_plan_and_deadlines():
-    assert [s.name for s in plan()] == ["kernels", "eager", "compiled", "tp_overlap", "zero", "packed"]
-    assert [s.name for s in plan(skip_compile=True)] == ["kernels", "eager", "tp_overlap", "zero",
-                                                        "packed"]
+    assert [s.name for s in plan()] == ["kernels", "eager", "compiled", "two_ranks", "tp_overlap",
+                                        "zero", "packed"]
+    assert [s.name for s in plan(skip_compile=True)] == ["kernels", "eager", "two_ranks",
+                                                        "tp_overlap", "zero", "packed"]
     stage = Stage("eager", 180.0)
     assert deadline_for(stage, 1000.0) == 180.0                      # its own cap
     assert deadline_for(stage, 100.0) == 100.0 - RESERVE_S           # what the budget leaves
@@ -57,7 +58,8 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
     assert code == 0, capsys.readouterr().out
     data = json.loads((tmp_path / "device_check.json").read_text())
     assert [(s["name"], s["status"]) for s in data["stages"]] == [
-        ("kernels", "ok"), ("eager", "ok"), ("tp_overlap", "ok"), ("zero", "ok"), ("packed", "ok")]
+        ("kernels", "ok"), ("eager", "ok"), ("two_ranks", "skipped"), ("tp_overlap", "ok"),
+        ("zero", "ok"), ("packed", "ok")]
     kernels = data["stages"][0]["kernels"]
     assert len(kernels) == 8 and all(k["ok"] for k in kernels)
     # the TP overlap's chunked GEMM against the plain one: the same values, timed
@@ -65,13 +67,15 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
     assert [g["tp"] for g in gemm] == [2, 4, 8]
     assert all(g["max_err"] < 1e-5 and g["plain_ms"] > 0 and g["chunked_ms"] > 0 for g in gemm)
     # tp=2 with SP without and with --tp-comm-overlap, two gloo processes here
-    pair = data["stages"][2]["tp_overlap"]
+    pair = data["stages"][3]["tp_overlap"]
     assert [r["run"] for r in pair["rows"]] == ["plain", "overlap"]
     assert all(r["steps"] == 2 and r["tokens_per_s"] > 0 and r["time_tp_exposed_s"] > 0
                for r in pair["rows"]), pair
     assert pair["ratio"] == pair["rows"][1]["tokens_per_s"] / pair["rows"][0]["tokens_per_s"]
+    # the two runs train one model: fp32 losses per step agree (the ring sums in another order)
+    assert len(pair["rows"][0]["losses"]) == 3 and pair["loss_rel_diff"] <= 1e-4, pair
     for stage in data["stages"][1:]:
-        if stage["name"] == "tp_overlap":
+        if stage["name"] in ("tp_overlap", "two_ranks"):
             continue
         s = stage["summary"]
         assert s["steps"] == 2 and s["tokens"] == 2 * 4 * 64 and s["tokens_per_s"] > 0
@@ -116,3 +120,25 @@ def test_training_recipe_is_the_13b_gpt():
                          range(m.num_layers))
     params = sum(p.numel() for p in model.parameters())
     assert 1.25e9 < params < 1.45e9, params
+
+
+def test_two_ranks_stage_probes_then_trains_against_serial(tmp_path):
+    """The stage's body on the CPU (two gloo processes, CPU tensors): the probe finds every
+    collective, the dp 2 ZeRO layout with the overlapped gather trains the serial model; a
+    layout needing a collective the probe refused is reported with gloo's line, not run."""
+    from benchmarks.device_two_ranks import LAYOUTS, probe, run_two_ranks
+    found = probe("cpu")
+    assert found == {op: None for op in ("all_reduce", "all_gather", "reduce_scatter",
+                                         "all_to_all", "broadcast", "p2p")}
+
+    def argv_for(metrics, flags):
+        return device_check.train_argv("cpu", 3, metrics, str(tmp_path / "run"), flags, 2, 8,
+                                       device_check.TINY, "fp32")
+    got = run_two_ranks(120.0, tmp_path, "cpu", argv_for, device_check._run_process,
+                        layouts={k: LAYOUTS[k] for k in ("dp2 zero", "pp2")},
+                        refused=dict(found, p2p="Tensors must be CPU and dense"))
+    assert got["status"] == "ok", got
+    dp, pp = got["rows"]
+    assert dp["layout"] == "dp2 zero" and dp["status"] == "ok" and dp["loss_rel_diff"] <= 1e-4, dp
+    assert pp == {"layout": "pp2", "status": "refused", "loss_rel_diff": None,
+                  "note": "gloo refuses p2p of cpu tensors: Tensors must be CPU and dense"}

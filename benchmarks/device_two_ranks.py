@@ -1,0 +1,160 @@
+"""The device check's two-ranks stage: the first check of the real streams across ranks on a
+machine with one accelerator.
+
+NCCL refuses two ranks on one GPU (and HCCL two on one NPU), so the stage first probes gloo with
+device tensors: two processes on the one device try each collective the layouts need
+(all-reduce, all-gather, reduce-scatter, all-to-all, broadcast, point-to-point). Then each layout
+whose collectives gloo ran is trained as two processes on that device
+(``engine.train --distributed-backend gloo``), fp32, against the serial run on the same device:
+
+- ``dp2 zero``: dp 2, ZeRO-1 with the overlapped parameter gather (small buckets);
+- ``tp2 sp``: tp 2 with sequence parallelism;
+- ``pp2``: pp 2, 1F1B;
+- ``ep2``: dp 2 with 4 experts over ep 2 (the all-to-all dispatcher).
+
+A layout passes when every step's loss is within DESIGN.md's relative 1e-4 of the serial run's. A
+layout that needs a collective gloo refused is reported with the collective and gloo's line; on
+the CPU the stage is skipped (the test suite runs every layout against serial there).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import read_jsonl
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
+LAYOUTS = {  # name: (engine.train flags, the collectives it needs)
+    "dp2 zero": (("--dp", "2", "--use-distributed-optimizer", "--overlap-param-gather",
+                  "--bucket-size-mb", "0.01"), ("all_reduce", "all_gather", "reduce_scatter")),
+    "tp2 sp": (("--tp", "2", "--sequence-parallel"),
+               ("all_reduce", "all_gather", "reduce_scatter")),
+    "pp2": (("--pp", "2", "--pipeline-schedule", "1f1b"), ("all_reduce", "p2p")),
+    "ep2": (("--dp", "2", "--num-experts", "4", "--moe-router-topk", "2", "--ep", "2"),
+            ("all_reduce", "all_to_all")),
+}
+REL = 1e-4
+
+
+def _try(op: str, rank: int, device) -> None:
+    import torch.distributed as dist
+    x = torch.full((8,), float(rank + 1), device=device)
+    if op == "all_reduce":
+        dist.all_reduce(x)
+        ok = bool((x == 3).all())
+    elif op == "all_gather":
+        out = torch.empty(16, device=device)
+        dist.all_gather_into_tensor(out, x)
+        ok = out[:8].eq(1).all().item() and out[8:].eq(2).all().item()
+    elif op == "reduce_scatter":
+        out = torch.empty(4, device=device)
+        dist.reduce_scatter_tensor(out, x)
+        ok = bool((out == 3).all())
+    elif op == "all_to_all":
+        out = torch.empty(8, device=device)
+        dist.all_to_all_single(out, x)
+        ok = out[:4].eq(1).all().item() and out[4:].eq(2).all().item()
+    elif op == "broadcast":
+        dist.broadcast(x, src=0)
+        ok = bool((x == 1).all())
+    else:
+        peer = 1 - rank
+        out = torch.empty(8, device=device)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer),
+                                        dist.P2POp(dist.irecv, out, peer)])
+        for w in works:
+            w.wait()
+        ok = bool((out == peer + 1).all())
+    if not ok:  # (reading the result waited for the collective)
+        raise RuntimeError("wrong result")
+
+
+def _probe_rank(rank: int, kind: str, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device(kind, 0) if kind != "cpu" else torch.device("cpu")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    results = {}
+    for op in OPS:
+        try:
+            _try(op, rank, device)
+            results[op] = None
+        except Exception as exc:  # noqa: BLE001 - what gloo says is the result
+            results[op] = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        dist.barrier()
+    torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def probe(kind: str) -> dict[str, str | None]:
+    """{op: None where gloo ran it with two processes on device 0 of ``kind``, else its line}."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_probe_rank, args=(kind, port, out_dir), nprocs=2, start_method="spawn")
+        ranks = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(2)]
+    return {op: ranks[0][op] or ranks[1][op] for op in OPS}
+
+
+def _refused(name: str, needs, refused: dict, kind: str) -> dict:
+    op = next(op for op in needs if refused[op])
+    return {"layout": name, "status": "refused", "loss_rel_diff": None,
+            "note": f"gloo refuses {op} of {kind} tensors: {refused[op]}"}
+
+
+def run_two_ranks(deadline_s: float, out: Path, kind: str, argv_for, run_process,
+                  layouts: dict | None = None, refused: dict | None = None) -> dict:
+    """The probe (or ``refused``, its result), then every layout of ``layouts`` (default all)
+    gloo can run, each against the serial run, within ``deadline_s``. ``argv_for(metrics,
+    flags)``: engine.train's flags (the stage's model, fp32); ``run_process(cmd, log,
+    deadline)``: (exit code or None, wall s). Returns {"status", "detail", "probe", "rows",
+    "wall_s"}; rows: {"layout", "status", "loss_rel_diff", "note"}."""
+    layouts = LAYOUTS if layouts is None else layouts
+    refused = probe(kind) if refused is None else refused
+    rows, wall = [], 0.0
+    runs = [name for name, (_, needs) in layouts.items() if not any(refused[op] for op in needs)]
+    if not runs:
+        return {"status": "ok", "detail": "gloo runs no layout's collectives on this device",
+                "probe": refused, "wall_s": 0.0,
+                "rows": [_refused(name, needs, refused, kind) for name, (_, needs) in layouts.items()]}
+    share = deadline_s / (1 + 2 * max(1, len(runs)))
+    serial = out / "two_ranks_serial.jsonl"
+    serial.unlink(missing_ok=True)
+    code, seconds = run_process([sys.executable, "-m", "engine.train", *argv_for(str(serial), ())],
+                                out / "two_ranks_serial.log", 2 * share)
+    wall += seconds
+    want = [r["loss"] for r in read_jsonl(serial)] if code == 0 and serial.exists() else []
+    for name, (flags, needs) in layouts.items():
+        if name not in runs:
+            rows.append(_refused(name, needs, refused, kind))
+            continue
+        if not want:
+            rows.append({"layout": name, "status": "failed", "loss_rel_diff": None,
+                         "note": "the serial run failed (two_ranks_serial.log)"})
+            continue
+        metrics = out / f"two_ranks_{name.replace(' ', '_')}.jsonl"
+        metrics.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "2", "-m", "engine.train", *argv_for(str(metrics), ("--distributed-backend", "gloo",
+                                                                    *flags))]
+        code, seconds = run_process(cmd, out / f"two_ranks_{name.replace(' ', '_')}.log", share)
+        wall += seconds
+        got = [r["loss"] for r in read_jsonl(metrics)] if metrics.exists() else []
+        diff = max((abs(g - w) / abs(w) for g, w in zip(got, want)), default=None)
+        ok = code == 0 and len(got) == len(want) and diff is not None and diff <= REL
+        note = "" if ok else ("stopped at its deadline" if code is None else
+                              f"exit {code}, {len(got)} of {len(want)} steps" if code or
+                              len(got) != len(want) else f"losses differ by more than {REL:g}")
+        rows.append({"layout": name, "status": "ok" if ok else "failed", "loss_rel_diff": diff,
+                     "note": note})
+    bad = [r for r in rows if r["status"] == "failed"]
+    return {"status": "failed" if bad else "ok", "detail": "; ".join(f"{r['layout']}: {r['note']}"
+                                                                    for r in bad),
+            "probe": refused, "rows": rows, "wall_s": wall}
