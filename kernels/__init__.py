@@ -8,11 +8,12 @@ which implementation runs where. This package imports nothing from engine/, mode
 from kernels.attention import (NpuMaskCache, attention, attention_reference, causal_mask,
                                cu_seqlens_from_document_ids, document_mask)
 from kernels.dispatch import ALL_FUSED, OPS, KernelPaths, device_kind, kernel_paths
-from kernels.grouped_gemm import grouped_linear, grouped_linear_reference
+from kernels.grouped_gemm import (grouped_input_grad, grouped_linear, grouped_linear_reference,
+                                  grouped_weight_grad)
 from kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from kernels.rope import (RopeCache, apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_at,
                           rotate_half)
-from kernels.swiglu import swiglu, swiglu_reference
+from kernels.swiglu import swiglu, swiglu_packed, swiglu_reference
 
 __all__ = [
     "ALL_FUSED",
@@ -28,8 +29,10 @@ __all__ = [
     "cu_seqlens_from_document_ids",
     "document_mask",
     "device_kind",
+    "grouped_input_grad",
     "grouped_linear",
     "grouped_linear_reference",
+    "grouped_weight_grad",
     "kernel_paths",
     "layer_norm",
     "layer_norm_reference",
@@ -39,5 +42,6 @@ __all__ = [
     "rope_cos_sin_at",
     "rotate_half",
     "swiglu",
+    "swiglu_packed",
     "swiglu_reference",
 ]

@@ -5,6 +5,10 @@
   x = cat(gate, up). The concatenation costs a copy; a model that produces gate and up from one
   fused projection can lay its output out as (..., [gate | up]) and pay nothing.
 - CUDA and CPU: ``F.silu(gate) * up``.
+
+``swiglu_packed(x)`` takes that one tensor, x = [gate | up] along the last dim, as a fused gate-up
+projection produces it (the grouped-GEMM experts, models/moe/experts.py): on the NPU it is
+npu_swiglu's input as it is (no concatenation), elsewhere silu of the first half times the second.
 """
 
 from __future__ import annotations
@@ -34,6 +38,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, paths: KernelPaths | None = Non
     if device_kind(gate) == "npu" and (paths is None or paths.swiglu):
         torch_npu = import_torch_npu()
         return torch_npu.npu_swiglu(npu_swiglu_input(gate, up), dim=NPU_SWIGLU_DIM)
+    return F.silu(gate) * up
+
+
+def swiglu_packed(x: torch.Tensor, paths: KernelPaths | None = None) -> torch.Tensor:
+    """silu(x[..., :f]) * x[..., f:] for x (..., 2f) = [gate | up]; returns (..., f)."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"swiglu_packed: the last dim holds [gate | up], an even size; got {tuple(x.shape)}")
+    if device_kind(x) == "npu" and (paths is None or paths.swiglu):
+        torch_npu = import_torch_npu()
+        return torch_npu.npu_swiglu(x, dim=NPU_SWIGLU_DIM)
+    gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 

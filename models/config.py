@@ -43,7 +43,7 @@ class GPTConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float | None = None
     moe_token_dispatcher_type: str = "alltoall"
-    moe_grouped_gemm: bool = False
+    moe_grouped_gemm: bool = True
     moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3)
     moe_router_bias_update_rate: float = 1e-3
     moe_expert_capacity_factor: float | None = None  # None: dropless

@@ -23,11 +23,12 @@ from models.moe.config import moe_layer_pattern
 from parallel.dp.residuals import fold_logical_residuals
 
 
-MODEL_SHAPE_SKIP = ("seq_length", "vocab_size", "dropout", "seed")  # the run's choices, not the shape
+# the run's choices, not the shape (the experts' kernel too: checkpoints do not depend on it)
+MODEL_SHAPE_SKIP = ("seq_length", "vocab_size", "dropout", "seed", "moe_grouped_gemm")
 # training choices of MoE layers: the checkpoint's under --use-checkpoint-args unless this run sets them
 MODEL_RUN_CHOICES = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type",
                      "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",
-                     "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_router_bias_update_rate")
+                     "moe_token_dispatcher_type", "moe_router_bias_update_rate")
 
 
 def with_checkpoint_args(cfg):

@@ -1,9 +1,17 @@
 """Where each of this rank's parameters sits in the logical (serial) tensors, and the run facts a
-checkpoint records about its layout and data. Shared by the writer, the reader, export and generate."""
+checkpoint records about its layout and data. Shared by the writer, the reader, export and generate.
+
+A parameter that holds several logical tensors (the stacked expert weights of an MoE layer,
+``param.logical_parts``: models/logical.py) gives one spec per logical tensor, each a contiguous
+block of the parameter (``base``, ``shape``), so checkpoints name and store experts one by one
+whatever the stacking. Flat ranges of a parameter (ZeRO's optimizer state, compression residuals)
+are cut into its logical tensors' ranges by ``split_flat`` and put back together by ``read_flat``.
+"""
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 from dataclasses import dataclass
 
@@ -26,6 +34,58 @@ class ParamSpec:
     offsets: list[int]       # of the local tensor inside the global one
     valid_shape: list[int]   # the local part inside the global shape (vocab padding rows dropped)
     writer: bool             # the copy that saves it (before the DP rule)
+    owner: str = ""          # the parameter's own name (the optimizer's and the reducer's)
+    base: int = 0            # flat offset of this logical tensor in the parameter
+    shape: list[int] | None = None  # its local box (None: the parameter's shape)
+
+    def __post_init__(self):
+        self.owner = self.owner or self.name
+        if self.shape is None:
+            self.shape = list(self.param.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This logical tensor's box out of ``t`` (the parameter, or a tensor laid out like it)."""
+        return t.reshape(-1)[self.base:self.base + self.numel].view(self.shape)
+
+
+def split_flat(parts: list[ParamSpec], start: int, end: int, t: torch.Tensor):
+    """The logical pieces of a parameter's flat range [start, end) holding ``t``: (spec, flat
+    range inside the spec's box or None when whole, the piece of ``t``)."""
+    out = []
+    for s in parts:
+        lo, hi = max(start, s.base), min(end, s.base + s.numel)
+        if lo < hi:
+            whole = lo == s.base and hi == s.base + s.numel
+            out.append((s, None if whole else (lo - s.base, hi - s.base),
+                        t.reshape(-1)[lo - start:hi - start]))
+    return out
+
+
+def read_flat(parts: list[ParamSpec], start: int, end: int, read) -> torch.Tensor | None:
+    """A parameter's flat range [start, end) put together from its logical tensors:
+    ``read(spec, flat range or None)`` returns a piece (None: the checkpoint lacks it)."""
+    pieces = []
+    for s in parts:
+        lo, hi = max(start, s.base), min(end, s.base + s.numel)
+        if lo < hi:
+            whole = lo == s.base and hi == s.base + s.numel
+            piece = read(s, None if whole else (lo - s.base, hi - s.base))
+            if piece is None:
+                return None
+            pieces.append(piece.reshape(-1))
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def by_owner(specs: list[ParamSpec]) -> dict[str, list[ParamSpec]]:
+    """Each parameter's name -> its logical tensors' specs, in flat order."""
+    out: dict[str, list[ParamSpec]] = {}
+    for s in specs:
+        out.setdefault(s.owner, []).append(s)
+    return out
 
 
 def param_specs(chunks, ps, vocab_size: int) -> list[ParamSpec]:
@@ -44,6 +104,13 @@ def param_specs(chunks, ps, vocab_size: int) -> list[ParamSpec]:
     specs = []
     for chunk in chunks:
         for name, p in chunk.logical_named_parameters():
+            copy = getattr(p, "shared_embedding", False) and not chunk.pre_process
+            parts = getattr(p, "logical_parts", None)
+            if parts:  # a stacked parameter: one spec per logical tensor it holds
+                prefix = name.rpartition(".")[0]
+                for part in parts:
+                    specs.append(_part_spec(f"{prefix}.{part.name}", p, part, ps, name, copy))
+                continue
             local = list(p.shape)
             gshape, offsets, valid = list(local), [0] * len(local), list(local)
             sharded = getattr(p, "tp_sharded", False)
@@ -57,10 +124,21 @@ def param_specs(chunks, ps, vocab_size: int) -> list[ParamSpec]:
                 if vocab:
                     gshape[0] = vocab_size
                     valid[0] = max(0, min(local[0], vocab_size - offsets[0]))
-            copy = getattr(p, "shared_embedding", False) and not chunk.pre_process
             writer = not copy and (sharded or ps.tp_rank == 0)
             specs.append(ParamSpec(name, p, gshape, offsets, valid, writer))
     return specs
+
+
+def _part_spec(name: str, p, part, ps, owner: str, copy: bool) -> ParamSpec:
+    """The spec of one logical tensor inside a stacked parameter (its box split over TP along
+    ``part.shard_dim``, or whole)."""
+    local = list(part.shape)
+    gshape, offsets = list(local), [0] * len(local)
+    if part.shard_dim is not None:
+        offsets[part.shard_dim] = ps.tp_rank * local[part.shard_dim]
+        gshape[part.shard_dim] = local[part.shard_dim] * ps.tp_size
+    writer = not copy and (part.shard_dim is not None or ps.tp_rank == 0)
+    return ParamSpec(name, p, gshape, offsets, list(local), writer, owner, part.start, local)
 
 
 def buffer_specs(chunks, ps) -> list[ParamSpec]:

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from engine.checkpoint.index import (ASIDE, FORMAT, INDEX_NAME, LATEST, CheckpointError, file_damage,
                                      list_checkpoints, step_dir_name, write_json, write_shard)
-from engine.checkpoint.specs import (ParamSpec, buffer_specs, data_info, device_rng, first_replica,
-                                     layout_of, param_specs)
+from engine.checkpoint.specs import (ParamSpec, buffer_specs, by_owner, data_info, device_rng,
+                                     first_replica, layout_of, param_specs, split_flat)
 from parallel.dp.residuals import logical_residual_pieces
 
 
@@ -40,7 +40,7 @@ class _Shard:
     def add(self, name: str, spec: ParamSpec, t: torch.Tensor, flat=None, host=None) -> None:
         """``host(name, t)``, when given, returns the host copy that is stored instead of ``t``."""
         if flat is None:
-            t = t.reshape(spec.param.shape)[tuple(slice(0, v) for v in spec.valid_shape)]
+            t = t.reshape(spec.shape)[tuple(slice(0, v) for v in spec.valid_shape)]
             piece = {"offsets": spec.offsets, "shape": spec.valid_shape}
         else:  # a ZeRO rank's range of the flattened local shard; padding rows are trailing
             end = min(flat[1], math.prod(spec.valid_shape))
@@ -115,29 +115,26 @@ def snapshot(trainer, step: int, tmp: str, host=None) -> Snapshot:
     trainer.params_ready()
     cfg, ps = trainer.cfg, trainer.ps
     shard = _Shard(f"rank_{ps.rank:05d}.safetensors")
-    specs = {s.name: s for s in param_specs(trainer.chunks, ps, cfg.model.vocab_size)}
-    for s in [*specs.values(), *buffer_specs(trainer.chunks, ps)]:
+    specs = param_specs(trainer.chunks, ps, cfg.model.vocab_size)
+    owners = by_owner(specs)  # each parameter's logical tensors (a stacked one holds several)
+    for s in [*specs, *buffer_specs(trainer.chunks, ps)]:
         if s.writer and first_replica(ps, s.param):
-            shard.add(f"model/{s.name}", s, s.param.detach(), host=host)
+            shard.add(f"model/{s.name}", s, s.local(s.param.detach()), host=host)
     sd = trainer.optimizer.state_dict(clone=False)
     zero = sd["kind"] == "distributed"
     for piece in sd["pieces"]:
-        s = specs[piece["name"]]
-        if not s.writer or not (zero or first_replica(ps, s.param)):
-            continue
-        whole = piece["start"] == 0 and piece["end"] == s.param.numel()
         for key, t in sd["state"][piece["name"]].items():
-            shard.add(f"optim/{key}/{s.name}", s, t, None if whole else (piece["start"], piece["end"]),
-                      host=host)
+            for s, flat, part in split_flat(owners[piece["name"]], piece["start"], piece["end"], t):
+                if s.writer and (zero or first_replica(ps, s.param)):
+                    shard.add(f"optim/{key}/{s.name}", s, part, flat, host=host)
     # error-feedback residuals summed over the ranks that share them: any layout can take them up
     # (a collective: every rank builds them here, in the snapshot, on the main thread)
     # (and the compressors' momenta, as DP means: onebit's M, top-k's velocities)
     for kind, prefix in (("residual", "grad_residual"), ("momentum", "grad_momentum")):
         for name, _, a, b, t in logical_residual_pieces(trainer.reducer, ps, kind):
-            s = specs[name]
-            if s.writer:
-                whole = a == 0 and b == s.param.numel()
-                shard.add(f"optim/{prefix}/{name}", s, t, None if whole else (a, b), host=host)
+            for s, flat, part in split_flat(owners[name], a, b, t):
+                if s.writer:
+                    shard.add(f"optim/{prefix}/{s.name}", s, part, flat, host=host)
     own = {"rng/cpu": torch.get_rng_state()}
     if (dev_rng := device_rng(trainer.dev)) is not None:
         own["rng/device"] = dev_rng.cpu()

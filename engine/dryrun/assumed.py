@@ -3,12 +3,15 @@
 A meta tensor has a shape and no values, which is all a dense step needs. A mixture-of-experts
 layer (models/moe/layer.py, parallel/expert_parallel/dispatch.py) is different: how many rows each
 expert gets, and so the split sizes of the dispatch all-to-alls and the shapes after them, are
-values, counted with ``torch.bincount`` and read on the host. The dry run assumes **balanced
-routing**: every expert receives ``T K / E`` of a rank's ``T K`` assignments (the remainder one
-each to the lowest experts), the figure a trained router's balancing aims at. So:
+values, counted on the device (``parallel.expert_parallel.count_per_expert``: a ``scatter_add_``
+of ones into E zeros) and read on the host under expert parallelism. The dry run assumes
+**balanced routing**: every expert receives ``T K / E`` of a rank's ``T K`` assignments (the
+remainder one each to the lowest experts), the figure a trained router's balancing aims at. So:
 
-- ``torch.bincount`` of a meta tensor of n indices with ``minlength=E`` is a meta (E,) tensor that
-  *carries* the balanced counts (its ``assumed`` CPU values);
+- ``Tensor.scatter_add_`` along dim 0 into a 1-D integer meta tensor of E bins, with n meta
+  indices that carry no values (the count of assignments per expert), leaves it carrying the
+  balanced counts (its ``assumed`` CPU values); so does ``torch.bincount`` of such indices with
+  ``minlength=E``;
 - ``torch.arange`` on the meta device of at most ``LIMIT`` integers carries its values;
 - any other torch function whose meta tensor arguments all carry values runs on those values
   (on the CPU) as well, and its meta result carries the result, so index arithmetic on counts
@@ -101,6 +104,10 @@ def _device_is_meta(kwargs) -> bool:
 def call(func, args, kwargs, run):
     """``func(*args, **kwargs)`` under the rules of the module docstring; ``run`` calls a function
     (the mode's own dispatch). Returns NotImplemented when no rule applies."""
+    if func is torch.Tensor.scatter_add_ and _counting(args, kwargs):
+        out = run(func, args, kwargs)
+        counts = balanced_counts(args[2].numel(), args[0].numel()).to(args[0].dtype)
+        return _carry(out, counts)
     if func is torch.bincount and args and isinstance(args[0], torch.Tensor) \
             and args[0].device.type == META_TYPE \
             and assumed(args[0]) is None and kwargs.get("weights") is None \
@@ -127,6 +134,18 @@ def call(func, args, kwargs, run):
     except (NotImplementedError, RuntimeError):  # a data-dependent shape: the values decide it
         return _meta_like(cpu_out)
     return _attach(out, cpu_out)
+
+
+def _counting(args, kwargs) -> bool:
+    """``counts.scatter_add_(0, index, src)``: counts a 1-D integer meta tensor, index a meta
+    tensor without values (the assignments' experts)."""
+    if len(args) < 3 or kwargs:
+        return False
+    counts, dim, index = args[0], args[1], args[2]
+    return (isinstance(counts, torch.Tensor) and counts.device.type == META_TYPE
+            and counts.dim() == 1 and not counts.is_floating_point() and dim == 0
+            and isinstance(index, torch.Tensor) and index.device.type == META_TYPE
+            and assumed(index) is None and assumed(counts) is None)
 
 
 def read(t: torch.Tensor):

@@ -29,21 +29,22 @@ import torch
 from parallel.comm import CommGroup
 
 
-def aux_loss_share(scores: torch.Tensor, experts: torch.Tensor, coeff: float,
+def aux_loss_share(scores: torch.Tensor, counts: torch.Tensor, topk: int, coeff: float,
                    group: CommGroup, token_groups: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T, E) scores, (T, K) chosen experts -> (this rank's share, global counts (E,) fp32).
+    """(T, E) scores, (E,) assignments per expert of this rank's tokens (the layer's one count,
+    ``parallel.expert_parallel.count_per_expert``) -> (this rank's share, global counts (E,) fp32).
 
     ``group``: the ranks whose shares are averaged (DP x CP); ``token_groups``: further groups
     whose ranks hold other tokens of the same micro-batch and whose shares are summed (the TP
     group under sequence parallelism)."""
     t, e = scores.shape
-    k = experts.shape[1]
-    counts = torch.bincount(experts.reshape(-1), minlength=e).to(torch.float32)
-    both = torch.cat([counts, counts.new_tensor([t])])  # counts and tokens: one all-reduce
+    # counts and tokens: one all-reduce (the token count made on the device: no host data)
+    both = torch.cat([counts.to(torch.float32),
+                      torch.full((1,), float(t), dtype=torch.float32, device=scores.device)])
     for g in (group, *token_groups):
         g.all_reduce(both)
     counts_g, tokens_g = both[:e], both[e]
-    share = (counts_g * scores.sum(0)).sum() * (coeff * e * group.size / k) / (tokens_g * tokens_g)
+    share = (counts_g * scores.sum(0)).sum() * (coeff * e * group.size / topk) / (tokens_g * tokens_g)
     return share, counts_g
 
 

@@ -20,7 +20,7 @@ MOE_DEFAULTS = {"moe_layer_freq": "1", "moe_ffn_hidden_size": None,
                 "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
                 "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,
                 "moe_z_loss_coeff": None, "moe_token_dispatcher_type": "alltoall",
-                "moe_grouped_gemm": False, "moe_router_enable_expert_bias": False,
+                "moe_grouped_gemm": True, "moe_router_enable_expert_bias": False,
                 "moe_router_bias_update_rate": 1e-3, "moe_expert_capacity_factor": None,
                 "moe_pad_expert_input_to_capacity": False}
 

@@ -47,9 +47,11 @@ from models.moe.capacity import choose, expert_capacity, padded_rows
 from models.moe.experts import LocalExperts
 from models.moe.router import TopKRouter
 from parallel.expert_groups import ExpertGrid
-from parallel.expert_parallel import (allgather_combine, allgather_dispatch, alltoall_combine,
-                                      alltoall_dispatch, permute_padded, permute_tokens,
+from parallel.expert_parallel import (HostReader, allgather_combine, allgather_dispatch,
+                                      alltoall_combine, alltoall_dispatch, alltoall_plan,
+                                      count_per_expert, permute_padded, permute_tokens,
                                       unpermute_tokens)
+from parallel.expert_parallel.permute import equal_counts
 from parallel.state import ParallelState
 from parallel.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_sequence_values,
                                                reduce_from_tp, reduce_scatter_to_sequence)
@@ -99,13 +101,14 @@ class MoELayer(nn.Module):
         self.seq_groups = self.token_groups + ((ps.cp_group,) if ps.cp_size > 1 else ())
         self.aux_grad_scale = 1.0   # set per step: models.moe.stats.set_aux_grad_scale
         self.records: list[dict] = []
+        self.host_reader = HostReader()  # the split sizes' one host read under EP
 
-    def _balancing_loss(self, routing, batch: int):
-        """This rank's share of the balancing losses (0-d fp32), of the aux loss alone (detached)
-        and the assignments per expert of this rank's tokens (E,)."""
+    def _balancing_loss(self, routing, batch: int, counts: torch.Tensor):
+        """This rank's share of the balancing losses (0-d fp32) and of the aux loss alone
+        (detached); ``counts`` (E,): the layer's assignments per expert of this rank's tokens."""
         loss = routing.logits.new_zeros(())
         if self.balancing == "aux_loss" and self.aux_coeff > 0:
-            share, _ = aux_loss_share(routing.scores, routing.experts, self.aux_coeff,
+            share, _ = aux_loss_share(routing.scores, counts, self.topk, self.aux_coeff,
                                       self.balance_group, self.token_groups)
             loss = loss + share
         elif self.balancing == "seq_aux_loss" and self.aux_coeff > 0:
@@ -115,24 +118,34 @@ class MoELayer(nn.Module):
         if self.z_coeff > 0:
             split = self.ps.tp_size if self.tp_split else 1
             loss = loss + z_loss_share(routing.logits, self.z_coeff, split)
-        counts = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts).float()
-        return loss, aux, counts
+        return loss, aux
 
-    def _permute(self, tokens: torch.Tensor, routing):
-        """(rows sorted by expert, Permutation, the padded capacity or None, dropped count)."""
-        e = self.num_experts
+    def _choose(self, routing, counts: torch.Tensor):
+        """The capacity decision: (CapacityChoice or None (dropless), the kept assignments per
+        expert (E,), the dropped count (0-d, on the device))."""
         if self.capacity_factor is None:
-            rows, perm = permute_tokens(tokens, routing.experts, e)
-            return rows, perm, None, routing.logits.new_zeros(())
+            return None, counts, routing.logits.new_zeros(())
         t, k = routing.experts.shape
+        e = self.num_experts
         choice = choose(routing.weights, routing.experts, e,
                         expert_capacity(t, k, e, self.capacity_factor))
-        dropped = choice.dropped.float()
-        if not self.pad_to_capacity:
-            rows, perm = permute_tokens(tokens, routing.experts, e, keep=choice.keep)
-            return rows, perm, None, dropped
-        rows, perm = permute_padded(tokens, *padded_rows(choice, routing.experts), choice.capacity)
-        return rows, perm, choice.capacity, dropped
+        if self.pad_to_capacity:  # every expert exactly C rows
+            kept = equal_counts(e, choice.capacity, counts.device)
+        else:
+            kept = count_per_expert(routing.experts, e, choice.keep)
+        return choice, kept, choice.dropped.float()
+
+    def _permute(self, tokens: torch.Tensor, routing, choice, kept: torch.Tensor):
+        """(rows sorted by expert, Permutation, the padded capacity or None): dropless and with an
+        unpadded capacity every copy (the dropped ones last), padded exactly C per expert."""
+        e = self.num_experts
+        if choice is None or not self.pad_to_capacity:
+            rows, perm = permute_tokens(tokens, routing.experts, e, kept,
+                                        None if choice is None else choice.keep)
+            return rows, perm, None
+        rows, perm = permute_padded(tokens, *padded_rows(choice, routing.experts), choice.capacity,
+                                    choice.keep)
+        return rows, perm, choice.capacity
 
     def _gather_routed(self, x: torch.Tensor, routing):
         """ETP with SP: the TP group's tokens (b, s, h) -> (b s, h) in sequence order, and their
@@ -150,24 +163,34 @@ class MoELayer(nn.Module):
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)                                    # (T, h)
         routing = self.router(tokens)
-        loss, aux, counts = self._balancing_loss(routing, b)
+        # the layer's one count of assignments per expert, on the device: the load figure, the
+        # balancing loss and (dropless) the experts' row offsets
+        counts = count_per_expert(routing.experts, self.num_experts)          # (E,)
+        loss, aux = self._balancing_loss(routing, b, counts)
         if self.etp_sp:  # the TP group's tokens, routed by their own TP ranks
             tokens_in, routing = self._gather_routed(x, routing)                 # (T tp, h)
             weights = routing.weights                                           # (T tp, K)
+            routed = count_per_expert(routing.experts, self.num_experts)        # the group's
             # (every TP rank then drops the same assignments: counted once, by ETP rank 0)
         else:  # into the ETP region: identity, the backward sums the slices' partial gradients
             tokens_in = copy_to_tp(tokens, self.etp_group)                      # (T, h)
             weights = copy_to_tp(routing.weights, self.etp_group)               # (T, K)
+            routed = counts
+        choice, kept, dropped = self._choose(routing, routed)
         if self.dispatcher == "allgather":  # tokens travel, not rows: permute a zero-width view
-            _, perm, capacity, dropped = self._permute(tokens_in[:, :0], routing)
+            _, perm, capacity = self._permute(tokens_in[:, :0], routing, choice, kept)
             expert_in, state = allgather_dispatch(tokens_in, weights, perm, self.ep_group,
-                                                  capacity)                      # (N, h)
-            expert_out = self.experts(expert_in, state.tokens_per_expert)        # (N, h)
+                                                  capacity, self.host_reader)    # (N, h)
+            expert_out = self.experts(expert_in, state.offsets)                 # (N, h)
             out = allgather_combine(expert_out, state, self.ep_group)            # (T, h)
         else:
-            rows, perm, capacity, dropped = self._permute(tokens_in, routing)    # (R, h)
-            expert_in, state = alltoall_dispatch(rows, perm.counts, self.ep_group, capacity)
-            expert_out = self.experts(expert_in, state.tokens_per_expert)        # (N, h)
+            capacity = choice.capacity if choice is not None and self.pad_to_capacity else None
+            # the count exchange and the split sizes' host read go first; the read is waited
+            # for once the permutation is queued (alltoall_dispatch)
+            plan = alltoall_plan(kept, self.ep_group, capacity, self.host_reader)
+            rows, perm, _ = self._permute(tokens_in, routing, choice, kept)       # (T K or E C, h)
+            expert_in, state = alltoall_dispatch(rows, plan, self.ep_group)
+            expert_out = self.experts(expert_in, state.offsets)                 # (N, h)
             rows = alltoall_combine(expert_out, state, self.ep_group)             # (R, h)
             out = unpermute_tokens(rows, weights, perm)                           # (T, h)
         # the ETP slices' partial sums (identity without expert tensor parallelism); under SP
@@ -180,9 +203,11 @@ class MoELayer(nn.Module):
             out = out + self.shared_expert(x)
         if self.etp_sp and self.etp_group.rank > 0:
             dropped = torch.zeros_like(dropped)
-        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside a backward
+        # not a recomputation inside a backward (a compiled graph recomputes inside its own
+        # backward graph and never runs this Python again)
+        if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
             self.records.append({"aux_loss": aux, "z_loss": (loss.detach() - aux),
-                                 "load": counts.detach(), "dropped": dropped})
+                                 "load": counts.float(), "dropped": dropped})
         if loss.requires_grad and torch.is_grad_enabled():
             out = IdentityForwardAuxGradBackward.apply(out, loss, self.aux_grad_scale)
         return out

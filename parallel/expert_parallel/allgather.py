@@ -18,14 +18,16 @@ group of P ranks holding E/P experts each (rank j: experts [j E/P, (j+1) E/P))::
                         weighted sum over the token's K experts (the sum in the weights' dtype, fp32
                         with the router's fp32 weights, as ``unpermute_tokens`` sums)
 
-The layer hands over its ``Permutation`` (dispatch.py: ``permute_tokens`` or ``permute_padded``,
+The layer hands over its ``Permutation`` (permute.py: ``permute_tokens`` or ``permute_padded``,
 built on a zero-width view of the tokens, so no rows are copied): its ``order``, ``counts`` and
-``mask`` say which assignments are kept. Every rank receives every token of the group, which costs
-(P - 1) T h per rank where the alltoall dispatcher moves about (P - 1)/P T K h, and no count
-exchange; dropless and with unpadded capacity the local row counts are read on the host (the one
-host sync, as the alltoall dispatcher reads its split sizes); padded to capacity nothing is read.
-Every collective goes through ``CommGroup`` (kind ``ep``): the backend rules check it and
-``ep_comm_bytes`` counts it.
+``mask`` say which assignments are kept (with an unpadded capacity the dropped ones sort after
+every expert). Every rank receives every token of the group, which costs (P - 1) T h per rank
+where the alltoall dispatcher moves about (P - 1)/P T K h, and no count exchange. Dropless and with
+unpadded capacity the number of rows this rank's experts receive is read on the host (the one host
+wait, through ``HostReader``'s pinned copy, started as soon as the routing tables are gathered and
+waited for after the token all-gathers are queued); the local experts' row offsets stay on the
+device; padded to capacity nothing is read. Every collective goes through ``CommGroup`` (kind
+``ep``): the backend rules check it and ``ep_comm_bytes`` counts it.
 """
 from __future__ import annotations
 
@@ -34,8 +36,10 @@ from dataclasses import dataclass
 import torch
 
 from parallel.comm import CommGroup
-from parallel.expert_parallel.dispatch import (Permutation, _GatherRowsForwardScatterAddBackward,
-                                               _WeightedScatterAddForwardGatherBackward)
+from parallel.expert_parallel.host_read import HostReader
+from parallel.expert_parallel.permute import (Permutation, _GatherRowsForwardScatterAddBackward,
+                                              _WeightedScatterAddForwardGatherBackward, count_per_expert,
+                                              equal_counts, offsets_of)
 
 
 class _AllGatherForwardReduceScatterBackward(torch.autograd.Function):
@@ -98,16 +102,17 @@ def _gather_table(table: torch.Tensor, group: CommGroup) -> torch.Tensor:
 @dataclass
 class AllGatherState:
     """What ``allgather_combine`` needs: each expert row's gathered token (N,) into the P T
-    gathered tokens, its router weight (N,) (0 for a padding row), P T, and the rows per local
-    expert."""
+    gathered tokens, its router weight (N,) (0 for a padding row), P T, and the local experts'
+    row offsets (E/P,) on the device."""
     tokens: torch.Tensor
     weights: torch.Tensor
     num_gathered: int
-    tokens_per_expert: list
+    offsets: torch.Tensor
 
 
 def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation,
-                       group: CommGroup, capacity: int | None = None):
+                       group: CommGroup, capacity: int | None = None,
+                       reader: HostReader | None = None):
     """(T, h) tokens, (T, K) router weights and the layer's Permutation -> (N, h) rows of this
     rank's experts sorted by (local expert, source rank, token), and the state. ``capacity``: the
     Permutation is padded to exactly that many slots per expert (``permute_padded``)."""
@@ -118,15 +123,17 @@ def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation
     lo = rank * local
     device = x.device
     if capacity is None:
-        kept = perm.order.numel()
-        table = torch.full((t * k,), e, dtype=torch.int32, device=device)    # (T K,) E: not sent
+        # every assignment's expert (E: dropped), in flat (T K) order; the dropped sort last
+        counts = torch.cat([perm.counts, (t * k - perm.counts.sum()).view(1)])   # (E + 1,)
+        table = torch.empty(t * k, dtype=torch.int32, device=device)
         table[perm.order] = torch.repeat_interleave(
-            torch.arange(e, dtype=torch.int32, device=device), perm.counts, output_size=kept)
+            torch.arange(e + 1, dtype=torch.int32, device=device), counts, output_size=t * k)
         dest = _gather_table(table, group).long() - lo                        # (P T K,)
         key = torch.where((dest >= 0) & (dest < local), dest, torch.full_like(dest, local))
-        per_expert = torch.bincount(key, minlength=local + 1)[:local].tolist()  # host read
-        flat = torch.argsort(key, stable=True)[:sum(per_expert)]             # (N,) into P T K
-        routed = None
+        per_expert = count_per_expert(key, local + 1)[:local]                  # (E/P,) device
+        routed = read = None
+        if p > 1:
+            read = (reader or HostReader()).start(per_expert.sum().view(1))    # rows to take
     else:
         code = torch.where(perm.mask > 0, perm.order, torch.full_like(perm.order, -1)).int()
         table = _gather_table(code, group).long().view(p, e, capacity)[:, lo:lo + local]
@@ -134,14 +141,22 @@ def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation
         source = torch.arange(p, device=device).view(1, p, 1).expand(local, p, capacity).reshape(-1)
         routed = table >= 0
         flat = source * (t * k) + table.clamp(min=0)                        # (N,) into P T K
-        per_expert = [p * capacity] * local
-    tokens = torch.div(flat, k, rounding_mode="floor")                      # (N,) into P T
+        per_expert = equal_counts(local, p * capacity, device)
     gathered_x = all_gather_rows(x, group)                                  # (P T, h)
-    row_weights = all_gather_rows(weights, group).reshape(-1).index_select(0, flat)  # (N,)
+    gathered_w = all_gather_rows(weights, group).reshape(-1)                # (P T K,)
+    rows_end = None
+    if capacity is None and read is not None:
+        n = read.values()[0]                                                # the one host wait
+        flat = torch.argsort(key, stable=True)[:n]                          # (N,) into P T K
+    elif capacity is None:  # one rank: every copy, the dropped last (weight 0, the last group's)
+        flat = torch.argsort(key, stable=True)
+        routed, rows_end = key.index_select(0, flat) < local, t * k
+    tokens = torch.div(flat, k, rounding_mode="floor")                      # (N,) into P T
+    row_weights = gathered_w.index_select(0, flat)                          # (N,)
     if routed is not None:
         row_weights = row_weights * routed
     rows = _GatherRowsForwardScatterAddBackward.apply(gathered_x, tokens)   # (N, h)
-    return rows, AllGatherState(tokens, row_weights, p * t, per_expert)
+    return rows, AllGatherState(tokens, row_weights, p * t, offsets_of(per_expert, rows_end))
 
 
 def allgather_combine(rows: torch.Tensor, state: AllGatherState, group: CommGroup) -> torch.Tensor:

@@ -27,6 +27,7 @@ from models.config import GPTConfig
 from models.moe.stats import moe_layers, pop_moe_stats, set_aux_grad_scale
 from models.moe.step_figures import StepFigures, update_expert_bias
 from parallel.dp.reducer import GradReducer
+from models.logical import logical_views
 from parallel.expert_parallel import init_expert_groups
 from parallel.grad_norm import clip_grads
 from parallel.state import LaunchEnv, ParallelState
@@ -96,7 +97,7 @@ def train(ps: ParallelState, cfg: GPTConfig, micro_per_rank: int) -> list[tuple[
                 for v in m.router.expert_bias]
         out.append((loss_v, aux_v, norm, moe["moe_tokens_dropped"], *moe["moe_expert_load"], *bias))
     reducer.remove_hooks()
-    held = {n.split(".experts.experts.")[1].split(".")[0] for n, _ in model.named_parameters()
+    held = {n.split(".experts.experts.")[1].split(".")[0] for n in logical_views(model)
             if ".experts.experts." in n}
     assert len(held) == cfg.num_experts // ps.ep_group.size  # each EP rank holds E / ep experts
     return out

@@ -36,6 +36,7 @@ import torch
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
 from parallel.state import LaunchEnv
+from models.logical import logical_views
 from parallel.topology import RankGrid
 from tests.helpers.corpus import real_text_corpus
 from tests.helpers.dist_utils import run_distributed
@@ -83,7 +84,8 @@ def _train(argv: list[str], launch: LaunchEnv | None = None) -> dict:
     trainer.ps.comm.observers.append(observe)
     try:
         records = trainer.train().records
-        params = {n: p.detach().clone() for c in trainer.chunks for n, p in c.named_parameters()}
+        params = {n: p.detach().clone() for c in trainer.chunks
+                  for n, p in logical_views(c).items()}  # each expert's own tensors
         kinds = {b.exchange_group.kind for b in reducer.buckets if b.compressor is not None}
     finally:
         trainer.ps.comm.observers.remove(observe)
@@ -98,21 +100,24 @@ def _residuals_read_back(ps, argv: list[str], path: str) -> dict:
     against the checkpoint's."""
     from engine.checkpoint import param_specs, read_index
     from engine.checkpoint.index import TensorReader
+    from engine.checkpoint.specs import by_owner, split_flat
     from parallel.dp.residuals import logical_residual_pieces
     trainer = Trainer(parse_args(argv + ["--load", path]))
     try:
         trainer.maybe_load()
         reader = TensorReader(path, read_index(path))
-        specs = {s.name: s for s in param_specs(trainer.chunks, ps, trainer.cfg.model.vocab_size)}
+        owners = by_owner(param_specs(trainer.chunks, ps, trainer.cfg.model.vocab_size))
         out = {"held": 0.0, "experts": 0}
         for kind, prefix in (("residual", "grad_residual"), ("momentum", "grad_momentum")):
             for name, param, a, b, t in logical_residual_pieces(trainer.reducer, ps, kind):
-                saved = reader.read(f"optim/{prefix}/{name}", specs[name].offsets,
-                                    list(param.shape), flat=(a, b))
-                torch.testing.assert_close(t, saved, rtol=1e-6, atol=1e-9,
-                                           msg=lambda m: f"{kind} of {name}: {m}")
+                # a stacked expert parameter's range: the pieces of each expert's tensors
+                for s, flat, piece in split_flat(owners[name], a, b, t):
+                    saved = reader.read(f"optim/{prefix}/{s.name}", s.offsets, s.shape,
+                                        flat=flat or (0, s.numel))
+                    torch.testing.assert_close(piece, saved, rtol=1e-6, atol=1e-9,
+                                               msg=lambda m: f"{kind} of {s.name}: {m}")
+                    out["experts"] += ".experts." in s.name
                 out["held"] += float(t.abs().sum())
-                out["experts"] += ".experts." in name
     finally:
         trainer.close()
     return out

@@ -33,6 +33,7 @@ from parallel.tensor_parallel import Initializer
 from parallel.topology import RankGrid
 from tests.equivalence.test_equivalence_moe import GPT2, LLAMA, train  # the harness
 from tests.helpers.dist_utils import record_comm, run_distributed
+from tests.helpers.moe_reference import logical_grads
 
 SEED, REL = 1234, 1e-4
 
@@ -115,8 +116,7 @@ def _layer_run(ps, kind, bias, fields, dispatcher, x, probe):
     with record_comm(ps) as events:
         out = layer(x)
         (out * probe).sum().backward()
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p))
-             for n, p in layer.named_parameters()}
+    grads = logical_grads(layer)  # each expert's own blocks of the stacked gradients
     return (out.detach(), x.grad, grads, {ev.op for ev in events if ev.group == "ep"},
             float(layer.records[-1]["dropped"]))
 

@@ -36,6 +36,7 @@ from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
 from models.config import GPTConfig
 from models.layers import LayerContext
+from models.logical import logical_views
 from models.moe.experts import LocalExperts
 from parallel.expert_groups import ExpertGrid
 from parallel.grad_norm import global_grad_norm
@@ -99,7 +100,7 @@ def _train(argv: list[str], launch: LaunchEnv | None = None) -> dict:
         share = opt.grad_norm_sq_share()  # the last step's gradients, three ways
         ps.world_group.all_reduce(share)
         norms = [global_grad_norm(params, ps), opt.grad_norm(), share.sqrt().item()]
-        fc2_bias = [p.detach().clone() for n, p in trainer.chunks[0].named_parameters()
+        fc2_bias = [t.detach().clone() for n, t in logical_views(trainer.chunks[0]).items()
                     if n.endswith(".fc2.bias") and ".experts." in n]
         etp_sp = {m.etp_sp for c in trainer.chunks for m in c.modules() if hasattr(m, "etp_sp")}
     finally:
@@ -169,31 +170,37 @@ def test_etp_slices_sum_to_the_whole_expert(kind, grouped):
     with torch.no_grad():
         for p in whole.parameters():
             p.normal_(generator=torch.Generator().manual_seed(p.numel()))  # biases nonzero too
-        for part in parts:
-            for (name, p), q in zip(part.named_parameters(), whole.parameters()):
-                dim = getattr(p, "tp_shard_dim", None)
-                assert getattr(p, "tp_sharded", False) == (dim is not None), name
-                p.copy_(q if dim is None else q.chunk(2, dim)[parts.index(part)])
-    dims = {n: getattr(p, "tp_shard_dim", None) for n, p in parts[0].experts["2"].named_parameters()}
+        full = logical_views(whole)
+        for r, part in enumerate(parts):  # each logical tensor's slice along its TP dim
+            for p in part.parameters():
+                for lp in p.logical_parts:
+                    src = full[lp.name]
+                    lp.view(p).copy_(src if lp.shard_dim is None else src.chunk(2, lp.shard_dim)[r])
+    dims = {lp.name.split(".", 2)[2]: lp.shard_dim for p in parts[0].parameters()
+            for lp in p.logical_parts if lp.name.startswith("experts.2.")}
     assert dims == ({"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None} if bias
                     else {"gate.weight": 0, "up.weight": 0, "fc2.weight": 1})
+    assert all(getattr(p, "tp_sharded", False) == any(lp.shard_dim is not None for lp in p.logical_parts)
+               for p in parts[0].parameters())
     assert not any(getattr(p, "tp_sharded", False) for p in whole.parameters())
     x = torch.randn(7, 8, generator=torch.Generator().manual_seed(0))
-    want = whole(x, [3, 4])
-    got = parts[0](x, [3, 4]) + parts[1](x, [3, 4])
+    offsets = torch.tensor([3, 7], dtype=torch.int32)
+    want = whole(x, offsets)
+    got = parts[0](x, offsets) + parts[1](x, offsets)
     torch.testing.assert_close(got, want)
-    assert not torch.allclose(parts[0](x, [3, 4]), want, atol=1e-3)
+    assert not torch.allclose(parts[0](x, offsets), want, atol=1e-3)
 
 
 def test_etp_draws_the_whole_experts_slices():
     cfg = GPTConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4,
                     vocab_size=16, num_experts=2, moe_ffn_hidden_size=12)
     ctx = LayerContext(Initializer(5, cfg.init_std))
-    whole = dict(LocalExperts(cfg, ctx, "e", "swiglu", False, range(2)).named_parameters())
+    whole = logical_views(LocalExperts(cfg, ctx, "e", "swiglu", False, range(2)))
     for r in range(2):
-        part = dict(LocalExperts(cfg, ctx, "e", "swiglu", False, range(2), (r, 2)).named_parameters())
-        for name, p in part.items():
-            assert torch.equal(p, whole[name].chunk(2, p.tp_shard_dim)[r]), name
+        part = LocalExperts(cfg, ctx, "e", "swiglu", False, range(2), (r, 2))
+        for p in part.parameters():
+            for lp in p.logical_parts:
+                assert torch.equal(lp.view(p), whole[lp.name].chunk(2, lp.shard_dim)[r]), lp.name
 
 
 def test_etp_groups_are_the_tp_groups():

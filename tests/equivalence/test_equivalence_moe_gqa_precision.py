@@ -29,6 +29,7 @@ import torch
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
 from parallel.state import LaunchEnv
+from models.logical import logical_views
 from parallel.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
@@ -70,7 +71,7 @@ def _train(argv: list[str], launch: LaunchEnv | None = None) -> dict:
         ep = trainer.ps.ep_group.size
         # this rank's parameters, fp32, to compare the replicas after the run
         params = {n: p.detach().float().clone() for c in trainer.chunks
-                  for n, p in c.named_parameters()}
+                  for n, p in logical_views(c).items()}  # each expert's own tensors
     finally:
         trainer.close()
     return {**{k: [r[k] for r in records] for k in KEYS}, "ep": ep, "params": params}

@@ -1,16 +1,20 @@
-"""Grouped GEMM (kernels/grouped_gemm.py) against the loop, and the experts with --moe-grouped-gemm
-against the experts' loop.
+"""Grouped GEMM (kernels/grouped_gemm.py) against the loop, and the stacked experts against the
+per-expert math.
 
 - The loop reference against a per-row hand formula (each row times its group's weight).
-- The CUDA path's code on this CPU: torch 2.13 has a CPU ``torch._grouped_mm`` (fp32 and bf16,
-  16-byte aligned strides), so ``torch_grouped_linear`` runs for real, forward and backward, on
-  uneven and empty groups; the dispatch (device kind forced to "cuda") takes it only in the
-  allowed dtypes with aligned strides, the loop otherwise.
+- ``torch._grouped_mm`` (the CUDA path's code, which torch 2.13 runs on the CPU in fp32 and bf16):
+  forward, the input, weight and bias gradients and the two backward helpers equal the loop on
+  uneven and empty groups, with the offsets on the device and no host read at all (counted by the
+  step's wait counter in strict mode); the loop reads the offsets once.
+- The dispatch rules: unaligned rows, mixed dtypes, a device without the kernel take the loop.
 - The NPU path through the stand-in (tests/helpers/npu_fake.py, which enforces the documented
-  input rules of npu_grouped_matmul's one-tensor case), and the chip table's switch.
-- The experts (models/moe/experts.py) and a whole MoE layer with grouped GEMM equal the loop,
-  outputs and every gradient, gelu experts with biases and swiglu experts without, with uneven
-  and empty expert segments, on each path; the parameter names do not change.
+  input rules of npu_grouped_matmul's one-tensor case: an int64 group list on the device), and
+  the chip table's switch.
+- The experts (models/moe/experts.py: one stacked parameter per projection, gate and up fused)
+  equal each expert's own F.linear math (tests/helpers/moe_reference.py), outputs and the
+  gradient of every logical tensor, GELU with biases and SwiGLU, uneven and empty segments, on
+  each path; ``--no-moe-grouped-gemm`` (the loop over the same stacked weights) equals the
+  grouped experts, and a whole MoE layer too.
 """
 from __future__ import annotations
 
@@ -19,18 +23,26 @@ import importlib
 import pytest
 import torch
 
-from kernels import KernelPaths, grouped_linear, grouped_linear_reference
+from engine.device.syncs import SyncCounter
+from kernels import (KernelPaths, grouped_input_grad, grouped_linear, grouped_linear_reference,
+                     grouped_weight_grad)
 from models.config import GPTConfig
 from models.layers import LayerContext
+from models.logical import logical_views
 from models.moe.experts import LocalExperts
 from models.moe.layer import MoELayer
 from parallel.state import ParallelState
 from parallel.tensor_parallel import Initializer
+from tests.helpers.moe_reference import expert_forward
 from tests.helpers.npu_fake import install_fake_npu
 
 gg = importlib.import_module("kernels.grouped_gemm")
-HAS_GROUPED_MM = gg.torch_grouped_mm_runs("cpu")
+HAS_GROUPED_MM = gg.torch_grouped_mm_runs("cpu", torch.float32)
 COUNTS = [[5, 0, 3, 8], [0, 4, 0], [7]]  # uneven, empty first/last/middle groups, one group
+
+
+def _offsets(counts) -> torch.Tensor:
+    return torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
 
 
 def _operands(counts, k=16, out=8, dtype=torch.float32, bias=True, seed=0):
@@ -50,9 +62,20 @@ def _run(fn, x, w, b, counts, seed=1):
     return [y.detach()] + [t.grad for t in leaves]
 
 
+def _grouped(x, w, counts, b, paths=None):
+    return grouped_linear(x, w, _offsets(counts), b, paths)
+
+
 def _assert_same(got, want, rtol=1e-6, atol=1e-6):
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, i=i: f"item {i}: {m}")
+
+
+def _waits(fn) -> list[str]:
+    counter = SyncCounter(strict=True)
+    with counter.step(), counter.watching():
+        fn()
+    return [e.name for e in counter.last]
 
 
 def test_reference_is_each_row_times_its_groups_weight():
@@ -61,44 +84,49 @@ def test_reference_is_each_row_times_its_groups_weight():
         group = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))  # (n,)
         want = torch.einsum("nk,nok->no", x, w[group]) + b[group]
         torch.testing.assert_close(grouped_linear_reference(x, w, counts, b), want)
-    with pytest.raises(ValueError, match="counts"):
-        grouped_linear_reference(x, w, [1, 2], b)
+        torch.testing.assert_close(gg.row_groups(_offsets(counts), sum(counts)), group)
+    with pytest.raises(ValueError, match="offsets"):
+        grouped_linear(x, w, torch.tensor([1, 2]), b)
 
 
 @pytest.mark.skipif(not HAS_GROUPED_MM, reason="this torch has no CPU torch._grouped_mm")
-def test_torch_grouped_mm_path_equals_the_loop_on_cpu():
+def test_grouped_mm_path_equals_the_loop_without_a_host_read():
     for counts in COUNTS:
-        x, w, _ = _operands(counts, bias=False)
-        got = _run(lambda x, w, c, b: gg.torch_grouped_linear(x, w, c), x, w, None, counts)
-        _assert_same(got, _run(grouped_linear_reference, x, w, None, counts))
+        x, w, b = _operands(counts)
+        assert gg.grouped_linear_path(x, w) == "torch"
+        want = _run(grouped_linear_reference, x, w, b, counts)
+        got = []
+        assert _waits(lambda: got.extend(_run(_grouped, x, w, b, counts))) == []
+        _assert_same(got, want)
+        # the backward's helpers, as the zero-bubble split calls them
+        dy = torch.randn(sum(counts), 8)
+        torch.testing.assert_close(grouped_input_grad(dy, w.detach(), _offsets(counts)),
+                                   torch.cat([g @ w.detach()[i] for i, g in
+                                              enumerate(torch.split(dy, counts))]))
+        dw = grouped_weight_grad(dy, x.detach(), _offsets(counts))
+        for i, (g, xs) in enumerate(zip(torch.split(dy, counts), torch.split(x.detach(), counts))):
+            torch.testing.assert_close(dw[i], g.t() @ xs)   # an empty group's is zero
         # bf16 through the same kernel: within bf16 rounding of the fp32 loop
         xb, wb = x.detach().bfloat16(), w.detach().bfloat16()
-        got = _run(lambda x, w, c, b: gg.torch_grouped_linear(x, w, c), xb, wb, None, counts)
+        got = _run(_grouped, xb, wb, None, counts)
         want = _run(grouped_linear_reference, xb.float(), wb.float(), None, counts)
         _assert_same([t.float() for t in got], want, rtol=2e-2, atol=5e-2)
 
 
-@pytest.mark.skipif(not HAS_GROUPED_MM, reason="this torch has no CPU torch._grouped_mm")
-def test_cuda_dispatch_takes_grouped_mm_only_where_its_rules_hold(monkeypatch):
-    monkeypatch.setattr(gg, "device_kind", lambda t: "cuda")
+def test_dispatch_rules_and_the_loops_one_read():
     x, w, b = _operands([5, 0, 3, 8])
-    assert gg.grouped_linear_path(x, w) == "loop"              # fp32 is not a CUDA dtype
-    assert gg.grouped_linear_path(x.bfloat16(), w.bfloat16()) == "torch"
-    xo, wo, _ = _operands([5, 0, 3, 8], k=6)                    # 12-byte rows: not aligned
-    assert gg.grouped_linear_path(xo.bfloat16(), wo.bfloat16()) == "loop"
+    xo, wo, _ = _operands([5, 0, 3, 8], k=6)                    # 24-byte rows: not aligned
+    assert gg.grouped_linear_path(xo, wo) == "loop"
     assert gg.grouped_linear_path(x.bfloat16(), w) == "loop"   # mixed dtypes
-    strided = torch.cat([x, x], 1).bfloat16()[:, :16]          # rows 32 apart: not contiguous
-    assert not strided.is_contiguous() and gg.grouped_linear_path(strided, w.bfloat16()) == "loop"
-    assert gg.grouped_linear_path(x[:0].bfloat16(), w.bfloat16()) == "loop"  # no rows
-    monkeypatch.setattr(gg, "TORCH_GROUPED_MM_DTYPES", (torch.float32,))
-    calls = []
-    real = gg.torch_grouped_linear
-    monkeypatch.setattr(gg, "torch_grouped_linear", lambda *a: calls.append(1) or real(*a))
-    for counts in COUNTS:
-        x, w, b = _operands(counts)
-        want = _run(grouped_linear_reference, x, w, b, counts)
-        _assert_same(_run(grouped_linear, x, w, b, counts), want)
-    assert len(calls) == len(COUNTS)
+    strided = torch.cat([x, x], 1)[:, :16]                     # rows 32 apart: not contiguous
+    assert not strided.is_contiguous() and gg.grouped_linear_path(strided, w) == "loop"
+    assert not gg.torch_grouped_mm_runs("cuda", torch.float32)  # not a dtype the CUDA path takes
+    assert not gg.torch_grouped_mm_runs("cpu", torch.float16)
+    counts = [5, 0, 3, 8]
+    want = _run(grouped_linear_reference, xo, wo, None, counts)
+    got = []
+    assert _waits(lambda: got.extend(_run(_grouped, xo, wo, None, counts))) == ["tensor.tolist"]
+    _assert_same(got, want)
 
 
 def test_npu_path_through_the_stand_in_and_the_chip_switch(monkeypatch):
@@ -107,10 +135,10 @@ def test_npu_path_through_the_stand_in_and_the_chip_switch(monkeypatch):
         x, w, b = _operands(counts)
         fake.calls.clear()
         want = _run(grouped_linear_reference, x, w, b, counts)
-        _assert_same(_run(grouped_linear, x, w, b, counts), want)
+        _assert_same(_run(_grouped, x, w, b, counts), want)
         assert fake.calls == ["npu_grouped_matmul"] * 2  # forward and the input gradient
     fake.calls.clear()
-    grouped_linear(x, w, counts, b, KernelPaths(grouped_matmul=False))
+    grouped_linear(x, w, _offsets(counts), b, KernelPaths(grouped_matmul=False))
     assert fake.calls == []
     assert not gg.npu_grouped_matmul_fits(x.double(), w.double())
     assert not gg.npu_grouped_matmul_fits(x, torch.zeros(1025, 8, 16))   # over 1024 groups
@@ -122,58 +150,64 @@ def test_npu_path_through_the_stand_in_and_the_chip_switch(monkeypatch):
 H, FFN = 16, 8
 
 
-def _config(grouped: bool, **extra) -> GPTConfig:
+def _config(grouped: bool = True, **extra) -> GPTConfig:
     return GPTConfig(num_layers=2, hidden_size=H, num_attention_heads=2, seq_length=8, vocab_size=64,
                      seed=3, num_experts=4, moe_ffn_hidden_size=FFN, moe_grouped_gemm=grouped, **extra)
 
 
-def _experts_run(grouped: bool, kind: str, bias: bool, counts, paths=None):
+def _experts(kind, bias, grouped=True, paths=None):
     ctx = LayerContext(Initializer(3), **({} if paths is None else {"kernel_paths": paths}))
-    experts = LocalExperts(_config(grouped), ctx, "layers.1.mlp.experts", kind, bias, range(4))
-    x = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(5)).requires_grad_()
-    y = experts(x, counts)
-    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(6)))
-    grads = {n: p.grad for n, p in experts.named_parameters()}
-    return y.detach(), x.grad, grads
+    return LocalExperts(_config(grouped), ctx, "layers.1.mlp.experts", kind, bias, range(4))
 
 
 def _check_experts(counts, paths=None):
     for kind, bias in (("gelu", True), ("swiglu", False)):
-        got = _experts_run(True, kind, bias, counts, paths)
-        want = _experts_run(False, kind, bias, counts, paths)
-        torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
-        assert got[2].keys() == want[2].keys()  # the same parameter names in both modes
-        for n, g in want[2].items():
-            torch.testing.assert_close(got[2][n], g, rtol=1e-6, atol=1e-6,
+        experts = _experts(kind, bias, paths=paths)
+        x = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(5)).requires_grad_()
+        dy = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(6))
+        experts(x, _offsets(counts)).backward(dy)
+        # the reference: each expert's own F.linear math on its rows, on copies of its tensors
+        ref = _experts(kind, bias, paths=paths)
+        views = logical_views(ref)
+        xr = x.detach().clone().requires_grad_()
+        pieces = torch.split(xr, counts)
+        y = torch.cat([expert_forward(ref, e, p) for e, p in enumerate(pieces)])
+        y.backward(dy)
+        torch.testing.assert_close(x.grad, xr.grad, rtol=1e-6, atol=1e-6)
+        # the reference's views carry their gradients into its stacked parameters
+        for (n, mine), theirs in zip(experts.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-6, atol=1e-6,
                                        msg=lambda m, n=n: f"{kind} {n}: {m}")
-        assert any(n.startswith("experts.1.") for n in want[2])
+        assert len(views) == 4 * (4 if bias else 3)
 
 
-def test_experts_grouped_equal_the_loop_on_cpu():
+def test_experts_equal_the_per_expert_math():
     _check_experts([5, 0, 3, 8])
     _check_experts([0, 0, 6, 0])
 
 
-@pytest.mark.skipif(not HAS_GROUPED_MM, reason="this torch has no CPU torch._grouped_mm")
-def test_experts_grouped_equal_the_loop_through_grouped_mm(monkeypatch):
-    monkeypatch.setattr(gg, "device_kind", lambda t: "cuda")
-    monkeypatch.setattr(gg, "TORCH_GROUPED_MM_DTYPES", (torch.float32,))
-    calls = []
-    real = gg.torch_grouped_linear
-    monkeypatch.setattr(gg, "torch_grouped_linear", lambda *a: calls.append(1) or real(*a))
-    _check_experts([5, 0, 3, 8])
-    assert len(calls) == 2 + 3  # gelu: fc1, fc2; swiglu: gate, up, fc2
-
-
-def test_experts_grouped_equal_the_loop_on_the_npu_stand_in(monkeypatch):
+def test_experts_equal_the_per_expert_math_on_the_npu_stand_in(monkeypatch):
     fake = install_fake_npu(monkeypatch)
     _check_experts([5, 0, 3, 8])
-    assert fake.calls.count("npu_grouped_matmul") == 2 * (2 + 3)  # forward and input gradient
+    # per kind, forward and input gradient of each projection: gelu fc1, fc2; swiglu gate-up, fc2
+    assert fake.calls.count("npu_grouped_matmul") == 2 * 2 * 2
+    assert "npu_swiglu" in fake.calls  # the fused gate-up output is npu_swiglu's input as it is
 
 
-def test_moe_layer_grouped_equals_the_loop():
-    """Router, dispatch and experts together: the same outputs and gradients either way."""
+def test_experts_hold_one_parameter_per_projection():
+    gelu, swiglu = _experts("gelu", True), _experts("swiglu", False)
+    assert {n: tuple(p.shape) for n, p in gelu.named_parameters()} == {
+        "fc1_weight": (4, FFN, H), "fc2_weight": (4, H, FFN), "fc1_bias": (4, FFN), "fc2_bias": (4, H)}
+    assert {n: tuple(p.shape) for n, p in swiglu.named_parameters()} == {
+        "gate_up_weight": (4, 2 * FFN, H), "fc2_weight": (4, H, FFN)}
+    assert sorted(logical_views(swiglu))[:3] == ["experts.0.fc2.weight", "experts.0.gate.weight",
+                                                 "experts.0.up.weight"]
+    assert all(getattr(p, "expert_parallel", False) for p in gelu.parameters())
+
+
+def test_loop_mode_and_the_layer_equal_the_grouped_experts():
+    """--no-moe-grouped-gemm (the loop over the same stacked weights) against the default, for
+    the experts and for router, dispatch and experts together."""
     x = torch.randn(2, 8, H, generator=torch.Generator().manual_seed(7))
     for kind, bias in (("gelu", True), ("swiglu", False)):
         results = []

@@ -17,9 +17,11 @@ from models.moe.router import TopKRouter, stable_topk
 from models.moe.stats import load_imbalance, pop_moe_stats, set_aux_grad_scale
 from models.registry import BlockRegistry
 from parallel.comm import single_rank_group
+from parallel.expert_parallel import count_per_expert
 from parallel.state import ParallelState
 from parallel.tensor_parallel import Initializer
 from parallel.topology import RankGrid
+from tests.helpers.moe_reference import expert_forward
 
 
 def cfg_of(**kw) -> GPTConfig:
@@ -74,7 +76,7 @@ def test_layer_equals_per_token_reference(kind, bias):
     y = layer(x)
     tokens = x.reshape(-1, 16)
     routing = layer.router(tokens)
-    ref = torch.stack([sum(routing.weights[t, j] * layer.experts.experts[str(int(e))](tokens[t:t + 1])[0]
+    ref = torch.stack([sum(routing.weights[t, j] * expert_forward(layer.experts, int(e), tokens[t:t + 1])[0]
                            for j, e in enumerate(routing.experts[t])) for t in range(16)])
     ref = ref.view(2, 8, 16) + layer.shared_expert(x)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
@@ -88,7 +90,8 @@ def test_layer_equals_per_token_reference(kind, bias):
 def test_balancing_losses_and_their_gradient_scale():
     scores = torch.softmax(torch.randn(12, 4), -1)
     experts = torch.tensor([[0, 1]] * 6 + [[2, 1]] * 6)
-    share, counts = aux_loss_share(scores, experts, 0.1, single_rank_group("dp"))
+    share, counts = aux_loss_share(scores, count_per_expert(experts, 4), 2, 0.1,
+                                   single_rank_group("dp"))
     f = torch.tensor([6.0, 12.0, 6.0, 0.0]) / 24
     torch.testing.assert_close(share, 0.1 * 4 * (f * scores.mean(0)).sum())
     assert counts.tolist() == [6.0, 12.0, 6.0, 0.0]

@@ -15,6 +15,7 @@ from models.moe.router import TopKRouter
 from models.moe.step_figures import StepFigures, moe_record, update_expert_bias
 from parallel.state import ParallelState
 from parallel.tensor_parallel import Initializer
+from tests.helpers.moe_reference import expert_forward
 
 
 def cfg_of(**kw) -> GPTConfig:
@@ -59,7 +60,7 @@ def test_layer_with_capacity_equals_reference_without_the_dropped(pad):
     routing = layer.router(tokens)
     keep = choose(routing.weights, routing.experts, 4, expert_capacity(16, 2, 4, 0.5)).keep
     assert 0 < int((~keep).sum()) == int(layer.records[-1]["dropped"])
-    ref = torch.stack([sum((routing.weights[t, j] * layer.experts.experts[str(int(e))](tokens[t:t + 1])[0]
+    ref = torch.stack([sum((routing.weights[t, j] * expert_forward(layer.experts, int(e), tokens[t:t + 1])[0]
                             for j, e in enumerate(routing.experts[t]) if keep[t, j]),
                            torch.zeros(16)) for t in range(16)])
     torch.testing.assert_close(y, ref.view(2, 8, 16), rtol=1e-5, atol=1e-6)
@@ -161,7 +162,8 @@ def test_bad_capacity_and_bias_flags_one_line(argv, message):
 
 def test_trainer_step_reads_moe_figures_with_its_one_wait():
     """Padded capacity and the expert bias: no host read in the MoE layers, so the step waits
-    once (strict counting), and the figures come with that wait."""
+    once (the dispatch mode's count, a CPU run's default), and the figures come with that wait;
+    with an unpadded capacity too (the dropped copies sort last, static shapes)."""
     from engine.training.trainer import Trainer
     from parallel.state import LaunchEnv
     argv = ["--mock-data", "--vocab-size", "64", "--no-progress", "--device", "cpu", "--num-layers", "2",
@@ -169,13 +171,15 @@ def test_trainer_step_reads_moe_figures_with_its_one_wait():
             "--global-batch-size", "4", "--micro-batch-size", "2", "--train-iters", "2",
             "--lr-warmup-iters", "0", "--num-experts", "4", "--moe-router-score-function", "sigmoid",
             "--moe-router-enable-expert-bias", "--moe-expert-capacity-factor", "0.5",
-            "--moe-pad-expert-input-to-capacity", "--moe-aux-loss-coeff", "0.01"]
-    trainer = Trainer(parse_args(argv), launch=LaunchEnv())
-    trainer.clock.syncs.strict = True
-    try:
-        records = trainer.train().records
-    finally:
-        trainer.close()
+            "--moe-aux-loss-coeff", "0.01"]
+    records = []
+    for pad in (["--moe-pad-expert-input-to-capacity"], []):
+        trainer = Trainer(parse_args(argv + pad), launch=LaunchEnv())
+        assert trainer.clock.syncs.strict
+        try:
+            records += trainer.train().records
+        finally:
+            trainer.close()
     for r in records:
         assert r["host_syncs"] == 1 and r["host_sync_points"] == ["statistics"], r["host_sync_points"]
         assert sum(r["moe_expert_load"]) == 4 * 8 * 2 * 2 and r["moe_tokens_dropped"] > 0

@@ -1,13 +1,14 @@
-"""The grouped-GEMM experts (``--moe-grouped-gemm``) under the B/W split of the zero-bubble
-schedules (models/moe/grouped_split.py): with a capturing ``WeightGradStore`` attached, the B
-(autograd's backward) leaves every expert weight and bias without a gradient and gives the input
-gradient of the plain run; the store then holds one closure per projection, and its W gives every
-expert the gradients of the same experts without a store, grouped and looped, fp32, tight
-tolerance. Covered: gelu experts with biases (gpt2) and swiglu experts without (llama), an expert
-with no tokens (a zero gradient, as the loop gives it), ETP (0, 1) and both ranks of ETP 2 (the
-fc2 bias on ETP rank 0 only), accumulation into a reducer's ``main_grad`` with ``on_ready`` told
-once per parameter, a store that is attached but not capturing (the gradients in B), and the
-forward and the B through the CUDA path's ``torch._grouped_mm`` and the NPU stand-in.
+"""The stacked grouped-GEMM experts under the B/W split of the zero-bubble schedules
+(models/moe/grouped_split.py): with a capturing ``WeightGradStore`` attached, the B (autograd's
+backward) leaves every stacked expert weight and bias without a gradient and gives the input
+gradient of the plain run; the store then holds one closure per projection, and its W gives the
+gradients of the same experts without a store, grouped and looped (``--no-moe-grouped-gemm``),
+fp32, tight tolerance. Covered: gelu experts with biases (gpt2) and swiglu experts without
+(llama), an expert with no tokens (a zero block, as the loop gives it), ETP (0, 1) and both ranks
+of ETP 2 (the fc2 bias on ETP rank 0 only), accumulation into a reducer's ``main_grad`` (one add
+per projection) with ``on_ready`` told once per parameter, a store that is attached but not
+capturing (the gradients in B), and the forward, B and W through ``torch._grouped_mm`` (this CPU's,
+the CUDA path's code) and the NPU stand-in.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from models.config import GPTConfig
 from models.layers import LayerContext
 from models.moe.experts import LocalExperts
+from models.logical import logical_views
 from parallel.tensor_parallel import Initializer
 from parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 from tests.helpers.npu_fake import install_fake_npu
@@ -38,6 +40,9 @@ def _experts(grouped: bool, kind: str, bias: bool, etp) -> LocalExperts:
                         range(4), etp)
 
 
+OFFSETS = torch.cumsum(torch.tensor(COUNTS), 0).to(torch.int32)
+
+
 def _inputs():
     x = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(5))
     dy = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(6))
@@ -49,7 +54,7 @@ def _plain(grouped: bool, kind: str, bias: bool, etp):
     experts = _experts(grouped, kind, bias, etp)
     x, dy = _inputs()
     x.requires_grad_()
-    y = experts(x, COUNTS)
+    y = experts(x, OFFSETS)
     y.backward(dy)
     return y.detach(), x.grad, {n: p.grad for n, p in experts.named_parameters()}
 
@@ -64,29 +69,34 @@ def test_grouped_expert_weight_gradients_wait_for_w(kind, bias, etp):
     grouped_ref = _plain(True, kind, bias, etp)
     looped_ref = _plain(False, kind, bias, etp)
     experts, store = _experts(True, kind, bias, etp), WeightGradStore()
-    assert attach_weight_grad_store(experts, store) == 4  # the experts: no new holder of it
+    assert attach_weight_grad_store(experts, store) == 1  # the experts module holds it
     x, dy = _inputs()
     x.requires_grad_()
     with store.capture("b"):
-        y = experts(x, COUNTS)
+        y = experts(x, OFFSETS)
         y.backward(dy)
     _close(y.detach(), grouped_ref[0], "output")
     _close(x.grad, grouped_ref[1], "input gradient")
     params = dict(experts.named_parameters())
     assert all(p.grad is None for p in params.values()), "B computed an expert weight gradient"
-    projections = 2 if kind == "gelu" else 3
-    assert store.run("b") == projections  # one closure per projection, every expert in it
+    assert store.run("b") == 2  # one closure per projection (gate and up are one), every expert in it
     for ref, mode in ((grouped_ref, "grouped"), (looped_ref, "looped")):
         assert ref[2].keys() == params.keys()
         for n, want in ref[2].items():
             if want is None:  # fc2's bias off ETP rank 0: never used, no gradient either way
-                assert params[n].grad is None and n.endswith("fc2.bias") and etp[0] != 0, n
+                assert params[n].grad is None and n == "fc2_bias" and etp[0] != 0, n
                 continue
             _close(params[n].grad, want, f"{mode} {n}")
-    empty = [n for n in params if n.startswith("experts.1.")]
-    assert empty and all(params[n].grad is None or not params[n].grad.any() for n in empty)
-    assert all(params[n].grad is not None for n in empty if not n.endswith("fc2.bias"))
-    assert any(params[n].grad.abs().sum() > 0 for n in params if n.startswith("experts.0."))
+    # each expert's block: expert 1 (no tokens) all zero, expert 0 not
+    grads = {n: p.grad for n, p in params.items() if p.grad is not None}
+    holder = LocalExperts.__new__(LocalExperts)
+    torch.nn.Module.__init__(holder)
+    for n, g in grads.items():
+        holder.register_parameter(n, torch.nn.Parameter(g, requires_grad=False))
+        getattr(holder, n).logical_parts = params[n].logical_parts
+    blocks = logical_views(holder)
+    assert all(not t.any() for n, t in blocks.items() if n.startswith("experts.1."))
+    assert any(t.abs().sum() > 0 for n, t in blocks.items() if n.startswith("experts.0."))
 
 
 def test_w_accumulates_into_main_grad_and_tells_every_parameter():
@@ -103,11 +113,18 @@ def test_w_accumulates_into_main_grad_and_tells_every_parameter():
     for micro in range(2):
         x, dy = _inputs()
         with store.capture(micro):
-            experts(x.requires_grad_(), COUNTS).backward(dy)
+            experts(x.requires_grad_(), OFFSETS).backward(dy)
     assert all(p.grad is None for p in params)
     assert all(not p.main_grad.any() for p in params)
+    adds = []
+    real_add = torch.Tensor.add_
     for micro in range(2):
-        store.run(micro)
+        torch.Tensor.add_ = lambda self, *a, **k: adds.append(1) or real_add(self, *a, **k)
+        try:
+            store.run(micro)
+        finally:
+            torch.Tensor.add_ = real_add
+    assert len(adds) == 2 * len(params)  # one add into main_grad per stacked parameter and W
     assert len(told) == 2 * len(params) and {id(p) for p in told} == {id(p) for p in params}
     for n, p in experts.named_parameters():
         _close(p.main_grad, 2 * want[n], n)
@@ -120,7 +137,7 @@ def test_attached_store_not_capturing_computes_the_gradients_in_b():
         attach_weight_grad_store(experts, WeightGradStore())
         x, dy = _inputs()
         x.requires_grad_()
-        experts(x, COUNTS).backward(dy)
+        experts(x, OFFSETS).backward(dy)
         _close(x.grad, grad_x, "input gradient")
         for n, p in experts.named_parameters():
             _close(p.grad, want[n], n)
@@ -132,7 +149,7 @@ def _split_run(kind: str, bias: bool):
     x, dy = _inputs()
     x.requires_grad_()
     with store.capture("b"):
-        y = experts(x, COUNTS)
+        y = experts(x, OFFSETS)
         y.backward(dy)
     store.run("b")
     return y.detach(), x.grad, {n: p.grad for n, p in experts.named_parameters()}
@@ -147,18 +164,18 @@ def _check_split_equals_plain():
             _close(got[2][n], g, n)
 
 
-@pytest.mark.skipif(not gg.torch_grouped_mm_runs("cpu"), reason="no CPU torch._grouped_mm")
+@pytest.mark.skipif(not gg.torch_grouped_mm_runs("cpu", torch.float32),
+                    reason="no CPU torch._grouped_mm")
 def test_split_keeps_the_grouped_mm_path(monkeypatch):
-    monkeypatch.setattr(gg, "device_kind", lambda t: "cuda")
-    monkeypatch.setattr(gg, "TORCH_GROUPED_MM_DTYPES", (torch.float32,))
     calls = []
-    real = gg.torch_grouped_linear
-    monkeypatch.setattr(gg, "torch_grouped_linear", lambda *a: calls.append(1) or real(*a))
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
     _check_split_equals_plain()
-    assert len(calls) == 2 * (2 + 3)  # forward and input gradient of fc1, fc2; gate, up, fc2
+    # per kind and projection: forward, input gradient (B) and weight gradient (W)
+    assert len(calls) == 3 * (2 + 2)
 
 
 def test_split_keeps_the_npu_path(monkeypatch):
     fake = install_fake_npu(monkeypatch)
     _check_split_equals_plain()
-    assert fake.calls.count("npu_grouped_matmul") == 2 * (2 + 3)  # forward and input gradient
+    assert fake.calls.count("npu_grouped_matmul") == 2 * (2 + 2)  # forward and input gradient

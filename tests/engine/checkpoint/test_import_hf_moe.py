@@ -155,6 +155,7 @@ def test_fused_expert_tensors_import_as_the_per_expert_ones(hf, family, tmp_path
 
 def _train(ps, cases):
     from engine.training.launch import run_config
+    from models.logical import logical_views
     from engine.training.trainer import Trainer
     out = []
     for argv in cases:
@@ -162,7 +163,7 @@ def _train(ps, cases):
         records = trainer.train().records
         out.append({**{k: [r[k] for r in records] for k in ("loss", "grad_norm", "moe_aux_loss")},
                     "ep": trainer.ps.ep_group.size, "experts": sorted(
-                        n for n, _ in trainer.chunks[0].logical_named_parameters() if ".experts." in n)})
+                        n for n in logical_views(trainer.chunks[0]) if ".experts." in n)})
         trainer.close()
     return out
 

@@ -1,11 +1,13 @@
 """The alltoall token dispatcher on two gloo ranks (one EP group): rows land on the rank holding
-their expert, sorted by (local expert, source rank); combine inverts it; gradients travel back;
-the collectives are the counts' all-to-all and one all-to-all with split sizes each way, on the
-"ep" group."""
+their expert, sorted by (local expert, source rank), with each local expert's row offset on the
+device; combine inverts it; gradients travel back; the collectives are the counts' all-to-all and
+one all-to-all with split sizes each way, on the "ep" group; the forward reads the host once (the
+split sizes, counted by the step's wait counter in strict mode), the backward not at all."""
 from __future__ import annotations
 
 import torch
 
+from engine.device.syncs import SyncCounter
 from parallel.expert_parallel import (alltoall_combine, alltoall_dispatch, init_expert_groups,
                                       permute_tokens, unpermute_tokens)
 from parallel.topology import RankGrid
@@ -27,23 +29,28 @@ def _dispatch(ps):
     x, experts = _tokens(ps.rank)
     x.requires_grad_(True)
     weights = torch.full((T, K), 0.5)
+    counter = SyncCounter(strict=True)
     with record_comm(ps) as events:
-        rows, perm = permute_tokens(x, experts, E)
-        got, state = alltoall_dispatch(rows, perm.counts, group)
-        # the expected rows: every rank's copies for my experts, by (local expert, source rank)
-        want = []
-        for local in range(E // 2):
-            e = 2 * ps.rank + local
-            for src in range(2):
-                sx, se = _tokens(src)
-                want += [sx[t] for t in range(T) for j in range(K) if se[t, j] == e]
-        assert torch.equal(got, torch.stack(want))
-        assert state.tokens_per_expert == [sum(int((_tokens(s)[1] == 2 * ps.rank + i).sum())
-                                                for s in range(2)) for i in range(2)]
-        back = alltoall_combine(got * 2.0, state, group)
-        out = unpermute_tokens(back, weights, perm)  # each token: 2 copies x 0.5 x 2x
-        torch.testing.assert_close(out, 2.0 * x)
-        out.sum().backward()
+        with counter.step(), counter.watching():  # the dispatcher's own waits, forward and back
+            rows, perm = permute_tokens(x, experts, E)
+            got, state = alltoall_dispatch(rows, perm.counts, group)
+            back = alltoall_combine(got * 2.0, state, group)
+            out = unpermute_tokens(back, weights, perm)  # each token: 2 copies x 0.5 x 2x
+            out.sum().backward()
+    # the split sizes' one read, in the forward; nothing else, the backward included
+    assert [e.name for e in counter.last] == ["tensor.tolist"]
+    # the expected rows: every rank's copies for my experts, by (local expert, source rank)
+    want = []
+    for local in range(E // 2):
+        e = 2 * ps.rank + local
+        for src in range(2):
+            sx, se = _tokens(src)
+            want += [sx[t] for t in range(T) for j in range(K) if se[t, j] == e]
+    assert torch.equal(got, torch.stack(want))
+    per_expert = [sum(int((_tokens(s)[1] == 2 * ps.rank + i).sum()) for s in range(2))
+                  for i in range(2)]
+    assert state.offsets.tolist() == [per_expert[0], per_expert[0] + per_expert[1]]
+    torch.testing.assert_close(out, 2.0 * x)
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
     ops = [(e.op, e.group) for e in events]
     # forward: the counts, the rows, the rows back; backward: one all-to-all per direction

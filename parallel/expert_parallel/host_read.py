@@ -1,0 +1,62 @@
+"""The one host read of an MoE layer under expert parallelism: the split sizes an all-to-all (or
+the allgather dispatcher's row count) needs on the host, copied as Megatron-Core does.
+
+``HostReader.start(values)`` queues a copy of a small integer tensor to pinned host memory on a
+side stream (``parallel.streams``: "moe host read"), ordered after the work that produced it and
+non-blocking for the compute stream, and returns a ``PendingRead``; the layer goes on queueing
+device work (the permutation of its rows) and calls ``PendingRead.values()`` at the latest point,
+right before the collective that takes the host lists: the host waits there once, for the copy
+alone. On the CPU (and the dry run's meta device) there is no stream: ``values()`` reads the
+tensor itself, which the step's wait counter counts just the same (``tolist``: one wait).
+
+The reader belongs to the MoE layer that uses it (its side stream is made on first use on the
+layer's device); nothing is module state.
+"""
+from __future__ import annotations
+
+import torch
+
+from parallel import streams
+
+STREAM_NAME = "moe host read"
+
+
+class PendingRead:
+    """A copy in flight to host memory; ``values()`` waits for it and returns the integers."""
+
+    def __init__(self, host: torch.Tensor, done=None, device=None):
+        self.host, self.done, self.device, self._values = host, done, device, None
+
+    def values(self) -> list[int]:
+        if self._values is None:
+            if self.done is not None:
+                # the compute stream's later reads of the copy come after it
+                streams.wait_event(self.done, streams.current_stream(self.device))
+                if self.done.native is not None:
+                    self.done.native.synchronize()     # the host's one wait
+            self._values = [int(v) for v in self.host.tolist()]
+        return self._values
+
+
+class HostReader:
+    """Pinned, non-blocking device-to-host copies on one side stream per device."""
+
+    def __init__(self):
+        self._streams: dict[str, streams.Stream] = {}
+
+    def start(self, values: torch.Tensor) -> PendingRead:
+        """Begin reading ``values`` (1-D, integers) on the host."""
+        device = values.device
+        if device.type in ("cpu", "meta"):
+            return PendingRead(values)
+        side = self._streams.get(str(device))
+        if side is None:
+            side = self._streams[str(device)] = streams.side_stream(STREAM_NAME, device)
+        ready = streams.record_event(streams.current_stream(device))  # after the values' producer
+        with streams.use(side):
+            streams.wait_event(ready, side)
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            streams.record_stream(values, side)      # values may be freed before the copy ran
+            done = streams.record_event(side)
+        return PendingRead(host, done, device)

@@ -1,0 +1,164 @@
+"""Routing metadata on the device: counting the assignments per expert, sorting a layer's token
+copies by expert and combining the experts' outputs back, without a host read.
+
+One MoE layer's forward on T tokens of width h, each routed to K of E experts:
+
+    count_per_expert    (T, K) -> (E,) assignments per expert: a ``scatter_add_`` of ones on the
+                        device (no ``bincount``, whose output length the host reads), counted once
+                        per layer and reused for the load figure, the balancing loss and the
+                        experts' row offsets
+    permute_tokens      (T, h) -> (T K, h) the K copies of each token sorted by expert (stable:
+                        token order inside an expert); with a capacity the dropped copies sort
+                        after every expert, so the shape stays T K whatever is dropped
+    permute_padded      every expert exactly C rows (padded capacity), the kept copies first
+    unpermute_tokens    (rows, (T, K) router weights) -> (T, h): each token's K rows gathered
+                        into token order, (T, K, h), and summed with their weights by one batched
+                        matrix product in the compute dtype (fp32 accumulation inside the GEMM);
+                        a dropped copy weighs 0
+
+``Permutation.offsets`` ends each expert's rows (cumulative counts, int32 on the device: the grouped
+GEMM's ``offsets``); with a capacity the last expert's group also holds the dropped copies at the
+end, which weigh 0 in the combine, so every row belongs to some group and no count is read.
+``Permutation.slots`` gives each of the T K assignments its row (the inverse of the sort).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class _GatherRowsForwardScatterAddBackward(torch.autograd.Function):
+    """rows = x[index]; the gradient of x sums the gradients of its copies."""
+
+    @staticmethod
+    def forward(ctx, x, index):  # (T, h), (R,)
+        ctx.save_for_backward(index)
+        ctx.num_rows = x.shape[0]
+        return x.index_select(0, index)  # (R, h)
+
+    @staticmethod
+    def backward(ctx, grad):  # (R, h)
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros((ctx.num_rows, grad.shape[1]))
+        return out.index_add_(0, index, grad), None
+
+
+class _WeightedScatterAddForwardGatherBackward(torch.autograd.Function):
+    """out[index[r]] += rows[r] * weight[r] (in the weights' dtype); backward gathers the token
+    gradients per row. The allgather dispatcher's combine (allgather.py)."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, index, num_tokens: int):  # (R, h), (R,), (R,)
+        ctx.save_for_backward(rows, weight, index)
+        dtype = torch.promote_types(rows.dtype, weight.dtype)
+        out = rows.new_zeros((num_tokens, rows.shape[1]), dtype=dtype)
+        return out.index_add_(0, index, rows * weight.unsqueeze(1))  # (T, h)
+
+    @staticmethod
+    def backward(ctx, grad):  # (T, h)
+        rows, weight, index = ctx.saved_tensors
+        g = grad.index_select(0, index)  # (R, h)
+        grad_rows = (g * weight.unsqueeze(1)).to(rows.dtype)
+        grad_weight = (g * rows).sum(1).to(weight.dtype)
+        return grad_rows, grad_weight, None, None
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] (R, h); backward sums each row's copies."""
+    return _GatherRowsForwardScatterAddBackward.apply(x, index)
+
+
+def count_per_expert(experts: torch.Tensor, num_experts: int,
+                     keep: torch.Tensor | None = None) -> torch.Tensor:
+    """(T, K) chosen experts -> (E,) int64 assignments per expert, on the device; ``keep``
+    (T, K) bool: only the kept ones."""
+    flat = experts.reshape(-1)
+    ones = torch.ones_like(flat) if keep is None else keep.reshape(-1).to(flat.dtype)
+    return torch.zeros(num_experts, dtype=flat.dtype, device=flat.device).scatter_add_(0, flat, ones)
+
+
+def equal_counts(groups: int, rows: int, device) -> torch.Tensor:
+    """(groups,) int64 all ``rows`` (padded capacity), made from an ``arange`` so that the dry
+    run's meta tensors carry the values (engine/dryrun/assumed.py)."""
+    return torch.arange(groups, device=device) * 0 + rows
+
+
+def offsets_of(counts: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """Cumulative row counts (int32, the grouped GEMM's offsets); ``rows``: the last one set to
+    the whole row count (dropped copies at the end join the last group)."""
+    ends = torch.cumsum(counts, 0)
+    if rows is not None:  # (made from ``ends``: the dry run's assumed counts carry through)
+        ends = torch.cat([ends[:-1], ends[-1:] * 0 + rows])
+    return ends.to(torch.int32)
+
+
+@dataclass
+class Permutation:
+    """Where the T K copies of a layer's tokens went. ``order`` (R,): the flat (T K) assignment of
+    each row, rows sorted by expert; ``tokens`` (R,): each row's token; ``counts`` (E,) int64: the
+    kept rows per expert; ``offsets`` (E,) int32: the grouped GEMM's row offsets; ``slots``
+    (T K,): each assignment's row; ``keep`` (T K,) or None (dropless): 1 where the assignment has
+    a row that counts; ``mask`` (R,): 1 for a routed row, 0 for padding (padded only)."""
+    order: torch.Tensor
+    tokens: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    slots: torch.Tensor
+    num_tokens: int
+    topk: int
+    keep: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.order.shape[0]
+
+
+def permute_tokens(x: torch.Tensor, experts: torch.Tensor, num_experts: int,
+                   counts: torch.Tensor | None = None, keep: torch.Tensor | None = None):
+    """(T, h) tokens and (T, K) expert indices -> (T K, h) rows sorted by expert, Permutation.
+    ``counts``: the layer's ``count_per_expert`` (of the kept assignments with ``keep``), reused;
+    ``keep`` (T, K) bool: the dropped copies sort after every expert (rows [sum(counts), T K))."""
+    t, k = experts.shape
+    flat = experts.reshape(-1)
+    if keep is not None:
+        flat = torch.where(keep.reshape(-1), flat, torch.full_like(flat, num_experts))
+    if counts is None:
+        counts = count_per_expert(experts, num_experts, keep)
+    order = torch.argsort(flat, stable=True)                     # (T K,): expert-major
+    tokens = torch.div(order, k, rounding_mode="floor")
+    slots = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=order.device))
+    rows = gather_rows(x, tokens)                                 # (T K, h)
+    perm = Permutation(order, tokens, counts, offsets_of(counts, None if keep is None else t * k),
+                       slots, t, k, None if keep is None else keep.reshape(-1))
+    return rows, perm
+
+
+def permute_padded(x: torch.Tensor, tokens: torch.Tensor, flat_index: torch.Tensor,
+                   mask: torch.Tensor, capacity: int, keep: torch.Tensor):
+    """Padded to capacity: ``tokens``, ``flat_index`` (into the (T K) assignments) and ``mask``
+    (E C,) give each expert's C rows in order; ``keep`` (T, K) the kept assignments -> (E C, h)
+    rows and the Permutation."""
+    t, k = keep.shape
+    e = tokens.numel() // capacity
+    device = x.device
+    counts = equal_counts(e, capacity, device)
+    rows = gather_rows(x, tokens)
+    # each kept assignment's slot; padding slots write to a spare entry past the end
+    target = torch.where(mask > 0, flat_index, torch.full_like(flat_index, t * k))
+    slots = torch.zeros(t * k + 1, dtype=torch.long, device=device).scatter_(
+        0, target, torch.arange(e * capacity, device=device))[:t * k]
+    perm = Permutation(flat_index, tokens, counts, offsets_of(counts), slots, t, k,
+                       keep.reshape(-1), mask)
+    return rows, perm
+
+
+def unpermute_tokens(rows: torch.Tensor, weights: torch.Tensor, perm: Permutation) -> torch.Tensor:
+    """(R', h) expert outputs in the permuted order (R' <= R: the kept rows alone when only they
+    were sent), (T, K) router weights -> (T, h) in the rows' dtype."""
+    t, k = perm.num_tokens, perm.topk
+    w = weights if perm.keep is None else weights * perm.keep.view(t, k).to(weights.dtype)
+    slots = perm.slots if rows.shape[0] >= perm.rows else perm.slots.clamp(max=rows.shape[0] - 1)
+    gathered = gather_rows(rows, slots).view(t, k, rows.shape[1])        # (T, K, h)
+    return torch.bmm(w.to(rows.dtype).unsqueeze(1), gathered).squeeze(1)  # (T, h)
