@@ -7,8 +7,9 @@ this module instead of calling ``torch.Stream`` / ``torch.Event`` or ``threading
 - ``side_stream(name, device)``: a named ``Stream``; on an accelerator it wraps a ``torch.Stream``,
   on the CPU it is a name only;
 - ``current_stream(device)``, ``use(stream)``: the stream this thread issues work on now;
-- ``record_event``, ``wait_event``, ``wait_stream``, ``record_stream``, ``released``: the
-  orderings the engine relies on, and the release of a storage another stream may still read;
+- ``record_event``, ``wait_event``, ``wait_stream``, ``synchronize``, ``record_stream``,
+  ``released``: the orderings the engine relies on (``synchronize``: the host waits for an
+  event), and the release of a storage another stream may still read;
 - ``start_thread(name, target, device)``: a worker thread that binds the rank's device first (as
   ProcessGroupHCCL's watchdog does: a thread starts on device 0 otherwise, and its first device
   call would create a context there) and reports an exception instead of dying silently.
@@ -146,6 +147,15 @@ def wait_event(event: Event, stream: Stream | None = None) -> None:
         stream.native.wait_event(event.native)
     if _checker is not None and event.clock is not None:
         _checker.on_wait(stream.name, event.clock)
+
+
+def synchronize(event: Event) -> None:
+    """The calling thread (the host) waits until ``event`` has happened on its device; what it
+    does next is ordered after the event's stream up to the event."""
+    if event.native is not None:
+        event.native.synchronize()
+    if _checker is not None and event.clock is not None:
+        _checker.on_wait(current_stream_name(), event.clock)
 
 
 def wait_stream(stream: Stream, other: Stream) -> None:

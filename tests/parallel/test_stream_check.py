@@ -136,6 +136,32 @@ def test_thread_join_orders_its_work(checker):
     checker.check()
 
 
+def test_a_thread_reads_host_copies_after_synchronizing_on_their_event(checker):
+    """The background save's pattern: a thread started before the copies exist reads them only
+    after the host waited for the event recorded behind them (``streams.synchronize``)."""
+    import threading
+    go, box = threading.Event(), {}
+
+    def reader(wait: bool):
+        go.wait(timeout=30)
+        if wait:
+            streams.synchronize(box["event"])
+        box["host"].sum()
+
+    for wait in (False, True):
+        go.clear()
+        thread = streams.start_thread(f"reader-{wait}", lambda w=wait: reader(w), "cpu")
+        box["host"] = torch.ones(4) * 2           # the copies, queued on the compute stream
+        box["event"] = streams.record_event()
+        go.set()
+        thread.join()
+        if not wait:
+            message = _one(checker, "read after an unordered write")
+            assert "sum on stream 'reader-False'" in message and "stream 'compute'" in message, message
+            checker.violations.clear()
+    checker.check()
+
+
 def test_thread_errors_reach_on_error():
     errors = []
 
