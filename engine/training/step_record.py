@@ -160,12 +160,76 @@ def describe_data(trainer) -> str:
             f"{data.vocab_size}")
 
 
+TP_OVERLAP = {"ring": "chunked ring", "auto": "fused ops where the device has them, else chunked ring"}
+
+
+def run_choices(trainer) -> list[str]:
+    """Every choice that changes what runs, as the start line and the summary say them: the
+    mixture of experts (experts, top-k, MoE layers, ep, etp), the optimizer's ZeRO stage, the
+    gradient compression and its warm-up, the TP overlap."""
+    cfg, ps = trainer.cfg, trainer.ps
+    m, par = cfg.model, cfg.parallel
+    out = []
+    if m.num_experts is not None:
+        layers = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
+        where = "" if len(layers) == m.num_layers else f" on layers {layers}"
+        out.append(f"MoE {m.num_experts} experts top-{m.moe_router_topk}{where}, ep "
+                   f"{par.expert_model_parallel_size} etp {par.expert_tensor_parallel_size}")
+    out.append(f"ZeRO-{par.zero_stage}" if par.use_distributed_optimizer else
+               "ZeRO-0 (optimizer state on every DP rank)")
+    reducer = trainer.reducer
+    if reducer.compressed:
+        c, policy = cfg.compression, reducer.policy
+        kind = "per --grad-compression-policy" if c.grad_compression_policy else c.grad_compression
+        ratio = f" ratio {c.grad_compression_ratio:g}" if kind == "topk" else ""
+        out.append(f"gradient compression {kind}{ratio} after {policy.warmup_steps} uncompressed "
+                   f"step{'s' if policy.warmup_steps != 1 else ''}")
+    else:
+        out.append("no gradient compression")
+    if ps.tp_size > 1:
+        mode = getattr(trainer, "tp_overlap", None)
+        out.append(f"TP overlap: {TP_OVERLAP.get(mode, mode)}" if mode else "no TP overlap")
+    return out
+
+
+def start_line(trainer) -> str:
+    """The run's first line: layout, device, micro-batches, parameters and its choices."""
+    return (f"gridtron: {trainer.grid.describe()} on {trainer.dev.type}; {trainer.num_micro} "
+            f"micro-batches/step; {trainer.num_params_local:,} parameters on rank 0; "
+            + "; ".join(run_choices(trainer)))
+
+
+def duration_text(seconds: float) -> str:
+    """A duration as a person reads it: 12 ms, 3.4 s, 12 min, 5.1 h, 3.2 days."""
+    for limit, unit, div in ((1, "ms", 1e-3), (120, "s", 1), (7200, "min", 60), (172800, "h", 3600)):
+        if seconds < limit:
+            return f"{seconds / div:.3g} {unit}"
+    return f"{seconds / 86400:.3g} days"
+
+
+def cost_line(trainer, steps: int) -> str:
+    """What the run will cost before its first step: the step time at the device's peak (the
+    executed FLOPs of a step, attention at this sequence length included: engine/plan/flops.py,
+    over the devices' dense peak: engine/observe/utilization.py), a lower bound, and for the
+    ``steps`` to run."""
+    flops, peak, world = trainer.flops.executed or trainer.flops.model, trainer.peak_tflops, \
+        trainer.ps.world_size
+    if flops is None or not peak:
+        why = "no FLOPs count for the block" if flops is None else "no peak known for the device"
+        return f"gridtron: the step time cannot be estimated ({why}; --peak-tflops gives one)"
+    step = flops / (world * peak * 1e12)
+    return (f"gridtron: estimated step time at least {duration_text(step)} ({flops:.3g} FLOPs "
+            f"per step over {world} device{'s' if world > 1 else ''} at {peak:.3g} TFLOP/s peak); "
+            f"{steps} step{'s' if steps != 1 else ''}: at least {duration_text(step * steps)}")
+
+
 def run_summary(trainer, result) -> str:
     """The closing summary table of ``result`` (a RunResult with records), with the run's facts:
-    layout, device, data, and where the metrics, timeline, plot, profile and checkpoint went."""
+    layout, its choices (``run_choices``), device, data, and where the metrics, timeline, plot,
+    profile and checkpoint went."""
     cfg = trainer.cfg
-    extra = {"layout": trainer.grid.describe(), "device": f"{trainer.dev.type} ({trainer.dev.name})",
-             "data": describe_data(trainer)}
+    extra = {"layout": trainer.grid.describe(), "choices": "; ".join(run_choices(trainer)),
+             "device": f"{trainer.dev.type} ({trainer.dev.name})", "data": describe_data(trainer)}
     if cfg.log.metrics_file:
         extra["metrics"] = cfg.log.metrics_file
     if cfg.log.timeline:

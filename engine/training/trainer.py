@@ -28,8 +28,8 @@ from engine.training.lr_schedule import learning_rate
 from engine.observe.metrics import MetricsLog
 from engine.observe.profiling import StepProfiler
 from engine.training.step import Stepper
-from engine.training.step_record import (TIMELINE_STEPS, LateRecords, resilience_metrics,
-                                         run_summary, step_record)
+from engine.training.step_record import (TIMELINE_STEPS, LateRecords, cost_line,
+                                         resilience_metrics, run_summary, start_line, step_record)
 from engine.training.step_syncs import StepTimeline, counted_step
 from engine.observe.utilization import run_flops, run_peak_tflops
 from engine.training.run_data import build_run_data
@@ -147,12 +147,14 @@ class Trainer:
         self.dtype = DTYPES[cfg.precision.precision]
         self.chunks = build_chunks(cfg.model, ps, ctxs, ranges, virtual, ps.pp_size * vp,
                                    self.registry).to(device=self.dev.device, dtype=self.dtype)
+        self.tp_overlap = None  # the TP overlap's mode, when on
         if cfg.parallel.tp_comm_overlap:  # chunked TP rings / fused ops (tensor_parallel/overlap.py)
             mode = tp_overlap_mode(self.dev.type, self.dev.name, ps.tp_size,
                                    cfg.parallel.sequence_parallel)
             mode, why = probe_mode(ps.tp_group, self.dev.device, mode)  # symmetric memory, once
             say_notes(self.is_main, [why] if why else [])
             set_tp_comm_overlap(self.chunks, mode)
+            self.tp_overlap = mode
         if ps.cp_size > 1 and any(len(c.layers) for c in self.chunks) and not any(
                 isinstance(m, ParallelAttention) for c in self.chunks for m in c.modules()):
             raise ConfigError(f"--cp {ps.cp_size}: --block {cfg.model.block} has no "
@@ -298,9 +300,9 @@ class Trainer:
         log.start_at(start)
         dash = Dashboards(cfg, self.is_main, start)
         self._outputs = (log, dash, result.records)  # where before_publish writes records
-        if self.is_main:
-            log.note(f"gridtron: {self.grid.describe()} on {self.dev.type}; {self.num_micro} "
-                     f"micro-batches/step; {self.num_params_local:,} parameters on rank 0")
+        if self.is_main:  # what runs, and what it will cost, before the first step
+            log.note(start_line(self))
+            log.note(cost_line(self, cfg.optim.train_iters - start))
         from engine.checkpoint.async_writer import Checkpointer
         self.checkpointer = Checkpointer(self)
         # the checkpointer's stop/save counters ride on each step's statistics all-reduce

@@ -1,0 +1,72 @@
+"""What a run says before its first step and in its summary: every choice that changes what runs
+(experts and top-k, ep and etp, the ZeRO stage, gradient compression and its warm-up, the TP
+overlap), and what a step will cost at the device's peak (attention at the run's sequence length
+included), so that a size the memory check passes but that takes minutes per step is said before
+the first step."""
+from engine.config.cli import parse_args
+from engine.plan.flops import step_flops
+from engine.training.step_record import cost_line, start_line
+from engine.training.trainer import Trainer
+from parallel.topology import RankGrid
+from tests.helpers.dist_utils import run_distributed
+
+MOCK = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "2", "--hidden-size",
+        "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", "2"]
+
+
+def start_and_summary(ps, cases):
+    out = []
+    for argv in cases:
+        trainer = Trainer(parse_args(MOCK + argv))
+        line = start_line(trainer)
+        summary = trainer.train().summary
+        trainer.close()
+        out.append((line, summary))
+    return out
+
+
+def test_the_start_line_and_the_summary_name_every_choice():
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--ep", "2", "--moe-layer-freq", "[0,1]",
+           "--use-distributed-optimizer", "--zero-stage", "2", "--grad-compression", "int8",
+           "--grad-compression-warmup-steps", "1"]
+    overlap = ["--tp", "2", "--sequence-parallel", "--tp-comm-overlap"]
+    (moe_run, tp_run), _ = run_distributed(start_and_summary, grid=RankGrid(dp=2),
+                                           args=([moe, overlap],), timeout_s=60)
+    choices = ("MoE 4 experts top-2 on layers [1], ep 2 etp 1; ZeRO-2; gradient compression int8 "
+               "after 1 uncompressed step")
+    assert moe_run[0] == ("gridtron: tp=1 pp=1 dp=2 (order tp-dp-pp, 2 ranks) on cpu; 1 "
+                          "micro-batches/step; 160,064 parameters on rank 0; " + choices)
+    assert f"| choices     " in moe_run[1] and f"| {choices} |" in moe_run[1], moe_run[1]
+    choices = ("ZeRO-0 (optimizer state on every DP rank); no gradient compression; TP overlap: "
+               "fused ops where the device has them, else chunked ring")
+    assert tp_run[0] == ("gridtron: tp=2 pp=1 dp=1 (order tp-dp-pp, 2 ranks) on cpu; 2 "
+                         "micro-batches/step; 68,928 parameters on rank 0; " + choices)
+    assert f"| {choices} |" in tp_run[1], tp_run[1]
+
+
+def test_the_cost_is_said_before_the_first_step(capsys):
+    """The start line and the estimated step time are the run's first lines; a 100,000-token
+    sequence on a tiny model is minutes per step, said before the first one."""
+    trainer = Trainer(parse_args(MOCK + ["--peak-tflops", "0.001"]))
+    trainer.train()
+    trainer.close()
+    lines = capsys.readouterr().err.splitlines()
+    flops = step_flops(4, 32, 2, 64, 300, 256, "gpt2", "none").executed
+    assert f"{flops:.3g}" == "9.65e+07"  # the planner's count: what the line divides
+    assert lines[:2] == [
+        "gridtron: tp=1 pp=1 dp=1 (order tp-dp-pp, 1 ranks) on cpu; 2 micro-batches/step; 126,720 "
+        "parameters on rank 0; ZeRO-0 (optimizer state on every DP rank); no gradient compression",
+        "gridtron: estimated step time at least 96.5 ms (9.65e+07 FLOPs per step over 1 device at "
+        "0.001 TFLOP/s peak); 2 steps: at least 193 ms"], lines
+    long = Trainer(parse_args(MOCK[:MOCK.index("--seq-length")] + [
+        "--seq-length", "100000", "--max-position-embeddings", "100000", "--micro-batch-size", "1",
+        "--global-batch-size", "1", "--peak-tflops", "0.03"]))
+    try:
+        flops = step_flops(1, 100000, 2, 64, 300, 256, "gpt2", "none").executed
+        assert f"{flops:.3g}" == "1.54e+13"  # attention's 4 s h per token: 2.56e+12 per layer
+        assert cost_line(long, 10) == ("gridtron: estimated step time at least 8.57 min (1.54e+13 "
+                                       "FLOPs per step over 1 device at 0.03 TFLOP/s peak); 10 steps: "
+                                       "at least 85.7 min")
+    finally:
+        long.close()
