@@ -11,7 +11,9 @@ learning rate, layout and logging may change between attempts). Any other checkp
 another run: the run stops before training with one line naming the directory, what it holds and
 the ways on (``--load`` it, a new ``--run-dir``/``--save``, or ``--overwrite``). With ``--overwrite``
 rank 0 moves them into ``SAVE/overwritten/`` (itself a checkpoint directory: ``--load
-SAVE/overwritten`` continues that run), and the first checkpoint this run publishes removes it (engine/checkpoint/writer.py ``publish``). Until then a ``--save`` whose
+SAVE/overwritten`` continues that run), with the run's metrics file, timeline and plot at the paths
+this run writes (``metrics.jsonl``, ``timeline.json``, ``loss.png`` there), and the first checkpoint
+this run publishes removes it (engine/checkpoint/writer.py ``publish``). Until then a ``--save`` whose
 ``overwritten/`` is still there is refused without ``--overwrite``, so nothing is lost to a crash.
 
 ``plan_start`` decides from the configuration and the shared file system alone, so every rank
@@ -180,22 +182,40 @@ def plan_start(cfg) -> Start:
                  held=describe(index))
 
 
-def move_aside(save: str) -> str:
+# the run's other outputs that move aside with its checkpoints, under these names
+OUTPUTS = (("metrics_file", "metrics.jsonl"), ("timeline", "timeline.json"), ("plot", "loss.png"))
+
+
+def run_outputs(cfg) -> list[tuple[str, str]]:
+    """(name in the aside directory, path) of the metrics file, timeline and plot the run writes."""
+    return [(name, getattr(cfg.log, key)) for key, name in OUTPUTS if getattr(cfg.log, key)]
+
+
+def move_aside(save: str, outputs: list[tuple[str, str]] = ()) -> tuple[str, list[str]]:
     """Move ``save``'s checkpoints (``latest`` and every ``iter_*``) into ``save/overwritten``, by
-    renames inside ``save``; returns that directory. A leftover ``overwritten`` is a replaced run's
-    whose replacement has saved since (``publish`` removes it then): it is removed first."""
+    renames inside ``save``, and the replaced run's ``outputs`` (its metrics, timeline and plot,
+    which the new run would replace at once) beside them; returns that directory and the names of
+    the outputs moved. A leftover ``overwritten`` is a replaced run's whose replacement has saved
+    since (``publish`` removes it then): it is removed first."""
     aside = os.path.join(save, ASIDE)
     shutil.rmtree(aside, ignore_errors=True)
     os.makedirs(aside)
     for name in sorted(os.listdir(save)):
         if name == LATEST or name.startswith("iter_"):
             os.rename(os.path.join(save, name), os.path.join(aside, name))
-    fd = os.open(save, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return aside
+    moved, parents = [], {save, aside}
+    for name, path in outputs:
+        if os.path.isfile(path):
+            shutil.move(path, os.path.join(aside, name))  # a rename on one file system
+            moved.append(name)
+            parents.add(os.path.dirname(os.path.abspath(path)))
+    for parent in sorted(parents):  # the renames survive a crash
+        fd = os.open(parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return aside, moved
 
 
 def resume(trainer) -> int:
@@ -208,10 +228,11 @@ def resume(trainer) -> int:
     if start.replace:
         _barrier(trainer.ps, f"before moving the checkpoints in {start.replace} aside")
         if main:
-            aside = move_aside(start.replace)
-            print(f"gridtron: --overwrite: moved the checkpoints in {start.replace} ({start.held}) to "
-                  f"{aside}; they are deleted once this run's first checkpoint is saved (until then "
-                  f"--load {aside} continues that run)", flush=True)
+            aside, moved = move_aside(start.replace, run_outputs(cfg))
+            also = f" and its {', '.join(moved)}" if moved else ""
+            print(f"gridtron: --overwrite: moved the checkpoints in {start.replace} ({start.held})"
+                  f"{also} to {aside}; they are deleted once this run's first checkpoint is saved "
+                  f"(until then --load {aside} continues that run)", flush=True)
     if start.source is None:
         return 0
     if start.resumed:

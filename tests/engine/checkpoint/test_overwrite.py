@@ -4,6 +4,7 @@ was (sha256 before and after); --overwrite moves them aside until the new run's 
 published, and a crash before that leaves them loadable; a run whose recipe matches the directory's
 unfinished run resumes. On 1 rank through engine.training.launch.main and the Trainer, and on 2
 gloo ranks. Also: --load's "loaded" line, --use-checkpoint-args against an explicit size."""
+import json
 import os
 import shutil
 
@@ -252,3 +253,39 @@ def test_two_ranks(tmp_path):
         assert r["overwrite"] == [1, 2] and r["crash"] == "worker lost" and r["resumed"] == [3, 4]
     assert results[0]["unchanged"] is True
     assert results[0]["aside"] == (True, {}, ["iter_0000001", "iter_0000002", "latest"])
+
+
+def test_overwrite_moves_the_old_runs_metrics_timeline_and_plot_with_its_checkpoints(finished,
+                                                                                      tmp_path,
+                                                                                      monkeypatch,
+                                                                                      capsys):
+    """--run-dir: the replaced run's metrics.jsonl, timeline.json and loss.png go to
+    checkpoints/overwritten beside its checkpoints (the new run would replace them at its first
+    step, long before its first checkpoint), and go with them once that checkpoint is saved."""
+    run = str(tmp_path / "run")
+    shutil.copytree(finished["run"], run, symlinks=True)
+    ck, aside = os.path.join(run, "checkpoints"), os.path.join(run, "checkpoints", "overwritten")
+    old = tree_digests(run)
+    outputs = {name: old[name] for name in ("metrics.jsonl", "timeline.json", "loss.png")}
+    seen = []
+    real_publish = writer.publish
+
+    def publish(snap):  # the run directory as the new run's first checkpoint is published
+        seen.append(tree_digests(aside))
+        real_publish(snap)
+
+    monkeypatch.setattr(writer, "publish", publish)
+    capsys.readouterr()
+    argv = ["--train-iters", "2", "--num-layers", "1", "--run-dir", run, "--save-interval", "1",
+            "--overwrite"]
+    assert [r["step"] for r in records(argv)] == [1, 2]
+    assert (f"gridtron: --overwrite: moved the checkpoints in {ck} (step 2, {SHAPE}) and its "
+            f"metrics.jsonl, timeline.json, loss.png to {aside}; they are deleted once this run's "
+            f"first checkpoint is saved (until then --load {aside} continues that run)") \
+        in capsys.readouterr().out.splitlines()
+    moved = seen[0]  # (paths relative to the aside directory, the run directory)
+    assert {name: moved.get(name) for name in outputs} == outputs  # byte for byte
+    assert {k: v for k, v in moved.items() if k not in outputs} == \
+        {k[len("checkpoints/"):]: v for k, v in old.items() if k.startswith("checkpoints/")}
+    assert seen[1] == {} and not os.path.exists(aside)  # gone with the checkpoints
+    assert [json.loads(line)["step"] for line in open(os.path.join(run, "metrics.jsonl"))] == [1, 2]
