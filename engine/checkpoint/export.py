@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {config['architectures'][0]} to {args.out}")
         return 0
 
-    return run_tool(body, (CheckpointError, lambda e: f"checkpoint error: {e}", 1),
+    return run_tool(body, (CheckpointError, lambda e: f"checkpoint error: {e}", 2),
                     (OSError, lambda e: f"cannot write {os_error_text(e, parsed['args'].out)}", 1))
 
 

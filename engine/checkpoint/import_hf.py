@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.load})")
         return 0
 
-    return run_tool(body, (CheckpointError, lambda e: f"import error: {e}", 1),
+    return run_tool(body, (CheckpointError, lambda e: f"import error: {e}", 2),
                     (OSError, lambda e: f"import error: {os_error_text(e, parsed['args'].save)}", 1))
 
 

@@ -190,5 +190,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--- sample from {ckpt} (step {index['step']}) ---\n{text}")
         return 0
 
-    return run_tool(body, (CheckpointError, lambda e: f"checkpoint error: {e}", 1),
-                    (ValueError, str, 1))  # e.g. a prompt that encodes to no tokens
+    return run_tool(body, (CheckpointError, lambda e: f"checkpoint error: {e}", 2),
+                    (ValueError, str, 2))  # e.g. a prompt that encodes to no tokens

@@ -16,7 +16,8 @@ hang or a slow ring hours into a job. Launched with the job's launcher, grid and
 Scopes: most keys must agree on every rank. HCCL_IF_IP names a node's own address, so it must agree
 only among the ranks of one node. device_count must agree everywhere (same topology on every node;
 inside a node a difference means per-rank visibility masks); before any collective each rank also
-checks that it can see device LOCAL_RANK, which the engine binds. Exit 2: bad flags or layout.
+checks that it can see device LOCAL_RANK, which the engine binds. Exit 2: bad flags or layout (one
+line, ``gridtron: ...``, as every tool says a user's mistake).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import textwrap
 
 import torch
 
+from engine.base import ToolParser, run_tool
 from engine.tools.commbench import OPS, BenchConfig, check_collectives, format_table, parse_sizes, run_benchmarks
 from engine.config.schema import ParallelConfig
 from engine.device.runtime import detect_device_type, device_count, device_index, setup_device
@@ -181,8 +183,8 @@ def agreement_summary(prints: list[dict]) -> str:
 
 # ---- the run ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.preflight", allow_abbrev=False,
-                                description="Check that every rank agrees, then measure link bandwidth.")
+    p = ToolParser(prog="python -m engine.preflight",
+                   description="Check that every rank agrees, then measure link bandwidth.")
     p.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--dp", "--data-parallel-size", type=int, default=None, help="default world/(tp*pp)")
@@ -200,12 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fail(rank: int, message: str) -> int:
-    print(f"gridtron preflight: rank {rank}: {message}", file=sys.stderr, flush=True)
+    print(f"gridtron: rank {rank}: {message}", file=sys.stderr, flush=True)
     return EXIT_BAD_SETUP
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """A bad flag or layout is one line, ``gridtron: ...``, exit 2 (engine/base.py ``run_tool``);
+    ranks that differ exit 3, a collective with a wrong result 4."""
+    return run_tool(lambda: check(build_parser().parse_args(argv)))
+
+
+def check(args: argparse.Namespace) -> int:
     launch = LaunchEnv.from_env()
     environ = dict(os.environ)
     try:

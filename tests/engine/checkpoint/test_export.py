@@ -73,7 +73,7 @@ def test_generate_from_checkpoint(tmp_path):
 def test_generate_cli(tmp_path, capsys):
     save = str(tmp_path / "ck")
     train(["--mock-data", "--vocab-size", "257", "--train-iters", "1", "--save", save])
-    assert generate_main(["--load", save, "--prompt", "hi"]) == 1  # mock data: no tokenizer
+    assert generate_main(["--load", save, "--prompt", "hi"]) == 2  # mock data: no tokenizer
     assert "has no tokenizer" in capsys.readouterr().err
     assert generate_main(["--load", save, "--prompt", "hi", "--tokenizer", "byte",
                           "--max-new-tokens", "5"]) == 0

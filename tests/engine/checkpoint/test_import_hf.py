@@ -212,7 +212,7 @@ def test_key_value_heads_that_do_not_divide_the_heads_are_refused_in_one_line(hf
     path = tmp_path / "gqa" / "config.json"
     path.write_text(path.read_text().replace('"num_key_value_heads": 2', '"num_key_value_heads": 3'))
     capsys.readouterr()  # transformers' own progress output
-    assert import_main(["--load", str(tmp_path / "gqa"), "--save", str(tmp_path / "ck")]) == 1
+    assert import_main(["--load", str(tmp_path / "gqa"), "--save", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "num_key_value_heads 3 does not divide num_attention_heads 4" in err

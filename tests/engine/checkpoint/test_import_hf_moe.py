@@ -200,7 +200,7 @@ def test_imported_moe_models_train_under_ep2_as_serially(hf):
 
 def _refused(capsys, hf_dir, tmp_path) -> str:
     capsys.readouterr()
-    assert import_main(["--load", str(hf_dir), "--save", str(tmp_path / "ck")]) == 1
+    assert import_main(["--load", str(hf_dir), "--save", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert not os.path.exists(tmp_path / "ck" / "latest")

@@ -91,8 +91,8 @@ GEN = ["--load", "{ck}", "--prompt", "hi"]
 
 # (tool, arguments ({name} is a path in the workspace), exit code, what the one line says)
 CASES = [
-    ("export", ["--load", "{missing}", "--out", "{new}"], 1, "{missing} does not exist"),
-    ("export", ["--load", "{afile}", "--out", "{new}"], 1,
+    ("export", ["--load", "{missing}", "--out", "{new}"], 2, "{missing} does not exist"),
+    ("export", ["--load", "{afile}", "--out", "{new}"], 2,
      "{afile} is a file, not a checkpoint directory"),
     ("export", ["--load", "{ck}", "--out", "{hf}"], 2, "--out {hf} is not empty (it holds config.json, "
                                                        "model.safetensors): choose a new directory, or "
@@ -100,9 +100,9 @@ CASES = [
     ("export", ["--load", "{ck}", "--out", "{afile}"], 2, "--out {afile} is a file: give a directory"),
     ("export", ["--load", "{ck}", "--out", "{afile}/hf"], 2, "{afile} is a file, not a directory"),
     ("export", ["--load", "{ck}", "--out", "{ck}"], 2, "is the checkpoint's own directory"),
-    ("export", ["--load", "{ck_step}", "--out", "{new}"], 1, "index.json is damaged: its step is 'x'"),
-    ("export", ["--load", "{ck_layout}", "--out", "{new}"], 1, "layout.tp is None, not a positive integer"),
-    ("export", ["--load", "{ck_trunc}", "--out", "{new}"], 1, "rank_00000.safetensors is truncated"),
+    ("export", ["--load", "{ck_step}", "--out", "{new}"], 2, "index.json is damaged: its step is 'x'"),
+    ("export", ["--load", "{ck_layout}", "--out", "{new}"], 2, "layout.tp is None, not a positive integer"),
+    ("export", ["--load", "{ck_trunc}", "--out", "{new}"], 2, "rank_00000.safetensors is truncated"),
     ("export", ["--load", "{ck}", "--out", "{new}", "--to", "onnx"], 2, "invalid choice: 'onnx'"),
     ("export", ["--load", "{ck}", "--out", "{new}", "--overw"], 2, "unrecognized arguments: --overw"),
     ("data", ["prepare", "--input", "{missing}", "--output", "{new}/corpus"], 2, "does not exist"),
@@ -124,20 +124,20 @@ CASES = [
     ("data", ["prepare", "--input", "{text.txt}", "--output", "{new}/c", "--no-prog"], 2,
      "unrecognized arguments: --no-prog"),
     ("data", ["prep", "--input", "{text.txt}"], 2, "invalid choice: 'prep'"),
-    ("import_hf", ["--load", "{missing}", "--save", "{new}"], 1, "--load {missing} does not exist"),
-    ("import_hf", ["--load", "{afile}", "--save", "{new}"], 1, "--load {afile} is a file"),
-    ("import_hf", ["--load", "{hf_empty}", "--save", "{new}"], 1, "{hf_empty} has no config.json"),
-    ("import_hf", ["--load", "{hf_json}", "--save", "{new}"], 1, "config.json is not valid JSON"),
-    ("import_hf", ["--load", "{hf_list}", "--save", "{new}"], 1, "config.json holds a JSON list"),
-    ("import_hf", ["--load", "{hf_noembd}", "--save", "{new}"], 1, "config.json: n_embd is missing"),
-    ("import_hf", ["--load", "{hf_text}", "--save", "{new}"], 1,
+    ("import_hf", ["--load", "{missing}", "--save", "{new}"], 2, "--load {missing} does not exist"),
+    ("import_hf", ["--load", "{afile}", "--save", "{new}"], 2, "--load {afile} is a file"),
+    ("import_hf", ["--load", "{hf_empty}", "--save", "{new}"], 2, "{hf_empty} has no config.json"),
+    ("import_hf", ["--load", "{hf_json}", "--save", "{new}"], 2, "config.json is not valid JSON"),
+    ("import_hf", ["--load", "{hf_list}", "--save", "{new}"], 2, "config.json holds a JSON list"),
+    ("import_hf", ["--load", "{hf_noembd}", "--save", "{new}"], 2, "config.json: n_embd is missing"),
+    ("import_hf", ["--load", "{hf_text}", "--save", "{new}"], 2,
      "config.json: n_head is 'four', not a positive integer"),
-    ("import_hf", ["--load", "{hf_bert}", "--save", "{new}"], 1, "model_type 'bert' is not supported"),
-    ("import_hf", ["--load", "{hf_trunc}", "--save", "{new}"], 1,
+    ("import_hf", ["--load", "{hf_bert}", "--save", "{new}"], 2, "model_type 'bert' is not supported"),
+    ("import_hf", ["--load", "{hf_trunc}", "--save", "{new}"], 2,
      "model.safetensors is not a readable safetensors file"),
-    ("import_hf", ["--load", "{hf_layers}", "--save", "{new}"], 1,
+    ("import_hf", ["--load", "{hf_layers}", "--save", "{new}"], 2,
      "weight 'h.2.attn.c_attn.weight' is missing"),
-    ("import_hf", ["--load", "{hf_inner}", "--save", "{new}"], 1,
+    ("import_hf", ["--load", "{hf_inner}", "--save", "{new}"], 2,
      "the weights do not fit config.json"),
     ("import_hf", ["--load", "{hf}", "--save", "{ck}"], 2,
      "--save {ck} is not empty (it holds iter_0000001, latest): choose a new directory, or add --overwrite"),
@@ -151,11 +151,11 @@ CASES = [
     ("generate", ["--load", "{ck}", "--prompt", ""], 2, "--prompt is empty"),
     ("generate", GEN + ["--max-new-tokens", "ten"], 2, "invalid int value: 'ten'"),
     ("generate", GEN + ["--max-new", "3"], 2, "unrecognized arguments: --max-new 3"),
-    ("generate", ["--load", "{missing}", "--prompt", "hi"], 1, "{missing} does not exist"),
-    ("generate", ["--load", "{afile}", "--prompt", "hi"], 1, "is a file, not a checkpoint directory"),
-    ("generate", ["--load", "{ck_step}", "--prompt", "hi"], 1, "its step is 'x'"),
-    ("generate", ["--load", "{ck_trunc}", "--prompt", "hi", "--tokenizer", "byte"], 1, "is truncated"),
-    ("generate", GEN, 1, "has no tokenizer (it was trained on mock data): pass --tokenizer PREFIX (data "
+    ("generate", ["--load", "{missing}", "--prompt", "hi"], 2, "{missing} does not exist"),
+    ("generate", ["--load", "{afile}", "--prompt", "hi"], 2, "is a file, not a checkpoint directory"),
+    ("generate", ["--load", "{ck_step}", "--prompt", "hi"], 2, "its step is 'x'"),
+    ("generate", ["--load", "{ck_trunc}", "--prompt", "hi", "--tokenizer", "byte"], 2, "is truncated"),
+    ("generate", GEN, 2, "has no tokenizer (it was trained on mock data): pass --tokenizer PREFIX (data "
                          "prepared with a 300-token tokenizer) or --tokenizer-model (a tokenizer of 300 "
                          "tokens)"),
     ("generate", GEN + ["--tokenizer", "{missing}"], 2, "--tokenizer {missing} cannot be loaded (no "
@@ -236,9 +236,34 @@ def test_a_suggested_tokenizer_works(ws, tmp_path, capsys):
     trainer.train()
     trainer.close()
     capsys.readouterr()
-    assert generate_main(["--load", save, "--prompt", "hi"]) == 1
+    assert generate_main(["--load", save, "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "pass --tokenizer byte, --tokenizer PREFIX" in err
     assert generate_main(["--load", save, "--prompt", "hi", "--tokenizer", "byte",
                           "--max-new-tokens", "4"]) == 0
     assert "sample from" in capsys.readouterr().out
+
+
+ALL_TOOLS = {  # every command line, and a mistake in its arguments
+    "train": ("engine.training.launch", ["--bogus"]),
+    "data": ("engine.data.__main__", ["prepare", "--input", "x", "--output", "y", "--bogus"]),
+    "import_hf": ("engine.checkpoint.import_hf", ["--load", "x", "--save", "y", "--bogus"]),
+    "export": ("engine.checkpoint.export", ["--load", "x", "--out", "y", "--bogus"]),
+    "generate": ("engine.tools.generate", ["--load", "x", "--prompt", "hi", "--bogus"]),
+    "plan": ("engine.tools.plan_cli", ["--bogus"]),
+    "dryrun": ("engine.dryrun.cli", ["--world-size", "1", "--bogus"]),
+    "preflight": ("engine.tools.preflight", ["--bogus"]),
+}
+
+
+@pytest.mark.parametrize("tool", sorted(ALL_TOOLS))
+def test_every_tool_says_a_mistake_the_same_way(tool, capsys):
+    """One exit code (2) and one prefix (``gridtron: ``) for a user's mistake, in every tool."""
+    import importlib
+    module, argv = ALL_TOOLS[tool]
+    capsys.readouterr()
+    assert importlib.import_module(module).main(argv) == 2
+    out = capsys.readouterr()
+    lines = out.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gridtron: ") and "--bogus" in lines[0], out.err
+    assert out.out == "" and "Traceback" not in out.err
