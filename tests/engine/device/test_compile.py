@@ -2,6 +2,11 @@
 gradient, fp32), stays the same module (type, parameter names), and a second compilation with the
 same run directory reuses the artifacts the first one left in ``run_dir/compile_cache``.
 
+"Compiled" is read from Dynamo's and Inductor's own counters (torch._dynamo.utils.counters), not
+from the flag: the one-layer chunk is one frame traced into one graph with no graph break, which
+AOTAutograd splits into a forward and a backward graph that Inductor compiles (two FX-graph cache
+misses cold, two hits warm). A chunk that silently ran eager would count no frame and no graph.
+
 Inductor is slow on small CPUs, so the model has one layer and the test compiles it twice in all:
 once cold, once after resetting Dynamo (what a new process would see), where Inductor must report
 FX-graph cache hits and no misses.
@@ -46,6 +51,16 @@ def _assert_same(got, want):
                                    msg=lambda m: f"{name}: {m}")
 
 
+def assert_compiled_one_graph(cache: str) -> None:
+    """Dynamo traced the chunk's forward as one frame into one graph, without a graph break, and
+    Inductor produced its forward and backward graphs (``cache``: both missed or both hit)."""
+    assert dict(counters["frames"]) == {"total": 1, "ok": 1}, dict(counters["frames"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
+    assert counters["aot_autograd"]["ok"] == 1, dict(counters["aot_autograd"])
+    assert counters["inductor"][cache] == 2, dict(counters["inductor"])  # forward and backward
+
+
 def test_backend_per_device():
     assert compile_backend("cpu") == "inductor"
     assert compile_backend("cuda") == "inductor"
@@ -68,7 +83,7 @@ def test_compiled_matches_eager_and_reuses_cache(tmp_path, monkeypatch):
     assert compiled is chunks and type(chunks[0]) is GPTChunk
     assert [n for n, _ in compiled.named_parameters()] == names  # checkpoints see the same names
     _assert_same(_loss_and_grads(compiled), eager)
-    assert counters["inductor"]["fxgraph_cache_miss"] > 0
+    assert_compiled_one_graph("fxgraph_cache_miss")
     assert counters["inductor"]["fxgraph_cache_hit"] == 0
     cache = tmp_path / CACHE_DIRNAME
     assert any(cache.rglob("*")), "the first compilation must leave artifacts in the run dir"
@@ -78,7 +93,7 @@ def test_compiled_matches_eager_and_reuses_cache(tmp_path, monkeypatch):
     counters.clear()
     again = compile_chunks(_chunks(), CPU, tmp_path)
     _assert_same(_loss_and_grads(again), eager)
-    assert counters["inductor"]["fxgraph_cache_hit"] > 0
+    assert_compiled_one_graph("fxgraph_cache_hit")
     assert counters["inductor"]["fxgraph_cache_miss"] == 0
     torch._dynamo.reset()
 
@@ -100,8 +115,20 @@ def test_tp2_sequence_parallel_chunk_traces_as_one_graph():
         assert (graphs, breaks) == (1, 0), reasons
 
 
+def compiled_counts() -> dict:
+    """What Dynamo and Inductor did since ``counters.clear()``: frames traced, graphs, Inductor's
+    compiled FX graphs (cache hits and misses: ranks sharing a cache directory split them), and
+    each graph break by the first line of its reason."""
+    return {"frames": counters["frames"]["ok"], "graphs": counters["stats"]["unique_graphs"],
+            "aot": counters["aot_autograd"]["ok"],
+            "inductor": counters["inductor"]["fxgraph_cache_hit"]
+            + counters["inductor"]["fxgraph_cache_miss"],
+            "breaks": {reason.splitlines()[0]: n for reason, n in counters["graph_break"].items()}}
+
+
 def _zb_h1_eager_and_compiled(ps, run_dir):
-    """zb-h1 at pp=2 with and without --compile: (losses, grad norms, W closures run) each."""
+    """zb-h1 at pp=2 with and without --compile: (losses, grad norms, W closures run, what Dynamo
+    and Inductor compiled) each."""
     from engine.config.cli import parse_args
     from engine.training.trainer import Trainer
     base = ["--mock-data", "--vocab-size", "256", "--no-progress", "--device", "cpu",
@@ -111,18 +138,30 @@ def _zb_h1_eager_and_compiled(ps, run_dir):
             "--peak-tflops", "1", "--pp", "2", "--pipeline-schedule", "zb-h1"]
     out = []
     for extra in ([], ["--compile", "--run-dir", run_dir]):
+        counters.clear()
         trainer = Trainer(parse_args(base + extra))
         ran, run = [], trainer.weight_grads.run
         trainer.weight_grads.run = lambda key: ran.append(run(key)) or ran[-1]
         records = trainer.train().records
         trainer.close()
-        out.append(([r["loss"] for r in records], [r["grad_norm"] for r in records], sum(ran)))
+        out.append(([r["loss"] for r in records], [r["grad_norm"] for r in records], sum(ran),
+                    compiled_counts()))
     return out
+
+
+# Per stage of the compiled zb-h1 run: the graphs between the split linears (which run eagerly
+# through apply_eager, a torch.compiler.disable'd function: the only graph break), each a forward
+# for AOTAutograd and, with a backward, a second graph for Inductor.
+ZB_H1_GRAPHS, ZB_H1_INDUCTOR_GRAPHS = 5, 8
+DISABLED = "Skip calling `torch.compiler.disable()`d function"
 
 
 def test_compiled_zero_bubble_chunks_defer_weight_gradients(tmp_path, monkeypatch):
     """Under --compile the split layers run outside the compiled graphs (torch.compiler.disable),
-    so B still queues the weight gradients and W runs them: the same losses as eager."""
+    so B still queues the weight gradients and W runs them: the same losses as eager. Dynamo's
+    counters show what ran compiled: the eager run traced nothing; the compiled run traced the
+    graphs between the split layers on every stage, Inductor compiled them, and every graph
+    break is the disabled apply_eager."""
     from parallel.topology import RankGrid
     from tests.helpers.dist_utils import run_distributed
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -132,3 +171,8 @@ def test_compiled_zero_bubble_chunks_defer_weight_gradients(tmp_path, monkeypatc
         assert eager[2] > 0 and compiled[2] == eager[2]            # W ran the deferred GEMMs
         for got, want in zip(compiled[:2], eager[:2]):
             assert got == pytest.approx(want, rel=1e-6)
+        assert eager[3] == {"frames": 0, "graphs": 0, "aot": 0, "inductor": 0, "breaks": {}}
+        counts = compiled[3]
+        assert (counts["graphs"], counts["aot"], counts["inductor"]) == (
+            ZB_H1_GRAPHS, ZB_H1_GRAPHS, ZB_H1_INDUCTOR_GRAPHS), counts
+        assert counts["frames"] > 0 and list(counts["breaks"]) == [DISABLED], counts
