@@ -5,7 +5,10 @@
 - recomputation (selective and full) replays the same masks: losses and gradients equal the
   no-recompute run exactly, also when another micro-batch's forward runs in between (1F1B order);
 - tp=2: the attention-probability masks of the two TP ranks differ (split region), the residual
-  masks agree (replicated) and, with sequence parallelism, differ (each rank its own shard);
+  masks agree (replicated) and, with sequence parallelism, differ (each rank its own shard). The
+  probabilities' mask is the one the kernel applied: read back from a second run of the kernel
+  from the same generator state on values that make each kept probability visible, and checked
+  to give the model's own attention output;
 - a tp=2 run with dropout resumed from a checkpoint continues the uninterrupted run's losses exactly.
 """
 from __future__ import annotations
@@ -99,6 +102,37 @@ def test_recompute_replays_dropout_masks_exactly(block):
 
 # ---- tp=2: split and replicated masks --------------------------------------------------------
 
+def probe_values(v: torch.Tensor) -> torch.Tensor:
+    """Values (b, n, s, d) that make the probabilities' mask readable from the output: key j
+    writes 2**(j // d) into channel j % d, so with all-equal scores channel c of row i is the sum
+    of 2**r over the kept keys j = c + r d <= i, times 1 / ((i + 1)(1 - p))."""
+    b, n, s, d = v.shape
+    j = torch.arange(s)
+    out = torch.zeros(s, d)
+    out[j, j % d] = 2.0 ** (j // d)
+    return out.expand(b, n, s, d).contiguous()
+
+
+def applied_mask(real, q, k, v, dropout_p: float, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel ``real`` on (q, k, v) under the current generator state, and the dropout mask it
+    applied to the probabilities, (b, n, s, s) bool (kept = True; above the causal diagonal
+    False): the kernel runs again from the same state on q = k = 0 (all-equal scores) and
+    ``probe_values``, which must draw exactly what the first call drew."""
+    state = torch.get_rng_state()
+    out = real(q, k, v, causal=True, dropout_p=dropout_p, **kwargs)
+    after = torch.get_rng_state()
+    torch.set_rng_state(state)
+    probe = real(torch.zeros_like(q), torch.zeros_like(k), probe_values(v), causal=True,
+                 dropout_p=dropout_p, **kwargs)
+    assert torch.equal(torch.get_rng_state(), after), "the probe drew other random numbers"
+    b, n, s, d = v.shape
+    rows = torch.arange(1, s + 1, dtype=torch.float32).view(1, 1, s, 1)
+    code = torch.round(probe.float() * rows * (1 - dropout_p)).to(torch.int64)  # (b, n, s, d)
+    j = torch.arange(s)
+    mask = ((code[..., j % d] >> (j // d)) & 1).bool()                           # (b, n, s, s)
+    return out, mask & torch.ones(s, s, dtype=torch.bool).tril()
+
+
 def _masks_under_tp(ps, sequence_parallel: bool) -> dict:
     import kernels
     import models.layers as layers
@@ -114,11 +148,15 @@ def _masks_under_tp(ps, sequence_parallel: bool) -> dict:
     seen = {"attention": [], "hidden": []}
     real = kernels.attention
 
-    def attention(*args, **kwargs):  # the generator state the probabilities' mask is drawn from
-        g = torch.Generator()
-        g.set_state(torch.get_rng_state())
-        seen["attention"].append(torch.rand(256, generator=g) < kwargs["dropout_p"])
-        return real(*args, **kwargs)
+    def attention(q, k, v, causal=True, dropout_p=0.0, **kwargs):
+        """The model's call, and the mask it applied: its output must be what that mask gives."""
+        assert causal and dropout_p == cfg.dropout
+        out, mask = applied_mask(real, q, k, v, dropout_p, **kwargs)
+        scores = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+        probs = torch.softmax(scores.masked_fill(~torch.ones_like(mask).tril(), float("-inf")), -1)
+        torch.testing.assert_close(out, (probs * mask / (1 - dropout_p)) @ v, rtol=1e-4, atol=1e-5)
+        seen["attention"].append(mask)
+        return out
 
     layers.kernels.attention = attention
     try:
@@ -129,7 +167,9 @@ def _masks_under_tp(ps, sequence_parallel: bool) -> dict:
         model(tokens)
     finally:
         layers.kernels.attention = real
-    out = {}
+    (mask,) = seen["attention"]
+    causal = torch.ones(32, 32, dtype=torch.bool).tril().expand_as(mask)
+    out = {"attention_kept": float(mask[causal].float().mean())}
     for kind, masks in seen.items():
         flat = torch.cat([m.reshape(-1) for m in masks]).to(torch.int32)
         both = gather_tensors(ps.tp_group, flat)
@@ -144,6 +184,8 @@ def tp_mask_checks(ps) -> dict:
 def test_tp_ranks_split_and_replicated_masks():
     results = run_distributed(tp_mask_checks, grid=RankGrid(tp=2))
     for rank_result in results:
+        for layout in ("plain", "sp"):   # p = 0.5 over 2 x 2 x 528 causal probabilities
+            assert 0.4 < rank_result[layout].pop("attention_kept") < 0.6, rank_result
         assert rank_result["plain"] == {"attention": False, "hidden": True}, rank_result
         assert rank_result["sp"] == {"attention": False, "hidden": False}, rank_result
 
