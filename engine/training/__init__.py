@@ -4,7 +4,8 @@
 - ``validate.py``: the pure start-up checks of a configuration against the launch, on every rank
   before any collective; ``unused_flags.py``: the notes on flags without effect in the layout;
 - ``trainer.py``: ``Trainer`` builds the model chunks, optimizer, reducer, data and checkpointer
-  and runs the loop (resume, validation, saves, metrics); ``run_data.py`` its data,
+  and runs the loop (resume, validation, saves, metrics); ``run_data.py`` its data (the batches
+  of a step, the validation loss),
   ``run_events.py`` its notes, stop signals and the records a checkpoint's publication waits for;
 - ``step.py``: one optimizer step (the pipeline schedule, gradient statistics, the update);
 - ``step_record.py``: the step's metrics record, resilience keys and the closing summary;

@@ -1,11 +1,13 @@
 """The run's data on a built trainer: the dataset (the built-in corpus prepared once, by rank 0),
-packing, the training sampler, micro-batches per step and this rank's context-parallel shard."""
+packing, the training sampler, micro-batches per step and this rank's context-parallel shard; this
+rank's micro-batches of a step, and the validation loss."""
 from __future__ import annotations
 
 import torch
 
 from engine.base import ConfigError
-from engine.data import build_data
+from engine.data import build_data, collate
+from engine.data.packing import MicroBatch, count_loss_tokens, micro_batch
 from engine.training.validate import validate_packing
 from parallel.context_parallel import load_balanced, shard_index
 
@@ -59,3 +61,38 @@ def build_run_data(trainer) -> None:
     trainer.cp_index = None if ps.cp_size == 1 else torch.tensor(
         shard_index(cfg.model.seq_length, ps.cp_size, ps.cp_rank,
                     load_balanced(cfg.parallel.cp_comm_type)), dtype=torch.long)
+
+
+def rank_batches(trainer, step: int, dataset=None, sampler=None) -> list[MicroBatch]:
+    """This rank's micro-batches of ``step`` (``MicroBatch``: tokens, labels and, with packed
+    documents, the per-token metadata every stage builds alike from the same tokens); under
+    context parallelism this rank's sequence shard of each (global positions, the loss count of
+    the whole global batch)."""
+    sampler = sampler or trainer.sampler
+    ds = dataset or trainer.data.train
+    ps = trainer.ps
+    micro = sampler.micro_batches(step, ps.dp_rank, ps.dp_size, trainer.cfg.data.micro_batch_size)
+    pack, loss_tokens = trainer.packing, None
+    if pack is not None and pack.eod_mask_loss and trainer.stepper.holds_loss:
+        # the mean is over the unmasked tokens of the whole global batch, whatever the layout
+        loss_tokens = count_loss_tokens(ds, sampler.global_batch(step), pack.eod_id)
+    batches = [micro_batch(collate(ds, idx), pack, loss_tokens) for idx in micro]  # (b, s) each
+    if trainer.cp_index is not None:
+        batches = [mb.select(trainer.cp_index) for mb in batches]  # (b, s/cp) each
+    return [mb.to(trainer.dev.device) for mb in batches]
+
+
+@torch.no_grad()
+def validation_loss(trainer) -> float:
+    """Mean validation loss over ``eval_iters`` global batches of the validation split."""
+    cfg = trainer.cfg
+    trainer.params_ready()
+    sampler = trainer.data.sampler("valid", cfg.data.global_batch_size, cfg.seed)
+    for c in trainer.chunks:
+        c.eval()
+    total = 0.0
+    for it in range(cfg.log.eval_iters):
+        total += trainer.stepper.forward_only(rank_batches(trainer, it, trainer.data.valid, sampler))
+    for c in trainer.chunks:
+        c.train()
+    return total / cfg.log.eval_iters

@@ -18,8 +18,7 @@ from engine.base import ConfigError
 from engine.config.digest import resolved_flags
 from engine.config.schema import RunConfig
 from engine.observe.dashboards import Dashboards
-from engine.data import collate
-from engine.data.packing import MicroBatch, count_loss_tokens, micro_batch
+from engine.data.packing import MicroBatch
 from engine.device.clock import DeviceClock, EventPair
 from engine.device.chips import npu_start_problem, tp_overlap_mode
 from engine.device.runtime import set_matmul_precision, setup_device
@@ -32,7 +31,7 @@ from engine.training.step_record import (TIMELINE_STEPS, LateRecords, cost_line,
                                          resilience_metrics, run_summary, start_line, step_record)
 from engine.training.step_syncs import StepTimeline, counted_step
 from engine.observe.utilization import run_flops, run_peak_tflops
-from engine.training.run_data import build_run_data
+from engine.training.run_data import build_run_data, rank_batches, validation_loss
 from engine.training.run_events import (install_stop_handlers, records_before_publish,
                                         restore_handlers, say_notes)
 from engine.training.validate import validate_run
@@ -272,22 +271,8 @@ class Trainer:
 
     # ---- data -----------------------------------------------------------------------------
     def _batches(self, step: int, dataset=None, sampler=None) -> list[MicroBatch]:
-        """This rank's micro-batches of ``step`` (``MicroBatch``: tokens, labels and, with packed
-        documents, the per-token metadata every stage builds alike from the same tokens); under
-        context parallelism this rank's sequence shard of each (global positions, the loss count
-        of the whole global batch)."""
-        sampler = sampler or self.sampler
-        ds = dataset or self.data.train
-        micro = sampler.micro_batches(step, self.ps.dp_rank, self.ps.dp_size,
-                                      self.cfg.data.micro_batch_size)
-        pack, loss_tokens = self.packing, None
-        if pack is not None and pack.eod_mask_loss and self.stepper.holds_loss:
-            # the mean is over the unmasked tokens of the whole global batch, whatever the layout
-            loss_tokens = count_loss_tokens(ds, sampler.global_batch(step), pack.eod_id)
-        batches = [micro_batch(collate(ds, idx), pack, loss_tokens) for idx in micro]  # (b, s) each
-        if self.cp_index is not None:
-            batches = [mb.select(self.cp_index) for mb in batches]  # (b, s/cp) each
-        return [mb.to(self.dev.device) for mb in batches]
+        """This rank's micro-batches of ``step`` (run_data.py ``rank_batches``)."""
+        return rank_batches(self, step, dataset, sampler)
 
     # ---- loop -----------------------------------------------------------------------------
     def train(self) -> RunResult:
@@ -397,20 +382,9 @@ class Trainer:
         if finish is not None:
             finish()
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss over ``eval_iters`` global batches of the validation split."""
-        cfg = self.cfg
-        self.params_ready()
-        sampler = self.data.sampler("valid", cfg.data.global_batch_size, cfg.seed)
-        for c in self.chunks:
-            c.eval()
-        total = 0.0
-        for it in range(cfg.log.eval_iters):
-            total += self.stepper.forward_only(self._batches(it, self.data.valid, sampler))
-        for c in self.chunks:
-            c.train()
-        return total / cfg.log.eval_iters
+        """Mean validation loss over ``eval_iters`` global batches (run_data.py)."""
+        return validation_loss(self)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def save(self, step: int) -> str:
