@@ -32,6 +32,7 @@ ENGINE_LAYERS = {
     "training": {"base", "config", "data", "device", "plan", "checkpoint", "observe"},
     "tools": {"base", "config", "data", "device", "plan", "checkpoint", "observe"},
     "dryrun": {"base", "config", "data", "device", "plan", "checkpoint", "observe", "training"},
+    "fuzz": {"base", "config", "data", "device", "plan", "checkpoint", "observe", "training"},
 }
 ENTRY_POINTS = {"train", "generate", "preflight", "export", "import_hf"}  # engine/<name>.py
 
