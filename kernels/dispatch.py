@@ -34,10 +34,10 @@ _PATHS: dict[str, dict[str, str]] = {
         "attention": "torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient); packed documents: torch.nn.attention.varlen.varlen_attn in bf16/fp16",
         "layer_norm": "torch.nn.functional.layer_norm",
         "rms_norm": "torch.nn.functional.rms_norm",
-        "rope": "plain expression x*cos + rotate_half(x)*sin",
-        "swiglu": "plain expression silu(gate) * up",
+        "rope": "x*cos + rotate_half(x)*sin compiled regionally (torch.compile: one inductor kernel forward, one backward)",
+        "swiglu": "silu(gate) * up compiled regionally (torch.compile: one inductor kernel forward, one backward)",
         "ring_block": "aten._scaled_dot_product_flash_attention (bf16/fp16, no mask) or _efficient_attention, with their log-sum-exp",
-        "grouped_gemm": "torch._grouped_mm in bf16 with 16-byte aligned strides where the installed torch has it, else a loop of F.linear",
+        "grouped_gemm": "torch._grouped_mm in bf16 with 16-byte aligned strides over offsets on the device, where the installed torch has it; else a loop of F.linear (reads the offsets)",
     },
     "cpu": {
         "attention": "torch.nn.functional.scaled_dot_product_attention",
@@ -46,7 +46,7 @@ _PATHS: dict[str, dict[str, str]] = {
         "rope": "plain expression x*cos + rotate_half(x)*sin",
         "swiglu": "plain expression silu(gate) * up",
         "ring_block": "aten._scaled_dot_product_flash_attention_for_cpu, with its log-sum-exp",
-        "grouped_gemm": "a loop of F.linear over the groups",
+        "grouped_gemm": "torch._grouped_mm (fp32, bf16) over offsets on the device where the installed torch has it; else a loop of F.linear (reads the offsets)",
     },
 }
 

@@ -98,10 +98,12 @@ def _probe(device_type: str, dtype: torch.dtype) -> bool:
     fn = getattr(torch, "_grouped_mm", None)
     if fn is None or dtype not in TORCH_GROUPED_MM_DTYPES.get(device_type, ()):
         return False
-    try:
-        a = torch.ones(16, 16, dtype=dtype, device=device_type)
-        b = torch.ones(2, 16, 16, dtype=dtype, device=device_type)
-        fn(a, b.transpose(1, 2), offs=torch.arange(8, 17, 8, dtype=torch.int32, device=device_type))
+    from torch.utils._python_dispatch import _disable_current_modes
+    try:  # outside any dispatch mode (a FLOP counter, the wait counter): not the caller's work
+        with _disable_current_modes():
+            a = torch.ones(16, 16, dtype=dtype, device=device_type)
+            b = torch.ones(2, 16, 16, dtype=dtype, device=device_type)
+            fn(a, b.transpose(1, 2), offs=torch.arange(8, 17, 8, dtype=torch.int32, device=device_type))
         return True
     except Exception:  # noqa: BLE001 - any refusal (no kernel, no device, no dtype) means no
         return False
@@ -130,6 +132,21 @@ def _grouped_mm_shape(a, b, offs):
     return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]))
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """Every row meets one group's matrix: 2 n k out either way ((n, k) x (G, k, out), or the
+    weight gradient's (out, n) x (n, k)), as torch.utils.flop_counter counts a matmul."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+
+try:  # the FLOP counter (engine/plan/flops.py's check, and blocks without a formula) sees it
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+    for _op in (torch.ops.gridtron.grouped_mm, getattr(torch.ops.aten, "_grouped_mm", None)):
+        if _op is not None and _op.default not in flop_registry:
+            register_flop_formula(_op)(_grouped_mm_flops)
+except ImportError:  # an older torch without the registry: the counter misses the experts
+    pass
+
+
 def grouped_mm_aligned(x: torch.Tensor, weights: torch.Tensor) -> bool:
     """torch._grouped_mm's rule for this GEMM and its backward: x (n, k or out) and the stacked
     weights (G, out, k) contiguous, k and out times the element size multiples of 16 (every row
@@ -153,15 +170,23 @@ class _GroupedMmForwardGroupedMmBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights, offs):  # (n, k), (G, out, k), (G,) int32
         ctx.save_for_backward(x, weights, offs)
-        return grouped_mm(x, weights.transpose(1, 2), offs)  # (n, out)
+        return _gmm(x, weights.transpose(1, 2), offs)  # (n, out)
 
     @staticmethod
     def backward(ctx, grad):  # (n, out)
         x, weights, offs = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = grouped_mm(grad, weights, offs) if ctx.needs_input_grad[0] else None
-        grad_w = grouped_mm(grad.t(), x, offs) if ctx.needs_input_grad[1] else None
+        grad_x = _gmm(grad, weights, offs) if ctx.needs_input_grad[0] else None
+        grad_w = _gmm(grad.t(), x, offs) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None  # (n, k), (G, out, k)
+
+
+def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm``: in a compiled graph the operator (its shape function serves every dtype),
+    eagerly torch's kernel itself (the operator's dispatch layers cost host time)."""
+    if torch.compiler.is_compiling():
+        return grouped_mm(a, b, offs)
+    return torch._grouped_mm(a, b, offs=offs)
 
 
 # ---- NPU: torch_npu.npu_grouped_matmul -----------------------------------------------------------
@@ -221,9 +246,11 @@ def grouped_linear_path(x: torch.Tensor, weights: torch.Tensor,
 
 
 def grouped_linear(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
-                   bias: torch.Tensor | None = None, paths: KernelPaths | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, paths: KernelPaths | None = None,
+                   groups: torch.Tensor | None = None) -> torch.Tensor:
     """Row group g of x (rows [offsets[g-1], offsets[g])) times ``weights[g].T`` plus ``bias[g]``:
-    (n, k) -> (n, out). ``paths``: the chip's fused ops (None: all)."""
+    (n, k) -> (n, out). ``paths``: the chip's fused ops (None: all); ``groups``: ``row_groups``
+    of the offsets when the caller has it (computed here otherwise)."""
     _check(x, weights, offsets, bias)
     path = grouped_linear_path(x, weights, paths)
     if path == "loop" or x.shape[0] == 0:
@@ -236,7 +263,8 @@ def grouped_linear(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor
         y = _GroupedMmForwardGroupedMmBackward.apply(x, weights, offsets.to(torch.int32))
     if bias is None:
         return y
-    return y + bias.index_select(0, row_groups(offsets, x.shape[0])).to(y.dtype)
+    groups = row_groups(offsets, x.shape[0]) if groups is None else groups
+    return y + bias.index_select(0, groups).to(y.dtype)
 
 
 def grouped_input_grad(grad: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
@@ -249,7 +277,7 @@ def grouped_input_grad(grad: torch.Tensor, weights: torch.Tensor, offsets: torch
     if path == "npu":
         return _npu_gmm(grad, weights, offsets.to(torch.int64))
     if path == "torch":
-        return grouped_mm(grad, weights, offsets.to(torch.int32))
+        return _gmm(grad, weights, offsets.to(torch.int32))
     counts = host_counts(offsets)
     return torch.cat([g @ weights[i] for i, g in enumerate(torch.split(grad, counts))])
 
@@ -264,5 +292,5 @@ def grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tens
     if device_kind(x) != "npu" and grad.dtype == x.dtype \
             and torch_grouped_mm_runs(x.device.type, x.dtype) \
             and _widths_aligned(x.element_size(), grad.shape[1], x.shape[1]):
-        return grouped_mm(grad.t(), x, offsets.to(torch.int32))
+        return _gmm(grad.t(), x, offsets.to(torch.int32))
     return _loop_weight_grad(grad, x, offsets)

@@ -8,13 +8,16 @@ formula torch_npu.npu_rotary_mul documents. Checkpoints trained with HF Llama th
 - NPU: ``torch_npu.npu_rotary_mul(x, cos, sin)`` with 4-D cos/sin, (1, 1, s, d) for BNSD memory or
   (1, s, 1, d) for BSND memory, within its documented shape limits; outside them the plain
   expression (the documentation itself advises that fallback).
-- CUDA and CPU: the plain expression (autograd handles the backward).
+- CUDA: the same expression compiled regionally (kernels/compiled.py: one inductor kernel forward
+  and one backward per shape; the plain expression inside a compiled model).
+- CPU: the plain expression (autograd handles the backward).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.compiled import compiled, use_compiled
 from kernels.dispatch import KernelPaths, device_kind, import_torch_npu
 
 # Documented shape limits of npu_rotary_mul in "half" mode, per chip table (the call the engine
@@ -200,12 +203,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     ``paths``: the chip's fused ops (None: all); without ``rotary_mul`` an NPU runs the expression."""
     _check_rope(x, cos, sin)
     table = "a2-a3" if paths is None else paths.rotary_table
-    if device_kind(x) == "npu" and (paths is None or paths.rotary_mul) and npu_rotary_supported(x, table):
+    kind = device_kind(x)
+    if kind == "npu" and (paths is None or paths.rotary_mul) and npu_rotary_supported(x, table):
         torch_npu = import_torch_npu()
         layout, xa, r1, r2 = npu_rotary_args(x, cos, sin)
         out = torch_npu.npu_rotary_mul(xa, r1, r2)
         return out.transpose(1, 2) if layout == "BSND" else out  # (b, n, s, d)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # (s, d) broadcasts over (b, n)
+    if use_compiled(kind):
+        return compiled("rope")(x, cos, sin)
     return x * cos + rotate_half(x) * sin
 
 

@@ -4,7 +4,9 @@
   ``dim``: it returns silu(A) * B with A the FIRST half and B the second. So the gate goes first:
   x = cat(gate, up). The concatenation costs a copy; a model that produces gate and up from one
   fused projection can lay its output out as (..., [gate | up]) and pay nothing.
-- CUDA and CPU: ``F.silu(gate) * up``.
+- CUDA: ``F.silu(gate) * up`` compiled regionally (kernels/compiled.py: one inductor kernel
+  forward and one backward per shape; the plain expression inside a compiled model).
+- CPU: ``F.silu(gate) * up``.
 
 ``swiglu_packed(x)`` takes that one tensor, x = [gate | up] along the last dim, as a fused gate-up
 projection produces it (the grouped-GEMM experts, models/moe/experts.py): on the NPU it is
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.compiled import compiled, use_compiled
 from kernels.dispatch import KernelPaths, device_kind, import_torch_npu
 
 NPU_SWIGLU_DIM = -1
@@ -35,9 +38,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, paths: KernelPaths | None = Non
     """silu(gate) * up for gate, up (..., f); returns (..., f). ``paths``: the chip's fused ops
     (None: all); without ``swiglu`` an NPU runs the plain expression."""
     _check(gate, up)
-    if device_kind(gate) == "npu" and (paths is None or paths.swiglu):
+    kind = device_kind(gate)
+    if kind == "npu" and (paths is None or paths.swiglu):
         torch_npu = import_torch_npu()
         return torch_npu.npu_swiglu(npu_swiglu_input(gate, up), dim=NPU_SWIGLU_DIM)
+    if use_compiled(kind):
+        return compiled("swiglu")(gate, up)
     return F.silu(gate) * up
 
 
@@ -45,9 +51,12 @@ def swiglu_packed(x: torch.Tensor, paths: KernelPaths | None = None) -> torch.Te
     """silu(x[..., :f]) * x[..., f:] for x (..., 2f) = [gate | up]; returns (..., f)."""
     if x.shape[-1] % 2:
         raise ValueError(f"swiglu_packed: the last dim holds [gate | up], an even size; got {tuple(x.shape)}")
-    if device_kind(x) == "npu" and (paths is None or paths.swiglu):
+    kind = device_kind(x)
+    if kind == "npu" and (paths is None or paths.swiglu):
         torch_npu = import_torch_npu()
         return torch_npu.npu_swiglu(x, dim=NPU_SWIGLU_DIM)
+    if use_compiled(kind):
+        return compiled("swiglu_packed")(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

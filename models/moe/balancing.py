@@ -38,8 +38,11 @@ def aux_loss_share(scores: torch.Tensor, counts: torch.Tensor, topk: int, coeff:
     whose ranks hold other tokens of the same micro-batch and whose shares are summed (the TP
     group under sequence parallelism)."""
     t, e = scores.shape
+    counts = counts.to(torch.float32)
+    if group.size == 1 and all(g.size == 1 for g in token_groups):  # nothing to sum over
+        return (counts * scores.sum(0)).sum() * (coeff * e / topk / (t * t)), counts
     # counts and tokens: one all-reduce (the token count made on the device: no host data)
-    both = torch.cat([counts.to(torch.float32),
+    both = torch.cat([counts,
                       torch.full((1,), float(t), dtype=torch.float32, device=scores.device)])
     for g in (group, *token_groups):
         g.all_reduce(both)

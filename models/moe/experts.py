@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels.grouped_gemm import host_counts
+from kernels.grouped_gemm import host_counts, row_groups
 from models.logical import LogicalPart, mark_parts
 from models.moe.grouped_split import grouped_linear_defer_w
 
@@ -128,20 +128,28 @@ class LocalExperts(nn.Module):
     def in_bias(self) -> nn.Parameter | None:
         return getattr(self, f"{self.in_name}_bias") if self.has_bias else None
 
-    def _project(self, x: torch.Tensor, weight, bias, offsets: torch.Tensor) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, weight, bias, offsets: torch.Tensor, groups) -> torch.Tensor:
         store = self.weight_grad_store
         if store is not None:  # W split off: one deferred closure per projection
             return grouped_linear_defer_w(x, weight, bias, offsets, store, self.paths)
         if not self.grouped:   # --no-moe-grouped-gemm: F.linear per expert (reads the offsets)
             return kernels.grouped_linear_reference(x, weight, host_counts(offsets), bias)
-        return kernels.grouped_linear(x, weight, offsets, bias, self.paths)
+        return kernels.grouped_linear(x, weight, offsets, bias, self.paths, groups)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # (n, h)
-        """``x`` (n, h): rows sorted by local expert, expert i's ending at ``offsets[i]``."""
-        y = self._project(x, self.in_weight, self.in_bias, offsets)  # (n, f/etp) or (n, 2 f/etp)
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor,
+                groups: torch.Tensor | None = None) -> torch.Tensor:  # (n, h)
+        """``x`` (n, h): rows sorted by local expert, expert i's ending at ``offsets[i]``;
+        ``groups`` (n,): each row's local expert when the caller has it (a dropped copy at the
+        end may say E_local: it joins the last group)."""
+        if self.has_bias and self.grouped:  # each row's expert, once for both projections' biases
+            last = len(self.local) - 1
+            groups = row_groups(offsets, x.shape[0]) if groups is None else groups.clamp(max=last)
+        else:
+            groups = None
+        y = self._project(x, self.in_weight, self.in_bias, offsets, groups)  # (n, f/etp) or (n, 2 f/etp)
         if self.kind == "gelu":
             y = F.gelu(y, approximate="tanh")
         else:
             y = kernels.swiglu_packed(y, self.paths)                 # (n, f/etp)
         fc2_bias = self.fc2_bias if self.has_bias and self.fc2_bias_here else None
-        return self._project(y, self.fc2_weight, fc2_bias, offsets)  # (n, h), a partial sum over ETP
+        return self._project(y, self.fc2_weight, fc2_bias, offsets, groups)  # (n, h), partial over ETP

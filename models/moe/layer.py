@@ -166,7 +166,8 @@ class MoELayer(nn.Module):
         # the layer's one count of assignments per expert, on the device: the load figure, the
         # balancing loss and (dropless) the experts' row offsets
         counts = count_per_expert(routing.experts, self.num_experts)          # (E,)
-        loss, aux = self._balancing_loss(routing, b, counts)
+        load = counts.float()                                                  # (E,) the figure
+        loss, aux = self._balancing_loss(routing, b, load)
         if self.etp_sp:  # the TP group's tokens, routed by their own TP ranks
             tokens_in, routing = self._gather_routed(x, routing)                 # (T tp, h)
             weights = routing.weights                                           # (T tp, K)
@@ -181,8 +182,12 @@ class MoELayer(nn.Module):
             _, perm, capacity = self._permute(tokens_in[:, :0], routing, choice, kept)
             expert_in, state = allgather_dispatch(tokens_in, weights, perm, self.ep_group,
                                                   capacity, self.host_reader)    # (N, h)
-            expert_out = self.experts(expert_in, state.offsets)                 # (N, h)
+            expert_out = self.experts(expert_in, state.offsets, state.groups)   # (N, h)
             out = allgather_combine(expert_out, state, self.ep_group)            # (T, h)
+        elif self.ep_group.size == 1:  # the rows stay here: the permutation's offsets serve
+            rows, perm, _ = self._permute(tokens_in, routing, choice, kept)       # (T K or E C, h)
+            rows = self.experts(rows, perm.offsets, perm.groups)                 # (R, h)
+            out = unpermute_tokens(rows, weights, perm)                           # (T, h)
         else:
             capacity = choice.capacity if choice is not None and self.pad_to_capacity else None
             # the count exchange and the split sizes' host read go first; the read is waited
@@ -190,7 +195,7 @@ class MoELayer(nn.Module):
             plan = alltoall_plan(kept, self.ep_group, capacity, self.host_reader)
             rows, perm, _ = self._permute(tokens_in, routing, choice, kept)       # (T K or E C, h)
             expert_in, state = alltoall_dispatch(rows, plan, self.ep_group)
-            expert_out = self.experts(expert_in, state.offsets)                 # (N, h)
+            expert_out = self.experts(expert_in, state.offsets, state.groups)   # (N, h)
             rows = alltoall_combine(expert_out, state, self.ep_group)             # (R, h)
             out = unpermute_tokens(rows, weights, perm)                           # (T, h)
         # the ETP slices' partial sums (identity without expert tensor parallelism); under SP
@@ -207,7 +212,7 @@ class MoELayer(nn.Module):
         # backward graph and never runs this Python again)
         if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
             self.records.append({"aux_loss": aux, "z_loss": (loss.detach() - aux),
-                                 "load": counts.float(), "dropped": dropped})
+                                 "load": load, "dropped": dropped})
         if loss.requires_grad and torch.is_grad_enabled():
             out = IdentityForwardAuxGradBackward.apply(out, loss, self.aux_grad_scale)
         return out

@@ -34,9 +34,10 @@ class Routing:
 
 
 def stable_topk(t: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k along the last dim; equal values keep index order (the lower index wins)."""
+    """Top-k along the last dim; equal values keep index order (the lower index wins). The
+    indices come contiguous (the layer flattens them more than once)."""
     values, index = torch.sort(t, dim=-1, descending=True, stable=True)
-    return values[..., :k], index[..., :k]
+    return values[..., :k], index[..., :k].contiguous()
 
 
 class TopKRouter(nn.Module):

@@ -108,6 +108,7 @@ class AllGatherState:
     weights: torch.Tensor
     num_gathered: int
     offsets: torch.Tensor
+    groups: torch.Tensor | None = None  # (N,) each row's local expert (local: a dropped copy)
 
 
 def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation,
@@ -144,19 +145,20 @@ def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation
         per_expert = equal_counts(local, p * capacity, device)
     gathered_x = all_gather_rows(x, group)                                  # (P T, h)
     gathered_w = all_gather_rows(weights, group).reshape(-1)                # (P T K,)
-    rows_end = None
+    rows_end = groups = None
     if capacity is None and read is not None:
         n = read.values()[0]                                                # the one host wait
-        flat = torch.argsort(key, stable=True)[:n]                          # (N,) into P T K
+        groups, flat = torch.sort(key, stable=True)
+        groups, flat = groups[:n], flat[:n]                                 # (N,) into P T K
     elif capacity is None:  # one rank: every copy, the dropped last (weight 0, the last group's)
-        flat = torch.argsort(key, stable=True)
-        routed, rows_end = key.index_select(0, flat) < local, t * k
+        groups, flat = torch.sort(key, stable=True)
+        routed, rows_end = groups < local, t * k
     tokens = torch.div(flat, k, rounding_mode="floor")                      # (N,) into P T
     row_weights = gathered_w.index_select(0, flat)                          # (N,)
     if routed is not None:
         row_weights = row_weights * routed
     rows = _GatherRowsForwardScatterAddBackward.apply(gathered_x, tokens)   # (N, h)
-    return rows, AllGatherState(tokens, row_weights, p * t, offsets_of(per_expert, rows_end))
+    return rows, AllGatherState(tokens, row_weights, p * t, offsets_of(per_expert, rows_end), groups)
 
 
 def allgather_combine(rows: torch.Tensor, state: AllGatherState, group: CommGroup) -> torch.Tensor:

@@ -70,6 +70,7 @@ class DispatchState:
     out_splits: list
     order: torch.Tensor | None       # sorts the received rows by local expert
     offsets: torch.Tensor            # (E/P,) int32 on the device: each local expert's row end
+    groups: torch.Tensor | None = None  # (N,) each row's local expert
 
 
 def alltoall_plan(counts: torch.Tensor, group: CommGroup, capacity: int | None = None,
@@ -115,8 +116,9 @@ def alltoall_dispatch(rows: torch.Tensor, plan, group: CommGroup, capacity: int 
         ids = torch.repeat_interleave(local_ids, plan.recv.reshape(-1),
                                       output_size=sum(out_splits))    # (N,)
         offsets = offsets_of(plan.recv.sum(0))
-    order = torch.argsort(ids, stable=True)                           # (local expert, source rank)
-    return received.index_select(0, order), DispatchState(in_splits, out_splits, order, offsets)
+    groups, order = torch.sort(ids, stable=True)                      # (local expert, source rank)
+    return received.index_select(0, order), DispatchState(in_splits, out_splits, order, offsets,
+                                                          groups)
 
 
 def alltoall_combine(rows: torch.Tensor, state: DispatchState, group: CommGroup) -> torch.Tensor:

@@ -12,9 +12,9 @@ One MoE layer's forward on T tokens of width h, each routed to K of E experts:
                         after every expert, so the shape stays T K whatever is dropped
     permute_padded      every expert exactly C rows (padded capacity), the kept copies first
     unpermute_tokens    (rows, (T, K) router weights) -> (T, h): each token's K rows gathered
-                        into token order, (T, K, h), and summed with their weights by one batched
-                        matrix product in the compute dtype (fp32 accumulation inside the GEMM);
-                        a dropped copy weighs 0
+                        into token order, (T, K, h), times their weights and summed over K in
+                        the compute dtype (the reduction accumulates in fp32); a dropped copy
+                        weighs 0
 
 ``Permutation.offsets`` ends each expert's rows (cumulative counts, int32 on the device: the grouped
 GEMM's ``offsets``); with a capacity the last expert's group also holds the dropped copies at the
@@ -99,7 +99,8 @@ class Permutation:
     each row, rows sorted by expert; ``tokens`` (R,): each row's token; ``counts`` (E,) int64: the
     kept rows per expert; ``offsets`` (E,) int32: the grouped GEMM's row offsets; ``slots``
     (T K,): each assignment's row; ``keep`` (T K,) or None (dropless): 1 where the assignment has
-    a row that counts; ``mask`` (R,): 1 for a routed row, 0 for padding (padded only)."""
+    a row that counts; ``mask`` (R,): 1 for a routed row, 0 for padding (padded only); ``groups``
+    (R,): each row's expert (E for a dropped copy at the end; None: padded)."""
     order: torch.Tensor
     tokens: torch.Tensor
     counts: torch.Tensor
@@ -109,6 +110,7 @@ class Permutation:
     topk: int
     keep: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    groups: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -126,12 +128,12 @@ def permute_tokens(x: torch.Tensor, experts: torch.Tensor, num_experts: int,
         flat = torch.where(keep.reshape(-1), flat, torch.full_like(flat, num_experts))
     if counts is None:
         counts = count_per_expert(experts, num_experts, keep)
-    order = torch.argsort(flat, stable=True)                     # (T K,): expert-major
+    groups, order = torch.sort(flat, stable=True)                # (T K,): expert-major
     tokens = torch.div(order, k, rounding_mode="floor")
     slots = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=order.device))
     rows = gather_rows(x, tokens)                                 # (T K, h)
     perm = Permutation(order, tokens, counts, offsets_of(counts, None if keep is None else t * k),
-                       slots, t, k, None if keep is None else keep.reshape(-1))
+                       slots, t, k, None if keep is None else keep.reshape(-1), groups=groups)
     return rows, perm
 
 
@@ -161,4 +163,5 @@ def unpermute_tokens(rows: torch.Tensor, weights: torch.Tensor, perm: Permutatio
     w = weights if perm.keep is None else weights * perm.keep.view(t, k).to(weights.dtype)
     slots = perm.slots if rows.shape[0] >= perm.rows else perm.slots.clamp(max=rows.shape[0] - 1)
     gathered = gather_rows(rows, slots).view(t, k, rows.shape[1])        # (T, K, h)
-    return torch.bmm(w.to(rows.dtype).unsqueeze(1), gathered).squeeze(1)  # (T, h)
+    # in the rows' dtype; the sum over K accumulates in fp32 inside the reduction
+    return (gathered * w.to(rows.dtype).unsqueeze(-1)).sum(1)             # (T, h)

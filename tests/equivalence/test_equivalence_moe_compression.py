@@ -130,12 +130,13 @@ def _expert_residuals_written(ps, argv: list[str], path: str) -> int:
     Returns the expert values compared."""
     from engine.checkpoint import param_specs, read_index
     from engine.checkpoint.index import TensorReader
+    from engine.checkpoint.specs import by_owner
     trainer = Trainer(parse_args(argv + ["--load", path]))
     compared = 0
     try:
         trainer.maybe_load()
         reader = TensorReader(path, read_index(path))
-        specs = {s.name: s for s in param_specs(trainer.chunks, ps, trainer.cfg.model.vocab_size)}
+        owners = by_owner(param_specs(trainer.chunks, ps, trainer.cfg.model.vocab_size))
         for b in trainer.reducer.buckets:
             c = b.compressor
             if b.group is None or c is None or c.residual is None:
@@ -145,11 +146,12 @@ def _expert_residuals_written(ps, argv: list[str], path: str) -> int:
                 n = b.numel // b.group.size
                 total[b.group.rank * n:(b.group.rank + 1) * n] += c.owner_residual[:n]
             b.group.all_reduce(total)
-            for slot in b.slots:
-                saved = reader.read(f"optim/grad_residual/{slot.name}", specs[slot.name].offsets,
-                                    list(slot.param.shape))
-                torch.testing.assert_close(total[slot.start - b.start:slot.end - b.start],
-                                           saved.reshape(-1), rtol=1e-6, atol=1e-9)
+            for slot in b.slots:  # a stacked expert parameter: each expert's logical residual
+                held = total[slot.start - b.start:slot.end - b.start]
+                for s in owners[slot.name]:
+                    saved = reader.read(f"optim/grad_residual/{s.name}", s.offsets, s.shape)
+                    torch.testing.assert_close(s.local(held).reshape(-1), saved.reshape(-1),
+                                               rtol=1e-6, atol=1e-9)
                 compared += slot.end - slot.start
     finally:
         trainer.close()

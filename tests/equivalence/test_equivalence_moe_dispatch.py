@@ -76,7 +76,7 @@ def _patterns(ps):
                 for j in range(K) if ROUTES[src][t][j] == e]
         assert torch.equal(rows, torch.stack(want))
         counts = [sum(row.count(e) for src in (0, 1) for row in ROUTES[src]) for e in (2 * r, 2 * r + 1)]
-        assert state.tokens_per_expert == counts
+        assert state.offsets.tolist() == [counts[0], counts[0] + counts[1]]  # on the device
         scale = torch.repeat_interleave(torch.tensor(SCALE[2 * r:2 * r + 2]), torch.tensor(counts))
         out = allgather_combine(rows * scale.unsqueeze(1), state, group)           # (T, 2)
         c = torch.tensor(SCALE)[experts]                                           # (T, K)
