@@ -73,11 +73,20 @@ ACT_TENSORS_MLP = {"gpt2": 2, "llama": 3}
 # (kept by the weighted combine), T K h each; the router's fp32 logits and scores, T E each; four
 # int64 index vectors per assignment (the sort by expert, the rows' tokens, the dispatch's re-sort
 # and its inverse). Time: the permutation's memory-bound passes, in units of T K h bytes (fp16):
-# gather, dispatch re-sort, combine re-sort, weighted sum, read + write each.
+# the rows' gather and the combine's gather (read + write each) and the combine's batched product
+# (read) at any ep; under EP the dispatch's and the combine's re-sorts (read + write each).
 ACT_MOE_ROWS = 2
 ACT_MOE_FP32_PER_EXPERT = 2
 ACT_MOE_INDEX_BYTES = 32
-EW_MOE_PERMUTE = 16
+EW_MOE_PERMUTE = 10
+EW_MOE_RESORT = 8
+# What the engine adds to an MoE layer beyond its GEMMs, copies and all-to-alls (moe_time.py):
+# the launches and tails of its routing, counting, permutation and combine kernels, about 30
+# small kernels per forward or backward beyond a dense MLP's (LAYER_PASS_OVERHEAD_S's rate);
+# the device idle per host wait (the queue drained while the host waited, the next kernels a
+# launch latency away): under EP the split sizes' one read per layer and forward.
+MOE_PASS_OVERHEAD_S = 0.15e-3
+HOST_WAIT_S = 50e-6
 VOCAB_PAD_MULTIPLE = 128  # the engine pads the vocabulary to a multiple of 128 x tp (equal shards)
 
 
@@ -185,6 +194,10 @@ class Cluster:
     # fraction of the hideable communication each overlap hides (None: the backend's,
     # hardware.OVERLAP_EFFICIENCY); --calibrate fits it
     overlap: OverlapEfficiency | None = None
+    # MoE layers: the engine's launch overhead per MoE layer and pass (--calibrate fits it from an
+    # MoE run) and the expert load's max over mean (a run's moe_load_imbalance; 1: balanced)
+    moe_pass_overhead_s: float = MOE_PASS_OVERHEAD_S
+    moe_load_imbalance: float = 1.0
 
     @property
     def backend(self) -> str:
@@ -203,6 +216,9 @@ class Cluster:
             raise ValueError(f"achievable fraction must be in (0, 1], got {self.achievable_fraction}")
         if min(self.intra_busbw_gbps, self.inter_busbw_gbps, self.peak_tflops, self.memory_gb) <= 0:
             raise ValueError("link bandwidths, peak and memory must be > 0")
+        if self.moe_pass_overhead_s < 0 or not self.moe_load_imbalance >= 1:
+            raise ValueError(f"the MoE pass overhead must be >= 0 and the load imbalance >= 1, got "
+                             f"{self.moe_pass_overhead_s} and {self.moe_load_imbalance}")
 
     @classmethod
     def from_device(cls, spec: DeviceSpec, num_devices: int, devices_per_node: int | None = None,

@@ -27,7 +27,10 @@ TP ranks' shards are gathered in and the output reduce-scattered out, the expert
 TP group's tokens); its
 permutation passes are memory-bound; the dispatch and combine all-to-alls
 (forward, backward, and again under full recomputation) run over the EP group's links and are
-exposed (the engine does not overlap them): ``ep_comm``. The experts' gradients are reduced over
+exposed (the engine does not overlap them): ``ep_comm``; what the engine adds (moe_time.py: the
+launches of its routing and permutation kernels, the one host wait per layer and forward under
+EP: ``moe_overhead``; the busiest EP rank's extra work under a load imbalance: ``moe_imbalance``).
+The experts' gradients are reduced over
 their EDP group's links (overlap.py, with the dense ones).
 
 ``TimeTerms`` holds them; a new term (a zero-bubble schedule's, ZeRO-2's) is one more field and
@@ -39,69 +42,18 @@ from dataclasses import dataclass, field, fields
 
 from engine.plan.flops import (StepFlops, attention_core_forward_flops, layer_forward_flops,
                                logits_forward_flops, recomputed_layer_flops, step_flops)
-from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_MOE_PERMUTE, moe_expert_tokens, moe_tokens,
-                               EW_REPLICATED, EW_SCORES, EW_SHARDED_ATTN, GIB, HBM_EFFICIENCY, LAYER_PASS_OVERHEAD_S,
+from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_REPLICATED, EW_SCORES,
+                               EW_SHARDED_ATTN, GIB, LAYER_PASS_OVERHEAD_S,
                                MEMORY_USABLE_FRACTION, OPTIMIZER_BYTES_PER_PARAM, Cluster, Layout,
                                ModelShape, num_micro_batches)
 from engine.plan.memory import MemoryTerms, memory_per_device, stage_moe_layers, stage_param_split
-from engine.plan.collectives import allreduce_s, alltoall_s, gather_or_scatter_s
+from engine.plan.collectives import allreduce_s, gather_or_scatter_s
+from engine.plan.moe_time import moe_layer_change
 from engine.plan.overlap import data_parallel_overlap, ring_recompute_extra_flops, tp_layer_overlap
+from engine.plan.passes import Links, PassTime, _rates, layout_links  # noqa: F401 (re-exported)
 from engine.plan.traffic import moe_sp_grad_sync
-from engine.plan.placement import (collective_busbw, expert_groups_of_rank0, group_of_rank0,
-                                   p2p_gbps)
 
 
-@dataclass(frozen=True)
-class Links:
-    """GB/s each group of a layout gets, from the ranks it spans (placement.py)."""
-    tp: float
-    cp: float  # per-device rate of the ring's p2p
-    pp: float  # per-device rate of pipeline p2p
-    dp: float  # bus bandwidth of the gradient reduction over dp x cp ranks
-    edp: float = 0.0  # of the expert gradients' reduction over the EDP group (0: no experts)
-    ep: tuple = ()  # rank 0's EP group (the all-to-all's members; collectives.alltoall_s)
-
-
-def layout_links(cluster: Cluster, layout: Layout) -> Links:
-    dpn, intra, inter = cluster.devices_per_node, cluster.intra_busbw_gbps, cluster.inter_busbw_gbps
-    group = lambda *dims: group_of_rank0(layout.order, layout.sizes, dims)  # noqa: E731
-    ep_ranks, edp_ranks = expert_groups_of_rank0(layout.order, layout.sizes, layout.ep)
-    return Links(collective_busbw(group("tp"), dpn, intra, inter),
-                 p2p_gbps(group("cp"), dpn, intra, inter),
-                 p2p_gbps(group("pp"), dpn, intra, inter),
-                 collective_busbw(group("cp", "dp"), dpn, intra, inter),
-                 collective_busbw(edp_ranks, dpn, intra, inter), ep_ranks)
-
-
-@dataclass(frozen=True)
-class PassTime:
-    """Seconds of one device for one micro-batch (a layer, a pipeline end, or a whole stage)."""
-    compute: float = 0.0  # forward + backward: matrices, memory-bound kernels, per-pass overheads
-    recompute: float = 0.0  # the recomputed forward (full: the layer; selective: attention core)
-    tp_comm: float = 0.0
-    cp_comm: float = 0.0  # the ring exchange the attention core does not hide
-    pp_comm: float = 0.0  # p2p sends and receives + the TP all-gather on receive
-    backward: float = 0.0  # the part of the above that runs in backward (for the DP overlap)
-    weight: float = 0.0  # the part of backward that is weight-gradient GEMMs (a zero-bubble W)
-    cp_ring: float = 0.0  # the whole CP ring exchange, hidden or not (not in total: cp_comm is)
-    tp_hidden: float = 0.0  # TP ring time hidden under the GEMMs (--tp-comm-overlap; not in total)
-    ep_comm: float = 0.0  # MoE dispatch and combine all-to-alls (exposed)
-
-    @property
-    def total(self) -> float:
-        return self.compute + self.recompute + self.tp_comm + self.cp_comm + self.pp_comm + self.ep_comm
-
-    def __add__(self, other: "PassTime") -> "PassTime":
-        return PassTime(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
-
-    def scale(self, k: float) -> "PassTime":
-        return PassTime(*(getattr(self, f.name) * k for f in fields(self)))
-
-
-def _rates(cluster: Cluster):
-    rate = cluster.peak_tflops * 1e12 * cluster.achievable_fraction
-    hbm = (cluster.device.hbm_gbps or 0) * 1e9 * HBM_EFFICIENCY
-    return rate, (lambda nbytes: nbytes / hbm) if hbm else (lambda nbytes: 0.0)
 
 
 def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links) -> PassTime:
@@ -162,68 +114,6 @@ def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links
                     gemm / rate, cp_ring, tp_hidden)
 
 
-def moe_layer_change(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links) -> PassTime:
-    """What one MoE layer adds to (or saves on) ``layer_time`` per micro-batch: its MLP's
-    matrices are the router (h x E, whole on every TP rank) and K experts (whole on every TP rank
-    with ETP = 1; with ETP = tp each TP rank runs 1/tp of every expert), and the shared expert
-    split by TP, instead of the dense MLP split by TP; the permutation's memory-bound passes
-    (``EW_MOE_PERMUTE`` x T K h, every TP rank permuting the same rows); the all-to-alls of the
-    T K rows over the EP group, dispatch and combine each way (traffic.py), exposed. TP: without a
-    shared expert the dense MLP's TP collectives are gone; with ETP = tp the combined (T, h)
-    output is all-reduced over TP forward, the tokens' and router weights' gradients backward
-    (traffic.moe_tp_per_layer). Zero without MoE layers."""
-    moe = shape.moe
-    if moe is None:
-        return PassTime()
-    from engine.plan.flops import _MLP_MATRICES
-    s, b, h, t = shape.seq_length, layout.micro_batch_size, shape.hidden_size, layout.tp
-    etp, sp = layout.etp, layout.sequence_parallel
-    rate, mem_s = _rates(cluster)
-    tokens, routed = s * b / layout.cp, moe_tokens(shape, layout)  # routed: this TP rank's
-    computed = moe_expert_tokens(shape, layout)  # the TP group's under ETP with SP
-    n = _MLP_MATRICES[shape.block]
-    # every TP rank: the router whole, the experts whole (ETP 1) or their 1/etp slices
-    whole = 2 * h * (routed * moe.num_experts + computed * n * moe.topk * moe.ffn_hidden / etp)
-    gemm = whole + 2 * tokens * h * n * (moe.shared_ffn - shape.ffn_hidden_size) / t
-    ew = (EW_MLP[shape.block] * (computed * moe.topk * moe.ffn_hidden / etp
-                                 + tokens * (moe.shared_ffn - shape.ffn_hidden_size) / t)
-          + EW_MOE_PERMUTE * computed * moe.topk * h)
-    fwd, bwd = gemm / rate + mem_s(ew), 2 * gemm / rate + mem_s(2 * ew)
-    one = 0.0
-    if layout.ep > 1:
-        rows = shape.activation_bytes * computed * moe.topk * h
-        one = alltoall_s(rows, links.ep, cluster.devices_per_node, cluster.intra_busbw_gbps,
-                         cluster.inter_busbw_gbps)
-    full = layout.recompute == "full"
-    redo = (gemm / rate + mem_s(ew)) if full else 0.0
-    if full and shape.recompute_early_stop:  # the skipped down projection: the shared expert's
-        redo -= 2 * tokens * h * (moe.shared_ffn - shape.ffn_hidden_size) / t / rate
-    counts = COLLECTIVE_LATENCY_S if one else 0.0  # the forward's count exchange: a few bytes
-    ep_fwd, ep_bwd = 2 * one + counts, 2 * one
-    ep_re = ep_fwd if full else 0.0
-    # TP (layer_time's convention: no SP all-reduces, SP gathers and scatters; the --tp-comm-overlap
-    # rings are left as the dense layer's)
-    tp_fwd = tp_bwd = tp_re = 0.0
-    if t > 1:
-        msg = ACT_BYTES * tokens * h
-        if not moe.shared_ffn and not (sp and layout.tp_comm_overlap):  # no MLP collectives
-            unit = (gather_or_scatter_s if sp else allreduce_s)(msg, t, links.tp)
-            tp_fwd, tp_bwd = (-2 * unit, -3 * unit) if sp else (-unit, -unit)
-            tp_re = -unit if sp and full else 0.0
-        if etp > 1 and not sp:  # the experts' partial outputs summed over TP
-            reduce = allreduce_s(msg, t, links.tp)
-            tp_fwd += reduce
-            tp_bwd += reduce + allreduce_s(4 * tokens * moe.topk, t, links.tp)
-            tp_re += reduce if full and moe.shared_ffn else 0.0
-        elif etp > 1:  # SP: the shards gathered in, the output reduce-scattered out
-            move = gather_or_scatter_s(msg, t, links.tp)
-            small = gather_or_scatter_s(12 * tokens * moe.topk, t, links.tp)  # weights, experts
-            tp_fwd += 2 * move + small
-            tp_bwd += 2 * move + gather_or_scatter_s(4 * tokens * moe.topk, t, links.tp)
-            tp_re += (move + small + (move if moe.shared_ffn else 0.0)) if full else 0.0
-    return PassTime(compute=fwd + bwd, recompute=redo, tp_comm=tp_fwd + tp_bwd + tp_re,
-                    backward=bwd + redo + ep_bwd + ep_re + tp_bwd + tp_re,
-                    weight=gemm / rate, ep_comm=ep_fwd + ep_bwd + ep_re)
 
 
 def pipeline_ends(shape: ModelShape, cluster: Cluster, layout: Layout,
@@ -268,6 +158,8 @@ class TimeTerms:
     cp_comm: float  # exposed part of the CP ring exchange (the whole one: Estimate.cp_ring_s)
     pp_comm: float  # pipeline p2p + the all-gather that rebuilds a received activation
     ep_comm: float  # MoE dispatch and combine all-to-alls over the EP group (exposed)
+    moe_overhead: float  # the MoE layers' kernel launches and host waits (moe_time.py)
+    moe_imbalance: float  # the busiest EP rank's extra expert and all-to-all time
     bubble: float  # the schedule's idle time (pipeline_bubble_s)
     imbalance: float  # the slowest device (first or last, carrying an end) setting the pace
     dp_comm: float  # exposed DP gradient reduction (all-reduce; ZeRO-1: reduce-scatter)
@@ -419,6 +311,7 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
     terms = TimeTerms(compute=m * mean.compute, recompute=m * mean.recompute,
                       tp_comm=m * mean.tp_comm + sync_s,
                       cp_comm=m * mean.cp_comm, pp_comm=m * mean.pp_comm, ep_comm=m * mean.ep_comm,
+                      moe_overhead=m * mean.moe_overhead, moe_imbalance=m * mean.moe_imbalance,
                       bubble=pipeline_bubble_s(layout, m, mean),
                       imbalance=m * (slowest.total - mean.total),
                       dp_comm=dp.exposed, zero_allgather=zero.exposed,

@@ -24,6 +24,7 @@ from engine.config.recipe import load_recipe
 from engine.plan.arguments import check_args
 from engine.plan.calibrate import (fit_achievable_fraction, fit_overlap_efficiency, link_busbw,
                                    measured_exposed, measured_step_time)
+from engine.plan.calibrate_moe import calibrate_moe
 from engine.plan.flops import BLOCKS, moe_layer_indices, moe_shape
 from engine.plan.hardware import DEVICE_SPECS, get_device_spec
 from engine.plan.model import (GIB, MEMORY_USABLE_FRACTION, PLAN_PRECISION, PLAN_SCHEDULES, Cluster,
@@ -129,7 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--explain", action="store_true", help="print every term of each estimate")
     p.add_argument("--calibrate", metavar="METRICS_JSONL",
-                   help="fit the achievable fraction to a measured run (give its --layout too)")
+                   help="fit the achievable fraction to a measured run (give its --layout too); "
+                        "for an MoE model the MoE layers' overhead and load imbalance")
+    p.add_argument("--calibrate-dense", metavar="METRICS_JSONL",
+                   help="with --calibrate of an MoE model: the achievable fraction from a run of "
+                        "the dense model with its active FLOPs (MLP width K x the experts')")
     p.add_argument("--calibrate-links", metavar="PREFLIGHT_JSON")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     return p
@@ -284,6 +289,17 @@ def _calibrated(args, shape: ModelShape, cluster: Cluster, space: SearchSpace) -
     layout = next(candidate_layouts(shape, cluster, space), None)
     if layout is None:
         raise ConfigError(_explain_empty(shape, cluster, space))
+    if shape.moe is not None:  # the MoE layers' engine terms (engine/plan/calibrate_moe.py)
+        try:
+            cluster, notes = calibrate_moe(shape, cluster, layout, args.calibrate,
+                                           args.calibrate_dense)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        for note in notes:
+            print(f"calibrated {note}", file=sys.stderr)
+        return cluster
+    if args.calibrate_dense:
+        raise ConfigError("--calibrate-dense applies to an MoE model (--num-experts)")
     step = measured_step_time(args.calibrate)
     tflops = estimate(shape, cluster, layout).flops.executed / step / cluster.num_devices / 1e12
     frac = fit_achievable_fraction(shape, cluster, layout, tflops)

@@ -375,3 +375,63 @@ def test_the_planner_reads_the_model_as_the_trainer_does(tmp_path, capsys):
     assert capsys.readouterr().err == ("gridtron: --ep 2: expert parallelism splits "
                                        "mixture-of-experts layers, and this model has none (add "
                                        "--num-experts E, or drop --ep)\n")
+
+
+def test_what_the_engine_adds_to_moe_layers():
+    """engine/plan/moe_time.py: per MoE layer and micro-batch the launches of its routing kernels
+    (one overhead per forward, backward and recomputed forward), under EP one host wait per
+    forward, and under EP the busiest rank's extra work at a load imbalance; none of it at ep 1
+    but the launches."""
+    from engine.plan.model import HOST_WAIT_S, MOE_PASS_OVERHEAD_S
+    c = Cluster.from_device(H100, 8)
+    shape = replace(SMALL, global_batch_size=8)
+    for lay, passes, waits in ((Layout(tp=1, pp=1, dp=8), 2, 0), (Layout(tp=1, pp=1, dp=8, ep=4), 2, 1),
+                               (Layout(tp=1, pp=1, dp=8, ep=4, recompute="full"), 3, 2)):
+        change = moe_layer_change(shape, c, lay, layout_links(c, lay))
+        assert change.moe_overhead == pytest.approx(passes * MOE_PASS_OVERHEAD_S + waits * HOST_WAIT_S)
+        assert change.moe_imbalance == 0.0                      # balanced by default
+        est = estimate(shape, c, lay)                           # 2 MoE layers, 1 micro-batch
+        assert est.time.moe_overhead == pytest.approx(2 * change.moe_overhead)
+    lay = Layout(tp=1, pp=1, dp=8, ep=4)
+    skewed = replace(c, moe_load_imbalance=1.5)
+    base, more = (moe_layer_change(shape, x, lay, layout_links(x, lay)) for x in (c, skewed))
+    rate = c.peak_tflops * 1e12 * c.achievable_fraction
+    experts = 3 * 2 * H * S * 2 * K * FE / rate                 # gpt2: 2 matrices, fwd + bwd
+    assert more.moe_imbalance == pytest.approx(0.5 * (experts + base.ep_comm), rel=1e-9)
+    ep1 = Layout(tp=1, pp=1, dp=8)
+    assert moe_layer_change(shape, skewed, ep1, layout_links(skewed, ep1)).moe_imbalance == 0.0
+    with pytest.raises(ValueError, match="load imbalance"):
+        replace(c, moe_load_imbalance=0.5)
+
+
+def test_calibration_fits_the_moe_terms_to_a_measured_run(tmp_path):
+    """calibrate_moe: a dense run of the same active FLOPs gives the achievable fraction, the MoE
+    run's imbalance is taken, and the overhead is fitted so the model predicts the measured
+    step; here both runs are what the model itself predicts at known values, which the fit must
+    find again."""
+    from engine.plan.calibrate_moe import calibrate_moe, dense_equivalent
+    c = Cluster.from_device(H100, 1)
+    moe = ModelShape(2, 1024, 16, 51200, 2048, 16, 4096, "gpt2", fused_attention=True,
+                     moe=MoEShape(2, 8, 2, 4096), moe_layers=(0, 1))
+    lay = Layout(tp=1, pp=1, dp=1, micro_batch_size=4)
+    dense = dense_equivalent(moe)
+    assert dense.ffn_hidden_size == 8192 and dense.moe is None
+    truth = replace(c, achievable_fraction=0.5, moe_pass_overhead_s=0.4e-3, moe_load_imbalance=1.2)
+
+    def write(path, step, imbalance=None):
+        rec = [{"step": i, "step_time_s": step, "moe_load_imbalance": imbalance} for i in (1, 2, 3)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rec))
+        return str(path)
+    dense_file = write(tmp_path / "dense.jsonl", estimate(dense, truth, lay).step_time_s)
+    moe_file = write(tmp_path / "moe.jsonl", estimate(moe, truth, lay).step_time_s, 1.2)
+    fitted, notes = calibrate_moe(moe, c, lay, moe_file, dense_file)
+    assert fitted.achievable_fraction == pytest.approx(0.5, rel=1e-6)
+    assert fitted.moe_load_imbalance == 1.2 and len(notes) == 3
+    assert fitted.moe_pass_overhead_s == pytest.approx(0.4e-3, rel=1e-6)
+    # without the dense run the fraction is the cluster's, and the overhead absorbs the rest
+    alone, _ = calibrate_moe(moe, c, lay, moe_file)
+    assert alone.achievable_fraction == c.achievable_fraction
+    assert estimate(moe, alone, lay).step_time_s == pytest.approx(
+        estimate(moe, truth, lay).step_time_s, rel=1e-6)
+    with pytest.raises(ValueError, match="every layer is an MoE layer"):
+        dense_equivalent(SMALL)
