@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.base import ConfigError
 from engine.config.fields import field_table
-from parallel.dp.policy import CompressionPolicy
+from parallel.dp.policy import CompressionPolicy, PolicyError
 
 # fields every run reads (or whose misuse is refused elsewhere with a ConfigError)
 ALWAYS_READ = frozenset({
@@ -179,10 +180,14 @@ def unused_flag_notes(cfg, grid, device: str, rope: bool) -> list[str]:
 
 
 def compression_notes(cfg, grid) -> list[str]:
-    """A warm-up that is not shorter than the run: the run never compresses."""
+    """A warm-up that is not shorter than the run: the run never compresses. A policy that is
+    not valid is the configuration error the trainer would raise."""
     if grid.dp * grid.cp == 1:
         return []
-    policy = CompressionPolicy.coerce(cfg.compression, cfg.optim.train_iters)
+    try:
+        policy = CompressionPolicy.coerce(cfg.compression, cfg.optim.train_iters)
+    except PolicyError as exc:
+        raise ConfigError(f"grad_compression_policy: {exc}") from exc
     iters = cfg.optim.train_iters
     if not policy.any_compressed or policy.warmup_steps < iters:
         return []
