@@ -21,12 +21,6 @@ from engine.plan.traffic import step_traffic
 TOLERANCE = 0.05
 
 # Known differences: (figure, condition on (cfg, layout), why)
-_SP = ("the planner keeps only the s/tp sequence shard of each column-parallel input and "
-       "all-gathers it again in backward (Korthikanti et al. 2022); this engine keeps the "
-       "gathered input (2 s b h / cp bytes per column-parallel input) and issues no re-gather")
-_SCATTER = ("the planner prices Megatron's pipeline scatter/gather (each TP rank sends 1/tp of "
-            "the activation and the receiver all-gathers it over TP); this engine sends the whole "
-            "activation from every TP rank")
 _LLAMA = ("the planner counts Korthikanti et al.'s tensors; a llama layer of this engine on the "
           "portable kernels (which the meta device runs, as the CPU does) also keeps RMSNorm's fp32 "
           "copies of its input (bf16/fp16 runs), SwiGLU's four tensors (gate, silu(gate), up, "
@@ -34,16 +28,11 @@ _LLAMA = ("the planner counts Korthikanti et al.'s tensors; a llama layer of thi
           "npu_swiglu keep less")
 KNOWN = (
     ("activation_bytes", lambda cfg, lay: cfg.model.block == "llama", _LLAMA),
-    ("activation_bytes", lambda cfg, lay: lay.sequence_parallel, _SP),
     ("activation_bytes", lambda cfg, lay: cfg.parallel.pipeline_schedule == "gpipe",
      "the planner plans 1F1B's micro-batches in flight; GPipe keeps all of them"),
     ("activation_bytes", lambda cfg, lay: lay.schedule in ("zb-h1", "zb-v"),
      "the planner keeps a micro-batch's whole activations until its W (an upper bound); after B "
      "only what W needs stays (the linears' inputs and output gradients)"),
-    ("tp_comm_bytes", lambda cfg, lay: lay.sequence_parallel, _SP),
-    ("tp_comm_bytes", lambda cfg, lay: lay.pp > 1 and lay.tp > 1 and not lay.sequence_parallel,
-     _SCATTER),
-    ("pp_comm_bytes", lambda cfg, lay: lay.tp > 1 and not lay.sequence_parallel, _SCATTER),
     ("activation_bytes", lambda cfg, lay: cfg.model.num_experts is not None,
      "an MoE layer keeps its routing's index vectors and fp32 router tensors, which the planner "
      "counts per assignment and expert (ACT_MOE_*); the portable kernels' extra copies as above"),
