@@ -32,8 +32,9 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.overhead
 	$(PY) -m benchmarks.scaling
 
-# On a CUDA or Ascend NPU machine: kernel paths against their references, then a 1.3B GPT eager and
-# compiled, ZeRO and packed documents if time remains, within 8 minutes. It runs on the current
+# On a CUDA or Ascend NPU machine: kernel paths against their references, then a 1.3B GPT eager, an
+# MoE GPT against its dense twin, the 1.3B GPT compiled, and the optional stages if time remains,
+# within 9 minutes. It runs on the current
 # Python when its torch sees a device (no .venv needed there), else in .venv ("nothing to check").
 HAS_DEVICE := import importlib.util as u, torch; npu = u.find_spec("torch_npu") is not None and __import__("torch_npu") and torch.npu.is_available(); raise SystemExit(0 if (torch.cuda.is_available() or npu) else 1)
 device-check:

@@ -3,14 +3,20 @@
 Runs as it is on a CUDA or Ascend NPU machine with any torch from 2.4: no virtual environment, no
 pip, no network (``make device-check`` uses the current Python when its torch sees a device). The
 plan, each stage a subprocess with its own deadline inside the whole check's budget
-(``--budget-s``, default 480 s, so the check ends within 8 minutes):
+(``--budget-s``, default 540 s, so the check ends within 9 minutes: one call of at most 10):
 
-1. ``kernels``: every kernel's device path against its reference (benchmarks/device_kernels.py);
+1. ``kernels``: every kernel's device path against its reference (benchmarks/device_kernels.py,
+   the grouped GEMM of the MoE experts included);
 2. ``eager``: a GPT of about 1.3B parameters (24 layers, hidden 2048, 16 heads, seq 2048, bf16,
    mock data) for ``--steps`` steps: tokens/s, TFLOP/s, MFU, HFU, peak memory and the step's parts
    as totals over the steps after ``--warmup`` (engine.observe.metrics.summarize_run);
-3. ``compiled``: the same with ``--compile`` (compilation falls in the warm-up steps);
-4. if time remains, ``two_ranks``: two processes on the one device (gloo with device tensors,
+3. ``moe`` and ``moe_dense``: an MoE GPT (12 x 1024, 8 experts of 4096, top-2) and the dense GPT of
+   its active FLOPs (ffn 8192) the same way, their tokens/s ratio and the planner's prediction
+   for both, before and after calibrating it on these two runs (benchmarks/device_moe.py);
+4. ``compiled``: the 1.3B GPT with ``--compile`` (compilation falls in the warm-up steps);
+5. if time remains, ``syncs``: the host waits per step of a small MoE model counted by the
+   engine's dispatch mode and by CUDA's own report, side by side; ``two_ranks``: two processes
+   on the one device (gloo with device tensors,
    which NCCL refuses): dp 2 with ZeRO and the overlapped gather, tp 2 with SP, pp 2 and ep 2,
    each against the serial run in fp32 (benchmarks/device_two_ranks.py); ``tp_overlap`` (two
    devices); ``zero``: the same model with the distributed optimizer (ZeRO-1) on the one device,
@@ -42,6 +48,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from benchmarks.common import markdown_table, read_jsonl  # noqa: E402
+from benchmarks.device_moe import comparison_lines, stage_model, syncs_lines  # noqa: E402
 from engine.device.runtime import detect_device_type, setup_device  # noqa: E402
 from engine.observe.metrics import summarize_run  # noqa: E402
 
@@ -63,7 +70,7 @@ class Stage:
 
     @property
     def training(self) -> bool:
-        return self.name not in ("kernels", "tp_overlap", "two_ranks")
+        return self.name not in ("kernels", "tp_overlap", "two_ranks", "syncs")
 
 
 @dataclass
@@ -78,15 +85,18 @@ class StageResult:
     gemm_chunks: list = field(default_factory=list)   # the TP overlap's chunked GEMM on one device
     tp_overlap: dict | None = None  # tp=2 without / with --tp-comm-overlap on two devices
     two_ranks: dict | None = None   # two processes on one device (gloo) against the serial run
+    syncs: list = field(default_factory=list)  # host waits: the dispatch mode's and CUDA's count
 
 
 def plan(skip_compile: bool = False) -> list[Stage]:
     """The stages in order. Caps are sized for a 1.3B model on one H100/H200-class device: 20
     eager steps take about a minute, inductor's first compile two to three."""
-    stages = [Stage("kernels", 90.0), Stage("eager", 180.0)]
+    stages = [Stage("kernels", 90.0), Stage("eager", 180.0), Stage("moe", 90.0),
+              Stage("moe_dense", 75.0)]
     if not skip_compile:
         stages.append(Stage("compiled", 240.0, flags=("--compile",)))
-    stages += [Stage("two_ranks", 150.0, optional=True, steps=6),
+    stages += [Stage("syncs", 90.0, optional=True),
+               Stage("two_ranks", 150.0, optional=True, steps=6),
                Stage("tp_overlap", 150.0, optional=True, steps=10),
                Stage("zero", 120.0, optional=True, flags=("--use-distributed-optimizer",), steps=10),
                Stage("packed", 120.0, optional=True, steps=10,
@@ -176,8 +186,24 @@ def _two_ranks_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args
                        two_ranks=got)
 
 
+def _syncs_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> StageResult:
+    data = out / "syncs.json"
+    data.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "benchmarks.device_moe", kind, str(out)] + (["--tiny"] if args.tiny else [])
+    code, wall = _run_process(cmd, out / "syncs.log", deadline_s)
+    rows = json.loads(data.read_text()) if code == 0 and data.exists() else []
+    differ = [r["model"] for r in rows if r["equal"] is False]
+    status = "deadline" if code is None else "failed" if code or differ else "ok"
+    detail = {"ok": "", "deadline": f"stopped at its {deadline_s:g} s deadline",
+              "failed": f"the counts differ: {', '.join(differ)}" if differ else
+              f"exit {code}: {_last_line(out / 'syncs.log')}"}[status]
+    return StageResult(stage.name, status, deadline_s, wall, detail, syncs=rows)
+
+
 def run_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> StageResult:
     log = out / f"{stage.name}.log"
+    if stage.name == "syncs":
+        return _syncs_stage(stage, deadline_s, out, kind, args)
     if stage.name == "tp_overlap":
         return _tp_overlap_stage(stage, deadline_s, out, kind, args)
     if stage.name == "two_ranks":
@@ -203,6 +229,7 @@ def run_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> St
     metrics.unlink(missing_ok=True)
     steps = min(stage.steps or args.steps, args.steps)
     model, precision = (TINY, "fp32") if args.tiny else (MODEL, "bf16")
+    model = stage_model(stage.name, args.tiny) or model   # the MoE stages' own models
     cmd = [sys.executable, "-m", "engine.train",
            *train_argv(kind, steps, str(metrics), str(out / stage.name), stage.flags,
                        args.micro_batch_size, args.global_batch_size, model, precision)]
@@ -298,9 +325,13 @@ def report(results: list[StageResult], header: dict) -> str:
                          ("time_forward_backward_s", "time_dp_finish_s", "time_optimizer_s")),
               _num(r.summary.get("host_syncs_per_step"), "d"),
               _num((r.summary["peak_memory_bytes"] or 0) / 2**30, ".1f")] for r in runs]))
-        lines += ["", f"model: {header['model']}; totals over the steps after the warm-up "
-                      f"({header['warmup']} steps left out); MFU against the dense peak of "
-                      f"engine/plan/hardware.py."]
+        lines += ["", f"model: {header['model']} (moe, moe_dense: benchmarks/device_moe.py); totals "
+                      f"over the steps after the warm-up ({header['warmup']} steps left out); MFU "
+                      f"against the dense peak of engine/plan/hardware.py.", ""]
+        lines += comparison_lines(results, header, Path(header.get("out", ".")),
+                                  header.get("tiny", False), header.get("micro_batch", 4),
+                                  header.get("global_batch", 16))
+    lines += syncs_lines(next((r.syncs for r in results if r.syncs), []))
     return "\n".join(lines)
 
 
@@ -321,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.device_check",
                                 description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--out", default="runs/device_check", help="where the JSON, markdown and logs go")
-    p.add_argument("--budget-s", type=float, default=480.0, help="the whole check's deadline")
+    p.add_argument("--budget-s", type=float, default=540.0, help="the whole check's deadline")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the totals")
     p.add_argument("--skip-compile", action="store_true")
@@ -353,7 +384,9 @@ def main(argv: list[str] | None = None) -> int:
               "python": platform.python_version(), "budget_s": args.budget_s, "warmup": args.warmup,
               "model": ", ".join(f"{k} {v}" for k, v in (TINY if args.tiny else MODEL).items())
               + (", fp32" if args.tiny else ", bf16")
-              + f", micro-batch {args.micro_batch_size}, global batch {args.global_batch_size}"}
+              + f", micro-batch {args.micro_batch_size}, global batch {args.global_batch_size}",
+              "out": str(out), "tiny": args.tiny, "micro_batch": args.micro_batch_size,
+              "global_batch": args.global_batch_size}
     results = run_plan(plan(args.skip_compile), out, kind, args)
     header["wall_s"] = time.monotonic() - start
     text = report(results, header)

@@ -3,7 +3,8 @@
 ``kernels`` dispatches on the tensor's device (npu_fusion_attention / SDPA, npu_rms_norm,
 npu_rotary_mul, npu_swiglu, ...); each case runs the device path on bf16 inputs and the plain-math
 reference on the same inputs in fp32, forward and backward (causal attention, grouped-query
-attention and packed documents included). benchmarks/device_check.py runs this in a subprocess of
+attention and packed documents included; the MoE experts' grouped GEMM on uneven groups, one of
+them empty, with its row offsets on the device, against the loop of per-group GEMMs). benchmarks/device_check.py runs this in a subprocess of
 its own (``python -m benchmarks.device_check --stage kernels``) under a deadline.
 """
 from __future__ import annotations
@@ -66,6 +67,9 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, seq: int = 512):
     docs[:, seq // 3:] = 1
     docs[1, 2 * seq // 3:] = 2
     docs = docs.to(device)
+    unit = b * seq // 16  # 2 x seq rows over 8 experts, unevenly
+    counts = [3 * unit, 0, unit, 5 * unit, 2 * unit, unit, 3 * unit, unit]
+    offsets = torch.tensor(counts).cumsum(0).to(device=device, dtype=torch.int32)
     return [
         ("attention causal", kernels.attention, kernels.attention_reference,
          [rand(b, n, seq, d), rand(b, n, seq, d), rand(b, n, seq, d)]),
@@ -83,6 +87,10 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, seq: int = 512):
         ("rope", lambda x: kernels.apply_rope(x, cos, sin),
          lambda x: kernels.apply_rope_reference(x, cos, sin), [rand(b, n, seq, d)]),
         ("swiglu", kernels.swiglu, kernels.swiglu_reference, [rand(b, seq, ffn), rand(b, seq, ffn)]),
+        ("grouped_gemm (8 experts, uneven, one empty)",
+         lambda x, w, bias: kernels.grouped_linear(x, w, offsets, bias),
+         lambda x, w, bias: kernels.grouped_linear_reference(x, w, counts, bias),
+         [rand(sum(counts), h), rand(8, ffn, h) * h ** -0.5, rand(8, ffn)]),
     ]
 
 

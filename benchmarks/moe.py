@@ -1,6 +1,9 @@
-"""Mixture of experts: dispatch throughput by ep, expert load balancing over training, and the
-validation loss of an MoE model against a dense model of the same active FLOPs.
+"""Mixture of experts: host time per layer, dispatch throughput by ep, expert load balancing over
+training, and the validation loss of an MoE model against a dense model of the same active FLOPs.
 
+0. **Host time** (this process, one thread): one MoE transformer layer's forward and backward
+   against a dense layer of the same active FLOPs at a host-bound size, and the aten ops each
+   dispatches (benchmarks/moe_host.py); target: the MoE layer within 1.5x the dense one.
 1. **Throughput** (4 ranks, dp 4, mock data): tokens/s of a small MoE gpt2 model at ep 1, 2 and 4
    with ``--moe-token-dispatcher-type alltoall`` and ``allgather``; a dispatcher the engine
    refuses (its configuration check, before any launch) is skipped and the output says so. One
@@ -18,7 +21,7 @@ validation loss of an MoE model against a dense model of the same active FLOPs.
 Figures: a table printed as markdown and ``--out``/moe.json; the plot ``--plot``
 (docs/img/moe.png by default: imbalance per step, validation loss per evaluation, tokens/s).
 
-    python -m benchmarks.moe [--steps 100] [--throughput-steps 8] [--out runs/moe]
+    python -m benchmarks.moe [--steps 100] [--throughput-steps 8] [--out runs/moe] [--host-only]
 """
 from __future__ import annotations
 
@@ -166,10 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/moe")
     p.add_argument("--plot", default="docs/img/moe.png")
     p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--host-only", action="store_true", help="the host-time table alone")
+    p.add_argument("--host-rounds", type=int, default=15)
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
+    from benchmarks.moe_host import measure, table
+    host = [measure(block, args.host_rounds) for block in ("gpt2", "llama")]
+    print(table(host) + "\n")
+    (out / "moe_host.json").write_text(json.dumps(host, indent=1))
+    if args.host_only:
+        return 0
     tput = [] if args.skip_throughput else throughput(args, out)
     runs = training(args, out)
     plot(runs, tput, Path(args.plot))

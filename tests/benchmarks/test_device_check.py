@@ -28,16 +28,17 @@ def test_without_an_accelerator_there_is_nothing_to_check(capsys, monkeypatch):
 
 def test_kernel_comparison_runs_on_cpu():
     rows = check_kernels(torch.device("cpu"), torch.float32, seq=64)
-    assert [r["op"].split(" ")[0] for r in rows] == ["attention"] * 3 + ["ring_block", "layer_norm",
-                                                                      "rms_norm", "rope", "swiglu"]
+    assert [r["op"].split(" ")[0] for r in rows] == ["attention"] * 3 + [
+        "ring_block", "layer_norm", "rms_norm", "rope", "swiglu", "grouped_gemm"]
     assert all(r["ok"] for r in rows), rows
 
 
 def test_plan_and_deadlines():
-    assert [s.name for s in plan()] == ["kernels", "eager", "compiled", "two_ranks", "tp_overlap",
-                                        "zero", "packed"]
-    assert [s.name for s in plan(skip_compile=True)] == ["kernels", "eager", "two_ranks",
-                                                        "tp_overlap", "zero", "packed"]
+    assert [s.name for s in plan()] == ["kernels", "eager", "moe", "moe_dense", "compiled", "syncs",
+                                        "two_ranks", "tp_overlap", "zero", "packed"]
+    assert [s.name for s in plan(skip_compile=True)] == ["kernels", "eager", "moe", "moe_dense",
+                                                        "syncs", "two_ranks", "tp_overlap", "zero",
+                                                        "packed"]
     stage = Stage("eager", 180.0)
     assert deadline_for(stage, 1000.0) == 180.0                      # its own cap
     assert deadline_for(stage, 100.0) == 100.0 - RESERVE_S           # what the budget leaves
@@ -58,16 +59,20 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
     assert code == 0, capsys.readouterr().out
     data = json.loads((tmp_path / "device_check.json").read_text())
     assert [(s["name"], s["status"]) for s in data["stages"]] == [
-        ("kernels", "ok"), ("eager", "ok"), ("two_ranks", "skipped"), ("tp_overlap", "ok"),
-        ("zero", "ok"), ("packed", "ok")]
+        ("kernels", "ok"), ("eager", "ok"), ("moe", "ok"), ("moe_dense", "ok"), ("syncs", "ok"),
+        ("two_ranks", "skipped"), ("tp_overlap", "ok"), ("zero", "ok"), ("packed", "ok")]
     kernels = data["stages"][0]["kernels"]
-    assert len(kernels) == 8 and all(k["ok"] for k in kernels)
+    assert len(kernels) == 9 and all(k["ok"] for k in kernels)
+    # the host waits per step of the MoE models at ep 1 and the dense one: the dense count
+    syncs = {r["model"]: r["dispatch mode"] for r in data["stages"][4]["syncs"]}
+    assert syncs == {name: [1, 1, 1] for name in ("moe ep1 dropless", "moe ep1 padded capacity",
+                                                  "dense")}
     # the TP overlap's chunked GEMM against the plain one: the same values, timed
     gemm = data["stages"][0]["gemm_chunks"]
     assert [g["tp"] for g in gemm] == [2, 4, 8]
     assert all(g["max_err"] < 1e-5 and g["plain_ms"] > 0 and g["chunked_ms"] > 0 for g in gemm)
     # tp=2 with SP without and with --tp-comm-overlap, two gloo processes here
-    pair = data["stages"][3]["tp_overlap"]
+    pair = data["stages"][6]["tp_overlap"]
     assert [r["run"] for r in pair["rows"]] == ["plain", "overlap"]
     assert all(r["steps"] == 2 and r["tokens_per_s"] > 0 and r["time_tp_exposed_s"] > 0
                for r in pair["rows"]), pair
@@ -75,14 +80,16 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
     # the two runs train one model: fp32 losses per step agree (the ring sums in another order)
     assert len(pair["rows"][0]["losses"]) == 3 and pair["loss_rel_diff"] <= 1e-4, pair
     for stage in data["stages"][1:]:
-        if stage["name"] in ("tp_overlap", "two_ranks"):
+        if stage["name"] in ("tp_overlap", "two_ranks", "syncs"):
             continue
         s = stage["summary"]
         assert s["steps"] == 2 and s["tokens"] == 2 * 4 * 64 and s["tokens_per_s"] > 0
         assert s["mfu"] is not None and s["peak_memory_bytes"] > 0
-        assert s["host_syncs_per_step"] == 1  # the step's one statistics read
+        assert s["host_syncs_per_step"] == 1  # the step's one statistics read, MoE at ep 1 too
     md = (tmp_path / "device_check.md").read_text()
     assert "| eager | ok |" in md and "| packed | ok |" in md and "tokens/s" in md
+    assert "MoE / dense (same active FLOPs) tokens/s" in md and "host waits: dispatch mode" in md
+    assert "| moe | calibrated: " in md  # the planner fitted to this run's two metrics files
     assert "chunked GEMMs (ms)" in md and "| overlap |" in md and "overlap / plain tokens/s" in md
     assert md.strip() in capsys.readouterr().out
 
