@@ -15,7 +15,9 @@ plan, each stage a subprocess with its own deadline inside the whole check's bud
    for both, before and after calibrating it on these two runs (benchmarks/device_moe.py);
 4. ``compiled``: the 1.3B GPT with ``--compile`` (compilation falls in the warm-up steps);
 5. if time remains, ``syncs``: the host waits per step of a small MoE model counted by the
-   engine's dispatch mode and by CUDA's own report, side by side; ``two_ranks``: two processes
+   engine's dispatch mode and by CUDA's own report, side by side; ``llama``: the 1.3B model with
+   llama blocks (RoPE and SwiGLU on their compiled CUDA paths), its MFU against gpt2's;
+   ``two_ranks``: two processes
    on the one device (gloo with device tensors,
    which NCCL refuses): dp 2 with ZeRO and the overlapped gather, tp 2 with SP, pp 2 and ep 2,
    each against the serial run in fp32 (benchmarks/device_two_ranks.py); ``tp_overlap`` (two
@@ -48,7 +50,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from benchmarks.common import markdown_table, read_jsonl  # noqa: E402
-from benchmarks.device_moe import comparison_lines, stage_model, syncs_lines  # noqa: E402
+from benchmarks.device_moe import comparison_lines, stage_model, syncs_lines, syncs_stage  # noqa: E402
 from engine.device.runtime import detect_device_type, setup_device  # noqa: E402
 from engine.observe.metrics import summarize_run  # noqa: E402
 
@@ -96,6 +98,7 @@ def plan(skip_compile: bool = False) -> list[Stage]:
     if not skip_compile:
         stages.append(Stage("compiled", 240.0, flags=("--compile",)))
     stages += [Stage("syncs", 90.0, optional=True),
+               Stage("llama", 150.0, optional=True, flags=("--block", "llama"), steps=10),
                Stage("two_ranks", 150.0, optional=True, steps=6),
                Stage("tp_overlap", 150.0, optional=True, steps=10),
                Stage("zero", 120.0, optional=True, flags=("--use-distributed-optimizer",), steps=10),
@@ -186,24 +189,10 @@ def _two_ranks_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args
                        two_ranks=got)
 
 
-def _syncs_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> StageResult:
-    data = out / "syncs.json"
-    data.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "benchmarks.device_moe", kind, str(out)] + (["--tiny"] if args.tiny else [])
-    code, wall = _run_process(cmd, out / "syncs.log", deadline_s)
-    rows = json.loads(data.read_text()) if code == 0 and data.exists() else []
-    differ = [r["model"] for r in rows if r["equal"] is False]
-    status = "deadline" if code is None else "failed" if code or differ else "ok"
-    detail = {"ok": "", "deadline": f"stopped at its {deadline_s:g} s deadline",
-              "failed": f"the counts differ: {', '.join(differ)}" if differ else
-              f"exit {code}: {_last_line(out / 'syncs.log')}"}[status]
-    return StageResult(stage.name, status, deadline_s, wall, detail, syncs=rows)
-
-
 def run_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> StageResult:
     log = out / f"{stage.name}.log"
-    if stage.name == "syncs":
-        return _syncs_stage(stage, deadline_s, out, kind, args)
+    if stage.name == "syncs":  # benchmarks/device_moe.py
+        return syncs_stage(stage, deadline_s, out, kind, args)
     if stage.name == "tp_overlap":
         return _tp_overlap_stage(stage, deadline_s, out, kind, args)
     if stage.name == "two_ranks":

@@ -94,13 +94,17 @@ def planner_rows(device_name: str, tiny: bool, micro_batch: int, global_batch: i
 
 def comparison_lines(results, header: dict, out: Path, tiny: bool, micro_batch: int,
                      global_batch: int) -> list[str]:
-    """The MoE stage against its dense reference and the planner, as markdown lines."""
+    """The llama stage against gpt2's, and the MoE stage against its dense reference and the
+    planner, as markdown lines."""
     from benchmarks.common import markdown_table
     by = {r.name: r for r in results if r.summary}
-    if "moe" not in by:
-        return []
-    moe, dense = by["moe"].summary, by.get("moe_dense")
     lines = []
+    if "eager" in by and "llama" in by and by["eager"].summary["mfu"] and by["llama"].summary["mfu"]:
+        lines += [f"llama / gpt2 blocks (1.3B, eager) MFU: {by['llama'].summary['mfu'] / by['eager'].summary['mfu']:.3f} "
+                  f"({100 * by['llama'].summary['mfu']:.1f}% against {100 * by['eager'].summary['mfu']:.1f}%)", ""]
+    if "moe" not in by:
+        return lines
+    moe, dense = by["moe"].summary, by.get("moe_dense")
     if dense is not None and moe["tokens_per_s"] and dense.summary["tokens_per_s"]:
         ratio = moe["tokens_per_s"] / dense.summary["tokens_per_s"]
         lines += [f"MoE / dense (same active FLOPs) tokens/s: {ratio:.3f} (target >= 0.8); MoE MFU "
@@ -166,6 +170,23 @@ def count_syncs(device: str, out: Path, tiny: bool) -> list[dict]:
                      else counts["cuda runtime"] == counts["dispatch mode"]})
     (out / "syncs.json").write_text(json.dumps(rows, indent=1))
     return rows
+
+
+def syncs_stage(stage, deadline_s: float, out: Path, kind: str, args):
+    """The syncs stage as a subprocess (``python -m benchmarks.device_moe``) under its deadline:
+    a StageResult, failed where the two counts differ."""
+    from benchmarks.device_check import StageResult, _last_line, _run_process
+    data = out / "syncs.json"
+    data.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "benchmarks.device_moe", kind, str(out)] + (["--tiny"] if args.tiny else [])
+    code, wall = _run_process(cmd, out / "syncs.log", deadline_s)
+    rows = json.loads(data.read_text()) if code == 0 and data.exists() else []
+    differ = [r["model"] for r in rows if r["equal"] is False]
+    status = "deadline" if code is None else "failed" if code or differ else "ok"
+    detail = {"ok": "", "deadline": f"stopped at its {deadline_s:g} s deadline",
+              "failed": f"the counts differ: {', '.join(differ)}" if differ else
+              f"exit {code}: {_last_line(out / 'syncs.log')}"}[status]
+    return StageResult(stage.name, status, deadline_s, wall, detail, syncs=rows)
 
 
 def syncs_lines(rows: list[dict]) -> list[str]:

@@ -35,10 +35,10 @@ def test_kernel_comparison_runs_on_cpu():
 
 def test_plan_and_deadlines():
     assert [s.name for s in plan()] == ["kernels", "eager", "moe", "moe_dense", "compiled", "syncs",
-                                        "two_ranks", "tp_overlap", "zero", "packed"]
+                                        "llama", "two_ranks", "tp_overlap", "zero", "packed"]
     assert [s.name for s in plan(skip_compile=True)] == ["kernels", "eager", "moe", "moe_dense",
-                                                        "syncs", "two_ranks", "tp_overlap", "zero",
-                                                        "packed"]
+                                                        "syncs", "llama", "two_ranks", "tp_overlap",
+                                                        "zero", "packed"]
     stage = Stage("eager", 180.0)
     assert deadline_for(stage, 1000.0) == 180.0                      # its own cap
     assert deadline_for(stage, 100.0) == 100.0 - RESERVE_S           # what the budget leaves
@@ -60,7 +60,8 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
     data = json.loads((tmp_path / "device_check.json").read_text())
     assert [(s["name"], s["status"]) for s in data["stages"]] == [
         ("kernels", "ok"), ("eager", "ok"), ("moe", "ok"), ("moe_dense", "ok"), ("syncs", "ok"),
-        ("two_ranks", "skipped"), ("tp_overlap", "ok"), ("zero", "ok"), ("packed", "ok")]
+        ("llama", "ok"), ("two_ranks", "skipped"), ("tp_overlap", "ok"), ("zero", "ok"),
+        ("packed", "ok")]
     kernels = data["stages"][0]["kernels"]
     assert len(kernels) == 9 and all(k["ok"] for k in kernels)
     # the host waits per step of the MoE models at ep 1 and the dense one: the dense count
@@ -72,7 +73,7 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
     assert [g["tp"] for g in gemm] == [2, 4, 8]
     assert all(g["max_err"] < 1e-5 and g["plain_ms"] > 0 and g["chunked_ms"] > 0 for g in gemm)
     # tp=2 with SP without and with --tp-comm-overlap, two gloo processes here
-    pair = data["stages"][6]["tp_overlap"]
+    pair = data["stages"][7]["tp_overlap"]
     assert [r["run"] for r in pair["rows"]] == ["plain", "overlap"]
     assert all(r["steps"] == 2 and r["tokens_per_s"] > 0 and r["time_tp_exposed_s"] > 0
                for r in pair["rows"]), pair
@@ -90,6 +91,7 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
     assert "| eager | ok |" in md and "| packed | ok |" in md and "tokens/s" in md
     assert "MoE / dense (same active FLOPs) tokens/s" in md and "host waits: dispatch mode" in md
     assert "| moe | calibrated: " in md  # the planner fitted to this run's two metrics files
+    assert "llama / gpt2 blocks (1.3B, eager) MFU" in md
     assert "chunked GEMMs (ms)" in md and "| overlap |" in md and "overlap / plain tokens/s" in md
     assert md.strip() in capsys.readouterr().out
 
