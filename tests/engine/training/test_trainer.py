@@ -1,5 +1,11 @@
 """Single-process training through the real command line: the built-in corpus, metrics, the block
-registry and user blocks."""
+registry and user blocks.
+
+The serial run's FLOPs figures are the FLOPs torch.utils.flop_counter counts on a forward and
+backward of the run's own model over one global batch (the attention core on its plain-math
+reference, whose two matrix products the counter sees), its TFLOP/s that over the step's time,
+and its exposed communication what a serial run has: no DP collective in flight (0.0), no
+pipeline, ZeRO gather or TP group (null)."""
 import json
 
 import pytest
@@ -26,7 +32,21 @@ def run(argv, registry=None):
         trainer.close()
 
 
-def test_builtin_corpus_lowers_validation_loss(tmp_path, corpus_cache):
+def counted_step_flops(trainer, monkeypatch) -> float:
+    """FLOPs of one forward and backward of the trainer's model over one global batch."""
+    import kernels
+    from engine.plan.flops import count_flops
+    monkeypatch.setattr(kernels, "attention", lambda q, k, v, causal=True, dropout_p=0.0, **_:
+                        kernels.attention_reference(q, k, v, causal, dropout_p))
+    cfg = trainer.cfg
+    tokens = torch.randint(0, trainer.data.vocab_size,
+                           (cfg.data.global_batch_size, cfg.model.seq_length + 1))
+    trainer.optimizer.zero_grad()
+    _, flops = count_flops(lambda: trainer.chunks[0](tokens[:, :-1], tokens[:, 1:]).mean().backward())
+    return flops
+
+
+def test_builtin_corpus_lowers_validation_loss(tmp_path, corpus_cache, monkeypatch):
     metrics = tmp_path / "m.jsonl"
     plot = tmp_path / "loss.png"
     trainer, result = run(TINY + [
@@ -34,6 +54,7 @@ def test_builtin_corpus_lowers_validation_loss(tmp_path, corpus_cache):
         "--min-lr", "3e-4", "--lr-warmup-iters", "4", "--eval-interval", "10", "--eval-iters", "2",
         "--metrics-file", str(metrics), "--plot", str(plot)])
     assert trainer.data.tokenizer is not None and 256 < trainer.data.vocab_size <= 2048
+    flops = counted_step_flops(trainer, monkeypatch)
     valid = [v for _, v in result.valid]
     assert len(valid) == 3 and valid[-1] < valid[0] - 0.2, valid
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -43,9 +64,13 @@ def test_builtin_corpus_lowers_validation_loss(tmp_path, corpus_cache):
         assert r["tokens"] == 8 * 64 and r["skipped"] is False and r["loss_scale"] == 1.0
         assert r["bubble_theoretical"] is None and r["bubble_measured"] is None
         assert r["dp_comm_bytes"] == 0 and r["grad_norm"] > 0 and r["peak_memory_bytes"] > 0
+        assert r["model_flops"] == r["executed_flops"] == flops, (r["executed_flops"], flops)
+        assert r["tflops_per_device"] == pytest.approx(flops / r["step_time_s"] / 1e12, rel=1e-12)
         # the CPU "peak" is one matmul measurement: MFU is the achieved rate over exactly that figure
-        assert r["tflops_per_device"] > 0 and trainer.peak_tflops > 0
+        assert trainer.peak_tflops > 0
         assert r["mfu"] == pytest.approx(r["tflops_per_device"] / trainer.peak_tflops, rel=1e-12)
+        assert r["time_dp_exposed_s"] == 0.0 and r["time_pp_exposed_s"] is None
+        assert r["time_zero_gather_exposed_s"] is None and r["time_tp_exposed_s"] is None
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
     assert plot.exists() and plot.stat().st_size > 1000
     assert "first / last loss" in result.summary and "validation loss" in result.summary
