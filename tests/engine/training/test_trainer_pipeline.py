@@ -92,7 +92,8 @@ def test_metrics_carry_both_bubbles(pipeline_runs, index):
         # the replay with measured per-stage costs can only add imbalance to the equal-cost bubble
         assert theory - 1e-9 <= r["bubble_simulated"], r
         assert r["activations_in_flight"] == expected_in_flight(schedule, PP, m, vp, 0), r
-        assert r["dp_comm_bytes"] > 0 and r["skipped"] is False
+        # the DP all-reduce hands over rank 0's gradient buffers, once (no ZeRO)
+        assert r["dp_comm_bytes"] == r["grad_bytes"] > 0 and r["skipped"] is False
     # the metric is the definition (parallel/pipeline/bubble.py) applied to the step's timeline:
     # per pipeline, measured_bubble of its ranks' executor events; the mean over all ranks
     trace = json.loads((folder / f"{schedule}.trace.json").read_text())["traceEvents"]
@@ -152,7 +153,6 @@ def test_timeline_has_one_track_per_rank(pipeline_runs, index):
             assert sum(e["cat"] == cat for e in mine) == kept, (rank, cat)
         for a, b in zip(compute, compute[1:]):     # one rank computes one thing at a time
             assert a["ts"] + a["dur"] <= b["ts"] + 1.0, (rank, a, b)
-        assert all(e["dur"] >= 0 for e in mine)
 
 
 def test_interleaved_needs_micro_batches_multiple_of_pp(monkeypatch):

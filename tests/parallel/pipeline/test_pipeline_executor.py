@@ -140,7 +140,15 @@ def check_timeline(ps, out_dir):
             trace = json.load(f)["traceEvents"]
         spans = [e for e in trace if e["ph"] == "X"]
         assert {e["tid"] for e in spans} == set(range(ps.world_size))
-        assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+        # one span per event of every rank, in microseconds from the earliest event
+        origin = min(e["start"] for rank_events in gathered for e in rank_events)
+        for rank, rank_events in enumerate(gathered):
+            want = [(e["name"], (e["start"] - origin) * 1e6, (e["end"] - e["start"]) * 1e6)
+                    for e in sorted(rank_events, key=lambda e: e["start"])]
+            got = [(e["name"], e["ts"], e["dur"]) for e in spans if e["tid"] == rank]
+            assert [n for n, _, _ in got] == [n for n, _, _ in want], rank
+            for (_, ts, dur), (_, want_ts, want_dur) in zip(got, want):
+                assert ts == pytest.approx(want_ts, abs=1e-3) and dur == pytest.approx(want_dur, abs=1e-3)
 
 
 def pp4_checks(ps, out_dir):
