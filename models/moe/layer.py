@@ -1,12 +1,14 @@
 """The mixture-of-experts layer that replaces a block's MLP, and ``build_mlp`` for blocks.
 
-``MoELayer.forward(x)`` takes (b, s, h) and returns (b, s, h): route (models/moe/router.py), permute
-and dispatch over ``ps.ep_group`` (parallel/expert_parallel), run the local experts, combine,
-un-permute with the router weights, add the always-active shared expert (a dense tensor-parallel
-``ParallelMLP``), and attach the balancing losses' gradient (models/moe/balancing.py). Dropless
-by default: every assignment is computed; with a capacity factor the lowest-weighted assignments
-beyond each expert's capacity are dropped, optionally padding each expert to it
-(models/moe/capacity.py).
+``MoELayer.forward(x)`` takes (b, s, h) and returns (b, s, h): route (models/moe/router.py), count
+the assignments per expert once on the device (the load figure, the balancing loss and the
+experts' row offsets all use that count), permute and, under EP, dispatch over ``ps.ep_group``
+(parallel/expert_parallel: the split sizes' one host read; at ep 1 the rows stay and nothing is
+read on the host), run the local experts (stacked weights, grouped GEMMs), combine, un-permute with
+the router weights, add the always-active shared expert (a dense tensor-parallel ``ParallelMLP``),
+and attach the balancing losses' gradient (models/moe/balancing.py). Dropless by default: every
+assignment is computed; with a capacity factor the lowest-weighted assignments beyond each
+expert's capacity are dropped, optionally padding each expert to it (models/moe/capacity.py).
 
 Under tensor parallelism every TP rank holds an identical replica of its experts and router, and
 the EP group joins ranks of one TP coordinate. Without sequence parallelism the ranks of a TP group
