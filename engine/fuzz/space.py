@@ -105,8 +105,7 @@ class Case:
         if self.moe:
             flags += ["--ep", str(self.ep), "--expert-tensor-parallel-size", str(self.etp),
                       "--moe-token-dispatcher-type", self.dispatcher]
-            if self.grouped:
-                flags.append("--moe-grouped-gemm")
+            flags.append("--moe-grouped-gemm" if self.grouped else "--no-moe-grouped-gemm")
         return flags
 
     def argv(self, steps: int) -> list[str]:
