@@ -63,14 +63,15 @@ def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links
     rate, mem_s = _rates(cluster)
     tokens = s * b / c  # this rank's share of the micro-batch's positions
     sbh = tokens * h
-    gemm = layer_forward_flops(tokens, s, h, f, shape.block) / t
+    gemm = layer_forward_flops(tokens, s, h, f, shape.block, shape.kv_hidden) / t
     attn = attention_core_forward_flops(tokens, s, h) / t
     scores = 0.0 if shape.fused_attention else EW_SCORES * a * s * s * b / t
     ew = (EW_REPLICATED * sbh / (t if sp else 1)
           + (EW_SHARDED_ATTN * sbh + EW_MLP[shape.block] * tokens * f) / t + scores)
     fwd = gemm / rate + mem_s(ew) + LAYER_PASS_OVERHEAD_S
     bwd = 2 * gemm / rate + mem_s(2 * ew) + LAYER_PASS_OVERHEAD_S  # dX and dW GEMMs, gemm each
-    redo = recomputed_layer_flops(tokens, s, h, f, shape.block, rc, shape.recompute_early_stop) / t
+    redo = recomputed_layer_flops(tokens, s, h, f, shape.block, rc, shape.recompute_early_stop,
+                                  shape.kv_hidden) / t
     recompute = {"full": redo / rate + mem_s(ew) + LAYER_PASS_OVERHEAD_S,
                  "selective": redo / rate + mem_s(scores) + LAYER_PASS_OVERHEAD_S, "none": 0.0}[rc]
     # TP: the two column-parallel inputs (QKV, MLP) and two row-parallel outputs of a layer. Without
@@ -318,7 +319,7 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
                       optimizer=mem_s(opt_params * OPTIMIZER_BYTES_PER_PARAM))
     flops = step_flops(shape.global_batch_size, shape.seq_length, shape.num_layers, shape.hidden_size,
                        shape.vocab_size, shape.ffn_hidden_size, shape.block, layout.recompute,
-                       shape.recompute_early_stop, moe=shape.moe)
+                       shape.recompute_early_stop, shape.kv_hidden, moe=shape.moe)
     fits = mem.total <= cluster.memory_gb * GIB * MEMORY_USABLE_FRACTION
     hidden = {"tp_comm": m * mean.tp_hidden, "cp_comm": max(0.0, m * (mean.cp_ring - mean.cp_comm)),
               "pp_comm": 0.0, "dp_comm": dp.hidden, "zero_allgather": zero.hidden}

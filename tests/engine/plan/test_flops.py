@@ -1,41 +1,16 @@
-"""FLOPs formulas (model and executed counts), the no-formula signal, utilisation helpers and the
-device table with its per-precision peaks."""
+"""FLOPs formulas (model and executed counts) against torch.utils.flop_counter on the engine's own
+model (gpt2 and llama, MLP widths, grouped-query attention, every recomputation, with and without
+early stop) and against Megatron's published closed forms; the no-formula signal, utilisation
+helpers and the device table with its per-precision peaks."""
 import dataclasses
 
 import pytest
 
-from engine.plan.flops import (StepFlops, achieved_tflops, count_flops, default_ffn_hidden,
+from engine.plan.flops import (achieved_tflops, count_flops, default_ffn_hidden,
                                formula_block, layer_matmul_params, megatron_flops_per_step, mfu,
                                model_flops_per_step, step_flops, utilization)
 from engine.plan.hardware import (DEVICE_SPECS, DeviceSpec, get_device_spec, lookup_device,
                                   lookup_peak_tflops, peak_tflops)
-
-
-def test_unit_model_by_hand():
-    # B = s = l = h = V = 1, f = 4: per token forward 8 + 16 + 4 (layer) + 2 (logits) = 30
-    assert step_flops(1, 1, 1, 1, 1) == StepFlops(90.0, 90.0)  # 72 (1 + 1/6 + 1/12)
-    # Megatron's full recomputation reruns the layer forward (28): 96 (1 + 1/6 + 1/16)
-    assert step_flops(1, 1, 1, 1, 1, recompute="full", recompute_early_stop=False) == StepFlops(90.0, 118.0)
-    # this engine's early stop skips the down projection (2 h f = 8)
-    assert step_flops(1, 1, 1, 1, 1, recompute="full") == StepFlops(90.0, 110.0)
-    assert step_flops(1, 1, 1, 1, 1, recompute="selective") == StepFlops(90.0, 94.0)  # + 4 B s^2 l h
-    assert step_flops(1, 1, 1, 1, 1, recompute="full").recomputed == 20.0
-    # llama, f = 3: 3 matrices of h x f -> 8 + 18 + 4 + 2 = 32 per token forward
-    assert step_flops(1, 1, 1, 1, 1, ffn_hidden=3, block="llama").model == 96.0
-    assert model_flops_per_step(1, 1, 1, 1, 1, recompute="full") == 110.0  # executed, for old callers
-
-
-def test_small_case_exact():
-    # B=2, s=4, l=3, h=8, V=10: layer fwd per token 24*64 + 4*4*8 = 1664, logits 160
-    tokens = 2 * 4
-    model = 3 * tokens * (3 * 1664 + 160)
-    assert step_flops(2, 4, 3, 8, 10).model == model
-    for rc in ("none", "selective", "full"):
-        assert step_flops(2, 4, 3, 8, 10, recompute=rc).model == model  # MFU ignores recomputation
-    megatron = step_flops(2, 4, 3, 8, 10, recompute="full", recompute_early_stop=False)
-    assert megatron.executed == 4 * tokens * 3 * 1664 + 3 * tokens * 160
-    skipped = 3 * tokens * 2 * 8 * 32  # 3 layers' down projection (h = 8, f = 32)
-    assert step_flops(2, 4, 3, 8, 10, recompute="full").executed == megatron.executed - skipped
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
@@ -47,11 +22,16 @@ def test_reduces_to_megatron_closed_form(b, s, l, h, v, recompute):
     assert ours.model == pytest.approx(megatron_flops_per_step(b, s, l, h, v), rel=1e-12)
 
 
-def _engine_step_flops(block: str, recompute: str, monkeypatch) -> tuple[float, object]:
-    """torch.utils.flop_counter's count of one forward + backward of the engine's own GPT chunk,
-    with the attention core on the plain-math reference (the counter sees its two matmuls; it has
-    no formula for the CPU flash kernel)."""
+BATCH, SEQ, LAYERS, HIDDEN, VOCAB = 3, 32, 2, 64, 256   # 256: no vocabulary padding at tp 1
+
+
+def counted_step_flops(monkeypatch, block: str = "gpt2", recompute: str = "none",
+                       early_stop: bool = True, ffn: int | None = None, groups: int | None = None):
+    """torch.utils.flop_counter's count of one forward + backward of the engine's own GPT chunk
+    over BATCH sequences, with the attention core on the plain-math reference (the counter sees
+    its two matmuls; it has no formula for the CPU flash kernel's backward); the chunk's config."""
     import torch
+    from torch.utils.checkpoint import set_checkpoint_early_stop
 
     import kernels
     from models import GPTChunk, GPTConfig, LayerContext
@@ -60,30 +40,40 @@ def _engine_step_flops(block: str, recompute: str, monkeypatch) -> tuple[float, 
     monkeypatch.setattr(kernels, "attention", lambda q, k, v, causal=True, dropout_p=0.0,
                         document_ids=None, cu_seqlens=None, **npu_only:
                         kernels.attention_reference(q, k, v, causal, dropout_p, document_ids=document_ids))
-    cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
-                    vocab_size=256, block=block)  # 256: no vocabulary padding at tp 1
+    cfg = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, seq_length=SEQ,
+                    vocab_size=VOCAB, block=block, ffn_hidden_size=ffn, num_query_groups=groups)
     ctx = LayerContext(Initializer(1, 0.02), sequence_parallel=False, recompute=recompute)
-    model = GPTChunk(cfg, ParallelState.serial(), ctx, range(2)).train()
+    model = GPTChunk(cfg, ParallelState.serial(), ctx, range(LAYERS)).train()
     gen = torch.Generator().manual_seed(0)
-    tokens, labels = torch.randint(0, 256, (2, 3, 32), generator=gen)
-    _, flops = count_flops(lambda: model(tokens, labels).mean().backward())
+    tokens, labels = torch.randint(0, VOCAB, (2, BATCH, SEQ), generator=gen)
+    with set_checkpoint_early_stop(early_stop):
+        _, flops = count_flops(lambda: model(tokens, labels).mean().backward())
     return flops, cfg
 
 
-@pytest.mark.parametrize("block", ["gpt2", "llama"])
-@pytest.mark.parametrize("recompute", ["none", "full"])
-def test_executed_flops_match_the_counter_on_the_engine_model(block, recompute, monkeypatch):
-    counted, cfg = _engine_step_flops(block, recompute, monkeypatch)
-    assert counted == step_flops(3, 32, 2, 64, 256, cfg.ffn_hidden_size, block, recompute).executed
+# (block, recompute, early stop, ffn width, key/value groups). Selective recomputation reruns the
+# whole attention core (SDPA is one op); the plain-math reference is two matmuls, of which early
+# stop would skip the second, so its count turns early stop off (the formula has no early stop
+# for selective).
+CASES = [("gpt2", "none", True, None, None), ("gpt2", "full", True, None, None),
+         ("gpt2", "full", False, None, None), ("gpt2", "selective", False, None, None),
+         ("llama", "none", True, None, None), ("llama", "full", True, None, None),
+         ("gpt2", "none", True, 96, None), ("llama", "full", True, 96, None),
+         ("gpt2", "none", True, None, 2), ("llama", "full", True, None, 1),
+         ("llama", "selective", False, None, 2)]
 
 
-def test_selective_recompute_reruns_the_whole_attention_core(monkeypatch):
-    # SDPA is one op, so recomputation reruns all of it; the plain-math reference is two matmuls,
-    # and early stop would skip the second, so this check turns early stop off.
-    from torch.utils.checkpoint import set_checkpoint_early_stop
-    with set_checkpoint_early_stop(False):
-        counted, cfg = _engine_step_flops("gpt2", "selective", monkeypatch)
-    assert counted == step_flops(3, 32, 2, 64, 256, cfg.ffn_hidden_size, "gpt2", "selective").executed
+@pytest.mark.parametrize("block, recompute, early_stop, ffn, groups", CASES)
+def test_step_flops_are_what_the_engine_model_runs(monkeypatch, block, recompute, early_stop, ffn,
+                                                   groups):
+    """The model count is the counter's on a step without recomputation, the executed count on
+    the step with it: any block, MLP width, grouped-query attention and recomputation."""
+    model, cfg = counted_step_flops(monkeypatch, block, "none", True, ffn, groups)
+    executed, _ = counted_step_flops(monkeypatch, block, recompute, early_stop, ffn, groups)
+    want = step_flops(BATCH, SEQ, LAYERS, HIDDEN, VOCAB, cfg.ffn_hidden_size, block, recompute,
+                      recompute_early_stop=early_stop, kv_hidden=cfg.kv_hidden_size)
+    assert (want.model, want.executed) == (model, executed)
+    assert recompute == "none" or executed > model
 
 
 def test_formula_block_says_when_there_is_no_formula():
@@ -101,19 +91,6 @@ def test_formula_block_says_when_there_is_no_formula():
         step_flops(1, 1, 1, 1, 1, block="mypkg.blocks:MoE")
 
 
-def test_selective_adds_attention_core_forward():
-    b, s, l, h, v = 4, 256, 6, 64, 500
-    extra = model_flops_per_step(b, s, l, h, v, recompute="selective") - model_flops_per_step(b, s, l, h, v)
-    assert extra == 4 * b * s * s * l * h
-
-
-def test_mlp_generalises_with_ffn():
-    b, s, l, h, v, f = 2, 16, 2, 32, 100, 80
-    gpt2 = model_flops_per_step(b, s, l, h, v, ffn_hidden=f)
-    llama = model_flops_per_step(b, s, l, h, v, ffn_hidden=f, block="llama")
-    assert llama - gpt2 == 3 * b * s * l * 2 * h * f  # one more h x f matrix, fwd + bwd
-
-
 def test_default_ffn_matches_model_config():
     from models.config import GPTConfig
     for h, heads in ((128, 4), (4096, 32), (768, 12)):
@@ -124,13 +101,8 @@ def test_default_ffn_matches_model_config():
                 model_flops_per_step(1, 8, 1, h, 16, ffn_hidden=cfg.ffn_hidden_size, block=block)
 
 
-def test_grouped_query_attention_counts_smaller_key_value_projections():
-    # B=2, s=4, l=3, h=8, V=10 with 4 heads of d=2 in G=1 group: K and V are h x 2, so per token the
-    # layer does 2 (2*64 + 2*8*2 + 2*8*32) + 4*4*8 = 1472 forward FLOPs instead of 1664
-    tokens = 2 * 4
-    assert model_flops_per_step(2, 4, 3, 8, 10, kv_hidden=2) == 3 * tokens * (3 * 1472 + 160)
-    assert model_flops_per_step(2, 4, 3, 8, 10, kv_hidden=8) == model_flops_per_step(2, 4, 3, 8, 10)
-    # the formula's matrices are the model's: one layer's weight matrices hold exactly that many
+def test_formula_matrices_are_the_models():
+    """A layer's weight matrices, as the formulas count them, are the built layer's."""
     from models import GPTChunk, GPTConfig, LayerContext
     from parallel.state import ParallelState
     from parallel.tensor_parallel import Initializer
@@ -140,10 +112,6 @@ def test_grouped_query_attention_counts_smaller_key_value_projections():
         chunk = GPTChunk(cfg, ParallelState.serial("cpu"), LayerContext(Initializer(0, 0.02)), range(1))
         matrices = sum(p.numel() for p in chunk.layers[0].parameters() if p.ndim == 2)
         assert matrices == layer_matmul_params(32, cfg.ffn_hidden_size, block, cfg.kv_hidden_size)
-        full = model_flops_per_step(1, 8, 1, 32, 64, ffn_hidden=cfg.ffn_hidden_size, block=block)
-        gqa = model_flops_per_step(1, 8, 1, 32, 64, ffn_hidden=cfg.ffn_hidden_size, block=block,
-                                   kv_hidden=cfg.kv_hidden_size)
-        assert full - gqa == 3 * 8 * 2 * 2 * 32 * (32 - cfg.kv_hidden_size)  # 2 matrices, fwd+bwd
 
 
 def test_bad_arguments():

@@ -11,12 +11,11 @@ import pytest
 
 from engine.plan import search as plan
 from engine.tools import plan_cli
-from engine.plan.flops import step_flops
 from engine.plan.hardware import DEVICE_SPECS
 from engine.plan.model import (ACT_BYTES, DEFAULT_ACHIEVABLE_FRACTION, FIT_ROW, GIB,
                                LINK_EFFICIENCY, Cluster, Layout, ModelShape, check_layout)
-from engine.plan.memory import (MemoryTerms, in_flight, layer_activation_bytes,
-                                layer_params_per_device, memory_per_device, stage_params)
+from engine.plan.memory import (MemoryTerms, in_flight, layer_activation_bytes, memory_per_device,
+                                stage_params)
 from engine.plan.placement import (DEFAULT_ORDER, all_groups_intra, collective_busbw, engine_order,
                                    group_of_rank0, p2p_gbps, parse_order, strides)
 from engine.plan.report import launch_command
@@ -162,26 +161,35 @@ def test_activations_of_any_element_size_with_or_without_dropout():
 
 
 def test_in_flight_micro_batches():
-    shape = ModelShape(32, 64, 4, 100, 32, 64)
+    """Micro-batches whose activations a pipeline rank holds at once: the peaks of the schedule
+    the engine runs (parallel/pipeline/schedules.py), in micro-batches (chunk activations / vp)."""
+    from parallel.pipeline.schedules import build_schedule, validate_schedule
     lay = Layout(1, 4, 1, micro_batch_size=1)
-    assert [in_flight(shape, lay, r) for r in range(4)] == [4, 3, 2, 1]  # 1F1B: p - rank
-    assert in_flight(shape, replace(lay, vp=2), 0) == pytest.approx(4 * (1 + 3 / (4 * 2)))
-    assert in_flight(shape, Layout(1, 1, 1), 0) == 1
-    assert in_flight(ModelShape(32, 64, 4, 100, 32, 2), lay, 0) == 2  # never more than m
+    for m in (2, 4, 64):                                     # m < p, m = p, m > p
+        shape = ModelShape(32, 64, 4, 100, 32, m)
+        for schedule, vp in (("1f1b", 1), ("interleaved", 2)):
+            if schedule == "interleaved" and m % 4:
+                continue
+            peaks = validate_schedule(build_schedule(schedule, 4, m, vp))
+            got = [in_flight(shape, replace(lay, vp=vp), r) for r in range(4)]
+            assert got == pytest.approx([k / vp for k in peaks]), (schedule, m, got, peaks)
+    assert in_flight(ModelShape(32, 64, 4, 100, 32, 64), Layout(1, 1, 1), 0) == 1
 
 
 def test_params_and_memory_parts():
+    """The planner's parameter count is the built model's (its vocabulary padded to 128 as the
+    engine pads it); the per-stage counts of TP and PP layouts equal the dry run's built ranks
+    (tests/engine/dryrun/test_dryrun.py, param_bytes of every role)."""
+    from models import GPTChunk, GPTConfig, LayerContext
+    from parallel.state import ParallelState
+    from parallel.tensor_parallel import Initializer
     h, L, V, s = 64, 4, 100, 32
     shape = ModelShape(L, h, 4, V, s, 8)
     first, last = stage_params(shape, Layout(1, 1, 1))
-    V1, V2 = 128, 256  # the vocabulary padded to a multiple of 128 x tp, as the engine holds it
-    assert (shape.padded_vocab(1), shape.padded_vocab(2)) == (V1, V2)
-    expected = L * (12 * h * h + 13 * h) + V1 * h + s * h + 2 * h  # GPT-2, tied embeddings
+    cfg = GPTConfig(num_layers=L, hidden_size=h, num_attention_heads=4, seq_length=s, vocab_size=V)
+    model = GPTChunk(cfg, ParallelState.serial(), LayerContext(Initializer(0, 0.02)), range(L))
+    expected = sum(p.numel() for p in model.parameters())  # GPT-2, tied embeddings
     assert first == last == expected
-    lay = Layout(2, 2, 2, micro_batch_size=4)
-    first, last = stage_params(shape, lay)
-    assert first == 2 * layer_params_per_device(shape, 2) + V2 * h / 2 + s * h
-    assert last == 2 * layer_params_per_device(shape, 2) + V2 * h / 2 + 2 * h  # embedding copy
     mem = memory_per_device(shape, Layout(1, 1, 1))
     assert (mem.weights, mem.grads, mem.optimizer) == (expected * 2, expected * 4, expected * 12)
     assert mem.total == pytest.approx(sum(v for k, v in mem.as_dict().items() if k not in ("stage", "total")))
@@ -319,8 +327,21 @@ def test_terms_add_up_and_bubble_follows_schedule():
     assert one.time.bubble == pytest.approx(per_micro, rel=1e-12)  # (p-1)/v = 1 micro-batch
     inter = estimate(SHAPE, c, Layout(8, 2, 32, 4, 4, "full"))
     assert inter.time.bubble < one.time.bubble / 3 and inter.time.pp_comm > one.time.pp_comm
-    assert one.flops == step_flops(1536, 2048, 48, 8192, 51200, recompute="full")
     assert one.mfu == pytest.approx(one.hfu * one.flops.model / one.flops.executed)
+
+
+@pytest.mark.parametrize("block, groups, recompute", [("gpt2", None, "none"), ("gpt2", None, "full"),
+                                                      ("llama", 2, "full"), ("llama", 1, "none")])
+def test_estimate_flops_are_what_the_engine_model_runs(monkeypatch, block, groups, recompute):
+    """The FLOPs the planner prices (MFU's and HFU's numerators) are torch.utils.flop_counter's
+    count of a forward and backward of the engine's model of that shape: without recomputation
+    (model) and with it (executed), grouped-query attention's narrower K/V included."""
+    from tests.engine.plan.test_flops import BATCH, HIDDEN, LAYERS, SEQ, VOCAB, counted_step_flops
+    model, _ = counted_step_flops(monkeypatch, block, "none", groups=groups)
+    executed, _ = counted_step_flops(monkeypatch, block, recompute, groups=groups)
+    shape = ModelShape(LAYERS, HIDDEN, 4, VOCAB, SEQ, BATCH, block=block, num_query_groups=groups)
+    est = estimate(shape, cluster(8), Layout(1, 1, 1, micro_batch_size=BATCH, recompute=recompute))
+    assert (est.flops.model, est.flops.executed) == (model, executed)
 
 
 def test_matmul_time_is_executed_flops_over_achievable_rate():
@@ -330,7 +351,7 @@ def test_matmul_time_is_executed_flops_over_achievable_rate():
         lay = Layout(1, 1, 1, micro_batch_size=2, recompute=rc)
         t1 = estimate(shape, replace(single, achievable_fraction=0.5), lay).step_time_s
         t2 = estimate(shape, replace(single, achievable_fraction=0.25), lay).step_time_s
-        flops = step_flops(8, 128, 4, 256, 1000, recompute=rc).executed
+        flops = estimate(shape, single, lay).flops.executed  # the engine's (test above)
         assert t2 - t1 == pytest.approx(flops / (312e12 * 0.25) - flops / (312e12 * 0.5), rel=1e-9)
 
 

@@ -199,7 +199,8 @@ def test_mixtral_8x7b_on_512_h100s():
     assert best.layout.ep > 1 and best.fits
     assert best.memory_bytes_per_device <= 80 * GIB * MEMORY_USABLE_FRACTION
     assert best.flops.model == step_flops(1024, 4096, 32, 4096, 32000, 14336, "llama",
-                                          best.layout.recompute, moe=MIXTRAL.moe).model
+                                          best.layout.recompute, kv_hidden=MIXTRAL.kv_hidden,
+                                          moe=MIXTRAL.moe).model
     # the same layout without expert parallelism holds every expert on every rank: 8 x the experts
     alone = estimate(MIXTRAL, c, replace(best.layout, ep=1))
     assert alone.memory.weights > 4 * best.memory.weights and not alone.fits
