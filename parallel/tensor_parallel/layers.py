@@ -10,7 +10,10 @@ weight gradient and all-gathers it again in backward (split_linear.py). Each lay
 parallel/weight_grad.py) its weight gradients wait for the schedule's W action. Under sequence
 parallelism ``tp_comm_overlap`` (None by default; "auto" or "ring", set by
 ``overlap.set_tp_comm_overlap``) pipelines the all-gather before a column-parallel GEMM and the
-reduce-scatter after a row-parallel GEMM with the GEMMs, chunk by chunk (overlap.py).
+reduce-scatter after a row-parallel GEMM with the GEMMs, chunk by chunk (overlap.py). ``fp8``
+(None by default; a ``kernels.fp8.Fp8Recipe``, set by ``set_fp8``) runs the layer's three GEMMs
+on float8 operands on whichever of these paths it takes, with scales over the logical tensors
+(fp8.py).
 """
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fp8 import Fp8Recipe
 from parallel.state import ParallelState
+from parallel.tensor_parallel.fp8 import Fp8Spec, column_spec, row_spec
 from parallel.tensor_parallel.init import Initializer
 from parallel.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_from_tp,
                                                reduce_from_tp, reduce_scatter_to_sequence)
@@ -41,7 +46,24 @@ def _mark(param: nn.Parameter, **flags) -> nn.Parameter:
     return param
 
 
-class ColumnParallelLinear(nn.Module):
+class _Fp8Layer:
+    """What both TP linears share for FP8: the recipe (``fp8``) and one ``Fp8Spec`` per path."""
+    fp8: Fp8Recipe | None = None
+
+    def fp8_spec(self, shard: bool) -> Fp8Spec | None:
+        """The spec of this layer's call; ``shard``: the path holds a sequence shard of the
+        column input (or of the row output's gradient) and gathers it around the GEMMs."""
+        if self.fp8 is None:
+            return None
+        key = (self.fp8, shard)
+        specs = self.__dict__.setdefault("_fp8_specs", {})
+        if key not in specs:
+            make = column_spec if isinstance(self, ColumnParallelLinear) else row_spec
+            specs[key] = make(self.fp8, self.group, self.cp_group, shard)
+        return specs[key]
+
+
+class ColumnParallelLinear(_Fp8Layer, nn.Module):
     """y = x W^T + b with W split by output rows: rank r holds rows [r*out/tp, (r+1)*out/tp).
 
     Input is replicated over TP (or a sequence shard under sequence parallelism, gathered here);
@@ -53,6 +75,7 @@ class ColumnParallelLinear(nn.Module):
                  sequence_parallel: bool = False, std: float | None = None):
         super().__init__()
         self.group, self.sequence_parallel, self.gather_output = ps.tp_group, sequence_parallel, gather_output
+        self.cp_group, self.fp8 = ps.cp_group, None  # FP8: amaxes over the tokens' CP shards too
         self.out_per_rank = divide(out_features, ps.tp_size, f"{name} output size")
         shard_args = dict(shard_dim=0, rank=ps.tp_rank, size=ps.tp_size)
         self.weight = _mark(init.param(f"{name}.weight", (out_features, in_features), std=std,
@@ -74,9 +97,10 @@ class ColumnParallelLinear(nn.Module):
         return column_parallel_linears([self], x)[0]
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_grad_store is None:
+        if self.weight_grad_store is None and self.fp8 is None:
             return F.linear(x, self.weight, self.bias)
-        return linear_defer_w(x, self.weight, self.bias, self.weight_grad_store)
+        return linear_defer_w(x, self.weight, self.bias, self.weight_grad_store,
+                              self.fp8_spec(False))
 
 
 def column_parallel_linears(layers: list[ColumnParallelLinear], x: torch.Tensor) -> list[torch.Tensor]:
@@ -85,11 +109,12 @@ def column_parallel_linears(layers: list[ColumnParallelLinear], x: torch.Tensor)
     first = layers[0]
     if first.sequence_parallel and first.group.size > 1 and first.tp_comm_overlap:
         outs = ring_gather_linear(x, [m.weight for m in layers], [m.bias for m in layers],
-                                  first.group, first.weight_grad_store, first.tp_comm_overlap)
+                                  first.group, first.weight_grad_store, first.tp_comm_overlap,
+                                  first.fp8_spec(True))
         outs = list(outs) if isinstance(outs, tuple) else [outs]
     elif first.sequence_parallel and first.group.size > 1:  # (b, s, out/tp) each, the shard saved
         outs = seq_gather_linear(x, [m.weight for m in layers], [m.bias for m in layers],
-                                 first.group, first.weight_grad_store)
+                                 first.group, first.weight_grad_store, first.fp8_spec(True))
         outs = list(outs) if isinstance(outs, tuple) else [outs]
     else:
         x = first.enter(x)
@@ -97,7 +122,7 @@ def column_parallel_linears(layers: list[ColumnParallelLinear], x: torch.Tensor)
     return [gather_from_tp(y, m.group) if m.gather_output else y for m, y in zip(layers, outs)]
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Fp8Layer, nn.Module):
     """y = x W^T + b with W split by input columns; input arrives split along its last dim.
 
     Partial products are all-reduced (or reduce-scattered along the sequence under sequence
@@ -109,6 +134,7 @@ class RowParallelLinear(nn.Module):
                  std: float | None = None):
         super().__init__()
         self.group, self.sequence_parallel = ps.tp_group, sequence_parallel
+        self.cp_group, self.fp8 = ps.cp_group, None  # FP8: amaxes over the tokens' CP shards too
         divide(in_features, ps.tp_size, f"{name} input size")
         self.weight = _mark(init.param(f"{name}.weight", (out_features, in_features), std=std,
                                        shard_dim=1, rank=ps.tp_rank, size=ps.tp_size),
@@ -121,18 +147,20 @@ class RowParallelLinear(nn.Module):
         self.tp_comm_overlap = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, s, in/tp)
-        store = self.weight_grad_store
+        store, fp8 = self.weight_grad_store, self.fp8_spec(False)
+        plain = store is None and fp8 is None
         if self.group.size == 1:  # nothing to reduce: the bias goes into the GEMM (addmm)
-            return (F.linear(x, self.weight, self.bias) if store is None
-                    else linear_defer_w(x, self.weight, self.bias, store))  # (b, s, out)
+            return (F.linear(x, self.weight, self.bias) if plain
+                    else linear_defer_w(x, self.weight, self.bias, store, fp8))  # (b, s, out)
         if self.sequence_parallel and self.tp_comm_overlap:  # GEMM chunks + reduce-scatter ring
-            y = ring_linear_reduce_scatter(x, self.weight, self.group, store, self.tp_comm_overlap)
+            y = ring_linear_reduce_scatter(x, self.weight, self.group, store, self.tp_comm_overlap,
+                                           self.fp8_spec(True))
             return y if self.bias is None else y + self.bias  # (b, s/tp, out)
-        if self.tp_comm_overlap and not self.sequence_parallel:  # a fused GEMM + all-reduce
+        if self.tp_comm_overlap and not self.sequence_parallel and fp8 is None:  # fused GEMM + all-reduce
             y = fused_linear_all_reduce(x, self.weight, self.group, store, self.tp_comm_overlap)
             if y is not None:
                 return y if self.bias is None else y + self.bias  # (b, s, out)
-        y = F.linear(x, self.weight) if store is None else linear_defer_w(x, self.weight, None, store)
+        y = F.linear(x, self.weight) if plain else linear_defer_w(x, self.weight, None, store, fp8)
         # (b, s, out) partial sums
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.group)  # (b, s/tp, out)

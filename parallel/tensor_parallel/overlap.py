@@ -19,6 +19,11 @@ with one all-gather (a TP collective, as in split_linear.py: every TP rank of a 
 W actions in the same order; in W there is no GEMM left to hide it behind), the row W reads the
 output gradient B gathered.
 
+With an ``Fp8Spec`` (parallel/tensor_parallel/fp8.py) every GEMM of the rings runs on float8
+operands, each chunk quantized with the scale of the whole logical tensor (agreed over the groups
+before the ring starts; rowwise per-token scales of gathered chunks from the chunk's own rows); the
+fused ops are bf16-only here, so FP8 always takes the ring.
+
 Which implementation runs is chosen per call by ``overlap_fused.fused_path`` (the chunked ring,
 ``ring.py``, is the reference and runs everywhere; the fused CUDA / Ascend ops replace the
 forward GEMM+collective where probed available). Under ``torch.compile`` the Functions run
@@ -30,9 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from parallel.comm import group_size
+from parallel.tensor_parallel.fp8 import Fp8Backward, Fp8Forward, Fp8Spec
 from parallel.tensor_parallel.mappings import _check_divisible, _gather
 from parallel.tensor_parallel.overlap_fused import fused_path
 from parallel.tensor_parallel.ring import SEQ, chunk_of, ring_pass
+from parallel.tensor_parallel.split_linear import linear_defer_w
 from parallel.weight_grad import WeightGradStore, accumulate, accumulate_matmul, apply_eager
 
 
@@ -40,7 +47,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:  # (..., n) -> (N, n)
     return t.reshape(-1, t.shape[-1])
 
 
-def _column_forward(shard, group, weights, biases, path):
+def _column_forward(shard, group, weights, biases, path, fp8: Fp8Forward | None = None):
     """(b, s/n, h) -> one (b, s, o_i) per weight."""
     if path is not None:
         outs = path.all_gather_matmul(shard, [w.t() for w in weights], group)[1]
@@ -50,19 +57,29 @@ def _column_forward(shard, group, weights, biases, path):
 
     def gemms(c: int, x_c: torch.Tensor) -> None:  # x_c (b, s/n, h): chunk c's GEMMs
         for i, (w, b) in enumerate(zip(weights, biases)):
-            pieces[i][c] = F.linear(x_c, w, b)  # (b, s/n, o_i)
+            pieces[i][c] = (F.linear(x_c, w, b) if fp8 is None       # (b, s/n, o_i)
+                            else fp8.linear(x_c, i, b, chunk=(c, n)))
     ring_pass(group, shard, on_chunk=gemms)
     return [torch.cat(p, dim=SEQ) for p in pieces]
 
 
-def _weight_grads(grads, weights, biases, full: torch.Tensor, into_params: bool) -> list:
+def _weight_grads(grads, weights, biases, full: torch.Tensor, into_params: bool,
+                  fp8: Fp8Backward | None = None) -> list:
     """dW_i = dy_i^T x, db_i = sum dy_i from the gathered (b, s, h) input, one GEMM per weight (as
     the plain layer computes them, so the results are the same); into the parameters (W) or
-    returned as [dW_0, db_0, dW_1, db_1, ...]."""
+    returned as [dW_0, db_0, dW_1, db_1, ...]. With ``fp8`` the GEMMs on float8 operands."""
     out = []
-    for g, w, b in zip(grads, weights, biases):
+    for i, (g, w, b) in enumerate(zip(grads, weights, biases)):
         if g is None:
             out += [None, None]
+        elif fp8 is not None:
+            gw, gb = fp8.wgrad(g, full, i), _flat(g).sum(dim=0) if b is not None else None
+            if into_params:
+                accumulate(w, gw)
+                if gb is not None:
+                    accumulate(b, gb)
+            else:
+                out += [gw, gb]
         elif into_params:
             accumulate_matmul(w, _flat(g).t(), _flat(full))
             if b is not None:
@@ -89,12 +106,13 @@ class _RingGatherLinearReduceScatter(torch.autograd.Function):
     ``params`` is (weight_0, bias_0, weight_1, bias_1, ...); a bias may be None."""
 
     @staticmethod
-    def forward(ctx, shard, group, store, mode, *params):
+    def forward(ctx, shard, group, store, mode, fp8, *params):
         weights, biases = params[0::2], params[1::2]
-        path = fused_path(shard, group, mode)
+        path = fused_path(shard, group, mode) if fp8 is None else None
+        ctx.fp8 = None if fp8 is None else Fp8Forward(fp8, shard, weights)
         ctx.save_for_backward(shard)
         ctx.group, ctx.store, ctx.weights, ctx.biases, ctx.path = group, store, weights, biases, path
-        outs = tuple(_column_forward(shard, group, weights, biases, path))
+        outs = tuple(_column_forward(shard, group, weights, biases, path, ctx.fp8))
         return outs if len(outs) > 1 else outs[0]
 
     @staticmethod
@@ -102,34 +120,38 @@ class _RingGatherLinearReduceScatter(torch.autograd.Function):
         (shard,) = ctx.saved_tensors
         group, weights, biases, path = ctx.group, ctx.weights, ctx.biases, ctx.path
         n = group.size
-        live = [(g, w) for g, w in zip(grads, weights) if g is not None]
+        live = [(i, g, w) for i, (g, w) in enumerate(zip(grads, weights)) if g is not None]
+        fp8 = None if ctx.fp8 is None else Fp8Backward(ctx.fp8, grads, shard)
 
         def partial(c: int) -> torch.Tensor:       # (b, s/n, h): this rank's dx for chunk c
             total = None
-            for g, w in live:
-                part = chunk_of(g, c, n).matmul(w)
+            for i, g, w in live:
+                part = (chunk_of(g, c, n).matmul(w) if fp8 is None
+                        else fp8.dgrad(chunk_of(g, c, n), i, chunk=(c, n)))
                 total = part if total is None else total + part
             return total
         params = [p for w, b in zip(weights, biases) for p in (w, b) if p is not None]
         deferred = ctx.store is not None and ctx.store.capturing
         if deferred or path is not None:
             if path is not None:                    # fused GEMM + reduce-scatter
-                g_cat = torch.cat([g for g, _ in live], dim=-1)    # (b, s, sum o_i)
-                w_cat = torch.cat([w for _, w in live], dim=0)     # (sum o_i, h)
+                g_cat = torch.cat([g for _, g, _ in live], dim=-1)    # (b, s, sum o_i)
+                w_cat = torch.cat([w for _, _, w in live], dim=0)     # (sum o_i, h)
                 grad_shard = path.matmul_reduce_scatter(g_cat, w_cat, group)
             else:
                 grad_shard = ring_pass(group, partial=partial)
             if deferred:   # W: nothing left to hide the gather behind, so one all-gather
                 ctx.store.defer(lambda: _weight_grads(grads, weights, biases,
-                                                      _gather(shard, SEQ, group), True),
-                                params, (shard, *[g for g, _ in live]))
-                return (grad_shard, None, None, None) + (None,) * (2 * len(weights))
+                                                      _gather(shard, SEQ, group), True, fp8),
+                                params, (shard, *[g for _, g, _ in live]))
+                return (grad_shard, None, None, None, None) + (None,) * (2 * len(weights))
             full = _gather(shard, SEQ, group)       # (b, s, h) the weight GEMMs' input
-            return (grad_shard, None, None, None, *_weight_grads(grads, weights, biases, full, False))
+            return (grad_shard, None, None, None, None,
+                    *_weight_grads(grads, weights, biases, full, False, fp8))
         # one loop, two rings: the input's chunks arrive for the weight GEMMs while the
         # input-gradient GEMMs run and their partial sums travel
         full, grad_shard = _ring_gather_into(group, shard, partial=partial)
-        return (grad_shard, None, None, None, *_weight_grads(grads, weights, biases, full, False))
+        return (grad_shard, None, None, None, None,
+                *_weight_grads(grads, weights, biases, full, False, fp8))
 
 
 class _RingLinearReduceScatterGather(torch.autograd.Function):
@@ -138,14 +160,18 @@ class _RingLinearReduceScatterGather(torch.autograd.Function):
     No bias: the row-parallel layer adds it after the reduction."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, store, mode):
+    def forward(ctx, x, weight, group, store, mode, fp8):
         n = group.size
         _check_divisible(x, SEQ, n)
-        path = fused_path(x, group, mode)
+        path = fused_path(x, group, mode) if fp8 is None else None
         ctx.save_for_backward(x)
         ctx.group, ctx.store, ctx.weight, ctx.path = group, store, weight, path
+        ctx.fp8 = None if fp8 is None else Fp8Forward(fp8, x, [weight])
         if path is not None:
             return path.matmul_reduce_scatter(x, weight.t(), group)
+        if ctx.fp8 is not None:
+            return ring_pass(group, partial=lambda c: ctx.fp8.linear(chunk_of(x, c, n), 0,
+                                                                     chunk=(c, n)))
         return ring_pass(group, partial=lambda c: F.linear(chunk_of(x, c, n), weight))
 
     @staticmethod
@@ -154,13 +180,15 @@ class _RingLinearReduceScatterGather(torch.autograd.Function):
         group, weight, path = ctx.group, ctx.weight, ctx.path
         n = group.size
         deferred = ctx.store is not None and ctx.store.capturing
+        if ctx.fp8 is not None:
+            return _row_ring_fp8_backward(ctx, x, grad, deferred)
         if path is not None:   # fused all-gather + GEMM, the gathered gradient for the weights
             g_full, (grad_x,) = path.all_gather_matmul(grad, [weight], group, gather=True)
             if deferred:
                 ctx.store.defer(lambda: accumulate_matmul(weight, _flat(g_full).t(), _flat(x)),
                                 (weight,), (g_full, x))
-                return grad_x, None, None, None, None
-            return grad_x, _flat(g_full).t().matmul(_flat(x)), None, None, None
+                return grad_x, None, None, None, None, None
+            return grad_x, _flat(g_full).t().matmul(_flat(x)), None, None, None, None
         dx, g_chunks = [None] * n, [None] * n
 
         def gemms(c: int, g_c: torch.Tensor) -> None:   # g_c (b, s/n, out)
@@ -172,8 +200,28 @@ class _RingLinearReduceScatterGather(torch.autograd.Function):
         if deferred:
             ctx.store.defer(lambda: accumulate_matmul(weight, _flat(g_full).t(), _flat(x)),
                             (weight,), (g_full, x))
-            return grad_x, None, None, None, None
-        return grad_x, _flat(g_full).t().matmul(_flat(x)), None, None, None
+            return grad_x, None, None, None, None, None
+        return grad_x, _flat(g_full).t().matmul(_flat(x)), None, None, None, None
+
+
+def _row_ring_fp8_backward(ctx, x, grad, deferred: bool) -> tuple:
+    """``_RingLinearReduceScatterGather``'s backward in FP8: the output gradient's shard sets its
+    scales (agreed before the ring), each gathered chunk's input-gradient GEMM runs in float8, the
+    weight gradient on the gathered gradient (in W when deferred)."""
+    group, weight, n = ctx.group, ctx.weight, ctx.group.size
+    bw = Fp8Backward(ctx.fp8, [grad], x)
+    dx, g_chunks = [None] * n, [None] * n
+
+    def gemms(c: int, g_c: torch.Tensor) -> None:   # g_c (b, s/n, out)
+        dx[c] = bw.dgrad(g_c, 0, chunk=(c, n))       # (b, s/n, in/tp)
+        g_chunks[c] = g_c
+    ring_pass(group, grad, on_chunk=gemms)
+    grad_x = torch.cat(dx, dim=SEQ)                  # (b, s, in/tp)
+    g_full = torch.cat(g_chunks, dim=SEQ)            # (b, s, out)
+    if deferred:
+        ctx.store.defer(lambda: accumulate(weight, bw.wgrad(g_full, x, 0)), (weight,), (g_full, x))
+        return grad_x, None, None, None, None, None
+    return grad_x, bw.wgrad(g_full, x, 0), None, None, None, None
 
 
 class _MatmulAllReduceForwardIdentityBackward(torch.autograd.Function):
@@ -207,25 +255,27 @@ def _apply(fn, *args):
 
 
 def ring_gather_linear(shard: torch.Tensor, weights, biases, group,
-                       store: WeightGradStore | None = None, mode: str = "auto"):
+                       store: WeightGradStore | None = None, mode: str = "auto",
+                       fp8: Fp8Spec | None = None):
     """Overlapped ``seq_gather_linear``: one output per weight, (b, s, out_i/tp), from the
     (b, s/tp, h) shard. ``mode``: "auto" (a fused op where ``fused_path`` finds one, else the
     ring) or "ring"."""
     if group_size(group) == 1:
-        outs = tuple(F.linear(shard, w, b) for w, b in zip(weights, biases))
+        outs = tuple(F.linear(shard, w, b) if fp8 is None else linear_defer_w(shard, w, b, store, fp8)
+                     for w, b in zip(weights, biases))
         return outs if len(outs) > 1 else outs[0]
     params = [p for w, b in zip(weights, biases) for p in (w, b)]
-    return _apply(_RingGatherLinearReduceScatter, shard, group, store, mode, *params)
+    return _apply(_RingGatherLinearReduceScatter, shard, group, store, mode, fp8, *params)
 
 
 def ring_linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group,
                                store: WeightGradStore | None = None,
-                               mode: str = "auto") -> torch.Tensor:
+                               mode: str = "auto", fp8: Fp8Spec | None = None) -> torch.Tensor:
     """Overlapped row-parallel GEMM + ``reduce_scatter_to_sequence``: (b, s, in/tp) -> (b, s/tp,
     out), the partial sums reduced (no bias)."""
     if group_size(group) == 1:
-        return F.linear(x, weight)
-    return _apply(_RingLinearReduceScatterGather, x, weight, group, store, mode)
+        return F.linear(x, weight) if fp8 is None else linear_defer_w(x, weight, None, store, fp8)
+    return _apply(_RingLinearReduceScatterGather, x, weight, group, store, mode, fp8)
 
 
 def fused_linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, group,

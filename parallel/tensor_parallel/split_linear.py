@@ -15,6 +15,10 @@ zero-bubble schedule, parallel/weight_grad.py), one per communication pattern:
 - ``_EmbeddingDeferW``: the lookup has no input gradient; B does nothing, W scatters the rows'
   gradients into the weight (``embedding_dense_backward``, F.embedding's own backward).
 
+With an ``Fp8Spec`` (``fp8``, parallel/tensor_parallel/fp8.py) the first two run their GEMMs on
+float8 operands: the scales are agreed over the groups in forward and in B (the W closures hold
+them), so W runs the weight-gradient GEMM alone.
+
 Each applies its weight gradient through ``accumulate`` / ``accumulate_matmul``: straight into
 ``main_grad`` when deferred, returned to autograd otherwise. Parameters are kept on ``ctx`` as the
 Parameter objects (only activations go through ``save_for_backward``): under activation
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from parallel.tensor_parallel.fp8 import Fp8Backward, Fp8Forward, Fp8Spec
 from parallel.tensor_parallel.mappings import _gather, _reduce_scatter
 from parallel.weight_grad import WeightGradStore, accumulate, accumulate_matmul, apply_split
 
@@ -42,29 +47,51 @@ def _weight_grads(weight, bias, grad: torch.Tensor, x: torch.Tensor) -> None:
         accumulate(bias, _flat(grad).sum(dim=0))
 
 
+def _fp8_weight_grads(bw: Fp8Backward, weights, biases, grads, x: torch.Tensor) -> None:
+    """The FP8 weight gradients (and the biases', in the gradients' dtype) into the parameters."""
+    for i, (g, w, b) in enumerate(zip(grads, weights, biases)):
+        if g is not None:
+            accumulate(w, bw.wgrad(g, x, i))
+            if b is not None:
+                accumulate(b, _flat(g).sum(dim=0))
+
+
 class _LinearDeferW(torch.autograd.Function):
-    """y = x W^T + b, weight gradients in W when a store is capturing (module docstring)."""
+    """y = x W^T + b, weight gradients in W when a store is capturing (module docstring); with
+    ``fp8`` the three GEMMs in float8."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, store):
+    def forward(ctx, x, weight, bias, store, fp8):
         ctx.save_for_backward(x)
         # the parameters themselves, not saved tensors: under activation checkpointing a saved
         # tensor comes back as a recomputed alias, and W must accumulate into the Parameter
         ctx.store, ctx.weight, ctx.bias = store, weight, bias
-        return torch.nn.functional.linear(x, weight, bias)
+        if fp8 is None:
+            ctx.fp8 = None
+            return torch.nn.functional.linear(x, weight, bias)
+        ctx.fp8 = Fp8Forward(fp8, x, [weight])   # (b, s, in) x and W's scales, agreed
+        return ctx.fp8.linear(x, 0, bias)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         weight, bias = ctx.weight, ctx.bias
-        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         params = (weight,) if bias is None else (weight, bias)
+        if ctx.fp8 is not None:
+            bw = Fp8Backward(ctx.fp8, [grad], x)
+            grad_x = bw.dgrad(grad, 0) if ctx.needs_input_grad[0] else None
+            if ctx.store is not None and ctx.store.defer(
+                    lambda: _fp8_weight_grads(bw, [weight], [bias], [grad], x), params, (grad, x)):
+                return grad_x, None, None, None, None
+            gb = _flat(grad).sum(dim=0) if bias is not None and ctx.needs_input_grad[2] else None
+            return grad_x, bw.wgrad(grad, x, 0), gb, None, None
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         if ctx.store is not None and ctx.store.defer(lambda: _weight_grads(weight, bias, grad, x),
                                                      params, (grad, x)):
-            return grad_x, None, None, None
+            return grad_x, None, None, None, None
         gw = _flat(grad).t().matmul(_flat(x))
         gb = _flat(grad).sum(dim=0) if bias is not None and ctx.needs_input_grad[2] else None
-        return grad_x, gw, gb, None
+        return grad_x, gw, gb, None, None
 
 
 class _SeqGatherLinearReduceScatter(torch.autograd.Function):
@@ -73,12 +100,16 @@ class _SeqGatherLinearReduceScatter(torch.autograd.Function):
     ``params`` is (weight_0, bias_0, weight_1, bias_1, ...); a bias may be None."""
 
     @staticmethod
-    def forward(ctx, shard, group, store, *params):
-        full = _gather(shard, 1, group)  # (b, s, h)
+    def forward(ctx, shard, group, store, fp8, *params):
         weights, biases = params[0::2], params[1::2]
+        ctx.fp8 = None if fp8 is None else Fp8Forward(fp8, shard, weights)  # scales of the shard's
+        full = _gather(shard, 1, group)  # (b, s, h)
         ctx.save_for_backward(shard)
         ctx.group, ctx.store, ctx.weights, ctx.biases = group, store, weights, biases
-        outs = tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(weights, biases))
+        if ctx.fp8 is None:
+            outs = tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(weights, biases))
+        else:
+            outs = tuple(ctx.fp8.linear(full, i, b) for i, b in enumerate(biases))
         return outs if len(outs) > 1 else outs[0]
 
     @staticmethod
@@ -86,6 +117,8 @@ class _SeqGatherLinearReduceScatter(torch.autograd.Function):
         (shard,) = ctx.saved_tensors
         group, weights, biases = ctx.group, ctx.weights, ctx.biases
         grads = list(grads)
+        if ctx.fp8 is not None:
+            return _seq_gather_fp8_backward(ctx, shard, grads)
         deferred = ctx.store is not None and ctx.store.capturing
         overlap = not torch.compiler.is_compiling()  # a traced backward keeps no async handles
         later = None if deferred else _gather(shard, 1, group, async_op=overlap)
@@ -108,7 +141,7 @@ class _SeqGatherLinearReduceScatter(torch.autograd.Function):
         if deferred:
             ctx.store.defer(lambda: weight_grads(_gather(shard, 1, group)), params,
                             (shard, *[g for g in grads if g is not None]))
-            return (grad_shard, None, None) + (None,) * (2 * len(weights))
+            return (grad_shard, None, None, None) + (None,) * (2 * len(weights))
         laid_out, handle = later
         if handle is not None:
             handle.wait()
@@ -120,7 +153,41 @@ class _SeqGatherLinearReduceScatter(torch.autograd.Function):
                 continue
             out.append(_flat(g).t().matmul(_flat(full)))
             out.append(_flat(g).sum(dim=0) if b is not None else None)
-        return (grad_shard, None, None, *out)
+        return (grad_shard, None, None, None, *out)
+
+
+def _seq_gather_fp8_backward(ctx, shard, grads) -> tuple:
+    """``_SeqGatherLinearReduceScatter``'s backward in FP8: the same communication, the GEMMs on
+    float8 operands with the scales agreed here (in B: the W closure holds them)."""
+    group, weights, biases = ctx.group, ctx.weights, ctx.biases
+    bw = Fp8Backward(ctx.fp8, grads, shard)
+    deferred = ctx.store is not None and ctx.store.capturing
+    later = None if deferred else _gather(shard, 1, group, async_op=not torch.compiler.is_compiling())
+    grad_full = None
+    for i, g in enumerate(grads):
+        if g is not None:
+            part = bw.dgrad(g, i)  # (b, s, h)
+            grad_full = part if grad_full is None else grad_full + part
+    grad_shard = _reduce_scatter(grad_full, 1, group) if grad_full is not None else None
+    if deferred:
+        params = [p for w, b in zip(weights, biases) for p in (w, b) if p is not None]
+        ctx.store.defer(lambda: _fp8_weight_grads(bw, weights, biases, grads, _gather(shard, 1, group)),
+                        params, (shard, *[g for g in grads if g is not None]))
+        return (grad_shard, None, None, None) + (None,) * (2 * len(weights))
+    if isinstance(later, tuple):
+        laid_out, handle = later
+        if handle is not None:
+            handle.wait()
+        full = laid_out()
+    else:
+        full = later
+    out = []
+    for i, (g, b) in enumerate(zip(grads, biases)):
+        if g is None:
+            out += [None, None]
+            continue
+        out += [bw.wgrad(g, full, i), _flat(g).sum(dim=0) if b is not None else None]
+    return (grad_shard, None, None, None, *out)
 
 
 class _EmbeddingDeferW(torch.autograd.Function):
@@ -147,15 +214,15 @@ class _EmbeddingDeferW(torch.autograd.Function):
 
 
 def linear_defer_w(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   store: WeightGradStore | None) -> torch.Tensor:
-    return apply_split(_LinearDeferW, store, x, weight, bias, store)
+                   store: WeightGradStore | None, fp8: Fp8Spec | None = None) -> torch.Tensor:
+    return apply_split(_LinearDeferW, store, x, weight, bias, store, fp8)
 
 
 def seq_gather_linear(shard: torch.Tensor, weights, biases, group,
-                      store: WeightGradStore | None):
+                      store: WeightGradStore | None, fp8: Fp8Spec | None = None):
     """One output per weight, (b, s, out_i/tp), from the (b, s/tp, h) shard."""
     params = [p for w, b in zip(weights, biases) for p in (w, b)]
-    return apply_split(_SeqGatherLinearReduceScatter, store, shard, group, store, *params)
+    return apply_split(_SeqGatherLinearReduceScatter, store, shard, group, store, fp8, *params)
 
 
 def embedding_defer_w(ids: torch.Tensor, weight: torch.Tensor,
