@@ -76,6 +76,22 @@ def test_step_flops_are_what_the_engine_model_runs(monkeypatch, block, recompute
     assert recompute == "none" or executed > model
 
 
+@pytest.mark.parametrize("block, groups, recompute", [("gpt2", None, "none"), ("gpt2", None, "full"),
+                                                      ("llama", 2, "full"), ("llama", 1, "none")])
+def test_estimate_flops_are_what_the_engine_model_runs(monkeypatch, block, groups, recompute):
+    """The FLOPs the planner prices (MFU's and HFU's numerators) are torch.utils.flop_counter's
+    count of a forward and backward of the engine's model of that shape: without recomputation
+    (model) and with it (executed), grouped-query attention's narrower K/V included."""
+    from engine.plan.model import Cluster, Layout, ModelShape
+    from engine.plan.timing import estimate
+    model, _ = counted_step_flops(monkeypatch, block, "none", groups=groups)
+    executed, _ = counted_step_flops(monkeypatch, block, recompute, groups=groups)
+    shape = ModelShape(LAYERS, HIDDEN, 4, VOCAB, SEQ, BATCH, block=block, num_query_groups=groups)
+    cluster = Cluster.from_device(DEVICE_SPECS["a100-80gb"], 8)
+    est = estimate(shape, cluster, Layout(1, 1, 1, micro_batch_size=BATCH, recompute=recompute))
+    assert (est.flops.model, est.flops.executed) == (model, executed)
+
+
 def test_formula_block_says_when_there_is_no_formula():
     from models.blocks import GPT2Block, LlamaBlock, TransformerBlock
 

@@ -330,20 +330,6 @@ def test_terms_add_up_and_bubble_follows_schedule():
     assert one.mfu == pytest.approx(one.hfu * one.flops.model / one.flops.executed)
 
 
-@pytest.mark.parametrize("block, groups, recompute", [("gpt2", None, "none"), ("gpt2", None, "full"),
-                                                      ("llama", 2, "full"), ("llama", 1, "none")])
-def test_estimate_flops_are_what_the_engine_model_runs(monkeypatch, block, groups, recompute):
-    """The FLOPs the planner prices (MFU's and HFU's numerators) are torch.utils.flop_counter's
-    count of a forward and backward of the engine's model of that shape: without recomputation
-    (model) and with it (executed), grouped-query attention's narrower K/V included."""
-    from tests.engine.plan.test_flops import BATCH, HIDDEN, LAYERS, SEQ, VOCAB, counted_step_flops
-    model, _ = counted_step_flops(monkeypatch, block, "none", groups=groups)
-    executed, _ = counted_step_flops(monkeypatch, block, recompute, groups=groups)
-    shape = ModelShape(LAYERS, HIDDEN, 4, VOCAB, SEQ, BATCH, block=block, num_query_groups=groups)
-    est = estimate(shape, cluster(8), Layout(1, 1, 1, micro_batch_size=BATCH, recompute=recompute))
-    assert (est.flops.model, est.flops.executed) == (model, executed)
-
-
 def test_matmul_time_is_executed_flops_over_achievable_rate():
     shape = ModelShape(4, 256, 4, 1000, 128, 8)
     single = cluster(1)
@@ -351,7 +337,7 @@ def test_matmul_time_is_executed_flops_over_achievable_rate():
         lay = Layout(1, 1, 1, micro_batch_size=2, recompute=rc)
         t1 = estimate(shape, replace(single, achievable_fraction=0.5), lay).step_time_s
         t2 = estimate(shape, replace(single, achievable_fraction=0.25), lay).step_time_s
-        flops = estimate(shape, single, lay).flops.executed  # the engine's (test above)
+        flops = estimate(shape, single, lay).flops.executed  # the engine's (test_flops.py)
         assert t2 - t1 == pytest.approx(flops / (312e12 * 0.25) - flops / (312e12 * 0.5), rel=1e-9)
 
 
