@@ -21,6 +21,7 @@ from models.output import OutputLayer
 from models.registry import BlockRegistry, default_registry
 from parallel.context_parallel import load_balanced, shard_positions
 from parallel.state import ParallelState
+from parallel.tensor_parallel.fp8 import set_fp8
 from parallel.tensor_parallel import (VocabParallelEmbedding, copy_to_tp, gather_from_sequence,
                                       padded_vocab_size, scatter_to_sequence,
                                       vocab_parallel_cross_entropy, vocab_parallel_weight)
@@ -182,3 +183,21 @@ def build_chunks(cfg: GPTConfig, ps: ParallelState, ctx, stage_ranges: list[rang
                                post_process=(v == num_virtual - 1), registry=registry,
                                tied_embedding=first.embed if first is not None else None))
     return nn.ModuleList(chunks)
+
+
+def set_fp8_layers(chunks, recipe, num_layers: int, bf16_start: int = 0,
+                   bf16_end: int = 0) -> list[int]:
+    """Run the tensor-parallel GEMMs of every transformer layer of ``chunks`` in FP8 with
+    ``recipe`` (a ``kernels.fp8.Fp8Recipe``), except the first ``bf16_start`` and the last
+    ``bf16_end`` layers of the model (global indices), which stay bf16 (Megatron-LM's
+    --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16). The embedding, the output
+    layer, norms, attention's softmax and the routers have no FP8 path. Returns the global
+    indices of this rank's FP8 layers."""
+    fp8 = []
+    for chunk in chunks:
+        for index, layer in zip(chunk.layer_range, chunk.layers):
+            on = bf16_start <= index < num_layers - bf16_end
+            set_fp8(layer, recipe if on else None)
+            if on:
+                fp8.append(index)
+    return fp8

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config.schema import (BACKEND_RULES, COMPRESSORS, DIST_BACKENDS, CP_COMM_TYPES, DECAY_STYLES, DEVICES, PRECISIONS, RECOMPUTE, SCHEDULES,
-                           WANDB_MODES)
+                           FP8_FORMATS, FP8_RECIPES, WANDB_MODES)
 from engine.data.hf_tokenizer import TOKENIZER_TYPES
 
 GROUPS = ("model", "parallelism", "training", "mixed precision", "data", "checkpoints", "logging")
@@ -200,6 +200,21 @@ FLAGS: dict[str, Flag] = {
     "allow_tf32": F("let fp32 matmuls use TF32 (CUDA) or HF32 (Ascend); MFU then divides by that "
                     "peak", "mixed precision"),
     "min_loss_scale": F("fp16: the scale never drops below this", "mixed precision"),
+    "fp8_format": F("FP8 GEMMs in every tensor-parallel layer (QKV, attention output, MLPs; "
+                    "forward and both backward GEMMs) on top of --bf16: e4m3 for every operand, "
+                    "or hybrid (e4m3 forward, e5m2 gradients); needs compute capability 8.9+ "
+                    "(H100, H200, Ada, Blackwell) or the CPU (docs/precision.md)",
+                    "mixed precision", choices=FP8_FORMATS, default_text="off"),
+    "fp8_recipe": F("FP8 scales: tensorwise (one per tensor) or rowwise (one per row along the "
+                    "contraction, powers of two); each from the amax of the logical tensor",
+                    "mixed precision", choices=FP8_RECIPES),
+    "first_last_layers_bf16": F("with --fp8-format: keep the first --num-layers-at-start-in-bf16 "
+                                "and the last --num-layers-at-end-in-bf16 layers in bf16",
+                                "mixed precision"),
+    "num_layers_at_start_in_bf16": F("with --first-last-layers-bf16: the first layers kept in "
+                                     "bf16", "mixed precision"),
+    "num_layers_at_end_in_bf16": F("with --first-last-layers-bf16: the last layers kept in bf16",
+                                   "mixed precision"),
     # ---- data --------------------------------------------------------------------------------
     "data_path": F("prepared data: PREFIX (Megatron's PREFIX.bin/.idx), or a blend 'W1 PREFIX1 W2 "
                    "PREFIX2 ...', or several prefixes weighted by size", "data",

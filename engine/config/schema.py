@@ -16,6 +16,8 @@ from parallel.topology import RankGrid
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "1f1b-w", "zb-h1", "zb-v")
 PRECISIONS = ("fp32", "bf16", "fp16")
+FP8_FORMATS = ("e4m3", "hybrid")       # kernels/fp8.py FORMATS
+FP8_RECIPES = ("tensorwise", "rowwise")  # kernels/fp8.py RECIPES
 RECOMPUTE = ("none", "selective", "full")
 COMPRESSORS = ("none", "int8", "topk", "onebit")
 CP_COMM_TYPES = ("p2p", "a2a")
@@ -194,12 +196,36 @@ class PrecisionConfig:
     # help: let fp32 matmuls run on TF32 (NVIDIA) / HF32 (Ascend) units; MFU then divides by the
     # TF32/HF32 peak instead of the plain fp32 one
     allow_tf32: bool = False
+    # FP8 GEMMs in the tensor-parallel layers on top of bf16 (docs/precision.md): e4m3 (every
+    # operand) or hybrid (e5m2 gradients); None: off
+    fp8_format: str | None = None
+    fp8_recipe: str = "tensorwise"   # tensorwise | rowwise scales
+    first_last_layers_bf16: bool = False  # keep the first and last layers in bf16 (counts below)
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.initial_loss_scale <= 0 or self.loss_scale_window < 1 or self.hysteresis < 1:
             raise ValueError("--initial-loss-scale must be > 0, --loss-scale-window and --hysteresis >= 1")
+        if self.fp8_format is not None and self.fp8_format not in FP8_FORMATS:
+            raise ValueError(f"--fp8-format must be one of {FP8_FORMATS}, got {self.fp8_format!r}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"--fp8-recipe must be one of {FP8_RECIPES}, got {self.fp8_recipe!r}")
+        if self.num_layers_at_start_in_bf16 < 0 or self.num_layers_at_end_in_bf16 < 0:
+            raise ValueError("--num-layers-at-start-in-bf16 and --num-layers-at-end-in-bf16 must be >= 0")
+        if self.fp8_format is not None and self.precision != "bf16":
+            raise ValueError(f"--fp8-format {self.fp8_format} runs FP8 GEMMs on top of bf16 "
+                             f"(fp32 masters, bf16 everywhere else), not with --precision "
+                             f"{self.precision}: add --bf16, or drop --fp8-format")
+
+    @property
+    def fp8_bf16_layers(self) -> tuple[int, int]:
+        """(first, last) layers kept in bf16 under FP8."""
+        if not self.first_last_layers_bf16:
+            return 0, 0
+        return self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16
 
 
 @dataclass
@@ -396,6 +422,23 @@ class RunConfig:
         if not (self.checkpoint.use_checkpoint_args and self.checkpoint.load
                 and self.model.num_experts is None):  # else checked with the checkpoint's model
             check_expert_flags(self.model, self.parallel)
+        check_fp8_flags(self)
+
+
+def check_fp8_flags(cfg: "RunConfig") -> None:
+    """What FP8 cannot run with (docs/precision.md): --compile, and bf16 layers that leave none."""
+    p = cfg.precision
+    if p.fp8_format is None:
+        return
+    if cfg.compile:
+        raise ValueError(f"--fp8-format {p.fp8_format} with --compile is not built: the FP8 "
+                         f"layers agree their scales with collectives inside their autograd "
+                         f"Functions, which run eagerly; drop --compile or --fp8-format")
+    start, end = p.fp8_bf16_layers
+    if start + end >= cfg.model.num_layers and not cfg.checkpoint.use_checkpoint_args:
+        raise ValueError(f"--num-layers-at-start-in-bf16 {start} and --num-layers-at-end-in-bf16 "
+                         f"{end} keep all {cfg.model.num_layers} layers in bf16, so --fp8-format "
+                         f"changes nothing; lower them or drop --fp8-format")
 
 
 def check_expert_flags(model: GPTConfig, parallel: ParallelConfig) -> None:

@@ -224,6 +224,86 @@ def precision_problem(device_name: str, precision: str) -> str | None:
     return None
 
 
+# FP8 (``--fp8-format``, docs/precision.md): FP8 tensor cores, NVIDIA compute capability 8.9 and
+# later (CUDA's torch._scaled_mm refuses anything older). Device names as ``torch.cuda.
+# get_device_name`` gives them, lower-cased without spaces, '-' or '_' and without "nvidia";
+# first match wins. A GPU this table does not list stops at start: its FP8 support is unknown here.
+GPU_GENERATIONS = (
+    (r"gh200|h200|h100|h800|h20$", "Hopper", (9, 0)),
+    (r"gb200|gb300|b200|b300|b100", "Blackwell", (10, 0)),
+    (r"rtx50[0-9]0|rtxpro[0-9]+blackwell", "Blackwell (GeForce / RTX PRO)", (12, 0)),
+    (r"l40s|l40|l4$|l20|rtx40[0-9]0|rtx[0-9]+adageneration|rtx[0-9]+ada", "Ada Lovelace", (8, 9)),
+    (r"a100|a800|a30$", "Ampere (A100 class)", (8, 0)),
+    (r"a10$|a10g|a40$|a16$|a2$|rtxa[0-9]+|rtx30[0-9]0", "Ampere", (8, 6)),
+    (r"v100|titanv", "Volta", (7, 0)),
+    (r"t4$|rtx20[0-9]0|quadrortx", "Turing", (7, 5)),
+)
+FP8_CAPABILITY = (8, 9)
+# Ascend: no FP8 on the Atlas training, A2 and A3 series; the 950's HiF8 (Huawei's own 8-bit
+# float, not e4m3 / e5m2) has no path here yet.
+NPU_FP8 = MappingProxyType({
+    "atlas-training": "has no FP8 arithmetic",
+    "atlas-a2": "has no FP8 arithmetic",
+    "atlas-a3": "has no FP8 arithmetic",
+    "ascend950": "computes in HiF8, Huawei's 8-bit float, which gridtron does not support yet "
+                 "(its FP8 path is e4m3 / e5m2 through torch._scaled_mm)",
+})
+
+
+def gpu_generation(device_name: str) -> tuple[str, tuple[int, int]] | None:
+    """(generation, compute capability) of an NVIDIA device name, or None (not in the table).
+
+    >>> gpu_generation("NVIDIA H200"), gpu_generation("NVIDIA A100-SXM4-80GB")[1]
+    (('Hopper', (9, 0)), (8, 0))
+    >>> gpu_generation("NVIDIA L40S")[0], gpu_generation("Tesla T4")[0], gpu_generation("NVIDIA X1")
+    ('Ada Lovelace', 'Turing', None)
+    """
+    key = re.sub(r"^(nvidia|tesla)", "", _normalise(device_name))
+    for pattern, generation, capability in GPU_GENERATIONS:
+        if re.search(pattern, key):
+            return generation, capability
+    return None
+
+
+def fp8_problem(device_type: str, device_name: str,
+                capability: tuple[int, int] | None = None) -> str | None:
+    """Why ``--fp8-format`` cannot run on this device (one line naming the chip), or None.
+
+    The CPU runs torch._scaled_mm (torch 2.13); a GPU needs compute capability 8.9 or later, read
+    from the table above (and, when the runtime reports one, from the device itself); an Ascend
+    chip has no FP8 path here.
+
+    >>> fp8_problem("cpu", "cpu") is None, fp8_problem("cuda", "NVIDIA H100 80GB HBM3") is None
+    (True, True)
+    >>> fp8_problem("cuda", "NVIDIA A100-SXM4-80GB").split(";")[0]
+    '--fp8-format needs FP8 tensor cores (compute capability 8.9 or later: H100, H200, Ada, Blackwell), and NVIDIA A100-SXM4-80GB (Ampere (A100 class)) has compute capability 8.0'
+    >>> fp8_problem("npu", "Ascend910B3").split(";")[0]
+    '--fp8-format: Ascend910B3 (Atlas A2 training series) has no FP8 arithmetic'
+    """
+    if device_type == "cpu":
+        return None
+    drop = "; drop --fp8-format (bf16 is the fastest precision there)"
+    if device_type == "npu":
+        gen = generation_of(device_name)
+        if gen is None:
+            return (f"--fp8-format: the NPU {device_name!r} is not in the chip table "
+                    f"(engine/device/chips.py), so its FP8 support is unknown; drop --fp8-format")
+        return f"--fp8-format: {device_name} ({gen.product}) {NPU_FP8[gen.key]}{drop}"
+    if device_type != "cuda":
+        return f"--fp8-format runs on CUDA GPUs and the CPU, not on {device_type} devices; drop it"
+    need = "--fp8-format needs FP8 tensor cores (compute capability 8.9 or later: H100, H200, Ada, Blackwell)"
+    found = gpu_generation(device_name)
+    if found is None:
+        return (f"{need}, and {device_name!r} is not in the chip table (engine/device/chips.py), "
+                f"so its FP8 support is unknown; add it there, or drop --fp8-format")
+    generation, table_cc = found
+    cc = capability or table_cc
+    if min(cc, table_cc) < FP8_CAPABILITY:
+        low = min(cc, table_cc)
+        return f"{need}, and {device_name} ({generation}) has compute capability {low[0]}.{low[1]}{drop}"
+    return None
+
+
 COMPILE_ON_NPU = ("--compile on NPU: torch_npu's torch.compile backend (TorchAir) is documented for "
                   "inference graphs only (TorchAir user guide, 'product positioning'), so a training "
                   "graph with npu_fusion_attention's backward has no documented graph mode; run "

@@ -58,6 +58,7 @@ class DeviceInfo:
     kernel_paths: KernelPaths = ALL_FUSED   # fused NPU ops this chip runs (engine/device/chips.py)
     overflow_mode: str = "inf_nan"          # "saturation": overflow read from the float status
     notes: tuple = ()                       # one line per fused op that falls back, for the log
+    capability: tuple | None = None         # CUDA compute capability (major, minor); None elsewhere
 
     def overflow_check(self):
         """What the loss scaler asks for an overflow besides ``isfinite`` (see ``FloatStatusCheck``)."""
@@ -185,7 +186,8 @@ def setup_device(requested: str = "auto", local_rank: int = 0, local_world_size:
     module.set_device(index)
     device, name = torch.device(kind, index), module.get_device_name(index)
     if kind == "cuda":
-        return DeviceInfo(kind, device, BACKENDS[kind], name)
+        return DeviceInfo(kind, device, BACKENDS[kind], name,
+                          capability=tuple(torch.cuda.get_device_capability(index)))
     paths, notes = npu_kernel_paths(name)
     mode = overflow_mode(name, _runtime_inf_nan())
     if mode == "saturation":

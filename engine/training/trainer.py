@@ -20,7 +20,7 @@ from engine.config.schema import RunConfig
 from engine.observe.dashboards import Dashboards
 from engine.data.packing import MicroBatch
 from engine.device.clock import DeviceClock, EventPair
-from engine.device.chips import npu_start_problem, tp_overlap_mode
+from engine.device.chips import fp8_problem, npu_start_problem, tp_overlap_mode
 from engine.device.runtime import set_matmul_precision, setup_device
 from engine.training.loss_scaler import ConstantScaler, DynamicLossScaler
 from engine.training.lr_schedule import learning_rate
@@ -35,7 +35,9 @@ from engine.training.run_data import build_run_data, rank_batches, validation_lo
 from engine.training.run_events import (install_stop_handlers, records_before_publish,
                                         restore_handlers, say_notes)
 from engine.training.validate import validate_run
+from kernels.fp8 import Fp8Recipe
 from models import LayerContext, build_chunks
+from models.gpt import set_fp8_layers
 from models.layers import ParallelAttention
 from models.registry import BlockRegistry
 from parallel.backend_rules import resolve as resolve_rules
@@ -85,7 +87,9 @@ class Trainer:
             self.dev = dataclasses.replace(self.dev, backend=cfg.parallel.distributed_backend)
         problem = (npu_start_problem(self.dev.name, cfg.precision.precision, cfg.compile)
                    if self.dev.type == "npu" else None)
-        if problem:  # a chip without bf16, or --compile: before any process group exists
+        if problem is None and cfg.precision.fp8_format is not None:
+            problem = fp8_problem(self.dev.type, self.dev.name, self.dev.capability)
+        if problem:  # a chip without bf16 or FP8, or --compile: before any process group exists
             raise ConfigError(problem)
         self.tf32 = set_matmul_precision(self.dev.type, cfg.precision.allow_tf32)
         rules = resolve_rules(cfg.parallel.backend_rules, self.dev.backend, self.dev.name)
@@ -146,6 +150,11 @@ class Trainer:
         self.dtype = DTYPES[cfg.precision.precision]
         self.chunks = build_chunks(cfg.model, ps, ctxs, ranges, virtual, ps.pp_size * vp,
                                    self.registry).to(device=self.dev.device, dtype=self.dtype)
+        p = cfg.precision
+        self.fp8_layers = []  # global indices of this rank's layers with FP8 GEMMs
+        if p.fp8_format is not None:  # FP8 GEMMs in the TP layers (docs/precision.md)
+            self.fp8_layers = set_fp8_layers(self.chunks, Fp8Recipe(p.fp8_format, p.fp8_recipe),
+                                             cfg.model.num_layers, *p.fp8_bf16_layers)
         self.tp_overlap = None  # the TP overlap's mode, when on
         if cfg.parallel.tp_comm_overlap:  # chunked TP rings / fused ops (tensor_parallel/overlap.py)
             mode = tp_overlap_mode(self.dev.type, self.dev.name, ps.tp_size,

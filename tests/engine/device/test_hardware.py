@@ -345,3 +345,24 @@ def test_float_status_check_probes_the_installed_torch_npu():
     assert check.api == "npu_check_overflow" and check.flag().item() == 0.0
     wrappers.overflowed = True
     assert check.flag().item() == 1.0 and check.flag().item() == 0.0
+
+
+@pytest.mark.parametrize("kind,name,capability,ok", [
+    ("cuda", "NVIDIA H100 80GB HBM3", (9, 0), True), ("cuda", "NVIDIA H200", (9, 0), True),
+    ("cuda", "NVIDIA H100 NVL", None, True), ("cuda", "NVIDIA L40S", (8, 9), True),
+    ("cuda", "NVIDIA GeForce RTX 4090", (8, 9), True), ("cuda", "NVIDIA B200", (10, 0), True),
+    ("cuda", "NVIDIA A100-SXM4-80GB", (8, 0), False), ("cuda", "NVIDIA A10G", (8, 6), False),
+    ("cuda", "Tesla V100-SXM2-32GB", (7, 0), False), ("cuda", "Tesla T4", (7, 5), False),
+    ("cuda", "NVIDIA Future GPU", (10, 0), False),       # not in the table: unknown, refused
+    ("cuda", "NVIDIA H100 80GB HBM3", (8, 0), False),    # the device says otherwise: refused
+    ("cpu", "cpu", None, True)] + [("npu", name, None, False) for name in sorted(SKUS)])
+def test_fp8_only_where_the_chip_has_it(kind, name, capability, ok):
+    """--fp8-format needs compute capability 8.9 or later (or the CPU's torch._scaled_mm); every
+    Ascend chip is refused, the 950 naming its HiF8; the line names the chip."""
+    from engine.device.chips import fp8_problem
+    problem = fp8_problem(kind, name, capability)
+    assert (problem is None) == ok, problem
+    if problem is not None:
+        assert problem.startswith("--fp8-format") and name in problem and "\n" not in problem
+        if kind == "npu" and name.startswith("Ascend950"):
+            assert "HiF8" in problem and "not support" in problem
