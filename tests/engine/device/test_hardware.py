@@ -154,10 +154,12 @@ def test_device_binding_from_the_visible_devices(monkeypatch):
     assert (slurm.local_rank, slurm.local_world_size) == (3, 4)
     bound = []
     fake_cuda = types.SimpleNamespace(set_device=bound.append, get_device_name=lambda i: "NVIDIA H100",
+                                      get_device_capability=lambda i: (9, 0),
                                       is_available=lambda: True, device_count=lambda: 1)
     monkeypatch.setattr(device_mod.torch, "cuda", fake_cuda)
     dev = setup_device("cuda", slurm.local_rank, slurm.local_world_size)   # one visible device
     assert bound == [0] and dev.device == torch.device("cuda", 0) and dev.backend == "nccl"
+    assert dev.capability == (9, 0)
     fake_cuda.device_count = lambda: 4                                      # torchrun: all four
     assert setup_device("cuda", 3, 4).device.index == 3 and bound[-1] == 3
     fake_cuda.device_count = lambda: 2
