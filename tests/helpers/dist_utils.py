@@ -5,8 +5,9 @@
 ``check_fn(ps, *args)`` must be a module-level function (it is pickled into spawned processes);
 ``results[rank]`` is its return value. An exception on any rank fails the call with that rank's
 traceback; a rank that has not finished within ``deadline_s`` (a hang) fails it too, naming the
-ranks still running, and every rank is killed. Spawn one group per test function and do many
-checks inside it: startup costs seconds.
+ranks still running, and every rank is killed. The ranks are processes spawned once per world
+size and reused from call to call, each call in fresh process groups (tests/helpers/rank_pool.py);
+still, do many checks per call: building the groups costs time too.
 
 Every collective runs under the backend rules named by ``GRIDTRON_BACKEND_RULES`` (tests/conftest.py
 sets "hccl" for the whole suite, read here once): gloo executes the collectives, and anything HCCL
@@ -14,21 +15,21 @@ would refuse (a float64 reduction, ``gather``, ...) fails the test. ``backend_ru
 """
 from __future__ import annotations
 
-import faulthandler
+import atexit
 import os
 import socket
 import tempfile
-import time
 import traceback
 
 import torch
-import torch.multiprocessing as mp
 
 from engine.training.launch import exit_now
 from parallel.state import LaunchEnv, ParallelState
 from parallel.topology import RankGrid
+from tests.helpers import rank_pool
 
 SUITE_RULES = os.environ.get("GRIDTRON_BACKEND_RULES") or None
+atexit.register(rank_pool.close_all)
 
 
 def free_port() -> int:
@@ -37,14 +38,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, grid, fn, args, out_dir, timeout_s, rules):
+def _job(rank, world_size, port, grid, fn, args, out_dir, timeout_s, rules):
+    """One rank of one call, in a pool process (tests/helpers/rank_pool.py): ``fn``'s result in
+    ``out_dir/<rank>.pt``, or its error there and this process gone (its peers are stuck)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    # a native abort (SIGABRT, SIGSEGV) leaves every thread's Python stack in the rank's .fault file
-    fault = open(os.path.join(out_dir, f"{rank}.fault"), "w")  # noqa: SIM115 - open until exit
-    faulthandler.enable(fault, all_threads=True)
     ps = None
     try:
         # with the exchange worker's DP group, so that any check can build a compressed reducer
@@ -56,17 +55,11 @@ def _worker(rank, world_size, port, grid, fn, args, out_dir, timeout_s, rules):
     except BaseException:  # noqa: BLE001 - reported to the parent
         torch.save({"ok": False, "error": traceback.format_exc()},
                    os.path.join(out_dir, f"{rank}.pt"))
-        os._exit(1)  # a failed rank ends the job; peers time out instead of hanging forever
-    if ps is not None:
-        ps.destroy()
-    # The result is saved and the groups are gone: leave without interpreter teardown. There, a
-    # gloo worker thread that still drops the last reference to a collective's tensors must take
-    # the GIL of an interpreter being finalized, and the process aborts ("terminate called
-    # without an active exception"; pytorch/pytorch#179291) after every check has passed.
-    exit_now(0)
+        exit_now(1)  # a failed rank ends the job; the parent kills its peers
+    ps.destroy()
 
 
-DEADLINE_S = 900.0  # a spawned group still running after this long is hung
+DEADLINE_S = 900.0  # a group still running after this long is hung
 
 
 def run_distributed(fn, world_size: int | None = None, grid: RankGrid | None = None,
@@ -77,25 +70,15 @@ def run_distributed(fn, world_size: int | None = None, grid: RankGrid | None = N
     rules = SUITE_RULES if backend_rules == "suite" else backend_rules
     world_size = grid.world_size
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(world_size, free_port(), grid, fn, args, out_dir,
-                                                timeout_s, rules),
-                                 nprocs=world_size, join=False, start_method="spawn")
-        failure, end = None, time.monotonic() + deadline_s
-        try:
-            while not ctx.join(timeout=min(5.0, max(0.1, end - time.monotonic()))):
-                if time.monotonic() >= end:
-                    hung = [r for r in range(world_size)
-                            if not os.path.exists(os.path.join(out_dir, f"{r}.pt"))]
-                    for proc in ctx.processes:
-                        if proc.is_alive():
-                            proc.kill()
-                    for proc in ctx.processes:
-                        proc.join(10)
-                    failure = TimeoutError(f"rank(s) {hung or 'all'} still running after "
-                                           f"{deadline_s:g} s (a hang): every rank was killed")
-                    break
-        except Exception as exc:  # noqa: BLE001 - rank errors are read from their files
-            failure = exc
+        why = rank_pool.pool(world_size).run(
+            _job, (free_port(), grid, fn, args, out_dir, timeout_s, rules), deadline_s)
+        failure = None
+        if why == "deadline":
+            hung = [r for r in range(world_size) if not os.path.exists(os.path.join(out_dir, f"{r}.pt"))]
+            failure = TimeoutError(f"rank(s) {hung or 'all'} still running after {deadline_s:g} s "
+                                   f"(a hang): every rank was killed")
+        elif why is not None:
+            failure = why
         results, errors = [], []
         for rank in range(world_size):
             path = os.path.join(out_dir, f"{rank}.pt")
