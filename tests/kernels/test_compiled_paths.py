@@ -14,7 +14,6 @@ import torch
 import kernels
 from kernels import compiled as comp
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 rope_mod = importlib.import_module("kernels.rope")
 swiglu_mod = importlib.import_module("kernels.swiglu")
 

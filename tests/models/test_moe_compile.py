@@ -15,7 +15,6 @@ from models.config import GPTConfig
 from parallel.state import ParallelState
 from parallel.tensor_parallel import Initializer
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 CASES = {"dropless": {}, "capacity": {"moe_expert_capacity_factor": 1.0},
          "padded": {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}}
 

@@ -30,7 +30,6 @@ CASES = [("llama-gqa", "llama", 4, 2, False), ("gpt2", "gpt2", 4, 4, False),
          ("llama-moe", "llama", 4, 2, True)]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(block: str, heads: int, groups: int, moe: bool) -> GPTConfig:

@@ -27,7 +27,6 @@ from parallel.topology import RankGrid
 from tests.fixtures.make_moe_ckpt_v1 import COMMON, HERE, MODELS, PARALLEL
 from tests.helpers.dist_utils import run_distributed
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ckpt(name: str) -> str:

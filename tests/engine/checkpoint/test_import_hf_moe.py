@@ -56,7 +56,6 @@ TRAIN = ["--use-checkpoint-args", "--seq-length", str(SEQ),
          "--peak-tflops", "1"]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
