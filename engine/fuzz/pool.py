@@ -9,6 +9,7 @@ deadline ends the pool (its ranks are killed) and is reported as hung.
 """
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import socket
@@ -76,6 +77,7 @@ def _worker(rank: int, world: int, jobs, results, setup) -> None:
             out = train_checked(argv)
         except BaseException:  # noqa: BLE001 - reported to the parent, which ends the pool
             out = {"error": traceback.format_exc(limit=12)}
+        gc.collect()  # the trainer's process groups sit in reference cycles: free their threads now
         results.put((index, rank, out))
         if "error" in out:
             return  # peers of a failed rank are stuck in a collective: the pool is done

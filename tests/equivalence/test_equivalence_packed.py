@@ -3,7 +3,8 @@ with the plain gpt2 model, DESIGN.md's 20-step equivalence for one layout of eac
 
 The plain gpt2 model and both blocks with and without packed documents (--reset-attention-mask
 --reset-position-ids --eod-mask-loss), three of them with grouped-query attention, train 20 steps
-under tp=2 (with sequence parallelism), pp=2 (1F1B), dp=2 (ZeRO-1) and (tp, pp, dp) = (2, 2, 2), with 4 micro-batches
+under tp=2 (with sequence parallelism), pp=2 (1F1B), dp=2 (ZeRO-1) and (tp, pp, dp) = (2, 2, 2)
+(each layout a packed and an unpacked model, the two-rank layouts all five), with 4 micro-batches
 of 2 sequences where the serial run takes one of 8; per-step losses and grad norms must equal the
 serial run's to DESIGN.md's relative 1e-4. The mock vocabulary is small so that its end-of-document
 token (the last id) opens a new document about every 24 tokens, and micro-batches hold different
@@ -30,9 +31,13 @@ MODELS = {"gpt2": ["--block", "gpt2"],
           "llama G=2 packed": ["--block", "llama", "--num-query-groups", "2", *PACKED],
           "gpt2 packed": ["--block", "gpt2", *PACKED],
           "gpt2 G=2": ["--block", "gpt2", "--num-query-groups", "2"]}
-LAYOUTS = {"tp=2 sp": ["--tp", "2", "--sequence-parallel"], "pp=2": ["--pp", "2"],
-           "dp=2 zero": ["--dp", "2", "--use-distributed-optimizer"],
-           "tp=2 pp=2 dp=2": ["--tp", "2", "--pp", "2", "--dp", "2", "--sequence-parallel"]}
+# layout: (its flags, the models it trains): every layout a packed and an unpacked model, the
+# two-rank layouts between them all five, both blocks packed and not
+LAYOUTS = {"tp=2 sp": (["--tp", "2", "--sequence-parallel"], ["llama G=2 packed", "gpt2 G=2", "gpt2"]),
+           "pp=2": (["--pp", "2"], ["gpt2 packed", "llama G=2"]),
+           "dp=2 zero": (["--dp", "2", "--use-distributed-optimizer"], ["llama G=2 packed", "gpt2"]),
+           "tp=2 pp=2 dp=2": (["--tp", "2", "--pp", "2", "--dp", "2", "--sequence-parallel"],
+                              ["llama G=2 packed", "gpt2 G=2"])}
 
 
 def train(argv: list[str], launch: LaunchEnv | None = None) -> dict:
@@ -49,8 +54,8 @@ def train_all(ps, jobs: list[tuple[str, str, list[str]]]) -> dict:
 
 
 def jobs_for(layouts: list[str]) -> list[tuple[str, str, list[str]]]:
-    return [(m, name, MODELS[m] + LAYOUTS[name] + ["--micro-batch-size", "2"])
-            for name in layouts for m in MODELS]
+    return [(m, name, MODELS[m] + LAYOUTS[name][0] + ["--micro-batch-size", "2"])
+            for name in layouts for m in LAYOUTS[name][1]]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +77,13 @@ def test_serial_runs_differ(serial):
     for plain, packed in (("llama G=2", "llama G=2 packed"), ("gpt2 G=2", "gpt2 packed")):
         a, b = serial[plain]["loss"], serial[packed]["loss"]
         assert max(abs(x - y) / y for x, y in zip(a, b)) > 10 * REL, (plain, packed)
+
+
+def test_the_layouts_cover_every_model():
+    two_rank = {m for name in ("tp=2 sp", "pp=2", "dp=2 zero") for m in LAYOUTS[name][1]}
+    assert two_rank == set(MODELS)
+    for name, (_, models) in LAYOUTS.items():
+        assert any("packed" in m for m in models) and any("packed" not in m for m in models), name
 
 
 def test_two_rank_layouts_match_serial(serial):

@@ -9,7 +9,8 @@ What a fresh process would have, each job gets again: the parent's environment, 
 directory and ``sys.path`` as they are at the call (a test's ``monkeypatch.setenv`` reaches its
 ranks), torch's default generator at its start-up seed, fp32 as the default dtype, gradients on,
 and Dynamo's caches cleared (a compiled test does not inherit another's graphs or recompile
-limit). Patches a job makes to modules must be undone by the job (the suite's checks do so in
+limit). After each job the garbage collector runs: a trainer's process groups live in reference
+cycles, and their gloo threads would otherwise pile up job after job. Patches a job makes to modules must be undone by the job (the suite's checks do so in
 ``finally`` blocks or ``mock.patch`` contexts).
 
 A job that fails ends its ranks: the failed rank writes its error and exits (its peers would be
@@ -19,6 +20,7 @@ does a job past its deadline.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import pickle
 import sys
@@ -35,6 +37,11 @@ def _reset(seed: int) -> None:
     torch.set_grad_enabled(True)
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
+
+
+def _threads() -> int:
+    """This process's threads (Linux; 0 elsewhere)."""
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
 
 
 def _serve(rank: int, world_size: int, conn) -> None:
@@ -55,9 +62,15 @@ def _serve(rank: int, world_size: int, conn) -> None:
         fault = open(os.path.join(job[4], f"{rank}.fault"), "w")  # noqa: SIM115 - closed below
         faulthandler.enable(fault, all_threads=True)
         target(rank, world_size, *job)  # a failure exits this process
+        # the job's trainers hold their process groups in reference cycles: collected here, or
+        # each job would leave its gloo threads running (hundreds after a few dozen jobs)
+        gc.collect()
         faulthandler.disable()
         fault.close()
-        conn.send(rank)
+        conn.send((rank, _threads()))
+
+
+MAX_THREADS = 150  # a rank with more threads than this after a job is replaced (a 4-rank job: ~20)
 
 
 class RankPool:
@@ -81,7 +94,7 @@ class RankPool:
         message = (dict(os.environ), os.getcwd(), list(sys.path), payload)
         for conn in self.conns:
             conn.send(message)
-        done, end = set(), time.monotonic() + deadline_s
+        done, threads, end = set(), 0, time.monotonic() + deadline_s
         while len(done) < self.world_size:
             left = end - time.monotonic()
             if left <= 0:
@@ -92,13 +105,17 @@ class RankPool:
             for rank, conn in enumerate(self.conns):
                 if conn in ready and rank not in done:
                     try:
-                        done.add(conn.recv())
+                        rank_done, count = conn.recv()
                     except EOFError:
-                        pass
+                        continue
+                    done.add(rank_done)
+                    threads = max(threads, count)
             dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in done]
             if dead:
                 self.close()
                 return f"process {dead[0]} terminated with exit code {self.procs[dead[0]].exitcode}"
+        if threads > MAX_THREADS:  # something the job left holds threads: start afresh
+            self.close()
         return None
 
     @property
