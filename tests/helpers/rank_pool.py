@@ -70,7 +70,7 @@ def _serve(rank: int, world_size: int, conn) -> None:
         conn.send((rank, _threads()))
 
 
-MAX_THREADS = 150  # a rank with more threads than this after a job is replaced (a 4-rank job: ~20)
+MAX_THREADS = 40  # a rank with more threads than this after a job is replaced (at rest: ~17)
 
 
 class RankPool:
