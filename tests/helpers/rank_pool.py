@@ -94,14 +94,15 @@ class RankPool:
         message = (dict(os.environ), os.getcwd(), list(sys.path), payload)
         for conn in self.conns:
             conn.send(message)
-        done, threads, end = set(), 0, time.monotonic() + deadline_s
+        done, threads, exited, end = set(), 0, False, time.monotonic() + deadline_s
         while len(done) < self.world_size:
             left = end - time.monotonic()
             if left <= 0:
                 self.close()
                 return "deadline"
             ready = wait([c for r, c in enumerate(self.conns) if r not in done] +
-                         [p.sentinel for p in self.procs], timeout=min(left, 5.0))
+                         [p.sentinel for r, p in enumerate(self.procs) if r not in done],
+                         timeout=min(left, 5.0))
             for rank, conn in enumerate(self.conns):
                 if conn in ready and rank not in done:
                     try:
@@ -111,10 +112,14 @@ class RankPool:
                     done.add(rank_done)
                     threads = max(threads, count)
             dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in done]
-            if dead:
+            left_ok = [r for r in dead if self.procs[r].exitcode == 0]
+            done.update(left_ok)     # a job may end its rank with exit code 0 (a vanished peer):
+            exited |= bool(left_ok)  # finished, as a freshly spawned rank would be
+            failed = [r for r in dead if r not in left_ok]
+            if failed:
                 self.close()
-                return f"process {dead[0]} terminated with exit code {self.procs[dead[0]].exitcode}"
-        if threads > MAX_THREADS:  # something the job left holds threads: start afresh
+                return f"process {failed[0]} terminated with exit code {self.procs[failed[0]].exitcode}"
+        if exited or threads > MAX_THREADS:  # a rank is gone, or a job left threads: start afresh
             self.close()
         return None
 

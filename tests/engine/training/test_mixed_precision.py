@@ -7,8 +7,10 @@ so the loss falls by more than the tolerance and "close to fp32" means something
 every loss of the bf16 (ZeRO-1) and fp16 runs is within bf16's unit roundoff, 2^-8, of fp32's
 (measured 1.5e-3 and 7.4e-4): masters, gradients and optimizer state are fp32, so only the
 compute rounds, and the trajectories drift apart no further than that. fp16, eight times finer,
-must also reproduce the serial fp16 run to 1e-4 (measured 3e-5): the layout adds nothing beyond
-fp32 reassociation. The overflow is injected by the test (an inf written into one gradient on one
+must also reproduce the serial fp16 run within two units of its roundoff, 2^-10 (measured 4.4e-4
+with one intra-op thread, 3e-5 with two): the serial run's GEMMs take the whole batch and the
+layout's a micro-batch, so fp16 compute rounds at different places, and nothing beyond that
+separates them. The overflow is injected by the test (an inf written into one gradient on one
 rank after the DP reduction), not by engine code.
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tests.helpers.dist_utils import run_distributed
 STEPS = 8                   # the overflow run
 TRACK_STEPS = 12            # the fp32 / bf16 / fp16 comparison
 TOLERANCE = 2.0 ** -8       # relative distance of a low-precision loss from fp32's, every step
-SAME_PRECISION = 1e-4       # pp=2 x dp=2 fp16 against the serial fp16 run, every step
+SAME_PRECISION = 2.0 ** -10  # pp=2 x dp=2 fp16 against the serial fp16 run, every step
 INITIAL_SCALE = 1024.0
 HYSTERESIS = 2
 OVERFLOW_RANK = 3           # (tp 0, pp 1, dp 1): the last stage of the second replica
