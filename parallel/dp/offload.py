@@ -22,7 +22,7 @@ CPU host and device memory are the same). Each step:
    the next; the compute stream waits for the copies before anything reads the shards (ZeRO-1/2's
    all-gather, ZeRO-3's next gather).
 
-This is the same model as without offload (tests/parallel/dp/test_offload.py compares them bit for
+This is the same model as without offload (tests/parallel/dp/test_zero3.py compares them bit for
 bit). DeepSpeed's one-step-delayed update (the host update overlapping the next forward) trains a
 different model and is not built.
 """

@@ -326,11 +326,11 @@ class GradReducer:
 
     def _launch(self, bucket: Bucket) -> None:
         self._next = bucket.index + 1
+        bucket.ensure_storage()   # (ZeRO-2/3: a bucket that got no gradient reduces zeros)
         for hook in self.pre_reduce_hooks:
             hook(bucket)
         if self.dp == 1 and not self.shard_grads:
             return
-        bucket.ensure_storage()
         if self._via_worker:
             compressed = bucket.compressor is not None
             bucket.compressed_step = compressed

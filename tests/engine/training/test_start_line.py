@@ -37,7 +37,7 @@ def test_the_start_line_and_the_summary_name_every_choice():
                "after 1 uncompressed step")
     assert moe_run[0] == ("gridtron: tp=1 pp=1 dp=2 (order tp-dp-pp, 2 ranks) on cpu; 1 "
                           "micro-batches/step; 160,064 parameters on rank 0; " + choices)
-    assert f"| choices     " in moe_run[1] and f"| {choices} |" in moe_run[1], moe_run[1]
+    assert "| choices     " in moe_run[1] and f"| {choices} |" in moe_run[1], moe_run[1]
     choices = ("ZeRO-0 (optimizer state on every DP rank); no gradient compression; TP overlap: "
                "fused ops where the device has them, else chunked ring")
     assert tp_run[0] == ("gridtron: tp=2 pp=1 dp=1 (order tp-dp-pp, 2 ranks) on cpu; 2 "
