@@ -154,13 +154,15 @@ def _group_checks(ckpt: str) -> dict:
 SERIAL = {2: ["dense"], 3: ["deep", "moe"]}   # rank: the serial runs it does
 
 
-def _split(ps, port: int) -> dict:
-    """After the group's checks: ranks 0-1 run the (1,1,2) job on a process group of their own,
-    ranks 2 and 3 the serial runs."""
+def _split(ps) -> dict:
+    """After the group's checks: ranks 0-1 run the (1,1,2) job on a process group of their own
+    (its rendezvous on a port rank 0 chose just now), ranks 2 and 3 the serial runs."""
+    port = [free_port() if ps.rank == 0 else 0]
+    dist.broadcast_object_list(port, src=0)
     ps.destroy()              # the 4-rank group is done (the harness's destroy then finds none)
     rank = ps.rank
     if rank < 2:
-        os.environ.update(MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+        os.environ.update(MASTER_PORT=str(port[0]), RANK=str(rank), WORLD_SIZE="2")
         launch = LaunchEnv(rank, 2, rank, 2)
         return {"(1,1,2)": _train(DENSE + ["--dp", "2"] + Z3 + ["--train-iters", str(STEPS)],
                                   launch)}
@@ -168,9 +170,9 @@ def _split(ps, port: int) -> dict:
             for name in SERIAL[rank]}
 
 
-def group(ps, ckpt: str, port: int) -> dict:
+def group(ps, ckpt: str) -> dict:
     out = _group_checks(ckpt)
-    out.update(_split(ps, port))
+    out.update(_split(ps))
     assert not dist.is_initialized()
     return out
 
@@ -178,8 +180,7 @@ def group(ps, ckpt: str, port: int) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("zero3_ckpt"))
-    return run_distributed(group, grid=RankGrid(dp=4), args=(ckpt, free_port()), timeout_s=60,
-                           deadline_s=600)
+    return run_distributed(group, grid=RankGrid(dp=4), args=(ckpt,), timeout_s=60, deadline_s=600)
 
 
 def _serial(results, model: str) -> dict:
@@ -317,3 +318,16 @@ def test_the_aliases_name_one_strategy(argv, stage):
     assert par.data_parallel_sharding_strategy == ("no_shard", "optim", "optim_grads",
                                                    "optim_grads_params")[stage]
     assert par.use_distributed_optimizer == (stage > 0) and par.zero_stage == max(stage, 1)
+
+
+def test_the_dry_run_records_zero3_and_says_the_planner_has_no_figures():
+    """engine.dryrun builds a ZeRO-3 run with the offload on the meta device: the parameter
+    gathers are recorded in the forward and again in the backward, more than one per bucket, and
+    the planner says it makes no estimate (instead of a wrong one)."""
+    from engine.dryrun import dry_run
+    result = dry_run(parse_args(BASE + DENSE + Z3 + OFFLOAD + ["--train-iters", "2"]), 4)
+    assert isinstance(result.comparison, str) and "optim_grads_params" in result.comparison
+    rows = {r.what: r for r in result.overlaps[0]}
+    gathers, buckets = rows["zero gathers"], rows["dp buckets"]
+    assert gathers.overlapped and gathers.how.startswith("ZeRO-3"), gathers
+    assert buckets.ops == "reduce_scatter" and gathers.calls > buckets.calls, (gathers, buckets)
