@@ -180,7 +180,7 @@ def group(ps, ckpt: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("zero3_ckpt"))
-    return run_distributed(group, grid=RankGrid(dp=4), args=(ckpt,), timeout_s=60, deadline_s=600)
+    return run_distributed(group, grid=RankGrid(dp=4), args=(ckpt,), timeout_s=120)
 
 
 def _serial(results, model: str) -> dict:
