@@ -7,8 +7,9 @@ when the logits are computed, not at the chunk's start.
 
 With tied embeddings it owns no parameter and reads the word embedding of a module that ran
 before it (this chunk's, or under the V placement the first chunk's on the same rank): that
-weight was waited for when the embedding ran. Under a zero-bubble schedule its weight gradient is
-deferred to W like the parallel linears' (``weight_grad_store``).
+weight was waited for when the embedding ran; under ZeRO-3 it names that weight in
+``foreign_parameters()``, which keeps it gathered. Under a zero-bubble schedule its weight gradient
+is deferred to W like the parallel linears' (``weight_grad_store``).
 """
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ class OutputLayer(nn.Module):
     @property
     def owns_weight(self) -> bool:
         return "_tied" not in self.__dict__
+
+    def foreign_parameters(self) -> list[nn.Parameter]:
+        """The parameter of another module it reads (the tied embedding's weight): ZeRO-3 keeps
+        it gathered from the embedding's forward to this layer's backward
+        (parallel/dp/zero3_units.py)."""
+        return [] if self.owns_weight else [self.__dict__["_tied"].weight]
 
     def matrix(self) -> torch.Tensor:
         return self.weight if self.owns_weight else self.__dict__["_tied"].weight

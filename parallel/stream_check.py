@@ -122,6 +122,7 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.checker.check_allocated(func, args, kwargs)
         out = func(*args, **kwargs)
         # collectives, and the backend's ops inside their calls and waits: reported by comm.py
         if func.namespace != "c10d" and not streams.in_collective():
@@ -207,7 +208,9 @@ class StreamChecker:
         if ptr == 0 or storage.nbytes() == 0:
             return None
         rec = self._records.get(ptr)
-        if rec is not None and rec.ref.expired():
+        if rec is not None and (rec.ref.expired() or
+                                (rec.released and rec.ref.cdata != storage._cdata)):
+            # (a storage released while still alive, resized away: another one at its address)
             self._reused(rec, stream, op)
             rec = None
         if rec is None:
@@ -278,6 +281,19 @@ class StreamChecker:
                                 pool=rec.alloc_stream)
             rec.released = True
 
+    def on_alloc(self, t: torch.Tensor, stream: str) -> None:
+        """``t``'s storage got new memory on ``stream`` (a resize): a new record, made on
+        ``stream``; the old record at that address, if its storage was not released, is a reuse."""
+        with self._lock:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if t.device.type == "meta" or ptr == 0 or storage.nbytes() == 0:
+                return
+            rec = self._records.pop(ptr, None)
+            if rec is not None:
+                self._reused(rec, stream, "resize")
+            self._records[ptr] = StorageRecord(StorageWeakRef(storage), _origin("resize"), stream)
+
     def on_record_stream(self, t: torch.Tensor, stream: str) -> None:
         with self._lock:
             rec = self._record(t, streams.current_stream_name(), "record_stream", False)
@@ -302,6 +318,36 @@ class StreamChecker:
                     self._touch(rec, Access(stream, seq, op, span[0], span[1], write))
 
     # ---- event sources ------------------------------------------------------------------------
+    def check_allocated(self, func, args, kwargs) -> None:
+        """Before an op runs: an argument with elements whose storage holds no bytes (a ZeRO-3
+        bucket that was freed and not gathered again) would be read from freed memory (a crash on
+        the CPU, garbage on a device): raise naming the op and where it was issued."""
+        name = func.overloadpacket.__name__
+        if name.endswith("_like") or name.startswith("new_"):
+            return   # only the argument's shape, dtype and device are read
+        for i, arg in enumerate(func._schema.arguments):
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            info = arg.alias_info
+            if value is None or (info is not None and not info.is_write):
+                continue   # a view's base: nothing is read
+            for t in _tensors(value):
+                if t.device.type == "meta" or t.is_sparse or not t.numel():
+                    continue
+                try:
+                    freed = t.untyped_storage().nbytes() == 0
+                except (RuntimeError, NotImplementedError):   # a tensor without a storage
+                    continue
+                if freed:
+                    message = (f"read of a freed storage: {func.overloadpacket.__name__} on stream "
+                               f"'{streams.current_stream_name()}' takes a tensor of shape "
+                               f"{list(t.shape)} whose storage was freed (a ZeRO-3 bucket not "
+                               f"gathered for this read)")
+                    site = _site()
+                    message += f"; issued at {site}" if site else ""
+                    with self._lock:
+                        self.violations.append(message)
+                    raise StreamOrderError(message)
+
     def on_op(self, func, args, kwargs, out) -> None:
         schema = func._schema
         reads, writes = [], []

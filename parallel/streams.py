@@ -176,9 +176,18 @@ def record_stream(tensor: torch.Tensor, stream: Stream | None) -> None:
 
 def released(tensor: torch.Tensor | None) -> None:
     """The caller drops its last reference to ``tensor``'s storage (its block goes back to the
-    allocator's pool): the checker verifies that no other stream still uses it."""
+    allocator's pool), or resizes the storage to nothing (ZeRO-3's freed buckets): the checker
+    verifies that no other stream still uses it."""
     if _checker is not None and tensor is not None:
         _checker.on_free(tensor, current_stream_name())
+
+
+def allocated(tensor: torch.Tensor) -> None:
+    """``tensor``'s storage was just given new memory on the current stream without an op that
+    writes it (a storage resized back, ZeRO-3's gather): to the checker a new storage, whose
+    block the allocator may have handed back from earlier use."""
+    if _checker is not None:
+        _checker.on_alloc(tensor, current_stream_name())
 
 
 # ---- threads --------------------------------------------------------------------------------

@@ -164,8 +164,12 @@ class _LayerNormSplit(torch.autograd.Function):
         params = (weight, bias) if ctx.has_bias else (weight,)
 
         def weight_grads():
+            # the affine gradients read no weight, and W may run after ZeRO-3 freed it
+            # (parallel/dp/zero3_units.py): the kernel gets stand-ins of the weights' shape
+            ones = torch.ones(shape, dtype=x.dtype, device=x.device)
             _, gw, gb = torch.ops.aten.native_layer_norm_backward(
-                grad, x, shape, mean, rstd, w, b, [False, True, ctx.has_bias])
+                grad, x, shape, mean, rstd, ones, ones if ctx.has_bias else None,
+                [False, True, ctx.has_bias])
             accumulate(weight, gw)
             if ctx.has_bias:
                 accumulate(bias, gb)

@@ -159,7 +159,9 @@ def load_buffers(specs: list[ParamSpec], reader: TensorReader) -> None:
             s.param.copy_(t.to(s.param.device))
 
 
-def load_model_params(specs: list[ParamSpec], reader: TensorReader) -> None:
+def load_model_params(specs: list[ParamSpec], reader: TensorReader, optimizer=None) -> None:
+    """Every parameter's box from the checkpoint; with a ZeRO-3 ``optimizer`` (the parameters
+    exist only as shards) this rank's flat range of each, into its shard."""
     for s in specs:
         name = f"model/{s.name}"
         if name not in reader:
@@ -169,9 +171,21 @@ def load_model_params(specs: list[ParamSpec], reader: TensorReader) -> None:
         if saved != s.global_shape:
             raise CheckpointError(f"checkpoint {reader.ckpt}: {s.name} has shape {saved} but this model "
                                   f"needs {s.global_shape}; use the checkpoint's model configuration")
-        t = reader.read(name, s.offsets, list(s.shape), dtype=s.param.dtype)
-        with torch.no_grad():
-            s.local(s.param).copy_(t.to(s.param.device))
+        if optimizer is None:
+            t = reader.read(name, s.offsets, list(s.shape), dtype=s.param.dtype)
+            with torch.no_grad():
+                s.local(s.param).copy_(t.to(s.param.device))
+    if optimizer is None:
+        return
+    owners = by_owner(specs)
+
+    def read(s, flat):
+        return reader.read(f"model/{s.name}", s.offsets, list(s.shape), flat=flat or (0, s.numel),
+                           dtype=s.param.dtype)
+
+    with torch.no_grad():
+        for piece, values in optimizer.param_pieces():
+            values.copy_(read_flat(owners[piece.name], piece.start, piece.end, read))
 
 
 def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) -> int:
@@ -194,7 +208,9 @@ def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) ->
     _verify_shared(ps, ckpt, index)
     reader = TensorReader(ckpt, index)
     specs = param_specs(trainer.chunks, ps, cfg.model.vocab_size)
-    load_model_params(specs, reader)
+    trainer.params_ready()  # (ZeRO-3: nothing gathered while its shards change)
+    sharded = getattr(trainer.optimizer, "zero_stage", 0) == 3
+    load_model_params(specs, reader, trainer.optimizer if sharded else None)
     load_buffers(buffer_specs(trainer.chunks, ps), reader)
     if weights_only or step == 0:  # weights only: the run starts at step 0 with fresh state
         trainer.optimizer.load_state_dict({"step": 0, "pieces": [], "state": {}})

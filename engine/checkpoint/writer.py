@@ -2,7 +2,8 @@
 descriptions into ``index.json``, renames the directory and repoints ``latest`` (atomic: a crash before
 the rename leaves the previous checkpoint and ``latest`` untouched). Replicated tensors are written
 once: TP-replicated ones by tp rank 0, DP- and CP-replicated ones by dp rank 0 of cp rank 0 (ZeRO
-state: every rank of the DP x CP group its own shard), an expert's by expert-data-parallel rank 0
+state, and under ZeRO-3 the parameters: every rank of the DP x CP group its own shard, as flat
+ranges of the logical tensors), an expert's by expert-data-parallel rank 0
 (each expert under its global index, so any ep reads it back), a tied output embedding by the
 first stage only. The MoE routers' expert biases are saved beside the parameters.
 
@@ -117,9 +118,15 @@ def snapshot(trainer, step: int, tmp: str, host=None) -> Snapshot:
     shard = _Shard(f"rank_{ps.rank:05d}.safetensors")
     specs = param_specs(trainer.chunks, ps, cfg.model.vocab_size)
     owners = by_owner(specs)  # each parameter's logical tensors (a stacked one holds several)
-    for s in [*specs, *buffer_specs(trainer.chunks, ps)]:
+    sharded = getattr(trainer.optimizer, "zero_stage", 0) == 3   # parameters only as shards
+    for s in [*(() if sharded else specs), *buffer_specs(trainer.chunks, ps)]:
         if s.writer and first_replica(ps, s.param):
             shard.add(f"model/{s.name}", s, s.local(s.param.detach()), host=host)
+    if sharded:  # ZeRO-3: every rank of the DP x CP (EDP) group its flat range, like the state
+        for piece, values in trainer.optimizer.param_pieces():
+            for s, flat, part in split_flat(owners[piece.name], piece.start, piece.end, values):
+                if s.writer:
+                    shard.add(f"model/{s.name}", s, part, flat, host=host)
     sd = trainer.optimizer.state_dict(clone=False)
     zero = sd["kind"] == "distributed"
     for piece in sd["pieces"]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from engine.config.schema import (BACKEND_RULES, COMPRESSORS, DIST_BACKENDS, CP_COMM_TYPES, DECAY_STYLES, DEVICES, PRECISIONS, RECOMPUTE, SCHEDULES,
                            FP8_FORMATS, FP8_RECIPES, WANDB_MODES)
+from engine.config.sharding import STRATEGIES
 from engine.data.hf_tokenizer import TOKENIZER_TYPES
 
 GROUPS = ("model", "parallelism", "training", "mixed precision", "data", "checkpoints", "logging")
@@ -114,11 +115,19 @@ FLAGS: dict[str, Flag] = {
                          "row-parallel GEMM and its all-reduce as Ascend's fused op "
                          "(docs/communication.md)", "parallelism"),
     "recompute": F("activation recomputation", "parallelism", ("--recompute-granularity",), RECOMPUTE),
+    "data_parallel_sharding_strategy": F(
+        "what data parallelism shards (Megatron-LM's names): no_shard (ZeRO-0), optim (ZeRO-1: "
+        "optimizer state), optim_grads (ZeRO-2: and the fp32 gradients), optim_grads_params "
+        "(ZeRO-3: and the parameters, each block's gathered ahead of it and freed after it; "
+        "docs/data_parallel.md)", "parallelism", choices=STRATEGIES,
+        default_text="from --use-distributed-optimizer and --zero-stage: no_shard"),
     "use_distributed_optimizer": F("the distributed optimizer: shard the optimizer state over DP "
-                                   "ranks (ZeRO-1; --zero-stage 2 also the gradients)", "parallelism"),
-    "zero_stage": F("with --use-distributed-optimizer: 1 shards the optimizer state over DP (ZeRO-1); "
-                    "2 also keeps only this rank's shard of the fp32 gradient once a bucket is "
-                    "reduce-scattered (ZeRO-2)", "parallelism", choices=(1, 2)),
+                                   "ranks (= --data-parallel-sharding-strategy optim; --zero-stage "
+                                   "2 or 3 shards more)", "parallelism"),
+    "zero_stage": F("with --use-distributed-optimizer: 1 shards the optimizer state over DP (ZeRO-1, "
+                    "optim); 2 also keeps only this rank's shard of the fp32 gradient once a bucket "
+                    "is reduce-scattered (ZeRO-2, optim_grads); 3 also the parameters (ZeRO-3, "
+                    "optim_grads_params)", "parallelism", choices=(1, 2, 3), default_text="1"),
     "overlap_grad_reduce": F("launch each gradient bucket's reduction as soon as its last gradient "
                              "is in, during backward (--no-overlap-grad-reduce: all after backward)",
                              "parallelism"),
@@ -182,6 +191,15 @@ FLAGS: dict[str, Flag] = {
     "adam_beta2": F("AdamW beta2", "training"),
     "adam_eps": F("AdamW epsilon", "training"),
     "clip_grad": F("clip the global gradient norm to this (0: off)", "training"),
+    "optimizer_cpu_offload": F("keep the distributed optimizer's fp32 master weights and AdamW "
+                               "moments in host memory (pinned on a GPU or NPU) and update them "
+                               "there: gradient shards copied down as their reduction finishes, "
+                               "parameters copied up per bucket; the same model as without "
+                               "(docs/data_parallel.md)", "training"),
+    "optimizer_offload_fraction": F("with --optimizer-cpu-offload: the share of this rank's "
+                                    "optimizer state kept in host memory (whole buckets, the "
+                                    "first reduced first); the rest stays on the device",
+                                    "training"),
     "seed": F("seed of initialisation, sampling, document split and dropout", "training"),
     "rerun_on_anomaly": F("a non-finite or spiking loss or gradient norm re-runs the step once from "
                           "its saved inputs before any update: a clean re-run (transient fault) is "

@@ -9,6 +9,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from engine.config.sharding import check_sharding_flags, resolve_sharding
 from models.config import GPTConfig
 from parallel.pipeline.schedules import chunks_per_rank, schedule_placement
 from parallel.expert_groups import ExpertGrid
@@ -65,10 +66,11 @@ class ParallelConfig:
     # the reduce-scatter after each row-parallel GEMM with the GEMMs, in tp chunks (Megatron's name)
     tp_comm_overlap: bool = False
     recompute: str = "none"
-    use_distributed_optimizer: bool = False
-    # help: with --use-distributed-optimizer: 1 shards the optimizer state over DP (ZeRO-1); 2 also
-    # keeps only this rank's shard of the fp32 gradient once a bucket is reduce-scattered (ZeRO-2)
-    zero_stage: int = 1
+    # ZeRO 0-3 by Megatron-LM's names (engine/config/sharding.py); None: from the two aliases below
+    data_parallel_sharding_strategy: str | None = None
+    use_distributed_optimizer: bool = False  # = optim
+    # with --use-distributed-optimizer: 1 (optim), 2 (optim_grads), 3 (optim_grads_params); None: 1
+    zero_stage: int | None = None
     # help: launch each gradient bucket's reduction as soon as its last gradient is in, during
     # backward (--no-overlap-grad-reduce: all of them after backward)
     overlap_grad_reduce: bool = True
@@ -118,12 +120,7 @@ class ParallelConfig:
             raise ValueError("--virtual-pipeline-size > 1 needs --pipeline-schedule interleaved")
         if self.pipeline_schedule == "interleaved" and self.pp == 1:
             raise ValueError("--pipeline-schedule interleaved needs --pp > 1")
-        if self.zero_stage not in (1, 2):
-            raise ValueError(f"--zero-stage must be 1 or 2, got {self.zero_stage} (stage 0 is "
-                             f"the default optimizer: leave out --use-distributed-optimizer)")
-        if self.zero_stage == 2 and not self.use_distributed_optimizer:
-            raise ValueError("--zero-stage 2 shards the distributed optimizer's gradients: add "
-                             "--use-distributed-optimizer")
+        resolve_sharding(self)   # the strategy and its aliases, one meaning
 
     @property
     def chunks_per_rank(self) -> int:
@@ -166,6 +163,10 @@ class OptimConfig:
     rerun_on_anomaly: bool = False
     spike_factor: float = 0.0   # a value above this x the running median is a spike (0: off)
     spike_window: int = 32      # steps in that running median
+    # the distributed optimizer's masters and moments in host memory, updated there
+    # (parallel/dp/offload.py); the fraction of this rank's shard elements offloaded
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
 
     def __post_init__(self):
         if self.spike_factor != 0 and self.spike_factor <= 1:
@@ -423,6 +424,7 @@ class RunConfig:
                 and self.model.num_experts is None):  # else checked with the checkpoint's model
             check_expert_flags(self.model, self.parallel)
         check_fp8_flags(self)
+        check_sharding_flags(self)
 
 
 def check_fp8_flags(cfg: "RunConfig") -> None:

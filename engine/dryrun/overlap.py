@@ -17,7 +17,8 @@ engine's overlaps (the planner models each: engine/plan/overlap.py):
   one per bucket, launched during the last micro-batch's backward; the last bucket is waited for;
 - **zero gathers** (``--overlap-param-gather``, the default, with ``--use-distributed-optimizer``;
   off under ``--compile``): the parameter all-gathers, one per bucket, ahead of the layer that
-  needs it in the next forward;
+  needs it in the next forward (ZeRO-3: in every forward and again in the backward, each unit's
+  prefetched under the one before it);
 - **ep** (MoE layers): the count exchange and the dispatch and combine all-to-alls, forward and
   backward: exposed (the engine waits for each before the experts or the combine run);
 - **pp** and everything else (the tied embedding's and the statistics' all-reduces): exposed.
@@ -83,9 +84,10 @@ ORDER = ("tp ring", "tp", "dp buckets", "zero gathers", "ep", "pp", "other")
 
 
 def overlap_rows(collectives: list[dict], *, tp: int, ring: bool, overlap_grad_reduce: bool,
-                 overlap_param_gather: bool, zero: bool) -> list[OverlapRow]:
+                 overlap_param_gather: bool, zero: bool, zero3: bool = False) -> list[OverlapRow]:
     """A role's recorded step sorted into its overlaps (module docstring); ``ring``: the layers'
-    TP collectives run as chunk rings (--tp-comm-overlap with sequence parallelism)."""
+    TP collectives run as chunk rings (--tp-comm-overlap with sequence parallelism); ``zero3``:
+    the parameters are sharded (ZeRO-3)."""
     calls, size, ops = Counter(), Counter(), {}
     for c in collectives:
         key = _row_key(c, zero)
@@ -105,8 +107,12 @@ def overlap_rows(collectives: list[dict], *, tp: int, ring: bool, overlap_grad_r
                        "for" if overlap_grad_reduce else "exposed (--no-overlap-grad-reduce: after "
                                                           "backward)"),
         "zero gathers": (overlap_param_gather,
-                         "per bucket ahead of the layer that needs it in the next forward"
-                         if overlap_param_gather else "exposed (waited for after the update)"),
+                         ("ZeRO-3: per bucket in each forward and backward, each block's "
+                          "prefetched under the one before it" if zero3 else
+                          "per bucket ahead of the layer that needs it in the next forward")
+                         if overlap_param_gather else
+                         "exposed (ZeRO-3: each block's gathered when it starts)" if zero3 else
+                         "exposed (waited for after the update)"),
         "ep": (False, "exposed (MoE dispatch: count exchange, token all-to-alls each way)"),
         "pp": (False, "exposed (blocking pipeline transfers)"),
         "other": (False, "exposed"),
@@ -126,7 +132,8 @@ def role_overlap(record, cfg, grid, tp_comm_overlap: bool, num_micro: int, plann
     rows = overlap_rows(record.collectives, tp=grid.tp, ring=ring,
                         overlap_grad_reduce=par.overlap_grad_reduce,
                         overlap_param_gather=par.overlap_param_gather and not compiled,
-                        zero=par.use_distributed_optimizer)
+                        zero=par.use_distributed_optimizer,
+                        zero3=par.use_distributed_optimizer and par.zero_stage == 3)
     note = None
     if ring and not isinstance(planned, str):
         shape, layout = planned

@@ -144,8 +144,9 @@ class LocalProbe:
         self.norms = {}
 
     def on_launch(self, bucket) -> None:
-        data = bucket.buffer.data
-        views = [data[s.start:s.end] for s in bucket.slots]  # this rank's own gradients
+        data = bucket.data   # (the bucket's range of the buffer, or its ZeRO-2/3 storage)
+        views = [data[s.start - bucket.start:s.end - bucket.start]
+                 for s in bucket.slots]  # this rank's own gradients
         self.norms[bucket.index] = torch.stack(torch._foreach_norm(views))  # (params,)
 
     @contextmanager

@@ -327,6 +327,9 @@ class Stepper:
                  else list(self.param_gather.waited)}  # this step's forward waited for those
         sync_sequence_parallel_grads(self.params, self.ps)
         sum_embedding_grads(self.ps, self.shared)
+        synced = getattr(self.optimizer, "grads_synced", None)
+        if synced is not None:  # the offloaded optimizer copies the buckets those sums changed
+            synced()
         t.append(clock.stamp())
         waits["time_tp_exposed_s"] = None if self.tp_waits is None else list(self.tp_waits)
         stats, check = self.statistics(local_loss, pipe)

@@ -14,7 +14,8 @@ from parallel.pipeline.bubble import simulate
 from parallel.pipeline.schedules import has_weight_actions
 from parallel.pipeline.transfers import StageTransfers
 
-MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
+MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "optimizer_state_host_bytes",
+               "grad_host_bytes")
 TIMELINE_STEPS = 3  # the steps --timeline keeps (the trainer's)
 # the keys read at the next step's wait (engine/training/late_figures.py): null until then
 LATE_KEYS = ("step_time_s", "tokens_per_s", "tflops_per_device", "model_tflops_per_device", "mfu",
@@ -175,8 +176,11 @@ def run_choices(trainer) -> list[str]:
         where = "" if len(layers) == m.num_layers else f" on layers {layers}"
         out.append(f"MoE {m.num_experts} experts top-{m.moe_router_topk}{where}, ep "
                    f"{par.expert_model_parallel_size} etp {par.expert_tensor_parallel_size}")
-    out.append(f"ZeRO-{par.zero_stage}" if par.use_distributed_optimizer else
-               "ZeRO-0 (optimizer state on every DP rank)")
+    out.append(f"ZeRO-{par.zero_stage} ({par.data_parallel_sharding_strategy})"
+               if par.use_distributed_optimizer else "ZeRO-0 (optimizer state on every DP rank)")
+    offload = getattr(trainer.optimizer, "offload", None)
+    if offload is not None:
+        out.append(f"optimizer state of {offload.fraction:.0%} of the shard in host memory")
     reducer = trainer.reducer
     if reducer.compressed:
         c, policy = cfg.compression, reducer.policy

@@ -22,7 +22,7 @@ from engine.data.packing import MicroBatch
 from engine.device.clock import DeviceClock, EventPair
 from engine.device.chips import fp8_problem, npu_start_problem, tp_overlap_mode
 from engine.device.runtime import set_matmul_precision, setup_device
-from engine.training.loss_scaler import ConstantScaler, DynamicLossScaler
+from engine.training.dp_setup import build_optimizer, host_build
 from engine.training.lr_schedule import learning_rate
 from engine.observe.metrics import MetricsLog
 from engine.observe.profiling import StepProfiler
@@ -42,8 +42,7 @@ from models.layers import ParallelAttention
 from models.registry import BlockRegistry
 from parallel.backend_rules import resolve as resolve_rules
 from parallel.context_parallel import init_ring
-from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
-                         MixedPrecisionOptimizer, PolicyError, memory_bytes)
+from parallel.dp import CompressionPolicy, PolicyError
 from parallel.expert_parallel import init_expert_groups
 from parallel.pipeline.bubble import theoretical_bubble
 from parallel.pipeline.partition import placement_stages, stage_layers
@@ -148,8 +147,10 @@ class Trainer:
         self.rng.seed_default()
         ctxs = [dataclasses.replace(ctx, rng=tracker) for tracker in self.rng.trackers]
         self.dtype = DTYPES[cfg.precision.precision]
+        # (ZeRO-3 on an accelerator: built in host memory, only the shards go to the device)
+        device = None if host_build(cfg, self.dev.device) else self.dev.device
         self.chunks = build_chunks(cfg.model, ps, ctxs, ranges, virtual, ps.pp_size * vp,
-                                   self.registry).to(device=self.dev.device, dtype=self.dtype)
+                                   self.registry).to(device=device, dtype=self.dtype)
         p = cfg.precision
         self.fp8_layers = []  # global indices of this rank's layers with FP8 GEMMs
         if p.fp8_format is not None:  # FP8 GEMMs in the TP layers (docs/precision.md)
@@ -180,36 +181,9 @@ class Trainer:
         self._build_monitors()
 
     def _build_optimizer(self) -> None:
-        """Loss scaler, gradient reducer, optimizer and their exact memory (``self.memory``)."""
-        cfg, ps = self.cfg, self.ps
-        p = cfg.precision
-        self.scaler = (DynamicLossScaler(p.initial_loss_scale, 2.0, 0.5, p.loss_scale_window,
-                                         p.hysteresis, p.min_loss_scale)
-                       if p.precision == "fp16" else ConstantScaler(1.0))
-        named = [(n, q) for c in self.chunks for n, q in c.logical_named_parameters()]
-        self.reducer = GradReducer(named, ps, bucket_size_mb=cfg.parallel.bucket_size_mb,
-                                   compression_policy=CompressionPolicy.coerce(
-                                       cfg.compression, cfg.optim.train_iters),
-                                   overlap=cfg.parallel.overlap_grad_reduce)
-        self.reducer.loss_scaler = self.scaler   # top-k's local variance statistics, unscaled
-        self.reducer.local_clip = cfg.optim.clip_grad   # top-k's local clipping (dgc.py)
-        o = cfg.optim
-        groups = [{"params": [q for n, q in named if q.ndim >= 2 and "position" not in n],
-                   "weight_decay": o.weight_decay},
-                  {"params": [q for n, q in named if q.ndim < 2 or "position" in n],
-                   "weight_decay": 0.0}]  # no decay on biases, norms and position tables
-        adam = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-                    weight_decay=o.weight_decay)
-        if cfg.parallel.use_distributed_optimizer:
-            # under --compile the chunks' forward pre-hooks would be traced: gather synchronously
-            overlap = cfg.parallel.overlap_param_gather and not cfg.compile
-            self.optimizer = DistributedOptimizer(groups, self.reducer, ps, zero_stage=cfg.parallel.zero_stage,
-                                                  overlap_param_gather=overlap, **adam)
-            self.optimizer.register_param_gather_hooks(self.chunks)
-        else:
-            self.optimizer = MixedPrecisionOptimizer(groups, self.reducer, ps, **adam)
-        # exact bytes each of this rank's parameters, gradients and optimizer state hold
-        self.memory = memory_bytes(self.reducer, self.optimizer)
+        """Loss scaler, gradient reducer, optimizer and their exact memory (``self.memory``), by
+        the data-parallel sharding strategy (dp_setup.py)."""
+        build_optimizer(self)
 
     def _build_stepper(self) -> None:
         """The pipeline schedule, the p2p and ring communicators, the B/W split's store, the clock

@@ -166,6 +166,11 @@ def planner_inputs(cfg, grid, vocab_size: int | None = None) -> tuple[ModelShape
     m, par = cfg.model, cfg.parallel
     if m.block not in BLOCKS:
         return f"the planner has formulas for {', '.join(BLOCKS)} blocks only (--block {m.block})"
+    if par.use_distributed_optimizer and par.zero_stage == 3:
+        return ("the planner does not model --data-parallel-sharding-strategy optim_grads_params "
+                "(ZeRO-3) yet: no estimate")
+    if cfg.optim.optimizer_cpu_offload:
+        return "the planner does not model --optimizer-cpu-offload yet: no estimate"
     elem = 4 if cfg.precision.precision == "fp32" else 2
     shape = ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, vocab_size or m.vocab_size,
                        m.seq_length, cfg.data.global_batch_size, m.ffn_hidden_size, m.block,

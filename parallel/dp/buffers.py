@@ -20,8 +20,12 @@ persistent fp32 ``shard`` (numel / dp) that receives the reduce-scatter, and a f
 ``storage`` that exists only from the bucket's first gradient of a step until its reduction is done
 (``Bucket.ensure_storage`` / ``Bucket.free_storage``); ``param.main_grad`` is None in between.
 
-``bind_param_buffer`` (ZeRO) gives the parameters of a buffer one flat tensor of their dtype with
-the gradient buffer's layout, so the updated shards are all-gathered straight into the parameters.
+``bind_param_buffer`` (ZeRO-1/2) gives the parameters of a buffer one flat tensor of their dtype
+with the gradient buffer's layout, so the updated shards are all-gathered straight into the
+parameters. Under ZeRO-3 (``unit_of``) a bucket never holds parameters of two gather units
+(parallel/dp/zero3_units.py), so each unit's buckets can be gathered and freed on their own, and
+the buffer may be built ``deferred``: no flat gradient at all, only the shards ``release`` makes
+(the full gradient of a TP x PP shard never exists at once).
 """
 from __future__ import annotations
 
@@ -140,6 +144,9 @@ class GradBuffer:
     grad_dtype: torch.dtype = torch.float32
     bucket_numel: int = 1 << 22
     pad_multiple: int = 1
+    unit_of: dict | None = None           # param -> its gather unit (ZeRO-3): buckets end at units
+    device: torch.device | None = None    # where the gradients live (default: the parameters')
+    deferred: bool = False                # no flat buffer: the buckets' shards come from release()
     data: torch.Tensor | None = field(init=False)
     buckets: list[Bucket] = field(init=False)
 
@@ -153,10 +160,12 @@ class GradBuffer:
         if len(dtypes) != 1:
             raise ValueError(f"GradBuffer: parameters of one buffer must share a dtype, got {dtypes}")
         self.param_dtype = dtypes.pop()
-        device = self.named_params[0][1].device
+        self.device = torch.device(self.device or self.named_params[0][1].device)
+        unit = (self.unit_of or {}).get
         layout, slots, start, offset = [], [], 0, 0
         for name, param in self.named_params:
-            if slots and offset - start + param.numel() > self.bucket_numel:
+            if slots and (offset - start + param.numel() > self.bucket_numel
+                          or unit(param) != unit(slots[-1].param)):
                 offset = self._padded(start, offset)
                 layout.append((start, offset, slots))
                 slots, start = [], offset
@@ -165,11 +174,13 @@ class GradBuffer:
         offset = self._padded(start, offset)
         layout.append((start, offset, slots))
         self.numel = offset
-        self.data = torch.zeros(offset, dtype=self.grad_dtype, device=device)
         self.buckets = [Bucket(self, s, e, sl) for s, e, sl in layout]
+        self.data = None if self.deferred else \
+            torch.zeros(offset, dtype=self.grad_dtype, device=self.device)
         for bucket in self.buckets:
             for slot in bucket.slots:
-                slot.param.main_grad = self.data[slot.start:slot.end].view_as(slot.param)
+                slot.param.main_grad = None if self.data is None else \
+                    self.data[slot.start:slot.end].view_as(slot.param)
 
     def _padded(self, start: int, end: int) -> int:
         size = end - start
@@ -180,13 +191,14 @@ class GradBuffer:
         return [s for b in self.buckets for s in b.slots]
 
     def release(self, world: int) -> None:
-        """ZeRO-2: free the flat buffer; every bucket keeps a persistent 1/world fp32 shard."""
-        if self.data is None:
+        """ZeRO-2/3: free the flat buffer (if any); every bucket keeps a persistent 1/world fp32
+        shard."""
+        if self.buckets[0].shard is not None:
             return
-        device = self.data.device
         self.data = None
         for bucket in self.buckets:
-            bucket.shard = torch.zeros(bucket.numel // world, dtype=self.grad_dtype, device=device)
+            bucket.shard = torch.zeros(bucket.numel // world, dtype=self.grad_dtype,
+                                       device=self.device)
             bucket.free_storage()
 
 

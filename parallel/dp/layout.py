@@ -27,14 +27,17 @@ def named_parameters(params) -> list[tuple[str, torch.nn.Parameter]]:
     return named
 
 
-def build_buffers(named, policy, grad_dtype: torch.dtype, bucket_numel: int,
-                  pad: int) -> tuple[list[GradBuffer], list[GradBuffer]]:
-    """(every buffer, the expert buffers among them) for ``named`` in registration order."""
+def build_buffers(named, policy, grad_dtype: torch.dtype, bucket_numel: int, pad: int,
+                  unit_of: dict | None = None, device=None,
+                  deferred: bool = False) -> tuple[list[GradBuffer], list[GradBuffer]]:
+    """(every buffer, the expert buffers among them) for ``named`` in registration order;
+    ``unit_of``, ``device`` and ``deferred``: GradBuffer's (ZeRO-3's unit boundaries, where the
+    gradients live, no flat buffer)."""
     groups: dict[tuple, list] = {}
     for name, p in reversed(named):
         alone = id(p) if getattr(p, "tied_across_stages", False) else None
         expert = bool(getattr(p, "expert_parallel", False))
         groups.setdefault((p.dtype, policy.compressor_for(name), alone, expert), []).append((name, p))
-    buffers = [GradBuffer(members, spec, grad_dtype, bucket_numel, pad)
+    buffers = [GradBuffer(members, spec, grad_dtype, bucket_numel, pad, unit_of, device, deferred)
                for (_, spec, _, _), members in groups.items()]
     return buffers, [buf for (*_, expert), buf in zip(groups, buffers) if expert]

@@ -15,30 +15,38 @@ from __future__ import annotations
 
 import torch
 
+PARAM, MIRROR, OWNED = "param", "mirror", "owned"
+
 
 class MasterShards:
-    def __init__(self, shards, flat_params, device):
-        """``shards``: (bucket, offset in the flat moments, length) per bucket; ``flat_params``:
-        bucket -> the flat parameter tensor of its buffer (ParamGather's)."""
-        owned = sum(n for b, _, n in shards if b.param_dtype != torch.float32)
+    def __init__(self, shards, own_shard, device, host=None):
+        """``shards``: (bucket, offset in the flat moments, length) per bucket; ``own_shard``:
+        bucket -> this rank's shard of its parameters (ParamGather's or ZeRO-3's ShardedParams').
+        ``host``: bucket -> its offloaded master (offload.py), or None where the bucket's master
+        stays on the device; an offloaded fp32 master mirrors the parameters' shard (the update
+        copies it back each step), so it is not stored apart (``aliased``)."""
+        owned = sum(n for b, _, n in shards
+                    if b.param_dtype != torch.float32 and (host is None or host(b) is None))
         self.owned = torch.zeros(owned, dtype=torch.float32, device=device)
-        self._runs: list[tuple[int, int, torch.Tensor, bool]] = []   # (offset, n, view, aliased)
+        self._runs: list[tuple[int, int, torch.Tensor, str]] = []   # (offset, n, view, kind)
         pos = 0
         for b, off, n in shards:
-            if b.param_dtype == torch.float32:
-                s, e = b.own_range()             # (over the bucket's own group)
-                self._runs.append((off, n, flat_params(b)[s:e], True))
+            away = host(b) if host is not None else None
+            if away is not None:
+                self._runs.append((off, n, away, MIRROR if b.param_dtype == torch.float32 else OWNED))
+            elif b.param_dtype == torch.float32:   # (its shard over the bucket's own group)
+                self._runs.append((off, n, own_shard(b), PARAM))
             else:
-                self._runs.append((off, n, self.owned[pos:pos + n], False))
+                self._runs.append((off, n, self.owned[pos:pos + n], OWNED))
                 pos += n
         self._numel = sum(n for _, _, n in shards)
 
     def _run(self, sl: slice):
         start = sl.start or 0
         stop = self._numel if sl.stop is None else sl.stop
-        for off, n, view, aliased in self._runs:
+        for off, n, view, kind in self._runs:
             if off <= start and stop <= off + n and (n > 0 or start == off):
-                return view[start - off:stop - off], aliased
+                return view[start - off:stop - off], kind
         raise IndexError(f"master range [{start}, {stop}) is not inside one bucket's shard")
 
     def __getitem__(self, sl: slice) -> torch.Tensor:
@@ -48,7 +56,13 @@ class MasterShards:
         self._run(sl)[0].copy_(value)
 
     def aliased(self, sl: slice) -> bool:
-        """Whether the range is the parameters' own storage (fp32 parameters)."""
+        """Whether the range holds the parameters' own values (fp32 parameters: their storage,
+        or its offloaded mirror), so it is not stored apart from them."""
+        return self._run(sl)[1] != OWNED
+
+    def kind(self, sl: slice) -> str:
+        """PARAM (the parameters' storage), MIRROR (an offloaded copy of fp32 parameters, set
+        from them) or OWNED (the fp32 master of low-precision parameters)."""
         return self._run(sl)[1]
 
     def numel(self) -> int:

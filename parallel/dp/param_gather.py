@@ -68,6 +68,12 @@ class ParamGather:
         self.clock = None                        # a DeviceClock: each wait is stamped
         self.waited: list = []                   # (start, end) stamps of the waits since cleared
 
+    def own_shard(self, bucket) -> torch.Tensor:
+        """This rank's shard of the bucket's parameters (over the bucket's own group): the run of
+        the flat tensor that the optimizer updates and the all-gather sends."""
+        s, e = bucket.own_range()
+        return self.flat[id(bucket.buffer)][s:e]
+
     def output(self, bucket) -> torch.Tensor:
         """The bucket's parameters as one flat tensor of their dtype."""
         return self.flat[id(bucket.buffer)][bucket.start:bucket.end]

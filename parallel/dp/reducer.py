@@ -74,11 +74,15 @@ class GradReducer:
     def __init__(self, params, ps: ParallelState, bucket_size_mb: float = 25.0,
                  grad_dtype: torch.dtype = torch.float32,
                  compression_policy=None, overlap: bool = True,
-                 named_params: list[tuple[str, torch.nn.Parameter]] | None = None):
+                 named_params: list[tuple[str, torch.nn.Parameter]] | None = None,
+                 unit_of: dict | None = None, device=None, deferred: bool = False):
         """``params``: a Module, (name, param) pairs or parameters (then named by ``named_params``,
         if given, else param0, param1, ...). ``compression_policy``: a CompressionPolicy, its dict
         form, or a config with grad_compression / grad_compression_ratio / grad_compression_policy.
         ``overlap=False`` launches every bucket in ``finish()`` (for measuring what overlap buys).
+        ZeRO-3 (buffers.py): ``unit_of`` ends buckets at gather units, ``device`` holds the
+        gradients (default: the parameters'), ``deferred`` builds no flat buffer (``shard(2 or 3)``
+        must follow before the first backward).
         """
         named = named_parameters(params)
         if named_params is not None:
@@ -106,11 +110,12 @@ class GradReducer:
         world = math.lcm(self.dp, ps.edp_group.size)
         pad = world * 16 if world > 1 else 1
         position = {p: i for i, (_, p) in enumerate(reversed(named))}   # the backward order
-        self.buffers, experts = build_buffers(named, self.policy, grad_dtype, bucket_numel, pad)
+        self.buffers, experts = build_buffers(named, self.policy, grad_dtype, bucket_numel, pad,
+                                              unit_of, device, deferred)
         self.buckets: list[Bucket] = sorted((b for buf in self.buffers for b in buf.buckets),
                                             key=lambda b: position[b.slots[0].param])
         self._bucket_of = {}
-        device = self.buckets[0].data.device
+        device = self.buffers[0].device
         for i, bucket in enumerate(self.buckets):
             # the group a bucket is summed over (and ZeRO-sharded over); the division stays by the
             # DP x CP size, since an expert's gradient already holds its EP ranks' tokens' share.
@@ -142,6 +147,7 @@ class GradReducer:
         self._aliased = [p for _, p in named if p.dtype == grad_dtype]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
         self.pre_reduce_hooks: list = []    # fn(bucket), before each bucket's reduction
+        self.post_reduce_hooks: list = []   # fn(bucket), once its reduced shard is in place
         self.clock = None                   # a DeviceClock: finish() stamps its wait (the step's)
         self.wait_stamps = None             # (start, end) of finish()'s wait, None: none waited
         self.step = 1                       # 1-based optimizer step, advanced by finish()
@@ -151,9 +157,9 @@ class GradReducer:
         self._point_grads()
 
     def _point_grads(self) -> None:
-        """param.grad = main_grad for parameters of the buffer's dtype (not under ZeRO-2, whose
+        """param.grad = main_grad for parameters of the buffer's dtype (not under ZeRO-2/3, whose
         bucket storage only exists during the step)."""
-        if self.zero_stage != 2:
+        if self.zero_stage < 2:
             for p in self._aliased:
                 p.grad = p.main_grad
 
@@ -168,13 +174,16 @@ class GradReducer:
 
     # ---- configuration by the optimizer ---------------------------------------------------------
     def shard(self, stage: int) -> None:
-        """ZeRO: reduce-scatter buckets; ``stage`` 2 also frees the full gradient buffers."""
-        if stage not in (1, 2):
-            raise ValueError(f"GradReducer.shard: ZeRO stage must be 1 or 2, got {stage}")
+        """ZeRO: reduce-scatter buckets; ``stage`` 2 also frees the full gradient buffers (3: the
+        same for gradients; the parameters are parallel/dp/zero3.py's)."""
+        if stage not in (1, 2, 3):
+            raise ValueError(f"GradReducer.shard: ZeRO stage must be 1, 2 or 3, got {stage}")
+        if stage == 1 and self.buffers[0].data is None:
+            raise ValueError("GradReducer.shard: a deferred reducer has no flat buffer for ZeRO-1")
         if self._pending or (self._worker is not None and self._worker.busy):
             raise RuntimeError("GradReducer.shard: collectives in flight; call finish() first")
         self.shard_grads, self.zero_stage = True, stage
-        if stage == 2:      # (an expert buffer's shards are over its expert-data-parallel group)
+        if stage >= 2:      # (an expert buffer's shards are over its expert-data-parallel group)
             for buf in self.buffers:
                 buf.release(buf.buckets[0].shard_world)
             for p in self._aliased:
@@ -299,7 +308,7 @@ class GradReducer:
         grad = param.grad
         if grad is not None and grad is not param.main_grad:   # (not accumulated in place)
             if bucket.storage is None and bucket.shard is not None:
-                bucket.ensure_storage()                    # ZeRO-2: first gradient of the step
+                bucket.ensure_storage()                    # ZeRO-2/3: first gradient of the step
             param.main_grad.add_(grad)
             param.grad = None
         count = self._counts[param] = self._counts.get(param, 0) + 1
@@ -317,11 +326,11 @@ class GradReducer:
 
     def _launch(self, bucket: Bucket) -> None:
         self._next = bucket.index + 1
+        bucket.ensure_storage()   # (ZeRO-2/3: a bucket that got no gradient reduces zeros)
         for hook in self.pre_reduce_hooks:
             hook(bucket)
         if self.dp == 1 and not self.shard_grads:
             return
-        bucket.ensure_storage()
         if self._via_worker:
             compressed = bucket.compressor is not None
             bucket.compressed_step = compressed
@@ -329,7 +338,7 @@ class GradReducer:
                                 bucket.exchange_group)   # DP x CP, or EDP for an expert bucket
         else:
             self._pending.append(self._start(bucket))
-            if self.zero_stage == 2:
+            if self.zero_stage >= 2:
                 self._collect_completed()
 
     def _start(self, bucket: Bucket, group=None):
@@ -380,6 +389,8 @@ class GradReducer:
         if out is not None and out is not bucket.shard:
             bucket.own_view().copy_(out)
         bucket.free_storage()
+        for hook in self.post_reduce_hooks:
+            hook(bucket)
 
     def _collect_completed(self) -> None:
         """ZeRO-2: finish the reduce-scatters that are done, freeing their buckets' storage."""

@@ -36,13 +36,15 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.dp.master import MasterShards
+from parallel.dp.master import MIRROR, PARAM, MasterShards
+from parallel.dp.offload import HostShards, SplitFlat
 from parallel.dp.onebit import (bind_momentum, momentum_adamw_, momentum_buckets, momentum_now,
                                 seed_due)
 from parallel.dp.optim_common import (_GradAccess, _adamw_, _covering, _entries, _frozen_adamw_,
                                       _sparse_now)
 from parallel.dp.param_gather import ParamGather
 from parallel.dp.reducer import GradReducer
+from parallel.dp.zero3 import ShardedParams
 from parallel.state import ParallelState
 
 @dataclass(eq=False)
@@ -63,10 +65,15 @@ class DistributedOptimizer(_GradAccess):
 
     def __init__(self, params, reducer: GradReducer, ps: ParallelState, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 zero_stage: int = 1, overlap_param_gather: bool = False):
-        """``zero_stage`` 1 shards the optimizer state, 2 also the fp32 gradient.
-        ``overlap_param_gather``: leave each bucket's parameter all-gather in flight until the
-        next forward needs it (call ``register_param_gather_hooks(model_chunks)``)."""
+                 zero_stage: int = 1, overlap_param_gather: bool = False,
+                 offload_fraction: float | None = None):
+        """``zero_stage`` 1 shards the optimizer state, 2 also the fp32 gradient, 3 also the
+        parameters (zero3.py: call ``register_param_gather_hooks(model_chunks)``, which gathers
+        each unit's buckets ahead of it and frees them after it; the shards live on the
+        reducer's device). ``overlap_param_gather``: leave each bucket's parameter
+        all-gather in flight until the next forward needs it (ZeRO-3: prefetch the next unit).
+        ``offload_fraction``: keep that share of the masters and moments in host memory and
+        update them there (offload.py); None keeps everything on the device."""
         entries = _entries(params, weight_decay)
         wd_of = {p: wd for _, p, wd in entries}
         if set(wd_of) != set(reducer.names):
@@ -106,12 +113,27 @@ class DistributedOptimizer(_GradAccess):
             b = reducer.buckets[piece.bucket]
             lo = piece.buffer_start - b.own_range()[0]
             piece.param.main_grad_shard = b.own_view()[lo:lo + piece.end - piece.start]
-        self.param_gather = ParamGather(reducer, overlap_param_gather)
+        self.param_gather = ShardedParams(reducer, overlap_param_gather, device) \
+            if zero_stage == 3 else ParamGather(reducer, overlap_param_gather)
+        self.offload = None
+        if offload_fraction is not None:
+            if any(b.compressor is not None and b.compressor.sparse for b in reducer.buckets):
+                raise ValueError("DistributedOptimizer: optimizer offload with a sparse gradient "
+                                 "compressor (topk, onebit) is not built")
+            self.offload = HostShards(self._shards, offload_fraction, ps, device,
+                                      self.param_gather.own_shard)
+            reducer.post_reduce_hooks.append(self.offload.grad_ready)
         # fp32 parameters: their own shard is the master (master.py); others get an fp32 copy
         self.master = MasterShards([(b, off, n) for b, off, n, _ in self._shards],
-                                   lambda b: self.param_gather.flat[id(b.buffer)], device)
-        self.exp_avg = torch.zeros(offset, dtype=torch.float32, device=device)     # (shard,)
-        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+                                   self.param_gather.own_shard, device,
+                                   self.offload.master_of if self.offload else None)
+        if self.offload is None:
+            self.exp_avg = torch.zeros(offset, dtype=torch.float32, device=device)     # (shard,)
+            self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        else:   # the offloaded buckets' moments in host memory (they come first in offset order)
+            host = self.offload.numel
+            self.exp_avg = SplitFlat(host, offset - host, device, self.offload.pin)
+            self.exp_avg_sq = SplitFlat(host, offset - host, device, self.offload.pin)
         self._load_master_from_params()
         self.step_count = 0
         self.variance_frozen = False
@@ -136,11 +158,24 @@ class DistributedOptimizer(_GradAccess):
     def _piece_slice(self, piece: ShardPiece) -> slice:
         return slice(piece.shard_offset, piece.shard_offset + piece.end - piece.start)
 
+    def param_pieces(self) -> list[tuple[ShardPiece, torch.Tensor]]:
+        """(piece, its values in this rank's shard of the parameters, in their dtype): what a
+        ZeRO-3 checkpoint writes and loads for the model (the parameters exist only as shards)."""
+        own, out = self.param_gather.own_shard, []
+        for p in self.pieces:
+            b = self.reducer.buckets[p.bucket]
+            lo = p.buffer_start - b.own_range()[0]
+            out.append((p, own(b)[lo:lo + p.end - p.start]))
+        return out
+
     def _load_master_from_params(self, only=None) -> None:
-        for piece in self.pieces:
+        """Masters from this rank's shard of the parameters (an offloaded fp32 master always: it
+        mirrors them)."""
+        for piece, values in self.param_pieces():
             sl = self._piece_slice(piece)
-            if (only is None or piece in only) and not self.master.aliased(sl):
-                self.master[sl] = piece.param.detach().reshape(-1)[piece.start:piece.end]
+            kind = self.master.kind(sl)
+            if kind == MIRROR or (kind != PARAM and (only is None or piece in only)):
+                self.master[sl] = values
 
     def grad_pieces(self):
         """This rank's averaged gradient shard, as views into the reducer's buffers."""
@@ -148,6 +183,29 @@ class DistributedOptimizer(_GradAccess):
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
+        if self.offload is not None:
+            self.offload.reset()
+
+    # ---- offload: the host copies of the gradients follow every change of the device's --------
+    def grads_synced(self) -> None:
+        """The step's gradient sums after the reduction (SP, tied embeddings) are done."""
+        if self.offload is not None:
+            self.offload.grads_synced()
+
+    def unscale_(self, factor: float) -> None:
+        self._scaling("scale", factor, super().unscale_)
+
+    def clip_(self, coef: float) -> None:
+        self._scaling("scale", coef, super().clip_)
+
+    def check_and_unscale_(self, inv_scale: float) -> torch.Tensor:
+        return self._scaling("unscale", inv_scale, super().check_and_unscale_)
+
+    def _scaling(self, kind: str, factor: float, apply):
+        if self.offload is not None:
+            self.offload.before_grad_write()
+            self.offload.scale(kind, factor)
+        return apply(factor)
 
     def step(self, lr: float | None = None) -> None:
         """One AdamW step on this rank's shard, then all-gather the parameters."""
@@ -162,8 +220,9 @@ class DistributedOptimizer(_GradAccess):
             self.variance_frozen = True
         self.step_count += 1
         refreshed = self.reducer.refreshed
+        host = self.offload.buckets if self.offload is not None else ()
         for b, off, n, segments in self._shards:
-            if n == 0:
+            if n == 0 or b.index in host:
                 continue
             g = b.own_view().float()
             sl = slice(off, off + n)
@@ -176,8 +235,13 @@ class DistributedOptimizer(_GradAccess):
             else:
                 _adamw_(self.master[sl], g, self.exp_avg[sl], self.exp_avg_sq[sl], self.step_count,
                         lr, self.betas, self.eps, segments)
+        if self.offload is not None:   # the host's buckets, their parameters copied up
+            self.offload.update(self.exp_avg, self.exp_avg_sq, self.step_count, lr, self.betas,
+                                self.eps)
         self._seed_momentum(seed_due(self.reducer))
-        self.param_gather.launch([(b, self.master[off:off + n].to(b.param_dtype))
+        own = self.param_gather.own_shard
+        self.param_gather.launch([(b, own(b) if b.index in host else
+                                   self.master[off:off + n].to(b.param_dtype))
                                   for b, off, n, _ in self._shards])
 
     def _seed_momentum(self, buckets) -> None:

@@ -33,11 +33,11 @@ def test_the_start_line_and_the_summary_name_every_choice():
     overlap = ["--tp", "2", "--sequence-parallel", "--tp-comm-overlap"]
     (moe_run, tp_run), _ = run_distributed(start_and_summary, grid=RankGrid(dp=2),
                                            args=([moe, overlap],), timeout_s=60)
-    choices = ("MoE 4 experts top-2 on layers [1], ep 2 etp 1; ZeRO-2; gradient compression int8 "
+    choices = ("MoE 4 experts top-2 on layers [1], ep 2 etp 1; ZeRO-2 (optim_grads); gradient compression int8 "
                "after 1 uncompressed step")
     assert moe_run[0] == ("gridtron: tp=1 pp=1 dp=2 (order tp-dp-pp, 2 ranks) on cpu; 1 "
                           "micro-batches/step; 160,064 parameters on rank 0; " + choices)
-    assert f"| choices     " in moe_run[1] and f"| {choices} |" in moe_run[1], moe_run[1]
+    assert "| choices     " in moe_run[1] and f"| {choices} |" in moe_run[1], moe_run[1]
     choices = ("ZeRO-0 (optimizer state on every DP rank); no gradient compression; TP overlap: "
                "fused ops where the device has them, else chunked ring")
     assert tp_run[0] == ("gridtron: tp=2 pp=1 dp=1 (order tp-dp-pp, 2 ranks) on cpu; 2 "

@@ -46,10 +46,18 @@ CASES = [
     (["--rope-base", "500000"], 1, [f"--rope-base 500000.0 has no effect {_why('on a block')}"]),
     (["--block", "llama", "--rope-base", "500000"], 1, []),
     (["--use-distributed-optimizer", "--no-overlap-grad-reduce"], 1,
-     [f"--use-distributed-optimizer has no effect {ONE_DP}there is nothing to shard or reduce; "
-      f"drop it or add data-parallel ranks",
+     ["--use-distributed-optimizer has no effect with one data-parallel rank (dp x cp = 1) and "
+      "no --optimizer-cpu-offload: there is nothing to shard; drop it or add data-parallel ranks",
       f"--no-overlap-grad-reduce has no effect {ONE_DP}there is nothing to shard or reduce; drop "
       f"it or add data-parallel ranks"]),
+    (["--data-parallel-sharding-strategy", "optim_grads_params", "--optimizer-offload-fraction",
+      "0.5"], 1,
+     [f"--data-parallel-sharding-strategy optim_grads_params has no effect "
+      f"{_why('with one data-parallel rank (dp x cp = 1) and no')}",
+      f"--optimizer-offload-fraction 0.5 has no effect {_why('without --optimizer-cpu-offload')}"]),
+    # the distributed optimizer at dp 1 is what --optimizer-cpu-offload offloads
+    (["--use-distributed-optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
+      "0.5"], 1, []),
     (["--zero-stage", "1", "--no-overlap-param-gather"], 2,
      [f"--zero-stage 1 has no effect {_why('without --use-distributed')}",
       f"--no-overlap-param-gather has no effect {_why('without --use-distributed')}"]),
