@@ -99,7 +99,7 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
     assert row["ratio"] == row["fp8_tokens_per_s"] / row["bf16_tokens_per_s"]
     assert 0 < abs(row["loss_gap"]) < 0.01 and row["loss_met"] is True, row
     md = (tmp_path / "device_check.md").read_text()
-    assert "| gpt 1.3b | 2 x 64, 4 heads, seq 64 |" in md and "| >= 1.1x: " in md
+    assert "| gpt 1.3b | 1 x 32, 2 heads, seq 32 |" in md and "| >= 1.1x: " in md
     assert "| eager | ok |" in md and "| packed | ok |" in md and "tokens/s" in md
     assert "MoE / dense (same active FLOPs) tokens/s" in md and "host waits: dispatch mode" in md
     assert "| moe | calibrated: " in md  # the planner fitted to this run's two metrics files
