@@ -14,7 +14,9 @@ plan, each stage a subprocess with its own deadline inside the whole check's bud
    its active FLOPs (ffn 8192) the same way, their tokens/s ratio and the planner's prediction
    for both, before and after calibrating it on these two runs (benchmarks/device_moe.py);
 4. ``compiled``: the 1.3B GPT with ``--compile`` (compilation falls in the warm-up steps);
-5. if time remains, ``syncs``: the host waits per step of a small MoE model counted by the
+5. if time remains, ``fp8``: bf16 against ``--fp8-format hybrid`` on the 1.3B GPT and a hidden-4096
+   one, tokens/s and loss over the same steps against issue 36's targets, skipped on a chip
+   without FP8 (benchmarks/device_fp8.py); ``syncs``: the host waits per step of a small MoE model counted by the
    engine's dispatch mode and by CUDA's own report, side by side; ``llama``: the 1.3B model with
    llama blocks (RoPE and SwiGLU on their compiled CUDA paths), its MFU against gpt2's;
    ``two_ranks``: two processes
@@ -29,7 +31,8 @@ A stage that runs past its deadline is stopped and reported as such in the table
 measured until then; a stage that fails is reported with the last line of its log; neither raises.
 Results: ``DIR/device_check.json`` and ``DIR/device_check.md`` (the markdown printed at the end),
 with each stage's log beside them. Without an accelerator it says "nothing to check" and exits 0;
-``--allow-cpu --tiny`` runs the whole plan on the CPU with a tiny model (how the tests check it).
+``--allow-cpu --tiny`` runs the whole plan on the CPU with a tiny model (how the tests check it);
+``--only NAME,...`` runs just those stages of the plan.
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from benchmarks.common import markdown_table, read_jsonl  # noqa: E402
+from benchmarks.device_fp8 import fp8_lines, fp8_stage  # noqa: E402
 from benchmarks.device_moe import comparison_lines, stage_model, syncs_lines, syncs_stage  # noqa: E402
 from engine.device.runtime import detect_device_type, setup_device  # noqa: E402
 from engine.observe.metrics import summarize_run  # noqa: E402
@@ -72,7 +76,7 @@ class Stage:
 
     @property
     def training(self) -> bool:
-        return self.name not in ("kernels", "tp_overlap", "two_ranks", "syncs")
+        return self.name not in ("kernels", "tp_overlap", "two_ranks", "syncs", "fp8")
 
 
 @dataclass
@@ -88,6 +92,7 @@ class StageResult:
     tp_overlap: dict | None = None  # tp=2 without / with --tp-comm-overlap on two devices
     two_ranks: dict | None = None   # two processes on one device (gloo) against the serial run
     syncs: list = field(default_factory=list)  # host waits: the dispatch mode's and CUDA's count
+    fp8: dict | None = None         # bf16 against FP8 per model (benchmarks/device_fp8.py)
 
 
 def plan(skip_compile: bool = False) -> list[Stage]:
@@ -97,7 +102,7 @@ def plan(skip_compile: bool = False) -> list[Stage]:
               Stage("moe_dense", 75.0)]
     if not skip_compile:
         stages.append(Stage("compiled", 240.0, flags=("--compile",)))
-    stages += [Stage("syncs", 90.0, optional=True),
+    stages += [Stage("fp8", 300.0, optional=True, steps=10), Stage("syncs", 90.0, optional=True),
                Stage("llama", 150.0, optional=True, flags=("--block", "llama"), steps=10),
                Stage("two_ranks", 150.0, optional=True, steps=6),
                Stage("tp_overlap", 150.0, optional=True, steps=10),
@@ -197,6 +202,8 @@ def run_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> St
         return _tp_overlap_stage(stage, deadline_s, out, kind, args)
     if stage.name == "two_ranks":
         return _two_ranks_stage(stage, deadline_s, out, kind, args)
+    if stage.name == "fp8":
+        return fp8_stage(stage, deadline_s, out, kind, args)
     if not stage.training:
         data = out / "kernels.json"
         data.unlink(missing_ok=True)
@@ -320,7 +327,7 @@ def report(results: list[StageResult], header: dict) -> str:
         lines += comparison_lines(results, header, Path(header.get("out", ".")),
                                   header.get("tiny", False), header.get("micro_batch", 4),
                                   header.get("global_batch", 16))
-    lines += syncs_lines(next((r.syncs for r in results if r.syncs), []))
+    lines += fp8_lines(results) + syncs_lines(next((r.syncs for r in results if r.syncs), []))
     return "\n".join(lines)
 
 
@@ -349,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--allow-cpu", action="store_true", help="run the plan on the CPU (with --tiny)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model in fp32 instead of the 1.3B one")
+    p.add_argument("--only", help="comma-separated stages of the plan to run (default: all)")
     p.add_argument("--stage", choices=["kernels"], help=argparse.SUPPRESS)
     p.add_argument("--device", default="auto", help=argparse.SUPPRESS)
     return p
@@ -360,6 +368,11 @@ def main(argv: list[str] | None = None) -> int:
         return _kernels_stage(args)
     if args.budget_s <= 0 or args.steps < 2 or not 0 <= args.warmup < args.steps:
         print("device_check: need --budget-s > 0, --steps >= 2 and 0 <= --warmup < --steps", file=sys.stderr)
+        return 2
+    only = args.only.split(",") if args.only else [s.name for s in plan(args.skip_compile)]
+    if set(only) - {s.name for s in plan(args.skip_compile)}:
+        print(f"device_check: --only {args.only}: not stages of the plan ({', '.join(s.name for s in plan())})",
+              file=sys.stderr)
         return 2
     kind = detect_device_type("auto")
     if kind == "cpu" and not args.allow_cpu:
@@ -376,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
               + f", micro-batch {args.micro_batch_size}, global batch {args.global_batch_size}",
               "out": str(out), "tiny": args.tiny, "micro_batch": args.micro_batch_size,
               "global_batch": args.global_batch_size}
-    results = run_plan(plan(args.skip_compile), out, kind, args)
+    results = run_plan([s for s in plan(args.skip_compile) if s.name in only], out, kind, args)
     header["wall_s"] = time.monotonic() - start
     text = report(results, header)
     (out / "device_check.json").write_text(json.dumps(

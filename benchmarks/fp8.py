@@ -10,8 +10,10 @@ see the same tokens at every step and their last losses compare directly. Printe
 last step's loss, the mean of the last ``--window`` steps (batch noise smoothed), each one's
 relative gap to the bf16 run of its layout, whether the last loss is within ``--target`` of
 bf16's, and tokens/s (on a CPU, torch._scaled_mm's CPU kernel: not a speed figure for a GPU).
-The JSON in ``--out`` holds every loss curve. Too long for CI: tests/engine/training/
-test_fp8_train.py checks 20 steps of smaller runs instead.
+The JSON in ``--out`` holds every loss curve. The default model (2 x 64, seq 64, global batch
+8) keeps the six 300-step runs at about 19 CPU-minutes on 2 cores (docs/benchmarks.md, "FP8
+against bf16 on the CPU"). Too long for CI: tests/engine/training/test_fp8_train.py checks 20
+steps of smaller runs instead.
 """
 from __future__ import annotations
 
@@ -59,12 +61,12 @@ def run_rank(ps, jobs: list[list[str]]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--seq-length", type=int, default=64)
     parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--tokenizer", default="byte",
@@ -83,7 +85,7 @@ def main() -> None:
                     for argv in jobs]
         else:
             runs = run_distributed(run_rank, grid=RankGrid(tp=2, dp=2), args=(jobs,),
-                                   deadline_s=24 * 3600.0)[0]
+                                   timeout_s=3600.0, deadline_s=24 * 3600.0)[0]
         results[layout] = dict(zip(RECIPES, runs))
         print(f"{layout}: {time.time() - start:.0f} s", flush=True)
     rows = ["| layout | run | last loss | gap to bf16 | mean of last "

@@ -40,13 +40,14 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{key.replace('_', '-')} must be a positive integer, got {value}")
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
-    for key in ("intra_node_gbps", "inter_node_gbps", "peak_tflops", "memory_gb"):
+    for key in ("intra_node_gbps", "inter_node_gbps", "peak_tflops", "memory_gb", "fp8_peak_tflops"):
         value = getattr(args, key)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"--{key.replace('_', '-')} must be a positive number, got {value}")
-    frac = args.achievable_fraction
-    if frac is not None and not (math.isfinite(frac) and 0 < frac <= 1):
-        raise ValueError(f"--achievable-fraction must be in (0, 1], got {frac}")
+    for key in ("achievable_fraction", "fp8_achievable_fraction"):
+        frac = getattr(args, key)
+        if frac is not None and not (math.isfinite(frac) and 0 < frac <= 1):
+            raise ValueError(f"--{key.replace('_', '-')} must be in (0, 1], got {frac}")
     for flag, path in (("--config", args.config), ("--calibrate", args.calibrate),
                        ("--calibrate-links", args.calibrate_links)):
         if path is not None:

@@ -1,7 +1,8 @@
 """Calibration: the planner's fitted constants from a measured run (``--calibrate``) and link
 bandwidths from a preflight measurement (``--calibrate-links``).
 
-- ``fit_achievable_fraction``: the compute fraction at which the model predicts a measured step;
+- ``fit_achievable_fraction``: the compute fraction at which the model predicts a measured step
+  (of an FP8 run: the FP8 GEMMs' fraction, ``key="fp8_achievable_fraction"``, the bf16 one held);
 - ``fit_overlap_efficiency``: the overlap efficiencies (hardware.OverlapEfficiency) at which the
   model's exposed TP and DP communication equals the run's ``time_tp_exposed_s`` and
   ``time_dp_exposed_s`` (engine metrics, device time the compute stream waited);
@@ -97,15 +98,17 @@ def fit_overlap_efficiency(shape: ModelShape, cluster: Cluster, layout: Layout,
     return eff
 
 
-def fit_achievable_fraction(shape: ModelShape, cluster: Cluster, layout: Layout, tflops: float) -> float:
+def fit_achievable_fraction(shape: ModelShape, cluster: Cluster, layout: Layout, tflops: float,
+                            key: str = "achievable_fraction") -> float:
     """The achievable fraction at which the model predicts ``tflops`` executed TFLOP/s per device
-    (bisection; for a measured step time pass executed FLOPs / step time / devices).
+    (bisection; for a measured step time pass executed FLOPs / step time / devices). ``key``: the
+    Cluster field fitted (``fp8_achievable_fraction``: the FP8 GEMMs' of an FP8 run).
 
     Predicted TFLOP/s grows monotonically with the fraction; a measurement above the prediction at
     fraction 1 (links or HBM faster than assumed) returns 1.0.
     """
     def predicted(frac: float) -> float:
-        return estimate(shape, replace(cluster, achievable_fraction=frac), layout).tflops_per_device
+        return estimate(shape, replace(cluster, **{key: frac}), layout).tflops_per_device
     lo, hi = 1e-4, 1.0
     if predicted(hi) <= tflops:
         return hi

@@ -7,6 +7,8 @@ entry. ``peak_tflops(device, precision, tf32=False)`` picks the one a run comput
 - ``bf16`` / ``fp16``: the half-precision tensor-core (cube) peak, ``DeviceSpec.peak_tflops``;
 - ``fp32``: the TF32 tensor-core peak when TF32 (NVIDIA) / HF32 (Ascend) matmuls are enabled
   (``tf32=True``), else the plain FP32 (CUDA-core / vector) peak;
+- ``fp8``: the FP8 tensor-core peak (``DeviceSpec.fp8_tflops``), what the tensor-parallel
+  linears' GEMMs run at under ``--fp8-format`` (docs/precision.md); None on a chip without FP8;
 - None where the vendor publishes no figure (never a guess): Huawei publishes no FP32 or HF32
   peak for the Ascend 910 or 910B, so a 910/910B fp32 run has no MFU unless ``--peak-tflops``
   is given. ``lookup_peak_tflops(raw_name)`` stays the half-precision peak, for existing callers.
@@ -46,9 +48,10 @@ class DeviceSpec:
     hbm_gbps: float | None = None  # memory bandwidth, for the planner's memory-bound kernels
     fp32_tflops: float | None = None  # dense FP32 peak (no tensor cores); None: not published
     tf32_tflops: float | None = None  # dense TF32 (NVIDIA) / HF32 (Ascend) peak; None: not published
+    fp8_tflops: float | None = None  # dense FP8 (e4m3 / e5m2) peak; None: no FP8 on this chip
 
     def __post_init__(self) -> None:
-        for key in ("peak_tflops", "fp32_tflops", "tf32_tflops"):
+        for key in ("peak_tflops", "fp32_tflops", "tf32_tflops", "fp8_tflops"):
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise ValueError(f"DeviceSpec {self.name}: {key} must be > 0 or None, got {value}")
@@ -88,15 +91,17 @@ DEVICE_SPECS = MappingProxyType({
     # fp32 51, tf32 378, bf16 756; H200 SXM as H100 SXM. NVL (PCIe cards, NVLink bridges): H100 NVL
     # fp32 60, tf32 417.5, bf16 835, 94 GB, 3.9 TB/s, bridges 600 GB/s both ways (300 per direction);
     # H200 NVL fp32 60, tf32 417.5, bf16 835, 141 GB, 4.8 TB/s, bridges 900 GB/s both ways (450).
+    # FP8 (dense, half the datasheets' sparse 3958 / 3026 / 3341): H100 and H200 SXM 1979, H100
+    # PCIe 1513, H100 NVL and H200 NVL 1670.5. A100: no FP8 tensor cores.
     # NVLink3: 12 links x 25 GB/s = 300 GB/s per direction; DGX A100: one HDR 200 Gb/s HCA per GPU.
     # NVLink4: 450 GB/s per direction; DGX H100/H200: one NDR 400 Gb/s HCA per GPU.
     "a100-40gb": DeviceSpec("a100-40gb", 312.0, 40.0, 300.0, 25.0, 8, 1555.0, 19.5, 156.0),
     "a100-80gb": DeviceSpec("a100-80gb", 312.0, 80.0, 300.0, 25.0, 8, 2039.0, 19.5, 156.0),
-    "h100": DeviceSpec("h100", 989.0, 80.0, 450.0, 50.0, 8, 3350.0, 67.0, 494.7),
-    "h100-pcie": DeviceSpec("h100-pcie", 756.0, 80.0, 300.0, 50.0, 8, 2000.0, 51.0, 378.0),
-    "h200": DeviceSpec("h200", 989.0, 141.0, 450.0, 50.0, 8, 4800.0, 67.0, 494.7),
-    "h100-nvl": DeviceSpec("h100-nvl", 835.0, 94.0, 300.0, 50.0, 8, 3900.0, 60.0, 417.5),
-    "h200-nvl": DeviceSpec("h200-nvl", 835.0, 141.0, 450.0, 50.0, 8, 4800.0, 60.0, 417.5),
+    "h100": DeviceSpec("h100", 989.0, 80.0, 450.0, 50.0, 8, 3350.0, 67.0, 494.7, 1979.0),
+    "h100-pcie": DeviceSpec("h100-pcie", 756.0, 80.0, 300.0, 50.0, 8, 2000.0, 51.0, 378.0, 1513.0),
+    "h200": DeviceSpec("h200", 989.0, 141.0, 450.0, 50.0, 8, 4800.0, 67.0, 494.7, 1979.0),
+    "h100-nvl": DeviceSpec("h100-nvl", 835.0, 94.0, 300.0, 50.0, 8, 3900.0, 60.0, 417.5, 1670.5),
+    "h200-nvl": DeviceSpec("h200-nvl", 835.0, 141.0, 450.0, 50.0, 8, 4800.0, 60.0, 417.5, 1670.5),
     # CPU: no table peak (the trainer measures a matmul); gloo over shared memory / Ethernet.
     "cpu": DeviceSpec("cpu", None, None, 10.0, 1.25, 1, None),
 })
@@ -149,7 +154,7 @@ def lookup_peak_tflops(device_name: str) -> float | None:
     return None if key is None else DEVICE_SPECS[key].peak_tflops
 
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 
 def peak_tflops(device: str, precision: str, tf32: bool = False) -> float | None:
@@ -160,6 +165,8 @@ def peak_tflops(device: str, precision: str, tf32: bool = False) -> float | None
 
     >>> peak_tflops("a100-80gb", "fp32"), peak_tflops("a100-80gb", "fp32", tf32=True)
     (19.5, 156.0)
+    >>> peak_tflops("h100", "fp8"), peak_tflops("a100-80gb", "fp8")
+    (1979.0, None)
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -169,6 +176,8 @@ def peak_tflops(device: str, precision: str, tf32: bool = False) -> float | None
     spec = DEVICE_SPECS[key]
     if precision in ("bf16", "fp16"):
         return spec.peak_tflops
+    if precision == "fp8":
+        return spec.fp8_tflops
     return spec.tf32_tflops if tf32 else spec.fp32_tflops
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from engine.plan.fp8 import fp8_gemm_copy_bytes, fp8_scale_bytes
 from engine.plan.model import (ACT_MASK_BYTES, ACT_MOE_FP32_PER_EXPERT, ACT_MOE_INDEX_BYTES, moe_expert_tokens, moe_tokens,
                                ACT_MOE_ROWS, ACT_TENSORS_MLP, ACT_TENSORS_REPLICATED,
                                ACT_TENSORS_SPLIT_ATTN, COMM_BUFFER_BYTES, GRAD_BYTES,
@@ -206,6 +207,7 @@ class MemoryTerms:
     transient: float  # one layer rebuilt by recomputation during backward
     pipeline_ends: float  # embedding dropout mask (first stage), final norm + fp32 logits (last)
     comm_buffers: float = 0.0  # HCCL / NCCL communicator buffers (comm_buffer_bytes)
+    fp8: float = 0.0  # --fp8-format: one GEMM's float8 copies and the scales kept for backward (fp8.py)
     stage: str = "only"  # which device this is: "only" (pp = 1), "first" or "last"
 
     @property
@@ -293,10 +295,12 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: int, backend: str = "
         per_micro += moe_layers * moe_activation_change(shape, layout)
         if layout.recompute == "full":  # the rebuilt layer is an MoE one
             transient += moe_activation_change(shape, layout, "none")
+    fp8 = 0.0 if shape.fp8_recipe is None else (
+        fp8_gemm_copy_bytes(shape, layout) + layers * fp8_scale_bytes(shape, layout) * in_flight(shape, layout, stage))
     return MemoryTerms(params * shape.weight_bytes, grads, optimizer,
                        per_micro * in_flight(shape, layout, stage), transient, ends,
                        comm_buffer_bytes(layout, backend, shape.block == "gpt2", name, moe_layers > 0),
-                       name)
+                       fp8, name)
 
 
 def memory_per_device(shape: ModelShape, layout: Layout, backend: str = "gloo") -> MemoryTerms:

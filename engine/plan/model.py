@@ -122,6 +122,9 @@ class ModelShape:
     # layer (``--moe-layer-freq``; every layer when left empty and ``moe.layers`` is num_layers).
     moe: MoEShape | None = None
     moe_layers: tuple[int, ...] = ()
+    # --fp8-recipe of an FP8 run (None: no --fp8-format): the tensor-parallel linears' GEMMs at the
+    # FP8 rate, their float8 copies and scales in memory (engine/plan/fp8.py, docs/precision.md)
+    fp8_recipe: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
@@ -140,6 +143,8 @@ class ModelShape:
             raise ValueError(f"activation_bytes must be 1, 2 or 4, got {self.activation_bytes!r}")
         if self.weight_bytes not in (2, 4):
             raise ValueError(f"weight_bytes must be 2 or 4, got {self.weight_bytes!r}")
+        if self.fp8_recipe not in (None, "tensorwise", "rowwise"):
+            raise ValueError(f"fp8_recipe must be None, tensorwise or rowwise, got {self.fp8_recipe!r}")
         g = self.num_query_groups
         if g is not None and (not isinstance(g, int) or g < 1 or self.num_attention_heads % g):
             raise ValueError(f"--num-query-groups {g!r} must be a positive divisor of "
@@ -198,6 +203,10 @@ class Cluster:
     # MoE run) and the expert load's max over mean (a run's moe_load_imbalance; 1: balanced)
     moe_pass_overhead_s: float = MOE_PASS_OVERHEAD_S
     moe_load_imbalance: float = 1.0
+    # FP8 GEMMs (--fp8-format): the dense FP8 peak (None: the chip has none) and the fraction of
+    # it the FP8 GEMMs reach (None: achievable_fraction; --calibrate on an FP8 run fits it)
+    fp8_peak_tflops: float | None = None
+    fp8_achievable_fraction: float | None = None
 
     @property
     def backend(self) -> str:
@@ -216,6 +225,10 @@ class Cluster:
             raise ValueError(f"achievable fraction must be in (0, 1], got {self.achievable_fraction}")
         if min(self.intra_busbw_gbps, self.inter_busbw_gbps, self.peak_tflops, self.memory_gb) <= 0:
             raise ValueError("link bandwidths, peak and memory must be > 0")
+        if self.fp8_peak_tflops is not None and not self.fp8_peak_tflops > 0:
+            raise ValueError(f"the FP8 peak must be > 0 TFLOP/s, got {self.fp8_peak_tflops}")
+        if self.fp8_achievable_fraction is not None and not 0 < self.fp8_achievable_fraction <= 1:
+            raise ValueError(f"FP8 achievable fraction must be in (0, 1], got {self.fp8_achievable_fraction}")
         if self.moe_pass_overhead_s < 0 or not self.moe_load_imbalance >= 1:
             raise ValueError(f"the MoE pass overhead must be >= 0 and the load imbalance >= 1, got "
                              f"{self.moe_pass_overhead_s} and {self.moe_load_imbalance}")
@@ -233,8 +246,14 @@ class Cluster:
                              f"give --peak-tflops and --memory-gb")
         intra = intra_node_gbps if intra_node_gbps is not None else spec.intra_node_gbps
         inter = inter_node_gbps if inter_node_gbps is not None else spec.inter_node_gbps
+        kwargs.setdefault("fp8_peak_tflops", spec.fp8_tflops)
         return cls(spec, num_devices, devices_per_node or spec.devices_per_node,
                    intra * LINK_EFFICIENCY, inter * LINK_EFFICIENCY, peak, mem, **kwargs)
+
+    @property
+    def fp8_fraction(self) -> float:
+        """The fraction of the FP8 peak the FP8 GEMMs reach (the bf16 one unless fitted)."""
+        return self.achievable_fraction if self.fp8_achievable_fraction is None else self.fp8_achievable_fraction
 
     @property
     def multi_node(self) -> bool:

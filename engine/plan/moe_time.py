@@ -17,6 +17,7 @@ copies and the all-to-alls, it holds what the engine adds (``moe_engine_time``):
 from __future__ import annotations
 
 from engine.plan.collectives import allreduce_s, alltoall_s, gather_or_scatter_s
+from engine.plan.fp8 import linear_rate
 from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_MOE_PERMUTE, EW_MOE_RESORT,
                                HOST_WAIT_S, Cluster, Layout, ModelShape, moe_expert_tokens, moe_tokens)
 from engine.plan.passes import Links, PassTime, _rates
@@ -58,21 +59,22 @@ def moe_layer_change(shape: ModelShape, cluster: Cluster, layout: Layout, links:
     n = _MLP_MATRICES[shape.block]
     # every TP rank: the router whole, the experts whole (ETP 1) or their 1/etp slices
     whole = 2 * h * (routed * moe.num_experts + computed * n * moe.topk * moe.ffn_hidden / etp)
-    gemm = whole + 2 * tokens * h * n * (moe.shared_ffn - shape.ffn_hidden_size) / t
+    shared = 2 * tokens * h * n * (moe.shared_ffn - shape.ffn_hidden_size) / t   # TP linears
+    gemm_s = whole / rate + shared / linear_rate(cluster, shape)   # the experts stay bf16 under FP8
     copies = EW_MOE_PERMUTE + (EW_MOE_RESORT if layout.ep > 1 else 0)  # the permutation's passes
     ew = (EW_MLP[shape.block] * (computed * moe.topk * moe.ffn_hidden / etp
                                  + tokens * (moe.shared_ffn - shape.ffn_hidden_size) / t)
           + copies * computed * moe.topk * h)
-    fwd, bwd = gemm / rate + mem_s(ew), 2 * gemm / rate + mem_s(2 * ew)
+    fwd, bwd = gemm_s + mem_s(ew), 2 * gemm_s + mem_s(2 * ew)
     one = 0.0
     if layout.ep > 1:
         rows = shape.activation_bytes * computed * moe.topk * h
         one = alltoall_s(rows, links.ep, cluster.devices_per_node, cluster.intra_busbw_gbps,
                          cluster.inter_busbw_gbps)
     full = layout.recompute == "full"
-    redo = (gemm / rate + mem_s(ew)) if full else 0.0
+    redo = (gemm_s + mem_s(ew)) if full else 0.0
     if full and shape.recompute_early_stop:  # the skipped down projection: the shared expert's
-        redo -= 2 * tokens * h * (moe.shared_ffn - shape.ffn_hidden_size) / t / rate
+        redo -= shared / n / linear_rate(cluster, shape)
     counts = COLLECTIVE_LATENCY_S if one else 0.0  # the forward's count exchange: a few bytes
     ep_fwd, ep_bwd = 2 * one + counts, 2 * one
     ep_re = ep_fwd if full else 0.0
@@ -101,5 +103,5 @@ def moe_layer_change(shape: ModelShape, cluster: Cluster, layout: Layout, links:
                                           ep_fwd + ep_bwd + ep_re)
     return PassTime(compute=fwd + bwd, recompute=redo, tp_comm=tp_fwd + tp_bwd + tp_re,
                     backward=bwd + redo + ep_bwd + ep_re + tp_bwd + tp_re,
-                    weight=gemm / rate, ep_comm=ep_fwd + ep_bwd + ep_re,
+                    weight=gemm_s, ep_comm=ep_fwd + ep_bwd + ep_re,
                     moe_overhead=overhead, moe_imbalance=imbalance)

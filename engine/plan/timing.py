@@ -48,6 +48,7 @@ from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_REPLI
                                ModelShape, num_micro_batches)
 from engine.plan.memory import MemoryTerms, memory_per_device, stage_moe_layers, stage_param_split
 from engine.plan.collectives import allreduce_s, gather_or_scatter_s
+from engine.plan.fp8 import linear_rate
 from engine.plan.moe_time import moe_layer_change
 from engine.plan.overlap import data_parallel_overlap, ring_recompute_extra_flops, tp_layer_overlap
 from engine.plan.passes import Links, PassTime, _rates, layout_links  # noqa: F401 (re-exported)
@@ -65,15 +66,18 @@ def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links
     sbh = tokens * h
     gemm = layer_forward_flops(tokens, s, h, f, shape.block, shape.kv_hidden) / t
     attn = attention_core_forward_flops(tokens, s, h) / t
+    lin_rate = linear_rate(cluster, shape)   # the TP linears' GEMMs: FP8 under --fp8-format (fp8.py)
+    gemm_s = (gemm - attn) / lin_rate + attn / rate
     scores = 0.0 if shape.fused_attention else EW_SCORES * a * s * s * b / t
     ew = (EW_REPLICATED * sbh / (t if sp else 1)
           + (EW_SHARDED_ATTN * sbh + EW_MLP[shape.block] * tokens * f) / t + scores)
-    fwd = gemm / rate + mem_s(ew) + LAYER_PASS_OVERHEAD_S
-    bwd = 2 * gemm / rate + mem_s(2 * ew) + LAYER_PASS_OVERHEAD_S  # dX and dW GEMMs, gemm each
+    fwd = gemm_s + mem_s(ew) + LAYER_PASS_OVERHEAD_S
+    bwd = 2 * gemm_s + mem_s(2 * ew) + LAYER_PASS_OVERHEAD_S  # dX and dW GEMMs, gemm each
     redo = recomputed_layer_flops(tokens, s, h, f, shape.block, rc, shape.recompute_early_stop,
                                   shape.kv_hidden) / t
-    recompute = {"full": redo / rate + mem_s(ew) + LAYER_PASS_OVERHEAD_S,
-                 "selective": redo / rate + mem_s(scores) + LAYER_PASS_OVERHEAD_S, "none": 0.0}[rc]
+    redo_s = attn / rate + (redo - attn) / lin_rate if rc == "full" else redo / rate
+    recompute = {"full": redo_s + mem_s(ew) + LAYER_PASS_OVERHEAD_S,
+                 "selective": redo_s + mem_s(scores) + LAYER_PASS_OVERHEAD_S, "none": 0.0}[rc]
     # TP: the two column-parallel inputs (QKV, MLP) and two row-parallel outputs of a layer. Without
     # SP: an all-reduce after each row-parallel layer forward, one of each column input's gradient
     # backward. With SP: all-gather + reduce-scatter pairs each way, plus the all-gather of each
@@ -84,10 +88,10 @@ def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links
     msg = ACT_BYTES * sbh
     tp_hidden = 0.0
     if sp and layout.tp_comm_overlap and t > 1:
-        rings = tp_layer_overlap(shape, layout, tokens, links.tp, rate, cluster.overlap.tp)
+        rings = tp_layer_overlap(shape, layout, tokens, links.tp, lin_rate, cluster.overlap.tp)
         tp_fwd, tp_re, tp_bwd = (r.exposed for r in rings)
         tp_hidden = sum(r.hidden for r in rings)
-        recompute += ring_recompute_extra_flops(shape, layout, tokens) / rate
+        recompute += ring_recompute_extra_flops(shape, layout, tokens) / lin_rate
     else:
         one = (gather_or_scatter_s if sp else allreduce_s)(msg, t, links.tp)
         tp_fwd, tp_bwd = (4 * one, 6 * one) if sp else (2 * one, 2 * one)
@@ -112,7 +116,7 @@ def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links
         cp_ring = ((c - 1) * (2 if redo else 1) + 2 * c - 1) * hop
     backward = bwd + recompute + tp_bwd + tp_re + cp_bwd + cp_re
     return PassTime(fwd + bwd, recompute, tp_fwd + tp_bwd + tp_re, cp_fwd + cp_bwd + cp_re, 0.0, backward,
-                    gemm / rate, cp_ring, tp_hidden)
+                    gemm_s, cp_ring, tp_hidden)
 
 
 

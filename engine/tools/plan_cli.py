@@ -126,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "forward; off: waited for after the update")
     p.add_argument("--precision", default=PLAN_PRECISION, choices=("bf16", "fp16"),
                    help="mixed precision of the planned run (both use the half-precision peak)")
+    p.add_argument("--fp8-format", choices=("e4m3", "hybrid"),
+                   help="plan an FP8 run: the tensor-parallel linears' GEMMs at the FP8 peak "
+                        "(docs/precision.md); --calibrate on an FP8 run fits their fraction")
+    p.add_argument("--fp8-recipe", default="tensorwise", choices=("tensorwise", "rowwise"),
+                   help="with --fp8-format: the scales kept in memory")
+    p.add_argument("--fp8-peak-tflops", type=float, help="override the table's dense FP8 peak")
+    p.add_argument("--fp8-achievable-fraction", type=float,
+                   help="the FP8 GEMMs' fraction of the FP8 peak (default: --achievable-fraction's)")
     p.add_argument("--data-path", help="data for the printed command (default: --mock-data)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--explain", action="store_true", help="print every term of each estimate")
@@ -171,7 +179,8 @@ def shape_from_args(args: argparse.Namespace) -> ModelShape:
                       fused_attention=args.attention == "fused",
                       recompute_early_stop=args.recompute_early_stop == "on",
                       num_query_groups=model.num_query_groups, moe=moe_shape(model),
-                      moe_layers=moe_layer_indices(model), **extra)
+                      moe_layers=moe_layer_indices(model),
+                      fp8_recipe=args.fp8_recipe if args.fp8_format else None, **extra)
 
 
 def model_flags(args: argparse.Namespace, shape: ModelShape) -> list[str]:
@@ -203,6 +212,13 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
                           inter_busbw_gbps=links.get("inter", cluster.inter_busbw_gbps))
     if args.achievable_fraction is not None:
         cluster = replace(cluster, achievable_fraction=args.achievable_fraction)
+    if args.fp8_peak_tflops is not None or args.fp8_achievable_fraction is not None:
+        cluster = replace(cluster, fp8_peak_tflops=args.fp8_peak_tflops or cluster.fp8_peak_tflops,
+                          fp8_achievable_fraction=args.fp8_achievable_fraction)
+    if args.fp8_format and cluster.fp8_peak_tflops is None:
+        raise ConfigError(f"--fp8-format: {spec.name} has no FP8 peak in engine/plan/hardware.py "
+                          f"(FP8 needs compute capability 8.9 or later: H100, H200); give "
+                          f"--fp8-peak-tflops or drop --fp8-format")
     return cluster
 
 
@@ -302,6 +318,12 @@ def _calibrated(args, shape: ModelShape, cluster: Cluster, space: SearchSpace) -
         raise ConfigError("--calibrate-dense applies to an MoE model (--num-experts)")
     step = measured_step_time(args.calibrate)
     tflops = estimate(shape, cluster, layout).flops.executed / step / cluster.num_devices / 1e12
+    if shape.fp8_recipe:  # an FP8 run: its FP8 GEMMs' fraction, the bf16 one as given
+        frac = fit_achievable_fraction(shape, cluster, layout, tflops, "fp8_achievable_fraction")
+        print(f"calibrated FP8 achievable fraction {frac:.3f} from a measured step of {step:.4g} s "
+              f"(FP8 peak {cluster.fp8_peak_tflops}; the bf16 parts at fraction "
+              f"{cluster.achievable_fraction:.3f})", file=sys.stderr)
+        return replace(cluster, fp8_achievable_fraction=frac)
     frac = fit_achievable_fraction(shape, cluster, layout, tflops)
     cluster = replace(cluster, achievable_fraction=frac)
     exposed = measured_exposed(args.calibrate)
@@ -341,6 +363,8 @@ def plan(args: argparse.Namespace) -> int:
         print(f"gridtron: {_explain_empty(shape, cluster, space)}", file=sys.stderr)
         return 1
     dpn, extra = cluster.devices_per_node, model_flags(args, shape)
+    if args.fp8_format:
+        extra += ["--fp8-format", args.fp8_format, "--fp8-recipe", args.fp8_recipe]
     command = lambda est: launch_command(shape, est.layout, dpn, args.precision,  # noqa: E731
                                          args.data_path, extra)
     for est in results[:args.top]:

@@ -176,7 +176,8 @@ def planner_inputs(cfg, grid, vocab_size: int | None = None) -> tuple[ModelShape
                        m.seq_length, cfg.data.global_batch_size, m.ffn_hidden_size, m.block,
                        fused_attention=True, recompute_early_stop=True, activation_bytes=elem,
                        dropout=m.dropout > 0, num_query_groups=m.num_query_groups, weight_bytes=elem,
-                       moe=moe_shape(m), moe_layers=moe_layer_indices(m))
+                       moe=moe_shape(m), moe_layers=moe_layer_indices(m),
+                       fp8_recipe=cfg.precision.fp8_recipe if cfg.precision.fp8_format else None)
     # the planner's schedules: 1f1b (interleaved with vp > 1), zb-h1, zb-v; 1f1b-w holds what 1F1B
     # holds, GPipe more (engine/dryrun/compare.py KNOWN)
     zero_bubble = par.pipeline_schedule in ("zb-h1", "zb-v") and grid.pp > 1
@@ -195,7 +196,8 @@ TERMS = {"weights": ("the weights", "model"), "grads": ("the gradients", "model"
          "optimizer": ("the optimizer state", "model"), "activations": ("the activations", "batch"),
          "transient": ("recomputation's rebuilt layer", "batch"),
          "pipeline_ends": ("the logits and the embedding's masks", "batch"),
-         "comm_buffers": ("the communicator buffers", "groups")}
+         "comm_buffers": ("the communicator buffers", "groups"),
+         "fp8": ("the FP8 copies and scales", "batch")}
 FIXES = {"model": "fewer or narrower layers (--num-layers, --hidden-size, --ffn-hidden-size) or more "
                   "ranks to split them (--tp, --pp; --use-distributed-optimizer shards the optimizer "
                   "state)",

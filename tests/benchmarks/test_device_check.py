@@ -1,7 +1,9 @@
 """benchmarks/device_check.py, the accelerator check in one call, exercised on the CPU: "nothing to
 check" without an accelerator; the plan and its deadlines; the whole plan end to end with a tiny
 model (``--allow-cpu --tiny``), its JSON and markdown; a stage that overruns its deadline or fails is
-reported in the table, not raised; the 1.3B recipe's size."""
+reported in the table, not raised; the 1.3B recipe's size; the FP8 stage (bf16 against FP8 on the
+CPU's torch._scaled_mm with tiny models in the whole plan; skipped with the chip table's line on
+a chip without FP8) and the layers of its hidden-4096 model."""
 from __future__ import annotations
 
 import json
@@ -34,11 +36,12 @@ def test_kernel_comparison_runs_on_cpu():
 
 
 def test_plan_and_deadlines():
-    assert [s.name for s in plan()] == ["kernels", "eager", "moe", "moe_dense", "compiled", "syncs",
-                                        "llama", "two_ranks", "tp_overlap", "zero", "packed"]
+    assert [s.name for s in plan()] == ["kernels", "eager", "moe", "moe_dense", "compiled", "fp8",
+                                        "syncs", "llama", "two_ranks", "tp_overlap", "zero", "packed"]
     assert [s.name for s in plan(skip_compile=True)] == ["kernels", "eager", "moe", "moe_dense",
-                                                        "syncs", "llama", "two_ranks", "tp_overlap",
-                                                        "zero", "packed"]
+                                                        "fp8", "syncs", "llama", "two_ranks",
+                                                        "tp_overlap", "zero", "packed"]
+    assert all(s.optional for s in plan() if s.name == "fp8")
     stage = Stage("eager", 180.0)
     assert deadline_for(stage, 1000.0) == 180.0                      # its own cap
     assert deadline_for(stage, 100.0) == 100.0 - RESERVE_S           # what the budget leaves
@@ -59,13 +62,13 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
     assert code == 0, capsys.readouterr().out
     data = json.loads((tmp_path / "device_check.json").read_text())
     assert [(s["name"], s["status"]) for s in data["stages"]] == [
-        ("kernels", "ok"), ("eager", "ok"), ("moe", "ok"), ("moe_dense", "ok"), ("syncs", "ok"),
+        ("kernels", "ok"), ("eager", "ok"), ("moe", "ok"), ("moe_dense", "ok"), ("fp8", "ok"), ("syncs", "ok"),
         ("llama", "ok"), ("two_ranks", "skipped"), ("tp_overlap", "ok"), ("zero", "ok"),
         ("packed", "ok")]
     kernels = data["stages"][0]["kernels"]
     assert len(kernels) == 9 and all(k["ok"] for k in kernels)
     # the host waits per step of the MoE models at ep 1 and the dense one: the dense count
-    syncs = {r["model"]: r["dispatch mode"] for r in data["stages"][4]["syncs"]}
+    syncs = {r["model"]: r["dispatch mode"] for r in data["stages"][5]["syncs"]}
     assert syncs == {name: [1, 1, 1] for name in ("moe ep1 dropless", "moe ep1 padded capacity",
                                                   "dense")}
     # the TP overlap's chunked GEMM against the plain one: the same values, timed
@@ -73,7 +76,7 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
     assert [g["tp"] for g in gemm] == [2, 4, 8]
     assert all(g["max_err"] < 1e-5 and g["plain_ms"] > 0 and g["chunked_ms"] > 0 for g in gemm)
     # tp=2 with SP without and with --tp-comm-overlap, two gloo processes here
-    pair = data["stages"][7]["tp_overlap"]
+    pair = data["stages"][8]["tp_overlap"]
     assert [r["run"] for r in pair["rows"]] == ["plain", "overlap"]
     assert all(r["steps"] == 2 and r["tokens_per_s"] > 0 and r["time_tp_exposed_s"] > 0
                for r in pair["rows"]), pair
@@ -81,13 +84,22 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
     # the two runs train one model: fp32 losses per step agree (the ring sums in another order)
     assert len(pair["rows"][0]["losses"]) == 3 and pair["loss_rel_diff"] <= 1e-4, pair
     for stage in data["stages"][1:]:
-        if stage["name"] in ("tp_overlap", "two_ranks", "syncs"):
+        if stage["name"] in ("tp_overlap", "two_ranks", "syncs", "fp8"):
             continue
         s = stage["summary"]
         assert s["steps"] == 2 and s["tokens"] == 2 * 4 * 64 and s["tokens_per_s"] > 0
         assert s["mfu"] is not None and s["peak_memory_bytes"] > 0
         assert s["host_syncs_per_step"] == 1  # the step's one statistics read, MoE at ep 1 too
+    # bf16 against FP8 (torch._scaled_mm on the CPU), the tiny pair: the same steps, both timed,
+    # losses close but not equal (the FP8 GEMMs ran)
+    fp8 = data["stages"][4]["fp8"]
+    assert fp8["steps"] == 3 and list(fp8["rows"]) == ["gpt 1.3b"]
+    row = fp8["rows"]["gpt 1.3b"]
+    assert row["bf16_tokens_per_s"] > 0 and row["fp8_tokens_per_s"] > 0, row
+    assert row["ratio"] == row["fp8_tokens_per_s"] / row["bf16_tokens_per_s"]
+    assert 0 < abs(row["loss_gap"]) < 0.01 and row["loss_met"] is True, row
     md = (tmp_path / "device_check.md").read_text()
+    assert "| gpt 1.3b | 1 x 32, 2 heads, seq 32 |" in md and "| >= 1.1x: " in md
     assert "| eager | ok |" in md and "| packed | ok |" in md and "tokens/s" in md
     assert "MoE / dense (same active FLOPs) tokens/s" in md and "host waits: dispatch mode" in md
     assert "| moe | calibrated: " in md  # the planner fitted to this run's two metrics files
@@ -151,3 +163,38 @@ def test_two_ranks_stage_probes_then_trains_against_serial(tmp_path):
     assert dp["layout"] == "dp2 zero" and dp["status"] == "ok" and dp["loss_rel_diff"] <= 1e-4, dp
     assert pp == {"layout": "pp2", "status": "refused", "loss_rel_diff": None,
                   "note": "gloo refuses p2p of cpu tensors: Tensors must be CPU and dense"}
+
+
+def test_fp8_stage_is_skipped_on_a_chip_without_fp8(tmp_path, monkeypatch):
+    from engine.device import runtime
+    a100 = runtime.DeviceInfo("cuda", torch.device("cpu"), "nccl", "NVIDIA A100-SXM4-80GB",
+                              capability=(8, 0))
+    monkeypatch.setattr(runtime, "setup_device", lambda *a, **k: a100)
+    got = device_check.run_stage(Stage("fp8", 60.0, optional=True), 60.0, tmp_path, "cuda", _args())
+    assert got.status == "skipped" and got.fp8 is None
+    assert got.detail.startswith("--fp8-format needs FP8 tensor cores (compute capability 8.9 or "
+                                 "later: H100, H200, Ada, Blackwell), and NVIDIA A100-SXM4-80GB"), got
+    assert list(tmp_path.iterdir()) == []  # nothing was launched
+
+
+def test_fp8_wide_model_fills_the_device():
+    """Hand figure for an H100 (80 GiB, 90% usable = 77 GB): a hidden-4096 layer holds 201M weights
+    at 18 bytes (bf16 weight, fp32 gradient, fp32 master and Adam) = 3.6 GB and keeps about 34 s b h
+    = 1.1 GB of activations at micro-batch 4: 4.8 GB; the embeddings and fp32 logits about 6 GB; so
+    about 15 layers. The H200's 141 GiB hold more than the cap."""
+    from benchmarks.device_fp8 import WIDE_DEFAULT_LAYERS, WIDE_MAX_LAYERS, fp8_models, wide_layers
+    assert 13 <= wide_layers("NVIDIA H100 80GB HBM3", 4, 16) <= 15
+    assert wide_layers("NVIDIA H100 80GB HBM3", 1, 16) > wide_layers("NVIDIA H100 80GB HBM3", 4, 16)
+    assert wide_layers("NVIDIA H200", 4, 16) == WIDE_MAX_LAYERS
+    assert wide_layers("NVIDIA L40S", 4, 16) == WIDE_DEFAULT_LAYERS  # no memory figure in the table
+    models = fp8_models(False, "NVIDIA H100 80GB HBM3", 4, 16)
+    assert models["gpt 1.3b"] == device_check.MODEL
+    assert models["gpt hidden 4096"] == {"num-layers": wide_layers("NVIDIA H100 80GB HBM3", 4, 16),
+                                         "hidden-size": 4096, "num-attention-heads": 32,
+                                         "seq-length": 2048, "vocab-size": 51200,
+                                         "ffn-hidden-size": 16384}
+
+
+def test_only_runs_the_named_stages_and_refuses_others(tmp_path, capsys):
+    assert device_check.main(["--allow-cpu", "--tiny", "--out", str(tmp_path), "--only", "fp8,bogus"]) == 2
+    assert "device_check: --only fp8,bogus: not stages of the plan (kernels, " in capsys.readouterr().err
