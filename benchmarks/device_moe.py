@@ -153,7 +153,7 @@ def count_syncs(device: str, out: Path, tiny: bool) -> list[dict]:
                 counts[how] = None
                 continue
             argv = ["--mock-data", "--device", device, "--precision", "bf16" if device != "cpu" else "fp32",
-                    "--no-progress", "--train-iters", str(SYNC_STEPS), "--lr-warmup-iters", "1",
+                    "--no-progress", "--host-sync-interval", "1", "--train-iters", str(SYNC_STEPS), "--lr-warmup-iters", "1",
                     "--micro-batch-size", "2", "--global-batch-size", "4", "--save", "", "--plot", ""]
             for key, value in model.items():
                 argv += [f"--{key}"] + ([] if value is True else [str(value)])

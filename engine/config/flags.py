@@ -277,6 +277,11 @@ FLAGS: dict[str, Flag] = {
                      default_text="<run-dir>/profile"),
     "plot": F("PNG of loss and throughput", "logging", default_text="RUN_DIR/loss.png"),
     "log_interval": F("steps between console lines and dashboard points", "logging"),
+    "host_sync_interval": F("on a device without its own report of host waits (CPU, NPU), count "
+                            "the step's waits (host_syncs) on step 1 and every N-th step, null on "
+                            "the others: the counting dispatch mode about doubles a small model's "
+                            "host time (1: every step; CUDA counts every step at no cost)",
+                            "logging", default_text="--log-interval"),
     "log_straggler": F("every --log-interval steps, compare each rank's compute with its peers' "
                        "(same pipeline stages), name the ranks past --straggler-threshold and the "
                        "rank the others waited for (straggler_rank, straggler_ratio, "

@@ -352,6 +352,9 @@ class LogConfig:
     timeline: str | None = None      # default RUN_DIR/timeline.json
     plot: str | None = None          # default RUN_DIR/loss.png
     log_interval: int = 10
+    # where counting the step's host waits costs host time (the dispatch mode: devices without a
+    # runtime report of their own, CPU and NPU): count on step 1 and every N-th; None: --log-interval
+    host_sync_interval: int | None = None
     log_straggler: bool = True  # every log_interval steps, name the ranks the others waited for
     straggler_threshold: float = 1.2  # a rank is a straggler past this ratio over its peers' compute
     eval_interval: int = 0
@@ -373,6 +376,9 @@ class LogConfig:
             raise ValueError("--eval-interval must be >= 0 and --eval-iters >= 1")
         if self.log_interval < 1:
             raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
+        if self.host_sync_interval is not None and self.host_sync_interval < 1:
+            raise ValueError(f"--host-sync-interval must be >= 1 (1: every step), got "
+                             f"{self.host_sync_interval}")
         if not self.straggler_threshold > 1.0:
             raise ValueError(f"--straggler-threshold must be above 1.0 (a ratio over the peers' compute), "
                              f"got {self.straggler_threshold}")

@@ -5,7 +5,10 @@ timeline where they happened; and the timeline of the last steps (``StepTimeline
 step (not the host's collation of its batch: those are host tensors, whose reads wait for
 nothing). Under ``--compile`` the dispatch mode and the patched tensor methods would be traced
 into the graphs, so only a device runtime's own report counts there (CUDA's, ``native``); on a
-device without one the step's waits cannot be known and ``host_syncs`` is null.
+device without one the step's waits cannot be known and ``host_syncs`` is null. Where the dispatch
+mode counts (CPU, NPU: no runtime report) it about doubles a small model's host time, so it runs
+on step 1 and every ``--host-sync-interval``-th step (default ``--log-interval``), and the other
+steps' ``host_syncs`` are null (``counts_step``); CUDA's own report counts every step.
 ``sync_events`` turns a step's ``SyncEvent``s into "sync" instants of its timeline track.
 ``StepTimeline`` keeps the last steps' outputs unconverted: converting a step's stamps right after
 it would wait for its update; they are converted when the trace is written, after the last wait.
@@ -17,21 +20,33 @@ import contextlib
 from parallel.pipeline.timeline import TimelineEvent, gather_events, write_chrome_trace
 
 
-def counted_step(trainer, batches, lr: float, timer):
-    """``trainer.stepper.run`` inside the step's counting window, the whole-step ``timer``
-    stopped there and the previous step's record completed (read without waiting: after this
-    step's wait). Returns (StepOutput, the step's SyncEvents, or None where they cannot be known:
-    ``known_syncs``)."""
+def counted_step(trainer, batches, lr: float, timer, step: int = 1):
+    """``trainer.stepper.run`` (of 1-based ``step``) inside the step's counting window, the
+    whole-step ``timer`` stopped there and the previous step's record completed (read without
+    waiting: after this step's wait). Returns (StepOutput, the step's SyncEvents, or None where
+    they cannot be known, ``known_syncs``, or are not counted this step, ``counts_step``)."""
     syncs = trainer.clock.syncs
+    counted = counts_step(trainer, step)
     syncs.begin_step()
     try:
-        with watch_syncs(trainer):
+        with watch_syncs(trainer) if counted else contextlib.nullcontext():
             out = trainer.stepper.run(batches, lr)
             timer.stop()
             trainer.late_records.complete()
     finally:
         events = syncs.end_step()
-    return out, events if known_syncs(trainer) else None
+    return out, events if counted and known_syncs(trainer) else None
+
+
+def counts_step(trainer, step: int) -> bool:
+    """Whether 1-based ``step``'s host waits are counted: every step where the device runtime
+    reports them itself (CUDA), else step 1 and every ``--host-sync-interval``-th (default
+    ``--log-interval``): the dispatch mode that sees them costs host time on every op."""
+    syncs, log = trainer.clock.syncs, trainer.cfg.log
+    if not syncs.strict:
+        return True
+    every = log.host_sync_interval or log.log_interval
+    return step == 1 or step % every == 0
 
 
 def known_syncs(trainer) -> bool:

@@ -332,7 +332,7 @@ class Trainer:
         batches = self._batches(step)  # host tensors, then queued copies: not the step's waits
         lr = learning_rate(step, cfg.optim)
         self.stepper.current_step = step + 1  # names the step in anomaly reports
-        out, events = counted_step(self, batches, lr, timer)
+        out, events = counted_step(self, batches, lr, timer, step + 1)
         self.profiler.after_step(step + 1)
         self.sampler.next_step = step + 1
         if not math.isfinite(out.loss) and cfg.precision.precision != "fp16":

@@ -36,7 +36,7 @@ ALWAYS_READ = frozenset({
     "stream_check", "expert_model_parallel_size",
     "train_iters", "lr", "lr_warmup_iters", "lr_decay_style", "weight_decay", "adam_beta1",
     "adam_beta2", "adam_eps", "clip_grad", "rerun_on_anomaly", "spike_factor",
-    "optimizer_cpu_offload",
+    "optimizer_cpu_offload", "host_sync_interval",
     "precision", "fp8_format", "data_path", "split", "mock_data", "micro_batch_size", "global_batch_size",
     "reset_attention_mask", "reset_position_ids", "eod_mask_loss",
     "save", "load", "finetune", "use_checkpoint_args",

@@ -166,7 +166,7 @@ def test_trainer_step_reads_moe_figures_with_its_one_wait():
     with an unpadded capacity too (the dropped copies sort last, static shapes)."""
     from engine.training.trainer import Trainer
     from parallel.state import LaunchEnv
-    argv = ["--mock-data", "--vocab-size", "64", "--no-progress", "--device", "cpu", "--num-layers", "2",
+    argv = ["--mock-data", "--vocab-size", "64", "--no-progress", "--host-sync-interval", "1", "--device", "cpu", "--num-layers", "2",
             "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
             "--global-batch-size", "4", "--micro-batch-size", "2", "--train-iters", "2",
             "--lr-warmup-iters", "0", "--num-experts", "4", "--moe-router-score-function", "sigmoid",

@@ -25,7 +25,8 @@ STEPS = 3
 BASE = ["--mock-data", "--vocab-size", "256", "--no-progress", "--device", "cpu",
         "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--global-batch-size", "8", "--micro-batch-size", "1",
-        "--train-iters", str(STEPS), "--lr-warmup-iters", "0", "--log-interval", "100"]
+        "--train-iters", str(STEPS), "--lr-warmup-iters", "0", "--log-interval", "100",
+        "--host-sync-interval", "1"]
 PP2 = ["--pp", "2", "--dp", "2"]
 LAYOUTS = {
     "1f1b": PP2 + ["--pipeline-schedule", "1f1b", "--eval-interval", "2", "--eval-iters", "1"],
@@ -140,7 +141,8 @@ def test_clock_counts_waits_for_stamps_after_the_last_read():
 
 def test_timeline_marks_the_wait(tmp_path):
     trace = tmp_path / "t.json"
-    trainer = Trainer(parse_args(BASE[:-2] + ["--num-layers", "2", "--train-iters", "2",
+    trainer = Trainer(parse_args(BASE[:-4] + ["--num-layers", "2", "--train-iters", "2",
+                                             "--host-sync-interval", "1",
                                              "--timeline", str(trace)]))
     try:
         trainer.train()
@@ -155,3 +157,18 @@ def test_timeline_marks_the_wait(tmp_path):
         mark = next(e for e in marks if e["args"]["step"] == step)
         assert spans["grad sync"]["ts"] <= mark["ts"] + 0.01
         assert mark["ts"] <= spans["optimizer"]["ts"] + 0.01
+
+
+def test_the_dispatch_mode_counts_step_one_and_every_interval_th_step():
+    """Where the dispatch mode counts (CPU), --host-sync-interval N counts step 1 and every N-th
+    step, the others' host_syncs null; by default N is --log-interval."""
+    from parallel.state import LaunchEnv
+    serial = BASE[:-4]  # (without --log-interval 100 --host-sync-interval 1)
+    assert "--host-sync-interval" not in serial and "--log-interval" not in serial
+    for flags, want in ((["--train-iters", "7", "--host-sync-interval", "3"], [1, 3, 6]),
+                        (["--train-iters", "5", "--log-interval", "2"], [1, 2, 4])):
+        records = Trainer(parse_args(serial + flags), launch=LaunchEnv()).train().records
+        counted = [i + 1 for i, r in enumerate(records) if r["host_syncs"] is not None]
+        assert counted == want, (flags, counted)
+        assert all(r["host_syncs"] == 1 for r in records if r["host_syncs"] is not None), flags
+        assert all(r["host_sync_points"] is None for r in records if r["host_syncs"] is None), flags

@@ -22,7 +22,7 @@ STEPS, MICRO, MOE_LAYERS = 3, 2, 2
 BASE = ["--mock-data", "--vocab-size", "128", "--no-progress", "--device", "cpu",
         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--global-batch-size", "8", "--micro-batch-size", "2",
-        "--train-iters", str(STEPS), "--lr-warmup-iters", "0", "--log-interval", "100",
+        "--train-iters", str(STEPS), "--lr-warmup-iters", "0", "--log-interval", "100", "--host-sync-interval", "1",
         "--dp", "2", "--timeout-s", "60"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
        "--moe-z-loss-coeff", "1e-3"]

@@ -42,7 +42,8 @@ DELAY_S = 0.02
 BASE = ["--mock-data", "--vocab-size", "256", "--no-progress", "--device", "cpu",
         "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--global-batch-size", "8", "--micro-batch-size", "1",
-        "--train-iters", str(STEPS), "--lr-warmup-iters", "0", "--log-interval", "100"]
+        "--train-iters", str(STEPS), "--lr-warmup-iters", "0", "--log-interval", "100",
+        "--host-sync-interval", "1"]
 INTERLEAVED = BASE + ["--pp", "2", "--dp", "2", "--pipeline-schedule", "interleaved",
                       "--virtual-pipeline-size", "2", "--use-distributed-optimizer",
                       "--overlap-param-gather"]
