@@ -162,7 +162,10 @@ def test_peaks_per_precision(device, fp32, tf32, half):
 def test_peak_lookup_rejects_unknowns():
     assert peak_tflops("Tesla V100", "bf16") is None
     with pytest.raises(ValueError, match="precision"):
-        peak_tflops("h100", "fp8")
+        peak_tflops("h100", "int4")
+    # FP8: the dense peak where the chip has one (H100/H200 SXM: 1979 TFLOP/s), none on an A100
+    assert peak_tflops("h100", "fp8") == peak_tflops("h200", "fp8") == 1979.0
+    assert peak_tflops("a100-80gb", "fp8") is None
 
 
 @pytest.mark.parametrize("raw,key", [
