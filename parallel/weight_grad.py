@@ -29,6 +29,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from parallel.module_attrs import set_where_present
+
 
 class _Token:
     """Stands for one queued closure's held tensors (weak-referenceable, unlike object())."""
@@ -105,13 +107,7 @@ class WeightGradStore:
 def attach_weight_grad_store(modules, store: WeightGradStore | None) -> int:
     """Give ``store`` (None: detach) to every module of ``modules`` that supports the split;
     returns how many got it."""
-    count = 0
-    for module in (modules if isinstance(modules, (list, tuple)) else [modules]):
-        for m in module.modules():
-            if hasattr(m, "weight_grad_store"):
-                m.weight_grad_store = store
-                count += 1
-    return count
+    return set_where_present(modules, "weight_grad_store", store)
 
 
 def accumulate(param: torch.nn.Parameter, grad: torch.Tensor) -> None:

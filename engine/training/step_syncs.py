@@ -20,7 +20,7 @@ import contextlib
 from parallel.pipeline.timeline import TimelineEvent, gather_events, write_chrome_trace
 
 
-def counted_step(trainer, batches, lr: float, timer, step: int = 1):
+def counted_step(trainer, batches, lr: float, timer, step: int):
     """``trainer.stepper.run`` (of 1-based ``step``) inside the step's counting window, the
     whole-step ``timer`` stopped there and the previous step's record completed (read without
     waiting: after this step's wait). Returns (StepOutput, the step's SyncEvents, or None where

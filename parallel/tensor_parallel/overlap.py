@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from parallel.comm import group_size
+from parallel.module_attrs import set_where_present
 from parallel.tensor_parallel.fp8 import Fp8Backward, Fp8Forward, Fp8Spec
 from parallel.tensor_parallel.mappings import _check_divisible, _gather
 from parallel.tensor_parallel.overlap_fused import fused_path
@@ -298,10 +299,4 @@ def set_tp_comm_overlap(modules, mode: str | None = "auto") -> int:
     only where the layer runs under sequence parallelism (the config refuses the flag without)."""
     if mode is not None and mode not in OVERLAP_MODES:
         raise ValueError(f"tp_comm_overlap mode must be one of {OVERLAP_MODES} or None, got {mode!r}")
-    count = 0
-    for module in (modules if isinstance(modules, (list, tuple)) else [modules]):
-        for m in module.modules():
-            if hasattr(m, "tp_comm_overlap"):
-                m.tp_comm_overlap = mode
-                count += 1
-    return count
+    return set_where_present(modules, "tp_comm_overlap", mode)
