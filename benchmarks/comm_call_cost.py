@@ -78,12 +78,12 @@ def _bookkeeping_us(group, op: str, t, out, calls: int) -> float:
 
 
 def _worker(rank: int, port: int, args, out: str) -> None:
-    from parallel.state import LaunchEnv, ParallelState
-    from parallel.topology import RankGrid
+    from parallel.grid.state import LaunchEnv, ParallelState
+    from parallel.grid.topology import RankGrid
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     torch.set_num_threads(1)
-    from parallel.backend_rules import get_rules
+    from parallel.runtime.backend_rules import get_rules
     rows = []
     ps = ParallelState.initialize(RankGrid(tp=2), torch.device("cpu"), "gloo", LaunchEnv.from_env())
     for rules in RULES:

@@ -42,7 +42,7 @@ from engine.config.cli import parse_args  # noqa: E402
 from engine.data.corpus import stdlib_dir  # noqa: E402
 from engine.data.prepare import prepare  # noqa: E402
 from engine.training.trainer import Trainer  # noqa: E402
-from parallel.topology import RankGrid  # noqa: E402
+from parallel.grid.topology import RankGrid  # noqa: E402
 from tests.helpers.dist_utils import run_distributed  # noqa: E402
 
 CORPUS_PACKAGES = ("json", "email", "http", "xml", "logging", "asyncio")

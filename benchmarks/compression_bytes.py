@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parallel.comm import wire_bytes  # noqa: E402
+from parallel.runtime.comm import wire_bytes  # noqa: E402
 from parallel.dp import Int8Compressor, OneBitCompressor, TopKCompressor  # noqa: E402
-from parallel.topology import RankGrid  # noqa: E402
+from parallel.grid.topology import RankGrid  # noqa: E402
 from tests.helpers.dist_utils import gather_tensors, record_comm, run_distributed  # noqa: E402
 
 MAKERS = (("none", None), ("int8", lambda: Int8Compressor(256)), ("topk 1%", lambda: TopKCompressor(0.01)),

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.config.cli import parse_args  # noqa: E402
 from engine.observe.metrics import summarize_run  # noqa: E402
 from engine.training.trainer import Trainer  # noqa: E402
-from parallel.topology import RankGrid  # noqa: E402
+from parallel.grid.topology import RankGrid  # noqa: E402
 from tests.helpers.dist_utils import run_distributed  # noqa: E402
 
 BUCKETS_MB = (0.05, 0.25, 1.0, 25.0)

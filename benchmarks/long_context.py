@@ -41,9 +41,9 @@ from engine.plan.memory import layer_activation_bytes  # noqa: E402
 from models import GPTChunk, GPTConfig, LayerContext  # noqa: E402
 from models.layers import Norm, ParallelAttention, ParallelMLP  # noqa: E402
 from parallel.context_parallel import load_balanced, shard_index  # noqa: E402
-from parallel.state import LaunchEnv, ParallelState  # noqa: E402
+from parallel.grid.state import LaunchEnv, ParallelState  # noqa: E402
 from parallel.tensor_parallel import Initializer  # noqa: E402
-from parallel.topology import RankGrid  # noqa: E402
+from parallel.grid.topology import RankGrid  # noqa: E402
 
 PARTS = ("attention", "mlp", "norm")
 MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, block="llama")

@@ -43,7 +43,7 @@ def layer(block: str, moe: bool):
     """One transformer layer (the engine's block) of the benchmark's size."""
     from models import LayerContext, build_chunks
     from models.config import GPTConfig
-    from parallel.state import ParallelState
+    from parallel.grid.state import ParallelState
     from parallel.tensor_parallel import Initializer
     h = HIDDEN
     shape = (dict(num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=4 * h,

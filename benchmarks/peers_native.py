@@ -142,7 +142,7 @@ def native_name(logical: str, model: NativeGPT) -> str | None:
 def copy_engine_weights(model: NativeGPT, args) -> None:
     """Copy the engine's serial weights (same seed, same logical names) into this stage."""
     from models import GPTChunk, GPTConfig, LayerContext
-    from parallel.state import ParallelState
+    from parallel.grid.state import ParallelState
     from parallel.tensor_parallel import Initializer
     cfg = GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                     num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,

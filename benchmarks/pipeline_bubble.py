@@ -55,7 +55,7 @@ from parallel.pipeline.bubble import (COMPUTE_CATS, measured_bubble, simulate,  
 from parallel.pipeline.schedules import (SCHEDULES, build_schedule, chunks_per_rank,  # noqa: E402
                                          has_weight_actions, replay)
 from parallel.pipeline.transfers import exposure  # noqa: E402
-from parallel.topology import RankGrid  # noqa: E402
+from parallel.grid.topology import RankGrid  # noqa: E402
 from tests.helpers.dist_utils import run_distributed  # noqa: E402
 
 

@@ -10,7 +10,7 @@ batches. Each step runs forward and backward untimed on both, then times the par
   gradient buffers (``grad_stats``), the step's one all-reduce and host read
   (``reduce_step_stats``), ``apply_grad_stats``, the optimizer (fused AdamW on CPU), and one
   multi-tensor master-to-parameter copy;
-- "before": the same step written as it was: ``parallel.grad_norm``'s ``*_reference`` loops (an
+- "before": the same step written as it was: ``parallel.grads.norm``'s ``*_reference`` loops (an
   isfinite/any/max per gradient, a mul per gradient to unscale, a norm per gradient, a mul per
   gradient to clip), a host read after the overflow check and another after the norm, the
   per-parameter grad hand-over with ``.to().view_as()``, ``torch.optim.AdamW(foreach=True)`` and
@@ -43,9 +43,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from engine.config.cli import parse_args
 from engine.training.lr_schedule import learning_rate
 from engine.training.trainer import Trainer
-from parallel.grad_norm import (check_and_unscale_reference, counted_grads,
-                                local_norm_sq_reference, scale_reference)
-from parallel.grads import current_grad, sync_sequence_parallel_grads
+from parallel.grads.norm import (check_and_unscale_reference, counted_grads,
+                                 local_norm_sq_reference, scale_reference)
+from parallel.grads.main_grad import current_grad, sync_sequence_parallel_grads
 from parallel.pipeline.executor import sum_embedding_grads
 
 METADATA_OPS = frozenset({

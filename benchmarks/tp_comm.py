@@ -31,9 +31,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import GPTChunk, GPTConfig, LayerContext  # noqa: E402
-from parallel.state import LaunchEnv, ParallelState  # noqa: E402
+from parallel.grid.state import LaunchEnv, ParallelState  # noqa: E402
 from parallel.tensor_parallel import Initializer  # noqa: E402
-from parallel.topology import RankGrid  # noqa: E402
+from parallel.grid.topology import RankGrid  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 

@@ -114,11 +114,11 @@ def _gemm_timer(spans: _Spans):
 def _timeline_rank(rank: int, port: int, shape: tuple, out: str) -> None:
     import torch
     import torch.distributed as dist
-    from parallel.comm import CommGroup
-    from parallel.state import ParallelState
+    from parallel.runtime.comm import CommGroup
+    from parallel.grid.state import ParallelState
     from parallel.tensor_parallel import (ColumnParallelLinear, Initializer, RowParallelLinear,
                                           set_tp_comm_overlap)
-    from parallel.topology import RankGrid
+    from parallel.grid.topology import RankGrid
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

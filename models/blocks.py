@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from models.config import GPTConfig
 from models.layers import Dropout, LayerContext, Norm, ParallelAttention
 from models.moe.layer import build_mlp
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 
 
 class TransformerBlock(nn.Module):

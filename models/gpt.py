@@ -20,7 +20,7 @@ from models.layers import Dropout, LayerContext, Norm
 from models.output import OutputLayer
 from models.registry import BlockRegistry, default_registry
 from parallel.context_parallel import load_balanced, shard_positions
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel.fp8 import set_fp8
 from parallel.tensor_parallel import (VocabParallelEmbedding, copy_to_tp, gather_from_sequence,
                                       padded_vocab_size, scatter_to_sequence,

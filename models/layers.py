@@ -18,10 +18,10 @@ import kernels
 from models.config import GPTConfig
 from parallel.context_parallel import (COMM_TYPES, context_parallel_attention, load_balanced,
                                        shard_positions)
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import ColumnParallelLinear, Initializer, RowParallelLinear, divide
 from parallel.tensor_parallel.layers import column_parallel_linears
-from parallel.weight_grad import layer_norm_split, rms_norm_split
+from parallel.grads.weight_grad import layer_norm_split, rms_norm_split
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class LayerContext:
     ``kernel_paths``: the fused NPU ops this chip runs (the engine's device module chooses them
     from the chip's documented support; off an NPU they have no effect). ``rope_cache`` and
     ``mask_cache``: one RoPE table and one NPU causal mask shared by every layer built from this
-    context, instead of one per layer call. ``rng``: the chunk's ``parallel.random.RNGTracker``
+    context, instead of one per layer call. ``rng``: the chunk's ``parallel.grid.random.RNGTracker``
     (dropout streams per region); None draws every mask from the default generator (single-process
     use of the layers)."""
     init: Initializer
@@ -78,9 +78,10 @@ class LayerContext:
 
 
 class Dropout(nn.Module):
-    """Dropout drawing from one region's stream of the ``LayerContext`` (see parallel/random.py):
-    ``"hidden"`` for activations of the residual stream (a sequence shard under sequence
-    parallelism, else the same on every TP rank), ``"split"`` for a column-parallel output."""
+    """Dropout drawing from one region's stream of the ``LayerContext`` (see
+    parallel/grid/random.py): ``"hidden"`` for activations of the residual stream (a sequence shard
+    under sequence parallelism, else the same on every TP rank), ``"split"`` for a column-parallel
+    output."""
 
     def __init__(self, p: float, ctx: LayerContext, region: str = "hidden"):
         super().__init__()
@@ -116,7 +117,7 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         store = self.weight_grad_store
-        if store is not None:  # parallel/weight_grad.py: fused-kernel arithmetic, W split off
+        if store is not None:  # parallel/grads/weight_grad.py: fused-kernel arithmetic, W split off
             if self.kind == "layernorm":
                 return layer_norm_split(x, self.weight, self.bias, self.eps, store)
             return rms_norm_split(x, self.weight, self.eps, store)
@@ -140,7 +141,7 @@ class ParallelAttention(nn.Module):
     projection and before RoPE (``q_norm``, ``k_norm``: one (d,) weight each, shared by every head,
     as Qwen3). The weight is replicated on the TP ranks but each rank sees only its own heads, so
     its gradient is partial: it is marked like a sequence-parallel norm weight and summed over TP
-    once per step (parallel/grads.py), which keeps the replicas equal.
+    once per step (parallel/grads/main_grad.py), which keeps the replicas equal.
 
     ``forward(x, inputs)`` takes the micro-batch's ``AttentionInputs`` (per-token positions for RoPE,
     documents for packed sequences); without them positions are 0..s-1 and each row one document.

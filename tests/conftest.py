@@ -5,8 +5,8 @@ import pytest
 import torch
 
 # The whole suite runs under HCCL's rules (Atlas A2/A3): every collective the engine issues on gloo
-# is checked against what HCCL accepts (parallel/backend_rules.py). Spawned ranks and torchrun
-# workers inherit the variable; the CLI takes it as the default of --backend-rules.
+# is checked against what HCCL accepts (parallel/runtime/backend_rules.py). Spawned ranks and
+# torchrun workers inherit the variable; the CLI takes it as the default of --backend-rules.
 os.environ.setdefault("GRIDTRON_BACKEND_RULES", "hccl")
 
 # One intra-op thread in this process and in every process it starts (spawned ranks, the CLI and
@@ -32,9 +32,9 @@ def corpus_cache(tmp_path_factory):
 
 @pytest.fixture
 def stream_checker():
-    """The stream-order checker (parallel/stream_check.py), installed and active on the test's
-    thread for the whole test; a violation it recorded fails the test at teardown."""
-    from parallel.stream_check import StreamChecker
+    """The stream-order checker (parallel/runtime/stream_check.py), installed and active on the
+    test's thread for the whole test; a violation it recorded fails the test at teardown."""
+    from parallel.runtime.stream_check import StreamChecker
     checker = StreamChecker()
     with checker.installed():
         yield checker

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from engine.checkpoint.index import CheckpointError
 from engine.checkpoint.writer import (Snapshot, _barrier, before_publish, prepare_dir, publish,
                                       save_checkpoint, snapshot, unchanged_since_load, write_files)
-from parallel import streams
+from parallel.runtime import streams
 
 
 def agree(ps, counts: list[int]) -> list[int]:
@@ -88,9 +88,9 @@ class HostBuffers:
 
 
 class _Flight:
-    """One save being written by a background thread (parallel.streams.start_thread: it binds the
-    rank's device, and the stream-order checker orders the next copy into the host buffers after
-    the thread's reads only through ``join`` or ``finished``)."""
+    """One save being written by a background thread (parallel.runtime.streams.start_thread: it
+    binds the rank's device, and the stream-order checker orders the next copy into the host buffers
+    after the thread's reads only through ``join`` or ``finished``)."""
 
     def __init__(self, snap: Snapshot, device, copied: streams.Event | None = None):
         self.snap, self.error, self.copied = snap, None, copied

@@ -258,7 +258,7 @@ def expected_shapes(cfg: GPTConfig) -> dict[str, list[int]]:
     the meta device (nothing is allocated)."""
     from models import LayerContext
     from models.gpt import GPTChunk
-    from parallel.state import ParallelState
+    from parallel.grid.state import ParallelState
     from parallel.tensor_parallel import Initializer
     from engine.checkpoint.specs import param_specs
     with torch.device("meta"):

@@ -19,7 +19,7 @@ import torch
 
 from engine.checkpoint.index import CheckpointError
 from models.output import OutputLayer
-from parallel.topology import normalise_order
+from parallel.grid.topology import normalise_order
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "virtual_pipeline_size", "placement", "order", "ep", "etp")

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from engine.config.sharding import check_sharding_flags, resolve_sharding
 from models.config import GPTConfig
 from parallel.pipeline.schedules import chunks_per_rank, schedule_placement
-from parallel.expert_groups import ExpertGrid
-from parallel.topology import RankGrid
+from parallel.grid.expert_groups import ExpertGrid
+from parallel.grid.topology import RankGrid
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "1f1b-w", "zb-h1", "zb-v")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -84,14 +84,15 @@ class ParallelConfig:
     # check every collective against a backend's rules: auto (the backend's own on NPU/GPU, none on
     # gloo), none, hccl (Atlas A2/A3), hccl:950, nccl
     backend_rules: str = "auto"
-    # help: run under the stream-order checker (parallel/stream_check.py): every access of a storage
-    # from two streams, threads or communicators must be ordered; a violation ends the run (slow: for
-    # tests and the layout fuzzer)
+    # help: run under the stream-order checker (parallel/runtime/stream_check.py): every access of a
+    # storage from two streams, threads or communicators must be ordered; a violation ends the run
+    # (slow: for tests and the layout fuzzer)
     stream_check: bool = False
     # the process groups' backend: auto (the device's: hccl, nccl, gloo on the CPU), or gloo with
     # device tensors (two processes on one GPU, which NCCL refuses; benchmarks/device_two_ranks.py)
     distributed_backend: str = "auto"
-    # mixture of experts: EP ranks drawn from the dp x cp ranks of a stage (parallel/expert_groups.py)
+    # mixture of experts: EP ranks drawn from the dp x cp ranks of a stage
+    # (parallel/grid/expert_groups.py)
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1  # 1 or tp: the TP group splits every expert
 

@@ -9,13 +9,13 @@
   ``native_syncs.py`` counts CUDA's own synchronizing-operation warnings (CUDA runs);
 - ``compile.py``: torch.compile with the device's backend and its artifact cache;
 - ``streams``: side streams, events, ``record_stream`` and device-bound worker threads, re-exported
-  from ``parallel.streams``. The stream API lives in parallel/streams.py for layering reasons:
-  parallel/ (the DP exchange worker, ZeRO-2's storage release, the pipeline watchdog) needs it and
-  may not import engine/. The stream-order checker that tests install over it is
-  ``parallel.stream_check`` (docs/streams.md).
+  from ``parallel.runtime.streams``. The stream API lives in parallel/runtime/streams.py for
+  layering reasons: parallel/ (the DP exchange worker, ZeRO-2's storage release, the pipeline
+  watchdog) needs it and may not import engine/. The stream-order checker that tests install over it
+  is ``parallel.runtime.stream_check`` (docs/streams.md).
 
 Nothing outside this package calls ``torch.cuda`` or imports ``torch_npu`` for device control.
-Imports only ``engine.base`` (and ``kernels.dispatch`` for the kernel paths, ``parallel.streams``
-for the stream API).
+Imports only ``engine.base`` (and ``kernels.dispatch`` for the kernel paths,
+``parallel.runtime.streams`` for the stream API).
 """
-from parallel import streams  # noqa: F401 - the stream API, see above
+from parallel.runtime import streams  # noqa: F401 - the stream API, see above

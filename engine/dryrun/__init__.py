@@ -58,7 +58,7 @@ def prepare(cfg, world_size: int, devices_per_node: int = 8):
     from engine.base import ConfigError
     from engine.training.validate import validate_run
     from parallel.dp import CompressionPolicy, PolicyError
-    from parallel.state import LaunchEnv
+    from parallel.grid.state import LaunchEnv
     cfg = copy.deepcopy(cfg)
     notes = []
     if cfg.data.data_path and not cfg.data.mock_data and "vocab_size" not in cfg.explicit:
@@ -117,7 +117,7 @@ def dry_run(cfg, world_size: int, device: str | None = None, memory_gb: float | 
     from engine.training.validate import planner_inputs
     from engine.plan.hardware import get_device_spec
     from engine.plan.model import GIB, MEMORY_USABLE_FRACTION, PLAN_PRECISION, backend_of
-    from parallel.backend_rules import resolve
+    from parallel.runtime.backend_rules import resolve
     spec = get_device_spec(device) if device else None
     cfg, source = _precision(cfg, device if spec is not None else None, PLAN_PRECISION)
     per_node = devices_per_node or (spec.devices_per_node if spec else None) or 8

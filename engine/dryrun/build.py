@@ -36,8 +36,8 @@ from engine.device.runtime import DeviceInfo
 from engine.dryrun import assumed
 from parallel.dp.policy import CompressionPolicy
 from parallel.expert_parallel import init_expert_groups
-from parallel.state import LaunchEnv, ParallelState
-from parallel.topology import RankGrid
+from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.topology import RankGrid
 
 FAKE_BACKEND = "cpu:fake,meta:fake"
 META = torch.device("meta")

@@ -15,16 +15,16 @@ key/value groups split evenly, CP ranks hold equal sequence shards. ZeRO pads ev
 bucket to a multiple of dp x 16 elements, so every shard of the DP x CP group has the same size
 (the padding sits in the last ranks' shards), but the fix-ups after the reduction work on a rank's
 own shard: the all-reduce over TP of the sequence-parallel norms' gradients
-(parallel/grads.py) covers the part of those norms that lies in the rank's shard, and none at all
-when no norm does. So under ZeRO a stage's role is split by ``shard_signatures`` (computed from the
-built reducer's buckets, identical on every rank of the stage) into the shard positions that sum
-the same number of elements; large models, whose norms sit in buckets of their own, split into
-none. tests/engine/dryrun/test_dryrun.py builds every rank of small layouts and checks that the ranks of one
-role record the same bytes.
+(parallel/grads/main_grad.py) covers the part of those norms that lies in the rank's shard, and none
+at all when no norm does. So under ZeRO a stage's role is split by ``shard_signatures`` (computed
+from the built reducer's buckets, identical on every rank of the stage) into the shard positions
+that sum the same number of elements; large models, whose norms sit in buckets of their own, split
+into none. tests/engine/dryrun/test_dryrun.py builds every rank of small layouts and checks that the
+ranks of one role record the same bytes.
 
 Mixture-of-experts layers (docs/moe.md): an MoE layer's experts are split over the EP ranks of the
-stage (E/ep each, ``parallel/expert_groups.py``), so the ranks of a stage hold different experts
-but the same number of them: the expert part is per EP rank and changes no byte count either
+stage (E/ep each, ``parallel/grid/expert_groups.py``), so the ranks of a stage hold different
+experts but the same number of them: the expert part is per EP rank and changes no byte count either
 (``RoleRecord.holds`` lists which experts each EP rank holds). Which layers are MoE layers
 (``--moe-layer-freq``) does: a stage's signature counts its MoE layers per chunk.
 
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from parallel.pipeline.partition import placement_stages, stage_layers
 from parallel.pipeline.schedules import build_schedule, in_flight_peaks
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def expert_holdings(cfg, grid: RankGrid, role: Role) -> dict:
     rank (under ETP = tp each TP rank holds its 1/etp slice of those experts), as
     ``{"experts_per_rank", "ep", "edp", "etp", "experts_of_ep_rank": {i: [first, last]},
     "ep_rank_of": {rank: i}}``."""
-    from parallel.expert_groups import ExpertGrid
+    from parallel.grid.expert_groups import ExpertGrid
     e = cfg.model.num_experts
     if e is None or not role.moe_layers:
         return {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.fuzz.space import Case
-from parallel.lanes import order_mismatch
+from parallel.runtime.lanes import order_mismatch
 
 REL = 1e-4
 
@@ -19,7 +19,7 @@ REL = 1e-4
 def train_serial(case: Case, steps: int) -> dict:
     from engine.config.cli import parse_args
     from engine.training.trainer import Trainer
-    from parallel.state import LaunchEnv
+    from parallel.grid.state import LaunchEnv
     trainer = Trainer(parse_args(case.serial_argv(steps)), launch=LaunchEnv())
     try:
         records = trainer.train().records

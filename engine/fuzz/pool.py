@@ -30,10 +30,10 @@ P2P = ("send", "recv")
 
 def train_checked(argv: list[str]) -> dict:
     """One rank of one case: the trainer under the stream-order checker, with the sequence of
-    collectives it submitted to each communicator (parallel/lanes.py ``order_mismatch``)."""
+    collectives it submitted to each communicator (parallel/runtime/lanes.py ``order_mismatch``)."""
     from engine.config.cli import parse_args
     from engine.training.trainer import Trainer
-    from parallel.stream_check import StreamChecker
+    from parallel.runtime.stream_check import StreamChecker
     checker, order = StreamChecker(), []
 
     def record(event) -> None:

@@ -3,10 +3,10 @@ waited for them.
 
 A collective cannot complete before its last member has entered it, so the time a rank spends
 blocked in the communication layer (inside a synchronous collective, in ``wait()`` on the handle
-of an asynchronous one such as a DP bucket, in the pipeline's receives; parallel/comm.py records
-these spans) is the time it waited for its peers plus the transfer itself. The rest of its step is
-its own work, "compute" below: forward, backward, optimizer, data and host overhead. A slow rank
-computes longer and waits less; its peers wait for it::
+of an asynchronous one such as a DP bucket, in the pipeline's receives; parallel/runtime/comm.py
+records these spans) is the time it waited for its peers plus the transfer itself. The rest of its
+step is its own work, "compute" below: forward, backward, optimizer, data and host overhead. A slow
+rank computes longer and waits less; its peers wait for it::
 
     rank 0:  |== compute 0.20 ==|........ waits 0.30 for rank 1 ........|== reduce ==|
     rank 1:  |================ compute 0.50 =================|. 0.00 .|== reduce ==|

@@ -39,7 +39,7 @@ class RunFlops:
 def block_forward_flops(block_cls, cfg) -> float:
     """FLOPs of one block's forward over one sequence of ``cfg.seq_length``, counted on meta."""
     from models.layers import LayerContext
-    from parallel.state import ParallelState
+    from parallel.grid.state import ParallelState
     from parallel.tensor_parallel import Initializer
     ctx = LayerContext(Initializer(0, cfg.init_std))
     with torch.device("meta"):

@@ -163,8 +163,8 @@ def communicators(layout: Layout, tied_embeddings: bool, stage: str = "first",
     collective (world, tp, cp, dp or, when cp > 1, dp x cp, pp, and the tied-embedding pair of
     the first and last stages; the training step sums the gradient norm in its statistics
     all-reduce over the world, so the mp = tp x pp group issues none; with compression, the
-    exchange worker's own dp x cp communicator, parallel/lanes.py; with ``moe``, a stage holding
-    MoE layers, and ep > 1 the EP group's all-to-alls and the EDP group's expert gradient
+    exchange worker's own dp x cp communicator, parallel/runtime/lanes.py; with ``moe``, a stage
+    holding MoE layers, and ep > 1 the EP group's all-to-alls and the EDP group's expert gradient
     reduction), and, with pp > 1, its
     pipeline neighbours (one at either end; two for a middle stage, and at the ends when the
     interleaved schedule wraps the last stage around to the first and pp > 2).

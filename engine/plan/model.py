@@ -289,7 +289,7 @@ class Layout:
     overlap_param_gather: bool = True
     # Expert parallelism (MoE layers): ep ranks drawn from the dp x cp ranks of a stage hold E/ep
     # experts each; expert gradients reduce over the expert-data-parallel group of dp x cp / ep
-    # ranks (parallel/expert_groups.py). Last, so that positional layouts keep their meaning.
+    # ranks (parallel/grid/expert_groups.py). Last, so that positional layouts keep their meaning.
     ep: int = 1
     # Expert tensor parallelism: 1 (every TP rank holds whole replicas of its E/ep experts) or tp
     # (the TP group splits every expert like the dense MLP; the EP and EDP groups are unchanged,
@@ -400,9 +400,9 @@ def moe_expert_tokens(shape: ModelShape, layout: Layout) -> float:
 
 
 def check_moe_layout(shape: ModelShape, layout: Layout) -> str | None:
-    """The expert rules (engine/config/schema.py ``check_expert_flags``, parallel/expert_groups.py):
-    ep divides dp x cp and the experts, etp is 1 or tp and divides the expert width, so that every
-    command the planner prints runs."""
+    """The expert rules (engine/config/schema.py ``check_expert_flags``,
+    parallel/grid/expert_groups.py): ep divides dp x cp and the experts, etp is 1 or tp and divides
+    the expert width, so that every command the planner prints runs."""
     ep, etp, moe = layout.ep, layout.etp, shape.moe
     if moe is None:
         if etp > 1:

@@ -80,7 +80,7 @@ def group_of_rank0(order: str, sizes: dict[str, int], dims: tuple[str, ...]) -> 
 
 
 def expert_groups_of_rank0(order: str, sizes: dict[str, int], ep: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(EP group, EDP group) of rank 0 (parallel/expert_groups.py): its dp x cp group, in rank
+    """(EP group, EDP group) of rank 0 (parallel/grid/expert_groups.py): its dp x cp group, in rank
     order, cut into consecutive blocks of ``ep`` ranks (the EP groups); the ranks at the same
     position of every block form an EDP group.
 

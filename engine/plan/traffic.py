@@ -1,7 +1,7 @@
 """Bytes per step that one device hands to collectives, by group kind: the planner's messages
 (timing.py prices the same ones) counted the way the engine's communication layer counts payload
-(parallel/comm.py): an all-reduce and a reduce-scatter their whole input, an all-gather its own
-shard, a point-to-point transfer the tensor it sends. ``engine.dryrun`` compares these with the
+(parallel/runtime/comm.py): an all-reduce and a reduce-scatter their whole input, an all-gather its
+own shard, a point-to-point transfer the tensor it sends. ``engine.dryrun`` compares these with the
 bytes the engine's own step issues.
 
 Per micro-batch and layer, with ``msg = e s b h / cp`` (e: bytes per activation element) on tp
@@ -101,9 +101,9 @@ def moe_tp_per_layer(shape: ModelShape, layout: Layout, msg: float) -> float:
 
 def moe_sp_grad_sync(shape: ModelShape, layout: Layout, stage: int) -> float:
     """Bytes the MoE layers add to the once-per-step all-reduce over TP of the gradients marked
-    ``sequence_parallel`` (parallel/grads.py; fp32; under ZeRO this rank's shards: the router's
-    over dp x cp, the experts' over EDP, 1/shards on average). Under sequence parallelism each TP
-    rank routes its own tokens, so the router's (E, h) gradient and, with ETP = 1, its whole
+    ``sequence_parallel`` (parallel/grads/main_grad.py; fp32; under ZeRO this rank's shards: the
+    router's over dp x cp, the experts' over EDP, 1/shards on average). Under sequence parallelism
+    each TP rank routes its own tokens, so the router's (E, h) gradient and, with ETP = 1, its whole
     experts' are partial sums over TP (models/moe/layer.py); with ETP = tp, SP or not, the expert
     slices are whole but the gpt2 experts' fc2 biases (E/ep per MoE layer, whole on every TP
     rank, used by ETP rank 0 only, models/moe/experts.py) are. Zero with tp = 1. (The dense

@@ -25,7 +25,7 @@ import torch
 
 from engine.device.clock import DeviceClock, EventPair
 from engine.device.runtime import DeviceInfo
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 OPS = COLLECTIVES + ("send_recv",)

@@ -22,7 +22,7 @@ from engine.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from engine.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from models import GPTConfig, LayerContext
 from models.gpt import GPTChunk
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
 
 

@@ -5,8 +5,8 @@ Failures end the process with one line on stderr instead of a hang or a bare tra
 configuration or checkpoint (exit 2), a diverged loss or a persistent bad step (exit 1, naming the
 last good checkpoint; engine/observe/anomaly.py) and a collective that timed out or lost a peer (exit 1,
 naming the operation, its process group, this rank, and from the peers' heartbeats the members that
-entered it and those that did not; parallel/heartbeat.py), so that torchrun stops, or restarts, the
-whole job.
+entered it and those that did not; parallel/runtime/heartbeat.py), so that torchrun stops, or
+restarts, the whole job.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ _COMM = re.compile(r"timed out|timeout|connection (reset|closed)|closed by peer|
 def describe_comm_failure(exc: BaseException, ps, timeout_s: float | None = None) -> str | None:
     """Name the collective, its process group and the code that issued it for a communication
     error (from the CommGroup call in the traceback); None when ``exc`` is not one."""
-    from parallel.comm import CommGroup
+    from parallel.runtime.comm import CommGroup
     from parallel.pipeline.p2p import PipelineCommError
     if isinstance(exc, PipelineCommError):
         peers = _peers(ps)
@@ -99,7 +99,7 @@ def run_config(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> int:
     from engine.checkpoint import CheckpointError
     from engine.config.schema import ParallelConfig
-    from parallel.state import LaunchEnv
+    from parallel.grid.state import LaunchEnv
     launch, timeout_s = LaunchEnv.from_env(), ParallelConfig().timeout_s
     try:
         cfg = run_config(argv)
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         return stop(f"checkpoint error: {exc}", launch, timeout_s)
     if not cfg.parallel.stream_check:
         return train(cfg, launch, timeout_s)
-    from parallel.stream_check import StreamChecker
+    from parallel.runtime.stream_check import StreamChecker
     checker = StreamChecker()
     with checker.installed():  # before the trainer starts a thread or a communicator
         code = train(cfg, launch, timeout_s)
@@ -130,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
 def train(cfg, launch, timeout_s: float) -> int:
     """Build the trainer, train, print the summary; the exit code."""
     from engine.checkpoint import CheckpointError
-    from parallel.state import Disagreement, PeerStopped, RendezvousError
+    from parallel.grid.state import Disagreement, PeerStopped, RendezvousError
     from engine.observe.anomaly import PersistentAnomaly
     from engine.training.trainer import Trainer, TrainingDiverged
     try:
-        trainer = Trainer(cfg)  # meets the other ranks first (parallel/state.py Rendezvous)
+        trainer = Trainer(cfg)  # meets the other ranks first (parallel/grid/state.py Rendezvous)
     except PeerStopped as exc:  # the lowest rank that stopped says why
         return stop(exc.message, launch, timeout_s, Report.of(exc.meeting, exc.rank))
     except Disagreement as exc:  # every rank found it, and every rank says it (its log may be
@@ -196,7 +196,7 @@ class Report:
 
     @classmethod
     def of(cls, meeting, rank: int, everyone: bool = False) -> "Report":
-        """The report of a failed rendezvous meeting (parallel/state.py ``Rendezvous``)."""
+        """The report of a failed rendezvous meeting (parallel/grid/state.py ``Rendezvous``)."""
         return cls(rank, meeting.store, meeting.name, meeting.hosts, meeting.arrived, everyone)
 
     def says(self, me: int) -> bool:
@@ -226,7 +226,7 @@ def stop(line: str, launch, timeout_s: float, report: Report | None = None) -> i
     """End this rank on a user's mistake (exit 2) with ``line`` printed once for the whole job,
     by the lowest rank that found it (by every rank when ``report.everyone``: ranks that disagree),
     whichever phase found it: before the process group the
-    ranks compare notes at the rendezvous (parallel/state.py ``Rendezvous.stop``), after it
+    ranks compare notes at the rendezvous (parallel/grid/state.py ``Rendezvous.stop``), after it
     through the process group's store. ``report``: who says it, when already known.
 
     torchrun's agent restarts the workers after any non-zero exit while --max-restarts allows
@@ -255,7 +255,7 @@ def first_to_report(line: str, launch, timeout_s: float) -> Report:
     no other rank can be asked)."""
     import torch.distributed as dist
 
-    from parallel.state import LayoutError, Rendezvous, RendezvousError
+    from parallel.grid.state import LayoutError, Rendezvous, RendezvousError
     if launch.world_size == 1:
         return Report(launch.rank)
     try:
@@ -298,7 +298,7 @@ def run_and_exit(argv: list[str] | None = None) -> None:
     try:
         code = main(argv)
     except KeyboardInterrupt:
-        from parallel.state import LaunchEnv
+        from parallel.grid.state import LaunchEnv
         if LaunchEnv.from_env().rank == 0:
             print("gridtron: interrupted (SIGINT) outside the training steps; nothing was saved "
                   "by this run after its last checkpoint", file=sys.stderr)

@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from parallel.grad_norm import clip_coefficient
+from parallel.grads.norm import clip_coefficient
 
 
 @dataclass

@@ -54,12 +54,12 @@ from engine.training.step_stats import (StepAgreement, StepStats, mean_loss_over
                                         reduce_step_stats)
 from models.moe.stats import set_aux_grad_scale
 from models.moe.step_figures import StepFigures, update_expert_bias
-from parallel.grads import sync_sequence_parallel_grads
+from parallel.grads.main_grad import sync_sequence_parallel_grads
 from parallel.pipeline.bubble import COMPUTE_CATS, phase_times
 from parallel.pipeline.executor import run_schedule, sum_embedding_grads
 from parallel.pipeline.schedules import forward_only_schedule
 from parallel.pipeline.timeline import TimelineEvent
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 
 TIME_KEYS = ("time_forward_backward_s", "time_dp_finish_s", "time_grad_sync_s", "time_clip_s",
              "time_optimizer_s")
@@ -75,7 +75,7 @@ class StepOutput:
     grad_norm: float | None
     skipped: bool
     loss_scale: float
-    comm: dict  # per group kind: calls, payload_bytes, wire_bytes this step (parallel/comm.py)
+    comm: dict  # per group kind: calls, payload_bytes, wire_bytes this step (runtime/comm.py)
     pipeline: object = None  # PipelineResult when pp > 1
     times: dict = field(default_factory=dict)  # TIME_KEYS: device seconds, mean over ranks
     marks: list = field(default_factory=list, repr=False)  # (name, cat, start, end, micro, chunk)

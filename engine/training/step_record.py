@@ -30,7 +30,7 @@ def comm_metrics(comm: dict, compiled: bool = False) -> dict:
     DP, the ring-model bytes on the wire. DP is the gradient/parameter group (DP x CP with context
     parallelism) and, under expert parallelism, the expert-data-parallel group its expert
     gradients and parameters go over (kind ``edp``); PP counts the activations and gradients this rank sends to its neighbours. TP and
-    CP collectives inside compiled chunks are not counted (parallel/comm.py): null then."""
+    CP collectives inside compiled chunks are not counted (parallel/runtime/comm.py): null then."""
     def total(kinds, key):
         return sum(comm[k][key] for k in kinds)
     dp = ("dp", "dp_cp", "edp")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.device.clock import DeviceClock
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 
 def mean_loss_over_grid(local_sum, ps: ParallelState, device,
                         holds_loss: bool | None = None, clock: DeviceClock | None = None) -> float:

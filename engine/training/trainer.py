@@ -40,7 +40,7 @@ from models import LayerContext, build_chunks
 from models.gpt import set_fp8_layers
 from models.layers import ParallelAttention
 from models.registry import BlockRegistry
-from parallel.backend_rules import resolve as resolve_rules
+from parallel.runtime.backend_rules import resolve as resolve_rules
 from parallel.context_parallel import init_ring
 from parallel.dp import CompressionPolicy, PolicyError
 from parallel.expert_parallel import init_expert_groups
@@ -48,11 +48,11 @@ from parallel.pipeline.bubble import theoretical_bubble
 from parallel.pipeline.partition import placement_stages, stage_layers
 from parallel.pipeline.p2p import init_p2p, waiter_for
 from parallel.pipeline.schedules import build_schedule, has_weight_actions, validate_schedule
-from parallel.random import ModelParallelRNG
-from parallel.state import LaunchEnv, ParallelState
+from parallel.grid.random import ModelParallelRNG
+from parallel.grid.state import LaunchEnv, ParallelState
 from parallel.tensor_parallel import Initializer, set_tp_comm_overlap
 from parallel.tensor_parallel.overlap_fused import probe_mode
-from parallel.weight_grad import WeightGradStore, attach_weight_grad_store
+from parallel.grads.weight_grad import WeightGradStore, attach_weight_grad_store
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -102,7 +102,7 @@ class Trainer:
                            cfg.parallel.expert_tensor_parallel_size, exchange=compressed)
         self.is_main = self.ps.rank == 0
         self.say_notes((*notes, *self.dev.notes))  # and the chip's fallbacks
-        from parallel.heartbeat import Heartbeat
+        from parallel.runtime.heartbeat import Heartbeat
         self.heartbeat = Heartbeat.for_state(self.ps, cfg.parallel.timeout_s, self.dev.backend)
         self._build_data()
         self._build_model()
@@ -141,8 +141,8 @@ class Trainer:
                            sequence_parallel=cfg.parallel.sequence_parallel and ps.tp_size > 1,
                            recompute=cfg.parallel.recompute,
                            cp_comm_type=cfg.parallel.cp_comm_type, kernel_paths=self.dev.kernel_paths)
-        # dropout streams (parallel/random.py): per chunk, split regions per TP rank, replicated
-        # regions the same on every TP rank, all distinct over pp, dp, cp and chunks
+        # dropout streams (parallel/grid/random.py): per chunk, split regions per TP rank,
+        # replicated regions the same on every TP rank, all distinct over pp, dp, cp and chunks
         self.rng = ModelParallelRNG.for_state(cfg.seed, ps, vp)
         self.rng.seed_default()
         ctxs = [dataclasses.replace(ctx, rng=tracker) for tracker in self.rng.trackers]
@@ -205,7 +205,7 @@ class Trainer:
             self.waiter = waiter_for(self.dev.backend)
             if has_weight_actions(self.schedule_lists):
                 # the B/W split: the layers queue weight gradients in B, the schedule's W runs
-                # them into main_grad and tells the reducer (parallel/weight_grad.py)
+                # them into main_grad and tells the reducer (parallel/grads/weight_grad.py)
                 self.weight_grads = WeightGradStore(on_ready=self.reducer.grad_accumulated)
                 self.reducer.disable_grad_views()
                 attach_weight_grad_store(list(self.chunks), self.weight_grads)

@@ -24,8 +24,8 @@ from models.blocks import takes_attention_inputs
 from models.registry import BlockRegistry, default_registry
 from parallel.dp.policy import CompressionPolicy
 from parallel.pipeline.partition import partition_layers
-from parallel.state import LaunchEnv, LayoutError, check_layout
-from parallel.topology import RankGrid
+from parallel.grid.state import LaunchEnv, LayoutError, check_layout
+from parallel.grid.topology import RankGrid
 
 
 def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | None = None,

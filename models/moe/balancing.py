@@ -5,8 +5,8 @@ shares of a TP group under sequence parallelism are summed, is the loss of the s
 exactly as a micro-batch's mean token loss averages to the global one. The shares follow the
 gradient's path: the reducer averages gradients over the DP x CP ranks, and under sequence
 parallelism the router's and the experts' gradients are summed over the TP ranks (each saw its own
-tokens, parallel/grads.py ``sync_sequence_parallel_grads``), so back-propagating the share gives
-the gradient of the layout-independent loss in every layout.
+tokens, parallel/grads/main_grad.py ``sync_sequence_parallel_grads``), so back-propagating the share
+gives the gradient of the layout-independent loss in every layout.
 
 - ``aux_loss`` (Switch / GShard, Megatron's global aux loss): coeff * E / K * sum_i f_i P_i with
   f_i the fraction of the micro-step's token assignments that chose expert i and P_i the mean
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.comm import CommGroup
+from parallel.runtime.comm import CommGroup
 
 
 def aux_loss_share(scores: torch.Tensor, counts: torch.Tensor, topk: int, coeff: float,

@@ -34,7 +34,7 @@ dim it splits; the gradient norm counts every TP rank's slice). Each rank's fc2 
 partial sum, reduced over TP by the layer after the combine (models/moe/layer.py); the fc2 bias is
 whole on every TP rank and added by ETP rank 0 only, so it counts once in that sum, and it is
 marked ``sequence_parallel``: its gradient (on ETP rank 0) is summed over TP once per step,
-keeping the replicas equal (parallel/grads.py).
+keeping the replicas equal (parallel/grads/main_grad.py).
 
 Under a zero-bubble schedule (a ``WeightGradStore`` attached) each projection is one
 ``_GroupedLinearDeferW`` (models/moe/grouped_split.py): the input gradient in B, one closure per

@@ -1,7 +1,7 @@
 """The experts' projections with the weight gradients split off (the W of a zero-bubble schedule,
-parallel/weight_grad.py): ``_GroupedLinearDeferW``, the grouped counterpart of ``_LinearDeferW``
-(parallel/tensor_parallel/split_linear.py), used by ``LocalExperts`` when a ``WeightGradStore`` is
-attached to its experts.
+parallel/grads/weight_grad.py): ``_GroupedLinearDeferW``, the grouped counterpart of
+``_LinearDeferW`` (parallel/tensor_parallel/split_linear.py), used by ``LocalExperts`` when a
+``WeightGradStore`` is attached to its experts.
 
 One projection (fc1, gate-up or fc2) over the local experts: row group g of x (rows up to
 ``offsets[g]``, sorted by expert) times expert g's block of the stacked weight (G, out, in), plus
@@ -27,7 +27,7 @@ import torch
 
 import kernels
 from kernels.grouped_gemm import row_groups
-from parallel.weight_grad import WeightGradStore, accumulate, apply_split
+from parallel.grads.weight_grad import WeightGradStore, accumulate, apply_split
 
 
 def _weight_grads(weight, bias, grad, x, offsets, paths):

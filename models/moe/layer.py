@@ -16,10 +16,10 @@ hold the same tokens (and compute the same gradients); with it each TP rank rout
 its own sequence shard, (b, s/tp, h) in and out (no gather before the layer; the shared expert
 gathers and reduce-scatters as every ``ParallelMLP`` does), and the router's and experts'
 parameters are marked ``sequence_parallel``: their partial gradients are summed over TP after the
-DP reduction, as the norms' are (parallel/grads.py). Under context parallelism each CP rank holds a
-slice of every sequence; EP is drawn from the DP x CP ranks. With expert tensor parallelism
-(``ps.etp_group``, the TP group) each TP rank holds a slice of every local expert: the TP ranks
-route and dispatch the same tokens, each computes its partial fc2 output, and the combined
+DP reduction, as the norms' are (parallel/grads/main_grad.py). Under context parallelism each CP
+rank holds a slice of every sequence; EP is drawn from the DP x CP ranks. With expert tensor
+parallelism (``ps.etp_group``, the TP group) each TP rank holds a slice of every local expert: the
+TP ranks route and dispatch the same tokens, each computes its partial fc2 output, and the combined
 (T, h) outputs are summed over TP (one all-reduce, after the linear combine and un-permute: T h
 elements against the experts' T K h); the tokens and router weights enter that region through
 ``copy_to_tp``, whose backward sums the slices' partial gradients. With sequence parallelism too
@@ -48,13 +48,13 @@ from models.moe.balancing import (IdentityForwardAuxGradBackward, aux_loss_share
 from models.moe.capacity import choose, expert_capacity, padded_rows
 from models.moe.experts import LocalExperts
 from models.moe.router import TopKRouter
-from parallel.expert_groups import ExpertGrid
+from parallel.grid.expert_groups import ExpertGrid
 from parallel.expert_parallel import (HostReader, allgather_combine, allgather_dispatch,
                                       alltoall_combine, alltoall_dispatch, alltoall_plan,
                                       count_per_expert, permute_padded, permute_tokens,
                                       unpermute_tokens)
 from parallel.expert_parallel.permute import equal_counts
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_sequence_values,
                                                reduce_from_tp, reduce_scatter_to_sequence)
 

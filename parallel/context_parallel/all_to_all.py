@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.comm import group_size
+from parallel.runtime.comm import group_size
 
 
 def _check_heads(x: torch.Tensor, size: int) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parallel import streams
+from parallel.runtime import streams
 from parallel.dp.compression import Compressor
 from parallel.dp.policy import CompressorSpec
 
@@ -125,7 +125,7 @@ class Bucket:
         """Drop the ZeRO-2 full gradient. ``used_on``: a stream other than the one that allocated
         it whose queued work may still read it; the caching allocator (CUDA, NPU) is told
         (``record_stream``), so the block is reused only once that work is done. The release goes
-        through parallel/streams.py, where the stream-order checker sees it."""
+        through parallel/runtime/streams.py, where the stream-order checker sees it."""
         if self.buffer.data is not None:
             return
         if self.storage is not None:

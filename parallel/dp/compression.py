@@ -1,7 +1,7 @@
 """Gradient compressors for the data-parallel exchange, with error feedback on both sides.
 
-Byte accounting is the communication layer's (parallel/comm.py): every collective is charged the
-payload this rank hands over and the ring-model bytes it sends,
+Byte accounting is the communication layer's (parallel/runtime/comm.py): every collective is charged
+the payload this rank hands over and the ring-model bytes it sends,
 
     all_reduce(S bytes)      2 (p-1)/p * S       reduce_scatter(S)  (p-1)/p * S
     all_to_all(S bytes)        (p-1)/p * S       all_gather(s own)  (p-1) * s

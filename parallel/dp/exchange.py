@@ -12,8 +12,9 @@ communicators in one order. A second host thread issuing the DP collectives whil
 TP, CP, EP and pipeline ones interleaves them by timing, differently on every rank (a deadlock, or
 a hang in a collective no peer entered). From the step's own thread the submission order is the
 program's order, the same on every rank (the suite compares the ranks' sequences:
-parallel/stream_check.py ``submission_order_problem``). The jobs keep their own communicators
-(``ps.dp_exchange_group``, the exchange lane: parallel/lanes.py), entered for the job's duration.
+parallel/runtime/stream_check.py ``submission_order_problem``). The jobs keep their own
+communicators (``ps.dp_exchange_group``, the exchange lane: parallel/runtime/lanes.py), entered for
+the job's duration.
 
 On the CPU there are no streams: the job runs inline (gloo's asynchronous collectives still run on
 gloo's threads, but the encode and decode are on the step's thread). The stream-order checker
@@ -23,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from parallel import streams
-from parallel.lanes import EXCHANGE_LANE, lane
+from parallel.runtime import streams
+from parallel.runtime.lanes import EXCHANGE_LANE, lane
 
 
 class ExchangeWorker:

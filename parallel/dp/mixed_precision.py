@@ -11,8 +11,8 @@ from parallel.dp.onebit import (bind_momentum, momentum_adamw_, momentum_buckets
 from parallel.dp.optim_common import (FUSED_ADAMW_DEVICES, _GradAccess, _covering, _entries,
                                       _frozen_adamw_, _sparse_now, copy_)
 from parallel.dp.reducer import GradReducer
-from parallel.grads import current_grad
-from parallel.state import ParallelState
+from parallel.grads.main_grad import current_grad
+from parallel.grid.state import ParallelState
 
 class MixedPrecisionOptimizer(_GradAccess):
     """torch.optim.AdamW on fp32 masters; gradients come from ``main_grad`` (the reducer) or ``grad``."""

@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 from torch.optim.adamw import adamw
 
-from parallel import streams
-from parallel.grad_norm import check_and_unscale_, scale_
+from parallel.runtime import streams
+from parallel.grads.norm import check_and_unscale_, scale_
 
 
 def fixed_up(param, ps) -> bool:

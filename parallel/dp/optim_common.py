@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from parallel.dp.reducer import GradReducer
-from parallel.grad_norm import (check_and_unscale_, clip_coefficient,
-                                counted_grads, grid_norm_sq_, local_norm_sq, nonfinite_flag, scale_)
-from parallel.grads import coalesce_views
-from parallel.state import ParallelState
+from parallel.grads.norm import (check_and_unscale_, clip_coefficient, counted_grads,
+                                 grid_norm_sq_, local_norm_sq, nonfinite_flag, scale_)
+from parallel.grads.main_grad import coalesce_views
+from parallel.grid.state import ParallelState
 
 _KEYS = ("exp_avg", "exp_avg_sq", "master")
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # torch.optim.AdamW(fused=True) kernels in PyTorch itself
@@ -88,7 +88,7 @@ class _GradAccess:
 
     @property
     def _expert_parallel(self) -> bool:
-        """Expert weights differ between the ranks of an EP group (parallel/expert_groups.py)."""
+        """Expert weights differ between the ranks of an EP group (grid/expert_groups.py)."""
         return self.ps.edp_group is not self.ps.dp_cp_group and self.ps.ep_group.size > 1
 
     def grad_norm_sq(self) -> torch.Tensor:

@@ -26,13 +26,13 @@ active (after the policy's warm-up) every bucket goes to the ``ExchangeWorker`` 
 (exchange.py): compressed buckets are encoded, exchanged and decoded on its thread while backward
 continues, and uncompressed ones are issued from there too, so one thread orders all DP
 collectives, on ``ps.dp_exchange_group`` (the same ranks on a communicator of the worker's own:
-parallel/lanes.py), as does the variance refresh. ``finish()`` waits for everything.
+parallel/runtime/lanes.py), as does the variance refresh. ``finish()`` waits for everything.
 
 Schedules where one step runs several backward passes per parameter in an interleaved order
 (virtual pipeline stages) can use ``set_num_microbatches(n)`` instead: a parameter then counts as
 final on its n-th accumulation (``n * param.uses_per_microbatch`` for a weight two chunks of one
 rank share, the V placement's tied embedding). Zero-bubble schedules add weight gradients into
-``main_grad`` themselves, in their W actions (parallel/weight_grad.py), and report each with
+``main_grad`` themselves, in their W actions (parallel/grads/weight_grad.py), and report each with
 ``grad_accumulated(param)``, which counts like the hook: a bucket launches when its last W ran. Parameters that receive no gradient are reduced by ``finish()``,
 but they hold back every bucket after theirs until then: freeze them (requires_grad=False).
 
@@ -67,7 +67,7 @@ from parallel.dp.layout import build_buffers, named_parameters
 from parallel.dp.exchange import ExchangeWorker
 from parallel.dp.policy import CompressionPolicy
 from parallel.dp.variance import LocalVariance
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 
 
 class GradReducer:

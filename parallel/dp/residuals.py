@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.grads import all_reduce_grads_
+from parallel.grads.main_grad import all_reduce_grads_
 
 
 def _held(c, kind: str):

@@ -45,7 +45,7 @@ from parallel.dp.optim_common import (_GradAccess, _adamw_, _covering, _entries,
 from parallel.dp.param_gather import ParamGather
 from parallel.dp.reducer import GradReducer
 from parallel.dp.zero3 import ShardedParams
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 
 @dataclass(eq=False)
 class ShardPiece:

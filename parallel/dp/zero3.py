@@ -32,7 +32,7 @@ from contextlib import contextmanager
 
 import torch
 
-from parallel import streams
+from parallel.runtime import streams
 
 FREE, GATHERING, READY = "free", "gathering", "ready"
 

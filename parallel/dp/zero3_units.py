@@ -17,7 +17,7 @@ boundaries under ZeRO-3 (buffers.py), so a unit's buckets are its own.
   the embedding, and a prefetch the backward did not reach). Every pipeline schedule runs
   backward per (chunk, micro-batch) call, so the same hooks serve 1F1B, interleaved and
   zero-bubble: a zero-bubble B is a backward call, its W reads no weight (it needs the layer's
-  input and output gradient only: parallel/weight_grad.py), so nothing is kept for it.
+  input and output gradient only: parallel/grads/weight_grad.py), so nothing is kept for it.
 - **Recomputation.** ``--recompute`` re-runs a block's forward inside its backward, after the
   pre-backward gather: the weights it reads are the re-gathered ones. A unit whose forward runs
   inside a backward (a recomputation that calls the unit itself) is gathered and not freed by

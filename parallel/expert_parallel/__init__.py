@@ -7,8 +7,8 @@ assignments, and reduce-scatters the weighted outputs back; one autograd.Functio
 and the one host read a layer makes under EP (``host_read``: a pinned, non-blocking copy on a side
 stream, waited for at the latest point).
 
-The rank arithmetic itself is pure and lives in parallel/expert_groups.py; the model side (router,
-experts, the MoE layer) in models/moe/.
+The rank arithmetic itself is pure and lives in parallel/grid/expert_groups.py; the model side
+(router, experts, the MoE layer) in models/moe/.
 """
 from parallel.expert_parallel.allgather import allgather_combine, allgather_dispatch
 from parallel.expert_parallel.dispatch import alltoall_combine, alltoall_dispatch, alltoall_plan

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.comm import CommGroup
+from parallel.runtime.comm import CommGroup
 from parallel.expert_parallel.host_read import HostReader
 from parallel.expert_parallel.permute import (Permutation, _GatherRowsForwardScatterAddBackward,
                                               _WeightedScatterAddForwardGatherBackward, count_per_expert,

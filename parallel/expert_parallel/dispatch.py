@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.comm import CommGroup
+from parallel.runtime.comm import CommGroup
 from parallel.expert_parallel.host_read import HostReader, PendingRead
 from parallel.expert_parallel.permute import equal_counts, offsets_of
 

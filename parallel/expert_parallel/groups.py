@@ -3,9 +3,9 @@
 ``new_group`` is collective: every rank of the world creates every group, in the order of
 ``ExpertGrid.groups`` (EP first, then EDP), after ``ParallelState.initialize``; the ETP group is
 the TP group itself (no new group). With ``exchange`` (gradient compression) the EDP groups are
-made a second time, last, on the exchange worker's lane (parallel/lanes.py), so that the worker
-orders the compressed expert buckets on communicators of its own, as it does the DP x CP ones.
-The bad input (``ep`` not dividing dp x cp, etp other than 1 and tp) is refused by the pure
+made a second time, last, on the exchange worker's lane (parallel/runtime/lanes.py), so that the
+worker orders the compressed expert buckets on communicators of its own, as it does the DP x CP
+ones. The bad input (``ep`` not dividing dp x cp, etp other than 1 and tp) is refused by the pure
 ``ExpertGrid`` before the first group.
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ import datetime
 
 import torch.distributed as dist
 
-from parallel.comm import CommGroup, single_rank_group
-from parallel.expert_groups import ExpertGrid
-from parallel.lanes import EXCHANGE_LANE
-from parallel.state import ParallelState
+from parallel.runtime.comm import CommGroup, single_rank_group
+from parallel.grid.expert_groups import ExpertGrid
+from parallel.runtime.lanes import EXCHANGE_LANE
+from parallel.grid.state import ParallelState
 
 
 def init_expert_groups(ps: ParallelState, ep: int, timeout_s: float = 300.0,

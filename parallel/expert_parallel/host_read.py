@@ -2,8 +2,8 @@
 the allgather dispatcher's row count) needs on the host, copied as Megatron-Core does.
 
 ``HostReader.start(values)`` queues a copy of a small integer tensor to pinned host memory on a
-side stream (``parallel.streams``: "moe host read"), ordered after the work that produced it and
-non-blocking for the compute stream, and returns a ``PendingRead``; the layer goes on queueing
+side stream (``parallel.runtime.streams``: "moe host read"), ordered after the work that produced it
+and non-blocking for the compute stream, and returns a ``PendingRead``; the layer goes on queueing
 device work (the permutation of its rows) and calls ``PendingRead.values()`` at the latest point,
 right before the collective that takes the host lists: the host waits there once, for the copy
 alone. On the CPU (and the dry run's meta device) there is no stream: ``values()`` reads the
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel import streams
+from parallel.runtime import streams
 
 STREAM_NAME = "moe host read"
 

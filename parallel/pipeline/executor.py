@@ -29,8 +29,8 @@ runs through the autograd engine directly, since ``torch.autograd.backward`` che
 shape.
 
 Zero-bubble schedules: a ``B`` runs the backward inside ``weight_grads.capture((micro, chunk))``
-(``parallel.weight_grad.WeightGradStore``), so the layers queue their weight gradients instead of
-computing them, and the ``W`` of the same (micro-batch, chunk) runs them. Without a store (or for
+(``parallel.grads.weight_grad.WeightGradStore``), so the layers queue their weight gradients instead
+of computing them, and the ``W`` of the same (micro-batch, chunk) runs them. Without a store (or for
 layers outside the split) the weight gradients are computed in B and W has nothing to do. A
 micro-batch's activations count as in flight until its W. A stage boundary inside one rank (the V
 placement's turn on rank pp-1) needs no transfer: the later stage's F takes the earlier stage's
@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 import torch
 from torch.autograd import Variable
 
-from parallel.grads import all_reduce_grads_, reduced_grad
+from parallel.grads.main_grad import all_reduce_grads_, reduced_grad
 from parallel.pipeline.actions import has_weight_actions, neighbour, placement_of
 from parallel.pipeline.exchange import Exchange, Split
 from parallel.pipeline.p2p import Transfer

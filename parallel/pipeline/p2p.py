@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from parallel import streams
+from parallel.runtime import streams
 
 
 class PipelineCommError(RuntimeError):
@@ -141,8 +141,8 @@ class TransferWatchdog:
     still incomplete ``timeout_s`` after it was posted. It keeps the works until they complete,
     and of the transfers only what the message needs (not their tensors, so a sent activation's
     memory is freed when the executor drops it). ``stop()`` ends the thread. The thread binds the
-    rank's device first (parallel/streams.py ``start_thread``); an error of the watchdog itself
-    while it polls a batch goes to ``on_timeout`` as one line naming the transfers it watched
+    rank's device first (parallel/runtime/streams.py ``start_thread``); an error of the watchdog
+    itself while it polls a batch goes to ``on_timeout`` as one line naming the transfers it watched
     (``watchdog_failure``), so a broken poll ends the job instead of silently losing the timeout.
     """
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parallel.comm import group_size
+from parallel.runtime.comm import group_size
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

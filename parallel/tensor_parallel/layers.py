@@ -7,7 +7,7 @@ TP once per step). Biases of row-parallel layers are added once, after the reduc
 Under sequence parallelism a column-parallel layer keeps only its input's sequence shard for the
 weight gradient and all-gathers it again in backward (split_linear.py). Each layer has a
 ``weight_grad_store`` (None by default): with a store attached (a zero-bubble schedule,
-parallel/weight_grad.py) its weight gradients wait for the schedule's W action. Under sequence
+parallel/grads/weight_grad.py) its weight gradients wait for the schedule's W action. Under sequence
 parallelism ``tp_comm_overlap`` (None by default; "auto" or "ring", set by
 ``overlap.set_tp_comm_overlap``) pipelines the all-gather before a column-parallel GEMM and the
 reduce-scatter after a row-parallel GEMM with the GEMMs, chunk by chunk (overlap.py). ``fp8``
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fp8 import Fp8Recipe
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel.fp8 import Fp8Spec, column_spec, row_spec
 from parallel.tensor_parallel.init import Initializer
 from parallel.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_from_tp,

@@ -2,14 +2,14 @@
 
 Activations are batch-first, (b, s, h). "last dim" functions split or gather the hidden/vocab dim
 across TP ranks; "sequence" functions do the same along the sequence dim (dim 1) for sequence
-parallelism. Every public function takes the group (a ``parallel.comm.CommGroup``) explicitly;
-with a group of size 1 (or None) it returns its input unchanged.
+parallelism. Every public function takes the group (a ``parallel.runtime.comm.CommGroup``)
+explicitly; with a group of size 1 (or None) it returns its input unchanged.
 """
 from __future__ import annotations
 
 import torch
 
-from parallel.comm import group_size
+from parallel.runtime.comm import group_size
 
 
 def _check_divisible(x: torch.Tensor, dim: int, size: int) -> None:

@@ -34,14 +34,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from parallel.comm import group_size
-from parallel.module_attrs import set_where_present
+from parallel.runtime.comm import group_size
+from parallel.runtime.module_attrs import set_where_present
 from parallel.tensor_parallel.fp8 import Fp8Backward, Fp8Forward, Fp8Spec
 from parallel.tensor_parallel.mappings import _check_divisible, _gather
 from parallel.tensor_parallel.overlap_fused import fused_path
 from parallel.tensor_parallel.ring import SEQ, chunk_of, ring_pass
 from parallel.tensor_parallel.split_linear import linear_defer_w
-from parallel.weight_grad import WeightGradStore, accumulate, accumulate_matmul, apply_eager
+from parallel.grads.weight_grad import WeightGradStore, accumulate, accumulate_matmul, apply_eager
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:  # (..., n) -> (N, n)

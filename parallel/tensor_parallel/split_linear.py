@@ -1,5 +1,5 @@
 """Linear and embedding layers' autograd Functions with the weight gradient split off (the W of a
-zero-bubble schedule, parallel/weight_grad.py), one per communication pattern:
+zero-bubble schedule, parallel/grads/weight_grad.py), one per communication pattern:
 
 - ``_LinearDeferW`` (no communication): y = x W^T + b. B: dx = dy W; W: dW = dy^T x, db = sum dy.
   Column-parallel layers without sequence parallelism put ``copy_to_tp`` in front of it,
@@ -33,7 +33,7 @@ import torch
 
 from parallel.tensor_parallel.fp8 import Fp8Backward, Fp8Forward, Fp8Spec
 from parallel.tensor_parallel.mappings import _gather, _reduce_scatter
-from parallel.weight_grad import WeightGradStore, accumulate, accumulate_matmul, apply_split
+from parallel.grads.weight_grad import WeightGradStore, accumulate, accumulate_matmul, apply_split
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:  # (..., n) -> (N, n)

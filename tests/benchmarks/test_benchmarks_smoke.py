@@ -144,7 +144,7 @@ def test_engine_verdict_before_launch():
 def test_native_model_matches_the_engine_serial_model():
     from benchmarks.peers_native import NativeGPT, copy_engine_weights, parse
     from models import GPTChunk, GPTConfig, LayerContext
-    from parallel.state import ParallelState
+    from parallel.grid.state import ParallelState
     from parallel.tensor_parallel import Initializer
     args = parse(["--out", "unused", "--num-layers", "2", "--hidden-size", "32",
                   "--seq-length", "16", "--vocab-size", "200"])
@@ -192,7 +192,7 @@ def test_long_context_counts_each_saved_tensor_once():
     gate, up, silu(gate) and product, s (h + 4 f) fp32 values; parameters are not counted; the
     planner figure is the planner's layer term."""
     from benchmarks import long_context as lc
-    from parallel.state import ParallelState
+    from parallel.grid.state import ParallelState
     seq, h = 64, lc.MODEL["hidden_size"]
     result = lc.measure(ParallelState.serial(), seq, "p2p", 1)
     f = lc.build(ParallelState.serial(), seq, "p2p").cfg.ffn_hidden_size

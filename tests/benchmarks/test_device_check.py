@@ -129,7 +129,7 @@ def test_tp_overlap_stage_is_skipped_with_one_device(tmp_path, monkeypatch):
 
 def test_training_recipe_is_the_13b_gpt():
     from models import GPTChunk, LayerContext
-    from parallel.state import ParallelState
+    from parallel.grid.state import ParallelState
     from parallel.tensor_parallel import Initializer
     cfg = parse_args(device_check.train_argv("cuda", 20, "m.jsonl", "runs/x", ("--compile",)))
     assert cfg.compile and cfg.precision.precision == "bf16" and cfg.device == "cuda"

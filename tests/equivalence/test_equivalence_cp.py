@@ -12,7 +12,7 @@ so only the global-batch normalisation matches.
 """
 from __future__ import annotations
 
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 from tests.equivalence.test_equivalence_packed import MODELS, assert_matches, serial, train_all  # noqa: F401
 

@@ -38,9 +38,9 @@ import yaml
 from engine.base import ConfigError
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.comm import wire_bytes
-from parallel.state import LaunchEnv, ParallelState
-from parallel.topology import RankGrid
+from parallel.runtime.comm import wire_bytes
+from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.topology import RankGrid
 from tests.helpers.corpus import real_text_corpus
 from tests.helpers.dist_utils import record_comm, run_distributed
 

@@ -29,10 +29,10 @@ from models.moe.step_figures import StepFigures, update_expert_bias
 from parallel.dp.reducer import GradReducer
 from models.logical import logical_views
 from parallel.expert_parallel import init_expert_groups
-from parallel.grad_norm import clip_grads
-from parallel.state import LaunchEnv, ParallelState
+from parallel.grads.norm import clip_grads
+from parallel.grid.state import LaunchEnv, ParallelState
 from parallel.tensor_parallel import Initializer
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 STEPS, REL, GLOBAL_BATCH, SEED = 4, 1e-4, 8, 1234

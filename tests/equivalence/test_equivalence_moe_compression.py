@@ -35,9 +35,9 @@ import torch
 
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.state import LaunchEnv
+from parallel.grid.state import LaunchEnv
 from models.logical import logical_views
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.corpus import real_text_corpus
 from tests.helpers.dist_utils import run_distributed
 

@@ -28,9 +28,9 @@ from parallel.expert_parallel import (allgather_combine, allgather_dispatch, ini
                                       permute_tokens)
 from parallel.expert_parallel.allgather import (_AllGatherForwardReduceScatterBackward,
                                                 _ReduceScatterForwardAllGatherBackward)
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.equivalence.test_equivalence_moe import GPT2, LLAMA, train  # the harness
 from tests.helpers.dist_utils import record_comm, run_distributed
 from tests.helpers.moe_reference import logical_grads

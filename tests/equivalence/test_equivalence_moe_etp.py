@@ -38,11 +38,11 @@ from models.config import GPTConfig
 from models.layers import LayerContext
 from models.logical import logical_views
 from models.moe.experts import LocalExperts
-from parallel.expert_groups import ExpertGrid
-from parallel.grad_norm import global_grad_norm
-from parallel.state import LaunchEnv
+from parallel.grid.expert_groups import ExpertGrid
+from parallel.grads.norm import global_grad_norm
+from parallel.grid.state import LaunchEnv
 from parallel.tensor_parallel import Initializer
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 STEPS, REL, SAVED, MIDDLE = 20, 1e-4, 10, 15

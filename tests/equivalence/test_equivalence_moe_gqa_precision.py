@@ -28,9 +28,9 @@ import torch
 
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.state import LaunchEnv
+from parallel.grid.state import LaunchEnv
 from models.logical import logical_views
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 STEPS, PREC_STEPS, REL, PREC_REL = 20, 10, 1e-4, 2e-3

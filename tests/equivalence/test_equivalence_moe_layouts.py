@@ -36,10 +36,10 @@ from engine.training.trainer import Trainer
 from models import LayerContext, build_chunks
 from models.config import GPTConfig
 from models.moe import grouped_split
-from parallel.state import LaunchEnv, ParallelState
+from parallel.grid.state import LaunchEnv, ParallelState
 from parallel.tensor_parallel import Initializer
-from parallel.topology import RankGrid
-from parallel.weight_grad import WeightGradStore, attach_weight_grad_store
+from parallel.grid.topology import RankGrid
+from parallel.grads.weight_grad import WeightGradStore, attach_weight_grad_store
 from tests.helpers.dist_utils import run_distributed
 
 STEPS, REL, GLOBAL_BATCH, SEQ = 20, 1e-4, 8, 16

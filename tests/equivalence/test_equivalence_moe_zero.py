@@ -11,8 +11,9 @@ llama blocks with MoE every layer, 4 experts, per-sequence aux loss, 20 steps):
   B2  dp 4, ep 2, ZeRO-2 in bf16 (fp32 masters of the shards), 5 steps
 Each against the serial trainer (ep 1, dp 1, in this process): per-step loss and gradient norm
 (clipping on) to a relative 1e-4, and the last step's clipped gradient norm as the optimizer's
-``grad_norm()`` and ``parallel.grad_norm.global_grad_norm`` read it; ``optimizer_state_bytes`` against a count from the model's
-parameters; every expert's optimizer state written exactly once in a ZeRO checkpoint.
+``grad_norm()`` and ``parallel.grads.norm.global_grad_norm`` read it; ``optimizer_state_bytes``
+against a count from the model's parameters; every expert's optimizer state written exactly once in
+a ZeRO checkpoint.
 """
 import json
 import os
@@ -21,8 +22,8 @@ import pytest
 
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.grad_norm import global_grad_norm
-from parallel.topology import RankGrid
+from parallel.grads.norm import global_grad_norm
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 STEPS = 20

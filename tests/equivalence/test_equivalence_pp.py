@@ -17,8 +17,8 @@ import torch
 
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.state import LaunchEnv
-from parallel.topology import RankGrid
+from parallel.grid.state import LaunchEnv
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 STEPS = 3

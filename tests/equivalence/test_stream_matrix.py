@@ -11,7 +11,7 @@ gloo ranks so that every block kind meets every path and every schedule is run (
 2 steps each, in one pool of 4 rank processes (engine/fuzz/pool.py):
 
 - no rank's checker records a violation, and every two ranks submit to the communicators they
-  share in the same order (parallel/lanes.py ``order_mismatch``);
+  share in the same order (parallel/runtime/lanes.py ``order_mismatch``);
 - the uncompressed runs also train the serial model (per-step loss and gradient norm to a
   relative 1e-4, engine/fuzz/compare.py); compressed runs change the gradients by design.
 """
@@ -23,7 +23,7 @@ from engine.fuzz.compare import judge
 from engine.fuzz.pool import Pool
 from engine.fuzz.space import Case
 from engine.fuzz.cli import serial_quietly
-from parallel.lanes import order_mismatch
+from parallel.runtime.lanes import order_mismatch
 
 STEPS = 2
 MOE_A2A = dict(block="gpt2", moe=True, dispatcher="alltoall")

@@ -24,8 +24,8 @@ import traceback
 import torch
 
 from engine.training.launch import exit_now
-from parallel.state import LaunchEnv, ParallelState
-from parallel.topology import RankGrid
+from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.topology import RankGrid
 from tests.helpers import rank_pool
 
 SUITE_RULES = os.environ.get("GRIDTRON_BACKEND_RULES") or None

@@ -7,8 +7,8 @@ import sys
 
 from engine.device.runtime import setup_device
 from engine.training.launch import exit_now
-from parallel.state import LaunchEnv, ParallelState
-from parallel.topology import RankGrid
+from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.topology import RankGrid
 
 
 def main(out_dir: str, tp: int, pp: int) -> None:

@@ -1,4 +1,4 @@
-"""Turning the stream-order checker (parallel/stream_check.py) on in a test.
+"""Turning the stream-order checker (parallel/runtime/stream_check.py) on in a test.
 
 In the test's own process, take the ``stream_checker`` fixture (tests/conftest.py): the checker is
 installed and active on the test's thread for the whole test, and the test fails at teardown if it
@@ -12,7 +12,7 @@ that rank). Nothing is read from the environment.
 """
 from __future__ import annotations
 
-from parallel.stream_check import StreamChecker
+from parallel.runtime.stream_check import StreamChecker
 
 
 def stream_checked(ps, fn, *args):

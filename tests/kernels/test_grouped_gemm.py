@@ -31,7 +31,7 @@ from models.layers import LayerContext
 from models.logical import logical_views
 from models.moe.experts import LocalExperts
 from models.moe.layer import MoELayer
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
 from tests.helpers.moe_reference import expert_forward
 from tests.helpers.npu_fake import install_fake_npu

@@ -18,7 +18,7 @@ from kernels.attention_lse import (attention_lse, attention_lse_backward, attent
                                    block_path, merge_partial)
 from kernels.attention_lse_cuda import cuda_block_kernel
 from kernels.dispatch import KernelPaths
-from parallel.comm import single_rank_group
+from parallel.runtime.comm import single_rank_group
 from parallel.context_parallel import ring_attention
 from tests.helpers.cuda_sdpa_fake import CudaSdpaFake
 from tests.helpers.npu_fake import install_fake_npu

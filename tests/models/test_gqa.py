@@ -28,9 +28,9 @@ from engine.training.step import sync_sequence_parallel_grads
 from engine.training.trainer import Trainer
 from engine.training.validate import validate_run
 from models import GPTChunk, GPTConfig, LayerContext
-from parallel.state import LaunchEnv, ParallelState
+from parallel.grid.state import LaunchEnv, ParallelState
 from parallel.tensor_parallel import Initializer
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 from tests.parallel.tensor_parallel.test_tp_layers import full_tensor
 from tests.parallel.tensor_parallel.test_tp_mappings import tp_states

@@ -16,11 +16,11 @@ from models.moe.layer import MoELayer, build_mlp
 from models.moe.router import TopKRouter, stable_topk
 from models.moe.stats import load_imbalance, pop_moe_stats, set_aux_grad_scale
 from models.registry import BlockRegistry
-from parallel.comm import single_rank_group
+from parallel.runtime.comm import single_rank_group
 from parallel.expert_parallel import count_per_expert
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.moe_reference import expert_forward
 
 

@@ -12,7 +12,7 @@ import torch._dynamo as dynamo
 
 from models import LayerContext, build_chunks
 from models.config import GPTConfig
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
 
 CASES = {"dropless": {}, "capacity": {"moe_expert_capacity_factor": 1.0},

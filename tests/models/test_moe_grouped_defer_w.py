@@ -22,7 +22,7 @@ from models.layers import LayerContext
 from models.moe.experts import LocalExperts
 from models.logical import logical_views
 from parallel.tensor_parallel import Initializer
-from parallel.weight_grad import WeightGradStore, attach_weight_grad_store
+from parallel.grads.weight_grad import WeightGradStore, attach_weight_grad_store
 from tests.helpers.npu_fake import install_fake_npu
 
 gg = importlib.import_module("kernels.grouped_gemm")

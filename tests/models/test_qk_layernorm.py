@@ -18,9 +18,9 @@ import torch
 
 from engine.config.cli import parse_args
 from models import GPTChunk, GPTConfig, LayerContext
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 from tests.models.test_gqa import GRAD_TOL, SEED, train
 from tests.parallel.tensor_parallel.test_tp_layers import full_tensor

@@ -15,9 +15,9 @@ import torch
 
 from engine.training.step import sync_sequence_parallel_grads
 from models import GPTChunk, GPTConfig, LayerContext
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 from tests.parallel.tensor_parallel.test_tp_layers import full_tensor
 from tests.parallel.tensor_parallel.test_tp_mappings import tp_states

@@ -1,6 +1,6 @@
 """Autograd Functions that must run outside a torch.compile graph (their state is Python: ring
-handles, W closures) go through ``parallel.weight_grad.apply_eager``: Dynamo leaves them out of
-the traced graph. A ``torch.compiler.disable`` on the Function class does not: Dynamo traces its
+handles, W closures) go through ``parallel.grads.weight_grad.apply_eager``: Dynamo leaves them out
+of the traced graph. A ``torch.compiler.disable`` on the Function class does not: Dynamo traces its
 ``apply`` into the graph as ``autograd_function_apply`` (the defect this guards against)."""
 from __future__ import annotations
 

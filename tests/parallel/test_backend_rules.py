@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.backend_rules import BackendRuleError, check, check_object, get_rules, resolve
-from parallel.comm import wire_bytes
-from parallel.topology import RankGrid
+from parallel.runtime.backend_rules import BackendRuleError, check, check_object, get_rules, resolve
+from parallel.runtime.comm import wire_bytes
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 HCCL, HCCL950, NCCL = get_rules("hccl"), get_rules("hccl:950"), get_rules("nccl")

@@ -1,4 +1,4 @@
-"""One communicator, one thread (parallel/lanes.py).
+"""One communicator, one thread (parallel/runtime/lanes.py).
 
 - Pure: ``check_lane`` refuses a group to a thread outside its lane, with a message naming the
   group, the thread that first issued on it and the offending thread; without rules it is silent.
@@ -16,13 +16,14 @@ import threading
 import pytest
 import torch
 
-from parallel.backend_rules import BackendRuleError, get_rules
-from parallel.comm import CommGroup, CommMonitor
+from parallel.runtime.backend_rules import BackendRuleError, get_rules
+from parallel.runtime.comm import CommGroup, CommMonitor
 from parallel.dp.exchange import ExchangeWorker
 from parallel.dp.reducer import GradReducer
-from parallel.lanes import EXCHANGE_LANE, MAIN_LANE, check_lane, current_lane, lane, order_mismatch
-from parallel.state import ParallelState
-from parallel.topology import RankGrid
+from parallel.runtime.lanes import (EXCHANGE_LANE, MAIN_LANE, check_lane, current_lane, lane,
+                                    order_mismatch)
+from parallel.grid.state import ParallelState
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 HCCL = get_rules("hccl")

@@ -1,4 +1,4 @@
-"""Dropout under tensor parallelism: the model-parallel streams of parallel/random.py.
+"""Dropout under tensor parallelism: the model-parallel streams of parallel/grid/random.py.
 
 - seeds: collision-free over every (region, coordinate, chunk) of a grid, the worked example;
 - the tracker: a region's stream continues across forks and leaves the default stream untouched;
@@ -18,9 +18,9 @@ import itertools
 import pytest
 import torch
 
-from parallel.random import (REGIONS, ModelParallelRNG, RNGTracker, StreamGrid, _mix64,
-                             stream_index, stream_seed)
-from parallel.topology import RankGrid
+from parallel.grid.random import (REGIONS, ModelParallelRNG, RNGTracker, StreamGrid, _mix64,
+                                  stream_index, stream_seed)
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import gather_tensors, run_distributed
 
 TINY = ["--mock-data", "--vocab-size", "256", "--no-progress", "--device", "cpu",
@@ -72,7 +72,7 @@ def test_tracker_fork_continues_its_stream_and_spares_the_default():
 
 def _chunk_grads(recompute: str, block: str):
     from models import GPTChunk, GPTConfig, LayerContext
-    from parallel.state import ParallelState
+    from parallel.grid.state import ParallelState
     from parallel.tensor_parallel import Initializer
     cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
                     vocab_size=256, block=block, dropout=0.2)

@@ -1,8 +1,8 @@
-"""The expert grid's arithmetic (parallel/expert_groups.py), without a process group."""
+"""The expert grid's arithmetic (parallel/grid/expert_groups.py), without a process group."""
 import pytest
 
-from parallel.expert_groups import ExpertGrid
-from parallel.topology import RankGrid
+from parallel.grid.expert_groups import ExpertGrid
+from parallel.grid.topology import RankGrid
 
 
 def test_worked_example_tp2_dp4_ep2():

@@ -8,9 +8,9 @@ import re
 import pytest
 import torch
 
-from parallel import streams
-from parallel.stream_check import StreamChecker, StreamOrderError
-from parallel.topology import RankGrid
+from parallel.runtime import streams
+from parallel.runtime.stream_check import StreamChecker, StreamOrderError
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 
@@ -222,12 +222,13 @@ def test_collective_violations():
 
 
 def test_side_streams_and_device_threads_come_from_the_stream_api():
-    """Nothing outside parallel/streams.py creates a side stream, an event between streams, a
-    worker thread or a record_stream call, so the checker sees every ordering (the heartbeat's
+    """Nothing outside parallel/runtime/streams.py creates a side stream, an event between streams,
+    a worker thread or a record_stream call, so the checker sees every ordering (the heartbeat's
     thread touches no device object; engine/device/ keeps its own timing events)."""
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
-    allowed = {"parallel/streams.py", "parallel/stream_check.py", "parallel/heartbeat.py"}
+    allowed = {"parallel/runtime/streams.py", "parallel/runtime/stream_check.py",
+               "parallel/runtime/heartbeat.py"}
     patterns = (r"threading\.Thread\(", "ThreadPoolExecutor", r"torch\.Stream\(", r"torch\.Event\(",
                 r"(?<!streams)\.record_stream\(", r"(?<!streams)\.wait_stream\(")
     found = []

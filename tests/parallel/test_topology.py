@@ -1,7 +1,7 @@
 import pytest
 
-from parallel.state import LaunchEnv, LayoutError, check_layout
-from parallel.topology import Coord, RankGrid
+from parallel.grid.state import LaunchEnv, LayoutError, check_layout
+from parallel.grid.topology import Coord, RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 

@@ -15,7 +15,7 @@ from engine.checkpoint import main as checkpoint_main
 from engine.checkpoint.index import FORMAT, TensorReader, write_shard
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 TINY = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "2", "--hidden-size", "64",

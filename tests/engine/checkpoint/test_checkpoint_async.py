@@ -21,7 +21,7 @@ import engine.checkpoint.writer as writer
 from engine.checkpoint import inspect
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 ROOT = str(Path(__file__).resolve().parents[3])

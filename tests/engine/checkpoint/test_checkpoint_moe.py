@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.engine.checkpoint.test_checkpoint_reshard import close
 from tests.helpers.dist_utils import run_distributed
 

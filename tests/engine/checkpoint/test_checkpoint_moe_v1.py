@@ -23,7 +23,7 @@ from engine.checkpoint.reader import load_checkpoint
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
 from models.logical import logical_views
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.fixtures.make_moe_ckpt_v1 import COMMON, HERE, MODELS, PARALLEL
 from tests.helpers.dist_utils import run_distributed
 

@@ -12,7 +12,7 @@ from engine.checkpoint.index import TensorReader
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
 from parallel.dp.residuals import logical_residual_pieces
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.engine.checkpoint.test_checkpoint import TINY, losses
 from tests.helpers.dist_utils import run_distributed
 

@@ -21,7 +21,7 @@ import pytest
 from engine.checkpoint import CheckpointError
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 BASE = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "4", "--hidden-size", "64",

@@ -28,7 +28,7 @@ from engine.tools.generate import main as generate_main  # noqa: E402
 from engine.training.trainer import Trainer  # noqa: E402
 from parallel.pipeline.p2p import Transfer, communicate  # noqa: E402
 from parallel.tensor_parallel.mappings import gather_from_tp  # noqa: E402
-from parallel.topology import RankGrid  # noqa: E402
+from parallel.grid.topology import RankGrid  # noqa: E402
 from tests.helpers.dist_utils import run_distributed  # noqa: E402
 
 TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 20

@@ -17,7 +17,7 @@ from engine.config.cli import parse_args
 from engine.training.launch import main as train_main
 from engine.training.launch import run_config
 from engine.training.trainer import Trainer
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.files import tree_digests
 

@@ -19,7 +19,7 @@ from engine.data.megatron import IndexedTokens, write_index, write_indexed
 from engine.data.sampler import BlendedSampler
 from engine.data.splits import document_split, split_sizes
 from engine.training.trainer import Trainer
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 # 3 sequences of int32 tokens; document 0 is sequences 0 and 1 (sentence-split), document 1 is 2

@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 from engine.device.compile import CACHE_DIRNAME, compile_backend, compile_chunks
 from engine.device.runtime import DeviceInfo
 from models import GPTChunk, GPTConfig, LayerContext
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
 
 CPU = DeviceInfo("cpu", torch.device("cpu"), "gloo", "cpu")
@@ -109,7 +109,7 @@ def _explain_sp_chunk(ps):
 
 
 def test_tp2_sequence_parallel_chunk_traces_as_one_graph():
-    from parallel.topology import RankGrid
+    from parallel.grid.topology import RankGrid
     from tests.helpers.dist_utils import run_distributed
     for graphs, breaks, reasons in run_distributed(_explain_sp_chunk, grid=RankGrid(tp=2)):
         assert (graphs, breaks) == (1, 0), reasons
@@ -162,7 +162,7 @@ def test_compiled_zero_bubble_chunks_defer_weight_gradients(tmp_path, monkeypatc
     counters show what ran compiled: the eager run traced nothing; the compiled run traced the
     graphs between the split layers on every stage, Inductor compiled them, and every graph
     break is the disabled apply_eager."""
-    from parallel.topology import RankGrid
+    from parallel.grid.topology import RankGrid
     from tests.helpers.dist_utils import run_distributed
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     results = run_distributed(_zb_h1_eager_and_compiled, grid=RankGrid(pp=2),

@@ -20,7 +20,7 @@ from engine.plan.hardware import DEVICE_SPECS, lookup_device
 from engine.observe.utilization import run_peak_tflops
 from models import GPTChunk, GPTConfig, LayerContext
 from parallel.dp import MixedPrecisionOptimizer
-from parallel.state import LaunchEnv, ParallelState
+from parallel.grid.state import LaunchEnv, ParallelState
 from parallel.tensor_parallel import Initializer
 from tests.helpers.npu_fake import install_fake_npu
 

@@ -25,7 +25,7 @@ from engine.config.cli import parse_args
 from engine.dryrun import dry_run, prepare, record_roles
 from engine.dryrun.record import MEMORY_KEYS, SavedActivations, record_role
 from engine.dryrun.roles import rank_roles
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import SUITE_RULES, record_comm, run_distributed
 
 TINY = ["--mock-data", "--vocab-size", "500", "--no-progress", "--device", "cpu",

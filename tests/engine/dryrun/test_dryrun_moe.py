@@ -19,7 +19,7 @@ from engine.dryrun.record import MEMORY_KEYS, record_role
 from engine.dryrun.roles import rank_roles
 from engine.plan.traffic import step_traffic
 from engine.training.validate import planner_inputs
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import SUITE_RULES, record_comm, run_distributed
 
 TINY = ["--mock-data", "--vocab-size", "500", "--no-progress", "--device", "cpu",
@@ -147,7 +147,7 @@ def _planner_equals_dry_run(records, shape, layout, stage, tp_at_etp1=None):
 
 
 def _ep_groups(grid, ep):
-    from parallel.expert_groups import ExpertGrid
+    from parallel.grid.expert_groups import ExpertGrid
     return ExpertGrid(grid, ep).groups("ep")
 
 

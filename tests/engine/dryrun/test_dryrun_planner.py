@@ -28,8 +28,8 @@ LLAMA_ACTIVATIONS = (-0.50, -0.35)
 # on every stage but where the V or the first stage hold what 1F1B holds (measured -0.7 % to +229 %)
 ZERO_BUBBLE_ACTIVATIONS = (-0.025, 4.0)
 # under SP the run also sums the sequence-parallel norms' and biases' gradients over TP once per
-# step (parallel/grads.py), which the planner leaves out for dense layers: the dry run is above,
-# by at most 0.1 % (measured 0.017 % to 0.086 %)
+# step (parallel/grads/main_grad.py), which the planner leaves out for dense layers: the dry run is
+# above, by at most 0.1 % (measured 0.017 % to 0.086 %)
 SP_TP_BYTES = (-0.001, -1e-9)
 SWEEP = {  # name: (world, flags, {figure: bounds} where the two knowingly differ)
     "gpt2 tp2 pp2 bf16": (8, "--tp 2 --pp 2 --precision bf16",

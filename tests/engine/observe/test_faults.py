@@ -18,7 +18,7 @@ from engine.config.cli import parse_args
 from engine.training.launch import describe_comm_failure
 from engine.training.launch import main as train_main
 from engine.training.trainer import Trainer, TrainingDiverged
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import free_port, run_distributed
 
 ROOT = str(Path(__file__).resolve().parents[3])

@@ -12,7 +12,7 @@ from engine.config.cli import parse_args
 from engine.observe.anomaly import PersistentAnomaly
 from engine.observe.faults import GradFault
 from engine.observe.metrics import REQUIRED_KEYS, MetricsLog, percent, summarize_run, summary_table
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 TINY = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "1", "--hidden-size", "32",

@@ -22,9 +22,9 @@ from engine.training.step import StepAgreement
 from engine.observe.stragglers import StragglerReport
 from engine.training.launch import describe_comm_failure
 from engine.training.trainer import Trainer
-from parallel.comm import Activity
-from parallel.heartbeat import Heartbeat, describe_peers
-from parallel.topology import RankGrid
+from parallel.runtime.comm import Activity
+from parallel.runtime.heartbeat import Heartbeat, describe_peers
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import record_comm, run_distributed
 
 TINY = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "2", "--hidden-size", "64",

@@ -13,7 +13,7 @@ import pytest
 from engine.config.cli import parse_args
 from engine.observe.faults import SlowRank
 from engine.observe.stragglers import StragglerReport, describe_role, peer_ratios, peer_roles
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 TINY = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "2", "--hidden-size", "32",

@@ -1,5 +1,5 @@
 """The planner's communicator buffers with DP gradient compression: the exchange worker's own
-DP x CP communicator (parallel/lanes.py) is one more group's buffers, and the dry run, which
+DP x CP communicator (parallel/runtime/lanes.py) is one more group's buffers, and the dry run, which
 builds the run's groups, counts the same."""
 from __future__ import annotations
 

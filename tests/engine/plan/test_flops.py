@@ -35,7 +35,7 @@ def counted_step_flops(monkeypatch, block: str = "gpt2", recompute: str = "none"
 
     import kernels
     from models import GPTChunk, GPTConfig, LayerContext
-    from parallel.state import ParallelState
+    from parallel.grid.state import ParallelState
     from parallel.tensor_parallel import Initializer
     monkeypatch.setattr(kernels, "attention", lambda q, k, v, causal=True, dropout_p=0.0,
                         document_ids=None, cu_seqlens=None, **npu_only:
@@ -120,7 +120,7 @@ def test_default_ffn_matches_model_config():
 def test_formula_matrices_are_the_models():
     """A layer's weight matrices, as the formulas count them, are the built layer's."""
     from models import GPTChunk, GPTConfig, LayerContext
-    from parallel.state import ParallelState
+    from parallel.grid.state import ParallelState
     from parallel.tensor_parallel import Initializer
     for block, groups in (("llama", 1), ("llama", 2), ("gpt2", 2), ("gpt2", 4)):
         cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=groups,

@@ -12,7 +12,7 @@ def _counted(block: str, recompute: str, monkeypatch, **moe):
 
     import kernels
     from models import GPTChunk, GPTConfig, LayerContext
-    from parallel.state import ParallelState
+    from parallel.grid.state import ParallelState
     from parallel.tensor_parallel import Initializer
     monkeypatch.setattr(kernels, "attention", lambda q, k, v, causal=True, dropout_p=0.0,
                         document_ids=None, cu_seqlens=None, **npu_only:

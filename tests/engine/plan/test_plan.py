@@ -33,7 +33,7 @@ def cluster(devices, **kw):
 # ---- rank order and links ----------------------------------------------------------------------
 
 def test_groups_and_node_spans_match_the_engine_rank_grid():
-    from parallel.topology import RankGrid
+    from parallel.grid.topology import RankGrid
     for tp, dp, pp in ((2, 3, 2), (4, 2, 2), (1, 4, 3), (2, 2, 4)):
         sizes = {"tp": tp, "cp": 1, "dp": dp, "pp": pp}
         for names in permutations(("tp", "dp", "pp")):
@@ -73,7 +73,7 @@ def test_worked_example_and_order_strings():
 
 def test_default_order_is_the_engines():
     from engine.config.schema import ParallelConfig
-    from parallel.topology import RankGrid
+    from parallel.grid.topology import RankGrid
     assert DEFAULT_ORDER == "tp-cp-dp-pp"  # DESIGN.md
     assert engine_order(DEFAULT_ORDER, 1) == engine_order(ParallelConfig().order, 1)
     assert engine_order(DEFAULT_ORDER, 1) == engine_order(RankGrid().order, 1)
@@ -181,7 +181,7 @@ def test_params_and_memory_parts():
     engine pads it); the per-stage counts of TP and PP layouts equal the dry run's built ranks
     (tests/engine/dryrun/test_dryrun.py, param_bytes of every role)."""
     from models import GPTChunk, GPTConfig, LayerContext
-    from parallel.state import ParallelState
+    from parallel.grid.state import ParallelState
     from parallel.tensor_parallel import Initializer
     h, L, V, s = 64, 4, 100, 32
     shape = ModelShape(L, h, 4, V, s, 8)

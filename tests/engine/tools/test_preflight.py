@@ -14,8 +14,8 @@ from engine.tools.commbench import (BenchConfig, bandwidths, bus_factor, format_
                               parse_size, parse_sizes, plan)
 from engine.tools.preflight import (comm_environment, find_mismatches, format_ranks, local_device_problem,
                               node_layout_problems)
-from parallel.state import ParallelState
-from parallel.topology import RankGrid
+from parallel.grid.state import ParallelState
+from parallel.grid.topology import RankGrid
 
 REPO = Path(__file__).resolve().parents[3]
 TORCHRUN = Path(sys.executable).parent / "torchrun"

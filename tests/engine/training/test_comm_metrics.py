@@ -3,7 +3,7 @@
 tp=2 x pp=2 (4 gloo ranks), fp32, m micro-batches of (b, s) with hidden h and L layers per stage;
 ``act`` = b*s*h*4 bytes is one (b, s, h) activation. Global rank 0 is the first stage, TP rank 0.
 Payload is what a rank hands over: an all-reduce's or reduce-scatter's input, an all-gather's own
-shard, a send's tensor (parallel/comm.py).
+shard, a send's tensor (parallel/runtime/comm.py).
 
 Without sequence parallelism, per micro-batch rank 0 hands to TP collectives: the embedding's
 all-reduce (act), two all-reduces per layer in forward (attention and MLP outputs) and two in
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 B, S, H, LAYERS, GBS = 2, 32, 64, 4, 8

@@ -27,12 +27,13 @@ from engine.config.cli import parse_args
 from engine.training.lr_schedule import learning_rate
 from engine.training.trainer import Trainer
 from parallel.dp import DistributedOptimizer, GradReducer, MixedPrecisionOptimizer
-from parallel.grad_norm import (FOREACH_MAX_TENSORS, check_and_unscale_, check_and_unscale_reference,
-                                counted_grads, local_norm_sq, local_norm_sq_reference, scale_,
-                                scale_reference)
-from parallel.grads import coalesce_views
-from parallel.state import ParallelState
-from parallel.topology import RankGrid
+from parallel.grads.norm import (FOREACH_MAX_TENSORS, check_and_unscale_,
+                                 check_and_unscale_reference,
+                                 counted_grads, local_norm_sq, local_norm_sq_reference, scale_,
+                                 scale_reference)
+from parallel.grads.main_grad import coalesce_views
+from parallel.grid.state import ParallelState
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[3]

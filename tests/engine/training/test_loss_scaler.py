@@ -9,9 +9,9 @@ from torch import nn
 
 from engine.training.loss_scaler import ConstantScaler, DynamicLossScaler, unscale_and_check
 from parallel.dp import MixedPrecisionOptimizer
-from parallel.grad_norm import clip_grads, found_inf, global_grad_norm
-from parallel.state import ParallelState
-from parallel.topology import RankGrid
+from parallel.grads.norm import clip_grads, found_inf, global_grad_norm
+from parallel.grid.state import ParallelState
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 

@@ -7,7 +7,7 @@ from engine.config.cli import parse_args
 from engine.plan.flops import step_flops
 from engine.training.step_record import cost_line, start_line
 from engine.training.trainer import Trainer
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 MOCK = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "2", "--hidden-size",

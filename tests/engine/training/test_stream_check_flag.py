@@ -7,7 +7,7 @@ import torch
 
 from engine.training import launch
 from engine.training.trainer import Trainer
-from parallel import streams
+from parallel.runtime import streams
 
 ARGS = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",

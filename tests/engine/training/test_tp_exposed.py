@@ -1,8 +1,8 @@
 """``time_tp_exposed_s``: the step's time blocked in tensor-parallel communication.
 
-- The comm layer's watch (parallel/comm.py ``Activity.watched``): on a real 2-rank TP group every
-  synchronous TP collective and every TP wait leaves one (start, end) pair of the watch clock's
-  stamps around the call, in order; the ring of --tp-comm-overlap leaves one pair per posted
+- The comm layer's watch (parallel/runtime/comm.py ``Activity.watched``): on a real 2-rank TP group
+  every synchronous TP collective and every TP wait leaves one (start, end) pair of the watch
+  clock's stamps around the call, in order; the ring of --tp-comm-overlap leaves one pair per posted
   transfer and one per wait; collectives of other groups (DP) and calls with nothing watched
   leave none.
 - Through the real trainer (tp=2 with SP, plain and with --tp-comm-overlap): every step record
@@ -18,7 +18,7 @@ import torch
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
 from parallel.tensor_parallel.ring import ring_pass
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 BASE = ["--mock-data", "--vocab-size", "128", "--no-progress", "--device", "cpu",

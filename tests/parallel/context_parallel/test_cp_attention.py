@@ -22,10 +22,10 @@ import torch.distributed as dist
 import kernels
 from engine.data.packing import MicroBatch
 from models.batch import AttentionInputs
-from parallel.comm import CommGroup
+from parallel.runtime.comm import CommGroup
 from parallel.context_parallel import (chunk_ids, context_parallel_attention, shard_index,
                                        shard_positions, ulysses_kv_repeat)
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import record_comm, run_distributed
 from tests.helpers.stream_check import stream_checked
 

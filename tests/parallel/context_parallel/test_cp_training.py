@@ -23,9 +23,9 @@ from engine.base import ConfigError
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
 from engine.training.validate import validate_run
-from parallel.grads import current_grad, sync_sequence_parallel_grads
-from parallel.state import LaunchEnv
-from parallel.topology import RankGrid
+from parallel.grads.main_grad import current_grad, sync_sequence_parallel_grads
+from parallel.grid.state import LaunchEnv
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 BASE = ["--mock-data", "--vocab-size", "24", "--no-progress", "--device", "cpu", "--num-layers", "2",

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from parallel.dp import DistributedOptimizer, GradReducer, MixedPrecisionOptimizer
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import gather_tensors, run_distributed
 
 N, LR, EPS, BETA2 = 4096, 0.01, 1e-12, 0.9
@@ -136,7 +136,7 @@ def test_frozen_variance_on_gloo(dp):
 
 def test_single_rank_keeps_plain_adamw():
     """dp=1 exchanges nothing, so nothing is compressed and AdamW stays AdamW."""
-    from parallel.state import ParallelState
+    from parallel.grid.state import ParallelState
     ps = ParallelState.serial()
     model, opt, reducer, history = run(ps, 0, 4, refresh=0)
     ref = Linear()

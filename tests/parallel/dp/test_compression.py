@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from parallel.comm import wire_bytes
+from parallel.runtime.comm import wire_bytes
 from parallel.dp import (CompressionPolicy, CompressorSpec, DistributedOptimizer, GradReducer,
                          Int8Compressor, LocalVariance, PolicyError, TopKCompressor)
-from parallel.state import ParallelState
-from parallel.topology import RankGrid
+from parallel.grid.state import ParallelState
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import gather_tensors, record_comm, run_distributed
 from tests.parallel.dp.test_dp_reducer import backward_step, make_model, serial_grads
 

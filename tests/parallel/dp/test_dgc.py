@@ -14,7 +14,7 @@ import torch
 from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
                          MixedPrecisionOptimizer, MomentumTopKCompressor, PolicyError)
 from parallel.dp.dgc import OWNER_FACTOR, ramp_density
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import gather_tensors, record_comm, run_distributed
 from tests.helpers.linear_model import Linear, full_state
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from parallel import streams
+from parallel.runtime import streams
 from parallel.dp import DistributedOptimizer, GradReducer
-from parallel.lanes import EXCHANGE_LANE, current_lane
+from parallel.runtime.lanes import EXCHANGE_LANE, current_lane
 from parallel.dp.param_gather import gather_units
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import record_comm, run_distributed
 from tests.helpers.stream_check import stream_checked
 from tests.parallel.dp.test_dp_reducer import backward_step, batch, groups, lr_at, make_model, serial_train

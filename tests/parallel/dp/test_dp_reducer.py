@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.comm import wire_bytes
+from parallel.runtime.comm import wire_bytes
 from parallel.dp import DistributedOptimizer, GradReducer, MixedPrecisionOptimizer
-from parallel.grad_norm import global_grad_norm
-from parallel.state import ParallelState
-from parallel.topology import RankGrid
+from parallel.grads.norm import global_grad_norm
+from parallel.grid.state import ParallelState
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import record_comm, run_distributed
 
 VOCAB, BATCH, SEQ = 11, 8, 5

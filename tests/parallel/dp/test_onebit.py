@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from parallel.comm import wire_bytes
+from parallel.runtime.comm import wire_bytes
 from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
                          MixedPrecisionOptimizer, OneBitCompressor, PolicyError)
 from parallel.dp.onebit import pack_signs, unpack_signs
 from parallel.dp.warmup import refresh_steps, resolve_warmup
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import gather_tensors, record_comm, run_distributed
 from tests.helpers.linear_model import Linear, full_state
 

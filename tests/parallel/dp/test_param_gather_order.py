@@ -24,8 +24,8 @@ import torch
 import parallel.dp.param_gather as param_gather
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.stream_check import StreamChecker
-from parallel.topology import RankGrid
+from parallel.runtime.stream_check import StreamChecker
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.planted import owner_units
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel import streams
+from parallel.runtime import streams
 from parallel.dp import DistributedOptimizer, GradReducer, MixedPrecisionOptimizer, memory_bytes
 from parallel.dp.buffers import Bucket
-from parallel.state import ParallelState
-from parallel.stream_check import StreamChecker
-from parallel.topology import RankGrid
+from parallel.grid.state import ParallelState
+from parallel.runtime.stream_check import StreamChecker
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.stream_check import stream_checked
 from tests.parallel.dp.test_dp_reducer import backward_step, groups, lr_at, make_model, serial_train

@@ -35,9 +35,9 @@ from engine.base import ConfigError
 from engine.config.cli import parse_args
 from engine.observe.faults import GradFault
 from engine.training.trainer import Trainer, TrainingDiverged
-from parallel.state import LaunchEnv, ParallelState
-from parallel.stream_check import StreamChecker
-from parallel.topology import RankGrid
+from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.runtime.stream_check import StreamChecker
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import free_port, run_distributed
 
 STEPS = 20

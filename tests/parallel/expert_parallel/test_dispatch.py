@@ -10,7 +10,7 @@ import torch
 from engine.device.syncs import SyncCounter
 from parallel.expert_parallel import (alltoall_combine, alltoall_dispatch, init_expert_groups,
                                       permute_tokens, unpermute_tokens)
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import record_comm, run_distributed
 
 E, K, T, H = 4, 2, 5, 3

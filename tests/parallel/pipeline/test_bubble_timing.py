@@ -30,8 +30,8 @@ from parallel.pipeline.p2p import init_p2p
 from parallel.pipeline.partition import virtual_stage
 from parallel.pipeline.schedules import build_schedule
 from parallel.pipeline.timeline import gather_events
-from parallel.weight_grad import WeightGradStore, attach_weight_grad_store
-from parallel.topology import RankGrid
+from parallel.grads.weight_grad import WeightGradStore, attach_weight_grad_store
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 FWD_S, BWD_S = 0.1, 0.2

@@ -18,7 +18,7 @@ import torch
 
 from parallel.pipeline.p2p import (EXIT_PIPELINE_TIMEOUT, HostWait, PipelineCommError, StreamWait,
                                    Transfer, TransferWatchdog, communicate, waiter_for)
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.stream_check import stream_checked
 
@@ -145,7 +145,7 @@ def test_a_failing_watchdog_ends_the_process_with_one_line():
 
 def test_threads_bind_the_device_first(monkeypatch):
     """start_thread makes the rank's device current on the new thread before its target runs."""
-    from parallel import streams
+    from parallel.runtime import streams
     bound = []
     monkeypatch.setattr(torch.accelerator, "set_device_index", lambda i: bound.append(i))
     seen = []

@@ -19,8 +19,8 @@ from parallel.pipeline.p2p import PipelineCommError, init_p2p
 from parallel.pipeline.partition import stage_layers
 from parallel.pipeline.schedules import build_schedule, validate_schedule
 from parallel.pipeline.timeline import gather_events, write_chrome_trace
-from parallel.state import ParallelState
-from parallel.topology import RankGrid
+from parallel.grid.state import ParallelState
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.stream_check import stream_checked
 

@@ -34,7 +34,7 @@ from engine.observe.dashboards import scalars
 from engine.observe.metrics import summarize_run
 from engine.training.trainer import Trainer
 from parallel.pipeline.bubble import theoretical_bubble
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 STEPS = 3

@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 
 from kernels.fp8 import E4M3, Fp8Recipe
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import (ColumnParallelLinear, Initializer, RowParallelLinear,
                                       set_tp_comm_overlap)
 from parallel.tensor_parallel import fp8 as fp8_module
 from parallel.tensor_parallel.fp8 import set_fp8
 from parallel.tensor_parallel.layers import column_parallel_linears
-from parallel.topology import RankGrid
-from parallel.weight_grad import WeightGradStore
+from parallel.grid.topology import RankGrid
+from parallel.grads.weight_grad import WeightGradStore
 from tests.helpers.dist_utils import gather_tensors, record_comm, run_distributed
 
 INIT = Initializer(seed=5, std=0.1)

@@ -32,7 +32,7 @@ from parallel.tensor_parallel import (ColumnParallelLinear, Initializer, RowPara
 from parallel.tensor_parallel import overlap, overlap_fused
 from parallel.tensor_parallel.mappings import _gather
 from parallel.tensor_parallel.overlap import _MatmulAllReduceForwardIdentityBackward
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 HCOM = "hcom-tp"

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel.state import ParallelState
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import (ColumnParallelLinear, Initializer, RowParallelLinear,
                                       VocabParallelEmbedding, padded_vocab_size,
                                       vocab_parallel_cross_entropy)
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import gather_tensors, run_distributed
 from tests.parallel.tensor_parallel.test_tp_mappings import tp_states
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.comm import CommGroup
-from parallel.state import ParallelState
+from parallel.runtime.comm import CommGroup
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import mappings
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
 TIGHT = dict(rtol=1e-6, atol=1e-6)  # fp32: HCCL reduces no float64

@@ -16,12 +16,12 @@ import torch.distributed as dist
 from engine.base import ConfigError
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.state import LaunchEnv, ParallelState
+from parallel.grid.state import LaunchEnv, ParallelState
 from parallel.tensor_parallel import (ColumnParallelLinear, Initializer, RowParallelLinear,
                                       set_tp_comm_overlap)
 from parallel.tensor_parallel.layers import column_parallel_linears
-from parallel.topology import RankGrid
-from parallel.weight_grad import WeightGradStore, attach_weight_grad_store
+from parallel.grid.topology import RankGrid
+from parallel.grads.weight_grad import WeightGradStore, attach_weight_grad_store
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.stream_check import stream_checked
 from tests.parallel.tensor_parallel.test_tp_mappings import tp_states

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.stream_check import StreamChecker
-from parallel.topology import RankGrid
+from parallel.runtime.stream_check import StreamChecker
+from parallel.grid.topology import RankGrid
 from tests.equivalence.test_equivalence_zb import assert_matches, layout, serial, train  # noqa: F401
 from tests.helpers.dist_utils import run_distributed
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from parallel.comm import CommGroup, CommMonitor, single_rank_group
-from parallel.lanes import EXCHANGE_LANE
-from parallel.topology import Coord, RankGrid
+from parallel.runtime.comm import CommGroup, CommMonitor, single_rank_group
+from parallel.runtime.lanes import EXCHANGE_LANE
+from parallel.grid.topology import Coord, RankGrid
 
 
 class LayoutError(ValueError):
@@ -297,10 +297,10 @@ class ParallelState:
     the byte counters per group kind.
 
     ``dp_exchange_group``: the DP x CP ranks on a communicator of the exchange worker's own
-    (parallel/lanes.py), of ``dp_cp_group``'s kind; made only with ``initialize(dp_exchange=True)``
-    (gradient compression: the planner counts its buffers then) or when it has one rank.
-    ``edp_exchange_group``: the expert-data-parallel ranks on the same lane, for compressed expert
-    buckets (``init_expert_groups(..., exchange=True)``).
+    (parallel/runtime/lanes.py), of ``dp_cp_group``'s kind; made only with
+    ``initialize(dp_exchange=True)`` (gradient compression: the planner counts its buffers then) or
+    when it has one rank. ``edp_exchange_group``: the expert-data-parallel ranks on the same lane,
+    for compressed expert buckets (``init_expert_groups(..., exchange=True)``).
     """
     grid: RankGrid
     rank: int = 0
@@ -317,7 +317,7 @@ class ParallelState:
     embedding_group: CommGroup = None
     world_group: CommGroup = None
     dp_exchange_group: CommGroup | None = None   # DP x CP on the exchange worker's lane
-    ep_group: CommGroup = None         # expert-parallel ranks (parallel/expert_groups.py)
+    ep_group: CommGroup = None         # expert-parallel ranks (parallel/grid/expert_groups.py)
     edp_group: CommGroup = None        # expert-data-parallel: where expert gradients are summed
     etp_group: CommGroup = None        # expert-tensor-parallel: the TP group under ETP, else this rank
     # EDP on the exchange worker's lane (init_expert_groups(..., exchange=True)): compressed expert
@@ -361,8 +361,8 @@ class ParallelState:
         passed as ``device_id`` so communicators can be split for subgroups. Groups of all
         dimensions are created in the same order on every rank, as torch.distributed requires.
         ``backend_rules`` ("hccl", "hccl:950", "nccl" or None) is what every collective is checked
-        against (see parallel/backend_rules.py). Before the process group (or, when one exists
-        already, before the first collective with an ``agreement``) the ranks meet on the
+        against (see parallel/runtime/backend_rules.py). Before the process group (or, when one
+        exists already, before the first collective with an ``agreement``) the ranks meet on the
         rendezvous store (``Rendezvous.agree``): a rank that never comes, a rank that stopped on
         an error and ranks whose ``agreement`` differs are named within ``timeout_s``.
         ``dp_exchange`` also creates ``dp_exchange_group`` (needed by gradient compression), last,

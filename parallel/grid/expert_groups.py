@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.topology import RankGrid
+from parallel.grid.topology import RankGrid
 
 EXPERT_DIMS = ("ep", "edp", "etp")
 

@@ -2,16 +2,16 @@
 
 PyTorch's CUDA sanitizer (torch.cuda._sanitizer) finds kernels on two streams that touch the same
 memory without an event between them, but only on a GPU. This checker does the same over the
-engine's own stream API (parallel/streams.py), so it runs in CPU CI: every side stream, every
-worker thread and every communicator ("comm:<group kind>") is a named stream, and
+engine's own stream API (parallel/runtime/streams.py), so it runs in CPU CI: every side stream,
+every worker thread and every communicator ("comm:<group kind>") is a named stream, and
 
 - a ``TorchDispatchMode``, entered on every thread the checker is active on (the test's thread,
   threads of ``streams.start_thread``), sees each aten op and charges its accesses to the thread's
   current named stream: arguments the schema marks as written (``alias_info.is_write``) and fresh
   outputs are writes, the other tensor arguments reads (views are neither);
-- the communication layer reports each collective (parallel/comm.py): an asynchronous one first
-  orders its comm stream after the issuing stream, then accesses its tensors there (all-reduce and
-  broadcast write their tensor, the others write the first and read the rest, a send reads, a
+- the communication layer reports each collective (parallel/runtime/comm.py): an asynchronous one
+  first orders its comm stream after the issuing stream, then accesses its tensors there (all-reduce
+  and broadcast write their tensor, the others write the first and read the rest, a send reads, a
   receive writes); the handle's ``wait()`` (or ``is_completed()`` returning True) orders the
   waiting stream after it, and a synchronous one is waited for at once. The ops a backend runs
   inside the call or the wait (gloo copies a reduce-scatter's result into its output in
@@ -44,9 +44,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallel import streams
+from parallel.runtime import streams
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SKIP_FILES = (os.path.abspath(__file__), os.path.abspath(streams.__file__))
 _MODE_HOOKS = ("__torch_dispatch__", "__torch_function__")
 
@@ -150,7 +150,7 @@ class StreamChecker:
 
     @contextmanager
     def installed(self):
-        """Install the checker in parallel.streams and make it active on this thread."""
+        """Install the checker in parallel.runtime.streams and make it active on this thread."""
         previous = streams.installed_checker()
         streams.install_checker(self)
         try:

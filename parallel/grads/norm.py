@@ -25,12 +25,12 @@ whichever optimizer it uses.
 
 The step's path (``local_norm_sq``, ``grid_norm_sq_``, ``scale_``, ``check_and_unscale_``) keeps
 every result on the device: one ``torch._foreach_*`` op per list of gradient tensors (callers pass
-the few flat buffers the gradients live in, see parallel/dp/optim_common.py), and the one host read of the
-step happens where the step's statistics are read (engine/training/step.py). ``global_grad_norm``,
-``clip_grads`` and ``found_inf`` read the result on the host, for callers outside the step.
-The ``*_reference`` functions are the former per-parameter loops (one to four kernels per
-tensor): the multi-tensor paths equal them bit for bit on the CPU (tests/engine/training/test_foreach_grads.py), and
-benchmarks/step_overhead.py times both.
+the few flat buffers the gradients live in, see parallel/dp/optim_common.py), and the one host read
+of the step happens where the step's statistics are read (engine/training/step.py).
+``global_grad_norm``, ``clip_grads`` and ``found_inf`` read the result on the host, for callers
+outside the step. The ``*_reference`` functions are the former per-parameter loops (one to four
+kernels per tensor): the multi-tensor paths equal them bit for bit on the CPU
+(tests/engine/training/test_foreach_grads.py), and benchmarks/step_overhead.py times both.
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from parallel.grads import current_grad
-from parallel.state import ParallelState
+from parallel.grads.main_grad import current_grad
+from parallel.grid.state import ParallelState
 
 # torch_npu's ForeachNonFiniteCheckAndUnscale kernel takes at most 256 tensors per call (CANN
 # ops-nn, foreach_non_finite_check_and_unscale/README.md): its lists are cut at that length
@@ -135,9 +135,9 @@ def scale_(grads: list[torch.Tensor], factor: float) -> None:
 
 def check_and_unscale_(grads: list[torch.Tensor], inv_scale: float, device=None) -> torch.Tensor:
     """This rank's overflow flag (0-d fp32, 1.0 if any gradient holds inf or nan) and, in the same
-    pass, the gradients multiplied by ``inv_scale`` (``torch._amp_foreach_non_finite_check_and_unscale_``,
-    the op torch.amp.GradScaler uses). A skipped step discards the gradients, so unscaling them
-    before the skip decision is harmless."""
+    pass, the gradients multiplied by ``inv_scale``
+    (``torch._amp_foreach_non_finite_check_and_unscale_``, the op torch.amp.GradScaler uses). A
+    skipped step discards the gradients, so unscaling them before the skip decision is harmless."""
     found = torch.zeros(1, dtype=torch.float32, device=device if not grads else grads[0].device)
     inv = torch.full((1,), inv_scale, dtype=torch.float32, device=found.device)
     for chunk in _chunks(grads, limit=FOREACH_MAX_TENSORS):
@@ -183,7 +183,8 @@ def clip_grads(params, max_norm: float, ps: ParallelState, over_dp: bool | None 
     """Scale gradients in place so the global norm is at most ``max_norm``; return the norm before.
 
     Like torch.nn.utils.clip_grad_norm_ (coefficient max_norm / (norm + 1e-6)), applied only when
-    it is below 1 and to every gradient, counted in the norm or not. ``max_norm <= 0`` only measures.
+    it is below 1 and to every gradient, counted in the norm or not. ``max_norm <= 0`` only
+    measures.
     """
     params = list(params)
     over_dp = is_sharded(params) if over_dp is None else over_dp

@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 
-from parallel.backend_rules import BackendRuleError
+from parallel.runtime.backend_rules import BackendRuleError
 
 MAIN_LANE = "main"
 EXCHANGE_LANE = "dp-exchange"   # the reducer's exchange worker (parallel/dp/exchange.py)

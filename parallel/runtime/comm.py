@@ -6,10 +6,11 @@ A ``CommGroup`` is one process group of the rank grid (kind "tp", "cp", "pp", "d
 index in it and a ``CommMonitor`` shared by all groups of one ``ParallelState``. Its methods are
 thin wrappers over torch.distributed that
 
-1. check the call against the backend's rules (``parallel.backend_rules``: HCCL refuses float64
-   reductions and ``gather``, NCCL refuses int16, ...) before anything is sent, so a collective the
-   real backend would refuse fails the CPU suite too; with rules on, a group is also refused to a
-   thread outside its ``lane`` (``parallel.lanes``: a worker thread has communicators of its own);
+1. check the call against the backend's rules (``parallel.runtime.backend_rules``: HCCL refuses
+   float64 reductions and ``gather``, NCCL refuses int16, ...) before anything is sent, so a
+   collective the real backend would refuse fails the CPU suite too; with rules on, a group is also
+   refused to a thread outside its ``lane`` (``parallel.runtime.lanes``: a worker thread has
+   communicators of its own);
 2. count, per group kind, the payload this rank hands over (the bytes of the tensor it passes:
    all-reduce and reduce-scatter their input buffer, all-gather its own shard, all-to-all its send
    buffer, point-to-point its sends, broadcast the source's buffer) and the ring-model estimate of
@@ -25,12 +26,12 @@ thin wrappers over torch.distributed that
 4. keep this rank's ``Activity`` (``monitor.activity``): how many collectives it has entered on
    each of its groups, the last one, the one the host is blocked in right now and, when a clock is
    set, the spans of time it spent blocked (inside a synchronous call, or in ``wait()`` on the
-   handle of an asynchronous one). The heartbeat (parallel/heartbeat.py) publishes it so that a
-   rank stuck in a collective can name the peers that never entered it; the straggler report
+   handle of an asynchronous one). The heartbeat (parallel/runtime/heartbeat.py) publishes it so
+   that a rank stuck in a collective can name the peers that never entered it; the straggler report
    (engine/observe/stragglers.py) sums the spans;
 5. report each collective's tensors, and each ``wait()`` / completed ``is_completed()`` of its
-   handle, to the stream-order checker when a test installed one (parallel/streams.py,
-   parallel/stream_check.py); otherwise that is a no-op.
+   handle, to the stream-order checker when a test installed one (parallel/runtime/streams.py,
+   parallel/runtime/stream_check.py); otherwise that is a no-op.
 
 Inside a ``torch.compile`` graph only the rules apply (at trace time): the TP and CP collectives of
 compiled model chunks are not counted, so the trainer reports ``tp_comm_bytes`` and
@@ -49,9 +50,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from parallel import streams
-from parallel.backend_rules import check, check_object, get_rules
-from parallel.lanes import MAIN_LANE, check_lane
+from parallel.runtime import streams
+from parallel.runtime.backend_rules import check, check_object, get_rules
+from parallel.runtime.lanes import MAIN_LANE, check_lane
 
 GROUP_KINDS = ("tp", "cp", "pp", "dp", "dp_cp", "mp", "embedding", "world", "ep", "edp")
 
@@ -82,7 +83,7 @@ class CommEvent:
     wire_bytes: int
     async_op: bool = False
     received_bytes: int = 0  # what a recv lands (its payload is 0: traffic counts what is sent)
-    lane: str = MAIN_LANE    # the group's lane (parallel/lanes.py): a worker's own communicator
+    lane: str = MAIN_LANE    # the group's lane (lanes.py): a worker's own communicator
 
 
 @dataclass
@@ -101,12 +102,12 @@ class Activity:
     every member); point-to-point batches are counted apart in ``p2p`` (neighbours post different
     numbers of them). ``last`` is the (op, kind, number) entered last, ``blocked`` the (op, kind,
     number, wall time) the host is waiting in now (None while it computes), ``failed`` the one whose
-    call or wait raised. With a ``clock`` (anything with ``stamp()``, e.g. parallel.pipeline.executor.HostClock
-    or a device clock) every blocked interval is appended to ``spans`` as (kind, start, end)
-    stamps; the reader empties the list. ``watched``: group kinds whose blocked intervals are
-    also appended, as (start, end) stamps of ``watch_clock``, to ``watched[kind]`` (the step's
-    exposed TP time, engine/training/step.py; the step empties them), with or without ``clock``.
-    ``step`` is set by the training loop."""
+    call or wait raised. With a ``clock`` (anything with ``stamp()``, e.g.
+    parallel.pipeline.executor.HostClock or a device clock) every blocked interval is appended to
+    ``spans`` as (kind, start, end) stamps; the reader empties the list. ``watched``: group kinds
+    whose blocked intervals are also appended, as (start, end) stamps of ``watch_clock``, to
+    ``watched[kind]`` (the step's exposed TP time, engine/training/step.py; the step empties them),
+    with or without ``clock``. ``step`` is set by the training loop."""
     entered: dict = field(default_factory=lambda: {k: 0 for k in GROUP_KINDS})
     p2p: int = 0
     last: tuple | None = None
@@ -155,7 +156,7 @@ class TrackedWork:
 
     def __init__(self, work, activity: Activity, tag: tuple, access=None):
         self.work, self.activity, self.tag = work, activity, tag
-        self.access = access  # the stream-order checker's record of it (parallel/streams.py)
+        self.access = access  # the stream-order checker's record of it (streams.py)
 
     def wait(self, *args, **kwargs):
         if self.access is None and not streams.checking():
@@ -183,7 +184,7 @@ class CommMonitor:
     counters: dict = field(default_factory=lambda: {k: Counter() for k in GROUP_KINDS})
     observers: list = field(default_factory=list)
     activity: Activity = field(default_factory=Activity)
-    heartbeat: object = None  # parallel.heartbeat.Heartbeat, when one runs for this rank
+    heartbeat: object = None  # parallel.runtime.heartbeat.Heartbeat, when one runs for this rank
 
     def __post_init__(self) -> None:
         self.rules = get_rules(self.rules_name)
@@ -252,7 +253,7 @@ class CommGroup:
     pg: object = None
     monitor: CommMonitor = field(default_factory=CommMonitor)
     world: bool = False               # the default (world) group: pg None means "default group"
-    lane: str = MAIN_LANE             # the threads that may issue on it (parallel/lanes.py)
+    lane: str = MAIN_LANE             # the threads that may issue on it (parallel/runtime/lanes.py)
     first_thread: str | None = field(default=None, repr=False)  # for check_lane's message
 
     def __post_init__(self) -> None:
@@ -288,7 +289,7 @@ class CommGroup:
             # counted (the trainer reports their traffic kinds as null under --compile)
             return
         if rules is not None:
-            check_lane(rules, self, op)   # one communicator, one thread (parallel/lanes.py)
+            check_lane(rules, self, op)   # one communicator, one thread (parallel/runtime/lanes.py)
         nbytes = _nbytes(tensor) if payload is None and tensor is not None else (payload or 0)
         if not monitor.observers:  # the common case: count, without building the event
             if not monitor._paused:
@@ -407,7 +408,8 @@ class CommGroup:
             accesses = accesses[-1:] * len(works)
         return [TrackedWork(w, activity, tag, a) for w, a in zip(works, accesses)]
 
-    # ---- object collectives (setup, checkpoints, timelines: never in the step) --------------------
+    # ---- object collectives (setup, checkpoints, timelines: never in the step)
+    # --------------------
     def all_gather_object(self, obj) -> list:
         if self.size == 1:
             return [obj]

@@ -1,8 +1,8 @@
 """Heartbeats through the job's store, so that a hung collective names who entered it and who not.
 
 Every rank runs one light daemon thread that writes, about once a second, its communication
-``Activity`` (parallel/comm.py: what the main thread records on every collective anyway) as a small
-JSON value under ``gridtron/heartbeat/<rank>`` of the process group's TCP store::
+``Activity`` (parallel/runtime/comm.py: what the main thread records on every collective anyway) as
+a small JSON value under ``gridtron/heartbeat/<rank>`` of the process group's TCP store::
 
     {"rank": 1, "t": 1718000000.3, "step": 12, "entered": {"dp": 40, "world": 25},
      "p2p": 96, "last": ["all_reduce", "dp", 40], "blocked": null}

@@ -2,10 +2,10 @@
 
 gloo, which runs every test, accepts almost anything (float64, int16, ``gather``, tensors inside
 object collectives); the accelerator backends do not, and their refusals only show on the cluster,
-after the job is queued and started. ``parallel.comm`` checks every collective the engine issues
-against one of these rule sets before handing it to the backend, so the CPU suite fails where the
-real backend would. ``ParallelState`` is built with ``backend_rules`` ("hccl", "hccl:950", "nccl"
-or None); on an NPU or GPU the backend's own rules apply by default (``resolve``).
+after the job is queued and started. ``parallel.runtime.comm`` checks every collective the engine
+issues against one of these rule sets before handing it to the backend, so the CPU suite fails where
+the real backend would. ``ParallelState`` is built with ``backend_rules`` ("hccl", "hccl:950",
+"nccl" or None); on an NPU or GPU the backend's own rules apply by default (``resolve``).
 
 Sources (the table below transcribes them; cite them when changing an entry):
 
@@ -43,7 +43,8 @@ _HCCL_MOVE = frozenset(_INTS + _UINTS + _FLOATS + (torch.float64, torch.bool))
 _NCCL = frozenset((torch.int8, torch.uint8, torch.int32, torch.uint32, torch.int64, torch.uint64,
                    torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.bool))
 
-# The collectives parallel.comm issues, by kind: reductions combine values, moves only copy them.
+# The collectives parallel.runtime.comm issues, by kind: reductions combine values, moves only copy
+# them.
 REDUCTIONS = ("all_reduce", "reduce_scatter")
 MOVES = ("all_gather", "broadcast", "all_to_all", "send", "recv")
 OPS = REDUCTIONS + MOVES + ("barrier", "gather", "object")
@@ -138,7 +139,7 @@ def check(rules: RuleSet | None, op: str, group: str, tensors=(), reduce_op=None
     # verdict depends only on these, so an allowed signature is checked once (a refused one raises
     # every time). A reduce op that is not a plain enum member (premul-sum) is never cached.
     # Inside a torch.compile trace the check runs once anyway, and mutating the cache there would
-    # be a side effect Dynamo guards on: trace-time checks bypass it (parallel.comm passes
+    # be a side effect Dynamo guards on: trace-time checks bypass it (parallel.runtime.comm passes
     # cache=False there).
     plain = cache and (reduce_op is None or isinstance(reduce_op, _RED_OP_TYPE))
     key = (op, group, tuple([t.dtype for t in tensors]), reduce_op) if plain else None

@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from parallel.module_attrs import set_where_present
+from parallel.runtime.module_attrs import set_where_present
 
 
 class _Token:

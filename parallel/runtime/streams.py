@@ -15,10 +15,10 @@ this module instead of calling ``torch.Stream`` / ``torch.Event`` or ``threading
   call would create a context there) and reports an exception instead of dying silently.
 
 Why a module of its own: the same calls are what the stream-order checker
-(``parallel.stream_check``) observes. On the CPU there are no streams, so the checker treats every
-side stream and every worker thread as a named stream and proves, in CPU CI, that each access of a
-storage from one stream is ordered after the conflicting accesses from the others by exactly the
-events, waits and joins the engine issues here. The checker is installed explicitly
+(``parallel.runtime.stream_check``) observes. On the CPU there are no streams, so the checker treats
+every side stream and every worker thread as a named stream and proves, in CPU CI, that each access
+of a storage from one stream is ordered after the conflicting accesses from the others by exactly
+the events, waits and joins the engine issues here. The checker is installed explicitly
 (``install_checker``), by tests; without one every call below is the plain device operation (a
 no-op on the CPU). It lives in parallel/ rather than engine/device/ because parallel/ may not
 import engine/; engine.device re-exports it.
@@ -269,7 +269,8 @@ def start_thread(name: str, target: Callable[[], None], device, daemon: bool = T
     return StreamThread(name, target, device, daemon, on_error)
 
 
-# ---- the communication layer's hooks (parallel/comm.py) ---------------------------------------
+# ---- the communication layer's hooks (parallel/runtime/comm.py)
+# ---------------------------------------
 def collective_issued(op: str, group: str, tensors: list, async_op: bool):
     """An asynchronous collective on ``group`` starts after the issuing stream's work so far and
     accesses ``tensors`` on "comm:<group>"; returns what ``collective_waited`` takes (None when
