@@ -54,7 +54,7 @@ def describe_comm_failure(exc: BaseException, ps, timeout_s: float | None = None
                     group = cand
                     break
         if where is None and path.startswith(_REPO) and "site-packages" not in path \
-                and not path.endswith(os.path.join("parallel", "comm.py")):
+                and not path.endswith(os.path.join("parallel", "runtime", "comm.py")):
             where = f"{code.co_qualname} ({os.path.relpath(path, _REPO)}:{frame.f_lineno})"
     failed = getattr(getattr(ps, "comm", None), "activity", None)
     failed = failed.failed if failed is not None else None
