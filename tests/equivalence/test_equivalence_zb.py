@@ -32,10 +32,12 @@ from tests.helpers.dist_utils import run_distributed
 STEPS = 20
 GLOBAL_BATCH = 12
 BASE = ["--mock-data", "--vocab-size", "256", "--no-progress", "--device", "cpu",
-        "--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--global-batch-size", str(GLOBAL_BATCH), "--precision", "fp32",
         "--lr", "1e-3", "--lr-warmup-iters", "0", "--peak-tflops", "1", "--timeout-s", "120"]
 REL = 1e-4
+# zb-v on 4 stages needs 8 virtual stages: those layouts train 8 layers, against an 8-layer serial run
+DEEP = ("--num-layers", "8")
 
 
 def layout(pp: int, schedule: str, micro: int, *extra: str, tp: int = 1, dp: int = 1) -> list[str]:
@@ -109,8 +111,10 @@ def assert_serial_grads(per_rank: list[dict], what: str) -> None:
 def serial_runs() -> dict:
     """The serial references, computed once per test process (tests/parallel/tensor_parallel's
     overlap runs compare against them too)."""
-    return {block: train(["--micro-batch-size", str(GLOBAL_BATCH), "--block", block], LaunchEnv())
+    runs = {block: train(["--micro-batch-size", str(GLOBAL_BATCH), "--block", block], LaunchEnv())
             for block in ("gpt2", "llama")}
+    runs["gpt2 deep"] = train(["--micro-batch-size", str(GLOBAL_BATCH), *DEEP], LaunchEnv())
+    return runs
 
 
 @functools.lru_cache(maxsize=1)
@@ -184,8 +188,8 @@ def test_pp2_zero_bubble_matches_serial_1f1b_and_checkpoints(serial, tmp_path):
 
 WORLD4 = [
     layout(4, "zb-h1", 2),                              # m < p (m > p: pp=2, m=3)
-    layout(4, "zb-v", 1),                               # the smallest m
-    layout(4, "zb-v", 3, "--recompute", "selective"),
+    layout(4, "zb-v", 1, *DEEP),                        # the smallest m
+    layout(4, "zb-v", 3, "--recompute", "selective", *DEEP),
     layout(2, "zb-v", 2, "--sequence-parallel", tp=2),
     layout(2, "zb-h1", 3, "--sequence-parallel", "--recompute", "full", tp=2),
     layout(2, "zb-v", 3, tp=2),                         # scatter/gather over TP between stages
@@ -204,6 +208,7 @@ def world4_group(ps) -> dict:
 def test_pp4_tp2_dp2_zero_bubble_match_serial_and_1f1b(serial):
     results = run_distributed(world4_group, grid=RankGrid(pp=4), timeout_s=180)
     for i, argv in enumerate(WORLD4):
-        assert_matches(results[0]["layouts"][i], serial["gpt2"], " ".join(argv))
+        ref = serial["gpt2 deep" if "--num-layers" in argv else "gpt2"]
+        assert_matches(results[0]["layouts"][i], ref, " ".join(argv))
     for schedule in ("1f1b", "zb-h1", "zb-v"):
         assert_serial_grads([r["grads"][schedule] for r in results], f"{schedule}, tp2 SP")
