@@ -39,3 +39,34 @@ def stream_checker():
     with checker.installed():
         yield checker
     checker.check()
+
+
+# The files that take a minute or more of a worker (measured with --durations), run first: with
+# two workers taking one file at a time, a long file started last leaves the other worker idle.
+HEAVY_FIRST = (
+    "tests/engine/device/test_compile_moe.py",
+    "tests/parallel/dp/test_zero3.py",
+    "tests/benchmarks/test_device_check.py",
+    "tests/parallel/tensor_parallel/test_tp_overlap_train.py",
+    "tests/equivalence/test_equivalence_zb.py",
+    "tests/equivalence/test_equivalence_cp.py",
+    "tests/equivalence/test_stream_matrix.py",
+    "tests/engine/dryrun/test_dryrun.py",
+    "tests/engine/fuzz/test_fuzz.py",
+    "tests/engine/device/test_compile.py",
+    "tests/equivalence/test_equivalence_moe_layouts.py",
+    "tests/equivalence/test_equivalence_packed.py",
+    "tests/equivalence/test_equivalence_dp.py",
+    "tests/engine/training/test_fp8_train.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Heaviest files first (HEAVY_FIRST's order), the rest in collection order; every worker
+    sorts the same way, as pytest-xdist requires."""
+    root = config.rootpath
+    missing = [path for path in HEAVY_FIRST if not (root / path).exists()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py HEAVY_FIRST names missing files: {missing}")
+    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.relative_to(root).as_posix(), len(rank)))
