@@ -78,7 +78,8 @@ def _bookkeeping_us(group, op: str, t, out, calls: int) -> float:
 
 
 def _worker(rank: int, port: int, args, out: str) -> None:
-    from parallel.grid.state import LaunchEnv, ParallelState
+    from parallel.grid.launch import LaunchEnv
+    from parallel.grid.state import ParallelState
     from parallel.grid.topology import RankGrid
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")

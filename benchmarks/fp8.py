@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config.cli import parse_args  # noqa: E402
 from engine.training.trainer import Trainer  # noqa: E402
-from parallel.grid.state import LaunchEnv  # noqa: E402
+from parallel.grid.launch import LaunchEnv  # noqa: E402
 from parallel.grid.topology import RankGrid  # noqa: E402
 from tests.helpers.dist_utils import run_distributed  # noqa: E402
 

@@ -41,7 +41,8 @@ from engine.plan.memory import layer_activation_bytes  # noqa: E402
 from models import GPTChunk, GPTConfig, LayerContext  # noqa: E402
 from models.layers import Norm, ParallelAttention, ParallelMLP  # noqa: E402
 from parallel.context_parallel import load_balanced, shard_index  # noqa: E402
-from parallel.grid.state import LaunchEnv, ParallelState  # noqa: E402
+from parallel.grid.launch import LaunchEnv
+from parallel.grid.state import ParallelState  # noqa: E402
 from parallel.tensor_parallel import Initializer  # noqa: E402
 from parallel.grid.topology import RankGrid  # noqa: E402
 

@@ -90,7 +90,7 @@ def why_not(argv: list[str], world: int) -> str | None:
     from engine.base import ConfigError
     from engine.config.cli import parse_args
     from engine.training.validate import validate_run
-    from parallel.grid.state import LaunchEnv
+    from parallel.grid.launch import LaunchEnv
     try:
         cfg = parse_args(argv)
         cfg.data.num_microbatches(cfg.parallel.grid(world).dp)

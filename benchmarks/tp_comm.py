@@ -31,7 +31,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import GPTChunk, GPTConfig, LayerContext  # noqa: E402
-from parallel.grid.state import LaunchEnv, ParallelState  # noqa: E402
+from parallel.grid.launch import LaunchEnv
+from parallel.grid.state import ParallelState  # noqa: E402
 from parallel.tensor_parallel import Initializer  # noqa: E402
 from parallel.grid.topology import RankGrid  # noqa: E402
 

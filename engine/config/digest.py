@@ -3,8 +3,8 @@
 ``resolved_flags(cfg)`` is every user-settable field (engine/config/fields.py) of a ``RunConfig``
 after parsing (recipe, flags, derived defaults such as ``--save`` under ``--run-dir``), keyed by
 its flag and written as JSON text: the ranks compare a digest of it through the rendezvous store
-before the first collective (parallel/grid/state.py ``Rendezvous.agree``) and name the flags that
-differ.
+before the first collective (parallel/grid/rendezvous.py ``Rendezvous.agree``) and name the flags
+that differ.
 Which keys a user typed (``RunConfig.explicit``) is not part of it: a recipe and the same values
 as flags agree.
 """

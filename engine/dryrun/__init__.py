@@ -58,7 +58,7 @@ def prepare(cfg, world_size: int, devices_per_node: int = 8):
     from engine.base import ConfigError
     from engine.training.validate import validate_run
     from parallel.dp import CompressionPolicy, PolicyError
-    from parallel.grid.state import LaunchEnv
+    from parallel.grid.launch import LaunchEnv
     cfg = copy.deepcopy(cfg)
     notes = []
     if cfg.data.data_path and not cfg.data.mock_data and "vocab_size" not in cfg.explicit:

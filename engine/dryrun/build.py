@@ -36,7 +36,8 @@ from engine.device.runtime import DeviceInfo
 from engine.dryrun import assumed
 from parallel.dp.policy import CompressionPolicy
 from parallel.expert_parallel import init_expert_groups
-from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.launch import LaunchEnv
+from parallel.grid.state import ParallelState
 from parallel.grid.topology import RankGrid
 
 FAKE_BACKEND = "cpu:fake,meta:fake"

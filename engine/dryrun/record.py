@@ -38,7 +38,7 @@ from engine.training.lr_schedule import learning_rate
 from engine.training.step_record import comm_metrics
 from parallel.runtime.comm import GROUP_KINDS
 from parallel.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F
-from parallel.grid.state import LaunchEnv
+from parallel.grid.launch import LaunchEnv
 from parallel.tensor_parallel import padded_vocab_size
 
 MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")

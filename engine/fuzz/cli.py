@@ -70,7 +70,7 @@ def invalid(case: Case, steps: int) -> str | None:
     """Why the trainer would refuse ``case`` (None: it trains), by the trainer's own checks."""
     from engine.config.cli import parse_args
     from engine.training.validate import validate_run
-    from parallel.grid.state import LaunchEnv
+    from parallel.grid.launch import LaunchEnv
     try:
         validate_run(parse_args(case.argv(steps)), LaunchEnv(0, case.world, 0, case.world))
     except (ConfigError, ValueError) as exc:

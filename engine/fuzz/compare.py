@@ -19,7 +19,7 @@ REL = 1e-4
 def train_serial(case: Case, steps: int) -> dict:
     from engine.config.cli import parse_args
     from engine.training.trainer import Trainer
-    from parallel.grid.state import LaunchEnv
+    from parallel.grid.launch import LaunchEnv
     trainer = Trainer(parse_args(case.serial_argv(steps)), launch=LaunchEnv())
     try:
         records = trainer.train().records

@@ -37,7 +37,8 @@ from engine.base import ToolParser, run_tool
 from engine.tools.commbench import OPS, BenchConfig, check_collectives, format_table, parse_sizes, run_benchmarks
 from engine.config.schema import ParallelConfig
 from engine.device.runtime import detect_device_type, device_count, device_index, setup_device
-from parallel.grid.state import LaunchEnv, LayoutError, ParallelState
+from parallel.grid.launch import LaunchEnv, LayoutError
+from parallel.grid.state import ParallelState
 
 COMM_ENV = ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_BUFFSIZE", "HCCL_IF_IP", "HCCL_SOCKET_IFNAME",
             "HCCL_INTRA_ROCE_ENABLE", "HCCL_INTRA_PCIE_ENABLE", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA",

@@ -99,7 +99,7 @@ def run_config(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> int:
     from engine.checkpoint import CheckpointError
     from engine.config.schema import ParallelConfig
-    from parallel.grid.state import LaunchEnv
+    from parallel.grid.launch import LaunchEnv
     launch, timeout_s = LaunchEnv.from_env(), ParallelConfig().timeout_s
     try:
         cfg = run_config(argv)
@@ -130,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
 def train(cfg, launch, timeout_s: float) -> int:
     """Build the trainer, train, print the summary; the exit code."""
     from engine.checkpoint import CheckpointError
-    from parallel.grid.state import Disagreement, PeerStopped, RendezvousError
+    from parallel.grid.rendezvous import Disagreement, PeerStopped, RendezvousError
     from engine.observe.anomaly import PersistentAnomaly
     from engine.training.trainer import Trainer, TrainingDiverged
     try:
-        trainer = Trainer(cfg)  # meets the other ranks first (parallel/grid/state.py Rendezvous)
+        trainer = Trainer(cfg)  # meets the other ranks first (parallel/grid/rendezvous.py Rendezvous)
     except PeerStopped as exc:  # the lowest rank that stopped says why
         return stop(exc.message, launch, timeout_s, Report.of(exc.meeting, exc.rank))
     except Disagreement as exc:  # every rank found it, and every rank says it (its log may be
@@ -196,7 +196,7 @@ class Report:
 
     @classmethod
     def of(cls, meeting, rank: int, everyone: bool = False) -> "Report":
-        """The report of a failed rendezvous meeting (parallel/grid/state.py ``Rendezvous``)."""
+        """The report of a failed rendezvous meeting (parallel/grid/rendezvous.py ``Rendezvous``)."""
         return cls(rank, meeting.store, meeting.name, meeting.hosts, meeting.arrived, everyone)
 
     def says(self, me: int) -> bool:
@@ -226,8 +226,8 @@ def stop(line: str, launch, timeout_s: float, report: Report | None = None) -> i
     """End this rank on a user's mistake (exit 2) with ``line`` printed once for the whole job,
     by the lowest rank that found it (by every rank when ``report.everyone``: ranks that disagree),
     whichever phase found it: before the process group the
-    ranks compare notes at the rendezvous (parallel/grid/state.py ``Rendezvous.stop``), after it
-    through the process group's store. ``report``: who says it, when already known.
+    ranks compare notes at the rendezvous (parallel/grid/rendezvous.py ``Rendezvous.stop``), after
+    it through the process group's store. ``report``: who says it, when already known.
 
     torchrun's agent restarts the workers after any non-zero exit while --max-restarts allows
     (torch/distributed/elastic/agent/server/api.py): no exit code stops it, so every attempt
@@ -255,7 +255,8 @@ def first_to_report(line: str, launch, timeout_s: float) -> Report:
     no other rank can be asked)."""
     import torch.distributed as dist
 
-    from parallel.grid.state import LayoutError, Rendezvous, RendezvousError
+    from parallel.grid.launch import LayoutError
+    from parallel.grid.rendezvous import Rendezvous, RendezvousError
     if launch.world_size == 1:
         return Report(launch.rank)
     try:
@@ -298,7 +299,7 @@ def run_and_exit(argv: list[str] | None = None) -> None:
     try:
         code = main(argv)
     except KeyboardInterrupt:
-        from parallel.grid.state import LaunchEnv
+        from parallel.grid.launch import LaunchEnv
         if LaunchEnv.from_env().rank == 0:
             print("gridtron: interrupted (SIGINT) outside the training steps; nothing was saved "
                   "by this run after its last checkpoint", file=sys.stderr)

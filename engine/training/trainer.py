@@ -49,7 +49,8 @@ from parallel.pipeline.partition import placement_stages, stage_layers
 from parallel.pipeline.p2p import init_p2p, waiter_for
 from parallel.pipeline.schedules import build_schedule, has_weight_actions, validate_schedule
 from parallel.grid.random import ModelParallelRNG
-from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.launch import LaunchEnv
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer, set_tp_comm_overlap
 from parallel.tensor_parallel.overlap_fused import probe_mode
 from parallel.grads.weight_grad import WeightGradStore, attach_weight_grad_store

@@ -24,7 +24,7 @@ from models.blocks import takes_attention_inputs
 from models.registry import BlockRegistry, default_registry
 from parallel.dp.policy import CompressionPolicy
 from parallel.pipeline.partition import partition_layers
-from parallel.grid.state import LaunchEnv, LayoutError, check_layout
+from parallel.grid.launch import LaunchEnv, LayoutError, check_layout
 from parallel.grid.topology import RankGrid
 
 

@@ -39,7 +39,8 @@ from engine.base import ConfigError
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
 from parallel.runtime.comm import wire_bytes
-from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.launch import LaunchEnv
+from parallel.grid.state import ParallelState
 from parallel.grid.topology import RankGrid
 from tests.helpers.corpus import real_text_corpus
 from tests.helpers.dist_utils import record_comm, run_distributed

@@ -30,7 +30,8 @@ from parallel.dp.reducer import GradReducer
 from models.logical import logical_views
 from parallel.expert_parallel import init_expert_groups
 from parallel.grads.norm import clip_grads
-from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.launch import LaunchEnv
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed

@@ -35,7 +35,7 @@ import torch
 
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.grid.state import LaunchEnv
+from parallel.grid.launch import LaunchEnv
 from models.logical import logical_views
 from parallel.grid.topology import RankGrid
 from tests.helpers.corpus import real_text_corpus

@@ -40,7 +40,7 @@ from models.logical import logical_views
 from models.moe.experts import LocalExperts
 from parallel.grid.expert_groups import ExpertGrid
 from parallel.grads.norm import global_grad_norm
-from parallel.grid.state import LaunchEnv
+from parallel.grid.launch import LaunchEnv
 from parallel.tensor_parallel import Initializer
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed

@@ -36,7 +36,8 @@ from engine.training.trainer import Trainer
 from models import LayerContext, build_chunks
 from models.config import GPTConfig
 from models.moe import grouped_split
-from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.launch import LaunchEnv
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
 from parallel.grid.topology import RankGrid
 from parallel.grads.weight_grad import WeightGradStore, attach_weight_grad_store

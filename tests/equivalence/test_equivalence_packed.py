@@ -16,7 +16,7 @@ import pytest
 
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.grid.state import LaunchEnv
+from parallel.grid.launch import LaunchEnv
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 

@@ -25,7 +25,7 @@ from engine.checkpoint import param_specs
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
 from parallel.grads.main_grad import current_grad
-from parallel.grid.state import LaunchEnv
+from parallel.grid.launch import LaunchEnv
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 

@@ -24,7 +24,8 @@ import traceback
 import torch
 
 from engine.training.launch import exit_now
-from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.launch import LaunchEnv
+from parallel.grid.state import ParallelState
 from parallel.grid.topology import RankGrid
 from tests.helpers import rank_pool
 

@@ -7,7 +7,8 @@ import sys
 
 from engine.device.runtime import setup_device
 from engine.training.launch import exit_now
-from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.launch import LaunchEnv
+from parallel.grid.state import ParallelState
 from parallel.grid.topology import RankGrid
 
 

@@ -28,7 +28,8 @@ from engine.training.step import sync_sequence_parallel_grads
 from engine.training.trainer import Trainer
 from engine.training.validate import validate_run
 from models import GPTChunk, GPTConfig, LayerContext
-from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.launch import LaunchEnv
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed

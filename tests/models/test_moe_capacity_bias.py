@@ -165,7 +165,7 @@ def test_trainer_step_reads_moe_figures_with_its_one_wait():
     once (the dispatch mode's count, a CPU run's default), and the figures come with that wait;
     with an unpadded capacity too (the dropped copies sort last, static shapes)."""
     from engine.training.trainer import Trainer
-    from parallel.grid.state import LaunchEnv
+    from parallel.grid.launch import LaunchEnv
     argv = ["--mock-data", "--vocab-size", "64", "--no-progress", "--host-sync-interval", "1", "--device", "cpu", "--num-layers", "2",
             "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
             "--global-batch-size", "4", "--micro-batch-size", "2", "--train-iters", "2",

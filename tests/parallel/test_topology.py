@@ -1,6 +1,6 @@
 import pytest
 
-from parallel.grid.state import LaunchEnv, LayoutError, check_layout
+from parallel.grid.launch import LaunchEnv, LayoutError, check_layout
 from parallel.grid.topology import Coord, RankGrid
 from tests.helpers.dist_utils import run_distributed
 

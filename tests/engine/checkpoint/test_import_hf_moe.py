@@ -29,7 +29,7 @@ from engine.checkpoint.index import CheckpointError  # noqa: E402
 from engine.checkpoint.import_hf import main as import_main  # noqa: E402
 from engine.export import main as export_main  # noqa: E402
 from engine.tools.generate import generate_ids, load_model  # noqa: E402
-from parallel.grid.state import LaunchEnv  # noqa: E402
+from parallel.grid.launch import LaunchEnv  # noqa: E402
 from parallel.grid.topology import RankGrid  # noqa: E402
 from tests.helpers.dist_utils import run_distributed  # noqa: E402
 

@@ -3,7 +3,7 @@ import pytest
 from engine.base import ConfigError
 from engine.config.cli import parse_args
 from engine.training.validate import validate_run
-from parallel.grid.state import LaunchEnv
+from parallel.grid.launch import LaunchEnv
 
 
 def test_flags_and_aliases():

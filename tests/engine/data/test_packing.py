@@ -22,7 +22,8 @@ from engine.training.trainer import Trainer
 from engine.training.validate import validate_packing
 from models import GPTChunk, GPTConfig, LayerContext
 from models.blocks import takes_attention_inputs
-from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.launch import LaunchEnv
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
 
 E = 9  # the end-of-document token of the worked examples

@@ -20,7 +20,8 @@ from engine.plan.hardware import DEVICE_SPECS, lookup_device
 from engine.observe.utilization import run_peak_tflops
 from models import GPTChunk, GPTConfig, LayerContext
 from parallel.dp import MixedPrecisionOptimizer
-from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.launch import LaunchEnv
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
 from tests.helpers.npu_fake import install_fake_npu
 

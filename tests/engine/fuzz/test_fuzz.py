@@ -22,7 +22,7 @@ from engine.config.cli import parse_args
 from engine.fuzz import cli
 from engine.fuzz.space import Case, draw, draws
 from engine.training.validate import validate_run
-from parallel.grid.state import LaunchEnv
+from parallel.grid.launch import LaunchEnv
 from tests.helpers import planted
 
 SEED, CASES = 20261204, 5

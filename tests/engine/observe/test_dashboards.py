@@ -12,7 +12,7 @@ from engine.base import ConfigError
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
 from engine.training.validate import validate_run
-from parallel.grid.state import LaunchEnv
+from parallel.grid.launch import LaunchEnv
 
 TINY = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "1", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",

@@ -29,7 +29,8 @@ from engine.data.indexed import write_documents
 from engine.data.tokenizer import ByteTokenizer
 from engine.plan.memory import stage_memory
 from engine.training.validate import memory_problem, planner_inputs, size_text, validate_run
-from parallel.grid.state import Disagreement, LaunchEnv
+from parallel.grid.launch import LaunchEnv
+from parallel.grid.rendezvous import Disagreement
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import free_port, run_distributed
 

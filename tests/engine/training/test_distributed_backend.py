@@ -7,7 +7,7 @@ import pytest
 from engine.base import ConfigError
 from engine.config.cli import parse_args
 from engine.training.validate import validate_run
-from parallel.grid.state import LaunchEnv
+from parallel.grid.launch import LaunchEnv
 
 ARGS = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--device", "cpu"]

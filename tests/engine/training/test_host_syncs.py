@@ -162,7 +162,7 @@ def test_timeline_marks_the_wait(tmp_path):
 def test_the_dispatch_mode_counts_step_one_and_every_interval_th_step():
     """Where the dispatch mode counts (CPU), --host-sync-interval N counts step 1 and every N-th
     step, the others' host_syncs null; by default N is --log-interval."""
-    from parallel.grid.state import LaunchEnv
+    from parallel.grid.launch import LaunchEnv
     serial = BASE[:-4]  # (without --log-interval 100 --host-sync-interval 1)
     assert "--host-sync-interval" not in serial and "--log-interval" not in serial
     for flags, want in ((["--train-iters", "7", "--host-sync-interval", "3"], [1, 3, 6]),

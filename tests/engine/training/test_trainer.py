@@ -18,7 +18,7 @@ from engine.training.trainer import Trainer
 from engine.training.validate import validate_run
 from models import GPT2Block, GPTConfig
 from models.registry import BlockRegistry
-from parallel.grid.state import LaunchEnv
+from parallel.grid.launch import LaunchEnv
 
 TINY = ["--tokenizer", "bpe:2048", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--micro-batch-size", "4", "--global-batch-size", "8", "--no-progress"]

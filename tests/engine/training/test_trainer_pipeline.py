@@ -16,7 +16,8 @@ from engine.base import ConfigError
 from engine.config.cli import parse_args
 from engine.training.trainer import TIMELINE_STEPS, Trainer
 from parallel.pipeline.bubble import measured_bubble
-from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.launch import LaunchEnv
+from parallel.grid.state import ParallelState
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 

@@ -12,7 +12,7 @@ from engine.config.fields import field_table
 from engine.training.trainer import Trainer
 from engine.training.unused_flags import ALWAYS_READ, RULES
 from engine.training.validate import validate_run
-from parallel.grid.state import LaunchEnv
+from parallel.grid.launch import LaunchEnv
 
 MOCK = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "2", "--hidden-size",
         "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",

@@ -24,7 +24,7 @@ from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
 from engine.training.validate import validate_run
 from parallel.grads.main_grad import current_grad, sync_sequence_parallel_grads
-from parallel.grid.state import LaunchEnv
+from parallel.grid.launch import LaunchEnv
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 

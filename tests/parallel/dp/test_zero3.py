@@ -35,7 +35,8 @@ from engine.base import ConfigError
 from engine.config.cli import parse_args
 from engine.observe.faults import GradFault
 from engine.training.trainer import Trainer, TrainingDiverged
-from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.launch import LaunchEnv
+from parallel.grid.state import ParallelState
 from parallel.runtime.stream_check import StreamChecker
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import free_port, run_distributed

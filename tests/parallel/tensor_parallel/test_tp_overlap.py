@@ -16,7 +16,8 @@ import torch.distributed as dist
 from engine.base import ConfigError
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.grid.state import LaunchEnv, ParallelState
+from parallel.grid.launch import LaunchEnv
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import (ColumnParallelLinear, Initializer, RowParallelLinear,
                                       set_tp_comm_overlap)
 from parallel.tensor_parallel.layers import column_parallel_linears
