@@ -81,3 +81,15 @@ EW_MOE_RESORT = 8
 MOE_PASS_OVERHEAD_S = 0.15e-3
 HOST_WAIT_S = 50e-6
 VOCAB_PAD_MULTIPLE = 128  # the engine pads the vocabulary to a multiple of 128 x tp (equal shards)
+# --optimizer-cpu-offload (engine/plan/offload.py). What torch's AdamW (its foreach path, what
+# parallel/dp/offload.py runs on the host) reads and writes per fp32 element: p *= 1 - lr wd (8),
+# m.lerp_(g) (12), v *= beta2 (8), v.addcmul_(g, g) (12), d = sqrt(v) (8), d /= sqrt(bc2) (8),
+# d += eps (8), p.addcdiv_(m, d) (16): 80 bytes; bf16/fp16 parameters add the cast of the master
+# into the staging copy that goes up (read 4, write 2). The copies: the fp32 gradient shard down
+# (4 bytes), the parameters in their dtype up. The host's element-wise passes reach
+# HOST_MEMORY_EFFICIENCY of its DRAM bandwidth (assumed equal to HBM_EFFICIENCY; --calibrate on an
+# offloaded run fits the rate the update reaches, Cluster.host_update_gbps).
+HOST_ADAM_BYTES_PER_PARAM = 80
+HOST_CAST_BYTES_PER_PARAM = 6
+HOST_GRAD_BYTES = 4
+HOST_MEMORY_EFFICIENCY = 0.75

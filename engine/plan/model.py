@@ -23,7 +23,8 @@ from engine.plan.constants import (  # noqa: F401 (re-exported: the planner's co
     EW_SHARDED_ATTN, EW_MLP, EW_SCORES, ACT_MASK_BYTES, ACT_TENSORS_REPLICATED,
     ACT_TENSORS_SPLIT_ATTN, ACT_TENSORS_MLP, ACT_MOE_ROWS, ACT_MOE_FP32_PER_EXPERT,
     ACT_MOE_INDEX_BYTES, EW_MOE_PERMUTE, EW_MOE_RESORT, MOE_PASS_OVERHEAD_S, HOST_WAIT_S,
-    VOCAB_PAD_MULTIPLE)
+    VOCAB_PAD_MULTIPLE, HOST_ADAM_BYTES_PER_PARAM, HOST_CAST_BYTES_PER_PARAM, HOST_GRAD_BYTES,
+    HOST_MEMORY_EFFICIENCY)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class ModelShape:
     # --fp8-recipe of an FP8 run (None: no --fp8-format): the tensor-parallel linears' GEMMs at the
     # FP8 rate, their float8 copies and scales in memory (engine/plan/fp8.py, docs/precision.md)
     fp8_recipe: str | None = None
+    # --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16 of an FP8 run (is_fp8)
+    fp8_bf16_layers: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
@@ -81,6 +84,8 @@ class ModelShape:
             raise ValueError(f"weight_bytes must be 2 or 4, got {self.weight_bytes!r}")
         if self.fp8_recipe not in (None, "tensorwise", "rowwise"):
             raise ValueError(f"fp8_recipe must be None, tensorwise or rowwise, got {self.fp8_recipe!r}")
+        if len(self.fp8_bf16_layers) != 2 or min(self.fp8_bf16_layers) < 0:
+            raise ValueError(f"fp8_bf16_layers must be two counts >= 0, got {self.fp8_bf16_layers!r}")
         g = self.num_query_groups
         if g is not None and (not isinstance(g, int) or g < 1 or self.num_attention_heads % g):
             raise ValueError(f"--num-query-groups {g!r} must be a positive divisor of "
@@ -102,6 +107,11 @@ class ModelShape:
         """Width of the key (and of the value) projection: query groups x head size."""
         groups = self.num_query_groups or self.num_attention_heads
         return groups * (self.hidden_size // self.num_attention_heads)
+
+    def is_fp8(self, layer: int) -> bool:
+        """Whether global layer ``layer``'s tensor-parallel linears run in FP8."""
+        first, last = self.fp8_bf16_layers
+        return self.fp8_recipe is not None and first <= layer < self.num_layers - last
 
     def is_moe(self, layer: int) -> bool:
         """Whether global layer ``layer`` has an MoE MLP."""
@@ -143,6 +153,11 @@ class Cluster:
     # it the FP8 GEMMs reach (None: achievable_fraction; --calibrate on an FP8 run fits it)
     fp8_peak_tflops: float | None = None
     fp8_achievable_fraction: float | None = None
+    # --optimizer-cpu-offload (offload.py): the host link's GB/s per direction (pinned copies) and
+    # the GB/s the host's AdamW reaches (the device's share of host DRAM bandwidth times
+    # HOST_MEMORY_EFFICIENCY unless --calibrate fitted it); None: unknown (offload not weighed)
+    host_link_gbps: float | None = None
+    host_update_gbps: float | None = None
 
     @property
     def backend(self) -> str:
@@ -165,6 +180,9 @@ class Cluster:
             raise ValueError(f"the FP8 peak must be > 0 TFLOP/s, got {self.fp8_peak_tflops}")
         if self.fp8_achievable_fraction is not None and not 0 < self.fp8_achievable_fraction <= 1:
             raise ValueError(f"FP8 achievable fraction must be in (0, 1], got {self.fp8_achievable_fraction}")
+        for key in ("host_link_gbps", "host_update_gbps"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                raise ValueError(f"{key} must be > 0 GB/s, got {getattr(self, key)}")
         if self.moe_pass_overhead_s < 0 or not self.moe_load_imbalance >= 1:
             raise ValueError(f"the MoE pass overhead must be >= 0 and the load imbalance >= 1, got "
                              f"{self.moe_pass_overhead_s} and {self.moe_load_imbalance}")
@@ -183,6 +201,9 @@ class Cluster:
         intra = intra_node_gbps if intra_node_gbps is not None else spec.intra_node_gbps
         inter = inter_node_gbps if inter_node_gbps is not None else spec.inter_node_gbps
         kwargs.setdefault("fp8_peak_tflops", spec.fp8_tflops)
+        kwargs.setdefault("host_link_gbps", spec.host_link_gbps)
+        if spec.host_memory_gbps is not None:
+            kwargs.setdefault("host_update_gbps", spec.host_memory_gbps * HOST_MEMORY_EFFICIENCY)
         return cls(spec, num_devices, devices_per_node or spec.devices_per_node,
                    intra * LINK_EFFICIENCY, inter * LINK_EFFICIENCY, peak, mem, **kwargs)
 
@@ -190,6 +211,11 @@ class Cluster:
     def fp8_fraction(self) -> float:
         """The fraction of the FP8 peak the FP8 GEMMs reach (the bf16 one unless fitted)."""
         return self.achievable_fraction if self.fp8_achievable_fraction is None else self.fp8_achievable_fraction
+
+    @property
+    def usable_bytes(self) -> float:
+        """What a layout may take per device: the memory less the allocator's and runtime's share."""
+        return self.memory_gb * GIB * MEMORY_USABLE_FRACTION
 
     @property
     def multi_node(self) -> bool:
@@ -211,7 +237,9 @@ class Layout:
     # 1f1b (interleaved when vp > 1), or a zero-bubble schedule: zb-h1, or zb-v (vp = 2 chunks in
     # a V: device 0 holds the embedding and the output layer)
     schedule: str = "1f1b"
-    zero_stage: int = 1  # with zero: 1 shards the optimizer state, 2 also the fp32 gradients
+    # with zero: 1 shards the optimizer state, 2 also the fp32 gradients, 3 also the parameters
+    # (each gather unit all-gathered ahead of its forward and again for its backward: zero3.py)
+    zero_stage: int = 1
     # DP gradient compression: its exchange worker thread has a DP x CP communicator of its own
     compression: bool = False
     # Overlaps (Megatron-LM's flag names; engine/plan/overlap.py models them). tp_comm_overlap: the
@@ -231,6 +259,10 @@ class Layout:
     # (the TP group splits every expert like the dense MLP; the EP and EDP groups are unchanged,
     # drawn from the dp x cp ranks of one TP coordinate; models/moe/experts.py).
     etp: int = 1
+    # --optimizer-cpu-offload --optimizer-offload-fraction F (0: no offload): F of this rank's
+    # optimizer shard (fp32 masters, Adam moments) in host memory, updated there (offload.py);
+    # needs the distributed optimizer (zero), at any dp
+    offload: float = 0.0
 
     def __post_init__(self) -> None:
         if self.schedule == "zb-v" and self.vp == 1:
@@ -244,13 +276,28 @@ class Layout:
             raise ValueError(f"zb-v runs 2 chunks per rank, got vp={self.vp}")
         if self.schedule == "zb-h1" and self.vp != 1:
             raise ValueError(f"zb-h1 runs 1 chunk per rank, got vp={self.vp}")
-        if self.zero_stage not in (1, 2):
-            raise ValueError(f"layout zero_stage must be 1 or 2, got {self.zero_stage!r}")
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"layout zero_stage must be 1, 2 or 3, got {self.zero_stage!r}")
+        if not (isinstance(self.offload, (int, float)) and 0.0 <= self.offload <= 1.0):
+            raise ValueError(f"layout offload must be a fraction in [0, 1], got {self.offload!r}")
+        if self.offload and not self.zero:
+            raise ValueError("optimizer offload moves the distributed optimizer's state: it needs "
+                             "zero (--use-distributed-optimizer)")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tp > 1")
         parse_order(self.order, self.cp)
+
+    @property
+    def zero3(self) -> bool:
+        """The parameters are sharded (ZeRO-3, optim_grads_params)."""
+        return self.zero and self.zero_stage == 3
+
+    @property
+    def grads_sharded(self) -> bool:
+        """The fp32 gradients live as 1/(dp x cp) shards (ZeRO-2 and ZeRO-3)."""
+        return self.zero and self.zero_stage >= 2
 
     @property
     def edp(self) -> int:
