@@ -134,11 +134,13 @@ def gather_overlap(shape: ModelShape, cluster, layout: Layout, dp_gbps: float, e
     m, wb = num_micro_batches(shape, layout), shape.weight_bytes
     shards, edp, eff = layout.dp * layout.cp, layout.edp, cluster.overlap.zero
 
-    def gather_s(u: Unit) -> float:
+    def gather_s(u: Unit) -> float:   # (a unit with no weights of its own gathers nothing)
+        if not u.params:
+            return 0.0
         if layout.ep == 1 or edp == 1:
             return gather_or_scatter_s(u.params * wb, shards, dp_gbps)
         return (gather_or_scatter_s(u.dense * wb, shards, dp_gbps)
-                + gather_or_scatter_s(u.expert * wb, edp, edp_gbps))
+                + (gather_or_scatter_s(u.expert * wb, edp, edp_gbps) if u.expert else 0.0))
 
     worst = Overlapped()
     for stage in range(layout.pp):

@@ -182,6 +182,7 @@ def planner_inputs(cfg, grid, vocab_size: int | None = None) -> tuple[ModelShape
                     par.recompute, par.use_distributed_optimizer,
                     par.sequence_parallel and grid.tp > 1, grid.cp, par.order,
                     schedule=schedule, zero_stage=par.zero_stage,
+                    tp_comm_overlap=par.tp_comm_overlap and par.sequence_parallel and grid.tp > 1,
                     compression=CompressionPolicy.coerce(cfg.compression).any_compressed,
                     ep=par.expert_model_parallel_size,
                     etp=par.expert_tensor_parallel_size if m.num_experts else 1,
