@@ -314,8 +314,9 @@ def expert_problem(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> s
 
 
 def _row_text(est: Estimate) -> str:
+    host = f" (host {est.host.total / GIB:.1f} GiB)" if est.layout.offload else ""
     return (f"{layout_text(est.layout)}  "
-            f"mem {est.memory_bytes_per_device / GIB:.1f} GiB  step {est.step_time_s:.3f} s  "
+            f"mem {est.memory_bytes_per_device / GIB:.1f} GiB{host}  step {est.step_time_s:.3f} s  "
             f"{est.tflops_per_device:.1f} TFLOP/s/device  MFU {100 * est.mfu:.1f}%  HFU {100 * est.hfu:.1f}%")
 
 
