@@ -153,9 +153,8 @@ class Cluster:
     # it the FP8 GEMMs reach (None: achievable_fraction; --calibrate on an FP8 run fits it)
     fp8_peak_tflops: float | None = None
     fp8_achievable_fraction: float | None = None
-    # --optimizer-cpu-offload (offload.py): the host link's GB/s per direction (pinned copies) and
-    # the GB/s the host's AdamW reaches (the device's share of host DRAM bandwidth times
-    # HOST_MEMORY_EFFICIENCY unless --calibrate fitted it); None: unknown (offload not weighed)
+    # --optimizer-cpu-offload (offload.py): host link GB/s per direction, and the GB/s the host's
+    # AdamW reaches (--calibrate fits it); None: unknown, the offload is not weighed
     host_link_gbps: float | None = None
     host_update_gbps: float | None = None
 
@@ -237,9 +236,7 @@ class Layout:
     # 1f1b (interleaved when vp > 1), or a zero-bubble schedule: zb-h1, or zb-v (vp = 2 chunks in
     # a V: device 0 holds the embedding and the output layer)
     schedule: str = "1f1b"
-    # with zero: 1 shards the optimizer state, 2 also the fp32 gradients, 3 also the parameters
-    # (each gather unit all-gathered ahead of its forward and again for its backward: zero3.py)
-    zero_stage: int = 1
+    zero_stage: int = 1  # with zero: 1 shards the optimizer state, 2 the gradients, 3 the weights
     # DP gradient compression: its exchange worker thread has a DP x CP communicator of its own
     compression: bool = False
     # Overlaps (Megatron-LM's flag names; engine/plan/overlap.py models them). tp_comm_overlap: the
@@ -259,9 +256,8 @@ class Layout:
     # (the TP group splits every expert like the dense MLP; the EP and EDP groups are unchanged,
     # drawn from the dp x cp ranks of one TP coordinate; models/moe/experts.py).
     etp: int = 1
-    # --optimizer-cpu-offload --optimizer-offload-fraction F (0: no offload): F of this rank's
-    # optimizer shard (fp32 masters, Adam moments) in host memory, updated there (offload.py);
-    # needs the distributed optimizer (zero), at any dp
+    # --optimizer-offload-fraction F of an offloaded run (0: none): F of the optimizer shard in host
+    # memory, updated there (offload.py); needs zero (the distributed optimizer), at any dp
     offload: float = 0.0
 
     def __post_init__(self) -> None:

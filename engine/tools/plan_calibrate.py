@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from itertools import chain
 
 from engine.base import ConfigError
 from engine.plan.calibrate import (fit_achievable_fraction, fit_host_update_gbps,
                                    fit_overlap_efficiency, measured_exposed,
                                    measured_optimizer_time, measured_step_time)
 from engine.plan.calibrate_moe import calibrate_moe
+from engine.plan.memory import memory_per_device
 from engine.plan.model import GIB, Cluster, Layout, ModelShape, check_layout
 from engine.plan.offload import offload_known
 from engine.plan.search import SearchSpace, candidate_layouts, escalations
@@ -28,9 +30,9 @@ def explain_empty(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> st
                                                   space.micro_batch_size or 1, cp=cp, order=space.order))
         if why:
             return f"layout rejected: {why}"
-        least = min((estimate(shape, cluster, lay).memory_bytes_per_device
-                     for layout in candidate_layouts(shape, cluster, space)
-                     for lay in [layout] + [x for tier in escalations(layout, space, cluster) for x in tier]),
+        tried = [lay for layout in candidate_layouts(shape, cluster, space)
+                 for lay in [layout, *chain.from_iterable(escalations(layout, space, cluster))]]
+        least = min((memory_per_device(shape, lay, cluster.backend).total for lay in tried),
                     default=None)
         if least is not None:
             return (f"layout needs at least {least / GIB:.1f} GiB per device, "
