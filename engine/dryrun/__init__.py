@@ -44,7 +44,8 @@ class DryRun:
         m = record.metrics
         per_stage = max(record.activation_per_stage.values())
         return (m["param_bytes"] + m["grad_bytes"] + m["optimizer_state_bytes"]
-                + max(per_stage, record.activation_bytes) + self.buffers(record))
+                + max(per_stage, record.activation_bytes) + self.buffers(record)
+                + record.gathered_bytes)
 
     def fits(self, record) -> bool:
         return self.usable is None or self.total(record) <= self.usable

@@ -7,15 +7,18 @@ dropout masks only with ``--dropout`` > 0). ``compare_role`` puts the role's
 representative next to the planner's device of the same pipeline rank (engine/plan/memory.py
 ``stage_memory``, engine/plan/traffic.py ``step_traffic``) and flags a difference above
 ``TOLERANCE``; with MoE layers also the EP dispatch's and the EDP reduction's bytes (the dry run's
-routing is balanced, engine/dryrun/assumed.py, as the planner's is); where the reason is known (the planner prices something this engine does not do,
+routing is balanced, engine/dryrun/assumed.py, as the planner's is); under ZeRO-3 the peak of
+gathered units (engine/plan/zero3.py), with ``--optimizer-cpu-offload`` the host memory
+(engine/plan/offload.py); where the reason is known (the planner prices something this engine does not do,
 or the other way round) the row says it. docs/planner.md, "Dry runs", lists them with figures.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.plan.memory import buffer_bytes, stage_memory
+from engine.plan.memory import buffer_bytes, stage_memory, stage_param_split
 from engine.plan.model import Layout, ModelShape
+from engine.plan.offload import host_memory
 from engine.plan.traffic import step_traffic
 
 TOLERANCE = 0.05
@@ -42,6 +45,11 @@ KNOWN = (
     ("ep_comm_bytes", lambda cfg, lay: cfg.model.moe_expert_capacity_factor is not None,
      "the planner prices dropless routing; a padded capacity sends ceil(F T K / E) rows per expert "
      "and exchanges no counts"),
+    (("optimizer_state_bytes", "optimizer_state_host_bytes", "grad_host_bytes"),
+     lambda cfg, lay: 0 < lay.offload < 1,
+     "the engine offloads whole buckets, the first reduced, until at least "
+     "--optimizer-offload-fraction of the shard is in host memory; the planner takes the fraction "
+     "itself"),
     ("*", lambda cfg, lay: cfg.parallel.stage_end_weight > 0,
      "--stage-end-weight gives the end stages fewer layers; the planner splits layers evenly"),
 )
@@ -70,8 +78,9 @@ class Row:
 
 
 def _why(figure: str, cfg, layout: Layout) -> str:
-    return "; ".join(text for name, cond, text in KNOWN
-                     if name in (figure, "*") and cond(cfg, layout))
+    return "; ".join(text for names, cond, text in KNOWN
+                     if (figure in names if isinstance(names, tuple) else names in (figure, "*"))
+                     and cond(cfg, layout))
 
 
 def compare_role(record, cfg, shape: ModelShape, layout: Layout, backend: str) -> list[Row]:
@@ -92,6 +101,13 @@ def compare_role(record, cfg, shape: ModelShape, layout: Layout, backend: str) -
              ("dp_comm_bytes", m["dp_comm_bytes"], traffic["dp"] + traffic["edp"]),  # EDP's too
              ("embedding_comm_bytes", record.comm["embedding"]["payload_bytes"],
               traffic["embedding"])]
+    if layout.zero3:  # the whole units gathered at once, beside the shards (engine/plan/zero3.py)
+        pairs.append(("gathered_bytes", record.gathered_bytes, mem.gathered))
+    if layout.offload:  # the optimizer's host memory (engine/plan/offload.py)
+        host = host_memory(shape, layout, *stage_param_split(shape, layout, stage))
+        pairs += [("optimizer_state_host_bytes", record.memory["optimizer_state_host_bytes"],
+                   host.optimizer),
+                  ("grad_host_bytes", record.memory["grad_host_bytes"], host.grads)]
     if shape.moe is not None:  # the dispatch all-to-alls (balanced routing) and the experts' EDP reduction
         pairs += [("ep_comm_bytes", record.comm["ep"]["payload_bytes"], traffic["ep"]),
                   ("edp_comm_bytes", record.comm["edp"]["payload_bytes"], traffic["edp"])]

@@ -20,7 +20,10 @@ optimizer step with ZeRO's parameter all-gather. What it records:
   and recomputed tensors while a backward runs (transient), the received gradient buffers, the
   allocator's cache;
 - communicators: the process groups of more than one rank this rank belongs to, and its pipeline
-  peers, which HCCL and NCCL give buffers of their own (engine/plan/memory.py, comm_buffer_bytes).
+  peers, which HCCL and NCCL give buffers of their own (engine/plan/memory.py, comm_buffer_bytes);
+- under ZeRO-3, ``gathered_bytes``: the most bytes of whole (gathered) buckets alive at once over
+  the step (parallel/dp/zero3.py ``gathered_bytes`` after every gather), the units in flight and
+  the kept ones: a transient beside the persistent shards in ``param_bytes``.
 """
 from __future__ import annotations
 
@@ -112,6 +115,7 @@ class RoleRecord:
     events: list = field(default_factory=list, repr=False)  # the step's CommEvents (ranks too)
     tensor_devices: frozenset = frozenset()  # of parameters, gradient buffers, optimizer state
     shard_buckets: list | None = None  # ZeRO: roles.shard_signatures' input; None without ZeRO
+    gathered_bytes: int = 0         # ZeRO-3: peak bytes of gathered buckets (module docstring)
 
     @property
     def in_flight(self) -> int:
@@ -214,6 +218,23 @@ def _devices(trainer) -> frozenset:
     return frozenset(t.device.type for t in tensors)
 
 
+class GatheredPeak:
+    """The most bytes ZeRO-3's store (parallel/dp/zero3.py ``ShardedParams``) holds gathered at
+    once, read after each of its gathers; nothing without ZeRO-3."""
+
+    def __init__(self, optimizer):
+        self.peak = 0
+        store = getattr(optimizer, "param_gather", None)
+        if store is None or not hasattr(store, "gathered_bytes"):
+            return
+        gather = store.gather
+
+        def counted(indices) -> None:
+            gather(indices)
+            self.peak = max(self.peak, store.gathered_bytes())
+        store.gather = counted   # this rank's store only, for the recorded step
+
+
 def record_role(cfg, grid, role: Role, rules: str | None, devices_per_node: int,
                 registry=None, rank: int | None = None) -> RoleRecord:
     """Build ``role``'s representative (or ``rank``, another rank of the role) under the fake
@@ -231,6 +252,7 @@ def record_role(cfg, grid, role: Role, rules: str | None, devices_per_node: int,
             observe = lambda e: events.append((e, ps.comm.counting))  # noqa: E731
             saved = SavedActivations([p for c in trainer.chunks for p in c.parameters()])
             batches = meta_batches(cfg, ps, trainer.num_micro)
+            gathered = GatheredPeak(trainer.optimizer)
             ps.comm.observers.append(observe)
             try:
                 for tracker in trainer.rng.trackers:  # full recomputation reads as the step does
@@ -256,7 +278,7 @@ def record_role(cfg, grid, role: Role, rules: str | None, devices_per_node: int,
                 _p2p_peers(ps, trainer.stepper.actions),
                 {**_holds(cfg, trainer), **({"moe": moe} if (moe := expert_holdings(cfg, grid, role)) else {})},
                 events=[e for e, _ in events], tensor_devices=_devices(trainer),
-                shard_buckets=_shard_buckets(trainer))
+                shard_buckets=_shard_buckets(trainer), gathered_bytes=gathered.peak)
         finally:
             trainer.reducer.remove_hooks()
     record.seconds = time.perf_counter() - start

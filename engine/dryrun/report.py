@@ -8,6 +8,7 @@ JSON layout (bytes are integers, one object per role)::
      "roles": [{"name", "ranks", "stages", "representative", "param_bytes", "grad_bytes",
                 "optimizer_state_bytes", "activation_bytes", "activation_bytes_by_stage",
                 "in_flight", "comm_buffer_bytes", "total_bytes", "fits", "memory_by_dtype",
+                "gathered_bytes", "optimizer_state_host_bytes", "grad_host_bytes",
                 "comm": {kind: {"calls", "payload_bytes", "wire_bytes"}},
                 "collectives": [{"op", "group", "dtype", "bytes", "counted"}, a recv with
                                 "received_bytes" (its "bytes", the payload it hands over, are 0)],
@@ -68,6 +69,22 @@ def role_table(result) -> str:
     return "\n".join(lines)
 
 
+def memory_notes(result) -> list[str]:
+    """Beside the role table: ZeRO-3's gathered units (in its total) and the offloaded optimizer's
+    host memory (not in it), per role where there are any."""
+    lines = []
+    for r in result.records:
+        m = r.memory
+        if r.gathered_bytes:
+            lines.append(f"  {r.role.name}: ZeRO-3 units gathered at once, at their peak: "
+                         f"{_bytes(r.gathered_bytes)} (in the total)")
+        if m["optimizer_state_host_bytes"]:
+            lines.append(f"  {r.role.name}: host memory per rank (--optimizer-cpu-offload): "
+                         f"optimizer {_bytes(m['optimizer_state_host_bytes'])}, gradient copies "
+                         f"{_bytes(m['grad_host_bytes'])} (not in the total)")
+    return lines
+
+
 def collective_table(record) -> str:
     """The representative's step, grouped by (op, group, dtype): calls and payload bytes."""
     calls, total = Counter(), Counter()
@@ -119,7 +136,7 @@ def text(result) -> str:
            f"{result.num_micro} micro-batches per step, collectives checked against "
            f"{result.rules or 'no backend rules'}",
            f"precision: {result.precision} ({result.precision_source})",
-           "", role_table(result), "", "collectives of one training step:"]
+           "", role_table(result)] + memory_notes(result) + ["", "collectives of one training step:"]
     out += [collective_table(r) for r in result.records]
     if result.overlaps:
         out += ["", overlap_header(result)]
@@ -175,6 +192,9 @@ def as_json(result) -> dict:
                  "fits": None if result.usable is None else result.fits(r),
                  "memory_by_dtype": {k: m[f"{k}_by_dtype"] for k in
                                      ("param_bytes", "grad_bytes", "optimizer_state_bytes")},
+                 "gathered_bytes": r.gathered_bytes,
+                 "optimizer_state_host_bytes": m["optimizer_state_host_bytes"],
+                 "grad_host_bytes": m["grad_host_bytes"],
                  "comm": r.comm, "collectives": r.collectives, "holds": r.holds,
                  "overlap": [row.as_dict() for row in result.overlaps[i]] if result.overlaps else []}
         if not isinstance(result.comparison, str):

@@ -40,7 +40,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{key.replace('_', '-')} must be a positive integer, got {value}")
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
-    for key in ("intra_node_gbps", "inter_node_gbps", "peak_tflops", "memory_gb", "fp8_peak_tflops"):
+    for key in ("intra_node_gbps", "inter_node_gbps", "peak_tflops", "memory_gb", "fp8_peak_tflops",
+                "host_link_gbps", "host_memory_gbps"):
         value = getattr(args, key)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"--{key.replace('_', '-')} must be a positive number, got {value}")
@@ -48,6 +49,8 @@ def check_args(args: argparse.Namespace) -> None:
         frac = getattr(args, key)
         if frac is not None and not (math.isfinite(frac) and 0 < frac <= 1):
             raise ValueError(f"--{key.replace('_', '-')} must be in (0, 1], got {frac}")
+    if not (math.isfinite(args.offload_fraction) and 0 < args.offload_fraction <= 1):
+        raise ValueError(f"--optimizer-offload-fraction must be in (0, 1], got {args.offload_fraction}")
     for flag, path in (("--config", args.config), ("--calibrate", args.calibrate),
                        ("--calibrate-links", args.calibrate_links)):
         if path is not None:

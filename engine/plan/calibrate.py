@@ -6,6 +6,8 @@ bandwidths from a preflight measurement (``--calibrate-links``).
 - ``fit_overlap_efficiency``: the overlap efficiencies (hardware.OverlapEfficiency) at which the
   model's exposed TP and DP communication equals the run's ``time_tp_exposed_s`` and
   ``time_dp_exposed_s`` (engine metrics, device time the compute stream waited);
+- ``fit_host_update_gbps``: with ``--optimizer-cpu-offload``, the rate the host's AdamW reaches
+  (``Cluster.host_update_gbps``) from the run's ``time_optimizer_s`` (``measured_optimizer_time``);
 - ``link_busbw``: intra- and inter-node bus bandwidths from the preflight's JSON.
 
 docs/planner.md, "Calibration", says what each fits and from which figures.
@@ -61,6 +63,32 @@ def measured_exposed(metrics_path: str) -> dict[str, float]:
         if values:
             out[key] = statistics.median(values)
     return out
+
+
+def measured_optimizer_time(metrics_path: str) -> float | None:
+    """Median ``time_optimizer_s`` (the update, engine/training/step.py) of the same steps, None
+    where the run did not report it."""
+    values = [r["time_optimizer_s"] for r in _timed_records(metrics_path)
+              if isinstance(r.get("time_optimizer_s"), (int, float))]
+    return statistics.median(values) if values else None
+
+
+def fit_host_update_gbps(shape: ModelShape, cluster: Cluster, layout: Layout,
+                         optimizer_s: float) -> float:
+    """The host AdamW's rate (GB/s) at which the model's update of an offloaded run takes the
+    measured ``optimizer_s``: the host's bytes over what the measurement leaves after the device's
+    own part of the update (offload.py; the copies up, beside the host update, are left out)."""
+    from engine.plan.offload import host_update_s, most_offloaded
+    if not layout.offload:
+        raise ValueError("--calibrate: the host update's rate is fitted from an offloaded run "
+                         "(--optimizer-cpu-offload); this layout offloads nothing")
+    at_one = host_update_s(shape, replace(cluster, host_update_gbps=1.0), most_offloaded(shape, layout))
+    device = estimate(shape, cluster, layout).time.optimizer
+    left = optimizer_s - device
+    if left <= 0:
+        raise ValueError(f"--calibrate: the run's time_optimizer_s {optimizer_s:.4g} s is no more "
+                         f"than the device's own update ({device:.4g} s): no host time to fit")
+    return at_one / left
 
 
 def _bisect_efficiency(exposed, measured: float) -> float:

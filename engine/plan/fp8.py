@@ -70,3 +70,75 @@ def fp8_scale_bytes(shape: ModelShape, layout: Layout) -> float:
         return SCALE_BYTES * sum(1 + n for _, _, n in linears)
     T = _tokens(shape, layout)
     return SCALE_BYTES * sum(T + o for _, o, _ in linears)
+
+
+def _layer_calls(shape: ModelShape, layout: Layout, mlp_width: int) -> list[tuple[str, int, float, float]]:
+    """(kind, weights, in, out per weight) of each FP8 linear call of a layer on one TP rank, in
+    forward order: QKV (column), attention output (row), and with an MLP of ``mlp_width`` (0: an
+    MoE layer without a shared expert) its input, column (llama: gate and up, one call on a
+    gathered sequence shard, two calls otherwise: parallel/tensor_parallel/layers.py
+    ``column_parallel_linears``), and its output (row)."""
+    h, t = shape.hidden_size, layout.tp
+    calls = [("col", 1, h, (h + 2 * shape.kv_hidden) / t), ("row", 1, h / t, h)]
+    if mlp_width:
+        if shape.block != "llama":
+            calls.append(("col", 1, h, mlp_width / t))
+        elif layout.sequence_parallel and t > 1:
+            calls.append(("col", 2, h, mlp_width / t))
+        else:
+            calls += [("col", 1, h, mlp_width / t)] * 2
+        calls.append(("row", 1, mlp_width / t, h))
+    return calls
+
+
+def _call_amaxes(kind: str, n: int, i: float, o: float, tokens: float, shard: bool, ring: bool,
+                 rowwise: bool) -> tuple[float, float, float, float]:
+    """fp32 amaxes one call reduces (forward TP, forward CP, backward TP, backward CP), as
+    parallel/tensor_parallel/fp8.py's ``Fp8Forward`` and ``Fp8Backward`` name them (module
+    docstring of amax_bytes): ``shard``, the column input held as a sequence shard (sequence
+    parallelism); ``ring``, the row output's gradient too (the --tp-comm-overlap ring)."""
+    if not rowwise:
+        if kind == "col":   # x over CP (and TP when a gathered shard), W over TP; dy over both
+            return shard + n, 1, n, n
+        return 1 + n, 1, n if ring else 0, n   # x over both, W over TP; dy over CP (TP: ring)
+    if kind == "col":   # per token: nothing forward; backward dy's per token over TP, its
+        #                 columns over CP, W's input columns over TP, x's features over CP (TP)
+        return 0, 0, n * tokens + n * i + (i if shard else 0), n * o + i
+    #  row: forward x per token and W per output row over TP; backward dy's columns over CP
+    #  (TP: ring), x's features over CP
+    return tokens + n * o, 0, n * o if ring else 0, n * o + i
+
+
+def amax_bytes(shape: ModelShape, layout: Layout, moe_layer: bool = False) -> tuple[float, float]:
+    """(TP bytes, CP bytes) of the MAX all-reduces of one FP8 layer per micro-batch (0, 0 without
+    FP8): what the engine adds to tp_comm_bytes and cp_comm_bytes to agree on scales over the
+    logical tensors (docs/precision.md). Per layer call one all-reduce per group (TP, then CP) of
+    the fp32 amaxes that name it:
+
+    - tensorwise: forward x's (its groups: CP, and TP where it is a sharded row-parallel input or
+      a gathered sequence shard) and every weight's (TP); backward the output gradients' (CP; TP
+      for a column-parallel output, or a row-parallel one gathered in the ring);
+    - rowwise: per token (of T = s b / cp) where the features are split over TP, per feature
+      where the tokens are split (CP; TP for a gathered shard), per weight row or column where
+      the other axis is split (``_call_amaxes``).
+
+    A full recomputation repeats every call's forward, the MLP output's too: torch's checkpoint
+    stops early only once the call's autograd Function has returned and its saved input is
+    packed, after the Function's forward reduced its amaxes (what early stop leaves out is the
+    collective after it). An MoE layer's MLP calls are its shared expert's (none without one:
+    the experts and the router stay bf16)."""
+    if shape.fp8_recipe is None:
+        return 0.0, 0.0
+    t, c = layout.tp, layout.cp
+    width = (shape.moe.shared_ffn if moe_layer else shape.ffn_hidden_size)
+    shard = layout.sequence_parallel and t > 1
+    ring = shard and layout.tp_comm_overlap
+    tokens = _tokens(shape, layout)
+    forwards = 2 if layout.recompute == "full" else 1
+    tp = cp = 0.0
+    for kind, n, i, o in _layer_calls(shape, layout, width):
+        f_tp, f_cp, b_tp, b_cp = _call_amaxes(kind, n, i, o, tokens, shard, ring,
+                                              shape.fp8_recipe == "rowwise")
+        tp += forwards * f_tp + b_tp
+        cp += forwards * f_cp + b_cp
+    return (SCALE_BYTES * tp if t > 1 else 0.0, SCALE_BYTES * cp if c > 1 else 0.0)

@@ -49,9 +49,16 @@ class DeviceSpec:
     fp32_tflops: float | None = None  # dense FP32 peak (no tensor cores); None: not published
     tf32_tflops: float | None = None  # dense TF32 (NVIDIA) / HF32 (Ascend) peak; None: not published
     fp8_tflops: float | None = None  # dense FP8 (e4m3 / e5m2) peak; None: no FP8 on this chip
+    # --optimizer-cpu-offload (engine/plan/offload.py): the host link's effective rate per
+    # direction for pinned copies (PCIe), and the device's share of its node's host DRAM bandwidth
+    # (theoretical; the planner applies HOST_MEMORY_EFFICIENCY). None: not known for this part
+    # (give --host-link-gbps / --host-memory-gbps), or a CPU, whose host and device are one memory.
+    host_link_gbps: float | None = None
+    host_memory_gbps: float | None = None
 
     def __post_init__(self) -> None:
-        for key in ("peak_tflops", "fp32_tflops", "tf32_tflops", "fp8_tflops"):
+        for key in ("peak_tflops", "fp32_tflops", "tf32_tflops", "fp8_tflops", "host_link_gbps",
+                    "host_memory_gbps"):
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise ValueError(f"DeviceSpec {self.name}: {key} must be > 0 or None, got {value}")
@@ -95,13 +102,28 @@ DEVICE_SPECS = MappingProxyType({
     # PCIe 1513, H100 NVL and H200 NVL 1670.5. A100: no FP8 tensor cores.
     # NVLink3: 12 links x 25 GB/s = 300 GB/s per direction; DGX A100: one HDR 200 Gb/s HCA per GPU.
     # NVLink4: 450 GB/s per direction; DGX H100/H200: one NDR 400 Gb/s HCA per GPU.
-    "a100-40gb": DeviceSpec("a100-40gb", 312.0, 40.0, 300.0, 25.0, 8, 1555.0, 19.5, 156.0),
-    "a100-80gb": DeviceSpec("a100-80gb", 312.0, 80.0, 300.0, 25.0, 8, 2039.0, 19.5, 156.0),
-    "h100": DeviceSpec("h100", 989.0, 80.0, 450.0, 50.0, 8, 3350.0, 67.0, 494.7, 1979.0),
-    "h100-pcie": DeviceSpec("h100-pcie", 756.0, 80.0, 300.0, 50.0, 8, 2000.0, 51.0, 378.0, 1513.0),
-    "h200": DeviceSpec("h200", 989.0, 141.0, 450.0, 50.0, 8, 4800.0, 67.0, 494.7, 1979.0),
-    "h100-nvl": DeviceSpec("h100-nvl", 835.0, 94.0, 300.0, 50.0, 8, 3900.0, 60.0, 417.5, 1670.5),
-    "h200-nvl": DeviceSpec("h200-nvl", 835.0, 141.0, 450.0, 50.0, 8, 4800.0, 60.0, 417.5, 1670.5),
+    # Host link (offload): PCIe Gen5 x16 is 32 GT/s x 16 lanes x 128/130 = 63 GB/s per direction;
+    # pinned copies reach about 55 GB/s (what CUDA's bandwidthTest and nvbandwidth report on H100
+    # systems; an assumption, not measured here): H100/H200, SXM, PCIe and NVL alike. A100: PCIe
+    # Gen4 x16, 31.5 GB/s, about 25 GB/s reached. Host memory, per GPU (a DGX's node bandwidth over
+    # its 8 GPUs; other servers differ, give --host-memory-gbps): DGX A100, 2 x AMD EPYC 7742 with
+    # 8 channels of DDR4-3200 each, 409.6 GB/s, 51.2 per GPU; DGX H100/H200, 2 x Xeon Platinum
+    # 8480C with 8 channels of DDR5-4800 each, 614.4 GB/s, 76.8 per GPU. PCIe cards and NVL: the
+    # host is the buyer's choice, None.
+    "a100-40gb": DeviceSpec("a100-40gb", 312.0, 40.0, 300.0, 25.0, 8, 1555.0, 19.5, 156.0,
+                            host_link_gbps=25.0, host_memory_gbps=51.2),
+    "a100-80gb": DeviceSpec("a100-80gb", 312.0, 80.0, 300.0, 25.0, 8, 2039.0, 19.5, 156.0,
+                            host_link_gbps=25.0, host_memory_gbps=51.2),
+    "h100": DeviceSpec("h100", 989.0, 80.0, 450.0, 50.0, 8, 3350.0, 67.0, 494.7, 1979.0,
+                       host_link_gbps=55.0, host_memory_gbps=76.8),
+    "h100-pcie": DeviceSpec("h100-pcie", 756.0, 80.0, 300.0, 50.0, 8, 2000.0, 51.0, 378.0, 1513.0,
+                            host_link_gbps=55.0),
+    "h200": DeviceSpec("h200", 989.0, 141.0, 450.0, 50.0, 8, 4800.0, 67.0, 494.7, 1979.0,
+                       host_link_gbps=55.0, host_memory_gbps=76.8),
+    "h100-nvl": DeviceSpec("h100-nvl", 835.0, 94.0, 300.0, 50.0, 8, 3900.0, 60.0, 417.5, 1670.5,
+                           host_link_gbps=55.0),
+    "h200-nvl": DeviceSpec("h200-nvl", 835.0, 141.0, 450.0, 50.0, 8, 4800.0, 60.0, 417.5, 1670.5,
+                           host_link_gbps=55.0),
     # CPU: no table peak (the trainer measures a matmul); gloo over shared memory / Ethernet.
     "cpu": DeviceSpec("cpu", None, None, 10.0, 1.25, 1, None),
 })

@@ -27,13 +27,18 @@ def layer_params_per_device(shape: ModelShape, tp: int) -> float:
     return (attn + 2 * h * f + h + 2 * kv + f) / tp + 2 * h + 4 * h
 
 
+def virtual_stages(layout: Layout, stage: int) -> tuple[int, ...]:
+    """The virtual stages (model chunks) pipeline rank ``stage`` holds, in chunk order:
+    ``chunk * pp + stage`` (zb-v: ``stage`` and ``2 pp - 1 - stage``)."""
+    p = layout.pp
+    return (stage, 2 * p - 1 - stage) if layout.v_placement else tuple(c * p + stage for c in range(layout.vp))
+
+
 def stage_layers(shape: ModelShape, layout: Layout, stage: int) -> list[int]:
-    """Global indices of the layers pipeline rank ``stage`` holds, num_layers / (pp vp) per chunk:
-    virtual stages ``chunk * pp + stage`` (zb-v: ``stage`` and ``2 pp - 1 - stage``)."""
-    p, v = layout.pp, layout.vp
-    n = shape.num_layers // (p * v)
-    virtual = (stage, 2 * p - 1 - stage) if layout.v_placement else tuple(c * p + stage for c in range(v))
-    return [i for vs in virtual for i in range(vs * n, (vs + 1) * n)]
+    """Global indices of the layers pipeline rank ``stage`` holds, num_layers / (pp vp) per chunk
+    (``virtual_stages``)."""
+    n = shape.num_layers // (layout.pp * layout.vp)
+    return [i for vs in virtual_stages(layout, stage) for i in range(vs * n, (vs + 1) * n)]
 
 
 def stage_moe_layers(shape: ModelShape, layout: Layout, stage: int) -> int:
@@ -200,14 +205,15 @@ def comm_buffer_bytes(layout: Layout, backend: str, tied_embeddings: bool, stage
 @dataclass(frozen=True)
 class MemoryTerms:
     """Bytes on one device, by part. A new part is a new field (and its line in memory_per_device)."""
-    weights: float  # bf16 parameters
-    grads: float  # fp32 main gradients
-    optimizer: float  # fp32 master weights, Adam m and v (ZeRO-1: a 1/(dp*cp) shard)
+    weights: float  # bf16 parameters (ZeRO-3: this rank's 1/(dp*cp) shards, experts 1/edp)
+    grads: float  # fp32 main gradients (ZeRO-2/3: 1/(dp*cp) shards)
+    optimizer: float  # fp32 master weights, Adam m and v (ZeRO: a shard; offload: the device's part)
     activations: float  # the layers' saved activations x micro-batches in flight
     transient: float  # one layer rebuilt by recomputation during backward
     pipeline_ends: float  # embedding dropout mask (first stage), final norm + fp32 logits (last)
     comm_buffers: float = 0.0  # HCCL / NCCL communicator buffers (comm_buffer_bytes)
     fp8: float = 0.0  # --fp8-format: one GEMM's float8 copies and the scales kept for backward (fp8.py)
+    gathered: float = 0.0  # ZeRO-3: the whole units gathered at once, at their peak (zero3.py)
     stage: str = "only"  # which device this is: "only" (pp = 1), "first" or "last"
 
     @property
@@ -284,23 +290,30 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: int, backend: str = "
             "last": logits, "middle": 0.0}[name]
     if layout.v_placement and layout.pp > 1:  # device 0: the embedding and the output layer
         ends = {"first": embedding * in_flight(shape, layout, 0) + logits}.get(name, 0.0)
-    zero2 = layout.zero and layout.zero_stage == 2
+    zero2 = layout.grads_sharded
     grads = dense * (GRAD_BYTES / (shards if zero2 else 1)) + \
         expert * (GRAD_BYTES / (layout.edp if zero2 else 1))
     optimizer = dense * optimizer_bytes_per_param(shape, layout)
     if expert:
         optimizer += expert * optimizer_bytes_per_param(shape, layout, expert=True)
+    optimizer *= 1.0 - layout.offload   # the rest in host memory (offload.py)
+    weights, gathered = params * shape.weight_bytes, 0.0
+    if layout.zero3:   # the persistent shards, and the units gathered at once (zero3.py)
+        from engine.plan.zero3 import gathered_bytes
+        weights = shape.weight_bytes * (dense / shards + (expert / layout.edp if expert else 0.0))
+        gathered = gathered_bytes(shape, layout, stage)
     per_micro = layers * layer_activation_bytes(shape, layout)
     if moe_layers:
         per_micro += moe_layers * moe_activation_change(shape, layout)
         if layout.recompute == "full":  # the rebuilt layer is an MoE one
             transient += moe_activation_change(shape, layout, "none")
-    fp8 = 0.0 if shape.fp8_recipe is None else (
-        fp8_gemm_copy_bytes(shape, layout) + layers * fp8_scale_bytes(shape, layout) * in_flight(shape, layout, stage))
-    return MemoryTerms(params * shape.weight_bytes, grads, optimizer,
-                       per_micro * in_flight(shape, layout, stage), transient, ends,
+    fp8_layers = sum(1 for i in stage_layers(shape, layout, stage) if shape.is_fp8(i))
+    fp8 = 0.0 if not fp8_layers else (fp8_gemm_copy_bytes(shape, layout) + fp8_layers
+                                      * fp8_scale_bytes(shape, layout) * in_flight(shape, layout, stage))
+    return MemoryTerms(weights, grads, optimizer, per_micro * in_flight(shape, layout, stage),
+                       transient, ends,
                        comm_buffer_bytes(layout, backend, shape.block == "gpt2", name, moe_layers > 0),
-                       fp8, name)
+                       fp8, gathered, name)
 
 
 def memory_per_device(shape: ModelShape, layout: Layout, backend: str = "gloo") -> MemoryTerms:

@@ -1,9 +1,10 @@
 """Shapes, layouts and topology rules: what the planner (search.py) ranks (memory.py: the bytes).
 
-Pure arithmetic, no torch. Every constant is named here and explained in docs/planner.md; the one
-fitted constant is DEFAULT_ACHIEVABLE_FRACTION (see its comment). Placement follows the run's rank
-order (``Layout.order``, DESIGN.md's ``tp-cp-dp-pp`` by default; see placement.py): TP must stay
-inside a node, every other group is priced on the links its ranks span (timing.py).
+Pure arithmetic, no torch. Every constant is named in constants.py (re-exported here) and
+explained in docs/planner.md; the one fitted constant is DEFAULT_ACHIEVABLE_FRACTION. Placement
+follows the run's rank order (``Layout.order``, DESIGN.md's ``tp-cp-dp-pp`` by default; see
+placement.py): TP must stay inside a node, every other group is priced on the links its ranks
+span (timing.py).
 """
 from __future__ import annotations
 
@@ -12,82 +13,18 @@ from dataclasses import dataclass
 from engine.plan.flops import BLOCKS, RECOMPUTE, MoEShape, default_ffn_hidden
 from engine.plan.hardware import OVERLAP_EFFICIENCY, DeviceSpec, OverlapEfficiency
 from engine.plan.placement import DEFAULT_ORDER, all_groups_intra, parse_order
-
-GIB = 2 ** 30
-MAX_DEVICES = 2 ** 20  # 1,048,576 ranks: more than any cluster; a larger count is a typo
-PLAN_PRECISION = "bf16"  # what the planner plans unless told (--precision); the dry run follows it
-PLAN_SCHEDULES = ("1f1b", "zb-h1", "zb-v")  # interleaved: "1f1b" with vp > 1
-# Mixed-precision Adam (Megatron): bf16 weight 2 + fp32 main grad 4 + fp32 master, m, v 12.
-WEIGHT_BYTES = 2
-GRAD_BYTES = 4
-OPTIMIZER_STATE_BYTES = 12
-BYTES_PER_PARAM = WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_STATE_BYTES  # 18
-ZERO1_REPLICATED_BYTES = WEIGHT_BYTES + GRAD_BYTES  # ZeRO-1 keeps weight + grad on every rank
-ZERO1_SHARDED_BYTES = OPTIMIZER_STATE_BYTES  # and splits the 12 over the dp x cp ranks
-ACT_BYTES = 2  # bf16/fp16 activations and p2p/TP messages
-MEMORY_USABLE_FRACTION = 0.90  # the rest: allocator fragmentation, runtime context
-# Communicator buffers, outside the framework's allocator (so outside peak_memory_bytes too).
-# HCCL: every communicator reserves 2 x HCCL_BUFFSIZE (send and receive), default 200 MB (CANN
-# environment variable reference, "HCCL_BUFFSIZE"); torch_npu's point-to-point transfers use one
-# communicator per neighbour pair with 2 x P2P_HCCL_BUFFSIZE, default 20 MB (Ascend Extension for
-# PyTorch 7.1.0, "P2P_HCCL_BUFFSIZE"). NCCL publishes no per-communicator total: its buffers grow
-# with the channel count (a ring has 2 connections per channel, each a FIFO of NCCL_BUFFSIZE = 4 MiB
-# for the Simple protocol); NCCL_CHANNELS_ASSUMED = 16 makes it 128 MiB, an estimate.
-HCCL_BUFFSIZE_MB = 200
-P2P_HCCL_BUFFSIZE_MB = 20
-NCCL_BUFFSIZE_BYTES = 4 * 2 ** 20
-NCCL_CHANNELS_ASSUMED = 16
-COMM_BUFFER_BYTES = {"hccl": 2 * HCCL_BUFFSIZE_MB * 2 ** 20,
-                     "nccl": 2 * NCCL_CHANNELS_ASSUMED * NCCL_BUFFSIZE_BYTES, "gloo": 0}
-P2P_BUFFER_BYTES = {"hccl": 2 * P2P_HCCL_BUFFSIZE_MB * 2 ** 20, "nccl": 0, "gloo": 0}
-# Fraction of the dense peak the matrix multiplies reach, lumping kernel efficiency and whatever the
-# model does not itemise. Fitted (bisection, search.fit_achievable_fraction) on ONE published row,
-# FIT_ROW of Narayanan et al. 2021 Table 1 (1.7B: tp 1, pp 1, dp 32, no model-parallel traffic);
-# tests/engine/plan/test_plan.py re-derives it from that row and holds the nine other rows to 15%.
-DEFAULT_ACHIEVABLE_FRACTION = 0.668
-FIT_ROW = "1.7B"
-HBM_EFFICIENCY = 0.75  # fraction of HBM bandwidth reached by fused element-wise kernels
-LINK_EFFICIENCY = 0.80  # bus bandwidth collectives reach over a link's rate (nccl-tests on DGX A100)
-COLLECTIVE_LATENCY_S = 20e-6  # fixed cost per collective or p2p message
-LAYER_PASS_OVERHEAD_S = 0.1e-3  # launches and tails of ~20 kernels per layer forward or backward
-OPTIMIZER_BYTES_PER_PARAM = 30  # Adam: read grad/master/m/v (16), write master/m/v (12) + bf16 copy (2)
-DEFAULT_GRAD_BUCKET_BYTES = 25 * 2 ** 20  # the engine's default DP bucket (--bucket-size-mb 25)
-# Memory-bound traffic per layer forward, in units of s*b*h bytes (fp16), Megatron 2021 kernels:
-EW_REPLICATED = 22  # two LayerNorms (4 each) + two fused bias-dropout-adds (7 each): whole h
-EW_SHARDED_ATTN = 12  # Q, K, V layout changes (read + write 3 s b h/t)
-EW_MLP = {"gpt2": 4, "llama": 6}  # fused bias-GeLU (read + write s b f) or SwiGLU (read 2, write 1)
-EW_SCORES = 9  # per a*s*s*b: fused scale-mask-softmax (read + write) and dropout (read, write, mask)
-# Korthikanti et al. 2022 activation bytes per layer, generalised to any f (see docs/planner.md):
-# in bf16 with dropout 10 s b h replicated (LayerNorm inputs 2 x 2, QKV and MLP inputs, i.e. the
-# column-parallel inputs, 2 x 2, dropout masks 2 x 1), 8 s b h split by TP (Q, K, V and the output
-# projection's input), 4 or 6 s b f for the MLP, 5 a s^2 b for the scores. Under sequence
-# parallelism every replicated one is a sequence shard: the column-parallel layers keep only their
-# s/tp input shard and all-gather it again in backward.
-ACT_MASK_BYTES = 1  # a dropout mask's byte per element
-# Kept as tensor counts, for activations of any element size (ModelShape.activation_bytes)
-# and with or without dropout masks (ModelShape.dropout); ACT_BYTES with dropout gives the above.
-ACT_TENSORS_REPLICATED = 4  # two LayerNorm inputs, the QKV and MLP inputs (+ 2 dropout masks)
-ACT_TENSORS_SPLIT_ATTN = 4  # Q, K, V, the output projection's input
-ACT_TENSORS_MLP = {"gpt2": 2, "llama": 3}
-# MoE layers (memory.moe_activation_change): the experts' gathered input rows and their outputs
-# (kept by the weighted combine), T K h each; the router's fp32 logits and scores, T E each; four
-# int64 index vectors per assignment (the sort by expert, the rows' tokens, the dispatch's re-sort
-# and its inverse). Time: the permutation's memory-bound passes, in units of T K h bytes (fp16):
-# the rows' gather and the combine's gather (read + write each) and the combine's batched product
-# (read) at any ep; under EP the dispatch's and the combine's re-sorts (read + write each).
-ACT_MOE_ROWS = 2
-ACT_MOE_FP32_PER_EXPERT = 2
-ACT_MOE_INDEX_BYTES = 32
-EW_MOE_PERMUTE = 10
-EW_MOE_RESORT = 8
-# What the engine adds to an MoE layer beyond its GEMMs, copies and all-to-alls (moe_time.py):
-# the launches and tails of its routing, counting, permutation and combine kernels, about 30
-# small kernels per forward or backward beyond a dense MLP's (LAYER_PASS_OVERHEAD_S's rate);
-# the device idle per host wait (the queue drained while the host waited, the next kernels a
-# launch latency away): under EP the split sizes' one read per layer and forward.
-MOE_PASS_OVERHEAD_S = 0.15e-3
-HOST_WAIT_S = 50e-6
-VOCAB_PAD_MULTIPLE = 128  # the engine pads the vocabulary to a multiple of 128 x tp (equal shards)
+from engine.plan.constants import (  # noqa: F401 (re-exported: the planner's constants)
+    GIB, MAX_DEVICES, PLAN_PRECISION, PLAN_SCHEDULES, WEIGHT_BYTES, GRAD_BYTES,
+    OPTIMIZER_STATE_BYTES, BYTES_PER_PARAM, ZERO1_REPLICATED_BYTES, ZERO1_SHARDED_BYTES,
+    ACT_BYTES, MEMORY_USABLE_FRACTION, HCCL_BUFFSIZE_MB, P2P_HCCL_BUFFSIZE_MB,
+    NCCL_BUFFSIZE_BYTES, NCCL_CHANNELS_ASSUMED, COMM_BUFFER_BYTES, P2P_BUFFER_BYTES,
+    DEFAULT_ACHIEVABLE_FRACTION, FIT_ROW, HBM_EFFICIENCY, LINK_EFFICIENCY, COLLECTIVE_LATENCY_S,
+    LAYER_PASS_OVERHEAD_S, OPTIMIZER_BYTES_PER_PARAM, DEFAULT_GRAD_BUCKET_BYTES, EW_REPLICATED,
+    EW_SHARDED_ATTN, EW_MLP, EW_SCORES, ACT_MASK_BYTES, ACT_TENSORS_REPLICATED,
+    ACT_TENSORS_SPLIT_ATTN, ACT_TENSORS_MLP, ACT_MOE_ROWS, ACT_MOE_FP32_PER_EXPERT,
+    ACT_MOE_INDEX_BYTES, EW_MOE_PERMUTE, EW_MOE_RESORT, MOE_PASS_OVERHEAD_S, HOST_WAIT_S,
+    VOCAB_PAD_MULTIPLE, HOST_ADAM_BYTES_PER_PARAM, HOST_CAST_BYTES_PER_PARAM, HOST_GRAD_BYTES,
+    HOST_MEMORY_EFFICIENCY)
 
 
 @dataclass(frozen=True)
@@ -125,6 +62,8 @@ class ModelShape:
     # --fp8-recipe of an FP8 run (None: no --fp8-format): the tensor-parallel linears' GEMMs at the
     # FP8 rate, their float8 copies and scales in memory (engine/plan/fp8.py, docs/precision.md)
     fp8_recipe: str | None = None
+    # --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16 of an FP8 run (is_fp8)
+    fp8_bf16_layers: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
@@ -145,6 +84,8 @@ class ModelShape:
             raise ValueError(f"weight_bytes must be 2 or 4, got {self.weight_bytes!r}")
         if self.fp8_recipe not in (None, "tensorwise", "rowwise"):
             raise ValueError(f"fp8_recipe must be None, tensorwise or rowwise, got {self.fp8_recipe!r}")
+        if len(self.fp8_bf16_layers) != 2 or min(self.fp8_bf16_layers) < 0:
+            raise ValueError(f"fp8_bf16_layers must be two counts >= 0, got {self.fp8_bf16_layers!r}")
         g = self.num_query_groups
         if g is not None and (not isinstance(g, int) or g < 1 or self.num_attention_heads % g):
             raise ValueError(f"--num-query-groups {g!r} must be a positive divisor of "
@@ -166,6 +107,11 @@ class ModelShape:
         """Width of the key (and of the value) projection: query groups x head size."""
         groups = self.num_query_groups or self.num_attention_heads
         return groups * (self.hidden_size // self.num_attention_heads)
+
+    def is_fp8(self, layer: int) -> bool:
+        """Whether global layer ``layer``'s tensor-parallel linears run in FP8."""
+        first, last = self.fp8_bf16_layers
+        return self.fp8_recipe is not None and first <= layer < self.num_layers - last
 
     def is_moe(self, layer: int) -> bool:
         """Whether global layer ``layer`` has an MoE MLP."""
@@ -207,6 +153,10 @@ class Cluster:
     # it the FP8 GEMMs reach (None: achievable_fraction; --calibrate on an FP8 run fits it)
     fp8_peak_tflops: float | None = None
     fp8_achievable_fraction: float | None = None
+    # --optimizer-cpu-offload (offload.py): host link GB/s per direction, and the GB/s the host's
+    # AdamW reaches (--calibrate fits it); None: unknown, the offload is not weighed
+    host_link_gbps: float | None = None
+    host_update_gbps: float | None = None
 
     @property
     def backend(self) -> str:
@@ -229,6 +179,9 @@ class Cluster:
             raise ValueError(f"the FP8 peak must be > 0 TFLOP/s, got {self.fp8_peak_tflops}")
         if self.fp8_achievable_fraction is not None and not 0 < self.fp8_achievable_fraction <= 1:
             raise ValueError(f"FP8 achievable fraction must be in (0, 1], got {self.fp8_achievable_fraction}")
+        for key in ("host_link_gbps", "host_update_gbps"):
+            if getattr(self, key) is not None and not getattr(self, key) > 0:
+                raise ValueError(f"{key} must be > 0 GB/s, got {getattr(self, key)}")
         if self.moe_pass_overhead_s < 0 or not self.moe_load_imbalance >= 1:
             raise ValueError(f"the MoE pass overhead must be >= 0 and the load imbalance >= 1, got "
                              f"{self.moe_pass_overhead_s} and {self.moe_load_imbalance}")
@@ -247,6 +200,9 @@ class Cluster:
         intra = intra_node_gbps if intra_node_gbps is not None else spec.intra_node_gbps
         inter = inter_node_gbps if inter_node_gbps is not None else spec.inter_node_gbps
         kwargs.setdefault("fp8_peak_tflops", spec.fp8_tflops)
+        kwargs.setdefault("host_link_gbps", spec.host_link_gbps)
+        if spec.host_memory_gbps is not None:
+            kwargs.setdefault("host_update_gbps", spec.host_memory_gbps * HOST_MEMORY_EFFICIENCY)
         return cls(spec, num_devices, devices_per_node or spec.devices_per_node,
                    intra * LINK_EFFICIENCY, inter * LINK_EFFICIENCY, peak, mem, **kwargs)
 
@@ -254,6 +210,11 @@ class Cluster:
     def fp8_fraction(self) -> float:
         """The fraction of the FP8 peak the FP8 GEMMs reach (the bf16 one unless fitted)."""
         return self.achievable_fraction if self.fp8_achievable_fraction is None else self.fp8_achievable_fraction
+
+    @property
+    def usable_bytes(self) -> float:
+        """What a layout may take per device: the memory less the allocator's and runtime's share."""
+        return self.memory_gb * GIB * MEMORY_USABLE_FRACTION
 
     @property
     def multi_node(self) -> bool:
@@ -275,7 +236,7 @@ class Layout:
     # 1f1b (interleaved when vp > 1), or a zero-bubble schedule: zb-h1, or zb-v (vp = 2 chunks in
     # a V: device 0 holds the embedding and the output layer)
     schedule: str = "1f1b"
-    zero_stage: int = 1  # with zero: 1 shards the optimizer state, 2 also the fp32 gradients
+    zero_stage: int = 1  # with zero: 1 shards the optimizer state, 2 the gradients, 3 the weights
     # DP gradient compression: its exchange worker thread has a DP x CP communicator of its own
     compression: bool = False
     # Overlaps (Megatron-LM's flag names; engine/plan/overlap.py models them). tp_comm_overlap: the
@@ -295,6 +256,9 @@ class Layout:
     # (the TP group splits every expert like the dense MLP; the EP and EDP groups are unchanged,
     # drawn from the dp x cp ranks of one TP coordinate; models/moe/experts.py).
     etp: int = 1
+    # --optimizer-offload-fraction F of an offloaded run (0: none): F of the optimizer shard in host
+    # memory, updated there (offload.py); needs zero (the distributed optimizer), at any dp
+    offload: float = 0.0
 
     def __post_init__(self) -> None:
         if self.schedule == "zb-v" and self.vp == 1:
@@ -308,13 +272,28 @@ class Layout:
             raise ValueError(f"zb-v runs 2 chunks per rank, got vp={self.vp}")
         if self.schedule == "zb-h1" and self.vp != 1:
             raise ValueError(f"zb-h1 runs 1 chunk per rank, got vp={self.vp}")
-        if self.zero_stage not in (1, 2):
-            raise ValueError(f"layout zero_stage must be 1 or 2, got {self.zero_stage!r}")
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"layout zero_stage must be 1, 2 or 3, got {self.zero_stage!r}")
+        if not (isinstance(self.offload, (int, float)) and 0.0 <= self.offload <= 1.0):
+            raise ValueError(f"layout offload must be a fraction in [0, 1], got {self.offload!r}")
+        if self.offload and not self.zero:
+            raise ValueError("optimizer offload moves the distributed optimizer's state: it needs "
+                             "zero (--use-distributed-optimizer)")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tp > 1")
         parse_order(self.order, self.cp)
+
+    @property
+    def zero3(self) -> bool:
+        """The parameters are sharded (ZeRO-3, optim_grads_params)."""
+        return self.zero and self.zero_stage == 3
+
+    @property
+    def grads_sharded(self) -> bool:
+        """The fp32 gradients live as 1/(dp x cp) shards (ZeRO-2 and ZeRO-3)."""
+        return self.zero and self.zero_stage >= 2
 
     @property
     def edp(self) -> int:

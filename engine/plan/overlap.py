@@ -252,7 +252,7 @@ def data_parallel_overlap(shape: ModelShape, cluster, layout: Layout, dp_gbps: f
         mine = (bucketed(reduce, windows_b[stage], reduce * bucket, eff.dp)
                 if layout.overlap_grad_reduce else Overlapped(reduce, 0.0))
         dp = max(dp, mine, key=lambda o: o.exposed)
-        if layout.zero:
+        if layout.zero and not layout.zero3:  # (ZeRO-3's gathers: zero3.py)
             gather = gather_or_scatter_s(params * ACT_BYTES, reducers, dp_gbps)
             if expert and edp > 1:
                 gather += gather_or_scatter_s(expert * ACT_BYTES, edp, edp_gbps)

@@ -14,6 +14,8 @@ from engine.plan.placement import (DEFAULT_ORDER, engine_order, expert_groups_of
 from engine.plan.timing import Estimate
 
 MASTER_ENDPOINT = "$MASTER_ADDR:29500"  # left for the shell of every node to expand
+# engine.train's --data-parallel-sharding-strategy of each ZeRO stage (Megatron-LM's names)
+SHARDING = {1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
 
 
 def schedule_of(layout: Layout) -> str:
@@ -41,7 +43,11 @@ def train_args(shape: ModelShape, layout: Layout, precision: str = "bf16",
     if layout.sequence_parallel:
         args.append("--sequence-parallel")
     if layout.zero:
-        args.append("--use-distributed-optimizer")
+        args += ["--data-parallel-sharding-strategy", SHARDING[layout.zero_stage]]
+    if layout.offload:
+        args.append("--optimizer-cpu-offload")
+        if layout.offload < 1:
+            args += ["--optimizer-offload-fraction", f"{layout.offload:g}"]
     if layout.tp_comm_overlap and layout.sequence_parallel:
         args.append("--tp-comm-overlap")
     if not layout.overlap_grad_reduce and layout.dp * layout.cp > 1:
@@ -79,12 +85,15 @@ def moe_args(shape: ModelShape) -> list[str]:
 
 
 def layout_text(layout: Layout) -> str:
-    """``tp=.. cp=.. pp=.. dp=.. ep=.. [etp=..] vp=.. mbs=.. recompute=.. zero=.. sp=..``: every
-    layout line (``etp=`` when expert tensor parallelism is on, etp = tp)."""
+    """``tp=.. cp=.. pp=.. dp=.. ep=.. [etp=..] vp=.. mbs=.. recompute=.. zero=.. sp=..
+    [offload=..]``: every layout line (``etp=`` when expert tensor parallelism is on, etp = tp;
+    ``zero=`` off or the ZeRO stage; ``offload=`` the optimizer's fraction in host memory)."""
     etp = f"etp={layout.etp} " if layout.etp > 1 else ""
+    offload = f" offload={layout.offload:g}" if layout.offload else ""
     return (f"tp={layout.tp} cp={layout.cp} pp={layout.pp} dp={layout.dp} ep={layout.ep} {etp}"
             f"vp={layout.vp} mbs={layout.micro_batch_size} recompute={layout.recompute} "
-            f"zero={'on' if layout.zero else 'off'} sp={'on' if layout.sequence_parallel else 'off'}")
+            f"zero={layout.zero_stage if layout.zero else 'off'} "
+            f"sp={'on' if layout.sequence_parallel else 'off'}{offload}")
 
 
 def launch_command(shape: ModelShape, layout: Layout, devices_per_node: int, precision: str = "bf16",
@@ -166,9 +175,20 @@ def _hidden_note(est: Estimate, name: str) -> str:
     if name == "zero_allgather":
         if not lay.zero:
             return "  (no ZeRO)"
+        if lay.zero3:
+            how = ("each unit's gathered when it starts" if not lay.overlap_param_gather else
+                   "each unit prefetched under the one before it, forward and backward")
+            return f"  exposed; {shown} hidden (ZeRO-3: {how})"
         if not lay.overlap_param_gather:
             return f"  exposed; {shown} hidden (--overlap-param-gather off: after the update)"
         return f"  exposed; {shown} hidden ahead of the next forward (per bucket, first bucket exposed)"
+    if name == "offload_copy":
+        if not lay.offload:
+            return "  (no optimizer offload)"
+        return (f"  exposed; {shown} hidden (gradients down under the last backward, weights up "
+                f"beside the host update)")
+    if name == "host_update":
+        return "  (no optimizer offload)" if not lay.offload else "  the host's AdamW, exposed"
     return ""
 
 
@@ -197,6 +217,11 @@ def explain(est: Estimate, devices_per_node: int) -> str:
     for name, value in mem.as_dict().items():
         if name not in ("total", "stage"):
             lines.append(f"  {name:<16}{value / GIB:10.2f} GiB")
+    if lay.offload:
+        host = est.host
+        lines.append(f"host memory per device (offload {lay.offload:g}) {host.total / GIB:.2f} GiB: "
+                     f"optimizer {host.optimizer / GIB:.2f} GiB, gradient copies "
+                     f"{host.grads / GIB:.2f} GiB")
     lines.append(f"FLOPs per step: model {est.flops.model:.4g}, executed {est.flops.executed:.4g} "
                  f"(recompute {est.flops.recomputed:.4g})")
     lines.append(f"TFLOP/s per device: model {est.model_tflops_per_device:.1f} (MFU "

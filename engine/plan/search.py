@@ -1,10 +1,16 @@
 """Cluster planner: ``python -m engine.plan`` ranks parallel layouts by predicted step time.
 
-It enumerates (tp, cp, pp, dp, virtual stages, micro-batch size, recompute, ZeRO-1, sequence
-parallelism and, for a mixture-of-experts model, ep and etp: 1 or tp) for the run's rank order (``--order``, default tp-cp-dp-pp; cp = 1 unless ``--cp``),
-drops the layouts that break a topology rule (engine/plan/model.check_layout) or do not fit in device
-memory, estimates each survivor's step time (engine/plan/timing.py), prints the best first and then
-the ``torchrun ... -m engine.train`` command of the best. ``--explain`` prints every term of each
+It enumerates (tp, cp, pp, dp, virtual stages, micro-batch size, recompute, ZeRO, sequence
+parallelism and, for a mixture-of-experts model, ep and etp: 1 or tp) for the run's rank order
+(``--order``, default tp-cp-dp-pp; cp = 1 unless ``--cp``), drops the layouts that break a
+topology rule (engine/plan/model.check_layout), estimates each layout's memory and step time
+(engine/plan/timing.py), prints the best first and then the ``torchrun ... -m engine.train``
+command of the best. A layout that does not fit in device memory with the least sharding of the
+space (``SearchSpace.zero_stages``, ``SearchSpace.offload``: ZeRO-1 and no offload by default) is
+tried again with more (``escalations``: ZeRO-2, ZeRO-3, the optimizer offloaded to host memory,
+alone and together), and the fastest of those that fit takes its place: in this model more
+sharding never makes a layout faster (ZeRO-2 takes ZeRO-1's time, ZeRO-3 adds its gathers, the
+offload its copies and the host's update), so it is weighed only where it is needed. ``--explain`` prints every term of each
 estimate. ``--layout TP,PP[,VP]`` evaluates one layout instead. ``--calibrate`` fits the
 achievable-compute fraction to a measured run; ``--calibrate-links`` takes link bandwidths from a
 preflight measurement. docs/planner.md explains the model and every constant. The command line
@@ -20,13 +26,15 @@ Example (Narayanan et al. 2021, Table 1, 39.1B row)::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 
 # calibration lives in calibrate.py; its functions stay importable from here for existing callers
 from engine.plan.calibrate import (fit_achievable_fraction, fit_overlap_efficiency,  # noqa: F401
                                    link_busbw, measured_exposed, measured_step_time)
+from engine.plan.memory import memory_per_device
 from engine.plan.model import Cluster, Layout, ModelShape, check_layout
+from engine.plan.offload import offload_known
 from engine.plan.placement import DEFAULT_ORDER
 from engine.plan.timing import Estimate, estimate
 
@@ -53,6 +61,16 @@ class SearchSpace:
     tp_comm_overlap: bool = False
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
+    # the ZeRO stages (with zero) and optimizer offload fractions (0: none) the search may use:
+    # every layout starts at the least of each, the others are tried where it does not fit
+    zero_stages: tuple[int, ...] = (1, 2, 3)
+    offload: tuple[float, ...] = (0.0, 1.0)
+
+    def __post_init__(self) -> None:
+        if not self.zero_stages or set(self.zero_stages) - {1, 2, 3}:
+            raise ValueError(f"ZeRO stages must be among 1, 2, 3, got {self.zero_stages!r}")
+        if not self.offload or not all(0.0 <= f <= 1.0 for f in self.offload):
+            raise ValueError(f"offload fractions must be in [0, 1], got {self.offload!r}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -91,20 +109,75 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, space: SearchSpace):
             chunks = {"zb-h1": [1], "zb-v": [2]}.get(schedule, vps)
             for vp, mbs, rc, ep in product(chunks, mbss, space.recompute,
                                            expert_sizes(shape, dp * cp, space)):
-                for zero in space.zero if dp * cp > 1 else (False,):
+                for zero in zeros(space, dp * cp):
                     for sp in space.sequence_parallel if tp > 1 else (False,):
                         for etp in expert_tensor_sizes(shape, tp, space):
                             layout = Layout(tp, pp, dp, vp, mbs, rc, zero, sp, cp, space.order,
-                                            schedule, tp_comm_overlap=space.tp_comm_overlap,
+                                            schedule, min(space.zero_stages),
+                                            tp_comm_overlap=space.tp_comm_overlap,
                                             overlap_grad_reduce=space.overlap_grad_reduce,
                                             overlap_param_gather=space.overlap_param_gather,
-                                            ep=ep, etp=etp)
+                                            ep=ep, etp=etp,
+                                            offload=min(space.offload) if zero else 0.0)
                             if check_layout(shape, cluster, layout) is None:
                                 yield layout
 
 
+def zeros(space: SearchSpace, dp_cp: int) -> tuple[bool, ...]:
+    """The distributed optimizer's settings to enumerate: the space's with dp x cp > 1; with one
+    rank only where every layout offloads (the optimizer offload needs it), else off (a layout
+    that does not fit is offered the offload by ``escalations``)."""
+    if dp_cp > 1:
+        return space.zero
+    return (True,) if min(space.offload) > 0 and True in space.zero else (False,)
+
+
+def escalations(layout: Layout, space: SearchSpace, cluster: Cluster) -> list[list[Layout]]:
+    """The layouts with more sharding than ``layout`` that the space allows, in four tiers: ZeRO-2
+    (as fast as ZeRO-1 in this model); ZeRO-3; ZeRO-1/2 with each larger offload fraction; ZeRO-3
+    with them (module docstring). Within a tier the step time only grows along the list, so the
+    first that fits is the tier's best. Higher stages need dp x cp > 1 and a layout with zero;
+    offload needs the cluster's host figures. None for a layout without zero at dp x cp > 1: its
+    twin with zero is escalated."""
+    dp_cp = layout.dp * layout.cp
+    if not layout.zero and (dp_cp > 1 or True not in space.zero):
+        return []
+    stage, f0 = layout.zero_stage, layout.offload
+    low = [s for s in sorted(space.zero_stages) if stage <= s < 3] if dp_cp > 1 else [stage]
+    three = dp_cp > 1 and 3 in space.zero_stages
+    more = sorted(f for f in space.offload if f > f0) if offload_known(cluster) else []
+    make = lambda s, f: replace(layout, zero=True, zero_stage=s, offload=f)  # noqa: E731
+    return [[make(s, f0) for s in low if s != stage] if layout.zero else [],
+            [make(3, f0)] if three and stage != 3 and layout.zero else [],
+            [make(s, f) for f in more for s in low],
+            [make(3, f) for f in more] if three else []]
+
+
+def fitting(shape: ModelShape, cluster: Cluster, layout: Layout, space: SearchSpace) -> Estimate | None:
+    """The estimate of ``layout`` or, where it does not fit, of the fastest of its escalations
+    that does: ZeRO-2's when it fits (no slower than the layout), else the best of the other
+    tiers' first fits (ZeRO-3 with offload only where ZeRO-3 alone does not fit, being slower);
+    None when none fits. Memory is checked first: only what fits is timed."""
+    fits = lambda lay: memory_per_device(shape, lay, cluster.backend).total <= cluster.usable_bytes  # noqa: E731
+    if fits(layout):
+        return estimate(shape, cluster, layout)
+    tiers = escalations(layout, space, cluster)
+    if not tiers:
+        return None
+    first = lambda tier: next((lay for lay in tier if fits(lay)), None)  # noqa: E731
+    zero2 = first(tiers[0])
+    if zero2 is not None:
+        return estimate(shape, cluster, zero2)
+    zero3, offloaded = first(tiers[1]), first(tiers[2])
+    both = first(tiers[3]) if zero3 is None else None
+    found = [lay for lay in (zero3, offloaded, both) if lay is not None]
+    return min((estimate(shape, cluster, lay) for lay in found), key=lambda e: e.step_time_s,
+               default=None)
+
+
 def search(shape: ModelShape, cluster: Cluster, space: SearchSpace = SearchSpace()) -> list[Estimate]:
-    """Estimates of every feasible layout that fits in memory, fastest step first."""
-    results = [e for e in (estimate(shape, cluster, lay) for lay in candidate_layouts(shape, cluster, space))
-               if e.fits]
+    """Estimates of every feasible layout that fits in memory (escalated where it must be),
+    fastest step first."""
+    results = [e for e in (fitting(shape, cluster, lay, space)
+                           for lay in candidate_layouts(shape, cluster, space)) if e is not None]
     return sorted(results, key=lambda e: e.step_time_s)

@@ -43,16 +43,17 @@ from dataclasses import dataclass, field, fields
 from engine.plan.flops import (StepFlops, attention_core_forward_flops, layer_forward_flops,
                                logits_forward_flops, recomputed_layer_flops, step_flops)
 from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_REPLICATED, EW_SCORES,
-                               EW_SHARDED_ATTN, GIB, LAYER_PASS_OVERHEAD_S,
-                               MEMORY_USABLE_FRACTION, OPTIMIZER_BYTES_PER_PARAM, Cluster, Layout,
-                               ModelShape, num_micro_batches)
+                               EW_SHARDED_ATTN, LAYER_PASS_OVERHEAD_S, OPTIMIZER_BYTES_PER_PARAM,
+                               Cluster, Layout, ModelShape, num_micro_batches)
 from engine.plan.memory import MemoryTerms, memory_per_device, stage_moe_layers, stage_param_split
 from engine.plan.collectives import allreduce_s, gather_or_scatter_s
 from engine.plan.fp8 import linear_rate
 from engine.plan.moe_time import moe_layer_change
 from engine.plan.overlap import data_parallel_overlap, ring_recompute_extra_flops, tp_layer_overlap
+from engine.plan.zero3 import gather_overlap
 from engine.plan.passes import Links, PassTime, _rates, layout_links  # noqa: F401 (re-exported)
 from engine.plan.traffic import moe_sp_grad_sync
+from engine.plan.offload import HostTerms, host_memory, offload_terms, shard_elements
 
 
 
@@ -167,9 +168,11 @@ class TimeTerms:
     moe_imbalance: float  # the busiest EP rank's extra expert and all-to-all time
     bubble: float  # the schedule's idle time (pipeline_bubble_s)
     imbalance: float  # the slowest device (first or last, carrying an end) setting the pace
-    dp_comm: float  # exposed DP gradient reduction (all-reduce; ZeRO-1: reduce-scatter)
-    zero_allgather: float  # ZeRO-1's parameter all-gather after the optimizer step
-    optimizer: float  # Adam step, memory-bound
+    dp_comm: float  # exposed DP gradient reduction (all-reduce; ZeRO: reduce-scatter)
+    zero_allgather: float  # ZeRO's parameter all-gathers: 1/2 after the update, 3 per unit (zero3.py)
+    optimizer: float  # Adam step on the device, memory-bound (offload: the part left there)
+    offload_copy: float = 0.0  # --optimizer-cpu-offload: gradients down, weights up (offload.py)
+    host_update: float = 0.0  # --optimizer-cpu-offload: the host's AdamW over the offloaded shard
 
     @property
     def total(self) -> float:
@@ -195,6 +198,7 @@ class Estimate:
     # seconds of each communication term hidden under compute (the term itself is what is exposed)
     hidden: dict = field(default_factory=dict)
     efficiency: object = None  # the cluster's hardware.OverlapEfficiency the estimate used
+    host: HostTerms = HostTerms()  # --optimizer-cpu-offload: host memory of the device's process
 
     @property
     def step_time_s(self) -> float:
@@ -234,8 +238,9 @@ class Estimate:
                 "mfu": self.mfu, "hfu": self.hfu,
                 "tp_comm_overlap": lay.tp_comm_overlap, "overlap_grad_reduce": lay.overlap_grad_reduce,
                 "overlap_param_gather": lay.overlap_param_gather,
+                "zero_stage": lay.zero_stage if lay.zero else 0, "offload": lay.offload,
                 "time_terms": self.time.as_dict(), "comm_hidden": dict(self.hidden),
-                "memory_terms": self.memory.as_dict()}
+                "memory_terms": self.memory.as_dict(), "host_memory_terms": self.host.as_dict()}
 
 
 def pipeline_bubble_s(layout: Layout, m: int, mean: PassTime) -> float:
@@ -266,17 +271,9 @@ def optimizer_params(shape: ModelShape, layout: Layout) -> float:
     """Weights whose optimizer step the most loaded device runs: the first or the last device's
     (with MoE layers any device's), under ZeRO its shard (dense ones over dp x cp, experts over
     their EDP group)."""
-    p, reducers = layout.pp, layout.dp * layout.cp
+    p = layout.pp
     stages = range(p) if shape.moe is not None else (0, p - 1)
-    most = 0.0
-    for stage in stages:
-        dense, expert = stage_param_split(shape, layout, stage)
-        if layout.zero:
-            mine = dense / reducers + (expert / layout.edp if expert else 0.0)
-        else:
-            mine = dense + expert
-        most = max(most, mine)
-    return most
+    return max(shard_elements(layout, *stage_param_split(shape, layout, stage)) for stage in stages)
 
 
 def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
@@ -308,8 +305,13 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
     dp, zero = data_parallel_overlap(shape, cluster, layout, links.dp,
                                      [st.backward for st in ordered],
                                      [st.total - st.backward for st in ordered], links.edp)
+    if layout.zero3:  # its gathers per unit replace ZeRO-1/2's after the update (zero3.py)
+        zero = gather_overlap(shape, cluster, layout, links.dp, links.edp,
+                              unit_seconds(shape, layout, layer, embedding, logits,
+                                           moe_layer_change(shape, cluster, layout, links)))
+    copies, host_s = offload_terms(shape, cluster, layout, [st.backward for st in ordered])
     _, mem_s = _rates(cluster)
-    opt_params = optimizer_params(shape, layout)
+    opt_params = optimizer_params(shape, layout) * (1.0 - layout.offload)
     # once per step: the MoE layers' partial gradients summed over TP (the most loaded stage's)
     sp_sync = max(moe_sp_grad_sync(shape, layout, i) for i in range(p))
     sync_s = allreduce_s(sp_sync, layout.tp, links.tp) if sp_sync else 0.0
@@ -320,13 +322,31 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
                       bubble=pipeline_bubble_s(layout, m, mean),
                       imbalance=m * (slowest.total - mean.total),
                       dp_comm=dp.exposed, zero_allgather=zero.exposed,
-                      optimizer=mem_s(opt_params * OPTIMIZER_BYTES_PER_PARAM))
+                      optimizer=mem_s(opt_params * OPTIMIZER_BYTES_PER_PARAM),
+                      offload_copy=copies.exposed, host_update=host_s)
     flops = step_flops(shape.global_batch_size, shape.seq_length, shape.num_layers, shape.hidden_size,
                        shape.vocab_size, shape.ffn_hidden_size, shape.block, layout.recompute,
                        shape.recompute_early_stop, shape.kv_hidden, moe=shape.moe)
-    fits = mem.total <= cluster.memory_gb * GIB * MEMORY_USABLE_FRACTION
+    fits = mem.total <= cluster.usable_bytes
     hidden = {"tp_comm": m * mean.tp_hidden, "cp_comm": max(0.0, m * (mean.cp_ring - mean.cp_comm)),
-              "pp_comm": 0.0, "dp_comm": dp.hidden, "zero_allgather": zero.hidden}
+              "pp_comm": 0.0, "dp_comm": dp.hidden, "zero_allgather": zero.hidden,
+              "offload_copy": copies.hidden}
     return Estimate(layout, terms, mem, fits, flops, cluster.num_devices, cluster.peak_tflops, links,
                     cp_ring_s=m * mean.cp_ring, hidden=hidden,
-                    efficiency=cluster.overlap)
+                    efficiency=cluster.overlap, host=max(
+                        (host_memory(shape, layout, *stage_param_split(shape, layout, st))
+                         for st in range(p)), key=lambda h: h.total))
+
+
+def unit_seconds(shape: ModelShape, layout: Layout, layer: PassTime, embedding: PassTime,
+                 logits: PassTime, moe_change: PassTime):
+    """(stage, zero3.Unit) -> (forward, backward) seconds per micro-batch of the unit: a layer's
+    (an MoE layer's with its change), the embedding's, the output layer's and loss'; 0 for the
+    norms and the position table, which compute next to nothing."""
+    def times(stage: int, unit) -> tuple[float, float]:
+        if unit.layer is not None:
+            one = layer + moe_change if shape.is_moe(unit.layer) else layer
+        else:
+            one = {"embedding": embedding, "output": logits}.get(unit.name, PassTime())
+        return one.total - one.backward, one.backward
+    return times

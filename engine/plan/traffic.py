@@ -21,9 +21,12 @@ tensor each (Megatron's scatter/gather: without SP the receiver all-gathers it o
 Context parallelism (ring attention): per layer cp-1 hops of the K and V blocks forward, cp-1 of
 them and cp of their dK/dV accumulators backward, ``2 e b s kv_hidden / (cp t)`` bytes each (again
 forward under recomputation). Data parallelism: the fp32 gradients of the device's weights
-(all-reduce, or reduce-scatter under ZeRO) and ZeRO's all-gather of the weights (own shard).
+(all-reduce, or reduce-scatter under ZeRO) and ZeRO's all-gathers of the weights (own shard):
+ZeRO-1/2 once a step, ZeRO-3 every gather unit twice per model chunk and micro-batch (forward
+and backward) and its kept units once (engine/plan/zero3.py).
 Tied embeddings (gpt2, pp > 1): the first and last stages all-reduce the embedding's fp32
-gradient (its ZeRO shard). Not counted: the statistics all-reduce, the gradient norm's and the
+gradient (its ZeRO shard). FP8 (``--fp8-format``): every FP8 layer's calls add the MAX
+all-reduces of their scales' amaxes over TP and over CP (engine/plan/fp8.py ``amax_bytes``). Not counted: the statistics all-reduce, the gradient norm's and the
 pipeline bubble's scalars (a few bytes), Ulysses' all-to-alls (``--cp-comm-type a2a``: None).
 
 Mixture of experts (``ModelShape.moe``, ``Layout.ep``; parallel/expert_parallel/dispatch.py), per
@@ -38,7 +41,9 @@ with ep = 1 that group is the dp x cp group and they count as ``dp``.
 from __future__ import annotations
 
 from engine.plan.model import GRAD_BYTES, Layout, ModelShape, moe_expert_tokens, num_micro_batches
-from engine.plan.memory import expert_params_per_layer, stage_moe_layers, stage_param_split
+from engine.plan.fp8 import amax_bytes
+from engine.plan.memory import (expert_params_per_layer, stage_layers, stage_moe_layers,
+                                stage_param_split)
 
 KINDS = ("tp", "cp", "pp", "dp", "embedding", "ep", "edp")
 COUNT_BYTES = 8  # an int64 per expert in the count exchange
@@ -147,6 +152,8 @@ def step_traffic(shape: ModelShape, layout: Layout, stage: int,
     layers = shape.num_layers // p
     tp = layers * _tp_per_layer(layout, msg) \
         + stage_moe_layers(shape, layout, stage) * moe_tp_per_layer(shape, layout, msg)
+    fp8_tp, fp8_cp = stage_amax_bytes(shape, layout, stage)   # FP8's scales (fp8.amax_bytes)
+    tp += fp8_tp
     if t > 1 and stage == 0:
         tp += msg + msg / t if sp else msg                      # the embedding
         if sp and shape.block == "gpt2":
@@ -166,17 +173,24 @@ def step_traffic(shape: ModelShape, layout: Layout, stage: int,
         else:
             block = 2 * e * b * (s / c) * shape.kv_hidden / t
             hops = (c - 1) * (2 if layout.recompute in ("full", "selective") else 1) + (c - 1) + c
-            cp = layers * hops * block
+            cp = layers * hops * block + fp8_cp
     dense, expert = stage_param_split(shape, layout, stage)
     shards, ep = layout.dp * c, layout.ep
     edp_ranks = shards // ep
     # with ep = 1 the experts reduce over the dp x cp group itself
     params, experts = (dense + expert, 0.0) if ep == 1 else (dense, expert)
     dp = edp = 0.0
+    # ZeRO-1/2 gather each weight's shard once after the update, ZeRO-3 each unit twice per chunk
+    # and micro-batch (zero3.gather_bytes)
+    gather_dp, gather_edp = ((params / shards * shape.weight_bytes if layout.zero else 0.0),
+                             (experts / edp_ranks * shape.weight_bytes if layout.zero else 0.0))
+    if layout.zero3:
+        from engine.plan.zero3 import gather_bytes
+        gather_dp, gather_edp = gather_bytes(shape, layout, stage)
     if shards > 1:
-        dp = params * GRAD_BYTES + (params / shards * shape.weight_bytes if layout.zero else 0.0)
+        dp = params * GRAD_BYTES + gather_dp
     if experts and edp_ranks > 1:
-        edp = experts * GRAD_BYTES + (experts / edp_ranks * shape.weight_bytes if layout.zero else 0.0)
+        edp = experts * GRAD_BYTES + gather_edp
     embedding = 0.0
     if shape.block == "gpt2" and p > 1 and stage in (0, p - 1) and not layout.v_placement:
         embedding = shape.padded_vocab(t) * h / t * GRAD_BYTES / (shards if layout.zero else 1)
@@ -184,6 +198,17 @@ def step_traffic(shape: ModelShape, layout: Layout, stage: int,
     return {"tp": tp, "cp": None if cp is None else m * cp, "pp": m * pp, "dp": dp,
             "embedding": embedding, "ep": m * stage_moe_layers(shape, layout, stage) * ep_per_layer(shape, layout),
             "edp": edp}
+
+
+def stage_amax_bytes(shape: ModelShape, layout: Layout, stage: int) -> tuple[float, float]:
+    """(TP, CP) bytes per micro-batch of the FP8 scales' MAX all-reduces of pipeline rank
+    ``stage``'s FP8 layers (engine/plan/fp8.py ``amax_bytes``; 0 without --fp8-format)."""
+    tp = cp = 0.0
+    for layer in stage_layers(shape, layout, stage):
+        if shape.is_fp8(layer):
+            one = amax_bytes(shape, layout, shape.is_moe(layer))
+            tp, cp = tp + one[0], cp + one[1]
+    return tp, cp
 
 
 def ep_per_layer(shape: ModelShape, layout: Layout) -> float:

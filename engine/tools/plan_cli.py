@@ -22,17 +22,16 @@ from engine.base import ConfigError, ToolParser, os_error_text, run_tool
 from engine.config.fields import field_table, flag_info
 from engine.config.recipe import load_recipe
 from engine.plan.arguments import check_args
-from engine.plan.calibrate import (fit_achievable_fraction, fit_overlap_efficiency, link_busbw,
-                                   measured_exposed, measured_step_time)
-from engine.plan.calibrate_moe import calibrate_moe
+from engine.plan.calibrate import link_busbw
 from engine.plan.flops import BLOCKS, moe_layer_indices, moe_shape
 from engine.plan.hardware import DEVICE_SPECS, get_device_spec
-from engine.plan.model import (GIB, MEMORY_USABLE_FRACTION, PLAN_PRECISION, PLAN_SCHEDULES, Cluster,
-                               Layout, ModelShape, check_layout)
+from engine.plan.model import (GIB, HOST_MEMORY_EFFICIENCY, PLAN_PRECISION, PLAN_SCHEDULES, Cluster,
+                               Layout, ModelShape)
 from engine.plan.placement import DEFAULT_ORDER, parse_order
 from engine.plan.report import explain, launch_command, layout_text, train_args
 from engine.plan.search import SearchSpace, candidate_layouts, search
-from engine.plan.timing import Estimate, estimate
+from engine.plan.timing import Estimate
+from engine.tools.plan_calibrate import calibrated, explain_empty
 from models.config import GPTConfig
 
 # the model's flags (every field of models/config.py) and the one batch flag the planner needs
@@ -43,7 +42,8 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "s
 JSON_KEYS = ("tp", "cp", "pp", "dp", "ep", "etp", "vp", "schedule", "micro_batch_size", "recompute", "zero",
              "sequence_parallel", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather",
              "order", "comm_hidden", "memory_bytes_per_device", "step_time_s", "tflops_per_device",
-             "model_tflops_per_device", "mfu", "hfu", "time_terms", "memory_terms", "command")
+             "model_tflops_per_device", "mfu", "hfu", "time_terms", "memory_terms", "zero_stage",
+             "offload", "host_memory_terms", "command")
 
 
 def _choice(value: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
@@ -113,7 +113,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "zb-h1, zb-v")
     p.add_argument("--micro-batch-size", type=int, help="pin the micro-batch size")
     p.add_argument("--recompute", default="none,selective,full", help="comma list to search")
-    p.add_argument("--zero", default="both", help="ZeRO-1: on, off or both")
+    p.add_argument("--zero", default="both",
+                   help="the distributed optimizer (ZeRO): on, off or both")
+    p.add_argument("--zero-stage", default="1,2,3",
+                   help="ZeRO stages the search may use, a comma list (default 1,2,3): each layout "
+                        "starts at the lowest; one that does not fit tries the higher ones "
+                        "(2: gradients sharded too, 3: and the parameters)")
+    p.add_argument("--optimizer-cpu-offload", dest="offload", default="both",
+                   choices=("on", "off", "both"),
+                   help="the optimizer state in host memory: on (every layout), off, or both "
+                        "(default: where a layout does not fit otherwise)")
+    p.add_argument("--optimizer-offload-fraction", dest="offload_fraction", type=float, default=1.0,
+                   help="with --optimizer-cpu-offload: the share of the optimizer state offloaded "
+                        "(default 1.0)")
+    p.add_argument("--host-link-gbps", type=float,
+                   help="override the table's host link (PCIe) rate, GB/s per direction")
+    p.add_argument("--host-memory-gbps", type=float,
+                   help="override the table's host DRAM bandwidth per device, GB/s (the host's "
+                        "update reaches HOST_MEMORY_EFFICIENCY of it)")
     p.add_argument("--sequence-parallel", default="both", help="on, off or both")
     p.add_argument("--tp-comm-overlap", action="store_true",
                    help="plan the TP collectives of each layer as chunk rings beside their GEMMs "
@@ -215,6 +232,10 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
     if args.fp8_peak_tflops is not None or args.fp8_achievable_fraction is not None:
         cluster = replace(cluster, fp8_peak_tflops=args.fp8_peak_tflops or cluster.fp8_peak_tflops,
                           fp8_achievable_fraction=args.fp8_achievable_fraction)
+    if args.host_link_gbps is not None:
+        cluster = replace(cluster, host_link_gbps=args.host_link_gbps)
+    if args.host_memory_gbps is not None:
+        cluster = replace(cluster, host_update_gbps=args.host_memory_gbps * HOST_MEMORY_EFFICIENCY)
     if args.fp8_format and cluster.fp8_peak_tflops is None:
         raise ConfigError(f"--fp8-format: {spec.name} has no FP8 peak in engine/plan/hardware.py "
                           f"(FP8 needs compute capability 8.9 or later: H100, H200); give "
@@ -232,6 +253,13 @@ def _sizes(text: str, flag: str) -> tuple[int, ...]:
     return sizes
 
 
+def _zero_stages(text: str) -> tuple[int, ...]:
+    stages = tuple(sorted(set(_sizes(text, "--zero-stage"))))
+    if set(stages) - {1, 2, 3}:
+        raise ConfigError(f"--zero-stage expects a comma list of 1, 2 and 3, got {text!r}")
+    return stages
+
+
 def space_from_args(args: argparse.Namespace) -> SearchSpace:
     cps = _sizes(args.cp, "--cp")
     for cp in cps:
@@ -245,7 +273,13 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
                                           "--pipeline-schedule"),
                         tp_comm_overlap=args.tp_comm_overlap,
                         overlap_grad_reduce=args.overlap_grad_reduce == "on",
-                        overlap_param_gather=args.overlap_param_gather == "on", ep=eps, etp=etps)
+                        overlap_param_gather=args.overlap_param_gather == "on", ep=eps, etp=etps,
+                        zero_stages=_zero_stages(args.zero_stage),
+                        offload={"off": (0.0,), "on": (args.offload_fraction,),
+                                 "both": (0.0, args.offload_fraction)}[args.offload])
+    if args.offload == "on" and args.zero == "off":
+        raise ConfigError("--optimizer-cpu-offload on moves the distributed optimizer's state to "
+                          "host memory: give --zero on (or both)")
     if args.layout:
         try:
             parts = [int(x) for x in args.layout.split(",")]
@@ -279,74 +313,10 @@ def expert_problem(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> s
     return None
 
 
-def _explain_empty(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> str:
-    if space.tp and space.pp:
-        cp = space.cp[0]
-        dp = cluster.num_devices // (space.tp * space.pp * cp)
-        why = check_layout(shape, cluster, Layout(space.tp, space.pp, max(dp, 1), space.vp or 1,
-                                                  space.micro_batch_size or 1, cp=cp, order=space.order))
-        if why:
-            return f"layout rejected: {why}"
-        least = min((estimate(shape, cluster, lay).memory_bytes_per_device
-                     for lay in candidate_layouts(shape, cluster, space)), default=None)
-        if least is not None:
-            usable = cluster.memory_gb * MEMORY_USABLE_FRACTION
-            return (f"layout needs at least {least / GIB:.1f} GiB per device, {usable:.1f} GiB usable; "
-                    f"try --recompute full, --zero on or a larger pp")
-    return "no layout fits in device memory; add devices, allow --recompute full or --zero on"
-
-
-def _calibrated(args, shape: ModelShape, cluster: Cluster, space: SearchSpace) -> Cluster:
-    if not (space.tp and space.pp and space.micro_batch_size and len(space.recompute) == 1
-            and len(space.zero) == 1 and len(space.cp) == 1
-            and (space.tp == 1 or len(space.sequence_parallel) == 1)):
-        raise ConfigError("--calibrate needs the measured run's --layout, --micro-batch-size, "
-                          "--recompute, --zero, --cp and --sequence-parallel (one value each)")
-    layout = next(candidate_layouts(shape, cluster, space), None)
-    if layout is None:
-        raise ConfigError(_explain_empty(shape, cluster, space))
-    if shape.moe is not None:  # the MoE layers' engine terms (engine/plan/calibrate_moe.py)
-        try:
-            cluster, notes = calibrate_moe(shape, cluster, layout, args.calibrate,
-                                           args.calibrate_dense)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
-        for note in notes:
-            print(f"calibrated {note}", file=sys.stderr)
-        return cluster
-    if args.calibrate_dense:
-        raise ConfigError("--calibrate-dense applies to an MoE model (--num-experts)")
-    step = measured_step_time(args.calibrate)
-    tflops = estimate(shape, cluster, layout).flops.executed / step / cluster.num_devices / 1e12
-    if shape.fp8_recipe:  # an FP8 run: its FP8 GEMMs' fraction, the bf16 one as given
-        frac = fit_achievable_fraction(shape, cluster, layout, tflops, "fp8_achievable_fraction")
-        print(f"calibrated FP8 achievable fraction {frac:.3f} from a measured step of {step:.4g} s "
-              f"(FP8 peak {cluster.fp8_peak_tflops}; the bf16 parts at fraction "
-              f"{cluster.achievable_fraction:.3f})", file=sys.stderr)
-        return replace(cluster, fp8_achievable_fraction=frac)
-    frac = fit_achievable_fraction(shape, cluster, layout, tflops)
-    cluster = replace(cluster, achievable_fraction=frac)
-    exposed = measured_exposed(args.calibrate)
-    for _ in range(50 if exposed else 0):  # the efficiencies at that fraction, the fraction
-        before = (frac, cluster.overlap)      # again with them, until neither moves
-        cluster = replace(cluster, overlap=fit_overlap_efficiency(shape, cluster, layout, exposed))
-        frac = fit_achievable_fraction(shape, cluster, layout, tflops)
-        cluster = replace(cluster, achievable_fraction=frac)
-        if abs(frac - before[0]) < 1e-9 and cluster.overlap == before[1]:
-            break
-    print(f"calibrated achievable fraction {frac:.3f} from a measured step of {step:.4g} s "
-          f"({tflops:.2f} executed TFLOP/s per device, peak {cluster.peak_tflops})", file=sys.stderr)
-    if exposed:
-        eff = cluster.overlap
-        print(f"calibrated overlap efficiency tp {eff.tp:.3f}, dp {eff.dp:.3f}, zero {eff.zero:.3f} "
-              f"from the measured exposed communication ("
-              + ", ".join(f"{k} {v:.4g} s" for k, v in exposed.items()) + ")", file=sys.stderr)
-    return cluster
-
-
 def _row_text(est: Estimate) -> str:
+    host = f" (host {est.host.total / GIB:.1f} GiB)" if est.layout.offload else ""
     return (f"{layout_text(est.layout)}  "
-            f"mem {est.memory_bytes_per_device / GIB:.1f} GiB  step {est.step_time_s:.3f} s  "
+            f"mem {est.memory_bytes_per_device / GIB:.1f} GiB{host}  step {est.step_time_s:.3f} s  "
             f"{est.tflops_per_device:.1f} TFLOP/s/device  MFU {100 * est.mfu:.1f}%  HFU {100 * est.hfu:.1f}%")
 
 
@@ -357,10 +327,10 @@ def plan(args: argparse.Namespace) -> int:
     if (problem := expert_problem(shape, cluster, space)):
         raise ConfigError(problem)
     if args.calibrate:
-        cluster = _calibrated(args, shape, cluster, space)
+        cluster = calibrated(args, shape, cluster, space)
     results = search(shape, cluster, space)
     if not results:
-        print(f"gridtron: {_explain_empty(shape, cluster, space)}", file=sys.stderr)
+        print(f"gridtron: {explain_empty(shape, cluster, space)}", file=sys.stderr)
         return 1
     dpn, extra = cluster.devices_per_node, model_flags(args, shape)
     if args.fp8_format:

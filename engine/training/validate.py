@@ -166,18 +166,14 @@ def planner_inputs(cfg, grid, vocab_size: int | None = None) -> tuple[ModelShape
     m, par = cfg.model, cfg.parallel
     if m.block not in BLOCKS:
         return f"the planner has formulas for {', '.join(BLOCKS)} blocks only (--block {m.block})"
-    if par.use_distributed_optimizer and par.zero_stage == 3:
-        return ("the planner does not model --data-parallel-sharding-strategy optim_grads_params "
-                "(ZeRO-3) yet: no estimate")
-    if cfg.optim.optimizer_cpu_offload:
-        return "the planner does not model --optimizer-cpu-offload yet: no estimate"
     elem = 4 if cfg.precision.precision == "fp32" else 2
     shape = ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, vocab_size or m.vocab_size,
                        m.seq_length, cfg.data.global_batch_size, m.ffn_hidden_size, m.block,
                        fused_attention=True, recompute_early_stop=True, activation_bytes=elem,
                        dropout=m.dropout > 0, num_query_groups=m.num_query_groups, weight_bytes=elem,
                        moe=moe_shape(m), moe_layers=moe_layer_indices(m),
-                       fp8_recipe=cfg.precision.fp8_recipe if cfg.precision.fp8_format else None)
+                       fp8_recipe=cfg.precision.fp8_recipe if cfg.precision.fp8_format else None,
+                       fp8_bf16_layers=cfg.precision.fp8_bf16_layers)
     # the planner's schedules: 1f1b (interleaved with vp > 1), zb-h1, zb-v; 1f1b-w holds what 1F1B
     # holds, GPipe more (engine/dryrun/compare.py KNOWN)
     zero_bubble = par.pipeline_schedule in ("zb-h1", "zb-v") and grid.pp > 1
@@ -186,9 +182,12 @@ def planner_inputs(cfg, grid, vocab_size: int | None = None) -> tuple[ModelShape
                     par.recompute, par.use_distributed_optimizer,
                     par.sequence_parallel and grid.tp > 1, grid.cp, par.order,
                     schedule=schedule, zero_stage=par.zero_stage,
+                    tp_comm_overlap=par.tp_comm_overlap and par.sequence_parallel and grid.tp > 1,
                     compression=CompressionPolicy.coerce(cfg.compression).any_compressed,
                     ep=par.expert_model_parallel_size,
-                    etp=par.expert_tensor_parallel_size if m.num_experts else 1)
+                    etp=par.expert_tensor_parallel_size if m.num_experts else 1,
+                    offload=(cfg.optim.optimizer_offload_fraction if cfg.optim.optimizer_cpu_offload
+                             else 0.0))
     return shape, layout
 
 
@@ -197,10 +196,13 @@ TERMS = {"weights": ("the weights", "model"), "grads": ("the gradients", "model"
          "transient": ("recomputation's rebuilt layer", "batch"),
          "pipeline_ends": ("the logits and the embedding's masks", "batch"),
          "comm_buffers": ("the communicator buffers", "groups"),
-         "fp8": ("the FP8 copies and scales", "batch")}
+         "fp8": ("the FP8 copies and scales", "batch"),
+         "gathered": ("ZeRO-3's gathered units", "model")}
 FIXES = {"model": "fewer or narrower layers (--num-layers, --hidden-size, --ffn-hidden-size) or more "
-                  "ranks to split them (--tp, --pp; --use-distributed-optimizer shards the optimizer "
-                  "state)",
+                  "ranks to split them (--tp, --pp; --data-parallel-sharding-strategy optim, "
+                  "optim_grads or optim_grads_params shards the optimizer state, the gradients, "
+                  "the parameters over dp; --optimizer-cpu-offload moves the optimizer state to "
+                  "host memory)",
          "batch": "a smaller --micro-batch-size or --seq-length, --recompute full, or more --tp / "
                   "--pp / --cp",
          "groups": "fewer process groups of more than one rank"}

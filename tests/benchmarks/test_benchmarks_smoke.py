@@ -225,3 +225,25 @@ def test_moe_benchmark_skips_a_refused_dispatcher_and_tabulates():
     assert "| alltoall | 2 | 1234 | 4.0 MiB |" in text and "skipped: not built" in text
     assert "| MoE, aux loss | 1.50 | 1.50 | 1.125 | 8.500 | 8.000 | 7.500 |" in text
     assert "| dense | - | - | - | 8.400 | 8.400 | 7.000 |" in text
+
+
+def test_zero3_benchmark_pairs_totals_and_tiny_run(capsys):
+    """benchmarks/zero3.py: the pairs alternate which strategy runs first; the ratio is total
+    seconds over total steps (a mean of the jobs' rates would give 2.5 / 1.5 here, not 2.25 /
+    1.5); one tiny pair through the trainer: the same losses, half the parameter bytes per rank
+    and more DP bytes under ZeRO-3."""
+    from benchmarks import zero3
+    assert zero3.order(3) == ["ZeRO-2", "ZeRO-3", "ZeRO-3", "ZeRO-2", "ZeRO-2", "ZeRO-3"]
+    runs = [{"strategy": "ZeRO-2", "seconds": 3.0, "steps": 2},
+            {"strategy": "ZeRO-2", "seconds": 3.0, "steps": 2},
+            {"strategy": "ZeRO-3", "seconds": 6.0, "steps": 3},
+            {"strategy": "ZeRO-3", "seconds": 3.0, "steps": 1}]
+    assert zero3.ratio(runs, "ZeRO-3", "ZeRO-2") == pytest.approx(2.25 / 1.5)
+    assert zero3.pair_ratios(runs[:1] + runs[2:3] + runs[1:2] + runs[3:]) == pytest.approx([2 / 1.5, 3 / 1.5])
+    runs = zero3.main(["--steps", "3", "--pairs", "1", "--num-layers", "1", "--hidden-size", "32",
+                       "--seq-length", "16", "--micro-batch-size", "2"])
+    two, three = ({r["strategy"]: r for r in runs}[s] for s in ("ZeRO-2", "ZeRO-3"))
+    assert three["losses"] == pytest.approx(two["losses"], rel=1e-6)   # fp32 rounding at most
+    assert three["memory"]["param_bytes"] * 2 == two["memory"]["param_bytes"]
+    assert three["dp_bytes"] > two["dp_bytes"] and three["gathered_peak"] > 0 == two["gathered_peak"]
+    assert "step time ZeRO-3 / ZeRO-2:" in capsys.readouterr().out

@@ -1,8 +1,10 @@
-"""The planner against the dry run on ten named layouts of 8 to 32 ranks (bf16/fp32, SP, GQA,
-ZeRO-1/2, CP, interleaved, recomputation, pp 8, zb-h1, zb-v): every figure of every role (weights,
-gradients, optimizer state, activations, communicator buffers, TP, CP, PP, DP and embedding
-traffic) equals the planner's, or, where the two knowingly differ, lies within a bound stated
-below with its reason; a difference compare.py flags (above 5 %) carries its reason.
+"""The planner against the dry run on named layouts of 2 to 32 ranks (bf16/fp32, SP, GQA,
+ZeRO-1/2/3, the optimizer offload, CP, interleaved, recomputation, pp 8, zb-h1, zb-v, FP8
+tensorwise and rowwise): every figure of every role (weights, gradients, optimizer state,
+activations, communicator buffers, TP, CP, PP, DP and embedding traffic; ZeRO-3's gathered peak;
+the offload's host memory) equals the planner's, or, where the two knowingly differ, lies within
+a bound stated below with its reason; a difference compare.py flags (above 5 %) carries its
+reason.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ ZERO_BUBBLE_ACTIVATIONS = (-0.025, 4.0)
 # step (parallel/grads/main_grad.py), which the planner leaves out for dense layers: the dry run is
 # above, by at most 0.1 % (measured 0.017 % to 0.086 %)
 SP_TP_BYTES = (-0.001, -1e-9)
+ZERO3 = "--data-parallel-sharding-strategy optim_grads_params"
+SHORT = "--num-layers 2 --global-batch-size 4"
 SWEEP = {  # name: (world, flags, {figure: bounds} where the two knowingly differ)
     "gpt2 tp2 pp2 bf16": (8, "--tp 2 --pp 2 --precision bf16",
                           {"activation_bytes": GPT2_ACTIVATIONS}),
@@ -58,6 +62,26 @@ SWEEP = {  # name: (world, flags, {figure: bounds} where the two knowingly diffe
     "gpt2 tp2 pp4 zb-h1 ZeRO-1": (
         8, "--tp 2 --pp 4 --precision bf16 --pipeline-schedule zb-h1 --use-distributed-optimizer",
         {"activation_bytes": ZERO_BUBBLE_ACTIVATIONS}),
+    # ZeRO-3 (engine/plan/zero3.py): the shards, the gathers (two per unit and micro-batch, the
+    # kept tied embedding once) and the peak of gathered units, equal; with the offload the host
+    # memory too (engine/plan/offload.py)
+    "gpt2 dp4 ZeRO-3": (4, "--dp 4 --precision bf16 --global-batch-size 8 " + ZERO3,
+                        {"activation_bytes": GPT2_ACTIVATIONS}),
+    "llama GQA tp2 dp2 ZeRO-3 SP offload": (
+        4, "--tp 2 --dp 2 --precision bf16 --global-batch-size 16 --sequence-parallel --block llama "
+           "--num-query-groups 2 --optimizer-cpu-offload " + ZERO3,
+        {"activation_bytes": LLAMA_ACTIVATIONS, "tp_comm_bytes": SP_TP_BYTES}),
+    "gpt2 pp2 dp2 zb-v ZeRO-3 fp32 full recompute": (
+        4, "--pp 2 --dp 2 --precision fp32 --global-batch-size 8 --pipeline-schedule zb-v "
+           "--recompute full " + ZERO3, {"activation_bytes": ZERO_BUBBLE_ACTIVATIONS}),
+    # FP8 (engine/plan/fp8.py amax_bytes): the scales' MAX all-reduces in the TP and CP bytes;
+    # 2 layers, 2 micro-batches: on the meta device the float8 casts run through torch's Python
+    # reference implementations, a second a step
+    "gpt2 tp2 FP8 tensorwise": (2, "--tp 2 --precision bf16 --fp8-format hybrid " + SHORT,
+                                {"activation_bytes": GPT2_ACTIVATIONS}),
+    "llama GQA tp2 cp2 FP8 rowwise": (
+        4, "--tp 2 --cp 2 --precision bf16 --fp8-format hybrid --fp8-recipe rowwise --block llama "
+           "--num-query-groups 4 " + SHORT, {"activation_bytes": LLAMA_ACTIVATIONS}),
 }
 
 
@@ -77,7 +101,7 @@ def test_planner_agrees_with_the_dry_run(name):
     argv = SWEEP_BASE + flags.split()
     result = dry_run(parse_args(argv), world, "h100")
     assert not isinstance(result.comparison, str)
-    zero = "--use-distributed-optimizer" in argv
+    zero = "--use-distributed-optimizer" in argv or "--data-parallel-sharding-strategy" in argv
     figures = set()
     for rec, rows in zip(result.records, result.comparison):
         for row in rows:

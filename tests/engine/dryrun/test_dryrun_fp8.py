@@ -1,0 +1,52 @@
+"""FP8 in the dry run against the planner: what ``--fp8-format`` adds to a step's TP and CP bytes
+(the MAX all-reduces that agree on every scale over the logical tensor,
+parallel/tensor_parallel/fp8.py) is, to the byte, the planner's ``amax_bytes`` of the rank's FP8
+layers (engine/plan/fp8.py, traffic.stage_amax_bytes) times the micro-batches: the same dry run
+with and without FP8, differenced, so that what the planner leaves out elsewhere (the
+sequence-parallel norms' gradient sum) cancels. Sequence parallelism and its ring
+(--tp-comm-overlap), full recomputation, rowwise scales, context parallelism, an MoE layer's shared
+expert and the bf16 first and last layers."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config.cli import parse_args
+from engine.dryrun import dry_run
+from engine.plan.model import num_micro_batches
+from engine.plan.traffic import stage_amax_bytes
+from engine.training.validate import planner_inputs
+
+BASE = ["--mock-data", "--vocab-size", "500", "--num-layers", "2", "--hidden-size", "128",
+        "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--no-progress", "--precision", "bf16"]
+CASES = {   # name: (world, flags); every case has tp 2 and/or cp 2
+    "SP ring, full recompute, rowwise": (
+        2, "--tp 2 --sequence-parallel --tp-comm-overlap --recompute full --fp8-recipe rowwise"),
+    "SP, full recompute, tensorwise": (2, "--tp 2 --sequence-parallel --recompute full"),
+    "llama GQA tp2 cp2 SP rowwise": (
+        4, "--tp 2 --cp 2 --sequence-parallel --block llama --num-query-groups 2 "
+           "--fp8-recipe rowwise"),
+    "MoE with a shared expert, SP": (
+        2, "--tp 2 --sequence-parallel --num-experts 4 --moe-router-topk 2 "
+           "--moe-ffn-hidden-size 128 --moe-shared-expert-intermediate-size 256"),
+    "llama pp2, bf16 first and last layer": (
+        4, "--tp 2 --pp 2 --num-layers 4 --block llama --first-last-layers-bf16 "
+           "--recompute full"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fp8_adds_the_planners_amax_bytes(name):
+    world, flags = CASES[name]
+    plain = dry_run(parse_args(BASE + flags.split()), world)
+    fp8 = dry_run(parse_args(BASE + flags.split() + ["--fp8-format", "hybrid"]), world)
+    shape, layout = planner_inputs(fp8.cfg, fp8.grid)
+    m = num_micro_batches(shape, layout)
+    added = []
+    for bf16, run in zip(plain.records, fp8.records):
+        tp, cp = stage_amax_bytes(shape, layout, run.stage)
+        got = (run.metrics["tp_comm_bytes"] - bf16.metrics["tp_comm_bytes"],
+               run.metrics["cp_comm_bytes"] - bf16.metrics["cp_comm_bytes"])
+        assert got == (m * tp, m * cp), (name, run.role.name, got, (m * tp, m * cp))
+        added.append(sum(got))
+    assert min(added) > 0   # every rank reduces scales (the pp case: each stage has FP8 layers)
