@@ -140,16 +140,18 @@ class LocalExperts(nn.Module):
                 groups: torch.Tensor | None = None) -> torch.Tensor:  # (n, h)
         """``x`` (n, h): rows sorted by local expert, expert i's ending at ``offsets[i]``;
         ``groups`` (n,): each row's local expert when the caller has it (a dropped copy at the
-        end may say E_local: it joins the last group)."""
+        end counts in the last group's)."""
         if self.has_bias and self.grouped:  # each row's expert, once for both projections' biases
-            last = len(self.local) - 1
-            groups = row_groups(offsets, x.shape[0]) if groups is None else groups.clamp(max=last)
+            groups = row_groups(offsets, x.shape[0]) if groups is None else groups
         else:
             groups = None
+        fc2_bias = self.fc2_bias if self.has_bias and self.fc2_bias_here else None
+        if self.grouped and self.weight_grad_store is None:  # the whole MLP: one grouped kernel
+            return kernels.grouped_mlp(x, offsets, self.in_weight, self.fc2_weight, self.kind,
+                                       self.in_bias, fc2_bias, groups, self.paths)  # (n, h)
         y = self._project(x, self.in_weight, self.in_bias, offsets, groups)  # (n, f/etp) or (n, 2 f/etp)
         if self.kind == "gelu":
             y = F.gelu(y, approximate="tanh")
         else:
             y = kernels.swiglu_packed(y, self.paths)                 # (n, f/etp)
-        fc2_bias = self.fc2_bias if self.has_bias and self.fc2_bias_here else None
         return self._project(y, self.fc2_weight, fc2_bias, offsets, groups)  # (n, h), partial over ETP
