@@ -9,8 +9,11 @@ elsewhere; kernels/grouped_gemm.py):
                      (one grouped GEMM for both, then ``kernels.swiglu_packed``)
     both:            fc2_weight (E_local, h, f)     fc2_bias (E_local, h)    (with biases)
 
-so a forward is two or three grouped GEMMs over every local expert, with nothing stacked per call
-and the parameters themselves saved for backward; each weight's gradient is one tensor, one slot
+so a forward is two grouped GEMMs over every local expert, with nothing stacked per call and the
+parameters themselves saved for backward. The whole MLP (both projections, the biases and the
+activation) is ``kernels.grouped_mlp`` (kernels/grouped_experts.py): one autograd.Function with
+its backward written out where ``torch._grouped_mm`` takes both projections, the composition of
+two ``grouped_linear`` elsewhere. Each weight's gradient is one tensor, one slot
 of the DP reducer's buffer (one add into the fp32 main gradient per projection, not one per
 expert). The rows come sorted by local expert with ``offsets`` (E_local,) on the device, the
 cumulative row counts: no count is read on the host.
