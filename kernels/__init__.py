@@ -10,10 +10,11 @@ from kernels.attention import (NpuMaskCache, attention, attention_reference, cau
 from kernels.dispatch import ALL_FUSED, OPS, KernelPaths, device_kind, kernel_paths
 from kernels.grouped_gemm import (grouped_input_grad, grouped_linear, grouped_linear_reference,
                                   grouped_weight_grad)
+from kernels.grouped_experts import grouped_mlp, grouped_mlp_reference
 from kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from kernels.rope import (RopeCache, apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_at,
                           rotate_half)
-from kernels.swiglu import swiglu, swiglu_packed, swiglu_reference
+from kernels.swiglu import swiglu, swiglu_packed, swiglu_packed_backward, swiglu_reference
 
 __all__ = [
     "ALL_FUSED",
@@ -32,6 +33,8 @@ __all__ = [
     "grouped_input_grad",
     "grouped_linear",
     "grouped_linear_reference",
+    "grouped_mlp",
+    "grouped_mlp_reference",
     "grouped_weight_grad",
     "kernel_paths",
     "layer_norm",
@@ -43,5 +46,6 @@ __all__ = [
     "rotate_half",
     "swiglu",
     "swiglu_packed",
+    "swiglu_packed_backward",
     "swiglu_reference",
 ]

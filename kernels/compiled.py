@@ -1,5 +1,6 @@
 """Element-wise ops compiled regionally: the CUDA paths of RoPE and SwiGLU (kernels/rope.py,
-kernels/swiglu.py).
+kernels/swiglu.py; SwiGLU's packed derivative too, which the experts' grouped MLP calls in its
+hand-written backward, kernels/grouped_experts.py).
 
 On a GPU the plain expressions run as several kernels each (RoPE: a chunk, a negation, a
 concatenation, two products and a sum; SwiGLU: silu and a product), every one reading and writing
@@ -41,12 +42,20 @@ def _swiglu_packed(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-_EXPRESSIONS = {"rope": _rope, "swiglu": _swiglu, "swiglu_packed": _swiglu_packed}
+def _swiglu_packed_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    silu = F.silu(gate)
+    return torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * silu], dim=-1)
+
+
+_EXPRESSIONS = {"rope": _rope, "swiglu": _swiglu, "swiglu_packed": _swiglu_packed,
+                "swiglu_packed_backward": _swiglu_packed_backward}
 
 
 @functools.lru_cache(maxsize=None)  # one compiled function per op and process
 def compiled(op: str):
-    """The compiled expression of ``op`` ("rope", "swiglu", "swiglu_packed")."""
+    """The compiled expression of ``op`` ("rope", "swiglu", "swiglu_packed",
+    "swiglu_packed_backward")."""
     return torch.compile(_EXPRESSIONS[op], fullgraph=True, dynamic=False)
 
 

@@ -8,7 +8,8 @@
   forward and one backward per shape; the plain expression inside a compiled model).
 - CPU: ``F.silu(gate) * up``.
 
-``swiglu_packed(x)`` takes that one tensor, x = [gate | up] along the last dim, as a fused gate-up
+``swiglu_packed_backward(grad, x)`` is its derivative as one call (compiled on CUDA), for a
+backward written out by hand. ``swiglu_packed(x)`` takes that one tensor, x = [gate | up] along the last dim, as a fused gate-up
 projection produces it (the grouped-GEMM experts, models/moe/experts.py): on the NPU it is
 npu_swiglu's input as it is (no concatenation), elsewhere silu of the first half times the second.
 """
@@ -59,6 +60,20 @@ def swiglu_packed(x: torch.Tensor, paths: KernelPaths | None = None) -> torch.Te
         return compiled("swiglu_packed")(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def swiglu_packed_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``swiglu_packed`` at x (..., 2f) for the output gradient ``grad`` (..., f):
+    (..., 2f) = [d gate | d up], the ops autograd runs for the plain expression (silu's own
+    derivative, two products, one concatenation); compiled regionally on CUDA, the expression
+    elsewhere. For a backward written out by hand (kernels/grouped_experts.py)."""
+    if x.shape[-1] != 2 * grad.shape[-1]:
+        raise ValueError(f"swiglu_packed_backward: x (..., 2f) and grad (..., f), got "
+                         f"{tuple(x.shape)} and {tuple(grad.shape)}")
+    if use_compiled(device_kind(x)):
+        return compiled("swiglu_packed_backward")(grad, x)
+    gate, up = x.chunk(2, dim=-1)
+    return torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)], dim=-1)
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -78,21 +78,3 @@ def z_loss_share(logits: torch.Tensor, coeff: float, split: int = 1) -> torch.Te
     """``split``: the ranks summing their shares over one micro-batch's tokens (tp under
     sequence parallelism)."""
     return torch.logsumexp(logits, dim=-1).square().mean() * (coeff / split)
-
-
-class IdentityForwardAuxGradBackward(torch.autograd.Function):
-    """Returns ``x`` unchanged; in backward hands the auxiliary loss the gradient ``scale``, so
-    that it trains whichever pipeline stage its layer sits on (the loss itself is never added to
-    the output). ``scale`` is the factor the step's token loss is back-propagated with (1 / the
-    micro-batches per step, times the loss scale)."""
-
-    @staticmethod
-    def forward(ctx, x, aux, scale: float):
-        ctx.scale = scale
-        ctx.aux_meta = (aux.shape, aux.dtype)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        shape, dtype = ctx.aux_meta
-        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=grad.device), None

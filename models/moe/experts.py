@@ -9,8 +9,11 @@ elsewhere; kernels/grouped_gemm.py):
                      (one grouped GEMM for both, then ``kernels.swiglu_packed``)
     both:            fc2_weight (E_local, h, f)     fc2_bias (E_local, h)    (with biases)
 
-so a forward is two or three grouped GEMMs over every local expert, with nothing stacked per call
-and the parameters themselves saved for backward; each weight's gradient is one tensor, one slot
+so a forward is two grouped GEMMs over every local expert, with nothing stacked per call and the
+parameters themselves saved for backward. The whole MLP (both projections, the biases and the
+activation) is ``kernels.grouped_mlp`` (kernels/grouped_experts.py): one autograd.Function with
+its backward written out where ``torch._grouped_mm`` takes both projections, the composition of
+two ``grouped_linear`` elsewhere. Each weight's gradient is one tensor, one slot
 of the DP reducer's buffer (one add into the fp32 main gradient per projection, not one per
 expert). The rows come sorted by local expert with ``offsets`` (E_local,) on the device, the
 cumulative row counts: no count is read on the host.
@@ -140,16 +143,18 @@ class LocalExperts(nn.Module):
                 groups: torch.Tensor | None = None) -> torch.Tensor:  # (n, h)
         """``x`` (n, h): rows sorted by local expert, expert i's ending at ``offsets[i]``;
         ``groups`` (n,): each row's local expert when the caller has it (a dropped copy at the
-        end may say E_local: it joins the last group)."""
+        end counts in the last group's)."""
         if self.has_bias and self.grouped:  # each row's expert, once for both projections' biases
-            last = len(self.local) - 1
-            groups = row_groups(offsets, x.shape[0]) if groups is None else groups.clamp(max=last)
+            groups = row_groups(offsets, x.shape[0]) if groups is None else groups
         else:
             groups = None
+        fc2_bias = self.fc2_bias if self.has_bias and self.fc2_bias_here else None
+        if self.grouped and self.weight_grad_store is None:  # the whole MLP: one grouped kernel
+            return kernels.grouped_mlp(x, offsets, self.in_weight, self.fc2_weight, self.kind,
+                                       self.in_bias, fc2_bias, groups, self.paths)  # (n, h)
         y = self._project(x, self.in_weight, self.in_bias, offsets, groups)  # (n, f/etp) or (n, 2 f/etp)
         if self.kind == "gelu":
             y = F.gelu(y, approximate="tanh")
         else:
             y = kernels.swiglu_packed(y, self.paths)                 # (n, f/etp)
-        fc2_bias = self.fc2_bias if self.has_bias and self.fc2_bias_here else None
         return self._project(y, self.fc2_weight, fc2_bias, offsets, groups)  # (n, h), partial over ETP

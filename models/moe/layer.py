@@ -6,7 +6,8 @@ experts' row offsets all use that count), permute and, under EP, dispatch over `
 (parallel/expert_parallel: the split sizes' one host read; at ep 1 the rows stay and nothing is
 read on the host), run the local experts (stacked weights, grouped GEMMs), combine, un-permute with
 the router weights, add the always-active shared expert (a dense tensor-parallel ``ParallelMLP``),
-and attach the balancing losses' gradient (models/moe/balancing.py). Dropless by default: every
+and attach the balancing losses' gradient (models/moe/balancing.py: they ride along the
+combine, whose backward hands them the step's scale). Dropless by default: every
 assignment is computed; with a capacity factor the lowest-weighted assignments beyond each
 expert's capacity are dropped, optionally padding each expert to it (models/moe/capacity.py).
 
@@ -43,8 +44,7 @@ from torch import nn
 
 from models.config import GPTConfig
 from models.layers import LayerContext, ParallelMLP
-from models.moe.balancing import (IdentityForwardAuxGradBackward, aux_loss_share, seq_aux_loss_share,
-                                  z_loss_share)
+from models.moe.balancing import aux_loss_share, seq_aux_loss_share, z_loss_share
 from models.moe.capacity import choose, expert_capacity, padded_rows
 from models.moe.experts import LocalExperts
 from models.moe.router import TopKRouter
@@ -106,27 +106,30 @@ class MoELayer(nn.Module):
         self.host_reader = HostReader()  # the split sizes' one host read under EP
 
     def _balancing_loss(self, routing, batch: int, counts: torch.Tensor):
-        """This rank's share of the balancing losses (0-d fp32) and of the aux loss alone
-        (detached); ``counts`` (E,): the layer's assignments per expert of this rank's tokens."""
-        loss = routing.logits.new_zeros(())
+        """This rank's share of the balancing losses (0-d fp32, or None without any), of the aux
+        loss alone and of the z-loss alone (each detached, or None); ``counts`` (E,): the layer's
+        assignments per expert of this rank's tokens."""
+        loss = None
         if self.balancing == "aux_loss" and self.aux_coeff > 0:
-            share, _ = aux_loss_share(routing.scores, counts, self.topk, self.aux_coeff,
-                                      self.balance_group, self.token_groups)
-            loss = loss + share
+            loss, _ = aux_loss_share(routing.scores, counts, self.topk, self.aux_coeff,
+                                     self.balance_group, self.token_groups)
         elif self.balancing == "seq_aux_loss" and self.aux_coeff > 0:
-            loss = loss + seq_aux_loss_share(routing.scores, routing.experts, batch, self.aux_coeff,
-                                             self.seq_groups, self.ps.cp_size)
-        aux = loss.detach()
+            loss = seq_aux_loss_share(routing.scores, routing.experts, batch, self.aux_coeff,
+                                      self.seq_groups, self.ps.cp_size)
+        aux = None if loss is None else loss.detach()
+        z = None
         if self.z_coeff > 0:
             split = self.ps.tp_size if self.tp_split else 1
-            loss = loss + z_loss_share(routing.logits, self.z_coeff, split)
-        return loss, aux
+            share = z_loss_share(routing.logits, self.z_coeff, split)
+            loss = share if loss is None else loss + share
+            z = share.detach()
+        return loss, aux, z
 
     def _choose(self, routing, counts: torch.Tensor):
         """The capacity decision: (CapacityChoice or None (dropless), the kept assignments per
-        expert (E,), the dropped count (0-d, on the device))."""
+        expert (E,), the dropped count (0-d, on the device; None dropless))."""
         if self.capacity_factor is None:
-            return None, counts, routing.logits.new_zeros(())
+            return None, counts, None
         t, k = routing.experts.shape
         e = self.num_experts
         choice = choose(routing.weights, routing.experts, e,
@@ -169,7 +172,12 @@ class MoELayer(nn.Module):
         # balancing loss and (dropless) the experts' row offsets
         counts = count_per_expert(routing.experts, self.num_experts)          # (E,)
         load = counts.float()                                                  # (E,) the figure
-        loss, aux = self._balancing_loss(routing, b, load)
+        loss, aux, z = self._balancing_loss(routing, b, load)
+        # the balancing losses ride along the combine, which hands them their gradient (the
+        # step's scale) in its backward: no autograd node of their own
+        if loss is not None and not (loss.requires_grad and torch.is_grad_enabled()):
+            loss = None
+        scale = self.aux_grad_scale
         if self.etp_sp:  # the TP group's tokens, routed by their own TP ranks
             tokens_in, routing = self._gather_routed(x, routing)                 # (T tp, h)
             weights = routing.weights                                           # (T tp, K)
@@ -185,11 +193,11 @@ class MoELayer(nn.Module):
             expert_in, state = allgather_dispatch(tokens_in, weights, perm, self.ep_group,
                                                   capacity, self.host_reader)    # (N, h)
             expert_out = self.experts(expert_in, state.offsets, state.groups)   # (N, h)
-            out = allgather_combine(expert_out, state, self.ep_group)            # (T, h)
+            out = allgather_combine(expert_out, state, self.ep_group, loss, scale)  # (T, h)
         elif self.ep_group.size == 1:  # the rows stay here: the permutation's offsets serve
             rows, perm, _ = self._permute(tokens_in, routing, choice, kept)       # (T K or E C, h)
             rows = self.experts(rows, perm.offsets, perm.groups)                 # (R, h)
-            out = unpermute_tokens(rows, weights, perm)                           # (T, h)
+            out = unpermute_tokens(rows, weights, perm, loss, scale)              # (T, h)
         else:
             capacity = choice.capacity if choice is not None and self.pad_to_capacity else None
             # the count exchange and the split sizes' host read go first; the read is waited
@@ -199,7 +207,7 @@ class MoELayer(nn.Module):
             expert_in, state = alltoall_dispatch(rows, plan, self.ep_group)
             expert_out = self.experts(expert_in, state.offsets, state.groups)   # (N, h)
             rows = alltoall_combine(expert_out, state, self.ep_group)             # (R, h)
-            out = unpermute_tokens(rows, weights, perm)                           # (T, h)
+            out = unpermute_tokens(rows, weights, perm, loss, scale)              # (T, h)
         # the ETP slices' partial sums (identity without expert tensor parallelism); under SP
         # summed and cut back to this rank's shard (backward: the gradients all-gathered)
         if self.etp_sp:
@@ -208,15 +216,12 @@ class MoELayer(nn.Module):
             out = reduce_from_tp(out.to(x.dtype), self.etp_group).view(b, s, h)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
-        if self.etp_sp and self.etp_group.rank > 0:
-            dropped = torch.zeros_like(dropped)
+        if self.etp_sp and self.etp_group.rank > 0:  # counted once, by ETP rank 0
+            dropped = None
         # not a recomputation inside a backward (a compiled graph recomputes inside its own
-        # backward graph and never runs this Python again)
+        # backward graph and never runs this Python again); None: no such loss, nothing dropped
         if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
-            self.records.append({"aux_loss": aux, "z_loss": (loss.detach() - aux),
-                                 "load": load, "dropped": dropped})
-        if loss.requires_grad and torch.is_grad_enabled():
-            out = IdentityForwardAuxGradBackward.apply(out, loss, self.aux_grad_scale)
+            self.records.append({"aux_loss": aux, "z_loss": z, "load": load, "dropped": dropped})
         return out
 
 

@@ -43,8 +43,8 @@ def pop_moe_stats(chunks, num_microbatches: int) -> dict | None:
     load = None
     for layer in layers:
         for rec in layer.records:
-            aux += float(rec["aux_loss"]) / num_microbatches
-            z += float(rec["z_loss"]) / num_microbatches
+            aux += float(rec["aux_loss"] if rec["aux_loss"] is not None else 0) / num_microbatches
+            z += float(rec["z_loss"] if rec["z_loss"] is not None else 0) / num_microbatches
             load = rec["load"].clone() if load is None else load + rec["load"]
         layer.records = []
     return {"aux_loss": aux, "z_loss": z, "load": load}

@@ -65,9 +65,10 @@ class StepFigures:
             if not layer.records or not (counted or layer.tp_split):
                 continue
             recs = layer.records
-            out[0] += torch.stack([r["aux_loss"].float() for r in recs]).sum().to(device) / m
-            out[1] += torch.stack([r["z_loss"].float() for r in recs]).sum().to(device) / m
-            out[2] += torch.stack([r["dropped"].float() for r in recs]).sum().to(device)
+            for i, key, per in ((0, "aux_loss", m), (1, "z_loss", m), (2, "dropped", 1)):
+                values = [r[key].float() for r in recs if r[key] is not None]  # None: none
+                if values:
+                    out[i] += torch.stack(values).sum().to(device) / per
             at = FIXED + self._slot(layer) * e
             out[at:at + e] += torch.stack([r["load"] for r in recs]).sum(0).to(device)
         return out

@@ -37,9 +37,9 @@ import torch
 
 from parallel.runtime.comm import CommGroup
 from parallel.expert_parallel.host_read import HostReader
-from parallel.expert_parallel.permute import (Permutation, _GatherRowsForwardScatterAddBackward,
-                                              _WeightedScatterAddForwardGatherBackward, count_per_expert,
-                                              equal_counts, offsets_of)
+from parallel.expert_parallel.permute import (Permutation, _WeightedScatterAddForwardGatherBackward,
+                                              count_per_expert, equal_counts, gather_rows,
+                                              offsets_of)
 
 
 class _AllGatherForwardReduceScatterBackward(torch.autograd.Function):
@@ -108,7 +108,7 @@ class AllGatherState:
     weights: torch.Tensor
     num_gathered: int
     offsets: torch.Tensor
-    groups: torch.Tensor | None = None  # (N,) each row's local expert (local: a dropped copy)
+    groups: torch.Tensor | None = None  # (N,) each row's local expert (a dropped copy: the last)
 
 
 def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation,
@@ -153,17 +153,20 @@ def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation
     elif capacity is None:  # one rank: every copy, the dropped last (weight 0, the last group's)
         groups, flat = torch.sort(key, stable=True)
         routed, rows_end = groups < local, t * k
+        groups = groups.clamp(max=local - 1)  # the dropped copies count in the last group
     tokens = torch.div(flat, k, rounding_mode="floor")                      # (N,) into P T
     row_weights = gathered_w.index_select(0, flat)                          # (N,)
     if routed is not None:
         row_weights = row_weights * routed
-    rows = _GatherRowsForwardScatterAddBackward.apply(gathered_x, tokens)   # (N, h)
+    rows = gather_rows(gathered_x, tokens)                                  # (N, h)
     return rows, AllGatherState(tokens, row_weights, p * t, offsets_of(per_expert, rows_end), groups)
 
 
-def allgather_combine(rows: torch.Tensor, state: AllGatherState, group: CommGroup) -> torch.Tensor:
+def allgather_combine(rows: torch.Tensor, state: AllGatherState, group: CommGroup,
+                      loss: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
     """(N, h) expert outputs -> (T, h): weighted and summed per gathered token, then
-    reduce-scattered to the tokens' owners."""
+    reduce-scattered to the tokens' owners. ``loss`` (0-d) rides along with gradient ``scale``
+    (the layer's balancing losses, as ``unpermute_tokens`` takes them)."""
     out = _WeightedScatterAddForwardGatherBackward.apply(rows, state.weights, state.tokens,
-                                                         state.num_gathered)  # (P T, h)
+                                                         state.num_gathered, loss, scale)  # (P T, h)
     return reduce_scatter_rows(out, group)                                    # (T, h)

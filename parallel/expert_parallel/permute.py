@@ -14,7 +14,10 @@ One MoE layer's forward on T tokens of width h, each routed to K of E experts:
     unpermute_tokens    (rows, (T, K) router weights) -> (T, h): each token's K rows gathered
                         into token order, (T, K, h), times their weights and summed over K in
                         the compute dtype (the reduction accumulates in fp32); a dropped copy
-                        weighs 0
+                        weighs 0. One autograd node (forward and backward the ops autograd
+                        would run for the expression), which also carries a passenger loss: the
+                        layer's balancing losses get their gradient (the step's scale) in its
+                        backward, with no node of their own
 
 ``Permutation.offsets`` ends each expert's rows (cumulative counts, int32 on the device: the grouped
 GEMM's ``offsets``); with a capacity the last expert's group also holds the dropped copies at the
@@ -28,29 +31,29 @@ from dataclasses import dataclass
 import torch
 
 
-class _GatherRowsForwardScatterAddBackward(torch.autograd.Function):
-    """rows = x[index]; the gradient of x sums the gradients of its copies."""
+def _loss_grad(meta) -> torch.Tensor | None:
+    """The gradient a passenger loss gets from a combine's backward: ``scale`` in its shape and
+    dtype (``meta`` = (shape, dtype, device, scale) or None without a passenger)."""
+    if meta is None:
+        return None
+    shape, dtype, device, scale = meta
+    return torch.full(shape, scale, dtype=dtype, device=device)
 
-    @staticmethod
-    def forward(ctx, x, index):  # (T, h), (R,)
-        ctx.save_for_backward(index)
-        ctx.num_rows = x.shape[0]
-        return x.index_select(0, index)  # (R, h)
 
-    @staticmethod
-    def backward(ctx, grad):  # (R, h)
-        (index,) = ctx.saved_tensors
-        out = grad.new_zeros((ctx.num_rows, grad.shape[1]))
-        return out.index_add_(0, index, grad), None
+def _loss_meta(loss: torch.Tensor | None, scale: float):
+    return None if loss is None else (loss.shape, loss.dtype, loss.device, scale)
 
 
 class _WeightedScatterAddForwardGatherBackward(torch.autograd.Function):
     """out[index[r]] += rows[r] * weight[r] (in the weights' dtype); backward gathers the token
-    gradients per row. The allgather dispatcher's combine (allgather.py)."""
+    gradients per row. The allgather dispatcher's combine (allgather.py). ``loss`` (0-d or None)
+    rides along: its gradient is ``scale`` (the layer's balancing losses, ``unpermute_tokens``)."""
 
     @staticmethod
-    def forward(ctx, rows, weight, index, num_tokens: int):  # (R, h), (R,), (R,)
+    def forward(ctx, rows, weight, index, num_tokens: int, loss=None, scale: float = 1.0):
+        # rows (R, h), weight (R,), index (R,)
         ctx.save_for_backward(rows, weight, index)
+        ctx.loss_meta = _loss_meta(loss, scale)
         dtype = torch.promote_types(rows.dtype, weight.dtype)
         out = rows.new_zeros((num_tokens, rows.shape[1]), dtype=dtype)
         return out.index_add_(0, index, rows * weight.unsqueeze(1))  # (T, h)
@@ -61,12 +64,47 @@ class _WeightedScatterAddForwardGatherBackward(torch.autograd.Function):
         g = grad.index_select(0, index)  # (R, h)
         grad_rows = (g * weight.unsqueeze(1)).to(rows.dtype)
         grad_weight = (g * rows).sum(1).to(weight.dtype)
-        return grad_rows, grad_weight, None, None
+        return grad_rows, grad_weight, None, None, _loss_grad(ctx.loss_meta), None
+
+
+class _GatherWeightedSumForwardScatterBackward(torch.autograd.Function):
+    """out[t] = sum_k rows[slots[t K + k]] * weights[t, k], in the rows' dtype (the sum over K
+    accumulates in fp32 inside the reduction); backward: each row's gradient is its token's
+    output gradient times its weight (an ``index_select`` by ``order`` where the rows are a
+    permutation of the T K assignments, else an ``index_add`` by ``slots``), each weight's the
+    product of its row with its token's output gradient summed over h: the ops autograd runs for
+    the expression, in one node. ``loss`` (0-d or None) rides along: its gradient is ``scale``."""
+
+    @staticmethod
+    def forward(ctx, rows, weights, slots, order, loss=None, scale: float = 1.0):
+        # rows (R', h), weights (T, K), slots (T K,), order (R',) or None
+        t, k = weights.shape
+        w = weights.to(rows.dtype).unsqueeze(-1)                            # (T, K, 1)
+        gathered = rows.index_select(0, slots).view(t, k, rows.shape[1])    # (T, K, h)
+        ctx.save_for_backward(gathered, w, slots, order)
+        ctx.meta = (rows.shape[0], weights.dtype)
+        ctx.loss_meta = _loss_meta(loss, scale)
+        return (gathered * w).sum(1)                                        # (T, h)
+
+    @staticmethod
+    def backward(ctx, grad):  # (T, h)
+        gathered, w, slots, order = ctx.saved_tensors
+        num_rows, weights_dtype = ctx.meta
+        g = grad.unsqueeze(1)                                               # (T, 1, h)
+        grad_rows = grad_weights = None
+        if ctx.needs_input_grad[0]:
+            per_row = (g * w).view(-1, grad.shape[1])                       # (T K, h)
+            grad_rows = per_row.index_select(0, order) if order is not None else \
+                per_row.new_zeros((num_rows, grad.shape[1])).index_add_(0, slots, per_row)
+        if ctx.needs_input_grad[1]:
+            grad_weights = (g * gathered).sum(-1).to(weights_dtype)        # (T, K)
+        return grad_rows, grad_weights, None, None, _loss_grad(ctx.loss_meta), None
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x[index] (R, h); backward sums each row's copies."""
-    return _GatherRowsForwardScatterAddBackward.apply(x, index)
+    """x[index] (R, h); backward sums each row's copies (autograd's own ``index_select``
+    backward: zeros, then one ``index_add_``; no Python on the backward's path)."""
+    return x.index_select(0, index)
 
 
 def count_per_expert(experts: torch.Tensor, num_experts: int,
@@ -87,10 +125,10 @@ def equal_counts(groups: int, rows: int, device) -> torch.Tensor:
 def offsets_of(counts: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """Cumulative row counts (int32, the grouped GEMM's offsets); ``rows``: the last one set to
     the whole row count (dropped copies at the end join the last group)."""
-    ends = torch.cumsum(counts, 0)
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
     if rows is not None:  # (made from ``ends``: the dry run's assumed counts carry through)
         ends = torch.cat([ends[:-1], ends[-1:] * 0 + rows])
-    return ends.to(torch.int32)
+    return ends
 
 
 @dataclass
@@ -100,7 +138,7 @@ class Permutation:
     kept rows per expert; ``offsets`` (E,) int32: the grouped GEMM's row offsets; ``slots``
     (T K,): each assignment's row; ``keep`` (T K,) or None (dropless): 1 where the assignment has
     a row that counts; ``mask`` (R,): 1 for a routed row, 0 for padding (padded only); ``groups``
-    (R,): each row's expert (E for a dropped copy at the end; None: padded)."""
+    (R,): each row's expert (the last one's for a dropped copy at the end; None: padded)."""
     order: torch.Tensor
     tokens: torch.Tensor
     counts: torch.Tensor
@@ -129,6 +167,8 @@ def permute_tokens(x: torch.Tensor, experts: torch.Tensor, num_experts: int,
     if counts is None:
         counts = count_per_expert(experts, num_experts, keep)
     groups, order = torch.sort(flat, stable=True)                # (T K,): expert-major
+    if keep is not None:  # the dropped copies at the end count in the last expert's group
+        groups = groups.clamp(max=num_experts - 1)
     tokens = torch.div(order, k, rounding_mode="floor")
     slots = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=order.device))
     rows = gather_rows(x, tokens)                                 # (T K, h)
@@ -156,12 +196,14 @@ def permute_padded(x: torch.Tensor, tokens: torch.Tensor, flat_index: torch.Tens
     return rows, perm
 
 
-def unpermute_tokens(rows: torch.Tensor, weights: torch.Tensor, perm: Permutation) -> torch.Tensor:
+def unpermute_tokens(rows: torch.Tensor, weights: torch.Tensor, perm: Permutation,
+                     loss: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
     """(R', h) expert outputs in the permuted order (R' <= R: the kept rows alone when only they
-    were sent), (T, K) router weights -> (T, h) in the rows' dtype."""
+    were sent), (T, K) router weights -> (T, h) in the rows' dtype. ``loss`` (0-d) rides along
+    with gradient ``scale`` (the layer's balancing losses: no autograd node of their own)."""
     t, k = perm.num_tokens, perm.topk
     w = weights if perm.keep is None else weights * perm.keep.view(t, k).to(weights.dtype)
     slots = perm.slots if rows.shape[0] >= perm.rows else perm.slots.clamp(max=rows.shape[0] - 1)
-    gathered = gather_rows(rows, slots).view(t, k, rows.shape[1])        # (T, K, h)
-    # in the rows' dtype; the sum over K accumulates in fp32 inside the reduction
-    return (gathered * w.to(rows.dtype).unsqueeze(-1)).sum(1)             # (T, h)
+    # dropless, every row is one assignment's: the backward gathers instead of adding
+    order = perm.order if perm.keep is None and rows.shape[0] == perm.rows == t * k else None
+    return _GatherWeightedSumForwardScatterBackward.apply(rows, w, slots, order, loss, scale)

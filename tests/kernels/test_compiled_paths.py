@@ -2,8 +2,9 @@
 torch.compile. No GPU here, so the dispatch is pointed at CUDA (``device_kind`` answers "cuda";
 the tensors stay on the CPU, where inductor compiles the same functions): apply_rope, swiglu and
 swiglu_packed then run the compiled function, and its forward and every input gradient equal the
-ops' references (fp32, and bf16 within its rounding); inside a compiled model the plain
-expression is used, and on the CPU the compiled function is not."""
+ops' references (fp32, and bf16 within its rounding), as does swiglu_packed_backward (the packed
+derivative the grouped experts' backward calls); inside a compiled model the plain expression is
+used, and on the CPU the compiled function is not."""
 from __future__ import annotations
 
 import importlib
@@ -62,3 +63,19 @@ def test_plain_expression_on_the_cpu_and_inside_a_compiled_graph(monkeypatch):
     assert not comp.use_compiled("cuda")
     assert "compiled regionally" in kernels.kernel_paths("cuda")["rope"]
     assert "compiled regionally" in kernels.kernel_paths("cuda")["swiglu"]
+
+
+def test_cuda_dispatch_compiles_the_packed_swiglu_derivative(monkeypatch):
+    """The grouped experts' hand-written backward (kernels/grouped_experts.py) takes SwiGLU's
+    packed derivative compiled on CUDA: equal to autograd's through the reference."""
+    calls = []
+    real = comp.compiled
+    monkeypatch.setattr(swiglu_mod, "device_kind", lambda t: "cuda")
+    monkeypatch.setattr(swiglu_mod, "compiled", lambda op: calls.append(op) or real(op))
+    g = torch.Generator().manual_seed(3)
+    x, grad = torch.randn(6, 32, generator=g), torch.randn(6, 16, generator=g)
+    got = kernels.swiglu_packed_backward(grad, x)
+    assert calls == ["swiglu_packed_backward"]
+    leaf = x.clone().requires_grad_()
+    kernels.swiglu_reference(*leaf.chunk(2, -1)).backward(grad)
+    torch.testing.assert_close(got, leaf.grad, rtol=1e-6, atol=1e-6)

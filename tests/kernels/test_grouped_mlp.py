@@ -1,0 +1,92 @@
+"""The experts' grouped MLP (kernels/grouped_experts.py) against its reference, the loop.
+
+- The one-Function path (``torch._grouped_mm`` for both projections, the backward written out):
+  output and the gradients of x, both weights and both biases equal the loop's under autograd, GELU
+  with biases and SwiGLU without, on uneven and empty groups, the rows' groups given or computed;
+  it reads nothing on the host (the step's wait counter in strict mode) and is one autograd node.
+- Unaligned widths take the composition (``grouped_linear`` twice), equal to the loop as well.
+- SwiGLU's packed derivative equals autograd's of the expression, exactly.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from engine.device.syncs import SyncCounter
+from kernels import grouped_mlp, grouped_mlp_reference, swiglu_packed, swiglu_packed_backward
+
+ge = importlib.import_module("kernels.grouped_experts")
+gg = importlib.import_module("kernels.grouped_gemm")
+HAS_GROUPED_MM = gg.torch_grouped_mm_runs("cpu", torch.float32)
+COUNTS = [[5, 0, 3, 8], [0, 6, 0], [7]]  # uneven, empty first/last/middle groups, one group
+
+
+def _operands(counts, kind, bias, h=16, f=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    g, f_in = len(counts), f * (2 if kind == "swiglu" else 1)
+    x = torch.randn(sum(counts), h, generator=gen)
+    w_in, w_out = torch.randn(g, f_in, h, generator=gen), torch.randn(g, h, f, generator=gen)
+    b_in = torch.randn(g, f_in, generator=gen) if bias else None
+    b_out = torch.randn(g, h, generator=gen) if bias else None
+    return [x, w_in, w_out, b_in, b_out]
+
+
+def _run(fn, operands, seed=1):
+    """Output and every operand's gradient for a fixed random output gradient."""
+    leaves = [None if t is None else t.clone().requires_grad_() for t in operands]
+    y = fn(*leaves)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)))
+    return y, [y.detach()] + [t.grad for t in leaves if t is not None]
+
+
+def _offsets(counts) -> torch.Tensor:
+    return torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+
+
+@pytest.mark.skipif(not HAS_GROUPED_MM, reason="this torch has no CPU torch._grouped_mm")
+@pytest.mark.parametrize("kind,bias", [("gelu", True), ("swiglu", False)])
+def test_one_function_equals_the_loop_without_a_host_read(kind, bias):
+    for counts in COUNTS:
+        ops = _operands(counts, kind, bias)
+        groups = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        _, want = _run(lambda x, wi, wo, bi, bo: grouped_mlp_reference(x, counts, wi, wo, kind, bi, bo),
+                       ops)
+        assert ge.fused_path(ops[0], ops[1], ops[2], ops[3:])
+        for given in (groups, None):
+            counter = SyncCounter(strict=True)
+            with counter.step(), counter.watching():
+                y, got = _run(lambda x, wi, wo, bi, bo: grouped_mlp(
+                    x, _offsets(counts), wi, wo, kind, bi, bo, given), ops)
+            assert [e.name for e in counter.last] == []
+            assert type(y.grad_fn).__name__ == "_GroupedMlpForwardGroupedMlpBackwardBackward"
+            for i, (a, b) in enumerate(zip(got, want)):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, i=i: f"{i}: {m}")
+
+
+def test_unaligned_widths_take_the_composition_equal_to_the_loop():
+    counts = [5, 0, 3, 8]
+    ops = _operands(counts, "gelu", True, h=6)          # 24-byte rows: not torch._grouped_mm's
+    assert not ge.fused_path(ops[0], ops[1], ops[2], ops[3:])
+    y, got = _run(lambda x, wi, wo, bi, bo: grouped_mlp(x, _offsets(counts), wi, wo, "gelu", bi, bo),
+                  ops)
+    _, want = _run(lambda x, wi, wo, bi, bo: grouped_mlp_reference(x, counts, wi, wo, "gelu", bi, bo),
+                   ops)
+    assert type(y.grad_fn).__name__ != "_GroupedMlpForwardGroupedMlpBackwardBackward"
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="kind"):
+        grouped_mlp(ops[0], _offsets(counts), ops[1], ops[2], "relu")
+    with pytest.raises(ValueError, match="w_out"):
+        grouped_mlp(ops[0], _offsets(counts), ops[1], ops[2][:, :, :4], "gelu")
+
+
+def test_swiglu_packed_backward_is_autograds_derivative():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 3, 16, generator=gen).requires_grad_()
+    grad = torch.randn(5, 3, 8, generator=gen)
+    swiglu_packed(x).backward(grad)
+    assert torch.equal(swiglu_packed_backward(grad, x.detach()), x.grad)
+    with pytest.raises(ValueError, match="2f"):
+        swiglu_packed_backward(grad, x.detach()[..., :8])
