@@ -41,6 +41,17 @@ def stage_layers(shape: ModelShape, layout: Layout, stage: int) -> list[int]:
     return [i for vs in virtual_stages(layout, stage) for i in range(vs * n, (vs + 1) * n)]
 
 
+def stage_fp8_layers(shape: ModelShape, layout: Layout, stage: int) -> int:
+    """FP8 layers among the layers of pipeline rank ``stage``, counted by ranges (no list of
+    layers: the memory check at start meets --num-layers in the billions)."""
+    if shape.fp8_recipe is None:
+        return 0
+    n = shape.num_layers // (layout.pp * layout.vp)
+    first, last = shape.fp8_bf16_layers
+    lo, hi = first, shape.num_layers - last
+    return sum(max(0, min(hi, (vs + 1) * n) - max(lo, vs * n)) for vs in virtual_stages(layout, stage))
+
+
 def stage_moe_layers(shape: ModelShape, layout: Layout, stage: int) -> int:
     """MoE layers among the layers of pipeline rank ``stage``."""
     if shape.moe is None:
@@ -307,7 +318,7 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: int, backend: str = "
         per_micro += moe_layers * moe_activation_change(shape, layout)
         if layout.recompute == "full":  # the rebuilt layer is an MoE one
             transient += moe_activation_change(shape, layout, "none")
-    fp8_layers = sum(1 for i in stage_layers(shape, layout, stage) if shape.is_fp8(i))
+    fp8_layers = stage_fp8_layers(shape, layout, stage)
     fp8 = 0.0 if not fp8_layers else (fp8_gemm_copy_bytes(shape, layout) + fp8_layers
                                       * fp8_scale_bytes(shape, layout) * in_flight(shape, layout, stage))
     return MemoryTerms(weights, grads, optimizer, per_micro * in_flight(shape, layout, stage),
