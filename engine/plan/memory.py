@@ -15,70 +15,9 @@ from engine.plan.model import (ACT_MASK_BYTES, ACT_MOE_FP32_PER_EXPERT, ACT_MOE_
                                ACT_TENSORS_SPLIT_ATTN, COMM_BUFFER_BYTES, GRAD_BYTES,
                                OPTIMIZER_STATE_BYTES, P2P_BUFFER_BYTES, Layout, ModelShape,
                                num_micro_batches)
-
-
-def layer_params_per_device(shape: ModelShape, tp: int) -> float:
-    """One layer's weights on one TP rank: split matrices and column biases, replicated norms.
-    Attention: Q and the output projection h x h each, K and V h x kv_hidden each."""
-    h, f, kv = shape.hidden_size, shape.ffn_hidden_size, shape.kv_hidden
-    attn = 2 * h * h + 2 * h * kv
-    if shape.block == "llama":
-        return (attn + 3 * h * f) / tp + 2 * h
-    return (attn + 2 * h * f + h + 2 * kv + f) / tp + 2 * h + 4 * h
-
-
-def virtual_stages(layout: Layout, stage: int) -> tuple[int, ...]:
-    """The virtual stages (model chunks) pipeline rank ``stage`` holds, in chunk order:
-    ``chunk * pp + stage`` (zb-v: ``stage`` and ``2 pp - 1 - stage``)."""
-    p = layout.pp
-    return (stage, 2 * p - 1 - stage) if layout.v_placement else tuple(c * p + stage for c in range(layout.vp))
-
-
-def stage_layers(shape: ModelShape, layout: Layout, stage: int) -> list[int]:
-    """Global indices of the layers pipeline rank ``stage`` holds, num_layers / (pp vp) per chunk
-    (``virtual_stages``)."""
-    n = shape.num_layers // (layout.pp * layout.vp)
-    return [i for vs in virtual_stages(layout, stage) for i in range(vs * n, (vs + 1) * n)]
-
-
-def stage_fp8_layers(shape: ModelShape, layout: Layout, stage: int) -> int:
-    """FP8 layers among the layers of pipeline rank ``stage``, counted by ranges (no list of
-    layers: the memory check at start meets --num-layers in the billions)."""
-    if shape.fp8_recipe is None:
-        return 0
-    n = shape.num_layers // (layout.pp * layout.vp)
-    first, last = shape.fp8_bf16_layers
-    lo, hi = first, shape.num_layers - last
-    return sum(max(0, min(hi, (vs + 1) * n) - max(lo, vs * n)) for vs in virtual_stages(layout, stage))
-
-
-def stage_moe_layers(shape: ModelShape, layout: Layout, stage: int) -> int:
-    """MoE layers among the layers of pipeline rank ``stage``."""
-    if shape.moe is None:
-        return 0
-    return sum(1 for i in stage_layers(shape, layout, stage) if shape.is_moe(i))
-
-
-def expert_params_per_layer(shape: ModelShape, ep: int, etp: int = 1) -> float:
-    """One MoE layer's expert weights on one rank: E/ep experts, n_mat h f_e each (gpt2 also the
-    biases f_e + h). With ETP = 1 every TP rank holds the same whole experts; with ETP = tp each
-    holds 1/etp of every matrix and of the fc1 bias, and the whole fc2 bias (models/moe/experts.py:
-    added by ETP rank 0 only): n_mat h f_e / etp, gpt2 also f_e / etp + h."""
-    moe, h = shape.moe, shape.hidden_size
-    f = moe.ffn_hidden
-    one = 3 * h * f / etp if shape.block == "llama" else (2 * h * f + f) / etp + h
-    return moe.num_experts // ep * one
-
-
-def moe_dense_change_per_layer(shape: ModelShape, tp: int) -> float:
-    """What an MoE layer's dense parameters (the replicated (E, h) router and the tensor-parallel
-    shared expert) hold on one TP rank beyond, or short of, the dense MLP it replaces."""
-    moe, h, f = shape.moe, shape.hidden_size, shape.ffn_hidden_size
-    if shape.block == "llama":
-        mlp = lambda width: 3 * h * width / tp if width else 0.0  # noqa: E731
-    else:  # column-parallel fc1 and its bias split, fc2's bias replicated
-        mlp = lambda width: (2 * h * width + width) / tp + h if width else 0.0  # noqa: E731
-    return moe.num_experts * h + mlp(moe.shared_ffn) - mlp(f)
+from engine.plan.params import (expert_params_per_layer, layer_params_per_device,  # noqa: F401
+                                moe_dense_change_per_layer, stage_fp8_layers, stage_layers,
+                                stage_moe_layers, virtual_stages)
 
 
 def stage_param_split(shape: ModelShape, layout: Layout, stage: int) -> tuple[float, float]:
@@ -310,7 +249,7 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: int, backend: str = "
     optimizer *= 1.0 - layout.offload   # the rest in host memory (offload.py)
     weights, gathered = params * shape.weight_bytes, 0.0
     if layout.zero3:   # the persistent shards, and the units gathered at once (zero3.py)
-        from engine.plan.zero3 import gathered_bytes
+        from engine.plan.zero3_units import gathered_bytes
         weights = shape.weight_bytes * (dense / shards + (expert / layout.edp if expert else 0.0))
         gathered = gathered_bytes(shape, layout, stage)
     per_micro = layers * layer_activation_bytes(shape, layout)
