@@ -15,9 +15,9 @@ from engine.plan.model import (ACT_MASK_BYTES, ACT_MOE_FP32_PER_EXPERT, ACT_MOE_
                                ACT_TENSORS_SPLIT_ATTN, COMM_BUFFER_BYTES, GRAD_BYTES,
                                OPTIMIZER_STATE_BYTES, P2P_BUFFER_BYTES, Layout, ModelShape,
                                num_micro_batches)
-from engine.plan.params import (expert_params_per_layer, layer_params_per_device,  # noqa: F401
-                                moe_dense_change_per_layer, stage_fp8_layers, stage_layers,
-                                stage_moe_layers, virtual_stages)
+from engine.plan.params import (expert_params_per_layer, layer_params_per_device,
+                                moe_dense_change_per_layer, stage_fp8_layers, stage_moe_layers)
+from engine.plan.zero3_units import gathered_bytes
 
 
 def stage_param_split(shape: ModelShape, layout: Layout, stage: int) -> tuple[float, float]:
@@ -249,7 +249,6 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: int, backend: str = "
     optimizer *= 1.0 - layout.offload   # the rest in host memory (offload.py)
     weights, gathered = params * shape.weight_bytes, 0.0
     if layout.zero3:   # the persistent shards, and the units gathered at once (zero3.py)
-        from engine.plan.zero3_units import gathered_bytes
         weights = shape.weight_bytes * (dense / shards + (expert / layout.edp if expert else 0.0))
         gathered = gathered_bytes(shape, layout, stage)
     per_micro = layers * layer_activation_bytes(shape, layout)

@@ -45,7 +45,8 @@ from engine.plan.flops import (StepFlops, attention_core_forward_flops, layer_fo
 from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_REPLICATED, EW_SCORES,
                                EW_SHARDED_ATTN, LAYER_PASS_OVERHEAD_S, OPTIMIZER_BYTES_PER_PARAM,
                                Cluster, Layout, ModelShape, num_micro_batches)
-from engine.plan.memory import MemoryTerms, memory_per_device, stage_moe_layers, stage_param_split
+from engine.plan.memory import MemoryTerms, memory_per_device, stage_param_split
+from engine.plan.params import stage_moe_layers
 from engine.plan.collectives import allreduce_s, gather_or_scatter_s
 from engine.plan.fp8 import linear_rate
 from engine.plan.moe_time import moe_layer_change
@@ -340,7 +341,7 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
 
 def unit_seconds(shape: ModelShape, layout: Layout, layer: PassTime, embedding: PassTime,
                  logits: PassTime, moe_change: PassTime):
-    """(stage, zero3.Unit) -> (forward, backward) seconds per micro-batch of the unit: a layer's
+    """(stage, zero3_units.Unit) -> (forward, backward) seconds per micro-batch of the unit: a layer's
     (an MoE layer's with its change), the embedding's, the output layer's and loss'; 0 for the
     norms and the position table, which compute next to nothing."""
     def times(stage: int, unit) -> tuple[float, float]:

@@ -42,8 +42,9 @@ from __future__ import annotations
 
 from engine.plan.model import GRAD_BYTES, Layout, ModelShape, moe_expert_tokens, num_micro_batches
 from engine.plan.fp8 import amax_bytes
-from engine.plan.memory import (expert_params_per_layer, stage_layers, stage_moe_layers,
-                                stage_param_split)
+from engine.plan.memory import stage_param_split
+from engine.plan.params import expert_params_per_layer, stage_layers, stage_moe_layers
+from engine.plan.zero3_units import gather_bytes
 
 KINDS = ("tp", "cp", "pp", "dp", "embedding", "ep", "edp")
 COUNT_BYTES = 8  # an int64 per expert in the count exchange
@@ -181,11 +182,10 @@ def step_traffic(shape: ModelShape, layout: Layout, stage: int,
     params, experts = (dense + expert, 0.0) if ep == 1 else (dense, expert)
     dp = edp = 0.0
     # ZeRO-1/2 gather each weight's shard once after the update, ZeRO-3 each unit twice per chunk
-    # and micro-batch (zero3.gather_bytes)
+    # and micro-batch (zero3_units.gather_bytes)
     gather_dp, gather_edp = ((params / shards * shape.weight_bytes if layout.zero else 0.0),
                              (experts / edp_ranks * shape.weight_bytes if layout.zero else 0.0))
     if layout.zero3:
-        from engine.plan.zero3 import gather_bytes
         gather_dp, gather_edp = gather_bytes(shape, layout, stage)
     if shards > 1:
         dp = params * GRAD_BYTES + gather_dp

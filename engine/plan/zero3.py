@@ -32,18 +32,10 @@ What the engine does (parallel/dp/zero3.py, zero3_units.py; docs/data_parallel.m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from engine.plan.collectives import gather_or_scatter_s
-from engine.plan.params import (expert_params_per_layer, layer_params_per_device,
-                                moe_dense_change_per_layer, virtual_stages)
 from engine.plan.model import Layout, ModelShape, num_micro_batches
 from engine.plan.overlap import Overlapped, split
-
-
-
-from engine.plan.zero3_units import (BACKWARD_WINDOW, Unit, chunk_units,  # noqa: F401
-                                      gather_bytes, gathered_bytes, stage_units)
+from engine.plan.zero3_units import Unit, stage_units
 
 
 def _passes(gathers: list[float], beside: list[float]) -> Overlapped:
