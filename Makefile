@@ -25,12 +25,13 @@ train: $(STAMP)
 train-serial: $(STAMP)
 	$(PY) -m engine.train --config configs/train_3d.yaml --tp 1 --pp 1 --run-dir runs/serial --overwrite
 
-# Two pytest workers, one test file each at a time (module fixtures and spawned rank pools stay
-# per file); TEST_WORKERS=0 runs in this process.
+# Two pytest workers, one test file each at a time (module fixtures and rank pools stay per file),
+# in the order tests/conftest.py sets (heaviest first: no reordering by test count); TEST_WORKERS=0
+# runs in this process.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest tests -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(PY) -m pytest tests -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.overhead

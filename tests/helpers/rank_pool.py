@@ -1,8 +1,9 @@
 """Rank processes started once per world size and handed one job after another.
 
 Starting a rank costs seconds of CPU (importing torch and the engine) and the suite asks for
-groups of the same sizes over a hundred times, so ``run_distributed`` keeps ``world_size`` spawned
-processes per size and sends each call to them: every job builds its own process groups on a fresh
+groups of the same sizes over a hundred times, so ``run_distributed`` keeps ``world_size`` rank
+processes per size (forked from a server that imported the engine once: ``engine.fuzz.pool.
+rank_context``) and sends each call to them: every job builds its own process groups on a fresh
 rendezvous port and destroys them when it ends, exactly as a freshly spawned rank would.
 
 What a fresh process would have, each job gets again: the parent's environment, working
@@ -28,7 +29,8 @@ import time
 from multiprocessing.connection import wait
 
 import torch
-import torch.multiprocessing as mp
+
+from engine.fuzz.pool import rank_context
 
 
 def _reset(seed: int) -> None:
@@ -77,7 +79,7 @@ class RankPool:
     """``world_size`` spawned ranks serving ``run`` calls one at a time."""
 
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = rank_context(("tests.helpers.rank_pool", "tests.helpers.dist_utils"))
         self.world_size, self.conns, self.procs = world_size, [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
