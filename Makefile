@@ -30,7 +30,10 @@ train-serial: $(STAMP)
 # runs in this process.
 TEST_WORKERS ?= 2
 
+# The sources compiled once first: with PYTHONDONTWRITEBYTECODE set (as on CI) every process the
+# suite starts would otherwise compile the engine's modules again (half a second each).
 test: $(STAMP)
+	$(PY) -m compileall -q engine models parallel kernels benchmarks tests
 	$(PY) -m pytest tests -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 bench: $(STAMP)

@@ -1,7 +1,8 @@
 """Configuration and the command line: what a run is, as typed data.
 
 - ``schema.py``: the dataclass configs (``RunConfig`` and its sections), validated in
-  ``__post_init__``, and the choices they accept;
+  ``__post_init__``, and the choices they accept; ``parallel.py``: its parallel-layout section
+  (``ParallelConfig``: the rank grid, schedule, ZeRO, expert parallelism, backend rules);
 - ``flags.py``: how each field is presented as a flag (help, group, Megatron-LM spellings);
 - ``fields.py``: the table of user-settable fields shared by the command line and recipes;
 - ``recipe.py``: YAML recipes (``--config``), checked against the fields' types;

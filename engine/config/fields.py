@@ -13,8 +13,9 @@ import typing
 
 from engine.base import FieldInfo
 from engine.config.flags import FLAGS, Flag
+from engine.config.parallel import ParallelConfig
 from engine.config.schema import (CheckpointConfig, CompressionConfig, DataConfig, LogConfig, OptimConfig,
-                                  ParallelConfig, PrecisionConfig, RunConfig)
+                                  PrecisionConfig, RunConfig)
 from models.config import GPTConfig
 
 SECTIONS = {"model": GPTConfig, "parallel": ParallelConfig, "optim": OptimConfig,

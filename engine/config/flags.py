@@ -1,6 +1,6 @@
 """The command line's one table: help, group, Megatron spellings and choices of every config field.
 
-Each field of the config dataclasses (engine/config/schema.py, models/config.py) becomes ``--field-name``;
+Each field of the config dataclasses (engine/config/schema.py, parallel.py, models/config.py) becomes ``--field-name``;
 ``FLAGS`` says how it is presented. A field without an entry here fails ``tests/engine/config/test_cli.py``: add
 one when you add a field. Entries for fields that do not exist yet are allowed (they take effect
 when the field appears). ``MEGATRON_ANSWERS`` answers Megatron-LM flags that have no field here, so
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config.schema import (BACKEND_RULES, COMPRESSORS, DIST_BACKENDS, CP_COMM_TYPES, DECAY_STYLES, DEVICES, PRECISIONS, RECOMPUTE, SCHEDULES,
-                           FP8_FORMATS, FP8_RECIPES, WANDB_MODES)
+from engine.config.parallel import BACKEND_RULES, CP_COMM_TYPES, DIST_BACKENDS, RECOMPUTE, SCHEDULES
+from engine.config.schema import (COMPRESSORS, DECAY_STYLES, DEVICES, FP8_FORMATS, FP8_RECIPES, PRECISIONS,
+                                  WANDB_MODES)
 from engine.config.sharding import STRATEGIES
 from engine.data.hf_tokenizer import TOKENIZER_TYPES
 

@@ -1,5 +1,6 @@
 """Data-parallel sharding: Megatron-LM's ``--data-parallel-sharding-strategy`` and its aliases, and
-the optimizer offload's flags against the rest of the run (pure; called by schema.py).
+the optimizer offload's flags against the rest of the run (pure; called by parallel.py and
+schema.py).
 
     no_shard            ZeRO-0: the plain optimizer, every rank holds everything
     optim               ZeRO-1: optimizer state sharded     (= --use-distributed-optimizer)

@@ -39,9 +39,10 @@ def rank_context(preload: tuple[str, ...] = ()):
     """The multiprocessing context that starts rank processes: ``forkserver`` where the platform
     has it (Linux, macOS), whose server imports ``PRELOAD`` (and ``preload``) once and forks each
     rank from that state, so a rank starts in milliseconds instead of the ~4 CPU-seconds of
-    importing torch and the engine; ``spawn`` elsewhere. The server is one per process and
-    single-threaded (no CUDA, no process group in it), which is what makes forking from it safe;
-    the first call's preload list is the one it keeps."""
+    importing torch and the engine; ``spawn`` elsewhere. The server is one per process and holds
+    no device context, process group or thread of the caller's (it only imported modules), which
+    is what makes forking from it safe where forking the caller is not; the first call's preload
+    list is the one it keeps."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")

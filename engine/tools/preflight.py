@@ -35,7 +35,7 @@ import torch
 
 from engine.base import ToolParser, run_tool
 from engine.tools.commbench import OPS, BenchConfig, check_collectives, format_table, parse_sizes, run_benchmarks
-from engine.config.schema import ParallelConfig
+from engine.config.parallel import ParallelConfig
 from engine.device.runtime import detect_device_type, device_count, device_index, setup_device
 from parallel.grid.launch import LaunchEnv, LayoutError
 from parallel.grid.state import ParallelState

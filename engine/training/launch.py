@@ -98,7 +98,7 @@ def run_config(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> int:
     from engine.checkpoint import CheckpointError
-    from engine.config.schema import ParallelConfig
+    from engine.config.parallel import ParallelConfig
     from parallel.grid.launch import LaunchEnv
     launch, timeout_s = LaunchEnv.from_env(), ParallelConfig().timeout_s
     try:

@@ -184,7 +184,7 @@ def test_cli_explain_and_json_with_tp_comm_overlap(capsys):
     row = json.loads(capsys.readouterr().out)
     assert row["tp_comm_overlap"] and row["comm_hidden"]["tp_comm"] > row["time_terms"]["tp_comm"]
     from engine.config.cli import parse_args
-    from engine.config.schema import ParallelConfig
+    from engine.config.parallel import ParallelConfig
     if "tp_comm_overlap" in ParallelConfig.__dataclass_fields__:  # engine.train has the flag
         args = command.split(" -m engine.train ")[1].split()
         assert parse_args(args).parallel.tp_comm_overlap

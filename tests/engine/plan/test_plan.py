@@ -72,7 +72,7 @@ def test_worked_example_and_order_strings():
 
 
 def test_default_order_is_the_engines():
-    from engine.config.schema import ParallelConfig
+    from engine.config.parallel import ParallelConfig
     from parallel.grid.topology import RankGrid
     assert DEFAULT_ORDER == "tp-cp-dp-pp"  # DESIGN.md
     assert engine_order(DEFAULT_ORDER, 1) == engine_order(ParallelConfig().order, 1)
@@ -565,7 +565,7 @@ def test_printed_command_runs_the_planned_layout(shape, dpn, layout):
 
 
 def test_printed_command_with_context_parallelism():
-    from engine.config.schema import ParallelConfig
+    from engine.config.parallel import ParallelConfig
     shape = ModelShape(8, 512, 8, 1000, 4096, 16, fused_attention=True)
     lay = Layout(2, 1, 2, micro_batch_size=2, cp=2)
     argv = shlex.split(launch_command(shape, lay, 8, data_path="/data/corpus"))
