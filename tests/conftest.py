@@ -1,6 +1,5 @@
 import gc
 import os
-import sys
 
 import pytest
 import torch
@@ -20,13 +19,8 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module", autouse=True)
 def collect_after_module():
     """Trainers hold their process groups in reference cycles; collecting after each module ends
-    their gloo threads instead of letting them pile up in this process. The module's rank pools
-    end with it (forked from a server that already imported the engine, a pool starts in
-    milliseconds): a worker holds only the ranks of the file it runs."""
+    their gloo threads instead of letting them pile up in this process."""
     yield
-    rank_pool = sys.modules.get("tests.helpers.rank_pool")
-    if rank_pool is not None:
-        rank_pool.close_all()
     gc.collect()
 
 
