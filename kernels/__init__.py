@@ -1,5 +1,6 @@
 """Fused kernels with one dispatch per op: NPU (torch_npu), CUDA and CPU paths, each with a reference
-(attention, norms, RoPE, SwiGLU, and the grouped GEMM of mixture-of-experts layers).
+(attention, norms, RoPE, SwiGLU, and the grouped GEMM of mixture-of-experts layers, in bf16 and in
+FP8).
 
 Every op picks its path from the input tensor's ``device.type``; ``kernel_paths(device_type)`` says
 which implementation runs where. This package imports nothing from engine/, models/ or parallel/.
@@ -11,6 +12,7 @@ from kernels.dispatch import ALL_FUSED, OPS, KernelPaths, device_kind, kernel_pa
 from kernels.grouped_gemm import (grouped_input_grad, grouped_linear, grouped_linear_reference,
                                   grouped_weight_grad)
 from kernels.grouped_experts import grouped_mlp, grouped_mlp_reference
+from kernels.fp8_grouped import GroupedFp8Spec, fp8_grouped_linear
 from kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from kernels.rope import (RopeCache, apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_at,
                           rotate_half)
@@ -18,6 +20,7 @@ from kernels.swiglu import swiglu, swiglu_packed, swiglu_packed_backward, swiglu
 
 __all__ = [
     "ALL_FUSED",
+    "GroupedFp8Spec",
     "KernelPaths",
     "OPS",
     "NpuMaskCache",
@@ -30,6 +33,7 @@ __all__ = [
     "cu_seqlens_from_document_ids",
     "document_mask",
     "device_kind",
+    "fp8_grouped_linear",
     "grouped_input_grad",
     "grouped_linear",
     "grouped_linear_reference",

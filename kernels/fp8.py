@@ -24,8 +24,10 @@ Outside those rules (an odd width) ``scaled_mm_reference`` runs: the dequantized
 multiplied in fp32, the definition every path is held to. On CUDA ``quantize`` runs its expression
 compiled regionally (one inductor kernel instead of four passes over the tensor, as
 kernels/compiled.py does for RoPE and SwiGLU); elsewhere the eager expression.
-``torch._scaled_grouped_mm`` (the experts' grouped GEMM) is probed per device type with a tiny
-call (``scaled_grouped_mm_runs``): torch 2.13 registers it for CUDA only.
+``torch._scaled_grouped_mm`` (the experts' grouped GEMM, kernels/fp8_grouped.py) is probed per
+device type with a tiny call (``scaled_grouped_mm_runs``): torch 2.13 registers it for CUDA only
+(and the meta device checks its CUDA rules), so on the CPU the experts run one ``scaled_mm`` per
+group. ``Amaxes`` gathers a pass's local amaxes and MAX-reduces them, one all-reduce per group.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from kernels.dispatch import device_kind
 
@@ -127,6 +130,40 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp32 values a quantized tensor stands for: q / scale."""
     return q.float() / scale
+
+
+GROUP_ORDER = {"tp": 0, "cp": 1}   # groups reduce in this order on every rank
+
+
+class Amaxes:
+    """Local amaxes of one pass, each with the groups it is reduced over: one MAX all-reduce per
+    group (TP, then CP) over the fp32 concatenation of the entries that name it. A group is the
+    engine's ``CommGroup`` (its ``size``, ``kind`` and ``all_reduce``: the backend rules check the
+    reduction and the group's byte counter counts it); groups of one rank are left out."""
+
+    def __init__(self):
+        self.items: list[tuple[torch.Tensor, tuple]] = []
+
+    def add(self, value: torch.Tensor, groups: tuple) -> int:
+        self.items.append((value, tuple(g for g in groups if g is not None and g.size > 1)))
+        return len(self.items) - 1
+
+    def reduce(self) -> list[torch.Tensor]:
+        values = [v for v, _ in self.items]
+        groups: dict = {}
+        for _, gs in self.items:
+            for g in gs:
+                groups.setdefault(id(g), g)
+        for group in sorted(groups.values(), key=lambda g: GROUP_ORDER.get(g.kind, 2)):
+            mine = [i for i, (_, gs) in enumerate(self.items) if group in gs]
+            flat = torch.cat([values[i].reshape(-1) for i in mine])
+            group.all_reduce(flat, op=dist.ReduceOp.MAX)
+            at = 0
+            for i in mine:
+                n = values[i].numel()
+                values[i] = flat[at:at + n].view(values[i].shape)
+                at += n
+        return values
 
 
 def scaled_mm_rules(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,

@@ -21,6 +21,10 @@ biases (G, f_in) and (G, h_out) or None -> (n, h_out), row r of group g being
   parameters themselves (no stacked copy).
 - Elsewhere (the NPU's ``npu_grouped_matmul``, the loop): the composition ``grouped_linear``,
   the activation (``F.gelu``, ``kernels.swiglu_packed``), ``grouped_linear``, under autograd.
+- In FP8 (``fp8``: the two projections' ``GroupedFp8Spec``, kernels/fp8_grouped.py): the same
+  composition with ``fp8_grouped_linear`` for each projection (``torch._scaled_grouped_mm`` or a
+  ``torch._scaled_mm`` per group), the activation in bf16 between; ``segments``: the weight
+  gradients' row segments (None: the groups).
 
 ``grouped_mlp_reference(x, counts, ...)``: the loop (``grouped_linear_reference`` per projection,
 the plain activation), the reference both are tested against (tests/kernels/test_grouped_mlp.py).
@@ -31,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.dispatch import KernelPaths
+from kernels.fp8_grouped import fp8_grouped_linear
 from kernels.grouped_gemm import (_gmm, _widths_aligned, grouped_linear, grouped_linear_path,
                                   grouped_linear_reference, row_groups)
 from kernels.swiglu import swiglu_packed, swiglu_packed_backward
@@ -108,12 +113,17 @@ def _check(x, w_in, w_out, kind: str) -> None:
 
 def grouped_mlp(x: torch.Tensor, offsets: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
                 kind: str, b_in: torch.Tensor | None = None, b_out: torch.Tensor | None = None,
-                groups: torch.Tensor | None = None,
-                paths: KernelPaths | None = None) -> torch.Tensor:
+                groups: torch.Tensor | None = None, paths: KernelPaths | None = None,
+                fp8: tuple | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' MLP on rows sorted by group: (n, h) -> (n, h_out) (module docstring).
     ``groups`` (n,): each row's group when the caller has it (for the biases; computed from the
-    offsets otherwise); ``paths``: the chip's fused ops (None: all)."""
+    offsets otherwise); ``paths``: the chip's fused ops (None: all); ``fp8``: (w_in's, w_out's)
+    ``GroupedFp8Spec`` to run both projections in FP8, with the weight gradients' ``segments``."""
     _check(x, w_in, w_out, kind)
+    if fp8 is not None:
+        y = fp8_grouped_linear(x, w_in, offsets, fp8[0], b_in, segments, groups)   # (n, f_in)
+        return fp8_grouped_linear(_act(y, kind, paths), w_out, offsets, fp8[1], b_out, segments,
+                                  groups)                                           # (n, h_out)
     if not fused_path(x, w_in, w_out, (b_in, b_out), paths):
         y = grouped_linear(x, w_in, offsets, b_in, paths, groups)
         return grouped_linear(_act(y, kind, paths), w_out, offsets, b_out, paths, groups)

@@ -187,12 +187,12 @@ def build_chunks(cfg: GPTConfig, ps: ParallelState, ctx, stage_ranges: list[rang
 
 def set_fp8_layers(chunks, recipe, num_layers: int, bf16_start: int = 0,
                    bf16_end: int = 0) -> list[int]:
-    """Run the tensor-parallel GEMMs of every transformer layer of ``chunks`` in FP8 with
-    ``recipe`` (a ``kernels.fp8.Fp8Recipe``), except the first ``bf16_start`` and the last
-    ``bf16_end`` layers of the model (global indices), which stay bf16 (Megatron-LM's
-    --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16). The embedding, the output
-    layer, norms, attention's softmax and the routers have no FP8 path. Returns the global
-    indices of this rank's FP8 layers."""
+    """Run the tensor-parallel GEMMs and the MoE experts' grouped GEMMs of every transformer layer
+    of ``chunks`` in FP8 with ``recipe`` (a ``kernels.fp8.Fp8Recipe``), except the first
+    ``bf16_start`` and the last ``bf16_end`` layers of the model (global indices), which stay bf16
+    (Megatron-LM's --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16). The embedding,
+    the output layer, norms, attention's softmax and the routers have no FP8 path. Returns the
+    global indices of this rank's FP8 layers."""
     fp8 = []
     for chunk in chunks:
         for index, layer in zip(chunk.layer_range, chunk.layers):

@@ -220,12 +220,14 @@ FLAGS: dict[str, Flag] = {
                     "peak", "mixed precision"),
     "min_loss_scale": F("fp16: the scale never drops below this", "mixed precision"),
     "fp8_format": F("FP8 GEMMs in every tensor-parallel layer (QKV, attention output, MLPs; "
-                    "forward and both backward GEMMs) on top of --bf16: e4m3 for every operand, "
+                    "forward and both backward GEMMs) and the MoE experts' grouped GEMMs (rowwise "
+                    "scales) on top of --bf16: e4m3 for every operand, "
                     "or hybrid (e4m3 forward, e5m2 gradients); needs compute capability 8.9+ "
                     "(H100, H200, Ada, Blackwell) or the CPU (docs/precision.md)",
                     "mixed precision", choices=FP8_FORMATS, default_text="off"),
-    "fp8_recipe": F("FP8 scales: tensorwise (one per tensor) or rowwise (one per row along the "
-                    "contraction, powers of two); each from the amax of the logical tensor",
+    "fp8_recipe": F("FP8 scales of the tensor-parallel layers: tensorwise (one per tensor) or "
+                    "rowwise (one per row along the contraction, powers of two; the MoE experts' "
+                    "always); each from the amax of the logical tensor",
                     "mixed precision", choices=FP8_RECIPES),
     "first_last_layers_bf16": F("with --fp8-format: keep the first --num-layers-at-start-in-bf16 "
                                 "and the last --num-layers-at-end-in-bf16 layers in bf16",

@@ -2,10 +2,10 @@
 linears' GEMMs and the memory of their float8 copies and scales.
 
 Time: under FP8 the linears' GEMMs (QKV, attention output, MLP in and out, the shared expert's; forward
-and both backward GEMMs) run at the chip's dense FP8 peak (``DeviceSpec.fp8_tflops``) times the
-FP8 achievable fraction (``Cluster.fp8_fraction``: the bf16 fraction until ``--calibrate`` fits it
-to an FP8 run). The attention core, the output layer and the MoE router and experts stay at the
-bf16 rate, as the engine runs them.
+and both backward GEMMs) and the MoE experts' grouped GEMMs run at the chip's dense FP8 peak
+(``DeviceSpec.fp8_tflops``) times the FP8 achievable fraction (``Cluster.fp8_fraction``: the bf16
+fraction until ``--calibrate`` fits it to an FP8 run). The attention core, the output layer and
+the MoE router stay at the bf16 rate, as the engine runs them.
 
 Memory (one TP rank, T = s b / cp tokens per GEMM: under sequence parallelism the column-parallel
 input is gathered and the row-parallel output scattered after the GEMM, so every GEMM sees T):
@@ -13,7 +13,8 @@ input is gathered and the row-parallel output scattered after the GEMM, so every
 - copies, transient, one GEMM at a time: the largest of a layer's linears (in, out) of
   ``fp8_gemm_copy_bytes``: the weight gradient holds dy and x in float8 and each once more in the
   layout torch._scaled_mm takes (dy^T row-major, x column-major), 2 T (in + out) bytes; the input
-  gradient dy, W and W's column-major copy, T out + 2 in out bytes;
+  gradient dy, W and W's column-major copy, T out + 2 in out bytes; with MoE layers also the
+  experts' projections (``expert_copy_bytes``);
 - scales kept from forward to backward (parallel/tensor_parallel/fp8.py keeps nothing else: backward
   quantizes again from the saved bf16 tensors), fp32, per layer and micro-batch in flight:
   tensorwise one for x and one per weight of each linear; rowwise at most one per token of x and
@@ -21,7 +22,7 @@ input is gathered and the row-parallel output scattered after the GEMM, so every
 """
 from __future__ import annotations
 
-from engine.plan.model import Cluster, Layout, ModelShape
+from engine.plan.model import Cluster, Layout, ModelShape, moe_expert_tokens
 
 FP8_BYTES = 1      # a float8 element
 SCALE_BYTES = 4    # an fp32 scale
@@ -57,8 +58,27 @@ def fp8_gemm_copy_bytes(shape: ModelShape, layout: Layout) -> float:
     if shape.fp8_recipe is None:
         return 0.0
     T = _tokens(shape, layout)
-    return FP8_BYTES * max(max(2 * T * (i + o), T * o + 2 * i * o)
-                           for i, o, _ in layer_linears(shape, layout.tp))
+    linears = FP8_BYTES * max(max(2 * T * (i + o), T * o + 2 * i * o)
+                              for i, o, _ in layer_linears(shape, layout.tp))
+    return linears if shape.moe is None else max(linears, expert_copy_bytes(shape, layout))
+
+
+def expert_copy_bytes(shape: ModelShape, layout: Layout) -> float:
+    """The float8 copies alive during the largest of an MoE layer's experts' FP8 GEMMs (transient;
+    kernels/fp8_grouped.py), N = the balanced rows of the rank's E/ep experts, per projection
+    (in, out) on one ETP rank: the weight gradient holds dy and x in float8, zero-padded by segment
+    and in the operand layouts, about 3 N (in + out) bytes, and under EP the per-source products
+    (E, out, in) in bf16 before their sum (the grouped kernel's output); the input gradient dy, W
+    and W's column-major copy, N out + 2 E/ep in out. Not counted: the eager quantization's fp32
+    transient of the tensor it quantizes."""
+    moe = shape.moe
+    h, f = shape.hidden_size, moe.ffn_hidden / layout.etp
+    rows, local = moe_expert_tokens(shape, layout) * moe.topk, moe.num_experts / layout.ep
+    f_in = (2 if shape.block == "llama" else 1) * f
+    per_source = 2 * moe.num_experts if layout.ep > 1 else 0.0
+    return max(max(FP8_BYTES * 3 * rows * (i + o) + per_source * i * o,
+                   FP8_BYTES * (rows * o + 2 * local * i * o))
+               for i, o in ((h, f_in), (f, h)))
 
 
 def fp8_scale_bytes(shape: ModelShape, layout: Layout) -> float:
@@ -125,8 +145,8 @@ def amax_bytes(shape: ModelShape, layout: Layout, moe_layer: bool = False) -> tu
     A full recomputation repeats every call's forward, the MLP output's too: torch's checkpoint
     stops early only once the call's autograd Function has returned and its saved input is
     packed, after the Function's forward reduced its amaxes (what early stop leaves out is the
-    collective after it). An MoE layer's MLP calls are its shared expert's (none without one:
-    the experts and the router stay bf16)."""
+    collective after it). An MoE layer's MLP calls are its shared expert's (none without one),
+    plus its experts' (``expert_amaxes``)."""
     if shape.fp8_recipe is None:
         return 0.0, 0.0
     t, c = layout.tp, layout.cp
@@ -141,4 +161,32 @@ def amax_bytes(shape: ModelShape, layout: Layout, moe_layer: bool = False) -> tu
                                               shape.fp8_recipe == "rowwise")
         tp += forwards * f_tp + b_tp
         cp += forwards * f_cp + b_cp
+    if moe_layer:
+        f_tp, b_tp, b_cp = expert_amaxes(shape, layout)
+        tp += forwards * f_tp + b_tp
+        cp += b_cp
     return (SCALE_BYTES * tp if t > 1 else 0.0, SCALE_BYTES * cp if c > 1 else 0.0)
+
+
+def expert_amaxes(shape: ModelShape, layout: Layout) -> tuple[float, float, float]:
+    """fp32 amaxes an MoE layer's experts reduce per micro-batch (forward TP, backward TP, backward
+    CP), as kernels/fp8_grouped.py's ``Fp8GroupedForward`` / ``Fp8GroupedBackward`` name them
+    (models/moe/experts.py ``fp8_spec``), with N = the rows the rank's E/ep experts compute (the
+    balanced T K of the tokens it computes, ``moe_expert_tokens``) and f = the expert width / etp:
+
+    - ETP (the TP group): fc2's forward, each row's amax over its f features and each weight
+      row's, N + E/ep h; fc1's backward, each gradient row's over f (2 f gated) and each weight
+      column's, N + E/ep h;
+    - the weight gradients' column amaxes per (local expert, source) segment (E/ep experts times
+      ep sources: E segments), fc2's over h and f, fc1's over 2 f (gated) or f and h, reduced
+      over TP under sequence parallelism without ETP and over CP at ep 1."""
+    moe = shape.moe
+    h, etp = shape.hidden_size, layout.etp
+    f = moe.ffn_hidden / etp
+    f_in = (2 if shape.block == "llama" else 1) * f
+    rows = moe_expert_tokens(shape, layout) * moe.topk
+    sharded = rows + moe.num_experts / layout.ep * h if etp > 1 else 0.0
+    columns = moe.num_experts * (2 * h + f + f_in)
+    tp = columns if layout.sequence_parallel and layout.tp > 1 and etp == 1 else 0.0
+    cp = columns if layout.cp > 1 and layout.ep == 1 else 0.0
+    return sharded, sharded + tp, cp

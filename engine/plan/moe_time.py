@@ -58,9 +58,11 @@ def moe_layer_change(shape: ModelShape, cluster: Cluster, layout: Layout, links:
     computed = moe_expert_tokens(shape, layout)  # the TP group's under ETP with SP
     n = _MLP_MATRICES[shape.block]
     # every TP rank: the router whole, the experts whole (ETP 1) or their 1/etp slices
-    whole = 2 * h * (routed * moe.num_experts + computed * n * moe.topk * moe.ffn_hidden / etp)
+    router = 2 * h * routed * moe.num_experts
+    expert = 2 * h * computed * n * moe.topk * moe.ffn_hidden / etp
     shared = 2 * tokens * h * n * (moe.shared_ffn - shape.ffn_hidden_size) / t   # TP linears
-    gemm_s = whole / rate + shared / linear_rate(cluster, shape)   # the experts stay bf16 under FP8
+    fp8_rate = linear_rate(cluster, shape)   # the experts' grouped GEMMs are FP8 under FP8 too
+    gemm_s = router / rate + (expert + shared) / fp8_rate
     copies = EW_MOE_PERMUTE + (EW_MOE_RESORT if layout.ep > 1 else 0)  # the permutation's passes
     ew = (EW_MLP[shape.block] * (computed * moe.topk * moe.ffn_hidden / etp
                                  + tokens * (moe.shared_ffn - shape.ffn_hidden_size) / t)
@@ -74,7 +76,7 @@ def moe_layer_change(shape: ModelShape, cluster: Cluster, layout: Layout, links:
     full = layout.recompute == "full"
     redo = (gemm_s + mem_s(ew)) if full else 0.0
     if full and shape.recompute_early_stop:  # the skipped down projection: the shared expert's
-        redo -= shared / n / linear_rate(cluster, shape)
+        redo -= shared / n / fp8_rate
     counts = COLLECTIVE_LATENCY_S if one else 0.0  # the forward's count exchange: a few bytes
     ep_fwd, ep_bwd = 2 * one + counts, 2 * one
     ep_re = ep_fwd if full else 0.0
@@ -98,7 +100,7 @@ def moe_layer_change(shape: ModelShape, cluster: Cluster, layout: Layout, links:
             tp_fwd += 2 * move + small
             tp_bwd += 2 * move + gather_or_scatter_s(4 * tokens * moe.topk, t, links.tp)
             tp_re += (move + small + (move if moe.shared_ffn else 0.0)) if full else 0.0
-    experts = 2 * h * computed * n * moe.topk * moe.ffn_hidden / etp / rate  # their forward GEMMs
+    experts = expert / fp8_rate  # their forward GEMMs
     overhead, imbalance = moe_engine_time(cluster, layout, experts * (4 if full else 3),
                                           ep_fwd + ep_bwd + ep_re)
     return PassTime(compute=fwd + bwd, recompute=redo, tp_comm=tp_fwd + tp_bwd + tp_re,

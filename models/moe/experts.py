@@ -45,6 +45,15 @@ projection computing every expert's weight gradient as one grouped GEMM in W.
 ``--no-moe-grouped-gemm`` runs the same stacked weights as a loop of ``F.linear`` per expert
 (``kernels.grouped_linear_reference``, reading the offsets on the host once per layer), the
 reference the grouped paths are compared with.
+
+FP8 (``fp8``: a ``kernels.fp8.Fp8Recipe``, set by ``parallel.tensor_parallel.fp8.set_fp8`` as on
+the TP linears; docs/precision.md): both projections run their three GEMMs on float8 operands
+(kernels/fp8_grouped.py; ``kernels.grouped_mlp``'s FP8 composition, or ``_GroupedLinearDeferW``'s
+FP8 path under a zero-bubble store; under ``--no-moe-grouped-gemm`` the per-group loop), with
+rowwise scales over the logical tensors: fc1's (gate and up) output features and fc2's input
+features are split over ETP, so the amaxes along them are reduced over ``etp_group``; the weight
+gradients' column scales, per (expert, source) row segment (``segments``), over ``token_groups``
+(the ranks holding the other rows of the same segments). The activation stays bf16.
 """
 from __future__ import annotations
 
@@ -55,6 +64,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.fp8 import Fp8Recipe
+from kernels.fp8_grouped import GroupedFp8Spec
 from kernels.grouped_gemm import host_counts, row_groups
 from models.logical import LogicalPart, mark_parts
 from models.moe.grouped_split import grouped_linear_defer_w
@@ -62,11 +73,15 @@ from models.moe.grouped_split import grouped_linear_defer_w
 
 class LocalExperts(nn.Module):
     """The experts ``local`` (global indices) of one layer, or with ``etp = (rank, size)`` this
-    ETP rank's slice of each, applied to rows sorted by local expert."""
+    ETP rank's slice of each, applied to rows sorted by local expert. ``etp_group`` (the ETP
+    CommGroup) and ``token_groups`` are where FP8's amaxes are reduced (module docstring)."""
+
+    fp8: Fp8Recipe | None = None
 
     def __init__(self, cfg, ctx, name: str, kind: str, bias: bool, local: range,
-                 etp: tuple[int, int] = (0, 1)):
+                 etp: tuple[int, int] = (0, 1), etp_group=None, token_groups: tuple = ()):
         super().__init__()
+        self.etp_group, self.token_groups = etp_group, tuple(token_groups)
         if kind not in ("gelu", "swiglu"):
             raise ValueError(f"unknown MLP kind {kind!r}; use gelu or swiglu")
         hidden, ffn = cfg.hidden_size, cfg.moe_ffn_hidden_size
@@ -123,6 +138,19 @@ class LocalExperts(nn.Module):
                 at += part.numel
         return mark_parts(p, logical)
 
+    def fp8_spec(self) -> tuple[GroupedFp8Spec, GroupedFp8Spec] | None:
+        """(fc1's, fc2's) FP8 spec under ``fp8``, else None: fc1 (gate and up) has its output
+        features split over ETP, fc2 its input features."""
+        if self.fp8 is None:
+            return None
+        specs = self.__dict__.setdefault("_fp8_specs", {})
+        if self.fp8 not in specs:
+            common = dict(token_groups=self.token_groups, loop=not self.grouped)
+            etp = (self.etp_group,)
+            specs[self.fp8] = (GroupedFp8Spec(self.fp8, out_groups=etp, **common),
+                               GroupedFp8Spec(self.fp8, in_groups=etp, **common))
+        return specs[self.fp8]
+
     @property
     def in_weight(self) -> nn.Parameter:
         return getattr(self, f"{self.in_name}_weight")
@@ -131,30 +159,38 @@ class LocalExperts(nn.Module):
     def in_bias(self) -> nn.Parameter | None:
         return getattr(self, f"{self.in_name}_bias") if self.has_bias else None
 
-    def _project(self, x: torch.Tensor, weight, bias, offsets: torch.Tensor, groups) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, weight, bias, offsets: torch.Tensor, groups, fp8=None,
+                 segments=None) -> torch.Tensor:
         store = self.weight_grad_store
         if store is not None:  # W split off: one deferred closure per projection
-            return grouped_linear_defer_w(x, weight, bias, offsets, store, self.paths)
+            return grouped_linear_defer_w(x, weight, bias, offsets, store, self.paths, fp8, segments)
         if not self.grouped:   # --no-moe-grouped-gemm: F.linear per expert (reads the offsets)
             return kernels.grouped_linear_reference(x, weight, host_counts(offsets), bias)
         return kernels.grouped_linear(x, weight, offsets, bias, self.paths, groups)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor,
-                groups: torch.Tensor | None = None) -> torch.Tensor:  # (n, h)
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, groups: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:  # (n, h)
         """``x`` (n, h): rows sorted by local expert, expert i's ending at ``offsets[i]``;
         ``groups`` (n,): each row's local expert when the caller has it (a dropped copy at the
-        end counts in the last group's)."""
-        if self.has_bias and self.grouped:  # each row's expert, once for both projections' biases
+        end counts in the last group's); ``segments``: FP8's weight-gradient row segments (the
+        rows of each (local expert, source), kernels/fp8_grouped.py; None: the experts)."""
+        fp8 = self.fp8_spec()
+        grouped = self.grouped or fp8 is not None
+        if self.has_bias and grouped:  # each row's expert, once for both projections' biases
             groups = row_groups(offsets, x.shape[0]) if groups is None else groups
         else:
             groups = None
         fc2_bias = self.fc2_bias if self.has_bias and self.fc2_bias_here else None
-        if self.grouped and self.weight_grad_store is None:  # the whole MLP: one grouped kernel
+        if grouped and self.weight_grad_store is None:  # the whole MLP: one grouped kernel
             return kernels.grouped_mlp(x, offsets, self.in_weight, self.fc2_weight, self.kind,
-                                       self.in_bias, fc2_bias, groups, self.paths)  # (n, h)
-        y = self._project(x, self.in_weight, self.in_bias, offsets, groups)  # (n, f/etp) or (n, 2 f/etp)
+                                       self.in_bias, fc2_bias, groups, self.paths, fp8,
+                                       segments)  # (n, h)
+        fp8_in, fp8_out = (None, None) if fp8 is None else fp8
+        y = self._project(x, self.in_weight, self.in_bias, offsets, groups, fp8_in,
+                          segments)                                  # (n, f/etp) or (n, 2 f/etp)
         if self.kind == "gelu":
             y = F.gelu(y, approximate="tanh")
         else:
             y = kernels.swiglu_packed(y, self.paths)                 # (n, f/etp)
-        return self._project(y, self.fc2_weight, fc2_bias, offsets, groups)  # (n, h), partial over ETP
+        return self._project(y, self.fc2_weight, fc2_bias, offsets, groups, fp8_out,
+                             segments)                               # (n, h), partial over ETP

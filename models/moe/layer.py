@@ -53,7 +53,7 @@ from parallel.expert_parallel import (HostReader, allgather_combine, allgather_d
                                       alltoall_combine, alltoall_dispatch, alltoall_plan,
                                       count_per_expert, permute_padded, permute_tokens,
                                       unpermute_tokens)
-from parallel.expert_parallel.permute import equal_counts
+from parallel.expert_parallel.permute import equal_counts, offsets_of
 from parallel.grid.state import ParallelState
 from parallel.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, gather_sequence_values,
                                                reduce_from_tp, reduce_scatter_to_sequence)
@@ -85,8 +85,16 @@ class MoELayer(nn.Module):
         self.pad_to_capacity = cfg.moe_pad_expert_input_to_capacity
         self.dispatcher = cfg.moe_token_dispatcher_type  # "alltoall" or "allgather"
         local = ExpertGrid.local_experts(e, ps.ep_group.size, ps.ep_group.rank)
+        # FP8: the ranks holding other rows of the experts' (expert, source) row segments, over
+        # which the weight gradients' column amaxes are reduced: the other sequence shards under
+        # SP without ETP (the same experts on every TP rank), the other CP slices at ep 1
+        # (docs/precision.md: with ep > 1 the CP slices reach other replicas; not reduced)
+        token_groups = (ps.tp_group,) if self.tp_split and not self.etp_sp else ()
+        if ps.cp_size > 1 and ps.ep_group.size == 1:
+            token_groups += (ps.cp_group,)
         self.experts = LocalExperts(cfg, ctx, f"{name}.experts", kind, bias, local,
-                                    (self.etp_group.rank, self.etp_group.size))
+                                    (self.etp_group.rank, self.etp_group.size), self.etp_group,
+                                    token_groups)
         shared = cfg.moe_shared_expert_intermediate_size
         self.shared_expert = None if shared is None else ParallelMLP(
             dataclasses.replace(cfg, ffn_hidden_size=shared), ps, ctx, f"{name}.shared_expert",
@@ -192,11 +200,15 @@ class MoELayer(nn.Module):
             _, perm, capacity = self._permute(tokens_in[:, :0], routing, choice, kept)
             expert_in, state = allgather_dispatch(tokens_in, weights, perm, self.ep_group,
                                                   capacity, self.host_reader)    # (N, h)
-            expert_out = self.experts(expert_in, state.offsets, state.groups)   # (N, h)
+            expert_out = self.experts(expert_in, state.offsets, state.groups,
+                                      state.segments)                          # (N, h)
             out = allgather_combine(expert_out, state, self.ep_group, loss, scale)  # (T, h)
         elif self.ep_group.size == 1:  # the rows stay here: the permutation's offsets serve
-            rows, perm, _ = self._permute(tokens_in, routing, choice, kept)       # (T K or E C, h)
-            rows = self.experts(rows, perm.offsets, perm.groups)                 # (R, h)
+            rows, perm, padded = self._permute(tokens_in, routing, choice, kept)  # (T K or E C, h)
+            # FP8's weight-gradient segments: each expert's kept rows (the dropped copies at the
+            # end, weight 0, are in none, as under EP where they are not sent; None: every row)
+            segments = offsets_of(kept) if choice is not None and padded is None else None
+            rows = self.experts(rows, perm.offsets, perm.groups, segments)       # (R, h)
             out = unpermute_tokens(rows, weights, perm, loss, scale)              # (T, h)
         else:
             capacity = choice.capacity if choice is not None and self.pad_to_capacity else None
@@ -205,7 +217,8 @@ class MoELayer(nn.Module):
             plan = alltoall_plan(kept, self.ep_group, capacity, self.host_reader)
             rows, perm, _ = self._permute(tokens_in, routing, choice, kept)       # (T K or E C, h)
             expert_in, state = alltoall_dispatch(rows, plan, self.ep_group)
-            expert_out = self.experts(expert_in, state.offsets, state.groups)   # (N, h)
+            expert_out = self.experts(expert_in, state.offsets, state.groups,
+                                      state.segments)                          # (N, h)
             rows = alltoall_combine(expert_out, state, self.ep_group)             # (R, h)
             out = unpermute_tokens(rows, weights, perm, loss, scale)              # (T, h)
         # the ETP slices' partial sums (identity without expert tensor parallelism); under SP

@@ -109,6 +109,9 @@ class AllGatherState:
     num_gathered: int
     offsets: torch.Tensor
     groups: torch.Tensor | None = None  # (N,) each row's local expert (a dropped copy: the last)
+    # (E/P P,) int32: the row end of each (local expert, source rank) segment, the kept rows only
+    # (FP8's weight gradient takes its column scales per source, kernels/fp8_grouped.py)
+    segments: torch.Tensor | None = None
 
 
 def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation,
@@ -132,6 +135,8 @@ def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation
         dest = _gather_table(table, group).long() - lo                        # (P T K,)
         key = torch.where((dest >= 0) & (dest < local), dest, torch.full_like(dest, local))
         per_expert = count_per_expert(key, local + 1)[:local]                  # (E/P,) device
+        source = torch.div(torch.arange(p * t * k, device=device), t * k, rounding_mode="floor")
+        per_source = count_per_expert(key * p + source, (local + 1) * p)[:local * p]  # (E/P P,)
         routed = read = None
         if p > 1:
             read = (reader or HostReader()).start(per_expert.sum().view(1))    # rows to take
@@ -143,6 +148,7 @@ def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation
         routed = table >= 0
         flat = source * (t * k) + table.clamp(min=0)                        # (N,) into P T K
         per_expert = equal_counts(local, p * capacity, device)
+        per_source = equal_counts(local * p, capacity, device)
     gathered_x = all_gather_rows(x, group)                                  # (P T, h)
     gathered_w = all_gather_rows(weights, group).reshape(-1)                # (P T K,)
     rows_end = groups = None
@@ -159,7 +165,8 @@ def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation
     if routed is not None:
         row_weights = row_weights * routed
     rows = gather_rows(gathered_x, tokens)                                  # (N, h)
-    return rows, AllGatherState(tokens, row_weights, p * t, offsets_of(per_expert, rows_end), groups)
+    return rows, AllGatherState(tokens, row_weights, p * t, offsets_of(per_expert, rows_end), groups,
+                                offsets_of(per_source))
 
 
 def allgather_combine(rows: torch.Tensor, state: AllGatherState, group: CommGroup,

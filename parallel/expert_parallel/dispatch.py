@@ -71,6 +71,9 @@ class DispatchState:
     order: torch.Tensor | None       # sorts the received rows by local expert
     offsets: torch.Tensor            # (E/P,) int32 on the device: each local expert's row end
     groups: torch.Tensor | None = None  # (N,) each row's local expert
+    # (E/P P,) int32: the row end of each (local expert, source rank) segment (FP8's weight
+    # gradient takes its column scales per source: one micro-batch each, kernels/fp8_grouped.py)
+    segments: torch.Tensor | None = None
 
 
 def alltoall_plan(counts: torch.Tensor, group: CommGroup, capacity: int | None = None,
@@ -106,6 +109,7 @@ def alltoall_dispatch(rows: torch.Tensor, plan, group: CommGroup, capacity: int 
         received = _AllToAllVForwardAllToAllVBackward.apply(rows, group, out_splits, in_splits)
         ids = local_ids.repeat_interleave(capacity, output_size=p * local * capacity)
         offsets = offsets_of(equal_counts(local, capacity * p, device))
+        segments = offsets_of(equal_counts(local * p, capacity, device))
     else:
         values = plan.read.values()                                   # the one host wait
         in_splits = values[:p]
@@ -116,9 +120,10 @@ def alltoall_dispatch(rows: torch.Tensor, plan, group: CommGroup, capacity: int 
         ids = torch.repeat_interleave(local_ids, plan.recv.reshape(-1),
                                       output_size=sum(out_splits))    # (N,)
         offsets = offsets_of(plan.recv.sum(0))
+        segments = offsets_of(plan.recv.t().reshape(-1))              # (local expert, source)
     groups, order = torch.sort(ids, stable=True)                      # (local expert, source rank)
     return received.index_select(0, order), DispatchState(in_splits, out_splits, order, offsets,
-                                                          groups)
+                                                          groups, segments)
 
 
 def alltoall_combine(rows: torch.Tensor, state: DispatchState, group: CommGroup) -> torch.Tensor:

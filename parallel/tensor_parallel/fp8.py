@@ -10,7 +10,7 @@ axis it runs over (``Operand``), with a MAX all-reduce through the engine's ``Co
 against the backend rules, counted in ``tp_comm_bytes`` / ``cp_comm_bytes``). Every layout then
 quantizes each element of the serial run's tensors with the serial run's scale.
 
-Per layer call there is one all-reduce per group for all its amaxes (``_Amaxes``): in forward those
+Per layer call there is one all-reduce per group for all its amaxes (``kernels.fp8.Amaxes``): in forward those
 of x and of every weight, in backward those of the output gradients (and, rowwise, the weights'
 and x's column scales), TP first, then CP. Scales by recipe (``kernels.fp8.Fp8Recipe``), for an
 operand of rows and columns:
@@ -34,13 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from kernels.fp8 import Fp8Recipe, amax, amax_to_scale, quantize, scaled_mm
+from kernels.fp8 import Amaxes, Fp8Recipe, amax, amax_to_scale, quantize, scaled_mm
 from parallel.tensor_parallel.ring import chunk_of
-
-_ORDER = {"tp": 0, "cp": 1}   # groups reduce in this order on every rank
-
 
 @dataclass(frozen=True, eq=False)
 class Operand:
@@ -85,35 +81,6 @@ def row_spec(recipe: Fp8Recipe, tp, cp, grad_shard: bool) -> Fp8Spec:
                    Operand(rows=(cp,), gathered=tp if grad_shard else None))
 
 
-class _Amaxes:
-    """Local amaxes of one pass, each with the groups it is reduced over: one MAX all-reduce per
-    group (TP, then CP) over the fp32 concatenation of the entries that name it."""
-
-    def __init__(self):
-        self.items: list[tuple[torch.Tensor, tuple]] = []
-
-    def add(self, value: torch.Tensor, groups: tuple) -> int:
-        self.items.append((value, tuple(g for g in groups if g is not None and g.size > 1)))
-        return len(self.items) - 1
-
-    def reduce(self) -> list[torch.Tensor]:
-        values = [v for v, _ in self.items]
-        groups: dict = {}
-        for _, gs in self.items:
-            for g in gs:
-                groups.setdefault(id(g), g)
-        for group in sorted(groups.values(), key=lambda g: _ORDER.get(g.kind, 2)):
-            mine = [i for i, (_, gs) in enumerate(self.items) if group in gs]
-            flat = torch.cat([values[i].reshape(-1) for i in mine])
-            group.all_reduce(flat, op=dist.ReduceOp.MAX)
-            at = 0
-            for i in mine:
-                n = values[i].numel()
-                values[i] = flat[at:at + n].view(values[i].shape)
-                at += n
-        return values
-
-
 def _col_amax(t: torch.Tensor) -> torch.Tensor:
     """max |t| over every row, per column: (..., k) -> (k,)."""
     return amax(t.reshape(-1, t.shape[-1]), dim=0).reshape(-1)
@@ -137,7 +104,7 @@ class Fp8Forward:
     def __init__(self, spec: Fp8Spec, x_held: torch.Tensor, weights):
         self.spec, self.weights = spec, list(weights)
         r = spec.recipe
-        am = _Amaxes()
+        am = Amaxes()
         if not r.rowwise:
             ix = am.add(amax(x_held), spec.x.all_groups)
             iw = [am.add(amax(w), spec.w.all_groups) for w in self.weights]
@@ -178,7 +145,7 @@ class Fp8Backward:
         r = self.spec.recipe
         gd, fd, pow2 = r.grad_dtype, r.forward_dtype, r.power_of_two
         live = [i for i, g in enumerate(self.grads) if g is not None]
-        am = _Amaxes()
+        am = Amaxes()
         self._gq: dict = {}
         if not r.rowwise:
             ig = {i: am.add(amax(self.grads[i]), self.spec.g.all_groups) for i in live}
@@ -231,8 +198,10 @@ class Fp8Backward:
 
 
 def set_fp8(modules, recipe: Fp8Recipe | None) -> int:
-    """Run every TP linear of ``modules`` in FP8 with ``recipe`` (None: bf16 again); returns how
-    many layers. Embedding, output layer, norms, attention and routers have no FP8 path."""
+    """Run every TP linear and every MoE layer's experts (models/moe/experts.py: their grouped
+    GEMMs, kernels/fp8_grouped.py) of ``modules`` in FP8 with ``recipe`` (None: bf16 again);
+    returns how many modules. Embedding, output layer, norms, attention and routers have no FP8
+    path."""
     count = 0
     for module in (modules if isinstance(modules, (list, tuple)) else [modules]):
         for m in module.modules():

@@ -130,8 +130,8 @@ def test_compiled_quantize_is_the_eager_expression():
 
 
 def test_scaled_grouped_mm_probe():
-    """torch 2.13 registers _scaled_grouped_mm for CUDA only: the experts stay bf16 on the CPU
-    (docs/precision.md); the meta device (dry runs) accepts it."""
+    """torch 2.13 registers _scaled_grouped_mm for CUDA only: on the CPU the experts run one
+    torch._scaled_mm per group (kernels/fp8_grouped.py); the meta device (dry runs) accepts it."""
     assert hasattr(torch, "_scaled_grouped_mm")
     assert scaled_grouped_mm_runs("cpu") is False
     assert scaled_grouped_mm_runs("meta") is True

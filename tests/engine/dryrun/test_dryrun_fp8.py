@@ -5,7 +5,10 @@ layers (engine/plan/fp8.py, traffic.stage_amax_bytes) times the micro-batches: t
 with and without FP8, differenced, so that what the planner leaves out elsewhere (the
 sequence-parallel norms' gradient sum) cancels. Sequence parallelism and its ring
 (--tp-comm-overlap), full recomputation, rowwise scales, context parallelism, an MoE layer's shared
-expert and the bf16 first and last layers."""
+expert, its experts' grouped GEMMs (amaxes over ETP, over TP under sequence parallelism without
+ETP, over CP at ep 1; the alltoall dispatcher: the dry run's assumed routing gives the allgather
+dispatcher's experts more than the balanced T K rows, engine/dryrun/assumed.py) and the bf16 first
+and last layers."""
 from __future__ import annotations
 
 import pytest
@@ -29,6 +32,15 @@ CASES = {   # name: (world, flags); every case has tp 2 and/or cp 2
     "MoE with a shared expert, SP": (
         2, "--tp 2 --sequence-parallel --num-experts 4 --moe-router-topk 2 "
            "--moe-ffn-hidden-size 128 --moe-shared-expert-intermediate-size 256"),
+    "MoE ep2 etp2 SP, full recompute": (
+        4, "--tp 2 --dp 2 --ep 2 --etp 2 --sequence-parallel --recompute full --num-experts 4 "
+           "--moe-router-topk 2 --moe-ffn-hidden-size 128"),
+    "MoE llama ep2 etp2": (
+        4, "--tp 2 --dp 2 --ep 2 --etp 2 --block llama --num-experts 4 --moe-router-topk 2 "
+           "--moe-ffn-hidden-size 64"),
+    "MoE llama cp2 ep1, rowwise": (
+        2, "--cp 2 --block llama --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 "
+           "--fp8-recipe rowwise"),
     "llama pp2, bf16 first and last layer": (
         4, "--tp 2 --pp 2 --num-layers 4 --block llama --first-last-layers-bf16 "
            "--recompute full"),

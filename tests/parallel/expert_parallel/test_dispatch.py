@@ -2,14 +2,16 @@
 their expert, sorted by (local expert, source rank), with each local expert's row offset on the
 device; combine inverts it; gradients travel back; the collectives are the counts' all-to-all and
 one all-to-all with split sizes each way, on the "ep" group; the forward reads the host once (the
-split sizes, counted by the step's wait counter in strict mode), the backward not at all."""
+split sizes, counted by the step's wait counter in strict mode), the backward not at all. The
+(local expert, source rank) row segments (FP8's weight-gradient scales, kernels/fp8_grouped.py)
+are the same for the alltoall and the allgather dispatcher."""
 from __future__ import annotations
 
 import torch
 
 from engine.device.syncs import SyncCounter
-from parallel.expert_parallel import (alltoall_combine, alltoall_dispatch, init_expert_groups,
-                                      permute_tokens, unpermute_tokens)
+from parallel.expert_parallel import (allgather_dispatch, alltoall_combine, alltoall_dispatch,
+                                      init_expert_groups, permute_tokens, unpermute_tokens)
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import record_comm, run_distributed
 
@@ -50,6 +52,12 @@ def _dispatch(ps):
     per_expert = [sum(int((_tokens(s)[1] == 2 * ps.rank + i).sum()) for s in range(2))
                   for i in range(2)]
     assert state.offsets.tolist() == [per_expert[0], per_expert[0] + per_expert[1]]
+    per_source = [int((_tokens(s)[1] == 2 * ps.rank + i).sum()) for i in range(2) for s in range(2)]
+    segments = torch.cumsum(torch.tensor(per_source), 0).tolist()
+    assert state.segments.tolist() == segments
+    _, zero_width = permute_tokens(x.detach()[:, :0], experts, E)
+    _, gathered = allgather_dispatch(x.detach(), weights, zero_width, group)
+    assert gathered.segments.tolist() == segments
     torch.testing.assert_close(out, 2.0 * x)
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
     ops = [(e.op, e.group) for e in events]
