@@ -55,6 +55,7 @@ HEAVY_FIRST = (
     "tests/engine/dryrun/test_dryrun.py",
     "tests/equivalence/test_equivalence_zb.py",
     "tests/engine/training/test_fp8_train.py",
+    "tests/engine/training/test_fp8_moe_train.py",
     "tests/equivalence/test_equivalence_moe_etp.py",
     "tests/engine/fuzz/test_fuzz.py",
     "tests/equivalence/test_equivalence_dp.py",
