@@ -279,7 +279,7 @@ def optimizer_params(shape: ModelShape, layout: Layout) -> float:
 
 def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
     """Memory and step time of a layout that obeys check_layout (not re-checked here)."""
-    p, v, d, c, m = layout.pp, layout.vp, layout.dp, layout.cp, num_micro_batches(shape, layout)
+    p, m = layout.pp, num_micro_batches(shape, layout)
     links = layout_links(cluster, layout)
     mem = memory_per_device(shape, layout, cluster.backend)
     layer = layer_time(shape, cluster, layout, links)
