@@ -10,8 +10,8 @@ axis it runs over (``Operand``), with a MAX all-reduce through the engine's ``Co
 against the backend rules, counted in ``tp_comm_bytes`` / ``cp_comm_bytes``). Every layout then
 quantizes each element of the serial run's tensors with the serial run's scale.
 
-Per layer call there is one all-reduce per group for all its amaxes (``kernels.fp8.Amaxes``): in forward those
-of x and of every weight, in backward those of the output gradients (and, rowwise, the weights'
+Per layer call there is one all-reduce per group for all its amaxes (``kernels.fp8.Amaxes``): in
+forward those of x and of every weight, in backward those of the output gradients (and, rowwise, the weights'
 and x's column scales), TP first, then CP. Scales by recipe (``kernels.fp8.Fp8Recipe``), for an
 operand of rows and columns:
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import tempfile
 import traceback
 
 import torch
 
+from engine.fuzz.pool import free_port
 from engine.training.launch import exit_now
 from parallel.grid.launch import LaunchEnv
 from parallel.grid.state import ParallelState
@@ -31,12 +31,6 @@ from tests.helpers import rank_pool
 
 SUITE_RULES = os.environ.get("GRIDTRON_BACKEND_RULES") or None
 atexit.register(rank_pool.close_all)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _job(rank, world_size, port, grid, fn, args, out_dir, timeout_s, rules):

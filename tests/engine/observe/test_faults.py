@@ -19,7 +19,8 @@ from engine.training.launch import describe_comm_failure
 from engine.training.launch import main as train_main
 from engine.training.trainer import Trainer, TrainingDiverged
 from parallel.grid.topology import RankGrid
-from tests.helpers.dist_utils import free_port, run_distributed
+from engine.fuzz.pool import free_port
+from tests.helpers.dist_utils import run_distributed
 
 ROOT = str(Path(__file__).resolve().parents[3])
 TINY = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "2", "--hidden-size", "64",

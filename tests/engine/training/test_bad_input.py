@@ -32,7 +32,8 @@ from engine.training.validate import memory_problem, planner_inputs, size_text, 
 from parallel.grid.launch import LaunchEnv
 from parallel.grid.rendezvous import Disagreement
 from parallel.grid.topology import RankGrid
-from tests.helpers.dist_utils import free_port, run_distributed
+from engine.fuzz.pool import free_port
+from tests.helpers.dist_utils import run_distributed
 
 ROOT = str(Path(__file__).resolve().parents[3])
 

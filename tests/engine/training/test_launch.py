@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers.dist_utils import free_port
+from engine.fuzz.pool import free_port
 
 ROOT = str(Path(__file__).resolve().parents[3])
 

@@ -39,7 +39,8 @@ from parallel.grid.launch import LaunchEnv
 from parallel.grid.state import ParallelState
 from parallel.runtime.stream_check import StreamChecker
 from parallel.grid.topology import RankGrid
-from tests.helpers.dist_utils import free_port, run_distributed
+from engine.fuzz.pool import free_port
+from tests.helpers.dist_utils import run_distributed
 
 STEPS = 20
 SHORT = 5    # the offload's bit-equality runs, and the ZeRO-1 checkpoint's step
