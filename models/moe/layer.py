@@ -199,7 +199,8 @@ class MoELayer(nn.Module):
         if self.dispatcher == "allgather":  # tokens travel, not rows: permute a zero-width view
             _, perm, capacity = self._permute(tokens_in[:, :0], routing, choice, kept)
             expert_in, state = allgather_dispatch(tokens_in, weights, perm, self.ep_group,
-                                                  capacity, self.host_reader)    # (N, h)
+                                                  capacity, self.host_reader,
+                                                  segments=self.experts.fp8 is not None)  # (N, h)
             expert_out = self.experts(expert_in, state.offsets, state.groups,
                                       state.segments)                          # (N, h)
             out = allgather_combine(expert_out, state, self.ep_group, loss, scale)  # (T, h)
@@ -207,7 +208,8 @@ class MoELayer(nn.Module):
             rows, perm, padded = self._permute(tokens_in, routing, choice, kept)  # (T K or E C, h)
             # FP8's weight-gradient segments: each expert's kept rows (the dropped copies at the
             # end, weight 0, are in none, as under EP where they are not sent; None: every row)
-            segments = offsets_of(kept) if choice is not None and padded is None else None
+            segments = offsets_of(kept) if (self.experts.fp8 is not None and choice is not None
+                                            and padded is None) else None
             rows = self.experts(rows, perm.offsets, perm.groups, segments)       # (R, h)
             out = unpermute_tokens(rows, weights, perm, loss, scale)              # (T, h)
         else:

@@ -116,10 +116,12 @@ class AllGatherState:
 
 def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation,
                        group: CommGroup, capacity: int | None = None,
-                       reader: HostReader | None = None):
+                       reader: HostReader | None = None, segments: bool = True):
     """(T, h) tokens, (T, K) router weights and the layer's Permutation -> (N, h) rows of this
     rank's experts sorted by (local expert, source rank, token), and the state. ``capacity``: the
-    Permutation is padded to exactly that many slots per expert (``permute_padded``)."""
+    Permutation is padded to exactly that many slots per expert (``permute_padded``).
+    ``segments``: count the (local expert, source rank) segments (FP8's weight gradient; off, the
+    state's ``segments`` is None and the count is not made)."""
     p, rank = group.size, group.rank
     t, k = weights.shape
     e = perm.counts.numel()
@@ -135,8 +137,10 @@ def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation
         dest = _gather_table(table, group).long() - lo                        # (P T K,)
         key = torch.where((dest >= 0) & (dest < local), dest, torch.full_like(dest, local))
         per_expert = count_per_expert(key, local + 1)[:local]                  # (E/P,) device
-        source = torch.div(torch.arange(p * t * k, device=device), t * k, rounding_mode="floor")
-        per_source = count_per_expert(key * p + source, (local + 1) * p)[:local * p]  # (E/P P,)
+        per_source = None
+        if segments:
+            source = torch.div(torch.arange(p * t * k, device=device), t * k, rounding_mode="floor")
+            per_source = count_per_expert(key * p + source, (local + 1) * p)[:local * p]  # (E/P P,)
         routed = read = None
         if p > 1:
             read = (reader or HostReader()).start(per_expert.sum().view(1))    # rows to take
@@ -148,7 +152,7 @@ def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation
         routed = table >= 0
         flat = source * (t * k) + table.clamp(min=0)                        # (N,) into P T K
         per_expert = equal_counts(local, p * capacity, device)
-        per_source = equal_counts(local * p, capacity, device)
+        per_source = equal_counts(local * p, capacity, device) if segments else None
     gathered_x = all_gather_rows(x, group)                                  # (P T, h)
     gathered_w = all_gather_rows(weights, group).reshape(-1)                # (P T K,)
     rows_end = groups = None
@@ -166,7 +170,7 @@ def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation
         row_weights = row_weights * routed
     rows = gather_rows(gathered_x, tokens)                                  # (N, h)
     return rows, AllGatherState(tokens, row_weights, p * t, offsets_of(per_expert, rows_end), groups,
-                                offsets_of(per_source))
+                                None if per_source is None else offsets_of(per_source))
 
 
 def allgather_combine(rows: torch.Tensor, state: AllGatherState, group: CommGroup,
