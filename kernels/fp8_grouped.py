@@ -35,8 +35,10 @@ fp32 per group (segment): the definition both paths are held to (tests/kernels/t
 Scales over the logical tensor (``GroupedFp8Spec``): each amax is MAX-reduced through the engine's
 ``CommGroup`` (``kernels.fp8.Amaxes``, one all-reduce per group and pass) over the groups that shard
 its axis: the input features (fc2 under expert tensor parallelism), the output features (fc1),
-the rows of a segment (TP under sequence parallelism without ETP, CP at ep 1). Nothing FP8 is kept
-for backward: it quantizes again from the saved bf16 tensors.
+the rows of a segment (TP under sequence parallelism without ETP, CP at ep 1), and under expert
+parallelism with CP the segments of one micro-batch, on the rank and over the experts' replicas
+(``SegmentSlots``). Nothing FP8 is kept for backward: it quantizes again from the saved bf16
+tensors.
 """
 from __future__ import annotations
 
@@ -60,6 +62,35 @@ class GroupedFp8Spec:
     out_groups: tuple = ()      # shard the output features: the input gradient's contraction
     token_groups: tuple = ()    # hold other rows of the same segments: the weight gradient's
     loop: bool = False
+    slots: "SegmentSlots | None" = None   # segments that are parts of one micro-batch (EP x CP)
+
+
+@dataclass(frozen=True)
+class SegmentSlots:
+    """Which weight-gradient segments hold rows of the same micro-batch of the serial run, where
+    one micro-batch's rows of an expert arrive as several segments, on this rank or on others
+    (expert parallelism under context parallelism: the CP slices of a sequence are different EP
+    sources and may belong to different EP groups). A group's ``sources`` segments come from
+    consecutive positions ``first`` .. ``first + sources - 1`` of the DP x CP ranks (CP the faster
+    coordinate), so source j's micro-batch is ``(first + j) // cp``, one of ``slots`` (dp). The
+    column amaxes are MAX-reduced per (group, micro-batch) on the rank, then over ``group`` (the
+    ranks holding the same experts: EDP), and every segment takes its micro-batch's.
+
+    With ``RankGrid(cp=4)`` and ep 2: EP [0, 1], [2, 3], EDP [0, 2], [1, 3]; rank 2 holds experts
+    0-1 of 4 and receives from positions 2 and 3 (``first`` 2), both CP slices of micro-batch 0:
+    its segments (expert 0, source 0) and (expert 0, source 1) merge on the rank, and rank 0's two
+    segments of expert 0 (positions 0 and 1, micro-batch 0 too) join them over EDP."""
+    first: int
+    sources: int
+    cp: int
+    slots: int
+    group: object = None
+
+    def index(self, segments: int, device) -> torch.Tensor:
+        """(S,) each segment's slot among ``groups * slots``, group-major."""
+        s = torch.arange(segments, device=device)
+        mb = torch.div(self.first + s % self.sources, self.cp, rounding_mode="floor")
+        return torch.div(s, self.sources, rounding_mode="floor") * self.slots + mb
 
 
 def _scale(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -204,6 +235,12 @@ def _segment_amax(t: torch.Tensor, seg: torch.Tensor, s: int) -> torch.Tensor:
     return out.scatter_reduce_(0, index, t.float().abs(), "amax")[:s]
 
 
+def _slot_amax(cols: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """(S, k) per-segment amaxes -> (n, k): the max over the segments of each slot ``index``."""
+    out = torch.zeros(n, cols.shape[1], dtype=cols.dtype, device=cols.device)
+    return out.scatter_reduce_(0, index.view(-1, 1).expand(cols.shape), cols, "amax")
+
+
 def _inv(scale: torch.Tensor, *shape) -> torch.Tensor:
     return scale.reciprocal().reshape(*shape).contiguous()
 
@@ -231,8 +268,9 @@ class Fp8GroupedForward:
 class Fp8GroupedBackward:
     """The scales of one backward call, agreed over the groups (one reduction per group): dy per
     row and W per (group, input column) over the output features (``spec.out_groups``); dy and x
-    per (segment, column) over the rows (``spec.token_groups``). ``dgrad`` and ``wgrad`` run the
-    two GEMMs."""
+    per (segment, column) over the rows (``spec.token_groups``; with ``spec.slots``, per (group,
+    micro-batch) over the segments of one micro-batch too). ``dgrad`` and ``wgrad`` run the two
+    GEMMs."""
 
     def __init__(self, spec: GroupedFp8Spec, grad: torch.Tensor, x: torch.Tensor,
                  weight: torch.Tensor, offsets: torch.Tensor, segments: torch.Tensor):
@@ -243,9 +281,18 @@ class Fp8GroupedBackward:
         am = Amaxes()
         am.add(amax(grad, -1), spec.out_groups)                            # (n, 1)
         am.add(amax(weight, 1), spec.out_groups)                           # (G, 1, in)
-        am.add(_segment_amax(grad, self.seg, s), spec.token_groups)        # (S, out)
-        am.add(_segment_amax(x, self.seg, s), spec.token_groups)           # (S, in)
+        cols, groups, slots = (_segment_amax(grad, self.seg, s),          # (S, out)
+                               _segment_amax(x, self.seg, s)), spec.token_groups, spec.slots
+        if slots is not None:  # per (group, micro-batch), over the replicas too
+            index = slots.index(s, grad.device)                            # (S,)
+            n = weight.shape[0] * slots.slots
+            cols = tuple(_slot_amax(c, index, n) for c in cols)            # (G dp, k)
+            groups = groups + (slots.group,)
+        for c in cols:
+            am.add(c, groups)
         g_rows, w_cols, g_cols, x_cols = am.reduce()
+        if slots is not None:
+            g_cols, x_cols = g_cols.index_select(0, index), x_cols.index_select(0, index)
         gd = spec.recipe.grad_dtype
         self.g_rows, self.w_cols = _scale(g_rows, gd), _scale(w_cols, E4M3)
         self.g_cols, self.x_cols = _scale(g_cols, gd), _scale(x_cols, E4M3)

@@ -129,9 +129,11 @@ def _call_amaxes(kind: str, n: int, i: float, o: float, tokens: float, shard: bo
     return tokens + n * o, 0, n * o if ring else 0, n * o + i
 
 
-def amax_bytes(shape: ModelShape, layout: Layout, moe_layer: bool = False) -> tuple[float, float]:
-    """(TP bytes, CP bytes) of the MAX all-reduces of one FP8 layer per micro-batch (0, 0 without
-    FP8): what the engine adds to tp_comm_bytes and cp_comm_bytes to agree on scales over the
+def amax_bytes(shape: ModelShape, layout: Layout,
+               moe_layer: bool = False) -> tuple[float, float, float]:
+    """(TP bytes, CP bytes, EDP bytes) of the MAX all-reduces of one FP8 layer per micro-batch (0s
+    without FP8): what the engine adds to tp_comm_bytes, cp_comm_bytes and (the experts' EDP
+    group under EP with CP) dp_comm_bytes to agree on scales over the
     logical tensors (docs/precision.md). Per layer call one all-reduce per group (TP, then CP) of
     the fp32 amaxes that name it:
 
@@ -148,7 +150,7 @@ def amax_bytes(shape: ModelShape, layout: Layout, moe_layer: bool = False) -> tu
     collective after it). An MoE layer's MLP calls are its shared expert's (none without one),
     plus its experts' (``expert_amaxes``)."""
     if shape.fp8_recipe is None:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     t, c = layout.tp, layout.cp
     width = (shape.moe.shared_ffn if moe_layer else shape.ffn_hidden_size)
     shard = layout.sequence_parallel and t > 1
@@ -161,16 +163,18 @@ def amax_bytes(shape: ModelShape, layout: Layout, moe_layer: bool = False) -> tu
                                               shape.fp8_recipe == "rowwise")
         tp += forwards * f_tp + b_tp
         cp += forwards * f_cp + b_cp
+    edp = 0.0
     if moe_layer:
-        f_tp, b_tp, b_cp = expert_amaxes(shape, layout)
+        f_tp, b_tp, b_cp, edp = expert_amaxes(shape, layout)
         tp += forwards * f_tp + b_tp
         cp += b_cp
-    return (SCALE_BYTES * tp if t > 1 else 0.0, SCALE_BYTES * cp if c > 1 else 0.0)
+    return (SCALE_BYTES * tp if t > 1 else 0.0, SCALE_BYTES * cp if c > 1 else 0.0,
+            SCALE_BYTES * edp)
 
 
-def expert_amaxes(shape: ModelShape, layout: Layout) -> tuple[float, float, float]:
+def expert_amaxes(shape: ModelShape, layout: Layout) -> tuple[float, float, float, float]:
     """fp32 amaxes an MoE layer's experts reduce per micro-batch (forward TP, backward TP, backward
-    CP), as kernels/fp8_grouped.py's ``Fp8GroupedForward`` / ``Fp8GroupedBackward`` name them
+    CP, backward EDP), as kernels/fp8_grouped.py's ``Fp8GroupedForward`` / ``Fp8GroupedBackward`` name them
     (models/moe/experts.py ``fp8_spec``), with N = the rows the rank's E/ep experts compute (the
     balanced T K of the tokens it computes, ``moe_expert_tokens``) and f = the expert width / etp:
 
@@ -179,14 +183,19 @@ def expert_amaxes(shape: ModelShape, layout: Layout) -> tuple[float, float, floa
       column's, N + E/ep h;
     - the weight gradients' column amaxes per (local expert, source) segment (E/ep experts times
       ep sources: E segments), fc2's over h and f, fc1's over 2 f (gated) or f and h, reduced
-      over TP under sequence parallelism without ETP and over CP at ep 1."""
+      over TP under sequence parallelism without ETP and over CP at ep 1; with ep > 1 under CP
+      they are reduced per (local expert, micro-batch) instead (``SegmentSlots``: E/ep times dp
+      slots), over TP as before and over EDP where it has more than one rank."""
     moe = shape.moe
     h, etp = shape.hidden_size, layout.etp
     f = moe.ffn_hidden / etp
     f_in = (2 if shape.block == "llama" else 1) * f
     rows = moe_expert_tokens(shape, layout) * moe.topk
     sharded = rows + moe.num_experts / layout.ep * h if etp > 1 else 0.0
-    columns = moe.num_experts * (2 * h + f + f_in)
+    slots = layout.cp > 1 and layout.ep > 1
+    segments = moe.num_experts // layout.ep * layout.dp if slots else moe.num_experts
+    columns = segments * (2 * h + f + f_in)
     tp = columns if layout.sequence_parallel and layout.tp > 1 and etp == 1 else 0.0
     cp = columns if layout.cp > 1 and layout.ep == 1 else 0.0
-    return sharded, sharded + tp, cp
+    edp = columns if slots and layout.dp * layout.cp > layout.ep else 0.0
+    return sharded, sharded + tp, cp, edp

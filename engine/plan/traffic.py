@@ -26,7 +26,9 @@ ZeRO-1/2 once a step, ZeRO-3 every gather unit twice per model chunk and micro-b
 and backward) and its kept units once (engine/plan/zero3.py).
 Tied embeddings (gpt2, pp > 1): the first and last stages all-reduce the embedding's fp32
 gradient (its ZeRO shard). FP8 (``--fp8-format``): every FP8 layer's calls add the MAX
-all-reduces of their scales' amaxes over TP and over CP (engine/plan/fp8.py ``amax_bytes``). Not counted: the statistics all-reduce, the gradient norm's and the
+all-reduces of their scales' amaxes over TP and over CP, and the experts' over EDP under EP
+with CP (engine/plan/fp8.py ``amax_bytes``). Not counted: the statistics all-reduce, the
+gradient norm's and the
 pipeline bubble's scalars (a few bytes), Ulysses' all-to-alls (``--cp-comm-type a2a``: None).
 
 Mixture of experts (``ModelShape.moe``, ``Layout.ep``; parallel/expert_parallel/dispatch.py), per
@@ -153,7 +155,7 @@ def step_traffic(shape: ModelShape, layout: Layout, stage: int,
     layers = shape.num_layers // p
     tp = layers * _tp_per_layer(layout, msg) \
         + stage_moe_layers(shape, layout, stage) * moe_tp_per_layer(shape, layout, msg)
-    fp8_tp, fp8_cp = stage_amax_bytes(shape, layout, stage)   # FP8's scales (fp8.amax_bytes)
+    fp8_tp, fp8_cp, fp8_edp = stage_amax_bytes(shape, layout, stage)  # FP8's scales (fp8.amax_bytes)
     tp += fp8_tp
     if t > 1 and stage == 0:
         tp += msg + msg / t if sp else msg                      # the embedding
@@ -197,18 +199,18 @@ def step_traffic(shape: ModelShape, layout: Layout, stage: int,
     tp = m * tp + moe_sp_grad_sync(shape, layout, stage)
     return {"tp": tp, "cp": None if cp is None else m * cp, "pp": m * pp, "dp": dp,
             "embedding": embedding, "ep": m * stage_moe_layers(shape, layout, stage) * ep_per_layer(shape, layout),
-            "edp": edp}
+            "edp": edp + m * fp8_edp}
 
 
-def stage_amax_bytes(shape: ModelShape, layout: Layout, stage: int) -> tuple[float, float]:
-    """(TP, CP) bytes per micro-batch of the FP8 scales' MAX all-reduces of pipeline rank
+def stage_amax_bytes(shape: ModelShape, layout: Layout,
+                     stage: int) -> tuple[float, float, float]:
+    """(TP, CP, EDP) bytes per micro-batch of the FP8 scales' MAX all-reduces of pipeline rank
     ``stage``'s FP8 layers (engine/plan/fp8.py ``amax_bytes``; 0 without --fp8-format)."""
-    tp = cp = 0.0
+    total = [0.0, 0.0, 0.0]
     for layer in stage_layers(shape, layout, stage):
         if shape.is_fp8(layer):
-            one = amax_bytes(shape, layout, shape.is_moe(layer))
-            tp, cp = tp + one[0], cp + one[1]
-    return tp, cp
+            total = [a + b for a, b in zip(total, amax_bytes(shape, layout, shape.is_moe(layer)))]
+    return tuple(total)
 
 
 def ep_per_layer(shape: ModelShape, layout: Layout) -> float:

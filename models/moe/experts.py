@@ -53,7 +53,8 @@ FP8 path under a zero-bubble store; under ``--no-moe-grouped-gemm`` the per-grou
 rowwise scales over the logical tensors: fc1's (gate and up) output features and fc2's input
 features are split over ETP, so the amaxes along them are reduced over ``etp_group``; the weight
 gradients' column scales, per (expert, source) row segment (``segments``), over ``token_groups``
-(the ranks holding the other rows of the same segments). The activation stays bf16.
+(the ranks holding the other rows of the same segments) and, under EP with CP, per micro-batch
+over its segments here and on the replicas (``slots``). The activation stays bf16.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ from torch import nn
 
 import kernels
 from kernels.fp8 import Fp8Recipe
-from kernels.fp8_grouped import GroupedFp8Spec
+from kernels.fp8_grouped import GroupedFp8Spec, SegmentSlots
 from kernels.grouped_gemm import host_counts, row_groups
 from models.logical import LogicalPart, mark_parts
 from models.moe.grouped_split import grouped_linear_defer_w
@@ -74,14 +75,16 @@ from models.moe.grouped_split import grouped_linear_defer_w
 class LocalExperts(nn.Module):
     """The experts ``local`` (global indices) of one layer, or with ``etp = (rank, size)`` this
     ETP rank's slice of each, applied to rows sorted by local expert. ``etp_group`` (the ETP
-    CommGroup) and ``token_groups`` are where FP8's amaxes are reduced (module docstring)."""
+    CommGroup), ``token_groups`` and ``slots`` are where FP8's amaxes are reduced (module
+    docstring)."""
 
     fp8: Fp8Recipe | None = None
 
     def __init__(self, cfg, ctx, name: str, kind: str, bias: bool, local: range,
-                 etp: tuple[int, int] = (0, 1), etp_group=None, token_groups: tuple = ()):
+                 etp: tuple[int, int] = (0, 1), etp_group=None, token_groups: tuple = (),
+                 slots: SegmentSlots | None = None):
         super().__init__()
-        self.etp_group, self.token_groups = etp_group, tuple(token_groups)
+        self.etp_group, self.token_groups, self.slots = etp_group, tuple(token_groups), slots
         if kind not in ("gelu", "swiglu"):
             raise ValueError(f"unknown MLP kind {kind!r}; use gelu or swiglu")
         hidden, ffn = cfg.hidden_size, cfg.moe_ffn_hidden_size
@@ -145,7 +148,7 @@ class LocalExperts(nn.Module):
             return None
         specs = self.__dict__.setdefault("_fp8_specs", {})
         if self.fp8 not in specs:
-            common = dict(token_groups=self.token_groups, loop=not self.grouped)
+            common = dict(token_groups=self.token_groups, loop=not self.grouped, slots=self.slots)
             etp = (self.etp_group,)
             specs[self.fp8] = (GroupedFp8Spec(self.fp8, out_groups=etp, **common),
                                GroupedFp8Spec(self.fp8, in_groups=etp, **common))

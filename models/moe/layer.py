@@ -46,6 +46,7 @@ from models.config import GPTConfig
 from models.layers import LayerContext, ParallelMLP
 from models.moe.balancing import aux_loss_share, seq_aux_loss_share, z_loss_share
 from models.moe.capacity import choose, expert_capacity, padded_rows
+from kernels.fp8_grouped import SegmentSlots
 from models.moe.experts import LocalExperts
 from models.moe.router import TopKRouter
 from parallel.grid.expert_groups import ExpertGrid
@@ -87,14 +88,19 @@ class MoELayer(nn.Module):
         local = ExpertGrid.local_experts(e, ps.ep_group.size, ps.ep_group.rank)
         # FP8: the ranks holding other rows of the experts' (expert, source) row segments, over
         # which the weight gradients' column amaxes are reduced: the other sequence shards under
-        # SP without ETP (the same experts on every TP rank), the other CP slices at ep 1
-        # (docs/precision.md: with ep > 1 the CP slices reach other replicas; not reduced)
+        # SP without ETP (the same experts on every TP rank), the other CP slices at ep 1; with
+        # ep > 1 the CP slices of a micro-batch are other sources, here or on the replicas
         token_groups = (ps.tp_group,) if self.tp_split and not self.etp_sp else ()
+        slots = None
         if ps.cp_size > 1 and ps.ep_group.size == 1:
             token_groups += (ps.cp_group,)
+        elif ps.cp_size > 1:
+            ep = ps.ep_group.size
+            slots = SegmentSlots(ExpertGrid(ps.grid, ep).ep_group_start(ps.rank), ep, ps.cp_size,
+                                 ps.dp_size, ps.edp_group)
         self.experts = LocalExperts(cfg, ctx, f"{name}.experts", kind, bias, local,
                                     (self.etp_group.rank, self.etp_group.size), self.etp_group,
-                                    token_groups)
+                                    token_groups, slots)
         shared = cfg.moe_shared_expert_intermediate_size
         self.shared_expert = None if shared is None else ParallelMLP(
             dataclasses.replace(cfg, ffn_hidden_size=shared), ps, ctx, f"{name}.shared_expert",

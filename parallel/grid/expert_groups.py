@@ -89,6 +89,16 @@ class ExpertGrid:
         """``rank``'s index in its EP group: it holds experts [i * E/ep, (i + 1) * E/ep)."""
         return self.group_of(rank, "ep").index(rank)
 
+    def ep_group_start(self, rank: int) -> int:
+        """The position among its stage's DP x CP ranks (rank order: CP the faster coordinate, so
+        position dp * cp + cp) of the first rank of ``rank``'s EP group, the groups being
+        consecutive blocks of ``ep`` positions. Source j of the group is then the rank at position
+        ``start + j``, a CP slice of micro-batch (DP coordinate) ``(start + j) // cp``: with
+        ``RankGrid(dp=2, cp=2)`` and ep 2, rank 3 (dp 1, cp 1) starts at 2, its sources are
+        micro-batch 1's two slices."""
+        c = self.grid.coord(rank)
+        return (c.dp * self.grid.cp + c.cp) // self.ep * self.ep
+
     @staticmethod
     def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
         """The global indices of the experts an EP rank holds."""

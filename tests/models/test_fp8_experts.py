@@ -13,13 +13,15 @@ on a real tp=2 gloo group, against the serial FP8 experts, exactly.
 - Token groups (sequence parallelism without ETP, CP at ep 1): each rank holds half of the rows of
   every (expert, source) segment; the weight gradients' column scales, reduced over the group, are
   the serial ones over all the rows, exactly.
+- EP with CP (``SegmentSlots``): a micro-batch's rows of an expert arrive as several segments, on
+  one rank and on the expert's replica; each takes the serial scales of the whole micro-batch.
 """
 from __future__ import annotations
 
 import torch
 
 from kernels.fp8 import Fp8Recipe
-from kernels.fp8_grouped import Fp8GroupedBackward, Fp8GroupedForward, GroupedFp8Spec
+from kernels.fp8_grouped import Fp8GroupedBackward, Fp8GroupedForward, GroupedFp8Spec, SegmentSlots
 from models.config import GPTConfig
 from models.layers import LayerContext
 from models.logical import logical_views
@@ -162,9 +164,54 @@ def _check_tokens(ps) -> None:
     assert not torch.equal(alone.g_cols, whole.g_cols)   # the reduction is what makes them equal
 
 
+# EP x CP: rank r's rows per (local expert, source), three sources at DP x CP positions 3 r ..
+# 3 r + 2 with cp 2: micro-batches (0, 0, 1) on rank 0 and (1, 2, 2) on rank 1
+SLOT_COUNTS = [[[2, 3, 1], [0, 4, 2], [3, 0, 0]],
+               [[1, 2, 2], [2, 0, 3], [0, 1, 5]]]
+
+
+def _check_slots(ps) -> None:
+    """Under EP with CP the segments of one micro-batch (on this rank, and on the other: the
+    expert's replica over EDP, played by the TP group) take the serial run's column scales of
+    that micro-batch's rows of the expert, exactly."""
+    group, r = ps.tp_group, ps.tp_rank
+    mb = lambda rank, j: (3 * rank + j) // 2                        # noqa: E731
+    blocks = {}                                   # (rank, expert, source) -> its rows' indices
+    at = 0
+    for rank, table in enumerate(SLOT_COUNTS):
+        for g, counts in enumerate(table):
+            for j, c in enumerate(counts):
+                blocks[rank, g, j] = torch.arange(at, at + c)
+                at += c
+    x, dy, w = _full(8, at, H, scale=2.0), _full(9, at, F, scale=1e-2), _full(10, 3, F, H, scale=0.1)
+    # the serial run: one segment per (expert, micro-batch), every rank's rows of it
+    order, counts = [], []
+    for g in range(3):
+        for m in range(3):
+            rows = [blocks[k] for k in sorted(blocks) if k[1] == g and mb(k[0], k[2]) == m]
+            order.append(torch.cat(rows))
+            counts.append(sum(len(t) for t in rows))
+    take = torch.cat(order)
+    groups = [sum(counts[i:i + 3]) for i in range(0, 9, 3)]
+    whole = Fp8GroupedBackward(GroupedFp8Spec(RECIPE), dy[take], x[take], w, _ends(groups),
+                               _ends(counts))
+    mine = torch.cat([blocks[r, g, j] for g in range(3) for j in range(3)])
+    seg = [c for table in SLOT_COUNTS[r] for c in table]
+    offsets = _ends([sum(t) for t in SLOT_COUNTS[r]])
+    slots = SegmentSlots(first=3 * r, sources=3, cp=2, slots=3, group=group)
+    part = Fp8GroupedBackward(GroupedFp8Spec(RECIPE, slots=slots), dy[mine], x[mine], w, offsets,
+                              _ends(seg))
+    want = [g * 3 + mb(r, j) for g in range(3) for j in range(3)]
+    assert slots.index(9, "cpu").tolist() == want
+    assert torch.equal(part.g_cols, whole.g_cols[want]) and torch.equal(part.x_cols, whole.x_cols[want])
+    alone = Fp8GroupedBackward(GroupedFp8Spec(RECIPE), dy[mine], x[mine], w, offsets, _ends(seg))
+    assert not torch.equal(alone.g_cols, whole.g_cols[want])   # the merge is what makes them equal
+
+
 def _case(ps):
     out = _check_etp(ps)
     _check_tokens(ps)
+    _check_slots(ps)
     return out
 
 

@@ -1,6 +1,7 @@
 """The expert grid's arithmetic (parallel/grid/expert_groups.py), without a process group."""
 import pytest
 
+from kernels.fp8_grouped import SegmentSlots
 from parallel.grid.expert_groups import ExpertGrid
 from parallel.grid.topology import RankGrid
 
@@ -52,3 +53,16 @@ def test_local_experts_and_bad_input():
         ExpertGrid(RankGrid(dp=2), ep=0)
     with pytest.raises(ValueError, match="unknown dimension"):
         ExpertGrid(RankGrid(dp=2), ep=2).groups("dp")
+
+
+@pytest.mark.parametrize("grid, ep", [(RankGrid(dp=2, cp=2), 2), (RankGrid(cp=4), 2),
+                                      (RankGrid(dp=3, cp=2), 3), (RankGrid(tp=2, dp=2, cp=2), 4),
+                                      (RankGrid(pp=2, dp=2, cp=2), 1)])
+def test_ep_group_start_names_each_sources_micro_batch(grid, ep):
+    """FP8's SegmentSlots (kernels/fp8_grouped.py) maps EP source j to micro-batch
+    (start + j) // cp: the DP coordinate of the rank at that place of the EP group."""
+    eg = ExpertGrid(grid, ep=ep)
+    for rank in range(grid.world_size):
+        group = eg.group_of(rank, "ep")
+        slots = SegmentSlots(eg.ep_group_start(rank), ep, grid.cp, grid.dp)
+        assert slots.index(ep, "cpu").tolist() == [grid.coord(r).dp for r in group], (rank, group)

@@ -1,14 +1,14 @@
-"""FP8 in the dry run against the planner: what ``--fp8-format`` adds to a step's TP and CP bytes
-(the MAX all-reduces that agree on every scale over the logical tensor,
+"""FP8 in the dry run against the planner: what ``--fp8-format`` adds to a step's TP, CP and DP
+bytes (the MAX all-reduces that agree on every scale over the logical tensor,
 parallel/tensor_parallel/fp8.py) is, to the byte, the planner's ``amax_bytes`` of the rank's FP8
 layers (engine/plan/fp8.py, traffic.stage_amax_bytes) times the micro-batches: the same dry run
 with and without FP8, differenced, so that what the planner leaves out elsewhere (the
 sequence-parallel norms' gradient sum) cancels. Sequence parallelism and its ring
 (--tp-comm-overlap), full recomputation, rowwise scales, context parallelism, an MoE layer's shared
 expert, its experts' grouped GEMMs (amaxes over ETP, over TP under sequence parallelism without
-ETP, over CP at ep 1; the alltoall dispatcher: the dry run's assumed routing gives the allgather
-dispatcher's experts more than the balanced T K rows, engine/dryrun/assumed.py) and the bf16 first
-and last layers."""
+ETP, over CP at ep 1, over EDP per micro-batch under EP with CP, in the DP bytes; the alltoall
+dispatcher: the dry run's assumed routing gives the allgather dispatcher's experts more than the
+balanced T K rows, engine/dryrun/assumed.py) and the bf16 first and last layers."""
 from __future__ import annotations
 
 import pytest
@@ -41,6 +41,9 @@ CASES = {   # name: (world, flags); every case has tp 2 and/or cp 2
     "MoE llama cp2 ep1, rowwise": (
         2, "--cp 2 --block llama --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 "
            "--fp8-recipe rowwise"),
+    "MoE llama dp2 cp2 ep2, rowwise": (
+        4, "--dp 2 --cp 2 --ep 2 --block llama --num-experts 4 --moe-router-topk 2 "
+           "--moe-ffn-hidden-size 64 --fp8-recipe rowwise --global-batch-size 8"),
     "llama pp2, bf16 first and last layer": (
         4, "--tp 2 --pp 2 --num-layers 4 --block llama --first-last-layers-bf16 "
            "--recompute full"),
@@ -56,9 +59,9 @@ def test_fp8_adds_the_planners_amax_bytes(name):
     m = num_micro_batches(shape, layout)
     added = []
     for bf16, run in zip(plain.records, fp8.records):
-        tp, cp = stage_amax_bytes(shape, layout, run.stage)
-        got = (run.metrics["tp_comm_bytes"] - bf16.metrics["tp_comm_bytes"],
-               run.metrics["cp_comm_bytes"] - bf16.metrics["cp_comm_bytes"])
-        assert got == (m * tp, m * cp), (name, run.role.name, got, (m * tp, m * cp))
+        want = tuple(m * b for b in stage_amax_bytes(shape, layout, run.stage))
+        got = tuple(run.metrics[f"{k}_comm_bytes"] - bf16.metrics[f"{k}_comm_bytes"]
+                    for k in ("tp", "cp", "dp"))
+        assert got == want, (name, run.role.name, got, want)
         added.append(sum(got))
     assert min(added) > 0   # every rank reduces scales (the pp case: each stage has FP8 layers)

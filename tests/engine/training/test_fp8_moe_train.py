@@ -12,7 +12,9 @@ every expert GEMM is a real FP8 GEMM), --fp8-format hybrid:
   ``FP8_LAYOUT_TOLERANCE`` (docs/precision.md): ep 2 with expert tensor parallelism (the per-token
   amaxes of fc2's input and the weights' amaxes reduced over ETP), ep 2 with sequence parallelism
   and etp 1 (the weight gradients' column amaxes reduced over TP; each EP source its own row
-  segment), ep 2 under zb-h1 with pp 2 (the experts' deferred weight gradients in FP8).
+  segment), ep 2 under zb-h1 with pp 2 (the experts' deferred weight gradients in FP8), ep 2
+  under cp 4 (each micro-batch's four CP slices reach two EP groups: the weight gradients' column
+  amaxes per (expert, micro-batch), merged on the rank and over EDP).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ LAYOUTS = {
     "tp2 dp2 ep2 etp2": ["--tp", "2", "--dp", "2", "--ep", "2", "--etp", "2"],
     "tp2 dp2 ep2 sp": ["--tp", "2", "--dp", "2", "--ep", "2", "--sequence-parallel"],
     "pp2 dp2 ep2 zb-h1": ["--pp", "2", "--dp", "2", "--ep", "2", "--pipeline-schedule", "zb-h1"],
+    "cp4 ep2": ["--cp", "4", "--ep", "2"],
 }
 
 
