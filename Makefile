@@ -8,11 +8,15 @@ TORCHRUN := $(VENV)/bin/torchrun
 
 .PHONY: train train-serial test bench device-check clean
 
+# pip compiles the installed modules one file at a time; compileall does the same work on every core
+# (30 s less here). The bytecode is a cache: a file neither can compile (torch ships one written for
+# Python 3.12) is left to the interpreter, as pip leaves it, hence the `|| true`.
 $(STAMP): requirements-cpu.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-cpu.txt
+	$(PY) -m pip install -q --no-compile -r requirements-cpu.txt
 	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 	touch $(STAMP)
 
 # The main job: 3D-parallel GPT pretraining (tp=2, pp=2, dp=2) on the built-in corpus, 8 CPU processes.

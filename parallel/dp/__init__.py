@@ -1,5 +1,7 @@
-"""Data parallelism: gradient buffers and reducer, ZeRO-1/2 optimizer with overlapped parameter
-gather, gradient compression with error feedback and frozen-variance Adam, memory accounting."""
+"""Data parallelism: gradient buffers and reducer (reducer.py; its compressed side,
+reducer_compressed.py), the ZeRO-1/2 optimizer with overlapped parameter gather, ZeRO-3's parameter
+shards (zero3.py) and the optimizer's host offload (offload.py), gradient compression with error
+feedback and frozen-variance Adam, memory accounting."""
 from parallel.dp.buffers import Bucket, GradBuffer, ParamSlot
 from parallel.dp.compression import Compressor, Int8Compressor, TopKCompressor
 from parallel.dp.dgc import MomentumTopKCompressor

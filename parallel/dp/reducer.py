@@ -26,7 +26,9 @@ active (after the policy's warm-up) every bucket goes to the ``ExchangeWorker`` 
 (exchange.py): compressed buckets are encoded, exchanged and decoded on its thread while backward
 continues, and uncompressed ones are issued from there too, so one thread orders all DP
 collectives, on ``ps.dp_exchange_group`` (the same ranks on a communicator of the worker's own:
-parallel/runtime/lanes.py), as does the variance refresh. ``finish()`` waits for everything.
+parallel/runtime/lanes.py), as does the variance refresh. ``finish()`` waits for everything. The
+compressed exchange, the statistics, the residuals and the reducer's checkpoint state are
+reducer_compressed.py's (``CompressedSide``, a base of ``GradReducer``).
 
 Schedules where one step runs several backward passes per parameter in an interleaved order
 (virtual pipeline stages) can use ``set_num_microbatches(n)`` instead: a parameter then counts as
@@ -57,7 +59,6 @@ non-finite ones there, before the reduction spreads them to every replica).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -66,11 +67,12 @@ from parallel.dp.buffers import Bucket
 from parallel.dp.layout import build_buffers, named_parameters
 from parallel.dp.exchange import ExchangeWorker
 from parallel.dp.policy import CompressionPolicy
+from parallel.dp.reducer_compressed import CompressedSide
 from parallel.dp.variance import LocalVariance
 from parallel.grid.state import ParallelState
 
 
-class GradReducer:
+class GradReducer(CompressedSide):
     def __init__(self, params, ps: ParallelState, bucket_size_mb: float = 25.0,
                  grad_dtype: torch.dtype = torch.float32,
                  compression_policy=None, overlap: bool = True,
@@ -355,34 +357,6 @@ class GradReducer:
             return group.reduce_scatter_into(out, data, async_op=True), bucket, out
         return group.all_reduce(data, async_op=True), bucket, None
 
-    def _exchange(self, bucket: Bucket, group) -> None:
-        """A compressed bucket's whole exchange (on the worker thread, over its ``group``)."""
-        data = bucket.data
-        if bucket.variance is not None:
-            self._local_variance(bucket, data)
-        data.div_(self.dp)
-        bucket.compressor.prepare_step(self.step - self.policy.warmup_steps,
-                                       self.policy.sparsity_warmup_steps, self.local_clip)
-        if self.shard_grads:
-            bucket.compressor.reduce_scatter_(data, group, bucket.own_view())
-            # the side stream may still read the storage: the allocator must not hand the block to
-            # the next backward (on the compute stream) before that work is done
-            bucket.free_storage(used_on=self._worker.stream)
-        else:
-            bucket.compressor.all_reduce_(data, group)
-
-    def _refresh(self) -> dict[int, torch.Tensor]:
-        """The sparse buckets' local statistics averaged over the ranks that hold them (DP x CP,
-        EDP for an expert bucket): {bucket index: full or shard} (on the worker thread, after
-        every bucket)."""
-        return {b.index: b.variance.average(b.exchange_group, self.beta2, self.shard_grads)
-                for b in self.buckets if b.variance is not None}
-
-    def _local_variance(self, bucket: Bucket, data: torch.Tensor) -> None:
-        """This rank's own gradient (before the division by dp) into its statistics, unscaled."""
-        scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
-        bucket.variance.update_(data, self.beta2, 1.0 / scale)
-
     def _complete(self, item) -> None:
         """After the bucket's collective is done: its output into place, ZeRO-2 storage freed."""
         _, bucket, out = item
@@ -402,48 +376,7 @@ class GradReducer:
                 keep.append(item)
         self._pending = keep
 
-    # ---- residuals of compressors, state, teardown -------------------------------------------
-    def rescale_residuals(self, factor: float) -> None:
-        """The loss scale changed by ``factor``: keep error-feedback residuals in the new units
-        (the local variance statistics are kept unscaled)."""
-        for bucket in self.buckets:
-            if bucket.compressor is not None:
-                bucket.compressor.rescale_(factor)
-
-    def reset_residuals(self) -> None:
-        """Drop error-feedback residuals and local statistics (after a skipped step they may hold
-        inf/nan); a refresh computed from them is dropped too."""
-        for bucket in self.buckets:
-            if bucket.compressor is not None:
-                bucket.compressor.reset()
-            if bucket.variance is not None:
-                bucket.variance.reset()
-        self.refreshed = {}
-
-    def state_dict(self) -> dict:
-        """Step counter, compressor residuals and local variance statistics (per rank; they depend
-        on the DP layout)."""
-        state = {}
-        for b in self.buckets:
-            if b.compressor is not None:
-                state.update({f"bucket{b.index}.{k}": v for k, v in b.compressor.state_dict().items()})
-            if b.variance is not None:
-                state.update({f"bucket{b.index}.variance_{k}": v for k, v in b.variance.state_dict().items()})
-        return {"step": self.step, "warmup_steps": self.policy.warmup_steps, "residuals": state}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-        if state.get("warmup_steps") is not None:       # the saved phase wins (warmup.py)
-            self.policy = dataclasses.replace(self.policy, warmup_steps=int(state["warmup_steps"]))
-        residuals = state.get("residuals", {})
-        for b in self.buckets:
-            prefix = f"bucket{b.index}."
-            mine = {k[len(prefix):]: v for k, v in residuals.items() if k.startswith(prefix)}
-            if b.compressor is not None:
-                b.compressor.load_state_dict({k: v for k, v in mine.items() if not k.startswith("variance_")})
-            if b.variance is not None and "variance_sq" in mine:
-                b.variance.load_state_dict({"sq": mine["variance_sq"], "count": mine["variance_count"]})
-
+    # ---- teardown ----------------------------------------------------------------------------
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()

@@ -45,7 +45,7 @@ def _compiled(ps, root: str) -> list[dict]:
     # one run directory, so one Inductor cache (engine/device/compile.py): the second dispatcher's
     # run finds the graphs the two share (attention, the router, the experts) compiled
     return [_train(flags + ["--dp", "2", "--compile", "--run-dir", f"{root}/compiled",
-                            "--metrics-file", f"{root}/metrics{i}.jsonl"])
+                            "--metrics-file", f"{root}/metrics{i}.jsonl", "--save", f"{root}/ckpt{i}"])
             for i, flags in enumerate(LAYOUTS)]
 
 
