@@ -4,7 +4,7 @@ serial eager model.
 dp 2 with ep 2 (each rank holds two of the four experts and exchanges tokens with the other),
 llama blocks, one MoE layer with the global aux loss and the z-loss, the alltoall and the
 allgather dispatcher (Dynamo breaks the graph where the routing's data-dependent split sizes
-reach the host, the second run reusing the first one's cache), fp32, 3 steps: the
+reach the host), fp32, 3 steps: the
 per-step loss, balancing losses and gradient norm equal the serial eager run's to a relative
 1e-5 and the per-expert load exactly. Inductor compiles on every rank, so the model is one layer
 and the run three steps.
@@ -42,10 +42,7 @@ def _train(argv: list[str], launch: LaunchEnv | None = None) -> dict:
 
 
 def _compiled(ps, root: str) -> list[dict]:
-    # one run directory, so one Inductor cache (engine/device/compile.py): the second dispatcher's
-    # run finds the graphs the two share (attention, the router, the experts) compiled
-    return [_train(flags + ["--dp", "2", "--compile", "--run-dir", f"{root}/compiled",
-                            "--metrics-file", f"{root}/metrics{i}.jsonl", "--save", f"{root}/ckpt{i}"])
+    return [_train(flags + ["--dp", "2", "--compile", "--run-dir", f"{root}/{i}"])
             for i, flags in enumerate(LAYOUTS)]
 
 
