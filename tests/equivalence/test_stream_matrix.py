@@ -13,7 +13,9 @@ gloo ranks so that every block kind meets every path and every schedule is run (
 - no rank's checker records a violation, and every two ranks submit to the communicators they
   share in the same order (parallel/runtime/lanes.py ``order_mismatch``);
 - the uncompressed runs also train the serial model (per-step loss and gradient norm to a
-  relative 1e-4, engine/fuzz/compare.py); compressed runs change the gradients by design.
+  relative 1e-4, engine/fuzz/compare.py); compressed runs change the gradients by design, and the
+  FP8 run (bf16 with FP8 GEMMs: its amax all-reduces over CP and, for the experts under EP with CP,
+  over EDP, beside ZeRO-2's gathers) computes in other precisions.
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ INT8 = ["--grad-compression", "int8", "--grad-compression-warmup-steps", "1"]
 TOPK = ["--grad-compression", "topk", "--grad-compression-ratio", "0.1",
         "--grad-compression-warmup-steps", "1"]
 ASYNC = ["--async-save", "--save-interval", "1"]     # --save is added per run
+# FP8's amax all-reduces (TP, CP, and the experts' over EDP under EP with CP) on the compute
+# stream, beside ZeRO's gathers on the same groups; bf16, so not compared with the fp32 serial run
+FP8 = ["--precision", "bf16", "--fp8-format", "hybrid"]
 
 
 def zero(stage: int) -> dict:
@@ -53,7 +58,8 @@ RUNS = {
     "moe-a2a cp-ring zb-v": (Case(**MOE_A2A, **CP_RING, pp=2, schedule="zb-v", layers=4, ep=2), []),
     "moe-a2a int8 edp2": (Case(**MOE_A2A, dp=4, ep=2), INT8),
     "moe-ag tp-ring 1f1b-w": (Case(**MOE_AG, **TP_RING, etp=2, pp=2, schedule="1f1b-w"), []),
-    "moe-ag cp-ring zero2 async": (Case(**MOE_AG, **CP_RING, dp=2, ep=2, **zero(2)), ASYNC),
+    "moe-ag cp-ring zero2 async fp8": (Case(**MOE_AG, **CP_RING, dp=2, ep=2, **zero(2)),
+                                       ASYNC + FP8),
     "moe-ag topk 1f1b": (Case(**MOE_AG, dp=2, pp=2, ep=2), TOPK),
     "user tp-ring zero1": (Case(block="user", **TP_RING, dp=2, **zero(1)), []),
     "user cp-ring zb-v": (Case(block="user", **CP_RING, pp=2, schedule="zb-v", layers=4), []),
@@ -105,7 +111,7 @@ def test_no_violation_and_one_submission_order(results, name):
 
 
 @pytest.mark.parametrize("name", [n for n, (_, extra) in RUNS.items()
-                                  if "--grad-compression" not in extra])
+                                  if "--grad-compression" not in extra and "--fp8-format" not in extra])
 def test_uncompressed_runs_train_the_serial_model(results, name):
     case, _ = RUNS[name]
     verdict = judge(results[name], serial_quietly(case, STEPS))
