@@ -132,12 +132,12 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() / scale
 
 
-GROUP_ORDER = {"tp": 0, "cp": 1}   # groups reduce in this order on every rank
+GROUP_ORDER = {"tp": 0, "cp": 1, "edp": 2}   # groups reduce in this order on every rank
 
 
 class Amaxes:
     """Local amaxes of one pass, each with the groups it is reduced over: one MAX all-reduce per
-    group (TP, then CP) over the fp32 concatenation of the entries that name it. A group is the
+    group (TP, then CP, then EDP) over the fp32 concatenation of the entries that name it. A group is the
     engine's ``CommGroup`` (its ``size``, ``kind`` and ``all_reduce``: the backend rules check the
     reduction and the group's byte counter counts it); groups of one rank are left out."""
 

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from kernels.fp8 import (ALIGN, E4M3, Amaxes, Fp8Recipe, amax, amax_to_scale, quantize,
                          scaled_grouped_mm_runs, scaled_mm)
-from kernels.grouped_gemm import _check, host_counts, row_groups
+from kernels.grouped_gemm import _check, add_group_bias, host_counts, row_groups
 
 
 @dataclass(frozen=True, eq=False)
@@ -228,17 +228,11 @@ def scaled_grouped_wgrad_reference(a: torch.Tensor, b: torch.Tensor, scale_a: to
 
 
 def _segment_amax(t: torch.Tensor, seg: torch.Tensor, s: int) -> torch.Tensor:
-    """max |t| per (segment, column): (n, k) rows in segments ``seg`` (n,) -> (S, k) fp32; rows of
-    segment S (past the last end) are left out."""
+    """max |t| per (bin, column): (n, k) rows in bins ``seg`` (n,) -> (S, k) fp32, the bins being
+    segments or their micro-batch slots; rows of bin S (past the last end) are left out."""
     out = torch.zeros(s + 1, t.shape[1], dtype=torch.float32, device=t.device)
     index = seg.view(-1, 1).expand(t.shape)                                # a view: no copy
     return out.scatter_reduce_(0, index, t.float().abs(), "amax")[:s]
-
-
-def _slot_amax(cols: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
-    """(S, k) per-segment amaxes -> (n, k): the max over the segments of each slot ``index``."""
-    out = torch.zeros(n, cols.shape[1], dtype=cols.dtype, device=cols.device)
-    return out.scatter_reduce_(0, index.view(-1, 1).expand(cols.shape), cols, "amax")
 
 
 def _inv(scale: torch.Tensor, *shape) -> torch.Tensor:
@@ -281,17 +275,16 @@ class Fp8GroupedBackward:
         am = Amaxes()
         am.add(amax(grad, -1), spec.out_groups)                            # (n, 1)
         am.add(amax(weight, 1), spec.out_groups)                           # (G, 1, in)
-        cols, groups, slots = (_segment_amax(grad, self.seg, s),          # (S, out)
-                               _segment_amax(x, self.seg, s)), spec.token_groups, spec.slots
+        slots, groups, bins, rows = spec.slots, spec.token_groups, s, self.seg
         if slots is not None:  # per (group, micro-batch), over the replicas too
-            index = slots.index(s, grad.device)                            # (S,)
-            n = weight.shape[0] * slots.slots
-            cols = tuple(_slot_amax(c, index, n) for c in cols)            # (G dp, k)
+            index = slots.index(s, grad.device)                            # (S,) each one's slot
+            bins = weight.shape[0] * slots.slots                           # G dp
+            rows = torch.cat([index, index.new_full((1,), bins)]).index_select(0, rows)
             groups = groups + (slots.group,)
-        for c in cols:
-            am.add(c, groups)
+        am.add(_segment_amax(grad, rows, bins), groups)                    # (S or G dp, out)
+        am.add(_segment_amax(x, rows, bins), groups)                       # (S or G dp, in)
         g_rows, w_cols, g_cols, x_cols = am.reduce()
-        if slots is not None:
+        if slots is not None:  # each segment its micro-batch's
             g_cols, x_cols = g_cols.index_select(0, index), x_cols.index_select(0, index)
         gd = spec.recipe.grad_dtype
         self.g_rows, self.w_cols = _scale(g_rows, gd), _scale(w_cols, E4M3)
@@ -349,7 +342,4 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     segments = offsets if segments is None else segments
     y = _Fp8GroupedLinearForwardFp8GroupedLinearBackward.apply(x.contiguous(), weight, offsets,
                                                                 segments, spec)
-    if bias is None:
-        return y
-    groups = row_groups(offsets, x.shape[0]) if groups is None else groups
-    return y + bias.index_select(0, groups).to(y.dtype)
+    return add_group_bias(y, bias, offsets, groups)

@@ -261,9 +261,16 @@ def grouped_linear(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor
                                                                 offsets)
     else:
         y = _GroupedMmForwardGroupedMmBackward.apply(x, weights, offsets.to(torch.int32))
+    return add_group_bias(y, bias, offsets, groups)
+
+
+def add_group_bias(y: torch.Tensor, bias: torch.Tensor | None, offsets: torch.Tensor,
+                   groups: torch.Tensor | None = None) -> torch.Tensor:
+    """y (n, out) plus each row's group's bias (G, out) after a grouped GEMM (``y`` itself without
+    a bias); ``groups``: ``row_groups`` of the offsets when the caller has it."""
     if bias is None:
         return y
-    groups = row_groups(offsets, x.shape[0]) if groups is None else groups
+    groups = row_groups(offsets, y.shape[0]) if groups is None else groups
     return y + bias.index_select(0, groups).to(y.dtype)
 
 

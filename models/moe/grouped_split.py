@@ -33,7 +33,7 @@ import torch
 
 import kernels
 from kernels.fp8_grouped import Fp8GroupedBackward, Fp8GroupedForward, GroupedFp8Spec
-from kernels.grouped_gemm import row_groups
+from kernels.grouped_gemm import add_group_bias, row_groups
 from parallel.grads.weight_grad import WeightGradStore, accumulate, apply_split
 
 
@@ -67,9 +67,7 @@ class _GroupedLinearDeferW(torch.autograd.Function):
         if fp8 is None:
             return kernels.grouped_linear(x, weight, offsets, bias, paths)  # (n, out)
         y = Fp8GroupedForward(fp8, x, weight).linear(x, weight, offsets)   # (n, out)
-        if bias is None:
-            return y
-        return y + bias.index_select(0, row_groups(offsets, x.shape[0])).to(y.dtype)
+        return add_group_bias(y, bias, offsets)
 
     @staticmethod
     def backward(ctx, grad):  # (n, out)

@@ -42,11 +42,11 @@ import re
 import torch
 from torch import nn
 
+from kernels.fp8_grouped import SegmentSlots
 from models.config import GPTConfig
 from models.layers import LayerContext, ParallelMLP
 from models.moe.balancing import aux_loss_share, seq_aux_loss_share, z_loss_share
 from models.moe.capacity import choose, expert_capacity, padded_rows
-from kernels.fp8_grouped import SegmentSlots
 from models.moe.experts import LocalExperts
 from models.moe.router import TopKRouter
 from parallel.grid.expert_groups import ExpertGrid
@@ -224,7 +224,8 @@ class MoELayer(nn.Module):
             # for once the permutation is queued (alltoall_dispatch)
             plan = alltoall_plan(kept, self.ep_group, capacity, self.host_reader)
             rows, perm, _ = self._permute(tokens_in, routing, choice, kept)       # (T K or E C, h)
-            expert_in, state = alltoall_dispatch(rows, plan, self.ep_group)
+            expert_in, state = alltoall_dispatch(rows, plan, self.ep_group,
+                                                 segments=self.experts.fp8 is not None)
             expert_out = self.experts(expert_in, state.offsets, state.groups,
                                       state.segments)                          # (N, h)
             rows = alltoall_combine(expert_out, state, self.ep_group)             # (R, h)

@@ -91,10 +91,13 @@ def alltoall_plan(counts: torch.Tensor, group: CommGroup, capacity: int | None =
     return DispatchPlan(counts, recv, read, None)
 
 
-def alltoall_dispatch(rows: torch.Tensor, plan, group: CommGroup, capacity: int | None = None):
+def alltoall_dispatch(rows: torch.Tensor, plan, group: CommGroup, capacity: int | None = None,
+                      segments: bool = True):
     """Send each expert's rows to the EP rank holding it. ``rows`` (R, h) sorted by expert (with
     a capacity, the kept ones first) and the plan (or the counts (E,), planned here) -> (N, h) rows
-    of this rank's experts, sorted by local expert, and the state."""
+    of this rank's experts, sorted by local expert, and the state. ``segments``: the (local
+    expert, source rank) segments' ends (FP8's weight gradient; off, the state's ``segments`` is
+    None)."""
     if isinstance(plan, torch.Tensor):
         plan = alltoall_plan(plan, group, capacity)
     p, capacity = group.size, plan.capacity
@@ -109,7 +112,7 @@ def alltoall_dispatch(rows: torch.Tensor, plan, group: CommGroup, capacity: int 
         received = _AllToAllVForwardAllToAllVBackward.apply(rows, group, out_splits, in_splits)
         ids = local_ids.repeat_interleave(capacity, output_size=p * local * capacity)
         offsets = offsets_of(equal_counts(local, capacity * p, device))
-        segments = offsets_of(equal_counts(local * p, capacity, device))
+        ends = offsets_of(equal_counts(local * p, capacity, device)) if segments else None
     else:
         values = plan.read.values()                                   # the one host wait
         in_splits = values[:p]
@@ -120,10 +123,10 @@ def alltoall_dispatch(rows: torch.Tensor, plan, group: CommGroup, capacity: int 
         ids = torch.repeat_interleave(local_ids, plan.recv.reshape(-1),
                                       output_size=sum(out_splits))    # (N,)
         offsets = offsets_of(plan.recv.sum(0))
-        segments = offsets_of(plan.recv.t().reshape(-1))              # (local expert, source)
+        ends = offsets_of(plan.recv.t().reshape(-1)) if segments else None  # (expert, source)
     groups, order = torch.sort(ids, stable=True)                      # (local expert, source rank)
     return received.index_select(0, order), DispatchState(in_splits, out_splits, order, offsets,
-                                                          groups, segments)
+                                                          groups, ends)
 
 
 def alltoall_combine(rows: torch.Tensor, state: DispatchState, group: CommGroup) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The stream-order checker: unordered accesses of one storage from two streams, found on the CPU.
 
-PyTorch's CUDA sanitizer (torch.cuda._sanitizer) finds kernels on two streams that touch the same
+PyTorch's CUDA Sanitizer (CSAN, TORCH_CUDA_SANITIZER=1) finds kernels on two streams that touch the same
 memory without an event between them, but only on a GPU. This checker does the same over the
 engine's own stream API (parallel/runtime/streams.py), so it runs in CPU CI: every side stream,
 every worker thread and every communicator ("comm:<group kind>") is a named stream, and
