@@ -41,8 +41,8 @@ test: $(STAMP)
 	$(PY) -m pytest tests -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 bench: $(STAMP)
-	$(PY) -m benchmarks.overhead
-	$(PY) -m benchmarks.scaling
+	$(PY) -m benchmarks.peers.overhead
+	$(PY) -m benchmarks.communication.scaling
 
 # On a CUDA or Ascend NPU machine: kernel paths against their references, then a 1.3B GPT eager, an
 # MoE GPT against its dense twin, the 1.3B GPT compiled, and the optional stages if time remains,

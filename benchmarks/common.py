@@ -1,5 +1,6 @@
-"""Helpers shared by the launch-based benchmarks (scaling.py, peers.py): layouts, torchrun
-subprocesses, per-step metrics files, steady-state throughput and markdown tables.
+"""Helpers shared by the launch-based benchmarks (communication/scaling.py, peers/compare.py and
+others): layouts, torchrun subprocesses, per-step metrics files, steady-state throughput and
+markdown tables.
 
 Every run is a separate ``torchrun --standalone`` job writing one JSON object per optimizer step, so
 a benchmark measures exactly what a user's launch would, including the process group and the real

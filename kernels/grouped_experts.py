@@ -16,7 +16,7 @@ biases (G, f_in) and (G, h_out) or None -> (n, h_out), row r of group g being
   ``kernels.swiglu_packed_backward``, compiled on CUDA), dh @ w_in and dh.T @ x per group, each
   bias's gradient one ``index_add_`` over the rows' groups. The same kernels autograd runs for the
   composition below, without its per-node bookkeeping and the two projections' own Functions:
-  that bookkeeping is host time a device waits behind (benchmarks/moe_host.py). It saves x, the
+  that bookkeeping is host time a device waits behind (benchmarks/host/moe_layer.py). It saves x, the
   pre-activation h and the activation a (what autograd saves for the composition) and the
   parameters themselves (no stacked copy).
 - Elsewhere (the NPU's ``npu_grouped_matmul``, the loop): the composition ``grouped_linear``,

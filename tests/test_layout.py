@@ -1,7 +1,8 @@
 """The package layout as a rule (docs/design.md, "Layout"): every import of the project's code,
 at module level or inside a function, read from the source with ``ast``.
 
-- Between the top-level packages: engine -> models -> parallel -> kernels, never back.
+- Between the top-level packages: benchmarks -> engine -> models -> parallel -> kernels, never
+  back (nothing of the engine imports a benchmark).
 - Inside engine/: each subsystem imports only the subsystems below it (``ENGINE_LAYERS``); the
   entry-point modules (``python -m engine.train`` and the others, and a package's ``__main__``:
   ``python -m engine.plan``) may import anything.
@@ -16,9 +17,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "models", "parallel", "kernels")
+PACKAGES = ("benchmarks", "engine", "models", "parallel", "kernels")
 # what each top-level package may import of the others
-TOP_ALLOWED = {"engine": {"models", "parallel", "kernels"}, "models": {"parallel", "kernels"},
+TOP_ALLOWED = {"benchmarks": {"engine", "models", "parallel", "kernels"},
+               "engine": {"models", "parallel", "kernels"}, "models": {"parallel", "kernels"},
                "parallel": {"kernels"}, "kernels": set()}
 # engine's subsystems, lowest first; each may import those named in its set
 ENGINE_LAYERS = {
@@ -92,7 +94,8 @@ def subsystem(module: str) -> str | None:
 def test_top_level_direction():
     wrong = [f"{m} imports {d}" for m, deps in graph().items() for d in deps
              if d.split(".")[0] != m.split(".")[0] and d.split(".")[0] not in TOP_ALLOWED[m.split(".")[0]]]
-    assert not wrong, "imports against engine -> models -> parallel -> kernels:\n" + "\n".join(sorted(wrong))
+    assert not wrong, ("imports against benchmarks -> engine -> models -> parallel -> kernels:\n"
+                       + "\n".join(sorted(wrong)))
 
 
 def test_engine_subsystems_import_only_below_them():
@@ -165,3 +168,12 @@ def test_every_subsystem_says_what_it_owns(package):
     init = ROOT / "engine" / package / "__init__.py"
     doc = ast.get_docstring(ast.parse(init.read_text())) if init.exists() else None
     assert doc and len(doc.split()) >= 12, f"engine/{package}/__init__.py needs a docstring saying what it owns"
+
+
+@pytest.mark.parametrize("folder", sorted(p.parent.name for p in (ROOT / "benchmarks").glob("*/__init__.py")))
+def test_every_benchmark_folder_says_what_it_measures(folder):
+    init = ROOT / "benchmarks" / folder / "__init__.py"
+    doc = ast.get_docstring(ast.parse(init.read_text()))
+    modules = sorted(p.stem for p in init.parent.glob("*.py") if not p.stem.startswith("__"))
+    assert doc and all(f"``{m}``" in doc for m in modules), \
+        f"benchmarks/{folder}/__init__.py needs a docstring naming each of its modules {modules}"

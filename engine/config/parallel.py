@@ -66,7 +66,7 @@ class ParallelConfig:
     # (slow: for tests and the layout fuzzer)
     stream_check: bool = False
     # the process groups' backend: auto (the device's: hccl, nccl, gloo on the CPU), or gloo with
-    # device tensors (two processes on one GPU, which NCCL refuses; benchmarks/device_two_ranks.py)
+    # device tensors (two processes on one GPU, which NCCL refuses; benchmarks/device_check/two_ranks.py)
     distributed_backend: str = "auto"
     # mixture of experts: EP ranks drawn from the dp x cp ranks of a stage
     # (parallel/grid/expert_groups.py)

@@ -5,7 +5,7 @@ device run's metrics (a metrics.jsonl of engine.train; moe_time.py has the terms
   load's max over mean), when the file has it;
 - the achievable compute fraction: from a dense run of the same active FLOPs
   (``--calibrate-dense METRICS``: the model with each MoE MLP replaced by a dense one K f_e wide,
-  which benchmarks/device_check.py runs beside the MoE model), else the cluster's (given by
+  which benchmarks/device_check/ runs beside the MoE model), else the cluster's (given by
   ``--achievable-fraction`` or the default);
 - ``moe_pass_overhead_s``: the value at which the model predicts the MoE run's measured step
   (bisection; the model's step grows with it), 0 when the run is faster than the model without

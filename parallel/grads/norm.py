@@ -30,7 +30,7 @@ of the step happens where the step's statistics are read (engine/training/step.p
 ``global_grad_norm``, ``clip_grads`` and ``found_inf`` read the result on the host, for callers
 outside the step. The ``*_reference`` functions are the former per-parameter loops (one to four
 kernels per tensor): the multi-tensor paths equal them bit for bit on the CPU
-(tests/engine/training/test_foreach_grads.py), and benchmarks/step_overhead.py times both.
+(tests/engine/training/test_foreach_grads.py), and benchmarks/host/step_overhead.py times both.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The pure parts of benchmarks/scaling.py and benchmarks/peers.py, and one tiny real run of the
-PyTorch-native comparison: dp=2 for 2 steps, whose losses must match the engine's."""
+"""The pure parts of benchmarks/communication/scaling.py and benchmarks/peers/compare.py, and one
+tiny real run of the PyTorch-native comparison: dp=2 for 2 steps, whose losses must match the
+engine's."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,9 @@ import os
 import pytest
 import torch
 
-from benchmarks import checkpoint, peers, scaling
+from benchmarks.communication import scaling
+from benchmarks.host import checkpoint
+from benchmarks.peers import compare as peers
 from benchmarks.common import (Layout, fmt_bytes, markdown_table, max_rel_diff, parse_int_list,
                                parse_layout, scaling_efficiency, steady, summarize)
 
@@ -142,7 +145,7 @@ def test_engine_verdict_before_launch():
 
 
 def test_native_model_matches_the_engine_serial_model():
-    from benchmarks.peers_native import NativeGPT, copy_engine_weights, parse
+    from benchmarks.peers.native import NativeGPT, copy_engine_weights, parse
     from models import GPTChunk, GPTConfig, LayerContext
     from parallel.grid.state import ParallelState
     from parallel.tensor_parallel import Initializer
@@ -188,10 +191,10 @@ def test_checkpoint_benchmark_sizes_and_tiny_run(tmp_path, capsys):
 
 
 def test_long_context_counts_each_saved_tensor_once():
-    """benchmarks/long_context.py's accounting on one rank: the SwiGLU MLP of a layer saves its input,
+    """benchmarks/memory/long_context.py's accounting on one rank: the SwiGLU MLP of a layer saves its input,
     gate, up, silu(gate) and product, s (h + 4 f) fp32 values; parameters are not counted; the
     planner figure is the planner's layer term."""
-    from benchmarks import long_context as lc
+    from benchmarks.memory import long_context as lc
     from parallel.grid.state import ParallelState
     seq, h = 64, lc.MODEL["hidden_size"]
     result = lc.measure(ParallelState.serial(), seq, "p2p", 1)
@@ -203,16 +206,16 @@ def test_long_context_counts_each_saved_tensor_once():
     assert table.splitlines()[2].startswith(f"| {seq} | 1 |")
 
 def test_resilience_benchmark_tiny_run(capsys):
-    from benchmarks import resilience
+    from benchmarks.host import resilience
     row = resilience.main(["--steps", "5", "--fault-step", "4", "--hidden", "32", "--layers", "1"])
     assert row["faulty_losses_equal_plain"] and row["reruns"] == 1, row
     assert "fastest step: plain" in capsys.readouterr().out
 
 
 def test_moe_benchmark_skips_a_refused_dispatcher_and_tabulates():
-    """benchmarks/moe.py's pure parts: the engine's own parser decides what is skipped; the tables
+    """benchmarks/convergence/moe.py's pure parts: the engine's own parser decides what is skipped; the tables
     carry the skipped reason, the imbalance and the validation losses."""
-    from benchmarks import moe
+    from benchmarks.convergence import moe
     base = [*moe.MODEL, *moe.MOE, "--mock-data", "--vocab-size=512", "--dp=4", "--ep=2"]
     assert moe.refused(base + ["--moe-token-dispatcher-type=alltoall"]) is None
     assert "flex" in moe.refused(base + ["--moe-token-dispatcher-type=flex"])
@@ -228,11 +231,11 @@ def test_moe_benchmark_skips_a_refused_dispatcher_and_tabulates():
 
 
 def test_zero3_benchmark_pairs_totals_and_tiny_run(capsys):
-    """benchmarks/zero3.py: the pairs alternate which strategy runs first; the ratio is total
+    """benchmarks/memory/zero3.py: the pairs alternate which strategy runs first; the ratio is total
     seconds over total steps (a mean of the jobs' rates would give 2.5 / 1.5 here, not 2.25 /
     1.5); one tiny pair through the trainer: the same losses, half the parameter bytes per rank
     and more DP bytes under ZeRO-3."""
-    from benchmarks import zero3
+    from benchmarks.memory import zero3
     assert zero3.order(3) == ["ZeRO-2", "ZeRO-3", "ZeRO-3", "ZeRO-2", "ZeRO-2", "ZeRO-3"]
     runs = [{"strategy": "ZeRO-2", "seconds": 3.0, "steps": 2},
             {"strategy": "ZeRO-2", "seconds": 3.0, "steps": 2},

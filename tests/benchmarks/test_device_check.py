@@ -1,4 +1,4 @@
-"""benchmarks/device_check.py, the accelerator check in one call, exercised on the CPU: "nothing to
+"""benchmarks/device_check/, the accelerator check in one call, exercised on the CPU: "nothing to
 check" without an accelerator; the plan and its deadlines; the whole plan end to end with a tiny
 model (``--allow-cpu --tiny``), its JSON and markdown; a stage that overruns its deadline or fails is
 reported in the table, not raised; the 1.3B recipe's size; the FP8 stage (bf16 against FP8 on the
@@ -11,9 +11,10 @@ import types
 
 import torch
 
-from benchmarks import device_check
-from benchmarks.device_check import RESERVE_S, MIN_STAGE_S, Stage, deadline_for, plan
-from benchmarks.device_kernels import check_kernels
+from benchmarks.device_check import run as device_check
+from benchmarks.device_check.plan import (MIN_STAGE_S, MODEL, RESERVE_S, TINY, Stage, deadline_for,
+                                          plan, run_process, train_argv)
+from benchmarks.device_check.kernels import check_kernels
 from engine.config.cli import parse_args
 
 
@@ -120,7 +121,7 @@ def test_overrun_and_failure_are_reported_not_raised(tmp_path):
 
 
 def test_tp_overlap_stage_is_skipped_with_one_device(tmp_path, monkeypatch):
-    import benchmarks.device_tp_overlap as pair
+    import benchmarks.device_check.tp_overlap as pair
     monkeypatch.setattr(pair, "device_count", lambda kind: 1)
     got = device_check.run_stage(Stage("tp_overlap", 60.0, optional=True), 60.0, tmp_path, "cuda", _args())
     assert got.status == "skipped" and got.detail.startswith("one cuda device: no pair")
@@ -131,7 +132,7 @@ def test_training_recipe_is_the_13b_gpt():
     from models import GPTChunk, LayerContext
     from parallel.grid.state import ParallelState
     from parallel.tensor_parallel import Initializer
-    cfg = parse_args(device_check.train_argv("cuda", 20, "m.jsonl", "runs/x", ("--compile",)))
+    cfg = parse_args(train_argv("cuda", 20, "m.jsonl", "runs/x", ("--compile",)))
     assert cfg.compile and cfg.precision.precision == "bf16" and cfg.device == "cuda"
     assert not cfg.checkpoint.save and not cfg.log.plot  # no 16 GB save, no matplotlib needed
     m = cfg.model
@@ -147,15 +148,15 @@ def test_two_ranks_stage_probes_then_trains_against_serial(tmp_path):
     """The stage's body on the CPU (two gloo processes, CPU tensors): the probe finds every
     collective, the dp 2 ZeRO layout with the overlapped gather trains the serial model; a
     layout needing a collective the probe refused is reported with gloo's line, not run."""
-    from benchmarks.device_two_ranks import LAYOUTS, probe, run_two_ranks
+    from benchmarks.device_check.two_ranks import LAYOUTS, probe, run_two_ranks
     found = probe("cpu")
     assert found == {op: None for op in ("all_reduce", "all_gather", "reduce_scatter",
                                          "all_to_all", "broadcast", "p2p")}
 
     def argv_for(metrics, flags):
-        return device_check.train_argv("cpu", 3, metrics, str(tmp_path / "run"), flags, 2, 8,
-                                       device_check.TINY, "fp32")
-    got = run_two_ranks(120.0, tmp_path, "cpu", argv_for, device_check._run_process,
+        return train_argv("cpu", 3, metrics, str(tmp_path / "run"), flags, 2, 8,
+                                       TINY, "fp32")
+    got = run_two_ranks(120.0, tmp_path, "cpu", argv_for, run_process,
                         layouts={k: LAYOUTS[k] for k in ("dp2 zero", "pp2")},
                         refused=dict(found, p2p="Tensors must be CPU and dense"))
     assert got["status"] == "ok", got
@@ -182,13 +183,13 @@ def test_fp8_wide_model_fills_the_device():
     at 18 bytes (bf16 weight, fp32 gradient, fp32 master and Adam) = 3.6 GB and keeps about 34 s b h
     = 1.1 GB of activations at micro-batch 4: 4.8 GB; the embeddings and fp32 logits about 6 GB; so
     about 15 layers. The H200's 141 GiB hold more than the cap."""
-    from benchmarks.device_fp8 import WIDE_DEFAULT_LAYERS, WIDE_MAX_LAYERS, fp8_models, wide_layers
+    from benchmarks.device_check.fp8 import WIDE_DEFAULT_LAYERS, WIDE_MAX_LAYERS, fp8_models, wide_layers
     assert 13 <= wide_layers("NVIDIA H100 80GB HBM3", 4, 16) <= 15
     assert wide_layers("NVIDIA H100 80GB HBM3", 1, 16) > wide_layers("NVIDIA H100 80GB HBM3", 4, 16)
     assert wide_layers("NVIDIA H200", 4, 16) == WIDE_MAX_LAYERS
     assert wide_layers("NVIDIA L40S", 4, 16) == WIDE_DEFAULT_LAYERS  # no memory figure in the table
     models = fp8_models(False, "NVIDIA H100 80GB HBM3", 4, 16)
-    assert models["gpt 1.3b"] == device_check.MODEL
+    assert models["gpt 1.3b"] == MODEL
     assert models["gpt hidden 4096"] == {"num-layers": wide_layers("NVIDIA H100 80GB HBM3", 4, 16),
                                          "hidden-size": 4096, "num-attention-heads": 32,
                                          "seq-length": 2048, "vocab-size": 51200,

@@ -26,7 +26,6 @@ not split) is refused in one line.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch

@@ -6,7 +6,7 @@ and no mask; efficient attention takes an additive bias whose last dimension is 
 and returns an lse padded to 32 queries, which its backward reads in that layout. Their math is
 the flash-attention formula (backward recomputes P = exp(S - lse) from the lse it is given). It is
 never the code under test: kernels/attention_lse_cuda.py's argument preparation is. On a GPU the
-device check (benchmarks/device_kernels.py) runs the real kernels against the reference.
+device check (benchmarks/device_check/kernels.py) runs the real kernels against the reference.
 
     fake = CudaSdpaFake(); monkeypatch.setattr(lse_mod, "cuda_ops", fake.ops)
 """

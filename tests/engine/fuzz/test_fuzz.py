@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import random
-import time
 
 import pytest
 

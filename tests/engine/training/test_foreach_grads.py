@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from benchmarks.step_overhead import (after_backward_before, after_backward_now, as_before, build,
+from benchmarks.host.step_overhead import (after_backward_before, after_backward_now, as_before, build,
                                       count_launches, forward_backward)
 from engine.config.cli import parse_args
 from engine.training.lr_schedule import learning_rate

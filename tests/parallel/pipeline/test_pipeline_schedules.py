@@ -232,7 +232,7 @@ def test_chrome_trace_and_gantt(tmp_path):
     assert [e["args"]["name"] for e in names] == ["rank 0", "rank 1"]
 
     pytest.importorskip("matplotlib")
-    from benchmarks.gantt import draw_gantt
+    from benchmarks.pipeline.gantt import draw_gantt
     sim = simulate(build_schedule("interleaved", 2, 4, 2), 0.5, 1.0)
     assert (tmp_path / "sim.png").name in draw_gantt(sim, str(tmp_path / "sim.png"), "sim")
     draw_gantt(events, str(tmp_path / "events.png"), "events")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from kernels.fp8 import E4M3, Fp8Recipe
 from parallel.grid.state import ParallelState
@@ -32,7 +31,7 @@ from parallel.tensor_parallel.fp8 import set_fp8
 from parallel.tensor_parallel.layers import column_parallel_linears
 from parallel.grid.topology import RankGrid
 from parallel.grads.weight_grad import WeightGradStore
-from tests.helpers.dist_utils import gather_tensors, record_comm, run_distributed
+from tests.helpers.dist_utils import record_comm, run_distributed
 
 INIT = Initializer(seed=5, std=0.1)
 RECIPES = [Fp8Recipe("hybrid", "tensorwise"), Fp8Recipe("e4m3", "tensorwise"),
