@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from parallel.runtime.comm import wire_bytes  # noqa: E402
+from parallel.runtime.comm_monitor import wire_bytes  # noqa: E402
 from parallel.dp import Int8Compressor, OneBitCompressor, TopKCompressor  # noqa: E402
 from parallel.grid.topology import RankGrid  # noqa: E402
 from tests.helpers.dist_utils import gather_tensors, record_comm, run_distributed  # noqa: E402

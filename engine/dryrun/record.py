@@ -39,7 +39,7 @@ from engine.dryrun.build import META, HostReads, build_rank, fake_rank
 from engine.dryrun.roles import Role, expert_holdings
 from engine.training.lr_schedule import learning_rate
 from engine.training.step_record import comm_metrics
-from parallel.runtime.comm import GROUP_KINDS
+from parallel.runtime.comm_monitor import GROUP_KINDS
 from parallel.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F
 from parallel.grid.launch import LaunchEnv
 from parallel.tensor_parallel import padded_vocab_size

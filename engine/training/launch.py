@@ -22,6 +22,8 @@ from engine.config.cli import parse_args
 from engine.training.run_events import INTERRUPTED  # 128 + SIGINT: a run stopped by Ctrl-C
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the communication layer's own frames: a failure names the engine code that called it
+_COMM_FILES = tuple(os.path.join("parallel", "runtime", f) for f in ("comm.py", "comm_monitor.py"))
 _COMM = re.compile(r"timed out|timeout|connection (reset|closed)|closed by peer|broken pipe|"
                    r"NCCL|HCCL|gloo", re.IGNORECASE)
 
@@ -54,7 +56,7 @@ def describe_comm_failure(exc: BaseException, ps, timeout_s: float | None = None
                     group = cand
                     break
         if where is None and path.startswith(_REPO) and "site-packages" not in path \
-                and not path.endswith(os.path.join("parallel", "runtime", "comm.py")):
+                and not path.endswith(_COMM_FILES):
             where = f"{code.co_qualname} ({os.path.relpath(path, _REPO)}:{frame.f_lineno})"
     failed = getattr(getattr(ps, "comm", None), "activity", None)
     failed = failed.failed if failed is not None else None

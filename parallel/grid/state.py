@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from parallel.runtime.comm import CommGroup, CommMonitor, single_rank_group
+from parallel.runtime.comm import CommGroup, single_rank_group
+from parallel.runtime.comm_monitor import CommMonitor
 from parallel.runtime.lanes import EXCHANGE_LANE
 from parallel.grid.launch import LaunchEnv, check_layout
 from parallel.grid.rendezvous import Rendezvous

@@ -38,7 +38,7 @@ import yaml
 from engine.base import ConfigError
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
-from parallel.runtime.comm import wire_bytes
+from parallel.runtime.comm_monitor import wire_bytes
 from parallel.grid.launch import LaunchEnv
 from parallel.grid.state import ParallelState
 from parallel.grid.topology import RankGrid

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.runtime.backend_rules import BackendRuleError, check, check_object, get_rules, resolve
-from parallel.runtime.comm import wire_bytes
+from parallel.runtime.comm_monitor import wire_bytes
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from parallel.runtime.backend_rules import BackendRuleError, get_rules
-from parallel.runtime.comm import CommGroup, CommMonitor
+from parallel.runtime.comm import CommGroup
+from parallel.runtime.comm_monitor import CommMonitor
 from parallel.dp.exchange import ExchangeWorker
 from parallel.dp.reducer import GradReducer
 from parallel.runtime.lanes import (EXCHANGE_LANE, MAIN_LANE, check_lane, current_lane, lane,

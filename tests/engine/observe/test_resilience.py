@@ -22,7 +22,7 @@ from engine.training.step import StepAgreement
 from engine.observe.stragglers import StragglerReport
 from engine.training.launch import describe_comm_failure
 from engine.training.trainer import Trainer
-from parallel.runtime.comm import Activity
+from parallel.runtime.comm_monitor import Activity
 from parallel.runtime.heartbeat import Heartbeat, describe_peers
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import record_comm, run_distributed

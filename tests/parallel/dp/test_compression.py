@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from parallel.runtime.comm import wire_bytes
+from parallel.runtime.comm_monitor import wire_bytes
 from parallel.dp import (CompressionPolicy, CompressorSpec, DistributedOptimizer, GradReducer,
                          Int8Compressor, LocalVariance, PolicyError, TopKCompressor)
 from parallel.grid.state import ParallelState

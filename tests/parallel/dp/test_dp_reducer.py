@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.runtime.comm import wire_bytes
+from parallel.runtime.comm_monitor import wire_bytes
 from parallel.dp import DistributedOptimizer, GradReducer, MixedPrecisionOptimizer
 from parallel.grads.norm import global_grad_norm
 from parallel.grid.state import ParallelState

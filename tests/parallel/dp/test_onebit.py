@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from parallel.runtime.comm import wire_bytes
+from parallel.runtime.comm_monitor import wire_bytes
 from parallel.dp import (CompressionPolicy, DistributedOptimizer, GradReducer,
                          MixedPrecisionOptimizer, OneBitCompressor, PolicyError)
 from parallel.dp.onebit import pack_signs, unpack_signs
