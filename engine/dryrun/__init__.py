@@ -115,7 +115,7 @@ def dry_run(cfg, world_size: int, device: str | None = None, memory_gb: float | 
     run's configuration has ``tp_comm_overlap`` set)."""
     from engine.dryrun.compare import compare_role
     from engine.dryrun.overlap import role_overlap
-    from engine.training.validate import planner_inputs
+    from engine.training.memory_check import planner_inputs
     from engine.plan.hardware import get_device_spec
     from engine.plan.model import GIB, MEMORY_USABLE_FRACTION, PLAN_PRECISION, backend_of
     from parallel.runtime.backend_rules import resolve

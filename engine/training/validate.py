@@ -15,25 +15,25 @@ from engine.data.blend import parse_data_path
 from engine.data.packing import PackingConfig
 from engine.data.tokenizer import strip_data_suffix
 from engine.device.runtime import BACKENDS, available_memory, detect_device_type
-from engine.plan.flops import BLOCKS, moe_layer_indices, moe_shape
-from engine.plan.memory import MemoryTerms, stage_memory
-from engine.plan.model import Layout, ModelShape
 from engine.training.lr_schedule import learning_rate
+from engine.training.memory_check import NO_FIGURE, memory_problem
 from engine.training.unused_flags import compression_notes, unused_flag_notes
 from models.blocks import takes_attention_inputs
 from models.registry import BlockRegistry, default_registry
-from parallel.dp.policy import CompressionPolicy
 from parallel.pipeline.partition import partition_layers
 from parallel.grid.launch import LaunchEnv, LayoutError, check_layout
 from parallel.grid.topology import RankGrid
 
 
 def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | None = None,
-                 memory: tuple[int | None, str] | None = None) -> tuple[RankGrid, list[str]]:
+                 memory: tuple[int | None, str] | None = None,
+                 host_memory: tuple[int | None, str] | None = None) -> tuple[RankGrid, list[str]]:
     """Return the grid and notes (said once, by rank 0: a warm-up longer than the run, a flag that
     has no effect in this layout: engine/training/unused_flags.py), or raise ConfigError.
     ``memory``: (bytes this rank may allocate, where that figure comes from); by default read
-    from the device (engine/device/runtime.py ``available_memory``)."""
+    from the device (engine/device/runtime.py ``available_memory``). ``host_memory``: the same
+    for the host, which an offloaded optimizer uses on a CUDA or NPU device; by default the
+    host's MemAvailable shared by the node's processes (none where ``memory`` is given)."""
     par, m = cfg.parallel, cfg.model
     try:
         grid = par.grid(launch.world_size)
@@ -78,7 +78,12 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
                           f"{grid.pp}; change --global-batch-size or use --pipeline-schedule 1f1b")
     # sizes against memory before anything is allocated (or partitioned: 1e9 layers take minutes)
     available, source = memory or available_memory(kind, launch.local_rank, launch.local_world_size)
-    if (problem := memory_problem(cfg, grid, launch.rank, available, source, BACKENDS[kind])):
+    if host_memory is None:
+        host_memory = NO_FIGURE if memory is not None or kind == "cpu" or \
+            not cfg.optim.optimizer_cpu_offload else \
+            available_memory("cpu", launch.local_rank, launch.local_world_size)
+    if (problem := memory_problem(cfg, grid, launch.rank, available, source, BACKENDS[kind],
+                                  host_memory, one_memory=kind == "cpu")):
         raise ConfigError(problem)
     try:
         partition_layers(m.num_layers, grid.pp, chunks, par.stage_end_weight)
@@ -156,98 +161,6 @@ def check_outputs(cfg: RunConfig) -> None:
 
 
 RUN_DIR_NAMES = {"--metrics-file": "metrics.jsonl", "--timeline": "timeline.json", "--plot": "loss.png"}
-
-
-def planner_inputs(cfg, grid, vocab_size: int | None = None) -> tuple[ModelShape, Layout] | str:
-    """The planner's view of the run (engine/plan/model.py), or why it has none: fused attention
-    and early-stopping recomputation, as the engine runs; activation and weight bytes from
-    ``--precision``; dropout masks only with ``--dropout`` > 0. ``vocab_size`` replaces the
-    configuration's (e.g. a lower bound before the data is read)."""
-    m, par = cfg.model, cfg.parallel
-    if m.block not in BLOCKS:
-        return f"the planner has formulas for {', '.join(BLOCKS)} blocks only (--block {m.block})"
-    elem = 4 if cfg.precision.precision == "fp32" else 2
-    shape = ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, vocab_size or m.vocab_size,
-                       m.seq_length, cfg.data.global_batch_size, m.ffn_hidden_size, m.block,
-                       fused_attention=True, recompute_early_stop=True, activation_bytes=elem,
-                       dropout=m.dropout > 0, num_query_groups=m.num_query_groups, weight_bytes=elem,
-                       moe=moe_shape(m), moe_layers=moe_layer_indices(m),
-                       fp8_recipe=cfg.precision.fp8_recipe if cfg.precision.fp8_format else None,
-                       fp8_bf16_layers=cfg.precision.fp8_bf16_layers)
-    # the planner's schedules: 1f1b (interleaved with vp > 1), zb-h1, zb-v; 1f1b-w holds what 1F1B
-    # holds, GPipe more (engine/dryrun/compare.py KNOWN)
-    zero_bubble = par.pipeline_schedule in ("zb-h1", "zb-v") and grid.pp > 1
-    schedule = par.pipeline_schedule if zero_bubble else "1f1b"
-    layout = Layout(grid.tp, grid.pp, grid.dp, par.chunks_per_rank, cfg.data.micro_batch_size,
-                    par.recompute, par.use_distributed_optimizer,
-                    par.sequence_parallel and grid.tp > 1, grid.cp, par.order,
-                    schedule=schedule, zero_stage=par.zero_stage,
-                    tp_comm_overlap=par.tp_comm_overlap and par.sequence_parallel and grid.tp > 1,
-                    compression=CompressionPolicy.coerce(cfg.compression).any_compressed,
-                    ep=par.expert_model_parallel_size,
-                    etp=par.expert_tensor_parallel_size if m.num_experts else 1,
-                    offload=(cfg.optim.optimizer_offload_fraction if cfg.optim.optimizer_cpu_offload
-                             else 0.0))
-    return shape, layout
-
-
-TERMS = {"weights": ("the weights", "model"), "grads": ("the gradients", "model"),
-         "optimizer": ("the optimizer state", "model"), "activations": ("the activations", "batch"),
-         "transient": ("recomputation's rebuilt layer", "batch"),
-         "pipeline_ends": ("the logits and the embedding's masks", "batch"),
-         "comm_buffers": ("the communicator buffers", "groups"),
-         "fp8": ("the FP8 copies and scales", "batch"),
-         "gathered": ("ZeRO-3's gathered units", "model")}
-FIXES = {"model": "fewer or narrower layers (--num-layers, --hidden-size, --ffn-hidden-size) or more "
-                  "ranks to split them (--tp, --pp; --data-parallel-sharding-strategy optim, "
-                  "optim_grads or optim_grads_params shards the optimizer state, the gradients, "
-                  "the parameters over dp; --optimizer-cpu-offload moves the optimizer state to "
-                  "host memory)",
-         "batch": "a smaller --micro-batch-size or --seq-length, --recompute full, or more --tp / "
-                  "--pp / --cp",
-         "groups": "fewer process groups of more than one rank"}
-
-
-def size_text(n: float) -> str:
-    """Bytes as KiB ... EiB (three significant digits)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024:
-            return f"{n:.3g} {unit}"
-        n /= 1024
-    return f"{n:.3g} EiB"
-
-
-def memory_problem(cfg: RunConfig, grid: RankGrid, rank: int, available: int | None, source: str,
-                   backend: str) -> str | None:
-    """Why this rank's share of the run cannot fit in ``available`` bytes (None when it can, or
-    when no estimate or no figure exists). Pure: the planner's memory model
-    (engine/plan/memory.py ``stage_memory``: weights, gradients, optimizer state, activations of
-    the micro-batches the schedule keeps in flight, the pipeline ends, communicator buffers) for
-    this rank's pipeline stage. Before the data is read the vocabulary counts only when it is
-    given (--vocab-size, --mock-data); otherwise as one token, so the estimate is a lower bound and
-    a run that fits is never refused."""
-    if available is None:
-        return None
-    given_vocab = cfg.data.mock_data or "vocab_size" in cfg.explicit
-    try:
-        planned = planner_inputs(cfg, grid, None if given_vocab else 1)
-    except ValueError:  # a layout the planner does not model: no estimate
-        return None
-    if isinstance(planned, str):
-        return None
-    shape, layout = planned
-    stage = grid.coord(rank).pp
-    terms: MemoryTerms = stage_memory(shape, layout, stage, backend)
-    if terms.total <= available:
-        return None
-    parts = {k: v for k, v in terms.as_dict().items() if k in TERMS}
-    largest = max(parts, key=parts.get)
-    what, kind = TERMS[largest]
-    where = f"rank {rank} (pipeline stage {stage})" if grid.pp > 1 else f"rank {rank}"
-    return (f"this run needs about {size_text(terms.total)} of memory on {where}, more than the "
-            f"{size_text(available)} {source}; the largest part is {what} "
-            f"({size_text(parts[largest])}, engine/plan/memory.py's estimate): choose "
-            f"{FIXES[kind]}")
 
 
 def _validate_cp(cfg: RunConfig, grid: RankGrid) -> None:

@@ -17,7 +17,7 @@ from engine.config.cli import parse_args
 from engine.dryrun import dry_run
 from engine.plan.model import num_micro_batches
 from engine.plan.traffic import stage_amax_bytes
-from engine.training.validate import planner_inputs
+from engine.training.memory_check import planner_inputs
 
 BASE = ["--mock-data", "--vocab-size", "500", "--num-layers", "2", "--hidden-size", "128",
         "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2",

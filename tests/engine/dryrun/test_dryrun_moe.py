@@ -18,7 +18,7 @@ from engine.dryrun import dry_run, prepare, record_roles
 from engine.dryrun.record import MEMORY_KEYS, record_role
 from engine.dryrun.roles import rank_roles
 from engine.plan.traffic import step_traffic
-from engine.training.validate import planner_inputs
+from engine.training.memory_check import planner_inputs
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import SUITE_RULES, record_comm, run_distributed
 

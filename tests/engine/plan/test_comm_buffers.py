@@ -8,7 +8,7 @@ from dataclasses import replace
 from engine.config.cli import parse_args
 from engine.plan.memory import communicators, stage_memory
 from engine.plan.model import COMM_BUFFER_BYTES, Layout, ModelShape
-from engine.training.validate import planner_inputs
+from engine.training.memory_check import planner_inputs
 
 SHAPE = ModelShape(4, 64, 4, 100, 32, 8)
 TINY = ["--mock-data", "--vocab-size", "500", "--no-progress", "--device", "cpu",

@@ -320,7 +320,7 @@ def test_the_planner_reads_the_model_as_the_trainer_does(tmp_path, capsys):
     from torch.distributed.run import get_args_parser
     from engine.config.cli import parse_args
     from engine.config.fields import field_table, flag_info
-    from engine.training.validate import planner_inputs
+    from engine.training.memory_check import planner_inputs
     options = {o for a in plan_cli.build_parser()._actions for o in a.option_strings}
     for name, info in field_table().items():
         if info.section == "model":

@@ -12,13 +12,13 @@ from engine.config.cli import parse_args
 from engine.plan import search as plan
 from engine.plan.calibrate import fit_host_update_gbps
 from engine.plan.hardware import DEVICE_SPECS
-from engine.plan.memory import memory_per_device
+from engine.plan.memory import memory_per_device, stage_param_split
 from engine.plan.model import Cluster, Layout, ModelShape
 from engine.plan.offload import host_memory, offload_time
 from engine.plan.report import launch_command
 from engine.plan.timing import estimate
 from engine.tools import plan_cli
-from engine.training.validate import memory_problem
+from engine.training.memory_check import memory_problem, planner_inputs, size_text
 
 # Llama-3-8B's shape: 32 x 4096, GQA 8 groups, SwiGLU 14336, vocabulary 128256, untied
 L8B = ModelShape(32, 4096, 32, 128256, 2048, 256, ffn_hidden_size=14336, block="llama",
@@ -83,6 +83,92 @@ def test_the_start_memory_check_counts_only_the_device_part():
     assert problem and "the optimizer state" in problem
     with_offload = parse_args(flags + ["--optimizer-cpu-offload"])
     assert memory_problem(with_offload, grid, 0, available, "on the device", "nccl") is None
+
+
+FLAGS_8B = ["--mock-data", "--vocab-size", "128256", "--num-layers", "32", "--hidden-size", "4096",
+            "--num-attention-heads", "32", "--num-query-groups", "8", "--ffn-hidden-size", "14336",
+            "--block", "llama", "--seq-length", "2048", "--micro-batch-size", "4",
+            "--global-batch-size", "256", "--precision", "bf16", "--use-distributed-optimizer",
+            "--optimizer-cpu-offload"]
+GIB = 2 ** 30
+
+
+def test_the_host_part_is_checked_and_the_fractions_that_fit_are_named():
+    """One 141 GB H200 on a node with 120 GiB of host memory free: all of the 8B's optimizer on
+    the host (134.6 GiB with the gradients' copies) does not fit; the line names the fractions
+    whose host part fits the host and whose device part fits the device, and so they do: the
+    ends of the range pass, a step beyond either end is refused by that memory."""
+    grid = parse_args(FLAGS_8B).parallel.grid(1)
+    device, host = (int(141 * GIB), "free on cuda:0"), (120 * GIB, "host memory available")
+
+    def check(fraction):
+        cfg = parse_args(FLAGS_8B + ["--optimizer-offload-fraction", str(fraction)])
+        return memory_problem(cfg, grid, 0, *device, "nccl", host)
+    problem = check(1.0)
+    assert problem.startswith("--optimizer-cpu-offload keeps about 135 GiB in host memory for rank 0 "
+                              "(the offloaded optimizer state 89.7 GiB, the gradients' host copies "
+                              "44.9 GiB"), problem
+    assert "more than the 120 GiB host memory available" in problem
+    # host: floor(20 x 120 / 134.6) / 20; device: 172.7 GiB without offload, 141 free, 89.8 movable
+    assert "--optimizer-offload-fraction from 0.4 to 0.85 (both memories fit" in problem, problem
+    assert check(0.4) is None and check(0.85) is None
+    assert "host memory" in check(0.9) and check(0.35).startswith("this run needs about")
+    # without a host figure (a dry run, an unreadable /proc/meminfo) only the device is checked
+    assert memory_problem(parse_args(FLAGS_8B), grid, 0, *device, "nccl") is None
+    # a host too small for any fraction the device allows: what else to change
+    small = memory_problem(parse_args(FLAGS_8B), grid, 0, *device, "nccl", (40 * GIB, "host"))
+    assert small.endswith("choose more data-parallel ranks (with the distributed optimizer each "
+                          "holds 1/dp of the state) or a smaller model"), small
+
+
+def test_on_the_cpu_the_offloaded_state_counts_in_the_one_memory():
+    """Host and device are one memory: the offload frees nothing, so the offloaded state and the
+    host copies add to the device's part against the one figure."""
+    flags = [f for f in FLAGS_8B if f != "--optimizer-cpu-offload"]
+    grid = parse_args(flags).parallel.grid(1)
+    plain = parse_args(flags)
+    offloaded = parse_args(flags + ["--optimizer-cpu-offload"])
+    shape, layout = planner_inputs(offloaded, grid)
+    device = memory_per_device(shape, layout).total
+    host = host_memory(shape, layout, *stage_param_split(shape, layout, 0)).total
+    need = memory_per_device(*planner_inputs(plain, grid)).total
+    assert device + host > need  # the gradients' host copies come on top
+    enough = int(device + host) + 1
+    assert memory_problem(offloaded, grid, 0, enough, "host", "gloo", one_memory=True) is None
+    problem = memory_problem(offloaded, grid, 0, int(device + host) - 1, "host", "gloo",
+                             one_memory=True)
+    assert problem and problem.startswith(f"this run needs about {size_text(device + host)}")
+    assert "the largest part is the offloaded optimizer state" in problem
+    assert problem.endswith("or none: on the CPU host memory is the device's, so the offload "
+                            "frees nothing")
+    # as the device check alone it would pass: the host part is what refuses it
+    assert memory_problem(offloaded, grid, 0, int(device + host) - 1, "host", "gloo") is None
+
+
+def test_validate_run_reads_the_host_figure_on_a_device(monkeypatch):
+    """On a CUDA device validate_run checks the offloaded part against the host's MemAvailable
+    (shared by the node's processes), and says so in one line before anything is allocated."""
+    from engine.base import ConfigError
+    from engine.training import validate
+    from parallel.grid.launch import LaunchEnv
+    asked = []
+
+    def figures(kind, local_rank=0, local_world_size=1):
+        asked.append(kind)
+        return (int(141 * GIB), "free on cuda:0") if kind == "cuda" else \
+            (100 * GIB, "host memory available (MemAvailable)")
+    monkeypatch.setattr(validate, "detect_device_type", lambda requested: "cuda")
+    monkeypatch.setattr(validate, "available_memory", figures)
+    with pytest.raises(ConfigError, match=r"^--optimizer-cpu-offload keeps about 135 GiB in host "
+                                          r"memory .* more than the 100 GiB host memory available "
+                                          r"\(MemAvailable\); choose an --optimizer-offload-fraction "
+                                          r"from 0.4 to 0.7 "):
+        validate.validate_run(parse_args(FLAGS_8B), LaunchEnv())
+    assert asked == ["cuda", "cpu"]
+    asked.clear()  # without the offload the host is not asked
+    with pytest.raises(ConfigError, match="the optimizer state"):
+        validate.validate_run(parse_args(FLAGS_8B[:-1]), LaunchEnv())
+    assert asked == ["cuda"]
 
 
 def test_the_host_rate_is_calibrated_from_the_update_time():

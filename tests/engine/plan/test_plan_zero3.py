@@ -14,7 +14,7 @@ from engine.plan.memory import memory_per_device
 from engine.plan.model import GIB, Cluster, Layout, ModelShape
 from engine.plan.traffic import step_traffic
 from engine.plan.zero3 import gather_overlap
-from engine.training.validate import memory_problem, planner_inputs
+from engine.training.memory_check import memory_problem, planner_inputs
 
 # gpt2, 4 layers, h 256, vocabulary 1000 (padded to 1024), seq 128, global batch 16
 H, S, V_PAD = 256, 128, 1024

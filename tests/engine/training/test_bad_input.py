@@ -28,7 +28,8 @@ from engine.training.trainer import Trainer
 from engine.data.indexed import write_documents
 from engine.data.tokenizer import ByteTokenizer
 from engine.plan.memory import stage_memory
-from engine.training.validate import memory_problem, planner_inputs, size_text, validate_run
+from engine.training.memory_check import memory_problem, planner_inputs, size_text
+from engine.training.validate import validate_run
 from parallel.grid.launch import LaunchEnv
 from parallel.grid.rendezvous import Disagreement
 from parallel.grid.topology import RankGrid
