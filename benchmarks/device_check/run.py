@@ -5,27 +5,27 @@ pip, no network (``make device-check`` uses the current Python when its torch se
 plan, each stage a subprocess with its own deadline inside the whole check's budget
 (``--budget-s``, default 540 s, so the check ends within 9 minutes: one call of at most 10):
 
-1. ``kernels``: every kernel's device path against its reference (benchmarks/device_check/kernels.py,
-   the grouped GEMM of the MoE experts included);
+1. ``kernels``: every kernel's device path against its reference
+   (benchmarks/device_check/kernels.py, the grouped GEMM of the MoE experts included);
 2. ``eager``: a GPT of about 1.3B parameters (24 layers, hidden 2048, 16 heads, seq 2048, bf16,
    mock data) for ``--steps`` steps: tokens/s, TFLOP/s, MFU, HFU, peak memory and the step's parts
    as totals over the steps after ``--warmup`` (engine.observe.metrics.summarize_run);
 3. ``moe`` and ``moe_dense``: an MoE GPT (12 x 1024, 8 experts of 4096, top-2) and the dense GPT of
    its active FLOPs (ffn 8192) the same way, their tokens/s ratio and the planner's prediction
    for both, before and after calibrating it on these two runs (benchmarks/device_check/moe.py);
-4. ``compiled``: the 1.3B GPT with ``--compile`` (compilation falls in the warm-up steps);
-5. if time remains, ``fp8``: bf16 against ``--fp8-format hybrid`` on the 1.3B GPT and a hidden-4096
-   one, tokens/s and loss over the same steps against issue 36's targets, skipped on a chip
-   without FP8 (benchmarks/device_check/fp8.py); ``syncs``: the host waits per step of a small MoE model counted by the
-   engine's dispatch mode and by CUDA's own report, side by side; ``llama``: the 1.3B model with
-   llama blocks (RoPE and SwiGLU on their compiled CUDA paths), its MFU against gpt2's;
-   ``two_ranks``: two processes
-   on the one device (gloo with device tensors,
-   which NCCL refuses): dp 2 with ZeRO and the overlapped gather, tp 2 with SP, pp 2 and ep 2,
-   each against the serial run in fp32 (benchmarks/device_check/two_ranks.py); ``tp_overlap`` (two
-   devices); ``zero``: the same model with the distributed optimizer (ZeRO-1) on the one device,
-   and ``packed``: packed documents (``--reset-attention-mask --reset-position-ids
-   --eod-mask-loss``), shorter.
+4. while time remains, the figures no device has measured yet: ``fp8``, bf16 against
+   ``--fp8-format hybrid`` on the 1.3B GPT and a hidden-4096 one, tokens/s and loss over the same
+   steps against issue 36's targets, skipped on a chip without FP8
+   (benchmarks/device_check/fp8.py); ``syncs``, the host waits per step of a small MoE model
+   counted by the engine's dispatch mode and by CUDA's own report, side by side; ``llama``, the
+   1.3B model with llama blocks (RoPE and SwiGLU on their compiled CUDA paths), its MFU against
+   gpt2's; ``two_ranks``, two processes on the one device (gloo with device tensors, which NCCL
+   refuses): dp 2 with ZeRO and the overlapped gather, tp 2 with SP, pp 2 and ep 2, each against
+   the serial run in fp32 (benchmarks/device_check/two_ranks.py);
+5. then, while time remains: ``compiled``, the 1.3B GPT with ``--compile`` (compilation falls in
+   the warm-up steps); ``tp_overlap`` (two devices); ``zero``, the same model with the distributed
+   optimizer (ZeRO-1) on the one device; ``packed``, packed documents
+   (``--reset-attention-mask --reset-position-ids --eod-mask-loss``), shorter.
 
 A stage that runs past its deadline is stopped and reported as such in the table, with what it
 measured until then; a stage that fails is reported with the last line of its log; neither raises.
