@@ -1,7 +1,8 @@
 """Sharded, resharding checkpoints: every rank writes the slices it owns, any layout reads them back.
 
-- ``index.py``: the on-disk format (index.json, safetensors shards, ``latest``), verification, the
-  box reader, ``inspect``;
+- ``index.py``: the on-disk format (index.json, safetensors shards, ``latest``), verification,
+  ``inspect``;
+- ``tensor_reader.py``: any box of a logical tensor read back from the pieces that overlap it;
 - ``specs.py``: where each local parameter sits in the logical tensors;
 - ``writer.py``: ``save_checkpoint`` (atomic tmp directory, rename, ``latest``);
 - ``async_writer.py``: saves at step boundaries, in a background thread with ``--async-save``
@@ -16,10 +17,9 @@
 """
 from __future__ import annotations
 
-import sys
-
-from engine.checkpoint.index import (CheckpointError, TensorReader, has_checkpoint, inspect,
-                                     intact_hint, read_index, resolve, saved_step, verify)
+from engine.checkpoint.index import (CheckpointError, has_checkpoint, inspect, intact_hint,
+                                     read_index, resolve, saved_step, verify)
+from engine.checkpoint.tensor_reader import TensorReader
 from engine.checkpoint.reader import load_checkpoint, load_model_params
 from engine.checkpoint.specs import ParamSpec, param_specs
 from engine.checkpoint.writer import save_checkpoint

@@ -33,7 +33,8 @@ import torch
 from safetensors.torch import save_file
 
 from engine.base import ConfigError, ToolParser, os_error_text, run_tool, unwritable
-from engine.checkpoint.index import CheckpointError, TensorReader, intact_hint, read_index, resolve, verify
+from engine.checkpoint.index import CheckpointError, intact_hint, read_index, resolve, verify
+from engine.checkpoint.tensor_reader import TensorReader
 from engine.checkpoint.hf_moe import export_family, export_moe_config, export_moe_layer
 
 

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from engine.base import ConfigError
-from engine.checkpoint.index import CheckpointError, TensorReader, intact_hint, read_index, resolve, verify
+from engine.checkpoint.index import CheckpointError, intact_hint, read_index, resolve, verify
+from engine.checkpoint.tensor_reader import TensorReader
 from engine.checkpoint.specs import (LAYOUT_KEYS, ParamSpec, buffer_specs, by_owner, data_info,
                                      layout_of, param_specs, read_flat, saved_layout)
 from models.moe.config import moe_layer_pattern

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 
 import torch
 
 from engine.base import ConfigError, ToolParser, run_tool
 from engine.checkpoint import CheckpointError, load_model_params, param_specs
-from engine.checkpoint.index import TensorReader, intact_hint, read_index, resolve, verify
+from engine.checkpoint.index import intact_hint, read_index, resolve, verify
+from engine.checkpoint.tensor_reader import TensorReader
 from engine.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from engine.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from models import GPTConfig, LayerContext

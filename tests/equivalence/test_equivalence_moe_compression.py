@@ -99,7 +99,7 @@ def _residuals_read_back(ps, argv: list[str], path: str) -> dict:
     """Load ``path`` under ``argv``'s layout; this rank's logical residual and velocity pieces
     against the checkpoint's."""
     from engine.checkpoint import param_specs, read_index
-    from engine.checkpoint.index import TensorReader
+    from engine.checkpoint.tensor_reader import TensorReader
     from engine.checkpoint.specs import by_owner, split_flat
     from parallel.dp.residuals import logical_residual_pieces
     trainer = Trainer(parse_args(argv + ["--load", path]))
@@ -129,7 +129,7 @@ def _expert_residuals_written(ps, argv: list[str], path: str) -> int:
     residuals and owner residuals (each owner's at its shard), summed here by a plain all-reduce.
     Returns the expert values compared."""
     from engine.checkpoint import param_specs, read_index
-    from engine.checkpoint.index import TensorReader
+    from engine.checkpoint.tensor_reader import TensorReader
     from engine.checkpoint.specs import by_owner
     trainer = Trainer(parse_args(argv + ["--load", path]))
     compared = 0

@@ -12,7 +12,8 @@ import torch
 import engine.checkpoint as ckpt_mod
 import engine.checkpoint.writer as ckpt_writer
 from engine.checkpoint import main as checkpoint_main
-from engine.checkpoint.index import FORMAT, TensorReader, write_shard
+from engine.checkpoint.index import FORMAT, write_shard
+from engine.checkpoint.tensor_reader import TensorReader
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
 from parallel.grid.topology import RankGrid

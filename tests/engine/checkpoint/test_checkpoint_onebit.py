@@ -8,7 +8,7 @@ import os
 import torch
 
 from engine.checkpoint import param_specs, read_index
-from engine.checkpoint.index import TensorReader
+from engine.checkpoint.tensor_reader import TensorReader
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
 from parallel.dp.residuals import logical_residual_pieces
