@@ -41,7 +41,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
     for key in ("intra_node_gbps", "inter_node_gbps", "peak_tflops", "memory_gb", "fp8_peak_tflops",
-                "host_link_gbps", "host_memory_gbps"):
+                "host_link_gbps", "host_memory_gbps", "host_memory_gb"):
         value = getattr(args, key)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"--{key.replace('_', '-')} must be a positive number, got {value}")

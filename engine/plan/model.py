@@ -157,6 +157,16 @@ class Cluster:
     # AdamW reaches (--calibrate fits it); None: unknown, the offload is not weighed
     host_link_gbps: float | None = None
     host_update_gbps: float | None = None
+    # host memory per node (GiB) that an offloaded optimizer may take, shared by the node's devices
+    # (--host-memory-gb); None: unbounded (a DGX node's 2 TB), the offload is not limited by it
+    host_memory_gb: float | None = None
+
+    @property
+    def host_bytes_per_device(self) -> float | None:
+        """Host bytes one device's process may hold, or None when unbounded."""
+        if self.host_memory_gb is None:
+            return None
+        return self.host_memory_gb * GIB / min(self.devices_per_node, self.num_devices)
 
     @property
     def backend(self) -> str:
@@ -179,9 +189,9 @@ class Cluster:
             raise ValueError(f"the FP8 peak must be > 0 TFLOP/s, got {self.fp8_peak_tflops}")
         if self.fp8_achievable_fraction is not None and not 0 < self.fp8_achievable_fraction <= 1:
             raise ValueError(f"FP8 achievable fraction must be in (0, 1], got {self.fp8_achievable_fraction}")
-        for key in ("host_link_gbps", "host_update_gbps"):
+        for key in ("host_link_gbps", "host_update_gbps", "host_memory_gb"):
             if getattr(self, key) is not None and not getattr(self, key) > 0:
-                raise ValueError(f"{key} must be > 0 GB/s, got {getattr(self, key)}")
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.moe_pass_overhead_s < 0 or not self.moe_load_imbalance >= 1:
             raise ValueError(f"the MoE pass overhead must be >= 0 and the load imbalance >= 1, got "
                              f"{self.moe_pass_overhead_s} and {self.moe_load_imbalance}")

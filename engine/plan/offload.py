@@ -26,7 +26,8 @@ run fits ``host_update_gbps`` to its ``time_optimizer_s`` (``fit_host_update_gbp
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass, fields, replace
 
 from engine.plan.constants import (HOST_ADAM_BYTES_PER_PARAM, HOST_CAST_BYTES_PER_PARAM,
                                    HOST_GRAD_BYTES, OPTIMIZER_STATE_BYTES)
@@ -109,6 +110,31 @@ def offload_time(shape: ModelShape, cluster: Cluster, layout: Layout, elements: 
     copies = bucketed(down, window_s, down * bucket, cluster.overlap.dp)
     up_exposed = max(0.0, up - update) + min(up, update) * bucket
     return copies + Overlapped(up_exposed, up - up_exposed), update
+
+
+def host_bytes(shape: ModelShape, layout: Layout) -> float:
+    """Host bytes of the device (pipeline stage) holding the most offloaded state."""
+    from engine.plan.memory import stage_param_split
+    return max(host_memory(shape, layout, *stage_param_split(shape, layout, stage)).total
+               for stage in range(layout.pp))
+
+
+def host_fits(shape: ModelShape, cluster: Cluster, layout: Layout) -> bool:
+    """Whether the offloaded part fits the host memory ``cluster`` gives each device (always
+    without a figure, or without offload; on a CPU the device's memory check counts it)."""
+    limit = cluster.host_bytes_per_device
+    return limit is None or not layout.offload or cluster.backend == "gloo" or \
+        host_bytes(shape, layout) <= limit
+
+
+def largest_host_fraction(shape: ModelShape, cluster: Cluster, layout: Layout) -> float:
+    """The largest offload fraction, in steps of 0.05, whose host part fits the host memory per
+    device (1.0 without a figure). The host part is linear in the fraction."""
+    limit = cluster.host_bytes_per_device
+    if limit is None or cluster.backend == "gloo":
+        return 1.0
+    full = host_bytes(shape, replace(layout, offload=1.0))
+    return min(1.0, math.floor(20 * limit / full) / 20) if full else 1.0
 
 
 def most_offloaded(shape: ModelShape, layout: Layout) -> float:

@@ -34,7 +34,7 @@ from engine.plan.calibrate import (fit_achievable_fraction, fit_overlap_efficien
                                    link_busbw, measured_exposed, measured_step_time)
 from engine.plan.memory import memory_per_device
 from engine.plan.model import Cluster, Layout, ModelShape, check_layout
-from engine.plan.offload import offload_known
+from engine.plan.offload import host_fits, largest_host_fraction, offload_known
 from engine.plan.placement import DEFAULT_ORDER
 from engine.plan.timing import Estimate, estimate
 
@@ -132,13 +132,15 @@ def zeros(space: SearchSpace, dp_cp: int) -> tuple[bool, ...]:
     return (True,) if min(space.offload) > 0 and True in space.zero else (False,)
 
 
-def escalations(layout: Layout, space: SearchSpace, cluster: Cluster) -> list[list[Layout]]:
+def escalations(layout: Layout, space: SearchSpace, cluster: Cluster,
+                shape: ModelShape | None = None) -> list[list[Layout]]:
     """The layouts with more sharding than ``layout`` that the space allows, in four tiers: ZeRO-2
     (as fast as ZeRO-1 in this model); ZeRO-3; ZeRO-1/2 with each larger offload fraction; ZeRO-3
     with them (module docstring). Within a tier the step time only grows along the list, so the
     first that fits is the tier's best. Higher stages need dp x cp > 1 and a layout with zero;
-    offload needs the cluster's host figures. None for a layout without zero at dp x cp > 1: its
-    twin with zero is escalated."""
+    offload needs the cluster's host figures; with a host memory figure (``--host-memory-gb``) and
+    ``shape``, fractions whose host part does not fit give way to the largest that does. None for
+    a layout without zero at dp x cp > 1: its twin with zero is escalated."""
     dp_cp = layout.dp * layout.cp
     if not layout.zero and (dp_cp > 1 or True not in space.zero):
         return []
@@ -147,6 +149,9 @@ def escalations(layout: Layout, space: SearchSpace, cluster: Cluster) -> list[li
     three = dp_cp > 1 and 3 in space.zero_stages
     more = sorted(f for f in space.offload if f > f0) if offload_known(cluster) else []
     make = lambda s, f: replace(layout, zero=True, zero_stage=s, offload=f)  # noqa: E731
+    if more and shape is not None:
+        cap = largest_host_fraction(shape, cluster, make(stage, 1.0))
+        more = sorted({min(f, cap) for f in more if min(f, cap) > f0})
     return [[make(s, f0) for s in low if s != stage] if layout.zero else [],
             [make(3, f0)] if three and stage != 3 and layout.zero else [],
             [make(s, f) for f in more for s in low],
@@ -158,10 +163,12 @@ def fitting(shape: ModelShape, cluster: Cluster, layout: Layout, space: SearchSp
     that does: ZeRO-2's when it fits (no slower than the layout), else the best of the other
     tiers' first fits (ZeRO-3 with offload only where ZeRO-3 alone does not fit, being slower);
     None when none fits. Memory is checked first: only what fits is timed."""
-    fits = lambda lay: memory_per_device(shape, lay, cluster.backend).total <= cluster.usable_bytes  # noqa: E731
+    def fits(lay: Layout) -> bool:
+        return memory_per_device(shape, lay, cluster.backend).total <= cluster.usable_bytes \
+            and host_fits(shape, cluster, lay)
     if fits(layout):
         return estimate(shape, cluster, layout)
-    tiers = escalations(layout, space, cluster)
+    tiers = escalations(layout, space, cluster, shape)
     if not tiers:
         return None
     first = lambda tier: next((lay for lay in tier if fits(lay)), None)  # noqa: E731

@@ -54,7 +54,8 @@ from engine.plan.overlap import data_parallel_overlap, ring_recompute_extra_flop
 from engine.plan.zero3 import gather_overlap
 from engine.plan.passes import Links, PassTime, _rates, layout_links  # noqa: F401 (re-exported)
 from engine.plan.traffic import moe_sp_grad_sync
-from engine.plan.offload import HostTerms, host_memory, offload_terms, shard_elements
+from engine.plan.offload import (HostTerms, host_fits, host_memory, offload_terms,
+                                 shard_elements)
 
 
 
@@ -328,7 +329,7 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
     flops = step_flops(shape.global_batch_size, shape.seq_length, shape.num_layers, shape.hidden_size,
                        shape.vocab_size, shape.ffn_hidden_size, shape.block, layout.recompute,
                        shape.recompute_early_stop, shape.kv_hidden, moe=shape.moe)
-    fits = mem.total <= cluster.usable_bytes
+    fits = mem.total <= cluster.usable_bytes and host_fits(shape, cluster, layout)
     hidden = {"tp_comm": m * mean.tp_hidden, "cp_comm": max(0.0, m * (mean.cp_ring - mean.cp_comm)),
               "pp_comm": 0.0, "dp_comm": dp.hidden, "zero_allgather": zero.hidden,
               "offload_copy": copies.hidden}

@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 1.0)")
     p.add_argument("--host-link-gbps", type=float,
                    help="override the table's host link (PCIe) rate, GB/s per direction")
+    p.add_argument("--host-memory-gb", type=float,
+                   help="host memory per node (GiB) an offloaded optimizer may take, shared by the "
+                        "node's devices (default: unbounded); offload fractions whose host part "
+                        "exceeds it give way to the largest that fits")
     p.add_argument("--host-memory-gbps", type=float,
                    help="override the table's host DRAM bandwidth per device, GB/s (the host's "
                         "update reaches HOST_MEMORY_EFFICIENCY of it)")
@@ -236,6 +240,8 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
         cluster = replace(cluster, host_link_gbps=args.host_link_gbps)
     if args.host_memory_gbps is not None:
         cluster = replace(cluster, host_update_gbps=args.host_memory_gbps * HOST_MEMORY_EFFICIENCY)
+    if args.host_memory_gb is not None:
+        cluster = replace(cluster, host_memory_gb=args.host_memory_gb)
     if args.fp8_format and cluster.fp8_peak_tflops is None:
         raise ConfigError(f"--fp8-format: {spec.name} has no FP8 peak in engine/plan/hardware.py "
                           f"(FP8 needs compute capability 8.9 or later: H100, H200); give "

@@ -171,6 +171,23 @@ def test_validate_run_reads_the_host_figure_on_a_device(monkeypatch):
     assert asked == ["cuda"]
 
 
+def test_the_search_keeps_the_offload_within_the_hosts_memory():
+    """A node with 120 GiB of host memory for one H200: the whole optimizer on the host (134.6 GiB
+    with the gradients' copies) does not fit, so the search offloads the largest fraction that
+    does, 0.85 (host 114.4 GiB), which the device can hold the rest of. With 10 GiB (at most
+    0.05 offloaded) no layout fits the device; without the figure the whole state goes to the
+    host."""
+    host = replace(H200, host_memory_gb=120.0)
+    best = plan.search(L8B, host)[0]
+    assert best.layout.offload == 0.85 and best.fits
+    assert best.host.total == pytest.approx(0.85 * 18 * N8B, rel=1e-12)  # 12 + 4 + 2 bytes each
+    assert best.host.total <= 120 * GIB < 18 * N8B
+    assert plan.search(L8B, replace(H200, host_memory_gb=10.0)) == []
+    assert plan.search(L8B, H200)[0].layout.offload == 1.0
+    with pytest.raises(ValueError, match="host_memory_gb must be > 0"):
+        replace(H200, host_memory_gb=0.0)
+
+
 def test_the_host_rate_is_calibrated_from_the_update_time():
     """A run whose update took the model's time at 40 GB/s gives back 40 GB/s."""
     lay = Layout(1, 1, 1, micro_batch_size=2, zero=True, offload=1.0)
@@ -199,7 +216,23 @@ def test_the_cli_prints_a_command_that_offloads(capsys):
     assert (cfg.parallel.zero_stage, cfg.optim.optimizer_offload_fraction) == (3, 0.5)
 
 
+def test_the_cli_plans_within_the_hosts_memory_and_the_run_passes_the_start_check(capsys):
+    """``--host-memory-gb 120``: the printed command offloads 0.85, and that run passes the
+    start's memory check on a device of the planner's usable memory and that host."""
+    assert plan_cli.main(PLAN + ["--host-memory-gb", "120", "--json", "--top", "1"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["offload"] == 0.85 and row["host_memory_terms"]["total"] <= 120 * GIB
+    argv = shlex.split(row["command"])
+    cfg = parse_args(argv[argv.index("engine.train") + 1:] + ["--mock-data"])
+    assert cfg.optim.optimizer_offload_fraction == 0.85
+    assert memory_problem(cfg, cfg.parallel.grid(1), 0, int(H200.usable_bytes), "free", "nccl",
+                          (120 * GIB, "host")) is None
+    assert memory_problem(cfg, cfg.parallel.grid(1), 0, int(H200.usable_bytes), "free", "nccl",
+                          (100 * GIB, "host")).startswith("--optimizer-cpu-offload keeps about")
+
+
 @pytest.mark.parametrize("extra, message", [
+    (["--host-memory-gb", "0"], "--host-memory-gb must be a positive number"),
     (["--zero-stage", "4"], "--zero-stage expects a comma list of 1, 2 and 3"),
     (["--optimizer-offload-fraction", "0"], "--optimizer-offload-fraction must be in (0, 1]"),
     (["--optimizer-cpu-offload", "on", "--zero", "off"], "give --zero on"),
