@@ -14,14 +14,19 @@ def _pct(v):
     return "-" if v is None else f"{100 * v:.1f}%"
 
 
+def _gib(n):
+    return None if n is None else n / 2 ** 30
+
+
 def _num(v, spec):
     return "-" if v is None else format(v, spec)
 
 
 def report(results: list[StageResult], header: dict) -> str:
     lines = [f"device_check: {header['device']} ({header['device_name']}), torch {header['torch']}, "
-             f"Python {header['python']}; budget {header['budget_s']:.0f} s, took "
-             f"{header['wall_s']:.0f} s", ""]
+             f"Python {header['python']}; host memory available "
+             f"{_num(_gib(header.get('host_memory_available')), '.1f')} GiB; budget "
+             f"{header['budget_s']:.0f} s, took {header['wall_s']:.0f} s", ""]
     stage_rows = [[r.name, r.status, _num(r.deadline_s, ".0f"), _num(r.wall_s, ".0f"), r.detail or "-"]
                   for r in results]
     lines += [markdown_table(["stage", "status", "deadline (s)", "wall (s)", "detail"], stage_rows), ""]

@@ -52,7 +52,7 @@ from benchmarks.device_check.moe import stage_model, syncs_stage
 from benchmarks.device_check.plan import (MODEL, TINY, TWO_RANKS_MODEL, Stage, StageResult,
                                           deadline_for, last_line, plan, run_process, train_argv)
 from benchmarks.device_check.report import report
-from engine.device.runtime import detect_device_type, setup_device
+from engine.device.runtime import available_memory, detect_device_type, setup_device
 from engine.observe.metrics import summarize_run
 
 
@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = setup_device(kind, 0)
     header = {"device": kind, "device_name": dev.name, "torch": torch.__version__,
               "python": platform.python_version(), "budget_s": args.budget_s, "warmup": args.warmup,
+              "host_memory_available": available_memory("cpu")[0],  # what an offload may pin
               "model": ", ".join(f"{k} {v}" for k, v in (TINY if args.tiny else MODEL).items())
               + (", fp32" if args.tiny else ", bf16")
               + f", micro-batch {args.micro_batch_size}, global batch {args.global_batch_size}",

@@ -103,6 +103,7 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
     md = (tmp_path / "device_check.md").read_text()
     assert "| gpt 1.3b | 1 x 32, 2 heads, seq 32 |" in md and "| >= 1.1x: " in md
     assert "| eager | ok |" in md and "| packed | ok |" in md and "tokens/s" in md
+    assert data["host_memory_available"] > 0 and "GiB; budget 540 s" in md.splitlines()[0]
     assert "MoE / dense (same active FLOPs) tokens/s" in md and "host waits: dispatch mode" in md
     assert "| moe | calibrated: " in md  # the planner fitted to this run's two metrics files
     assert "llama / gpt2 blocks (1.3B, eager) MFU" in md
