@@ -154,6 +154,8 @@ def _fitting_fraction(shape: ModelShape, layout: Layout, stage: int, backend: st
             "state) or a smaller model")
     if least > most or most <= 0:
         return more
+    if available is None:  # the device's figure unknown: the host's bound alone
+        return f"an --optimizer-offload-fraction up to {most:g}, or {more}"
     if least == 0:
         return (f"an --optimizer-offload-fraction up to {most:g}, or no --optimizer-cpu-offload: "
                 f"the device holds the whole state")

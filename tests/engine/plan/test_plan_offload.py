@@ -113,6 +113,13 @@ def test_the_host_part_is_checked_and_the_fractions_that_fit_are_named():
     assert "--optimizer-offload-fraction from 0.4 to 0.85 (both memories fit" in problem, problem
     assert check(0.4) is None and check(0.85) is None
     assert "host memory" in check(0.9) and check(0.35).startswith("this run needs about")
+    # a device whose free memory is unknown: the host's bound alone
+    unknown = memory_problem(parse_args(FLAGS_8B), grid, 0, None, "", "nccl", host)
+    assert "choose an --optimizer-offload-fraction up to 0.85, or more data-parallel" in unknown
+    # a device that holds the whole state: the offload is not needed
+    roomy = memory_problem(parse_args(FLAGS_8B), grid, 0, 400 * GIB, "free", "nccl", host)
+    assert roomy.endswith("up to 0.85, or no --optimizer-cpu-offload: the device holds the whole "
+                          "state"), roomy
     # without a host figure (a dry run, an unreadable /proc/meminfo) only the device is checked
     assert memory_problem(parse_args(FLAGS_8B), grid, 0, *device, "nccl") is None
     # a host too small for any fraction the device allows: what else to change
