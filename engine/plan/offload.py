@@ -112,11 +112,17 @@ def offload_time(shape: ModelShape, cluster: Cluster, layout: Layout, elements: 
     return copies + Overlapped(up_exposed, up - up_exposed), update
 
 
-def host_bytes(shape: ModelShape, layout: Layout) -> float:
-    """Host bytes of the device (pipeline stage) holding the most offloaded state."""
+def most_host_terms(shape: ModelShape, layout: Layout) -> HostTerms:
+    """The host memory of the device (pipeline stage) holding the most offloaded state."""
     from engine.plan.memory import stage_param_split
-    return max(host_memory(shape, layout, *stage_param_split(shape, layout, stage)).total
-               for stage in range(layout.pp))
+    return max((host_memory(shape, layout, *stage_param_split(shape, layout, stage))
+                for stage in range(layout.pp)), key=lambda h: h.total)
+
+
+def fraction_within(limit: float, at_full: float) -> float:
+    """The largest offload fraction, in steps of 0.05 and at most 1, whose host part stays within
+    ``limit`` bytes, the host part being linear in the fraction (``at_full`` bytes at 1)."""
+    return min(1.0, math.floor(20 * limit / at_full) / 20) if at_full else 1.0
 
 
 def host_fits(shape: ModelShape, cluster: Cluster, layout: Layout) -> bool:
@@ -124,17 +130,16 @@ def host_fits(shape: ModelShape, cluster: Cluster, layout: Layout) -> bool:
     without a figure, or without offload; on a CPU the device's memory check counts it)."""
     limit = cluster.host_bytes_per_device
     return limit is None or not layout.offload or cluster.backend == "gloo" or \
-        host_bytes(shape, layout) <= limit
+        most_host_terms(shape, layout).total <= limit
 
 
 def largest_host_fraction(shape: ModelShape, cluster: Cluster, layout: Layout) -> float:
     """The largest offload fraction, in steps of 0.05, whose host part fits the host memory per
-    device (1.0 without a figure). The host part is linear in the fraction."""
+    device (1.0 without a figure)."""
     limit = cluster.host_bytes_per_device
     if limit is None or cluster.backend == "gloo":
         return 1.0
-    full = host_bytes(shape, replace(layout, offload=1.0))
-    return min(1.0, math.floor(20 * limit / full) / 20) if full else 1.0
+    return fraction_within(limit, most_host_terms(shape, replace(layout, offload=1.0)).total)
 
 
 def most_offloaded(shape: ModelShape, layout: Layout) -> float:

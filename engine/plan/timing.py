@@ -54,7 +54,7 @@ from engine.plan.overlap import data_parallel_overlap, ring_recompute_extra_flop
 from engine.plan.zero3 import gather_overlap
 from engine.plan.passes import Links, PassTime, _rates, layout_links  # noqa: F401 (re-exported)
 from engine.plan.traffic import moe_sp_grad_sync
-from engine.plan.offload import (HostTerms, host_fits, host_memory, offload_terms,
+from engine.plan.offload import (HostTerms, host_fits, most_host_terms, offload_terms,
                                  shard_elements)
 
 
@@ -335,9 +335,7 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
               "offload_copy": copies.hidden}
     return Estimate(layout, terms, mem, fits, flops, cluster.num_devices, cluster.peak_tflops, links,
                     cp_ring_s=m * mean.cp_ring, hidden=hidden,
-                    efficiency=cluster.overlap, host=max(
-                        (host_memory(shape, layout, *stage_param_split(shape, layout, st))
-                         for st in range(p)), key=lambda h: h.total))
+                    efficiency=cluster.overlap, host=most_host_terms(shape, layout))
 
 
 def unit_seconds(shape: ModelShape, layout: Layout, layer: PassTime, embedding: PassTime,

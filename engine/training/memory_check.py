@@ -19,7 +19,7 @@ from engine.config.schema import RunConfig
 from engine.plan.flops import BLOCKS, moe_layer_indices, moe_shape
 from engine.plan.memory import MemoryTerms, stage_memory, stage_param_split
 from engine.plan.model import Layout, ModelShape
-from engine.plan.offload import HostTerms, host_memory
+from engine.plan.offload import HostTerms, fraction_within, host_memory
 from parallel.dp.policy import CompressionPolicy
 from parallel.grid.topology import RankGrid
 
@@ -142,8 +142,7 @@ def _fitting_fraction(shape: ModelShape, layout: Layout, stage: int, backend: st
     """The --optimizer-offload-fraction values (in steps of 0.05) whose host part fits ``host``
     and whose device part fits ``available``, or what else to change. Both parts are linear in
     the fraction: the host's grows with it, the device's falls."""
-    per_unit = offloaded.total / layout.offload            # host bytes at fraction 1
-    most = math.floor(20 * host / per_unit) / 20
+    most = fraction_within(host, offloaded.total / layout.offload)   # the host part at 1
     least = 0.0
     if available is not None:
         at = {f: stage_memory(shape, replace(layout, offload=f), stage, backend).total for f in (0.0, 1.0)}
