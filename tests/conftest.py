@@ -15,6 +15,13 @@ os.environ.setdefault("GRIDTRON_BACKEND_RULES", "hccl")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
+# Inductor's CPU kernels in scalar C++ (no at::vec): the suite checks what is compiled (graphs,
+# breaks, values against eager), not the vector width, and g++ builds a scalar kernel in about
+# half the time of a vectorized one (the compiled-MoE file: 93 s -> 62 s). Read by Inductor when
+# its config is first imported, here and in every process the suite starts; `--compile` outside
+# the suite keeps Inductor's default.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def collect_after_module():

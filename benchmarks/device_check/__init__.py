@@ -3,7 +3,9 @@
 
 - ``run``: the command, every stage in order under its deadline, the JSON and markdown it writes;
 - ``plan``: the stages, their deadlines and models, what every stage shares (engine.train's flags,
-  a subprocess under a deadline);
+  the last line of a log);
+- ``launch``: a stage's process under its deadline (a fresh interpreter on a device, a fork of a
+  preloaded server on the CPU);
 - ``report``: the markdown tables;
 - the stages: ``kernels`` (each kernel's device path against its reference), ``gemm_chunks`` (the
   TP overlap's chunked GEMM on one device), ``moe`` (the MoE model against its dense twin, the

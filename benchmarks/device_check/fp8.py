@@ -88,7 +88,8 @@ def fp8_stage(stage, deadline_s: float, out: Path, kind: str, args):
     """The stage: a StageResult whose ``fp8`` holds one row per model (``compare``); every run is
     a subprocess under an equal share of what is left of the stage's deadline."""
     from benchmarks.common import read_jsonl
-    from benchmarks.device_check.plan import StageResult, last_line, run_process, train_argv
+    from benchmarks.device_check.launch import launcher
+    from benchmarks.device_check.plan import StageResult, last_line, train_argv
     from engine.device.chips import fp8_problem
     from engine.device.runtime import setup_device
     from engine.observe.metrics import summarize_run
@@ -108,7 +109,7 @@ def fp8_stage(stage, deadline_s: float, out: Path, kind: str, args):
         cmd = [sys.executable, "-m", "engine.train",
                *train_argv(kind, steps, str(metrics), str(out / tag), FP8_FLAGS if prec == "fp8" else (),
                            args.micro_batch_size, args.global_batch_size, model, "bf16")]
-        code, _ = run_process(cmd, log, max(1.0, (end - time.monotonic()) / (len(jobs) - i)))
+        code, _ = launcher(kind)(cmd, log, max(1.0, (end - time.monotonic()) / (len(jobs) - i)))
         records = read_jsonl(metrics) if metrics.exists() else []
         if code == 0 and len(records) == steps:
             runs[(name, prec)] = {"summary": summarize_run(records, min(args.warmup, steps - 1)),

@@ -175,11 +175,12 @@ def count_syncs(device: str, out: Path, tiny: bool) -> list[dict]:
 def syncs_stage(stage, deadline_s: float, out: Path, kind: str, args):
     """The syncs stage as a subprocess (``python -m benchmarks.device_check.moe``) under its deadline:
     a StageResult, failed where the two counts differ."""
-    from benchmarks.device_check.plan import StageResult, last_line, run_process
+    from benchmarks.device_check.launch import launcher
+    from benchmarks.device_check.plan import StageResult, last_line
     data = out / "syncs.json"
     data.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "benchmarks.device_check.moe", kind, str(out)] + (["--tiny"] if args.tiny else [])
-    code, wall = run_process(cmd, out / "syncs.log", deadline_s)
+    code, wall = launcher(kind)(cmd, out / "syncs.log", deadline_s)
     rows = json.loads(data.read_text()) if code == 0 and data.exists() else []
     differ = [r["model"] for r in rows if r["equal"] is False]
     status = "deadline" if code is None else "failed" if code or differ else "ok"

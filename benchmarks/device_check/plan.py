@@ -1,19 +1,14 @@
 """The device check's plan and what every stage shares: the stages and their deadlines, the
-models, engine.train's flags for a stage, and running a stage's subprocess under its deadline.
+models, engine.train's flags for a stage and the last line of a stage's log (its processes run
+under their deadlines by benchmarks/device_check/launch.py).
 
 >>> [s.name for s in plan(skip_compile=True)][:4]
 ['kernels', 'eager', 'moe', 'moe_dense']
 """
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
 
 MODEL = {"num-layers": 24, "hidden-size": 2048, "num-attention-heads": 16, "seq-length": 2048,
          "vocab-size": 51200}
@@ -100,23 +95,6 @@ def train_argv(kind: str, steps: int, metrics: str, run_dir: str, flags=(), micr
     for key, value in (model or MODEL).items():
         argv += [f"--{key}", str(value)]
     return argv + list(flags)
-
-
-def run_process(cmd: list[str], log_path: Path, deadline_s: float) -> tuple[int | None, float]:
-    """(exit code or None when stopped at the deadline, wall seconds); the whole process group
-    is stopped at the deadline."""
-    start = time.monotonic()
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout=deadline_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = None
-    return code, time.monotonic() - start
 
 
 def last_line(path: Path) -> str:

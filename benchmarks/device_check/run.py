@@ -49,8 +49,9 @@ import torch
 from benchmarks.common import read_jsonl
 from benchmarks.device_check.fp8 import fp8_stage
 from benchmarks.device_check.moe import stage_model, syncs_stage
+from benchmarks.device_check.launch import launcher
 from benchmarks.device_check.plan import (MODEL, TINY, TWO_RANKS_MODEL, Stage, StageResult,
-                                          deadline_for, last_line, plan, run_process, train_argv)
+                                          deadline_for, last_line, plan, train_argv)
 from benchmarks.device_check.report import report
 from engine.device.runtime import available_memory, detect_device_type, setup_device
 from engine.observe.metrics import summarize_run
@@ -64,7 +65,7 @@ def _tp_overlap_stage(stage: Stage, deadline_s: float, out: Path, kind: str, arg
     def argv_for(name: str, metrics: str, flags) -> list[str]:
         return train_argv(kind, steps, metrics, str(out / f"tp_overlap_{name}"), tp_overlap_flags(flags),
                           args.micro_batch_size, args.global_batch_size, model, precision)
-    got = run_tp_overlap(deadline_s, out, kind, argv_for, run_process, args.warmup,
+    got = run_tp_overlap(deadline_s, out, kind, argv_for, launcher(kind), args.warmup,
                          rel_tol=1e-4 if precision == "fp32" else 2e-2)
     return StageResult(stage.name, got["status"], deadline_s, got["wall_s"], got["detail"],
                        tp_overlap=got)
@@ -80,7 +81,7 @@ def _two_ranks_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args
 
     def argv_for(metrics: str, flags) -> list[str]:   # fp32: the layouts equal the serial run
         return train_argv(kind, steps, metrics, str(out / "two_ranks"), flags, 2, 8, model, "fp32")
-    got = run_two_ranks(deadline_s, out, kind, argv_for, run_process)
+    got = run_two_ranks(deadline_s, out, kind, argv_for, launcher(kind))
     return StageResult(stage.name, got["status"], deadline_s, got["wall_s"], got["detail"],
                        two_ranks=got)
 
@@ -100,7 +101,7 @@ def run_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> St
         data.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "benchmarks.device_check", "--stage", "kernels",
                "--out", str(out), "--device", kind] + (["--tiny"] if args.tiny else [])
-        code, wall = run_process(cmd, log, deadline_s)
+        code, wall = launcher(kind)(cmd, log, deadline_s)
         rows = json.loads(data.read_text()) if code == 0 and data.exists() else []
         chunks = out / "gemm_chunks.json"
         gemm = json.loads(chunks.read_text()) if code == 0 and chunks.exists() else []
@@ -120,7 +121,7 @@ def run_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> St
     cmd = [sys.executable, "-m", "engine.train",
            *train_argv(kind, steps, str(metrics), str(out / stage.name), stage.flags,
                        args.micro_batch_size, args.global_batch_size, model, precision)]
-    code, wall = run_process(cmd, log, deadline_s)
+    code, wall = launcher(kind)(cmd, log, deadline_s)
     records = read_jsonl(metrics) if metrics.exists() else []
     warmup = min(args.warmup, len(records) - 1)
     summary = summarize_run(records, warmup) if records else None

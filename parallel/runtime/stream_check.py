@@ -39,6 +39,7 @@ import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -55,8 +56,7 @@ class StreamOrderError(AssertionError):
     """Two streams touched one storage without an ordering between them."""
 
 
-@dataclass(frozen=True)
-class Access:
+class Access(NamedTuple):   # (a tuple: made for every access the checker sees)
     stream: str
     seq: int
     op: str
@@ -77,11 +77,13 @@ class StorageRecord:
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
     """The bytes of its storage a tensor (view) spans; None when it has no elements."""
-    if t.numel() == 0:
+    numel = t.numel()
+    if numel == 0:
         return None
-    span = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
-    elem = t.element_size()
-    return t.storage_offset() * elem, (t.storage_offset() + span) * elem
+    span = numel if t.is_contiguous() else \
+        1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    elem, offset = t.element_size(), t.storage_offset()
+    return offset * elem, (offset + span) * elem
 
 
 def _tensors(value) -> list:
@@ -93,16 +95,32 @@ def _tensors(value) -> list:
     return []
 
 
+_CODE_PATHS: dict = {}   # code object -> its path relative to the repository, or None
+
+
+def _repo_path(code) -> str | None:
+    """``code``'s file relative to the repository when it is the repository's own code outside the
+    checker and the dispatch modes' hooks, else None (decided once per code object)."""
+    try:
+        return _CODE_PATHS[code]
+    except KeyError:
+        path = code.co_filename
+        own = path.startswith(_ROOT) and path not in _SKIP_FILES and "/.venv/" not in path \
+            and code.co_name not in _MODE_HOOKS
+        _CODE_PATHS[code] = rel = os.path.relpath(path, _ROOT) if own else None
+        return rel
+
+
 def _site() -> str | None:
     """The innermost frame of the repository outside the checker, the torch tree and any other
     dispatch mode (a counter of host syncs sees the op first), as ``path:line (function)``; None
     when there is none."""
     frame = sys._getframe(2)
     while frame is not None:
-        path = frame.f_code.co_filename
-        if path.startswith(_ROOT) and path not in _SKIP_FILES and "/.venv/" not in path \
-                and frame.f_code.co_name not in _MODE_HOOKS:
-            return f"{os.path.relpath(path, _ROOT)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        code = frame.f_code
+        rel = _repo_path(code)
+        if rel is not None:
+            return f"{rel}:{frame.f_lineno} ({code.co_name})"
         frame = frame.f_back
     return None
 
@@ -111,6 +129,53 @@ def _origin(op: str) -> str:
     """``op`` and where the repository's code issued it."""
     site = _site()
     return op if site is None else f"{op} at {site}"
+
+
+@dataclass(frozen=True)
+class _OpPlan:
+    """What an op's schema says about its arguments, read once per op: (position, name, keyword
+    only) of the arguments it writes (``alias_info.is_write``), of those it reads (no alias
+    info; an aliasing, non-writing argument is a view's base: no access), of both (what
+    ``check_allocated`` looks at: nothing for ``*_like`` and ``new_*``, which read only a shape),
+    and which returns are fresh (no alias info)."""
+    name: str
+    written: tuple
+    read: tuple
+    read_or_written: tuple
+    returns: int
+    fresh_returns: tuple
+
+
+_PLANS: dict = {}
+
+
+def _plan(func) -> _OpPlan:
+    plan = _PLANS.get(func)
+    if plan is None:
+        name = func.overloadpacket.__name__
+        schema = func._schema
+        written, read = [], []
+        for i, arg in enumerate(schema.arguments):
+            slot = (i, arg.name, arg.kwarg_only)
+            info = arg.alias_info
+            if info is not None and info.is_write:
+                written.append(slot)
+            elif info is None:
+                read.append(slot)
+        shape_only = name.endswith("_like") or name.startswith("new_")
+        both = () if shape_only else tuple(sorted(written + read))
+        plan = _PLANS[func] = _OpPlan(name, tuple(written), tuple(read), both,
+                                      len(schema.returns),
+                                      tuple(r.alias_info is None for r in schema.returns))
+    return plan
+
+
+def _values(slots: tuple, args: tuple, kwargs: dict):
+    """The values of the arguments ``slots`` names (skipping the absent and None)."""
+    for i, name, kwarg_only in slots:
+        value = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
+        if value is not None:
+            yield value
 
 
 class _Mode(TorchDispatchMode):
@@ -201,7 +266,7 @@ class StreamChecker:
 
     # ---- storages ---------------------------------------------------------------------------
     def _record(self, t: torch.Tensor, stream: str, op: str, fresh: bool) -> StorageRecord | None:
-        if t.device.type == "meta" or t.is_sparse:
+        if t.is_meta or t.is_sparse:
             return None
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
@@ -322,14 +387,7 @@ class StreamChecker:
         """Before an op runs: an argument with elements whose storage holds no bytes (a ZeRO-3
         bucket that was freed and not gathered again) would be read from freed memory (a crash on
         the CPU, garbage on a device): raise naming the op and where it was issued."""
-        name = func.overloadpacket.__name__
-        if name.endswith("_like") or name.startswith("new_"):
-            return   # only the argument's shape, dtype and device are read
-        for i, arg in enumerate(func._schema.arguments):
-            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-            info = arg.alias_info
-            if value is None or (info is not None and not info.is_write):
-                continue   # a view's base: nothing is read
+        for value in _values(_plan(func).read_or_written, args, kwargs):
             for t in _tensors(value):
                 if t.device.type == "meta" or t.is_sparse or not t.numel():
                     continue
@@ -349,29 +407,20 @@ class StreamChecker:
                     raise StreamOrderError(message)
 
     def on_op(self, func, args, kwargs, out) -> None:
-        schema = func._schema
+        plan = _plan(func)
         reads, writes = [], []
-        for i, arg in enumerate(schema.arguments):
-            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-            if value is None:
-                continue
-            tensors = _tensors(value)
-            if not tensors:
-                continue
-            info = arg.alias_info
-            if info is not None and info.is_write:
-                writes += tensors
-            elif info is None:
-                reads += tensors
-            # an aliasing, non-writing argument is a view's base: no access
+        for value in _values(plan.written, args, kwargs):
+            writes += _tensors(value)
+        for value in _values(plan.read, args, kwargs):
+            reads += _tensors(value)
         fresh = []
-        outs = out if len(schema.returns) > 1 else (out,)
-        for ret, value in zip(schema.returns, outs):
-            if ret.alias_info is None:
+        outs = out if plan.returns > 1 else (out,)
+        for fresh_out, value in zip(plan.fresh_returns, outs):
+            if fresh_out:
                 fresh += _tensors(value)
         if reads or writes or fresh:
-            self.access(streams.current_stream_name(), reads, writes + fresh,
-                        func.overloadpacket.__name__, tuple(fresh))
+            self.access(streams.current_stream_name(), reads, writes + fresh, plan.name,
+                        tuple(fresh))
 
     def on_collective(self, op: str, group: str, tensors: list, issuer: str) -> dict:
         """An async collective: ordered after ``issuer``, its accesses on "comm:<group>"."""

@@ -12,8 +12,9 @@ import types
 import torch
 
 from benchmarks.device_check import run as device_check
+from benchmarks.device_check.launch import launcher
 from benchmarks.device_check.plan import (MIN_STAGE_S, MODEL, RESERVE_S, TINY, Stage, deadline_for,
-                                          plan, run_process, train_argv)
+                                          plan, train_argv)
 from benchmarks.device_check.kernels import check_kernels
 from engine.config.cli import parse_args
 
@@ -158,7 +159,7 @@ def test_two_ranks_stage_probes_then_trains_against_serial(tmp_path):
     def argv_for(metrics, flags):
         return train_argv("cpu", 3, metrics, str(tmp_path / "run"), flags, 2, 8,
                                        TINY, "fp32")
-    got = run_two_ranks(120.0, tmp_path, "cpu", argv_for, run_process,
+    got = run_two_ranks(120.0, tmp_path, "cpu", argv_for, launcher("cpu"),
                         layouts={k: LAYOUTS[k] for k in ("dp2 zero", "pp2")},
                         refused=dict(found, p2p="Tensors must be CPU and dense"))
     assert got["status"] == "ok", got
