@@ -6,9 +6,10 @@ with grouped-query attention) spread over the layouts so that each CP size (2 an
 attention algorithm (ring p2p and Ulysses a2a; cp = 4 a2a repeats the two key/value heads) trains
 both blocks packed and unpacked, as do (tp=2, cp=2) with sequence parallelism and (cp=2, pp=2,
 dp=2) between them; ZeRO-1 sharded over CP alone and over DP x CP, selective and full
-recomputation ride along. The serial run takes micro-batches of 8 sequences, the parallel ones of 2: with
---eod-mask-loss the micro-batches and the sequence shards hold different numbers of unmasked tokens,
-so only the global-batch normalisation matches.
+recomputation ride along. The serial run takes micro-batches of 8 sequences, the parallel ones two
+micro-batches per rank (of 4 sequences without DP, of 2 with it): with --eod-mask-loss the
+micro-batches and the sequence shards hold different numbers of unmasked tokens, so only the
+global-batch normalisation matches.
 """
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ LAYOUTS = {
 
 
 def jobs_for(layouts: list[str]) -> list[tuple[str, str, list[str]]]:
-    return [(m, name, MODELS[m] + LAYOUTS[name][0] + ["--micro-batch-size", "2"])
+    """Each layout's runs, two micro-batches per rank (of the global batch's 8 sequences)."""
+    return [(m, name, MODELS[m] + LAYOUTS[name][0] +
+             ["--micro-batch-size", "2" if "--dp" in LAYOUTS[name][0] else "4"])
             for name in layouts for m in LAYOUTS[name][1]]
 
 
