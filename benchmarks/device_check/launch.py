@@ -5,11 +5,11 @@ preloaded server on the CPU.
 (exit code, or None when stopped at the deadline, wall seconds)``; output goes to ``log_path``
 and the whole process group is stopped at the deadline.
 
-- ``run_process`` (on a device, and every command that is not ``python -m <module>``: torchrun):
-  a fresh interpreter per command. Nothing of the check's own process or of an earlier stage (an
+- ``run_process`` (on a device, and every command that is not ``python -m <module>``): a fresh
+  interpreter per command. Nothing of the check's own process or of an earlier stage (an
   import, a device context, a cache) reaches the stage that is measured.
 - ``run_forked`` (``kind`` "cpu": the tiny plan the tests run): a ``python -m <module>`` command
-  runs as ``runpy`` would run it, in a process forked from a server that imported torch and the
+  (torchrun's included: its agent, not its workers) runs as ``runpy`` would run it, in a process forked from a server that imported torch and the
   engine once (``engine.fuzz.pool.rank_context``, the test suite's and the fuzzer's ranks come
   from the same kind of server). A fresh interpreter spends about 3 of a tiny stage's 3.5 CPU
   seconds importing; a fork starts in milliseconds. The child gets the caller's environment,
@@ -30,7 +30,7 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from benchmarks.common import REPO
 
 
 def _env() -> dict:
@@ -92,8 +92,8 @@ def _run_module(module: str, argv: list[str], log_path: str, env: dict, cwd: str
 
 def run_forked(cmd: list[str], log_path: Path, deadline_s: float) -> tuple[int | None, float]:
     """``[python, "-m", module, *argv]`` forked from the preloaded server (module docstring);
-    any other command, and ``torch.distributed.run``, by ``run_process``."""
-    if cmd[1:2] != ["-m"] or cmd[2] == "torch.distributed.run":
+    any other command by ``run_process``."""
+    if cmd[1:2] != ["-m"]:
         return run_process(cmd, log_path, deadline_s)
     from engine.fuzz.pool import rank_context
     start = time.monotonic()

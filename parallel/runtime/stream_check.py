@@ -142,7 +142,6 @@ class _OpPlan:
     written: tuple
     read: tuple
     read_or_written: tuple
-    returns: int
     fresh_returns: tuple
 
 
@@ -165,7 +164,6 @@ def _plan(func) -> _OpPlan:
         shape_only = name.endswith("_like") or name.startswith("new_")
         both = () if shape_only else tuple(sorted(written + read))
         plan = _PLANS[func] = _OpPlan(name, tuple(written), tuple(read), both,
-                                      len(schema.returns),
                                       tuple(r.alias_info is None for r in schema.returns))
     return plan
 
@@ -414,7 +412,7 @@ class StreamChecker:
         for value in _values(plan.read, args, kwargs):
             reads += _tensors(value)
         fresh = []
-        outs = out if plan.returns > 1 else (out,)
+        outs = out if len(plan.fresh_returns) > 1 else (out,)
         for fresh_out, value in zip(plan.fresh_returns, outs):
             if fresh_out:
                 fresh += _tensors(value)

@@ -49,7 +49,7 @@ def test_the_deadline_stops_the_command_and_its_children(run, tmp_path):
         raise AssertionError(f"the stage's child {child} outlived the deadline")
 
 
-def test_torchrun_and_non_module_commands_start_fresh(tmp_path):
+def test_non_module_commands_start_fresh(tmp_path):
     code, _ = run_forked([sys.executable, "-c", "import sys; print('plain'); sys.exit(4)"],
                          tmp_path / "plain.log", 60.0)
     assert code == 4 and (tmp_path / "plain.log").read_text() == "plain\n"
