@@ -225,7 +225,8 @@ class MoELayer(nn.Module):
             plan = alltoall_plan(kept, self.ep_group, capacity, self.host_reader)
             rows, perm, _ = self._permute(tokens_in, routing, choice, kept)       # (T K or E C, h)
             expert_in, state = alltoall_dispatch(rows, plan, self.ep_group,
-                                                 segments=self.experts.fp8 is not None)
+                                                 segments=self.experts.fp8 is not None,
+                                                 dropping=choice is not None and capacity is None)
             expert_out = self.experts(expert_in, state.offsets, state.groups,
                                       state.segments)                          # (N, h)
             rows = alltoall_combine(expert_out, state, self.ep_group)             # (R, h)

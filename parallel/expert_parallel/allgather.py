@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel.runtime.comm import CommGroup
-from parallel.expert_parallel.host_read import HostReader
+from parallel.expert_parallel.host_read import HostReader, PendingRead, dynamic_rows
 from parallel.expert_parallel.permute import (Permutation, _WeightedScatterAddForwardGatherBackward,
                                               count_per_expert, equal_counts, gather_rows,
                                               offsets_of)
@@ -157,9 +157,7 @@ def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation
     gathered_w = all_gather_rows(weights, group).reshape(-1)                # (P T K,)
     rows_end = groups = None
     if capacity is None and read is not None:
-        n = read.values()[0]                                                # the one host wait
-        groups, flat = torch.sort(key, stable=True)
-        groups, flat = groups[:n], flat[:n]                                 # (N,) into P T K
+        groups, flat = _take_rows(read, key)                                # (N,) into P T K
     elif capacity is None:  # one rank: every copy, the dropped last (weight 0, the last group's)
         groups, flat = torch.sort(key, stable=True)
         routed, rows_end = groups < local, t * k
@@ -171,6 +169,18 @@ def allgather_dispatch(x: torch.Tensor, weights: torch.Tensor, perm: Permutation
     rows = gather_rows(gathered_x, tokens)                                  # (N, h)
     return rows, AllGatherState(tokens, row_weights, p * t, offsets_of(per_expert, rows_end), groups,
                                 None if per_source is None else offsets_of(per_source))
+
+
+@torch.compiler.disable
+def _take_rows(read: PendingRead, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The host read of this rank's row count N and the first N assignments sorted by (local
+    expert, source rank, token): their local experts and flat indices (N,), eager under
+    torch.compile and marked dynamic (host_read.py)."""
+    n = read.values()[0]                                                    # the one host wait
+    groups, flat = torch.sort(key, stable=True)
+    groups, flat = groups[:n], flat[:n]
+    dynamic_rows(groups, flat)
+    return groups, flat
 
 
 def allgather_combine(rows: torch.Tensor, state: AllGatherState, group: CommGroup,

@@ -22,7 +22,9 @@ a thin public function taking the group. At ep = 1 nothing is exchanged and noth
 offsets come from the counts on the device. With a capacity (models/moe/capacity.py) only the kept
 rows are sent (their number is the sum of the split sizes already read); ``capacity=C`` (padded
 input) gives every expert exactly C rows from every rank, so the splits are known without an
-exchange or a host read. The backward reuses the forward's split sizes: no read.
+exchange or a host read. The backward reuses the forward's split sizes: no read. Under
+torch.compile what the read sizes (the exchange after the read, the combine) runs eagerly and the
+rows it hands on are marked dynamic (host_read.py): the split sizes recompile no graph.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel.runtime.comm import CommGroup
-from parallel.expert_parallel.host_read import HostReader, PendingRead
+from parallel.expert_parallel.host_read import HostReader, PendingRead, dynamic_rows
 from parallel.expert_parallel.permute import equal_counts, offsets_of
 
 
@@ -74,6 +76,10 @@ class DispatchState:
     # (E/P P,) int32: the row end of each (local expert, source rank) segment (FP8's weight
     # gradient takes its column scales per source: one micro-batch each, kernels/fp8_grouped.py)
     segments: torch.Tensor | None = None
+    # whether the splits were read on the host (False: padded, equal splits) and whether rows were
+    # dropped (a capacity without padding: the R rows sent vary from step to step)
+    read: bool = False
+    dropping: bool = False
 
 
 def alltoall_plan(counts: torch.Tensor, group: CommGroup, capacity: int | None = None,
@@ -92,12 +98,12 @@ def alltoall_plan(counts: torch.Tensor, group: CommGroup, capacity: int | None =
 
 
 def alltoall_dispatch(rows: torch.Tensor, plan, group: CommGroup, capacity: int | None = None,
-                      segments: bool = True):
+                      segments: bool = True, dropping: bool = False):
     """Send each expert's rows to the EP rank holding it. ``rows`` (R, h) sorted by expert (with
     a capacity, the kept ones first) and the plan (or the counts (E,), planned here) -> (N, h) rows
     of this rank's experts, sorted by local expert, and the state. ``segments``: the (local
     expert, source rank) segments' ends (FP8's weight gradient; off, the state's ``segments`` is
-    None)."""
+    None); ``dropping``: a capacity without padding drops rows (only the kept ones are sent)."""
     if isinstance(plan, torch.Tensor):
         plan = alltoall_plan(plan, group, capacity)
     p, capacity = group.size, plan.capacity
@@ -114,19 +120,35 @@ def alltoall_dispatch(rows: torch.Tensor, plan, group: CommGroup, capacity: int 
         offsets = offsets_of(equal_counts(local, capacity * p, device))
         ends = offsets_of(equal_counts(local * p, capacity, device)) if segments else None
     else:
-        values = plan.read.values()                                   # the one host wait
-        in_splits = values[:p]
-        table = values[p:]
-        out_splits = [sum(table[i * local:(i + 1) * local]) for i in range(p)]
-        rows = rows[:sum(in_splits)]                                  # the kept rows
-        received = _AllToAllVForwardAllToAllVBackward.apply(rows, group, out_splits, in_splits)
-        ids = torch.repeat_interleave(local_ids, plan.recv.reshape(-1),
-                                      output_size=sum(out_splits))    # (N,)
-        offsets = offsets_of(plan.recv.sum(0))
-        ends = offsets_of(plan.recv.t().reshape(-1)) if segments else None  # (expert, source)
+        return _exchange(rows, plan, group, local_ids, segments, dropping)
     groups, order = torch.sort(ids, stable=True)                      # (local expert, source rank)
     return received.index_select(0, order), DispatchState(in_splits, out_splits, order, offsets,
                                                           groups, ends)
+
+
+@torch.compiler.disable
+def _exchange(rows: torch.Tensor, plan: DispatchPlan, group: CommGroup, local_ids: torch.Tensor,
+              segments: bool, dropping: bool):
+    """``alltoall_dispatch`` after the split sizes' host read, eager under torch.compile
+    (host_read.py): the splits stay in the state, out of every graph, and the (N, h) rows and
+    the (N,) tensors that follow them are marked dynamic."""
+    values = plan.read.values()                                       # the one host wait
+    p = group.size
+    local = local_ids.numel() // p
+    in_splits = values[:p]
+    table = values[p:]
+    out_splits = [sum(table[i * local:(i + 1) * local]) for i in range(p)]
+    rows = rows[:sum(in_splits)]                                      # the kept rows
+    received = _AllToAllVForwardAllToAllVBackward.apply(rows, group, out_splits, in_splits)
+    ids = torch.repeat_interleave(local_ids, plan.recv.reshape(-1),
+                                  output_size=sum(out_splits))        # (N,)
+    groups, order = torch.sort(ids, stable=True)                      # (local expert, source rank)
+    expert_in = received.index_select(0, order)                       # (N, h)
+    dynamic_rows(expert_in, groups, order)
+    offsets = offsets_of(plan.recv.sum(0))
+    ends = offsets_of(plan.recv.t().reshape(-1)) if segments else None  # (expert, source)
+    return expert_in, DispatchState(in_splits, out_splits, order, offsets, groups, ends,
+                                    read=True, dropping=dropping)
 
 
 def alltoall_combine(rows: torch.Tensor, state: DispatchState, group: CommGroup) -> torch.Tensor:
@@ -134,5 +156,21 @@ def alltoall_combine(rows: torch.Tensor, state: DispatchState, group: CommGroup)
     (R: the rows it sent)."""
     if state.order is None:
         return rows
+    if state.read:
+        return _combine_eager(rows, state, group)
+    return _combine(rows, state, group)  # padded, equal splits: nothing read, all in the graph
+
+
+def _combine(rows: torch.Tensor, state: DispatchState, group: CommGroup) -> torch.Tensor:
     back = rows.index_select(0, torch.argsort(state.order))  # (source rank, local expert) again
     return _AllToAllVForwardAllToAllVBackward.apply(back, group, state.in_splits, state.out_splits)
+
+
+@torch.compiler.disable
+def _combine_eager(rows: torch.Tensor, state: DispatchState, group: CommGroup) -> torch.Tensor:
+    """The combine sized by the host read, eager under torch.compile (as ``_exchange``); with
+    dropped rows (a capacity) the R rows sent are marked dynamic, dropless they are all T K."""
+    out = _combine(rows, state, group)
+    if state.dropping:
+        dynamic_rows(out)
+    return out

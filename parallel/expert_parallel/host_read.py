@@ -11,6 +11,14 @@ tensor itself, which the step's wait counter counts just the same (``tolist``: o
 
 The reader belongs to the MoE layer that uses it (its side stream is made on first use on the
 layer's device); nothing is module state.
+
+Under ``torch.compile`` the read is a graph break, and the integers it returns decide the row
+count of every tensor after it. A dispatcher therefore consumes them in an eager island
+(``torch.compiler.disable``: the read, the slices and collectives sized by it) and hands the
+compiled code after it tensors whose row dimension ``dynamic_rows`` has marked dynamic: the graphs
+after the read compile once, for every row count, instead of once for the first step's counts and
+again, dynamic, when they change (Dynamo's default for a size it saw only once). The split sizes
+never enter a graph as constants, so no guard on them recompiles a graph either.
 """
 from __future__ import annotations
 
@@ -60,3 +68,10 @@ class HostReader:
             streams.record_stream(values, side)      # values may be freed before the copy ran
             done = streams.record_event(side)
         return PendingRead(host, done, device)
+
+
+def dynamic_rows(*tensors: torch.Tensor) -> None:
+    """Mark dim 0 of each tensor (rows whose number the host read decided) dynamic for the
+    compiled graphs that take it: no graph is first specialised to one step's row count."""
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)

@@ -12,6 +12,7 @@ and the run three steps.
 from __future__ import annotations
 
 import pytest
+from torch._dynamo.utils import counters as dynamo_counters
 
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
@@ -32,13 +33,22 @@ LAYOUTS = [["--ep", "2", "--micro-batch-size", "2"],
 
 def _train(argv: list[str], launch: LaunchEnv | None = None) -> dict:
     trainer = Trainer(parse_args(BASE + argv), launch=launch)
+    graphs = []  # graphs compiled in this process after each step
+    one_step = trainer.train_one
+
+    def counted(step):
+        record = one_step(step)
+        graphs.append(dynamo_counters["stats"]["unique_graphs"])
+        return record
+    trainer.train_one = counted
     try:
         records = trainer.train().records
         compiled = trainer.cfg.compile
         ep = trainer.ps.ep_group.size
     finally:
         trainer.close()
-    return {**{k: [r[k] for r in records] for k in KEYS}, "compiled": compiled, "ep": ep}
+    return {**{k: [r[k] for r in records] for k in KEYS}, "compiled": compiled, "ep": ep,
+            "graphs": graphs}
 
 
 def _compiled(ps, root: str) -> list[dict]:
@@ -57,3 +67,6 @@ def test_compiled_expert_parallel_run_equals_serial_eager(tmp_path, monkeypatch)
         for key in KEYS[:4]:
             assert got[key] == pytest.approx(serial[key], rel=1e-5), (name, key)
         assert got["moe_expert_load"] == serial["moe_expert_load"], name
+        # every graph compiled in the first step: the later steps' other row counts (the split
+        # sizes read on the host) recompile nothing
+        assert got["graphs"][1:] == got["graphs"][:1] * 2, (name, got["graphs"])
