@@ -52,7 +52,10 @@ def _train(argv: list[str], launch: LaunchEnv | None = None) -> dict:
 
 
 def _compiled(ps, root: str) -> list[dict]:
-    return [_train(flags + ["--dp", "2", "--compile", "--run-dir", f"{root}/{i}"])
+    # one run directory, so one Inductor cache (run_dir/compile_cache): the second layout finds
+    # the graphs the dispatchers share (attention, norms, the router) compiled by the first
+    return [_train(flags + ["--dp", "2", "--compile", "--run-dir", f"{root}/compiled",
+                            "--save", f"{root}/{i}"])
             for i, flags in enumerate(LAYOUTS)]
 
 
