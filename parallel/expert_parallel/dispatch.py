@@ -117,13 +117,18 @@ def alltoall_dispatch(rows: torch.Tensor, plan, group: CommGroup, capacity: int 
         in_splits = out_splits = [capacity * local] * p
         received = _AllToAllVForwardAllToAllVBackward.apply(rows, group, out_splits, in_splits)
         ids = local_ids.repeat_interleave(capacity, output_size=p * local * capacity)
+        expert_in, groups, order = _by_local_expert(received, ids)
         offsets = offsets_of(equal_counts(local, capacity * p, device))
         ends = offsets_of(equal_counts(local * p, capacity, device)) if segments else None
-    else:
-        return _exchange(rows, plan, group, local_ids, segments, dropping)
-    groups, order = torch.sort(ids, stable=True)                      # (local expert, source rank)
-    return received.index_select(0, order), DispatchState(in_splits, out_splits, order, offsets,
-                                                          groups, ends)
+        return expert_in, DispatchState(in_splits, out_splits, order, offsets, groups, ends)
+    return _exchange(rows, plan, group, local_ids, segments, dropping)
+
+
+def _by_local_expert(received: torch.Tensor, ids: torch.Tensor):
+    """Received rows in (source rank, local expert) order and their (N,) local experts -> the
+    rows sorted by (local expert, source rank), each row's local expert, the sort order."""
+    groups, order = torch.sort(ids, stable=True)
+    return received.index_select(0, order), groups, order
 
 
 @torch.compiler.disable
@@ -142,8 +147,7 @@ def _exchange(rows: torch.Tensor, plan: DispatchPlan, group: CommGroup, local_id
     received = _AllToAllVForwardAllToAllVBackward.apply(rows, group, out_splits, in_splits)
     ids = torch.repeat_interleave(local_ids, plan.recv.reshape(-1),
                                   output_size=sum(out_splits))        # (N,)
-    groups, order = torch.sort(ids, stable=True)                      # (local expert, source rank)
-    expert_in = received.index_select(0, order)                       # (N, h)
+    expert_in, groups, order = _by_local_expert(received, ids)        # (N, h), (N,), (N,)
     dynamic_rows(expert_in, groups, order)
     offsets = offsets_of(plan.recv.sum(0))
     ends = offsets_of(plan.recv.t().reshape(-1)) if segments else None  # (expert, source)

@@ -387,7 +387,7 @@ class StreamChecker:
         the CPU, garbage on a device): raise naming the op and where it was issued."""
         for value in _values(_plan(func).read_or_written, args, kwargs):
             for t in _tensors(value):
-                if t.device.type == "meta" or t.is_sparse or not t.numel():
+                if t.is_meta or t.is_sparse or not t.numel():
                     continue
                 try:
                     freed = t.untyped_storage().nbytes() == 0
