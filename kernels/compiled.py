@@ -10,9 +10,14 @@ one backward per shape, with no graph of the model around it, so an eager run ge
 Under ``--compile`` the model's own graph already fuses them, and the plain expression is used
 (``torch.compiler.is_compiling()``).
 
-The compiled functions are made on first use and kept (``torch.compile`` caches its code per
-input shape; a shape beyond its recompile limit runs the expression eagerly, as torch does). The
-references they are tested against are the ops' own (``apply_rope_reference``,
+The compiled functions are made on first use and kept (``Regional``): torch.compile caches one
+graph per input signature (shapes, strides, dtypes, grad mode) and, with ``fullgraph=True``,
+raises instead of running eagerly once a function has more signatures than Dynamo's recompile
+limit (8), or when a Python dispatch mode is active (the stream checker's, the host-wait
+counter's). ``Regional`` compiles the first signatures up to that limit and runs the expression
+eagerly for the others and under a dispatch mode, so a model with many shapes (FP8's quantization
+sees every GEMM's operands, kernels/fp8.py) or a checked run gets the same values, never an
+error. The references they are tested against are the ops' own (``apply_rope_reference``,
 ``swiglu_reference``); the functions run on any device inductor supports, the CPU included, which
 is how the tests check them.
 """
@@ -52,11 +57,51 @@ _EXPRESSIONS = {"rope": _rope, "swiglu": _swiglu, "swiglu_packed": _swiglu_packe
                 "swiglu_packed_backward": _swiglu_packed_backward}
 
 
+def _signature(args: tuple) -> tuple:
+    """What Dynamo's guards tell apart in a call of pure tensor expressions: each tensor's shape,
+    strides, dtype, device and requires_grad, the other arguments' values, the grad mode."""
+    return (torch.is_grad_enabled(),) + tuple(
+        (tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad)
+        if isinstance(a, torch.Tensor) else a for a in args)
+
+
+class Regional:
+    """``fn`` compiled alone (``fullgraph=True``, static shapes) for its first signatures, as many
+    as Dynamo's ``recompile_limit``; further signatures, and every call while a Python dispatch
+    mode is active, run ``fn`` eagerly (the same values). Should Dynamo still refuse a call (a
+    guard the signature does not model), that signature runs eagerly from then on."""
+
+    def __init__(self, fn, backend: str = "inductor"):
+        from torch._dynamo.exc import FailOnRecompileLimitHit  # Dynamo: imported when first used
+        self.refused = FailOnRecompileLimitHit
+        self.fn = fn
+        self.compiled_fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+        self.compiled: set = set()   # signatures handed to the compiled function
+        self.eager: set = set()      # signatures beyond the limit, or refused
+
+    def __call__(self, *args):
+        if torch._C._len_torch_dispatch_stack() > 0:  # not traced by torch.compile
+            return self.fn(*args)
+        key = _signature(args)
+        if key in self.eager or (key not in self.compiled
+                                 and len(self.compiled) >= torch._dynamo.config.recompile_limit):
+            self.eager.add(key)
+            return self.fn(*args)
+        try:
+            out = self.compiled_fn(*args)
+        except self.refused:  # refused before it ran anything: run it here
+            self.compiled.discard(key)
+            self.eager.add(key)
+            return self.fn(*args)
+        self.compiled.add(key)
+        return out
+
+
 @functools.lru_cache(maxsize=None)  # one compiled function per op and process
-def compiled(op: str):
+def compiled(op: str) -> Regional:
     """The compiled expression of ``op`` ("rope", "swiglu", "swiglu_packed",
     "swiglu_packed_backward")."""
-    return torch.compile(_EXPRESSIONS[op], fullgraph=True, dynamic=False)
+    return Regional(_EXPRESSIONS[op])
 
 
 def use_compiled(kind: str) -> bool:

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.dispatch import device_kind
+from kernels.compiled import Regional
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -107,8 +108,10 @@ def _quantize(x: torch.Tensor, scale: torch.Tensor, limit: float, dtype: torch.d
 
 
 @functools.lru_cache(maxsize=None)   # one compiled function per process
-def _compiled_quantize():
-    return torch.compile(_quantize, fullgraph=True, dynamic=False)
+def _compiled_quantize() -> Regional:
+    """The quantization compiled regionally: a model's GEMM operands and gradients are more
+    signatures than Dynamo's recompile limit; those beyond it run eagerly (kernels/compiled.py)."""
+    return Regional(_quantize)
 
 
 def use_compiled_quantize(x: torch.Tensor) -> bool:

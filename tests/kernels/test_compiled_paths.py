@@ -4,7 +4,10 @@ the tensors stay on the CPU, where inductor compiles the same functions): apply_
 swiglu_packed then run the compiled function, and its forward and every input gradient equal the
 ops' references (fp32, and bf16 within its rounding), as does swiglu_packed_backward (the packed
 derivative the grouped experts' backward calls); inside a compiled model the plain expression is
-used, and on the CPU the compiled function is not."""
+used, and on the CPU the compiled function is not. ``Regional`` (what every regional compilation
+goes through, FP8's quantization too) runs the expression eagerly where a bare
+``torch.compile(fullgraph=True)`` raises: past Dynamo's recompile limit and under a Python
+dispatch mode."""
 from __future__ import annotations
 
 import importlib
@@ -79,3 +82,76 @@ def test_cuda_dispatch_compiles_the_packed_swiglu_derivative(monkeypatch):
     leaf = x.clone().requires_grad_()
     kernels.swiglu_reference(*leaf.chunk(2, -1)).backward(grad)
     torch.testing.assert_close(got, leaf.grad, rtol=1e-6, atol=1e-6)
+
+
+SCALE = [1.0]   # read by the expressions below: Dynamo guards on its value
+
+
+def _shapes(n: int) -> list[torch.Tensor]:
+    return [torch.randn(k + 1, 3, generator=torch.Generator().manual_seed(k)) for k in range(n)]
+
+
+def test_more_signatures_than_the_recompile_limit_run_eagerly():
+    """torch.compile with fullgraph=True raises once a function has more input signatures than
+    Dynamo's recompile limit (FP8's quantization meets every GEMM's operands): ``Regional``
+    compiles the first ``recompile_limit`` of them and runs the others eagerly, same values."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+    with torch._dynamo.config.patch(recompile_limit=3):
+        _past_the_limit(FailOnRecompileLimitHit)
+
+
+def _past_the_limit(refused) -> None:
+    torch._dynamo.reset()
+
+    def bare_expr(x):
+        return (x * 2.0).clamp(-1.0, 1.0)
+
+    def expr(x):
+        return (x * 2.0).clamp(-1.0, 1.0)
+    bare = torch.compile(bare_expr, fullgraph=True, dynamic=False, backend="eager")
+    with pytest.raises(refused):  # what Regional is for
+        for x in _shapes(5):
+            bare(x)
+    regional = comp.Regional(expr, backend="eager")
+    for x in _shapes(5) + _shapes(5):
+        torch.testing.assert_close(regional(x), expr(x), rtol=0, atol=0)
+    assert len(regional.compiled) == 3 and len(regional.eager) == 2
+
+    # a guard the signature does not model (a global's value): the refused call runs eagerly
+    def scaled(x):
+        return x * SCALE[0]
+    regional = comp.Regional(scaled, backend="eager")
+    x = _shapes(1)[0]
+    try:
+        for value in (1.0, 2.0, 3.0, 4.0, 5.0):
+            SCALE[0] = value
+            torch.testing.assert_close(regional(x), x * value, rtol=0, atol=0)
+    finally:
+        SCALE[0] = 1.0
+    assert regional.eager and not regional.compiled
+    torch._dynamo.reset()
+
+
+def test_a_dispatch_mode_runs_the_expression_eagerly():
+    """Under a Python dispatch mode (the stream checker's, the host-wait counter's) torch.compile
+    with fullgraph=True raises ("found no compiled frames"); ``Regional`` runs the expression."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def bare_expr(x):
+        return x * 3.0 + 1.0
+
+    def expr(x):
+        return x * 3.0 + 1.0
+    bare = torch.compile(bare_expr, fullgraph=True, dynamic=False, backend="eager")
+    regional = comp.Regional(expr, backend="eager")
+    x = _shapes(1)[0]
+    with Passing():
+        with pytest.raises(RuntimeError, match="no compiled frames"):
+            bare(x)
+        torch.testing.assert_close(regional(x), x * 3.0 + 1.0, rtol=0, atol=0)
+    assert not regional.compiled and not regional.eager  # nothing was handed to Dynamo
+    torch._dynamo.reset()

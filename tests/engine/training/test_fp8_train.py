@@ -155,3 +155,27 @@ def test_a_chip_without_fp8_stops_before_any_process_group(monkeypatch):
     with pytest.raises(ConfigError, match=r"NVIDIA A100-SXM4-80GB \(Ampere \(A100 class\)\) has "
                                           r"compute capability 8\.0"):
         Trainer(parse_args(TINY + ["--bf16", "--fp8-format", "hybrid"]), launch=LaunchEnv())
+
+
+def test_the_compiled_quantization_trains_past_the_recompile_limit(monkeypatch):
+    """On CUDA the quantization runs compiled (kernels/fp8.py): a model's GEMM operands and their
+    gradients are more signatures than Dynamo's recompile limit, where a bare ``torch.compile(...,
+    fullgraph=True)`` raises. Pointed at that path here (Dynamo's eager backend: the dispatch is
+    under test, not inductor), a serial FP8 run uses the compiled function for the limit's first
+    signatures and the expression for the rest, and trains exactly the run of the eager path."""
+    from kernels import fp8
+    from kernels.compiled import Regional
+    import torch
+    argv = TINY + ["--bf16", "--fp8-format", "hybrid", "--train-iters", "3"]
+    eager = serial(argv)
+    regional = Regional(fp8._quantize, backend="eager")
+    monkeypatch.setattr(fp8, "_compiled_quantize", lambda: regional)
+    monkeypatch.setattr(fp8, "use_compiled_quantize", lambda x: not torch.compiler.is_compiling())
+    torch._dynamo.reset()
+    try:
+        assert serial(argv) == eager
+    finally:
+        torch._dynamo.reset()
+    limit = torch._dynamo.config.recompile_limit
+    assert len(regional.compiled) == limit and len(regional.eager) > 0, (regional.compiled,
+                                                                          regional.eager)
