@@ -72,7 +72,7 @@ class HostShards:
     def __init__(self, shards, fraction: float, ps, device, own_shard):
         """``shards``: the optimizer's (bucket, offset, length, decay segments) in offset order;
         ``own_shard``: bucket -> the device's shard of its parameters."""
-        device = torch.device(device)
+        device = self.device = torch.device(device)
         self.ps, self.own_shard = ps, own_shard
         self.pin = device.type not in ("cpu", "meta")
         self.total = total = sum(n for _, _, n, _ in shards)
@@ -136,7 +136,7 @@ class HostShards:
 
     def _download(self, bucket) -> None:
         off, n = self._place(bucket)
-        streams.wait_stream(self.d2h, streams.current_stream())     # after its reduction
+        streams.wait_stream(self.d2h, streams.current_stream(self.device))  # after its reduction
         streams.wait_stream(self.d2h, self.host_stream)   # after the host read the last step's
         with streams.use(self.d2h):
             self.grad[off:off + n].copy_(bucket.own_view(), non_blocking=self.pin)
@@ -145,7 +145,7 @@ class HostShards:
     def before_grad_write(self) -> None:
         """Before the compute stream multiplies the device shards: after the copies read them."""
         if self._arrived:
-            streams.wait_stream(streams.current_stream(), self.d2h)
+            streams.wait_stream(streams.current_stream(self.device), self.d2h)
 
     def scale(self, kind: str, factor: float) -> None:
         """The device shards were multiplied (``unscale``: the overflow check's unscale and
@@ -166,7 +166,7 @@ class HostShards:
         """AdamW on every offloaded bucket in host memory, then its parameters up (module
         docstring). ``exp_avg``/``exp_avg_sq``: the optimizer's moments, host part first."""
         self.grads_synced()                       # (a caller that did not announce the sums)
-        streams.wait_stream(self.h2d, streams.current_stream())   # after reads of the shards
+        streams.wait_stream(self.h2d, streams.current_stream(self.device))  # after reads of shards
         with streams.use(self.host_stream):
             if self._uploaded is not None:        # the last step's copies read the masters
                 streams.synchronize(self._uploaded)
@@ -182,7 +182,7 @@ class HostShards:
                 _host_adamw(self.master[off:off + n], g, exp_avg[off:off + n],
                             exp_avg_sq[off:off + n], step, lr, betas, eps, segments)
                 self._upload(b, off, n)
-        streams.wait_stream(streams.current_stream(), self.h2d)
+        streams.wait_stream(streams.current_stream(self.device), self.h2d)
 
     def _upload(self, bucket, off: int, n: int) -> None:
         master = self.master[off:off + n]

@@ -102,11 +102,19 @@ def _default_name() -> str:
 
 
 def current_stream(device=None) -> Stream:
-    """The stream this thread issues work on: the innermost ``use``, else the thread's own."""
+    """The stream this thread issues work on: the innermost ``use``, else the thread's own on
+    ``device`` (None: the device a ``start_thread`` thread was bound to). Outside both, a call
+    without a device is refused: on an accelerator a guess of "cpu" would be a stream with nothing
+    behind it, and every wait on it a silent no-op."""
     stack = getattr(_local, "stack", None)
     if stack:
         return stack[-1]
-    device = torch.device(device if device is not None else getattr(_local, "device", "cpu"))
+    if device is None:
+        device = getattr(_local, "device", None)
+    if device is None:
+        raise ValueError("streams.current_stream: no device given and none bound to this thread; "
+                         "pass the device whose stream is meant")
+    device = torch.device(device)
     native = torch.accelerator.current_stream(device) if _accelerator(device) else None
     return Stream(_default_name(), device, native)
 
@@ -130,7 +138,8 @@ def use(stream: Stream):
 
 
 def record_event(stream: Stream | None = None) -> Event:
-    """An event at the current end of ``stream`` (default: the current one)."""
+    """An event at the current end of ``stream`` (default: the current one, inside ``use`` or on
+    a bound thread)."""
     stream = stream or current_stream()
     native = None
     if stream.native is not None:
@@ -141,8 +150,9 @@ def record_event(stream: Stream | None = None) -> Event:
 
 
 def wait_event(event: Event, stream: Stream | None = None) -> None:
-    """Work issued on ``stream`` from now on runs after ``event``."""
-    stream = stream or current_stream()
+    """Work issued on ``stream`` (default: the current one on the event's device) from now on
+    runs after ``event``."""
+    stream = stream or current_stream(event.stream.device)
     if stream.native is not None and event.native is not None:
         stream.native.wait_event(event.native)
     if _checker is not None and event.clock is not None:
@@ -243,8 +253,8 @@ class StreamThread:
             self._done.set()
 
     def _ordered(self) -> None:
-        if self._end is not None:
-            wait_event(self._end)
+        if self._end is not None:  # the caller's stream on the thread's device
+            wait_event(self._end, current_stream(self.device))
 
     def join(self, timeout: float | None = None) -> None:
         self.thread.join(timeout)

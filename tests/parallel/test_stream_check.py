@@ -44,16 +44,16 @@ def test_a_wait_orders_it(checker):
     side = streams.side_stream("side", "cpu")
     with streams.use(side):
         x = torch.ones(4)
-    streams.wait_stream(streams.current_stream(), side)
+    streams.wait_stream(streams.current_stream("cpu"), side)
     x.sum()
-    event = streams.record_event()              # and back: compute -> side through an event
+    event = streams.record_event(streams.current_stream("cpu"))  # back: compute -> side, an event
     x.add_(1)
     streams.wait_event(event, side)
     with streams.use(side):
         x.mul_(2)                               # after the event, but not after add_: a race
     assert len(checker.violations) == 1 and "add_" in checker.violations[0]
     checker.violations.clear()
-    streams.wait_stream(side, streams.current_stream())
+    streams.wait_stream(side, streams.current_stream("cpu"))
     with streams.use(side):
         x.mul_(2)
     checker.check()
@@ -62,7 +62,7 @@ def test_a_wait_orders_it(checker):
 def test_write_after_unordered_read(checker):
     side = streams.side_stream("side", "cpu")
     x = torch.ones(4)
-    streams.wait_stream(side, streams.current_stream())
+    streams.wait_stream(side, streams.current_stream("cpu"))
     with streams.use(side):
         x * 2                                   # the side stream reads x
     x.fill_(0)                                  # compute overwrites it before the read is done
@@ -73,7 +73,7 @@ def test_write_after_unordered_read(checker):
 def test_release_while_another_stream_reads(checker):
     side = streams.side_stream("side", "cpu")
     x, y = torch.ones(4), torch.ones(4)
-    streams.wait_stream(side, streams.current_stream())
+    streams.wait_stream(side, streams.current_stream("cpu"))
     with streams.use(side):
         x * 2
         y * 2
@@ -92,7 +92,7 @@ def test_reuse_of_a_freed_address_while_another_stream_reads(checker):
     memory = bytearray(4096)
     x = torch.frombuffer(memory, dtype=torch.float32)
     x.fill_(1)                                  # first seen on compute: its block is compute's
-    streams.wait_stream(side, streams.current_stream())
+    streams.wait_stream(side, streams.current_stream("cpu"))
     with streams.use(side):
         x.sum()
     del x
@@ -109,7 +109,7 @@ def test_backward_runs_under_the_checker(checker):
     x = torch.ones(3, requires_grad=True)
     w = torch.full((3,), 2.0)
     loss = (x * w).sum()
-    streams.wait_stream(side, streams.current_stream())
+    streams.wait_stream(side, streams.current_stream("cpu"))
     with streams.use(side):
         w.data.add_(1)                          # ordered after the forward's read
     checker.check()
@@ -152,7 +152,7 @@ def test_a_thread_reads_host_copies_after_synchronizing_on_their_event(checker):
         go.clear()
         thread = streams.start_thread(f"reader-{wait}", lambda w=wait: reader(w), "cpu")
         box["host"] = torch.ones(4) * 2           # the copies, queued on the compute stream
-        box["event"] = streams.record_event()
+        box["event"] = streams.record_event(streams.current_stream("cpu"))
         go.set()
         thread.join()
         if not wait:
@@ -240,3 +240,24 @@ def test_side_streams_and_device_threads_come_from_the_stream_api():
             text = path.read_text()
             found += [f"{rel}: {p}" for p in patterns if re.search(p, text)]
     assert not found, found
+
+
+def test_the_current_stream_needs_its_device():
+    """Without a device, a stream, or a thread bound to a device there is no current stream to
+    name: on an accelerator a "cpu" guess would be a stream with nothing behind it, and every wait
+    on it a no-op (the optimizer offload's copies were once ordered that way)."""
+    with pytest.raises(ValueError, match="no device given and none bound to this thread"):
+        streams.current_stream()
+    with pytest.raises(ValueError, match="no device given"):
+        streams.record_event()
+    assert streams.current_stream("cpu").name == streams.COMPUTE
+    side = streams.side_stream("side", "cpu")
+    with streams.use(side):
+        assert streams.current_stream() is side
+    event = streams.record_event(side)
+    streams.wait_event(event)  # on the current stream of the event's device
+    seen = []
+    thread = streams.start_thread("bound", lambda: seen.append(streams.current_stream().device),
+                                  "cpu")
+    thread.join()
+    assert seen == [torch.device("cpu")]

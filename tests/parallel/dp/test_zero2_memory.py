@@ -211,7 +211,7 @@ def test_a_release_without_record_stream_is_caught(stream_checker):
     side = streams.side_stream("dp-exchange", "cpu")
     for used_on in (side, None):
         bucket.ensure_storage()
-        streams.wait_stream(side, streams.current_stream())
+        streams.wait_stream(side, streams.current_stream("cpu"))
         with streams.use(side):
             bucket.storage.sum()                    # the worker's encode reads the gradient
             bucket.free_storage(used_on=used_on)
