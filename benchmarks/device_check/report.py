@@ -27,6 +27,11 @@ def report(results: list[StageResult], header: dict) -> str:
              f"Python {header['python']}; host memory available "
              f"{_num(_gib(header.get('host_memory_available')), '.1f')} GiB; budget "
              f"{header['budget_s']:.0f} s, took {header['wall_s']:.0f} s", ""]
+    if "device_table" in header:   # what MFU and the FP8 targets are measured against
+        lines[-1:-1] = [f"hardware table entry {header['device_table'] or 'none (unknown device)'}: "
+                        f"dense peak bf16 {_num(header.get('peak_bf16_tflops'), '.0f')}, fp8 "
+                        f"{_num(header.get('peak_fp8_tflops'), '.0f')} TFLOP/s; device memory free "
+                        f"at start {_num(_gib(header.get('device_memory_free')), '.1f')} GiB"]
     stage_rows = [[r.name, r.status, _num(r.deadline_s, ".0f"), _num(r.wall_s, ".0f"), r.detail or "-"]
                   for r in results]
     lines += [markdown_table(["stage", "status", "deadline (s)", "wall (s)", "detail"], stage_rows), ""]

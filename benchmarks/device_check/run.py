@@ -13,22 +13,25 @@ plan, each stage a subprocess with its own deadline inside the whole check's bud
 3. ``moe`` and ``moe_dense``: an MoE GPT (12 x 1024, 8 experts of 4096, top-2) and the dense GPT of
    its active FLOPs (ffn 8192) the same way, their tokens/s ratio and the planner's prediction
    for both, before and after calibrating it on these two runs (benchmarks/device_check/moe.py);
-4. while time remains, the figures no device has measured yet: ``fp8``, bf16 against
-   ``--fp8-format hybrid`` on the 1.3B GPT and a hidden-4096 one, tokens/s and loss over the same
-   steps against issue 36's targets, skipped on a chip without FP8
-   (benchmarks/device_check/fp8.py); ``syncs``, the host waits per step of a small MoE model
-   counted by the engine's dispatch mode and by CUDA's own report, side by side; ``llama``, the
-   1.3B model with llama blocks (RoPE and SwiGLU on their compiled CUDA paths), its MFU against
-   gpt2's; ``two_ranks``, two processes on the one device (gloo with device tensors, which NCCL
-   refuses): dp 2 with ZeRO and the overlapped gather, tp 2 with SP, pp 2 and ep 2, each against
-   the serial run in fp32 (benchmarks/device_check/two_ranks.py);
+4. while time remains, the figures no device has measured yet, those with targets first:
+   ``fp8``, bf16 against ``--fp8-format hybrid`` on the 1.3B GPT and a hidden-4096 one, tokens/s
+   and loss over the same steps against issue 36's targets, skipped on a chip without FP8
+   (benchmarks/device_check/fp8.py); ``two_ranks``, two processes on the one device (gloo with
+   device tensors, which NCCL refuses, probed first as one command under its own deadline): dp 2
+   with ZeRO and the overlapped gather, tp 2 with SP, pp 2 and ep 2, each against the serial run
+   in fp32 (benchmarks/device_check/two_ranks.py); ``syncs``, the host waits per step of a small
+   MoE model counted by the engine's dispatch mode and by CUDA's own report, side by side;
+   ``llama``, the 1.3B model with llama blocks (RoPE and SwiGLU on their compiled CUDA paths),
+   its MFU against gpt2's;
 5. then, while time remains: ``compiled``, the 1.3B GPT with ``--compile`` (compilation falls in
    the warm-up steps); ``tp_overlap`` (two devices); ``zero``, the same model with the distributed
    optimizer (ZeRO-1) on the one device; ``packed``, packed documents
    (``--reset-attention-mask --reset-position-ids --eod-mask-loss``), shorter.
 
 A stage that runs past its deadline is stopped and reported as such in the table, with what it
-measured until then; a stage that fails is reported with the last line of its log; neither raises.
+measured until then; a stage that fails is reported with the last line of its log; neither raises,
+and an exception in the check's own process fails only its stage (``guarded_stage``). The report
+is rewritten after every stage.
 Results: ``DIR/device_check.json`` and ``DIR/device_check.md`` (the markdown printed at the end),
 with each stage's log beside them. Without an accelerator it says "nothing to check" and exits 0;
 ``--allow-cpu --tiny`` runs the whole plan on the CPU with a tiny model (how the tests check it);
@@ -138,8 +141,25 @@ def run_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> St
                        summary=summary)
 
 
-def run_plan(stages: list[Stage], out: Path, kind: str, args, clock=time.monotonic) -> list[StageResult]:
-    """Every stage in order within the budget; optional ones only while time remains."""
+def guarded_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args,
+                  run=None) -> StageResult:
+    """``run_stage`` (or ``run``), whose exception becomes the stage's "failed" row with its last
+    line: one stage's crash in the check's own process (a probe, a report of its files) costs
+    that stage, not the table of every stage before and after it."""
+    start = time.monotonic()
+    try:
+        return (run or run_stage)(stage, deadline_s, out, kind, args)
+    except Exception as exc:  # noqa: BLE001 - reported in the table, the plan goes on
+        line = (str(exc).strip().splitlines() or [""])[-1][:300]
+        return StageResult(stage.name, "failed", deadline_s, time.monotonic() - start,
+                           f"{type(exc).__name__} in the check itself: {line}")
+
+
+def run_plan(stages: list[Stage], out: Path, kind: str, args, clock=time.monotonic,
+             on_result=None) -> list[StageResult]:
+    """Every stage in order within the budget; optional ones only while time remains.
+    ``on_result(results)``: called after each stage with the results so far (the report is
+    rewritten then, so a check stopped from outside still leaves the stages it ran)."""
     end = clock() + args.budget_s
     results = []
     for stage in stages:
@@ -149,8 +169,20 @@ def run_plan(stages: list[Stage], out: Path, kind: str, args, clock=time.monoton
                                        "no time left in the budget"))
             continue
         print(f"device_check: {stage.name} (deadline {deadline:.0f} s)", flush=True)
-        results.append(run_stage(stage, deadline, out, kind, args))
+        results.append(guarded_stage(stage, deadline, out, kind, args))
+        if on_result is not None:
+            on_result(results)
     return results
+
+
+def write_report(out: Path, header: dict, results: list[StageResult], start: float) -> str:
+    """device_check.json and device_check.md as of now; returns the markdown."""
+    header["wall_s"] = time.monotonic() - start
+    text = report(results, header)
+    (out / "device_check.json").write_text(json.dumps(
+        {**header, "stages": [asdict(r) for r in results]}, indent=1))
+    (out / "device_check.md").write_text(text + "\n")
+    return text
 
 
 def _kernels_stage(args) -> int:
@@ -212,12 +244,19 @@ def main(argv: list[str] | None = None) -> int:
               + f", micro-batch {args.micro_batch_size}, global batch {args.global_batch_size}",
               "out": str(out), "tiny": args.tiny, "micro_batch": args.micro_batch_size,
               "global_batch": args.global_batch_size}
-    results = run_plan([s for s in plan(args.skip_compile) if s.name in only], out, kind, args)
-    header["wall_s"] = time.monotonic() - start
-    text = report(results, header)
-    (out / "device_check.json").write_text(json.dumps(
-        {**header, "stages": [asdict(r) for r in results]}, indent=1))
-    (out / "device_check.md").write_text(text + "\n")
+    from engine.plan.hardware import lookup_device, peak_tflops
+    header.update(device_table=lookup_device(dev.name), peak_bf16_tflops=peak_tflops(dev.name, "bf16"),
+                  peak_fp8_tflops=peak_tflops(dev.name, "fp8"),
+                  device_memory_free=available_memory(kind)[0] if kind != "cpu" else None)
+
+    def progress(done: list[StageResult]) -> None:  # a report that fails here is retried at the end
+        try:
+            write_report(out, header, done, start)
+        except Exception as exc:  # noqa: BLE001
+            print(f"device_check: the report after {done[-1].name} failed: {exc}", flush=True)
+    results = run_plan([s for s in plan(args.skip_compile) if s.name in only], out, kind, args,
+                       on_result=progress)
+    text = write_report(out, header, results, start)
     print(text)
     print(f"\ndevice_check: wrote {out / 'device_check.json'} and {out / 'device_check.md'}")
     return 1 if any(r.status == "failed" for r in results) else 0

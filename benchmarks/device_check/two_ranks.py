@@ -3,7 +3,10 @@ machine with one accelerator.
 
 NCCL refuses two ranks on one GPU (and HCCL two on one NPU), so the stage first probes gloo with
 device tensors: two processes on the one device try each collective the layouts need
-(all-reduce, all-gather, reduce-scatter, all-to-all, broadcast, point-to-point). Then each layout
+(all-reduce, all-gather, reduce-scatter, all-to-all, broadcast, point-to-point), as one command
+under its own deadline (``python -m benchmarks.device_check.two_ranks KIND DIR``: gloo may crash
+or hang on device tensors, which then costs the probe, not the check; each rank writes what it
+learnt after every op, and an op not reached is reported as such). Then each layout
 whose collectives gloo ran is trained as two processes on that device
 (``engine.train --distributed-backend gloo``), fp32, against the serial run on the same device:
 
@@ -13,19 +16,21 @@ whose collectives gloo ran is trained as two processes on that device
 - ``ep2``: dp 2 with 4 experts over ep 2 (the all-to-all dispatcher).
 
 A layout passes when every step's loss is within DESIGN.md's relative 1e-4 of the serial run's. A
-layout that needs a collective gloo refused is reported with the collective and gloo's line; on
-the CPU the stage is skipped (the test suite runs every layout against serial there).
+layout that needs a collective gloo refused is reported with the collective and gloo's line; a
+run stopped at its share of the deadline is "deadline", not "failed"; on the CPU the stage is
+skipped (the test suite runs every layout against serial there).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from benchmarks.common import read_jsonl
+from benchmarks.device_check.plan import last_line
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
 LAYOUTS = {  # name: (engine.train flags, the collectives it needs)
@@ -38,6 +43,7 @@ LAYOUTS = {  # name: (engine.train flags, the collectives it needs)
             ("all_reduce", "all_to_all")),
 }
 REL = 1e-4
+PROBE_S = 60.0    # the probe's deadline at most (a third of the stage's at most)
 
 
 def _try(op: str, rank: int, device) -> None:
@@ -74,33 +80,59 @@ def _try(op: str, rank: int, device) -> None:
 
 
 def _probe_rank(rank: int, kind: str, port: int, out_dir: str) -> None:
+    """One of the probe's two processes: each op in turn, this rank's results written after each
+    (a crash or a hang later leaves what was learnt); a group the last op broke ends the probe."""
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device(kind, 0) if kind != "cpu" else torch.device("cpu")
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    results = {}
+    results, path = {}, Path(out_dir) / f"{rank}.json"
     for op in OPS:
         try:
             _try(op, rank, device)
             results[op] = None
         except Exception as exc:  # noqa: BLE001 - what gloo says is the result
             results[op] = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        dist.barrier()
-    torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+        path.write_text(json.dumps(results))
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - the group is broken: the ops left are not probed
+            break
     dist.destroy_process_group()
 
 
-def probe(kind: str) -> dict[str, str | None]:
-    """{op: None where gloo ran it with two processes on device 0 of ``kind``, else its line}."""
+def _spawn_probe(kind: str, out_dir: str) -> None:
     import socket
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_probe_rank, args=(kind, port, out_dir), nprocs=2, start_method="spawn")
-        ranks = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(2)]
-    return {op: ranks[0][op] or ranks[1][op] for op in OPS}
+    mp.start_processes(_probe_rank, args=(kind, port, out_dir), nprocs=2, start_method="spawn")
+
+
+def probe(kind: str, run_process, out: Path, deadline_s: float) -> tuple[dict, float]:
+    """({op: None where gloo ran it with two processes on device 0 of ``kind``, else its line},
+    wall seconds). The two processes are one command under ``deadline_s`` (``run_process``, as
+    the layouts): gloo with device tensors may crash or hang a process, which costs the probe,
+    not the check; an op a rank did not report is refused with how the probe ended."""
+    results = out / "two_ranks_probe"
+    results.mkdir(parents=True, exist_ok=True)
+    for old in results.glob("*.json"):
+        old.unlink()
+    log = out / "two_ranks_probe.log"
+    code, wall = run_process([sys.executable, "-m", "benchmarks.device_check.two_ranks", kind,
+                              str(results)], log, deadline_s)
+    ranks = [json.loads(f.read_text()) if f.exists() else {}
+             for f in (results / f"{r}.json" for r in range(2))]
+    ended = (f"the probe stopped at its {deadline_s:g} s deadline" if code is None else
+             f"the probe ended (exit {code}: {last_line(log)})")
+    found = {}
+    for op in OPS:
+        if all(op in r for r in ranks):
+            found[op] = ranks[0][op] or ranks[1][op]
+        else:
+            found[op] = f"not probed: {ended}"
+    return found, wall
 
 
 def _refused(name: str, needs, refused: dict, kind: str) -> dict:
@@ -117,14 +149,16 @@ def run_two_ranks(deadline_s: float, out: Path, kind: str, argv_for, run_process
     deadline)``: (exit code or None, wall s). Returns {"status", "detail", "probe", "rows",
     "wall_s"}; rows: {"layout", "status", "loss_rel_diff", "note"}."""
     layouts = LAYOUTS if layouts is None else layouts
-    refused = probe(kind) if refused is None else refused
-    rows, wall = [], 0.0
+    wall = 0.0
+    if refused is None:
+        refused, wall = probe(kind, run_process, out, min(PROBE_S, deadline_s / 3))
+    rows = []
     runs = [name for name, (_, needs) in layouts.items() if not any(refused[op] for op in needs)]
     if not runs:
         return {"status": "ok", "detail": "gloo runs no layout's collectives on this device",
-                "probe": refused, "wall_s": 0.0,
+                "probe": refused, "wall_s": wall,
                 "rows": [_refused(name, needs, refused, kind) for name, (_, needs) in layouts.items()]}
-    share = deadline_s / (1 + 2 * max(1, len(runs)))
+    share = (deadline_s - wall) / (1 + 2 * max(1, len(runs)))
     serial = out / "two_ranks_serial.jsonl"
     serial.unlink(missing_ok=True)
     code, seconds = run_process([sys.executable, "-m", "engine.train", *argv_for(str(serial), ())],
@@ -136,8 +170,10 @@ def run_two_ranks(deadline_s: float, out: Path, kind: str, argv_for, run_process
             rows.append(_refused(name, needs, refused, kind))
             continue
         if not want:
-            rows.append({"layout": name, "status": "failed", "loss_rel_diff": None,
-                         "note": "the serial run failed (two_ranks_serial.log)"})
+            rows.append({"layout": name, "status": "deadline" if code is None else "failed",
+                         "loss_rel_diff": None,
+                         "note": "the serial run stopped at its deadline" if code is None else
+                         "the serial run failed (two_ranks_serial.log)"})
             continue
         metrics = out / f"two_ranks_{name.replace(' ', '_')}.jsonl"
         metrics.unlink(missing_ok=True)
@@ -152,9 +188,13 @@ def run_two_ranks(deadline_s: float, out: Path, kind: str, argv_for, run_process
         note = "" if ok else ("stopped at its deadline" if code is None else
                               f"exit {code}, {len(got)} of {len(want)} steps" if code or
                               len(got) != len(want) else f"losses differ by more than {REL:g}")
-        rows.append({"layout": name, "status": "ok" if ok else "failed", "loss_rel_diff": diff,
-                     "note": note})
-    bad = [r for r in rows if r["status"] == "failed"]
-    return {"status": "failed" if bad else "ok", "detail": "; ".join(f"{r['layout']}: {r['note']}"
-                                                                    for r in bad),
+        rows.append({"layout": name, "status": "ok" if ok else "deadline" if code is None else "failed",
+                     "loss_rel_diff": diff, "note": note})
+    bad = [r for r in rows if r["status"] in ("failed", "deadline")]
+    status = "failed" if any(r["status"] == "failed" for r in bad) else "deadline" if bad else "ok"
+    return {"status": status, "detail": "; ".join(f"{r['layout']}: {r['note']}" for r in bad),
             "probe": refused, "rows": rows, "wall_s": wall}
+
+
+if __name__ == "__main__":  # the probe's command: python -m benchmarks.device_check.two_ranks KIND DIR
+    _spawn_probe(sys.argv[1], sys.argv[2])
