@@ -24,6 +24,7 @@ is how the tests check them.
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -69,18 +70,20 @@ class Regional:
     """``fn`` compiled alone (``fullgraph=True``, static shapes) for its first signatures, as many
     as Dynamo's ``recompile_limit``; further signatures, and every call while a Python dispatch
     mode is active, run ``fn`` eagerly (the same values). Should Dynamo still refuse a call (a
-    guard the signature does not model), that signature runs eagerly from then on."""
+    guard the signature does not model), that signature runs eagerly from then on; should the
+    backend fail to build it (no working triton), every call does, after one note line."""
 
-    def __init__(self, fn, backend: str = "inductor"):
-        from torch._dynamo.exc import FailOnRecompileLimitHit  # Dynamo: imported when first used
-        self.refused = FailOnRecompileLimitHit
+    def __init__(self, fn, backend="inductor"):
+        from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit  # imported
+        self.refused, self.failed = FailOnRecompileLimitHit, BackendCompilerFailed  # when used
         self.fn = fn
         self.compiled_fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
         self.compiled: set = set()   # signatures handed to the compiled function
         self.eager: set = set()      # signatures beyond the limit, or refused
+        self.broken = False          # the backend failed to build it: eager from then on
 
     def __call__(self, *args):
-        if torch._C._len_torch_dispatch_stack() > 0:  # not traced by torch.compile
+        if self.broken or torch._C._len_torch_dispatch_stack() > 0:  # dispatch modes: not traced
             return self.fn(*args)
         key = _signature(args)
         if key in self.eager or (key not in self.compiled
@@ -92,6 +95,12 @@ class Regional:
         except self.refused:  # refused before it ran anything: run it here
             self.compiled.discard(key)
             self.eager.add(key)
+            return self.fn(*args)
+        except self.failed as exc:  # e.g. no working triton: slower, not wrong; said once
+            self.broken = True
+            why = next((ln for ln in str(exc).splitlines() if "Error" in ln), type(exc).__name__)
+            print(f"gridtron: note: torch.compile could not build {self.fn.__name__} ({why.strip()}); "
+                  f"it runs uncompiled", file=sys.stderr, flush=True)
             return self.fn(*args)
         self.compiled.add(key)
         return out

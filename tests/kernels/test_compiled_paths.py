@@ -155,3 +155,28 @@ def test_a_dispatch_mode_runs_the_expression_eagerly():
         torch.testing.assert_close(regional(x), x * 3.0 + 1.0, rtol=0, atol=0)
     assert not regional.compiled and not regional.eager  # nothing was handed to Dynamo
     torch._dynamo.reset()
+
+
+def test_a_backend_that_cannot_build_it_leaves_the_expression_running(capsys):
+    """A compiler that fails (no working triton on a device) costs speed, not the run: one note
+    line, then the expression on every call, with the bare compile's error for comparison."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    def failing(gm, inputs):
+        raise RuntimeError("no working triton")
+
+    def bare_expr(x):
+        return x * 5.0 - 1.0
+
+    def expr(x):
+        return x * 5.0 - 1.0
+    bare = torch.compile(bare_expr, fullgraph=True, dynamic=False, backend=failing)
+    with pytest.raises(BackendCompilerFailed):
+        bare(_shapes(1)[0])
+    regional = comp.Regional(expr, backend=failing)
+    for x in _shapes(3):
+        torch.testing.assert_close(regional(x), x * 5.0 - 1.0, rtol=0, atol=0)
+    assert regional.broken
+    assert capsys.readouterr().err == ("gridtron: note: torch.compile could not build expr "
+                                       "(RuntimeError: no working triton); it runs uncompiled\n")
+    torch._dynamo.reset()
