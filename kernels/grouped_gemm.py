@@ -91,6 +91,39 @@ def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(ends, torch.arange(rows, device=ends.device), right=True)
 
 
+def group_onehot(groups: torch.Tensor, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """(n,) row groups -> (G, n) one-hot in ``dtype``: ``group_sum``'s left operand."""
+    return (groups == torch.arange(num_groups, device=groups.device).unsqueeze(1)).to(dtype)
+
+
+def group_sum(grad: torch.Tensor, groups: torch.Tensor, num_groups: int,
+              onehot: torch.Tensor | None = None) -> torch.Tensor:
+    """Each group's rows summed, (n, out) -> (G, out) in grad's dtype: a bias's gradient. One GEMM
+    with the rows' one-hot groups, (G, n) @ (n, out), which accumulates in fp32 and rounds once,
+    in a fixed order. (``index_add_``, autograd's backward of a row gather, adds row by row: on
+    CUDA a bf16 atomic add per element, rounded each time, so a group of a few thousand rows
+    loses most of its sum and the order varies from run to run.) The one-hot costs G / in of an
+    expert GEMM's FLOPs; ``onehot``: ``group_onehot`` already made (two biases share it)."""
+    if onehot is None:
+        onehot = group_onehot(groups, num_groups, grad.dtype)
+    return onehot @ grad
+
+
+class _GatherRowsForwardGroupSumBackward(torch.autograd.Function):
+    """bias (G, out) -> (n, out), row r holding its group's bias; backward ``group_sum``."""
+
+    @staticmethod
+    def forward(ctx, bias, groups):
+        ctx.save_for_backward(groups)
+        ctx.num_groups = bias.shape[0]
+        return bias.index_select(0, groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        groups, = ctx.saved_tensors
+        return group_sum(grad, groups, ctx.num_groups), None
+
+
 # ---- torch._grouped_mm -----------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)  # a fact about the installed torch and the device type
@@ -271,7 +304,7 @@ def add_group_bias(y: torch.Tensor, bias: torch.Tensor | None, offsets: torch.Te
     if bias is None:
         return y
     groups = row_groups(offsets, y.shape[0]) if groups is None else groups
-    return y + bias.index_select(0, groups).to(y.dtype)
+    return y + _GatherRowsForwardGroupSumBackward.apply(bias, groups).to(y.dtype)
 
 
 def grouped_input_grad(grad: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,

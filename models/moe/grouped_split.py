@@ -33,7 +33,7 @@ import torch
 
 import kernels
 from kernels.fp8_grouped import Fp8GroupedBackward, Fp8GroupedForward, GroupedFp8Spec
-from kernels.grouped_gemm import add_group_bias, row_groups
+from kernels.grouped_gemm import add_group_bias, group_sum, row_groups
 from parallel.grads.weight_grad import WeightGradStore, accumulate, apply_split
 
 
@@ -42,7 +42,7 @@ def _weight_grads(weight, bias, grad, x, offsets, paths, fp8: Fp8GroupedBackward
     dw = kernels.grouped_weight_grad(grad, x, offsets, paths) if fp8 is None else fp8.wgrad()
     db = None
     if bias is not None:
-        db = grad.new_zeros(bias.shape).index_add_(0, row_groups(offsets, grad.shape[0]), grad)
+        db = group_sum(grad, row_groups(offsets, grad.shape[0]), bias.shape[0]).to(bias.dtype)
     return dw, db
 
 

@@ -90,3 +90,43 @@ def test_swiglu_packed_backward_is_autograds_derivative():
     assert torch.equal(swiglu_packed_backward(grad, x.detach()), x.grad)
     with pytest.raises(ValueError, match="2f"):
         swiglu_packed_backward(grad, x.detach()[..., :8])
+
+
+def test_bias_gradients_sum_in_fp32_and_add_no_bf16_rows_one_by_one():
+    """A bias's gradient sums thousands of rows per group: in bf16 added row by row (``index_add_``
+    on CUDA: one bf16 atomic add per element, rounded each time) the sum stalls at 256 times a
+    term. ``group_sum`` is one GEMM that accumulates in fp32 and rounds once: equal to the fp32 sum
+    rounded to bf16, here where that sum is exact (multiples of 2^-8), on groups of 2048 rows; and
+    neither the fused MLP's backward nor a grouped linear's bias backward dispatches an
+    ``index_add`` on a bf16 tensor (the CPU's own ``index_add_`` happens to accumulate widely, so
+    the op is what a CPU run can see)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(-64, 65, (4096, 16), generator=gen).to(torch.bfloat16) / 256
+    groups = torch.arange(4096) // 2048                                       # 2 groups of 2048
+    want = torch.stack([rows[:2048].float().sum(0), rows[2048:].float().sum(0)]).to(torch.bfloat16)
+    assert torch.equal(gg.group_sum(rows, groups, 2), want)
+    ones = torch.ones(4096, 16, dtype=torch.bfloat16)
+    assert torch.equal(gg.group_sum(ones, groups, 2), torch.full((2, 16), 2048.0, dtype=torch.bfloat16))
+
+    class LowPrecisionIndexAdds(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "index_add" in str(func) and args[0].dtype in (torch.bfloat16, torch.float16):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+    counts = [40, 0, 24, 32]
+    operands = [None if t is None else t.to(torch.bfloat16) for t in _operands(counts, "gelu", True)]
+    leaves = [t.clone().requires_grad_() for t in operands]
+    with LowPrecisionIndexAdds() as mode:
+        grouped_mlp(leaves[0], _offsets(counts), leaves[1], leaves[2], "gelu", leaves[3],
+                    leaves[4]).sum().backward()
+        x, w = leaves[0].detach(), leaves[1].detach()
+        b = leaves[3].detach().clone().requires_grad_()
+        gg.add_group_bias(gg.grouped_linear(x, w, _offsets(counts)), b, _offsets(counts)).sum().backward()
+    assert mode.seen == [] and leaves[3].grad is not None and b.grad is not None
+    assert torch.equal(b.grad, gg.group_sum(torch.ones(96, 8, dtype=torch.bfloat16),
+                                            gg.row_groups(_offsets(counts), 96), 4))
