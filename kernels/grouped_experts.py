@@ -14,8 +14,8 @@ biases (G, f_in) and (G, h_out) or None -> (n, h_out), row r of group g being
   ``_GroupedMlpForwardGroupedMlpBackward``, its backward written out: grad @ w_out and grad.T @ a
   per group, the activation's derivative (aten's ``gelu_backward``, or
   ``kernels.swiglu_packed_backward``, compiled on CUDA), dh @ w_in and dh.T @ x per group, each
-  bias's gradient ``group_sum`` (one GEMM with the rows' one-hot groups: fp32 accumulation, where
-  a bf16 ``index_add_`` rounds every add on CUDA). The kernels of the composition below, without
+  bias's gradient ``group_sum`` (the rows added in fp32, rounded once, where a bf16
+  ``index_add_`` rounds every add on CUDA). The kernels of the composition below, without
   its per-node bookkeeping and the two projections' own Functions:
   that bookkeeping is host time a device waits behind (benchmarks/host/moe_layer.py). It saves x, the
   pre-activation h and the activation a (what autograd saves for the composition) and the
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from kernels.dispatch import KernelPaths
 from kernels.fp8_grouped import fp8_grouped_linear
-from kernels.grouped_gemm import (_gmm, _widths_aligned, group_onehot, group_sum, grouped_linear,
+from kernels.grouped_gemm import (_gmm, _widths_aligned, group_sum, grouped_linear,
                                   grouped_linear_path, grouped_linear_reference, row_groups)
 from kernels.swiglu import swiglu_packed, swiglu_packed_backward
 
@@ -78,11 +78,10 @@ class _GroupedMlpForwardGroupedMlpBackward(torch.autograd.Function):
         need_x, need_w_in, need_b_in, need_w_out, need_b_out = ctx.needs_input_grad[:5]
         grad = grad.contiguous()
         g = w_out.shape[0]
-        onehot = group_onehot(groups, g, grad.dtype) if need_b_out or need_b_in else None
-        db_out = group_sum(grad, groups, g, onehot) if need_b_out else None
+        db_out = group_sum(grad, groups, g) if need_b_out else None
         dw_out = _gmm(grad.t(), a, offs) if need_w_out else None            # (G, h_out, f)
         dh = _act_backward(_gmm(grad, w_out, offs), h, ctx.kind)            # (n, f_in)
-        db_in = group_sum(dh, groups, g, onehot) if need_b_in else None
+        db_in = group_sum(dh, groups, g) if need_b_in else None
         dw_in = _gmm(dh.t(), x, offs) if need_w_in else None                # (G, f_in, h)
         dx = _gmm(dh, w_in, offs) if need_x else None                       # (n, h)
         return dx, dw_in, db_in, dw_out, db_out, None, None, None, None

@@ -91,22 +91,14 @@ def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(ends, torch.arange(rows, device=ends.device), right=True)
 
 
-def group_onehot(groups: torch.Tensor, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """(n,) row groups -> (G, n) one-hot in ``dtype``: ``group_sum``'s left operand."""
-    return (groups == torch.arange(num_groups, device=groups.device).unsqueeze(1)).to(dtype)
-
-
-def group_sum(grad: torch.Tensor, groups: torch.Tensor, num_groups: int,
-              onehot: torch.Tensor | None = None) -> torch.Tensor:
-    """Each group's rows summed, (n, out) -> (G, out) in grad's dtype: a bias's gradient. One GEMM
-    with the rows' one-hot groups, (G, n) @ (n, out), which accumulates in fp32 and rounds once,
-    in a fixed order. (``index_add_``, autograd's backward of a row gather, adds row by row: on
-    CUDA a bf16 atomic add per element, rounded each time, so a group of a few thousand rows
-    loses most of its sum and the order varies from run to run.) The one-hot costs G / in of an
-    expert GEMM's FLOPs; ``onehot``: ``group_onehot`` already made (two biases share it)."""
-    if onehot is None:
-        onehot = group_onehot(groups, num_groups, grad.dtype)
-    return onehot @ grad
+def group_sum(grad: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Each group's rows summed, (n, out) -> (G, out) in grad's dtype: a bias's gradient, added in
+    fp32 and rounded once. (``index_add_`` in bf16, autograd's backward of a row gather, is on
+    CUDA one bf16 atomic add per element, rounded each time: a group of a few thousand rows loses
+    most of its sum.) Element-wise work, as the bias's own gradient is: no GEMM the FLOPs
+    counter would add to the model's; the fp32 copy of ``grad`` is transient."""
+    total = torch.zeros((num_groups, grad.shape[1]), dtype=torch.float32, device=grad.device)
+    return total.index_add_(0, groups, grad.float()).to(grad.dtype)
 
 
 class _GatherRowsForwardGroupSumBackward(torch.autograd.Function):

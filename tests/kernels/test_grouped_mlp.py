@@ -95,8 +95,8 @@ def test_swiglu_packed_backward_is_autograds_derivative():
 def test_bias_gradients_sum_in_fp32_and_add_no_bf16_rows_one_by_one():
     """A bias's gradient sums thousands of rows per group: in bf16 added row by row (``index_add_``
     on CUDA: one bf16 atomic add per element, rounded each time) the sum stalls at 256 times a
-    term. ``group_sum`` is one GEMM that accumulates in fp32 and rounds once: equal to the fp32 sum
-    rounded to bf16, here where that sum is exact (multiples of 2^-8), on groups of 2048 rows; and
+    term. ``group_sum`` adds the rows in fp32 and rounds once: equal to the fp32 sum rounded to
+    bf16, here where that sum is exact (multiples of 2^-8), on groups of 2048 rows; and
     neither the fused MLP's backward nor a grouped linear's bias backward dispatches an
     ``index_add`` on a bf16 tensor (the CPU's own ``index_add_`` happens to accumulate widely, so
     the op is what a CPU run can see)."""
