@@ -14,10 +14,10 @@ The compiled functions are made on first use and kept (``Regional``): torch.comp
 graph per input signature (shapes, strides, dtypes, grad mode) and, with ``fullgraph=True``,
 raises instead of running eagerly once a function has more signatures than Dynamo's recompile
 limit (8), or when a Python dispatch mode is active (the stream checker's, the host-wait
-counter's). ``Regional`` compiles the first signatures up to that limit and runs the expression
-eagerly for the others and under a dispatch mode, so a model with many shapes (FP8's quantization
-sees every GEMM's operands, kernels/fp8.py) or a checked run gets the same values, never an
-error. The references they are tested against are the ops' own (``apply_rope_reference``,
+counter's). ``Regional`` compiles up to its own limit of signatures (64: FP8's quantization sees
+every GEMM's operands and gradients, a dozen in a GPT, kernels/fp8.py) and runs the expression
+eagerly for any beyond it and under a dispatch mode, so a model with many shapes or a checked run
+gets the same values, never an error. The references they are tested against are the ops' own (``apply_rope_reference``,
 ``swiglu_reference``); the functions run on any device inductor supports, the CPU included, which
 is how the tests check them.
 """
@@ -67,13 +67,14 @@ def _signature(args: tuple) -> tuple:
 
 
 class Regional:
-    """``fn`` compiled alone (``fullgraph=True``, static shapes) for its first signatures, as many
-    as Dynamo's ``recompile_limit``; further signatures, and every call while a Python dispatch
-    mode is active, run ``fn`` eagerly (the same values). Should Dynamo still refuse a call (a
-    guard the signature does not model), that signature runs eagerly from then on; should the
-    backend fail to build it (no working triton), every call does, after one note line."""
+    """``fn`` compiled alone (``fullgraph=True``, static shapes) for its first ``limit``
+    signatures (Dynamo's recompile limit raised to that while a new one compiles: a model's FP8
+    quantization meets a dozen); further signatures, and every call while a Python dispatch mode
+    is active, run ``fn`` eagerly (the same values). Should Dynamo still refuse a call (a guard
+    the signature does not model), that signature runs eagerly from then on; should the backend
+    fail to build it (no working triton), every call does, after one note line."""
 
-    def __init__(self, fn, backend="inductor"):
+    def __init__(self, fn, backend="inductor", limit: int = 64):
         from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit  # imported
         self.refused, self.failed = FailOnRecompileLimitHit, BackendCompilerFailed  # when used
         self.fn = fn
@@ -81,17 +82,22 @@ class Regional:
         self.compiled: set = set()   # signatures handed to the compiled function
         self.eager: set = set()      # signatures beyond the limit, or refused
         self.broken = False          # the backend failed to build it: eager from then on
+        self.limit = limit
 
     def __call__(self, *args):
         if self.broken or torch._C._len_torch_dispatch_stack() > 0:  # dispatch modes: not traced
             return self.fn(*args)
         key = _signature(args)
-        if key in self.eager or (key not in self.compiled
-                                 and len(self.compiled) >= torch._dynamo.config.recompile_limit):
+        if key in self.eager or (key not in self.compiled and len(self.compiled) >= self.limit):
             self.eager.add(key)
             return self.fn(*args)
         try:
-            out = self.compiled_fn(*args)
+            if key in self.compiled:
+                out = self.compiled_fn(*args)
+            else:  # a new signature: this function's own limit, not the process's
+                with torch._dynamo.config.patch(recompile_limit=max(
+                        self.limit, torch._dynamo.config.recompile_limit)):
+                    out = self.compiled_fn(*args)
         except self.refused:  # refused before it ran anything: run it here
             self.compiled.discard(key)
             self.eager.add(key)

@@ -93,37 +93,44 @@ def _shapes(n: int) -> list[torch.Tensor]:
 
 def test_more_signatures_than_the_recompile_limit_run_eagerly():
     """torch.compile with fullgraph=True raises once a function has more input signatures than
-    Dynamo's recompile limit (FP8's quantization meets every GEMM's operands): ``Regional``
-    compiles the first ``recompile_limit`` of them and runs the others eagerly, same values."""
+    Dynamo's recompile limit (8; FP8's quantization meets a dozen in a GPT): ``Regional`` compiles
+    up to its own limit (the process's limit raised while a new signature compiles) and runs the
+    others eagerly, same values."""
     from torch._dynamo.exc import FailOnRecompileLimitHit
-    with torch._dynamo.config.patch(recompile_limit=3):
-        _past_the_limit(FailOnRecompileLimitHit)
-
-
-def _past_the_limit(refused) -> None:
     torch._dynamo.reset()
+    process_limit = torch._dynamo.config.recompile_limit
 
     def bare_expr(x):
         return (x * 2.0).clamp(-1.0, 1.0)
 
     def expr(x):
         return (x * 2.0).clamp(-1.0, 1.0)
+
+    def expr_small(x):
+        return (x * 2.0).clamp(-1.0, 1.0)
     bare = torch.compile(bare_expr, fullgraph=True, dynamic=False, backend="eager")
-    with pytest.raises(refused):  # what Regional is for
-        for x in _shapes(5):
+    with pytest.raises(FailOnRecompileLimitHit):  # what Regional is for
+        for x in _shapes(process_limit + 1):
             bare(x)
-    regional = comp.Regional(expr, backend="eager")
-    for x in _shapes(5) + _shapes(5):
+    regional = comp.Regional(expr, backend="eager", limit=process_limit + 4)  # past the process's
+    for x in _shapes(process_limit + 6) * 2:
         torch.testing.assert_close(regional(x), expr(x), rtol=0, atol=0)
+    assert len(regional.compiled) == process_limit + 4 and len(regional.eager) == 2
+    assert torch._dynamo.config.recompile_limit == process_limit           # put back
+    regional = comp.Regional(expr_small, backend="eager", limit=3)         # or below it
+    for x in _shapes(5):
+        torch.testing.assert_close(regional(x), expr_small(x), rtol=0, atol=0)
     assert len(regional.compiled) == 3 and len(regional.eager) == 2
 
-    # a guard the signature does not model (a global's value): the refused call runs eagerly
+    # a guard the signature does not model (a global's value), past the process's limit: the
+    # refused call runs eagerly
     def scaled(x):
         return x * SCALE[0]
     regional = comp.Regional(scaled, backend="eager")
     x = _shapes(1)[0]
+    values = [float(v) for v in range(1, process_limit + 3)]
     try:
-        for value in (1.0, 2.0, 3.0, 4.0, 5.0):
+        for value in values:
             SCALE[0] = value
             torch.testing.assert_close(regional(x), x * value, rtol=0, atol=0)
     finally:
