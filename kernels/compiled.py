@@ -67,18 +67,19 @@ def _signature(args: tuple) -> tuple:
 
 
 class Regional:
-    """``fn`` compiled alone (``fullgraph=True``, static shapes) for its first ``limit``
+    """``fn`` compiled alone (``fullgraph=True``, static shapes unless ``dynamic``: one kernel for
+    every size, fewer compilations where the sizes vary) for its first ``limit``
     signatures (Dynamo's recompile limit raised to that while a new one compiles: a model's FP8
     quantization meets a dozen); further signatures, and every call while a Python dispatch mode
     is active, run ``fn`` eagerly (the same values). Should Dynamo still refuse a call (a guard
     the signature does not model), that signature runs eagerly from then on; should the backend
     fail to build it (no working triton), every call does, after one note line."""
 
-    def __init__(self, fn, backend="inductor", limit: int = 64):
+    def __init__(self, fn, backend="inductor", limit: int = 64, dynamic: bool = False):
         from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit  # imported
         self.refused, self.failed = FailOnRecompileLimitHit, BackendCompilerFailed  # when used
         self.fn = fn
-        self.compiled_fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+        self.compiled_fn = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=backend)
         self.compiled: set = set()   # signatures handed to the compiled function
         self.eager: set = set()      # signatures beyond the limit, or refused
         self.broken = False          # the backend failed to build it: eager from then on

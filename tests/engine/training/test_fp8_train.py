@@ -168,7 +168,7 @@ def test_the_compiled_quantization_trains_past_the_recompile_limit(monkeypatch):
     import torch
     argv = TINY + ["--bf16", "--fp8-format", "hybrid", "--train-iters", "3"]
     eager = serial(argv)
-    regional = Regional(fp8._quantize, backend="eager")
+    regional = Regional(fp8._quantize, backend="eager", dynamic=True)  # as _compiled_quantize
     monkeypatch.setattr(fp8, "_compiled_quantize", lambda: regional)
     monkeypatch.setattr(fp8, "use_compiled_quantize", lambda x: not torch.compiler.is_compiling())
     torch._dynamo.reset()
