@@ -213,10 +213,15 @@ def _cpu_backward(ops, dout, q, k, v, out, lse, causal, mask, scale):
 def npu_block_kwargs(q, causal: bool, mask, scale, mask_cache: NpuMaskCache | None = None) -> dict:
     """Keyword arguments of npu_fusion_attention (and, with ``scale_value``, of its grad) for one
     block: causal -> sparse_mode 2 with the compressed 2048 mask; a document mask -> sparse_mode 0
-    with the explicit (b, 1, sq, sk) bool mask (True = masked), the causal triangle folded in."""
+    with the explicit (b, 1, sq, sk) bool mask (True = masked), the causal triangle folded in and
+    the band said to match (``next_tockens`` 0, ``pre_tockens`` sk: op-plugin's
+    torch_npu-npu_fusion_attention.md, sparse_mode 0 needs atten_mask and pre/next_tockens to
+    agree, "next_tockens取值为0，pre_tockens大于等于Sq" for the causal case)."""
+    band = {}
     if mask is not None:
         if causal:
             mask = mask | causal_mask(mask.shape[2], mask.shape[3], mask.device)
+            band = {"pre_tockens": mask.shape[3], "next_tockens": 0}
         atten, mode = mask, NPU_SPARSE_MODE_DEFAULT
     elif causal:
         atten = mask_cache.get(q.device) if mask_cache is not None else npu_compressed_causal_mask(q.device)
@@ -224,7 +229,7 @@ def npu_block_kwargs(q, causal: bool, mask, scale, mask_cache: NpuMaskCache | No
     else:
         atten, mode = None, NPU_SPARSE_MODE_DEFAULT
     return {"atten_mask": atten, "scale": resolve_scale(scale, q.shape[3]), "keep_prob": 1.0,
-            "sparse_mode": mode}
+            "sparse_mode": mode, **band}
 
 
 def npu_lse(softmax_max: torch.Tensor, softmax_sum: torch.Tensor) -> torch.Tensor:

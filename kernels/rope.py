@@ -25,12 +25,13 @@ from kernels.dispatch import KernelPaths, device_kind, import_torch_npu
 # - "a2-a3": Atlas A2 / A3 training series with jit_compile=False (torch_npu's default there;
 #   torch_npu 7.0.0 API reference, torch_npu.npu_rotary_mul, constraints): D even and below 896,
 #   B and N below 1000 (B*N <= 1024 only when cos/sin need gradients, which they do not here).
-#   The "D a multiple of 128" rule of older pages is the jit_compile=True (and Atlas training) one.
-# - "atlas-training": Ascend 910A / 910ProB (torch_npu 6.0.0 API reference): D a multiple of 128,
+#   The "D equal to 128" rule of older pages is the jit_compile=True (and Atlas training) one.
+# - "atlas-training": Ascend 910A / 910ProB (torch_npu 6.0.0 API reference, and op-plugin's
+#   docs/context/torch_npu-npu_rotary_mul.md for jit_compile=True: "D维度数值为128"): D = 128,
 #   B and N at most 1000, broadcast axes at most 1024 elements in total, and for BNSD no B*N > 8*S.
 ROTARY_TABLES = ("a2-a3", "atlas-training")
 NPU_ROTARY_MAX_HEAD_DIM = 896            # a2-a3: D < 896
-NPU_ROTARY_HEAD_DIM_MULTIPLE = 128       # atlas-training
+NPU_ROTARY_HEAD_DIM = 128                # atlas-training: D exactly 128
 NPU_ROTARY_MAX_BATCH_OR_HEADS = 1000     # a2-a3: < 1000; atlas-training: <= 1000
 NPU_ROTARY_MAX_BROADCAST = 1024          # atlas-training
 NPU_ROTARY_MAX_BN_PER_S = 8              # atlas-training, BNSD
@@ -175,7 +176,7 @@ def npu_rotary_supported(x: torch.Tensor, table: str = "a2-a3") -> bool:
     if table != "atlas-training":
         raise ValueError(f"unknown npu_rotary_mul table {table!r}; expected one of {ROTARY_TABLES}")
     return (
-        d % NPU_ROTARY_HEAD_DIM_MULTIPLE == 0
+        d == NPU_ROTARY_HEAD_DIM
         and b <= NPU_ROTARY_MAX_BATCH_OR_HEADS
         and n <= NPU_ROTARY_MAX_BATCH_OR_HEADS
         and b * n <= NPU_ROTARY_MAX_BROADCAST

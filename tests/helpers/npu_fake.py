@@ -49,17 +49,29 @@ def _repeat8(t):
     return t.unsqueeze(-1).expand(*t.shape, 8).contiguous()
 
 
-def _block_mask(sparse_mode, atten_mask, sq, skv, batch):
-    """The (sq, skv) or (1, sq, skv) masked-out pattern of BNSD/BSND calls for batch row ``batch``."""
+NO_BAND = 2147483647   # pre_tockens / next_tockens defaults: no band
+
+
+def _block_mask(sparse_mode, atten_mask, sq, skv, batch, pre=NO_BAND, nxt=NO_BAND):
+    """The (sq, skv) or (1, sq, skv) masked-out pattern of BNSD/BSND calls for batch row ``batch``.
+    sparse_mode 0 also masks outside the band j - i <= next_tockens, i - j <= pre_tockens, and
+    holds the documented rule that the mask and the band agree: a mask holding the causal
+    triangle needs next_tockens 0 and pre_tockens >= Sq ("next_tockens取值为0，pre_tockens大于等于
+    Sq"; otherwise "参数取值与atten_mask分布不一致会导致精度问题")."""
     if sparse_mode == 2:  # leftUpCausal: the fixed compressed mask, pattern independent of it
         assert atten_mask.dtype == torch.bool and torch.equal(atten_mask, COMPRESSED_CAUSAL)
         return torch.arange(skv)[None, :] > torch.arange(sq)[:, None]
     assert sparse_mode == 0
+    offset = torch.arange(skv)[None, :] - torch.arange(sq)[:, None]          # j - i
+    band = (offset > nxt) | (-offset > pre)
     if atten_mask is None:
-        return None
+        return band if band.any() else None
     assert atten_mask.dtype == torch.bool and atten_mask.shape[-2:] == (sq, skv)
     assert atten_mask.dim() in (2, 4), "documented: [S1, S2], [B, 1, S1, S2] or [B, N, S1, S2]"
-    return atten_mask if atten_mask.dim() == 2 else atten_mask[batch]
+    causal = bool(atten_mask[..., offset > 0].all()) and not bool(atten_mask[..., offset == 0].all())
+    if causal:  # the causal triangle is in the mask (and the diagonal open: not a masked block)
+        assert nxt == 0 and pre >= sq, "a causal atten_mask needs next_tockens 0, pre_tockens >= Sq"
+    return (atten_mask if atten_mask.dim() == 2 else atten_mask[batch]) | band
 
 
 class FakeTorchNpu:
@@ -70,7 +82,8 @@ class FakeTorchNpu:
 
     def npu_fusion_attention(self, query, key, value, head_num, input_layout, *, atten_mask=None,
                              scale=1.0, keep_prob=1.0, sparse_mode=0, actual_seq_qlen=None,
-                             actual_seq_kvlen=None, **unused):
+                             actual_seq_kvlen=None, pre_tockens=NO_BAND, next_tockens=NO_BAND,
+                             **unused):
         self.calls.append(f"npu_fusion_attention:{input_layout}")
         assert input_layout in ("BNSD", "BSND", "TND") and not unused and keep_prob == 1.0
         assert all(t.is_contiguous() for t in (query, key, value))
@@ -85,7 +98,8 @@ class FakeTorchNpu:
         outs, maxes, sums = [], [], []
         for i in range(q.shape[0]):
             o, mx, total = _scores_attention(q[i], k[i], v[i], scale,
-                                             _block_mask(sparse_mode, atten_mask, sq, skv, i), True)
+                                             _block_mask(sparse_mode, atten_mask, sq, skv, i,
+                                                         pre_tockens, next_tockens), True)
             outs.append(o), maxes.append(mx), sums.append(total)
         out = torch.stack(outs).to(query.dtype)
         out = out.transpose(1, 2).contiguous() if input_layout == "BSND" else out
@@ -95,7 +109,7 @@ class FakeTorchNpu:
     def npu_fusion_attention_grad(self, query, key, value, dy, head_num, input_layout, *,
                                   atten_mask=None, softmax_max=None, softmax_sum=None,
                                   attention_in=None, scale_value=1.0, keep_prob=1.0, sparse_mode=0,
-                                  **unused):
+                                  pre_tockens=NO_BAND, next_tockens=NO_BAND, **unused):
         """The documented backward: P = exp(scale * Q K^T (masked) - softmax_max) / softmax_sum,
         dV = P^T dy, dS = P * (dy V^T - rowsum(dy * attention_in)), dQ = scale dS K,
         dK = scale dS^T Q (summed over the query heads of a key/value head)."""
@@ -111,7 +125,8 @@ class FakeTorchNpu:
         sq, skv = q.shape[2], k.shape[2]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for i in range(q.shape[0]):
-            s = _scores(q[i], k[i], scale_value, _block_mask(sparse_mode, atten_mask, sq, skv, i))
+            s = _scores(q[i], k[i], scale_value, _block_mask(sparse_mode, atten_mask, sq, skv, i,
+                                                             pre_tockens, next_tockens))
             p = torch.exp(s - softmax_max[i, ..., :1].float()) / softmax_sum[i, ..., :1].float()
             vr = v[i].repeat_interleave(rep, 0)
             kr = k[i].repeat_interleave(rep, 0)

@@ -261,7 +261,8 @@ def test_npu_rotary_args_and_limits():
     # Ascend 910A / 910ProB: its own table
     old = "atlas-training"
     assert rope_mod.npu_rotary_supported(x, old)
-    assert not rope_mod.npu_rotary_supported(torch.empty(2, 4, 6, 64), old)  # head_dim not a multiple of 128
+    for d in (64, 256, 384):  # the table says D = 128 ("D维度数值为128"), not a multiple of it
+        assert not rope_mod.npu_rotary_supported(torch.empty(2, 4, 6, d), old), d
     assert not rope_mod.npu_rotary_supported(torch.empty(8, 8, 6, 128), old)  # B*N > 8*S for BNSD
     assert rope_mod.npu_rotary_supported(torch.empty(8, 6, 8, 128).transpose(1, 2), old)  # not for BSND
     assert not rope_mod.npu_rotary_supported(torch.empty(1, 1001, 1000, 128), old)  # N > 1000
