@@ -16,8 +16,14 @@ Sources (the table below transcribes them; cite them when changing an entry):
   AllGather, Broadcast, Send/Recv and AlltoAll also take the unsigned types and float64. Float64
   reductions exist only on the Ascend 950 generation ("Atlas 350"). torch_npu's ProcessGroupHCCL
   enforces the reduction set (``checkSupportedDataTypeOfAllReduce``: "HCCL AllReduce & Reduce:
-  Unsupported data type"), maps ``ReduceOp`` SUM/PRODUCT/MIN/MAX only (no AVG, no bitwise ops) and
-  throws "ProcessGroupHCCL does not support gather". Complex tensors: no HCCL data type.
+  Unsupported data type"), maps ``ReduceOp`` SUM/PRODUCT/MIN/MAX (no bitwise ops) and throws
+  "ProcessGroupHCCL does not support gather". Complex tensors: no HCCL data type. Versions:
+  the unsigned 16/32/64-bit types reach HCCL from torch_npu 2.6.0 (``HCCLUtils.cpp``
+  ``kScalarTypeToHcclDataType``; earlier releases throw "Unsupported data type for HCCL process
+  group"), the 950's float64/uint64 reductions only where torch_npu lists them
+  (``a5ExtraDataTypes``: 2.7.1, 2.9.0); recent releases run AVG as a sum and a division, which
+  these rules still refuse (the stricter set, as the engine never needs AVG). The engine sends
+  none of those types, so the rules do not depend on the installed torch_npu.
 - NCCL: ``ncclDataType_t`` (NCCL API, "Types") has int8, uint8, int32, uint32, int64, uint64,
   float16, float32, float64, bfloat16 (and fp8 in 2.24+): no int16 or complex, which PyTorch's
   ProcessGroupNCCL rejects ("Unsupported data type for NCCL process group"); ``ncclRedOp_t`` is
