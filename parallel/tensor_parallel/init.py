@@ -5,13 +5,23 @@ and then sliced, so a TP shard holds exactly the rows/columns of the serial weig
 stage holds exactly the serial layers it owns. The cost is drawing the full tensor once per rank at
 startup, which is acceptable for the model sizes trained from scratch here; at very large sizes one
 would draw only the shard's rows from a counter-based generator.
+
+A tensor of more than ``CHUNK_ELEMENTS`` elements is drawn in chunks of that many, chunk k from its
+own generator seeded by (seed, name, k), on up to ``torch.get_num_threads()`` threads (torch's
+sampler is serial: a 1.3B model's weights took about 13 s on one core, and every run of a
+benchmark pays it before its first step). Its values depend on the name and seed only, never on the
+thread count; smaller tensors are one generator's draw, as before.
 """
 from __future__ import annotations
 
 import hashlib
+import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+
+CHUNK_ELEMENTS = 1 << 23   # 8M elements: larger tensors are drawn in chunks, in parallel
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -42,10 +52,38 @@ class Initializer:
             return torch.ones(shape)
         if kind != "normal":
             raise ValueError(f"unknown init kind {kind!r}; use normal, zeros or ones")
-        gen = torch.Generator().manual_seed(name_seed(self.seed, name))
-        return torch.randn(shape, generator=gen) * (self.std if std is None else std)
+        return normal(self.seed, name, shape, self.std if std is None else std)
 
     def param(self, name: str, shape: tuple[int, ...], kind: str = "normal",
               std: float | None = None, shard_dim: int | None = None, rank: int = 0,
               size: int = 1) -> torch.nn.Parameter:
-        return torch.nn.Parameter(shard(self.full(name, shape, kind, std), shard_dim, rank, size))
+        full = self.full(name, shape, kind, std)   # fresh: kept as it is when not sharded
+        whole = shard_dim is None or size == 1
+        return torch.nn.Parameter(full if whole else shard(full, shard_dim, rank, size))
+
+
+def normal(seed: int, name: str, shape: tuple[int, ...], std: float,
+           threads: int | None = None) -> torch.Tensor:
+    """N(0, std^2) of ``shape`` from (seed, name): one generator's draw up to ``CHUNK_ELEMENTS``
+    elements, else chunk k from (seed, f"{name}#{k}") on ``threads`` threads (default torch's
+    intra-op thread count), the same values for any count."""
+    numel = math.prod(shape)
+    if numel <= CHUNK_ELEMENTS:
+        gen = torch.Generator().manual_seed(name_seed(seed, name))
+        return torch.randn(shape, generator=gen).mul_(std)
+    out = torch.empty(numel)
+
+    def draw(k: int) -> None:
+        part = out[k * CHUNK_ELEMENTS:(k + 1) * CHUNK_ELEMENTS]
+        gen = torch.Generator().manual_seed(name_seed(seed, f"{name}#{k}"))
+        torch.randn(part.shape, generator=gen, out=part)
+        part.mul_(std)
+    chunks = range(math.ceil(numel / CHUNK_ELEMENTS))
+    workers = max(1, min(len(chunks), threads or torch.get_num_threads()))
+    if workers == 1:
+        for k in chunks:
+            draw(k)
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(draw, chunks))
+    return out.view(shape)

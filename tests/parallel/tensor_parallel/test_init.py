@@ -1,0 +1,38 @@
+"""Layout-independent initialization (parallel/tensor_parallel/init.py): a weight is the same for
+every layout, and a large one drawn in chunks on threads is the same for any thread count."""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from parallel.tensor_parallel import Initializer
+
+init_mod = importlib.import_module("parallel.tensor_parallel.init")
+
+
+def test_small_weights_are_one_generators_draw():
+    """Up to CHUNK_ELEMENTS elements: the (seed, name) generator's randn times the std, exactly
+    what every earlier run drew (checkpoints and pinned losses of small models stay valid)."""
+    got = Initializer(7, 0.02).full("layers.0.mlp.fc1.weight", (64, 32))
+    gen = torch.Generator().manual_seed(init_mod.name_seed(7, "layers.0.mlp.fc1.weight"))
+    assert torch.equal(got, torch.randn((64, 32), generator=gen) * 0.02)
+
+
+def test_large_weights_are_the_same_for_any_thread_count_and_layout(monkeypatch):
+    """Above CHUNK_ELEMENTS (made small here) chunk k comes from (seed, name#k): the same values on
+    1, 2 or 3 threads, chunks that differ from one another, the std asked for, and TP shards that
+    are slices of the whole."""
+    monkeypatch.setattr(init_mod, "CHUNK_ELEMENTS", 1000)
+    shape = (70, 64)                                               # 4,480 elements: 5 chunks
+    draws = [init_mod.normal(3, "embedding.weight", shape, 0.5, threads=t) for t in (1, 2, 3)]
+    assert draws[0].shape == shape and all(torch.equal(draws[0], d) for d in draws[1:])
+    flat = draws[0].reshape(-1)
+    assert not torch.equal(flat[:1000], flat[1000:2000])          # not one stream repeated
+    assert abs(flat.std().item() - 0.5) < 0.05
+    whole = Initializer(3, 0.5).param("embedding.weight", shape)
+    assert torch.equal(whole.data, draws[0])
+    halves = [Initializer(3, 0.5).param("embedding.weight", shape, shard_dim=0, rank=r, size=2)
+              for r in (0, 1)]
+    assert torch.equal(torch.cat([h.data for h in halves]), draws[0])
+    assert init_mod.normal(4, "embedding.weight", shape, 0.5).ne(draws[0]).any()  # the seed counts
