@@ -7,7 +7,8 @@ startup, which is acceptable for the model sizes trained from scratch here; at v
 would draw only the shard's rows from a counter-based generator.
 
 A tensor of more than ``CHUNK_ELEMENTS`` elements is drawn in chunks of that many, chunk k from its
-own generator seeded by (seed, name, k), on up to ``torch.get_num_threads()`` threads (torch's
+own generator seeded by (seed, name, k), on up to ``torch.get_num_threads()`` threads started
+through parallel/runtime/streams.py, the caller drawing its share too (torch's
 sampler is serial: a 1.3B model's weights took about 13 s on one core, and every run of a
 benchmark pays it before its first step). Its values depend on the name and seed only, never on the
 thread count; smaller tensors are one generator's draw, as before.
@@ -16,10 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+
+from parallel.runtime import streams
 
 CHUNK_ELEMENTS = 1 << 23   # 8M elements: larger tensors are drawn in chunks, in parallel
 
@@ -80,10 +82,15 @@ def normal(seed: int, name: str, shape: tuple[int, ...], std: float,
         part.mul_(std)
     chunks = range(math.ceil(numel / CHUNK_ELEMENTS))
     workers = max(1, min(len(chunks), threads or torch.get_num_threads()))
-    if workers == 1:
-        for k in chunks:
-            draw(k)
-    else:
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(draw, chunks))
+    shares = [chunks[i::workers] for i in range(workers)]
+    # worker threads through the stream API (the checker sees the joins), host memory only
+    started = [streams.start_thread(f"init-{i}", lambda share=share: [draw(k) for k in share],
+                                    "cpu", on_error=lambda exc: None)
+               for i, share in enumerate(shares[1:], start=1)]
+    for k in shares[0]:
+        draw(k)
+    for thread in started:
+        thread.join()
+        if thread.error is not None:
+            raise thread.error
     return out.view(shape)

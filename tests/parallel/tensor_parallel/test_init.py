@@ -36,3 +36,22 @@ def test_large_weights_are_the_same_for_any_thread_count_and_layout(monkeypatch)
               for r in (0, 1)]
     assert torch.equal(torch.cat([h.data for h in halves]), draws[0])
     assert init_mod.normal(4, "embedding.weight", shape, 0.5).ne(draws[0]).any()  # the seed counts
+
+
+def test_a_worker_threads_error_reaches_the_caller(monkeypatch):
+    """A chunk that fails on a worker thread (out of memory, say) fails the draw in the caller,
+    with its own exception, after every thread has ended."""
+    monkeypatch.setattr(init_mod, "CHUNK_ELEMENTS", 1000)
+    real = init_mod.name_seed
+
+    def failing(seed, name):
+        if name.endswith("#1"):  # chunk 1: the second thread's share with two threads
+            raise MemoryError("chunk 1")
+        return real(seed, name)
+    monkeypatch.setattr(init_mod, "name_seed", failing)
+    try:
+        init_mod.normal(3, "embedding.weight", (70, 64), 0.5, threads=2)
+    except MemoryError as exc:
+        assert str(exc) == "chunk 1"
+    else:
+        raise AssertionError("the worker's error was lost")
