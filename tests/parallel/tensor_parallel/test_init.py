@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 
+import pytest
 import torch
 
 from parallel.tensor_parallel import Initializer
@@ -49,9 +50,5 @@ def test_a_worker_threads_error_reaches_the_caller(monkeypatch):
             raise MemoryError("chunk 1")
         return real(seed, name)
     monkeypatch.setattr(init_mod, "name_seed", failing)
-    try:
+    with pytest.raises(MemoryError, match="chunk 1"):
         init_mod.normal(3, "embedding.weight", (70, 64), 0.5, threads=2)
-    except MemoryError as exc:
-        assert str(exc) == "chunk 1"
-    else:
-        raise AssertionError("the worker's error was lost")
