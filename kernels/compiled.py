@@ -15,11 +15,11 @@ graph per input signature (shapes, strides, dtypes, grad mode) and, with ``fullg
 raises instead of running eagerly once a function has more signatures than Dynamo's recompile
 limit (8), or when a Python dispatch mode is active (the stream checker's, the host-wait
 counter's). ``Regional`` compiles up to its own limit of signatures (64: FP8's quantization sees
-every GEMM's operands and gradients, a dozen in a GPT, kernels/fp8.py) and runs the expression
-eagerly for any beyond it and under a dispatch mode, so a model with many shapes or a checked run
-gets the same values, never an error. The references they are tested against are the ops' own (``apply_rope_reference``,
-``swiglu_reference``); the functions run on any device inductor supports, the CPU included, which
-is how the tests check them.
+every GEMM's operands and gradients, kernels/fp8.py) and runs the expression eagerly for any
+beyond it and under a dispatch mode, so a model with many shapes or a checked run gets the same
+values, never an error. The references they are tested against are the ops' own
+(``apply_rope_reference``, ``swiglu_reference``); the functions run on any device inductor
+supports, the CPU included, which is how the tests check them.
 """
 from __future__ import annotations
 
@@ -106,8 +106,8 @@ class Regional:
         except self.failed as exc:  # e.g. no working triton: slower, not wrong; said once
             self.broken = True
             why = next((ln for ln in str(exc).splitlines() if "Error" in ln), type(exc).__name__)
-            print(f"gridtron: note: torch.compile could not build {self.fn.__name__} ({why.strip()}); "
-                  f"it runs uncompiled", file=sys.stderr, flush=True)
+            print(f"gridtron: note: torch.compile could not build {self.fn.__name__} "
+                  f"({why.strip()}); it runs uncompiled", file=sys.stderr, flush=True)
             return self.fn(*args)
         self.compiled.add(key)
         return out

@@ -11,8 +11,9 @@ and the whole process group is stopped at the deadline.
 - ``run_forked`` (``kind`` "cpu": the tiny plan the tests run): a ``python -m <module>`` command
   (torchrun's included: its agent, not its workers) runs as ``runpy`` would run it, in a process
   forked from a server that imported torch and the engine once (``engine.fuzz.pool.rank_context``,
-  the test suite's and the fuzzer's ranks come from the same kind of server). A fresh interpreter spends about 3 of a tiny stage's 3.5 CPU
-  seconds importing; a fork starts in milliseconds. The child gets the caller's environment,
+  the test suite's and the fuzzer's ranks come from the same kind of server). A fresh
+  interpreter spends about 3 of a tiny stage's 3.5 CPU seconds importing; a fork starts in
+  milliseconds. The child gets the caller's environment,
   the repository as its working directory, its own session (so the deadline stops its children
   too), its output in the log, and its ``atexit`` handlers run before it exits, as an interpreter's
   would. The server holds no device context, so the fork is as safe as torch's own

@@ -28,7 +28,8 @@ def report(results: list[StageResult], header: dict) -> str:
              f"{_num(_gib(header.get('host_memory_available')), '.1f')} GiB; budget "
              f"{header['budget_s']:.0f} s, took {header['wall_s']:.0f} s", ""]
     if "device_table" in header:   # what MFU and the FP8 targets are measured against
-        lines[-1:-1] = [f"hardware table entry {header['device_table'] or 'none (unknown device)'}: "
+        entry = header["device_table"] or "none (unknown device)"
+        lines[-1:-1] = [f"hardware table entry {entry}: "
                         f"dense peak bf16 {_num(header.get('peak_bf16_tflops'), '.0f')}, fp8 "
                         f"{_num(header.get('peak_fp8_tflops'), '.0f')} TFLOP/s; device memory free "
                         f"at start {_num(_gib(header.get('device_memory_free')), '.1f')} GiB"]

@@ -141,14 +141,13 @@ def run_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> St
                        summary=summary)
 
 
-def guarded_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args,
-                  run=None) -> StageResult:
-    """``run_stage`` (or ``run``), whose exception becomes the stage's "failed" row with its last
-    line: one stage's crash in the check's own process (a probe, a report of its files) costs
-    that stage, not the table of every stage before and after it."""
+def guarded_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> StageResult:
+    """``run_stage``, whose exception becomes the stage's "failed" row with its last line: one
+    stage's crash in the check's own process (a probe, a report of its files) costs that stage,
+    not the table of every stage before and after it."""
     start = time.monotonic()
     try:
-        return (run or run_stage)(stage, deadline_s, out, kind, args)
+        return run_stage(stage, deadline_s, out, kind, args)
     except Exception as exc:  # noqa: BLE001 - reported in the table, the plan goes on
         line = (str(exc).strip().splitlines() or [""])[-1][:300]
         return StageResult(stage.name, "failed", deadline_s, time.monotonic() - start,
@@ -245,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
               "out": str(out), "tiny": args.tiny, "micro_batch": args.micro_batch_size,
               "global_batch": args.global_batch_size}
     from engine.plan.hardware import lookup_device, peak_tflops
-    header.update(device_table=lookup_device(dev.name), peak_bf16_tflops=peak_tflops(dev.name, "bf16"),
+    header.update(device_table=lookup_device(dev.name),
+                  peak_bf16_tflops=peak_tflops(dev.name, "bf16"),
                   peak_fp8_tflops=peak_tflops(dev.name, "fp8"),
                   device_memory_free=available_memory(kind)[0] if kind != "cpu" else None)
 

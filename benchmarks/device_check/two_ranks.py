@@ -188,13 +188,13 @@ def run_two_ranks(deadline_s: float, out: Path, kind: str, argv_for, run_process
         note = "" if ok else ("stopped at its deadline" if code is None else
                               f"exit {code}, {len(got)} of {len(want)} steps" if code or
                               len(got) != len(want) else f"losses differ by more than {REL:g}")
-        rows.append({"layout": name, "status": "ok" if ok else "deadline" if code is None else "failed",
-                     "loss_rel_diff": diff, "note": note})
+        status = "ok" if ok else "deadline" if code is None else "failed"
+        rows.append({"layout": name, "status": status, "loss_rel_diff": diff, "note": note})
     bad = [r for r in rows if r["status"] in ("failed", "deadline")]
     status = "failed" if any(r["status"] == "failed" for r in bad) else "deadline" if bad else "ok"
     return {"status": status, "detail": "; ".join(f"{r['layout']}: {r['note']}" for r in bad),
             "probe": refused, "rows": rows, "wall_s": wall}
 
 
-if __name__ == "__main__":  # the probe's command: python -m benchmarks.device_check.two_ranks KIND DIR
+if __name__ == "__main__":  # the probe: python -m benchmarks.device_check.two_ranks KIND DIR
     _spawn_probe(sys.argv[1], sys.argv[2])

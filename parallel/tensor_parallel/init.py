@@ -32,9 +32,10 @@ def name_seed(seed: int, name: str) -> int:
 
 
 def shard(full: torch.Tensor, dim: int | None, rank: int, size: int) -> torch.Tensor:
-    """The rank's contiguous slice of ``full`` along ``dim`` (the whole tensor when dim is None)."""
+    """The rank's contiguous slice of ``full`` along ``dim``, a tensor of its own (``full`` itself
+    when dim is None or size is 1: the caller's fresh draw, not copied)."""
     if dim is None or size == 1:
-        return full.clone()
+        return full
     if full.shape[dim] % size:
         raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split over {size} ranks")
     return full.chunk(size, dim=dim)[rank].clone()
@@ -59,9 +60,7 @@ class Initializer:
     def param(self, name: str, shape: tuple[int, ...], kind: str = "normal",
               std: float | None = None, shard_dim: int | None = None, rank: int = 0,
               size: int = 1) -> torch.nn.Parameter:
-        full = self.full(name, shape, kind, std)   # fresh: kept as it is when not sharded
-        whole = shard_dim is None or size == 1
-        return torch.nn.Parameter(full if whole else shard(full, shard_dim, rank, size))
+        return torch.nn.Parameter(shard(self.full(name, shape, kind, std), shard_dim, rank, size))
 
 
 def normal(seed: int, name: str, shape: tuple[int, ...], std: float,
