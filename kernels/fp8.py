@@ -18,7 +18,16 @@ choice a GPU makes (torch 2.13's CPU kernel itself accepts any layout and shape)
 - K and N multiples of 16 (16-byte aligned fp8 rows);
 - tensorwise: 0-d fp32 scales, any pair of e4m3 / e5m2 but not e5m2 x e5m2 (cuBLASLt);
 - rowwise: ``scale_a`` (M, 1), ``scale_b`` (1, N) fp32, contiguous; ``b`` e4m3, ``a`` e4m3 or
-  e5m2 (PyTorch's f8f8bf16_rowwise ``check_inputs``), so a gradient always goes first.
+  e5m2 (PyTorch's f8f8bf16_rowwise ``check_inputs``; on sm90 with cuBLAS 12.9 or later torch
+  sends rowwise to cuBLASLt instead, which is not stricter), so a gradient always goes first;
+  a bf16 output only;
+- a bias (ScaledBlas.cpp's ``_scaled_mm_out_cuda``): none with an fp32 output, and in the
+  output's dtype (bf16 or fp16). A bias outside that rule is added after the GEMM, in the
+  output's dtype (as torchao does), instead of sending the whole GEMM to the reference.
+
+The forward GEMM (``fast_accum``) accumulates with the kernels' fast accumulation, the backward's
+two without it: torchao's default for Float8Linear (``Float8GemmConfig(use_fast_accum=True)`` for
+the output only). The CPU's kernel ignores the switch.
 
 Outside those rules (an odd width) ``scaled_mm_reference`` runs: the dequantized operands
 multiplied in fp32, the definition every path is held to. On CUDA ``quantize`` runs its expression
@@ -171,9 +180,16 @@ class Amaxes:
 
 
 def scaled_mm_rules(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
-                    scale_b: torch.Tensor) -> str | None:
-    """Why ``torch._scaled_mm``'s CUDA kernels would refuse these operands, or None (module
-    docstring): the rules every device follows here."""
+                    scale_b: torch.Tensor, out_dtype: torch.dtype | None = None,
+                    bias: torch.Tensor | None = None) -> str | None:
+    """Why ``torch._scaled_mm``'s CUDA kernels would refuse these operands (with ``out_dtype`` and
+    ``bias`` when given), or None (module docstring): the rules every device follows here."""
+    if bias is not None:
+        if out_dtype == torch.float32:
+            return "a bias is not supported with an fp32 output"
+        if bias.dtype not in (torch.bfloat16, torch.float16) or bias.dtype != out_dtype:
+            return f"the bias must be bf16 or fp16 and the output's dtype, got {bias.dtype} " \
+                   f"for {out_dtype}"
     (m, k), (k2, n) = a.shape, b.shape
     if k != k2:
         return f"inner dimensions differ: {tuple(a.shape)} @ {tuple(b.shape)}"
@@ -191,6 +207,8 @@ def scaled_mm_rules(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
             return "rowwise: b must be e4m3 (an e5m2 operand goes first)"
         if not (scale_a.is_contiguous() and scale_b.is_contiguous()):
             return "rowwise scales must be contiguous"
+        if out_dtype not in (None, torch.bfloat16):
+            return f"rowwise: the output must be bf16, got {out_dtype}"
     elif a.dtype == E5M2 and b.dtype == E5M2:
         return "e5m2 x e5m2 is not supported"
     if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
@@ -209,12 +227,17 @@ def scaled_mm_reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-              out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+              fast_accum: bool = False) -> torch.Tensor:
     """a (M, K) and b (K, N) float8 with dequantization scales (0-d, or (M, 1) and (1, N)) ->
-    (M, N) in ``out_dtype``: ``torch._scaled_mm`` within its rules, else the reference."""
-    if scaled_mm_rules(a, b, scale_a, scale_b) is not None:
+    (M, N) in ``out_dtype``: ``torch._scaled_mm`` within its rules, else the reference; a bias
+    the kernel refuses is added after it. ``fast_accum``: the forward GEMM's accumulation."""
+    if scaled_mm_rules(a, b, scale_a, scale_b, out_dtype) is not None:
         return scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias)
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    fused = bias is None or scaled_mm_rules(a, b, scale_a, scale_b, out_dtype, bias) is None
+    out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias if fused else None,
+                           out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return out if fused else out + bias.to(out_dtype)
 
 
 @functools.lru_cache(maxsize=None)   # a fact about the installed torch and the device type

@@ -21,9 +21,11 @@ CUDA's rules everywhere):
 - ``torch._scaled_grouped_mm`` where ``scaled_grouped_mm_runs(device type)`` and its rules hold
   (``fused_refusal``): both operands e4m3 (under hybrid the backward's e5m2 gradient takes the
   loop), the first row-major, the second column-major per group, K and N multiples of 16, fp32
-  scales (n,) and (G, N) (weight gradient, grouped along K: (S M,) and (S N,)), int32 offsets on
-  the device, bf16 out. The weight gradient pads each segment with zero rows to a multiple of 16
-  within a static bound of n + 15 S rows (no host read).
+  scales (n,) and (G, N) (weight gradient, grouped along K: (S M,) and (S N,)), int32 offsets on the
+  device, bf16 out, fewer than 1024 groups (segments): ScaledGroupMM.cu's sm90 limit, which the meta
+  device does not check (``MAX_GROUPS``; more take the loop). The forward's GEMM accumulates fast
+  (``use_fast_accum``, as ``kernels.fp8.scaled_mm``'s forward). The weight gradient pads each
+  segment with zero rows to a multiple of 16 within a static bound of n + 15 S rows (no host read).
 - elsewhere (the CPU: torch 2.13 registers the op for CUDA only) the SAME quantized operands and
   scales through ``kernels.fp8.scaled_mm`` per group (per segment, zero-padded alike):
   ``torch._scaled_mm``'s real FP8 GEMM, or its reference outside its rules (an odd width). The
@@ -50,6 +52,8 @@ import torch.nn.functional as F
 from kernels.fp8 import (ALIGN, E4M3, Amaxes, Fp8Recipe, amax, amax_to_scale, quantize,
                          scaled_grouped_mm_runs, scaled_mm)
 from kernels.grouped_gemm import _check, add_group_bias, host_counts, row_groups
+
+MAX_GROUPS = 1024   # torch._scaled_grouped_mm on sm90: "Can't process more than 1024 groups"
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,10 +112,13 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 
 
 def fused_refusal(a: torch.Tensor, b: torch.Tensor, k: int, n: int, out_dtype: torch.dtype,
-                  loop: bool = False) -> str | None:
-    """Why the grouped kernel does not take this GEMM (K = ``k``, N = ``n``), or None."""
+                  loop: bool = False, groups: int = 1) -> str | None:
+    """Why the grouped kernel does not take this GEMM (K = ``k``, N = ``n``, ``groups`` groups),
+    or None."""
     if loop or not scaled_grouped_mm_runs(a.device.type):
         return "no torch._scaled_grouped_mm on this device"
+    if groups >= MAX_GROUPS:
+        return f"torch._scaled_grouped_mm takes fewer than {MAX_GROUPS} groups, got {groups}"
     if a.dtype != E4M3 or b.dtype != E4M3:
         return "torch._scaled_grouped_mm takes e4m3 operands only"
     if out_dtype != torch.bfloat16:
@@ -122,24 +129,28 @@ def fused_refusal(a: torch.Tensor, b: torch.Tensor, k: int, n: int, out_dtype: t
 
 
 def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                      offsets: torch.Tensor, out_dtype: torch.dtype, loop: bool = False) -> torch.Tensor:
+                      offsets: torch.Tensor, out_dtype: torch.dtype, loop: bool = False,
+                      fast_accum: bool = False) -> torch.Tensor:
     """a (n, K) float8 row-major, rows sorted by group; b (G, K, N) float8, each group column-major;
     dequantization scales (n,) and (G, N) fp32 -> (n, N): row r of group g is
-    (a[r] scale_a[r]) @ (b[g] scale_b[g])."""
+    (a[r] scale_a[r]) @ (b[g] scale_b[g]). ``fast_accum``: the forward GEMM's accumulation."""
     (rows, k), n = a.shape, b.shape[2]
     if rows == 0:
         return a.new_zeros((0, n), dtype=out_dtype)
-    if fused_refusal(a, b, k, n, out_dtype, loop) is None:
+    if fused_refusal(a, b, k, n, out_dtype, loop, b.shape[0]) is None:
         return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offsets.to(torch.int32),
-                                        out_dtype=out_dtype)
+                                        out_dtype=out_dtype, use_fast_accum=fast_accum)
     if a.device.type == "meta":   # the loop's shape: no offsets to read (module docstring)
         return a.new_empty((rows, n), dtype=out_dtype)
     outs, start = [], 0
     for g, count in enumerate(host_counts(offsets)):
         end = start + count
         if count:
-            outs.append(scaled_mm(a[start:end], b[g], scale_a[start:end].view(-1, 1),
-                                  scale_b[g].view(1, -1), out_dtype))
+            # the group's row scales copied, so they start aligned (a slice at any row may not;
+            # cuBLASLt documents no alignment rule for scale pointers: a copy needs none)
+            rows_scale = scale_a[start:end].reshape(-1, 1).clone()
+            outs.append(scaled_mm(a[start:end], b[g], rows_scale, scale_b[g].reshape(1, -1).clone(),
+                                  out_dtype, fast_accum=fast_accum))
         start = end
     return torch.cat(outs)
 
@@ -195,7 +206,7 @@ def scaled_grouped_wgrad(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor
     r = s // groups
     if n == 0:
         return a.new_zeros((groups, m, k), dtype=out_dtype)
-    if fused_refusal(a, b, m, k, out_dtype, loop) is None:
+    if fused_refusal(a, b, m, k, out_dtype, loop, s) is None:
         out = _fused_wgrad(a, b, scale_a, scale_b, segments, out_dtype)
         return out if r == 1 else out.view(groups, r, m, k).float().sum(1).to(out_dtype)
     if a.device.type == "meta":
@@ -256,7 +267,7 @@ class Fp8GroupedForward:
         a = _quantize(x, self.x_scale, E4M3)                                # (n, in) row-major
         b = _quantize(weight, self.w_scale, E4M3).transpose(1, 2)           # (G, in, out) col-major
         return scaled_grouped_mm(a, b, _inv(self.x_scale, -1), _inv(self.w_scale, g, out), offsets,
-                                 x.dtype, self.spec.loop)
+                                 x.dtype, self.spec.loop, fast_accum=True)   # the forward GEMM
 
 
 class Fp8GroupedBackward:

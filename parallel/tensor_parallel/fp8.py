@@ -130,7 +130,8 @@ class Fp8Forward:
         s_x, s_w = self.x_scale_for(x, chunk), self.w_scales[i]
         a = quantize(x, s_x, dtype).reshape(-1, k)                 # (M, in) row-major
         b = quantize(w, s_w, dtype).t()                            # (in, out) column-major
-        out = scaled_mm(a, b, _inv(s_x, (-1, 1)), _inv(s_w, (1, -1)), x.dtype, bias)
+        out = scaled_mm(a, b, _inv(s_x, (-1, 1)), _inv(s_w, (1, -1)), x.dtype, bias,
+                        fast_accum=True)                   # the forward GEMM (torchao's choice)
         return out.view(*x.shape[:-1], w.shape[0])
 
 

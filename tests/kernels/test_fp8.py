@@ -86,6 +86,42 @@ def test_rules_send_what_cuda_refuses_to_the_reference(case, why):
     assert torch.equal(got, scaled_mm_reference(a, b, inv_a, inv_b, torch.bfloat16))
 
 
+@pytest.mark.parametrize("out_dtype,bias_dtype,why", [
+    (torch.float32, torch.bfloat16, "fp32 output"), (torch.bfloat16, torch.float32, "the bias must"),
+    (torch.float16, torch.bfloat16, "the bias must")])
+def test_a_bias_cuda_refuses_is_added_after_the_gemm(out_dtype, bias_dtype, why):
+    """ScaledBlas.cpp: no bias with an fp32 output, and a bias in the output's dtype (bf16 or
+    fp16); the CPU kernel takes either. Such a bias is added after torch._scaled_mm, which still
+    runs (its one call, without the bias), instead of failing on CUDA."""
+    a, b, inv_a, inv_b = _operands(48, 64, 32, E4M3, E4M3, False)
+    bias = torch.randn(32).to(bias_dtype)
+    assert why in scaled_mm_rules(a, b, inv_a, inv_b, out_dtype, bias)
+    assert scaled_mm_rules(a, b, inv_a, inv_b, out_dtype) is None
+    biases = []
+
+    class SeeBias(CountScaledMM):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._scaled_mm.default:
+                biases.append(args[4] if len(args) > 4 else (kwargs or {}).get("bias"))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    with SeeBias() as counter:
+        got = scaled_mm(a, b, inv_a, inv_b, out_dtype, bias)
+    assert counter.calls == 1 and biases == [None]
+    want = scaled_mm_reference(a, b, inv_a, inv_b, torch.float32, bias)
+    product = scaled_mm_reference(a, b, inv_a, inv_b, torch.float32)
+    # three roundings at most: the product, the bias, their sum (each half an ulp, fp16's finer)
+    bound = BF16_ULP * (product.abs() + bias.float().abs() + want.abs()) + 1e-6
+    assert got.dtype == out_dtype and ((got.float() - want).abs() <= bound).all()
+    # rowwise writes bf16 only: an fp32 output of a rowwise GEMM runs the reference
+    a, b, inv_a, inv_b = _operands(48, 64, 32, E4M3, E4M3, True)
+    assert "bf16" in scaled_mm_rules(a, b, inv_a, inv_b, torch.float32)
+    with CountScaledMM() as counter:
+        got = scaled_mm(a, b, inv_a, inv_b, torch.float32)
+    assert counter.calls == 0 and torch.equal(got, scaled_mm_reference(a, b, inv_a, inv_b,
+                                                                         torch.float32))
+
+
 def test_quantize_rounds_to_the_nearest_step_and_saturates():
     x = torch.tensor([0.0, 1.0, 1.0625, 1.1, -3.3, 447.0, 500.0, -1e6])
     q = quantize(x, torch.tensor(1.0), E4M3)

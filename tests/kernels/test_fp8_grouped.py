@@ -11,6 +11,8 @@ CUDA's, the grouped kernel takes all three GEMMs under e4m3: its layout and scal
 """
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,16 +27,22 @@ COUNTS = [[5, 0, 19, 8], [0, 17, 0], [33]]    # uneven, empty first/middle/last 
 
 
 class CountOps(TorchDispatchMode):
-    """How many times each of ``names`` (aten overload packets) ran inside; observes only."""
+    """How many times each of ``names`` (aten overload packets) ran inside, and each call's
+    ``use_fast_accum`` in order (``fast``); observes only."""
 
     def __init__(self, *names):
         super().__init__()
         self.calls = dict.fromkeys(names, 0)
+        self.fast = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in self.calls:
             self.calls[name] += 1
+            names = [arg.name for arg in func._schema.arguments]
+            at = names.index("use_fast_accum")
+            self.fast.append(bool(args[at] if len(args) > at else
+                                  (kwargs or {}).get("use_fast_accum", False)))
         return func(*args, **(kwargs or {}))
 
 
@@ -189,12 +197,33 @@ def test_the_grouped_kernel_takes_all_three_gemms_under_e4m3_on_meta():
         y = fp8_grouped_linear(x, w, offsets, spec, segments=segments)
         y.backward(torch.empty_like(y))
     assert ops.calls == {"_scaled_mm": 0, "_scaled_grouped_mm": 3}
+    assert ops.fast == [True, False, False]   # fast accumulation in the forward GEMM only
     assert x.grad.shape == x.shape and w.grad.shape == w.shape and w.grad.dtype == torch.bfloat16
     a = torch.empty(8, 48, device="meta", dtype=E5M2)
     assert "e4m3" in fused_refusal(a, a.to(E4M3), 48, 32, torch.bfloat16)
     assert fused_refusal(a.to(E4M3), a.to(E4M3), 48, 40, torch.bfloat16) is not None
     cpu = torch.zeros(8, 48, dtype=E4M3)
     assert "device" in fused_refusal(cpu, cpu, 48, 32, torch.bfloat16)
+
+
+def test_a_thousand_groups_or_more_take_the_loop():
+    """sm90's grouped kernel refuses 1024 groups or more ("Can't process more than 1024 groups"),
+    which the meta device does not check: the rule is the engine's, and such a GEMM loops."""
+    e4 = torch.empty(8, 48, device="meta", dtype=E4M3)
+    assert fused_refusal(e4, e4, 48, 32, torch.bfloat16, groups=1023) is None
+    assert "fewer than 1024 groups" in fused_refusal(e4, e4, 48, 32, torch.bfloat16, groups=1024)
+    # a weight gradient of 64 experts x 16 sources: 1024 segments, per-segment scaled_mm calls
+    g, r, rows = 64, 16, 2
+    a = torch.randn(g * r * rows, 32).to(E4M3)
+    b = torch.randn(g * r * rows, 16).to(E4M3)
+    segments = torch.arange(1, g * r + 1, dtype=torch.int32) * rows
+    sa, sb = torch.ones(g * r, 32), torch.ones(g * r, 16)
+    with mock.patch("kernels.fp8_grouped.scaled_grouped_mm_runs", return_value=True), \
+            CountOps("_scaled_mm", "_scaled_grouped_mm") as ops:
+        got = scaled_grouped_wgrad(a, b, sa, sb, segments, g, torch.bfloat16)
+    assert ops.calls == {"_scaled_mm": g * r, "_scaled_grouped_mm": 0}
+    assert torch.equal(got, scaled_grouped_wgrad(a, b, sa, sb, segments, g, torch.bfloat16,
+                                                 loop=True))   # what --no-moe-grouped-gemm runs
 
 
 class RecordingGroup:
