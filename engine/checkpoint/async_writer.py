@@ -66,20 +66,27 @@ class HostBuffers:
     On an accelerator they are pinned and every copy is asynchronous: the snapshot queues all of
     them on the compute stream, ``ready()`` records one event after the last, and the writer
     thread waits for that event (``streams.synchronize``) before it reads them; a pageable copy
-    would make the host wait for each tensor in turn."""
+    would make the host wait for each tensor in turn. A tensor already in host memory (the
+    offloaded optimizer's state) gets a pageable buffer: its copy is the host's own, and pinned
+    memory is scarce beside the offload."""
 
     def __init__(self, device="cpu"):
         self.device = torch.device(device)
         self.pinned = self.device.type not in ("cpu", "meta")
         self._bufs: dict[str, torch.Tensor] = {}
 
+    def pins(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s host buffer is pinned: on an accelerator, for a device tensor."""
+        return self.pinned and t.device.type != "cpu"
+
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
+        pinned = self.pins(t)
         buf = self._bufs.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = self._bufs[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                                                pin_memory=self.pinned)
-        buf.copy_(t, non_blocking=self.pinned)  # queued on the device; a plain copy on the CPU
+                                                pin_memory=pinned)
+        buf.copy_(t, non_blocking=pinned)  # queued on the device; a plain copy from the host
         return buf
 
     def ready(self) -> streams.Event:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch.optim.adamw import adamw
 
+from parallel.dp.host_flat import HostFlat
 from parallel.runtime import streams
 from parallel.grads.norm import check_and_unscale_, scale_
 
@@ -43,12 +44,13 @@ def fixed_up(param, ps) -> bool:
 
 
 class SplitFlat:
-    """A flat fp32 vector addressed by offsets, whose first ``host_numel`` elements live in host
-    memory (the offloaded buckets come first in offset order) and the rest on the device."""
+    """A flat fp32 vector addressed by offsets, whose first elements, the ``host_entries``
+    ((offset, length) of the offloaded buckets, which come first in offset order), live in host
+    memory (a ``HostFlat``) and the rest on the device."""
 
-    def __init__(self, host_numel: int, device_numel: int, device, pin: bool):
-        self.split = host_numel
-        self.host = torch.zeros(host_numel, dtype=torch.float32, pin_memory=pin)
+    def __init__(self, host_entries: list[tuple[int, int]], device_numel: int, device, pin: bool):
+        self.host = HostFlat(host_entries, torch.float32, pin)
+        self.split = self.host.numel()
         self.dev = torch.zeros(device_numel, dtype=torch.float32, device=device)
 
     def numel(self) -> int:
@@ -84,11 +86,13 @@ class HostShards:
             numel += entry[2]
         self.numel = numel
         self.buckets = {entry[0].index for entry in self.entries}
-        host = dict(dtype=torch.float32, pin_memory=self.pin)
-        self.master = torch.zeros(numel, **host)      # (numel,) fp32
-        self.grad = torch.zeros(numel, **host)        # (numel,) the reduced gradient shards
+        # host vectors as chunks of whole buckets (host_flat.py: no power-of-two rounding of the
+        # pinned memory), each addressed by the bucket's (offset, length)
+        self.flat_entries = [(off, n) for _, off, n, _ in self.entries]
+        self.master = HostFlat(self.flat_entries, torch.float32, self.pin)   # (numel,) fp32
+        self.grad = HostFlat(self.flat_entries, torch.float32, self.pin)     # the reduced shards
         low = {b.param_dtype for b, *_ in self.entries} - {torch.float32}
-        self.staging = {dt: torch.zeros(numel, dtype=dt, pin_memory=self.pin) for dt in low}
+        self.staging = {dt: HostFlat(self.flat_entries, dt, self.pin) for dt in low}
         self.late = {b.index for b, *_ in self.entries
                      if any(fixed_up(slot.param, ps) for slot in b.slots)}
         self.d2h = streams.side_stream("offload-d2h", device)
@@ -114,7 +118,7 @@ class HostShards:
     def host_bytes(self) -> dict:
         """Bytes in host memory: the optimizer state (masters, moments) and the gradient copies
         with their staging for low-precision parameters."""
-        staged = sum(t.numel() * t.element_size() for t in self.staging.values())
+        staged = sum(t.numel() * t.dtype.itemsize for t in self.staging.values())
         return {"optimizer_state_host_bytes": 4 * 3 * self.numel,
                 "grad_host_bytes": 4 * self.numel + staged}
 

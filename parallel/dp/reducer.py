@@ -367,10 +367,16 @@ class GradReducer(CompressedSide):
             hook(bucket)
 
     def _collect_completed(self) -> None:
-        """ZeRO-2: finish the reduce-scatters that are done, freeing their buckets' storage."""
+        """ZeRO-2: finish the reduce-scatters that are done, freeing their buckets' storage. A
+        done handle is still waited: NCCL keeps a collective's tensors alive through its handle
+        (instead of record_stream) and lets them go at ``wait()``; a handle dropped unwaited
+        holds them until its watchdog next sweeps. On a finished collective the wait costs no
+        host time."""
         keep = []
         for item in self._pending:
             if item[0] is None or item[0].is_completed():
+                if item[0] is not None:
+                    item[0].wait()
                 self._complete(item)
             else:
                 keep.append(item)

@@ -131,9 +131,9 @@ class DistributedOptimizer(_GradAccess):
             self.exp_avg = torch.zeros(offset, dtype=torch.float32, device=device)     # (shard,)
             self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         else:   # the offloaded buckets' moments in host memory (they come first in offset order)
-            host = self.offload.numel
-            self.exp_avg = SplitFlat(host, offset - host, device, self.offload.pin)
-            self.exp_avg_sq = SplitFlat(host, offset - host, device, self.offload.pin)
+            host, entries = self.offload.numel, self.offload.flat_entries
+            self.exp_avg = SplitFlat(entries, offset - host, device, self.offload.pin)
+            self.exp_avg_sq = SplitFlat(entries, offset - host, device, self.offload.pin)
         self._load_master_from_params()
         self.step_count = 0
         self.variance_frozen = False
@@ -182,6 +182,8 @@ class DistributedOptimizer(_GradAccess):
         return [(p.param.main_grad_shard, p.param) for p in self.pieces]
 
     def zero_grad(self) -> None:
+        if self.offload is not None:   # the gradients' copies down may still read the shards:
+            self.offload.before_grad_write()   # a skipped step or a re-run waited for none
         self.reducer.zero_grad()
         if self.offload is not None:
             self.offload.reset()

@@ -150,7 +150,7 @@ class ShardedParams:
                 continue
             self.wait([index])
             full = self.full[index]
-            streams.released(full)
+            streams.released(full, resized=True)
             _resize(full, 0)
             self.state[index] = FREE
 

@@ -25,8 +25,10 @@ one stream a storage is read after an unordered write of another stream, written
 unordered read or write, or released (``streams.released``) or reused (its address handed out
 again after Python dropped it) while another stream's access is not ordered before the stream
 that allocated it, unless ``record_stream`` named that stream (the caching allocator then defers
-the reuse). Accesses of comm streams do not hold a release back: the backends keep a collective's
-tensors alive until its work completes. ``check()`` raises ``StreamOrderError`` listing them.
+the reuse). Accesses of comm streams do not hold a release of the last reference back (the
+backends keep a collective's tensors alive until its work completes), but they do hold back a
+storage resized to nothing (``streams.released(t, resized=True)``: ZeRO-3's freed buckets), which
+frees the memory whoever holds the tensor. ``check()`` raises ``StreamOrderError`` listing them.
 
 Storages are identified by ``untyped_storage().data_ptr()`` and a weak reference, so a new storage
 at an old address is told from the old one; accesses conflict only where their byte ranges overlap.
@@ -321,10 +323,10 @@ class StreamChecker:
         keep.append(new)
         rec.accesses = keep
 
-    def _unfinished(self, rec: StorageRecord, stream: str) -> list[Access]:
-        """Accesses of other streams that work on ``stream`` is not ordered after (comm streams
-        and record_stream-ed ones excepted)."""
-        return [a for a in rec.accesses if not a.stream.startswith("comm:")
+    def _unfinished(self, rec: StorageRecord, stream: str, comm: bool = False) -> list[Access]:
+        """Accesses of other streams that work on ``stream`` is not ordered after (comm streams,
+        unless ``comm``, and record_stream-ed ones excepted)."""
+        return [a for a in rec.accesses if (comm or not a.stream.startswith("comm:"))
                 and a.stream not in rec.recorded and not self._ordered(a, stream)]
 
     def _reused(self, rec: StorageRecord, stream: str, op: str) -> None:
@@ -334,12 +336,14 @@ class StreamChecker:
             self._violation("reused while in use", rec, stream, f"{op} (a new storage)", a,
                             pool=stream)
 
-    def on_free(self, t: torch.Tensor, stream: str) -> None:
+    def on_free(self, t: torch.Tensor, stream: str, resized: bool = False) -> None:
+        """``t``'s storage is released on ``stream``; ``resized``: resized to nothing, which frees
+        it whatever a backend holds (comm streams' accesses count too)."""
         with self._lock:
             rec = self._record(t, stream, "release", False)
             if rec is None:
                 return
-            for a in self._unfinished(rec, rec.alloc_stream):
+            for a in self._unfinished(rec, rec.alloc_stream, comm=resized):
                 self._violation("released while in use", rec, stream, "the release", a,
                                 pool=rec.alloc_stream)
             rec.released = True

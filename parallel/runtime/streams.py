@@ -184,12 +184,14 @@ def record_stream(tensor: torch.Tensor, stream: Stream | None) -> None:
         _checker.on_record_stream(tensor, stream.name)
 
 
-def released(tensor: torch.Tensor | None) -> None:
+def released(tensor: torch.Tensor | None, resized: bool = False) -> None:
     """The caller drops its last reference to ``tensor``'s storage (its block goes back to the
-    allocator's pool), or resizes the storage to nothing (ZeRO-3's freed buckets): the checker
-    verifies that no other stream still uses it."""
+    allocator's pool), or (``resized``) resizes the storage to nothing (ZeRO-3's freed buckets):
+    the checker verifies that no other stream still uses it. A resize frees the memory whoever
+    else holds the tensor, so a collective's own reference to it (NCCL keeps its tensors until
+    the work is waited) does not keep it: a comm stream's access must be waited for too."""
     if _checker is not None and tensor is not None:
-        _checker.on_free(tensor, current_stream_name())
+        _checker.on_free(tensor, current_stream_name(), resized)
 
 
 def allocated(tensor: torch.Tensor) -> None:

@@ -342,3 +342,16 @@ def test_latest_moves_only_after_the_steps_metrics_are_on_disk(tmp_path, monkeyp
             json.loads(json.dumps(records))
         assert [r["save_blocking_s"] is not None for r in records] == \
             ([False, True, False, True, True] if not mode else [False, True, True, True, True])
+
+
+def test_host_buffers_pin_only_what_a_device_copies():
+    """On an accelerator the snapshot's buffers of device tensors are pinned (asynchronous
+    copies); those of tensors already in host memory (the offloaded optimizer's state) are not:
+    pinned memory is scarce beside the offload and their copy is the host's own either way. On
+    the CPU nothing is pinned."""
+    device = async_writer.HostBuffers("cuda")        # no device is touched by the decision
+    assert device.pins(torch.empty(2, device="meta")) is True
+    assert device.pins(torch.zeros(2)) is False
+    assert async_writer.HostBuffers("cpu").pins(torch.zeros(2)) is False
+    buf = async_writer.HostBuffers("cpu").copy("w", torch.arange(3.0))
+    assert torch.equal(buf, torch.arange(3.0)) and not buf.is_pinned()

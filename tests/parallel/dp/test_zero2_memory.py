@@ -2,10 +2,13 @@
 against the formulas of each stage and against the storage the tensors really hold."""
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 from parallel.runtime import streams
+from parallel.runtime.comm_monitor import TrackedWork
 from parallel.dp import DistributedOptimizer, GradReducer, MixedPrecisionOptimizer, memory_bytes
 from parallel.dp.buffers import Bucket
 from parallel.grid.state import ParallelState
@@ -123,9 +126,36 @@ def check_memory(ps) -> None:
         assert held == extra
 
 
+def check_every_handle_waited(ps) -> None:
+    """ZeRO-2 finishes a reduce-scatter it finds done (``is_completed``) by waiting on its handle
+    too: NCCL holds the collective's tensors through the handle until ``wait()``. Here every
+    ``is_completed`` first lets the collective finish, so each bucket takes that path."""
+    made, waited = [], set()
+    real_init, real_wait = TrackedWork.__init__, TrackedWork.wait
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self)
+
+    def wait(self, *args, **kwargs):
+        waited.add(id(self))
+        return real_wait(self, *args, **kwargs)
+
+    def is_completed(self):
+        self.work.wait()            # the collective itself, not the handle's wait
+        return True
+
+    with mock.patch.object(TrackedWork, "__init__", init), \
+            mock.patch.object(TrackedWork, "wait", wait), \
+            mock.patch.object(TrackedWork, "is_completed", is_completed):
+        train(ps, 2, 2)
+    assert made and all(id(w) in waited for w in made), (len(made), len(waited))
+
+
 def all_checks(ps) -> bool:
     check_stages(ps)
     check_memory(ps)
+    check_every_handle_waited(ps)
     return True
 
 

@@ -5,15 +5,19 @@ The group first runs every 4-rank check, then splits into a (1,1,2) job on ranks
 serial reference runs on ranks 2 and 3 (single processes, no process group), so the references
 are computed beside the rest by the plain serial code, never by a re-implementation.
 
-- Equivalence: ZeRO-3 trains the serial model over 20 steps within DESIGN.md's relative 1e-4 per
-  step at (tp, pp, dp) = (1,1,2), (1,1,4), (2,1,2) with SP, (1,2,2) interleaved with full
+- Equivalence: ZeRO-3 trains the serial model over 20 steps within docs/design.md's relative
+  1e-4 per step at (tp, pp, dp) = (1,1,2), (1,1,4), (2,1,2) with SP, (1,2,2) interleaved with full
   recomputation and (1,2,2) zb-v, cp 2 x dp 2 (GQA), and MoE with ep 2, EDP 2.
 - Memory: between steps every parameter's storage holds 0 bytes, and ``param_bytes`` times dp is
   the serial model's parameter bytes (up to the buckets' padding) at dp 2 and 4; gradients and
   optimizer state follow.
 - Streams: gpt2, llama, MoE and the user block DirectNormBlock under the stream-order checker, no
-  violation; the same gpt2 run with the gather's wait left out is caught.
-- Offload: ``--optimizer-cpu-offload`` trains bit for bit the model it trains without, under
+  violation; the same gpt2 run with the gather's wait left out is caught, and so is a bucket
+  freed (resized away) while its gather is still in flight.
+- Offload, under the checker: a step skipped for a NaN (bf16, no clipping: nothing waited for
+  the gradients' copies down) leaves the next step's reduce-scatter ordered after those copies.
+- Offload: ``--optimizer-cpu-offload`` (its host vectors in chunks of 2 KiB, several per vector:
+  parallel/dp/host_flat.py) trains bit for bit the model it trains without, under
   ZeRO-3 and (a fraction 0.5, TP with SP) ZeRO-1: on this CPU host and device memory are the same,
   so equal bits are the claim, not a tolerance. Its state is host memory in the figures.
 - Checkpoints: a ZeRO-3 checkpoint at step 10 of (1,1,4) resumes under ZeRO-1 at (1,2,2), and a
@@ -30,12 +34,14 @@ from unittest import mock
 import pytest
 import torch.distributed as dist
 
+import parallel.dp.host_flat as host_flat
 import parallel.dp.zero3 as zero3
 from engine.base import ConfigError
 from engine.config.cli import parse_args
 from engine.observe.faults import GradFault
 from engine.training.trainer import Trainer, TrainingDiverged
 from parallel.grid.launch import LaunchEnv
+from parallel.runtime import streams
 from parallel.grid.state import ParallelState
 from parallel.runtime.stream_check import StreamChecker
 from parallel.grid.topology import RankGrid
@@ -94,6 +100,9 @@ def _train(argv: list[str], launch=None, fault=None) -> dict:
                "storage": sum(p.untyped_storage().nbytes() for p in params),
                "dp": trainer.ps.dp_size * trainer.ps.cp_size,
                "reruns": [r.get("rerun") for r in records]}
+        offload = getattr(opt, "offload", None)
+        if offload is not None:
+            out["host_chunks"] = len(offload.master.chunks)
         store = getattr(opt, "param_gather", None)
         if getattr(store, "shards", None) is not None:   # ZeRO-3: the persistent shards
             out["shard_bytes"] = sum(t.untyped_storage().nbytes() for t in store.shards.values())
@@ -103,16 +112,41 @@ def _train(argv: list[str], launch=None, fault=None) -> dict:
         trainer.close()
 
 
-def _checked(argv: list[str], planted: bool = False) -> list[str]:
+def _checked(argv: list[str], planted: bool = False, fault=None) -> list[str]:
     checker = StreamChecker()
     with checker.installed():
         trainer = Trainer(parse_args(CHECKED + argv))
+        if fault is not None:
+            fault.install(trainer)
         try:
             trainer.train()
         except TrainingDiverged:   # the planted defect: reads of unfinished gathers (every rank)
             assert planted
         finally:
             trainer.close()
+    return list(checker.violations)
+
+
+def _free_in_flight(planted: bool) -> list[str]:
+    """A bucket's gather started and its storage freed at once, under the checker: ``free``
+    waits for the gather first; planted, the storage is resized away with the collective waited
+    for behind the stream API's back (on a GPU: no stream waits, and the gather writes into a
+    block the allocator has handed on)."""
+    trainer = Trainer(parse_args(CHECKED + BLOCKS["gpt2"]))
+    store = trainer.optimizer.param_gather
+    checker = StreamChecker()
+    try:
+        with checker.installed():
+            store.gather([0])
+            if planted:
+                store._handles.pop(0).work.wait()     # the backend's own handle: unseen
+                streams.released(store.full[0], resized=True)
+                zero3._resize(store.full[0], 0)
+                store.state[0] = zero3.FREE
+            else:
+                store.free([0])
+    finally:
+        trainer.close()
     return list(checker.violations)
 
 
@@ -134,8 +168,10 @@ def _group_checks(ckpt: str) -> dict:
     fault = GradFault(rank=1, step=2, param="layers.1.mlp.fc2.weight")   # a NaN, once
     out["(1,1,4) rerun"] = _train(DENSE + ["--dp", "4"] + Z3 + ["--train-iters", "3",
                                                                 "--rerun-on-anomaly"], fault=fault)
-    out["(1,1,4) offload"] = _train(DENSE + ["--dp", "4"] + Z3 + OFFLOAD +
-                                    ["--train-iters", str(SHORT)])
+    # host chunks of 2 KiB: the model's few KiB of offloaded state in several (host_flat.py)
+    with mock.patch.object(host_flat, "CHUNK_BYTES", 2048):
+        out["(1,1,4) offload"] = _train(DENSE + ["--dp", "4"] + Z3 + OFFLOAD +
+                                        ["--train-iters", str(SHORT)])
     tpsp = DENSE + ["--tp", "2", "--dp", "2", "--sequence-parallel"] + Z1 + \
         ["--train-iters", str(SHORT)]
     out["zero1 (2,1,2) sp"] = _train(tpsp + ["--save", f"{ckpt}/z1"])
@@ -150,6 +186,13 @@ def _group_checks(ckpt: str) -> dict:
         out["checked " + name] = _checked(block)
     with mock.patch.object(zero3.ShardedParams, "ensure", _unwaited_ensure):
         out["checked planted"] = _checked(BLOCKS["gpt2"], planted=True)
+    out["free in flight"] = _free_in_flight(False)
+    out["free in flight planted"] = _free_in_flight(True)
+    # a NaN skips step 1 before anything waits for its gradients' copies down: the next step's
+    # reduce-scatter must still be ordered after them
+    out["checked offload skip"] = _checked(
+        BLOCKS["gpt2"] + OFFLOAD + ["--precision", "bf16", "--clip-grad", "0", "--train-iters", "3"],
+        fault=GradFault(rank=1, step=1, param="layers.1.mlp.fc2.weight"))
     return out
 
 
@@ -190,7 +233,7 @@ def _serial(results, model: str) -> dict:
 
 
 def _close(losses, serial, what: str, first: int = 1) -> None:
-    """``losses`` of steps ``first``.. against the serial run's, DESIGN.md's relative 1e-4."""
+    """``losses`` of steps ``first``.. against the serial run's, docs/design.md's relative 1e-4."""
     assert len(losses) == len(serial), what
     for step, (a, b) in enumerate(zip(losses, serial), start=first):
         assert abs(a - b) <= 1e-4 * abs(b), f"{what}: step {step}: {a} vs serial {b}"
@@ -226,7 +269,7 @@ def test_parameters_take_one_dp_th(results, name, dp):
 def test_offload_trains_the_same_model_bit_for_bit(results):
     for rank in range(4):
         plain, off = results[rank]["(1,1,4)"], results[rank]["(1,1,4) offload"]
-        assert off["losses"] == plain["losses"][:SHORT]
+        assert off["losses"] == plain["losses"][:SHORT] and off["host_chunks"] > 1
         mem = off["memory"]
         assert mem["optimizer_state_bytes"] == 0
         assert mem["optimizer_state_host_bytes"] == 3 * mem["param_bytes"]   # master, moments
@@ -265,6 +308,21 @@ def test_checkpoints_cross_between_zero3_and_zero1(results, name, step):
 def test_no_read_before_its_gather(results, block):
     for rank in range(4):
         assert results[rank]["checked " + block] == []
+
+
+def test_a_bucket_freed_while_its_gather_writes_it_is_caught(results):
+    """A resize frees the memory whatever the backend holds: the checker's exemption for comm
+    streams (a backend keeps a collective's tensors alive) does not cover it."""
+    for rank in range(4):
+        assert results[rank]["free in flight"] == []
+        planted = results[rank]["free in flight planted"]
+        assert any("released while in use" in v and "all_gather on dp" in v for v in planted), \
+            planted
+
+
+def test_a_skipped_step_orders_the_next_reduction_after_its_copies_down(results):
+    for rank in range(4):
+        assert results[rank]["checked offload skip"] == []
 
 
 def test_a_read_before_its_gather_is_caught(results):
