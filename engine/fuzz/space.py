@@ -1,14 +1,16 @@
 """The fuzzer's space: every layout the engine trains as the serial model, drawn constructively.
 
-A ``Case`` is one combination of the parallel dimensions and switches that DESIGN.md's equivalence
-covers (fp32, dropout 0, dropless routing): tp, cp, pp, dp, ep, etp, the pipeline schedule and its
-virtual stages, sequence parallelism, the ZeRO stage and its overlapped gather, the overlapped
-gradient reduction, the TP overlap, recomputation, the block kind (gpt2, llama, MoE on either, a
-user's block), grouped-query attention, packed documents, the MoE dispatcher and grouped GEMM, the
-CP attention and the gradient bucket size. ``draw(rng, ranks)`` picks each choice among the values
-the choices before it allow, so every draw is valid: no combination is launched and then refused (tests check a few
-thousand draws against the trainer's own validation). The model is small and the same for every
-layout of one model key (``Case.model_flags``), so one serial run is the reference of many cases.
+A ``Case`` is one combination of the parallel dimensions and switches that docs/design.md's
+equivalence covers (fp32, dropout 0, dropless routing): tp, cp, pp, dp, ep, etp, the pipeline
+schedule and its virtual stages, sequence parallelism, the ZeRO stage (1-3: the distributed
+optimizer, its gradients, the parameters) and its overlapped gather, the optimizer's host offload
+(half or all of it), the overlapped gradient reduction, the TP overlap, recomputation, the block
+kind (gpt2, llama, MoE on either, a user's block), grouped-query attention, packed documents, the
+MoE dispatcher and grouped GEMM, the CP attention and the gradient bucket size. ``draw(rng, ranks)``
+picks each choice among the values the choices before it allow, so every draw is valid: no
+combination is launched and then refused (tests check a few hundred draws against the trainer's own
+validation). The model is small and the same for every layout of one model key
+(``Case.model_flags``), so one serial run is the reference of many cases.
 
 Worked example: ``draw(random.Random(0), 8)`` first picks a world size (2, 4 or 8), then tp from its
 divisors, then cp, pp and dp = world / (tp cp pp); the schedule among those pp allows (interleaved
@@ -46,8 +48,9 @@ class Case:
     sp: bool = False
     tp_overlap: bool = False
     cp_comm: str = "p2p"
-    zero: int = 0                    # 0: the plain optimizer; 1, 2: the distributed optimizer
+    zero: int = 0                    # 0: the plain optimizer; 1, 2, 3: the distributed optimizer
     overlap_gather: bool = False
+    offload: int = 0                 # percent of the optimizer state in host memory (zero >= 1)
     overlap_reduce: bool = True
     recompute: str = "none"
     block: str = "gpt2"
@@ -98,6 +101,9 @@ class Case:
         if self.zero:
             flags += ["--use-distributed-optimizer", "--zero-stage", str(self.zero),
                       "--overlap-param-gather" if self.overlap_gather else "--no-overlap-param-gather"]
+        if self.offload:
+            flags += ["--optimizer-cpu-offload", "--optimizer-offload-fraction",
+                      f"{self.offload / 100:g}"]
         if not self.overlap_reduce:
             flags.append("--no-overlap-grad-reduce")
         if self.bucket_kb:  # small buckets: one block's parameters in several
@@ -184,8 +190,9 @@ def draw(rng: random.Random, ranks: int) -> Case:
     cp_comm = "p2p"
     if cp > 1:
         cp_comm = rng.choice(["p2p", "a2a"] if (HEADS // tp) % cp == 0 else ["p2p"])
-    zero = rng.choice([0, 1, 2]) if dp * cp > 1 else 0
+    zero = rng.choice([0, 1, 2, 3]) if dp * cp > 1 else 0
     overlap_gather = zero > 0 and rng.random() < 0.7
+    offload = rng.choice([0, 0, 50, 100]) if zero else 0
     gqa = tp <= GROUPS and rng.random() < 0.4
     packed = rng.random() < 0.3
     ep = etp = 1
@@ -197,6 +204,7 @@ def draw(rng: random.Random, ranks: int) -> Case:
         grouped = rng.random() < 0.5
     return Case(tp=tp, cp=cp, pp=pp, dp=dp, schedule=schedule, vp=vp, micro=micro, sp=sp,
                 tp_overlap=tp_overlap, cp_comm=cp_comm, zero=zero, overlap_gather=overlap_gather,
+                offload=offload,
                 overlap_reduce=rng.random() < 0.8, recompute=rng.choice(["none", "selective", "full"]),
                 block=block, layers=layers, gqa=gqa, packed=packed, moe=moe, ep=ep, etp=etp,
                 dispatcher=dispatcher, grouped=grouped, bucket_kb=rng.choice([0, 1, 4]))

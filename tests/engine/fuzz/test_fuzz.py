@@ -39,7 +39,8 @@ def test_every_draw_is_valid_and_every_choice_is_drawn():
     assert seen["schedule"] == {"gpipe", "1f1b", "interleaved", "1f1b-w", "zb-h1", "zb-v"}
     assert seen["block"] == {"gpt2", "llama", "user"} and seen["recompute"] == {"none", "selective", "full"}
     assert seen["tp"] == {1, 2, 4} and seen["cp"] == seen["pp"] == seen["dp"] == {1, 2, 4, 8}
-    assert seen["ep"] == {1, 2, 4} and seen["etp"] == {1, 2, 4} and seen["zero"] == {0, 1, 2}
+    assert seen["ep"] == {1, 2, 4} and seen["etp"] == {1, 2, 4} and seen["zero"] == {0, 1, 2, 3}
+    assert seen["offload"] == {0, 50, 100}
     assert seen["cp_comm"] == {"p2p", "a2a"} and seen["dispatcher"] == {"alltoall", "allgather"}
     for flag in ("sp", "tp_overlap", "overlap_gather", "overlap_reduce", "gqa", "packed", "moe",
                  "grouped"):
