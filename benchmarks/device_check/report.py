@@ -56,8 +56,8 @@ def report(results: list[StageResult], header: dict) -> str:
                                  [[row["layout"], row["status"], _num(row["loss_rel_diff"], ".1e"),
                                    row["note"]] for row in two["rows"]]),
                   "", "Each layout trained as two processes on the one device against the serial "
-                      "run on it (fp32, DESIGN.md's 1e-4); a layout gloo cannot run says which "
-                      "collective it refused.", ""]
+                      "run on it (fp32, docs/design.md's 1e-4); a layout gloo cannot run says "
+                      "which collective it refused.", ""]
     pair = next((r.tp_overlap for r in results if r.tp_overlap and r.tp_overlap.get("rows")), None)
     if pair:
         lines += [markdown_table(["tp=2 with SP", "tokens/s", "exposed TP (s per step)"],

@@ -9,7 +9,7 @@ Figures are the runs' own summaries (engine/observe/metrics.py ``summarize_run``
 seconds after the warm-up, ``time_tp_exposed_s`` per step). Both runs train the same model on the
 same samples, so their per-step losses are compared too: the largest relative difference over the
 steps, and the stage fails when it is above ``rel_tol`` (the overlapped GEMMs sum in another
-order, so bf16 differs in its last bits; fp32 agrees to DESIGN.md's 1e-4).
+order, so bf16 differs in its last bits; fp32 agrees to docs/design.md's 1e-4).
 """
 from __future__ import annotations
 

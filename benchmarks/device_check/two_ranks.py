@@ -15,10 +15,10 @@ whose collectives gloo ran is trained as two processes on that device
 - ``pp2``: pp 2, 1F1B;
 - ``ep2``: dp 2 with 4 experts over ep 2 (the all-to-all dispatcher).
 
-A layout passes when every step's loss is within DESIGN.md's relative 1e-4 of the serial run's. A
-layout that needs a collective gloo refused is reported with the collective and gloo's line; a
-run stopped at its share of the deadline is "deadline", not "failed"; on the CPU the stage is
-skipped (the test suite runs every layout against serial there).
+A layout passes when every step's loss is within docs/design.md's relative 1e-4 of the serial run's.
+A layout that needs a collective gloo refused is reported with the collective and gloo's line; a run
+stopped at its share of the deadline is "deadline", not "failed"; on the CPU the stage is skipped
+(the test suite runs every layout against serial there).
 """
 from __future__ import annotations
 

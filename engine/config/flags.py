@@ -96,7 +96,8 @@ FLAGS: dict[str, Flag] = {
                       "to head shards; heads/tp must be divisible by cp)", "parallelism",
                       choices=CP_COMM_TYPES),
     "pp": F("pipeline-parallel size (stages)", "parallelism", ("--pipeline-model-parallel-size",)),
-    "dp": F("data-parallel size", "parallelism", ("--data-parallel-size",), default_text="world / (tp x pp)"),
+    "dp": F("data-parallel size", "parallelism", ("--data-parallel-size",),
+            default_text="world / (tp x cp x pp)"),
     "virtual_pipeline_size": F("model chunks per pipeline stage (interleaved schedule)", "parallelism",
                                ("--virtual-pipeline-model-parallel-size", "--vp")),
     "pipeline_schedule": F("pipeline schedule: gpipe, 1f1b, interleaved (with --vp), or a "

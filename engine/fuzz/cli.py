@@ -5,7 +5,7 @@
     python -m engine.fuzz --case tp=2,pp=2,dp=2,schedule=zb-v,zero=1,block=llama
 
 Each case prints one line. The first case that fails (a rank's error, a stream-order violation,
-or a loss or gradient norm off the serial run's by more than DESIGN.md's relative 1e-4) prints
+or a loss or gradient norm off the serial run's by more than docs/design.md's relative 1e-4) prints
 why and the one-line command that reruns exactly that case, and the fuzzer exits with 1.
 """
 from __future__ import annotations

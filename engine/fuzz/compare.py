@@ -1,9 +1,10 @@
 """One case against its serial reference: the verdict, in one line.
 
 The serial reference of a model key is trained once, in this process, by the same trainer with
-tp = cp = pp = dp = 1 and one micro-batch of the whole global batch (DESIGN.md: any split trains
-the same model). A case passes when no rank failed, no rank's stream checker recorded a violation,
-every two ranks submitted to the communicators they share in the same order, and on every rank the per-step loss and gradient norm agree with the serial run to DESIGN.md's
+tp = cp = pp = dp = 1 and one micro-batch of the whole global batch (docs/design.md: any split
+trains the same model). A case passes when no rank failed, no rank's stream checker recorded a
+violation, every two ranks submitted to the communicators they share in the same order, and on
+every rank the per-step loss and gradient norm agree with the serial run to docs/design.md's
 relative 1e-4.
 """
 from __future__ import annotations

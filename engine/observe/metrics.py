@@ -1,4 +1,4 @@
-"""Per-step metrics: the JSONL file of DESIGN.md, the progress bar and the closing summary.
+"""Per-step metrics: the JSONL file of docs/design.md, the progress bar and the closing summary.
 
 Only global rank 0 writes. The required keys are listed in REQUIRED_KEYS; the trainer fills them
 all (null where a value does not apply, e.g. the bubble without PP, or cannot be known);

@@ -2,7 +2,7 @@
 
 Pure arithmetic, no torch. Every constant is named in constants.py (re-exported here) and
 explained in docs/planner.md; the one fitted constant is DEFAULT_ACHIEVABLE_FRACTION. Placement
-follows the run's rank order (``Layout.order``, DESIGN.md's ``tp-cp-dp-pp`` by default; see
+follows the run's rank order (``Layout.order``, docs/design.md's ``tp-cp-dp-pp`` by default; see
 placement.py): TP must stay inside a node, every other group is priced on the links its ranks
 span (timing.py).
 """

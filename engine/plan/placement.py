@@ -1,8 +1,8 @@
 """Rank order and links: which devices a layout's groups span, and the bus bandwidth they get.
 
-Pure arithmetic, no torch. The rank order is the run's (``--order``, DESIGN.md: ``tp-cp-dp-pp`` by
-default): the first name varies fastest, so a dimension's stride is the product of the sizes named
-before it, and rank = sum over dimensions of coordinate x stride. Nodes hold consecutive ranks
+Pure arithmetic, no torch. The rank order is the run's (``--order``, docs/design.md: ``tp-cp-dp-pp``
+by default): the first name varies fastest, so a dimension's stride is the product of the sizes
+named before it, and rank = sum over dimensions of coordinate x stride. Nodes hold consecutive ranks
 (node = rank // devices_per_node), as torchrun and Slurm hand them out.
 
 Worked example, 16 ranks on nodes of 8, tp=2 cp=1 dp=4 pp=2, order tp-cp-dp-pp::

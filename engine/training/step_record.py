@@ -1,4 +1,4 @@
-"""What a training step and a run report: the metrics record of one step (DESIGN.md's keys and
+"""What a training step and a run report: the metrics record of one step (docs/design.md's keys and
 their exact meanings), the resilience keys beside it, and the closing summary.
 
 Every figure here is computed from what the step measured on the device (``dt``: the step's device

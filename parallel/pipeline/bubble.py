@@ -214,7 +214,7 @@ class BubbleMeasurement:
 
 
 def measured_bubble(events) -> BubbleMeasurement:
-    """The measured bubble of one step of one pipeline (``bubble_measured`` of DESIGN.md).
+    """The measured bubble of one step of one pipeline (``bubble_measured`` of docs/design.md).
 
     ``events`` is one list of executor events per pipeline rank (as gathered by
     ``timeline.gather_events``), or a flat list whose events carry ``rank``. Per rank: the time in

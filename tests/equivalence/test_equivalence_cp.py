@@ -1,5 +1,5 @@
 """Context parallelism through the real trainer, against the serial run: 20 steps, per-step losses
-and grad norms within DESIGN.md's relative 1e-4.
+and grad norms within docs/design.md's relative 1e-4.
 
 The models of test_equivalence_packed.py (both blocks, with and without packed documents, three
 with grouped-query attention) spread over the layouts so that each CP size (2 and 4) and each

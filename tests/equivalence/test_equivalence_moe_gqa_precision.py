@@ -8,7 +8,7 @@ trainer against the serial trainer.
   load exactly. The global aux loss is taken over each micro-step's tokens (one micro-batch per
   rank here, so the whole global batch): the serial run takes the global batch in one micro-batch.
 - bf16, ep 2 with dp 4: the losses follow the serial bf16 run to a relative 2e-3 (the layouts
-  round in a different order; DESIGN.md's 1e-4 is for fp32; the gradient norms differ by up to
+  round in a different order; docs/design.md's 1e-4 is for fp32; the gradient norms differ by up to
   2% in bf16, so only the losses are compared, as the zero-bubble schedules' bf16 test does).
 - fp16 with the dynamic loss scaler, from an initial scale of 2**24, far above what the gradients
   take, so the first steps overflow and are skipped: ep 2 with dp 4 against ep 1 with dp 4. Where

@@ -1,12 +1,12 @@
 """Grouped-query attention and packed documents through the real trainer, against the serial run;
-with the plain gpt2 model, DESIGN.md's 20-step equivalence for one layout of each kind.
+with the plain gpt2 model, docs/design.md's 20-step equivalence for one layout of each kind.
 
 The plain gpt2 model and both blocks with and without packed documents (--reset-attention-mask
 --reset-position-ids --eod-mask-loss), three of them with grouped-query attention, train 20 steps
 under tp=2 (with sequence parallelism), pp=2 (1F1B), dp=2 (ZeRO-1) and (tp, pp, dp) = (2, 2, 2)
 (each layout a packed and an unpacked model, the two-rank layouts all five), with micro-batches
 of 2 sequences (of 4 under tp=2 alone: two per step) where the serial run takes one of 8;
-per-step losses and grad norms must equal the serial run's to DESIGN.md's relative 1e-4. The
+per-step losses and grad norms must equal the serial run's to docs/design.md's relative 1e-4. The
 mock vocabulary is small so that its end-of-document token (the last id) opens a new document
 about every 24 tokens, and micro-batches hold different numbers of unmasked tokens: a
 per-micro-batch mean would not match the global-batch mean.

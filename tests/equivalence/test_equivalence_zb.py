@@ -1,17 +1,17 @@
 """Zero-bubble schedules through the real trainer and GPT model, against the serial run and 1F1B.
 
 Every layout trains the same model on the same samples (fp32, dropout 0, mock data), so its losses
-and grad norms over 20 steps must match the serial run's to a relative 1e-4 (DESIGN.md): zb-h1 and
-zb-v at pp=2 and pp=4 with m = 1 (the smallest either allows), m < pp, m not a multiple of pp and
-m > pp; combined with tp=2 and sequence parallelism, dp=2 with ZeRO-1, selective and full
+and grad norms over 20 steps must match the serial run's to a relative 1e-4 (docs/design.md): zb-h1
+and zb-v at pp=2 and pp=4 with m = 1 (the smallest either allows), m < pp, m not a multiple of pp
+and m > pp; combined with tp=2 and sequence parallelism, dp=2 with ZeRO-1, selective and full
 recomputation, the llama block (untied output layer, RMSNorm, SwiGLU) and 1f1b-w. Under zb-v the
 tied word embedding and the output layer are one parameter on rank 0. The gradients after one step
 (main_grad, after the DP reduction and the tied / sequence-parallel sums) of zb-v, zb-h1 and 1F1B
 must equal the serial run's within fp32 tolerance, parameter by parameter (each rank's TP slice of
-the serial gradient); fp16 with the dynamic loss scaler and bf16 under zb-v and 1F1B must follow
-the serial run in the same precision to 1e-4 (the schedule changes no rounding: the same
-micro-batches run the same GEMMs); a checkpoint saved under zb-v resumes under 1f1b and back with
-the serial run's losses. One spawned group per world size runs every layout in sequence.
+the serial gradient); fp16 with the dynamic loss scaler and bf16 under zb-v and 1F1B must follow the
+serial run in the same precision to 1e-4 (the schedule changes no rounding: the same micro-batches
+run the same GEMMs); a checkpoint saved under zb-v resumes under 1f1b and back with the serial run's
+losses. One spawned group per world size runs every layout in sequence.
 """
 from __future__ import annotations
 

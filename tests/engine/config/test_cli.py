@@ -84,7 +84,7 @@ def test_every_flag_has_help_a_group_and_its_default():
     assert positions == sorted(positions)  # grouped as Megatron groups them, in that order
     assert "--precision {fp32,bf16,fp16}" in text and "(default: fp32)" in text
     assert "--lr-decay-style {cosine,linear,constant}" in text and "(default: cosine)" in text
-    assert "(default: world / (tp x pp))" in text  # a derived default says how it is derived
+    assert "(default: world / (tp x cp x pp))" in text  # a derived default says how it is derived
 
 
 def test_megatron_spellings():

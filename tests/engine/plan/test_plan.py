@@ -74,7 +74,7 @@ def test_worked_example_and_order_strings():
 def test_default_order_is_the_engines():
     from engine.config.parallel import ParallelConfig
     from parallel.grid.topology import RankGrid
-    assert DEFAULT_ORDER == "tp-cp-dp-pp"  # DESIGN.md
+    assert DEFAULT_ORDER == "tp-cp-dp-pp"  # docs/design.md
     assert engine_order(DEFAULT_ORDER, 1) == engine_order(ParallelConfig().order, 1)
     assert engine_order(DEFAULT_ORDER, 1) == engine_order(RankGrid().order, 1)
 

@@ -1,8 +1,8 @@
 """--tp-comm-overlap through the real trainer: every TP layout with sequence parallelism trains the
-same model as the serial run over 20 steps (losses and grad norms to a relative 1e-4, DESIGN.md):
-tp=4; tp=2 x dp=2 with the llama block (SwiGLU: two column-parallel weights on one ring); tp=2 x
-pp=2 under zb-v (the zero-bubble W actions take the deferred weight gradients); and (tp, pp, dp) =
-(2, 2, 2). One spawned group per world size; the layouts and the serial reference are
+same model as the serial run over 20 steps (losses and grad norms to a relative 1e-4,
+docs/design.md): tp=4; tp=2 x dp=2 with the llama block (SwiGLU: two column-parallel weights on one
+ring); tp=2 x pp=2 under zb-v (the zero-bubble W actions take the deferred weight gradients); and
+(tp, pp, dp) = (2, 2, 2). One spawned group per world size; the layouts and the serial reference are
 test_equivalence_zb's (4 layers x 32 hidden, sequence 16, global batch 12). One short tp=2 x pp=2
 zb-v run is repeated under the stream-order checker on every rank.
 """
