@@ -72,9 +72,13 @@ class LayerContext:
         return self.rng.fork(region)
 
     def checkpoint(self, fn, *args):
-        """``torch.utils.checkpoint`` that replays the same dropout masks in the recomputation."""
-        extra = {} if self.rng is None else {"context_fn": self.rng.checkpoint_context}
-        return checkpoint(fn, *args, use_reentrant=False, **extra)
+        """``torch.utils.checkpoint`` that replays the same dropout masks in the recomputation
+        (the dropout streams' states restored around it). A compiled graph takes no such context
+        (torch.compile accepts dispatch modes only): there it is plain checkpointing, which the
+        run's validation allows only without dropout (engine/training/validate.py)."""
+        if self.rng is None or torch.compiler.is_compiling():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=self.rng.checkpoint_context)
 
 
 class Dropout(nn.Module):

@@ -262,7 +262,7 @@ def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) ->
             torch.set_rng_state(own["rng/cpu"])
         if ck.load_rng and "rng/device" in own and trainer.dev.type != "cpu":
             trainer.dev.set_rng_state(own["rng/device"])
-        if getattr(trainer, "rng", None) is not None:
+        if ck.load_rng and getattr(trainer, "rng", None) is not None:   # the dropout streams
             trainer.rng.load_state_tensors(own)
     trainer.reducer.load_state_dict({"step": index["reducer"]["step"],
                                      "warmup_steps": index["reducer"].get("warmup_steps"),

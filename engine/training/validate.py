@@ -48,6 +48,11 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
     tp = grid.tp
     if grid.cp > 1:
         _validate_cp(cfg, grid)
+    if cfg.compile and par.recompute != "none" and m.dropout > 0:
+        raise ConfigError(f"--compile with --recompute {par.recompute} and --dropout {m.dropout} is "
+                          f"not supported: the recomputation replays each dropout mask by restoring "
+                          f"the dropout streams' generator states, which a compiled graph cannot "
+                          f"do; drop --compile, use --recompute none, or set --dropout 0")
     for what, value in (("--num-attention-heads", m.num_attention_heads),
                         ("--hidden-size", m.hidden_size), ("--ffn-hidden-size", m.ffn_hidden_size)):
         if value % tp:

@@ -200,10 +200,24 @@ def tp_resume(ps, folder: str) -> dict:
                                        "--keep-last", "2"]))
     ref = [r["loss"] for r in full.train().records]
     resumed = Trainer(parse_args(flags + ["--load", f"{folder}/full/iter_0000003"]))
-    return {"ref": ref, "resumed": [r["loss"] for r in resumed.train().records]}
+    out = {"ref": ref, "resumed": [r["loss"] for r in resumed.train().records]}
+    # --no-load-rng: the dropout streams start from their seeds, as in a fresh run
+    streams = {}
+    for name, extra in (("fresh", []), ("no-load-rng", ["--load", f"{folder}/full/iter_0000003",
+                                                        "--no-load-rng"]),
+                        ("loaded", ["--load", f"{folder}/full/iter_0000003"])):
+        trainer = Trainer(parse_args(flags + extra + ["--run-dir", f"{folder}/{name}"]))
+        trainer.maybe_load()
+        streams[name] = trainer.rng.state_tensors()
+        trainer.close()
+    same = lambda a, b: a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
+    out["no-load-rng fresh"] = same(streams["no-load-rng"], streams["fresh"])
+    out["loaded fresh"] = same(streams["loaded"], streams["fresh"])
+    return out
 
 
 def test_tp2_dropout_resume_continues_exactly(tmp_path):
     results = run_distributed(tp_resume, grid=RankGrid(tp=2), args=(str(tmp_path),))
     for r in results:
         assert len(r["ref"]) == 6 and r["resumed"] == r["ref"][3:], r
+        assert r["no-load-rng fresh"] and not r["loaded fresh"], r

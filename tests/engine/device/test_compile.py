@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 from engine.device.compile import CACHE_DIRNAME, compile_backend, compile_chunks
 from engine.device.runtime import DeviceInfo
 from models import GPTChunk, GPTConfig, LayerContext
+from parallel.grid.random import ModelParallelRNG
 from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
 
@@ -95,6 +96,26 @@ def test_compiled_matches_eager_and_reuses_cache(tmp_path, monkeypatch):
     _assert_same(_loss_and_grads(again), eager)
     assert_compiled_one_graph("fxgraph_cache_hit")
     assert counters["inductor"]["fxgraph_cache_miss"] == 0
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputed_layers_with_the_dropout_streams_compile(tmp_path, monkeypatch, recompute):
+    """Recomputation with the run's dropout streams attached, as the trainer attaches them: the
+    eager replay restores the streams' states around it (a context torch.compile does not take:
+    it crashed the first compiled step), the compiled chunk checkpoints plainly and computes the
+    eager chunk's loss and gradients (dropout 0; with dropout the run's validation refuses
+    --compile with --recompute: tests/engine/training/test_bad_input.py)."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    ps = ParallelState.serial()
+
+    def chunks():
+        tracker = ModelParallelRNG.for_state(5, ps).trackers[0]
+        ctx = LayerContext(Initializer(11), recompute=recompute, rng=tracker)
+        return torch.nn.ModuleList([GPTChunk(GPTConfig(**CFG), ps, ctx, range(1))])
+    torch._dynamo.reset()
+    eager = _loss_and_grads(chunks())
+    _assert_same(_loss_and_grads(compile_chunks(chunks(), CPU, tmp_path)), eager)
     torch._dynamo.reset()
 
 
