@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -189,6 +190,29 @@ def load_model_params(specs: list[ParamSpec], reader: TensorReader, optimizer=No
             values.copy_(read_flat(owners[piece.name], piece.start, piece.end, read))
 
 
+class StateReader(Mapping):
+    """The optimizer state a rank loads, {name: {"exp_avg", "exp_avg_sq", "master": flat host
+    tensor}}, read from the files when the optimizer asks for a parameter and not kept: one
+    parameter's state in host memory at a time, each copied straight into its home (the device,
+    or the offload's host memory), never the whole state at once (an offloaded 8B model's is
+    89.8 GiB, most of its host's memory). ``ranges``: name -> the [start, end) elements this rank
+    holds; ``read(name, start, end, key)``: those elements of ``optim/<key>``, or None."""
+
+    def __init__(self, ranges: dict, read):
+        self.ranges, self.read = ranges, read
+
+    def __getitem__(self, name: str) -> dict:
+        a, b = self.ranges[name]
+        found = {key: self.read(name, a, b, key) for key in ("exp_avg", "exp_avg_sq", "master")}
+        return {key: t for key, t in found.items() if t is not None}
+
+    def __iter__(self):
+        return iter(self.ranges)
+
+    def __len__(self) -> int:
+        return len(self.ranges)
+
+
 def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) -> int:
     """Restore everything into a built trainer; return the step to continue from.
     ``weights_only`` (default: --finetune) loads the model weights alone and starts at step 0;
@@ -229,16 +253,12 @@ def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) ->
             return reader.read(name, s.offsets, list(s.shape), flat=flat or (0, s.numel))
         return read
 
-    current = trainer.optimizer.state_dict()
-    state, pieces = {}, []
-    for piece in current["pieces"] if ck.load_optim else []:
-        name, (a, b) = piece["name"], (piece["start"], piece["end"])
-        pieces.append({"name": name, "start": a, "end": b})
-        state[name] = {}
-        for key in ("exp_avg", "exp_avg_sq", "master"):
-            t = read_flat(owners[name], a, b, flat_reader(f"optim/{key}"))
-            if t is not None:
-                state[name][key] = t.to(ps.device)
+    current = trainer.optimizer.state_dict(clone=False)   # (its piece list; nothing copied)
+    pieces = [{"name": p["name"], "start": p["start"], "end": p["end"]}
+              for p in (current["pieces"] if ck.load_optim else [])]
+    state = StateReader({p["name"]: (p["start"], p["end"]) for p in pieces},
+                        lambda name, a, b, key: read_flat(owners[name], a, b,
+                                                          flat_reader(f"optim/{key}")))
     try:
         if ck.load_optim:
             trainer.optimizer.load_state_dict({

@@ -211,7 +211,7 @@ class MixedPrecisionOptimizer(_GradAccess):
             if step > 0:
                 self.inner.state[m] = {"step": torch.tensor(float(step),
                                                             device=m.device if self._fused else "cpu"),
-                                       "exp_avg": tensors["exp_avg"].view_as(m).clone(),
-                                       "exp_avg_sq": tensors["exp_avg_sq"].view_as(m).clone()}
+                                       "exp_avg": tensors["exp_avg"].view_as(m).to(m.device, copy=True),
+                                       "exp_avg_sq": tensors["exp_avg_sq"].view_as(m).to(m.device, copy=True)}
         if step > 0 and self.reducer is not None and self.reducer.dp > 1:
             self._seed_momentum(momentum_buckets(self.reducer))   # (the reducer's state wins)
