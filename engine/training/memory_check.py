@@ -128,13 +128,17 @@ def memory_problem(cfg: RunConfig, grid: RankGrid, rank: int, available: int | N
                 f"{size_text(available)} {source}; the largest part is {what} "
                 f"({size_text(parts[largest])}, engine/plan/memory.py's estimate): choose "
                 f"{FIXES[kind]}")
-    if one_memory or host[0] is None or offloaded.total <= host[0]:
+    # --async-save copies the host-resident state once more into its host buffers
+    saved = offloaded.optimizer if cfg.checkpoint.async_save else 0.0
+    need = HostTerms(offloaded.optimizer + saved, offloaded.grads)
+    if one_memory or host[0] is None or need.total <= host[0]:
         return None
-    return (f"--optimizer-cpu-offload keeps about {size_text(offloaded.total)} in host memory for "
+    also = f", --async-save's host copy of that state {size_text(saved)}" if saved else ""
+    return (f"--optimizer-cpu-offload keeps about {size_text(need.total)} in host memory for "
             f"{where} (the offloaded optimizer state {size_text(offloaded.optimizer)}, the "
-            f"gradients' host copies {size_text(offloaded.grads)}: engine/plan/offload.py's "
+            f"gradients' host copies {size_text(offloaded.grads)}{also}: engine/plan/offload.py's "
             f"estimate), more than the {size_text(host[0])} {host[1]}; choose "
-            + _fitting_fraction(shape, layout, stage, backend, available, host[0], offloaded))
+            + _fitting_fraction(shape, layout, stage, backend, available, host[0], need))
 
 
 def _fitting_fraction(shape: ModelShape, layout: Layout, stage: int, backend: str,
