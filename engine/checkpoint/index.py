@@ -179,17 +179,20 @@ def write_json(path: str, data: dict) -> None:
 # safetensors' dtype names (its format's spec)
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                       torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
-                      torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-                      torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+                      torch.int16: "I16", torch.int8: "I8", torch.uint64: "U64",
+                      torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
+                      torch.bool: "BOOL", torch.complex64: "C64", torch.float8_e4m3fn: "F8_E4M3",
+                      torch.float8_e5m2: "F8_E5M2", torch.float8_e8m0fnu: "F8_E8M0"}
 
 
 def _host_bytes(t: torch.Tensor):
     """A tensor's bytes as a host buffer: a view of a contiguous host tensor (no copy), else one
-    tensor's copy (a device tensor comes to the host alone, never the whole file at once)."""
-    t = t.detach()
+    tensor's copy (made contiguous where it is, then a device tensor comes to the host alone,
+    never the whole file at once)."""
+    t = t.detach().contiguous()
     if t.device.type != "cpu":
         t = t.cpu()
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def write_shard(tensors: dict[str, torch.Tensor], path: str) -> dict:
@@ -202,11 +205,15 @@ def write_shard(tensors: dict[str, torch.Tensor], path: str) -> dict:
     device (safetensors' own ``save`` builds the whole file in memory, twice: one rank's file of
     an 8B model with its optimizer state is about 105 GiB); the file writes, sha256 and crc32 of
     large buffers release the GIL, so a background save leaves the training thread running."""
+    if sys.byteorder != "little":   # the format is little-endian; the bytes go out as they are
+        raise RuntimeError("write_shard writes a little-endian host's bytes; this host is "
+                           f"{sys.byteorder}-endian")
     items = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
     table, at = {}, 0
     for key, t in items:
         if t.dtype not in SAFETENSORS_DTYPES:
-            raise TypeError(f"write_shard: {key!r} has dtype {t.dtype}, which the format lacks")
+            raise TypeError(f"write_shard: {key!r} has dtype {t.dtype}, which this writer does "
+                            f"not write")
         size = t.numel() * t.element_size()
         table[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                       "data_offsets": [at, at + size]}

@@ -201,6 +201,9 @@ class StateReader(Mapping):
     def __init__(self, ranges: dict, read):
         self.ranges, self.read = ranges, read
 
+    def __contains__(self, name) -> bool:   # (Mapping's own would read the state to answer)
+        return name in self.ranges
+
     def __getitem__(self, name: str) -> dict:
         a, b = self.ranges[name]
         found = {key: self.read(name, a, b, key) for key in ("exp_avg", "exp_avg_sq", "master")}

@@ -128,8 +128,12 @@ def memory_problem(cfg: RunConfig, grid: RankGrid, rank: int, available: int | N
                 f"{size_text(available)} {source}; the largest part is {what} "
                 f"({size_text(parts[largest])}, engine/plan/memory.py's estimate): choose "
                 f"{FIXES[kind]}")
-    # --async-save copies the host-resident state once more into its host buffers
-    saved = offloaded.optimizer if cfg.checkpoint.async_save else 0.0
+    # --async-save copies the host-resident state it writes once more into its host buffers (the
+    # moments, and the masters of low-precision weights: an fp32 weight's host master is not
+    # written, the weight is); the device-resident state's pinned copies are not counted here
+    written = 1.0 if shape.weight_bytes != 4 else 8 / 12
+    saved = written * offloaded.optimizer if cfg.checkpoint.async_save and cfg.checkpoint.save \
+        else 0.0
     need = HostTerms(offloaded.optimizer + saved, offloaded.grads)
     if one_memory or host[0] is None or need.total <= host[0]:
         return None

@@ -9,7 +9,8 @@ a list of chunks filled with whole entries, the (offset, length) ranges the offl
 holds a power of two bytes, at most ``CHUNK_BYTES`` and at most what is left, so the allocator
 rounds none of them; the last holds exactly what remains. What a chunk leaves unused is less
 than its next entry, and the allocator's rounding falls on the last chunk alone, itself no larger
-than the chunk before it. An entry larger than a chunk gets a chunk of its own size.
+than the chunk before it. An entry larger than ``CHUNK_BYTES`` gets a chunk of its own size,
+which the allocator does round up (a bucket's shard is far smaller).
 
 Worked example (4-byte elements, ``chunk_bytes`` 64, so 16 elements a chunk): entries (0, 6),
 (6, 6), (12, 6), (18, 3) of 21 elements. The first chunk may hold min(64, 84 rounded down to a
@@ -42,6 +43,7 @@ def chunk_layout(entries: list[tuple[int, int]], element_size: int,
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     chunks, i = [], 0
     total = sum(n for _, n in entries)
+    entries = [(o, n) for o, n in entries if n] if total else []   # (nothing to hold: no chunk)
     while i < len(entries):
         start = entries[i][0]
         left = total - start
@@ -78,6 +80,8 @@ class HostFlat:
     def __getitem__(self, sl: slice) -> torch.Tensor:
         start = sl.start or 0
         stop = self._numel if sl.stop is None else sl.stop
+        if start == stop == self._numel and not self.chunks:
+            return torch.zeros(0, dtype=self.dtype)
         ends = self.starts[1:] + [self._numel]      # each chunk's elements: [start, next start)
         for first, end, chunk in zip(reversed(self.starts), reversed(ends), reversed(self.chunks)):
             if first <= start:

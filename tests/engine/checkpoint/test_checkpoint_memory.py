@@ -115,3 +115,26 @@ def test_a_resume_reads_the_optimizer_state_piece_by_piece(tmp_path):
     finally:
         resumed.close()
     assert state > 150 << 20 and grown < state // 2, (grown, state)
+
+
+def test_the_state_reader_reads_each_parameter_once_and_keeps_nothing():
+    """What the optimizers' loading asks of the state (``name in state``, then ``state[name]``)
+    reads a parameter's three tensors once; a read's own KeyError is not taken for a missing
+    parameter."""
+    from engine.checkpoint.reader import StateReader
+    from parallel.dp.optim_common import _covering
+    reads = []
+
+    def read(name, a, b, key):
+        reads.append((name, key))
+        return torch.arange(a, b, dtype=torch.float32) if key != "master" else None
+    state = StateReader({"w": (0, 6)}, read)
+    got = _covering({"step": 1, "state": state}, {"w": (0, 6)}, "w", 2, 5, 6)
+    assert reads == [("w", "exp_avg"), ("w", "exp_avg_sq")] + [("w", "master")]
+    assert torch.equal(got["exp_avg"], torch.tensor([2.0, 3.0, 4.0])) and "master" not in got
+    assert "v" not in state and list(state) == ["w"] and len(state) == 1
+
+    def broken(name, a, b, key):
+        raise KeyError("a key of the file's own table")
+    with pytest.raises(KeyError, match="the file's own table"):
+        _covering({"step": 1, "state": StateReader({"w": (0, 6)}, broken)}, {}, "w", 0, 6, 6)

@@ -130,17 +130,22 @@ def test_the_host_part_is_checked_and_the_fractions_that_fit_are_named():
 
 def test_an_async_save_counts_its_host_copy_of_the_offloaded_state():
     """--async-save copies what a rank saves into host buffers; the offloaded state is already
-    host memory, so its copy (12 bytes an element again) counts against the host: at fraction 0.85
+    host memory, so its copy (12 bytes an element again for bf16 weights: the masters and the
+    moments; an fp32 weight's host master is not written) counts against the host: at fraction 0.85
     the 8B fits 120 GiB without it, not with it, and the line names the copy and the fractions
     that fit with it."""
     grid = parse_args(FLAGS_8B).parallel.grid(1)
     device, host = (int(141 * GIB), "free on cuda:0"), (120 * GIB, "host memory available")
     flags = FLAGS_8B + ["--optimizer-offload-fraction", "0.85"]
     assert memory_problem(parse_args(flags), grid, 0, *device, "nccl", host) is None
-    problem = memory_problem(parse_args(flags + ["--async-save"]), grid, 0, *device, "nccl", host)
+    saving = flags + ["--save", "ckpt", "--async-save"]
+    problem = memory_problem(parse_args(saving), grid, 0, *device, "nccl", host)
     assert ", --async-save's host copy of that state 76.3 GiB:" in problem, problem
     assert "more than the 120 GiB host memory available" in problem
     assert "--optimizer-offload-fraction from 0.4 to 0.5 (both memories fit" in problem, problem
+    # without --save nothing is written: no copy (the flag is then only a note)
+    assert memory_problem(parse_args(flags + ["--async-save"]), grid, 0, *device, "nccl",
+                          host) is None
 
 
 def test_on_the_cpu_the_offloaded_state_counts_in_the_one_memory():
