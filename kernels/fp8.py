@@ -184,12 +184,8 @@ def scaled_mm_rules(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                     bias: torch.Tensor | None = None) -> str | None:
     """Why ``torch._scaled_mm``'s CUDA kernels would refuse these operands (with ``out_dtype`` and
     ``bias`` when given), or None (module docstring): the rules every device follows here."""
-    if bias is not None:
-        if out_dtype == torch.float32:
-            return "a bias is not supported with an fp32 output"
-        if bias.dtype not in (torch.bfloat16, torch.float16) or bias.dtype != out_dtype:
-            return f"the bias must be bf16 or fp16 and the output's dtype, got {bias.dtype} " \
-                   f"for {out_dtype}"
+    if bias is not None and bias_refusal(bias, out_dtype) is not None:
+        return bias_refusal(bias, out_dtype)
     (m, k), (k2, n) = a.shape, b.shape
     if k != k2:
         return f"inner dimensions differ: {tuple(a.shape)} @ {tuple(b.shape)}"
@@ -216,6 +212,16 @@ def scaled_mm_rules(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     return None
 
 
+def bias_refusal(bias: torch.Tensor, out_dtype: torch.dtype | None) -> str | None:
+    """Why ``torch._scaled_mm``'s CUDA kernel would refuse ``bias`` for ``out_dtype``, or None."""
+    if out_dtype == torch.float32:
+        return "a bias is not supported with an fp32 output"
+    if bias.dtype not in (torch.bfloat16, torch.float16) or bias.dtype != out_dtype:
+        return f"the bias must be bf16 or fp16 and the output's dtype, got {bias.dtype} for " \
+               f"{out_dtype}"
+    return None
+
+
 def scaled_mm_reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                         scale_b: torch.Tensor, out_dtype: torch.dtype,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -234,7 +240,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     the kernel refuses is added after it. ``fast_accum``: the forward GEMM's accumulation."""
     if scaled_mm_rules(a, b, scale_a, scale_b, out_dtype) is not None:
         return scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias)
-    fused = bias is None or scaled_mm_rules(a, b, scale_a, scale_b, out_dtype, bias) is None
+    fused = bias is None or bias_refusal(bias, out_dtype) is None
     out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias if fused else None,
                            out_dtype=out_dtype, use_fast_accum=fast_accum)
     return out if fused else out + bias.to(out_dtype)

@@ -147,9 +147,10 @@ def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
         end = start + count
         if count:
             # the group's row scales copied, so they start aligned (a slice at any row may not;
-            # cuBLASLt documents no alignment rule for scale pointers: a copy needs none)
+            # cuBLASLt documents no alignment rule for scale pointers: a copy needs none); row g
+            # of the (G, N) scales starts aligned already (N a multiple of 16)
             rows_scale = scale_a[start:end].reshape(-1, 1).clone()
-            outs.append(scaled_mm(a[start:end], b[g], rows_scale, scale_b[g].reshape(1, -1).clone(),
+            outs.append(scaled_mm(a[start:end], b[g], rows_scale, scale_b[g].view(1, -1),
                                   out_dtype, fast_accum=fast_accum))
         start = end
     return torch.cat(outs)

@@ -27,6 +27,8 @@ remaining entries (6 and 3) do not both fit, so it takes entry 2 alone; then 3 e
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 CHUNK_BYTES = 1 << 32   # 4 GiB: a bucket's shard (25 MB by default) is far smaller: little unused
@@ -69,6 +71,7 @@ class HostFlat:
         self.dtype = dtype
         self.chunks = [torch.zeros(cap, dtype=dtype, pin_memory=pin) for _, cap in layout]
         self._numel = sum(n for _, n in entries)
+        self.ends = self.starts[1:] + [self._numel]   # chunk c holds elements [starts[c], ends[c])
 
     def numel(self) -> int:
         return self._numel
@@ -82,13 +85,10 @@ class HostFlat:
         stop = self._numel if sl.stop is None else sl.stop
         if start == stop == self._numel and not self.chunks:
             return torch.zeros(0, dtype=self.dtype)
-        ends = self.starts[1:] + [self._numel]      # each chunk's elements: [start, next start)
-        for first, end, chunk in zip(reversed(self.starts), reversed(ends), reversed(self.chunks)):
-            if first <= start:
-                if stop > end:
-                    break
-                return chunk[start - first:stop - first]
-        raise IndexError(f"range [{start}, {stop}) is not inside one chunk of host memory")
+        c = bisect.bisect_right(self.starts, start) - 1     # the chunk holding ``start``
+        if c < 0 or stop > self.ends[c]:
+            raise IndexError(f"range [{start}, {stop}) is not inside one chunk of host memory")
+        return self.chunks[c][start - self.starts[c]:stop - self.starts[c]]
 
     def __setitem__(self, sl: slice, value) -> None:
         self[sl].copy_(value)

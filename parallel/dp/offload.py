@@ -124,7 +124,10 @@ class HostShards:
 
     # ---- gradients down ---------------------------------------------------------------------
     def reset(self) -> None:
-        """A new step: no gradient has arrived, no factor applies."""
+        """A new step: no gradient has arrived, no factor applies. The last step's copies down may
+        still read the shards (a skipped step or a re-run waited for none): the compute stream
+        waits for them before the step writes the shards again (called before they are zeroed)."""
+        self.before_grad_write()
         self._arrived, self._factors = {}, []
 
     def grad_ready(self, bucket) -> None:

@@ -182,11 +182,9 @@ class DistributedOptimizer(_GradAccess):
         return [(p.param.main_grad_shard, p.param) for p in self.pieces]
 
     def zero_grad(self) -> None:
-        if self.offload is not None:   # the gradients' copies down may still read the shards:
-            self.offload.before_grad_write()   # a skipped step or a re-run waited for none
-        self.reducer.zero_grad()
-        if self.offload is not None:
+        if self.offload is not None:   # first: it orders the shards' writes after its copies down
             self.offload.reset()
+        self.reducer.zero_grad()
 
     # ---- offload: the host copies of the gradients follow every change of the device's --------
     def grads_synced(self) -> None:
