@@ -184,8 +184,9 @@ def scaled_mm_rules(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                     bias: torch.Tensor | None = None) -> str | None:
     """Why ``torch._scaled_mm``'s CUDA kernels would refuse these operands (with ``out_dtype`` and
     ``bias`` when given), or None (module docstring): the rules every device follows here."""
-    if bias is not None and bias_refusal(bias, out_dtype) is not None:
-        return bias_refusal(bias, out_dtype)
+    why = None if bias is None else bias_refusal(bias, out_dtype)
+    if why is not None:
+        return why
     (m, k), (k2, n) = a.shape, b.shape
     if k != k2:
         return f"inner dimensions differ: {tuple(a.shape)} @ {tuple(b.shape)}"
