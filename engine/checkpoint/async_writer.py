@@ -45,6 +45,7 @@ import torch.distributed as dist
 from engine.checkpoint.index import CheckpointError
 from engine.checkpoint.writer import (Snapshot, _barrier, before_publish, prepare_dir, publish,
                                       save_checkpoint, snapshot, unchanged_since_load, write_files)
+from parallel.dp.host_flat import HostFlat
 from parallel.runtime import streams
 
 
@@ -57,37 +58,87 @@ def agree(ps, counts: list[int]) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
+def packing(numels: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """The order in which tensors of ``numels`` elements lie in their chunks, the largest first
+    (the chunks fill better), and their (offset, length) entries in that order."""
+    order = sorted(range(len(numels)), key=lambda i: -numels[i])
+    entries, offset = [], 0
+    for i in order:
+        entries.append((offset, numels[i]))
+        offset += numels[i]
+    return order, entries
+
+
 class HostBuffers:
     """Host tensors that every background save of this run copies into, one save at a time.
 
     Reusing them matters on the CPU: a fresh 1 GiB tensor costs about four times the copy itself
     in first-touch page faults (measured here: 0.8-0.9 s against 0.15-0.23 s), so only the first
     save pays for the allocation. They hold one copy of what this rank writes for the whole run.
-    On an accelerator they are pinned and every copy is asynchronous: the snapshot queues all of
-    them on the compute stream, ``ready()`` records one event after the last, and the writer
-    thread waits for that event (``streams.synchronize``) before it reads them; a pageable copy
-    would make the host wait for each tensor in turn. A tensor already in host memory (the
-    offloaded optimizer's state) gets a pageable buffer: its copy is the host's own, and pinned
-    memory is scarce beside the offload."""
+    On an accelerator the buffers of device tensors are pinned and every copy is asynchronous: the
+    snapshot queues all of them on the compute stream, ``ready()`` records one event after the
+    last, and the writer thread waits for that event (``streams.synchronize``) before it reads
+    them; a pageable copy would make the host wait for each tensor in turn. The pinned buffers
+    are views into chunks of whole tensors, one ``HostFlat`` per dtype (parallel/dp/host_flat.py):
+    CUDA's and torch_npu's caching host allocators round every pinned allocation up to a power of
+    two, which one buffer per tensor would pay on each (a 112 MiB weight pins 128 MiB, a ZeRO
+    shard's moments anything up to twice their size: 14% over the bf16 weights of the 8B llama of
+    docs/benchmarks.md); chunks of whole tensors, the largest first, 1.5% (the test): the rounding
+    falls on each dtype's last chunk alone (on the CPU the chunks are not pinned). On an accelerator a tensor
+    already in host memory (the offloaded optimizer's state) gets a pageable buffer of its own: its
+    copy is the host's own, and pinned memory is scarce beside the offload. The buffers are laid
+    out at the first save and kept while the tensors a save writes keep their names, shapes and
+    dtypes (another layout frees them first)."""
 
-    def __init__(self, device="cpu"):
+    def __init__(self, device="cpu", chunk_bytes: int | None = None):
         self.device = torch.device(device)
         self.pinned = self.device.type not in ("cpu", "meta")
+        self.chunk_bytes = chunk_bytes
         self._bufs: dict[str, torch.Tensor] = {}
+        self._flats: list[HostFlat] = []
+        self._pageable: list[torch.Tensor] = []
+        self._layout: tuple = ()
 
     def pins(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s host buffer is pinned: on an accelerator, for a device tensor."""
         return self.pinned and t.device.type != "cpu"
 
-    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        pinned = self.pins(t)
-        buf = self._bufs.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self._bufs[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                                                pin_memory=pinned)
-        buf.copy_(t, non_blocking=pinned)  # queued on the device; a plain copy from the host
-        return buf
+    def take(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host copies of ``tensors`` (name -> tensor, views of the live state), in this object's
+        buffers: copies queued on the device for device tensors, the host's own for host ones."""
+        layout = tuple((k, tuple(t.shape), t.dtype, self.pins(t)) for k, t in tensors.items())
+        if layout != self._layout:
+            self._bufs, self._flats, self._pageable, self._layout = {}, [], [], ()   # freed first
+            self._allocate(tensors)
+            self._layout = layout
+        out = {}
+        for key, t in tensors.items():
+            buf = self._bufs[key]
+            buf.copy_(t.detach(), non_blocking=self.pins(t))
+            out[key] = buf
+        return out
+
+    def _allocate(self, tensors: dict[str, torch.Tensor]) -> None:
+        by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        for key, t in tensors.items():
+            if self.pinned and not self.pins(t):   # host memory already, on an accelerator
+                self._bufs[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                self._pageable.append(self._bufs[key])
+            else:   # the device's (on the CPU: every tensor, in unpinned chunks)
+                by_dtype.setdefault(t.dtype, []).append((key, t))
+        for dtype, group in by_dtype.items():
+            order, entries = packing([t.numel() for _, t in group])
+            flat = HostFlat(entries, dtype, pin=self.pinned, chunk_bytes=self.chunk_bytes)
+            self._flats.append(flat)
+            for i, (start, n) in zip(order, entries):
+                key, t = group[i]
+                self._bufs[key] = flat[start:start + n].view(t.shape)
+
+    def allocated_bytes(self) -> tuple[int, int]:
+        """(bytes in chunks, bytes in buffers of their own), as requested from the allocators."""
+        chunks = sum(f.allocated_bytes() for f in self._flats)
+        own = sum(b.numel() * b.element_size() for b in self._pageable)
+        return chunks, own
 
     def ready(self) -> streams.Event:
         """An event after every copy queued so far (on the current stream)."""
@@ -188,7 +239,8 @@ class Checkpointer:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            snap = snapshot(self.trainer, step, tmp, host=self.buffers.copy)
+            snap = snapshot(self.trainer, step, tmp)
+            snap.tensors = self.buffers.take(snap.tensors)
         finally:
             torch.set_num_threads(threads)
         self.flight = _Flight(snap, self.ps.device, self.buffers.ready())

@@ -9,6 +9,8 @@ with the eos/bos tokens when the checkpoint has a tokenizer), loadable with
 ``AutoModelForCausalLM.from_pretrained(DIR2)`` and ``AutoTokenizer.from_pretrained(DIR2)``; every
 file is world-readable. ``--out`` must be new or empty unless ``--overwrite``. The full logical
 tensors are read from the checkpoint whatever layout saved them; vocabulary padding is never stored.
+``--dtype`` is the exported weights' dtype (``torch_dtype`` in config.json): by default the one the
+checkpoint's weights were saved in (a bf16 run's bf16, bit for bit), or fp32, bf16 or fp16.
 
 Weight mapping. Our fused QKV weight is ((n + 2G) d, h) for n heads of size d in G key/value groups,
 rows ordered (group, [the n/G query heads of the group | k | v], head_dim), so whole groups stay
@@ -168,7 +170,24 @@ def check_out_dir(flag: str, path: str, overwrite: bool) -> None:
                           f"or add --overwrite to replace what is there")
 
 
-def export_hf(path: str, out: str, overwrite: bool = False) -> dict:
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def saved_dtype(index: dict) -> torch.dtype:
+    """The dtype most of the checkpoint's model weights were saved in (elements counted; fp32 when
+    it is not a floating dtype export writes)."""
+    counts: dict[str, int] = {}
+    for name, entry in index["tensors"].items():
+        if name.startswith("model/"):
+            n = 1
+            for d in entry["shape"]:
+                n *= d
+            counts[entry["dtype"]] = counts.get(entry["dtype"], 0) + n
+    name = max(counts, key=counts.get) if counts else "float32"
+    return {str(t)[6:]: t for t in DTYPES.values()}.get(name, torch.float32)
+
+
+def export_hf(path: str, out: str, overwrite: bool = False, dtype: torch.dtype | None = None) -> dict:
     """Write ``out/config.json`` and ``out/model.safetensors`` (and the tokenizer files); return the
     config. Everything is read and checked before anything is written; ``out`` must be empty
     unless ``overwrite`` (then the files of an earlier export there are replaced)."""
@@ -197,7 +216,9 @@ def export_hf(path: str, out: str, overwrite: bool = False) -> dict:
 
     eot = index["data"].get("eot_id") if index["data"]["tokenizer"] else None
     sd, config = EXPORTERS[m["block"]](get, m, eot)
-    config.update({"dtype": "float32", "torch_dtype": "float32"})
+    dtype = saved_dtype(index) if dtype is None else dtype
+    sd = {k: v.to(dtype) for k, v in sd.items()}     # (read as fp32: exact for what was saved)
+    config.update({"dtype": str(dtype)[6:], "torch_dtype": str(dtype)[6:]})
     tokenizer = _tokenizer_text(ckpt, eot)
     os.makedirs(out, exist_ok=True)
     for name in EXPORTED:  # --overwrite: no file of an earlier export outlives this one
@@ -258,12 +279,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory (new or empty)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the files of an earlier export in a non-empty --out")
+    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                        help="the exported weights' dtype (auto: the one the checkpoint saved them in)")
     parsed = {}
 
     def body() -> int:
         args = parsed["args"] = parser.parse_args(argv)
-        config = export_hf(args.load, args.out, args.overwrite)
-        print(f"wrote {config['architectures'][0]} to {args.out}")
+        config = export_hf(args.load, args.out, args.overwrite,
+                           None if args.dtype == "auto" else DTYPES[args.dtype])
+        print(f"wrote {config['architectures'][0]} ({config['torch_dtype']}) to {args.out}")
         return 0
 
     return run_tool(body, (CheckpointError, lambda e: f"checkpoint error: {e}", 2),

@@ -38,8 +38,7 @@ class _Shard:
     def __init__(self, fname: str):
         self.fname, self.tensors, self.entries = fname, {}, {}
 
-    def add(self, name: str, spec: ParamSpec, t: torch.Tensor, flat=None, host=None) -> None:
-        """``host(name, t)``, when given, returns the host copy that is stored instead of ``t``."""
+    def add(self, name: str, spec: ParamSpec, t: torch.Tensor, flat=None) -> None:
         if flat is None:
             t = t.reshape(spec.shape)[tuple(slice(0, v) for v in spec.valid_shape)]
             piece = {"offsets": spec.offsets, "shape": spec.valid_shape}
@@ -51,7 +50,7 @@ class _Shard:
             piece = {"offsets": spec.offsets, "shape": spec.valid_shape, "flat": [flat[0], end]}
         if t.numel() == 0:
             return
-        self.tensors[name] = host(name, t) if host else t
+        self.tensors[name] = t
         entry = self.entries.setdefault(name, {"shape": spec.global_shape, "dtype": str(t.dtype)[6:],
                                                "pieces": []})
         entry["pieces"].append({"file": self.fname, "key": name, **piece})
@@ -106,13 +105,13 @@ def prepare_dir(trainer, step: int) -> str:
     return tmp
 
 
-def snapshot(trainer, step: int, tmp: str, host=None) -> Snapshot:
+def snapshot(trainer, step: int, tmp: str) -> Snapshot:
     """This rank's slices, per-rank state and (rank 0) the index metadata, as of this boundary.
-    Tensors are views of the live state (the synchronous save writes them before training goes on)
-    unless ``host(key, t)`` is given: it returns a host copy of ``t``, which the background path
-    needs because the next step updates parameters, moments and residuals in place. ZeRO's
-    parameter all-gathers still in flight are waited for first: no copy reads a half-gathered
-    parameter."""
+    Tensors are views of the live state (the synchronous save writes them before training goes on;
+    the background path copies them all to host memory, async_writer.py ``HostBuffers.take``,
+    before the next step updates parameters, moments and residuals in place), and the summed
+    error-feedback residuals, built here. ZeRO's parameter all-gathers still in flight are waited
+    for first: no copy reads a half-gathered parameter."""
     trainer.params_ready()
     cfg, ps = trainer.cfg, trainer.ps
     shard = _Shard(f"rank_{ps.rank:05d}.safetensors")
@@ -121,19 +120,19 @@ def snapshot(trainer, step: int, tmp: str, host=None) -> Snapshot:
     sharded = getattr(trainer.optimizer, "zero_stage", 0) == 3   # parameters only as shards
     for s in [*(() if sharded else specs), *buffer_specs(trainer.chunks, ps)]:
         if s.writer and first_replica(ps, s.param):
-            shard.add(f"model/{s.name}", s, s.local(s.param.detach()), host=host)
+            shard.add(f"model/{s.name}", s, s.local(s.param.detach()))
     if sharded:  # ZeRO-3: every rank of the DP x CP (EDP) group its flat range, like the state
         for piece, values in trainer.optimizer.param_pieces():
             for s, flat, part in split_flat(owners[piece.name], piece.start, piece.end, values):
                 if s.writer:
-                    shard.add(f"model/{s.name}", s, part, flat, host=host)
+                    shard.add(f"model/{s.name}", s, part, flat)
     sd = trainer.optimizer.state_dict(clone=False)
     zero = sd["kind"] == "distributed"
     for piece in sd["pieces"]:
         for key, t in sd["state"][piece["name"]].items():
             for s, flat, part in split_flat(owners[piece["name"]], piece["start"], piece["end"], t):
                 if s.writer and (zero or first_replica(ps, s.param)):
-                    shard.add(f"optim/{key}/{s.name}", s, part, flat, host=host)
+                    shard.add(f"optim/{key}/{s.name}", s, part, flat)
     # error-feedback residuals summed over the ranks that share them: any layout can take them up
     # (a collective: every rank builds them here, in the snapshot, on the main thread)
     # (and the compressors' momenta, as DP means: onebit's M, top-k's velocities)
@@ -141,15 +140,14 @@ def snapshot(trainer, step: int, tmp: str, host=None) -> Snapshot:
         for name, _, a, b, t in logical_residual_pieces(trainer.reducer, ps, kind):
             for s, flat, part in split_flat(owners[name], a, b, t):
                 if s.writer:
-                    shard.add(f"optim/{prefix}/{s.name}", s, part, flat, host=host)
+                    shard.add(f"optim/{prefix}/{s.name}", s, part, flat)
     own = {"rng/cpu": torch.get_rng_state()}
     if (dev_rng := device_rng(trainer.dev)) is not None:
         own["rng/device"] = dev_rng.cpu()
     if getattr(trainer, "rng", None) is not None:  # the dropout streams of each model chunk
         own.update(trainer.rng.state_tensors())
     red = trainer.reducer.state_dict()
-    own.update({f"residual/{k}": host(f"residual/{k}", v) if host else v
-                for k, v in red["residuals"].items()})
+    own.update({f"residual/{k}": v for k, v in red["residuals"].items()})
     c = ps.coord
     rank_json = {"rank": ps.rank, "coord": [c.tp, c.pp, c.dp], "file": shard.fname,
                  "tensors": shard.entries, "own": sorted(own)}

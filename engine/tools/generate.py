@@ -5,7 +5,10 @@ reads the full logical tensors, whatever layout saved them. The tokenizer comes 
 (its copy of the BPE or Hugging Face tokenizer, or the "byte" spec, or the data prefix it was
 trained on); ``--tokenizer-model`` names another one (a tokenizer.json or a HF directory).
 Decoding recomputes the whole window for every token (no KV cache): simple, and fast enough for the
-small models trained here.
+small models trained here. ``--device`` chooses where the model runs (``auto``, as training does:
+an NPU, else a CUDA GPU, else the CPU; the first device of the node) and ``--dtype`` its weights'
+dtype (``auto``: bf16 on an accelerator, fp32 on the CPU), as ``--precision`` casts them in
+training: an 8B model takes 16 GB in bf16, 32 GB in fp32.
 """
 from __future__ import annotations
 
@@ -20,15 +23,21 @@ from engine.checkpoint.index import intact_hint, read_index, resolve, verify
 from engine.checkpoint.tensor_reader import TensorReader
 from engine.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from engine.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
+from engine.device.runtime import setup_device
 from models import GPTConfig, LayerContext
 from models.gpt import GPTChunk
 from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
 
 
-def load_model(path: str, registry=None, device: str = "cpu") -> tuple[GPTChunk, dict, str]:
-    """The whole model of checkpoint ``path`` in one process, in eval mode, plus its index and
-    directory. Every file is verified against its checksum first."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_model(path: str, registry=None, device: str = "cpu",
+               dtype: torch.dtype = torch.float32) -> tuple[GPTChunk, dict, str]:
+    """The whole model of checkpoint ``path`` in one process, in eval mode, on ``device`` with
+    ``dtype`` weights, plus its index and directory. Every file is verified against its checksum
+    first."""
     ckpt = resolve(path)
     index = read_index(ckpt)
     problems = verify(ckpt, index)
@@ -41,7 +50,7 @@ def load_model(path: str, registry=None, device: str = "cpu") -> tuple[GPTChunk,
         raise CheckpointError(f"checkpoint {ckpt}: its model configuration cannot be built ({exc})") from exc
     ps = ParallelState.serial(device)
     chunk = GPTChunk(cfg, ps, LayerContext(Initializer(cfg.seed, cfg.init_std)), range(cfg.num_layers),
-                     registry=registry).to(device)
+                     registry=registry).to(device=device, dtype=dtype)
     load_model_params(param_specs([chunk], ps, cfg.vocab_size), TensorReader(ckpt, index))
     return chunk.eval(), index, ckpt
 
@@ -136,6 +145,10 @@ def build_parser() -> ToolParser:
     parser.add_argument("--tokenizer", help="override: 'byte' or a prepared data prefix")
     parser.add_argument("--tokenizer-model", help="override: a tokenizer.json or a Hugging Face "
                                                   "tokenizer directory")
+    parser.add_argument("--device", default="auto", choices=("auto", "npu", "cuda", "cpu"),
+                        help="where the model runs (auto: an NPU, else a CUDA GPU, else the CPU)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                        help="the weights' dtype (auto: bf16 on an accelerator, fp32 on the CPU)")
     return parser
 
 
@@ -184,10 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = resolve(args.load)
         index = read_index(ckpt)
         tok = pick_tokenizer(args, ckpt, index)
-        model, index, ckpt = load_model(ckpt)
+        device = setup_device(args.device).device   # a ValueError: one line, as training's
+        dtype = DTYPES[args.dtype if args.dtype != "auto" else
+                       "fp32" if device.type == "cpu" else "bf16"]
+        model, index, ckpt = load_model(ckpt, device=device, dtype=dtype)
         text = generate_text(model, tok, args.prompt, args.max_new_tokens, args.temperature,
                              args.top_k, args.seed)
-        print(f"--- sample from {ckpt} (step {index['step']}) ---\n{text}")
+        print(f"--- sample from {ckpt} (step {index['step']}, {str(dtype)[6:]} on {device}) "
+              f"---\n{text}")
         return 0
 
     return run_tool(body, (CheckpointError, lambda e: f"checkpoint error: {e}", 2),

@@ -4,11 +4,12 @@ allocated. Pure: every rank runs it on the same inputs and raises the same Confi
 
 - the device: weights, gradients, the optimizer state the device keeps, activations, the pipeline
   ends, communicator buffers (engine/plan/memory.py ``stage_memory``) against the device's free
-  memory; on the CPU, where host and device are one memory, the offloaded part counts here too;
-- the host, with ``--optimizer-cpu-offload`` on a device of its own (CUDA, NPU): the offloaded
-  masters and moments and the gradients' host copies (engine/plan/offload.py ``host_memory``)
-  against MemAvailable shared by the node's processes. Where the state does not fit it names the
-  offload fractions that fit both memories, if any.
+  memory; on the CPU, where host and device are one memory, the host's parts count here too;
+- the host, with ``--optimizer-cpu-offload`` or ``--async-save`` on a device of its own (CUDA,
+  NPU): the offloaded masters and moments and the gradients' host copies (engine/plan/offload.py
+  ``host_memory``), and the host copy of what the rank saves that ``--async-save`` keeps
+  (``async_copy_bytes``), against MemAvailable shared by the node's processes. Where the state
+  does not fit it names the offload fractions that fit both memories, if any.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from dataclasses import replace
 
 from engine.config.schema import RunConfig
 from engine.plan.flops import BLOCKS, moe_layer_indices, moe_shape
-from engine.plan.memory import MemoryTerms, stage_memory, stage_param_split
+from engine.plan.memory import (MemoryTerms, optimizer_bytes_per_param, stage_memory,
+                                stage_param_split)
 from engine.plan.model import Layout, ModelShape
 from engine.plan.offload import HostTerms, fraction_within, host_memory
 from parallel.dp.policy import CompressionPolicy
@@ -67,7 +69,9 @@ TERMS = {"weights": ("the weights", "model"), "grads": ("the gradients", "model"
          "fp8": ("the FP8 copies and scales", "batch"),
          "gathered": ("ZeRO-3's gathered units", "model"),
          "host_optimizer": ("the offloaded optimizer state", "offload"),
-         "host_grads": ("the gradients' host copies", "offload")}
+         "host_grads": ("the gradients' host copies", "offload"),
+         "async_copy": ("--async-save's host copy of what it saves", "async")}
+ASYNC_COST = "each save then holds training while it is written"
 FIXES = {"model": "fewer or narrower layers (--num-layers, --hidden-size, --ffn-hidden-size) or more "
                   "ranks to split them (--tp, --pp; --data-parallel-sharding-strategy optim, "
                   "optim_grads or optim_grads_params shards the optimizer state, the gradients, "
@@ -77,7 +81,9 @@ FIXES = {"model": "fewer or narrower layers (--num-layers, --hidden-size, --ffn-
                   "--pp / --cp",
          "groups": "fewer process groups of more than one rank",
          "offload": "a smaller --optimizer-offload-fraction, or none: on the CPU host memory is the "
-                    "device's, so the offload frees nothing"}
+                    "device's, so the offload frees nothing",
+         "async": f"no --async-save ({ASYNC_COST}), more ranks to split the state (--tp, --pp; "
+                  f"the distributed optimizer shards it over dp), or a smaller model"}
 
 
 def size_text(n: float) -> str:
@@ -118,9 +124,11 @@ def memory_problem(cfg: RunConfig, grid: RankGrid, rank: int, available: int | N
         if layout.offload else HostTerms()
     parts = {k: v for k, v in terms.as_dict().items() if k in TERMS}
     total = terms.total
+    copy = async_copy_bytes(cfg, grid, rank, shape, layout, stage)
     if one_memory:
-        parts.update(host_optimizer=offloaded.optimizer, host_grads=offloaded.grads)
-        total += offloaded.total
+        parts.update(host_optimizer=offloaded.optimizer, host_grads=offloaded.grads,
+                     async_copy=copy)
+        total += offloaded.total + copy
     if available is not None and total > available:
         largest = max(parts, key=parts.get)
         what, kind = TERMS[largest]
@@ -128,29 +136,57 @@ def memory_problem(cfg: RunConfig, grid: RankGrid, rank: int, available: int | N
                 f"{size_text(available)} {source}; the largest part is {what} "
                 f"({size_text(parts[largest])}, engine/plan/memory.py's estimate): choose "
                 f"{FIXES[kind]}")
-    # --async-save copies the host-resident state it writes once more into its host buffers (the
-    # moments, and the masters of low-precision weights: an fp32 weight's host master is not
-    # written, the weight is); the device-resident state's pinned copies are not counted here
-    written = 1.0 if shape.weight_bytes != 4 else 8 / 12
-    saved = written * offloaded.optimizer if cfg.checkpoint.async_save and cfg.checkpoint.save \
-        else 0.0
-    need = HostTerms(offloaded.optimizer + saved, offloaded.grads)
-    if one_memory or host[0] is None or need.total <= host[0]:
+    need = HostTerms(offloaded.optimizer, offloaded.grads)
+    if one_memory or host[0] is None or need.total + copy <= host[0]:
         return None
-    also = f", --async-save's host copy of that state {size_text(saved)}" if saved else ""
-    return (f"--optimizer-cpu-offload keeps about {size_text(need.total)} in host memory for "
-            f"{where} (the offloaded optimizer state {size_text(offloaded.optimizer)}, the "
+    if not layout.offload:
+        return (f"--async-save keeps a host copy of what {where} saves, about {size_text(copy)} "
+                f"(its weights and optimizer state: engine/training/memory_check.py's estimate), "
+                f"more than the {size_text(host[0])} {host[1]}; choose " + FIXES["async"])
+    also = f", --async-save's host copy of what it saves {size_text(copy)}" if copy else ""
+    return (f"--optimizer-cpu-offload keeps about {size_text(need.total + copy)} in host memory "
+            f"for {where} (the offloaded optimizer state {size_text(offloaded.optimizer)}, the "
             f"gradients' host copies {size_text(offloaded.grads)}{also}: engine/plan/offload.py's "
             f"estimate), more than the {size_text(host[0])} {host[1]}; choose "
-            + _fitting_fraction(shape, layout, stage, backend, available, host[0], need))
+            + _fitting_fraction(shape, layout, stage, backend, available, host[0], need, copy))
+
+
+def async_copy_bytes(cfg: RunConfig, grid: RankGrid, rank: int, shape: ModelShape,
+                     layout: Layout, stage: int) -> float:
+    """Bytes of the host copy that ``--async-save`` (with ``--save``) keeps of what ``rank``
+    saves (engine/checkpoint/async_writer.py ``HostBuffers``; 0 without them): its weights where
+    it writes them (ZeRO-3: its shards; else the first DP x CP replica, and an expert's first EDP
+    replica: engine/checkpoint/specs.py ``first_replica``) and the optimizer state it holds, on
+    the device and offloaded alike (all of it under the distributed optimizer, else on the first
+    replica): fp32 masters and moments, an fp32 weight's moments alone (it is its own master).
+    The same at every offload fraction. Compressed runs' error-feedback residuals are not
+    counted."""
+    if not (cfg.checkpoint.async_save and cfg.checkpoint.save):
+        return 0.0
+    dense, expert = stage_param_split(shape, layout, stage)
+    c = grid.coord(rank)
+    first_dense = c.dp == 0 and c.cp == 0
+    first_expert = next(g for g in grid.groups("dp_cp") if rank in g).index(rank) < layout.ep
+    if layout.zero3:
+        weights = dense / (layout.dp * layout.cp) + (expert / layout.edp if expert else 0.0)
+    else:
+        weights = dense * first_dense + expert * first_expert
+    full = replace(layout, offload=0.0)
+    state = (dense * optimizer_bytes_per_param(shape, full),
+             expert * optimizer_bytes_per_param(shape, full, expert=True) if expert else 0.0)
+    if not layout.zero:
+        state = (state[0] * first_dense, state[1] * first_expert)
+    return shape.weight_bytes * weights + sum(state)
 
 
 def _fitting_fraction(shape: ModelShape, layout: Layout, stage: int, backend: str,
-                      available: int | None, host: int, offloaded: HostTerms) -> str:
+                      available: int | None, host: int, offloaded: HostTerms,
+                      copy: float = 0.0) -> str:
     """The --optimizer-offload-fraction values (in steps of 0.05) whose host part fits ``host``
     and whose device part fits ``available``, or what else to change. Both parts are linear in
-    the fraction: the host's grows with it, the device's falls."""
-    most = fraction_within(host, offloaded.total / layout.offload)   # the host part at 1
+    the fraction: the host's grows with it (from ``copy``, --async-save's, the same at every
+    fraction), the device's falls."""
+    most = fraction_within(host - copy, offloaded.total / layout.offload)   # the host part at 1
     least = 0.0
     if available is not None:
         at = {f: stage_memory(shape, replace(layout, offload=f), stage, backend).total for f in (0.0, 1.0)}
@@ -159,6 +195,8 @@ def _fitting_fraction(shape: ModelShape, layout: Layout, stage: int, backend: st
                 if at[1.0] < at[0.0] else math.inf
     more = ("more data-parallel ranks (with the distributed optimizer each holds 1/dp of the "
             "state) or a smaller model")
+    if copy:
+        more = f"no --async-save ({ASYNC_COST}), {more}"
     if least > most or most <= 0:
         return more
     if available is None:  # the device's figure unknown: the host's bound alone

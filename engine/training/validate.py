@@ -32,8 +32,9 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
     has no effect in this layout: engine/training/unused_flags.py), or raise ConfigError.
     ``memory``: (bytes this rank may allocate, where that figure comes from); by default read
     from the device (engine/device/runtime.py ``available_memory``). ``host_memory``: the same
-    for the host, which an offloaded optimizer uses on a CUDA or NPU device; by default the
-    host's MemAvailable shared by the node's processes (none where ``memory`` is given)."""
+    for the host, which an offloaded optimizer and --async-save's copies use on a CUDA or NPU
+    device; by default the host's MemAvailable shared by the node's processes (none where
+    ``memory`` is given)."""
     par, m = cfg.parallel, cfg.model
     try:
         grid = par.grid(launch.world_size)
@@ -84,9 +85,9 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
     # sizes against memory before anything is allocated (or partitioned: 1e9 layers take minutes)
     available, source = memory or available_memory(kind, launch.local_rank, launch.local_world_size)
     if host_memory is None:
-        host_memory = NO_FIGURE if memory is not None or kind == "cpu" or \
-            not cfg.optim.optimizer_cpu_offload else \
-            available_memory("cpu", launch.local_rank, launch.local_world_size)
+        host_memory = NO_FIGURE if memory is not None or kind == "cpu" or not (
+            cfg.optim.optimizer_cpu_offload or (cfg.checkpoint.async_save and cfg.checkpoint.save)) \
+            else available_memory("cpu", launch.local_rank, launch.local_world_size)
     if (problem := memory_problem(cfg, grid, launch.rank, available, source, BACKENDS[kind],
                                   host_memory, one_memory=kind == "cpu")):
         raise ConfigError(problem)

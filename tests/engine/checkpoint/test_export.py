@@ -46,6 +46,35 @@ def test_export_matches_transformers(tmp_path, block):
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
 
 
+def test_export_keeps_the_saved_dtype_or_the_one_asked_for(tmp_path):
+    """A bf16 run's weights are exported in bf16 by default (config.json says so), bit for bit
+    what the checkpoint holds, and transformers computes our logits from them; ``--dtype fp32``
+    writes the same values widened."""
+    pytest.importorskip("transformers")
+    import transformers
+    from safetensors.torch import load_file
+    save = str(tmp_path / "ck")
+    train(["--block", "llama", "--mock-data", "--vocab-size", "300", "--train-iters", "2",
+           "--precision", "bf16", "--save", save])
+    outs = {d: str(tmp_path / d) for d in ("auto", "fp32")}
+    assert export_main(["--load", save, "--out", outs["auto"]]) == 0
+    assert export_main(["--load", save, "--out", outs["fp32"], "--dtype", "fp32"]) == 0
+    configs = {d: json.load(open(os.path.join(o, "config.json"))) for d, o in outs.items()}
+    assert configs["auto"]["torch_dtype"] == "bfloat16" and configs["fp32"]["torch_dtype"] == "float32"
+    half, full = (load_file(os.path.join(outs[d], "model.safetensors")) for d in ("auto", "fp32"))
+    assert half.keys() == full.keys() and half
+    for k in half:
+        assert half[k].dtype == torch.bfloat16 and full[k].dtype == torch.float32, k
+        assert torch.equal(half[k].float(), full[k]), k
+    ours = dict(load_model(save, dtype=torch.bfloat16)[0].named_parameters())   # the checkpoint's
+    assert torch.equal(half["model.layers.0.self_attn.o_proj.weight"], ours["layers.0.attn.proj.weight"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(outs["auto"], dtype=torch.float32).eval()
+    fp32, _, _ = load_model(save)
+    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(hf(tokens).logits, fp32(tokens)[..., :300], rtol=1e-4, atol=1e-4)
+
+
 def test_generate_from_checkpoint(tmp_path):
     text = ("the quick brown fox jumps over the lazy dog. " * 40 + "\n") * 3
     (tmp_path / "corpus.txt").write_text(text)

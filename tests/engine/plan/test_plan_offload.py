@@ -18,7 +18,7 @@ from engine.plan.offload import host_memory, offload_time
 from engine.plan.report import launch_command
 from engine.plan.timing import estimate
 from engine.tools import plan_cli
-from engine.training.memory_check import memory_problem, planner_inputs, size_text
+from engine.training.memory_check import async_copy_bytes, memory_problem, planner_inputs, size_text
 
 # Llama-3-8B's shape: 32 x 4096, GQA 8 groups, SwiGLU 14336, vocabulary 128256, untied
 L8B = ModelShape(32, 4096, 32, 128256, 2048, 256, ffn_hidden_size=14336, block="llama",
@@ -128,24 +128,58 @@ def test_the_host_part_is_checked_and_the_fractions_that_fit_are_named():
                           "holds 1/dp of the state) or a smaller model"), small
 
 
-def test_an_async_save_counts_its_host_copy_of_the_offloaded_state():
-    """--async-save copies what a rank saves into host buffers; the offloaded state is already
-    host memory, so its copy (12 bytes an element again for bf16 weights: the masters and the
-    moments; an fp32 weight's host master is not written) counts against the host: at fraction 0.85
-    the 8B fits 120 GiB without it, not with it, and the line names the copy and the fractions
-    that fit with it."""
+def test_an_async_save_counts_its_host_copy_of_everything_the_rank_saves():
+    """--async-save copies what a rank saves into host buffers: the offloaded state again, and the
+    device's weights and optimizer state (pinned): 14 bytes a parameter for the 8B in bf16 (the
+    weights, the fp32 masters and both moments), 105 GiB at any offload fraction, on top of the
+    offload's own host memory. On 120 GiB at fraction 0.85 that fits without it, no fraction fits
+    with it, and the line says so; on 200 GiB it names the fractions that fit with the copy."""
     grid = parse_args(FLAGS_8B).parallel.grid(1)
     device, host = (int(141 * GIB), "free on cuda:0"), (120 * GIB, "host memory available")
     flags = FLAGS_8B + ["--optimizer-offload-fraction", "0.85"]
     assert memory_problem(parse_args(flags), grid, 0, *device, "nccl", host) is None
-    saving = flags + ["--save", "ckpt", "--async-save"]
-    problem = memory_problem(parse_args(saving), grid, 0, *device, "nccl", host)
-    assert ", --async-save's host copy of that state 76.3 GiB:" in problem, problem
-    assert "more than the 120 GiB host memory available" in problem
-    assert "--optimizer-offload-fraction from 0.4 to 0.5 (both memories fit" in problem, problem
+    saving = parse_args(flags + ["--save", "ckpt", "--async-save"])
+    assert async_copy_bytes(saving, grid, 0, *planner_inputs(saving, grid), 0) == \
+        pytest.approx(14 * N8B, rel=1e-12)
+    problem = memory_problem(saving, grid, 0, *device, "nccl", host)
+    assert problem.startswith("--optimizer-cpu-offload keeps about 219 GiB in host memory"), problem
+    assert ", --async-save's host copy of what it saves 105 GiB:" in problem, problem
+    assert problem.endswith("more than the 120 GiB host memory available; choose no --async-save "
+                            "(each save then holds training while it is written), more "
+                            "data-parallel ranks (with the distributed optimizer each holds 1/dp "
+                            "of the state) or a smaller model"), problem
+    roomy = memory_problem(saving, grid, 0, *device, "nccl", (200 * GIB, "host"))
+    assert "choose an --optimizer-offload-fraction from 0.4 to 0.7 (both memories fit" in roomy
+    # the host part at 0.7 with the copy: within 200 GiB, and at 0.75 not
+    assert 14 * N8B + 0.7 * 18 * N8B <= 200 * GIB < 14 * N8B + 0.75 * 18 * N8B
     # without --save nothing is written: no copy (the flag is then only a note)
     assert memory_problem(parse_args(flags + ["--async-save"]), grid, 0, *device, "nccl",
                           host) is None
+
+
+def test_an_async_save_without_offload_is_checked_against_the_host():
+    """Without the offload the copy is the device's state: at dp=2 with the distributed optimizer
+    rank 0 saves the weights and half the state (2 + 6 bytes a parameter), rank 1 its half alone
+    (6); without the distributed optimizer rank 0 saves everything (14) and rank 1 nothing. On
+    50 GiB of host memory per rank rank 0 is refused in one line and rank 1 is not."""
+    flags = [f for f in FLAGS_8B if f != "--optimizer-cpu-offload"] + ["--save", "ckpt",
+                                                                        "--async-save"]
+    cfg = parse_args(flags)
+    grid = cfg.parallel.grid(2)
+    copies = [async_copy_bytes(cfg, grid, r, *planner_inputs(cfg, grid), 0) for r in (0, 1)]
+    assert copies == [pytest.approx(8 * N8B, rel=1e-12), pytest.approx(6 * N8B, rel=1e-12)]
+    plain = parse_args([f for f in flags if f != "--use-distributed-optimizer"])
+    assert [async_copy_bytes(plain, grid, r, *planner_inputs(plain, grid), 0) for r in (0, 1)] == \
+        [pytest.approx(14 * N8B, rel=1e-12), 0.0]
+    host = (50 * GIB, "host memory available")
+    problem = memory_problem(cfg, grid, 0, 400 * GIB, "free", "nccl", host)
+    assert problem == ("--async-save keeps a host copy of what rank 0 saves, about 59.8 GiB (its "
+                       "weights and optimizer state: engine/training/memory_check.py's estimate), "
+                       "more than the 50 GiB host memory available; choose no --async-save (each "
+                       "save then holds training while it is written), more ranks to split the "
+                       "state (--tp, --pp; the distributed optimizer shards it over dp), or a "
+                       "smaller model")
+    assert memory_problem(cfg, grid, 1, 400 * GIB, "free", "nccl", host) is None
 
 
 def test_on_the_cpu_the_offloaded_state_counts_in_the_one_memory():
@@ -196,6 +230,11 @@ def test_validate_run_reads_the_host_figure_on_a_device(monkeypatch):
     with pytest.raises(ConfigError, match="the optimizer state"):
         validate.validate_run(parse_args(FLAGS_8B[:-1]), LaunchEnv())
     assert asked == ["cuda"]
+    asked.clear()  # ... unless --async-save copies what it saves there
+    with pytest.raises(ConfigError, match="the optimizer state"):
+        validate.validate_run(parse_args(FLAGS_8B[:-1] + ["--save", "ckpt", "--async-save"]),
+                              LaunchEnv())
+    assert asked == ["cuda", "cpu"]
 
 
 def test_the_search_keeps_the_offload_within_the_hosts_memory():

@@ -9,6 +9,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from engine.checkpoint import main as checkpoint_main
 from engine.checkpoint.export import main as export_main
@@ -163,6 +164,9 @@ CASES = [
     ("generate", GEN + ["--tokenizer-model", "{tok}"], 2, "--tokenizer-model {tok} cannot be loaded"),
     ("generate", GEN + ["--tokenizer", "byte", "--tokenizer-model", "{tok}"], 2,
      "--tokenizer and --tokenizer-model both name a tokenizer"),
+    ("generate", GEN + ["--tokenizer", "byte", "--device", "cuda"], 2,
+     "--device cuda, but this torch"),
+    ("generate", GEN + ["--dtype", "fp8"], 2, "argument --dtype: invalid choice: 'fp8'"),
     ("checkpoint", ["inspect", "{missing}"], 1, "{missing} does not exist"),
     ("checkpoint", ["inspect", "{afile}"], 1, "is a file, not a checkpoint directory"),
     ("checkpoint", ["inspect", "{ck_step}"], 1, "index.json is damaged: its step is 'x', not a number of "
@@ -242,6 +246,23 @@ def test_a_suggested_tokenizer_works(ws, tmp_path, capsys):
     assert generate_main(["--load", save, "--prompt", "hi", "--tokenizer", "byte",
                           "--max-new-tokens", "4"]) == 0
     assert "sample from" in capsys.readouterr().out
+
+
+def test_generate_runs_in_the_dtype_asked_for(ws, capsys):
+    """--dtype casts the loaded weights as --precision does in training (the checkpoint's fp32
+    values rounded once); the sample line names the dtype and the device."""
+    from engine.tools.generate import load_model
+    full, _, _ = load_model(os.path.join(ws, "ck"))
+    half, _, _ = load_model(os.path.join(ws, "ck"), dtype=torch.bfloat16)
+    pairs = list(zip(full.state_dict().items(), half.state_dict().items()))
+    assert pairs and all(b.dtype == torch.bfloat16 and torch.equal(a.to(torch.bfloat16), b)
+                         for (_, a), (_, b) in pairs if a.is_floating_point())
+    assert generate_main(["--load", os.path.join(ws, "ck"), "--prompt", "hi", "--tokenizer", "byte",
+                          "--dtype", "bf16", "--temperature", "0", "--max-new-tokens", "4"]) == 0
+    assert "(step 1, bfloat16 on cpu) ---" in capsys.readouterr().out
+    assert generate_main(["--load", os.path.join(ws, "ck"), "--prompt", "hi", "--tokenizer", "byte",
+                          "--max-new-tokens", "2"]) == 0
+    assert "(step 1, float32 on cpu) ---" in capsys.readouterr().out    # auto on the CPU
 
 
 ALL_TOOLS = {  # every command line, and a mistake in its arguments
