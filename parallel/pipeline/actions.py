@@ -13,9 +13,16 @@ what would otherwise be idle time. In schedules without ``W`` actions ``B`` comp
 
 ``RankProgram`` writes one rank's program from its order of compute steps: each ``F`` and ``B`` is
 wrapped in exactly the transfers its virtual stage needs (``RECV_F F SEND_F``, ``RECV_B B
-SEND_B``), a ``W`` has none, and every run of consecutive transfers becomes one batch sorted into the
-canonical order (activations first, gradients second, sends before receives). With pp=2 both
-neighbours are the same peer, and the backends pair the messages between two ranks in posting order.
+SEND_B``), a ``W`` has none, and every run of consecutive transfers is sorted into the canonical
+order (activations first, gradients second, sends before receives). With pp=2 both neighbours are
+the same peer, and the backends pair the messages between two ranks in posting order.
+
+A run of transfers is posted as one batch, or several (``batches``): HCCL's ``HcclBatchSendRecv``
+takes at most one send to and one receive from each peer per call ("the task list must not contain
+duplicate sending or receiving tasks pointed to the same rank", CANN's API reference; it reorders
+the tasks of a call, so two of one direction would be confused), and with pp=2 the interleaved
+schedule's runs hold an activation and a gradient for the same peer. Each batch ends before a
+transfer whose direction and peer it already holds, on every backend alike.
 """
 from __future__ import annotations
 
@@ -106,6 +113,32 @@ def message(action: Action, rank: int, pp: int, vp: int, placement: str) -> tupl
     boundary = stage if step > 0 else stage - 1             # between boundary and boundary + 1
     stream = "activation" if action.kind in (SEND_F, RECV_F) else "gradient"
     return other[0], (stream, action.microbatch, boundary)
+
+
+def batches(actions, rank: int, pp: int, vp: int, placement: str) -> list[tuple[int, int]]:
+    """[start, stop) of every batch of one rank's program: each run of consecutive transfers, cut
+    before a transfer whose (direction, peer) the batch already holds (module docstring). Pure.
+
+    >>> run = [Action(SEND_F, 2, 0), Action(SEND_B, 0, 1), Action(RECV_B, 1, 1)]   # rank 0, pp=2
+    >>> batches([Action(F, 2, 0)] + run, 0, 2, 2, "loop")
+    [(1, 2), (2, 4)]
+    """
+    out, i = [], 0
+    while i < len(actions):
+        if not actions[i].is_comm:
+            i += 1
+            continue
+        start, held = i, set()
+        while i < len(actions) and actions[i].is_comm:
+            peer = message(actions[i], rank, pp, vp, placement)[0]
+            key = (actions[i].kind in (SEND_F, SEND_B), peer)
+            if key in held:
+                out.append((start, i))
+                start, held = i, set()
+            held.add(key)
+            i += 1
+        out.append((start, i))
+    return out
 
 
 class RankProgram:

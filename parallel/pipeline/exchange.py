@@ -1,8 +1,9 @@
 """The executor's transfers: posting batches, waiting only where a compute step needs them, and the
 pipeline's scatter/gather of activations over tensor parallelism.
 
-A batch of consecutive transfer actions is posted as one ``batch_isend_irecv`` (``p2p.post``) the
-moment the rank reaches it, and not waited for there. A receive is waited for just before the
+A batch of consecutive transfer actions (actions.py ``batches``: at most one send to and one
+receive from each peer) is posted as one ``batch_isend_irecv`` (``p2p.post``) the moment the rank
+reaches it, and not waited for there. A receive is waited for just before the
 compute step that consumes it (its F, or its B), and if that step comes right after the batch the
 wait follows the post at once (1F1B's ``send_forward_recv_backward`` behaves as before); sends are
 waited for at the end of the schedule, or dropped earlier once complete, so a rank never idles for

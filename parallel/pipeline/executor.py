@@ -1,7 +1,8 @@
 """One executor for every pipeline schedule.
 
 ``run_schedule`` walks this rank's action list: compute actions call the model through
-``forward_step`` and autograd, each run of consecutive transfers is one batch, posted at once and
+``forward_step`` and autograd, each run of consecutive transfers is one batch (or several, at most
+one send to and one receive from each peer in each: actions.py ``batches``), posted at once and
 waited for where a compute step needs it (exchange.py). The model side is one callback, so a GPT
 (or any stack of modules) plugs in without the executor knowing its layers::
 
@@ -44,7 +45,7 @@ import torch
 from torch.autograd import Variable
 
 from parallel.grads.main_grad import all_reduce_grads_, reduced_grad
-from parallel.pipeline.actions import has_weight_actions, neighbour, placement_of
+from parallel.pipeline.actions import batches, has_weight_actions, neighbour, placement_of
 from parallel.pipeline.exchange import Exchange, Split
 from parallel.pipeline.p2p import Transfer
 from parallel.pipeline.schedules import B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action
@@ -303,14 +304,15 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
     run = _RankRun(ps, chunks, forward_step, num_microbatches, tensor_shape, dtype, timeout_s,
                    clock, deallocate_outputs, waiter, placement, weight_grads, split_w,
                    scatter_gather)
+    ends = dict(batches(actions, ps.pp_rank, ps.pp_size, len(chunks), placement))
     i = 0
     while i < len(actions):
         a = actions[i]
         if a.is_comm:
-            j = i
-            while j < len(actions) and actions[j].is_comm:
-                j += 1
-            run.transfer(actions[i:j], actions[j] if j < len(actions) else None, i)
+            j = ends[i]   # one batch (actions.py ``batches``); the next compute step waits after
+            # the last batch of the run: its receive may be in an earlier one (Exchange.wait_for)
+            then = actions[j] if j < len(actions) and not actions[j].is_comm else None
+            run.transfer(actions[i:j], then, i)
             i = j
             continue
         if a.kind == F:

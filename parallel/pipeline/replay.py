@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Callable
 
 from parallel.pipeline.actions import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Kind,
-                                       has_weight_actions, message, neighbour, placement_of)
+                                       batches, has_weight_actions, message, neighbour,
+                                       placement_of)
 from parallel.pipeline.partition import virtual_stage
 
 
@@ -74,14 +75,17 @@ def match_messages(lists, vp: int | None = None) -> dict[tuple[int, int], tuple[
 def replay_blocking(lists, compute_time: Callable[[int, Action], float],
                     p2p_time: float = 0.0) -> list[list[tuple[float, float]]]:
     """The strictest reading of a program, used to prove it cannot hang on any backend: a batch of
-    consecutive transfers is posted when the rank reaches it and the rank waits for the whole batch
-    at once, until every transfer in it has both sides posted (a receive needs the peer's send,
-    and a send its receive: NCCL and HCCL run a batch as one group that completes only then).
+    consecutive transfers (actions.py ``batches``) is posted when the rank reaches it and the rank
+    waits for the whole batch at once, until every transfer in it has both sides posted (a receive
+    needs the peer's send, and a send its receive: NCCL and HCCL run a batch as one group that
+    completes only then).
     Compute actions run back to back. Returns (start, end) of every action; raises
     ``ScheduleError`` on deadlock, naming what each blocked rank waits for. A program that runs
     here also runs when waits are deferred (``replay``): every transfer completes no later."""
     pp = len(lists)
     partner = match_messages(lists)
+    _, vp, placement = _shape(lists)
+    ends = [dict(batches(actions, r, pp, vp, placement)) for r, actions in enumerate(lists)]
     pos, clock = [0] * pp, [0.0] * pp
     posted: dict[tuple[int, int], float] = {}
     times: list[list] = [[None] * len(actions) for actions in lists]
@@ -95,10 +99,9 @@ def replay_blocking(lists, compute_time: Callable[[int, Action], float],
                     times[r][pos[r]] = (clock[r], end)
                     clock[r], pos[r], moved = end, pos[r] + 1, True
                     continue
-                stop = pos[r]
-                while stop < len(actions) and actions[stop].is_comm:
-                    posted.setdefault((r, stop), clock[r])
-                    stop += 1
+                stop = ends[r][pos[r]]          # one batch (actions.py ``batches``)
+                for i in range(pos[r], stop):
+                    posted.setdefault((r, i), clock[r])
                 waiting = [i for i in range(pos[r], stop) if partner[(r, i)] not in posted]
                 if waiting:
                     blocked[r] = (actions[waiting[0]], partner[(r, waiting[0])])

@@ -7,14 +7,16 @@ and drawn is exactly what runs. The vocabulary (kinds, ``Action``, ``Schedule``,
 is actions.py; the zero-bubble orders are zero_bubble.py.
 
 Consecutive transfer actions form one batch that the executor posts with a single
-``batch_isend_irecv`` and waits for as a whole. GPipe, 1F1B and the zero-bubble schedules wrap each
-compute action in its transfers (``RECV_F F SEND_F``, ``RECV_B B SEND_B``; a ``W`` has none), so
-1F1B's steady state yields Megatron's ``send_forward_recv_backward`` and
+``batch_isend_irecv`` and waits for as a whole, cut where a batch would hold two sends to, or two
+receives from, one peer (actions.py ``batches``: HCCL refuses them). GPipe, 1F1B and the zero-bubble
+schedules wrap each compute action in its transfers (``RECV_F F SEND_F``, ``RECV_B B SEND_B``; a
+``W`` has none), so 1F1B's steady state yields Megatron's ``send_forward_recv_backward`` and
 ``send_backward_recv_forward`` batches. The interleaved schedule follows Megatron's one batch per
-step (send what was produced, receive the next forward's input and the next backward's gradient).
-Inside a batch actions are ordered activations first, gradients second, sends before receives, on
-every rank: with pp=2 both neighbours are the same peer, and the backends pair the messages between
-two ranks in posting order.
+step (send what was produced, receive the next forward's input and the next backward's gradient);
+with pp=2, where both neighbours are one peer, a step that sends (or receives) both an activation
+and a gradient posts its transfers as two batches. Inside a run actions are ordered
+activations first, gradients second, sends before receives, on every rank, and the backends pair
+the messages between two ranks in posting order.
 
 | name | chunks per rank | placement | backward |
 | --- | --- | --- | --- |

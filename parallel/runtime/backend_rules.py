@@ -23,7 +23,9 @@ Sources (the table below transcribes them; cite them when changing an entry):
   group"), the 950's float64/uint64 reductions only where torch_npu lists them
   (``a5ExtraDataTypes``: 2.7.1, 2.9.0); recent releases run AVG as a sum and a division, which
   these rules still refuse (the stricter set, as the engine never needs AVG). The engine sends
-  none of those types, so the rules do not depend on the installed torch_npu.
+  none of those types, so the rules do not depend on the installed torch_npu. ``HcclBatchSendRecv``
+  (torch_npu's ``batch_isend_irecv``): "the task list must not contain duplicate sending or
+  receiving tasks pointed to the same rank" (``check_batch``).
 - NCCL: ``ncclDataType_t`` (NCCL API, "Types") has int8, uint8, int32, uint32, int64, uint64,
   float16, float32, float64, bfloat16 (and fp8 in 2.24+): no int16 or complex, which PyTorch's
   ProcessGroupNCCL rejects ("Unsupported data type for NCCL process group"); ``ncclRedOp_t`` is
@@ -64,6 +66,7 @@ class RuleSet:
     reduce_ops: frozenset             # names: sum, prod, max, min, avg
     no_prod: frozenset = frozenset()  # dtypes whose "prod" reduction is refused
     missing: frozenset = frozenset()  # collectives the backend does not implement
+    one_p2p_per_peer: bool = False    # a batch holds at most one send to, one receive from a peer
     source: str = ""
     # calls already found allowed: (op, group, dtypes, reduce op) -> checked once, not per call
     passed: set = field(default_factory=set, compare=False, repr=False)
@@ -74,7 +77,7 @@ def _hccl(name: str, reduce_dtypes: frozenset, source: str) -> RuleSet:
     dtypes.update({op: _HCCL_MOVE for op in MOVES})
     return RuleSet(name, dtypes, frozenset({"sum", "prod", "max", "min"}),
                    no_prod=frozenset({torch.int16, torch.bfloat16}),
-                   missing=frozenset({"gather"}), source=source)
+                   missing=frozenset({"gather"}), one_p2p_per_peer=True, source=source)
 
 
 RULES: dict[str, RuleSet] = {
@@ -180,6 +183,23 @@ def _check(rules: RuleSet, op: str, group: str, tensors, reduce_op) -> None:
             for t in tensors:
                 if t.dtype in rules.no_prod:
                     raise BackendRuleError(f"{rules.name} refuses prod on {t.dtype} ({where})")
+
+
+def check_batch(rules: RuleSet | None, group: str, transfers) -> None:
+    """A ``batch_isend_irecv`` of ("send" | "recv", tensor, peer) ``transfers``: HCCL's
+    HcclBatchSendRecv takes at most one send to and one receive from each peer per call."""
+    if rules is None or not rules.one_p2p_per_peer:
+        return
+    seen = set()
+    for kind, _, peer in transfers:
+        if (kind, peer) in seen:
+            way = "sends to" if kind == "send" else "receives from"
+            raise BackendRuleError(
+                f"{rules.name} refuses a batch_isend_irecv over the {group} group that {way} rank "
+                f"{peer} twice: HcclBatchSendRecv takes one send to and one receive from each peer "
+                f"per call (it reorders a call's tasks); post them in separate batches "
+                f"[CANN HCCL API reference, HcclBatchSendRecv]")
+        seen.add((kind, peer))
 
 
 def check_object(rules: RuleSet | None, op: str, group: str, obj) -> None:

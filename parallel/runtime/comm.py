@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.runtime import streams
-from parallel.runtime.backend_rules import check, check_object
+from parallel.runtime.backend_rules import check, check_batch, check_object
 from parallel.runtime.comm_monitor import GROUP_KINDS, CommEvent, CommMonitor, TrackedWork, wire_bytes
 from parallel.runtime.lanes import MAIN_LANE, check_lane
 
@@ -211,6 +211,7 @@ class CommGroup:
     # ---- point to point ------------------------------------------------------------------------
     def batch_isend_irecv(self, transfers: list[tuple[str, torch.Tensor, int]]) -> list:
         """Post ("send" | "recv", tensor, peer global rank) transfers as one batch; returns works."""
+        check_batch(self.monitor.rules, self.kind, transfers)
         ops = []
         for kind, t, peer in transfers:
             if kind == "send":

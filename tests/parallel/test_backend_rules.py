@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.runtime.backend_rules import BackendRuleError, check, check_object, get_rules, resolve
+from parallel.runtime.backend_rules import (BackendRuleError, check, check_batch, check_object,
+                                            get_rules, resolve)
 from parallel.runtime.comm_monitor import wire_bytes
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
@@ -66,6 +67,14 @@ def test_ops_complex_objects_and_resolve():
             check_object(rules, "all_gather_object", "world", {"a": [1, {"b": torch.ones(2)}]})
         check_object(rules, "all_gather_object", "world", {"a": [1, 2.0, "x"]})
     check(None, "all_reduce", "dp", [t(torch.float64)])           # no rules: anything goes
+    # HcclBatchSendRecv: one send to and one receive from each peer per call (NCCL: any number)
+    one_each = [("send", t(torch.float32), 1), ("recv", t(torch.float32), 1),
+                ("send", t(torch.float32), 3)]
+    check_batch(HCCL, "pp", one_each)
+    for kind, way in (("send", "sends to"), ("recv", "receives from")):
+        with pytest.raises(BackendRuleError, match=f"{way} rank 1 twice: HcclBatchSendRecv"):
+            check_batch(HCCL, "pp", one_each + [(kind, t(torch.float32), 1)])
+        check_batch(NCCL, "pp", one_each + [(kind, t(torch.float32), 1)])
     assert resolve("auto", "gloo") is None
     assert resolve("auto", "nccl", "NVIDIA H200") == "nccl"
     assert resolve("auto", "hccl", "Ascend910B2") == "hccl"

@@ -265,8 +265,11 @@ def test_pp4_all_schedules_match_serial(tmp_path):
 
 
 def test_pp2_dp2_schedules_match_serial_and_failure_names_stage():
+    """Under HCCL's rules (a batch holds one send to and one receive from each peer): with pp=2
+    the interleaved schedule's steps that send an activation and a gradient to the one peer post
+    them in two batches."""
     grid = RankGrid(pp=2, dp=2)
-    reports = run_distributed(pp2_dp2_checks, grid=grid, timeout_s=60)
+    reports = run_distributed(pp2_dp2_checks, grid=grid, timeout_s=60, backend_rules="hccl")
     for rank, report in enumerate(reports):
         failure = report[-1]
         if grid.coord(rank).pp == 1:

@@ -11,6 +11,7 @@ import pytest
 from parallel.pipeline.bubble import (measured_bubble, phase_times, rank_bubble, simulate,
                                       theoretical_bubble)
 from parallel.pipeline.partition import partition_layers, stage_layers
+from parallel.pipeline.actions import batches, message
 from parallel.pipeline.schedules import (B, F, RECV_B, RECV_F, SEND_B, SEND_F, Action,
                                          ScheduleError, build_schedule, validate_schedule)
 from parallel.pipeline.timeline import TimelineEvent, chrome_trace, write_chrome_trace
@@ -100,6 +101,41 @@ def test_phase_orders():
                                        "B2.1 B3.1 B2 B3")
     assert compute_order(inter[1]) == ("F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 "
                                        "F3.1 B3.1 B2 B3")
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES + [(n, p, m, 2 if n == "zb-v" else 1)
+                                                for n in ("zb-v", "zb-h1", "1f1b-w")
+                                                for p in (2, 3, 4) for m in (p, 2 * p)])
+def test_every_batch_sends_to_and_receives_from_each_peer_at_most_once(name, p, m, v):
+    """HcclBatchSendRecv takes one send to and one receive from each peer per call: the batches
+    the executor posts (actions.batches) never hold two, and cut a run of transfers only there."""
+    lists = build_schedule(name, p, m, v)
+    placement, vp = getattr(lists, "placement", "loop"), 1 + max(a.chunk for x in lists for a in x)
+    for rank, actions in enumerate(lists):
+        bounds = batches(actions, rank, p, vp, placement)
+        assert [i for a, b in bounds for i in range(a, b)] == \
+            [i for i, a in enumerate(actions) if a.is_comm]                   # every transfer once
+        for a, b in bounds:
+            keys = [(x.kind in (SEND_F, SEND_B), message(x, rank, p, vp, placement)[0])
+                    for x in actions[a:b]]
+            assert len(set(keys)) == len(keys), (rank, actions[a:b])
+            if b < len(actions) and actions[b].is_comm:    # a cut inside a run: only where needed
+                nxt = actions[b]
+                assert (nxt.kind in (SEND_F, SEND_B), message(nxt, rank, p, vp, placement)[0]) \
+                    in keys
+
+
+def test_interleaved_pp2_cuts_the_steps_that_send_both_ways_to_the_one_peer():
+    """With pp=2 both neighbours are one peer: rank 0's warmup step sends micro-batch 2's
+    activation, micro-batch 0's gradient and receives micro-batch 1's gradient, two batches; the
+    peer posts the matching pair of batches, and the schedule still validates (no deadlock when
+    every batch is waited for whole)."""
+    lists = build_schedule("interleaved", 2, 4, 2)
+    runs = [sum(1 for i, a in enumerate(x) if a.is_comm and (i == 0 or not x[i - 1].is_comm))
+            for x in lists]
+    cut = [len(batches(x, r, 2, 2, "loop")) for r, x in enumerate(lists)]
+    assert all(c > n for c, n in zip(cut, runs)), (cut, runs)
+    validate_schedule(lists)
 
 
 def test_steady_state_batches_pair_send_and_receive():
