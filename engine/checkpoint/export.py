@@ -35,7 +35,8 @@ import torch
 from safetensors.torch import save_file
 
 from engine.base import ConfigError, ToolParser, os_error_text, run_tool, unwritable
-from engine.checkpoint.index import CheckpointError, intact_hint, read_index, resolve, verify
+from engine.checkpoint.index import (CheckpointError, intact_hint, read_index, resolve, verify,
+                                     is_weight_key)
 from engine.checkpoint.tensor_reader import TensorReader
 from engine.checkpoint.hf_moe import export_family, export_moe_config, export_moe_layer
 
@@ -198,7 +199,7 @@ def export_hf(path: str, out: str, overwrite: bool = False, dtype: torch.dtype |
         raise ConfigError(f"--out {out} is the checkpoint's own directory: give the export a "
                           f"directory of its own")
     check_out_dir("--out", out, overwrite)
-    problems = verify(ckpt, index)
+    problems = verify(ckpt, index, keys=is_weight_key)   # (the optimizer state is not read)
     if problems:
         raise CheckpointError(f"checkpoint {ckpt} is damaged: " + "; ".join(problems)
                               + intact_hint(os.path.dirname(ckpt), exclude=ckpt))

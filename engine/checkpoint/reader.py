@@ -17,7 +17,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from engine.base import ConfigError
-from engine.checkpoint.index import CheckpointError, intact_hint, read_index, resolve, verify
+from engine.checkpoint.index import (CheckpointError, intact_hint, is_weight_key, read_index,
+                                     resolve, verify)
 from engine.checkpoint.tensor_reader import TensorReader
 from engine.checkpoint.specs import (LAYOUT_KEYS, ParamSpec, buffer_specs, by_owner, data_info,
                                      layout_of, param_specs, read_flat, saved_layout)
@@ -137,17 +138,18 @@ def check_compatible(index: dict, cfg, data: dict, where: str) -> None:
             f"train on the checkpoint's data ({fix}) or start without --load")
 
 
-def _verify_shared(ps, ckpt: str, index: dict) -> None:
-    """Each rank hashes every world_size-th file; an all-reduce shares the verdict."""
+def _verify_shared(ps, ckpt: str, index: dict, keys=None) -> None:
+    """Each rank checks every world_size-th file (``keys``: only those tensors, index.py
+    ``file_damage``); an all-reduce shares the verdict."""
     names = sorted(index["files"])
     mine = names[ps.rank::ps.world_size] if dist.is_initialized() else names
-    bad = {n for n in mine if verify(ckpt, index, [n])}
+    bad = {n for n in mine if verify(ckpt, index, [n], keys)}
     if dist.is_initialized() and ps.world_size > 1:
         flags = torch.tensor([n in bad for n in names], dtype=torch.int32, device=ps.device)
         ps.world_group.all_reduce(flags, op=dist.ReduceOp.MAX)
         bad = {n for n, f in zip(names, flags.tolist()) if f}
     if bad:
-        problems = verify(ckpt, index, sorted(bad))
+        problems = verify(ckpt, index, sorted(bad), keys)
         raise CheckpointError(f"checkpoint {ckpt} is damaged: " + "; ".join(problems)
                               + intact_hint(os.path.dirname(ckpt), exclude=ckpt))
 
@@ -233,7 +235,8 @@ def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) ->
                               f"{cfg.optim.train_iters}: nothing to train. --train-iters counts all "
                               f"steps; pass one above {step} to continue (or --finetune to restart "
                               f"from step 0 with these weights)")
-    _verify_shared(ps, ckpt, index)
+    # the weights alone (a fine-tune, an imported model): their bytes are what is read and checked
+    _verify_shared(ps, ckpt, index, is_weight_key if weights_only or step == 0 else None)
     reader = TensorReader(ckpt, index)
     specs = param_specs(trainer.chunks, ps, cfg.model.vocab_size)
     trainer.params_ready()  # (ZeRO-3: nothing gathered while its shards change)

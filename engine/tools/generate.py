@@ -19,7 +19,7 @@ import torch
 
 from engine.base import ConfigError, ToolParser, run_tool
 from engine.checkpoint import CheckpointError, load_model_params, param_specs
-from engine.checkpoint.index import intact_hint, read_index, resolve, verify
+from engine.checkpoint.index import intact_hint, is_weight_key, read_index, resolve, verify
 from engine.checkpoint.tensor_reader import TensorReader
 from engine.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from engine.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
@@ -36,11 +36,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def load_model(path: str, registry=None, device: str = "cpu",
                dtype: torch.dtype = torch.float32) -> tuple[GPTChunk, dict, str]:
     """The whole model of checkpoint ``path`` in one process, in eval mode, on ``device`` with
-    ``dtype`` weights, plus its index and directory. Every file is verified against its checksum
-    first."""
+    ``dtype`` weights, plus its index and directory. The weights' bytes are verified against their
+    checksums first (the optimizer state is not read)."""
     ckpt = resolve(path)
     index = read_index(ckpt)
-    problems = verify(ckpt, index)
+    problems = verify(ckpt, index, keys=is_weight_key)
     if problems:
         raise CheckpointError(f"checkpoint {ckpt} is damaged: " + "; ".join(problems)
                               + intact_hint(os.path.dirname(ckpt), exclude=ckpt))

@@ -107,3 +107,41 @@ def test_generate_cli(tmp_path, capsys):
     assert generate_main(["--load", save, "--prompt", "hi", "--tokenizer", "byte",
                           "--max-new-tokens", "5"]) == 0
     assert "sample from" in capsys.readouterr().out
+
+
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        byte = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([byte[0] ^ 1]))
+
+
+def test_loading_the_weights_checks_their_bytes_only(tmp_path):
+    """generate, export and a --finetune load read the weights alone and check those bytes (and
+    the header) against their CRCs, not the whole file against its sha256: a flipped byte in the
+    optimizer state does not stop them, and does stop a resume, which reads it; a flipped byte in a
+    weight stops every load, named down to the tensor."""
+    from engine.checkpoint import CheckpointError
+    from engine.checkpoint.index import file_damage, is_weight_key, read_index, resolve
+    save = str(tmp_path / "ck")
+    train(["--mock-data", "--vocab-size", "300", "--train-iters", "2", "--save", save])
+    ckpt = resolve(save)
+    info = read_index(ckpt)["files"]["rank_00000.safetensors"]
+    path = os.path.join(ckpt, "rank_00000.safetensors")
+    state = next(k for k in info["tensors"] if k.startswith("optim/exp_avg/"))
+    _flip(path, info["tensors"][state][0])
+    assert file_damage(path, info, is_weight_key) is None
+    assert f"tensor {state!r} does not match its checksum" in file_damage(path, info)
+    load_model(save)                                                    # the weights are intact
+    assert export_main(["--load", save, "--out", str(tmp_path / "hf")]) == 0
+    _, result = train(["--mock-data", "--vocab-size", "300", "--train-iters", "1", "--load", save,
+                       "--finetune"])
+    assert len(result.records) == 1
+    with pytest.raises(CheckpointError, match=f"tensor {state!r} does not match its checksum"):
+        train(["--mock-data", "--vocab-size", "300", "--train-iters", "3", "--load", save])
+    _flip(path, info["tensors"][state][0])                               # mended
+    weight = "model/embedding.word.weight"
+    _flip(path, info["tensors"][weight][0])
+    with pytest.raises(CheckpointError, match=f"tensor {weight!r} does not match its checksum"):
+        load_model(save)
