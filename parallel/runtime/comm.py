@@ -49,7 +49,8 @@ import torch
 import torch.distributed as dist
 
 from parallel.runtime import streams
-from parallel.runtime.backend_rules import check, check_batch, check_object
+from parallel.runtime.backend_rules import (check, check_batch, check_object,
+                                            rules_keep_first_only)
 from parallel.runtime.comm_monitor import GROUP_KINDS, CommEvent, CommMonitor, TrackedWork, wire_bytes
 from parallel.runtime.lanes import MAIN_LANE, check_lane
 
@@ -222,8 +223,10 @@ class CommGroup:
                                   self.process_group))
         if not ops:
             return []
-        accesses = [streams.collective_issued(kind, self._stream_name(), [t], True)
-                    for kind, t, _ in transfers]
+        first_only = rules_keep_first_only(self.monitor.rules)   # HCCL: the rest unprotected
+        accesses = [streams.collective_issued(kind, self._stream_name(), [t], True,
+                                              kept=not (first_only and i))
+                    for i, (kind, t, _) in enumerate(transfers)]
         activity = self.monitor.activity
         tag = activity.enter("p2p", self.kind)
         with streams.collective_call():

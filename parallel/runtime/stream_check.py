@@ -65,6 +65,7 @@ class Access(NamedTuple):   # (a tuple: made for every access the checker sees)
     lo: int          # the byte range of the storage it touched
     hi: int
     write: bool
+    kept: bool = True   # a collective's: the backend keeps the tensor alive until it completes
 
 
 @dataclass
@@ -324,9 +325,10 @@ class StreamChecker:
         rec.accesses = keep
 
     def _unfinished(self, rec: StorageRecord, stream: str, comm: bool = False) -> list[Access]:
-        """Accesses of other streams that work on ``stream`` is not ordered after (comm streams,
-        unless ``comm``, and record_stream-ed ones excepted)."""
-        return [a for a in rec.accesses if (comm or not a.stream.startswith("comm:"))
+        """Accesses of other streams that work on ``stream`` is not ordered after (comm streams'
+        whose tensors the backend keeps alive, unless ``comm``, and record_stream-ed ones
+        excepted)."""
+        return [a for a in rec.accesses if (comm or not (a.kept and a.stream.startswith("comm:")))
                 and a.stream not in rec.recorded and not self._ordered(a, stream)]
 
     def _reused(self, rec: StorageRecord, stream: str, op: str) -> None:
@@ -367,9 +369,10 @@ class StreamChecker:
             if rec is not None:
                 rec.recorded.add(stream)
 
-    def access(self, stream: str, reads: list, writes: list, op: str, fresh: tuple = ()) -> None:
+    def access(self, stream: str, reads: list, writes: list, op: str, fresh: tuple = (),
+               kept: bool = True) -> None:
         """One op on ``stream``: ``reads`` and ``writes`` are tensors; ``fresh`` (a subset of
-        ``writes``) were allocated by it."""
+        ``writes``) were allocated by it; ``kept``: see ``on_collective``."""
         with self._lock:
             seq = self._tick(stream)
             written = []
@@ -382,7 +385,7 @@ class StreamChecker:
                         continue
                     if write:
                         written.append((id(rec), span))
-                    self._touch(rec, Access(stream, seq, op, span[0], span[1], write))
+                    self._touch(rec, Access(stream, seq, op, span[0], span[1], write, kept))
 
     # ---- event sources ------------------------------------------------------------------------
     def check_allocated(self, func, args, kwargs) -> None:
@@ -424,8 +427,12 @@ class StreamChecker:
             self.access(streams.current_stream_name(), reads, writes + fresh, plan.name,
                         tuple(fresh))
 
-    def on_collective(self, op: str, group: str, tensors: list, issuer: str) -> dict:
-        """An async collective: ordered after ``issuer``, its accesses on "comm:<group>"."""
+    def on_collective(self, op: str, group: str, tensors: list, issuer: str,
+                      kept: bool = True) -> dict:
+        """An async collective: ordered after ``issuer``, its accesses on "comm:<group>".
+        ``kept=False``: the backend does not keep ``tensors`` alive until it completes (HCCL's
+        batched point-to-point beyond the batch's first tensor), so releasing one before the
+        collective is waited for is reported like any other stream's unfinished access."""
         comm = f"comm:{group}"
         with self._lock:
             self.on_wait(comm, self.on_record(issuer))
@@ -435,5 +442,5 @@ class StreamChecker:
                 reads, writes = tensors, []
             else:
                 reads, writes = tensors[1:], tensors[:1]
-            self.access(comm, reads, writes, f"{op} on {group}")
+            self.access(comm, reads, writes, f"{op} on {group}", kept=kept)
             return self.on_record(comm)

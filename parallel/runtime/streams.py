@@ -283,13 +283,14 @@ def start_thread(name: str, target: Callable[[], None], device, daemon: bool = T
 
 # ---- the communication layer's hooks (parallel/runtime/comm.py)
 # ---------------------------------------
-def collective_issued(op: str, group: str, tensors: list, async_op: bool):
+def collective_issued(op: str, group: str, tensors: list, async_op: bool, kept: bool = True):
     """An asynchronous collective on ``group`` starts after the issuing stream's work so far and
     accesses ``tensors`` on "comm:<group>"; returns what ``collective_waited`` takes (None when
-    no checker is installed). A synchronous one is waited for at once."""
+    no checker is installed). A synchronous one is waited for at once. ``kept=False``: the backend
+    does not keep the tensors alive until the collective completes (stream_check.py)."""
     if _checker is None:
         return None
-    token = _checker.on_collective(op, group, tensors, current_stream_name())
+    token = _checker.on_collective(op, group, tensors, current_stream_name(), kept)
     if not async_op:
         collective_waited(token)
         return None

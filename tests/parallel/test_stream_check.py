@@ -175,7 +175,8 @@ def test_thread_errors_reach_on_error():
 
 def _collective_checks(ps):
     """Each rank plants, under its own checker, an async all-reduce read before wait() and a
-    send buffer overwritten before wait(), then runs the ordered versions."""
+    send buffer overwritten before wait(), then runs the ordered versions; then releases a
+    batch's first and second tensor before its wait."""
     group, peer = ps.dp_group, ps.dp_group.ranks[1 - ps.dp_group.rank]
     out = {}
     checker = StreamChecker()
@@ -207,6 +208,17 @@ def _collective_checks(ps):
             w.wait()
         s.zero_(), r.sum()
         out["ordered"] = list(checker.violations)
+        # HCCL keeps a batch's first tensor alive until it completes, the others not: released
+        # before the wait, the first is the backend's to keep, the second is a race
+        for which in (0, 1):
+            checker.violations.clear()
+            s, r = torch.arange(4.0), torch.empty(4)
+            posted = [(k, s if k == "send" else r, p) for k, _, p in transfers]
+            works = group.batch_isend_irecv(posted)
+            streams.released(posted[which][1])
+            for w in works:
+                w.wait()
+            out[f"released {which}"] = list(checker.violations)
     return out
 
 
@@ -219,6 +231,9 @@ def test_collective_violations():
         assert message.startswith("write after an unordered read") and "send on pp" not in message
         assert "send on dp" in message and "zero_ on stream 'compute'" in message
         assert out["ordered"] == []
+        assert out["released 0"] == []          # (the suite's rules are HCCL's)
+        (message,) = out["released 1"]
+        assert message.startswith("released while in use") and "on stream 'comm:dp'" in message
 
 
 def test_side_streams_and_device_threads_come_from_the_stream_api():
