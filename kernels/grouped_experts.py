@@ -10,9 +10,11 @@ biases (G, f_in) and (G, h_out) or None -> (n, h_out), row r of group g being
     act(x[r] @ w_in[g].T + b_in[g]) @ w_out[g].T + b_out[g]
 
 - Where ``grouped_linear`` takes ``torch._grouped_mm`` for both projections (kernels/
-  grouped_gemm.py: CUDA bf16, the CPU's fp32 and bf16, aligned rows; the biases in x's dtype):
+  grouped_gemm.py: CUDA bf16, the CPU's fp32 and bf16, aligned rows; both weights' base pointers
+  on 16 bytes, checked on every device by ``weights_aligned``; the biases in x's dtype):
   ``_GroupedMlpForwardGroupedMlpBackward``, its backward written out: grad @ w_out and grad.T @ a
-  per group, the activation's derivative (aten's ``gelu_backward``, or
+  per group (a group without rows: a zero block, set on the device, ``_gmm_wgrad``), the
+  activation's derivative (aten's ``gelu_backward``, or
   ``kernels.swiglu_packed_backward``, compiled on CUDA), dh @ w_in and dh.T @ x per group, each
   bias's gradient ``group_sum`` (the rows added in fp32, rounded once, where a bf16
   ``index_add_`` rounds every add on CUDA). The kernels of the composition below, without
@@ -37,8 +39,9 @@ import torch.nn.functional as F
 
 from kernels.dispatch import KernelPaths
 from kernels.fp8_grouped import fp8_grouped_linear
-from kernels.grouped_gemm import (_gmm, _widths_aligned, group_sum, grouped_linear,
-                                  grouped_linear_path, grouped_linear_reference, row_groups)
+from kernels.grouped_gemm import (ALIGN_BYTES, _gmm, _gmm_wgrad, _widths_aligned, group_sum,
+                                  grouped_linear, grouped_linear_path, grouped_linear_reference,
+                                  row_groups)
 from kernels.swiglu import swiglu_packed, swiglu_packed_backward
 
 KINDS = ("gelu", "swiglu")
@@ -79,22 +82,36 @@ class _GroupedMlpForwardGroupedMlpBackward(torch.autograd.Function):
         grad = grad.contiguous()
         g = w_out.shape[0]
         db_out = group_sum(grad, groups, g) if need_b_out else None
-        dw_out = _gmm(grad.t(), a, offs) if need_w_out else None            # (G, h_out, f)
+        dw_out = _gmm_wgrad(grad.t(), a, offs) if need_w_out else None      # (G, h_out, f)
         dh = _act_backward(_gmm(grad, w_out, offs), h, ctx.kind)            # (n, f_in)
         db_in = group_sum(dh, groups, g) if need_b_in else None
-        dw_in = _gmm(dh.t(), x, offs) if need_w_in else None                # (G, f_in, h)
+        dw_in = _gmm_wgrad(dh.t(), x, offs) if need_w_in else None          # (G, f_in, h)
         dx = _gmm(dh, w_in, offs) if need_x else None                       # (n, h)
         return dx, dw_in, db_in, dw_out, db_out, None, None, None, None
+
+
+def weights_aligned(w_in: torch.Tensor, w_out: torch.Tensor) -> bool:
+    """Whether both stacked weights meet torch._grouped_mm's rule on any device: contiguous,
+    their widths times the element size multiples of 16 bytes, and their base pointers on 16
+    bytes (CUDA's kernel requires it, the CPU's does not; a weight that is a view at an offset
+    into a larger buffer may miss it). Inside a compiled graph the pointers are not known (and
+    the buffers are aligned), so the widths decide."""
+    for w in (w_in, w_out):
+        if not (w.is_contiguous() and _widths_aligned(w.element_size(), *w.shape[1:])):
+            return False
+        if not torch.compiler.is_compiling() and w.data_ptr() % ALIGN_BYTES:
+            return False
+    return True
 
 
 def fused_path(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, biases=(),
                paths: KernelPaths | None = None) -> bool:
     """Whether ``grouped_mlp`` runs as one Function: torch._grouped_mm takes both projections
-    (the intermediate activation is a fresh contiguous tensor, so x's own layout and w_out's
-    widths decide the second), and the biases are in x's dtype."""
+    (the intermediate activation is a fresh contiguous tensor, so x's own layout and the weights'
+    widths and base pointers decide the second: ``weights_aligned``), and the biases are in x's
+    dtype."""
     return (x.shape[0] > 0 and grouped_linear_path(x, w_in, paths) == "torch"
-            and w_out.dtype == x.dtype and w_out.is_contiguous()
-            and _widths_aligned(x.element_size(), *w_out.shape[1:])
+            and w_out.dtype == x.dtype and weights_aligned(w_in, w_out)
             and all(b is None or b.dtype == x.dtype for b in biases))
 
 

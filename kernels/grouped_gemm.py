@@ -32,7 +32,9 @@ at once) are the backward's two GEMMs, also called by the zero-bubble split of t
   take torch's fallback there, which this module does not rely on), fp32 and bf16 on the CPU of
   torch 2.13, bf16 on the meta device; every stride 16-byte aligned (k and out times the element
   size multiples of 16), and on CUDA the base pointers too. Its backward is two more grouped GEMMs
-  (grad_x = grad @ w per group, grad_w = grad.T @ x per group).
+  (grad_x = grad @ w per group, grad_w = grad.T @ x per group); grad_w's blocks of the groups
+  without rows are set to zero on the device (``_gmm_wgrad``), since the kernel's output for a
+  group over zero rows is not zero on every GPU (pytorch issue #172439, sm100).
 - Otherwise the loop ``grouped_linear_reference`` (F.linear per group), which reads the offsets on
   the host (a wait on a device) and is the reference every path is tested against.
 """
@@ -202,7 +204,7 @@ class _GroupedMmForwardGroupedMmBackward(torch.autograd.Function):
         x, weights, offs = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = _gmm(grad, weights, offs) if ctx.needs_input_grad[0] else None
-        grad_w = _gmm(grad.t(), x, offs) if ctx.needs_input_grad[1] else None
+        grad_w = _gmm_wgrad(grad.t(), x, offs) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None  # (n, k), (G, out, k)
 
 
@@ -212,6 +214,16 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return grouped_mm(a, b, offs)
     return torch._grouped_mm(a, b, offs=offs)
+
+
+def _gmm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """A weight gradient by ``_gmm`` grouped along the rows, (out, n) x (n, k) -> (G, out, k),
+    with every group that has no rows set to zero on the device (no host read): the kernel's
+    output for a group over zero rows is not relied on (pytorch issue #172439: not zero on
+    sm100). The FP8 weight gradient masks its empty groups the same way (kernels/fp8_grouped.py)."""
+    dw = _gmm(a, b, offs)                                                   # (G, out, k)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))                    # (G,)
+    return dw.masked_fill_((counts == 0).view(-1, 1, 1), 0)
 
 
 # ---- NPU: torch_npu.npu_grouped_matmul -----------------------------------------------------------
@@ -324,5 +336,5 @@ def grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tens
     if device_kind(x) != "npu" and grad.dtype == x.dtype \
             and torch_grouped_mm_runs(x.device.type, x.dtype) \
             and _widths_aligned(x.element_size(), grad.shape[1], x.shape[1]):
-        return _gmm(grad.t(), x, offsets.to(torch.int32))
+        return _gmm_wgrad(grad.t(), x, offsets.to(torch.int32))
     return _loop_weight_grad(grad, x, offsets)

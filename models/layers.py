@@ -18,6 +18,7 @@ import kernels
 from models.config import GPTConfig
 from parallel.context_parallel import (COMM_TYPES, context_parallel_attention, load_balanced,
                                        shard_positions)
+from parallel.expert_parallel.host_read import HostReader
 from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import ColumnParallelLinear, Initializer, RowParallelLinear, divide
 from parallel.tensor_parallel.layers import column_parallel_linears
@@ -33,7 +34,8 @@ class LayerContext:
     ``mask_cache``: one RoPE table and one NPU causal mask shared by every layer built from this
     context, instead of one per layer call. ``rng``: the chunk's ``parallel.grid.random.RNGTracker``
     (dropout streams per region); None draws every mask from the default generator (single-process
-    use of the layers)."""
+    use of the layers). ``host_reader``: the MoE layers' split-size reads, one side stream per
+    device shared by every layer (parallel/expert_parallel/host_read.py)."""
     init: Initializer
     sequence_parallel: bool = False
     recompute: str = "none"  # none | selective | full
@@ -44,6 +46,8 @@ class LayerContext:
                                              repr=False)
     rng: object = None
     cp_positions_cache: dict = field(default_factory=dict, compare=False, repr=False)
+    # the MoE layers' host reads of their split sizes: one side stream per device for the model
+    host_reader: HostReader = field(default_factory=HostReader, compare=False, repr=False)
 
     def cp_positions(self, s: int, cp_group, device) -> torch.Tensor:
         """(1, s) global positions of a context-parallel shard's s tokens, built once per shape and

@@ -50,7 +50,7 @@ from models.moe.capacity import choose, expert_capacity, padded_rows
 from models.moe.experts import LocalExperts
 from models.moe.router import TopKRouter
 from parallel.grid.expert_groups import ExpertGrid
-from parallel.expert_parallel import (HostReader, allgather_combine, allgather_dispatch,
+from parallel.expert_parallel import (allgather_combine, allgather_dispatch,
                                       alltoall_combine, alltoall_dispatch, alltoall_plan,
                                       count_per_expert, permute_padded, permute_tokens,
                                       unpermute_tokens)
@@ -117,7 +117,8 @@ class MoELayer(nn.Module):
         self.seq_groups = self.token_groups + ((ps.cp_group,) if ps.cp_size > 1 else ())
         self.aux_grad_scale = 1.0   # set per step: models.moe.stats.set_aux_grad_scale
         self.records: list[dict] = []
-        self.host_reader = HostReader()  # the split sizes' one host read under EP
+        # the split sizes' one host read under EP, on the model's one side stream per device
+        self.host_reader = ctx.host_reader
 
     def _balancing_loss(self, routing, batch: int, counts: torch.Tensor):
         """This rank's share of the balancing losses (0-d fp32, or None without any), of the aux

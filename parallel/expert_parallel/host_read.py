@@ -9,16 +9,24 @@ right before the collective that takes the host lists: the host waits there once
 alone. On the CPU (and the dry run's meta device) there is no stream: ``values()`` reads the
 tensor itself, which the step's wait counter counts just the same (``tolist``: one wait).
 
-The reader belongs to the MoE layer that uses it (its side stream is made on first use on the
-layer's device); nothing is module state.
+One reader serves a whole model: the MoE layers built from one ``models.layers.LayerContext``
+share its ``host_reader``, whose side stream per device is made on first use. A stream per layer
+would take one of the device's pooled streams per MoE layer (torch hands its 32 low-priority pool
+streams out round-robin, and ProcessGroupNCCL takes its communicators' streams from the same
+pool), so with a few dozen layers a layer's copy could share a stream with a communicator and
+queue behind unrelated collectives; one stream takes one slot. (A high-priority stream, from the
+pool NCCL's default streams do not use, would take none; the stream API, ``streams.side_stream``,
+has no priority yet.) Nothing is module state.
 
-Under ``torch.compile`` the read is a graph break, and the integers it returns decide the row
-count of every tensor after it. A dispatcher therefore consumes them in an eager island
-(``torch.compiler.disable``: the read, the slices and collectives sized by it) and hands the
-compiled code after it tensors whose row dimension ``dynamic_rows`` has marked dynamic: the graphs
-after the read compile once, for every row count, instead of once for the first step's counts and
-again, dynamic, when they change (Dynamo's default for a size it saw only once). The split sizes
-never enter a graph as constants, so no guard on them recompiles a graph either.
+Under ``torch.compile`` the read is a graph break: ``HostReader.start`` runs eagerly
+(``torch.compiler.disable``: the stream context, the event and the pinned non-blocking copy are not
+traced), and the integers the read returns decide the row count of every tensor after it. A
+dispatcher therefore consumes them in an eager island (``torch.compiler.disable``: the read, the
+slices and collectives sized by it) and hands the compiled code after it tensors whose row
+dimension ``dynamic_rows`` has marked dynamic: the graphs after the read compile once, for every
+row count, instead of once for the first step's counts and again, dynamic, when they change
+(Dynamo's default for a size it saw only once). The split sizes never enter a graph as constants,
+so no guard on them recompiles a graph either.
 """
 from __future__ import annotations
 
@@ -47,19 +55,27 @@ class PendingRead:
 
 
 class HostReader:
-    """Pinned, non-blocking device-to-host copies on one side stream per device."""
+    """Pinned, non-blocking device-to-host copies on one side stream per device (shared by every
+    MoE layer of a model: ``LayerContext.host_reader``)."""
 
     def __init__(self):
-        self._streams: dict[str, streams.Stream] = {}
+        self._streams: dict[torch.device, streams.Stream] = {}
 
+    def stream(self, device) -> streams.Stream:
+        """The side stream this reader copies on from ``device``, made on first use."""
+        device = torch.device(device)
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = streams.side_stream(STREAM_NAME, device)
+        return side
+
+    @torch.compiler.disable  # eager under torch.compile: streams, events and a pinned copy
     def start(self, values: torch.Tensor) -> PendingRead:
         """Begin reading ``values`` (1-D, integers) on the host."""
         device = values.device
         if device.type in ("cpu", "meta"):
             return PendingRead(values)
-        side = self._streams.get(str(device))
-        if side is None:
-            side = self._streams[str(device)] = streams.side_stream(STREAM_NAME, device)
+        side = self.stream(device)
         ready = streams.record_event(streams.current_stream(device))  # after the values' producer
         with streams.use(side):
             streams.wait_event(ready, side)

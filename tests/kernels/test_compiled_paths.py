@@ -7,9 +7,11 @@ derivative the grouped experts' backward calls); inside a compiled model the pla
 used, and on the CPU the compiled function is not. ``Regional`` (what every regional compilation
 goes through, FP8's quantization too) runs the expression eagerly where a bare
 ``torch.compile(fullgraph=True)`` raises: past Dynamo's recompile limit and under a Python
-dispatch mode."""
+dispatch mode. The experts' packed SwiGLU and its derivative compile with dynamic sizes: one
+compilation for every row count."""
 from __future__ import annotations
 
+import collections
 import importlib
 
 import pytest
@@ -20,6 +22,7 @@ from kernels import compiled as comp
 
 rope_mod = importlib.import_module("kernels.rope")
 swiglu_mod = importlib.import_module("kernels.swiglu")
+gg = importlib.import_module("kernels.grouped_gemm")
 
 
 def _grads(fn, inputs, seed=1):
@@ -187,3 +190,79 @@ def test_a_backend_that_cannot_build_it_leaves_the_expression_running(capsys):
     assert capsys.readouterr().err == ("gridtron: note: torch.compile could not build expr "
                                        "(RuntimeError: no working triton); it runs uncompiled\n")
     torch._dynamo.reset()
+
+
+def test_the_experts_swiglu_compiles_once_for_every_row_count(monkeypatch):
+    """The experts' row count changes every call (the tokens routed to this rank's experts): the
+    packed SwiGLU and its derivative compile with dynamic sizes, so the grouped MLP (its forward's
+    activation, its hand-written backward's derivative) and the composition a zero-bubble store
+    runs (``grouped_linear``, ``swiglu_packed`` under autograd, ``grouped_linear``) at three row
+    counts compile each op's graphs at the first count only; static, every count was one more
+    compilation of each. ``Regional``'s own count (its limit) stays at the first count's too.
+    ``compiled`` builds the real Regionals, with a counting backend in place of inductor (Dynamo's
+    guards decide a recompilation, not the backend)."""
+    if not gg.torch_grouped_mm_runs("cpu", torch.float32):
+        pytest.skip("this torch has no CPU torch._grouped_mm")
+    graphs = collections.Counter()
+
+    class Counting(comp.Regional):
+        def __init__(self, fn, backend="inductor", limit=64, dynamic=False):
+            def counting(gm, inputs):
+                graphs[fn.__name__] += 1
+                return gm.forward
+            super().__init__(fn, counting, limit, dynamic)
+    monkeypatch.setattr(comp, "Regional", Counting)
+    monkeypatch.setattr(swiglu_mod, "device_kind", lambda t: "cuda")
+    comp.compiled.cache_clear()
+    torch._dynamo.reset()
+    try:
+        seen = []
+        for n in (6, 11, 17):
+            g = torch.Generator().manual_seed(n)
+            x = torch.randn(n, 16, generator=g)                                    # (n, h)
+            w_in, w_out = torch.randn(3, 16, 16, generator=g), torch.randn(3, 16, 8, generator=g)
+            counts = [n // 3, n - n // 3 - 2, 2]
+            offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)        # (G,)
+            leaves = [t.clone().requires_grad_() for t in (x, w_in, w_out)]
+            kernels.grouped_mlp(leaves[0], offsets, leaves[1], leaves[2], "swiglu").sum().backward()
+            want = [t.clone().requires_grad_() for t in (x, w_in, w_out)]
+            y_ref = kernels.grouped_mlp_reference(want[0], counts, want[1], want[2], "swiglu")
+            y_ref.sum().backward()
+            for a, b in zip(leaves, want):
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+            xs, wi, wo = (t.clone().requires_grad_() for t in (x, w_in, w_out))
+            h = kernels.swiglu_packed(kernels.grouped_linear(xs, wi, offsets))      # (n, 8)
+            kernels.grouped_linear(h, wo, offsets).sum().backward()
+            seen.append(dict(graphs))
+        assert set(seen[0]) == {"_swiglu_packed", "_swiglu_packed_backward"}, seen
+        assert seen[0] == seen[-1], seen   # no compilation after the first row count
+        sizes = {op: len(comp.compiled(op).compiled)
+                 for op in ("swiglu_packed", "swiglu_packed_backward")}
+        assert sizes == {"swiglu_packed": 2, "swiglu_packed_backward": 1}, sizes  # grad or not
+    finally:
+        comp.compiled.cache_clear()
+        torch._dynamo.reset()
+
+
+def test_dynamic_signatures_count_the_graphs_dynamo_compiles():
+    """With dynamic sizes Dynamo compiles once for every size of 2 or more (0 and 1 are
+    specialised), but once per shape of a Parameter (static: ``force_parameter_static_shapes``,
+    FP8 quantizes the weights): ``Regional``'s signatures, which its limit counts, are the same."""
+    graphs = []
+
+    def counting(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def expr_dynamic(x):
+        return (x * 2.0).clamp(-1.0, 1.0)
+    torch._dynamo.reset()
+    regional = comp.Regional(expr_dynamic, backend=counting, dynamic=True)
+    try:
+        with torch.no_grad():
+            for x in [torch.randn(n, 4) for n in (3, 5, 9, 1)] + [
+                    torch.nn.Parameter(torch.randn(shape)) for shape in ((3, 4), (5, 4), (5, 4))]:
+                torch.testing.assert_close(regional(x), expr_dynamic(x), rtol=0, atol=0)
+    finally:
+        torch._dynamo.reset()
+    assert len(regional.compiled) == len(graphs) == 4 and not regional.eager, regional.compiled

@@ -4,8 +4,11 @@
   output and the gradients of x, both weights and both biases equal the loop's under autograd, GELU
   with biases and SwiGLU without, on uneven and empty groups, the rows' groups given or computed;
   it reads nothing on the host (the step's wait counter in strict mode) and is one autograd node.
-- Unaligned widths take the composition (``grouped_linear`` twice), equal to the loop as well.
+- Unaligned widths take the composition (``grouped_linear`` twice), equal to the loop as well,
+  and so does a weight whose base pointer is off 16 bytes (``weights_aligned``, on any device).
 - SwiGLU's packed derivative equals autograd's of the expression, exactly.
+- An expert without rows gets exactly zero weight gradient in the fused MLP, a grouped linear and
+  the zero-bubble W, whatever ``torch._grouped_mm`` leaves in its block (NaN, emulating sm100).
 """
 from __future__ import annotations
 
@@ -130,3 +133,83 @@ def test_bias_gradients_sum_in_fp32_and_add_no_bf16_rows_one_by_one():
     assert mode.seen == [] and leaves[3].grad is not None and b.grad is not None
     assert torch.equal(b.grad, gg.group_sum(torch.ones(96, 8, dtype=torch.bfloat16),
                                             gg.row_groups(_offsets(counts), 96), 4))
+
+
+def _empty_groups_nan(real):
+    """``torch._grouped_mm`` as pytorch issue #172439 reports it on sm100: grouped along K (the
+    weight gradient, 2-D x 2-D), a group over zero rows comes back as garbage, here NaN. The
+    device's behaviour, emulated; the code under test runs as it is."""
+    def grouped_mm(a, b, offs=None, **kwargs):
+        out = real(a, b, offs=offs, **kwargs)
+        if a.dim() == 2 and b.dim() == 2:                                   # (G, M, N)
+            counts = torch.diff(offs, prepend=offs.new_zeros(1))
+            out = out.masked_fill((counts == 0).view(-1, 1, 1), float("nan"))
+        return out
+    return grouped_mm
+
+
+@pytest.mark.skipif(not HAS_GROUPED_MM, reason="this torch has no CPU torch._grouped_mm")
+@pytest.mark.parametrize("path", ["grouped_mlp", "grouped_linear", "deferred_w"])
+def test_an_expert_without_rows_gets_a_zero_weight_gradient_whatever_the_kernel_leaves(
+        monkeypatch, path):
+    """Each bf16 weight gradient over ``torch._grouped_mm`` (the fused MLP's backward, a grouped
+    linear's, a zero-bubble W's ``grouped_weight_grad``) zeroes the blocks of the groups with no
+    rows on the device, so an expert that received no tokens gets exactly zero, not what the
+    kernel wrote for a group over zero rows (NaN here, as on sm100 in the issue above)."""
+    from models.moe.grouped_split import grouped_linear_defer_w
+    from parallel.grads.weight_grad import WeightGradStore
+    assert gg.torch_grouped_mm_runs("cpu", torch.bfloat16)                  # probed unpatched
+    monkeypatch.setattr(torch, "_grouped_mm", _empty_groups_nan(torch._grouped_mm))
+    counts = [5, 0, 3, 8]                                                   # expert 1: no rows
+    x, w_in, w_out, _, _ = (None if t is None else t.to(torch.bfloat16)
+                            for t in _operands(counts, "swiglu", False))
+    x, w_in, w_out = (t.requires_grad_() for t in (x, w_in, w_out))
+    if path == "grouped_mlp":
+        assert ge.fused_path(x, w_in, w_out)
+        y = grouped_mlp(x, _offsets(counts), w_in, w_out, "swiglu")         # (n, h)
+        assert type(y.grad_fn).__name__ == "_GroupedMlpForwardGroupedMlpBackwardBackward"
+        y.float().square().sum().backward()
+        weights = (w_in, w_out)
+    elif path == "grouped_linear":
+        assert gg.grouped_linear_path(x, w_in) == "torch"
+        gg.grouped_linear(x, w_in, _offsets(counts)).float().square().sum().backward()
+        weights = (w_in,)
+    else:
+        store = WeightGradStore()
+        with store.capture("b"):
+            grouped_linear_defer_w(x, w_in, None, _offsets(counts), store).float().square().sum() \
+                .backward()
+        assert w_in.grad is None and store.run("b") == 1
+        weights = (w_in,)
+    for w in weights:
+        assert torch.equal(w.grad[1], torch.zeros_like(w.grad[1])), (path, w.grad[1].flatten()[:4])
+        assert w.grad[[0, 2, 3]].isfinite().all() and w.grad[[0, 2, 3]].abs().sum() > 0
+
+
+@pytest.mark.skipif(not HAS_GROUPED_MM, reason="this torch has no CPU torch._grouped_mm")
+def test_a_weight_off_16_bytes_takes_the_composition_equal_to_the_loop():
+    """CUDA's torch._grouped_mm requires 16-byte aligned base pointers (the CPU's does not).
+    ``weights_aligned`` checks both stacked weights' pointers on any device, so a w_out that is a
+    contiguous view 2 bytes into its buffer (aligned widths) keeps ``grouped_mlp`` off the one
+    Function; the composition it takes equals the loop (bf16, within its rounding)."""
+    counts = [5, 0, 3, 8]
+    x, w_in, w_out, _, _ = (None if t is None else t.to(torch.bfloat16)
+                            for t in _operands(counts, "swiglu", False))
+    def two_bytes_in(t):  # the same values, contiguous, one bf16 element into a buffer
+        return torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view_as(t).copy_(t)
+    shifted = two_bytes_in(w_out)                                           # (G, h, f)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 == 2
+    assert ge.weights_aligned(w_in, w_out) and ge.fused_path(x, w_in, w_out)
+    assert not ge.weights_aligned(w_in, shifted)
+    assert not ge.weights_aligned(two_bytes_in(w_in), w_out)
+    assert not ge.fused_path(x, w_in, shifted)
+    leaves = [x.clone().requires_grad_(), w_in.clone().requires_grad_(), shifted.requires_grad_()]
+    y = grouped_mlp(leaves[0], _offsets(counts), *leaves[1:], "swiglu")      # (n, h)
+    assert type(y.grad_fn).__name__ != "_GroupedMlpForwardGroupedMlpBackwardBackward"
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    y.backward(dy)
+    want = [t.clone().requires_grad_() for t in (x, w_in, w_out)]
+    y_ref = grouped_mlp_reference(want[0], counts, want[1], want[2], "swiglu")
+    y_ref.backward(dy)
+    for a, b in zip([y] + [t.grad for t in leaves], [y_ref] + [t.grad for t in want]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=5e-2)

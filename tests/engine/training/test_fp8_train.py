@@ -159,10 +159,12 @@ def test_a_chip_without_fp8_stops_before_any_process_group(monkeypatch):
 
 def test_the_compiled_quantization_trains_past_the_recompile_limit(monkeypatch):
     """On CUDA the quantization runs compiled (kernels/fp8.py): a model's GEMM operands and their
-    gradients are more signatures than Dynamo's recompile limit, where a bare ``torch.compile(...,
-    fullgraph=True)`` raises. Pointed at that path here (Dynamo's eager backend: the dispatch is
-    under test, not inductor), a serial FP8 run compiles every signature (``Regional``'s own limit)
-    and trains exactly the run of the eager path."""
+    gradients can be more signatures than Dynamo's recompile limit (dynamic sizes, but one per
+    weight shape: Parameters stay static), where a bare ``torch.compile(..., fullgraph=True)``
+    raises. Pointed at that path here (Dynamo's eager backend: the dispatch is under test, not
+    inductor), with the process's limit set below this tiny model's signatures, a serial FP8 run
+    compiles every signature (``Regional``'s own limit) and trains exactly the run of the eager
+    path."""
     from kernels import fp8
     from kernels.compiled import Regional
     import torch
@@ -172,9 +174,10 @@ def test_the_compiled_quantization_trains_past_the_recompile_limit(monkeypatch):
     monkeypatch.setattr(fp8, "_compiled_quantize", lambda: regional)
     monkeypatch.setattr(fp8, "use_compiled_quantize", lambda x: not torch.compiler.is_compiling())
     torch._dynamo.reset()
+    limit = 4   # the process's recompile limit, below the model's 6 signatures
     try:
-        assert serial(argv) == eager
+        with torch._dynamo.config.patch(recompile_limit=limit):   # (put back on leaving)
+            assert serial(argv) == eager
     finally:
         torch._dynamo.reset()
-    limit = torch._dynamo.config.recompile_limit   # more signatures than this, all compiled
     assert len(regional.compiled) > limit and not regional.eager, (regional.compiled, regional.eager)
