@@ -10,5 +10,6 @@
 - the stages: ``kernels`` (each kernel's device path against its reference), ``gemm_chunks`` (the
   TP overlap's chunked GEMM on one device), ``moe`` (the MoE model against its dense twin, the
   planner beside them; the host waits counted two ways), ``fp8`` (bf16 against FP8),
-  ``two_ranks`` (two processes on one device against the serial run), ``tp_overlap`` (two devices).
+  ``two_ranks`` (two processes on one device against the serial run), ``tp_overlap`` (two devices),
+  ``offload`` (an 8B llama with its optimizer in host memory; ``--only offload``, a call of its own).
 """

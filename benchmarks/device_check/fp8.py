@@ -1,21 +1,30 @@
 """The device check's FP8 stage (benchmarks/device_check/): bf16 against FP8 GEMMs on one device.
 
-For each model, two ``engine.train`` runs on the same mock batches (same seed, same steps): bf16,
-then ``--fp8-format hybrid`` (tensorwise scales, docs/precision.md). Reported per model: tokens/s
-of each (totals over the steps after the warm-up), their ratio, and the last step's loss of each
-with its relative gap; each figure against its target (issue 36):
+For each model, two ``engine.train`` runs on the same batches of real text (same seed, same
+steps): bf16, then ``--fp8-format hybrid`` (tensorwise scales, docs/precision.md). The text is
+the repository's own documentation (docs/*.md and README.md, about 0.6 M bytes), prepared at the
+stage's start under the stage's out dir with the engine's byte tokenizer
+(``python -m engine.data prepare``, a few seconds): uniform random tokens (mock data) cannot show
+a loss gap, since every run that does not diverge sits at ln V. The prepared text's
+tokenizer description (``PREFIX.json``) is removed, so the data reads as Megatron's own data,
+which carries none, and the models keep the check's vocabulary (``--vocab-size``, 51200: the same
+models, output layer included, as on mock data; the byte ids use 257 of its tokens). Reported
+per model: tokens/s of each
+(totals over the steps after the warm-up), their ratio, and the mean loss of the last
+``LOSS_WINDOW`` steps of each with its relative gap; each figure against its target (issue 36):
 
 - ``gpt 1.3b``: the check's 1.3B GPT (24 x 2048, seq 2048): FP8 >= 1.1x bf16 tokens/s;
 - ``gpt hidden 4096``: hidden 4096, 32 heads, seq 2048, ffn 16384, as many layers as the planner's
   memory model fits on the device with ZeRO off, in the table's memory and in what the device has
   free (``wide_layers``, at most ``WIDE_MAX_LAYERS``, so the stage fits its deadline; 12 on an
   H100 and an H200): FP8 >= 1.25x;
-- both: the FP8 run's last loss within 1% of bf16's.
+- both: the FP8 run's loss within 1% of bf16's.
 
 A chip without FP8 (an A100, Ascend A2/A3; the chip table's ``fp8_problem``) skips the stage with
 the table's line, launching nothing. ``--tiny`` runs one pair of a small bf16 model on the CPU,
 whose ``torch._scaled_mm`` runs the same FP8 path (how the tests exercise the stage, in two short
-processes; not a speed figure).
+processes, at a learning rate of ``TINY_LR`` so that a few steps move the loss; not a speed
+figure).
 """
 from __future__ import annotations
 
@@ -31,10 +40,43 @@ WIDE_DEFAULT_LAYERS = 8        # a device the hardware table has no memory figur
 FREE_MARGIN = 6 * 2 ** 30      # kept back from the free memory: the run's own device context, the
                                # fp32 logits' transients the memory model leaves out
 TINY_FP8 = {"num-layers": 1, "hidden-size": 32, "num-attention-heads": 2, "seq-length": 32,
-            "vocab-size": 256}   # --tiny: the smallest model with 16-aligned GEMMs (two short runs)
+            "vocab-size": 512}   # --tiny: the smallest model with 16-aligned GEMMs (two short
+                                 # runs) whose vocabulary holds the byte ids (257)
 TARGETS = {"gpt 1.3b": 1.1, "gpt hidden 4096": 1.25}   # FP8 / bf16 tokens/s
-LOSS_TARGET = 0.01                                     # relative gap of the last step's loss
+LOSS_TARGET = 0.01                                     # relative gap of the mean loss
+LOSS_WINDOW = 3                                        # the last steps whose loss is averaged
 FP8_FLAGS = ("--fp8-format", "hybrid")
+TINY_LR = ("--lr", "3e-3")     # --tiny: a rate at which the loss falls within a few steps
+DATA_INPUTS = ("docs", "README.md")  # the repository's text the pairs train on (byte tokens)
+
+
+def prepare_text(out: Path, kind: str, deadline_s: float) -> tuple[str | None, str]:
+    """(the prefix of the stage's byte-tokenized text, "") or (None, why not): DATA_INPUTS
+    prepared by ``python -m engine.data prepare`` under ``out/fp8_data``."""
+    from benchmarks.common import REPO
+    from benchmarks.device_check.launch import launcher
+    from benchmarks.device_check.plan import last_line
+    prefix, log = out / "fp8_data" / "text", out / "fp8_data.log"
+    cmd = [sys.executable, "-m", "engine.data", "prepare", "--input",
+           *(str(REPO / name) for name in DATA_INPUTS), "--ext", ".md", "--output", str(prefix),
+           "--tokenizer", "byte", "--no-progress", "--overwrite"]
+    code, _ = launcher(kind)(cmd, log, deadline_s)
+    if code == 0:   # without its tokenizer description: --vocab-size then sets the vocabulary
+        for suffix in (".json", ".tokenizer.json"):
+            Path(f"{prefix}{suffix}").unlink(missing_ok=True)
+        return str(prefix), ""
+    return None, ("the text's preparation stopped at its deadline" if code is None
+                  else f"the text's preparation: exit {code}: {last_line(log)}")
+
+
+def data_argv(argv: list[str], prefix: str) -> list[str]:
+    """``train_argv``'s flags with the prepared text in place of mock data (the vocabulary stays
+    ``--vocab-size``).
+
+    >>> data_argv(["--mock-data", "--seq-length", "32", "--vocab-size", "256"], "d/text")
+    ['--data-path', 'd/text', '--seq-length', '32', '--vocab-size', '256']
+    """
+    return [x for flag in argv for x in (["--data-path", prefix] if flag == "--mock-data" else [flag])]
 
 
 def wide_layers(device_name: str, micro_batch: int, global_batch: int,
@@ -81,10 +123,14 @@ def compare(bf16: dict | None, fp8: dict | None, target: float) -> dict:
     """One model's row from its two runs ({"summary", "losses"} each, or None when not run)."""
     row = {"bf16_tokens_per_s": None, "fp8_tokens_per_s": None, "ratio": None, "target": target,
            "bf16_loss": None, "fp8_loss": None, "loss_gap": None, "speed_met": None, "loss_met": None}
+
+    def loss(run: dict) -> float:   # the mean of the last LOSS_WINDOW steps
+        tail = run["losses"][-LOSS_WINDOW:]
+        return sum(tail) / len(tail)
     if bf16:
-        row["bf16_tokens_per_s"], row["bf16_loss"] = bf16["summary"]["tokens_per_s"], bf16["losses"][-1]
+        row["bf16_tokens_per_s"], row["bf16_loss"] = bf16["summary"]["tokens_per_s"], loss(bf16)
     if fp8:
-        row["fp8_tokens_per_s"], row["fp8_loss"] = fp8["summary"]["tokens_per_s"], fp8["losses"][-1]
+        row["fp8_tokens_per_s"], row["fp8_loss"] = fp8["summary"]["tokens_per_s"], loss(fp8)
     if bf16 and fp8 and len(bf16["losses"]) == len(fp8["losses"]):
         if row["bf16_tokens_per_s"] and row["fp8_tokens_per_s"]:
             row["ratio"] = row["fp8_tokens_per_s"] / row["bf16_tokens_per_s"]
@@ -95,7 +141,8 @@ def compare(bf16: dict | None, fp8: dict | None, target: float) -> dict:
 
 
 def fp8_stage(stage, deadline_s: float, out: Path, kind: str, args):
-    """The stage: a StageResult whose ``fp8`` holds one row per model (``compare``); every run is
+    """The stage: a StageResult whose ``fp8`` holds one row per model (``compare``: its losses
+    are the means of the last ``LOSS_WINDOW`` steps) and the prepared text's prefix; every run is
     a subprocess under an equal share of what is left of the stage's deadline."""
     from benchmarks.common import read_jsonl
     from benchmarks.device_check.launch import launcher
@@ -111,15 +158,21 @@ def fp8_stage(stage, deadline_s: float, out: Path, kind: str, args):
     free = available_memory(kind)[0] if kind != "cpu" else None   # this process's context taken
     models = fp8_models(args.tiny, dev.name, args.micro_batch_size, args.global_batch_size, free)
     jobs = [(name, prec, model) for name, model in models.items() for prec in ("bf16", "fp8")]
-    start, runs, failure = time.monotonic(), {}, ""
+    start, runs = time.monotonic(), {}
     end = start + deadline_s
+    data, failure = prepare_text(out, kind, min(60.0, deadline_s / 4))
+    if data is None:
+        return StageResult(stage.name, "deadline" if "deadline" in failure else "failed", deadline_s,
+                           time.monotonic() - start, failure, fp8={"steps": steps, "rows": {}})
+    common = TINY_LR if args.tiny else ()
     for i, (name, prec, model) in enumerate(jobs):
         tag = f"fp8_{name.replace(' ', '_').replace('.', '')}_{prec}"
         metrics, log = out / f"{tag}.jsonl", out / f"{tag}.log"
         metrics.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "engine.train",
-               *train_argv(kind, steps, str(metrics), str(out / tag), FP8_FLAGS if prec == "fp8" else (),
-                           args.micro_batch_size, args.global_batch_size, model, "bf16")]
+        flags = common + (FP8_FLAGS if prec == "fp8" else ())
+        cmd = [sys.executable, "-m", "engine.train", *data_argv(
+            train_argv(kind, steps, str(metrics), str(out / tag), flags, args.micro_batch_size,
+                       args.global_batch_size, model, "bf16"), data)]
         code, _ = launcher(kind)(cmd, log, max(1.0, (end - time.monotonic()) / (len(jobs) - i)))
         records = read_jsonl(metrics) if metrics.exists() else []
         if code == 0 and len(records) == steps:
@@ -132,8 +185,8 @@ def fp8_stage(stage, deadline_s: float, out: Path, kind: str, args):
                                                         TARGETS[name])}
             for name, model in models.items()}
     status = "ok" if len(runs) == len(jobs) else "failed" if "exit" in failure else "deadline"
-    return StageResult(stage.name, status, deadline_s, time.monotonic() - start,
-                       failure, fp8={"steps": steps, "rows": rows})
+    return StageResult(stage.name, status, deadline_s, time.monotonic() - start, failure,
+                       fp8={"steps": steps, "loss_window": LOSS_WINDOW, "data": data, "rows": rows})
 
 
 def _describe(model: dict) -> str:
@@ -153,7 +206,12 @@ def fp8_lines(results) -> list[str]:
              num(r["ratio"], ".3f"), f">= {r['target']:g}x: {met(r['speed_met'])}",
              num(r["bf16_loss"], ".4f"), num(r["fp8_loss"], ".4f"), num(r["loss_gap"], "+.2%"),
              f"within {LOSS_TARGET:.0%}: {met(r['loss_met'])}"] for name, r in got["rows"].items()]
+    if not rows:
+        return []
     return [markdown_table(["FP8 against bf16", "model", "bf16 tokens/s", "FP8 tokens/s", "FP8 / bf16",
-                            "speed target", "bf16 last loss", "FP8 last loss", "gap", "loss target"], rows),
+                            "speed target", f"bf16 loss (last {LOSS_WINDOW})", f"FP8 loss (last {LOSS_WINDOW})",
+                            "gap", "loss target"], rows),
             "", f"--fp8-format hybrid (tensorwise) against bf16, {got['steps']} steps each on the same "
-                f"mock batches; tokens/s over the steps after the warm-up", ""]
+                f"batches of the repository's docs (byte ids in the models' own vocabulary); tokens/s "
+                f"over the steps after the warm-up; loss: the mean of the last {LOSS_WINDOW} steps",
+            ""]

@@ -4,8 +4,10 @@
 npu_rotary_mul, npu_swiglu, ...); each case runs the device path on bf16 inputs and the plain-math
 reference on the same inputs in fp32, forward and backward (causal attention, grouped-query
 attention and packed documents included; the MoE experts' grouped GEMM on uneven groups, one of
-them empty, with its row offsets on the device, against the loop of per-group GEMMs). benchmarks/device_check/ runs this in a subprocess of
-its own (``python -m benchmarks.device_check --stage kernels``) under a deadline.
+them empty, with its row offsets on the device, against the loop of per-group GEMMs). A case
+that raises (a kernel the device has no image for, say) is its own row, not ok, with the error's
+last line; the other cases still run. benchmarks/device_check/ runs this in a subprocess of its
+own (``python -m benchmarks.device_check --stage kernels``) under a deadline.
 """
 from __future__ import annotations
 
@@ -113,14 +115,19 @@ def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16,
     paths = kernels.kernel_paths(device.type)
     rows = []
     for name, fused, ref, inputs in kernel_cases(device, dtype, seq):
-        with torch.no_grad():
-            shape = fused(*inputs).shape
-        up = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(device)
-        out, grads = _run(fused, inputs, up)
-        ref_out, ref_grads = _run(ref, [x.float() for x in inputs], up)
-        fwd = _err(out, ref_out)
-        grad = max(_err(a, b) for a, b in zip(grads, ref_grads))
-        rows.append({"op": name, "path": paths.get(name.split(" ")[0], "-"), "forward": fwd,
-                     "gradient": grad, "tolerance": [fwd_tol, grad_tol],
-                     "ok": fwd <= fwd_tol and grad <= grad_tol})
+        row = {"op": name, "path": paths.get(name.split(" ")[0], "-"), "forward": None,
+               "gradient": None, "tolerance": [fwd_tol, grad_tol], "ok": False}
+        try:
+            with torch.no_grad():
+                shape = fused(*inputs).shape
+            up = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(device)
+            out, grads = _run(fused, inputs, up)
+            ref_out, ref_grads = _run(ref, [x.float() for x in inputs], up)
+            fwd = _err(out, ref_out)
+            grad = max(_err(a, b) for a, b in zip(grads, ref_grads))
+            row.update(forward=fwd, gradient=grad, ok=fwd <= fwd_tol and grad <= grad_tol)
+        except Exception as exc:  # noqa: BLE001 - the case's row says what it raised
+            row["error"] = f"{type(exc).__name__}: " + \
+                (str(exc).strip().splitlines() or [""])[-1][:200]
+        rows.append(row)
     return rows

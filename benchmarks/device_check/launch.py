@@ -3,7 +3,10 @@ preloaded server on the CPU.
 
 ``launcher(kind)`` is what every stage runs its commands with, ``(cmd, log_path, deadline_s) ->
 (exit code, or None when stopped at the deadline, wall seconds)``; output goes to ``log_path``
-and the whole process group is stopped at the deadline.
+and at the deadline the command and every process descended from it are stopped
+(``stop_tree``): torchrun starts each worker in a session of its own, so stopping the command's
+process group alone would leave the workers running, holding device memory while the next
+stages run.
 
 - ``run_process`` (on a device, and every command that is not ``python -m <module>``): a fresh
   interpreter per command. Nothing of the check's own process or of an earlier stage (an
@@ -13,10 +16,9 @@ and the whole process group is stopped at the deadline.
   forked from a server that imported torch and the engine once (``engine.fuzz.pool.rank_context``,
   the test suite's and the fuzzer's ranks come from the same kind of server). A fresh
   interpreter spends about 3 of a tiny stage's 3.5 CPU seconds importing; a fork starts in
-  milliseconds. The child gets the caller's environment,
-  the repository as its working directory, its own session (so the deadline stops its children
-  too), its output in the log, and its ``atexit`` handlers run before it exits, as an interpreter's
-  would. The server holds no device context, so the fork is as safe as torch's own
+  milliseconds. The child gets the caller's environment, the repository as its working
+  directory, its own session, its output in the log, and its ``atexit`` handlers run before it
+  exits, as an interpreter's would. The server holds no device context, so the fork is as safe as torch's own
   forkserver workers; it is kept to the CPU all the same, where no stage measures a device.
 """
 from __future__ import annotations
@@ -38,9 +40,68 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
+def _children() -> dict[int, list[int]]:
+    """parent pid -> its children's pids, from /proc (empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return children
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    return children
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process descended from ``pid`` (children, their children, ...), now."""
+    children, found, todo = _children(), set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def stop_tree(pid: int) -> None:
+    """Kill ``pid``, every process descended from it and the process groups they lead (what
+    left the tree but stayed in such a group). The tree is stopped first (SIGSTOP) until no new
+    process appears, so nothing forks or is re-parented away between finding the tree and
+    killing it."""
+    tree: set[int] = set()
+    for _ in range(20):
+        new = ({pid} | descendants(pid)) - tree
+        if not new:
+            break
+        for p in new:
+            try:
+                os.kill(p, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        tree |= new
+    for p in tree:
+        try:
+            group = os.getpgid(p)
+            if group in tree:   # a group one of them leads (never the caller's, nor a server's)
+                os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_process(cmd: list[str], log_path: Path, deadline_s: float) -> tuple[int | None, float]:
     """``cmd`` as a fresh process: (exit code or None when stopped at the deadline, wall
-    seconds); the whole process group is stopped at the deadline."""
+    seconds); at the deadline it and all its descendants are stopped (``stop_tree``)."""
     start = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env(),
@@ -48,7 +109,7 @@ def run_process(cmd: list[str], log_path: Path, deadline_s: float) -> tuple[int 
         try:
             code = proc.wait(timeout=deadline_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop_tree(proc.pid)
             proc.wait()
             code = None
     return code, time.monotonic() - start
@@ -104,10 +165,7 @@ def run_forked(cmd: list[str], log_path: Path, deadline_s: float) -> tuple[int |
     proc.join(deadline_s)
     code = proc.exitcode
     if code is None:  # past the deadline: the child and whatever it started
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:  # (stopped before its own session began)
-            proc.kill()
+        stop_tree(proc.pid)
         proc.join()
     return code, time.monotonic() - start
 

@@ -95,13 +95,16 @@ def planner_rows(device_name: str, tiny: bool, micro_batch: int, global_batch: i
 def comparison_lines(results, header: dict, out: Path, tiny: bool, micro_batch: int,
                      global_batch: int) -> list[str]:
     """The llama stage against gpt2's, and the MoE stage against its dense reference and the
-    planner, as markdown lines."""
+    planner, as markdown lines. A figure from a stage that did not finish (stopped at its
+    deadline or failed: its summary covers the steps it made) is marked as such, not read
+    against a target."""
     from benchmarks.common import markdown_table
     by = {r.name: r for r in results if r.summary}
     lines = []
     if "eager" in by and "llama" in by and by["eager"].summary["mfu"] and by["llama"].summary["mfu"]:
         lines += [f"llama / gpt2 blocks (1.3B, eager) MFU: {by['llama'].summary['mfu'] / by['eager'].summary['mfu']:.3f} "
-                  f"({100 * by['llama'].summary['mfu']:.1f}% against {100 * by['eager'].summary['mfu']:.1f}%)", ""]
+                  f"({100 * by['llama'].summary['mfu']:.1f}% against {100 * by['eager'].summary['mfu']:.1f}%)"
+                  + unfinished(by, "eager", "llama"), ""]
     if "moe" not in by:
         return lines
     moe, dense = by["moe"].summary, by.get("moe_dense")
@@ -109,7 +112,10 @@ def comparison_lines(results, header: dict, out: Path, tiny: bool, micro_batch: 
         ratio = moe["tokens_per_s"] / dense.summary["tokens_per_s"]
         lines += [f"MoE / dense (same active FLOPs) tokens/s: {ratio:.3f} (target >= 0.8); MoE MFU "
                   f"{100 * (moe['mfu'] or 0):.1f}% (target >= 40%), peak memory "
-                  f"{(moe['peak_memory_bytes'] or 0) / 2**30:.1f} GiB", ""]
+                  f"{(moe['peak_memory_bytes'] or 0) / 2**30:.1f} GiB"
+                  + unfinished(by, "moe", "moe_dense"), ""]
+    elif unfinished(by, "moe"):
+        lines += [f"MoE MFU {100 * (moe['mfu'] or 0):.1f}% (target >= 40%)" + unfinished(by, "moe"), ""]
     peak = (moe["model_tflops_per_device"] / moe["mfu"]
             if moe.get("mfu") and moe.get("model_tflops_per_device") else None)
     rows = planner_rows(header["device_name"], tiny, micro_batch, global_batch,
@@ -123,7 +129,17 @@ def comparison_lines(results, header: dict, out: Path, tiny: bool, micro_batch: 
                                    _fmt(r["step_time_s"] / measured[r["model"]]
                                         if r["step_time_s"] and measured.get(r["model"]) else None)]
                                   for r in rows]), ""]
+        note = unfinished(by, "moe", "moe_dense")
+        lines += [f"planner table{note}", ""] if note else []
     return lines
+
+
+def unfinished(by: dict, *names: str) -> str:
+    """A note for a target line whose figures come from stages that did not finish ("" when all
+    of ``names`` finished)."""
+    left = [f"{n} {by[n].status}" for n in names if n in by and by[n].status != "ok"]
+    return (f" -- NOT a result against the targets: from stages that did not finish "
+            f"({', '.join(left)})") if left else ""
 
 
 def _fmt(v):

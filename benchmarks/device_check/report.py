@@ -7,6 +7,7 @@ from pathlib import Path
 from benchmarks.common import markdown_table
 from benchmarks.device_check.fp8 import fp8_lines
 from benchmarks.device_check.moe import comparison_lines, syncs_lines
+from benchmarks.device_check.offload import offload_lines
 from benchmarks.device_check.plan import StageResult
 
 
@@ -39,8 +40,9 @@ def report(results: list[StageResult], header: dict) -> str:
     kern = next((r for r in results if r.kernels), None)
     if kern:
         lines += [markdown_table(["op", "device path", "forward err", "gradient err", "within tolerance"],
-                                 [[k["op"], k["path"], f"{k['forward']:.2e}", f"{k['gradient']:.2e}",
-                                   "yes" if k["ok"] else "NO"] for k in kern.kernels]),
+                                 [[k["op"], k["path"], _num(k["forward"], ".2e"), _num(k["gradient"], ".2e"),
+                                   "yes" if k["ok"] else f"NO ({k['error']})" if k.get("error") else "NO"]
+                                  for k in kern.kernels]),
                   "", "errors: max |device - reference| / max(1, max |reference|)", ""]
     if kern and kern.gemm_chunks:
         lines += [markdown_table(["tp chunks", "plain GEMM (ms)", "chunked GEMMs (ms)", "ratio",
@@ -72,18 +74,21 @@ def report(results: list[StageResult], header: dict) -> str:
             ["run", "steps timed", "tokens/s", "TFLOP/s per device (model)", "MFU", "HFU",
              "step time (s)", "fwd+bwd / DP finish / optimizer (s)", "host syncs per step",
              "peak memory (GiB)"],
-            [[r.name, str(r.summary["steps"]), _num(r.summary["tokens_per_s"], ".0f"),
+            [[r.name if r.status == "ok" else f"{r.name} ({r.status}: not finished)",
+              str(r.summary["steps"]), _num(r.summary["tokens_per_s"], ".0f"),
               _num(r.summary["model_tflops_per_device"], ".1f"), _pct(r.summary["mfu"]),
               _pct(r.summary["hfu"]), _num(r.summary["step_time_s"], ".3f"),
               " / ".join(_num(r.summary[k], ".3f") for k in
                          ("time_forward_backward_s", "time_dp_finish_s", "time_optimizer_s")),
               _num(r.summary.get("host_syncs_per_step"), "d"),
               _num((r.summary["peak_memory_bytes"] or 0) / 2**30, ".1f")] for r in runs]))
-        lines += ["", f"model: {header['model']} (moe, moe_dense: benchmarks/device_check/moe.py); totals "
+        lines += ["", f"model: {header['model']} (moe, moe_dense: benchmarks/device_check/moe.py; offload: "
+                      f"benchmarks/device_check/offload.py); totals "
                       f"over the steps after the warm-up ({header['warmup']} steps left out); MFU "
                       f"against the dense peak of engine/plan/hardware.py.", ""]
         lines += comparison_lines(results, header, Path(header.get("out", ".")),
                                   header.get("tiny", False), header.get("micro_batch", 4),
                                   header.get("global_batch", 16))
+        lines += offload_lines(results)
     lines += fp8_lines(results) + syncs_lines(next((r.syncs for r in results if r.syncs), []))
     return "\n".join(lines)

@@ -26,7 +26,11 @@ plan, each stage a subprocess with its own deadline inside the whole check's bud
 5. then, while time remains: ``compiled``, the 1.3B GPT with ``--compile`` (compilation falls in
    the warm-up steps); ``tp_overlap`` (two devices); ``zero``, the same model with the distributed
    optimizer (ZeRO-1) on the one device; ``packed``, packed documents
-   (``--reset-attention-mask --reset-position-ids --eod-mask-loss``), shorter.
+   (``--reset-attention-mask --reset-position-ids --eod-mask-loss``), shorter;
+6. ``offload``: an 8B llama with its optimizer offloaded to host memory (issue 37: tokens/s, MFU,
+   peak memory, the host update's share of the step; benchmarks/device_check/offload.py). It
+   starts only with 300 s left, which the default budget never leaves after the stages above:
+   ``--only offload`` runs it alone, in one call.
 
 A stage that runs past its deadline is stopped and reported as such in the table, with what it
 measured until then; a stage that fails is reported with the last line of its log; neither raises,
@@ -53,6 +57,7 @@ from benchmarks.common import read_jsonl
 from benchmarks.device_check.fp8 import fp8_stage
 from benchmarks.device_check.moe import stage_model, syncs_stage
 from benchmarks.device_check.launch import launcher
+from benchmarks.device_check.offload import offload_stage
 from benchmarks.device_check.plan import (MODEL, TINY, TWO_RANKS_MODEL, Stage, StageResult,
                                           deadline_for, last_line, plan, train_argv)
 from benchmarks.device_check.report import report
@@ -89,6 +94,28 @@ def _two_ranks_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args
                        two_ranks=got)
 
 
+def _kernels_result(stage: Stage, deadline_s: float, out: Path, kind: str, args, log: Path
+                    ) -> StageResult:
+    """The kernels stage as a subprocess: whatever tables it wrote, and its status (ok only when
+    it exited 0 and every case ran within tolerance)."""
+    data, chunks = out / "kernels.json", out / "gemm_chunks.json"
+    data.unlink(missing_ok=True)
+    chunks.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "benchmarks.device_check", "--stage", "kernels",
+           "--out", str(out), "--device", kind] + (["--tiny"] if args.tiny else [])
+    code, wall = launcher(kind)(cmd, log, deadline_s)
+    rows = json.loads(data.read_text()) if data.exists() else []
+    gemm = json.loads(chunks.read_text()) if chunks.exists() else []
+    bad = [r for r in rows if not r["ok"]]
+    status = "ok" if code == 0 and rows and not bad else "deadline" if code is None else "failed"
+    parts = [f"stopped at its {deadline_s:g} s deadline"] if code is None else \
+        [f"exit {code}: {last_line(log)}"] if code else []
+    if bad:
+        parts.append("outside tolerance or raised: " + ", ".join(r["op"] for r in bad))
+    return StageResult(stage.name, status, deadline_s, wall, "; ".join(parts) if status != "ok" else "",
+                       kernels=rows, gemm_chunks=gemm)
+
+
 def run_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> StageResult:
     log = out / f"{stage.name}.log"
     if stage.name == "syncs":  # benchmarks/device_check/moe.py
@@ -99,23 +126,10 @@ def run_stage(stage: Stage, deadline_s: float, out: Path, kind: str, args) -> St
         return _two_ranks_stage(stage, deadline_s, out, kind, args)
     if stage.name == "fp8":
         return fp8_stage(stage, deadline_s, out, kind, args)
+    if stage.name == "offload":
+        return offload_stage(stage, deadline_s, out, kind, args)
     if not stage.training:
-        data = out / "kernels.json"
-        data.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "benchmarks.device_check", "--stage", "kernels",
-               "--out", str(out), "--device", kind] + (["--tiny"] if args.tiny else [])
-        code, wall = launcher(kind)(cmd, log, deadline_s)
-        rows = json.loads(data.read_text()) if code == 0 and data.exists() else []
-        chunks = out / "gemm_chunks.json"
-        gemm = json.loads(chunks.read_text()) if code == 0 and chunks.exists() else []
-        status = "ok" if code == 0 and rows and all(r["ok"] for r in rows) else \
-            "deadline" if code is None else "failed"
-        detail = "" if status == "ok" else \
-            f"stopped at its {deadline_s:g} s deadline" if code is None else \
-            ("outside tolerance: " + ", ".join(r["op"] for r in rows if not r["ok"]) if code == 0
-             else f"exit {code}: {last_line(log)}")
-        return StageResult(stage.name, status, deadline_s, wall, detail, kernels=rows,
-                           gemm_chunks=gemm)
+        return _kernels_result(stage, deadline_s, out, kind, args, log)
     metrics = out / f"{stage.name}.jsonl"
     metrics.unlink(missing_ok=True)
     steps = min(stage.steps or args.steps, args.steps)
@@ -175,26 +189,41 @@ def run_plan(stages: list[Stage], out: Path, kind: str, args, clock=time.monoton
 
 
 def write_report(out: Path, header: dict, results: list[StageResult], start: float) -> str:
-    """device_check.json and device_check.md as of now; returns the markdown."""
+    """device_check.json, then device_check.md, as of now; returns the markdown. The JSON is
+    written first and a markdown that fails to render (a figure of an unexpected type) becomes
+    a line saying so, so the figures are never lost to their formatting."""
     header["wall_s"] = time.monotonic() - start
-    text = report(results, header)
     (out / "device_check.json").write_text(json.dumps(
-        {**header, "stages": [asdict(r) for r in results]}, indent=1))
+        {**header, "stages": [asdict(r) for r in results]}, indent=1, default=str))
+    try:
+        text = report(results, header)
+    except Exception as exc:  # noqa: BLE001 - the JSON above holds every figure
+        text = (f"device_check: the markdown report failed ({type(exc).__name__}: {exc}); "
+                f"the figures are in {out / 'device_check.json'}")
     (out / "device_check.md").write_text(text + "\n")
     return text
 
 
 def _kernels_stage(args) -> int:
+    """The kernels stage's process: kernels.json (a row per case, a case that raised included)
+    and gemm_chunks.json are both written whatever the other did; exit 1 when either raised."""
+    import traceback
+
+    from benchmarks.device_check.gemm_chunks import time_chunked_gemm
     from benchmarks.device_check.kernels import check_kernels
     dev = setup_device(args.device, 0)
     dtype, seq = (torch.float32, 64) if args.tiny else (torch.bfloat16, 512)
-    rows = check_kernels(dev.device, dtype, seq)
-    (Path(args.out) / "kernels.json").write_text(json.dumps(rows, indent=1))
-    from benchmarks.device_check.gemm_chunks import time_chunked_gemm
     shape = dict(tokens=256, hidden=64, ffn=256, repeats=3) if args.tiny else {}
-    (Path(args.out) / "gemm_chunks.json").write_text(
-        json.dumps(time_chunked_gemm(dev.device, dtype, **shape), indent=1))
-    return 0
+    code = 0
+    for name, measure in (("kernels.json", lambda: check_kernels(dev.device, dtype, seq)),
+                          ("gemm_chunks.json", lambda: time_chunked_gemm(dev.device, dtype, **shape))):
+        try:
+            rows = measure()
+        except Exception:  # noqa: BLE001 - in the log; the other file is still written
+            traceback.print_exc()
+            rows, code = [], 1
+        (Path(args.out) / name).write_text(json.dumps(rows, indent=1))
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,23 +8,27 @@ under its own deadline (``python -m benchmarks.device_check.two_ranks KIND DIR``
 or hang on device tensors, which then costs the probe, not the check; each rank writes what it
 learnt after every op, and an op not reached is reported as such). Then each layout
 whose collectives gloo ran is trained as two processes on that device
-(``engine.train --distributed-backend gloo``), fp32, against the serial run on the same device:
+(``engine.train --distributed-backend gloo``), fp32, against the serial run of the same model on
+the same device (one serial run per model: the dense one, and the MoE one for ``ep2``):
 
 - ``dp2 zero``: dp 2, ZeRO-1 with the overlapped parameter gather (small buckets);
 - ``tp2 sp``: tp 2 with sequence parallelism;
 - ``pp2``: pp 2, 1F1B;
-- ``ep2``: dp 2 with 4 experts over ep 2 (the all-to-all dispatcher).
+- ``ep2``: dp 2 with 4 experts (top-2) over ep 2 (the all-to-all dispatcher).
 
 A layout passes when every step's loss is within docs/design.md's relative 1e-4 of the serial run's.
-A layout that needs a collective gloo refused is reported with the collective and gloo's line; a run
-stopped at its share of the deadline is "deadline", not "failed"; on the CPU the stage is skipped
-(the test suite runs every layout against serial there).
+A layout that needs a collective gloo refused is reported with the collective and gloo's line; one
+that needs a collective the probe never reached (the probe stopped at its deadline or crashed) is
+"deadline" or "failed", as the stage is then: it checked nothing. A run stopped at its share of
+the deadline is "deadline", not "failed"; on the CPU the stage is skipped (the test suite runs
+every layout against serial there).
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,14 +37,14 @@ from benchmarks.common import read_jsonl
 from benchmarks.device_check.plan import last_line
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
-LAYOUTS = {  # name: (engine.train flags, the collectives it needs)
-    "dp2 zero": (("--dp", "2", "--use-distributed-optimizer", "--overlap-param-gather",
-                  "--bucket-size-mb", "0.01"), ("all_reduce", "all_gather", "reduce_scatter")),
-    "tp2 sp": (("--tp", "2", "--sequence-parallel"),
+MOE = ("--num-experts", "4", "--moe-router-topk", "2")
+LAYOUTS = {  # name: (the model's flags, the layout's flags, the collectives it needs)
+    "dp2 zero": ((), ("--dp", "2", "--use-distributed-optimizer", "--overlap-param-gather",
+                      "--bucket-size-mb", "0.01"), ("all_reduce", "all_gather", "reduce_scatter")),
+    "tp2 sp": ((), ("--tp", "2", "--sequence-parallel"),
                ("all_reduce", "all_gather", "reduce_scatter")),
-    "pp2": (("--pp", "2", "--pipeline-schedule", "1f1b"), ("all_reduce", "p2p")),
-    "ep2": (("--dp", "2", "--num-experts", "4", "--moe-router-topk", "2", "--ep", "2"),
-            ("all_reduce", "all_to_all")),
+    "pp2": ((), ("--pp", "2", "--pipeline-schedule", "1f1b"), ("all_reduce", "p2p")),
+    "ep2": (MOE, ("--dp", "2", "--ep", "2"), ("all_reduce", "all_to_all")),
 }
 REL = 1e-4
 PROBE_S = 60.0    # the probe's deadline at most (a third of the stage's at most)
@@ -135,54 +139,79 @@ def probe(kind: str, run_process, out: Path, deadline_s: float) -> tuple[dict, f
     return found, wall
 
 
+NOT_PROBED = "not probed: "
+
+
 def _refused(name: str, needs, refused: dict, kind: str) -> dict:
+    """The row of a layout the probe did not clear: "refused" where gloo said no; where the probe
+    never reached a collective it needs, "deadline" (the probe was stopped) or "failed" (it
+    crashed): the layout is then unchecked, not shown to be impossible."""
     op = next(op for op in needs if refused[op])
+    line = refused[op]
+    if line.startswith(NOT_PROBED):
+        status = "deadline" if line.startswith(NOT_PROBED + "the probe stopped") else "failed"
+        return {"layout": name, "status": status, "loss_rel_diff": None, "note": f"{op} {line}"}
     return {"layout": name, "status": "refused", "loss_rel_diff": None,
-            "note": f"gloo refuses {op} of {kind} tensors: {refused[op]}"}
+            "note": f"gloo refuses {op} of {kind} tensors: {line}"}
+
+
+def _losses(path: Path) -> list:
+    return [r["loss"] for r in read_jsonl(path)] if path.exists() else []
 
 
 def run_two_ranks(deadline_s: float, out: Path, kind: str, argv_for, run_process,
                   layouts: dict | None = None, refused: dict | None = None) -> dict:
     """The probe (or ``refused``, its result), then every layout of ``layouts`` (default all)
-    gloo can run, each against the serial run, within ``deadline_s``. ``argv_for(metrics,
+    gloo can run, each against the serial run of the same model (one serial run per distinct
+    set of model flags: ep 2 trains an MoE model), within ``deadline_s``. ``argv_for(metrics,
     flags)``: engine.train's flags (the stage's model, fp32); ``run_process(cmd, log,
-    deadline)``: (exit code or None, wall s). Returns {"status", "detail", "probe", "rows",
-    "wall_s"}; rows: {"layout", "status", "loss_rel_diff", "note"}."""
+    deadline)``: (exit code or None, wall s). Each run's deadline is what is left of the
+    stage's over the runs still to come (serial and two-rank runs alike), so time one run
+    leaves goes to the next. Returns {"status", "detail", "probe", "rows", "wall_s"}; rows:
+    {"layout", "status", "loss_rel_diff", "note"}."""
     layouts = LAYOUTS if layouts is None else layouts
-    wall = 0.0
+    start = time.monotonic()
     if refused is None:
-        refused, wall = probe(kind, run_process, out, min(PROBE_S, deadline_s / 3))
+        refused, _ = probe(kind, run_process, out, min(PROBE_S, deadline_s / 3))
+    end = start + deadline_s
+    runs = [name for name, (_, _, needs) in layouts.items() if not any(refused[op] for op in needs)]
+    models = list(dict.fromkeys(layouts[name][0] for name in runs))
+    jobs_left = len(models) + len(runs)
+
+    def launch(cmd: list[str], log: Path) -> int | None:
+        nonlocal jobs_left
+        share = max(1.0, (end - time.monotonic()) / max(1, jobs_left))
+        jobs_left -= 1
+        return run_process(cmd, log, share)[0]
+
+    serial: dict[tuple, tuple] = {}   # model flags -> (exit code, losses, its log's name)
     rows = []
-    runs = [name for name, (_, needs) in layouts.items() if not any(refused[op] for op in needs)]
-    if not runs:
-        return {"status": "ok", "detail": "gloo runs no layout's collectives on this device",
-                "probe": refused, "wall_s": wall,
-                "rows": [_refused(name, needs, refused, kind) for name, (_, needs) in layouts.items()]}
-    share = (deadline_s - wall) / (1 + 2 * max(1, len(runs)))
-    serial = out / "two_ranks_serial.jsonl"
-    serial.unlink(missing_ok=True)
-    code, seconds = run_process([sys.executable, "-m", "engine.train", *argv_for(str(serial), ())],
-                                out / "two_ranks_serial.log", 2 * share)
-    wall += seconds
-    want = [r["loss"] for r in read_jsonl(serial)] if code == 0 and serial.exists() else []
-    for name, (flags, needs) in layouts.items():
+    for name, (model, flags, needs) in layouts.items():
         if name not in runs:
             rows.append(_refused(name, needs, refused, kind))
             continue
+        if model not in serial:
+            tag = "two_ranks_serial" + "".join(f"_{f.lstrip('-')}" for f in model)
+            metrics = out / f"{tag}.jsonl"
+            metrics.unlink(missing_ok=True)
+            code = launch([sys.executable, "-m", "engine.train", *argv_for(str(metrics), model)],
+                          out / f"{tag}.log")
+            serial[model] = (code, _losses(metrics) if code == 0 else [], f"{tag}.log")
+        code, want, log_name = serial[model]
         if not want:
             rows.append({"layout": name, "status": "deadline" if code is None else "failed",
                          "loss_rel_diff": None,
                          "note": "the serial run stopped at its deadline" if code is None else
-                         "the serial run failed (two_ranks_serial.log)"})
+                         f"the serial run failed ({log_name})"})
             continue
-        metrics = out / f"two_ranks_{name.replace(' ', '_')}.jsonl"
+        tag = f"two_ranks_{name.replace(' ', '_')}"
+        metrics = out / f"{tag}.jsonl"
         metrics.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                "2", "-m", "engine.train", *argv_for(str(metrics), ("--distributed-backend", "gloo",
-                                                                    *flags))]
-        code, seconds = run_process(cmd, out / f"two_ranks_{name.replace(' ', '_')}.log", share)
-        wall += seconds
-        got = [r["loss"] for r in read_jsonl(metrics)] if metrics.exists() else []
+                                                                    *model, *flags))]
+        code = launch(cmd, out / f"{tag}.log")
+        got = _losses(metrics)
         diff = max((abs(g - w) / abs(w) for g, w in zip(got, want)), default=None)
         ok = code == 0 and len(got) == len(want) and diff is not None and diff <= REL
         note = "" if ok else ("stopped at its deadline" if code is None else
@@ -192,8 +221,11 @@ def run_two_ranks(deadline_s: float, out: Path, kind: str, argv_for, run_process
         rows.append({"layout": name, "status": status, "loss_rel_diff": diff, "note": note})
     bad = [r for r in rows if r["status"] in ("failed", "deadline")]
     status = "failed" if any(r["status"] == "failed" for r in bad) else "deadline" if bad else "ok"
-    return {"status": status, "detail": "; ".join(f"{r['layout']}: {r['note']}" for r in bad),
-            "probe": refused, "rows": rows, "wall_s": wall}
+    detail = "; ".join(f"{r['layout']}: {r['note']}" for r in bad)
+    if not runs and not bad:
+        detail = "gloo runs no layout's collectives on this device"
+    return {"status": status, "detail": detail, "probe": refused, "rows": rows,
+            "wall_s": time.monotonic() - start}
 
 
 if __name__ == "__main__":  # the probe: python -m benchmarks.device_check.two_ranks KIND DIR

@@ -336,7 +336,5 @@ MEGATRON_ANSWERS: dict[str, str] = {
                                       "automatically; drop the flag",
     "--num-workers": "data is memory-mapped and read in the training process; drop the flag",
     "--data-impl": "data is always Megatron's memory-mapped indexed format; drop the flag",
-    "--expert-model-parallel-size": "mixture-of-experts models are not supported",
-    "--num-experts": "mixture-of-experts models are not supported",
     "--tensorboard-log-interval": "dashboards follow --log-interval",
 }

@@ -1,6 +1,7 @@
 """Run by tests/benchmarks/test_device_check_launch.py as ``python -m tests.helpers.stage_probe``
 (forked or fresh): prints what it was given, registers an ``atexit`` handler, then exits with
-the code asked for, or sleeps (``sleep``) after starting a child that sleeps too (``child``)."""
+the code asked for, or sleeps (``sleep``) after starting a child that sleeps too (``child``;
+``session``: the child in a session of its own, as torchrun starts its workers)."""
 import atexit
 import os
 import subprocess
@@ -14,7 +15,8 @@ def main(argv: list[str]) -> int:
           f"main {__name__}", flush=True)
     atexit.register(lambda: open(os.path.join(out, "atexit"), "w").close())
     if "child" in argv:
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                 start_new_session="session" in argv)
         with open(os.path.join(out, "child.pid"), "w") as f:
             f.write(str(child.pid))
     if "sleep" in argv:
