@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import cu_seqlens_from_document_ids
+from parallel.runtime.streams import to_device
 
 __all__ = ["AttentionInputs", "cu_seqlens_from_document_ids"]
 
@@ -63,9 +64,10 @@ class AttentionInputs:
         return tuple(self.position_ids.shape)
 
     def to(self, device: torch.device | str) -> "AttentionInputs":
-        doc = self.document_ids.to(device) if self.document_ids is not None else None
+        """On ``device``, each tensor copied without a host wait (``streams.to_device``)."""
+        doc = to_device(self.document_ids, device) if self.document_ids is not None else None
         whole = self.whole.to(device) if self.whole is not None else None
-        return AttentionInputs(self.position_ids.to(device), doc, self.cu_seqlens, whole)
+        return AttentionInputs(to_device(self.position_ids, device), doc, self.cu_seqlens, whole)
 
     def select(self, index: torch.Tensor) -> "AttentionInputs":
         """The metadata of tokens ``index`` (1-D, increasing) of every row: a context-parallel shard

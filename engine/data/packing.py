@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from models.batch import AttentionInputs, cu_seqlens_from_document_ids
+from parallel.runtime.streams import to_device
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,11 @@ class MicroBatch:
                           pick(self.loss_mask), self.loss_tokens)
 
     def to(self, device) -> "MicroBatch":
-        return MicroBatch(self.tokens.to(device), self.labels.to(device),
+        """On ``device``, each tensor copied without a host wait (``streams.to_device``)."""
+        move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
+        return MicroBatch(move(self.tokens), move(self.labels),
                           self.inputs.to(device) if self.inputs is not None else None,
-                          self.loss_mask.to(device) if self.loss_mask is not None else None,
-                          self.loss_tokens)
+                          move(self.loss_mask), self.loss_tokens)
 
 
 def document_ids(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 aten = torch.ops.aten
 
@@ -99,15 +100,20 @@ def waits_for_device(func, args, kwargs) -> str | None:
 
 class DeviceWaitMode(TorchDispatchMode):
     """Counts the ops of ``waits_for_device`` through ``on_wait(name)`` while ``active()``
-    (a read already counted by a patched tensor method is not counted again)."""
+    (a read already counted by a patched tensor method is not counted again). ``device_type``:
+    the run's; off the CPU an op on host tensors alone waits for nothing (copies between host and
+    device are named by ``waits_for_device`` itself)."""
 
-    def __init__(self, on_wait, active=lambda: True):
+    def __init__(self, on_wait, active=lambda: True, device_type: str = "cpu"):
         super().__init__()
-        self.on_wait, self.active = on_wait, active
+        self.on_wait, self.active, self.device_type = on_wait, active, device_type
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = waits_for_device(func, args, kwargs)
-        if name is not None and self.active():
+        if name is not None and self.active() and (
+                self.device_type == "cpu" or func.overloadpacket in _COPIES
+                or any(isinstance(t, torch.Tensor) and t.device.type == self.device_type
+                       for t in tree_leaves((args, kwargs)))):
             self.on_wait(name)
         return func(*args, **kwargs)

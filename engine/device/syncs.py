@@ -26,7 +26,9 @@ sees the implicit ones made by any code on the step's path, in the thread that e
 
 A wait reached through a patched method counts once, under the method's name. On the CPU every
 tensor is the device's: a read of its value (``item``, ``tolist``, ``bool``...) counts, as it would
-block on a GPU, and the dispatch mode names each op as a GPU would wait for it, so a CPU test
+block on a GPU (on a device, a read of a host tensor waits for nothing and is not counted:
+torch's foreach AdamW keeps its step counts on the host and reads each with ``item``), and the
+dispatch mode names each op as a GPU would wait for it, so a CPU test
 proves the GPU's count (``benchmarks.device_check`` compares the two counts on CUDA). A copy
 counts only where there is one (``cpu()`` of a CPU tensor is the tensor itself, and host-side
 state such as RNG states is CPU on every device), so CPU tests do not see a ``cpu()`` of what
@@ -81,8 +83,9 @@ def _wrap(name: str, method):
             return method(self, *args, **kwargs)
         if name in ("to", "cpu") and not _copies_to_host(self, name, args, kwargs):
             return method(self, *args, **kwargs)
-        if self.device.type == "meta":
-            return method(self, *args, **kwargs)
+        if self.device.type == "meta" or (self.device.type == "cpu"
+                                          and counter.device_type != "cpu"):
+            return method(self, *args, **kwargs)    # (a host tensor of a device's run: no wait)
         counter._inside = True  # a read made of reads (tolist -> item) counts once
         try:
             return method(self, *args, **kwargs)
@@ -194,8 +197,8 @@ class SyncCounter:
             return
         _patch()
         _local.counter = self
-        mode = DeviceWaitMode(self.count, lambda: not self._inside) if self.strict \
-            else contextlib.nullcontext()
+        mode = DeviceWaitMode(self.count, lambda: not self._inside, self.device_type) \
+            if self.strict else contextlib.nullcontext()
         native = self.native(self) if self.native is not None else contextlib.nullcontext()
         try:
             with native, mode:

@@ -14,6 +14,7 @@ import torch
 
 from engine.device.clock import DeviceClock
 from parallel.grid.state import ParallelState
+from parallel.runtime import streams
 
 def mean_loss_over_grid(local_sum, ps: ParallelState, device,
                         holds_loss: bool | None = None, clock: DeviceClock | None = None) -> float:
@@ -80,10 +81,7 @@ class StepAgreement:
 
 def _to_device(values: list[float], device) -> torch.Tensor:
     """Host floats as a device tensor without a host sync (pinned memory, asynchronous copy)."""
-    t = torch.tensor(values, dtype=torch.float32)
-    if torch.device(device).type in ("cpu", "meta") or not values:  # (meta: a dry run's)
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return streams.to_device(torch.tensor(values, dtype=torch.float32), device)
 
 
 def reduce_step_stats(ps: ParallelState, local_loss: torch.Tensor, grads: torch.Tensor,

@@ -10,6 +10,8 @@ this module instead of calling ``torch.Stream`` / ``torch.Event`` or ``threading
 - ``record_event``, ``wait_event``, ``wait_stream``, ``synchronize``, ``record_stream``,
   ``released``: the orderings the engine relies on (``synchronize``: the host waits for an
   event), and the release of a storage another stream may still read;
+- ``to_device(t, device)``: a host tensor copied to the device without a host wait (pinned,
+  asynchronous);
 - ``start_thread(name, target, device)``: a worker thread that binds the rank's device first (as
   ProcessGroupHCCL's watchdog does: a thread starts on device 0 otherwise, and its first device
   call would create a context there) and reports an exception instead of dying silently.
@@ -317,3 +319,17 @@ def collective_waited(token) -> None:
     is_completed() returning True)."""
     if _checker is not None and token is not None:
         _checker.on_wait(current_stream_name(), token)
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device`` without a host wait: copied from pinned memory,
+    asynchronously. A copy from pageable memory makes the host wait for the stream to drain
+    (CUDA's ``memcpy_and_sync``: the step's batch copied so would hold the next forward's launch
+    until the previous step's update ran). The caching host allocator keeps the pinned block
+    until its copy is done (it records an event on it), so the caller may drop the tensor. On the
+    CPU the tensor itself; to the meta device (a dry run) nothing is pinned."""
+    device = torch.device(device)
+    if device.type == "cpu" or t.device == device:
+        return t.to(device)
+    source = t.pin_memory() if t.device.type == "cpu" and device.type != "meta" else t
+    return source.to(device, non_blocking=True)

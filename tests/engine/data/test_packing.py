@@ -127,3 +127,30 @@ def test_bad_packing_configurations_fail_before_training():
     with pytest.raises(ConfigError, match="need data with an end-of-document token"):
         validate_packing(parse_args(ARGS + ["--eod-mask-loss"]), eod_id=None)  # data without one
     assert validate_packing(parse_args(ARGS), eod_id=None) is None
+
+
+def test_a_micro_batch_reaches_the_device_without_a_host_wait():
+    """Every tensor of a packed micro-batch (tokens, labels, loss mask, positions, document ids)
+    goes to the device as an asynchronous copy: from pageable memory CUDA's copy makes the host
+    wait for the stream (memcpy_and_sync), which before the forward holds its launch until the
+    previous step's update has run. The meta device stands in for the accelerator (nothing is
+    pinned for it; on a GPU the source is pinned first: parallel/runtime/streams.py)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and str(kwargs.get("device")) == "meta":
+                self.seen.append(bool(kwargs.get("non_blocking", False)))
+            return func(*args, **kwargs)
+
+    tokens = torch.tensor([[5, E, 7, 8, E, 9, 10, 11]])
+    mb = micro_batch(torch.cat([tokens, tokens[:, :1]], dim=1), ALL, loss_tokens=6)
+    with Copies() as copies:
+        moved = mb.to("meta")
+    assert moved.tokens.is_meta and moved.inputs.position_ids.is_meta
+    assert copies.seen == [True] * 5, copies.seen      # tokens, labels, mask, positions, documents

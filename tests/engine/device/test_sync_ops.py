@@ -86,3 +86,24 @@ def test_cuda_warnings_become_counts(monkeypatch):
             warnings.warn("something else", UserWarning)
     assert [e.name for e in counter.last] == ["cuda synchronizing operation"] * 2
     assert modes == ["warn", 0]  # set for the block, restored after
+
+
+def test_a_device_run_does_not_count_reads_of_host_tensors():
+    """torch's foreach AdamW (the engine's AdamW where no fused kernel exists: the NPU) keeps each
+    parameter's step count on the host and reads it with ``item``: on a device's run that waits
+    for nothing, so a counter for an NPU run counts none of it; for a CPU run, where every tensor
+    stands for a device tensor, the same reads count."""
+    def adam_step(device_type: str) -> list:
+        params = [torch.nn.Parameter(torch.ones(3)) for _ in range(4)]
+        opt = torch.optim.AdamW(params, lr=0.1, foreach=True)
+        for p in params:
+            p.grad = torch.ones(3)
+        opt.step()                                   # the state exists: step counts on the host
+        counter = SyncCounter(strict=True, device_type=device_type)
+        with counter.step(), counter.watching():
+            opt.step()
+            torch.tensor(2.0).item()                 # a host scalar read
+        return counter.last
+
+    assert adam_step("npu") == []
+    assert len(adam_step("cpu")) >= 5               # 4 parameters' steps (at least) and the read
