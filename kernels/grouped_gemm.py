@@ -32,9 +32,9 @@ at once) are the backward's two GEMMs, also called by the zero-bubble split of t
   take torch's fallback there, which this module does not rely on), fp32 and bf16 on the CPU of
   torch 2.13, bf16 on the meta device; every stride 16-byte aligned (k and out times the element
   size multiples of 16), and on CUDA the base pointers too. Its backward is two more grouped GEMMs
-  (grad_x = grad @ w per group, grad_w = grad.T @ x per group); grad_w's blocks of the groups
-  without rows are set to zero on the device (``_gmm_wgrad``), since the kernel's output for a
-  group over zero rows is not zero on every GPU (pytorch issue #172439, sm100).
+  (grad_x = grad @ w per group, grad_w = grad.T @ x per group); on CUDA grad_w's blocks of the
+  groups without rows are set to zero on the device (``_gmm_wgrad``), since the kernel's output
+  for a group over zero rows is not zero on every GPU (pytorch issue #172439, sm100).
 - Otherwise the loop ``grouped_linear_reference`` (F.linear per group), which reads the offsets on
   the host (a wait on a device) and is the reference every path is tested against.
 """
@@ -216,12 +216,20 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch._grouped_mm(a, b, offs=offs)
 
 
+# device types whose torch._grouped_mm output for a group over zero rows is not relied on
+# (pytorch issue #172439: not zero on sm100); the CPU's kernel, a GEMM per group, writes zeros,
+# and a mask there would cost a pass over every weight gradient on the host
+MASK_EMPTY_GROUPS = frozenset({"cuda"})
+
+
 def _gmm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """A weight gradient by ``_gmm`` grouped along the rows, (out, n) x (n, k) -> (G, out, k),
-    with every group that has no rows set to zero on the device (no host read): the kernel's
-    output for a group over zero rows is not relied on (pytorch issue #172439: not zero on
-    sm100). The FP8 weight gradient masks its empty groups the same way (kernels/fp8_grouped.py)."""
+    on a device of ``MASK_EMPTY_GROUPS`` with every group that has no rows set to zero on the
+    device (no host read). The FP8 weight gradient masks its empty groups the same way
+    (kernels/fp8_grouped.py)."""
     dw = _gmm(a, b, offs)                                                   # (G, out, k)
+    if dw.device.type not in MASK_EMPTY_GROUPS:
+        return dw
     counts = torch.diff(offs, prepend=offs.new_zeros(1))                    # (G,)
     return dw.masked_fill_((counts == 0).view(-1, 1, 1), 0)
 

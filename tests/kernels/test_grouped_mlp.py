@@ -153,12 +153,15 @@ def _empty_groups_nan(real):
 def test_an_expert_without_rows_gets_a_zero_weight_gradient_whatever_the_kernel_leaves(
         monkeypatch, path):
     """Each bf16 weight gradient over ``torch._grouped_mm`` (the fused MLP's backward, a grouped
-    linear's, a zero-bubble W's ``grouped_weight_grad``) zeroes the blocks of the groups with no
-    rows on the device, so an expert that received no tokens gets exactly zero, not what the
-    kernel wrote for a group over zero rows (NaN here, as on sm100 in the issue above)."""
+    linear's, a zero-bubble W's ``grouped_weight_grad``) zeroes on CUDA the blocks of the groups
+    with no rows, on the device, so an expert that received no tokens gets exactly zero, not what
+    the kernel wrote for a group over zero rows (NaN here, as on sm100 in the issue above). The
+    CUDA rule is pointed at the CPU here, whose own kernel writes zeros (the next test)."""
     from models.moe.grouped_split import grouped_linear_defer_w
     from parallel.grads.weight_grad import WeightGradStore
     assert gg.torch_grouped_mm_runs("cpu", torch.bfloat16)                  # probed unpatched
+    assert gg.MASK_EMPTY_GROUPS == {"cuda"}
+    monkeypatch.setattr(gg, "MASK_EMPTY_GROUPS", frozenset({"cpu"}))
     monkeypatch.setattr(torch, "_grouped_mm", _empty_groups_nan(torch._grouped_mm))
     counts = [5, 0, 3, 8]                                                   # expert 1: no rows
     x, w_in, w_out, _, _ = (None if t is None else t.to(torch.bfloat16)
@@ -184,6 +187,21 @@ def test_an_expert_without_rows_gets_a_zero_weight_gradient_whatever_the_kernel_
     for w in weights:
         assert torch.equal(w.grad[1], torch.zeros_like(w.grad[1])), (path, w.grad[1].flatten()[:4])
         assert w.grad[[0, 2, 3]].isfinite().all() and w.grad[[0, 2, 3]].abs().sum() > 0
+
+
+@pytest.mark.skipif(not HAS_GROUPED_MM, reason="this torch has no CPU torch._grouped_mm")
+def test_the_cpu_kernel_writes_zeros_for_a_group_over_zero_rows():
+    """Why the CPU pays no mask: its torch._grouped_mm (a GEMM per group) gives an expert without
+    rows an exactly zero weight gradient."""
+    counts = [5, 0, 3, 8]
+    x, w_in, w_out, _, _ = (None if t is None else t.to(torch.bfloat16)
+                            for t in _operands(counts, "swiglu", False))
+    x, w_in, w_out = (t.requires_grad_() for t in (x, w_in, w_out))
+    assert ge.fused_path(x, w_in, w_out)
+    grouped_mlp(x, _offsets(counts), w_in, w_out, "swiglu").float().square().sum().backward()
+    for w in (w_in, w_out):
+        assert torch.equal(w.grad[1], torch.zeros_like(w.grad[1]))
+        assert w.grad[[0, 2, 3]].abs().sum() > 0
 
 
 @pytest.mark.skipif(not HAS_GROUPED_MM, reason="this torch has no CPU torch._grouped_mm")
