@@ -67,7 +67,10 @@ class RuleSet:
     no_prod: frozenset = frozenset()  # dtypes whose "prod" reduction is refused
     missing: frozenset = frozenset()  # collectives the backend does not implement
     one_p2p_per_peer: bool = False    # a batch holds at most one send to, one receive from a peer
-    batch_keeps_first: bool = False   # a batch's first tensor alone is kept alive until it completes
+    # a batch's first tensor alone is kept alive until it completes: torch_npu's
+    # ProcessGroupHCCL::batch_isend_irecv hands {tensors[0]} to collective(), which records the
+    # tensors on the HCCL stream, the others by pointer (the stream checker then checks theirs)
+    batch_keeps_first: bool = False
     source: str = ""
     # calls already found allowed: (op, group, dtypes, reduce op) -> checked once, not per call
     passed: set = field(default_factory=set, compare=False, repr=False)
@@ -202,14 +205,6 @@ def check_batch(rules: RuleSet | None, group: str, transfers) -> None:
                 f"per call (it reorders a call's tasks); post them in separate batches "
                 f"[CANN HCCL API reference, HcclBatchSendRecv]")
         seen.add((kind, peer))
-
-
-def rules_keep_first_only(rules: RuleSet | None) -> bool:
-    """Whether the backend keeps only a ``batch_isend_irecv``'s first tensor alive until the batch
-    completes: torch_npu's ``ProcessGroupHCCL::batch_isend_irecv`` hands ``{tensors[0]}`` to its
-    ``collective()`` (the one that records the tensors on the HCCL stream), the other tensors only
-    by pointer. The stream checker then treats releasing any other before the wait as a race."""
-    return rules is not None and rules.batch_keeps_first
 
 
 def check_object(rules: RuleSet | None, op: str, group: str, obj) -> None:

@@ -49,8 +49,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.runtime import streams
-from parallel.runtime.backend_rules import (check, check_batch, check_object,
-                                            rules_keep_first_only)
+from parallel.runtime.backend_rules import check, check_batch, check_object
 from parallel.runtime.comm_monitor import GROUP_KINDS, CommEvent, CommMonitor, TrackedWork, wire_bytes
 from parallel.runtime.lanes import MAIN_LANE, check_lane
 
@@ -223,7 +222,8 @@ class CommGroup:
                                   self.process_group))
         if not ops:
             return []
-        first_only = rules_keep_first_only(self.monitor.rules)   # HCCL: the rest unprotected
+        rules = self.monitor.rules
+        first_only = rules is not None and rules.batch_keeps_first   # HCCL: the rest unprotected
         accesses = [streams.collective_issued(kind, self._stream_name(), [t], True,
                                               kept=not (first_only and i))
                     for i, (kind, t, _) in enumerate(transfers)]
