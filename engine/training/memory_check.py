@@ -23,6 +23,7 @@ from engine.plan.memory import (MemoryTerms, optimizer_bytes_per_param, stage_me
 from engine.plan.model import Layout, ModelShape
 from engine.plan.offload import HostTerms, fraction_within, host_memory
 from parallel.dp.policy import CompressionPolicy
+from parallel.grid.expert_groups import ExpertGrid
 from parallel.grid.topology import RankGrid
 
 NO_FIGURE = (None, "")  # (bytes, where the figure comes from): nothing to check against
@@ -166,7 +167,7 @@ def async_copy_bytes(cfg: RunConfig, grid: RankGrid, rank: int, shape: ModelShap
     dense, expert = stage_param_split(shape, layout, stage)
     c = grid.coord(rank)
     first_dense = c.dp == 0 and c.cp == 0
-    first_expert = next(g for g in grid.groups("dp_cp") if rank in g).index(rank) < layout.ep
+    first_expert = ExpertGrid(grid, layout.ep).group_of(rank, "edp")[0] == rank
     if layout.zero3:
         weights = dense / (layout.dp * layout.cp) + (expert / layout.edp if expert else 0.0)
     else:
