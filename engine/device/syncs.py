@@ -20,6 +20,9 @@ sees the implicit ones made by any code on the step's path, in the thread that e
   blocking copies between host and device), and tensors made from Python data for the device
   (``torch.tensor(data, device=...)``, ``torch.as_tensor(data, device=...)``, ``new_tensor``:
   a pageable host-to-device copy on a GPU), by patching those functions;
+- the host's waits on a device event (``parallel.runtime.streams.synchronize``: the MoE split
+  sizes' read under expert parallelism, the offloaded optimizer's per-bucket waits), reported
+  by ``streams.observing_host_waits`` (neither a tensor method nor CUDA's sync report sees them);
 - with ``native`` (CUDA runs), the waits the CUDA runtime itself reports
   (``torch.cuda.set_sync_debug_mode("warn")``, engine/device/native_syncs.py), instead of the
   dispatch mode: exact for the device, and free of the mode's per-op cost.
@@ -47,6 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 from engine.device.sync_ops import DeviceWaitMode
+from parallel.runtime import streams
 
 # torch.Tensor methods that block until the device has produced the value they hand the host
 _BLOCKING = ("item", "tolist", "cpu", "to", "__bool__", "__float__", "__int__", "__index__")
@@ -174,6 +178,10 @@ class SyncCounter:
         else:
             self.current.append(SyncEvent(name, stamp))
 
+    def _event_wait(self, name: str) -> None:
+        if not self._inside:
+            self.count(name)
+
     def begin_step(self) -> None:
         self.current = []
 
@@ -201,7 +209,7 @@ class SyncCounter:
             if self.strict else contextlib.nullcontext()
         native = self.native(self) if self.native is not None else contextlib.nullcontext()
         try:
-            with native, mode:
+            with native, mode, streams.observing_host_waits(self._event_wait):
                 yield self
         finally:
             _local.counter = None

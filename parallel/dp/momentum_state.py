@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from parallel.runtime import streams
+
 
 class MomentumState:
     """Mixin for a ``Compressor`` subclass: the momentum, its seeding, checkpointing and undo."""
@@ -78,10 +80,16 @@ class MomentumState:
     # ---- during an exchange --------------------------------------------------------------------
     def _momentum_now(self, n: int, group) -> torch.Tensor:
         """The momentum before this exchange (gathering a seeded ZeRO shard first)."""
-        if self._seed_shard is not None:
-            gathered = torch.empty(group.size, self._seed_shard.numel(), dtype=torch.float32,
-                                   device=self._seed_shard.device)
-            group.all_gather_into(gathered, self._seed_shard.unsqueeze(0))
+        seed = self._seed_shard
+        if seed is not None:
+            gathered = torch.empty(group.size, seed.numel(), dtype=torch.float32,
+                                   device=seed.device)
+            group.all_gather_into(gathered, seed.unsqueeze(0))
+            # the seed was made on the compute stream, the gather may run on the exchange's: its
+            # block goes back to compute's pool only after this stream's gather (NCCL keeps no
+            # tensor of a synchronous collective alive)
+            streams.record_stream(seed, streams.current_stream(seed.device))
+            streams.released(seed)
             self.momentum, self._seed_shard = gathered.view(-1)[:n].clone(), None
         if self.momentum is None or self.momentum.numel() != n:
             self.momentum = torch.zeros(n, dtype=torch.float32, device=self.residual.device)

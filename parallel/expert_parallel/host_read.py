@@ -48,8 +48,7 @@ class PendingRead:
             if self.done is not None:
                 # the compute stream's later reads of the copy come after it
                 streams.wait_event(self.done, streams.current_stream(self.device))
-                if self.done.native is not None:
-                    self.done.native.synchronize()     # the host's one wait
+                streams.synchronize(self.done)          # the host's one wait (counted there)
             self._values = [int(v) for v in self.host.tolist()]
         return self._values
 

@@ -13,7 +13,8 @@ every worker thread and every communicator ("comm:<group kind>") is a named stre
   first orders its comm stream after the issuing stream, then accesses its tensors there (all-reduce
   and broadcast write their tensor, the others write the first and read the rest, a send reads, a
   receive writes); the handle's ``wait()`` (or ``is_completed()`` returning True) orders the
-  waiting stream after it, and a synchronous one is waited for at once. The ops a backend runs
+  waiting stream after it. A synchronous one accesses its tensors on the issuing stream itself,
+  kept alive by nobody (ProcessGroupNCCL's model since torch 2.8: ``on_sync_collective``). The ops a backend runs
   inside the call or the wait (gloo copies a reduce-scatter's result into its output in
   ``wait()``) are the collective's own and not charged to the calling thread's stream;
 - ``record_event`` / ``wait_event`` / ``wait_stream`` and thread start and join merge vector
@@ -25,8 +26,9 @@ one stream a storage is read after an unordered write of another stream, written
 unordered read or write, or released (``streams.released``) or reused (its address handed out
 again after Python dropped it) while another stream's access is not ordered before the stream
 that allocated it, unless ``record_stream`` named that stream (the caching allocator then defers
-the reuse). Accesses of comm streams do not hold a release of the last reference back (the
-backends keep a collective's tensors alive until its work completes), but they do hold back a
+the reuse). Accesses of comm streams (asynchronous collectives) do not hold a release of the last
+reference back (the backends keep such a collective's tensors alive until its work completes; a
+synchronous one's accesses are the issuing stream's, which nothing keeps), but they do hold back a
 storage resized to nothing (``streams.released(t, resized=True)``: ZeRO-3's freed buckets), which
 frees the memory whoever holds the tensor. ``check()`` raises ``StreamOrderError`` listing them.
 
@@ -52,6 +54,16 @@ from parallel.runtime import streams
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SKIP_FILES = (os.path.abspath(__file__), os.path.abspath(streams.__file__))
 _MODE_HOOKS = ("__torch_dispatch__", "__torch_function__")
+
+
+def _collective_operands(op: str, tensors: list) -> tuple[list, list]:
+    """(reads, writes) of a collective: all-reduce, broadcast and a receive write their tensor,
+    a send reads it, the others write the first tensor (the output) and read the rest."""
+    if op in ("all_reduce", "broadcast", "recv"):
+        return [], tensors
+    if op == "send":
+        return tensors, []
+    return tensors[1:], tensors[:1]
 
 
 class StreamOrderError(AssertionError):
@@ -436,11 +448,14 @@ class StreamChecker:
         comm = f"comm:{group}"
         with self._lock:
             self.on_wait(comm, self.on_record(issuer))
-            if op in ("all_reduce", "broadcast", "recv"):
-                reads, writes = [], tensors
-            elif op == "send":
-                reads, writes = tensors, []
-            else:
-                reads, writes = tensors[1:], tensors[:1]
-            self.access(comm, reads, writes, f"{op} on {group}", kept=kept)
+            self.access(comm, *_collective_operands(op, tensors), f"{op} on {group}", kept=kept)
             return self.on_record(comm)
+
+    def on_sync_collective(self, op: str, group: str, tensors: list, issuer: str) -> None:
+        """A synchronous collective: its accesses on the issuing stream itself, kept by nobody.
+        ProcessGroupNCCL (torch >= 2.8, pytorch#150398) launches a collective with
+        ``async_op=False`` on the current stream and no longer keeps its tensors alive, so a
+        tensor another stream allocated must not be dropped until that stream is ordered after
+        it (or ``record_stream`` names the issuing stream). (HCCL runs it on its own stream and
+        records the tensors there: safe under this model too, which is the stricter of the two.)"""
+        self.access(issuer, *_collective_operands(op, tensors), f"{op} on {group}", kept=False)

@@ -9,7 +9,8 @@ this module instead of calling ``torch.Stream`` / ``torch.Event`` or ``threading
 - ``current_stream(device)``, ``use(stream)``: the stream this thread issues work on now;
 - ``record_event``, ``wait_event``, ``wait_stream``, ``synchronize``, ``record_stream``,
   ``released``: the orderings the engine relies on (``synchronize``: the host waits for an
-  event), and the release of a storage another stream may still read;
+  event; ``observing_host_waits`` lets a counter see each such wait), and the release of a
+  storage another stream may still read;
 - ``to_device(t, device)``: a host tensor copied to the device without a host wait (pinned,
   asynchronous);
 - ``start_thread(name, target, device)``: a worker thread that binds the rank's device first (as
@@ -161,11 +162,28 @@ def wait_event(event: Event, stream: Stream | None = None) -> None:
         _checker.on_wait(stream.name, event.clock)
 
 
+@contextmanager
+def observing_host_waits(observe: Callable[[str], None]):
+    """Inside, ``observe("event.synchronize")`` is called for every host wait on a device event
+    (``synchronize`` with a native event) this thread makes: the step's wait counter
+    (engine/device/syncs.py) sees them through it, as neither its patched tensor methods nor
+    CUDA's own sync report (``cudaEventSynchronize`` is not reported) do."""
+    outer = getattr(_local, "observe_host_wait", None)
+    _local.observe_host_wait = observe
+    try:
+        yield
+    finally:
+        _local.observe_host_wait = outer
+
+
 def synchronize(event: Event) -> None:
     """The calling thread (the host) waits until ``event`` has happened on its device; what it
     does next is ordered after the event's stream up to the event."""
     if event.native is not None:
         event.native.synchronize()
+        observe = getattr(_local, "observe_host_wait", None)
+        if observe is not None:
+            observe("event.synchronize")
     if _checker is not None and event.clock is not None:
         _checker.on_wait(current_stream_name(), event.clock)
 
@@ -288,15 +306,15 @@ def start_thread(name: str, target: Callable[[], None], device, daemon: bool = T
 def collective_issued(op: str, group: str, tensors: list, async_op: bool, kept: bool = True):
     """An asynchronous collective on ``group`` starts after the issuing stream's work so far and
     accesses ``tensors`` on "comm:<group>"; returns what ``collective_waited`` takes (None when
-    no checker is installed). A synchronous one is waited for at once. ``kept=False``: the backend
-    does not keep the tensors alive until the collective completes (stream_check.py)."""
+    no checker is installed). A synchronous one accesses them on the issuing stream, and nothing
+    keeps them alive after the call (NCCL's model, stream_check.py). ``kept=False``: the backend
+    does not keep an asynchronous collective's tensors alive until it completes."""
     if _checker is None:
         return None
-    token = _checker.on_collective(op, group, tensors, current_stream_name(), kept)
     if not async_op:
-        collective_waited(token)
+        _checker.on_sync_collective(op, group, tensors, current_stream_name())
         return None
-    return token
+    return _checker.on_collective(op, group, tensors, current_stream_name(), kept)
 
 
 @contextmanager

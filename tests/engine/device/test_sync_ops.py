@@ -107,3 +107,35 @@ def test_a_device_run_does_not_count_reads_of_host_tensors():
 
     assert adam_step("npu") == []
     assert len(adam_step("cpu")) >= 5               # 4 parameters' steps (at least) and the read
+
+
+class _DeviceEvent:
+    """Stands in for a CUDA/NPU event (none exists on this CPU): ``synchronize`` is the host's
+    wait for it."""
+
+    def __init__(self):
+        self.waits = 0
+
+    def synchronize(self):
+        self.waits += 1
+
+
+@pytest.mark.parametrize("device_type,strict", [("cuda", False), ("npu", True)])
+def test_a_device_run_counts_the_hosts_waits_on_events(device_type, strict):
+    """The MoE split sizes' read under expert parallelism waits on the copy's event and then
+    reads a pinned host tensor; the offloaded optimizer waits on each bucket's arrival event.
+    Neither a tensor method nor CUDA's own report sees an event wait: ``streams.synchronize``
+    reports it to the counter, once per wait (the read of the host tensor after it is not one)."""
+    from parallel.expert_parallel.host_read import PendingRead
+    from parallel.runtime import streams
+    native = _DeviceEvent()
+    done = streams.Event(streams.Stream("moe host read", torch.device("cpu")), native)
+    counter = SyncCounter(strict=strict, device_type=device_type)
+    with counter.step(), counter.watching():
+        assert PendingRead(torch.tensor([3, 1]), done, "cpu").values() == [3, 1]
+        streams.synchronize(streams.Event(done.stream, _DeviceEvent()))   # an offload bucket
+    assert native.waits == 1
+    assert [e.name for e in counter.last] == ["event.synchronize"] * 2
+    # outside a watching counter the same wait is nobody's count
+    streams.synchronize(done)
+    assert counter.outside == 0 and native.waits == 2
