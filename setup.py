@@ -7,7 +7,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["engine", "engine.*", "models", "models.*", "parallel",
                                     "parallel.*", "kernels", "kernels.*"]),
-    install_requires=["torch>=2.4", "numpy", "einops", "safetensors", "tokenizers", "pyyaml", "tqdm"],
+    install_requires=["torch>=2.7", "numpy", "einops", "safetensors", "tokenizers", "pyyaml", "tqdm"],
     extras_require={
         "dev": ["pytest", "matplotlib", "transformers", "tensorboard", "wandb"],  # HF and dashboard tests
         "plot": ["matplotlib"],

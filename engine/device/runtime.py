@@ -31,7 +31,39 @@ def _npu_available() -> bool:
     return bool(torch.npu.is_available())
 
 
+# the engine's side streams (parallel/runtime/streams.py) enter a ``torch.Stream`` as a context
+# manager (torch 2.7) and ask ``torch.accelerator`` for the current stream (2.6); torch_npu's
+# generic streams and events (``torch.Stream(device="npu")``) come with its 2.6 releases
+MIN_ACCELERATOR_TORCH = (2, 7)
+
+
+def accelerator_torch_problem(kind: str, version: str | None = None) -> str | None:
+    """One line when this torch is too old to run the engine on ``kind``'s device, else None.
+    The CPU has no streams and runs on any torch the package installs with.
+
+    >>> accelerator_torch_problem("cuda", "2.6.0+cu124")[:40], accelerator_torch_problem("npu", "2.7.1")
+    ('--device cuda needs torch 2.7 or newer (', None)
+    """
+    version = torch.__version__ if version is None else version
+    if kind == "cpu" or torch.torch_version.TorchVersion(version) >= MIN_ACCELERATOR_TORCH:
+        return None
+    extra = " and the torch_npu of the same version (CANN's compatibility table)" if kind == "npu" else ""
+    return (f"--device {kind} needs torch {'.'.join(map(str, MIN_ACCELERATOR_TORCH))} or newer (its "
+            f"streams and events serve every side stream of the engine); this torch is {version}: "
+            f"install torch >= {'.'.join(map(str, MIN_ACCELERATOR_TORCH))}{extra}, or use --device cpu")
+
+
 def detect_device_type(requested: str = "auto") -> str:
+    """The device type a run uses ("npu", "cuda" or "cpu"); ValueError with one line for a
+    requested device this machine lacks, or a torch too old for the chosen accelerator."""
+    kind = _detect(requested)
+    problem = accelerator_torch_problem(kind)
+    if problem:
+        raise ValueError(problem)
+    return kind
+
+
+def _detect(requested: str) -> str:
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"--device must be auto, npu, cuda or cpu, got {requested!r}")

@@ -171,6 +171,32 @@ def test_device_binding_from_the_visible_devices(monkeypatch):
         device_index(0, 1, 0)
 
 
+def test_an_accelerator_run_refuses_a_torch_older_than_its_streams(monkeypatch, capsys):
+    """The side streams need ``with torch.Stream`` (torch 2.7) and ``torch.accelerator``: on a
+    GPU or NPU an older torch stops at start with one line; the CPU runs on it."""
+    from engine.device.runtime import MIN_ACCELERATOR_TORCH, accelerator_torch_problem
+    assert MIN_ACCELERATOR_TORCH == (2, 7)
+    assert accelerator_torch_problem("cuda", "2.6.0+cu124") == (
+        "--device cuda needs torch 2.7 or newer (its streams and events serve every side stream "
+        "of the engine); this torch is 2.6.0+cu124: install torch >= 2.7, or use --device cpu")
+    assert "torch_npu of the same version" in accelerator_torch_problem("npu", "2.5.1")
+    for kind, version in (("cuda", "2.7.0"), ("npu", "2.7.1.post2"), ("cuda", "2.11.0+cu130"),
+                          ("cpu", "2.4.0")):
+        assert accelerator_torch_problem(kind, version) is None, (kind, version)
+    # through the flags, before anything is built: the one line, no traceback
+    fake_cuda = types.SimpleNamespace(is_available=lambda: True)
+    monkeypatch.setattr(device_mod.torch, "cuda", fake_cuda)
+    monkeypatch.setattr(device_mod.torch, "__version__", "2.6.0+cu124")
+    from engine.base import ConfigError
+    from engine.config.cli import parse_args
+    from engine.training.validate import validate_run
+    with pytest.raises(ConfigError, match=r"^--device cuda needs torch 2.7 or newer .* this torch "
+                                          r"is 2.6.0\+cu124"):
+        validate_run(parse_args(["--device", "cuda"]), LaunchEnv())
+    monkeypatch.setattr(device_mod.torch, "__version__", "2.7.0+cu126")
+    assert device_mod.detect_device_type("cuda") == "cuda"
+
+
 def test_tf32_switch_and_mfu_peak_per_precision():
     before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     try:
