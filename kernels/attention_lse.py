@@ -284,7 +284,8 @@ def block_path(q: torch.Tensor, mask=None, paths: KernelPaths | None = None) -> 
     if kind == "npu":
         return "npu" if paths is None or paths.fusion_attention else "blockwise"
     if kind == "cuda":
-        kernel = cuda_block_kernel(q, mask, cuda_ops())
+        kernel = cuda_block_kernel(q, mask, cuda_ops(),
+                                   None if paths is None else paths.cuda_capability)
         return "blockwise" if kernel is None else f"cuda-{kernel}"
     if kind == "cpu" and _aten_cpu_ops() is not None:
         return "cpu-flash"

@@ -1,12 +1,14 @@
 """Ring attention's per-block kernels on CUDA: PyTorch's flash and memory-efficient SDPA kernels,
 which return the log-sum-exp that the ring's merge needs (kernels/attention_lse.py has the math).
 
-- ``aten._scaled_dot_product_flash_attention``: fp16/bf16, head dim a multiple of 8 up to 256, no
-  mask (causal blocks, and every unmasked block of the ring). lse (b, n, sq) fp32.
-- ``aten._scaled_dot_product_efficient_attention``: any of fp32/fp16/bf16, an additive float bias
-  (packed documents: 0 where attended, -inf where masked), head dim a multiple of 8. Its lse is
-  padded along the queries to a multiple of 32 (``LSE_ALIGN``); the bias's last dimension must be
-  16-element aligned in memory, so it is allocated padded and viewed (``BIAS_ALIGN``).
+- ``aten._scaled_dot_product_flash_attention``: compute capability 8.0 or later, fp16/bf16, head
+  dim a multiple of 8 up to 256, no mask (causal blocks, and every unmasked block of the ring).
+  lse (b, n, sq) fp32.
+- ``aten._scaled_dot_product_efficient_attention``: compute capability 5.0 or later, any of
+  fp32/fp16/bf16 (bf16 from 8.0), an additive float bias (packed documents: 0 where attended, -inf
+  where masked), head dim a multiple of 8. Its lse is padded along the queries to a multiple of 32
+  (``LSE_ALIGN``); the bias's last dimension must be 16-element aligned in memory, so it is
+  allocated padded and viewed (``BIAS_ALIGN``).
 
 Both backwards recompute P = exp(S - lse) from the lse they are given and take
 rowsum(dO * out) from the out they are given, so the ring passes the MERGED out and lse, as on the
@@ -14,6 +16,16 @@ CPU and NPU paths. Neither kernel takes fewer key/value heads: those are repeate
 their gradients summed over each group afterwards. A shape or dtype neither kernel takes
 (``cuda_block_kernel`` returns None) runs the fp32 blockwise path. Outputs are read by position,
 since their names changed between torch releases (rng_state / philox_seed).
+
+The compute capability comes down from the engine (``DeviceInfo.capability`` ->
+``KernelPaths.cuda_capability``; the kernels never ask the GPU). PyTorch's flash_api.cpp ``mha_fwd``
+and ``mha_bwd`` both ``TORCH_CHECK(is_sm80_or_newer, "FlashAttention only supports Ampere GPUs or
+newer.")`` (``is_sm80_or_newer = major * 10 >= 80``): called directly, flash raises on a V100 (7.0)
+or T4 (7.5), where SDPA's own dispatcher (the layer's plain attention) falls back by itself, so
+below 8.0 the blocks take efficient attention. Its kernels (mem_eff_attention/kernels/cutlassF.h,
+cutlassB.h) cover fp16 and fp32 from 5.0 but bf16 from 8.0 only (else "cutlassF: no kernel found to
+launch!"): a bf16 block below 8.0 runs blockwise. Capability None (not told) counts as 8.0 or
+later, as ``ALL_FUSED`` counts every fused op as there.
 """
 from __future__ import annotations
 
@@ -23,7 +35,9 @@ LSE_ALIGN = 32    # efficient attention's lse: (b, n, ceil(sq / 32) * 32)
 BIAS_ALIGN = 16   # efficient attention's bias: last-dimension stride a multiple of 16 elements
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 EFFICIENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+EFFICIENT_DTYPES_BEFORE_SM80 = (torch.float16, torch.float32)   # no bf16 kernels below 8.0
 MAX_FLASH_HEAD_DIM = 256
+FLASH_MIN_CAPABILITY = (8, 0)   # flash_api.cpp: is_sm80_or_newer, forward and backward
 
 
 def cuda_ops() -> dict:
@@ -36,15 +50,19 @@ def cuda_ops() -> dict:
             if (op := getattr(torch.ops.aten, name, None)) is not None}
 
 
-def cuda_block_kernel(q: torch.Tensor, mask, ops: dict) -> str | None:
-    """'flash', 'efficient' or None (the blockwise path) for one block of q (b, n, sq, d)."""
+def cuda_block_kernel(q: torch.Tensor, mask, ops: dict,
+                      capability: tuple | None = None) -> str | None:
+    """'flash', 'efficient' or None (the blockwise path) for one block of q (b, n, sq, d) on a
+    GPU of compute ``capability`` (major, minor; None: not told, counted as 8.0 or later)."""
     d = q.shape[-1]
     if d % 8:
         return None
-    if (mask is None and q.dtype in FLASH_DTYPES and d <= MAX_FLASH_HEAD_DIM
+    sm80 = capability is None or tuple(capability) >= FLASH_MIN_CAPABILITY
+    if (sm80 and mask is None and q.dtype in FLASH_DTYPES and d <= MAX_FLASH_HEAD_DIM
             and "flash" in ops and "flash_backward" in ops):
         return "flash"
-    if q.dtype in EFFICIENT_DTYPES and "efficient" in ops and "efficient_backward" in ops:
+    dtypes = EFFICIENT_DTYPES if sm80 else EFFICIENT_DTYPES_BEFORE_SM80
+    if q.dtype in dtypes and "efficient" in ops and "efficient_backward" in ops:
         return "efficient"
     return None
 

@@ -36,7 +36,7 @@ _PATHS: dict[str, dict[str, str]] = {
         "rms_norm": "torch.nn.functional.rms_norm",
         "rope": "x*cos + rotate_half(x)*sin compiled regionally (torch.compile: one inductor kernel forward, one backward)",
         "swiglu": "silu(gate) * up compiled regionally (torch.compile: one inductor kernel forward, one backward)",
-        "ring_block": "aten._scaled_dot_product_flash_attention (bf16/fp16, no mask) or _efficient_attention, with their log-sum-exp",
+        "ring_block": "aten._scaled_dot_product_flash_attention (bf16/fp16, no mask, compute capability 8.0+) or _efficient_attention, with their log-sum-exp",
         "grouped_gemm": "torch._grouped_mm in bf16 with 16-byte aligned strides over offsets on the device, where the installed torch has it; else a loop of F.linear (reads the offsets)",
     },
     "cpu": {
@@ -59,7 +59,8 @@ class KernelPaths:
 
     Chosen once per run by the engine's device module from the chip's documented support
     (engine/device/chips.py) and handed down explicitly (models pass it to each kernel call); the kernels
-    never look at the chip. Off an NPU it has no effect: the CUDA and CPU paths do not read it.
+    never look at the chip. Off an NPU only ``cuda_capability`` is read (ring attention's CUDA block
+    kernel, kernels/attention_lse_cuda.py); the CPU path reads nothing.
     """
     fusion_attention: bool = True   # torch_npu.npu_fusion_attention, else SDPA
     swiglu: bool = True             # torch_npu.npu_swiglu, else silu(gate) * up
@@ -70,6 +71,9 @@ class KernelPaths:
     # "a2-a3" (Atlas A2/A3 training series, jit_compile=False, torch_npu's default there) or
     # "atlas-training" (Ascend 910A / 910ProB)
     rotary_table: str = "a2-a3"
+    # CUDA compute capability (major, minor), the engine's DeviceInfo.capability: ring attention's
+    # blocks call PyTorch's flash kernel on 8.0 or later only; None: not told (counted as 8.0+)
+    cuda_capability: tuple | None = None
 
 
 ALL_FUSED = KernelPaths()

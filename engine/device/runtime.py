@@ -217,9 +217,10 @@ def setup_device(requested: str = "auto", local_rank: int = 0, local_world_size:
     module = torch.npu if kind == "npu" else torch.cuda
     module.set_device(index)
     device, name = torch.device(kind, index), module.get_device_name(index)
-    if kind == "cuda":
-        return DeviceInfo(kind, device, BACKENDS[kind], name,
-                          capability=tuple(torch.cuda.get_device_capability(index)))
+    if kind == "cuda":   # the capability also picks ring attention's block kernel (flash: 8.0+)
+        cc = tuple(torch.cuda.get_device_capability(index))
+        return DeviceInfo(kind, device, BACKENDS[kind], name, KernelPaths(cuda_capability=cc),
+                          capability=cc)
     paths, notes = npu_kernel_paths(name)
     mode = overflow_mode(name, _runtime_inf_nan())
     if mode == "saturation":

@@ -3,12 +3,16 @@
 Each function follows the operator's schema (positional outputs as in torch 2.4 to 2.13) and checks
 the input requirements the kernels enforce: flash takes fp16/bf16, equal query and key/value heads
 and no mask; efficient attention takes an additive bias whose last dimension is 16-element aligned
-and returns an lse padded to 32 queries, which its backward reads in that layout. Their math is
+and returns an lse padded to 32 queries, which its backward reads in that layout. The GPU's compute
+capability (``capability``, default 9.0) is held to as PyTorch does: flash raises below 8.0
+(flash_api.cpp ``mha_fwd`` / ``mha_bwd``: ``is_sm80_or_newer = major * 10 >= 80``), efficient
+attention has no bf16 kernel below 8.0 (cutlassF.h / cutlassB.h dispatch). Their math is
 the flash-attention formula (backward recomputes P = exp(S - lse) from the lse it is given). It is
 never the code under test: kernels/attention_lse_cuda.py's argument preparation is. On a GPU the
 device check (benchmarks/device_check/kernels.py) runs the real kernels against the reference.
 
     fake = CudaSdpaFake(); monkeypatch.setattr(lse_mod, "cuda_ops", fake.ops)
+    fake = CudaSdpaFake(capability=(7, 5))   # a T4
 """
 from __future__ import annotations
 
@@ -45,8 +49,20 @@ def _same_heads(q, k, v):
 
 
 class CudaSdpaFake:
-    def __init__(self):
+    def __init__(self, capability: tuple[int, int] = (9, 0)):
         self.calls: list[str] = []
+        self.capability = capability
+
+    def _sm80_or_newer(self) -> bool:
+        return self.capability[0] * 10 >= 80
+
+    def _flash_device(self):
+        if not self._sm80_or_newer():
+            raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+
+    def _efficient_device(self, q, which: str):
+        if self.capability[0] < 5 or (q.dtype == torch.bfloat16 and not self._sm80_or_newer()):
+            raise RuntimeError(f"{which}: no kernel found to launch!")
 
     def ops(self) -> dict:
         return {"flash": self.flash, "flash_backward": self.flash_backward,
@@ -54,6 +70,7 @@ class CudaSdpaFake:
 
     def flash(self, q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
         self.calls.append("flash")
+        self._flash_device()
         assert q.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0
         _same_heads(q, k, v)
         out, lse = _forward(q, k, v, is_causal, None, scale)
@@ -63,6 +80,7 @@ class CudaSdpaFake:
     def flash_backward(self, dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p,
                        is_causal, seed, offset, *, scale=None):
         self.calls.append("flash_backward")
+        self._flash_device()
         assert cum_q is None and cum_k is None, "a defined cumulative length selects the varlen kernel"
         assert (max_q, max_k) == (q.shape[2], k.shape[2]) and lse.shape == q.shape[:3]
         _same_heads(q, k, v)
@@ -78,6 +96,7 @@ class CudaSdpaFake:
     def efficient(self, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *,
                   scale=None):
         self.calls.append("efficient")
+        self._efficient_device(q, "cutlassF")
         assert compute_log_sumexp and dropout_p == 0.0
         _same_heads(q, k, v)
         self._check_bias(attn_bias, q, k)
@@ -91,6 +110,7 @@ class CudaSdpaFake:
     def efficient_backward(self, dout, q, k, v, attn_bias, out, lse, seed, offset, dropout_p,
                            grad_input_mask, is_causal=False, *, scale=None):
         self.calls.append("efficient_backward")
+        self._efficient_device(q, "cutlassB")
         sq = q.shape[2]
         assert lse.shape[-1] == -(-sq // 32) * 32, "the lse is read in the forward's padded layout"
         assert list(grad_input_mask) == [True, True, True, False]

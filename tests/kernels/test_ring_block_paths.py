@@ -1,19 +1,24 @@
 """Which kernel runs a ring-attention block, and that each choice gives full attention's results.
 
-- CUDA: PyTorch's flash kernel for fp16/bf16 blocks without a mask, the memory-efficient kernel for
-  fp32 or masked blocks (packed documents), the blockwise fp32 path for head dims neither takes or
-  a torch without them. The kernels run through a stand-in that enforces their input rules
-  (tests/helpers/cuda_sdpa_fake.py); the real ones run in the device check on a GPU.
+- CUDA: PyTorch's flash kernel for fp16/bf16 blocks without a mask on compute capability 8.0 or
+  later, the memory-efficient kernel for fp32 or masked blocks (packed documents) and below 8.0
+  (fp16 there; bf16 has no kernel), the blockwise fp32 path for head dims neither takes or a torch
+  without them. The capability comes from the engine (``DeviceInfo.capability`` ->
+  ``KernelPaths.cuda_capability``). The kernels run through a stand-in that enforces their input
+  and device rules (tests/helpers/cuda_sdpa_fake.py); the real ones run in the device check on a
+  GPU.
 - NPU: npu_fusion_attention only where the chip table lists it (``KernelPaths.fusion_attention``),
   the portable path elsewhere (Atlas training series), in the layer and in the ring alike.
 """
 from __future__ import annotations
 
 import importlib
+import types
 
 import pytest
 import torch
 
+import engine.device.runtime as device_mod
 from kernels.attention_lse import (attention_lse, attention_lse_backward, attention_lse_reference,
                                    block_path, merge_partial)
 from kernels.attention_lse_cuda import cuda_block_kernel
@@ -55,6 +60,77 @@ def test_cuda_kernel_choice():
     assert cuda_block_kernel(torch.zeros(1, 2, 4, 60, dtype=torch.bfloat16), None, ops) is None
     assert cuda_block_kernel(torch.zeros(1, 2, 4, 512, dtype=torch.bfloat16), None, ops) == "efficient"
     assert cuda_block_kernel(q16, None, {}) is None
+
+
+def test_cuda_kernel_choice_follows_the_compute_capability():
+    """flash_api.cpp refuses flash below 8.0 (V100 7.0, T4 7.5), cutlassF/B have no bf16 kernel
+    there: fp16 takes efficient attention, bf16 the blockwise path; None (not told) counts as 8.0+."""
+    ops = CudaSdpaFake().ops()
+    q16, qbf, q32 = (torch.zeros(1, 2, 4, 64, dtype=t) for t in (torch.float16, torch.bfloat16,
+                                                                 torch.float32))
+    mask = torch.zeros(1, 1, 4, 4, dtype=torch.bool)
+    for cc in ((7, 0), (7, 5)):
+        assert cuda_block_kernel(q16, None, ops, cc) == "efficient"
+        assert cuda_block_kernel(q16, mask, ops, cc) == "efficient"
+        assert cuda_block_kernel(q32, None, ops, cc) == "efficient"
+        assert cuda_block_kernel(qbf, None, ops, cc) is None
+        assert cuda_block_kernel(qbf, mask, ops, cc) is None
+    for cc in ((8, 0), (8, 6), (9, 0), (10, 0), None):
+        assert cuda_block_kernel(q16, None, ops, cc) == cuda_block_kernel(qbf, None, ops, cc) == "flash"
+        assert cuda_block_kernel(qbf, mask, ops, cc) == "efficient"
+
+
+@pytest.mark.parametrize("capability,kernel", [((7, 0), "efficient"), ((7, 5), "efficient"),
+                                               ((8, 0), "flash"), ((9, 0), "flash")])
+def test_cuda_ring_blocks_follow_the_compute_capability(monkeypatch, capability, kernel):
+    """fp16 ring attention (cp > 1 in fp16 on a V100 or T4) on a GPU whose flash kernel raises below
+    8.0 as PyTorch's does: efficient attention there, flash from 8.0, full causal attention's
+    output and gradients either way."""
+    fake = CudaSdpaFake(capability)
+    monkeypatch.setattr(lse_mod, "device_kind", lambda t: "cuda")
+    monkeypatch.setattr(lse_mod, "cuda_ops", fake.ops)
+    paths = KernelPaths(cuda_capability=capability)
+    q, k, v = (t.requires_grad_(True) for t in _qkv(dtype=torch.float16))
+    assert block_path(q, None, paths) == f"cuda-{kernel}"
+    out = ring_attention(q, k, v, single_rank_group("cp"), paths=paths)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    got = torch.autograd.grad(out, (q, k, v), up)
+    assert set(fake.calls) == {kernel, f"{kernel}_backward"}
+    xs = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    want_out = attention_lse_reference(*xs, True)[0]
+    want = torch.autograd.grad(want_out, xs, up.float())
+    tol = dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), want_out, **tol)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w, **tol)
+
+
+def test_cuda_bf16_ring_below_sm80_runs_blockwise(monkeypatch):
+    fake = CudaSdpaFake((7, 5))
+    monkeypatch.setattr(lse_mod, "device_kind", lambda t: "cuda")
+    monkeypatch.setattr(lse_mod, "cuda_ops", fake.ops)
+    paths = KernelPaths(cuda_capability=(7, 5))
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    assert block_path(q, None, paths) == "blockwise"
+    out = ring_attention(q, k, v, single_rank_group("cp"), paths=paths)
+    assert fake.calls == []
+    want = attention_lse_reference(*(t.float() for t in (q, k, v)), True)[0]
+    torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_cuda_device_hands_its_capability_to_the_block_kernel(monkeypatch):
+    """setup_device puts the GPU's compute capability into DeviceInfo.kernel_paths, the paths the
+    model hands to every ring block."""
+    fake_cuda = types.SimpleNamespace(set_device=lambda i: None, get_device_name=lambda i: "Tesla V100",
+                                      get_device_capability=lambda i: (7, 0),
+                                      is_available=lambda: True, device_count=lambda: 1)
+    monkeypatch.setattr(device_mod.torch, "cuda", fake_cuda)
+    dev = device_mod.setup_device("cuda")
+    assert dev.capability == dev.kernel_paths.cuda_capability == (7, 0)
+    monkeypatch.setattr(lse_mod, "device_kind", lambda t: "cuda")
+    monkeypatch.setattr(lse_mod, "cuda_ops", CudaSdpaFake((7, 0)).ops)
+    assert block_path(torch.zeros(1, 2, 4, 64, dtype=torch.float16), None,
+                      dev.kernel_paths) == "cuda-efficient"
 
 
 def _blocks_against_full(q, k, v, mask, tol):
