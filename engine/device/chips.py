@@ -95,9 +95,11 @@ OVERFLOW_MODES = ("saturation", "inf_nan")
 # documentation gives (op-plugin 7.3.0 docs/context/torch_npu-npu_all_gather_base_mm.md and
 # torch_npu-npu_mm_reduce_scatter_base.md: A2 2/4/8 ranks on an HCCS full mesh, A3 2-32 on a double
 # ring; fp16/bf16, 2-D operands, k in [256, 65535), m divisible by the world size, no bias). The
-# trainer turns the fused ops on only where this table lists them (``tp_overlap_mode``); the
-# layers' own probe (parallel/tensor_parallel/overlap_fused.py) checks dtype, k and A2's sizes
-# per call; elsewhere the chunked ring runs. Not yet run on a chip.
+# trainer turns the fused ops on only where this table lists them (``tp_overlap_mode``): the TP
+# size is this table's decision. Per call the layers' path (parallel/tensor_parallel/
+# overlap_fused.py ``NpuMc2Path``) checks dtype and k (and, as a safety bound, a size some
+# generation documents); a call outside them (fp32, or k < 256, e.g. a backward's) runs the
+# chunked ring, which overlaps too. Not yet run on a chip.
 TP_OVERLAP_OPS = MappingProxyType({
     op: MappingProxyType({"atlas-a2": (2, 4, 8), "atlas-a3": (2, 4, 8, 16, 32)})
     for op in ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base")})

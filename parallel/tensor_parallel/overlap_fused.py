@@ -17,15 +17,22 @@ the group's backend, or None for the ring:
   table, engine/device/chips.py ``TP_OVERLAP_OPS``): Atlas A2 (2, 4, 8 ranks, HCCS full mesh)
   and A3 (2 to 32 ranks) training series, fp16/bf16, 2-D operands with k in [256, 65535), m
   divisible by the world size, no bias. Both gather / scatter dim 0 of a 2-D operand, so a
-  (b, s, h) activation is laid out rank-major ((n, b, s/n, h) flattened) around them. A call
-  outside those limits runs the plain collective and GEMM (through ``CommGroup``).
+  (b, s, h) activation is laid out rank-major ((n, b, s/n, h) flattened) around them. Which TP
+  sizes a chip takes is the chip table's decision (the trainer passes mode "auto" only where
+  ``tp_overlap_mode`` lists the size for that chip); per call the path checks dtype and k (and,
+  as a safety bound, a size some generation documents: 2, 4, 8, 16, 32). A call outside those
+  limits (fp32; a k below 256, as a backward may have where its forward had not: the column
+  layer's backward reduce-scatters over the sum of its output widths, the row layer's gathers
+  with k = out) runs the chunked ring (ring.py ``ring_pass``), which overlaps too: the caller
+  has already chosen this path, so it would never take the ring itself.
   Without sequence parallelism (``--tp-comm-overlap --device npu``) the row-parallel GEMM and
   its all-reduce run as ``torch_npu.npu_mm_all_reduce_base(x1, x2, hcom, reduce_op="sum")``
   (op-plugin 7.3.0 docs/context/torch_npu-npu_mm_all_reduce_base.md: Atlas A2 only, fp16/bf16,
   x1 2-D or 3-D, x2 2-D (k, n); ``TP_OVERLAP_OPS`` holds A2's 2/4/8 ranks and k in
   [256, 65535), the limits of the MC2 family; a bias given to it would be added on every rank
-  before the sum, so the layer adds its bias after). CUDA has no fused matmul-all-reduce in
-  torch: there, and on CPU, the plain GEMM and all-reduce run.
+  before the sum, so the layer adds its bias after). Outside those limits the plain GEMM and
+  all-reduce run: there is no ring for an all-reduce that leaves every rank the whole sum. CUDA
+  has no fused matmul-all-reduce in torch: there, and on CPU, the plain GEMM and all-reduce run.
 
 Both fused families go around ``CommGroup``'s wrappers; each call is still checked against the
 backend rules and counted (``_count``) as the collective it replaces.
@@ -38,10 +45,14 @@ import torch
 import torch.distributed as dist
 
 from kernels.dispatch import device_kind, import_torch_npu
-from parallel.tensor_parallel.mappings import _gather, _reduce_scatter
+from parallel.tensor_parallel.mappings import _check_divisible
+from parallel.tensor_parallel.ring import chunk_of, ring_pass
 
 SEQ = 1
-NPU_WORLD_SIZES = (2, 4, 8)          # Atlas A2's documented sizes (A3 also 16, 32)
+# a safety bound only: the sizes some generation documents (A2 2/4/8, A3 2-32); which of them a
+# chip takes is engine/device/chips.py's ``TP_OVERLAP_OPS`` (the trainer's ``tp_overlap_mode``)
+NPU_WORLD_SIZES = (2, 4, 8, 16, 32)
+NPU_ALL_REDUCE_WORLD_SIZES = (2, 4, 8)   # npu_mm_all_reduce_base: Atlas A2 only
 NPU_K_RANGE = (256, 65535)           # k in [256, 65535)
 NPU_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -113,9 +124,11 @@ class NpuMc2Path:
     name = "npu_mc2"
 
     @staticmethod
-    def _ok(x: torch.Tensor, k: int, group) -> bool:
+    def _ok(x: torch.Tensor, k: int, group, sizes: tuple[int, ...] = NPU_WORLD_SIZES) -> bool:
+        """Whether this call is inside the ops' documented limits: fp16/bf16, k in [256, 65535)
+        and a group size some generation documents (the chip's own sizes are the chip table's)."""
         return (x.dtype in NPU_DTYPES and NPU_K_RANGE[0] <= k < NPU_K_RANGE[1]
-                and group.size in NPU_WORLD_SIZES)
+                and group.size in sizes)
 
     @staticmethod
     def _hcom(group) -> str:
@@ -123,10 +136,12 @@ class NpuMc2Path:
         return _pg(group)._get_backend(torch.device("npu")).get_hccl_comm_name(rank)
 
     def all_gather_matmul(self, shard, bs, group, gather: bool = False):
+        """shard (b, s/n, k), bs [(k, o_i)] -> (gathered (b, s, k) or None, [(b, s, o_i)]); outside
+        the documented limits the all-gather ring, each arriving chunk's GEMMs under the next
+        chunk's transfer."""
         n, (b, sc, k) = group.size, shard.shape
         if not self._ok(shard, k, group):
-            full = _gather(shard, SEQ, group)                        # (b, s, k)
-            return (full if gather else None), [full.matmul(w) for w in bs]
+            return _ring_all_gather_matmul(shard, bs, group, gather)
         npu, widths = import_torch_npu(), [w.shape[-1] for w in bs]
         _count(group, "all_gather", shard)
         out, gathered = npu.npu_all_gather_base_mm(shard.reshape(-1, k), torch.cat(list(bs), dim=1),
@@ -137,9 +152,13 @@ class NpuMc2Path:
         return (gathered if gather else None), list(out.split(widths, dim=-1))
 
     def matmul_reduce_scatter(self, a, b, group):
+        """a (b, s, k), b (k, o) -> (b, s/n, o): (a @ b) summed over the group, this rank's chunk;
+        outside the documented limits the reduce-scatter ring, each chunk's partial sum
+        travelling while the next chunk's GEMM runs."""
         n, (bs, s, k) = group.size, a.shape
+        _check_divisible(a, SEQ, n)
         if not self._ok(a, k, group):
-            return _reduce_scatter(a.matmul(b), SEQ, group)
+            return ring_pass(group, partial=lambda c: chunk_of(a, c, n).matmul(b))
         rank_major = a.view(bs, n, s // n, k).movedim(1, 0).reshape(-1, k)  # (n b s/n, k)
         _count(group, "reduce_scatter", rank_major[:, :1].expand(-1, b.shape[-1]))
         out = import_torch_npu().npu_mm_reduce_scatter_base(rank_major, b, self._hcom(group), n,
@@ -148,15 +167,32 @@ class NpuMc2Path:
 
     def matmul_all_reduce(self, a, b, group):
         """a (b, s, k), b (k, o) -> (b, s, o): (a @ b) summed over the group (no bias), fused
-        where documented, else the plain GEMM and all-reduce."""
+        where documented, else the plain GEMM and all-reduce (no ring exists for it: every rank
+        needs the whole sum, not a chunk of it)."""
         k = a.shape[-1]
-        if not (self._ok(a, k, group) and npu_all_reduce_op()):
+        if not (self._ok(a, k, group, NPU_ALL_REDUCE_WORLD_SIZES) and npu_all_reduce_op()):
             y = a.matmul(b)
             group.all_reduce(y)
             return y
         _count(group, "all_reduce", a[..., :1].expand(*a.shape[:-1], b.shape[-1]))
         return import_torch_npu().npu_mm_all_reduce_base(a.contiguous(), b, self._hcom(group),
                                                          reduce_op="sum")
+
+
+def _ring_all_gather_matmul(shard, bs, group, gather: bool):
+    """The all-gather ring of ``shard`` (b, s/n, k) with each weight's GEMM on every chunk as it
+    arrives (ring.py): (gathered (b, s, k) or None, [(b, s, o_i)]), chunks in sequence order."""
+    n = group.size
+    outs = [[None] * n for _ in bs]
+    pieces = [None] * n
+
+    def gemms(c: int, x_c: torch.Tensor) -> None:   # x_c (b, s/n, k): chunk c, any rank's
+        for i, w in enumerate(bs):
+            outs[i][c] = x_c.matmul(w)               # (b, s/n, o_i)
+        if gather:
+            pieces[c] = x_c
+    ring_pass(group, shard, on_chunk=gemms)
+    return (torch.cat(pieces, dim=SEQ) if gather else None), [torch.cat(o, dim=SEQ) for o in outs]
 
 
 SYMM_MEM, NPU_MC2 = SymmMemPath(), NpuMc2Path()

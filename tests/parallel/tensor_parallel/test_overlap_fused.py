@@ -12,8 +12,13 @@ bias kept out of the fused all-reduce, and the fallbacks outside the documented 
 - the row-parallel layer without sequence parallelism through the fused all-reduce
   (``_MatmulAllReduceForwardIdentityBackward``): output, input and weight gradients equal the
   plain layer's;
-- fp32 or k < 256 falls back to the plain ops and never calls the stand-in; on the CPU the layers
-  never take a fused path.
+- outside the documented limits (fp32; k < 256, as a backward's k may be) the gather + GEMM and the
+  GEMM + reduce-scatter take the chunked ring (``ring_pass``, point-to-point batches, no
+  all-gather or reduce-scatter), never the stand-in, and give the plain collectives' and GEMMs'
+  results (the gathered input too); the GEMM + all-reduce falls back to the plain ops (no ring
+  exists for it); on the CPU the layers never take a fused path;
+- the TP sizes are the chip table's decision: every size ``TP_OVERLAP_OPS`` lists (A3's 16 and
+  32 too) passes the path's per-call check, and the fused all-reduce's only A2's.
 
 The CUDA path (``SymmMemPath``) the same way, through a stand-in for PyTorch's two
 symmetric-memory ops (``fused_all_gather_matmul``: A gathered along ``gather_dim`` and A @ B for
@@ -24,13 +29,16 @@ when one rank's rendezvous fails, every rank runs the ring and the line names th
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.distributed as dist
 
 from parallel.tensor_parallel import (ColumnParallelLinear, Initializer, RowParallelLinear,
                                       set_tp_comm_overlap)
-from parallel.tensor_parallel import overlap, overlap_fused
+from parallel.tensor_parallel import overlap, overlap_fused, ring
 from parallel.tensor_parallel.mappings import _gather
+from engine.device.chips import TP_OVERLAP_ALL_REDUCE, TP_OVERLAP_OPS
 from parallel.tensor_parallel.overlap import _MatmulAllReduceForwardIdentityBackward
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
@@ -115,14 +123,55 @@ def fused_group(ps) -> dict:
         got = path.matmul_all_reduce(a, w, group).float()
         out["ar"] = (got - total).abs().max().item()
         out["fused_calls"] = list(fake.calls)
-        # outside the documented limits: the plain ops, the stand-in untouched
+        # outside the documented limits (fp32; k = 128): the gather + GEMM and the GEMM +
+        # reduce-scatter on the chunked ring (the real ring_pass, watched), the stand-in
+        # untouched; the GEMM + all-reduce on the plain ops
         fake.calls.clear()
+        real_ring, real_batch = ring.ring_pass, group.batch_isend_irecv   # the path's ring_pass
+        rings, batches = [], []
+
+        def ring_spy(g, shard=None, on_chunk=None, partial=None):
+            rings.append(("gather" if shard is not None else "") + ("scatter" if partial else ""))
+            return real_ring(g, shard, on_chunk=on_chunk, partial=partial)
+
+        def batch_spy(transfers):
+            batches.append(sorted(kind for kind, _, _ in transfers))
+            return real_batch(transfers)
+        overlap_fused.ring_pass, group.batch_isend_irecv = ring_spy, batch_spy
         a32, w32 = a.float(), w.float()
-        plain = path.matmul_all_reduce(a32, w32, group)
-        small = path.matmul_reduce_scatter(a[..., :128], w[:128], group)
+        ws32 = [v.float() for v in ws]
+        try:
+            # fp32 gather + GEMMs, gathered input returned
+            gathered, outs = path.all_gather_matmul(shard.float(), ws32, group, gather=True)
+            out["fb_ag32_gathered"] = (gathered - full).abs().max().item()
+            out["fb_ag32"] = max((o - full @ v).abs().max().item() for o, v in zip(outs, ws32))
+            out["fb_ag32_shapes"] = [tuple(o.shape) for o in outs]
+            # bf16, k = 128: gather + GEMMs, no gathered input
+            none, outs = path.all_gather_matmul(shard[..., :128], [v[:128] for v in ws], group)
+            plain_ag = _gather(shard[..., :128], 1, group)
+            out["fb_ag128_none"] = none is None
+            out["fb_ag128"] = max((o.float() - (plain_ag @ v[:128]).float()).abs().max().item()
+                                  for o, v in zip(outs, ws))
+            out["fb_ag128_shapes"] = [tuple(o.shape) for o in outs]
+            # fp32 GEMM + reduce-scatter; bf16, k = 128
+            got = path.matmul_reduce_scatter(a32, w32, group)
+            out["fb_rs32"] = (got - total.chunk(2, dim=1)[r]).abs().max().item()
+            small = path.matmul_reduce_scatter(a[..., :128], w[:128], group)
+            total128 = a[..., :128].float() @ w[:128].float()
+            dist.all_reduce(total128, group=group.process_group)
+            out["fb_rs128"] = (small.float() - total128.chunk(2, dim=1)[r]).abs().max().item()
+            out["fb_rs128_shape"] = (tuple(small.shape), small.dtype)
+            out["fb_rings"] = list(rings)
+            # the GEMM + all-reduce: no ring, the plain GEMM and all-reduce
+            rings.clear()
+            plain = path.matmul_all_reduce(a32, w32, group)
+            out["fb_ar_rings"] = list(rings)
+        finally:
+            overlap_fused.ring_pass = real_ring
+            del group.batch_isend_irecv
+        out["fb_batches"] = batches
         out["fallback_calls"] = list(fake.calls)
         out["fallback_ar"] = (plain - total).abs().max().item()
-        out["fallback_rs_shape"] = tuple(small.shape)
         # the row-parallel layer's fused GEMM + all-reduce, forward and backward, against the
         # plain layer (the same weights, bf16)
         fake.calls.clear()
@@ -256,7 +305,38 @@ def test_npu_mc2_path_prepares_the_documented_operands():
         assert r["rs"] < 3e-2 and r["rs_shape"] == (2, 3, 8), r
         assert r["ar"] < 3e-2, r
         assert r["fused_calls"] == ["all_gather_base_mm", "mm_reduce_scatter_base", "mm_all_reduce_base"]
-        assert r["fallback_calls"] == [] and r["fallback_ar"] < 1e-4 and r["fallback_rs_shape"] == (2, 3, 8)
+        # outside the limits: the ring (each of its four calls one point-to-point batch of a
+        # send and a receive on 2 ranks), never the stand-in, the plain ops' results
+        assert r["fallback_calls"] == [], r["fallback_calls"]
+        assert r["fb_rings"] == ["gather", "gather", "scatter", "scatter"], r["fb_rings"]
+        assert r["fb_batches"] == [["recv", "send"]] * 4, r["fb_batches"]
+        assert r["fb_ag32_gathered"] == 0.0 and r["fb_ag32"] < 1e-5, r
+        assert r["fb_ag32_shapes"] == [(2, 6, 8), (2, 6, 4)], r
+        assert r["fb_ag128_none"] and r["fb_ag128"] < 1e-2, r
+        assert r["fb_ag128_shapes"] == [(2, 6, 8), (2, 6, 4)], r
+        assert r["fb_rs32"] < 1e-5 and r["fb_rs128"] < 3e-2, r
+        assert r["fb_rs128_shape"] == ((2, 3, 8), torch.bfloat16), r
+        assert r["fb_ar_rings"] == [] and r["fallback_ar"] < 1e-4, r
         assert max(r["layer"]) < 5e-2, r["layer"]
         assert r["layer_calls"] == ["mm_all_reduce_base"]
         assert r["cpu_same"] and r["cpu_path"] is None
+
+
+def test_npu_mc2_group_sizes_are_the_chip_tables():
+    """The path's per-call check leaves the TP size to the chip table: every size a generation
+    documents for the gather/scatter pair (A3's 16 and 32 included) passes it, and the fused
+    all-reduce's bound is A2's; dtype and k are still checked."""
+    x = torch.zeros(1, dtype=torch.bfloat16)
+    ok = overlap_fused.NpuMc2Path._ok
+    sizes = {n for op in TP_OVERLAP_OPS.values() for ns in op.values() for n in ns}
+    assert {16, 32} <= sizes
+    for n in sorted(sizes):
+        assert ok(x, K, SimpleNamespace(size=n)), n
+    for n in (1, 3, 64):
+        assert not ok(x, K, SimpleNamespace(size=n)), n
+    assert not ok(x.float(), K, SimpleNamespace(size=16))
+    assert not ok(x, 128, SimpleNamespace(size=16))
+    all_reduce = overlap_fused.NPU_ALL_REDUCE_WORLD_SIZES
+    for n in TP_OVERLAP_ALL_REDUCE["npu_mm_all_reduce_base"]["atlas-a2"]:
+        assert ok(x, K, SimpleNamespace(size=n), all_reduce), n
+    assert not ok(x, K, SimpleNamespace(size=16), all_reduce)
