@@ -95,8 +95,9 @@ class HostShards:
         self.staging = {dt: HostFlat(self.flat_entries, dt, self.pin) for dt in low}
         self.late = {b.index for b, *_ in self.entries
                      if any(fixed_up(slot.param, ps) for slot in b.slots)}
-        self.d2h = streams.side_stream("offload-d2h", device)
-        self.h2d = streams.side_stream("offload-h2d", device)
+        # high priority: copies the update waits on, never queued behind a communicator's work
+        self.d2h = streams.side_stream("offload-d2h", device, high_priority=True)
+        self.h2d = streams.side_stream("offload-h2d", device, high_priority=True)
         self.host_stream = streams.side_stream("offload-host", "cpu")
         self._arrived: dict[int, tuple] = {}     # bucket index -> (event, factors applied so far)
         self._factors: list[tuple[str, float]] = []

@@ -14,9 +14,10 @@ share its ``host_reader``, whose side stream per device is made on first use. A 
 would take one of the device's pooled streams per MoE layer (torch hands its 32 low-priority pool
 streams out round-robin, and ProcessGroupNCCL takes its communicators' streams from the same
 pool), so with a few dozen layers a layer's copy could share a stream with a communicator and
-queue behind unrelated collectives; one stream takes one slot. (A high-priority stream, from the
-pool NCCL's default streams do not use, would take none; the stream API, ``streams.side_stream``,
-has no priority yet.) Nothing is module state.
+queue behind unrelated collectives; the reader's one stream is a high-priority one
+(``streams.side_stream(..., high_priority=True)``), from the pool no communicator takes, so it
+shares with none, and the scheduler runs its short copy ahead of queued compute. Nothing is module
+state.
 
 Under ``torch.compile`` the read is a graph break: ``HostReader.start`` runs eagerly
 (``torch.compiler.disable``: the stream context, the event and the pinned non-blocking copy are not
@@ -65,7 +66,8 @@ class HostReader:
         device = torch.device(device)
         side = self._streams.get(device)
         if side is None:
-            side = self._streams[device] = streams.side_stream(STREAM_NAME, device)
+            side = self._streams[device] = streams.side_stream(STREAM_NAME, device,
+                                                               high_priority=True)
         return side
 
     @torch.compiler.disable  # eager under torch.compile: streams, events and a pinned copy

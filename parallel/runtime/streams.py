@@ -4,8 +4,9 @@ Every piece of the engine that runs device work off the compute stream (the DP e
 ZeRO-2's storage release, the asynchronous checkpoint copy, the pipeline watchdog) goes through
 this module instead of calling ``torch.Stream`` / ``torch.Event`` or ``threading.Thread`` itself:
 
-- ``side_stream(name, device)``: a named ``Stream``; on an accelerator it wraps a ``torch.Stream``,
-  on the CPU it is a name only;
+- ``side_stream(name, device, high_priority=False)``: a named ``Stream``; on an accelerator it wraps
+  a ``torch.Stream`` (from the high-priority pool, which no communicator uses, when asked), on the
+  CPU it is a name only;
 - ``current_stream(device)``, ``use(stream)``: the stream this thread issues work on now;
 - ``record_event``, ``wait_event``, ``wait_stream``, ``synchronize``, ``record_stream``,
   ``released``: the orderings the engine relies on (``synchronize``: the host waits for an
@@ -89,10 +90,22 @@ def checking() -> bool:
     return _checker is not None
 
 
-def side_stream(name: str, device) -> Stream:
-    """A new named side stream on ``device`` (a name only on the CPU)."""
+HIGH_PRIORITY = -1   # torch.Stream's priority: 0 (the default) or negative, higher first
+
+
+def side_stream(name: str, device, high_priority: bool = False) -> Stream:
+    """A new named side stream on ``device`` (a name only on the CPU). ``high_priority``: from
+    the device's high-priority pool, whose streams the scheduler runs first and which no
+    communicator takes (CUDA and torch_npu hand out a device's pooled streams round-robin, 32
+    per priority, and ProcessGroupNCCL takes each communicator's stream from the low-priority
+    pool: a default side stream can be a communicator's stream and queue behind its
+    collectives). For short copies a step waits on (the MoE split sizes, the offloaded
+    optimizer's gradients and parameters)."""
     device = torch.device(device)
-    return Stream(name, device, torch.Stream(device=device) if _accelerator(device) else None)
+    native = None
+    if _accelerator(device):
+        native = torch.Stream(device=device, priority=HIGH_PRIORITY if high_priority else 0)
+    return Stream(name, device, native)
 
 
 def _default_name() -> str:
