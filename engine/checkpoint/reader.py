@@ -221,7 +221,14 @@ class StateReader(Mapping):
 def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) -> int:
     """Restore everything into a built trainer; return the step to continue from.
     ``weights_only`` (default: --finetune) loads the model weights alone and starts at step 0;
-    resuming this run's own checkpoint passes False."""
+    resuming this run's own checkpoint passes False.
+
+    Past the shared verification each rank reads its own part with no collective in between
+    (``_read_own``); a rank that fails there (a tensor its shard needs missing, a file it cannot
+    read) tells the others in one all-gather before anything else is exchanged, and every rank
+    raises the same one line naming it, instead of the others running on into the next collective
+    and waiting there for the communication timeout. The residuals of another layout are folded
+    (collectives) after that agreement."""
     cfg, ps = trainer.cfg, trainer.ps
     ck = cfg.checkpoint
     weights_only = ck.finetune if weights_only is None else weights_only
@@ -237,6 +244,42 @@ def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) ->
                               f"from step 0 with these weights)")
     # the weights alone (a fine-tune, an imported model): their bytes are what is read and checked
     _verify_shared(ps, ckpt, index, is_weight_key if weights_only or step == 0 else None)
+    failure, fold = None, None
+    try:
+        fold = _read_own(trainer, ckpt, index, weights_only)
+    except (CheckpointError, OSError) as exc:
+        failure = exc if isinstance(exc, CheckpointError) else CheckpointError(
+            f"checkpoint {ckpt}: {type(exc).__name__}: {exc}")
+    _agree_on_failure(ps, failure)
+    if fold is not None:
+        fold()
+    step = 0 if weights_only or step == 0 else step
+    trainer.loaded_checkpoint, trainer.loaded_step = ckpt, step
+    return step
+
+
+def _agree_on_failure(ps, failure: CheckpointError | None) -> None:
+    """Every rank learns whether any rank's own read failed; all raise the first failure's line,
+    naming its rank (one all-gather of the failures' lines; nothing on a single process)."""
+    if not (dist.is_initialized() and ps.world_size > 1):
+        if failure is not None:
+            raise failure
+        return
+    lines = ps.world_group.all_gather_object(None if failure is None else str(failure))
+    failed = [(rank, line) for rank, line in enumerate(lines) if line]
+    if failed:
+        rank, line = failed[0]
+        others = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+        raise CheckpointError(f"rank {rank}{others}: {line}")
+
+
+def _read_own(trainer, ckpt: str, index: dict, weights_only: bool):
+    """This rank's part of the checkpoint into the trainer (weights, buffers, optimizer state,
+    sampler, scaler, per-rank state), reading files only: no collective. Returns the residual
+    folding to run once every rank has read (collectives; None when there is nothing to fold)."""
+    cfg, ps = trainer.cfg, trainer.ps
+    ck = cfg.checkpoint
+    step = index["step"]
     reader = TensorReader(ckpt, index)
     specs = param_specs(trainer.chunks, ps, cfg.model.vocab_size)
     trainer.params_ready()  # (ZeRO-3: nothing gathered while its shards change)
@@ -245,8 +288,7 @@ def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) ->
     load_buffers(buffer_specs(trainer.chunks, ps), reader)
     if weights_only or step == 0:  # weights only: the run starts at step 0 with fresh state
         trainer.optimizer.load_state_dict({"step": 0, "pieces": [], "state": {}})
-        trainer.loaded_checkpoint, trainer.loaded_step = ckpt, 0
-        return 0
+        return None
     if not ck.load_optim:
         trainer.optimizer.load_state_dict({"step": 0, "pieces": [], "state": {}})
     owners = by_owner(specs)  # each parameter's logical tensors (a stacked one holds several)
@@ -294,16 +336,17 @@ def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) ->
                                      "warmup_steps": index["reducer"].get("warmup_steps"),
                                      "residuals": {
         k[len("residual/"):]: v.to(ps.device) for k, v in own.items() if k.startswith("residual/")}})
-    if not same:  # another layout: each rank takes an equal share of the summed residuals
+    if same:
+        return None
 
-        def reading(prefix):
-            def read(name, param):
-                parts = owners[name]
-                t = read_flat(parts, 0, param.numel(), flat_reader(f"optim/{prefix}"))
-                return None if t is None else t.view(param.shape).to(ps.device)
-            return read
+    def reading(prefix):   # another layout: each rank takes an equal share of the summed residuals
+        def read(name, param):
+            parts = owners[name]
+            t = read_flat(parts, 0, param.numel(), flat_reader(f"optim/{prefix}"))
+            return None if t is None else t.view(param.shape).to(ps.device)
+        return read
 
+    def fold():
         fold_logical_residuals(trainer.reducer, ps, reading("grad_residual"))
         fold_logical_residuals(trainer.reducer, ps, reading("grad_momentum"), kind="momentum")
-    trainer.loaded_checkpoint, trainer.loaded_step = ckpt, step
-    return step
+    return fold

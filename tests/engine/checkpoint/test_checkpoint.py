@@ -171,3 +171,32 @@ def test_same_layout_per_rank_state(tmp_path):
     assert bf16["optim/master/layers.0.attn.qkv.weight"]["dtype"] == "float32"
     fp16 = json.load(open(tmp_path / "fp16" / "iter_0000002" / "index.json"))
     assert fp16["scaler"]["scale"] == 4096 * 2  # grew once after its window of 2 clean steps
+
+
+def one_rank_cannot_read_its_part(ps, root):
+    """pp=2: a checkpoint whose index lacks a tensor only the second stage reads (it verifies:
+    the files are intact). That rank's read fails; every rank must say so in the same line."""
+    save = os.path.join(root, "pp2")
+    losses(["--pp", "2", "--train-iters", "2", "--save", save, "--save-interval", "2"])
+    ckpt = os.path.join(save, "iter_0000002")
+    if ps.rank == 0:
+        path = os.path.join(ckpt, "index.json")
+        index = json.load(open(path))
+        del index["tensors"]["model/layers.1.mlp.fc2.weight"]   # stage 1's layer
+        json.dump(index, open(path, "w"))
+    ps.world_group.barrier()
+    try:
+        losses(["--pp", "2", "--train-iters", "4", "--load", ckpt])
+    except ckpt_mod.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_rank_that_cannot_read_its_part_stops_every_rank_with_one_line(tmp_path):
+    """Without the agreement rank 0 would train on into its first transfer from rank 1 and wait
+    there for the communication timeout (here 20 s, then a gloo error, not this line)."""
+    lines = run_distributed(one_rank_cannot_read_its_part, grid=RankGrid(pp=2),
+                            args=(str(tmp_path),), timeout_s=20.0)
+    want = (f"rank 1: checkpoint {tmp_path}/pp2/iter_0000002 has no tensor layers.1.mlp.fc2.weight: "
+            f"it was saved from a different model (block or layer count)")
+    assert lines == [want, want]
