@@ -127,8 +127,11 @@ def check(results: list[list[dict]], pp: int) -> None:
         # every rank's own figure (the all-reduced phase span) is the gathered one, to rounding
         for rank in range(pp):
             assert results[rank][i]["mine"] == pytest.approx(measured.per_rank[rank], abs=1e-4), label
-        # the phase lasts the replay's makespan, plus transfers and Python between actions
-        assert sim.makespan <= measured.span <= sim.makespan * 1.2, (label, measured.span)
+        # the phase lasts the replay's makespan, plus transfers and Python between actions; the
+        # replay runs every action at its stage's MEAN measured time, so one action stretched by
+        # a loaded machine lengthens every action of the replay: the measured span may fall a
+        # few percent short of it (zb-h1 pp=2: 1.503 s against a replay of 1.533 s, once)
+        assert sim.makespan * 0.9 <= measured.span <= sim.makespan * 1.2, (label, measured.span)
 
 
 def test_measured_bubble_matches_simulation_pp2():
