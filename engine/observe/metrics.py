@@ -34,7 +34,8 @@ run so far without the warm-up step (``RunningTotals``); without the bar, one co
   none of them is in the bubble.
 - ``*_comm_bytes``: payload this rank handed to each group kind's collectives this step.
 
-Summaries (``summarize_run``) are totals over time with warm-up steps left out.
+Summaries (``summarize_run``) are totals over time with warm-up steps left out (peak memory: the
+largest of every step's).
 """
 from __future__ import annotations
 
@@ -58,8 +59,9 @@ REQUIRED_KEYS = ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "to
 OPTIONAL_KEYS = ("save_blocking_s", "anomaly", "rerun", "straggler_rank", "straggler_ratio",
                  "straggler_waited_for")
 # mixture of experts (models/moe/step_figures.py), null without MoE layers: the step's balancing
-# losses, the per-expert load of the global batch summed over MoE layers and its max / mean, the
-# assignments a capacity dropped, the payload handed to the dispatch collectives
+# losses, the per-expert load of the global batch summed over MoE layers, the largest per-layer
+# max / mean load, the assignments a capacity dropped, the payload handed to the dispatch
+# collectives (null under --compile)
 MOE_KEYS = ("moe_aux_loss", "moe_z_loss", "moe_expert_load", "moe_load_imbalance",
             "moe_tokens_dropped", "ep_comm_bytes")
 
@@ -263,8 +265,9 @@ def summarize_run(records: list[dict], warmup: int = WARMUP_STEPS) -> dict:
     """Totals over time of the steps after the first ``warmup``, never means of per-step rates:
     tokens/s = all tokens / all seconds; TFLOP/s, MFU and HFU = all FLOPs / all seconds (each step's
     rate weighted by its time); the measured and simulated bubbles = idle time / pipeline time
-    (weighted by each step's forward/backward phase); bytes and ``time_*`` per step = totals / steps.
-    Shared by the trainer's closing table and the benchmarks (benchmarks/common.py)."""
+    (weighted by each step's forward/backward phase); bytes and ``time_*`` per step = totals / steps;
+    peak memory the largest of every step's, warm-up included. Shared by the trainer's closing
+    table and the benchmarks (benchmarks/common.py)."""
     kept = steady(records, warmup)
     seconds = sum(r["step_time_s"] for r in kept)
     tokens = sum(r["tokens"] for r in kept)
@@ -288,21 +291,28 @@ def summarize_run(records: list[dict], warmup: int = WARMUP_STEPS) -> dict:
                 "time_optimizer_s", "time_pp_exposed_s", "time_dp_exposed_s",
                 "time_zero_gather_exposed_s", "time_tp_exposed_s"):
         out[key] = per_step(key)
-    out["peak_memory_bytes"] = max((r.get("peak_memory_bytes") or 0) for r in kept) or None
+    # a peak is a peak: the warm-up steps' count too
+    out["peak_memory_bytes"] = max((r.get("peak_memory_bytes") or 0) for r in records) or None
     out.update(summarize_moe(kept))
     return out
 
 
 def summarize_moe(kept: list[dict]) -> dict:
-    """The MoE totals of the kept steps: EP bytes per step, the load summed over the steps and its
-    max / mean, the dropped assignments in all; empty without MoE."""
+    """The MoE totals of the kept steps: EP bytes per step (None when a step has none: under
+    --compile), the load summed over the steps, the imbalance as the steps' figure's numerator
+    (the most imbalanced layer's largest expert load) and denominator (its mean) each summed over
+    the steps (every layer's mean load is the step's tokens x K / E, so each step weighs by its
+    load), the dropped assignments in all; empty without MoE."""
     loads = [r.get("moe_expert_load") for r in kept]
     if any(load is None for load in loads):
         return {}
     total = [sum(col) for col in zip(*loads)]
-    mean = sum(total) / len(total) if total else 0
-    return {"ep_comm_bytes": sum(r["ep_comm_bytes"] or 0 for r in kept) / len(kept),
-            "moe_expert_load": total, "moe_load_imbalance": max(total) / mean if mean else None,
+    ep = [r.get("ep_comm_bytes") for r in kept]
+    figures = [(r.get("moe_load_imbalance"), sum(load)) for r, load in zip(kept, loads)]
+    weight = sum(w for _, w in figures)
+    return {"ep_comm_bytes": None if None in ep else sum(ep) / len(kept), "moe_expert_load": total,
+            "moe_load_imbalance": None if not weight or any(v is None for v, _ in figures)
+            else sum(v * w for v, w in figures) / weight,
             "moe_tokens_dropped": sum(r["moe_tokens_dropped"] for r in kept)}
 
 

@@ -21,8 +21,18 @@ threshold (``--straggler-threshold``, default 1.2); a rank without a peer (dp = 
 stage) is compared with nobody.
 
 Every ``--log-interval`` steps the ranks exchange their sums over the interval (the first step a
-process runs, its warm-up, left out) with one small all-gather (fp32, ``WIDTH`` values per rank; no other collective is added to any step) and every
-rank computes the same report. Its keys, in every interval's record:
+process runs, its warm-up, left out) with one small all-gather (fp32, ``WIDTH`` values per rank; no
+other collective is added to any step) and every rank computes the same report. Nothing of it waits
+for the device (a step waits once, engine/device/syncs.py): a step's stamps are complete only after
+the next step's wait, so an interval ending at step N is closed at step N, its last step is added
+after step N + 1's wait and its all-gather is issued then (between steps N + 1 and N + 2, with a
+non-blocking copy of the result to pinned host memory behind it), and the result is read after
+step N + 2's wait, at the first interval step from there: the report of steps a..N lands in the
+record of step N + L (``--log-interval`` L >= 2: one interval late) or N + 2 (L = 1), with the
+same content it would have had at step N. The intervals a run ends on (the last one; with L = 1 the
+last two) are read after the last step (``finish``: one wait, outside the steps), said in the
+line, and in the last step's record where that record holds no other report. Its keys, in every
+interval's record (null in the first interval's, whose report is not in yet):
 
 - ``straggler_rank``: the straggler with the largest ratio, or null when no rank passed the
   threshold;
@@ -36,8 +46,8 @@ embedding) in the printed line, which appears only when a straggler is found.
 Clock: anything with ``stamp()`` and ``elapsed_s(start, end)``. On the CPU, where gloo blocks the
 calling thread until its collective completes, host stamps (``parallel.pipeline.executor.HostClock``,
 perf_counter). On CUDA/NPU the host returns from a collective before the device has waited for
-it: there the clock must stamp the device's stream (engine/device/clock.py's DeviceClock, events read after the step's synchronization),
-so a span is the time the stream was blocked.
+it: there the clock must stamp the device's stream (engine/device/clock.py's DeviceClock, events
+read after a later step's wait), so a span is the time the stream was blocked.
 """
 from __future__ import annotations
 
@@ -51,6 +61,7 @@ from engine.config.schema import LogConfig
 from engine.observe.metrics import WARMUP_STEPS
 from parallel.pipeline.executor import HostClock
 from parallel.pipeline.partition import placement_stages
+from parallel.runtime import streams
 
 CATEGORIES = ("tp", "cp", "pp", "dp", "other")
 WIDTH = 1 + len(CATEGORIES)      # compute seconds, then blocked seconds per category
@@ -170,8 +181,11 @@ class StragglerReport:
 
 
 class StragglerMonitor:
-    """Per-step sums of compute and blocked time on this rank, and the interval's report.
-    ``roles``: every rank's role (``peer_roles``; default: its pipeline stage)."""
+    """Per-step sums of compute and blocked time on this rank, and the interval's report, read
+    without a wait of its own (engine/device/syncs.py): a step's stamps are added after the next
+    step's wait, an interval's all-gather is issued once its last step is added (``end_step`` of
+    the step after it) and read by the first ``report`` after a later step's wait. ``roles``:
+    every rank's role (``peer_roles``; default: its pipeline stage)."""
 
     def __init__(self, ps, clock=None, roles: list | None = None,
                  threshold: float = DEFAULT_THRESHOLD):
@@ -181,67 +195,129 @@ class StragglerMonitor:
         if len(self.roles) != ps.world_size:
             raise ValueError(f"StragglerMonitor: {len(self.roles)} roles for {ps.world_size} ranks")
         self.threshold = threshold
-        self.last_report: StragglerReport | None = None  # the latest interval's, on every rank
+        self.last_report: StragglerReport | None = None  # the latest read, on every rank
         self.activity = ps.comm.activity
         self.activity.clock = self.clock
-        self._reset()
-        self._t0 = None
+        self._open = _Sums()       # the interval being summed
+        self._closing = None       # an interval closed by ``report``: its last step still pending
+        self._in_flight = []       # _Exchange: all-gathers issued, not read yet (oldest first)
+        self._t0, self._step = None, None
         self._pending = None  # the last step's (start, end, blocked spans), read after a later wait
         self._steps_seen, self._counting = 0, False
 
-    def _reset(self) -> None:
-        self.compute = 0.0
-        self.blocked = dict.fromkeys(CATEGORIES, 0.0)
-        self.first_step = None
-
     def begin_step(self, step: int) -> None:
-        """Before step ``step`` (1-based) starts: spans recorded since (validation, saves) are
-        dropped. The first ``WARMUP_STEPS`` steps this process runs are not counted: lazy
-        initialisation and allocator growth differ between ranks by more than any threshold."""
+        """Before step ``step`` (1-based) starts: spans recorded since (validation, saves, the
+        previous interval's all-gather) are dropped. The first ``WARMUP_STEPS`` steps this process
+        runs are not counted: lazy initialisation and allocator growth differ between ranks by
+        more than any threshold."""
         self.activity.spans.clear()
-        self.activity.step = step
+        self.activity.step = self._step = step
         self._steps_seen += 1
         self._counting = self._steps_seen > WARMUP_STEPS
-        if self._counting and self.first_step is None:
-            self.first_step = step
+        if self._counting and self._open.first_step is None:
+            self._open.first_step = step
         self._t0 = self.clock.stamp()
 
     def end_step(self) -> None:
-        """After the step: keep its stamps; the previous step's (complete since this step's wait,
-        engine/device/syncs.py) are added now, so reading them does not wait for the device."""
-        self._add_pending()
+        """After the step (after its wait): keep its stamps; the previous step's, complete since
+        this step's wait, are added now (no wait). When they were the last of an interval
+        ``report`` closed, that interval's all-gather is issued (read by a later ``report``)."""
+        previous, self._pending = self._pending, None
         if self._counting:
             self._pending = (self._t0, self.clock.stamp(), list(self.activity.spans))
         self.activity.spans.clear()
+        if self._closing is not None:  # ``previous`` is its last step
+            closing, self._closing = self._closing, None
+            self._add(previous, closing)
+            self._exchange(closing)
+        else:
+            self._add(previous, self._open)
 
-    def _add_pending(self) -> None:
-        """Add the kept step's compute and blocked times (waits if the device is not there yet)."""
-        if self._pending is None:
+    def _add(self, kept, sums: "_Sums") -> None:
+        """Add a kept step's compute and blocked times to ``sums`` (the clock counts a wait if
+        the device has not reached its stamps yet: never, after a later step's wait)."""
+        if kept is None:
             return
-        start, end, spans = self._pending
-        self._pending = None
+        start, end, spans = kept
         total = self.clock.elapsed_s(start, end)
         blocked = 0.0
         for kind, a, b in spans:
             dt = self.clock.elapsed_s(a, b)
-            self.blocked[_CATEGORY.get(kind, "other")] += dt
+            sums.blocked[_CATEGORY.get(kind, "other")] += dt
             blocked += dt
-        self.compute += max(0.0, total - blocked)
+        sums.compute += max(0.0, total - blocked)
+
+    def _exchange(self, sums: "_Sums") -> None:
+        """Issue the interval's all-gather (every rank at the same step) and queue its copy to the
+        host behind it, on the stream; a stamp after the copy says when it may be read."""
+        device = self.ps.device
+        row = [sums.compute, *(sums.blocked[k] for k in CATEGORIES)]
+        mine = streams.to_device(torch.tensor(row, dtype=torch.float32), device)
+        out = torch.empty(self.ps.world_size * WIDTH, dtype=torch.float32, device=device)
+        self.ps.world_group.all_gather_into(out, mine)
+        host = out
+        if out.device.type not in ("cpu", "meta"):  # pinned, non-blocking: no wait here
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+        self._in_flight.append(_Exchange((sums.first_step, sums.last_step), host,
+                                         self.clock.stamp(), self._step))
+        self.activity.spans.clear()  # the gather's own span
 
     def report(self, step: int) -> StragglerReport | None:
-        """One all-gather over the world (every rank calls it at the same steps); None on a
-        single rank and for an interval of warm-up steps only (on every rank alike)."""
-        self._add_pending()  # the interval's last step (a wait, once per report)
-        if self.ps.world_size == 1 or self.first_step is None:
-            self._reset()
-            return None
-        mine = torch.tensor([self.compute, *(self.blocked[k] for k in CATEGORIES)],
-                            dtype=torch.float32, device=self.ps.device)
-        out = torch.empty(self.ps.world_size * WIDTH, dtype=torch.float32, device=self.ps.device)
-        self.ps.world_group.all_gather_into(out, mine)
-        rows = out.view(self.ps.world_size, WIDTH).tolist()
-        report = StragglerReport.from_rows((self.first_step, step), rows, self.roles, self.threshold)
-        self.last_report = report
-        self._reset()
-        self.activity.spans.clear()  # the gather's own span
+        """At interval step ``step`` (every rank calls it at the same steps, after the step's
+        wait): close the interval ending here and return the newest earlier interval whose
+        all-gather has been read, or None (none read yet: the first interval, a single rank, an
+        interval of warm-up steps only). The gather of an interval ending at step N is issued at
+        step N + 1 and read from step N + 2 on: with ``--log-interval`` L >= 2 at step N + L (one
+        interval late), with L = 1 at step N + 2."""
+        report = None
+        while self._in_flight and self._in_flight[0].issued < step:  # a wait since: complete
+            done = self._in_flight.pop(0)
+            self.clock.elapsed_s(done.stamp, done.stamp)  # (counted if it were not complete)
+            rows = done.host.view(self.ps.world_size, WIDTH).tolist()
+            report = StragglerReport.from_rows(done.steps, rows, self.roles, self.threshold)
+        if report is not None:
+            self.last_report = report
+        if self.ps.world_size > 1 and self._open.first_step is not None:
+            self._open.last_step = step
+            self._closing = self._open  # its last step (this one) is added at the next end_step
+        self._open = _Sums()
         return report
+
+    def finish(self) -> StragglerReport | None:
+        """After the last step, outside any step (every rank, at the same point): the intervals
+        still in flight, the one closed at the last step included, read now at the cost of a
+        wait after the steps; returns the newest, or None (nothing left, a single rank)."""
+        if self._closing is not None:      # its last step is the run's last: add it, exchange
+            closing, self._closing = self._closing, None
+            last, self._pending = self._pending, None
+            self._add(last, closing)
+            self._exchange(closing)
+        report = None
+        for done in self._in_flight:
+            self.clock.elapsed_s(done.stamp, done.stamp)   # the wait, counted (outside the steps)
+            rows = done.host.view(self.ps.world_size, WIDTH).tolist()
+            report = StragglerReport.from_rows(done.steps, rows, self.roles, self.threshold)
+        self._in_flight = []
+        if report is not None:
+            self.last_report = report
+        return report
+
+
+@dataclass
+class _Sums:
+    """One interval's sums on this rank: compute seconds, blocked seconds per category."""
+    compute: float = 0.0
+    blocked: dict = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0.0))
+    first_step: int | None = None
+    last_step: int | None = None
+
+
+@dataclass
+class _Exchange:
+    """An interval's all-gather in flight: its steps, the host copy of every rank's row, a stamp
+    after the copy, and the step at whose end it was issued."""
+    steps: tuple
+    host: torch.Tensor
+    stamp: object
+    issued: int

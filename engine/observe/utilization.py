@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.plan.flops import (achieved_tflops, count_flops, formula_block, logits_forward_flops,
-                               moe_shape, step_flops)
+from engine.plan.flops import (achieved_tflops, attention_core_step_flops, count_flops,
+                               formula_block, logits_forward_flops, moe_shape, step_flops)
 from engine.plan.flops import utilization as plan_utilization
 from engine.plan.hardware import peak_tflops
 
@@ -34,10 +34,14 @@ class RunFlops:
     model: float | None      # per optimizer step; None: unknown
     executed: float | None
     source: str              # "formula gpt2", "flop_counter", or why there is no count
+    # the fewest a step can run: executed (model where unknown) with the attention core's Q K^T
+    # and scores x V at half, as a causal kernel that skips the masked half runs them
+    least: float | None = None
 
 
-def block_forward_flops(block_cls, cfg) -> float:
-    """FLOPs of one block's forward over one sequence of ``cfg.seq_length``, counted on meta."""
+def block_forward_flops(block_cls, cfg, attention: list | None = None) -> float:
+    """FLOPs of one block's forward over one sequence of ``cfg.seq_length``, counted on meta;
+    ``attention``: a list that gets the attention kernels' part of them appended."""
     from models.layers import LayerContext
     from parallel.grid.state import ParallelState
     from parallel.tensor_parallel import Initializer
@@ -46,21 +50,26 @@ def block_forward_flops(block_cls, cfg) -> float:
         block = block_cls(cfg, 0, ParallelState.serial("meta"), ctx).eval()
     x = torch.zeros(1, cfg.seq_length, cfg.hidden_size, device="meta")
     with torch.no_grad():
-        return count_flops(block, x)[1]
+        return count_flops(block, x, attention=attention)[1]
 
 
-def run_flops(cfg, block_cls, recompute: str, global_batch: int) -> RunFlops:
-    """Model and executed FLOPs of one optimizer step of the run (see the module docstring)."""
+def run_flops(cfg, block_cls, recompute: str, global_batch: int,
+              routed_tokens: int | None = None) -> RunFlops:
+    """Model and executed FLOPs of one optimizer step of the run (see the module docstring);
+    ``routed_tokens``: the tokens an MoE layer routes per forward (engine.plan.flops)."""
     m = cfg
     name = formula_block(block_cls)
     if name is not None:
         f = step_flops(global_batch, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
                        ffn_hidden=m.ffn_hidden_size, block=name, recompute=recompute,
-                       kv_hidden=m.kv_hidden_size, moe=moe_shape(m))
-        return RunFlops(f.model, f.executed, f"formula {name}")
+                       kv_hidden=m.kv_hidden_size, moe=moe_shape(m), routed_tokens=routed_tokens)
+        core = attention_core_step_flops(global_batch, m.seq_length, m.num_layers, m.hidden_size,
+                                         recompute)
+        return RunFlops(f.model, f.executed, f"formula {name}", f.executed - core / 2)
     label = f"{block_cls.__module__}.{block_cls.__qualname__}"
+    attention = []
     try:
-        per_sequence = block_forward_flops(block_cls, m)
+        per_sequence = block_forward_flops(block_cls, m, attention)
     except Exception as exc:  # noqa: BLE001 - any failure of a user's block means "unknown"
         warnings.warn(f"block {label} has no FLOPs formula and could not be measured on the meta "
                       f"device ({type(exc).__name__}: {exc}): tflops_per_device, mfu and hfu are "
@@ -70,12 +79,13 @@ def run_flops(cfg, block_cls, recompute: str, global_batch: int) -> RunFlops:
     model = 3 * (m.num_layers * global_batch * per_sequence
                  + logits_forward_flops(tokens, m.hidden_size, m.vocab_size))
     executed = model if recompute == "none" else None
+    least = model - 3 * m.num_layers * global_batch * sum(attention) / 2  # forward x 3, as model
     note = "" if executed is not None else (f"; with --recompute {recompute} what the block "
                                             f"recomputes is unknown, so tflops_per_device and "
                                             f"hfu are null")
     warnings.warn(f"block {label} has no FLOPs formula: its FLOPs are counted with "
                   f"torch.utils.flop_counter on one sequence (forward x 3){note}")
-    return RunFlops(model, executed, "flop_counter")
+    return RunFlops(model, executed, "flop_counter", least)
 
 
 def tf32_enabled(kind: str) -> bool:

@@ -1,8 +1,10 @@
 """``--calibrate`` for a mixture-of-experts model: what the engine adds to MoE layers, fitted to a
 device run's metrics (a metrics.jsonl of engine.train; moe_time.py has the terms):
 
-- ``moe_load_imbalance``: the median ``moe_load_imbalance`` of the run's timed steps (the expert
-  load's max over mean), when the file has it;
+- ``moe_load_imbalance``: the median ``moe_load_imbalance`` of the run's timed steps (each step's
+  most imbalanced MoE layer's max over mean expert load, models/moe/step_figures.py: a layer's
+  imbalance is not hidden by another's), when the file has it; the planner applies it to every
+  MoE layer, an upper bound where the layers differ;
 - the achievable compute fraction: from a dense run of the same active FLOPs
   (``--calibrate-dense METRICS``: the model with each MoE MLP replaced by a dense one K f_e wide,
   which benchmarks/device_check/ runs beside the MoE model), else the cluster's (given by
@@ -37,7 +39,8 @@ def dense_equivalent(shape: ModelShape) -> ModelShape:
 
 
 def measured_imbalance(metrics_path: str) -> float | None:
-    """The median ``moe_load_imbalance`` of the timed steps, or None when the run has none."""
+    """The median ``moe_load_imbalance`` (each step's most imbalanced layer's) of the timed steps,
+    or None when the run has none."""
     values = [r["moe_load_imbalance"] for r in _timed_records(metrics_path)
               if isinstance(r.get("moe_load_imbalance"), (int, float))]
     return statistics.median(values) if values else None

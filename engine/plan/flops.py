@@ -10,8 +10,10 @@ API (pure arithmetic; only ``count_flops`` imports torch, when called)::
     step_flops(global_batch, seq_length, num_layers, hidden, vocab, ffn_hidden=None,
                block="gpt2", recompute="none", recompute_early_stop=True) -> StepFlops(model=, executed=)
         model:    the model's FLOPs of one optimizer step, whatever is recomputed (MFU's numerator)
-        executed: what the step runs, recomputed forwards included (HFU's numerator); by default
-                  this engine's full recomputation (see "early stop" below)
+        executed: what the step runs, recomputed forwards and padded expert rows included (HFU's
+                  numerator); by default this engine's full recomputation (see "early stop" below)
+    attention_core_step_flops(global_batch, seq_length, num_layers, hidden, recompute="none")
+        the attention core's part of ``executed`` (Q K^T and scores x V, counted in full)
     count_flops(fn, *args, **kwargs) -> (result, flops)
         torch.utils.flop_counter's count of whatever ``fn`` runs (forward and backward if fn runs
         both): the fallback for blocks without a formula
@@ -56,7 +58,9 @@ softmax, dropout, scores x V), adding its forward, 4 s h per token per layer::
 
     F_selective = F + 4 B s^2 l h
 
-The attention core is counted in full (s^2, causal masking not discounted), as Megatron does.
+The attention core is counted in full (s^2, causal masking not discounted), as Megatron does;
+``attention_core_step_flops`` is its part of the executed count, which a causal kernel that skips
+the masked half runs about half of (the start-up line's lower bound on the step time counts it so).
 
 Mixture of experts (``moe=MoEShape``, docs/moe.md). An MoE layer's MLP is replaced by what a token
 actually runs: the router (h x E), its K experts (n_mat matrices of h x f_e each) and the shared
@@ -65,7 +69,13 @@ expert when there is one (h x f_s)::
     MLP_moe = 2 h E + 2 n_mat h (K f_e + f_s)        per token, forward
 
 so MFU is against the active parameters, as Megatron reports MoE models. The count is the dropless
-one: assignments a capacity drops are still counted, padding rows are not. Under full
+one: assignments a capacity drops are still counted. With ``--moe-pad-expert-input-to-capacity``
+(``MoEShape.padded_capacity_factor`` F) every expert runs exactly C = ceil(F T K / E) rows per
+forward of T routed tokens (models/moe/capacity.py), E C - T K more than the dropless T K (fewer
+when the capacity drops: the padded layout runs the E C rows alone): their expert matrices
+(2 n_mat h f_e per row, forward; three forwards per step, four under full recomputation) count in
+the executed FLOPs only, per MoE layer and forward, with ``routed_tokens`` = T (``routed_tokens()``:
+the micro-batch's tokens on one rank). Under full
 recomputation with the early stop, an MoE layer's last matrix multiply whose output nothing saves
 is the shared expert's down projection (2 h f_s; none without a shared expert: the experts'
 outputs are saved by the weighted combine). tests/engine/plan/test_flops_moe.py checks the count
@@ -73,6 +83,7 @@ against torch.utils.flop_counter on the engine's MoE model.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 BLOCKS = ("gpt2", "llama")
@@ -118,6 +129,7 @@ class MoEShape:
     topk: int
     ffn_hidden: int
     shared_ffn: int = 0
+    padded_capacity_factor: float | None = None  # --moe-pad-expert-input-to-capacity's factor
 
     def __post_init__(self):
         if min(self.layers, self.num_experts, self.topk, self.ffn_hidden) < 1 or self.shared_ffn < 0:
@@ -131,8 +143,34 @@ def moe_shape(cfg) -> MoEShape | None:
     layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     if not layers:
         return None
+    padded = cfg.moe_expert_capacity_factor if getattr(cfg, "moe_pad_expert_input_to_capacity",
+                                                       False) else None
     return MoEShape(layers, cfg.num_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size,
-                    cfg.moe_shared_expert_intermediate_size or 0)
+                    cfg.moe_shared_expert_intermediate_size or 0, padded)
+
+
+def routed_tokens(micro_batch: int, seq_length: int, cp: int = 1, tp: int = 1,
+                  sequence_parallel: bool = False, etp: int = 1) -> int:
+    """Tokens one MoE layer routes per forward on one rank (the T of its capacity): the
+    micro-batch's b s / cp, a TP rank's own shard of them under sequence parallelism without
+    expert tensor parallelism (ETP gathers the TP group's shards back; models/moe/layer.py)."""
+    split = tp if sequence_parallel and tp > 1 and etp == 1 else 1
+    return micro_batch * seq_length // (cp * split)
+
+
+def padded_expert_rows(moe: MoEShape, tokens: int, routed: int | None) -> int:
+    """Rows one MoE layer runs beyond the dropless T K over ``tokens`` tokens routed ``routed`` per
+    forward with padded experts: (tokens / routed) forwards of E C - T K rows each (negative when
+    the capacity drops), C = ceil(F T K / E) as models/moe/capacity.py ``expert_capacity``; 0
+    without padding."""
+    f = moe.padded_capacity_factor
+    if f is None:
+        return 0
+    if not routed or tokens % routed:
+        raise ValueError(f"padded expert rows need the tokens routed per forward (routed_tokens=), "
+                         f"a divisor of the step's {tokens}; got {routed}")
+    capacity = max(1, math.ceil(f * routed * moe.topk / moe.num_experts - 1e-9))
+    return tokens // routed * (moe.num_experts * capacity - routed * moe.topk)
 
 
 def moe_layer_indices(cfg) -> tuple[int, ...]:
@@ -168,6 +206,15 @@ def attention_core_forward_flops(tokens: float, seq_length: int, hidden: int) ->
     return 4.0 * tokens * seq_length * hidden
 
 
+def attention_core_step_flops(global_batch: int, seq_length: int, num_layers: int, hidden: int,
+                              recompute: str = "none") -> float:
+    """The attention core's part of ``step_flops(...).executed``: forward and backward (three
+    forwards), plus the forward again under selective or full recomputation; counted in full."""
+    passes = 3 + (recompute in ("selective", "full"))
+    return passes * num_layers * attention_core_forward_flops(global_batch * seq_length, seq_length,
+                                                              hidden)
+
+
 def logits_forward_flops(tokens: float, hidden: int, vocab: int) -> float:
     return 2.0 * tokens * hidden * vocab
 
@@ -175,11 +222,12 @@ def logits_forward_flops(tokens: float, hidden: int, vocab: int) -> float:
 @dataclass(frozen=True)
 class StepFlops:
     model: float  # the model's FLOPs of one step, recomputation excluded (MFU)
-    executed: float  # what the step runs, recomputation included (HFU)
+    executed: float  # what the step runs, recomputation and padded expert rows included (HFU)
+    padded: float = 0.0  # of executed: padded expert rows' (--moe-pad-expert-input-to-capacity)
 
     @property
     def recomputed(self) -> float:
-        return self.executed - self.model
+        return self.executed - self.model - self.padded
 
 
 def recomputed_layer_flops(tokens: float, seq_length: int, hidden: int, ffn_hidden: int,
@@ -197,9 +245,10 @@ def recomputed_layer_flops(tokens: float, seq_length: int, hidden: int, ffn_hidd
 def step_flops(global_batch: int, seq_length: int, num_layers: int, hidden: int, vocab: int,
                ffn_hidden: int | None = None, block: str = "gpt2", recompute: str = "none",
                recompute_early_stop: bool = True, kv_hidden: int | None = None,
-               moe: MoEShape | None = None) -> StepFlops:
+               moe: MoEShape | None = None, routed_tokens: int | None = None) -> StepFlops:
     """Model and executed FLOPs of one optimizer step over ``global_batch`` sequences; ``moe``: of
-    the ``num_layers`` layers, ``moe.layers`` have an MoE MLP (active experts counted).
+    the ``num_layers`` layers, ``moe.layers`` have an MoE MLP (active experts counted);
+    ``routed_tokens``: the tokens an MoE layer routes per forward, needed with padded experts.
 
     Raises ValueError for a block without a formula (check with formula_block first).
     """
@@ -219,8 +268,13 @@ def step_flops(global_batch: int, seq_length: int, num_layers: int, hidden: int,
             kept = 2.0 * tokens * hidden * (moe.shared_ffn if recompute_early_stop else 0)
             dense_skip = 2.0 * tokens * hidden * f if recompute_early_stop else 0.0
             extra += moe.layers * (change + dense_skip - kept)
+    padded = 0.0
+    if moe is not None and moe.padded_capacity_factor is not None:
+        rows = padded_expert_rows(moe, tokens, routed_tokens)
+        passes = 3 + (recompute == "full")   # the experts' forward is recomputed too
+        padded = passes * moe.layers * 2.0 * rows * hidden * _MLP_MATRICES[block] * moe.ffn_hidden
     model = 3 * layers + 3 * logits_forward_flops(tokens, hidden, vocab)
-    return StepFlops(model, model + extra)
+    return StepFlops(model, model + extra + padded, padded)
 
 
 def model_flops_per_step(global_batch: int, seq_length: int, num_layers: int, hidden: int, vocab: int,
@@ -244,13 +298,14 @@ def megatron_flops_per_step(global_batch: int, seq_length: int, num_layers: int,
     return 72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
 
 
-def count_flops(fn, *args, **kwargs):
+def count_flops(fn, *args, attention: list | None = None, **kwargs):
     """Run ``fn(*args, **kwargs)`` under torch.utils.flop_counter; return (its result, FLOPs).
 
     The counter sees matrix multiplies, convolutions and attention kernels (2 FLOPs per
     multiply-add, the convention above); element-wise work is not counted. On the meta device the
     attention kernel is the CPU flash kernel (kernels/attention.py), which torch's counter has no
-    formula for: it is counted as SDPA's.
+    formula for: it is counted as SDPA's, in full (no causal discount). ``attention``: a list that
+    gets the attention kernels' part of the FLOPs appended.
     """
     import torch
     from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
@@ -261,6 +316,9 @@ def count_flops(fn, *args, **kwargs):
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_flash})
     with counter:
         result = fn(*args, **kwargs)
+    if attention is not None:
+        attention.append(float(sum(n for op, n in counter.get_flop_counts().get("Global", {}).items()
+                                   if "attention" in str(op))))
     return result, float(counter.get_total_flops())
 
 

@@ -41,7 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from engine.plan.flops import (StepFlops, attention_core_forward_flops, layer_forward_flops,
-                               logits_forward_flops, recomputed_layer_flops, step_flops)
+                               logits_forward_flops, recomputed_layer_flops, routed_tokens,
+                               step_flops)
 from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_REPLICATED, EW_SCORES,
                                EW_SHARDED_ATTN, LAYER_PASS_OVERHEAD_S, OPTIMIZER_BYTES_PER_PARAM,
                                Cluster, Layout, ModelShape, num_micro_batches)
@@ -328,7 +329,10 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
                       offload_copy=copies.exposed, host_update=host_s)
     flops = step_flops(shape.global_batch_size, shape.seq_length, shape.num_layers, shape.hidden_size,
                        shape.vocab_size, shape.ffn_hidden_size, shape.block, layout.recompute,
-                       shape.recompute_early_stop, shape.kv_hidden, moe=shape.moe)
+                       shape.recompute_early_stop, shape.kv_hidden, moe=shape.moe,
+                       routed_tokens=routed_tokens(layout.micro_batch_size, shape.seq_length,
+                                                   layout.cp, layout.tp, layout.sequence_parallel,
+                                                   layout.etp))
     fits = mem.total <= cluster.usable_bytes and host_fits(shape, cluster, layout)
     hidden = {"tp_comm": m * mean.tp_hidden, "cp_comm": max(0.0, m * (mean.cp_ring - mean.cp_comm)),
               "pp_comm": 0.0, "dp_comm": dp.hidden, "zero_allgather": zero.hidden,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from engine.observe.metrics import plot_metrics, summary_table
 from engine.observe.utilization import per_device, utilization
-from models.moe.step_figures import moe_record
+from models.moe.step_figures import balancing_all_reduce, moe_record
 from parallel.pipeline.bubble import simulate
 from parallel.pipeline.schedules import has_weight_actions
 from parallel.pipeline.transfers import StageTransfers
@@ -25,17 +25,20 @@ LATE_KEYS = ("step_time_s", "tokens_per_s", "tflops_per_device", "model_tflops_p
 PP_LATE_KEYS = ("time_pp_exposed_s",)
 
 
-def comm_metrics(comm: dict, compiled: bool = False) -> dict:
+def comm_metrics(comm: dict, compiled: bool = False, dp_in_graph: bool = False) -> dict:
     """The step's bytes per traffic kind: payload handed to collectives (``*_comm_bytes``) and, for
     DP, the ring-model bytes on the wire. DP is the gradient/parameter group (DP x CP with context
     parallelism) and, under expert parallelism, the expert-data-parallel group its expert
     gradients and parameters go over (kind ``edp``); PP counts the activations and gradients this rank sends to its neighbours. TP and
-    CP collectives inside compiled chunks are not counted (parallel/runtime/comm.py): null then."""
+    CP collectives inside compiled chunks are not counted (parallel/runtime/comm.py): null then,
+    and the DP figures too where the compiled chunks hold a DP collective (``dp_in_graph``: the
+    MoE global aux loss's all-reduce, models/moe/step_figures.py ``balancing_all_reduce``)."""
     def total(kinds, key):
         return sum(comm[k][key] for k in kinds)
     dp = ("dp", "dp_cp", "edp")
-    return {"dp_comm_bytes": total(dp, "payload_bytes"),
-            "dp_comm_wire_bytes": total(dp, "wire_bytes"),
+    dp_lost = compiled and dp_in_graph
+    return {"dp_comm_bytes": None if dp_lost else total(dp, "payload_bytes"),
+            "dp_comm_wire_bytes": None if dp_lost else total(dp, "wire_bytes"),
             "tp_comm_bytes": None if compiled else total(("tp",), "payload_bytes"),
             "cp_comm_bytes": None if compiled else total(("cp",), "payload_bytes"),
             "pp_comm_bytes": total(("pp",), "payload_bytes")}
@@ -91,8 +94,9 @@ def step_record(trainer, step: int, out, dt: float | None, lr: float, syncs=None
             "time_pp_exposed_s": out.extra.get("time_pp_exposed_s"),
             "activations_in_flight": (out.pipeline.peak_in_flight
                                       if out.pipeline is not None else None),
-            **comm_metrics(out.comm, cfg.compile),
-            **moe_record(out.extra.get("moe"), out.comm),
+            **comm_metrics(out.comm, cfg.compile,
+                           balancing_all_reduce(cfg.model, trainer.ps.dp_cp_group.size)),
+            **moe_record(out.extra.get("moe"), out.comm, cfg.compile),
             **{k: trainer.memory[k] for k in MEMORY_KEYS},
             "peak_memory_bytes": trainer.dev.peak_memory_bytes(),
             "host_syncs": None if syncs is None else len(syncs),
@@ -132,6 +136,9 @@ class LateRecords:
         return done
 
 
+STRAGGLER_KEYS = ("straggler_rank", "straggler_ratio", "straggler_waited_for")
+
+
 def resilience_metrics(trainer, step: int, record: dict, log) -> None:
     """The step's anomaly keys and, every --log-interval steps, the straggler report (one
     all-gather, on every rank at the same steps), into ``record``; a console line only when a rank
@@ -143,9 +150,23 @@ def resilience_metrics(trainer, step: int, record: dict, log) -> None:
         trainer.stragglers.end_step()
         if (step + 1) % trainer.cfg.log.log_interval == 0:
             report = trainer.stragglers.report(step + 1)
-    record.update(report.metrics() if report is not None else
-                  dict.fromkeys(("straggler_rank", "straggler_ratio", "straggler_waited_for")))
+    record.update(report.metrics() if report is not None else dict.fromkeys(STRAGGLER_KEYS))
     if report is not None and report.found and trainer.is_main:  # a line only for a straggler
+        log.note(f"gridtron: {report.describe(trainer.grid)}")
+
+
+def final_straggler_report(trainer, records: list[dict], log) -> None:
+    """After the last step: the intervals the run ends on, whose reports would land after it,
+    read now (engine/observe/stragglers.py ``finish``: one wait, outside the steps); the line
+    for a straggler, and the keys in the last record where it holds no other report."""
+    if trainer.stragglers is None:
+        return
+    report = trainer.stragglers.finish()
+    if report is None:
+        return
+    if records and all(records[-1].get(k) is None for k in STRAGGLER_KEYS):
+        records[-1].update(report.metrics())
+    if report.found and trainer.is_main:
         log.note(f"gridtron: {report.describe(trainer.grid)}")
 
 
@@ -213,17 +234,18 @@ def duration_text(seconds: float) -> str:
 
 def cost_line(trainer, steps: int) -> str:
     """What the run will cost before its first step: the step time at the device's peak (the
-    executed FLOPs of a step, attention at this sequence length included: engine/plan/flops.py,
-    over the devices' dense peak: engine/observe/utilization.py), a lower bound, and for the
-    ``steps`` to run."""
-    flops, peak, world = trainer.flops.executed or trainer.flops.model, trainer.peak_tflops, \
-        trainer.ps.world_size
+    executed FLOPs of a step, attention at this sequence length included, its core (Q K^T and
+    scores x V) at half, the least a causal kernel runs: engine/plan/flops.py and
+    engine/observe/utilization.py ``RunFlops.least``, over the devices' dense peak), a lower
+    bound, and for the ``steps`` to run."""
+    flops, peak, world = trainer.flops.least, trainer.peak_tflops, trainer.ps.world_size
     if flops is None or not peak:
         why = "no FLOPs count for the block" if flops is None else "no peak known for the device"
         return f"gridtron: the step time cannot be estimated ({why}; --peak-tflops gives one)"
     step = flops / (world * peak * 1e12)
     return (f"gridtron: estimated step time at least {duration_text(step)} ({flops:.3g} FLOPs "
-            f"per step over {world} device{'s' if world > 1 else ''} at {peak:.3g} TFLOP/s peak); "
+            f"per step, causal attention at half, over {world} device{'s' if world > 1 else ''} "
+            f"at {peak:.3g} TFLOP/s peak); "
             f"{steps} step{'s' if steps != 1 else ''}: at least {duration_text(step * steps)}")
 
 

@@ -28,9 +28,11 @@ from engine.observe.metrics import MetricsLog
 from engine.observe.profiling import StepProfiler
 from engine.training.step import Stepper
 from engine.training.step_record import (TIMELINE_STEPS, LateRecords, cost_line,
+                                         final_straggler_report,
                                          resilience_metrics, run_summary, start_line, step_record)
 from engine.training.step_syncs import StepTimeline, counted_step
 from engine.observe.utilization import run_flops, run_peak_tflops
+from engine.plan.flops import routed_tokens
 from engine.training.run_data import build_run_data, rank_batches, validation_loss
 from engine.training.run_events import (install_stop_handlers, records_before_publish,
                                         restore_handlers, say_notes)
@@ -233,8 +235,11 @@ class Trainer:
         cfg, ps = self.cfg, self.ps
         with warnings.catch_warnings(record=True) as caught:  # a block without a formula
             warnings.simplefilter("always")
-            self.flops = run_flops(cfg.model, self.chunks[0].block_cls, cfg.parallel.recompute,
-                                   cfg.data.global_batch_size)
+            par = cfg.parallel
+            routed = routed_tokens(cfg.data.micro_batch_size, cfg.model.seq_length, ps.cp_size,
+                                   ps.tp_size, par.sequence_parallel, par.expert_tensor_parallel_size)
+            self.flops = run_flops(cfg.model, self.chunks[0].block_cls, par.recompute,
+                                   cfg.data.global_batch_size, routed)
         self.say_notes([str(w.message) for w in caught])
         self.peak_tflops = run_peak_tflops(self.dev, cfg.precision.precision, cfg.log.peak_tflops,
                                            self.tf32)
@@ -305,6 +310,7 @@ class Trainer:
                              + (f"; saved {b.published}" if b.published else ""))
                     break
             self.flush()  # the last step's late figures (one wait, after the steps)
+            final_straggler_report(self, self.late_records.done, log)   # (the last record's)
             self.late_records.write(log, dash, result.records)
             if cfg.checkpoint.save and not result.records:
                 result.checkpoint = self.save(cfg.optim.train_iters)

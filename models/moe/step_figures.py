@@ -20,7 +20,8 @@ step's figures:
   over the MoE layers, each layer's the mean of the DP x CP ranks' shares (a TP group's shares
   summed under sequence parallelism): layout-independent;
 - ``moe_expert_load``: per expert, the assignments of the whole global batch summed over the MoE
-  layers; ``moe_load_imbalance``: its max over its mean (1.0: balanced);
+  layers; ``moe_load_imbalance``: the largest over the MoE layers of a layer's max over mean load
+  (1.0: balanced), not the summed load's, whose layers' imbalances can cancel;
 - ``moe_tokens_dropped``: the (token, expert) assignments the capacity dropped in the step;
 - ``loads``: the per-layer global loads, which ``update_expert_bias`` uses after the update.
 
@@ -87,7 +88,7 @@ class StepFigures:
         total = [sum(col) for col in zip(*loads)] if loads else [0] * e
         return {"moe_aux_loss": sums[0] / dp_cp, "moe_z_loss": sums[1] / dp_cp,
                 "moe_tokens_dropped": round(sums[2]), "moe_expert_load": total,
-                "moe_load_imbalance": imbalance(total), "loads": loads}
+                "moe_load_imbalance": worst_imbalance(loads), "loads": loads}
 
 
 def imbalance(load) -> float | None:
@@ -96,14 +97,32 @@ def imbalance(load) -> float | None:
     return max(load) / mean if mean > 0 else None
 
 
-def moe_record(figures: dict | None, comm: dict) -> dict:
+def worst_imbalance(loads: list[list[int]]) -> float | None:
+    """The largest per-layer max / mean: layers loaded [30, 10] and [10, 30] give 1.5 (their sum,
+    [40, 40], would say 1.0); None without any load."""
+    values = [v for v in map(imbalance, loads) if v is not None]
+    return max(values) if values else None
+
+
+def moe_record(figures: dict | None, comm: dict, compiled: bool = False) -> dict:
     """The step record's MoE keys (null without MoE): the figures of ``read`` and the payload
-    bytes handed to the dispatch collectives (group kind ``ep``)."""
+    bytes handed to the dispatch collectives (group kind ``ep``), null under ``compiled``
+    (--compile): the comm layer does not count the collectives traced into a compiled graph
+    (parallel/runtime/comm.py), and which of the dispatch's run in eager islands depends on the
+    dispatcher."""
     keys = ("moe_aux_loss", "moe_z_loss", "moe_expert_load", "moe_load_imbalance",
             "moe_tokens_dropped")
     if figures is None:
         return {**dict.fromkeys(keys), "ep_comm_bytes": None}
-    return {**{k: figures[k] for k in keys}, "ep_comm_bytes": comm["ep"]["payload_bytes"]}
+    return {**{k: figures[k] for k in keys},
+            "ep_comm_bytes": None if compiled else comm["ep"]["payload_bytes"]}
+
+
+def balancing_all_reduce(cfg, dp_cp: int) -> bool:
+    """Whether the MoE layers' forward all-reduces over the DP x CP group (kind ``dp``/``dp_cp``):
+    the global aux loss's counts (models/moe/balancing.py ``aux_loss_share``) with ``dp_cp`` > 1."""
+    return (getattr(cfg, "num_experts", None) is not None and dp_cp > 1
+            and cfg.moe_router_load_balancing_type == "aux_loss" and (cfg.moe_aux_loss_coeff or 0) > 0)
 
 
 def update_expert_bias(chunks, figures: StepFigures, loads: list[list[int]]) -> None:

@@ -111,6 +111,10 @@ def test_bias_update_and_figures_hand_computed():
     assert read["moe_aux_loss"] == pytest.approx(0.2) and read["moe_z_loss"] == pytest.approx(0.1)
     assert read["moe_expert_load"] == [3, 1, 2, 2] and read["moe_load_imbalance"] == 1.5
     assert read["moe_tokens_dropped"] == 3
+    # the imbalance is the most imbalanced layer's: [30, 10] and [10, 30] are 1.5 each, though
+    # their sum [40, 40] is balanced
+    two = StepFigures(2, {0: 0, 1: 1}).read([0, 0, 0, 30, 10, 10, 30], 1)
+    assert two["moe_expert_load"] == [40, 40] and two["moe_load_imbalance"] == 1.5
     update_expert_bias(chunks, fig, read["loads"])
     bias = chunks[0].layers[1].mlp.router.expert_bias
     torch.testing.assert_close(bias, torch.tensor([-0.1, 0.1, 0.0, 0.0]))  # mean load 2

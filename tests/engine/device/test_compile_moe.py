@@ -6,8 +6,10 @@ llama blocks, one MoE layer with the global aux loss and the z-loss, the alltoal
 allgather dispatcher (Dynamo breaks the graph where the routing's data-dependent split sizes
 reach the host), fp32, 3 steps: the
 per-step loss, balancing losses and gradient norm equal the serial eager run's to a relative
-1e-5 and the per-expert load exactly. Inductor compiles on every rank, so the model is one layer
-and the run three steps.
+1e-5 and the per-expert load exactly. The comm layer does not count collectives inside a compiled
+graph: the compiled runs' EP bytes are null, and their DP bytes too (the global aux loss
+all-reduces over DP inside the graph), where the eager run's are numbers. Inductor compiles on
+every rank, so the model is one layer and the run three steps.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ BASE = ["--mock-data", "--vocab-size", "128", "--no-progress", "--device", "cpu"
         "--peak-tflops", "1", "--timeout-s", "300", "--num-experts", "4", "--moe-router-topk", "2",
         "--moe-aux-loss-coeff", "0.05", "--moe-z-loss-coeff", "1e-3"]
 KEYS = ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_expert_load")
+BYTES = ("ep_comm_bytes", "dp_comm_bytes", "dp_comm_wire_bytes")
 LAYOUTS = [["--ep", "2", "--micro-batch-size", "2"],
            ["--ep", "2", "--micro-batch-size", "2", "--moe-token-dispatcher-type", "allgather"]]
 
@@ -47,7 +50,7 @@ def _train(argv: list[str], launch: LaunchEnv | None = None) -> dict:
         ep = trainer.ps.ep_group.size
     finally:
         trainer.close()
-    return {**{k: [r[k] for r in records] for k in KEYS}, "compiled": compiled, "ep": ep,
+    return {**{k: [r[k] for r in records] for k in KEYS + BYTES}, "compiled": compiled, "ep": ep,
             "graphs": graphs}
 
 
@@ -65,8 +68,10 @@ def test_compiled_expert_parallel_run_equals_serial_eager(tmp_path, monkeypatch)
     serial = _train(["--micro-batch-size", "4", "--run-dir", str(tmp_path / "serial")],
                     launch=LaunchEnv())
     runs = run_distributed(_compiled, grid=RankGrid(dp=2), args=(str(tmp_path),), timeout_s=600)
+    assert all(isinstance(v, (int, float)) for key in BYTES for v in serial[key]), serial
     for name, got in zip(("alltoall", "allgather"), runs[0]):
         assert got["compiled"] and got["ep"] == 2, name
+        assert all(got[key] == [None] * 3 for key in BYTES), (name, {k: got[k] for k in BYTES})
         for key in KEYS[:4]:
             assert got[key] == pytest.approx(serial[key], rel=1e-5), (name, key)
         assert got["moe_expert_load"] == serial["moe_expert_load"], name

@@ -75,6 +75,27 @@ def test_console_line_without_the_bar(capsys):
     assert capsys.readouterr().err == "step 1/3: loss 8.9000 | lr 0.001 | 100 tokens/s, MFU 1.00% (steps 1-1)\n"
 
 
+def test_peak_memory_is_the_largest_of_every_step_warm_up_included():
+    records = _records(3)
+    for r, peak in zip(records, (300, 200, 200)):
+        r["peak_memory_bytes"] = peak
+    assert summarize_run(records)["peak_memory_bytes"] == 300  # the warm-up step's peak
+
+
+def test_summary_moe_figures_are_totals_and_null_when_a_step_has_none():
+    """The imbalance: each step's figure (its most imbalanced layer's) weighted by its load, i.e.
+    the hottest experts' loads summed over the steps over the mean loads summed; EP bytes null
+    when a step has none (--compile)."""
+    records = _records(3)
+    for r, imbalance, ep in zip(records, (3.0, 1.5, 1.0), (10, 20, 40)):
+        r.update(moe_expert_load=[20, 20], moe_load_imbalance=imbalance, moe_tokens_dropped=0,
+                 ep_comm_bytes=ep)
+    s = summarize_run(records)
+    assert s["moe_load_imbalance"] == 1.25 and s["ep_comm_bytes"] == 30
+    records[2]["ep_comm_bytes"] = None
+    assert summarize_run(records)["ep_comm_bytes"] is None
+
+
 def test_summary_names_its_outputs_and_data(tmp_path):
     from engine.training.trainer import Trainer
     run = tmp_path / "run"

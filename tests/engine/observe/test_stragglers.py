@@ -4,7 +4,8 @@ with the other stages, and reported only past --straggler-threshold.
 The pure rule runs on hand-made rows; the whole path runs on 4 real gloo ranks, (tp=1, pp=2, dp=2),
 with ranks slowed by fault injection (engine/observe/faults.py SlowRank): a whole stage made slower
 than the other is no straggler (the false alarm of comparing every rank with the median of all),
-and one rank made slower than its stage peer is named, on every rank, in one printed line."""
+and one rank made slower than its stage peer is named, on every rank, in one printed line. The
+monitor's own timing (each report one interval late, with no wait) runs on a scripted clock."""
 import contextlib
 import io
 
@@ -81,9 +82,96 @@ def test_threshold_and_ranks_without_peers():
         StragglerReport.from_rows((1, 2), rows, roles + roles[:1])
 
 
+# ---- the monitor's timing: no wait of its own, the same sums one interval late ------------------
+class _ScriptedClock:
+    """Device time by hand: ``wait()`` is a step's one wait (stamps up to it are complete);
+    ``elapsed_s`` of a later stamp counts a wait, as engine/device/clock.py's DeviceClock does."""
+
+    def __init__(self):
+        self.now, self.settled, self.waits = 0.0, float("-inf"), 0
+
+    def stamp(self):
+        self.now += 1e-6  # (distinct stamps)
+        return self.now
+
+    def elapsed_s(self, start, end):
+        self.waits += end > self.settled
+        return end - start
+
+    def wait(self):
+        self.settled = self.stamp()
+
+
+class _TwoRanks:
+    """A ParallelState of two ranks of one stage on one process: rank 1's row is fixed; every
+    all-gather is recorded with the step it was issued at, and leaves a span."""
+
+    def __init__(self, peer_row):
+        import torch
+        from parallel.runtime.comm_monitor import Activity
+        self.grid, self.world_size, self.device = RankGrid(dp=2), 2, torch.device("cpu")
+        self.peer_row, self.gathers = peer_row, []
+        self.comm = type("Comm", (), {"activity": Activity()})()
+        self.world_group = self
+
+    def all_gather_into(self, out, mine):
+        import torch
+        self.gathers.append(self.comm.activity.step)
+        out.copy_(torch.cat([mine, torch.tensor(self.peer_row, dtype=torch.float32)]))
+        self.comm.activity.spans.append(("world", 0.0, 0.0))
+
+
+@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_report_reads_complete_steps_one_interval_late(interval):
+    """Step k computes k seconds, 0.5 s of which blocked in a dp collective, then its update runs
+    past the step's wait (0.25 s, complete only at the next step's wait). Every report has exactly
+    its interval's sums (step 1, the warm-up, left out) and comes at step N + L (N + 2 with L = 1)
+    for the interval ending at N; the monitor never reads a stamp the device has not reached
+    (the old report waited for its interval's last step, then read the gather at once)."""
+    from engine.observe.stragglers import StragglerMonitor
+    clock, ps = _ScriptedClock(), _TwoRanks(_row(1.0, dp=0.5))
+    monitor = StragglerMonitor(ps, clock)
+    reports = {}
+    for step in range(1, 10):
+        monitor.begin_step(step)
+        clock.now += step - 0.5
+        a = clock.stamp()
+        clock.now += 0.5
+        ps.comm.activity.spans.append(("dp", a, clock.stamp()))
+        clock.wait()            # the step's statistics read
+        clock.now += 0.25       # its update
+        monitor.end_step()
+        if step % interval == 0:
+            reports[step] = monitor.report(step)
+    assert clock.waits == 0
+    ends = [n for n in range(interval, 10, interval) if n > 1]  # intervals with counted steps
+    assert ps.gathers == [n + 1 for n in ends if n + 1 <= 9]  # issued once their last step is in
+    lag = max(interval, 2)
+    read = {n + lag: n for n in ends if n + lag <= 9}
+    assert [s for s, r in reports.items() if r is not None] == sorted(read)
+    for at, n in read.items():
+        first = max(2, n - interval + 1)
+        r = reports[at]
+        assert r.steps == (first, n)
+        steps = range(first, n + 1)
+        assert r.compute_s[0] == pytest.approx(sum(k - 0.5 + 0.25 for k in steps), abs=1e-4)
+        assert r.blocked_s[0] == pytest.approx([0.0, 0.0, 0.0, 0.5 * len(steps), 0.0], abs=1e-4)
+        assert r.compute_s[1] == 1.0 and r.blocked_s[1] == [0.0, 0.0, 0.0, 0.5, 0.0]
+    assert monitor.last_report is reports[max(read)]
+    # after the last step: the intervals still in flight (the newest ends at the last interval
+    # step) are read at once, with their own sums
+    final, n = monitor.finish(), max(ends)
+    first = max(2, n - interval + 1)
+    assert final.steps == (first, n) and monitor.last_report is final
+    assert final.compute_s[0] == pytest.approx(sum(k - 0.25 for k in range(first, n + 1)), abs=1e-4)
+    assert monitor.finish() is None                     # nothing left
+
+
 # ---- the whole path on 4 gloo ranks -------------------------------------------------------------
 def _run(faults):
     from engine.training.trainer import Trainer
+    # the report of steps 2-3 (step 1 is the warm-up) is the run's last interval: read after the
+    # last step (one wait there) into step 3's record, which holds no other report
     trainer = Trainer(parse_args(TINY + ["--pp", "2", "--train-iters", "3", "--log-interval", "3"]))
     for fault in faults:
         fault.install(trainer)
@@ -113,7 +201,7 @@ def test_pipeline_stages_compare_with_their_peers_only():
         stage, slow = res[rank]["stage"], res[rank]["rank"]
         # a stage 4x slower than the other: nothing found, nothing printed, keys kept
         first, second, last = stage["records"]
-        # only at the interval's last step; its sums leave out step 1, the warm-up
+        # only in the last record (the interval's sums leave out step 1, the warm-up)
         assert first == second == dict.fromkeys(KEYS)
         assert last["straggler_rank"] is None and stage["stragglers"] == []
         assert last["straggler_ratio"] is not None and last["straggler_ratio"] <= 1.2, last

@@ -37,6 +37,11 @@ def test_counted_flops_equal_the_formula_on_builtin_blocks(block, cls):
                       kv_hidden=cfg.kv_hidden_size)
     assert counted.source == "flop_counter"
     assert counted.model == want.model and counted.executed == want.executed
+    # the least a step runs: the attention core (4 s h per token and layer, 3 passes) at half,
+    # the counted kernel's part as the formula's
+    least = want.executed - 3 * 3 * 4 * 6 * 64 * 64 * 128 / 2
+    assert counted.least == least and run_flops(cfg, GPT2Block if block == "gpt2" else LlamaBlock,
+                                                "none", 6).least == least
     formula = run_flops(cfg, LlamaBlock if block == "llama" else GPT2Block, "full", 6)
     assert formula.source == f"formula {block}" and formula.executed > formula.model
     with pytest.warns(UserWarning, match="tflops_per_device and hfu are null"):

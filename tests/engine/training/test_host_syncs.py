@@ -2,7 +2,8 @@
 mode (every implicit read of a tensor, not only the engine's own waits), for each pipeline
 schedule, ZeRO-1/2 with overlapped parameter all-gathers, gradient compression and context
 parallelism, fp16's dynamic scale and the anomaly guard's fast path; validation with pp > 1 on the step's waiter; an extra read planted in the step is
-seen (so the count can fail); the late figures are filled for every step, the last one too.
+seen (so the count can fail); the late figures are filled for every step, the last one too; the
+straggler report at every step (--log-interval 1) adds no wait and still names a slowed rank.
 
 One spawned group of four ranks runs every layout in turn (each a few steps).
 """
@@ -16,6 +17,7 @@ import torch
 from engine.config.cli import parse_args
 from engine.device.clock import DeviceClock
 from engine.device.syncs import SyncCounter
+from engine.observe.faults import SlowRank
 from engine.training.step_record import LATE_KEYS
 from engine.training.trainer import Trainer
 from parallel.grid.topology import RankGrid
@@ -28,6 +30,7 @@ BASE = ["--mock-data", "--vocab-size", "256", "--no-progress", "--device", "cpu"
         "--train-iters", str(STEPS), "--lr-warmup-iters", "0", "--log-interval", "100",
         "--host-sync-interval", "1"]
 PP2 = ["--pp", "2", "--dp", "2"]
+EVERY_STEP = ["--log-interval", "1", "--train-iters", "5"]  # (the later flag wins)
 LAYOUTS = {
     "1f1b": PP2 + ["--pipeline-schedule", "1f1b", "--eval-interval", "2", "--eval-iters", "1"],
     "interleaved": PP2 + ["--pipeline-schedule", "interleaved", "--virtual-pipeline-size", "2"],
@@ -44,8 +47,10 @@ LAYOUTS = {
 }
 
 
-def _train(argv, plant: bool = False) -> dict:
+def _train(argv, plant: bool = False, faults=()) -> dict:
     trainer = Trainer(parse_args(BASE + argv))
+    for fault in faults:
+        fault.install(trainer)
     trainer.clock.syncs.strict = True  # every aten scalar read too
     if plant:  # an extra read on the step's path: the count must see it
         statistics = trainer.stepper.statistics
@@ -64,12 +69,19 @@ def _train(argv, plant: bool = False) -> dict:
                            not (k.startswith("bubble") and trainer.ps.pp_size == 1)
                            and k not in ("mfu", "hfu")]  # null without a known peak
                           for r in result.records],
-            "valid": result.valid, "outside": trainer.clock.syncs.outside}
+            "valid": result.valid, "outside": trainer.clock.syncs.outside,
+            "stragglers": [(r["straggler_rank"], r["straggler_waited_for"])
+                           for r in result.records],
+            "last_report": trainer.stragglers.last_report.steps
+            if trainer.stragglers.last_report is not None else None}
 
 
 def _all_layouts(ps) -> dict:
     out = {name: _train(argv) for name, argv in LAYOUTS.items()}
     out["planted"] = _train(PP2, plant=True)
+    # the straggler report at every step, rank 1 slowed by 0.1 s per forward (2 per step)
+    out["report-every-step"] = _train(["--dp", "4"] + EVERY_STEP,
+                                      faults=[SlowRank(rank=1, seconds=0.1)])
     return out
 
 
@@ -89,7 +101,8 @@ def test_one_wait_per_step(runs, name):
         assert all(not missing for missing in run["late_null"]), (name, rank, run["late_null"])
         # between steps the engine waits only where it says: the clock's first anchor, the flush
         # after the last step and one read per validation batch (the straggler monitor, on by
-        # default, reads each step's spans after the next step's wait: none)
+        # default, reads each step's spans after the next step's wait and an interval's
+        # all-gather after a later step's: none; at every step too, test_a_report_at_every_step...)
         assert run["outside"] == 2 + len(run["valid"]), (name, rank, run["outside"])
 
 
@@ -104,6 +117,22 @@ def test_a_planted_read_is_counted(runs):
         run = result["planted"]
         assert run["syncs"] == [2] * STEPS, run["points"]
         assert all("tensor.item" in p for p in run["points"]), run["points"]
+
+
+def test_a_report_at_every_step_adds_no_wait(runs):
+    """--log-interval 1: the straggler monitor reads each step's stamps after the next step's wait
+    and each interval's all-gather after a later one (engine/observe/stragglers.py), so no step
+    waits for it (the old report waited at every step for the step just queued, counted here,
+    then read its gather at once, counted nowhere); the report of step N, read at step N + 2,
+    still names the slowed rank on every rank, and the last two, read after the last step, cost
+    one wait there (the flush's, the anchor's and this one)."""
+    for rank, result in enumerate(runs):
+        run = result["report-every-step"]
+        assert run["syncs"] == [1] * 5, (rank, run["points"])
+        assert run["outside"] == 3, (rank, run["outside"])
+        # step 1 is the warm-up: the reports of steps 2 and 3 land at steps 4 and 5
+        assert run["stragglers"] == [(None, None)] * 3 + [(1, 1)] * 2, (rank, run["stragglers"])
+        assert run["last_report"] == (5, 5), (rank, run["last_report"])
 
 
 def test_counter_sees_implicit_reads_and_ignores_other_threads():
