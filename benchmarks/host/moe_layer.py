@@ -22,7 +22,12 @@ and with the grouped GEMM run as ONE matmul of the same FLOPs (wrong values, tim
 the layer costs where the grouped GEMM is one kernel, as on a GPU, instead of the CPU kernel's
 loop of one matrix product per expert.
 
-    python -m benchmarks.host.moe_layer [--rounds 15] [--iters 40] [--ablate]
+``--compiled`` adds both layers under ``torch.compile`` (Inductor, as ``--compile`` runs them; the
+MoE block compiles with no graph break at ep 1): what the host pays per layer when the graph's
+kernels replace the eager ops. Their aten-op columns say n/a: under a dispatch mode (the counter)
+the compiled graph is not entered, so a count would be the eager one.
+
+    python -m benchmarks.host.moe_layer [--rounds 15] [--iters 40] [--ablate] [--compiled]
 """
 from __future__ import annotations
 
@@ -63,11 +68,12 @@ def layer(block: str, moe: bool):
                         [range(1)], [0], 1)[0].layers[0]
 
 
-def _step_fn(module, moe: bool):
+def _step_fn(module, moe: bool, compiled: bool = False):
     x = torch.randn(1, TOKENS, HIDDEN, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    run = torch.compile(module, backend="inductor") if compiled else module
 
     def step():
-        module(x).sum().backward()
+        run(x).sum().backward()
         if moe:
             module.mlp.records.clear()
     return step
@@ -100,8 +106,9 @@ def _timed(step, iters: int) -> tuple[float, float]:
     return (time.perf_counter() - wall) / iters, (time.thread_time() - cpu) / iters
 
 
-def _steps(block: str, ablate: bool) -> dict:
-    steps = {"dense": _step_fn(layer(block, False), False), "moe": _step_fn(layer(block, True), True)}
+def _steps(block: str, ablate: bool, compiled: bool = False) -> dict:
+    steps = {"dense": _step_fn(layer(block, False), False, compiled),
+             "moe": _step_fn(layer(block, True), True, compiled)}
     if ablate:
         no_loss = layer(block, True)
         no_loss.mlp.aux_coeff = 0.0
@@ -110,17 +117,22 @@ def _steps(block: str, ablate: bool) -> dict:
     return steps
 
 
-def measure(block: str, rounds: int = 15, iters: int = 40, ablate: bool = False) -> dict:
+def measure(block: str, rounds: int = 15, iters: int = 40, ablate: bool = False,
+            compiled: bool = False) -> dict:
     """{"dense_us", "moe_us", "ratio", "cpu_ratio", "dense_ops", "moe_ops"} for one block kind
-    (with ``ablate``, "ablations": {what-if: median CPU-time ratio to dense})."""
+    (with ``ablate``, "ablations": {what-if: median CPU-time ratio to dense}; ``compiled``: both
+    layers under torch.compile, Inductor, as ``--compile`` runs them)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        steps = _steps(block, ablate)
+        steps = _steps(block, ablate, compiled)
         ops = {}
         for name, step in steps.items():
             for _ in range(5):
-                step()                       # first calls: allocations, probes
+                step()                       # first calls: allocations, probes, compilation
+            if compiled:   # (under a dispatch mode the compiled graph is not entered: no count)
+                ops[name] = None
+                continue
             with _OpCount() as count:
                 step()
             ops[name] = count.ops
@@ -135,7 +147,7 @@ def measure(block: str, rounds: int = 15, iters: int = 40, ablate: bool = False)
 
     def ratio(times, name):
         return statistics.median(a / b for a, b in zip(times[name], times["dense"]))
-    return {"block": block, "dense_us": 1e6 * statistics.median(wall["dense"]),
+    return {"block": block + (" (compiled)" if compiled else ""), "dense_us": 1e6 * statistics.median(wall["dense"]),
             "moe_us": 1e6 * statistics.median(wall["moe"]), "ratio": ratio(wall, "moe"),
             "cpu_ratio": ratio(cpu, "moe"), "dense_ops": ops["dense"], "moe_ops": ops["moe"],
             **({"ablations": {n: ratio(cpu, n) for n in steps if n not in ("dense", "moe")}}
@@ -148,7 +160,8 @@ def table(rows: list[dict]) -> str:
         ["block", "dense layer (us)", "MoE layer (us)", "MoE / dense, wall (median of rounds)",
          "MoE / dense, CPU time (median of rounds)", "aten ops dense", "aten ops MoE"],
         [[r["block"], f"{r['dense_us']:.0f}", f"{r['moe_us']:.0f}", f"{r['ratio']:.2f}",
-          f"{r['cpu_ratio']:.2f}", str(r["dense_ops"]), str(r["moe_ops"])] for r in rows])
+          f"{r['cpu_ratio']:.2f}", *("n/a" if n is None else str(n)
+                                     for n in (r["dense_ops"], r["moe_ops"]))] for r in rows])
     ablated = [r for r in rows if "ablations" in r]
     if ablated:
         names = list(ablated[0]["ablations"])
@@ -166,8 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ablate", action="store_true",
                    help="also time the MoE layer without its balancing loss and with the grouped "
                         "GEMM as one matmul of the same FLOPs (timing only)")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time both layers under torch.compile (Inductor), as --compile runs "
+                        "them: the graph's kernels in place of the eager ops")
     args = p.parse_args(argv)
     rows = [measure(block, args.rounds, args.iters, args.ablate) for block in ("gpt2", "llama")]
+    if args.compiled:
+        rows += [measure(block, args.rounds, args.iters, compiled=True) for block in ("gpt2", "llama")]
     print(table(rows))
     return 0
 
