@@ -6,7 +6,9 @@
 - ``flags.py``: how each field is presented as a flag (help, group, Megatron-LM spellings);
 - ``fields.py``: the table of user-settable fields shared by the command line and recipes;
 - ``recipe.py``: YAML recipes (``--config``), checked against the fields' types;
-- ``cli.py``: ``parse_args``, the flags over the recipe, as a ``RunConfig``.
+- ``cli.py``: ``parse_args``, the flags over the recipe, as a ``RunConfig``;
+- ``unused_flags.py``: the notes on flags that have no effect in a layout (engine.train says
+  them at start, engine.plan for the layout it proposes).
 
 Imports only ``engine.base`` and ``engine.data`` (its parsers of ``--data-path`` and ``--split``);
 nothing here reads a checkpoint or starts a process group.

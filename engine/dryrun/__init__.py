@@ -109,17 +109,23 @@ def dry_run(cfg, world_size: int, device: str | None = None, memory_gb: float | 
     which of its collectives are overlapped with compute (overlap.py).
 
     ``device``: a planner device name (``engine.plan.hardware``: "a100-80gb", "ascend910b2", ...)
-    for the memory check, the backend (hccl for Ascend, else nccl) and its rules; without it the
-    recipe's ``--device`` decides the backend (npu: hccl, cuda: nccl, else gloo).
+    for the memory check, the backend (hccl for Ascend, else nccl) and its rules, and, under
+    ``--fp8-format``, the planner's FP8 check (a chip without an FP8 peak is a ConfigError, the
+    planner's line); without it the recipe's ``--device`` decides the backend (npu: hccl, cuda:
+    nccl, else gloo).
     ``tp_comm_overlap``: list the layers' TP gathers and scatters as chunk rings (also on when the
     run's configuration has ``tp_comm_overlap`` set)."""
     from engine.dryrun.compare import compare_role
     from engine.dryrun.overlap import role_overlap
     from engine.training.memory_check import planner_inputs
-    from engine.plan.hardware import get_device_spec
+    from engine.base import ConfigError
+    from engine.plan.hardware import FP8_FIX_DEVICE, fp8_peak_problem, get_device_spec
     from engine.plan.model import GIB, MEMORY_USABLE_FRACTION, PLAN_PRECISION, backend_of
     from parallel.runtime.backend_rules import resolve
     spec = get_device_spec(device) if device else None
+    if spec is not None and cfg.precision.fp8_format and \
+            (problem := fp8_peak_problem(spec, fix=FP8_FIX_DEVICE)):
+        raise ConfigError(problem)  # the planner's check: the chip the run is planned for
     cfg, source = _precision(cfg, device if spec is not None else None, PLAN_PRECISION)
     per_node = devices_per_node or (spec.devices_per_node if spec else None) or 8
     backend = ({"npu": "hccl", "cuda": "nccl"}.get(cfg.device, "gloo") if spec is None else

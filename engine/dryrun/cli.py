@@ -6,7 +6,8 @@
 Every ``engine.train`` flag and recipe key is accepted and means what it means there. The dry
 run's own flags: ``--world-size`` (the job's ranks), ``--device`` (a planner device name, e.g.
 a100-80gb, h100, ascend910b2: its memory for the fit check and its backend, HCCL or NCCL, whose
-rules every collective is checked against and whose communicators are priced; engine.train's
+rules every collective is checked against and whose communicators are priced; under
+``--fp8-format`` a device without FP8 is refused with the planner's check; engine.train's
 npu/cuda/cpu/auto choose the backend only), ``--memory-gb`` (overrides the device's memory),
 ``--devices-per-node`` (default the device's, else 8: TP groups must stay inside a node) and
 ``--json FILE``. Exit status: 0, every rank fits (or no memory was given); 1, some rank needs more

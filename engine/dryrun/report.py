@@ -130,12 +130,20 @@ def comparison_table(name: str, rows) -> str:
     return "\n".join(lines)
 
 
+def _fp8(cfg) -> str:
+    """What the precision line adds under --fp8-format: the GEMMs' format and scales."""
+    p = cfg.precision
+    if not p.fp8_format:
+        return ""
+    return f"; FP8 GEMMs: --fp8-format {p.fp8_format} --fp8-recipe {p.fp8_recipe}"
+
+
 def text(result) -> str:
     g = result.grid
     out = [f"gridtron dry run: {g.describe()} on the meta device, "
            f"{result.num_micro} micro-batches per step, collectives checked against "
            f"{result.rules or 'no backend rules'}",
-           f"precision: {result.precision} ({result.precision_source})",
+           f"precision: {result.precision} ({result.precision_source}){_fp8(result.cfg)}",
            "", role_table(result)] + memory_notes(result) + ["", "collectives of one training step:"]
     out += [collective_table(r) for r in result.records]
     if result.overlaps:

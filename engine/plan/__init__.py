@@ -8,7 +8,8 @@
 - ``timing.py``: the step-time estimate of one layout, by term;
 - ``report.py``: ``--explain`` and the ``torchrun ... -m engine.train`` command of a layout;
 - ``search.py``: enumeration, ranking and the command line (``python -m engine.plan``);
-- ``arguments.py``: the command line's checks, before any work.
+- ``arguments.py``: the command line's checks, before any work;
+- ``train_check.py``: engine.train's own checks and notes on the flags the planner shares with it.
 
 See docs/planner.md.
 """

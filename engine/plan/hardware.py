@@ -203,6 +203,30 @@ def peak_tflops(device: str, precision: str, tf32: bool = False) -> float | None
     return spec.tf32_tflops if tf32 else spec.fp32_tflops
 
 
+# What to change when a plan (or a dry run) asks for FP8 on a chip without it: the planner can
+# take another peak; a dry run only another device.
+FP8_FIX_PLAN = "give --fp8-peak-tflops or drop --fp8-format"
+FP8_FIX_DEVICE = "drop --fp8-format, or choose a --device with FP8 (h100, h200)"
+
+
+def fp8_peak_problem(spec: DeviceSpec, fp8_peak: float | None = None,
+                     fix: str = FP8_FIX_PLAN) -> str | None:
+    """Why an FP8 run (``--fp8-format``) cannot be planned on ``spec`` (one line), or None:
+    neither the table nor ``fp8_peak`` (``--fp8-peak-tflops``) gives it an FP8 peak. One check
+    for ``python -m engine.plan`` and ``python -m engine.dryrun --device``; ``fix``: what to
+    change with the tool that asks.
+
+    >>> fp8_peak_problem(DEVICE_SPECS["h100"]) is None
+    True
+    >>> fp8_peak_problem(DEVICE_SPECS["a100-80gb"], fix=FP8_FIX_DEVICE)
+    '--fp8-format: a100-80gb has no FP8 peak in engine/plan/hardware.py (FP8 needs compute capability 8.9 or later: H100, H200); drop --fp8-format, or choose a --device with FP8 (h100, h200)'
+    """
+    if spec.fp8_tflops is not None or fp8_peak is not None:
+        return None
+    return (f"--fp8-format: {spec.name} has no FP8 peak in engine/plan/hardware.py (FP8 needs "
+            f"compute capability 8.9 or later: H100, H200); {fix}")
+
+
 @dataclass(frozen=True)
 class OverlapEfficiency:
     """Fraction of the hideable communication time that a backend actually hides, per overlap.

@@ -28,7 +28,8 @@ def train_args(shape: ModelShape, layout: Layout, precision: str = "bf16",
 
     Without ``data_path`` the run uses mock data of the planned vocabulary (the built-in corpus has
     its own, smaller vocabulary). ``--order`` only appears when it differs from the engine's
-    default; ``--cp`` only for cp > 1.
+    default; ``--cp`` only for cp > 1; the pipeline's flags only for pp > 1: engine.train notes
+    no flag of this command as having no effect (tests/engine/plan/test_plan_train_check.py).
     """
     args = ["--tp", str(layout.tp), "--pp", str(layout.pp)]
     if layout.cp > 1:
@@ -37,8 +38,10 @@ def train_args(shape: ModelShape, layout: Layout, precision: str = "bf16",
         args += ["--ep", str(layout.ep)]
         if layout.etp > 1:
             args += ["--etp", str(layout.etp)]
-    args += ["--virtual-pipeline-size", str(layout.vp), "--pipeline-schedule", schedule_of(layout),
-             "--micro-batch-size", str(layout.micro_batch_size),
+    if layout.pp > 1:  # engine.train notes them as having no effect without a pipeline
+        args += ["--virtual-pipeline-size", str(layout.vp),
+                 "--pipeline-schedule", schedule_of(layout)]
+    args += ["--micro-batch-size", str(layout.micro_batch_size),
              "--global-batch-size", str(shape.global_batch_size), "--recompute", layout.recompute]
     if layout.sequence_parallel:
         args.append("--sequence-parallel")

@@ -110,7 +110,7 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, space: SearchSpace):
             for vp, mbs, rc, ep in product(chunks, mbss, space.recompute,
                                            expert_sizes(shape, dp * cp, space)):
                 for zero in zeros(space, dp * cp):
-                    for sp in space.sequence_parallel if tp > 1 else (False,):
+                    for sp in sequence_parallels(space, tp):
                         for etp in expert_tensor_sizes(shape, tp, space):
                             layout = Layout(tp, pp, dp, vp, mbs, rc, zero, sp, cp, space.order,
                                             schedule, min(space.zero_stages),
@@ -121,6 +121,18 @@ def candidate_layouts(shape: ModelShape, cluster: Cluster, space: SearchSpace):
                                             offload=min(space.offload) if zero else 0.0)
                             if check_layout(shape, cluster, layout) is None:
                                 yield layout
+
+
+def sequence_parallels(space: SearchSpace, tp: int) -> tuple[bool, ...]:
+    """Sequence parallelism to enumerate at ``tp``: none without a TP group; with
+    ``tp_comm_overlap`` only on, since engine.train refuses --tp-comm-overlap without
+    --sequence-parallel (the command line refuses a space that pins it off with engine.train's
+    line: engine/tools/train_check.py); else the space's."""
+    if tp == 1:
+        return (False,)
+    if space.tp_comm_overlap:
+        return tuple(sp for sp in space.sequence_parallel if sp)
+    return space.sequence_parallel
 
 
 def zeros(space: SearchSpace, dp_cp: int) -> tuple[bool, ...]:

@@ -8,8 +8,11 @@ own reader: an unknown key, a duplicate or a value of the wrong type is refused 
 refuses it; keys of the run that do not shape the model, such as ``lr`` or ``tp``, are accepted
 and left to the search). The model config is then validated by the model's own checks. The
 planner's own flags choose the cluster (``--devices``, ``--device``, ...) and the search space
-(``--cp``, ``--ep``, ``--recompute``, ... as comma lists). A mistake is one line, ``gridtron:
-...``, exit 2; no layout that fits is one line and exit 1.
+(``--cp``, ``--ep``, ``--recompute``, ... as comma lists). The flags it shares with engine.train
+(``--precision``, ``--fp8-format``, ``--fp8-recipe``, ``--tp-comm-overlap``, ...) go through
+engine.train's own checks and notes (engine/tools/train_check.py): refused with engine.train's line,
+noted with its note. A mistake is one line, ``gridtron: ...``, exit 2; no layout that fits is one
+line and exit 1.
 """
 from __future__ import annotations
 
@@ -20,17 +23,19 @@ from dataclasses import replace
 
 from engine.base import ConfigError, ToolParser, os_error_text, run_tool
 from engine.config.fields import field_table, flag_info
+from engine.config.flags import CONSTANTS
 from engine.config.recipe import load_recipe
 from engine.plan.arguments import check_args
 from engine.plan.calibrate import link_busbw
 from engine.plan.flops import BLOCKS, moe_layer_indices, moe_shape
-from engine.plan.hardware import DEVICE_SPECS, get_device_spec
+from engine.plan.hardware import DEVICE_SPECS, fp8_peak_problem, get_device_spec
 from engine.plan.model import (GIB, HOST_MEMORY_EFFICIENCY, PLAN_PRECISION, PLAN_SCHEDULES, Cluster,
                                Layout, ModelShape)
 from engine.plan.placement import DEFAULT_ORDER, parse_order
 from engine.plan.report import explain, launch_command, layout_text, train_args
 from engine.plan.search import SearchSpace, candidate_layouts, search
 from engine.plan.timing import Estimate
+from engine.tools.train_check import changed_flags, check_shared, command_notes, typed_flags
 from engine.tools.plan_calibrate import calibrated, explain_empty
 from models.config import GPTConfig
 
@@ -135,18 +140,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-memory-gbps", type=float,
                    help="override the table's host DRAM bandwidth per device, GB/s (the host's "
                         "update reaches HOST_MEMORY_EFFICIENCY of it)")
-    p.add_argument("--sequence-parallel", default="both", help="on, off or both")
+    p.add_argument("--sequence-parallel", default="both", nargs="?", const="on",
+                   help="on (also given alone, as engine.train's flag), off or both")
     p.add_argument("--tp-comm-overlap", action="store_true",
                    help="plan the TP collectives of each layer as chunk rings beside their GEMMs "
-                        "(Megatron-LM's flag; with sequence parallelism)")
+                        "(Megatron-LM's flag; engine.train runs it with sequence parallelism "
+                        "only, so every layout with tp > 1 is planned with it)")
     p.add_argument("--overlap-grad-reduce", default="on", choices=("on", "off"),
                    help="on (the engine's default): the DP reduction per bucket under the last "
                         "backward; off: all after backward")
     p.add_argument("--overlap-param-gather", default="on", choices=("on", "off"),
                    help="on (the engine's default): ZeRO's all-gather per bucket ahead of the next "
                         "forward; off: waited for after the update")
-    p.add_argument("--precision", default=PLAN_PRECISION, choices=("bf16", "fp16"),
-                   help="mixed precision of the planned run (both use the half-precision peak)")
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument("--precision", default=PLAN_PRECISION, choices=("bf16", "fp16"),
+                           help="mixed precision of the planned run (both use the half-precision "
+                                "peak)")
+    for option, (name, value, text, _) in CONSTANTS.items():  # engine.train's --bf16, --fp16
+        if name == "precision":
+            precision.add_argument(option, dest="precision", action="store_const", const=value,
+                                   help=text)
     p.add_argument("--fp8-format", choices=("e4m3", "hybrid"),
                    help="plan an FP8 run: the tensor-parallel linears' GEMMs at the FP8 peak "
                         "(docs/precision.md); --calibrate on an FP8 run fits their fraction")
@@ -242,10 +255,8 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
         cluster = replace(cluster, host_update_gbps=args.host_memory_gbps * HOST_MEMORY_EFFICIENCY)
     if args.host_memory_gb is not None:
         cluster = replace(cluster, host_memory_gb=args.host_memory_gb)
-    if args.fp8_format and cluster.fp8_peak_tflops is None:
-        raise ConfigError(f"--fp8-format: {spec.name} has no FP8 peak in engine/plan/hardware.py "
-                          f"(FP8 needs compute capability 8.9 or later: H100, H200); give "
-                          f"--fp8-peak-tflops or drop --fp8-format")
+    if args.fp8_format and (problem := fp8_peak_problem(spec, cluster.fp8_peak_tflops)):
+        raise ConfigError(problem)
     return cluster
 
 
@@ -326,10 +337,18 @@ def _row_text(est: Estimate) -> str:
             f"{est.tflops_per_device:.1f} TFLOP/s/device  MFU {100 * est.mfu:.1f}%  HFU {100 * est.hfu:.1f}%")
 
 
-def plan(args: argparse.Namespace) -> int:
-    """Rank the layouts and print them (exit 0), or say that none fits (exit 1)."""
+def plan(args: argparse.Namespace, typed: frozenset[str] | None = None) -> int:
+    """Rank the layouts and print them (exit 0), or say that none fits (exit 1). ``typed``: the
+    arguments the user gave (engine/tools/train_check.py ``typed_flags``; default: those not at
+    their defaults): the flags shared with engine.train go through its checks (refused with its
+    line) and its notes (printed as it prints them, ``gridtron: note: ...``)."""
+    if typed is None:
+        typed = changed_flags(args, build_parser())
     check_args(args)
-    shape, cluster, space = shape_from_args(args), cluster_from_args(args), space_from_args(args)
+    shape = shape_from_args(args)
+    given = model_from_args(args)[2]
+    check_shared(args, typed, given)
+    cluster, space = cluster_from_args(args), space_from_args(args)
     if (problem := expert_problem(shape, cluster, space)):
         raise ConfigError(problem)
     if args.calibrate:
@@ -343,6 +362,10 @@ def plan(args: argparse.Namespace) -> int:
         extra += ["--fp8-format", args.fp8_format, "--fp8-recipe", args.fp8_recipe]
     command = lambda est: launch_command(shape, est.layout, dpn, args.precision,  # noqa: E731
                                          args.data_path, extra)
+    best = results[0].layout
+    for note in command_notes(train_args(shape, best, args.precision, args.data_path) + extra,
+                              args, typed, given, best.world_size, cluster.backend):
+        print(f"gridtron: note: {note}", file=sys.stderr)
     for est in results[:args.top]:
         if args.json:
             print(json.dumps({**est.as_row(), "command": command(est)}))
@@ -359,6 +382,7 @@ def plan(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """A user's mistake (a flag, a recipe, a model the trainer would refuse, an input file) is one
     line, ``gridtron: ...``, exit 2 (engine/base.py ``run_tool``)."""
-    return run_tool(lambda: plan(build_parser().parse_args(argv)),
+    return run_tool(lambda: plan(build_parser().parse_args(argv),
+                                 typed_flags(build_parser(), argv)),
                     (OSError, lambda e: os_error_text(e), 2),
                     ((ValueError, KeyError), lambda e: e.args[0] if e.args else str(e), 2))

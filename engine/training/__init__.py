@@ -2,7 +2,7 @@
 
 - ``launch.py``: ``python -m engine.train``'s main (configuration, start-up checks, exit codes);
 - ``validate.py``: the pure start-up checks of a configuration against the launch, on every rank
-  before any collective; ``unused_flags.py``: the notes on flags without effect in the layout;
+  before any collective (with engine/config/unused_flags.py's notes on flags without effect);
 - ``trainer.py``: ``Trainer`` builds the model chunks, optimizer, reducer, data and checkpointer
   and runs the loop (resume, validation, saves, metrics); ``run_data.py`` its data (the batches
   of a step, the validation loss),

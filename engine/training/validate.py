@@ -17,7 +17,7 @@ from engine.data.tokenizer import strip_data_suffix
 from engine.device.runtime import BACKENDS, available_memory, detect_device_type
 from engine.training.lr_schedule import learning_rate
 from engine.training.memory_check import NO_FIGURE, memory_problem
-from engine.training.unused_flags import compression_notes, unused_flag_notes
+from engine.config.unused_flags import compression_notes, unused_flag_notes
 from models.blocks import takes_attention_inputs
 from models.registry import BlockRegistry, default_registry
 from parallel.pipeline.partition import partition_layers
@@ -29,7 +29,7 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
                  memory: tuple[int | None, str] | None = None,
                  host_memory: tuple[int | None, str] | None = None) -> tuple[RankGrid, list[str]]:
     """Return the grid and notes (said once, by rank 0: a warm-up longer than the run, a flag that
-    has no effect in this layout: engine/training/unused_flags.py), or raise ConfigError.
+    has no effect in this layout: engine/config/unused_flags.py), or raise ConfigError.
     ``memory``: (bytes this rank may allocate, where that figure comes from); by default read
     from the device (engine/device/runtime.py ``available_memory``). ``host_memory``: the same
     for the host, which an offloaded optimizer and --async-save's copies use on a CUDA or NPU

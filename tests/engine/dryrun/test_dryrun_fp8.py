@@ -65,3 +65,34 @@ def test_fp8_adds_the_planners_amax_bytes(name):
         assert got == want, (name, run.role.name, got, want)
         added.append(sum(got))
     assert min(added) > 0   # every rank reduces scales (the pp case: each stage has FP8 layers)
+
+
+R03 = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+       "--vocab-size", "256", "--mock-data", "--global-batch-size", "16", "--micro-batch-size", "1",
+       "--world-size", "8", "--tp", "2", "--bf16", "--fp8-format", "e4m3"]
+
+
+def test_a_device_without_fp8_is_refused_with_the_planners_line(capsys):
+    """``--device a100-80gb --fp8-format e4m3`` is refused as the planner refuses it (its check,
+    engine/plan/hardware.py ``fp8_peak_problem``), with what to change in a dry run; on an FP8
+    chip the precision line says the GEMMs' format."""
+    from engine.base import ConfigError
+    from engine.dryrun.cli import main
+    from engine.tools import plan_cli
+    assert main(R03 + ["--device", "a100-80gb"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert plan_cli.main(["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+                          "--seq-length", "32", "--vocab-size", "256", "--global-batch-size", "16",
+                          "--devices", "8", "--device", "a100-80gb", "--fp8-format", "e4m3"]) == 2
+    planner = capsys.readouterr().err.removeprefix("gridtron: ").split("; give ")[0]
+    assert planner.startswith("--fp8-format: a100-80gb has no FP8 peak")
+    assert captured.err.splitlines() == [
+        f"gridtron: configuration error: {planner}; drop --fp8-format, or choose a --device with "
+        f"FP8 (h100, h200)"], captured.err
+    cfg = parse_args([t for t in R03 if t not in ("--world-size", "8")])
+    with pytest.raises(ConfigError, match=r"^--fp8-format: a100-80gb has no FP8 peak"):
+        dry_run(cfg, 8, "a100-80gb")
+    assert main(R03 + ["--device", "h100"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "precision: bf16 (--precision); FP8 GEMMs: --fp8-format e4m3 --fp8-recipe tensorwise")

@@ -1,5 +1,5 @@
 """Flags accepted but without effect in the run's layout get one note each; values that would be
-changed silently are refused (engine/training/unused_flags.py, engine/training/validate.py).
+changed silently are refused (engine/config/unused_flags.py, engine/training/validate.py).
 
 Every user-settable field is classified (read by every run, or listed with the condition that
 leaves it unread); each rule has a case with its exact note; the trainer prints notes as plain
@@ -10,7 +10,7 @@ from engine.base import ConfigError
 from engine.config.cli import parse_args
 from engine.config.fields import field_table
 from engine.training.trainer import Trainer
-from engine.training.unused_flags import ALWAYS_READ, RULES
+from engine.config.unused_flags import ALWAYS_READ, RULES
 from engine.training.validate import validate_run
 from parallel.grid.launch import LaunchEnv
 
