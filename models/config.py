@@ -1,9 +1,22 @@
 """The model's own configuration: shapes and block flavour, nothing about the run."""
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from models.moe.config import check_moe_fields, moe_layer_pattern
+
+
+def check_finite(cfg, skip: tuple[str, ...] = ()) -> None:
+    """Raise ValueError (one line, naming the flag) for the first float field of the dataclass
+    ``cfg`` that is nan or infinite: ``--lr nan`` or ``.inf`` in a recipe would otherwise pass every
+    ``x > 0`` check and fail mid-run (a nan loss, an overflow in an integer conversion). ``skip``:
+    fields whose own check says more."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name not in skip and isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
 
 
 @dataclass
@@ -50,6 +63,7 @@ class GPTConfig:
     moe_pad_expert_input_to_capacity: bool = False
 
     def __post_init__(self) -> None:
+        check_finite(self, skip=("moe_expert_capacity_factor",))  # its own line: check_moe_fields
         for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
@@ -77,6 +91,12 @@ class GPTConfig:
                              f"({self.max_position_embeddings}); raise --max-position-embeddings")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.init_std < 0 or self.norm_eps < 0:
+            raise ValueError(f"--init-std and --norm-eps must be >= 0, got {self.init_std} and "
+                             f"{self.norm_eps}")
+        if not self.rope_base > 0:
+            raise ValueError(f"--rope-base must be > 0 (rotary frequencies are powers of it), got "
+                             f"{self.rope_base}")
         check_moe_fields(self)
         if self.num_experts is not None and not any(moe_layer_pattern(self.moe_layer_freq,
                                                                       self.num_layers)):

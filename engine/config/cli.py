@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import typing
 
 from engine.base import ConfigError
 from engine.config.fields import SECTIONS, field_table, flag_info, suggest
-from engine.config.flags import CONSTANTS, GROUPS, MEGATRON_ANSWERS
+from engine.config.flags import CHOICE_ANSWERS, CONSTANTS, GROUPS, MEGATRON_ANSWERS
 from engine.config.recipe import load_recipe
 from engine.config.schema import RunConfig
 
@@ -29,7 +30,19 @@ def option_name(name: str) -> str:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of usage + exit
-        raise ConfigError(f"{message} ({HELP_HINT})")
+        raise ConfigError(f"{message}{_choice_answer(self, message)} ({HELP_HINT})")
+
+
+def _choice_answer(parser, message: str) -> str:
+    """'; why' for a Megatron value of a real flag that is not built here (``--fp8-recipe
+    delayed``), from CHOICE_ANSWERS; '' otherwise."""
+    match = re.match(r"argument ([^:]+): invalid choice: '([^']*)'", message)
+    if not match:
+        return ""
+    options = match.group(1).split("/")
+    dest = next((a.dest for a in parser._actions if options[0] in a.option_strings), None)
+    answer = CHOICE_ANSWERS.get(dest, {}).get(match.group(2))
+    return f"; {answer}" if answer else ""
 
 
 GIVEN = "_given"  # namespace attribute: (option, field, value) of every setting of a switch's field

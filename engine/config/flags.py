@@ -4,7 +4,9 @@ Each field of the config dataclasses (engine/config/schema.py, parallel.py, mode
 ``FLAGS`` says how it is presented. A field without an entry here fails ``tests/engine/config/test_cli.py``: add
 one when you add a field. Entries for fields that do not exist yet are allowed (they take effect
 when the field appears). ``MEGATRON_ANSWERS`` answers Megatron-LM flags that have no field here, so
-a user typing from habit learns what to do instead.
+a user typing from habit learns what to do instead; ``CHOICE_ANSWERS`` does the same for Megatron
+values of a real flag that are not built here (``--fp8-recipe delayed``). Neither may name a flag
+that does not exist, and ``MEGATRON_ANSWERS`` no flag that does (tests/engine/config/test_cli.py).
 """
 from __future__ import annotations
 
@@ -83,8 +85,8 @@ FLAGS: dict[str, Flag] = {
     "moe_router_bias_update_rate": F("step of the expert bias update: bias += rate * "
                                      "sign(mean load - load)", "model"),
     "moe_expert_capacity_factor": F("expert capacity = ceil(F * tokens * K / E) per micro-batch; "
-                                    "the lowest-scored assignments beyond it are dropped (unset: "
-                                    "dropless)", "model"),
+                                    "the lowest-scored assignments beyond it are dropped; 0 < F <= "
+                                    "E, and F >= E / K drops nothing (unset: dropless)", "model"),
     "moe_pad_expert_input_to_capacity": F("pad each expert's input to its capacity (fixed shapes, "
                                           "no host read of the counts)", "model"),
     # ---- parallelism -------------------------------------------------------------------------
@@ -314,6 +316,27 @@ CONSTANTS = {
 _BLOCK = ("the block decides it: --block llama (RMSNorm, RoPE, SwiGLU, no biases, untied output) "
           "or --block gpt2 (LayerNorm, learned positions, GELU, biases, tied embeddings)")
 _KERNELS = "kernels are chosen per device (kernels/); drop the flag"
+_DELAYED = ("delayed scaling (an amax history) is not built: each FP8 scale comes from the "
+            "current tensor's amax, per tensor or per row (--fp8-recipe tensorwise|rowwise); drop "
+            "the flag")
+_FP8_ATTENTION = ("FP8 attention is not built: --fp8-format runs the linear layers' GEMMs in FP8, "
+                  "attention in bf16; drop the flag")
+_FP4 = "FP4 (NVFP4) is not built; the narrowest GEMMs are FP8: --fp8-format e4m3|hybrid"
+_FSDP = ("gridtron's FSDP is ZeRO-3: --data-parallel-sharding-strategy optim_grads_params (or "
+         "--use-distributed-optimizer --zero-stage 3) shards parameters, gradients and optimizer "
+         "state and gathers each block for its forward and backward")
+_PRECISION_AWARE = ("Megatron's precision-aware optimizer is not built: the distributed optimizer "
+                    "keeps fp32 master weights, gradients and AdamW moments (on the device, or in "
+                    "host memory with --optimizer-cpu-offload); drop the flag")
+_OFFLOAD_BUILT_IN = ("--optimizer-cpu-offload always overlaps its copies with the step, in pinned "
+                     "host memory on a GPU or NPU, and updates with its own AdamW; drop the flag")
+_ACTIVATION_OFFLOAD = ("offloading activations or weights to host memory is not built: save "
+                       "activation memory with --recompute selective|full; --optimizer-cpu-offload "
+                       "moves the optimizer state to host memory")
+_DEEPEP = ("DeepEP (the flex dispatcher) is not built: use --moe-token-dispatcher-type alltoall "
+           "(the default) or allgather; drop the flag")
+_GROUP_ROUTING = ("group-limited routing (DeepSeek-V3's node groups) is not built: every token "
+                  "chooses its --moe-router-topk experts among all of them; drop the flag")
 # Megatron flags without a field here, and what to do instead.
 MEGATRON_ANSWERS: dict[str, str] = {
     "--use-flash-attn": _KERNELS, "--transformer-impl": _KERNELS,
@@ -324,8 +347,6 @@ MEGATRON_ANSWERS: dict[str, str] = {
     "--untie-embeddings-and-output-weights": _BLOCK, "--disable-bias-linear": _BLOCK,
     "--attention-dropout": "one --dropout (alias --hidden-dropout) covers attention and "
                            "residual dropout",
-    "--distributed-backend": "the backend follows the device (nccl on CUDA, hccl on Ascend, "
-                             "gloo on CPU); choose the device with --device",
     "--lr-warmup-fraction": "give the warm-up in steps with --lr-warmup-iters",
     "--train-samples": "give the length in steps with --train-iters (samples = steps x "
                         "--global-batch-size)",
@@ -337,4 +358,56 @@ MEGATRON_ANSWERS: dict[str, str] = {
     "--num-workers": "data is memory-mapped and read in the training process; drop the flag",
     "--data-impl": "data is always Megatron's memory-mapped indexed format; drop the flag",
     "--tensorboard-log-interval": "dashboards follow --log-interval",
+    # FP8 (docs/precision.md)
+    "--fp8": "gridtron spells it --fp8-format e4m3|hybrid (FP8 GEMMs on top of --bf16)",
+    "--fp8-param-gather": "not built: parameters stay bf16 (fp32 masters) and are gathered in bf16; "
+                          "the FP8 layers quantize each weight per call; drop the flag",
+    "--fp8-amax-history-len": _DELAYED, "--fp8-amax-compute-algo": _DELAYED,
+    "--fp8-margin": _DELAYED, "--fp8-interval": _DELAYED,
+    "--no-fp8-wgrad": "under --fp8-format the weight-gradient GEMM runs in FP8 with the other two; "
+                      "it has no switch of its own; drop the flag",
+    "--fp8-dot-product-attention": _FP8_ATTENTION, "--fp8-multi-head-attention": _FP8_ATTENTION,
+    "--fp4-format": _FP4, "--fp4": _FP4, "--fp4-param-gather": _FP4,
+    # ZeRO-3 and the optimizer offload (docs/data_parallel.md)
+    "--use-torch-fsdp2": _FSDP, "--use-custom-fsdp": _FSDP, "--use-megatron-fsdp": _FSDP,
+    "--torch-fsdp2-no-reshard-after-forward": "ZeRO-3 (--data-parallel-sharding-strategy "
+                                              "optim_grads_params) frees each block's gathered "
+                                              "parameters after its forward and gathers them again "
+                                              "for its backward; for unsharded parameters use "
+                                              "--data-parallel-sharding-strategy optim_grads "
+                                              "(ZeRO-2)",
+    "--use-precision-aware-optimizer": _PRECISION_AWARE, "--main-grads-dtype": _PRECISION_AWARE,
+    "--main-params-dtype": _PRECISION_AWARE, "--exp-avg-dtype": _PRECISION_AWARE,
+    "--exp-avg-sq-dtype": _PRECISION_AWARE,
+    "--overlap-cpu-optimizer-d2h-h2d": _OFFLOAD_BUILT_IN, "--pin-cpu-grads": _OFFLOAD_BUILT_IN,
+    "--pin-cpu-params": _OFFLOAD_BUILT_IN, "--use-torch-optimizer-for-cpu-offload": _OFFLOAD_BUILT_IN,
+    "--cpu-offloading": _ACTIVATION_OFFLOAD, "--cpu-offloading-num-layers": _ACTIVATION_OFFLOAD,
+    "--cpu-offloading-activations": _ACTIVATION_OFFLOAD,
+    "--cpu-offloading-weights": _ACTIVATION_OFFLOAD,
+    "--fine-grained-activation-offloading": _ACTIVATION_OFFLOAD,
+    # mixture of experts (docs/moe.md, "Not built yet")
+    "--moe-enable-deepep": _DEEPEP, "--moe-flex-dispatcher-backend": _DEEPEP,
+    "--moe-permute-fusion": "the token permutation is one stable sort and gather on the device "
+                            "(parallel/expert_parallel/permute.py), with nothing to fuse by a flag; "
+                            "drop the flag",
+    "--moe-router-fusion": "the router's scores and top-k run as plain fp32 ops, with no fused "
+                           "kernel to choose; drop the flag",
+    "--moe-router-dtype": "the router's logits and scores are always fp32; drop the flag",
+    "--moe-use-legacy-grouped-gemm": "one grouped GEMM per device: --moe-grouped-gemm (the default) "
+                                     "or --no-moe-grouped-gemm (a loop of per-expert GEMMs)",
+    "--moe-token-drop-policy": "with --moe-expert-capacity-factor the lowest-weighted assignments "
+                               "drop (Megatron's probs policy); the position policy is not built; "
+                               "drop the flag",
+    "--moe-shared-expert-overlap": "not built: the shared expert runs after the routed experts' "
+                                   "combine, on the compute stream; drop the flag",
+    "--moe-router-num-groups": _GROUP_ROUTING, "--moe-router-group-topk": _GROUP_ROUTING,
+    "--moe-input-jitter-eps": "router input jitter is not built; drop the flag",
+}
+
+# Megatron values of a real flag that gridtron does not build: the choice error says why.
+CHOICE_ANSWERS: dict[str, dict[str, str]] = {
+    "fp8_recipe": {"delayed": _DELAYED.replace("; drop the flag", ""),
+                   "mxfp8": "MXFP8 (32-element blocks) is not built",
+                   "blockwise": "blockwise scales (DeepSeek-V3's 1x128 / 128x128) are not built"},
+    "moe_token_dispatcher_type": {"flex": _DEEPEP.replace("; drop the flag", "")},
 }

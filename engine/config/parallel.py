@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config.sharding import resolve_sharding
+from models.config import check_finite
 from parallel.grid.expert_groups import ExpertGrid
 from parallel.grid.topology import RankGrid
 from parallel.pipeline.schedules import chunks_per_rank, schedule_placement
@@ -74,6 +75,7 @@ class ParallelConfig:
     expert_tensor_parallel_size: int = 1  # 1 or tp: the TP group splits every expert
 
     def __post_init__(self):
+        check_finite(self)
         if self.backend_rules not in BACKEND_RULES:
             raise ValueError(f"--backend-rules must be one of {BACKEND_RULES}, got {self.backend_rules!r}")
         if self.distributed_backend not in DIST_BACKENDS:
@@ -90,6 +92,11 @@ class ParallelConfig:
             raise ValueError(f"--recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.stage_end_weight < 0:
             raise ValueError(f"--stage-end-weight must be >= 0, got {self.stage_end_weight}")
+        if not self.bucket_size_mb > 0:
+            raise ValueError(f"--bucket-size-mb must be > 0, got {self.bucket_size_mb}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--timeout-s must be > 0 (seconds a collective may wait), got "
+                             f"{self.timeout_s}")
         if self.pipeline_schedule == "zb-v" and self.virtual_pipeline_size not in (1, 2):
             raise ValueError(f"--pipeline-schedule zb-v always runs 2 model chunks per rank (in a "
                              f"V); drop --virtual-pipeline-size {self.virtual_pipeline_size} or "

@@ -14,6 +14,7 @@ import yaml
 
 from engine.base import ConfigError, FieldInfo
 from engine.config.fields import SECTIONS, field_table, flag_info, suggest
+from engine.config.flags import CHOICE_ANSWERS, CONSTANTS, GROUPS, MEGATRON_ANSWERS
 
 TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
               dict: "a mapping", list: "a list (or one string)"}
@@ -66,7 +67,9 @@ def coerce(key: str, value, info: FieldInfo, where: str):
             raise bad()
     choices = flag_info(key).choices
     if choices and value is not None and value not in choices:
-        raise ConfigError(f"{where}: {key}: {value!r} is not one of {', '.join(choices)}")
+        answer = CHOICE_ANSWERS.get(key, {}).get(value)
+        raise ConfigError(f"{where}: {key}: {value!r} is not one of {', '.join(choices)}"
+                          + (f"; {answer}" if answer else ""))
     return value
 
 
@@ -139,6 +142,25 @@ def _not_utf8(path: str) -> str:
 
 
 def _unknown(key: str, table: dict, where: str) -> ConfigError:
+    """The unknown key's line: the recipe's spelling of a command-line switch (``bf16: true``), the
+    section of a --help group's name (``mixed_precision:``), Megatron's answer, or a close key."""
+    option = "--" + key.replace("_", "-")
+    if option in CONSTANTS:
+        name, value = CONSTANTS[option][:2]
+        return ConfigError(f"{where}: unknown key {key!r}: write {name}: {value} ({option} is the "
+                           f"command line's switch for it)")
+    group = key.replace("_", " ").replace("-", " ").strip().lower()
+    if group in GROUPS:
+        homes = {table[n].section for n in table if flag_info(n).group == group}
+        if len(homes) == 1 and None not in homes:
+            return ConfigError(f"{where}: unknown key {key!r}: that is a group of --help; the "
+                               f"recipe's section is {homes.pop()}: (or write its keys flat)")
+        sections = ", ".join(f"{h}:" for h in sorted(h for h in homes if h))
+        return ConfigError(f"{where}: unknown key {key!r}: that is a group of --help, not a "
+                           f"section; write its keys flat or under their sections ({sections})")
+    if option in MEGATRON_ANSWERS:
+        return ConfigError(f"{where}: unknown key {key!r}: {MEGATRON_ANSWERS[option]} (recipe keys "
+                           f"are the flags' names)")
     close = suggest(key, {k.replace("_", "-"): k for k in table})
     hint = f"; did you mean {close.replace('-', '_')!r}?" if close else ""
     return ConfigError(f"{where}: unknown key {key!r}{hint}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from engine.config.parallel import ParallelConfig
 from engine.config.sharding import check_sharding_flags
-from models.config import GPTConfig
+from models.config import GPTConfig, check_finite
 from parallel.grid.expert_groups import ExpertGrid
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -60,6 +60,7 @@ class OptimConfig:
     optimizer_offload_fraction: float = 1.0
 
     def __post_init__(self):
+        check_finite(self)
         if self.spike_factor != 0 and self.spike_factor <= 1:
             raise ValueError(f"--spike-factor must be above 1 (or 0: off), got {self.spike_factor}; "
                              f"a spike is a value above that many times the running median")
@@ -76,6 +77,12 @@ class OptimConfig:
                              f"{self.lr_warmup_iters}")
         if self.lr_warmup_iters < 0 or self.clip_grad < 0 or self.weight_decay < 0:
             raise ValueError("--lr-warmup-iters, --clip-grad and --weight-decay must be >= 0")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise ValueError(f"--adam-beta1 and --adam-beta2 must be in [0, 1), got "
+                             f"{self.adam_beta1} and {self.adam_beta2}")
+        if not self.adam_eps > 0:
+            raise ValueError(f"--adam-eps must be > 0 (it keeps AdamW's division finite where the "
+                             f"second moment is 0), got {self.adam_eps}")
 
 
 @dataclass
@@ -97,10 +104,14 @@ class PrecisionConfig:
     num_layers_at_end_in_bf16: int = 1
 
     def __post_init__(self):
+        check_finite(self)
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.initial_loss_scale <= 0 or self.loss_scale_window < 1 or self.hysteresis < 1:
             raise ValueError("--initial-loss-scale must be > 0, --loss-scale-window and --hysteresis >= 1")
+        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
+            raise ValueError(f"--min-loss-scale must be in (0, --initial-loss-scale "
+                             f"{self.initial_loss_scale:g}], got {self.min_loss_scale:g}")
         if self.fp8_format is not None and self.fp8_format not in FP8_FORMATS:
             raise ValueError(f"--fp8-format must be one of {FP8_FORMATS}, got {self.fp8_format!r}")
         if self.fp8_recipe not in FP8_RECIPES:
@@ -186,6 +197,7 @@ class CompressionConfig:
     grad_compression_sparsity_warmup_steps: int | None = None
 
     def __post_init__(self):
+        check_finite(self)
         if self.grad_compression not in COMPRESSORS:
             raise ValueError(f"--grad-compression must be one of {COMPRESSORS}, got {self.grad_compression!r}")
         if not 0.0 < self.grad_compression_ratio <= 1.0:
@@ -263,6 +275,10 @@ class LogConfig:
     profile_dir: str | None = None
 
     def __post_init__(self):
+        check_finite(self)
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"--peak-tflops must be > 0 (or unset: from the hardware table), got "
+                             f"{self.peak_tflops}")
         if self.eval_interval < 0 or self.eval_iters < 1:
             raise ValueError("--eval-interval must be >= 0 and --eval-iters >= 1")
         if self.log_interval < 1:

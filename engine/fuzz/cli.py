@@ -59,8 +59,15 @@ def check(args) -> None:
             case = Case.parse(args.case)
         except (TypeError, ValueError) as exc:
             raise ConfigError(str(exc)) from None
+        problem = case.problem()
+        if problem:
+            raise ConfigError(f"--case {args.case}: {problem}")
         if case.world > max(RANKS):
-            raise ConfigError(f"--case {args.case}: {case.world} ranks, more than {max(RANKS)}")
+            raise ConfigError(f"--case {args.case} needs {case.world} ranks, more than the "
+                              f"{max(RANKS)} the fuzzer runs: choose a smaller case")
+        if case.world > args.ranks:
+            raise ConfigError(f"--case {args.case} needs {case.world} ranks, more than --ranks "
+                              f"{args.ranks}: raise --ranks or choose a smaller case")
         problem = invalid(case, args.steps)
         if problem:
             raise ConfigError(f"--case {args.case}: {problem}")

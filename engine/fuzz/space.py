@@ -25,6 +25,9 @@ from dataclasses import dataclass
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "1f1b-w", "zb-h1", "zb-v")
 BLOCKS = ("gpt2", "llama", "user")
+CP_COMMS = ("p2p", "a2a")
+RECOMPUTES = ("none", "selective", "full")
+DISPATCHERS = ("alltoall", "allgather")
 USER_BLOCK = "examples.parallel_block:ParallelResidualBlock"
 HIDDEN, HEADS, SEQ, VOCAB, GLOBAL_BATCH = 32, 4, 32, 24, 8
 EXPERTS, TOPK, EXPERT_FFN, GROUPS = 4, 2, 24, 2
@@ -154,12 +157,52 @@ class Case:
                 raise ValueError(f"--case {spec!r}: {item!r} is not field=value with a field of "
                                  f"{', '.join(kinds)}")
             kind = kinds[key]
+            if kind == "bool" and value.strip() not in ("0", "1"):
+                raise ValueError(f"--case {spec!r}: {key} takes 0 or 1, got {value!r}")
             try:
                 values[key] = (bool(int(value)) if kind == "bool" else
                                int(value) if kind == "int" else value.strip())
             except ValueError:
                 raise ValueError(f"--case {spec!r}: {key} takes {kind}, got {value!r}") from None
         return cls(**values)
+
+    def problem(self) -> str | None:
+        """What is wrong with the case's own fields, said in the case's terms (``zero=9``, not
+        ``--zero-stage``), or None: values outside a field's range, and fields that mean nothing
+        without another (the run would silently leave them out). Combinations the trainer refuses
+        beyond these (tp=3 with 4 heads) are the trainer's to say."""
+        for key in ("tp", "cp", "pp", "dp", "vp", "micro", "layers", "ep", "etp"):
+            if getattr(self, key) < 1:
+                return f"{key} takes 1 or more, got {getattr(self, key)}"
+        for key, options in (("schedule", SCHEDULES), ("cp_comm", CP_COMMS),
+                             ("recompute", RECOMPUTES), ("block", BLOCKS),
+                             ("dispatcher", DISPATCHERS)):
+            if getattr(self, key) not in options:
+                return f"{key} takes {', '.join(options)}, got {getattr(self, key)}"
+        if self.zero not in (0, 1, 2, 3):
+            return (f"zero takes 0 (the plain optimizer) or 1, 2, 3 (the distributed optimizer's "
+                    f"ZeRO stage), got {self.zero}")
+        if not 0 <= self.offload <= 100:
+            return (f"offload takes the percent of the optimizer state kept in host memory, 0 "
+                    f"(none) to 100, got {self.offload}")
+        if self.bucket_kb < 0:
+            return f"bucket_kb takes a size in KiB (0: the default), got {self.bucket_kb}"
+        needs = [("offload", self.offload, self.zero, "zero=1, 2 or 3 (it offloads the "
+                                                      "distributed optimizer's state)"),
+                 ("overlap_gather", self.overlap_gather, self.zero, "zero=1, 2 or 3"),
+                 ("tp_overlap", self.tp_overlap, self.sp, "sp=1"),
+                 ("sp", self.sp, self.tp > 1, "tp=2 or more"),
+                 ("vp", self.vp > 1, self.pp > 1, "pp=2 or more"),
+                 ("schedule", self.schedule != "1f1b", self.pp > 1, "pp=2 or more"),
+                 ("cp_comm", self.cp_comm != "p2p", self.cp > 1, "cp=2 or more")]
+        needs += [(key, getattr(self, key) != default, self.moe, "moe=1")
+                  for key, default in (("ep", 1), ("etp", 1), ("dispatcher", "alltoall"),
+                                       ("grouped", False))]
+        for key, given, met, what in needs:
+            if given and not met:
+                value = getattr(self, key)
+                return f"{key}={int(value) if isinstance(value, bool) else value} needs {what}"
+        return None
 
 
 def _divisors(n: int) -> list[int]:

@@ -102,7 +102,10 @@ def generate_ids(model: GPTChunk, ids: list[int], max_new_tokens: int = 64, temp
         if temperature <= 0:
             nxt = int(logits.argmax())
         else:
-            logits = logits / temperature
+            # the largest logit subtracted first: every scaled logit is then <= 0 and the largest
+            # exactly 0, so no temperature > 0 overflows to inf (1e-45 samples the greedy token);
+            # in float64, where such a temperature is not a float32 denormal flushed to 0 (0 / 0)
+            logits = (logits - logits.max()).double() / temperature
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

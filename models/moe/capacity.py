@@ -28,6 +28,9 @@ import torch
 
 def expert_capacity(num_tokens: int, topk: int, num_experts: int, factor: float) -> int:
     """ceil(factor * num_tokens * topk / num_experts), at least 1."""
+    if not math.isfinite(factor):
+        raise ValueError(f"--moe-expert-capacity-factor {factor} must be a finite number > 0 "
+                         f"(leave it unset for dropless routing)")
     if not factor > 0:
         raise ValueError(f"--moe-expert-capacity-factor {factor} must be > 0 (leave it unset for "
                          f"dropless routing)")

@@ -9,6 +9,7 @@ accepted too.
 from __future__ import annotations
 
 import ast
+import math
 import re
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -97,9 +98,19 @@ def check_moe_fields(cfg) -> None:
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(cfg, key)}")
     f = cfg.moe_expert_capacity_factor
+    if f is not None and not math.isfinite(f):
+        raise ValueError(f"--moe-expert-capacity-factor {f} must be a finite number > 0 (leave it "
+                         f"unset for dropless routing)")
     if f is not None and not f > 0:
         raise ValueError(f"--moe-expert-capacity-factor {f} must be > 0 (leave it unset for "
                          f"dropless routing)")
+    if f is not None and f > e:
+        # capacity = ceil(F T K / E): at F = E / K every expert can take all T tokens, so nothing
+        # drops; above E the padded layout would only grow (and a huge F overflows the count)
+        raise ValueError(f"--moe-expert-capacity-factor {f:g} is above --num-experts {e}: a factor "
+                         f"of E / K = {e / k:g} already lets every expert take all the tokens (no "
+                         f"assignment dropped); give at most {e / k:g} for no drops, or leave it "
+                         f"unset for dropless routing")
     if cfg.moe_pad_expert_input_to_capacity and f is None:
         raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor F "
                          "(dropless routing has no capacity to pad to)")

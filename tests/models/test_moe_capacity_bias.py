@@ -157,11 +157,40 @@ def test_dashboards_and_summary_carry_the_moe_metrics():
     (["--num-experts", "4", "--moe-router-enable-expert-bias"], "add --moe-router-score-function sigmoid"),
     (["--num-experts", "4", "--moe-router-bias-update-rate", "-1"], "must be >= 0"),
     (["--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor configure mixture-of-experts"),
+    # a factor the capacity ceil(F T K / E) cannot be computed from (it overflowed mid-step)
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "inf"],
+     "--moe-expert-capacity-factor inf must be a finite number > 0 (leave it unset for dropless "
+     "routing)"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "nan"],
+     "--moe-expert-capacity-factor nan must be a finite number > 0"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "1e300"],
+     "--moe-expert-capacity-factor 1e+300 is above --num-experts 4: a factor of E / K = 2 already "
+     "lets every expert take all the tokens (no assignment dropped); give at most 2 for no drops, "
+     "or leave it unset for dropless routing"),
+    (["--num-experts", "4", "--moe-router-topk", "1", "--moe-expert-capacity-factor", "4.5"],
+     "give at most 4 for no drops"),
+    (["--num-experts", "4", "--moe-aux-loss-coeff", "nan"],
+     "--moe-aux-loss-coeff must be a finite number, got nan"),
+    (["--num-experts", "4", "--moe-router-bias-update-rate", "inf"],
+     "--moe-router-bias-update-rate must be a finite number, got inf"),
 ])
 def test_bad_capacity_and_bias_flags_one_line(argv, message):
     with pytest.raises(ConfigError) as err:
         parse_args(argv)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_largest_capacity_factor_is_the_expert_count(tmp_path):
+    """F = E is accepted (it keeps everything, padded or not); a recipe's .inf is refused as the
+    flag is; the capacity itself refuses what it cannot count."""
+    cfg = parse_args(["--num-experts", "4", "--moe-expert-capacity-factor", "4"]).model
+    assert expert_capacity(16, 2, 4, cfg.moe_expert_capacity_factor) == 32
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("num_experts: 4\nmodel:\n  moe_expert_capacity_factor: .inf\n")
+    with pytest.raises(ConfigError, match="^--moe-expert-capacity-factor inf must be a finite"):
+        parse_args(["--config", str(recipe)])
+    with pytest.raises(ValueError, match="must be a finite number > 0"):
+        expert_capacity(16, 2, 4, float("inf"))
 
 
 def test_trainer_step_reads_moe_figures_with_its_one_wait():

@@ -216,3 +216,118 @@ def test_switches_and_their_field_agree_or_are_refused():
         parse_args(["--bf16", "--precision", "bf16", "--fp16"])
     assert str(info.value) == ("--bf16 and --fp16 contradict each other (both set --precision); "
                                "give one")
+
+
+def test_every_float_flag_refuses_nan_and_infinity(tmp_path):
+    """nan and inf pass every ``x > 0`` check, so each float field is checked finite at parse time
+    (one line naming the flag), on the command line and in a recipe alike; the MoE fields with
+    --num-experts (without it they are refused as needing it)."""
+    from engine.config.cli import option_name
+    from engine.config.fields import field_table
+    floats = [name for name, info in field_table().items() if info.type is float]
+    assert {"lr", "moe_expert_capacity_factor", "timeout_s", "peak_tflops", "rope_base"} <= set(floats)
+    for name in floats:
+        flag = option_name(name)
+        moe = ["--num-experts", "4"] if name.startswith("moe_") else []
+        for bad in ("nan", "inf", "-inf"):
+            with pytest.raises(ConfigError) as exc:
+                parse_args(moe + [f"{flag}={bad}"])
+            message = str(exc.value)
+            assert message.startswith(flag) and "finite number" in message and "\n" not in message, \
+                (flag, bad, message)
+    with pytest.raises(ConfigError, match="^--lr must be a finite number, got nan$"):
+        parse_args(["--config", _recipe(tmp_path, "optim:\n  lr: .nan\n")])
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--adam-beta1", "2"], "--adam-beta1 and --adam-beta2 must be in \\[0, 1\\), got 2.0 and 0.95"),
+    (["--adam-beta2", "1"], "--adam-beta1 and --adam-beta2 must be in \\[0, 1\\)"),
+    (["--adam-eps", "0"], "--adam-eps must be > 0"),
+    (["--rope-base", "-1"], "--rope-base must be > 0"),
+    (["--init-std", "-0.02"], "--init-std and --norm-eps must be >= 0"),
+    (["--bucket-size-mb", "0"], "--bucket-size-mb must be > 0, got 0.0"),
+    (["--timeout-s", "0"], "--timeout-s must be > 0"),
+    (["--peak-tflops", "-1"], "--peak-tflops must be > 0"),
+    (["--min-loss-scale", "0"], "--min-loss-scale must be in \\(0, --initial-loss-scale 1024\\], got 0"),
+    (["--initial-loss-scale", "0.5"], "--min-loss-scale must be in \\(0, --initial-loss-scale 0.5\\], got 1"),
+])
+def test_float_flags_out_of_their_range_are_one_line(argv, match):
+    """Values that used to pass the parse and fail later: a torch error naming AdamW's internals,
+    a traceback from the RoPE table, a GradReducer or DynamicLossScaler message, a negative MFU."""
+    with pytest.raises(ConfigError, match="^" + match):
+        parse_args(argv)
+
+
+def _real_options() -> set[str]:
+    from engine.config.cli import build_parser
+    return {o for a in build_parser()._actions for o in a.option_strings}
+
+
+def test_megatron_answers_are_for_flags_that_do_not_exist_and_name_only_flags_that_do():
+    """An answer for a flag that has since become real (``--distributed-backend``) would never be
+    shown and contradicts the flag; an answer naming a flag that is not there sends the user to
+    another refusal."""
+    import re
+    from engine.config.flags import CHOICE_ANSWERS, FLAGS, MEGATRON_ANSWERS
+    real = _real_options()
+    stale = sorted(set(MEGATRON_ANSWERS) & real)
+    assert not stale, f"real flags answered as if missing (drop them from MEGATRON_ANSWERS): {stale}"
+    texts = list(MEGATRON_ANSWERS.values()) + [t for v in CHOICE_ANSWERS.values() for t in v.values()]
+    named = {m for text in texts for m in re.findall(r"--[a-z0-9][a-z0-9-]*", text)}
+    assert not named - real, f"answers name flags that do not exist: {sorted(named - real)}"
+    for name, values in CHOICE_ANSWERS.items():  # values the flag refuses, of a flag with choices
+        assert FLAGS[name].choices and not set(values) & set(FLAGS[name].choices), name
+
+
+@pytest.mark.parametrize("flag,says", [
+    ("--fp8", "--fp8-format e4m3|hybrid"),
+    ("--fp8-param-gather", "not built"),
+    ("--fp8-amax-history-len", "delayed scaling (an amax history) is not built"),
+    ("--fp8-amax-compute-algo", "--fp8-recipe tensorwise|rowwise"),
+    ("--fp8-margin", "delayed scaling"),
+    ("--use-torch-fsdp2", "--data-parallel-sharding-strategy optim_grads_params"),
+    ("--use-custom-fsdp", "--data-parallel-sharding-strategy optim_grads_params"),
+    ("--moe-permute-fusion", "drop the flag"),
+    ("--use-precision-aware-optimizer", "fp32 master weights, gradients and AdamW moments"),
+    ("--cpu-offloading", "--recompute selective|full"),
+    ("--moe-enable-deepep", "--moe-token-dispatcher-type alltoall"),
+])
+def test_megatron_flags_of_the_newer_features_are_answered(flag, says):
+    with pytest.raises(ConfigError) as exc:
+        parse_args([flag, "1"] if "len" in flag or "margin" in flag else [flag])
+    assert str(exc.value).startswith(f"{flag}: ") and says in str(exc.value), str(exc.value)
+
+
+def test_megatron_values_of_real_flags_say_what_is_not_built(tmp_path):
+    with pytest.raises(ConfigError, match="invalid choice: 'delayed'.*; delayed scaling .* is not "
+                                          "built: each FP8 scale comes from the current"):
+        parse_args(["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"])
+    with pytest.raises(ConfigError, match="fp8_recipe: 'delayed' is not one of tensorwise, rowwise; "
+                                          "delayed scaling"):
+        parse_args(["--config", _recipe(tmp_path, "fp8_recipe: delayed\n")])
+    with pytest.raises(ConfigError, match="invalid choice: 'flex'.*; DeepEP \\(the flex dispatcher\\) "
+                                          "is not built"):
+        parse_args(["--num-experts", "4", "--moe-token-dispatcher-type", "flex"])
+    with pytest.raises(ConfigError) as exc:  # a value without an answer: the plain line
+        parse_args(["--fp8-recipe", "zigzag"])
+    assert str(exc.value) == ("argument --fp8-recipe: invalid choice: 'zigzag' (choose from "
+                              "'tensorwise', 'rowwise') (python -m engine.train --help lists every flag)")
+
+
+@pytest.mark.parametrize("text,says", [
+    ("bf16: true\n", "unknown key 'bf16': write precision: bf16 (--bf16 is the command line's "
+                     "switch for it)"),
+    ("fp16: true\n", "unknown key 'fp16': write precision: fp16"),
+    ("recompute_activations: true\n", "write recompute: selective"),
+    ("mixed_precision:\n  precision: bf16\n", "unknown key 'mixed_precision': that is a group of "
+                                              "--help; the recipe's section is precision: (or write "
+                                              "its keys flat)"),
+    ("logging:\n  log_interval: 2\n", "the recipe's section is log:"),
+    ("training:\n  lr: 1.0e-3\n", "not a section; write its keys flat or under their sections "
+                                  "(data:, optim:)"),
+    ("fp8: hybrid\n", "unknown key 'fp8': gridtron spells it --fp8-format e4m3|hybrid"),
+])
+def test_recipe_keys_from_the_command_line_or_help_say_what_to_write(tmp_path, text, says):
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--config", _recipe(tmp_path, text)])
+    assert says in str(exc.value) and "\n" not in str(exc.value), str(exc.value)

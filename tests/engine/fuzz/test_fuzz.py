@@ -32,7 +32,7 @@ def test_every_draw_is_valid_and_every_choice_is_drawn():
     rng = random.Random(3)
     for _ in range(600):
         case = draw(rng, 8)
-        assert Case.parse(case.spec()) == case
+        assert Case.parse(case.spec()) == case and case.problem() is None, case.spec()
         validate_run(parse_args(case.argv(4)), LaunchEnv(0, case.world, 0, case.world))
         for f in dataclasses.fields(case):
             seen[f.name].add(getattr(case, f.name))
@@ -53,6 +53,35 @@ def test_a_spec_is_refused_in_one_line(capsys):
     assert cli.main(["--case", "tensor=2"]) == 2
     assert "'tensor=2' is not field=value with a field of tp" in capsys.readouterr().err
     assert cli.main(["--steps", "1", "--cases", "1"]) == 2
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--ranks", "2", "--case", "tp=4,dp=2"],
+     "--case tp=4,dp=2 needs 8 ranks, more than --ranks 2: raise --ranks or choose a smaller case"),
+    (["--case", "tp=4,dp=4"],
+     "--case tp=4,dp=4 needs 16 ranks, more than the 8 the fuzzer runs: choose a smaller case"),
+    (["--case", "zero=9"], "--case zero=9: zero takes 0 (the plain optimizer) or 1, 2, 3 (the "
+                           "distributed optimizer's ZeRO stage), got 9"),
+    (["--case", "dp=2,zero=1,offload=150"], "--case dp=2,zero=1,offload=150: offload takes the "
+                                            "percent of the optimizer state kept in host memory, "
+                                            "0 (none) to 100, got 150"),
+    (["--case", "dp=2,zero=1,offload=-5"], "offload takes the percent of the optimizer state kept "
+                                           "in host memory, 0 (none) to 100, got -5"),
+    (["--case", "offload=1,zero=0"], "--case offload=1,zero=0: offload=1 needs zero=1, 2 or 3 (it "
+                                     "offloads the distributed optimizer's state)"),
+    (["--case", "dp=2,ep=2"], "--case dp=2,ep=2: ep=2 needs moe=1"),
+    (["--case", "schedule=zb-v"], "--case schedule=zb-v: schedule=zb-v needs pp=2 or more"),
+    (["--case", "tp=0"], "--case tp=0: tp takes 1 or more, got 0"),
+    (["--case", "block=gpt3"], "--case block=gpt3: block takes gpt2, llama, user, got gpt3"),
+    (["--case", "sp=5"], "--case 'sp=5': sp takes 0 or 1, got '5'"),
+])
+def test_a_case_is_refused_in_its_own_terms(capsys, argv, line):
+    """A case's fields are checked as fields (not as the engine.train flags they become), and a
+    case is never run on more processes than --ranks allows."""
+    assert cli.main(argv) == 2
+    out = capsys.readouterr()
+    assert out.err.startswith("gridtron: --case ") and out.err.endswith(f"{line}\n"), out
+    assert len(out.err.splitlines()) == 1 and out.out == "", out
 
 
 def test_the_ci_sample_trains_the_serial_model(capsys):

@@ -248,6 +248,24 @@ def test_a_suggested_tokenizer_works(ws, tmp_path, capsys):
     assert "sample from" in capsys.readouterr().out
 
 
+def test_a_tiny_temperature_samples_the_greedy_token(ws, capsys):
+    """Any temperature > 0 samples: the logits are shifted by their maximum before the division,
+    so 1e-45 (which overflowed them to inf, and torch.multinomial refused the nan probabilities)
+    gives the greedy token, with or without the top-k cut; the command line too."""
+    from engine.tools.generate import generate_ids, load_model
+    model, _, _ = load_model(os.path.join(ws, "ck"))
+    prompt = list(b"hello")
+    greedy = generate_ids(model, prompt, 6, temperature=0)
+    for temperature in (1e-45, 1e-30, 5e-324):
+        for top_k in (0, 40):
+            assert generate_ids(model, prompt, 6, temperature=temperature, top_k=top_k,
+                                seed=3) == greedy, (temperature, top_k)
+    capsys.readouterr()
+    assert generate_main(["--load", os.path.join(ws, "ck"), "--prompt", "hello", "--tokenizer",
+                          "byte", "--temperature", "1e-45", "--max-new-tokens", "4"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_generate_runs_in_the_dtype_asked_for(ws, capsys):
     """--dtype casts the loaded weights as --precision does in training (the checkpoint's fp32
     values rounded once); the sample line names the dtype and the device."""

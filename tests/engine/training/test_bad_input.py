@@ -178,7 +178,9 @@ def bad(tmp_path_factory):
                "dup2": "lr: 1.0e-3\noptim:\n  lr: 2.0e-3\n",
                "dup3": "model:\n  num_layers: 2\nmodel:\n  hidden_size: 64\n",
                "malformed": "num_layers: [2\n", "unknown": "num_layer: 2\n",
-               "float": "num_layers: 2.7\n", "section": "model:\n  lr: 1.0\n"}
+               "float": "num_layers: 2.7\n", "section": "model:\n  lr: 1.0\n",
+               "bf16": "bf16: true\n", "mixed": "mixed_precision:\n  precision: bf16\n",
+               "capacity": "num_experts: 4\nmoe_expert_capacity_factor: .inf\n"}
     for name, text in recipes.items():
         (root / f"{name}.yaml").write_text(text)
     (root / "latin1.yaml").write_bytes(b"num_layers: 2\n# r\xe9glage\nlr: 1.0e-3\n")
@@ -250,6 +252,12 @@ CASES = [  # (id, argv, the line after its prefix, exit code)
      CONFIG + "--use-checkpoint-args reads the checkpoint given by --load, and there is none: add "
               "--load DIR, or drop --use-checkpoint-args", 2),
     ("tp-zero", MOCK + ["--tp", "0"], CONFIG + "--tp must be >= 1, got 0", 2),
+    ("capacity-inf", MOCK + ["--num-experts", "4", "--moe-expert-capacity-factor", "inf"],
+     CONFIG + "--moe-expert-capacity-factor inf must be a finite number > 0 (leave it unset for "
+              "dropless routing)", 2),
+    ("lr-nan", MOCK + ["--lr", "nan"], CONFIG + "--lr must be a finite number, got nan", 2),
+    ("megatron-fp8", MOCK + ["--bf16", "--fp8", "hybrid"],
+     CONFIG + "--fp8: gridtron spells it --fp8-format e4m3|hybrid (FP8 GEMMs on top of --bf16)", 2),
     ("world-size", MOCK + ["--tp", "2"], CONFIG + "world size 1 != tp*pp*dp = 2*1*?; launch that many "
                                                   "processes or change --tp/--cp/--pp/--dp", 2),
     # -- recipes
@@ -269,6 +277,15 @@ CASES = [  # (id, argv, the line after its prefix, exit code)
      CONFIG + "--config {root}/float.yaml: num_layers: 2.7 is not an integer (int expected)", 2),
     ("recipe-section", MOCK + ["--config", R + "/section.yaml"],
      CONFIG + "--config {root}/section.yaml: 'lr' is not a model key; it belongs under optim:", 2),
+    ("recipe-bf16", MOCK + ["--config", R + "/bf16.yaml"],
+     CONFIG + "--config {root}/bf16.yaml: unknown key 'bf16': write precision: bf16 (--bf16 is the "
+              "command line's switch for it)", 2),
+    ("recipe-mixed-precision", MOCK + ["--config", R + "/mixed.yaml"],
+     CONFIG + "--config {root}/mixed.yaml: unknown key 'mixed_precision': that is a group of "
+              "--help; the recipe's section is precision: (or write its keys flat)", 2),
+    ("recipe-capacity-inf", MOCK + ["--config", R + "/capacity.yaml"],
+     CONFIG + "--moe-expert-capacity-factor inf must be a finite number > 0 (leave it unset for "
+              "dropless routing)", 2),
     ("recipe-missing", MOCK + ["--config", R + "/none.yaml"],
      CONFIG + "--config {root}/none.yaml: no such file", 2),
     ("recipe-directory", MOCK + ["--config", R + "/outdir"],
