@@ -27,8 +27,10 @@ unordered read or write, or released (``streams.released``) or reused (its addre
 again after Python dropped it) while another stream's access is not ordered before the stream
 that allocated it, unless ``record_stream`` named that stream (the caching allocator then defers
 the reuse). Accesses of comm streams (asynchronous collectives) do not hold a release of the last
-reference back (the backends keep such a collective's tensors alive until its work completes; a
-synchronous one's accesses are the issuing stream's, which nothing keeps), but they do hold back a
+reference back until a stream waits for the collective (ProcessGroupNCCL stashes the tensors until
+``wait()``, then lets them go: a storage released after the wait, or before it and so going back
+to its pool at the wait, needs its allocating stream ordered after the collective; a synchronous
+one's accesses are the issuing stream's, which nothing keeps), but they do hold back a
 storage resized to nothing (``streams.released(t, resized=True)``: ZeRO-3's freed buckets), which
 frees the memory whoever holds the tensor. ``check()`` raises ``StreamOrderError`` listing them.
 
@@ -78,6 +80,14 @@ class Access(NamedTuple):   # (a tuple: made for every access the checker sees)
     hi: int
     write: bool
     kept: bool = True   # a collective's: the backend keeps the tensor alive until it completes
+
+
+@dataclass
+class CollectiveToken:
+    """What an asynchronous collective's wait takes: the comm stream's clock after it and the
+    (record, access) pairs it made, kept alive by the backend until that wait."""
+    clock: dict
+    touched: list
 
 
 @dataclass
@@ -382,9 +392,10 @@ class StreamChecker:
                 rec.recorded.add(stream)
 
     def access(self, stream: str, reads: list, writes: list, op: str, fresh: tuple = (),
-               kept: bool = True) -> None:
+               kept: bool = True, touched: list | None = None) -> None:
         """One op on ``stream``: ``reads`` and ``writes`` are tensors; ``fresh`` (a subset of
-        ``writes``) were allocated by it; ``kept``: see ``on_collective``."""
+        ``writes``) were allocated by it; ``kept``: see ``on_collective``; ``touched``: a list
+        that gets each (record, access) made."""
         with self._lock:
             seq = self._tick(stream)
             written = []
@@ -397,7 +408,10 @@ class StreamChecker:
                         continue
                     if write:
                         written.append((id(rec), span))
-                    self._touch(rec, Access(stream, seq, op, span[0], span[1], write, kept))
+                    made = Access(stream, seq, op, span[0], span[1], write, kept)
+                    self._touch(rec, made)
+                    if touched is not None:
+                        touched.append((rec, made))
 
     # ---- event sources ------------------------------------------------------------------------
     def check_allocated(self, func, args, kwargs) -> None:
@@ -440,16 +454,37 @@ class StreamChecker:
                         tuple(fresh))
 
     def on_collective(self, op: str, group: str, tensors: list, issuer: str,
-                      kept: bool = True) -> dict:
-        """An async collective: ordered after ``issuer``, its accesses on "comm:<group>".
-        ``kept=False``: the backend does not keep ``tensors`` alive until it completes (HCCL's
-        batched point-to-point beyond the batch's first tensor), so releasing one before the
-        collective is waited for is reported like any other stream's unfinished access."""
+                      kept: bool = True) -> "CollectiveToken":
+        """An async collective: ordered after ``issuer``, its accesses on "comm:<group>", kept
+        alive by the backend until a stream waits for it (``on_collective_wait``: ProcessGroupNCCL
+        stashes an asynchronous collective's tensors until ``wait()`` since torch 2.8, and then
+        lets them go, however far the device is). ``kept=False``: not even that (HCCL's batched
+        point-to-point beyond the batch's first tensor), so releasing one before the collective
+        is waited for is reported like any other stream's unfinished access."""
         comm = f"comm:{group}"
         with self._lock:
             self.on_wait(comm, self.on_record(issuer))
-            self.access(comm, *_collective_operands(op, tensors), f"{op} on {group}", kept=kept)
-            return self.on_record(comm)
+            touched = []
+            self.access(comm, *_collective_operands(op, tensors), f"{op} on {group}", kept=kept,
+                        touched=touched)
+            return CollectiveToken(self.on_record(comm), touched)
+
+    def on_collective_wait(self, stream: str, token: "CollectiveToken") -> None:
+        """``stream`` waits for the collective of ``token``; from now on nothing keeps its tensors
+        alive: a storage released after this must have its allocating stream ordered after the
+        collective (or ``record_stream``), and one the caller released while the backend still
+        held it goes back to its pool now, so the same holds for it at this point."""
+        with self._lock:
+            self.on_wait(stream, token.clock)
+            for rec, made in token.touched:
+                if made in rec.accesses:
+                    rec.accesses[rec.accesses.index(made)] = made._replace(kept=False)
+                if rec.released and made.kept and not self._ordered(made, rec.alloc_stream) \
+                        and made.stream not in rec.recorded:
+                    self._violation("released while in use", rec, stream,
+                                    "the release (when the wait let the backend's reference go)",
+                                    made, pool=rec.alloc_stream)
+            token.touched = []
 
     def on_sync_collective(self, op: str, group: str, tensors: list, issuer: str) -> None:
         """A synchronous collective: its accesses on the issuing stream itself, kept by nobody.

@@ -349,7 +349,7 @@ def collective_waited(token) -> None:
     """The current stream waits for the collective of ``token`` (its handle's wait(), or
     is_completed() returning True)."""
     if _checker is not None and token is not None:
-        _checker.on_wait(current_stream_name(), token)
+        _checker.on_collective_wait(current_stream_name(), token)
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:

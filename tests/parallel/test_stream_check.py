@@ -176,7 +176,8 @@ def test_thread_errors_reach_on_error():
 def _collective_checks(ps):
     """Each rank plants, under its own checker, an async all-reduce read before wait() and a
     send buffer overwritten before wait(), then runs the ordered versions; then releases a
-    batch's first and second tensor before its wait."""
+    batch's first and second tensor before its wait; then a tensor all-reduced and waited for on
+    a side stream, released by the stream that made it with and without ordering."""
     group, peer = ps.dp_group, ps.dp_group.ranks[1 - ps.dp_group.rank]
     out = {}
     checker = StreamChecker()
@@ -219,6 +220,24 @@ def _collective_checks(ps):
             for w in works:
                 w.wait()
             out[f"released {which}"] = list(checker.violations)
+        # NCCL stashes an async collective's tensors until wait(), then lets them go: a tensor
+        # the compute stream made, all-reduced and waited for on a side stream, goes back to
+        # compute's pool at its release (after the wait) or at the wait (released before it)
+        side = streams.side_stream("side", "cpu")
+        for case in ("released after the wait", "released before the wait", "ordered"):
+            checker.violations.clear()
+            t = torch.ones(4)
+            streams.wait_stream(side, streams.current_stream("cpu"))
+            with streams.use(side):
+                work = group.all_reduce(t, async_op=True)
+                if case == "released before the wait":
+                    streams.released(t)
+                work.wait()
+            if case == "ordered":
+                streams.wait_stream(streams.current_stream("cpu"), side)
+            if case != "released before the wait":
+                streams.released(t)
+            out[case] = list(checker.violations)
     return out
 
 
@@ -234,6 +253,11 @@ def test_collective_violations():
         assert out["released 0"] == []          # (the suite's rules are HCCL's)
         (message,) = out["released 1"]
         assert message.startswith("released while in use") and "on stream 'comm:dp'" in message
+        for case in ("released after the wait", "released before the wait"):
+            (message,) = out[case]
+            assert message.startswith("released while in use"), (case, message)
+            assert "all_reduce on dp on stream 'comm:dp'" in message and "'compute'" in message
+        assert out["ordered"] == []
 
 
 def test_side_streams_and_device_threads_come_from_the_stream_api():
