@@ -265,8 +265,7 @@ def _agree_on_failure(ps, failure: CheckpointError | None) -> None:
         if failure is not None:
             raise failure
         return
-    lines = ps.world_group.all_gather_object(None if failure is None else str(failure))
-    failed = [(rank, line) for rank, line in enumerate(lines) if line]
+    failed = ps.world_group.failures(None if failure is None else str(failure))
     if failed:
         rank, line = failed[0]
         others = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""

@@ -270,14 +270,7 @@ class StragglerMonitor:
         interval of warm-up steps only). The gather of an interval ending at step N is issued at
         step N + 1 and read from step N + 2 on: with ``--log-interval`` L >= 2 at step N + L (one
         interval late), with L = 1 at step N + 2."""
-        report = None
-        while self._in_flight and self._in_flight[0].issued < step:  # a wait since: complete
-            done = self._in_flight.pop(0)
-            self.clock.elapsed_s(done.stamp, done.stamp)  # (counted if it were not complete)
-            rows = done.host.view(self.ps.world_size, WIDTH).tolist()
-            report = StragglerReport.from_rows(done.steps, rows, self.roles, self.threshold)
-        if report is not None:
-            self.last_report = report
+        report = self._read(lambda done: done.issued < step)  # a wait since: complete
         if self.ps.world_size > 1 and self._open.first_step is not None:
             self._open.last_step = step
             self._closing = self._open  # its last step (this one) is added at the next end_step
@@ -293,12 +286,17 @@ class StragglerMonitor:
             last, self._pending = self._pending, None
             self._add(last, closing)
             self._exchange(closing)
+        return self._read(lambda done: True)   # (a wait, counted: outside the steps)
+
+    def _read(self, ready) -> StragglerReport | None:
+        """Read the all-gathers in flight, oldest first, while ``ready(exchange)``; the newest
+        read becomes ``last_report`` and is returned (None: none read)."""
         report = None
-        for done in self._in_flight:
-            self.clock.elapsed_s(done.stamp, done.stamp)   # the wait, counted (outside the steps)
+        while self._in_flight and ready(self._in_flight[0]):
+            done = self._in_flight.pop(0)
+            self.clock.elapsed_s(done.stamp, done.stamp)  # (counted if it were not complete)
             rows = done.host.view(self.ps.world_size, WIDTH).tolist()
             report = StragglerReport.from_rows(done.steps, rows, self.roles, self.threshold)
-        self._in_flight = []
         if report is not None:
             self.last_report = report
         return report

@@ -151,6 +151,10 @@ def resilience_metrics(trainer, step: int, record: dict, log) -> None:
         if (step + 1) % trainer.cfg.log.log_interval == 0:
             report = trainer.stragglers.report(step + 1)
     record.update(report.metrics() if report is not None else dict.fromkeys(STRAGGLER_KEYS))
+    _say_straggler(trainer, report, log)
+
+
+def _say_straggler(trainer, report, log) -> None:
     if report is not None and report.found and trainer.is_main:  # a line only for a straggler
         log.note(f"gridtron: {report.describe(trainer.grid)}")
 
@@ -166,8 +170,7 @@ def final_straggler_report(trainer, records: list[dict], log) -> None:
         return
     if records and all(records[-1].get(k) is None for k in STRAGGLER_KEYS):
         records[-1].update(report.metrics())
-    if report.found and trainer.is_main:
-        log.note(f"gridtron: {report.describe(trainer.grid)}")
+    _say_straggler(trainer, report, log)
 
 
 def describe_data(trainer) -> str:

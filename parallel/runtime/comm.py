@@ -246,6 +246,11 @@ class CommGroup:
         self._run("object", lambda async_op: dist.all_gather_object(out, obj, group=self.process_group))
         return out
 
+    def failures(self, line: str | None) -> list[tuple[int, str]]:
+        """Every rank's failure, agreed in one all-gather: ``line`` is this rank's (None: it did
+        not fail); returns (global rank, line) of each rank that failed, lowest first."""
+        return [(rank, why) for rank, why in zip(self.ranks, self.all_gather_object(line)) if why]
+
     def broadcast_object(self, obj, src: int = 0):
         """``obj`` of group rank ``src`` on every rank (others pass anything, e.g. None)."""
         if self.size == 1:

@@ -37,11 +37,10 @@ frees the memory whoever holds the tensor. ``check()`` raises ``StreamOrderError
 Storages are identified by ``untyped_storage().data_ptr()`` and a weak reference, so a new storage
 at an old address is told from the old one; accesses conflict only where their byte ranges overlap.
 Only what runs while the checker is active is seen. docs/streams.md says how tests turn it on.
+What an op or a collective reads and writes, and where it was issued, is read by op_accesses.py.
 """
 from __future__ import annotations
 
-import os
-import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,21 +51,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel.runtime import streams
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_SKIP_FILES = (os.path.abspath(__file__), os.path.abspath(streams.__file__))
-_MODE_HOOKS = ("__torch_dispatch__", "__torch_function__")
-
-
-def _collective_operands(op: str, tensors: list) -> tuple[list, list]:
-    """(reads, writes) of a collective: all-reduce, broadcast and a receive write their tensor,
-    a send reads it, the others write the first tensor (the output) and read the rest."""
-    if op in ("all_reduce", "broadcast", "recv"):
-        return [], tensors
-    if op == "send":
-        return tensors, []
-    return tensors[1:], tensors[:1]
-
+from parallel.runtime.op_accesses import byte_range as _byte_range
+from parallel.runtime.op_accesses import collective_operands as _collective_operands
+from parallel.runtime.op_accesses import origin as _origin
+from parallel.runtime.op_accesses import plan as _plan
+from parallel.runtime.op_accesses import site as _site
+from parallel.runtime.op_accesses import tensors as _tensors
+from parallel.runtime.op_accesses import values as _values
 
 class StreamOrderError(AssertionError):
     """Two streams touched one storage without an ordering between them."""
@@ -98,107 +89,6 @@ class StorageRecord:
     accesses: list = field(default_factory=list)   # the last ones that may still conflict
     recorded: set = field(default_factory=set)     # streams named by record_stream
     released: bool = False
-
-
-def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
-    """The bytes of its storage a tensor (view) spans; None when it has no elements."""
-    numel = t.numel()
-    if numel == 0:
-        return None
-    span = numel if t.is_contiguous() else \
-        1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
-    elem, offset = t.element_size(), t.storage_offset()
-    return offset * elem, (offset + span) * elem
-
-
-def _tensors(value) -> list:
-    """The tensors of an op's argument or result (a tensor, or a list or tuple of them)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if isinstance(v, torch.Tensor)]
-    return []
-
-
-_CODE_PATHS: dict = {}   # code object -> its path relative to the repository, or None
-
-
-def _repo_path(code) -> str | None:
-    """``code``'s file relative to the repository when it is the repository's own code outside the
-    checker and the dispatch modes' hooks, else None (decided once per code object)."""
-    try:
-        return _CODE_PATHS[code]
-    except KeyError:
-        path = code.co_filename
-        own = path.startswith(_ROOT) and path not in _SKIP_FILES and "/.venv/" not in path \
-            and code.co_name not in _MODE_HOOKS
-        _CODE_PATHS[code] = rel = os.path.relpath(path, _ROOT) if own else None
-        return rel
-
-
-def _site() -> str | None:
-    """The innermost frame of the repository outside the checker, the torch tree and any other
-    dispatch mode (a counter of host syncs sees the op first), as ``path:line (function)``; None
-    when there is none."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        rel = _repo_path(code)
-        if rel is not None:
-            return f"{rel}:{frame.f_lineno} ({code.co_name})"
-        frame = frame.f_back
-    return None
-
-
-def _origin(op: str) -> str:
-    """``op`` and where the repository's code issued it."""
-    site = _site()
-    return op if site is None else f"{op} at {site}"
-
-
-@dataclass(frozen=True)
-class _OpPlan:
-    """What an op's schema says about its arguments, read once per op: (position, name, keyword
-    only) of the arguments it writes (``alias_info.is_write``), of those it reads (no alias
-    info; an aliasing, non-writing argument is a view's base: no access), of both (what
-    ``check_allocated`` looks at: nothing for ``*_like`` and ``new_*``, which read only a shape),
-    and which returns are fresh (no alias info)."""
-    name: str
-    written: tuple
-    read: tuple
-    read_or_written: tuple
-    fresh_returns: tuple
-
-
-_PLANS: dict = {}
-
-
-def _plan(func) -> _OpPlan:
-    plan = _PLANS.get(func)
-    if plan is None:
-        name = func.overloadpacket.__name__
-        schema = func._schema
-        written, read = [], []
-        for i, arg in enumerate(schema.arguments):
-            slot = (i, arg.name, arg.kwarg_only)
-            info = arg.alias_info
-            if info is not None and info.is_write:
-                written.append(slot)
-            elif info is None:
-                read.append(slot)
-        shape_only = name.endswith("_like") or name.startswith("new_")
-        both = () if shape_only else tuple(sorted(written + read))
-        plan = _PLANS[func] = _OpPlan(name, tuple(written), tuple(read), both,
-                                      tuple(r.alias_info is None for r in schema.returns))
-    return plan
-
-
-def _values(slots: tuple, args: tuple, kwargs: dict):
-    """The values of the arguments ``slots`` names (skipping the absent and None)."""
-    for i, name, kwarg_only in slots:
-        value = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
-        if value is not None:
-            yield value
 
 
 class _Mode(TorchDispatchMode):

@@ -228,7 +228,7 @@ def agree(group, attempt, mode: str) -> tuple[str, str | None]:
         attempt()
     except Exception as exc:  # noqa: BLE001 - any failure means: not on these devices
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    failed = [(group.ranks[i], w) for i, w in enumerate(group.all_gather_object(why)) if w]
+    failed = group.failures(why)
     if not failed:
         return mode, None
     rank, why = failed[0]
