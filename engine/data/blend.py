@@ -71,3 +71,11 @@ class BlendedDataset:
             raise IndexError(f"sample {i} out of range for {len(self)} samples")
         m = int(np.searchsorted(self.offsets, i, side="right")) - 1
         return self.datasets[m][i - int(self.offsets[m])]
+
+    def loss_tokens(self, indices, eod_id: int) -> int:
+        """Unmasked input tokens over the samples ``indices``: each member's table (built lazily by
+        the member, ``TokenDataset.loss_token_table``) looked up at i - offset_m; no sample read."""
+        idx = np.asarray(indices, dtype=np.int64)                                # (n,)
+        member = np.searchsorted(self.offsets, idx, side="right") - 1            # (n,)
+        return sum(d.loss_tokens(idx[member == m] - self.offsets[m], eod_id)
+                   for m, d in enumerate(self.datasets))

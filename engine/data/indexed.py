@@ -36,6 +36,7 @@ from engine.data.tokenizer_base import atomic_write_text
 
 FORMAT = "gridtron-data-v2"
 LEGACY_FORMAT = "gridtron-tokens-v1"
+LOSS_COUNT_CHUNK = 1 << 24  # tokens per step of the pass that tabulates --eod-mask-loss counts
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -127,12 +128,24 @@ class Documents:
         return int(np.searchsorted(self.starts, position, side="right")) - 1
 
 
+def first_bad_id(tokens: np.ndarray, vocab_size: int) -> int | None:
+    """The position in ``tokens`` of the first id outside 0..vocab_size-1, or None when all fit.
+    Negative ids exist only in the signed .bin dtypes (int8..int64, e.g. -1 padding written by
+    another tool); they would pass a max() check and train on a wrong target at TP>1."""
+    if not len(tokens):
+        return None
+    negative = tokens.dtype.kind == "i" and int(tokens.min()) < 0
+    if not negative and int(tokens.max()) < vocab_size:
+        return None
+    return int(np.argmax((tokens >= vocab_size) | (tokens < 0)))
+
+
 def check_ids(docs: Documents, vocab_size: int, limit: int) -> None:
-    """DataError when a token id among the first ``limit`` tokens is outside the vocabulary (the
-    start-up check; TokenDataset checks every document's ids as it reads them)."""
+    """DataError when a token id among the first ``limit`` tokens is outside the vocabulary, too
+    large or negative (the start-up check; TokenDataset checks every document's ids as it reads
+    them)."""
     head = docs.tokens[:limit]                                                    # (<= limit,)
-    if len(head) and int(head.max()) >= vocab_size:
-        pos = int(np.argmax(head >= vocab_size))
+    if (pos := first_bad_id(head, vocab_size)) is not None:
         raise bad_token(f"{docs.prefix}.bin", docs.document_of(pos), int(head[pos]), vocab_size)
 
 
@@ -198,6 +211,7 @@ class TokenDataset:
         self._cum = np.concatenate([[0], np.cumsum(docs.lengths[ids], dtype=np.int64)])  # (D_split+1,)
         self.seq_length = seq_length
         self.num_samples = int(self._cum[-1] // (seq_length + 1))
+        self._loss_tables: dict[int, np.ndarray] = {}  # loss_token_table's, by end-of-document id
         if split == "train" and self.num_samples < 1:
             raise ValueError(f"{self.prefix}: the training split ({len(ids)} of {docs.num_docs} "
                              f"documents, {int(self._cum[-1])} tokens) holds no sample of seq_length+1 "
@@ -225,13 +239,52 @@ class TokenDataset:
             begin = int(self._starts[k]) + pos - int(self._cum[k])
             take = min(end, int(self._cum[k + 1])) - pos
             piece = self.tokens[begin: begin + take]                              # (take,)
-            if take and self.vocab_size is not None and int(piece.max()) >= self.vocab_size:
-                raise bad_token(f"{self.prefix}.bin", int(self.doc_ids[k]), int(piece.max()),
+            if self.vocab_size is not None and (bad := first_bad_id(piece, self.vocab_size)) is not None:
+                raise bad_token(f"{self.prefix}.bin", int(self.doc_ids[k]), int(piece[bad]),
                                 self.vocab_size)
             pieces.append(piece)
             pos += take
             k += 1
         return torch.from_numpy(np.concatenate(pieces).astype(np.int64))  # (s+1,)
+
+    def loss_token_table(self, eod_id: int) -> np.ndarray:
+        """(num_samples,) int32: each sample's input tokens (its first s) that are not ``eod_id``,
+        the --eod-mask-loss count (``packing.loss_mask``). Built lazily at the first call, by one
+        vectorised pass over the split's span of the .bin in chunks of LOSS_COUNT_CHUNK tokens,
+        then kept for the dataset's life."""
+        if eod_id not in self._loss_tables:
+            self._loss_tables[eod_id] = self._count_loss_tokens(eod_id)
+        return self._loss_tables[eod_id]
+
+    def loss_tokens(self, indices, eod_id: int) -> int:
+        """Unmasked input tokens over the samples ``indices`` (a list or array): a sum over the
+        table, no sample read."""
+        table = self.loss_token_table(eod_id)
+        return int(table[np.asarray(indices, dtype=np.int64)].sum(dtype=np.int64))
+
+    def _count_loss_tokens(self, eod_id: int) -> np.ndarray:
+        """The table of ``loss_token_table``: s per sample, less each E among its inputs. Every E of
+        the .bin is placed in the split's token stream (documents of other splits dropped) and
+        then in its window; an E at a window's last position is a label only and keeps its count."""
+        s, w = self.seq_length, self.seq_length + 1
+        table = np.full(self.num_samples, s, dtype=np.int32)                     # (num_samples,)
+        if not self.num_samples:
+            return table
+        docs = self.documents
+        stream_start = np.full(docs.num_docs, -1, dtype=np.int64)  # -1: another split's document
+        stream_start[self.doc_ids] = self._cum[:-1]                              # (D,)
+        lo = int(self._starts.min())
+        hi = int((self._starts + docs.lengths[self.doc_ids]).max())
+        for a in range(lo, hi, LOSS_COUNT_CHUNK):
+            at = a + np.flatnonzero(docs.tokens[a: min(a + LOSS_COUNT_CHUNK, hi)] == eod_id)  # (E,)
+            doc = np.searchsorted(docs.starts, at, side="right") - 1                            # (E,)
+            local = at - docs.starts[doc]
+            pos = stream_start[doc] + local                                     # in the split's stream
+            mine = (stream_start[doc] >= 0) & (local < docs.lengths[doc]) & \
+                (pos < self.num_samples * w) & (pos % w < s)
+            window, n = np.unique(pos[mine] // w, return_counts=True)
+            table[window] -= n.astype(np.int32)
+        return table
 
 
 class MockDataset:

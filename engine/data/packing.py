@@ -16,7 +16,8 @@ Everything here is a pure function of the tokens, so every pipeline stage builds
 from the micro-batch it loads, and nothing extra travels between stages. The loss is the mean over
 the unmasked tokens of the whole global batch: ``count_loss_tokens`` counts them from the sampler's
 indices of the global batch (a function of (seed, step)), identically on every rank, with no
-collective.
+collective: for prepared data by looking them up in a per-sample table the dataset builds once
+(no sample read per step).
 """
 from __future__ import annotations
 
@@ -110,7 +111,12 @@ def attention_inputs(tokens: torch.Tensor, cfg: PackingConfig) -> AttentionInput
 
 
 def count_loss_tokens(dataset, indices: Iterable[int], eod_id: int) -> int:
-    """Unmasked input tokens (not E) over the samples ``indices`` of ``dataset`` (each (s+1,))."""
+    """Unmasked input tokens (not E) over the samples ``indices`` of ``dataset`` (each (s+1,)):
+    a sum over the dataset's per-sample table where it keeps one (``loss_tokens``: prepared
+    corpora and their blends, no sample read from disk), else by reading the samples (mock data,
+    generated on demand)."""
+    if hasattr(dataset, "loss_tokens"):
+        return dataset.loss_tokens(indices, eod_id)
     return sum(int((dataset[int(i)][:-1] != eod_id).sum()) for i in indices)
 
 

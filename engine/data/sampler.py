@@ -16,7 +16,17 @@ shuffled by (seed, k). All of it depends on (seed, k) alone.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
+
+MEMO_EPOCHS = 2  # epoch permutations a sampler keeps (each is num_samples int64)
+
+
+def epoch_order(num_samples: int, seed: int, key: tuple, epoch: int) -> np.ndarray:
+    """All sample indices of one epoch in its seeded order: (num_samples,) int64, drawn from the
+    generator seeded by (seed, *key, epoch) and nothing else."""
+    return np.random.default_rng([seed, *key, epoch]).permutation(num_samples)
 
 
 class GlobalBatchSampler:
@@ -34,15 +44,19 @@ class GlobalBatchSampler:
         self.global_batch_size = global_batch_size
         self.seed, self.key = seed, tuple(key)
         self.next_step = 0  # the step whose batch the training loop consumes next
-        self._perms: dict[int, np.ndarray] = {}  # memo of recent epochs' permutations
+        # the last MEMO_EPOCHS epochs' permutations used, least recently used first
+        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def epoch_permutation(self, epoch: int) -> np.ndarray:
-        """The order of all samples in ``epoch``: (num_samples,) int64, seeded by (seed, *key, epoch)."""
-        if epoch not in self._perms:
-            if len(self._perms) >= 2:  # a batch spans at most a few epochs; keep memory flat
-                self._perms.clear()
-            rng = np.random.default_rng([self.seed, *self.key, epoch])
-            self._perms[epoch] = rng.permutation(self.num_samples)
+        """The order of all samples in ``epoch``: (num_samples,) int64, seeded by (seed, *key, epoch).
+        Memoised for the MEMO_EPOCHS epochs used last, so a batch straddling two epochs, read
+        twice in a step (the loss count and the micro-batches), builds each permutation once."""
+        if epoch in self._perms:
+            self._perms.move_to_end(epoch)
+            return self._perms[epoch]
+        if len(self._perms) >= MEMO_EPOCHS:  # keep memory flat: drop the least recently used
+            self._perms.popitem(last=False)
+        self._perms[epoch] = epoch_order(self.num_samples, self.seed, self.key, epoch)
         return self._perms[epoch]
 
     def take(self, pos: int, end: int) -> list[int]:
@@ -79,14 +93,21 @@ class GlobalBatchSampler:
                 "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the position and seed. A different dataset or global batch size would silently change
-        which samples follow, so those are refused."""
+        """Restore the position. A different dataset or global batch size would silently change
+        which samples follow, and a different seed too: the order would be the checkpoint's while
+        the run's --seed draws the train/validation split of the documents and the validation
+        batches (engine/training/run_data.py), so a resumed run could train on another split,
+        former validation documents among them. All three are refused."""
         mine = self.state_dict()
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"its data order was drawn with --seed {state['seed']} and this run has "
+                             f"--seed {self.seed}, which also draws the train/validation split: "
+                             f"resume with --seed {state['seed']}, or start a new data order from "
+                             f"its weights with --finetune")
         for key in ("num_samples", "global_batch_size", "blend"):
             if key in state and state[key] != mine.get(key):
                 raise ValueError(f"the checkpoint's sampler has {key}={state[key]} but this run has "
                                  f"{mine.get(key)}: resume with the same data and --global-batch-size")
-        self.seed = int(state["seed"])
         self.next_step = int(state["next_step"])
         self._reseed()
 

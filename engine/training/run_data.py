@@ -74,7 +74,8 @@ def rank_batches(trainer, step: int, dataset=None, sampler=None) -> list[MicroBa
     micro = sampler.micro_batches(step, ps.dp_rank, ps.dp_size, trainer.cfg.data.micro_batch_size)
     pack, loss_tokens = trainer.packing, None
     if pack is not None and pack.eod_mask_loss and trainer.stepper.holds_loss:
-        # the mean is over the unmasked tokens of the whole global batch, whatever the layout
+        # the mean is over the unmasked tokens of the whole global batch, whatever the layout:
+        # a sum over the dataset's per-sample table (built at the first step), no sample read
         loss_tokens = count_loss_tokens(ds, sampler.global_batch(step), pack.eod_id)
     batches = [micro_batch(collate(ds, idx), pack, loss_tokens) for idx in micro]  # (b, s) each
     if trainer.cp_index is not None:

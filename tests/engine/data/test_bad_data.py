@@ -11,7 +11,7 @@ from engine.data import ByteTokenizer, TokenDataset, build_data, load_tokenizer
 from engine.data.errors import DataError
 from engine.data.hf_tokenizer import load_hf_tokenizer
 from engine.data.indexed import Documents, check_ids, read_meta, write_documents
-from engine.data.megatron import write_index
+from engine.data.megatron import write_index, write_indexed
 
 SEQ = 15  # samples of 16 tokens
 DOC_LEN = 40  # tokens per document, EOT included
@@ -53,6 +53,32 @@ def test_the_start_up_check_covers_the_leading_tokens(corrupt):
     assert str(info.value) == message(corrupt)
     with pytest.raises(DataError, match="document 3 holds token id 60000"):
         build_data(corrupt, SEQ, seed=1, split="1,0,0")
+
+
+@pytest.mark.parametrize("dtype,bad", [(np.int16, -1), (np.int32, -1), (np.int64, -7), (np.int32, 100)])
+def test_a_signed_corpus_with_a_negative_id_is_refused(tmp_path, dtype, bad):
+    """Megatron .bin files may be signed (int8..int64): an id below 0 (e.g. -1 padding) is refused
+    at start-up and as its document is read, like an id at or above the vocabulary size."""
+    prefix = str(tmp_path / "signed")
+    docs = [np.full(DOC_LEN, 10 + d, dtype=dtype) for d in range(5)]
+    docs[3][5] = bad
+    write_indexed(prefix, docs, dtype)
+    text = (f"{prefix}.bin: document 3 holds token id {bad}, outside the 100-token vocabulary (a "
+            f"corrupt file, or data made with another tokenizer): prepare the data again (python -m "
+            f"engine.data prepare), or pass the tokenizer it was made with")
+    check_ids(Documents(prefix), 100, 3 * DOC_LEN + 5)  # stops just before the bad token
+    with pytest.raises(DataError) as info:
+        check_ids(Documents(prefix), 100, 3 * DOC_LEN + 6)
+    assert str(info.value) == text
+    with pytest.raises(DataError) as info:
+        build_data(prefix, SEQ, seed=1, vocab_size=100, split="1,0,0")
+    assert str(info.value) == text
+    ds = TokenDataset(prefix, SEQ, "train", splits="1,0,0", meta={"vocab_size": 100, "eot_id": 0})
+    first_bad = (3 * DOC_LEN + 5) // (SEQ + 1)  # the sample holding the bad token
+    assert all(int(ds[i].min()) >= 10 for i in range(first_bad))
+    with pytest.raises(DataError) as info:
+        ds[first_bad]
+    assert str(info.value) == text
 
 
 def test_empty_data(tmp_path):

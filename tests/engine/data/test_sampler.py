@@ -3,7 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from engine.data.sampler import GlobalBatchSampler
+from engine.data import sampler as sampler_module
+from engine.data.sampler import BlendedSampler, GlobalBatchSampler
 
 
 def reference_stream(num_samples, seed, length):
@@ -65,13 +66,59 @@ def test_state_dict_round_trip_resumes_the_same_stream():
     state = json.loads(json.dumps(run.state_dict()))  # plain data: goes into a checkpoint without pickle
     assert state["next_step"] == 13 and state["seed"] == 5
 
-    resumed = GlobalBatchSampler(40, 8, seed=0)
+    resumed = GlobalBatchSampler(40, 8, seed=5)
     resumed.load_state_dict(state)
-    assert resumed.next_step == 13 and resumed.seed == 5
+    assert resumed.next_step == 13
     for step in range(13, 20):
         assert resumed.global_batch(step) == run.global_batch(step)
+
+    # another --seed draws another train/validation split: the checkpoint's order would mix them
+    with pytest.raises(ValueError, match="drawn with --seed 5 and this run has --seed 0.*--finetune"):
+        GlobalBatchSampler(40, 8, seed=0).load_state_dict(state)
 
     with pytest.raises(ValueError, match="global-batch-size"):
         GlobalBatchSampler(40, 16, seed=5).load_state_dict(state)
     with pytest.raises(ValueError, match="num_samples=40"):
         GlobalBatchSampler(41, 8, seed=5).load_state_dict(state)
+
+
+
+def as_rank_batches_reads(sampler, steps, dp=2, mbs=1):
+    """Each step's batch read as ``rank_batches`` reads it with --eod-mask-loss: the global batch
+    (the loss count), then this rank's micro-batches."""
+    return [(sampler.global_batch(step), sampler.micro_batches(step, dp - 1, dp, mbs)) for step in steps]
+
+
+# batches straddling consecutive epochs (4 of 7 samples per step; the blend's members too)
+PLAIN = lambda: GlobalBatchSampler(7, 4, seed=5)  # noqa: E731
+BLEND = lambda: BlendedSampler([5, 3], [0.6, 0.4], 4, seed=5)  # noqa: E731
+
+
+@pytest.mark.parametrize("make", [PLAIN, BLEND])
+def test_each_epoch_permutation_is_built_once(monkeypatch, make):
+    """Each step's batch read twice: every (member, epoch) permutation is built once, not again
+    because the memo dropped the epoch still being read when the next one came in."""
+    built = []
+    real = sampler_module.epoch_order
+
+    def counting(num_samples, seed, key, epoch):
+        built.append((key, epoch))
+        return real(num_samples, seed, key, epoch)
+
+    monkeypatch.setattr(sampler_module, "epoch_order", counting)
+    as_rank_batches_reads(make(), range(12))  # 48 samples: 6+ epochs of each stream
+    assert len(built) > 6 and len(built) == len(set(built)), built
+
+
+def test_the_memo_does_not_change_the_batches():
+    """The batches of a fixed seed, as the sampler gave them before the memo became an LRU."""
+    plain = as_rank_batches_reads(PLAIN(), range(6))
+    assert [gb for gb, _ in plain] == [[1, 4, 2, 3], [6, 5, 0, 4], [2, 0, 6, 5], [3, 1, 0, 4],
+                                       [5, 3, 1, 2], [6, 6, 1, 0]]
+    assert [mine for _, mine in plain] == [[[2], [3]], [[0], [4]], [[6], [5]], [[0], [4]],
+                                           [[1], [2]], [[1], [0]]]
+    blend = as_rank_batches_reads(BLEND(), range(6))
+    assert [gb for gb, _ in blend] == [[2, 6, 5, 4], [3, 0, 1, 7], [7, 3, 2, 5], [5, 6, 0, 4],
+                                       [7, 1, 0, 2], [1, 6, 7, 3]]
+    assert [mine for _, mine in blend] == [[[5], [4]], [[1], [7]], [[2], [5]], [[0], [4]],
+                                           [[0], [2]], [[7], [3]]]
