@@ -4,7 +4,8 @@ dispatch per device type, each with its reference.
 A recipe (``Fp8Recipe``) names Megatron-LM's ``--fp8-format`` (``e4m3``: every operand e4m3;
 ``hybrid``: activations and weights e4m3, gradients e5m2) and ``--fp8-recipe`` (``tensorwise``:
 one scale per tensor; ``rowwise``: one scale per row of each GEMM operand along the contraction
-dimension, rounded down to a power of two as torchao's rowwise recipe does). A scale ``s`` maps
+dimension, rounded down to a power of two as torchao's rowwise recipe does; ``blockwise``: one per
+1 x 128 tile and 128 x 128 weight block, e4m3 only, kernels/fp8_blockwise.py). A scale ``s`` maps
 a tensor's largest magnitude onto the format's largest finite value: ``s = max_fp8 / amax``
 (computed in fp64, kept in fp32, as torchao's ``amax_to_scale``); ``quantize`` stores
 ``clamp(x * s)`` in float8 (saturating), and a GEMM of two quantized operands multiplies by
@@ -52,7 +53,7 @@ from kernels.compiled import Regional
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FORMATS = ("e4m3", "hybrid")
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise", "blockwise")
 EPS = 1e-12          # the smallest amax a scale is computed from (an all-zero tensor)
 ALIGN = 16           # K and N of torch._scaled_mm: multiples of 16 (fp8: 16-byte rows)
 
@@ -68,6 +69,10 @@ class Fp8Recipe:
             raise ValueError(f"--fp8-format must be one of {FORMATS}, got {self.format!r}")
         if self.recipe not in RECIPES:
             raise ValueError(f"--fp8-recipe must be one of {RECIPES}, got {self.recipe!r}")
+        if self.recipe == "blockwise" and self.format != "e4m3":
+            raise ValueError(f"--fp8-recipe blockwise runs every operand in e4m3 (DeepSeek-V3's "
+                             f"recipe; PyTorch's blockwise kernel takes e4m3 only), not "
+                             f"--fp8-format {self.format}; use --fp8-format e4m3")
 
     @property
     def forward_dtype(self) -> torch.dtype:
@@ -84,9 +89,16 @@ class Fp8Recipe:
         return self.recipe == "rowwise"
 
     @property
+    def blockwise(self) -> bool:
+        """1 x 128 tiles of activations and gradients, 128 x 128 blocks of weights
+        (kernels/fp8_blockwise.py)."""
+        return self.recipe == "blockwise"
+
+    @property
     def power_of_two(self) -> bool:
-        """Rowwise scales are rounded down to a power of two (torchao's rowwise recipe)."""
-        return self.rowwise
+        """Rowwise (and blockwise) scales are rounded down to a power of two (torchao's rowwise
+        recipe)."""
+        return self.recipe != "tensorwise"
 
     def describe(self) -> str:
         return f"fp8 {self.format} {self.recipe}"

@@ -1,9 +1,12 @@
 """Does FP8 train what bf16 trains? The same recipe in bf16 and in FP8 (tensorwise and rowwise,
---fp8-format hybrid) at (tp, pp, dp) = (1,1,1) and (2,1,2) with sequence parallelism, on the
-built-in corpus; the final losses against the bf16 run of the same layout.
+--fp8-format hybrid; blockwise, --fp8-format e4m3) at (tp, pp, dp) = (1,1,1) and (2,1,2) with
+sequence parallelism, on the built-in corpus; the final losses against the bf16 run of the same
+layout.
 
     python -m benchmarks.convergence.fp8                      # 300 steps: the target of docs/precision.md
     python -m benchmarks.convergence.fp8 --steps 30           # a quick look
+    python -m benchmarks.convergence.fp8 --recipes bf16 "fp8 blockwise" --hidden-size 256
+        # blockwise: tp 2 needs each rank's widths in 128s (docs/precision.md), so hidden 256
 
 Every run draws the same global batches (layout-independent sampling), so the runs of one layout
 see the same tokens at every step and their last losses compare directly. Printed per run: the
@@ -34,7 +37,9 @@ from parallel.grid.topology import RankGrid  # noqa: E402
 from tests.helpers.dist_utils import run_distributed  # noqa: E402
 
 RECIPES = {"bf16": [], "fp8 tensorwise": ["--fp8-format", "hybrid"],
-           "fp8 rowwise": ["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"]}
+           "fp8 rowwise": ["--fp8-format", "hybrid", "--fp8-recipe", "rowwise"],
+           "fp8 blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]}
+DEFAULT_RECIPES = ("bf16", "fp8 tensorwise", "fp8 rowwise")
 LAYOUTS = {"(1,1,1)": [], "(2,1,2) sp": ["--tp", "2", "--dp", "2", "--sequence-parallel"]}
 
 
@@ -74,19 +79,24 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--target", type=float, default=0.01)
     parser.add_argument("--out", default="runs/fp8_bench")
+    parser.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES), choices=list(RECIPES),
+                        help="the runs of each layout (bf16 is the reference every gap is to)")
     args = parser.parse_args()
+    if "bf16" not in args.recipes:
+        parser.error("--recipes must include bf16, the reference every gap is measured to")
+    recipes = {name: RECIPES[name] for name in args.recipes}
     os.makedirs(args.out, exist_ok=True)
     start = time.time()
     results: dict = {}
     for layout, flags in LAYOUTS.items():
-        jobs = [base(args) + flags + recipe for recipe in RECIPES.values()]
+        jobs = [base(args) + flags + recipe for recipe in recipes.values()]
         if not flags:
             runs = [summary(Trainer(parse_args(argv), launch=LaunchEnv()).train().records)
                     for argv in jobs]
         else:
             runs = run_distributed(run_rank, grid=RankGrid(tp=2, dp=2), args=(jobs,),
                                    timeout_s=3600.0, deadline_s=24 * 3600.0)[0]
-        results[layout] = dict(zip(RECIPES, runs))
+        results[layout] = dict(zip(recipes, runs))
         print(f"{layout}: {time.time() - start:.0f} s", flush=True)
     rows = ["| layout | run | last loss | gap to bf16 | mean of last "
             f"{args.window} | gap | within {args.target:.0%} | tokens/s |",
@@ -101,7 +111,9 @@ def main() -> None:
             rows.append(f"| {layout} | {name} | {last:.4f} | {gap:+.2%} | {mean:.4f} | "
                         f"{gap_mean:+.2%} | {ok} | {run['tokens_per_s']:.0f} |")
     print("\n".join(rows))
-    with open(os.path.join(args.out, "fp8.json"), "w") as fh:
+    name = "fp8.json" if args.recipes == list(DEFAULT_RECIPES) else \
+        "fp8_" + "_".join(r.replace("fp8 ", "") for r in args.recipes) + ".json"
+    with open(os.path.join(args.out, name), "w") as fh:
         json.dump({"args": vars(args), "results": results, "table": rows}, fh, indent=1)
 
 

@@ -45,7 +45,14 @@ TINY_FP8 = {"num-layers": 1, "hidden-size": 32, "num-attention-heads": 2, "seq-l
 TARGETS = {"gpt 1.3b": 1.1, "gpt hidden 4096": 1.25}   # FP8 / bf16 tokens/s
 LOSS_TARGET = 0.01                                     # relative gap of the mean loss
 LOSS_WINDOW = 3                                        # the last steps whose loss is averaged
-FP8_FLAGS = ("--fp8-format", "hybrid")
+FP8_FLAGS = ("--fp8-format", "hybrid")   # the default pair: tensorwise scales
+RECIPE_FLAGS = {"rowwise": ("--fp8-format", "hybrid", "--fp8-recipe", "rowwise"),
+                "blockwise": ("--fp8-format", "e4m3", "--fp8-recipe", "blockwise")}
+
+
+def fp8_flags(recipe: str) -> tuple:
+    """The FP8 run's flags for ``--fp8-recipe`` (the device check's option; tensorwise: FP8_FLAGS)."""
+    return FP8_FLAGS if recipe == "tensorwise" else RECIPE_FLAGS[recipe]
 TINY_LR = ("--lr", "3e-3")     # --tiny: a rate at which the loss falls within a few steps
 DATA_INPUTS = ("docs", "README.md")  # the repository's text the pairs train on (byte tokens)
 
@@ -165,11 +172,12 @@ def fp8_stage(stage, deadline_s: float, out: Path, kind: str, args):
         return StageResult(stage.name, "deadline" if "deadline" in failure else "failed", deadline_s,
                            time.monotonic() - start, failure, fp8={"steps": steps, "rows": {}})
     common = TINY_LR if args.tiny else ()
+    recipe = getattr(args, "fp8_recipe", "tensorwise")
     for i, (name, prec, model) in enumerate(jobs):
         tag = f"fp8_{name.replace(' ', '_').replace('.', '')}_{prec}"
         metrics, log = out / f"{tag}.jsonl", out / f"{tag}.log"
         metrics.unlink(missing_ok=True)
-        flags = common + (FP8_FLAGS if prec == "fp8" else ())
+        flags = common + (fp8_flags(recipe) if prec == "fp8" else ())
         cmd = [sys.executable, "-m", "engine.train", *data_argv(
             train_argv(kind, steps, str(metrics), str(out / tag), flags, args.micro_batch_size,
                        args.global_batch_size, model, "bf16"), data)]
@@ -186,7 +194,8 @@ def fp8_stage(stage, deadline_s: float, out: Path, kind: str, args):
             for name, model in models.items()}
     status = "ok" if len(runs) == len(jobs) else "failed" if "exit" in failure else "deadline"
     return StageResult(stage.name, status, deadline_s, time.monotonic() - start, failure,
-                       fp8={"steps": steps, "loss_window": LOSS_WINDOW, "data": data, "rows": rows})
+                       fp8={"steps": steps, "loss_window": LOSS_WINDOW, "data": data, "rows": rows,
+                            "flags": " ".join(fp8_flags(recipe))})
 
 
 def _describe(model: dict) -> str:
@@ -211,7 +220,7 @@ def fp8_lines(results) -> list[str]:
     return [markdown_table(["FP8 against bf16", "model", "bf16 tokens/s", "FP8 tokens/s", "FP8 / bf16",
                             "speed target", f"bf16 loss (last {LOSS_WINDOW})", f"FP8 loss (last {LOSS_WINDOW})",
                             "gap", "loss target"], rows),
-            "", f"--fp8-format hybrid (tensorwise) against bf16, {got['steps']} steps each on the same "
+            "", f"{got.get('flags', ' '.join(FP8_FLAGS))} against bf16, {got['steps']} steps each on the same "
                 f"batches of the repository's docs (byte ids in the models' own vocabulary); tokens/s "
                 f"over the steps after the warm-up; loss: the mean of the last {LOSS_WINDOW} steps",
             ""]

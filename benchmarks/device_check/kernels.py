@@ -4,7 +4,9 @@
 npu_rotary_mul, npu_swiglu, ...); each case runs the device path on bf16 inputs and the plain-math
 reference on the same inputs in fp32, forward and backward (causal attention, grouped-query
 attention and packed documents included; the MoE experts' grouped GEMM on uneven groups, one of
-them empty, with its row offsets on the device, against the loop of per-group GEMMs). A case
+them empty, with its row offsets on the device, against the loop of per-group GEMMs; where the
+chip has FP8, the blockwise FP8 GEMMs of ``--fp8-recipe blockwise`` on the path the run would take,
+``fp8_blockwise_row``). A case
 that raises (a kernel the device has no image for, say) is its own row, not ok, with the error's
 last line; the other cases still run. benchmarks/device_check/ runs this in a subprocess of its
 own (``python -m benchmarks.device_check --stage kernels``) under a deadline.
@@ -108,9 +110,38 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1.0))
 
 
+FP8_TOLERANCE = 0.1   # max error over max |exact|: e4m3's rounding (3 mantissa bits) of both operands
+
+
+def fp8_blockwise_row(device: torch.device, seq: int = 512) -> dict:
+    """The three blockwise FP8 GEMMs of a 1024-wide linear (kernels/fp8_blockwise.py: the fused
+    kernel where the start-up probe agrees, else one rowwise FP8 GEMM per 128-wide tile) against
+    the exact fp32 products of the same bf16 operands, ``graded_operands`` (tiles 2^18 apart, so a
+    scale read for another tile flushes or saturates it), each result judged per 128 x 128 block
+    against the block's largest element (``block_error``): forward is the forward GEMM's error,
+    gradient the larger of the input and weight gradients'."""
+    from kernels import fp8_blockwise as bw
+    row = {"op": "fp8 blockwise GEMMs (1x128 / 128x128)",
+           "path": "fused" if bw.fused_blockwise_runs(device.type) else "per 128-wide tile",
+           "forward": None, "gradient": None, "tolerance": [FP8_TOLERANCE, FP8_TOLERANCE],
+           "ok": False}
+    try:
+        x, w, dy = bw.graded_operands(seq, 1024, device)
+        x2, dy2, wf = x.float()[0], dy.float()[0], w.float()
+        sw = bw.block_scales(w)
+        fwd = bw.block_error(bw.linear(x, w, sw)[0], x2 @ wf.t())
+        grad = max(bw.block_error(bw.dgrad(dy, w, sw)[0], dy2 @ wf),
+                   bw.block_error(bw.wgrad(dy, x, torch.float32), dy2.t() @ x2))
+        row.update(forward=fwd, gradient=grad, ok=fwd <= FP8_TOLERANCE and grad <= FP8_TOLERANCE)
+    except Exception as exc:  # noqa: BLE001 - the row says what it raised
+        row["error"] = f"{type(exc).__name__}: " + (str(exc).strip().splitlines() or [""])[-1][:200]
+    return row
+
+
 def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                  seq: int = 512) -> list[dict]:
-    """Each case's forward and gradient error of the device path against the reference."""
+                  seq: int = 512, fp8: bool = True) -> list[dict]:
+    """Each case's forward and gradient error of the device path against the reference; with
+    ``fp8`` (a chip with FP8, or the CPU) the blockwise FP8 row last."""
     fwd_tol, grad_tol = TOLERANCE[dtype]
     paths = kernels.kernel_paths(device.type)
     rows = []
@@ -130,4 +161,6 @@ def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16,
             row["error"] = f"{type(exc).__name__}: " + \
                 (str(exc).strip().splitlines() or [""])[-1][:200]
         rows.append(row)
+    if fp8:
+        rows.append(fp8_blockwise_row(device, seq))
     return rows

@@ -211,11 +211,13 @@ def _kernels_stage(args) -> int:
 
     from benchmarks.device_check.gemm_chunks import time_chunked_gemm
     from benchmarks.device_check.kernels import check_kernels
+    from engine.device.chips import fp8_problem
     dev = setup_device(args.device, 0)
+    fp8 = fp8_problem(dev.type, dev.name, dev.capability) is None   # the chip has FP8 GEMMs
     dtype, seq = (torch.float32, 64) if args.tiny else (torch.bfloat16, 512)
     shape = dict(tokens=256, hidden=64, ffn=256, repeats=3) if args.tiny else {}
     code = 0
-    for name, measure in (("kernels.json", lambda: check_kernels(dev.device, dtype, seq)),
+    for name, measure in (("kernels.json", lambda: check_kernels(dev.device, dtype, seq, fp8)),
                           ("gemm_chunks.json", lambda: time_chunked_gemm(dev.device, dtype, **shape))):
         try:
             rows = measure()
@@ -239,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-cpu", action="store_true", help="run the plan on the CPU (with --tiny)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model in fp32 instead of the 1.3B one")
     p.add_argument("--only", help="comma-separated stages of the plan to run (default: all)")
+    p.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise", "blockwise"],
+                   default="tensorwise", help="the fp8 stage's recipe (tensorwise and rowwise in "
+                   "hybrid, blockwise in e4m3): e.g. --only fp8 --fp8-recipe blockwise")
     p.add_argument("--stage", choices=["kernels"], help=argparse.SUPPRESS)
     p.add_argument("--device", default="auto", help=argparse.SUPPRESS)
     return p

@@ -228,9 +228,10 @@ FLAGS: dict[str, Flag] = {
                     "or hybrid (e4m3 forward, e5m2 gradients); needs compute capability 8.9+ "
                     "(H100, H200, Ada, Blackwell) or the CPU (docs/precision.md)",
                     "mixed precision", choices=FP8_FORMATS, default_text="off"),
-    "fp8_recipe": F("FP8 scales of the tensor-parallel layers: tensorwise (one per tensor) or "
+    "fp8_recipe": F("FP8 scales of the tensor-parallel layers: tensorwise (one per tensor), "
                     "rowwise (one per row along the contraction, powers of two; the MoE experts' "
-                    "always); each from the amax of the logical tensor",
+                    "always), each from the amax of the logical tensor, or blockwise (DeepSeek-V3's "
+                    "1x128 tiles and 128x128 weight blocks, with --fp8-format e4m3)",
                     "mixed precision", choices=FP8_RECIPES),
     "first_last_layers_bf16": F("with --fp8-format: keep the first --num-layers-at-start-in-bf16 "
                                 "and the last --num-layers-at-end-in-bf16 layers in bf16",
@@ -407,7 +408,6 @@ MEGATRON_ANSWERS: dict[str, str] = {
 # Megatron values of a real flag that gridtron does not build: the choice error says why.
 CHOICE_ANSWERS: dict[str, dict[str, str]] = {
     "fp8_recipe": {"delayed": _DELAYED.replace("; drop the flag", ""),
-                   "mxfp8": "MXFP8 (32-element blocks) is not built",
-                   "blockwise": "blockwise scales (DeepSeek-V3's 1x128 / 128x128) are not built"},
+                   "mxfp8": "MXFP8 (32-element blocks) is not built"},
     "moe_token_dispatcher_type": {"flex": _DEEPEP.replace("; drop the flag", "")},
 }

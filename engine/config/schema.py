@@ -16,7 +16,7 @@ from parallel.grid.expert_groups import ExpertGrid
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 FP8_FORMATS = ("e4m3", "hybrid")       # kernels/fp8.py FORMATS
-FP8_RECIPES = ("tensorwise", "rowwise")  # kernels/fp8.py RECIPES
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")  # kernels/fp8.py RECIPES
 COMPRESSORS = ("none", "int8", "topk", "onebit")
 DECAY_STYLES = ("cosine", "linear", "constant")
 DEVICES = ("auto", "npu", "cuda", "cpu")
@@ -349,11 +349,63 @@ def check_fp8_flags(cfg: "RunConfig") -> None:
         raise ValueError(f"--fp8-format {p.fp8_format} with --compile is not built: the FP8 "
                          f"layers agree their scales with collectives inside their autograd "
                          f"Functions, which run eagerly; drop --compile or --fp8-format")
+    if p.fp8_recipe == "blockwise" and p.fp8_format != "e4m3":
+        raise ValueError(f"--fp8-recipe blockwise runs every operand in e4m3 (DeepSeek-V3's "
+                         f"recipe; PyTorch's blockwise kernel takes e4m3 only), not --fp8-format "
+                         f"{p.fp8_format}; use --fp8-format e4m3")
+    if p.fp8_recipe == "blockwise" and not cfg.checkpoint.use_checkpoint_args:
+        problem = blockwise_problem(cfg.model, cfg.parallel)
+        if problem:
+            raise ValueError(problem)
     start, end = p.fp8_bf16_layers
     if start + end >= cfg.model.num_layers and not cfg.checkpoint.use_checkpoint_args:
         raise ValueError(f"--num-layers-at-start-in-bf16 {start} and --num-layers-at-end-in-bf16 "
                          f"{end} keep all {cfg.model.num_layers} layers in bf16, so --fp8-format "
                          f"changes nothing; lower them or drop --fp8-format")
+
+
+BLOCK = 128   # kernels/fp8_blockwise.py BLOCK
+
+
+def blockwise_problem(model: GPTConfig, parallel: ParallelConfig) -> str | None:
+    """Why ``--fp8-recipe blockwise`` would not quantize with the serial run's scales in this
+    layout, or None: every dimension TP or CP splits must split into whole 128-wide tiles (a
+    tile cut by a shard boundary would get another scale than the serial tile). TP splits the
+    QKV projection's width, the attention output's input (the hidden size), the MLP's width and
+    the shared expert's; CP the sequence (2 cp load-balanced chunks for the ring, cp contiguous
+    shards for a2a). A user block's own layers are the user's to size alike (docs/precision.md).
+
+    >>> from models.config import GPTConfig
+    >>> from engine.config.parallel import ParallelConfig
+    >>> blockwise_problem(GPTConfig(hidden_size=256, num_attention_heads=4, seq_length=256),
+    ...                   ParallelConfig(tp=2))
+    >>> print(blockwise_problem(GPTConfig(hidden_size=128, num_attention_heads=4),
+    ...                         ParallelConfig(tp=2)).split(";")[0])
+    --fp8-recipe blockwise at --tp 2 needs each rank's share of the QKV projection's width ((heads + 2 groups) x head dim) (384 / 2) to be a multiple of 128, so that every scale tile is whole on one rank
+    """
+    tp, cp = parallel.tp, parallel.cp
+    if tp > 1:
+        widths = [("the QKV projection's width ((heads + 2 groups) x head dim)",
+                   (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim),
+                  ("--hidden-size (the attention output's input)", model.hidden_size),
+                  ("--ffn-hidden-size", model.ffn_hidden_size)]
+        if model.moe_shared_expert_intermediate_size:
+            widths.append(("--moe-shared-expert-intermediate-size",
+                           model.moe_shared_expert_intermediate_size))
+        for what, width in widths:
+            if width % (tp * BLOCK):
+                return (f"--fp8-recipe blockwise at --tp {tp} needs each rank's share of {what} "
+                        f"({width} / {tp}) to be a multiple of {BLOCK}, so that every scale "
+                        f"tile is whole on one rank; make it a multiple of {tp * BLOCK}, or use "
+                        f"--fp8-recipe rowwise")
+    if cp > 1:
+        parts = 2 * cp if parallel.cp_comm_type == "p2p" else cp
+        if model.seq_length % (parts * BLOCK):
+            return (f"--fp8-recipe blockwise at --cp {cp} needs each of the sequence's {parts} "
+                    f"context-parallel chunks ({model.seq_length} / {parts} tokens) to be a "
+                    f"multiple of {BLOCK}, the weight gradient's token tiles; use a "
+                    f"--seq-length that is a multiple of {parts * BLOCK}, or --fp8-recipe rowwise")
+    return None
 
 
 def check_expert_flags(model: GPTConfig, parallel: ParallelConfig) -> None:

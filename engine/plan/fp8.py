@@ -18,14 +18,20 @@ input is gathered and the row-parallel output scattered after the GEMM, so every
 - scales kept from forward to backward (parallel/tensor_parallel/fp8.py keeps nothing else: backward
   quantizes again from the saved bf16 tensors), fp32, per layer and micro-batch in flight:
   tensorwise one for x and one per weight of each linear; rowwise at most one per token of x and
-  one per output row of W (``fp8_scale_bytes``).
+  one per output row of W; blockwise one per 128 x 128 block of each weight (``fp8_scale_bytes``).
+
+Blockwise scales are each tile's own (kernels/fp8_blockwise.py): no amax is reduced over a group
+(``amax_bytes`` counts none for the linears; the experts keep their rowwise reductions).
 """
 from __future__ import annotations
+
+import math
 
 from engine.plan.model import Cluster, Layout, ModelShape, moe_expert_tokens
 
 FP8_BYTES = 1      # a float8 element
 SCALE_BYTES = 4    # an fp32 scale
+BLOCK = 128        # a blockwise tile (kernels/fp8_blockwise.py)
 
 
 def linear_rate(cluster: Cluster, shape: ModelShape) -> float:
@@ -88,6 +94,9 @@ def fp8_scale_bytes(shape: ModelShape, layout: Layout) -> float:
     linears = layer_linears(shape, layout.tp)
     if shape.fp8_recipe == "tensorwise":
         return SCALE_BYTES * sum(1 + n for _, _, n in linears)
+    if shape.fp8_recipe == "blockwise":
+        return SCALE_BYTES * sum(n * math.ceil(i / BLOCK) * math.ceil(o / n / BLOCK)
+                                 for i, o, n in linears)   # o: the call's n weights together
     T = _tokens(shape, layout)
     return SCALE_BYTES * sum(T + o for _, o, _ in linears)
 
@@ -159,6 +168,8 @@ def amax_bytes(shape: ModelShape, layout: Layout,
     forwards = 2 if layout.recompute == "full" else 1
     tp = cp = 0.0
     for kind, n, i, o in _layer_calls(shape, layout, width):
+        if shape.fp8_recipe == "blockwise":   # each tile's own scale: nothing reduced
+            continue
         f_tp, f_cp, b_tp, b_cp = _call_amaxes(kind, n, i, o, tokens, shard, ring,
                                               shape.fp8_recipe == "rowwise")
         tp += forwards * f_tp + b_tp

@@ -82,8 +82,9 @@ class ModelShape:
             raise ValueError(f"activation_bytes must be 1, 2 or 4, got {self.activation_bytes!r}")
         if self.weight_bytes not in (2, 4):
             raise ValueError(f"weight_bytes must be 2 or 4, got {self.weight_bytes!r}")
-        if self.fp8_recipe not in (None, "tensorwise", "rowwise"):
-            raise ValueError(f"fp8_recipe must be None, tensorwise or rowwise, got {self.fp8_recipe!r}")
+        if self.fp8_recipe not in (None, "tensorwise", "rowwise", "blockwise"):
+            raise ValueError(f"fp8_recipe must be None, tensorwise, rowwise or blockwise, got "
+                             f"{self.fp8_recipe!r}")
         if len(self.fp8_bf16_layers) != 2 or min(self.fp8_bf16_layers) < 0:
             raise ValueError(f"fp8_bf16_layers must be two counts >= 0, got {self.fp8_bf16_layers!r}")
         g = self.num_query_groups

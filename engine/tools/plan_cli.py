@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-format", choices=("e4m3", "hybrid"),
                    help="plan an FP8 run: the tensor-parallel linears' GEMMs at the FP8 peak "
                         "(docs/precision.md); --calibrate on an FP8 run fits their fraction")
-    p.add_argument("--fp8-recipe", default="tensorwise", choices=("tensorwise", "rowwise"),
+    p.add_argument("--fp8-recipe", default="tensorwise", choices=("tensorwise", "rowwise", "blockwise"),
                    help="with --fp8-format: the scales kept in memory")
     p.add_argument("--fp8-peak-tflops", type=float, help="override the table's dense FP8 peak")
     p.add_argument("--fp8-achievable-fraction", type=float,

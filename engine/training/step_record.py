@@ -190,16 +190,22 @@ TP_OVERLAP = {"ring": "chunked ring", "auto": "fused ops where the device has th
 
 def run_choices(trainer) -> list[str]:
     """Every choice that changes what runs, as the start line and the summary say them: the
-    mixture of experts (experts, top-k, MoE layers, ep, etp), the optimizer's ZeRO stage, the
-    gradient compression and its warm-up, the TP overlap."""
+    mixture of experts (experts, top-k, MoE layers, ep, etp), FP8 (format, recipe, the layers
+    kept in bf16), the optimizer's ZeRO stage, the gradient compression and its warm-up, the TP
+    overlap."""
     cfg, ps = trainer.cfg, trainer.ps
-    m, par = cfg.model, cfg.parallel
+    m, par, p = cfg.model, cfg.parallel, cfg.precision
     out = []
     if m.num_experts is not None:
         layers = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
         where = "" if len(layers) == m.num_layers else f" on layers {layers}"
         out.append(f"MoE {m.num_experts} experts top-{m.moe_router_topk}{where}, ep "
                    f"{par.expert_model_parallel_size} etp {par.expert_tensor_parallel_size}")
+    if p.fp8_format is not None:
+        start, end = p.fp8_bf16_layers
+        kept = [f"the first {start}"] * bool(start) + [f"the last {end}"] * bool(end)
+        out.append(f"FP8 GEMMs {p.fp8_format} {p.fp8_recipe}" + (
+            f" (bf16 in {' and '.join(kept)} layer{'s' if start + end > 1 else ''})" if kept else ""))
     out.append(f"ZeRO-{par.zero_stage} ({par.data_parallel_sharding_strategy})"
                if par.use_distributed_optimizer else "ZeRO-0 (optimizer state on every DP rank)")
     offload = getattr(trainer.optimizer, "offload", None)

@@ -38,6 +38,7 @@ from engine.training.run_events import (install_stop_handlers, records_before_pu
                                         restore_handlers, say_notes)
 from engine.training.validate import validate_run
 from kernels.fp8 import Fp8Recipe
+from kernels.fp8_blockwise import blockwise_path
 from models import LayerContext, build_chunks
 from models.gpt import set_fp8_layers
 from models.layers import ParallelAttention
@@ -159,6 +160,8 @@ class Trainer:
         if p.fp8_format is not None:  # FP8 GEMMs in the TP layers (docs/precision.md)
             self.fp8_layers = set_fp8_layers(self.chunks, Fp8Recipe(p.fp8_format, p.fp8_recipe),
                                              cfg.model.num_layers, *p.fp8_bf16_layers)
+            if p.fp8_recipe == "blockwise":   # which kernel, probed once here (not in a step)
+                say_notes(self.is_main, [blockwise_path(self.dev.type)])
         self.tp_overlap = None  # the TP overlap's mode, when on
         if cfg.parallel.tp_comm_overlap:  # chunked TP rings / fused ops (tensor_parallel/overlap.py)
             mode = tp_overlap_mode(self.dev.type, self.dev.name, ps.tp_size,

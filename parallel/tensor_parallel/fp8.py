@@ -24,6 +24,10 @@ operand of rows and columns:
   a per-feature scale over those sharding the tokens. Tokens gathered before the GEMM (sequence
   parallelism: ``Operand.gathered``) have whole rows in every chunk the GEMM sees, so their
   per-token scales are computed there, from the rows themselves, with no communication.
+- blockwise (kernels/fp8_blockwise.py): one scale per 1 x 128 tile of x and dy along each GEMM's
+  contraction dimension (tokens cut per sequence), one per 128 x 128 block of W. Every tile is
+  whole on one rank where each sharded dimension is a multiple of 128 per rank (the configuration
+  refuses the rest), so the scales are the serial run's with no communication at all.
 
 Nothing FP8 is kept between forward and backward but the scales: backward quantizes again from the
 saved bf16 tensors (what torchao's float8 linear saves), so the activation memory is the bf16
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import fp8_blockwise as blockwise
 from kernels.fp8 import Amaxes, Fp8Recipe, amax, amax_to_scale, quantize, scaled_mm
 from parallel.tensor_parallel.ring import chunk_of
 
@@ -104,6 +109,9 @@ class Fp8Forward:
     def __init__(self, spec: Fp8Spec, x_held: torch.Tensor, weights):
         self.spec, self.weights = spec, list(weights)
         r = spec.recipe
+        if r.blockwise:   # each tile's own scale: nothing to agree over a group
+            self.x_scale, self.w_scales = None, [blockwise.block_scales(w) for w in self.weights]
+            return
         am = Amaxes()
         if not r.rowwise:
             ix = am.add(amax(x_held), spec.x.all_groups)
@@ -126,6 +134,8 @@ class Fp8Forward:
         """(b, s', in) -> (b, s', out): x W_i^T (+ b) from float8 operands; ``chunk`` (c, n):
         x is sequence chunk c of n of the tensor the scales were taken for."""
         w, k = self.weights[i], x.shape[-1]
+        if self.spec.recipe.blockwise:   # the tiles of the rows this GEMM sees
+            return blockwise.linear(x, w, self.w_scales[i], bias)
         dtype = self.spec.recipe.forward_dtype
         s_x, s_w = self.x_scale_for(x, chunk), self.w_scales[i]
         a = quantize(x, s_x, dtype).reshape(-1, k)                 # (M, in) row-major
@@ -148,6 +158,8 @@ class Fp8Backward:
         live = [i for i, g in enumerate(self.grads) if g is not None]
         am = Amaxes()
         self._gq: dict = {}
+        if r.blockwise:   # tiles of the gradients the GEMMs see: no reduction
+            return
         if not r.rowwise:
             ig = {i: am.add(amax(self.grads[i]), self.spec.g.all_groups) for i in live}
             values = am.reduce()
@@ -182,6 +194,8 @@ class Fp8Backward:
     def dgrad(self, g: torch.Tensor, i: int, chunk=None) -> torch.Tensor:
         """(b, s', out) -> (b, s', in): dy W_i; ``chunk`` as in ``Fp8Forward.linear``."""
         w, o = self.fwd.weights[i], g.shape[-1]
+        if self.spec.recipe.blockwise:
+            return blockwise.dgrad(g, w, self.fwd.w_scales[i])
         s_g, s_w = self._g_row_scale(i, g, chunk), self.w_cols[i]
         a = self._quantized_grad(i, g, s_g, chunk is None).reshape(-1, o)       # (M, out)
         b = quantize(w, s_w, self.spec.recipe.forward_dtype).t().contiguous().t()  # (out, in) col-major
@@ -191,6 +205,8 @@ class Fp8Backward:
     def wgrad(self, g: torch.Tensor, x: torch.Tensor, i: int) -> torch.Tensor:
         """dy_i^T x: (b, s, out) and (b, s, in), the whole tokens of this rank -> (out, in)."""
         w, o, k = self.fwd.weights[i], g.shape[-1], x.shape[-1]
+        if self.spec.recipe.blockwise:
+            return blockwise.wgrad(g, x, w.dtype)
         s_g, s_x = self.g_cols[i], self.x_cols
         a = self._quantized_grad(i, g, s_g, True).reshape(-1, o).t().contiguous()    # (out, M)
         b = quantize(x, s_x, self.spec.recipe.forward_dtype).reshape(-1, k)        # (M, in)

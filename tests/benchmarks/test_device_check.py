@@ -34,8 +34,22 @@ def test_without_an_accelerator_there_is_nothing_to_check(capsys, monkeypatch):
 def test_kernel_comparison_runs_on_cpu():
     rows = check_kernels(torch.device("cpu"), torch.float32, seq=64)
     assert [r["op"].split(" ")[0] for r in rows] == ["attention"] * 3 + [
-        "ring_block", "layer_norm", "rms_norm", "rope", "swiglu", "grouped_gemm"]
+        "ring_block", "layer_norm", "rms_norm", "rope", "swiglu", "grouped_gemm", "fp8"]
     assert all(r["ok"] for r in rows), rows
+    fp8 = rows[-1]   # the CPU's path: one rowwise FP8 GEMM per tile; e4m3's error is visible
+    assert fp8["path"] == "per 128-wide tile" and 0.005 < fp8["forward"] <= fp8["tolerance"][0]
+    assert check_kernels(torch.device("cpu"), torch.float32, 64, fp8=False)[-1]["op"] != fp8["op"]
+
+
+def test_the_fp8_row_sees_a_scale_on_the_wrong_tile(monkeypatch):
+    """The blockwise row's bound is e4m3's rounding: weight blocks quantized with their
+    neighbours' scales (rolled) flush or saturate and miss it by far."""
+    from benchmarks.device_check import kernels as dk
+    from kernels import fp8_blockwise as bw
+    real = bw.block_scales
+    monkeypatch.setattr(bw, "block_scales", lambda w: real(w).roll(1, dims=1))
+    row = dk.fp8_blockwise_row(torch.device("cpu"), 128)
+    assert not row["ok"] and row["forward"] > 5 * dk.FP8_TOLERANCE, row
 
 
 def test_one_kernel_raising_keeps_the_other_rows(monkeypatch, tmp_path):
@@ -51,7 +65,7 @@ def test_one_kernel_raising_keeps_the_other_rows(monkeypatch, tmp_path):
         return [("broken", boom, *got[0][2:])] + got[1:]
     monkeypatch.setattr(dk, "kernel_cases", with_a_broken_one)
     rows = dk.check_kernels(torch.device("cpu"), torch.float32, 64)
-    assert [r["op"] for r in rows][:2] == ["broken", "attention GQA (8 q / 2 kv heads)"] and len(rows) == 9
+    assert [r["op"] for r in rows][:2] == ["broken", "attention GQA (8 q / 2 kv heads)"] and len(rows) == 10
     assert rows[0]["ok"] is False and rows[0]["forward"] is None
     assert rows[0]["error"] == "RuntimeError: no kernel image is available for execution on the device"
     assert all(r["ok"] for r in rows[1:])
@@ -106,7 +120,7 @@ def test_whole_plan_on_cpu_writes_json_and_markdown(tmp_path, capsys):
         ("two_ranks", "skipped"), ("syncs", "ok"), ("llama", "ok"), ("tp_overlap", "ok"),
         ("zero", "ok"), ("packed", "ok"), ("offload", "ok")]
     kernels = data["stages"][0]["kernels"]
-    assert len(kernels) == 9 and all(k["ok"] for k in kernels)
+    assert len(kernels) == 10 and all(k["ok"] for k in kernels)   # the FP8 blockwise row last
     # the host waits per step of the MoE models at ep 1 and the dense one: the dense count
     syncs = {r["model"]: r["dispatch mode"] for r in data["stages"][6]["syncs"]}
     assert syncs == {name: [1, 1, 1] for name in ("moe ep1 dropless", "moe ep1 padded capacity",
@@ -304,3 +318,17 @@ def test_fp8_wide_model_fills_the_device():
 def test_only_runs_the_named_stages_and_refuses_others(tmp_path, capsys):
     assert device_check.main(["--allow-cpu", "--tiny", "--out", str(tmp_path), "--only", "fp8,bogus"]) == 2
     assert "device_check: --only fp8,bogus: not stages of the plan (kernels, " in capsys.readouterr().err
+
+
+def test_the_fp8_stage_runs_the_recipe_asked():
+    """``--only fp8 --fp8-recipe blockwise``: the FP8 runs of both models take e4m3 blockwise
+    flags the trainer accepts (tp 1: any width is whole tiles); the default pair stays hybrid
+    tensorwise."""
+    from benchmarks.device_check import fp8
+    assert fp8.fp8_flags("tensorwise") == fp8.FP8_FLAGS == ("--fp8-format", "hybrid")
+    args = device_check.build_parser().parse_args(["--only", "fp8", "--fp8-recipe", "blockwise"])
+    assert device_check.build_parser().parse_args([]).fp8_recipe == "tensorwise"
+    for model in fp8.fp8_models(False, "NVIDIA H100 80GB HBM3", 4, 16, None).values():
+        cfg = parse_args(train_argv("cpu", 2, "m.jsonl", "run", fp8.fp8_flags(args.fp8_recipe), 4,
+                                    16, model, "bf16"))
+        assert (cfg.precision.fp8_format, cfg.precision.fp8_recipe) == ("e4m3", "blockwise")

@@ -302,8 +302,8 @@ def test_megatron_values_of_real_flags_say_what_is_not_built(tmp_path):
     with pytest.raises(ConfigError, match="invalid choice: 'delayed'.*; delayed scaling .* is not "
                                           "built: each FP8 scale comes from the current"):
         parse_args(["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"])
-    with pytest.raises(ConfigError, match="fp8_recipe: 'delayed' is not one of tensorwise, rowwise; "
-                                          "delayed scaling"):
+    with pytest.raises(ConfigError, match="fp8_recipe: 'delayed' is not one of tensorwise, rowwise, "
+                                          "blockwise; delayed scaling"):
         parse_args(["--config", _recipe(tmp_path, "fp8_recipe: delayed\n")])
     with pytest.raises(ConfigError, match="invalid choice: 'flex'.*; DeepEP \\(the flex dispatcher\\) "
                                           "is not built"):
@@ -311,7 +311,8 @@ def test_megatron_values_of_real_flags_say_what_is_not_built(tmp_path):
     with pytest.raises(ConfigError) as exc:  # a value without an answer: the plain line
         parse_args(["--fp8-recipe", "zigzag"])
     assert str(exc.value) == ("argument --fp8-recipe: invalid choice: 'zigzag' (choose from "
-                              "'tensorwise', 'rowwise') (python -m engine.train --help lists every flag)")
+                              "'tensorwise', 'rowwise', 'blockwise') (python -m engine.train --help "
+                              "lists every flag)")
 
 
 @pytest.mark.parametrize("text,says", [

@@ -67,6 +67,33 @@ def test_fp8_adds_the_planners_amax_bytes(name):
     assert min(added) > 0   # every rank reduces scales (the pp case: each stage has FP8 layers)
 
 
+BLOCKWISE = {   # name: (world, flags): widths in 128s per TP rank, 128-token CP chunks
+    "tp2 cp2 SP ring": (4, "--tp 2 --cp 2 --sequence-parallel --tp-comm-overlap --seq-length 512"),
+    "MoE llama tp2 SP, a shared expert": (
+        2, "--tp 2 --sequence-parallel --block llama --ffn-hidden-size 512 --num-experts 4 "
+           "--moe-router-topk 2 --moe-ffn-hidden-size 128 --moe-shared-expert-intermediate-size 256"),
+}
+
+
+@pytest.mark.parametrize("name", list(BLOCKWISE))
+def test_blockwise_adds_no_bytes_for_the_linears(name):
+    """--fp8-recipe blockwise reduces no scale of the tensor-parallel linears (each tile's own):
+    against bf16 the dry run adds what the planner says, nothing for a dense model and the
+    experts' rowwise amaxes (e4m3) for an MoE layer."""
+    world, flags = BLOCKWISE[name]
+    argv = BASE + ["--hidden-size", "256"] + flags.split()
+    plain = dry_run(parse_args(argv), world)
+    fp8 = dry_run(parse_args(argv + ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]), world)
+    shape, layout = planner_inputs(fp8.cfg, fp8.grid)
+    m = num_micro_batches(shape, layout)
+    for bf16, run in zip(plain.records, fp8.records):
+        want = tuple(m * b for b in stage_amax_bytes(shape, layout, run.stage))
+        got = tuple(run.metrics[f"{k}_comm_bytes"] - bf16.metrics[f"{k}_comm_bytes"]
+                    for k in ("tp", "cp", "dp"))
+        assert got == want, (name, run.role.name, got, want)
+        assert (sum(got) > 0) == ("MoE" in name), (name, got)
+
+
 R03 = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
        "--vocab-size", "256", "--mock-data", "--global-batch-size", "16", "--micro-batch-size", "1",
        "--world-size", "8", "--tp", "2", "--bf16", "--fp8-format", "e4m3"]

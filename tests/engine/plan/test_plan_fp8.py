@@ -72,9 +72,11 @@ def test_fp8_memory_is_one_gemms_copies_and_the_scales():
     """fc1 and fc2 (1024 x 4096) are the largest linears: their weight gradient holds dy and x in
     float8 and each once more transposed, 2 x 8192 x (1024 + 4096) bytes. Scales kept per layer:
     tensorwise x and W of the four linears, 8 fp32; rowwise one per token of x and one per output
-    row of each linear. Everything else is the bf16 run's."""
+    row of each linear; blockwise one per 128 x 128 block of each weight (QKV 24 x 8, the output
+    projection 8 x 8, fc1 32 x 8, fc2 8 x 32: 768). Everything else is the bf16 run's."""
     plain = estimate(shape(), cluster(), LAYOUT).memory
-    for recipe, scales in (("tensorwise", 4 * 8), ("rowwise", 4 * (4 * TOKENS + 3 * H + H + F + H))):
+    for recipe, scales in (("tensorwise", 4 * 8), ("rowwise", 4 * (4 * TOKENS + 3 * H + H + F + H)),
+                           ("blockwise", 4 * (192 + 64 + 256 + 256))):
         mem = estimate(shape(recipe), cluster(), LAYOUT).memory
         assert mem.fp8 == 2 * TOKENS * (H + F) + L * scales, recipe
         assert replace(mem, fp8=0.0) == plain

@@ -1,5 +1,5 @@
 """What a run says before its first step and in its summary: every choice that changes what runs
-(experts and top-k, ep and etp, the ZeRO stage, gradient compression and its warm-up, the TP
+(experts and top-k, ep and etp, FP8, the ZeRO stage, gradient compression and its warm-up, the TP
 overlap), and what a step will cost at the device's peak (attention at the run's sequence length
 included), so that a size the memory check passes but that takes minutes per step is said before
 the first step."""
@@ -30,7 +30,9 @@ def test_the_start_line_and_the_summary_name_every_choice():
     moe = ["--num-experts", "4", "--moe-router-topk", "2", "--ep", "2", "--moe-layer-freq", "[0,1]",
            "--use-distributed-optimizer", "--zero-stage", "2", "--grad-compression", "int8",
            "--grad-compression-warmup-steps", "1"]
-    overlap = ["--tp", "2", "--sequence-parallel", "--tp-comm-overlap"]
+    overlap = ["--tp", "2", "--sequence-parallel", "--tp-comm-overlap", "--bf16", "--fp8-format",
+               "hybrid", "--fp8-recipe", "rowwise", "--first-last-layers-bf16",
+               "--num-layers-at-start-in-bf16", "0"]
     (moe_run, tp_run), _ = run_distributed(start_and_summary, grid=RankGrid(dp=2),
                                            args=([moe, overlap],), timeout_s=60)
     choices = ("MoE 4 experts top-2 on layers [1], ep 2 etp 1; ZeRO-2 (optim_grads); gradient compression int8 "
@@ -38,8 +40,9 @@ def test_the_start_line_and_the_summary_name_every_choice():
     assert moe_run[0] == ("gridtron: tp=1 pp=1 dp=2 (order tp-dp-pp, 2 ranks) on cpu; 1 "
                           "micro-batches/step; 160,064 parameters on rank 0; " + choices)
     assert "| choices     " in moe_run[1] and f"| {choices} |" in moe_run[1], moe_run[1]
-    choices = ("ZeRO-0 (optimizer state on every DP rank); no gradient compression; TP overlap: "
-               "fused ops where the device has them, else chunked ring")
+    choices = ("FP8 GEMMs hybrid rowwise (bf16 in the last 1 layer); ZeRO-0 (optimizer state on "
+               "every DP rank); no gradient compression; TP overlap: fused ops where the device "
+               "has them, else chunked ring")
     assert tp_run[0] == ("gridtron: tp=2 pp=1 dp=1 (order tp-dp-pp, 2 ranks) on cpu; 2 "
                          "micro-batches/step; 68,928 parameters on rank 0; " + choices)
     assert f"| {choices} |" in tp_run[1], tp_run[1]
