@@ -79,24 +79,24 @@ def _scale(amax: torch.Tensor) -> torch.Tensor:
 def row_tile_scales(x: torch.Tensor) -> torch.Tensor:
     """(M, K) -> (M, ceil(K/128)): the quantization scale of each 1 x 128 tile of each row."""
     m = x.shape[0]
-    tiles = _pad(x, 1).view(m, -1, BLOCK)                                  # (M, K/128, 128)
-    return _scale(torch.linalg.vector_norm(tiles, float("inf"), dim=-1).float())
+    tiles = _pad(x, 1).reshape(m, -1, BLOCK)                               # (M, K/128, 128)
+    return _scale(tiles.abs().amax(-1).float())
 
 
 def block_scales(w: torch.Tensor) -> torch.Tensor:
     """(R, C) -> (ceil(R/128), ceil(C/128)): the scale of each 128 x 128 block."""
     blocks = _pad(_pad(w, 0), 1)
     r, c = blocks.shape
-    blocks = blocks.view(r // BLOCK, BLOCK, c // BLOCK, BLOCK)
-    return _scale(torch.linalg.vector_norm(blocks, float("inf"), dim=(1, 3)).float())
+    blocks = blocks.reshape(r // BLOCK, BLOCK, c // BLOCK, BLOCK)
+    return _scale(blocks.abs().amax(dim=(1, 3)).float())
 
 
 def token_tile_scales(t: torch.Tensor) -> torch.Tensor:
     """(b, s, n) -> (b * ceil(s/128), n): the scale of each 128 x 1 tile of each column, cut per
     sequence (``tile_bounds(b * s, per=s)`` order)."""
     b, _, n = t.shape
-    tiles = _pad(t, 1).view(b, -1, BLOCK, n)                               # (b, S/128, 128, n)
-    return _scale(torch.linalg.vector_norm(tiles, float("inf"), dim=2).float()).reshape(-1, n)
+    tiles = _pad(t, 1).reshape(b, -1, BLOCK, n)                            # (b, S/128, 128, n)
+    return _scale(tiles.abs().amax(2).float()).reshape(-1, n)
 
 
 def expand(scale: torch.Tensor, dim: int, length: int, per: int | None = None) -> torch.Tensor:
@@ -114,24 +114,24 @@ def quantize_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(M, K) in e4m3 with 1 x 128 tile scales (M, ceil(K/128)) (broadcast over each tile: no
     expanded copy of the scales)."""
     m, k = x.shape
-    q = quantize(_pad(x, 1).view(m, -1, BLOCK), scale.unsqueeze(-1), E4M3)   # (M, K/128, 128)
-    return q.view(m, -1)[:, :k].contiguous()
+    q = quantize(_pad(x, 1).reshape(m, -1, BLOCK), scale.unsqueeze(-1), E4M3)  # (M, K/128, 128)
+    return q.reshape(m, -1)[:, :k].contiguous()
 
 
 def quantize_blocks(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(R, C) in e4m3 with 128 x 128 block scales."""
     r, c = w.shape
     padded = _pad(_pad(w, 0), 1)
-    blocks = padded.view(padded.shape[0] // BLOCK, BLOCK, padded.shape[1] // BLOCK, BLOCK)
-    q = quantize(blocks, scale[:, None, :, None], E4M3).view(padded.shape)
+    blocks = padded.reshape(padded.shape[0] // BLOCK, BLOCK, padded.shape[1] // BLOCK, BLOCK)
+    q = quantize(blocks, scale[:, None, :, None], E4M3).reshape(padded.shape)
     return q[:r, :c].contiguous()
 
 
 def quantize_token_tiles(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(b, s, n) -> (b * s, n) in e4m3 with the 128 x 1 token tile scales of ``token_tile_scales``."""
     b, s, n = t.shape
-    tiles = _pad(t, 1).view(b, -1, BLOCK, n)                               # (b, S/128, 128, n)
-    q = quantize(tiles, scale.view(b, -1, 1, n), E4M3).view(b, -1, n)
+    tiles = _pad(t, 1).reshape(b, -1, BLOCK, n)                            # (b, S/128, 128, n)
+    q = quantize(tiles, scale.view(b, -1, 1, n), E4M3).reshape(b, -1, n)
     return q[:, :s].reshape(b * s, n)
 
 
