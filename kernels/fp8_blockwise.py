@@ -62,6 +62,34 @@ def tile_bounds(length: int, per: int | None = None) -> list[tuple[int, int]]:
             for start in range(0, length, per) for lo in range(0, per, BLOCK)]
 
 
+def layout_problem(widths, tp: int, seq_length: int, cp: int, cp_parts: int) -> str | None:
+    """Why a layout would cut a tile, or None: every width TP splits (``widths``: (what, logical
+    width) pairs) must leave each rank whole 128-wide tiles, and each of the sequence's
+    ``cp_parts`` context-parallel chunks (2 cp for the ring, cp for a2a) whole 128-token tiles; a
+    tile cut by a shard boundary would get another scale than the serial run's tile. The
+    configuration (engine/config/schema.py) and the planner's layout rules (engine/plan/model.py)
+    both ask this.
+
+    >>> layout_problem([("--hidden-size", 256)], 2, 256, 1, 1) is None
+    True
+    >>> print(layout_problem([], 1, 256, 2, 4).split(";")[0])
+    --fp8-recipe blockwise at --cp 2 needs each of the sequence's 4 context-parallel chunks (256 / 4 tokens) to be a multiple of 128, the weight gradient's token tiles
+    """
+    if tp > 1:
+        for what, width in widths:
+            if width % (tp * BLOCK):
+                return (f"--fp8-recipe blockwise at --tp {tp} needs each rank's share of {what} "
+                        f"({width} / {tp}) to be a multiple of {BLOCK}, so that every scale "
+                        f"tile is whole on one rank; make it a multiple of {tp * BLOCK}, or use "
+                        f"--fp8-recipe rowwise")
+    if cp > 1 and seq_length % (cp_parts * BLOCK):
+        return (f"--fp8-recipe blockwise at --cp {cp} needs each of the sequence's {cp_parts} "
+                f"context-parallel chunks ({seq_length} / {cp_parts} tokens) to be a multiple of "
+                f"{BLOCK}, the weight gradient's token tiles; use a --seq-length that is a multiple "
+                f"of {cp_parts * BLOCK}, or --fp8-recipe rowwise")
+    return None
+
+
 def _pad(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Zeros appended along ``dim`` to a multiple of 128 (a zero changes no amax)."""
     extra = -x.shape[dim] % BLOCK

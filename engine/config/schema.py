@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from engine.config.parallel import ParallelConfig
 from engine.config.sharding import check_sharding_flags
+from kernels.fp8_blockwise import layout_problem
 from models.config import GPTConfig, check_finite
 from parallel.grid.expert_groups import ExpertGrid
 
@@ -364,16 +365,12 @@ def check_fp8_flags(cfg: "RunConfig") -> None:
                          f"changes nothing; lower them or drop --fp8-format")
 
 
-BLOCK = 128   # kernels/fp8_blockwise.py BLOCK
-
-
 def blockwise_problem(model: GPTConfig, parallel: ParallelConfig) -> str | None:
     """Why ``--fp8-recipe blockwise`` would not quantize with the serial run's scales in this
-    layout, or None: every dimension TP or CP splits must split into whole 128-wide tiles (a
-    tile cut by a shard boundary would get another scale than the serial tile). TP splits the
-    QKV projection's width, the attention output's input (the hidden size), the MLP's width and
-    the shared expert's; CP the sequence (2 cp load-balanced chunks for the ring, cp contiguous
-    shards for a2a). A user block's own layers are the user's to size alike (docs/precision.md).
+    layout, or None (``kernels.fp8_blockwise.layout_problem``): TP splits the QKV projection's
+    width, the attention output's input (the hidden size), the MLP's width and the shared
+    expert's; CP the sequence (2 cp load-balanced chunks for the ring, cp contiguous shards for
+    a2a). A user block's own layers are the user's to size alike (docs/precision.md).
 
     >>> from models.config import GPTConfig
     >>> from engine.config.parallel import ParallelConfig
@@ -383,29 +380,16 @@ def blockwise_problem(model: GPTConfig, parallel: ParallelConfig) -> str | None:
     ...                         ParallelConfig(tp=2)).split(";")[0])
     --fp8-recipe blockwise at --tp 2 needs each rank's share of the QKV projection's width ((heads + 2 groups) x head dim) (384 / 2) to be a multiple of 128, so that every scale tile is whole on one rank
     """
-    tp, cp = parallel.tp, parallel.cp
-    if tp > 1:
-        widths = [("the QKV projection's width ((heads + 2 groups) x head dim)",
-                   (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim),
-                  ("--hidden-size (the attention output's input)", model.hidden_size),
-                  ("--ffn-hidden-size", model.ffn_hidden_size)]
-        if model.moe_shared_expert_intermediate_size:
-            widths.append(("--moe-shared-expert-intermediate-size",
-                           model.moe_shared_expert_intermediate_size))
-        for what, width in widths:
-            if width % (tp * BLOCK):
-                return (f"--fp8-recipe blockwise at --tp {tp} needs each rank's share of {what} "
-                        f"({width} / {tp}) to be a multiple of {BLOCK}, so that every scale "
-                        f"tile is whole on one rank; make it a multiple of {tp * BLOCK}, or use "
-                        f"--fp8-recipe rowwise")
-    if cp > 1:
-        parts = 2 * cp if parallel.cp_comm_type == "p2p" else cp
-        if model.seq_length % (parts * BLOCK):
-            return (f"--fp8-recipe blockwise at --cp {cp} needs each of the sequence's {parts} "
-                    f"context-parallel chunks ({model.seq_length} / {parts} tokens) to be a "
-                    f"multiple of {BLOCK}, the weight gradient's token tiles; use a "
-                    f"--seq-length that is a multiple of {parts * BLOCK}, or --fp8-recipe rowwise")
-    return None
+    widths = [("the QKV projection's width ((heads + 2 groups) x head dim)",
+               (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim),
+              ("--hidden-size (the attention output's input)", model.hidden_size),
+              ("--ffn-hidden-size", model.ffn_hidden_size)]
+    if model.moe_shared_expert_intermediate_size:
+        widths.append(("--moe-shared-expert-intermediate-size",
+                       model.moe_shared_expert_intermediate_size))
+    cp = parallel.cp
+    return layout_problem(widths, parallel.tp, model.seq_length, cp,
+                          2 * cp if parallel.cp_comm_type == "p2p" else cp)
 
 
 def check_expert_flags(model: GPTConfig, parallel: ParallelConfig) -> None:
