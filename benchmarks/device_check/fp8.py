@@ -1,7 +1,8 @@
 """The device check's FP8 stage (benchmarks/device_check/): bf16 against FP8 GEMMs on one device.
 
 For each model, two ``engine.train`` runs on the same batches of real text (same seed, same
-steps): bf16, then ``--fp8-format hybrid`` (tensorwise scales, docs/precision.md). The text is
+steps): bf16, then ``--fp8-format hybrid`` (tensorwise scales, docs/precision.md; the device
+check's ``--fp8-recipe rowwise|blockwise`` runs that recipe instead, blockwise in e4m3). The text is
 the repository's own documentation (docs/*.md and README.md, about 0.6 M bytes), prepared at the
 stage's start under the stage's out dir with the engine's byte tokenizer
 (``python -m engine.data prepare``, a few seconds): uniform random tokens (mock data) cannot show
@@ -48,13 +49,13 @@ LOSS_WINDOW = 3                                        # the last steps whose lo
 FP8_FLAGS = ("--fp8-format", "hybrid")   # the default pair: tensorwise scales
 RECIPE_FLAGS = {"rowwise": ("--fp8-format", "hybrid", "--fp8-recipe", "rowwise"),
                 "blockwise": ("--fp8-format", "e4m3", "--fp8-recipe", "blockwise")}
+TINY_LR = ("--lr", "3e-3")     # --tiny: a rate at which the loss falls within a few steps
+DATA_INPUTS = ("docs", "README.md")  # the repository's text the pairs train on (byte tokens)
 
 
 def fp8_flags(recipe: str) -> tuple:
     """The FP8 run's flags for ``--fp8-recipe`` (the device check's option; tensorwise: FP8_FLAGS)."""
     return FP8_FLAGS if recipe == "tensorwise" else RECIPE_FLAGS[recipe]
-TINY_LR = ("--lr", "3e-3")     # --tiny: a rate at which the loss falls within a few steps
-DATA_INPUTS = ("docs", "README.md")  # the repository's text the pairs train on (byte tokens)
 
 
 def prepare_text(out: Path, kind: str, deadline_s: float) -> tuple[str | None, str]:
