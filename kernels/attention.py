@@ -31,6 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernels.attention_lse_cuda import FLASH_MIN_CAPABILITY
 from kernels.dispatch import KernelPaths, device_kind, import_torch_npu
 from kernels.signatures import accepts, keyword_names
 
@@ -256,11 +257,16 @@ def _attention_npu(q, k, v, causal, dropout_p, scale, mask_cache, document_ids, 
     return unpack_fusion_attention_output(result, layout)
 
 
-def cuda_varlen_usable(q: torch.Tensor, causal: bool, dropout_p: float) -> bool:
+def cuda_varlen_usable(q: torch.Tensor, causal: bool, dropout_p: float,
+                       capability: tuple | None = None) -> bool:
     """Whether torch.nn.attention.varlen.varlen_attn (flash attention, CUDA only) serves this call:
-    half precision, no dropout (it has none), causal, and a head_dim flash attention takes."""
+    half precision, no dropout (it has none), causal, a head_dim flash attention takes, on a GPU
+    of compute capability 8.0 or later (flash_api.cpp refuses older ones: a V100 or T4 takes the
+    masked SDPA path instead). ``capability`` None (not told) counts as 8.0 or later, as ring
+    attention's block kernels count it (kernels/attention_lse_cuda.py)."""
     d = q.shape[3]
-    return (causal and dropout_p == 0.0 and q.dtype in (torch.float16, torch.bfloat16)
+    sm80 = capability is None or tuple(capability) >= FLASH_MIN_CAPABILITY
+    return (sm80 and causal and dropout_p == 0.0 and q.dtype in (torch.float16, torch.bfloat16)
             and d % VARLEN_HEAD_DIM_MULTIPLE == 0 and d <= VARLEN_MAX_HEAD_DIM)
 
 
@@ -360,7 +366,8 @@ def attention(
     if kind == "npu" and (paths is None or paths.fusion_attention):
         return _attention_npu(q, k, v, causal, dropout_p, scale, mask_cache, document_ids, cu_seqlens)
     packed = document_ids is not None or cu_seqlens is not None
-    if kind == "cuda" and packed and cuda_varlen_usable(q, causal, dropout_p):
+    capability = None if paths is None else paths.cuda_capability
+    if kind == "cuda" and packed and cuda_varlen_usable(q, causal, dropout_p, capability):
         if cu_seqlens is None:
             cu_seqlens = cu_seqlens_from_document_ids(document_ids)
         out = _attention_cuda_varlen(q, k, v, scale, cu_seqlens, mask_cache)

@@ -184,3 +184,31 @@ def test_cuda_varlen_argument_preparation():
     assert not attn_mod.cuda_varlen_usable(q, True, 0.1)  # varlen_attn has no dropout
     assert not attn_mod.cuda_varlen_usable(q.float(), True, 0.0)  # flash: half precision only
     assert not attn_mod.cuda_varlen_usable(torch.empty(1, 1, 2, 12, dtype=torch.bfloat16), True, 0.0)
+    # flash refuses GPUs before sm80 (V100 7.0, T4 7.5): the masked SDPA path there
+    assert attn_mod.cuda_varlen_usable(q, True, 0.0, (8, 0)) and attn_mod.cuda_varlen_usable(q, True, 0.0, (9, 0))
+    assert not attn_mod.cuda_varlen_usable(q, True, 0.0, (7, 5))
+
+
+def test_packed_documents_on_a_t4_take_the_masked_path(monkeypatch):
+    """kernels.attention on a CUDA tensor (device_kind forced; the tensors stay here) of a GPU
+    below sm80 never calls varlen_attn, which would refuse it, and computes the masked reference;
+    on sm80 the same call takes varlen_attn."""
+    import torch.nn.attention.varlen as varlen
+    from kernels.dispatch import KernelPaths
+    calls = []
+
+    def counted(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                enable_gqa=False):   # torch 2.13's signature
+        calls.append(window_size)
+        return _varlen_semantics(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale,
+                                 window_size=window_size, enable_gqa=enable_gqa)
+    monkeypatch.setattr(varlen, "varlen_attn", counted)
+    monkeypatch.setattr(attn_mod, "device_kind", lambda t: "cuda")
+    q, k, v = _qkv(2, 4, 4, 7, 8, seed=5, dtype=torch.float16)
+    want = kernels.attention_reference(q, k, v, document_ids=DOCS)
+    t4 = attn_mod.attention(q, k, v, document_ids=DOCS, cu_seqlens=CU,
+                            paths=KernelPaths(cuda_capability=(7, 5)))
+    assert calls == []
+    _close([t4], [want], torch.float16)
+    attn_mod.attention(q, k, v, document_ids=DOCS, cu_seqlens=CU, paths=KernelPaths(cuda_capability=(8, 0)))
+    assert len(calls) == 1
