@@ -23,10 +23,12 @@ from engine.checkpoint.index import intact_hint, is_weight_key, read_index, reso
 from engine.checkpoint.tensor_reader import TensorReader
 from engine.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from engine.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
+from engine.device.chips import precision_problem
 from engine.device.runtime import setup_device
 from models import GPTConfig, LayerContext
 from models.gpt import GPTChunk
 from parallel.grid.state import ParallelState
+from kernels.dispatch import ALL_FUSED, KernelPaths
 from parallel.tensor_parallel import Initializer
 
 
@@ -34,10 +36,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_model(path: str, registry=None, device: str = "cpu",
-               dtype: torch.dtype = torch.float32) -> tuple[GPTChunk, dict, str]:
+               dtype: torch.dtype = torch.float32,
+               paths: KernelPaths = ALL_FUSED) -> tuple[GPTChunk, dict, str]:
     """The whole model of checkpoint ``path`` in one process, in eval mode, on ``device`` with
-    ``dtype`` weights, plus its index and directory. The weights' bytes are verified against their
-    checksums first (the optimizer state is not read)."""
+    ``dtype`` weights, plus its index and directory; ``paths``: the fused ops the device's chip
+    runs (``DeviceInfo.kernel_paths``, as the trainer hands them down). The weights' bytes are
+    verified against their checksums first (the optimizer state is not read)."""
     ckpt = resolve(path)
     index = read_index(ckpt)
     problems = verify(ckpt, index, keys=is_weight_key)
@@ -49,8 +53,9 @@ def load_model(path: str, registry=None, device: str = "cpu",
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {ckpt}: its model configuration cannot be built ({exc})") from exc
     ps = ParallelState.serial(device)
-    chunk = GPTChunk(cfg, ps, LayerContext(Initializer(cfg.seed, cfg.init_std)), range(cfg.num_layers),
-                     registry=registry).to(device=device, dtype=dtype)
+    ctx = LayerContext(Initializer(cfg.seed, cfg.init_std), kernel_paths=paths)
+    chunk = GPTChunk(cfg, ps, ctx, range(cfg.num_layers), registry=registry).to(device=device,
+                                                                               dtype=dtype)
     load_model_params(param_specs([chunk], ps, cfg.vocab_size), TensorReader(ckpt, index))
     return chunk.eval(), index, ckpt
 
@@ -151,7 +156,8 @@ def build_parser() -> ToolParser:
     parser.add_argument("--device", default="auto", choices=("auto", "npu", "cuda", "cpu"),
                         help="where the model runs (auto: an NPU, else a CUDA GPU, else the CPU)")
     parser.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
-                        help="the weights' dtype (auto: bf16 on an accelerator, fp32 on the CPU)")
+                        help="the weights' dtype (auto: fp32 on the CPU, bf16 on an accelerator "
+                             "that computes in it, else fp16: Ascend 910A / 910ProB, V100, T4)")
     return parser
 
 
@@ -193,6 +199,24 @@ def pick_tokenizer(args, ckpt: str, index: dict):
     return tok
 
 
+def run_dtype(asked: str, dev) -> torch.dtype:
+    """``--dtype`` on the device ``dev`` (engine/device/runtime.py ``DeviceInfo``): auto is fp32
+    on the CPU, else bf16 where the chip computes in it (an NPU the chip table gives bf16, a CUDA
+    GPU of compute capability 8.0 or later, or one not told) and fp16 where it does not (Ascend
+    910A / 910ProB, V100, T4); bf16 asked for on an NPU without it is a ConfigError."""
+    if asked == "auto":
+        if dev.type == "cpu":
+            return DTYPES["fp32"]
+        if dev.type == "npu":
+            return DTYPES["bf16" if precision_problem(dev.name, "bf16") is None else "fp16"]
+        cap = dev.capability
+        return DTYPES["bf16" if cap is None or tuple(cap) >= (8, 0) else "fp16"]
+    if asked == "bf16" and dev.type == "npu" and precision_problem(dev.name, "bf16"):
+        raise ConfigError(f"--dtype bf16: {dev.name} has no bfloat16 arithmetic; use --dtype fp16 "
+                          f"or fp32 (or auto)")
+    return DTYPES[asked]
+
+
 def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         args = build_parser().parse_args(argv)
@@ -200,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = resolve(args.load)
         index = read_index(ckpt)
         tok = pick_tokenizer(args, ckpt, index)
-        device = setup_device(args.device).device   # a ValueError: one line, as training's
-        dtype = DTYPES[args.dtype if args.dtype != "auto" else
-                       "fp32" if device.type == "cpu" else "bf16"]
-        model, index, ckpt = load_model(ckpt, device=device, dtype=dtype)
+        dev = setup_device(args.device)   # a ValueError: one line, as training's
+        dtype = run_dtype(args.dtype, dev)
+        model, index, ckpt = load_model(ckpt, device=dev.device, dtype=dtype, paths=dev.kernel_paths)
+        device = dev.device
         text = generate_text(model, tok, args.prompt, args.max_new_tokens, args.temperature,
                              args.top_k, args.seed)
         print(f"--- sample from {ckpt} (step {index['step']}, {str(dtype)[6:]} on {device}) "

@@ -306,3 +306,37 @@ def test_every_tool_says_a_mistake_the_same_way(tool, capsys):
     lines = out.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("gridtron: ") and "--bogus" in lines[0], out.err
     assert out.out == "" and "Traceback" not in out.err
+
+
+def test_generate_takes_the_chips_dtype_and_fused_ops(ws, capsys, monkeypatch):
+    """generate asks the chip as the trainer does: --dtype auto is bf16 only where the chip has it
+    (fp16 on an Ascend 910A, a V100 or a T4), bf16 asked on a 910A is one line, and the model is
+    built with the chip's fused ops (DeviceInfo.kernel_paths; on a 910A without
+    npu_fusion_attention and npu_swiglu)."""
+    from engine.device.chips import npu_kernel_paths
+    from engine.device.runtime import DeviceInfo
+    from engine.tools import generate
+    cpu = torch.device("cpu")
+
+    def dev(kind, name, capability=None, paths=None):
+        return DeviceInfo(kind, cpu, "gloo", name, capability=capability,
+                          **({"kernel_paths": paths} if paths else {}))
+    picks = {(k, n, c): generate.run_dtype("auto", dev(k, n, c)) for k, n, c in (
+        ("cpu", "cpu", None), ("npu", "Ascend910A", None), ("npu", "Ascend910B3", None),
+        ("cuda", "Tesla V100-SXM2-32GB", (7, 0)), ("cuda", "Tesla T4", (7, 5)),
+        ("cuda", "NVIDIA H100 80GB HBM3", (9, 0)))}
+    assert list(picks.values()) == [torch.float32, torch.float16, torch.bfloat16, torch.float16,
+                                    torch.float16, torch.bfloat16]
+    with pytest.raises(ValueError, match="^--dtype bf16: Ascend910A has no bfloat16 arithmetic"):
+        generate.run_dtype("bf16", dev("npu", "Ascend910A"))
+    paths = npu_kernel_paths("Ascend910A")[0]
+    assert not paths.fusion_attention and not paths.swiglu
+    model, _, _ = generate.load_model(os.path.join(ws, "ck"), paths=paths)
+    assert {m.paths for m in model.modules() if hasattr(m, "paths")} == {paths}
+    seen = []
+    real = generate.load_model
+    monkeypatch.setattr(generate, "setup_device", lambda kind: dev("cpu", "cpu", paths=paths))
+    monkeypatch.setattr(generate, "load_model", lambda *a, **k: seen.append(k["paths"]) or real(*a, **k))
+    assert generate_main(["--load", os.path.join(ws, "ck"), "--prompt", "hi", "--tokenizer", "byte",
+                          "--max-new-tokens", "2"]) == 0
+    assert seen == [paths]
