@@ -20,13 +20,16 @@ from collections import OrderedDict
 
 import numpy as np
 
-MEMO_EPOCHS = 2  # epoch permutations a sampler keeps (each is num_samples int64)
+MEMO_EPOCHS = 2  # epoch permutations a sampler keeps (each is num_samples int32 or int64)
 
 
 def epoch_order(num_samples: int, seed: int, key: tuple, epoch: int) -> np.ndarray:
-    """All sample indices of one epoch in its seeded order: (num_samples,) int64, drawn from the
-    generator seeded by (seed, *key, epoch) and nothing else."""
-    return np.random.default_rng([seed, *key, epoch]).permutation(num_samples)
+    """All sample indices of one epoch in its seeded order: (num_samples,), drawn from the
+    generator seeded by (seed, *key, epoch) and nothing else; kept as int32 where the indices fit
+    (below 2^31 samples: half the memory of numpy's int64 draw, 2 GB less per rank and epoch held
+    at 500 M samples), the same values."""
+    order = np.random.default_rng([seed, *key, epoch]).permutation(num_samples)
+    return order.astype(np.int32) if num_samples <= np.iinfo(np.int32).max else order
 
 
 class GlobalBatchSampler:

@@ -94,6 +94,15 @@ PLAIN = lambda: GlobalBatchSampler(7, 4, seed=5)  # noqa: E731
 BLEND = lambda: BlendedSampler([5, 3], [0.6, 0.4], 4, seed=5)  # noqa: E731
 
 
+def test_epoch_orders_are_kept_in_int32_with_numpys_values():
+    """The memo holds int32 (half of numpy's int64 permutation) with the same values, so every
+    batch is what it was."""
+    from engine.data import sampler as sampler_module
+    order = sampler_module.epoch_order(1000, 5, (), 3)
+    assert order.dtype == np.int32
+    assert np.array_equal(order, np.random.default_rng([5, 3]).permutation(1000))
+
+
 @pytest.mark.parametrize("make", [PLAIN, BLEND])
 def test_each_epoch_permutation_is_built_once(monkeypatch, make):
     """Each step's batch read twice: every (member, epoch) permutation is built once, not again
