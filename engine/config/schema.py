@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass, field
 
 from engine.config.parallel import ParallelConfig
+from engine.config.fp8 import check_fp8_flags
 from engine.config.sharding import check_sharding_flags
-from kernels.fp8_blockwise import layout_problem
 from models.config import GPTConfig, check_finite
 from parallel.grid.expert_groups import ExpertGrid
 
@@ -339,57 +339,6 @@ class RunConfig:
             check_expert_flags(self.model, self.parallel)
         check_fp8_flags(self)
         check_sharding_flags(self)
-
-
-def check_fp8_flags(cfg: "RunConfig") -> None:
-    """What FP8 cannot run with (docs/precision.md): --compile, and bf16 layers that leave none."""
-    p = cfg.precision
-    if p.fp8_format is None:
-        return
-    if cfg.compile:
-        raise ValueError(f"--fp8-format {p.fp8_format} with --compile is not built: the FP8 "
-                         f"layers agree their scales with collectives inside their autograd "
-                         f"Functions, which run eagerly; drop --compile or --fp8-format")
-    if p.fp8_recipe == "blockwise" and p.fp8_format != "e4m3":
-        raise ValueError(f"--fp8-recipe blockwise runs every operand in e4m3 (DeepSeek-V3's "
-                         f"recipe; PyTorch's blockwise kernel takes e4m3 only), not --fp8-format "
-                         f"{p.fp8_format}; use --fp8-format e4m3")
-    if p.fp8_recipe == "blockwise" and not cfg.checkpoint.use_checkpoint_args:
-        problem = blockwise_problem(cfg.model, cfg.parallel)
-        if problem:
-            raise ValueError(problem)
-    start, end = p.fp8_bf16_layers
-    if start + end >= cfg.model.num_layers and not cfg.checkpoint.use_checkpoint_args:
-        raise ValueError(f"--num-layers-at-start-in-bf16 {start} and --num-layers-at-end-in-bf16 "
-                         f"{end} keep all {cfg.model.num_layers} layers in bf16, so --fp8-format "
-                         f"changes nothing; lower them or drop --fp8-format")
-
-
-def blockwise_problem(model: GPTConfig, parallel: ParallelConfig) -> str | None:
-    """Why ``--fp8-recipe blockwise`` would not quantize with the serial run's scales in this
-    layout, or None (``kernels.fp8_blockwise.layout_problem``): TP splits the QKV projection's
-    width, the attention output's input (the hidden size), the MLP's width and the shared
-    expert's; CP the sequence (2 cp load-balanced chunks for the ring, cp contiguous shards for
-    a2a). A user block's own layers are the user's to size alike (docs/precision.md).
-
-    >>> from models.config import GPTConfig
-    >>> from engine.config.parallel import ParallelConfig
-    >>> blockwise_problem(GPTConfig(hidden_size=256, num_attention_heads=4, seq_length=256),
-    ...                   ParallelConfig(tp=2))
-    >>> print(blockwise_problem(GPTConfig(hidden_size=128, num_attention_heads=4),
-    ...                         ParallelConfig(tp=2)).split(";")[0])
-    --fp8-recipe blockwise at --tp 2 needs each rank's share of the QKV projection's width ((heads + 2 groups) x head dim) (384 / 2) to be a multiple of 128, so that every scale tile is whole on one rank
-    """
-    widths = [("the QKV projection's width ((heads + 2 groups) x head dim)",
-               (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim),
-              ("--hidden-size (the attention output's input)", model.hidden_size),
-              ("--ffn-hidden-size", model.ffn_hidden_size)]
-    if model.moe_shared_expert_intermediate_size:
-        widths.append(("--moe-shared-expert-intermediate-size",
-                       model.moe_shared_expert_intermediate_size))
-    cp = parallel.cp
-    return layout_problem(widths, parallel.tp, model.seq_length, cp,
-                          2 * cp if parallel.cp_comm_type == "p2p" else cp)
 
 
 def check_expert_flags(model: GPTConfig, parallel: ParallelConfig) -> None:
