@@ -17,7 +17,7 @@ two (as the rowwise recipe), and every operand is e4m3 (PyTorch's blockwise kern
 only, and DeepSeek-V3 trains so: the tiles give each gradient tile its own range).
 
 A scale is local to its tile, so nothing is reduced over a group: where TP or CP shards a
-dimension in multiples of 128 (``engine.config.schema`` refuses the rest), each rank's tiles are
+dimension in multiples of 128 (``engine.config.fp8`` refuses the rest), each rank's tiles are
 tiles of the serial tensor with the serial scales.
 
 Paths (``blockwise_mm``), the same choice on every device as ``kernels.fp8.scaled_mm`` makes:
@@ -67,8 +67,7 @@ def layout_problem(widths, tp: int, seq_length: int, cp: int, cp_parts: int) -> 
     width) pairs) must leave each rank whole 128-wide tiles, and each of the sequence's
     ``cp_parts`` context-parallel chunks (2 cp for the ring, cp for a2a) whole 128-token tiles; a
     tile cut by a shard boundary would get another scale than the serial run's tile. The
-    configuration (engine/config/schema.py) and the planner's layout rules (engine/plan/model.py)
-    both ask this.
+    configuration asks it (engine/config/fp8.py ``blockwise_problem``).
 
     >>> layout_problem([("--hidden-size", 256)], 2, 256, 1, 1) is None
     True
