@@ -1,6 +1,6 @@
 """The planner against the dry run on named layouts of 2 to 32 ranks (bf16/fp32, SP, GQA,
 ZeRO-1/2/3, the optimizer offload, CP, interleaved, recomputation, pp 8, zb-h1, zb-v, FP8
-tensorwise and rowwise): every figure of every role (weights, gradients, optimizer state,
+tensorwise, rowwise and blockwise): every figure of every role (weights, gradients, optimizer state,
 activations, communicator buffers, TP, CP, PP, DP and embedding traffic; ZeRO-3's gathered peak;
 the offload's host memory) equals the planner's, or, where the two knowingly differ, lies within
 a bound stated below with its reason; a difference compare.py flags (above 5 %) carries its
@@ -82,6 +82,10 @@ SWEEP = {  # name: (world, flags, {figure: bounds} where the two knowingly diffe
     "llama GQA tp2 cp2 FP8 rowwise": (
         4, "--tp 2 --cp 2 --precision bf16 --fp8-format hybrid --fp8-recipe rowwise --block llama "
            "--num-query-groups 4 " + SHORT, {"activation_bytes": LLAMA_ACTIVATIONS}),
+    # blockwise: no scale reduced (kernels/fp8_blockwise.py), so the TP bytes are bf16's, equal
+    "gpt2 tp2 FP8 blockwise": (
+        2, "--tp 2 --precision bf16 --fp8-format e4m3 --fp8-recipe blockwise " + SHORT,
+        {"activation_bytes": GPT2_ACTIVATIONS}),
 }
 
 
