@@ -31,7 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_lse_cuda import FLASH_MIN_CAPABILITY
+from kernels.attention_lse_cuda import flash_capable
 from kernels.dispatch import KernelPaths, device_kind, import_torch_npu
 from kernels.signatures import accepts, keyword_names
 
@@ -265,8 +265,7 @@ def cuda_varlen_usable(q: torch.Tensor, causal: bool, dropout_p: float,
     masked SDPA path instead). ``capability`` None (not told) counts as 8.0 or later, as ring
     attention's block kernels count it (kernels/attention_lse_cuda.py)."""
     d = q.shape[3]
-    sm80 = capability is None or tuple(capability) >= FLASH_MIN_CAPABILITY
-    return (sm80 and causal and dropout_p == 0.0 and q.dtype in (torch.float16, torch.bfloat16)
+    return (flash_capable(capability) and causal and dropout_p == 0.0 and q.dtype in (torch.float16, torch.bfloat16)
             and d % VARLEN_HEAD_DIM_MULTIPLE == 0 and d <= VARLEN_MAX_HEAD_DIM)
 
 

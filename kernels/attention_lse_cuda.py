@@ -50,6 +50,12 @@ def cuda_ops() -> dict:
             if (op := getattr(torch.ops.aten, name, None)) is not None}
 
 
+def flash_capable(capability: tuple | None) -> bool:
+    """Whether PyTorch's flash kernels run on a GPU of compute ``capability`` (8.0 or later; None,
+    not told, counts as such)."""
+    return capability is None or tuple(capability) >= FLASH_MIN_CAPABILITY
+
+
 def cuda_block_kernel(q: torch.Tensor, mask, ops: dict,
                       capability: tuple | None = None) -> str | None:
     """'flash', 'efficient' or None (the blockwise path) for one block of q (b, n, sq, d) on a
@@ -57,7 +63,7 @@ def cuda_block_kernel(q: torch.Tensor, mask, ops: dict,
     d = q.shape[-1]
     if d % 8:
         return None
-    sm80 = capability is None or tuple(capability) >= FLASH_MIN_CAPABILITY
+    sm80 = flash_capable(capability)
     if (sm80 and mask is None and q.dtype in FLASH_DTYPES and d <= MAX_FLASH_HEAD_DIM
             and "flash" in ops and "flash_backward" in ops):
         return "flash"

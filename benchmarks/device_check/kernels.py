@@ -131,7 +131,7 @@ def fp8_blockwise_row(device: torch.device, seq: int = 512) -> dict:
         sw = bw.block_scales(w)
         fwd = bw.block_error(bw.linear(x, w, sw)[0], x2 @ wf.t())
         grad = max(bw.block_error(bw.dgrad(dy, w, sw)[0], dy2 @ wf),
-                   bw.block_error(bw.wgrad(dy, x, torch.float32), dy2.t() @ x2))
+                   bw.block_error(bw.wgrad(dy, x, torch.bfloat16), dy2.t() @ x2))  # as training
         row.update(forward=fwd, gradient=grad, ok=fwd <= FP8_TOLERANCE and grad <= FP8_TOLERANCE)
     except Exception as exc:  # noqa: BLE001 - the row says what it raised
         row["error"] = f"{type(exc).__name__}: " + (str(exc).strip().splitlines() or [""])[-1][:200]

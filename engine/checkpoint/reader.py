@@ -17,6 +17,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from engine.base import ConfigError
+from engine.config.fp8 import check_fp8_flags
 from engine.checkpoint.index import (CheckpointError, intact_hint, is_weight_key, read_index,
                                      resolve, verify)
 from engine.checkpoint.tensor_reader import TensorReader
@@ -55,9 +56,14 @@ def with_checkpoint_args(cfg):
         raise ConfigError(f"--seq-length {cfg.model.seq_length} is longer than the checkpoint's position "
                           f"table ({shape['max_position_embeddings']}); use a shorter --seq-length")
     try:
-        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape))
+        out = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"--use-checkpoint-args: {exc}") from exc
+    try:   # what needs the model's shape: FP8's bf16 layers and blockwise tiles
+        check_fp8_flags(out, model_known=True)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    return out
 
 
 # what a checkpoint written before a field existed holds in its place
@@ -279,6 +285,11 @@ def _read_own(trainer, ckpt: str, index: dict, weights_only: bool):
     cfg, ps = trainer.cfg, trainer.ps
     ck = cfg.checkpoint
     step = index["step"]
+    if not (weights_only or step == 0):   # the sampler's refusals (another --seed, other data)
+        try:                              # before any tensor is read: a line, not minutes
+            trainer.sampler.load_state_dict({**index["sampler"], "next_step": 0})
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {ckpt}: {exc}") from exc
     reader = TensorReader(ckpt, index)
     specs = param_specs(trainer.chunks, ps, cfg.model.vocab_size)
     trainer.params_ready()  # (ZeRO-3: nothing gathered while its shards change)

@@ -4,13 +4,18 @@ blockwise``'s format and tile rule (docs/precision.md)."""
 from __future__ import annotations
 
 from engine.config.parallel import ParallelConfig
-from kernels.fp8_blockwise import layout_problem
+from kernels.fp8 import Fp8Recipe
+from kernels.fp8_tiles import layout_problem
 from models.config import GPTConfig
 
 
-def check_fp8_flags(cfg) -> None:
+def check_fp8_flags(cfg, model_known: bool | None = None) -> None:
     """What FP8 cannot run with in the run configuration ``cfg`` (docs/precision.md): --compile,
-    bf16 layers that leave none, and blockwise's format and tile rule."""
+    the recipe's own rules (``kernels.fp8.Fp8Recipe``: blockwise takes e4m3 only), and, once the
+    model's shape is known, bf16 layers that leave none and blockwise's tile rule.
+    ``model_known``: None reads it from ``cfg`` (under --use-checkpoint-args with --load the shape
+    comes from the checkpoint later: engine/checkpoint/reader.py ``with_checkpoint_args`` checks
+    again with True)."""
     p = cfg.precision
     if p.fp8_format is None:
         return
@@ -18,16 +23,17 @@ def check_fp8_flags(cfg) -> None:
         raise ValueError(f"--fp8-format {p.fp8_format} with --compile is not built: the FP8 "
                          f"layers agree their scales with collectives inside their autograd "
                          f"Functions, which run eagerly; drop --compile or --fp8-format")
-    if p.fp8_recipe == "blockwise" and p.fp8_format != "e4m3":
-        raise ValueError(f"--fp8-recipe blockwise runs every operand in e4m3 (DeepSeek-V3's "
-                         f"recipe; PyTorch's blockwise kernel takes e4m3 only), not --fp8-format "
-                         f"{p.fp8_format}; use --fp8-format e4m3")
-    if p.fp8_recipe == "blockwise" and not cfg.checkpoint.use_checkpoint_args:
+    Fp8Recipe(p.fp8_format, p.fp8_recipe)   # a ValueError: the recipe's own line
+    if model_known is None:
+        model_known = not (cfg.checkpoint.use_checkpoint_args and cfg.checkpoint.load)
+    if not model_known:
+        return
+    if p.fp8_recipe == "blockwise":
         problem = blockwise_problem(cfg.model, cfg.parallel)
         if problem:
             raise ValueError(problem)
     start, end = p.fp8_bf16_layers
-    if start + end >= cfg.model.num_layers and not cfg.checkpoint.use_checkpoint_args:
+    if start + end >= cfg.model.num_layers:
         raise ValueError(f"--num-layers-at-start-in-bf16 {start} and --num-layers-at-end-in-bf16 "
                          f"{end} keep all {cfg.model.num_layers} layers in bf16, so --fp8-format "
                          f"changes nothing; lower them or drop --fp8-format")
@@ -35,7 +41,7 @@ def check_fp8_flags(cfg) -> None:
 
 def blockwise_problem(model: GPTConfig, parallel: ParallelConfig) -> str | None:
     """Why ``--fp8-recipe blockwise`` would not quantize with the serial run's scales in this
-    layout, or None (``kernels.fp8_blockwise.layout_problem``): TP splits the QKV projection's
+    layout, or None (``kernels.fp8_tiles.layout_problem``): TP splits the QKV projection's
     width, the attention output's input (the hidden size), the MLP's width and the shared
     expert's; CP the sequence (2 cp load-balanced chunks for the ring, cp contiguous shards for
     a2a). A user block's own layers are the user's to size alike (docs/precision.md).

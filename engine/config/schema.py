@@ -99,7 +99,7 @@ class PrecisionConfig:
     # FP8 GEMMs in the tensor-parallel layers on top of bf16 (docs/precision.md): e4m3 (every
     # operand) or hybrid (e5m2 gradients); None: off
     fp8_format: str | None = None
-    fp8_recipe: str = "tensorwise"   # tensorwise | rowwise scales
+    fp8_recipe: str = "tensorwise"   # tensorwise | rowwise | blockwise scales
     first_last_layers_bf16: bool = False  # keep the first and last layers in bf16 (counts below)
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1

@@ -76,6 +76,9 @@ class BlendedDataset:
         """Unmasked input tokens over the samples ``indices``: each member's table (built lazily by
         the member, ``TokenDataset.loss_token_table``) looked up at i - offset_m; no sample read."""
         idx = np.asarray(indices, dtype=np.int64)                                # (n,)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"sample {int(idx.max() if idx.max() >= len(self) else idx.min())} "
+                             f"out of range for {len(self)} samples")
         member = np.searchsorted(self.offsets, idx, side="right") - 1            # (n,)
         return sum(d.loss_tokens(idx[member == m] - self.offsets[m], eod_id)
                    for m, d in enumerate(self.datasets))

@@ -51,7 +51,8 @@ class GlobalBatchSampler:
         self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def epoch_permutation(self, epoch: int) -> np.ndarray:
-        """The order of all samples in ``epoch``: (num_samples,) int64, seeded by (seed, *key, epoch).
+        """The order of all samples in ``epoch``: (num_samples,), seeded by (seed, *key, epoch)
+        (``epoch_order``: int32 where the indices fit).
         Memoised for the MEMO_EPOCHS epochs used last, so a batch straddling two epochs, read
         twice in a step (the loss count and the micro-batches), builds each permutation once."""
         if epoch in self._perms:

@@ -1,4 +1,5 @@
-"""kernels/fp8_blockwise.py: DeepSeek-V3's blockwise FP8 GEMMs against their definition.
+"""kernels/fp8_blockwise.py and kernels/fp8_tiles.py: DeepSeek-V3's blockwise FP8 GEMMs against
+their definition.
 
 The per-tile path runs torch 2.13's CPU ``torch._scaled_mm`` (counted), one rowwise FP8 GEMM per
 128-wide K tile, each rounded to bf16 before the fp32 sum: it may differ from the reference (the
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from kernels import fp8_blockwise as bw
+from kernels import fp8_tiles
 from kernels.fp8 import E4M3, amax_to_scale, fp8_max, quantize
 from tests.kernels.test_fp8 import CountScaledMM
 
@@ -29,9 +31,9 @@ def _tiled(shape, tile_dims, seed=0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*shape, generator=g)
     for d in tile_dims:
-        tiles = -(-shape[d] // bw.BLOCK)
+        tiles = -(-shape[d] // fp8_tiles.BLOCK)
         k = torch.randint(-6, 7, (tiles,), generator=g).float()
-        scale = torch.exp2(k).repeat_interleave(bw.BLOCK)[:shape[d]]
+        scale = torch.exp2(k).repeat_interleave(fp8_tiles.BLOCK)[:shape[d]]
         view = [1] * len(shape)
         view[d] = shape[d]
         x = x * scale.view(view)
@@ -39,7 +41,7 @@ def _tiled(shape, tile_dims, seed=0) -> torch.Tensor:
 
 
 def test_worked_examples():
-    failed, tried = doctest.testmod(bw)
+    failed, tried = doctest.testmod(fp8_tiles)
     assert tried > 0 and failed == 0
 
 
@@ -47,37 +49,37 @@ def test_tile_scales_are_each_tiles_own():
     """Each scale is the power-of-two e4m3 scale of its tile's amax (partial last tiles too), and
     the tiles of a shard cut at a multiple of 128 are the whole tensor's tiles."""
     x = _tiled((5, 300), [1])
-    s = bw.row_tile_scales(x)
+    s = fp8_tiles.row_tile_scales(x)
     assert s.shape == (5, 3)
-    for j, (lo, hi) in enumerate(bw.tile_bounds(300)):
+    for j, (lo, hi) in enumerate(fp8_tiles.tile_bounds(300)):
         want = amax_to_scale(x[:, lo:hi].abs().amax(1), E4M3, power_of_two=True)
         assert torch.equal(s[:, j], want)
-    assert torch.equal(bw.row_tile_scales(x[:, 128:]), s[:, 1:])          # a TP shard's tiles
+    assert torch.equal(fp8_tiles.row_tile_scales(x[:, 128:]), s[:, 1:])          # a TP shard's tiles
     w = _tiled((260, 200), [0, 1], seed=1)
-    sw = bw.block_scales(w)
+    sw = fp8_tiles.block_scales(w)
     assert sw.shape == (3, 2)
     assert sw[2, 1] == amax_to_scale(w[256:, 128:].abs().max(), E4M3, power_of_two=True)
-    assert torch.equal(bw.block_scales(w[128:]), sw[1:])
+    assert torch.equal(fp8_tiles.block_scales(w[128:]), sw[1:])
     t = _tiled((2, 200, 6), [1], seed=2)                                   # (b, s, n)
-    st = bw.token_tile_scales(t)                                           # tiles cut per sequence
-    per_sample = torch.cat([bw.token_tile_scales(t[i:i + 1]) for i in range(2)])
+    st = fp8_tiles.token_tile_scales(t)                                           # tiles cut per sequence
+    per_sample = torch.cat([fp8_tiles.token_tile_scales(t[i:i + 1]) for i in range(2)])
     assert st.shape == (4, 6) and torch.equal(st, per_sample)
     assert torch.equal(st[1], amax_to_scale(t[0, 128:].abs().amax(0), E4M3, power_of_two=True))
-    chunk = bw.token_tile_scales(t[:, 128:])                               # a CP chunk from 128
+    chunk = fp8_tiles.token_tile_scales(t[:, 128:])                               # a CP chunk from 128
     assert torch.equal(chunk, st[[1, 3]])
 
 
 def test_quantization_applies_each_tiles_scale():
     x = _tiled((3, 300), [1], seed=3)
-    s = bw.row_tile_scales(x)
-    q = bw.quantize_rows(x, s)
-    for j, (lo, hi) in enumerate(bw.tile_bounds(300)):
+    s = fp8_tiles.row_tile_scales(x)
+    q = fp8_tiles.quantize_rows(x, s)
+    for j, (lo, hi) in enumerate(fp8_tiles.tile_bounds(300)):
         assert torch.equal(q[:, lo:hi].view(torch.uint8),
                            quantize(x[:, lo:hi], s[:, j:j + 1], E4M3).view(torch.uint8))
     assert q.float().abs().max() <= fp8_max(E4M3)
     w = _tiled((200, 260), [0, 1], seed=4)
-    sw = bw.block_scales(w)
-    qw = bw.quantize_blocks(w, sw)
+    sw = fp8_tiles.block_scales(w)
+    qw = fp8_tiles.quantize_blocks(w, sw)
     assert torch.equal(qw[128:, 256:].view(torch.uint8),
                        quantize(w[128:, 256:], sw[1, 2], E4M3).view(torch.uint8))
 
@@ -88,23 +90,23 @@ def test_quantization_applies_each_tiles_scale():
 def test_per_tile_path_runs_scaled_mm_and_matches_the_reference(m, k, n, per):
     x = _tiled((m, k), [1], seed=5)
     y = _tiled((k, n), [0], seed=6)
-    sx = bw.row_tile_scales(x) if per is None else None
+    sx = fp8_tiles.row_tile_scales(x) if per is None else None
     if per is None:
-        a = bw.quantize_rows(x, sx)
+        a = fp8_tiles.quantize_rows(x, sx)
         inv_a = sx.reciprocal()
     else:   # the weight gradient's token tiles: x^T's rows are columns cut per sequence
-        st = bw.token_tile_scales(x.t().reshape(1, -1, m).reshape(k // per, per, m))
-        a = bw.quantize_token_tiles(x.t().reshape(k // per, per, m), st).t().contiguous()
+        st = fp8_tiles.token_tile_scales(x.t().reshape(1, -1, m).reshape(k // per, per, m))
+        a = fp8_tiles.quantize_token_tiles(x.t().reshape(k // per, per, m), st).t().contiguous()
         inv_a = st.reciprocal().t()
-    sy = bw.token_tile_scales(y.reshape(k // (per or k), per or k, n))
-    b = bw.quantize_token_tiles(y.reshape(k // (per or k), per or k, n), sy).t().contiguous().t()
+    sy = fp8_tiles.token_tile_scales(y.reshape(k // (per or k), per or k, n))
+    b = fp8_tiles.quantize_token_tiles(y.reshape(k // (per or k), per or k, n), sy).t().contiguous().t()
     inv_b = sy.reciprocal()
     with CountScaledMM() as counter:
         got = bw.blockwise_mm(a, b, inv_a, inv_b, torch.float32, per=per)
-    tiles = bw.tile_bounds(k, per)
+    tiles = fp8_tiles.tile_bounds(k, per)
     assert counter.calls == sum((hi - lo) % 16 == 0 for lo, hi in tiles) > 0
-    want = bw.blockwise_mm_reference(a, b, inv_a, inv_b, torch.float32, per=per)
-    parts = sum(bw.blockwise_mm_reference(a[:, lo:hi], b[lo:hi], inv_a[:, j:j + 1],
+    want = fp8_tiles.blockwise_mm_reference(a, b, inv_a, inv_b, torch.float32, per=per)
+    parts = sum(fp8_tiles.blockwise_mm_reference(a[:, lo:hi], b[lo:hi], inv_a[:, j:j + 1],
                                           inv_b[j:j + 1], torch.float32).abs()
                 for j, (lo, hi) in enumerate(tiles))
     bound = BF16_ULP * parts + 1e-5 * want.abs().max()
@@ -129,7 +131,7 @@ def test_layer_gemms_are_the_products_within_e4m3_rounding():
         assert ((got.float() - exact).abs() <= bound).all()
         assert ((got.float() - exact).abs() > 0).any()
 
-    sw = bw.block_scales(w)
+    sw = fp8_tiles.block_scales(w)
     y = bw.linear(x, w, sw)
     assert y.shape == (b_, s, o) and y.dtype == torch.bfloat16
     close(y.reshape(-1, o), x.reshape(-1, i), w.t())
@@ -168,20 +170,24 @@ def test_fused_call_lays_out_scales_as_torch_rules_say(b_blocks):
 def _stand_in(misread: str | None):
     """F.scaled_mm's blockwise kernel, which no CPU runs, as the reference reading its scales as
     ``_fused`` lays them out (``misread`` None), or reading them otherwise: B's 128 x 128 blocks
-    transposed, or A's tiles shifted by one: what a torch with other layout rules would do."""
+    transposed, or A's tiles shifted by one: what a torch with other layout rules would do; or
+    returning NaN."""
     def fused(a, b, inv_a, inv_b_compact, b_blocks, out_dtype, fast_accum):
+        if misread == "nan":   # a kernel that returns garbage agrees with nothing
+            return torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=out_dtype)
         if misread == "a" or (misread == "b" and not b_blocks):
             inv_a = inv_a.roll(1, dims=1)
         if b_blocks:
             compact = inv_b_compact.t() if misread == "b" else inv_b_compact
-            inv_b = bw.expand(compact, 1, b.shape[1])
+            inv_b = fp8_tiles.expand(compact, 1, b.shape[1])
         else:
             inv_b = inv_b_compact
-        return bw.blockwise_mm_reference(a, b, inv_a, inv_b, out_dtype)
+        return fp8_tiles.blockwise_mm_reference(a, b, inv_a, inv_b, out_dtype)
     return fused
 
 
-@pytest.mark.parametrize("misread", [None, "a", "b"], ids=["as laid out", "A's tiles", "B's blocks"])
+@pytest.mark.parametrize("misread", [None, "a", "b", "nan"],
+                         ids=["as laid out", "A's tiles", "B's blocks", "NaN"])
 def test_the_probe_sees_a_kernel_that_reads_scales_otherwise(monkeypatch, misread):
     """``fused_agrees`` (the start-up probe's comparison) on graded operands, whose neighbouring
     tiles differ by 2^18: a kernel reading the scales as laid out agrees with the per-tile path;
@@ -189,6 +195,35 @@ def test_the_probe_sees_a_kernel_that_reads_scales_otherwise(monkeypatch, misrea
     scales would all be equal and any reading would agree)."""
     monkeypatch.setattr(bw, "_fused", _stand_in(misread))
     assert bw.fused_agrees("cpu") is (misread is None)
-    x, w, _ = bw.graded_operands(256, 256, "cpu")
-    s = bw.block_scales(w)
+    assert fp8_tiles.block_error(torch.full((4, 4), float("nan")), torch.ones(4, 4)) == float("inf")
+    x, w, _ = fp8_tiles.graded_operands(256, 256, "cpu")
+    s = fp8_tiles.block_scales(w)
     assert s[0, 0] != s[0, 1] and s[0, 0] != s[1, 0] and s[0, 1] != s[1, 0]  # no two alike
+
+
+def test_weight_gradient_tiles_are_cut_per_sequence():
+    """dW = dy^T x over two sequences of 160 tokens: tiles 0-127 and 128-159 of each. x's token
+    tiles and dy's are 2^18 apart and inverse (x 2^(9 e), dy 2^(-9 e) with e = +1, -1 per tile), so
+    every tile adds alike to dW and a tile cut across the two sequences (128-255 of the flattened
+    tokens: the first one's 32 small ones with the second one's 96 large ones) would share one
+    scale, flush the small part and miss e4m3's bound by far."""
+    g = torch.Generator().manual_seed(11)
+    e = torch.tensor([9.0] * 128 + [-9.0] * 32)                            # (s,) per-token exponent
+    x = (torch.randn(2, 160, 64, generator=g) * torch.exp2(e)[:, None]).bfloat16()
+    dy = (torch.randn(2, 160, 96, generator=g) * torch.exp2(-e)[:, None]).bfloat16()
+    got = bw.wgrad(dy, x, torch.float32)
+    a, b = dy.float().reshape(-1, 96).t(), x.float().reshape(-1, 64)
+    exact = a @ b
+    bound = (2 * E4M3_STEP / 2 + BF16_ULP) * (a.abs() @ b.abs())
+    assert ((got - exact).abs() <= bound).all()
+    flattened = fp8_tiles.blockwise_mm_reference(   # the same operands cut in flat 128-token tiles
+        *_flat_tiles(dy.reshape(1, 320, 96), x.reshape(1, 320, 64)), torch.float32)
+    assert ((flattened - exact).abs() > bound).any()   # what the per-sequence cut avoids
+
+
+def _flat_tiles(g, x):
+    """dy^T and x quantized with 128-token tiles over the flattened tokens (not per sequence)."""
+    sg, sx = fp8_tiles.token_tile_scales(g), fp8_tiles.token_tile_scales(x)
+    a = fp8_tiles.quantize_token_tiles(g, sg).t().contiguous()
+    b = fp8_tiles.quantize_token_tiles(x, sx)
+    return a, b, sg.reciprocal().t(), sx.reciprocal()

@@ -103,3 +103,24 @@ def test_blockwise_refusals_are_one_line(extra, line, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("gridtron: configuration error: ") and line in err, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_the_tile_rule_applies_to_a_shape_from_the_checkpoint(tmp_path):
+    """--use-checkpoint-args takes the model's shape from --load after the flags are read: the
+    tile rule (and the bf16-layers rule beside it) is asked again with that shape, so hidden 128
+    from a checkpoint at --tp 2 is refused as it is when given."""
+    from engine.base import ConfigError
+    from engine.training.launch import run_config
+    save = str(tmp_path / "ck")
+    assert train_main(TINY + ["--hidden-size", "128", "--seq-length", "32", "--save", save,
+                              "--run-dir", str(tmp_path / "run")]) == 0
+    with pytest.raises(ConfigError, match="^--fp8-recipe blockwise at --tp 2 needs each rank's "
+                                          "share of the QKV projection's width"):
+        run_config(TINY + ["--seq-length", "32", "--load", save, "--use-checkpoint-args", "--tp",
+                           "2", *BLOCKWISE])
+    with pytest.raises(ConfigError, match="keep all 2 layers in bf16"):
+        run_config(TINY + ["--seq-length", "32", "--load", save, "--use-checkpoint-args",
+                           "--fp8-format", "e4m3", "--first-last-layers-bf16"])
+    cfg = run_config(TINY + ["--seq-length", "32", "--load", save, "--use-checkpoint-args",
+                             *BLOCKWISE])   # tp 1: any width is whole tiles
+    assert cfg.model.hidden_size == 128 and cfg.precision.fp8_recipe == "blockwise"
