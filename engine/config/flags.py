@@ -148,7 +148,8 @@ FLAGS: dict[str, Flag] = {
                        choices=BACKEND_RULES),
     "distributed_backend": F("the process groups' backend: auto (hccl on an NPU, nccl on a GPU, "
                              "gloo on the CPU), or gloo on any device: device tensors through "
-                             "gloo, which lets two processes share one GPU (NCCL refuses that); "
+                             "gloo, which lets the processes of a node that sees one GPU share it "
+                             "(NCCL refuses that; each then gets its share of the free memory); "
                              "slow, and gloo has no point-to-point transfer of CUDA tensors",
                              "parallelism", choices=DIST_BACKENDS),
     "stream_check": F("run under the stream-order checker: an access of one storage from two "

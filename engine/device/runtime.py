@@ -154,15 +154,20 @@ def available_memory(kind: str, local_rank: int = 0, local_world_size: int = 1,
                      meminfo: str = "/proc/meminfo") -> tuple[int | None, str]:
     """Bytes this process may still allocate on its device, and where the figure comes from.
 
-    npu / cuda: the free memory of the device ``device_index`` binds (``mem_get_info``). cpu: the
-    host's MemAvailable (``meminfo``) shared by the node's ``local_world_size`` processes. (None,
-    why) when it cannot be read; nothing is then refused for memory.
+    npu / cuda: the free memory of the device ``device_index`` binds (``mem_get_info``), shared by
+    the node's processes where they all see that one device (``--distributed-backend gloo`` puts
+    them on it together: each may take its share, not the whole). cpu: the host's MemAvailable
+    (``meminfo``) shared by the node's ``local_world_size`` processes. (None, why) when it cannot
+    be read; nothing is then refused for memory.
     """
     if kind in ("npu", "cuda"):
-        index = device_index(local_rank, local_world_size, device_count(kind))
+        visible = device_count(kind)
+        index = device_index(local_rank, local_world_size, visible)
         module = torch.npu if kind == "npu" else torch.cuda
         free, total = module.mem_get_info(index)
-        return int(free), f"free on {kind}:{index} (of {total / 2 ** 30:.1f} GiB)"
+        share = local_world_size if visible == 1 and local_world_size > 1 else 1
+        shared = f", shared by {share} processes on it" if share > 1 else ""
+        return int(free) // share, f"free on {kind}:{index} (of {total / 2 ** 30:.1f} GiB{shared})"
     try:
         with open(meminfo) as fh:
             fields = dict(line.split(":", 1) for line in fh if ":" in line)
