@@ -4,7 +4,7 @@ steps, and the layouts it refuses.
 Blockwise scales are each tile's own (kernels/fp8_blockwise.py), so a layout agrees with serial
 without a reduction only where every tile is whole on one rank: hidden 256 with 4 heads (QKV 768,
 MLP 256) splits over tp 2 into 128-multiples, and a 256-token sequence into 128-token chunks over
-cp 2 (Ulysses: contiguous halves). One spawned group of 4 gloo ranks trains tp 2 x pp 2 with
+cp 2 (Ulysses: contiguous halves). One spawned group of 4 gloo ranks trains (global batch 2, micro-batch 1) tp 2 x pp 2 with
 sequence parallelism, the TP overlap's chunked ring and zb-h1's deferred weight gradients, then
 tp 2 x cp 2; each is held to the serial blockwise run within tests/engine/training/
 test_fp8_train.py's FP8_LAYOUT_TOLERANCE (docs/precision.md: the same scales, so only bf16
@@ -41,7 +41,7 @@ def base(data: str) -> list[str]:
     return ["--data-path", data, "--no-progress", "--device", "cpu", "--num-layers", "2",
             "--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
             "--seq-length", "256",
-            "--global-batch-size", "4", "--micro-batch-size", "1", "--train-iters", str(STEPS),
+            "--global-batch-size", "2", "--micro-batch-size", "1", "--train-iters", str(STEPS),
             "--lr", "2e-4", "--min-lr", "2e-4", "--lr-warmup-iters", "0", "--peak-tflops", "1",
             "--bf16", "--log-interval", "100"]
 
