@@ -4,9 +4,9 @@ steps, and the layouts it refuses.
 Blockwise scales are each tile's own (kernels/fp8_blockwise.py), so a layout agrees with serial
 without a reduction only where every tile is whole on one rank: hidden 256 with 4 heads (QKV 768,
 MLP 256) splits over tp 2 into 128-multiples, and a 256-token sequence into 128-token chunks over
-cp 2 (Ulysses: contiguous halves). One spawned group of 4 gloo ranks trains (global batch 2, micro-batch 1) tp 2 x pp 2 with
-sequence parallelism, the TP overlap's chunked ring and zb-h1's deferred weight gradients, then
-tp 2 x cp 2; each is held to the serial blockwise run within tests/engine/training/
+cp 2 (Ulysses: contiguous halves). One spawned group of 4 gloo ranks trains (global batch 2,
+micro-batch 1) tp 2 x pp 2 with sequence parallelism, the TP overlap's chunked ring and zb-h1's
+deferred weight gradients, then tp 2 x cp 2; each is held to the serial blockwise run within tests/engine/training/
 test_fp8_train.py's FP8_LAYOUT_TOLERANCE (docs/precision.md: the same scales, so only bf16
 reassociation moving an input across an FP8 rounding boundary differs).
 
