@@ -285,9 +285,9 @@ def _read_own(trainer, ckpt: str, index: dict, weights_only: bool):
     cfg, ps = trainer.cfg, trainer.ps
     ck = cfg.checkpoint
     step = index["step"]
-    if not (weights_only or step == 0):   # the sampler's refusals (another --seed, other data)
-        try:                              # before any tensor is read: a line, not minutes
-            trainer.sampler.load_state_dict({**index["sampler"], "next_step": 0})
+    if not (weights_only or step == 0):   # the sampler first: its refusals (another --seed,
+        try:                              # other data) before any tensor is read
+            trainer.sampler.load_state_dict(index["sampler"])
         except (KeyError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {ckpt}: {exc}") from exc
     reader = TensorReader(ckpt, index)
@@ -322,7 +322,6 @@ def _read_own(trainer, ckpt: str, index: dict, weights_only: bool):
             trainer.optimizer.load_state_dict({
                 "step": index["optimizer"]["step"], "pieces": pieces, "state": state,
                 "variance_frozen": index["optimizer"].get("variance_frozen", False)})
-        trainer.sampler.load_state_dict(index["sampler"])
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {ckpt}: {exc}") from exc
     trainer.sampler.next_step = step

@@ -154,12 +154,12 @@ class Fp8Backward:
     def __init__(self, fwd: Fp8Forward, grads, x_held: torch.Tensor | None):
         self.fwd, self.spec, self.grads = fwd, fwd.spec, list(grads)
         r = self.spec.recipe
+        if r.blockwise:   # tiles of the gradients the GEMMs see: no scale kept, no reduction
+            return
         gd, fd, pow2 = r.grad_dtype, r.forward_dtype, r.power_of_two
         live = [i for i, g in enumerate(self.grads) if g is not None]
         am = Amaxes()
         self._gq: dict = {}
-        if r.blockwise:   # tiles of the gradients the GEMMs see: no reduction
-            return
         if not r.rowwise:
             ig = {i: am.add(amax(self.grads[i]), self.spec.g.all_groups) for i in live}
             values = am.reduce()
