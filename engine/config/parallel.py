@@ -105,6 +105,10 @@ class ParallelConfig:
             raise ValueError("--virtual-pipeline-size > 1 needs --pipeline-schedule interleaved")
         if self.pipeline_schedule == "interleaved" and self.pp == 1:
             raise ValueError("--pipeline-schedule interleaved needs --pp > 1")
+        if self.pipeline_schedule == "interleaved" and self.virtual_pipeline_size < 2:
+            raise ValueError(f"--pipeline-schedule interleaved needs --virtual-pipeline-size >= 2 "
+                             f"(model chunks per rank), got {self.virtual_pipeline_size}; set it, "
+                             f"or use --pipeline-schedule 1f1b for one chunk per rank")
         resolve_sharding(self)   # the strategy and its aliases, one meaning
 
     @property

@@ -386,10 +386,12 @@ class Stepper:
 
     @torch.no_grad()
     def forward_only(self, batches) -> float:
-        """Mean loss of these micro-batches over the grid, without gradients (validation)."""
         """Mean loss of these micro-batches over the grid, without gradients (validation): one
-        host read, of the all-reduced sum; with pp > 1 transfers are waited for as in training
-        (the step's waiter: on the stream under NCCL/HCCL), with no device-wide synchronize."""
+        host read, of the all-reduced sum; with pp > 1 the forward-only schedule is pipelined like
+        training's forwards (schedules.forward_only_schedule), keeps no boundary tensor past its
+        use (executor.run_schedule's ``forward_only``), and its transfers are waited for as in
+        training (the step's waiter: on the stream under NCCL/HCCL), with no device-wide
+        synchronize."""
         m = len(batches)
         device, dp = batches[0].tokens.device, self.ps.dp_cp_group.size
         if self.ps.pp_size == 1:

@@ -7,7 +7,8 @@ reaches it, and not waited for there. A receive is waited for just before the
 compute step that consumes it (its F, or its B), and if that step comes right after the batch the
 wait follows the post at once (1F1B's ``send_forward_recv_backward`` behaves as before); sends are
 waited for at the end of the schedule, or dropped earlier once complete, so a rank never idles for
-a neighbour to take what it sent. ``schedules.replay`` models exactly this, and
+a neighbour to take what it sent; a batch kept for its sends lets go of its receives once they
+are consumed (``PostedBatch.drop``). ``schedules.replay`` models exactly this, and
 ``validate_schedule`` proves a program free of deadlock even when every batch is waited for as a
 whole at once (NCCL and HCCL may coalesce a batch into one work: then the wait before a consumer
 covers the batch's sends too).
@@ -97,6 +98,7 @@ class Exchange:
             wait_posted(self.ps, batch, [i for i, _ in items], self.timeout_s, self.vp, self.waiter)
             for index, on_arrival in items:
                 on_arrival(batch.transfers[index].tensor)
+                batch.drop(index)       # the batch may outlive the consumer (its sends)
         return bool(found)
 
     def reap(self) -> None:

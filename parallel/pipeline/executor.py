@@ -27,7 +27,12 @@ cover, from which transfers.py finds the exposed transfer time and the replay's 
 Memory: once an output activation has been sent, only its autograd graph is needed, so its storage
 is replaced by a one-element tensor (Megatron's ``deallocate_output_tensor``); its backward then
 runs through the autograd engine directly, since ``torch.autograd.backward`` checks the output's
-shape.
+shape. An output that is a view (a custom block ending in ``.view``/``.transpose``) is stored as a
+copy first (``_freeable``), or its base would stay alive through the view until the backward.
+Forward-only (validation) runs keep nothing past its use: a received input is dropped after its
+forward, an output once its send is posted (the posted transfer keeps the sent buffer until the
+send completes) or once the next chunk on this rank has taken it (the V's turn), and the last
+stage keeps only the loss.
 
 Zero-bubble schedules: a ``B`` runs the backward inside ``weight_grads.capture((micro, chunk))``
 (``parallel.grads.weight_grad.WeightGradStore``), so the layers queue their weight gradients instead
@@ -64,6 +69,14 @@ def _free_output(out: torch.Tensor) -> bool:
     return True
 
 
+def _freeable(out: torch.Tensor) -> torch.Tensor:
+    """A view with a graph as a tensor of its own (its gradient flows through the copy unchanged),
+    so that ``_free_output`` can drop its storage after the send; anything else as it is."""
+    if out._base is None or out.grad_fn is None:
+        return out
+    return out.clone(memory_format=torch.contiguous_format)
+
+
 def _backward(out: torch.Tensor, grad: torch.Tensor | None, freed: bool) -> None:
     if not freed:
         torch.autograd.backward(out, grad_tensors=grad)
@@ -79,15 +92,17 @@ class _RankRun:
 
     def __init__(self, ps, chunks, forward_step, num_microbatches, tensor_shape, dtype, timeout_s,
                  clock, deallocate_outputs, waiter=None, placement="loop", weight_grads=None,
-                 split_w=False, scatter_gather=False):
+                 split_w=False, scatter_gather=False, forward_only=False):
         self.ps, self.vp, self.forward_step = ps, len(chunks), forward_step
+        self.forward_only = forward_only
         self.m, self.shape, self.dtype = num_microbatches, tensor_shape, dtype
         self.clock, self.deallocate = clock, deallocate_outputs
         self.placement, self.weight_grads, self.split_w = placement, weight_grads, split_w
         self.exchange = Exchange(ps, timeout_s, len(chunks), waiter)
         self.split = Split(ps, scatter_gather)
         self.inputs: dict = {}        # input activations (leaves with requires_grad)
-        self.outputs: dict = {}       # (output tensor, freed?) awaiting backward
+        self.outputs: dict = {}       # (output tensor, freed?) awaiting backward (forward-only:
+                                      # awaiting its send, or the next chunk here: the V's turn)
         self.out_meta: dict = {}      # (shape, dtype) of each output, for the gradient buffer
         self.grad_out: dict = {}      # gradients of outputs (received, or from a stage on this rank)
         self.grad_in: dict = {}       # gradients of inputs awaiting their send
@@ -133,11 +148,14 @@ class _RankRun:
     # ---- compute ------------------------------------------------------------------------------
     def forward(self, micro: int, chunk: int) -> None:
         self.await_inputs("f", micro, chunk)
+        key = (micro, chunk)
         before = self.local(chunk, -1)
         if before is not None:          # the previous stage runs here: take its output directly
-            out, _ = self.outputs[(micro, before)]
-            self.inputs[(micro, chunk)] = out.detach().requires_grad_()
-        x = self.inputs.get((micro, chunk))
+            out, _ = self._handed_on((micro, before)) if self.forward_only \
+                else self.outputs[(micro, before)]
+            self.inputs[key] = out.detach().requires_grad_()
+        # forward-only: nothing keeps the input past this forward (training: kept for backward)
+        x = self.inputs.pop(key, None) if self.forward_only else self.inputs.get(key)
         if x is None and self.other(chunk, -1) is not None:
             raise RuntimeError(f"pipeline stage {self.ps.pp_rank}: forward of micro-batch {micro} "
                                f"chunk {chunk} runs before its input arrived (schedule bug)")
@@ -151,10 +169,18 @@ class _RankRun:
                                  f"(already divided by num_microbatches), got shape "
                                  f"{tuple(out.shape)}")
             self.losses[micro] = out.detach().reshape(())
-        self.outputs[(micro, chunk)] = (out, False)
-        self.out_meta[(micro, chunk)] = (tuple(out.shape), out.dtype)
         self.live += 1
         self.peak = max(self.peak, self.live)
+        if self.forward_only:
+            if self.is_last(chunk):     # the loss is kept, not the output
+                self.live -= 1
+            else:
+                self.outputs[key] = (out, False)
+        else:
+            if self.deallocate and self.local(chunk, +1) is None and not self.is_last(chunk):
+                out = _freeable(out)    # sent, then freed: a view would keep its base alive
+            self.outputs[key] = (out, False)
+            self.out_meta[key] = (tuple(out.shape), out.dtype)
         self.record(f"F{micro}.{chunk}", "forward", start, micro, chunk)
 
     def backward(self, micro: int, chunk: int) -> None:
@@ -252,9 +278,17 @@ class _RankRun:
             self.spans.append(("wait", start, self.marks[-1][3], pending))
 
     def _sent_output(self, key) -> None:
+        if self.forward_only:
+            self._handed_on(key)
+            return
         out, freed = self.outputs[key]
         if self.deallocate and not freed:
             self.outputs[key] = (out, _free_output(out))
+
+    def _handed_on(self, key) -> tuple[torch.Tensor, bool]:
+        """Forward-only: drop an output once its send is posted or the next chunk here takes it."""
+        self.live -= 1
+        return self.outputs.pop(key)
 
 
 def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
@@ -273,8 +307,12 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
     function ``(chunk, micro) -> shape`` of this rank's chunk input when it varies.
     ``clock`` stamps the device's stream (``engine.device.clock.DeviceClock``, anchored by the caller);
     None is allowed on CPU only, where host stamps are device stamps.
-    ``forward_only`` runs a schedule of forwards and activation transfers only (validation, under
-    torch.no_grad): outputs are dropped once sent instead of being kept for a backward.
+    ``forward_only`` runs a schedule of forwards and activation transfers only
+    (``schedules.forward_only_schedule``; validation, under torch.no_grad): each received input is
+    dropped after its forward and each output once its send is posted or the next chunk on this
+    rank has taken it, the last stage keeps only the loss, so at most the tensors in flight are
+    held (``peak_in_flight``: ``replay.forward_only_peaks``); ``deallocate_outputs`` does not
+    apply.
     ``waiter``: how transfers are waited for (``p2p.waiter_for(backend)``; default a host wait).
     ``weight_grads``: the ``WeightGradStore`` the chunks' layers are attached to, for schedules
     with W actions. ``scatter_gather``: send 1/tp of each boundary tensor per TP rank and
@@ -300,10 +338,13 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
             raise ValueError(f"run_schedule on {ps.device.type} needs clock= (engine.device."
                              f"clock.DeviceClock): host stamps would time kernel launches, not kernels")
         clock = HostClock()
+    if forward_only and any(a.kind in (B, W, RECV_B, SEND_B) for a in actions):
+        raise ValueError("forward_only runs forwards and activation transfers only; build the "
+                         "schedule with schedules.forward_only_schedule")
     split_w = has_weight_actions(actions)
     run = _RankRun(ps, chunks, forward_step, num_microbatches, tensor_shape, dtype, timeout_s,
                    clock, deallocate_outputs, waiter, placement, weight_grads, split_w,
-                   scatter_gather)
+                   scatter_gather, forward_only)
     ends = dict(batches(actions, ps.pp_rank, ps.pp_size, len(chunks), placement))
     i = 0
     while i < len(actions):
@@ -323,12 +364,10 @@ def run_schedule(ps, actions: Sequence[Action] | Sequence[Sequence[Action]],
             run.weight(a.microbatch, a.chunk)
         i += 1
     run.finish()
-    if forward_only:
-        run.outputs.clear()
-    leftover = len(run.outputs) + len(run.grad_in) + len(run.grad_out)
+    leftover = len(run.inputs) + len(run.outputs) + len(run.grad_in) + len(run.grad_out)
     if leftover:
         raise RuntimeError(f"pipeline stage {ps.pp_rank}: {leftover} tensors left after the "
-                           f"schedule (a forward without backward or an unsent gradient)")
+                           f"schedule (a forward without backward, an unsent output or gradient)")
     if weight_grads is not None and split_w and weight_grads.pending:
         raise RuntimeError(f"pipeline stage {ps.pp_rank}: weight gradients of "
                            f"{weight_grads.pending} never ran (a B without its W)")

@@ -306,6 +306,16 @@ class PostedBatch:
         works, _ = self.select(indices)
         return all(w.is_completed() for w in works)
 
+    def drop(self, index: int) -> None:
+        """Let go of a receive once waited for (its consumer holds the tensor now): a batch with
+        sends is kept until they complete, and its receive's work and buffer would keep the
+        received tensor alive with it (gloo reports a send complete only once waited for, at the
+        end of the schedule). A coalesced batch's one work covers every transfer: kept whole."""
+        if self.per_transfer and index in self.waited and self.transfers[index].op == "recv":
+            self.works[index] = None
+            self.transfers[index] = dataclasses.replace(self.transfers[index],
+                                                        tensor=torch.empty(0))
+
 
 def post(ps, transfers: list[Transfer], timeout_s: float | None = None, vp: int = 1) -> PostedBatch:
     """Post ``transfers`` as one batch without waiting (``wait_posted`` waits)."""

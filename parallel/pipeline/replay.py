@@ -7,7 +7,8 @@ stage needs, and a boundary that stays on one rank (the V placement's turn) is c
 send is matched by the neighbour's receive of the same message in the same order; and the program
 cannot deadlock when each batch of transfers blocks until every peer has posted its side. It returns
 the in-flight peaks: per rank, the most (micro-batch, chunk) activations held at once, from a
-forward to the end of its backward (its W when there is one).
+forward to the end of its backward (its W when there is one). A forward-only (validation) program
+is checked the same way with ``forward_only=True``: forwards and activation transfers only.
 """
 from __future__ import annotations
 
@@ -234,6 +235,27 @@ def in_flight_peaks(lists) -> list[int]:
     return peaks
 
 
+def forward_only_peaks(lists) -> list[int]:
+    """Per rank, the most output activations a forward-only program holds at once: each from its F
+    until its SEND_F is posted or the next stage's F on the same rank (the V's turn) has taken it;
+    the last stage keeps its loss only, so its output counts during its F alone. The executor counts
+    the same (``PipelineResult.peak_in_flight`` of a forward-only run)."""
+    pp, vp, placement = _shape(lists)
+    peaks = []
+    for rank, actions in enumerate(lists):
+        live = peak = 0
+        for a in actions:
+            if a.kind == F:
+                before = neighbour(rank, a.chunk, pp, vp, placement, -1)
+                live += 1 - (before is not None and before[0] == rank)   # a turn takes its input
+                peak = max(peak, live)
+                live -= neighbour(rank, a.chunk, pp, vp, placement, +1) is None
+            elif a.kind == SEND_F:
+                live -= 1
+        peaks.append(peak)
+    return peaks
+
+
 def _positions(actions: list[Action], rank: int) -> dict[tuple, int]:
     where: dict[tuple, int] = {}
     for i, a in enumerate(actions):
@@ -244,28 +266,36 @@ def _positions(actions: list[Action], rank: int) -> dict[tuple, int]:
     return where
 
 
-def _check_program(lists, pp: int, vp: int, m: int, placement: str) -> None:
+def _check_program(lists, pp: int, vp: int, m: int, placement: str,
+                   forward_only: bool = False) -> None:
     """Every (micro, chunk) runs F, B and (all or none) W once, in that order, each F and B wrapped
-    by exactly its transfers; on a boundary inside a rank the stages run in pipeline order."""
+    by exactly its transfers; on a boundary inside a rank the stages run in pipeline order. A
+    forward-only program has F and its activation transfers only."""
     split = has_weight_actions(lists)
+    wraps = ((RECV_F, F, True, -1), (SEND_F, F, False, +1))
+    if not forward_only:
+        wraps += ((RECV_B, B, True, +1), (SEND_B, B, False, -1))
     for rank, actions in enumerate(lists):
         where = _positions(actions, rank)
+        extra = [a for a in actions if a.kind in (B, W, RECV_B, SEND_B)] if forward_only else []
+        if extra:
+            raise ScheduleError(f"rank {rank}: {extra[0]!r} in a forward-only schedule (forwards "
+                                f"and activation transfers only)")
         for micro in range(m):
             for chunk in range(vp):
                 pos = {k: where.get((k, micro, chunk)) for k in Kind}
                 what = f"micro-batch {micro} chunk {chunk}"
-                if pos[F] is None or pos[B] is None:
-                    raise ScheduleError(f"rank {rank}: {what} lacks its forward or backward")
-                if pos[F] > pos[B]:
+                if pos[F] is None or (pos[B] is None and not forward_only):
+                    raise ScheduleError(f"rank {rank}: {what} lacks its forward"
+                                        + ("" if forward_only else " or backward"))
+                if pos[B] is not None and pos[F] > pos[B]:
                     raise ScheduleError(f"rank {rank}: backward of {what} comes before its forward")
                 if split and pos[W] is None:
                     raise ScheduleError(f"rank {rank}: {what} has no W (the weight gradients of "
                                         f"a split backward must run exactly once per chunk)")
                 if pos[W] is not None and pos[W] < pos[B]:
                     raise ScheduleError(f"rank {rank}: W({micro},{chunk}) runs before its B")
-                for comm, compute, comes_first, step in (
-                        (RECV_F, F, True, -1), (SEND_F, F, False, +1),
-                        (RECV_B, B, True, +1), (SEND_B, B, False, -1)):
+                for comm, compute, comes_first, step in wraps:
                     other = neighbour(rank, chunk, pp, vp, placement, step)
                     if other is None or other[0] == rank:
                         if pos[comm] is not None:
@@ -292,7 +322,7 @@ def _check_local(where, rank: int, micro: int, chunk: int, other: int, compute: 
                             f"rank to run first")
 
 
-def validate_schedule(lists) -> list[int]:
+def validate_schedule(lists, forward_only: bool = False) -> list[int]:
     """Check a schedule and return the peak number of in-flight activations per rank.
 
     Checks: on every rank and chunk each micro-batch's forward precedes its backward, and its W
@@ -302,6 +332,10 @@ def validate_schedule(lists) -> list[int]:
     transfers blocks until every peer has posted its side. In-flight counts the (micro-batch,
     chunk) activations held from F to the end of their backward: 1F1B keeps at most ``pp - rank``,
     GPipe all ``m``, ZB-H1 ``min(pp, m)`` on every rank.
+
+    ``forward_only``: a validation program (``schedules.forward_only_schedule``): every F once with
+    its activation transfers, no backward, W or gradient transfer; the peaks are then
+    ``forward_only_peaks``.
     """
     pp = len(lists)
     if pp == 0 or not all(lists):
@@ -311,6 +345,6 @@ def validate_schedule(lists) -> list[int]:
         raise ScheduleError("micro-batch and chunk indices must be >= 0")
     m = 1 + max(a.microbatch for a in actions)
     _, vp, placement = _shape(lists)
-    _check_program(lists, pp, vp, m, placement)
+    _check_program(lists, pp, vp, m, placement, forward_only)
     replay_blocking(lists, lambda rank, action: 1.0)
-    return in_flight_peaks(lists)
+    return forward_only_peaks(lists) if forward_only else in_flight_peaks(lists)

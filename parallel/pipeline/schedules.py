@@ -24,6 +24,9 @@ the messages between two ranks in posting order.
 | interleaved | vp >= 2 | loop (stage ``chunk * pp + rank``) | B |
 | 1f1b-w, zb-h1 | 1 | - | B, then W |
 | zb-v | 2 | V (chunk 0 down the ranks, chunk 1 back up) | B, then W |
+
+Validation runs ``forward_only_schedule``: a placement's training forward order without its
+backward passes and gradient transfers, pipelined as in training.
 """
 from __future__ import annotations
 
@@ -32,8 +35,8 @@ from parallel.pipeline.actions import (B, COMM_KINDS, F, RECV_B, RECV_F, SEND_B,
                                        has_weight_actions, placement_of)
 from parallel.pipeline.replay import (ScheduleError, in_flight_peaks, match_messages, replay,
                                       replay_blocking, validate_schedule)
-from parallel.pipeline.zero_bubble import (one_f_one_b_w_order, timeline_programs, zb_h1_order,
-                                          zb_v_order)
+from parallel.pipeline.zero_bubble import (Order, one_f_one_b_w_order, timeline_programs,
+                                          zb_h1_order, zb_v_order)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "1f1b-w", "zb-h1", "zb-v")
 
@@ -77,6 +80,17 @@ def _one_f_one_b(pp: int, m: int, rank: int) -> list[Action]:
     return rb.done()
 
 
+def interleaved_forward(pp: int, vp: int, k: int) -> tuple[int, int]:
+    """(micro-batch, chunk) of a rank's ``k``-th forward under the interleaved schedule: the
+    micro-batches go in groups of ``pp``, each group through chunk 0, then chunk 1, ...
+
+    >>> [interleaved_forward(2, 2, k) for k in range(6)]
+    [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0)]
+    """
+    group = pp * vp
+    return (k // group) * pp + k % pp, (k % group) // pp
+
+
 def _interleaved(pp: int, m: int, vp: int, rank: int) -> list[Action]:
     """Megatron interleaved 1F1B: each rank holds ``vp`` chunks; micro-batches go in groups of pp.
 
@@ -87,12 +101,11 @@ def _interleaved(pp: int, m: int, vp: int, rank: int) -> list[Action]:
     """
     last_stage = pp * vp - 1
     total = m * vp
-    group = pp * vp
     warmup = min((pp - rank - 1) * 2 + (vp - 1) * pp, total)
     steady = total - warmup
 
     def fwd(k: int) -> tuple[int, int]:           # (micro, chunk) of the k-th forward
-        return (k // group) * pp + k % pp, (k % group) // pp
+        return interleaved_forward(pp, vp, k)
 
     def bwd(k: int) -> tuple[int, int]:           # (micro, chunk) of the k-th backward
         micro, chunk = fwd(k)
@@ -131,21 +144,35 @@ def _interleaved(pp: int, m: int, vp: int, rank: int) -> list[Action]:
     return out
 
 
+def forward_order(pp: int, m: int, vp: int, placement: str, rank: int) -> Order:
+    """Rank ``rank``'s forwards in the order its training schedule runs them, without the backward
+    and weight passes: the interleaved order (groups of ``pp`` micro-batches, chunk by chunk;
+    micro-batches past ``m`` left out when ``m`` is not a multiple of ``pp``) for the loop
+    placement, which is plain micro-batch order when vp = 1, and ZB-V's F order for the V."""
+    if placement == "v":
+        return [step for step in zb_v_order(pp, m, rank) if step[0] == F]
+    groups = -(-m // pp)
+    steps = (interleaved_forward(pp, vp, k) for k in range(groups * pp * vp))
+    return [(F, micro, chunk) for micro, chunk in steps if micro < m]
+
+
 def forward_only_schedule(pp_size: int, num_microbatches: int, vp: int = 1,
                           placement: str = "loop") -> Schedule:
-    """Forwards and activation transfers only (validation): each micro-batch passes through every
-    virtual stage in turn, so the lists cannot deadlock and hold one activation at a time."""
-    from parallel.pipeline.partition import stage_owner
-    lists = []
-    for rank in range(pp_size):
-        program = RankProgram(pp_size, rank, vp, placement)
-        for mb in range(num_microbatches):
-            for stage in range(pp_size * vp):       # in pipeline order: a V turns on one rank
-                owner, chunk = stage_owner(stage, pp_size, placement)
-                if owner == rank:
-                    program.forward(mb, chunk)
-        lists.append(program.done())
-    return Schedule(lists, "forward-only", placement)
+    """Forwards and activation transfers only (validation): the training schedule's forward order
+    (``forward_order``), pipelined as in training, transfers placed by the equal-cost timeline
+    (zero_bubble.py ``timeline_programs``: each send right after its forward, each receive in the
+    batch its rank reaches when the message leaves). ``validate_schedule(lists, forward_only=True)``
+    proves it matched and free of deadlock. The executor keeps each boundary tensor only while it
+    is in flight: a received input until its forward, an output until its send is posted or the
+    next chunk on the rank has taken it (executor.py)."""
+    for label, value in (("pp_size", pp_size), ("num_microbatches", num_microbatches), ("vp", vp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"forward_only_schedule: {label} must be a positive integer, "
+                             f"got {value!r}")
+    if placement == "v" and vp != 2:
+        raise ValueError(f"the V placement runs two model chunks per rank, got vp={vp}")
+    orders = [forward_order(pp_size, num_microbatches, vp, placement, r) for r in range(pp_size)]
+    return Schedule(timeline_programs(orders, pp_size, vp, placement), "forward-only", placement)
 
 
 def _from_order(order_fn, pp: int, m: int, vp: int, placement: str) -> list[list[Action]]:

@@ -64,6 +64,9 @@ def test_value_errors_are_config_errors():
         parse_args(["--seq-length", "256", "--max-position-embeddings", "128"])
     with pytest.raises(ConfigError, match="--grad-compression-ratio must be in"):
         parse_args(["--grad-compression", "topk", "--grad-compression-ratio", "1.5"])
+    # refused while parsing, before any process group (build_schedule would refuse it only then)
+    with pytest.raises(ConfigError, match="interleaved needs --virtual-pipeline-size >= 2 .*got 1"):
+        parse_args(["--pp", "2", "--pipeline-schedule", "interleaved"])
 
 
 # ---- a command line that explains itself ------------------------------------------------------
