@@ -63,6 +63,8 @@ class GPTChunk(nn.Module):
                                    ctx.kernel_paths)
             if self.tied and not pre_process and tied_embedding is not None:
                 tied_embedding.weight.uses_per_microbatch = 2
+                # the first chunk marked it as tied to another stage before this one existed
+                tied_embedding.weight.tied_across_stages = False
                 self.output_layer = OutputLayer(tied=tied_embedding)  # the same rank's embedding
             elif self.tied and pre_process:
                 self.output_layer = OutputLayer(tied=self.embed)

@@ -31,6 +31,7 @@ import time
 import torch
 
 from engine.config.cli import parse_args
+from engine.training.dp_setup import decays
 from engine.training.lr_schedule import learning_rate
 from engine.training.trainer import Trainer
 
@@ -52,9 +53,8 @@ def plain_side(trainer: Trainer):
     model.train()
     o = trainer.cfg.optim
     named = list(model.logical_named_parameters())
-    groups = [{"params": [p for n, p in named if p.ndim >= 2 and "position" not in n],
-               "weight_decay": o.weight_decay},
-              {"params": [p for n, p in named if p.ndim < 2 or "position" in n], "weight_decay": 0.0}]
+    groups = [{"params": [p for n, p in named if decays(n, p)], "weight_decay": o.weight_decay},
+              {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
     return model, opt
 

@@ -32,6 +32,13 @@ def host_build(cfg, device) -> bool:
     return zero3(cfg) and torch.device(device).type not in ("cpu", "meta")
 
 
+def decays(name: str, param) -> bool:
+    """Whether AdamW's weight decay applies to the parameter of logical ``name``: matrices, not
+    biases (the MoE experts' biases too, stacked (experts, width) per layer), norms or position
+    tables (Megatron-LM decays neither biases nor norms)."""
+    return param.ndim >= 2 and not name.endswith("bias") and "position" not in name
+
+
 def build_optimizer(trainer) -> None:
     """``trainer.scaler``, ``.reducer``, ``.optimizer`` and ``.memory`` (the exact bytes of this
     rank's parameters, gradients and optimizer state, parallel/dp/memory.py)."""
@@ -52,10 +59,8 @@ def build_optimizer(trainer) -> None:
     reducer.loss_scaler = trainer.scaler     # top-k's local variance statistics, unscaled
     reducer.local_clip = o.clip_grad         # top-k's local clipping (dgc.py)
     trainer.reducer = reducer
-    groups = [{"params": [q for n, q in named if q.ndim >= 2 and "position" not in n],
-               "weight_decay": o.weight_decay},
-              {"params": [q for n, q in named if q.ndim < 2 or "position" in n],
-               "weight_decay": 0.0}]  # no decay on biases, norms and position tables
+    groups = [{"params": [q for n, q in named if decays(n, q)], "weight_decay": o.weight_decay},
+              {"params": [q for n, q in named if not decays(n, q)], "weight_decay": 0.0}]
     adam = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                 weight_decay=o.weight_decay)
     if par.use_distributed_optimizer:

@@ -351,6 +351,8 @@ class Stepper:
             self.optimizer.step(lr)
             if pre.moe is not None:  # aux-loss-free balancing: the global load moves the bias
                 update_expert_bias(self.chunks, self.moe, pre.moe["loads"])
+        else:
+            self.optimizer.skipped_step()
         t.append(clock.stamp())
         self.agreed = pre.agreed
         comm = self.ps.comm.since(pre.snapshot)

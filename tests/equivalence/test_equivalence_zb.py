@@ -52,6 +52,11 @@ def train(argv: list[str], launch: LaunchEnv | None = None, steps: int = STEPS) 
     try:
         records = trainer.train().records
         tied = [c.tied_on_rank for c in trainer.chunks if c.post_process]
+        # what the reducer, the offload and the compressors' residuals treat as a copy on another
+        # stage (an all-reduce over the embedding group at each save) is what the step does
+        marked = [id(p) for c in trainer.chunks for p in c.parameters()
+                  if getattr(p, "tied_across_stages", False)]
+        assert marked == [id(p) for c in trainer.chunks for p in c.shared_embedding_params()]
     finally:
         if launch is None:
             trainer.close()

@@ -191,10 +191,42 @@ def check_optimizers(ps) -> None:
     assert torch.equal(finals[1], finals[2])
 
 
+def check_skipped_last_warmup_step(ps) -> None:
+    """The warm-up's last step W skipped (an overflow: the Stepper resets the residuals and calls
+    ``skipped_step`` instead of ``step``): the first compressed step's M is still the warm-up's
+    exp_avg (that of step W - 1, which the skip left alone), not zero, under every ZeRO stage."""
+    lr, warm = 0.01, 3
+    policy = {"default": {"compressor": "onebit", "chunk_size": C}, "warmup_steps": warm,
+              "variance_refresh": "off"}
+    for stage in (0, 1, 2):
+        model = Linear(N)
+        reducer = GradReducer(model, ps, compression_policy=policy)
+        reducer.loss_scaler = SimpleNamespace(scale=1.0)
+        cls = DistributedOptimizer if stage else MixedPrecisionOptimizer
+        opt = cls([("w", model.w)], reducer, ps, lr=lr, **({"zero_stage": stage} if stage else {}))
+        for step in range(1, warm + 2):
+            opt.zero_grad()
+            reducer.set_last_microbatch(True)
+            model(rank_input(ps.dp_rank, step)).backward()
+            reducer.finish()
+            m_before = full_state(ps, opt, stage, "exp_avg", N)
+            if step == warm:
+                reducer.reset_residuals()
+                opt.skipped_step()
+                continue
+            opt.step(lr)
+            if stage:
+                opt.finish_param_gather()
+        assert m_before.abs().max() > 0
+        torch.testing.assert_close(reducer.buckets[0].compressor._previous[:N], m_before)
+        reducer.remove_hooks()
+
+
 def all_checks(ps) -> list:
     check_exchange(ps)
     check_momentum_exchange(ps)
     check_optimizers(ps)
+    check_skipped_last_warmup_step(ps)
     return check_seed_on_the_exchange_stream(ps)
 
 
