@@ -11,7 +11,8 @@
 - ``resume.py``: where a run starts (``--load``, or this run's unfinished run in ``--save``), and the
   refusal of another run's checkpoints there (``--overwrite`` moves them aside);
 - ``export.py``: ``python -m engine.export`` to Hugging Face transformers;
-- ``import_hf.py``: ``python -m engine.import_hf``, a transformers GPT-2 or Llama in.
+- ``import_hf.py``: ``python -m engine.import_hf``, a transformers GPT-2, Llama, Qwen3, Mixtral or
+  Qwen3-MoE in.
 
 ``python -m engine.checkpoint inspect DIR`` prints a checkpoint. See docs/checkpoints.md.
 """

@@ -4,8 +4,9 @@ gpt2 blocks become ``GPT2LMHeadModel``; llama blocks ``LlamaForCausalLM``, with 
 ``Qwen3ForCausalLM``, with experts ``MixtralForCausalLM`` (every layer MoE, the default router) or,
 with ``--qk-layernorm``, ``Qwen3MoeForCausalLM`` (engine/checkpoint/hf_moe.py: the routers and
 experts, and the MoE models no transformers class holds, which are refused); the output directory
-holds ``config.json`` and ``model.safetensors`` (plus ``tokenizer.json`` and ``tokenizer_config.json``
-with the eos/bos tokens when the checkpoint has a tokenizer), loadable with
+holds ``config.json`` and ``model.safetensors`` (plus, when the checkpoint has a tokenizer,
+``tokenizer.json``, ``tokenizer_config.json`` and the checkpoint's chat template and
+``generation_config.json``; config.json's bos/eos/pad ids: ``special_ids``), loadable with
 ``AutoModelForCausalLM.from_pretrained(DIR2)`` and ``AutoTokenizer.from_pretrained(DIR2)``; every
 file is world-readable. ``--out`` must be new or empty unless ``--overwrite``. The full logical
 tensors are read from the checkpoint whatever layout saved them; vocabulary padding is never stored.
@@ -153,8 +154,9 @@ def _llama(get, m: dict, eot: int | None) -> tuple[dict, dict]:
 EXPORTERS = {"gpt2": _gpt2, "llama": _llama}
 
 
-EXPORTED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "generation_config.json")  # every file export writes
+COPIED = ("tokenizer.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja",
+          "chat_template.json")  # the checkpoint's tokenizer files, copied as they are
+EXPORTED = ("config.json", "model.safetensors", "tokenizer_config.json", *COPIED)  # all export writes
 
 
 def check_out_dir(flag: str, path: str, overwrite: bool) -> None:
@@ -220,7 +222,9 @@ def export_hf(path: str, out: str, overwrite: bool = False, dtype: torch.dtype |
     dtype = saved_dtype(index) if dtype is None else dtype
     sd = {k: v.to(dtype) for k, v in sd.items()}     # (read as fp32: exact for what was saved)
     config.update({"dtype": str(dtype)[6:], "torch_dtype": str(dtype)[6:]})
-    tokenizer = _tokenizer_text(ckpt, eot)
+    tokenizer = _read_tokenizer(ckpt)
+    if tokenizer is not None:
+        config.update(special_ids(ckpt, tokenizer, eot))
     os.makedirs(out, exist_ok=True)
     for name in EXPORTED:  # --overwrite: no file of an earlier export outlives this one
         if os.path.isfile(os.path.join(out, name)):
@@ -230,10 +234,10 @@ def export_hf(path: str, out: str, overwrite: bool = False, dtype: torch.dtype |
     with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2)
     if tokenizer is not None:
-        for name in ("tokenizer.json", "special_tokens_map.json", "generation_config.json"):
+        for name in COPIED:
             if os.path.isfile(os.path.join(ckpt, name)):
                 shutil.copyfile(os.path.join(ckpt, name), os.path.join(out, name))
-        _tokenizer_config(ckpt, out, tokenizer, m["max_position_embeddings"])
+        _tokenizer_config(ckpt, out, tokenizer, config, m["max_position_embeddings"])
     os.chmod(out, 0o755)
     for name in EXPORTED:  # world-readable, whatever the umask of the saving job
         if os.path.isfile(os.path.join(out, name)):
@@ -241,35 +245,80 @@ def export_hf(path: str, out: str, overwrite: bool = False, dtype: torch.dtype |
     return config
 
 
-def _tokenizer_text(ckpt: str, eot: int | None) -> str | None:
-    """None without a tokenizer in the checkpoint; else the end-of-text token's text ("" when the
-    checkpoint has its own tokenizer_config.json or no end-of-text id). Reads the tokenizer, so a
-    damaged one is found before anything is written."""
+def _read_tokenizer(ckpt: str):
+    """The checkpoint's tokenizer.json as a ``tokenizers.Tokenizer`` (None without one); read before
+    anything is written, so a damaged one stops the export first."""
     path = os.path.join(ckpt, "tokenizer.json")
     if not os.path.isfile(path):
         return None
     from tokenizers import Tokenizer
     try:
-        tok = Tokenizer.from_file(path)
+        return Tokenizer.from_file(path)
     except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions
         raise CheckpointError(f"{path} cannot be read as a tokenizer ({exc})") from exc
-    if os.path.isfile(os.path.join(ckpt, "tokenizer_config.json")) or eot is None:
-        return ""
-    return tok.id_to_token(eot) or ""
 
 
-def _tokenizer_config(ckpt: str, out: str, eot_text: str, max_length: int) -> None:
-    """tokenizer_config.json: the checkpoint's own (an imported model's), else eos/bos from the
-    end-of-text token, so transformers' AutoTokenizer knows where text ends."""
+def _json(path: str) -> dict:
+    """A JSON object file of the checkpoint's tokenizer ({} when there is none)."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            value = json.load(fh)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}): repair or remove it") from exc
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object: repair or "
+                              f"remove it")
+    return value
+
+
+def prepended_bos(tok) -> int | None:
+    """The id the tokenizer's post-processor puts before every text, or None when it adds none."""
+    plain, full = tok.encode("a", add_special_tokens=False).ids, tok.encode("a").ids
+    return full[0] if len(full) > len(plain) and full[1:len(plain) + 1] == plain else None
+
+
+def special_ids(ckpt: str, tok, eot: int | None) -> dict:
+    """bos/eos/pad_token_id for config.json: those of the checkpoint's generation_config.json, else
+    the tokens its tokenizer_config.json (or special_tokens_map.json) names; failing both, BOS is
+    the token the tokenizer puts before every text (the end-of-text token when it puts none) and
+    EOS the end-of-text token."""
+    bos = prepended_bos(tok)
+    ids = {"bos_token_id": eot if bos is None else bos, "eos_token_id": eot}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the later one wins
+        named = _json(os.path.join(ckpt, name))
+        for key in ("bos_token", "eos_token", "pad_token"):
+            text = named.get(key)
+            text = text.get("content") if isinstance(text, dict) else text  # {"content": ...} or text
+            if isinstance(text, str) and tok.token_to_id(text) is not None:
+                ids[f"{key}_id"] = tok.token_to_id(text)
+    generation = _json(os.path.join(ckpt, "generation_config.json"))
+    ids.update({k: generation[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                if generation.get(k) is not None})
+    return ids
+
+
+def _tokenizer_config(ckpt: str, out: str, tok, config: dict, max_length: int) -> None:
+    """tokenizer_config.json: the checkpoint's own (an imported model's), else the bos, eos and pad
+    tokens of ``config`` (config.json), so transformers' AutoTokenizer knows where text starts and
+    ends."""
     own = os.path.join(ckpt, "tokenizer_config.json")
     if os.path.isfile(own):
         shutil.copyfile(own, os.path.join(out, "tokenizer_config.json"))
         return
-    text = eot_text or None
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-              "eos_token": text, "bos_token": text, "clean_up_tokenization_spaces": False}
+
+    def text(key: str) -> str | None:
+        i = config.get(f"{key}_id")
+        i = i[0] if isinstance(i, list) and i else i   # generation_config's eos may be a list
+        return tok.id_to_token(i) if isinstance(i, int) else None
+
+    tokens = {"eos_token": text("eos_token"), "bos_token": text("bos_token")}
+    if text("pad_token") is not None:
+        tokens["pad_token"] = text("pad_token")
     with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as fh:
-        json.dump(config, fh, indent=2)
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+                   **tokens, "clean_up_tokenization_spaces": False}, fh, indent=2)
 
 
 def main(argv: list[str] | None = None) -> int:

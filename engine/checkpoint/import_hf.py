@@ -3,16 +3,18 @@ Llama, Qwen3, Mixtral or Qwen3-MoE checkpoint (safetensors) becomes a gridtron c
 mirror of ``engine.export``.
 
 The model configuration is read from ``config.json``; the weights from ``model.safetensors`` (or
-the shards listed by ``model.safetensors.index.json``); the tokenizer files are copied. The result
-is a checkpoint of step 0 holding the full logical tensors, so it loads under any layout
-(``--load CKPT_DIR --use-checkpoint-args``) and continued pretraining starts from these weights
-with a fresh optimizer. The weight mapping is export.py's, inverted: GPT-2's Conv1D weights are
-(in, out) and transposed; the q, k and v projections are interleaved per key/value group into our
-fused QKV rows (group, [the group's query heads | k | v], head_dim), so whole groups stay together
-under TP; with grouped-query attention (``num_key_value_heads`` G < ``num_attention_heads``) G is
-``--num-query-groups``. Rotary embeddings need no permutation (both sides rotate halves). Qwen3
-and Qwen3-MoE are llama blocks with ``--qk-layernorm`` (``self_attn.q_norm`` / ``k_norm``);
-Mixtral and Qwen3-MoE's experts and routers are mapped by engine/checkpoint/hf_moe.py.
+the shards listed by ``model.safetensors.index.json``); the tokenizer files are copied, with the
+chat template (``chat_template.jinja`` or the older ``chat_template.json``) and
+``generation_config.json``. The result is a checkpoint of step 0 holding the full logical
+tensors, so it loads under any layout (``--load CKPT_DIR --use-checkpoint-args``) and continued
+pretraining starts from these weights with a fresh optimizer. The weight mapping is export.py's,
+inverted: GPT-2's Conv1D weights are (in, out) and transposed; the q, k and v projections are
+interleaved per key/value group into our fused QKV rows (group, [the group's query heads | k | v],
+head_dim), so whole groups stay together under TP; with grouped-query attention
+(``num_key_value_heads`` G < ``num_attention_heads``) G is ``--num-query-groups``. Rotary
+embeddings need no permutation (both sides rotate halves). Qwen3 and Qwen3-MoE are llama blocks
+with ``--qk-layernorm`` (``self_attn.q_norm`` / ``k_norm``); Mixtral and Qwen3-MoE's experts and
+routers are mapped by engine/checkpoint/hf_moe.py.
 
 Everything is read and checked first (config.json, the tokenizer, every weight against the shape our
 model needs, built on the meta device), before anything is written; ``--save`` must be new or empty
@@ -39,7 +41,8 @@ from engine.checkpoint.writer import promote
 from models.config import GPTConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json",
+                   "chat_template.jinja", "chat_template.json")
 
 
 def read_config(hf_dir: str) -> dict:

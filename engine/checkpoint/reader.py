@@ -24,6 +24,7 @@ from engine.checkpoint.tensor_reader import TensorReader
 from engine.checkpoint.specs import (LAYOUT_KEYS, ParamSpec, buffer_specs, by_owner, data_info,
                                      layout_of, param_specs, read_flat, saved_layout)
 from models.moe.config import moe_layer_pattern
+from models.registry import default_registry
 from parallel.dp.residuals import fold_logical_residuals
 
 
@@ -102,8 +103,32 @@ def model_differences(saved: dict, model) -> list[tuple[str, object, object]]:
     return out
 
 
+# what the model computes beyond its shape: a run may change one only by giving it (fine-tuning
+# with another RoPE base, say); a default that differs from the checkpoint's is refused
+MODEL_FUNCTION = ("norm_eps", "rope_base", "moe_router_topk", "moe_router_score_function",
+                  "moe_router_pre_softmax")
+
+
+def function_differences(saved: dict, model, explicit) -> list[tuple[str, object, object]]:
+    """(flag, the checkpoint's value, this run's) for every field of ``MODEL_FUNCTION`` that this
+    run leaves at its default and that differs from the checkpoint's (the RoPE base only for a
+    rotary block, the router's fields only for a model with experts). Pure."""
+    keys = ["norm_eps"]
+    try:
+        rotary = default_registry().resolve(model.block).position == "rope"
+    except ValueError:   # a block this run cannot resolve is refused elsewhere
+        rotary = False
+    keys += ["rope_base"] if rotary else []
+    keys += list(MODEL_FUNCTION[2:]) if model.num_experts is not None else []
+    defaults = {f.name: f.default for f in dataclasses.fields(model)}
+    return [("--" + key.replace("_", "-"), saved.get(key, defaults[key]), getattr(model, key))
+            for key in keys if key not in explicit
+            and saved.get(key, defaults[key]) != getattr(model, key)]
+
+
 def check_compatible(index: dict, cfg, data: dict, where: str) -> None:
-    """The run's model shape and vocabulary must be the checkpoint's (pure: same on every rank)."""
+    """The run's model shape and vocabulary must be the checkpoint's (pure: same on every rank);
+    so must what the model computes (``MODEL_FUNCTION``) unless this run sets it."""
     saved, model = index["model"], cfg.model
     differences = model_differences(saved, model)
     if "model/embedding.position" in index["tensors"] and \
@@ -118,6 +143,15 @@ def check_compatible(index: dict, cfg, data: dict, where: str) -> None:
                               f"but this run has {_setting(flag, here, '', 'no').strip()}{more}: "
                               f"use the checkpoint's model shape (--use-checkpoint-args) or start "
                               f"without --load")
+    if (changed := function_differences(saved, model, cfg.explicit)):
+        theirs = " and ".join(f"{f} {t}" for f, t, _ in changed)
+        ours = " and ".join(str(h) for _, _, h in changed)
+        one = len(changed) == 1
+        raise CheckpointError(f"checkpoint {where} was saved with {theirs}, where this run has "
+                              f"{'its default' if one else 'the defaults'} {ours}: give the "
+                              f"checkpoint's {'value' if one else 'values'} (or "
+                              f"--use-checkpoint-args), or set {'it' if one else 'them'} yourself "
+                              f"to change {'it' if one else 'them'}")
     if saved.get("qk_layernorm", False) != model.qk_layernorm:  # else its norms would be skipped
         given = "with --qk-layernorm, this run without" if saved.get("qk_layernorm", False) else \
             "without --qk-layernorm, this run with it"

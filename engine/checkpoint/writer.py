@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.index import (ASIDE, FORMAT, INDEX_NAME, LATEST, CheckpointError, file_damage,
-                                     list_checkpoints, step_dir_name, write_json, write_shard)
+                                     list_checkpoints, resolve, sha256_file, step_dir_name, write_json,
+                                     write_shard)
 from engine.checkpoint.specs import (ParamSpec, buffer_specs, by_owner, data_info, device_rng,
                                      first_replica, layout_of, param_specs, split_flat)
 from parallel.dp.residuals import logical_residual_pieces
@@ -229,6 +230,34 @@ def promote(tmp: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+# what describes a tokenizer beside its tokenizer.json: special tokens, chat template, generation
+TOKENIZER_SIBLINGS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                      "chat_template.json", "generation_config.json")
+
+
+def copy_tokenizer(meta: dict, tmp: str) -> None:
+    """The run's tokenizer.json into the checkpoint directory ``tmp``, with the files that describe
+    it (TOKENIZER_SIBLINGS) from the first place holding the same tokenizer.json: the Hugging Face
+    directory it was read from, the ``--load`` checkpoint (an imported model), the latest checkpoint
+    in ``--save``."""
+    data = meta["data"]
+    shutil.copyfile(data["tokenizer_file"], os.path.join(tmp, "tokenizer.json"))
+    places = [os.path.dirname(data["tokenizer_file"])]
+    for root in (meta["config"]["checkpoint"]["load"], os.path.dirname(tmp)):
+        try:
+            if root:
+                places.append(resolve(root))
+        except CheckpointError:
+            pass  # no checkpoint there (yet)
+    for place in places:
+        own = os.path.join(place, "tokenizer.json")
+        if os.path.isfile(own) and sha256_file(own) == data["tokenizer_sha256"]:
+            for name in TOKENIZER_SIBLINGS:
+                if os.path.isfile(os.path.join(place, name)):
+                    shutil.copyfile(os.path.join(place, name), os.path.join(tmp, name))
+            return
+
+
 def publish(snap: Snapshot) -> None:
     """Rank 0, once every rank's files are in ``snap.tmp``: merge the per-rank JSON into
     index.json, rename, repoint latest, prune (and drop what --overwrite moved aside)."""
@@ -248,9 +277,8 @@ def publish(snap: Snapshot) -> None:
             merged["pieces"] += entry["pieces"]
         os.remove(path)
     meta = snap.index_meta
-    data = meta["data"]
-    if data["tokenizer_sha256"]:
-        shutil.copyfile(data["tokenizer_file"], os.path.join(tmp, "tokenizer.json"))
+    if meta["data"]["tokenizer_sha256"]:
+        copy_tokenizer(meta, tmp)
     write_json(os.path.join(tmp, INDEX_NAME), {**meta, "tensors": tensors, "files": files, "ranks": ranks})
     root = os.path.dirname(final)
     promote(tmp, final)

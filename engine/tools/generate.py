@@ -135,11 +135,19 @@ def generate_text(trainer_or_model, tokenizer, prompt: str, max_new_tokens: int 
     was_training = model.training
     model.eval()
     try:
-        new = generate_ids(model, tokenizer.encode(prompt), max_new_tokens, temperature, top_k, seed,
+        ids = tokenizer.encode(prompt)
+        new = generate_ids(model, ids, max_new_tokens, temperature, top_k, seed,
                            getattr(tokenizer, "eot_id", None), getattr(tokenizer, "vocab_size", None))
     finally:
         model.train(was_training)
-    return prompt + tokenizer.decode(new)
+    return prompt + continuation(tokenizer, ids, new)
+
+
+def continuation(tokenizer, ids: list[int], new: list[int]) -> str:
+    """The text ``new`` adds after ``ids``: decoded together with them, as a fragment decoded alone
+    can lose its leading space (SentencePiece-style decoders strip the one a text starts with)."""
+    head, full = tokenizer.decode(ids), tokenizer.decode(ids + new)
+    return full[len(head):] if full.startswith(head) else tokenizer.decode(new)
 
 
 def build_parser() -> ToolParser:

@@ -116,7 +116,8 @@ def test_qk_layernorm_matches_transformers_qwen3(tmp_path):
     from engine.checkpoint.reader import check_compatible
     argv = ["--block", "llama", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
             "4", "--num-query-groups", "2", "--ffn-hidden-size", "96", "--seq-length", "32",
-            "--mock-data", "--vocab-size", "96"]
+            "--mock-data", "--vocab-size", "96", "--norm-eps", str(cfg.rms_norm_eps),
+            "--rope-base", str(index["model"]["rope_base"])]
     with pytest.raises(CheckpointError, match="saved with --qk-layernorm, this run without"):
         check_compatible(index, parse_args(argv), index["data"], "ck")
     check_compatible(index, parse_args(argv + ["--qk-layernorm"]), index["data"], "ck")

@@ -2,6 +2,7 @@
 checkpoint."""
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -97,6 +98,39 @@ def test_generate_from_checkpoint(tmp_path):
         for _ in range(4):
             seq.append(int(model(torch.tensor([seq]))[0, -1, :index["model"]["vocab_size"]].argmax()))
     assert new == seq[len(ids):]
+
+
+class _Scripted(torch.nn.Module):
+    """A whole model that greedily continues with the ids of ``script``, then ends the text."""
+
+    def __init__(self, script, vocab, stop):
+        super().__init__()
+        self.script, self.stop, self.w = script, stop, torch.nn.Parameter(torch.zeros(1))
+        self.cfg = SimpleNamespace(max_position_embeddings=64, vocab_size=vocab)
+
+    def forward(self, x):
+        logits = torch.zeros(1, x.shape[1], self.cfg.vocab_size)
+        logits[0, -1, self.script[x.shape[1]] if x.shape[1] < len(self.script) else self.stop] = 1.0
+        return logits
+
+
+def test_generated_text_keeps_the_space_a_sentencepiece_style_decoder_strips():
+    """A Metaspace tokenizer (Llama-2's and Mistral's kind) decodes a text without the space
+    its first word starts with: the continuation is decoded after the prompt, not alone."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from engine.data.hf_tokenizer import HFTokenizer
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    bpe.decoder = decoders.Metaspace(prepend_scheme="first")
+    bpe.train_from_iterator(["Hello world. The quick brown fox jumps over the lazy dog. " * 20],
+                            trainers.BpeTrainer(vocab_size=100, special_tokens=["<unk>", "<s>", "</s>"],
+                                                show_progress=False))
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok = HFTokenizer(bpe, eot_id=2)
+    script = tok.encode("Hello world")
+    model = _Scripted(script, tok.vocab_size, tok.eot_id)
+    trainer = SimpleNamespace(ps=SimpleNamespace(world_size=1), chunks=[model])
+    assert generate_text(trainer, tok, "Hello", max_new_tokens=8, temperature=0) == "Hello world"
 
 
 def test_generate_cli(tmp_path, capsys):

@@ -5,7 +5,9 @@ Everything is made offline: a byte-level BPE trained with ``tokenizers`` and sav
 transformers' ``GPT2TokenizerFast.save_pretrained`` is the GPT-2 tokenizer directory; tiny GPT-2 and
 Llama models are initialised by transformers and saved as safetensors. The imported checkpoints'
 logits equal transformers' in fp32 at (tp, pp, dp) = (1, 1, 1) and (2, 2, 1), and greedy generation
-picks the same tokens.
+picks the same tokens. A Llama-2-style tokenizer (<s> put before every text, </s> ending it, a chat
+template) keeps its special tokens and chat template through import, continued pretraining and
+export.
 """
 import json
 import os
@@ -217,3 +219,84 @@ def test_key_value_heads_that_do_not_divide_the_heads_are_refused_in_one_line(hf
     assert len(err.splitlines()) == 1
     assert "num_key_value_heads 3 does not divide num_attention_heads 4" in err
     assert not os.path.exists(tmp_path / "ck" / "latest")
+
+
+CHAT = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def llama2(tmp_path_factory):
+    """A Llama-2-style model directory: a Metaspace BPE whose post-processor puts <s> (id 1) before
+    every text, </s> (id 2) ending it, <unk> (id 0) the padding, and a chat template; its import
+    ("ck") and data prepared with it ("prefix")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    root = tmp_path_factory.mktemp("llama2")
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    bpe.decoder = decoders.Metaspace(prepend_scheme="first")
+    bpe.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=200, show_progress=False,
+                                                        special_tokens=["<unk>", "<s>", "</s>"]))
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",
+                                               unk_token="<unk>", pad_token="<unk>")
+    tok.chat_template = CHAT
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+                                   pad_token_id=0)
+    d = str(root / "hf")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    assert import_main(["--load", d, "--save", str(root / "ck")]) == 0
+    (root / "text.txt").write_text(TEXT)
+    prefix = str(root / "data" / "corpus")
+    assert data_main(["prepare", "--input", str(root / "text.txt"), "--output", prefix,
+                      "--tokenizer-model", d, "--no-progress"]) == 0
+    return {"hf": d, "ck": str(root / "ck"), "prefix": prefix}
+
+
+def _exported(ckpt, out):
+    """The export of ``ckpt``: its config.json and its tokenizer as transformers reads it."""
+    assert export_main(["--load", ckpt, "--to", "hf", "--out", out]) == 0
+    config = json.load(open(os.path.join(out, "config.json")))
+    return config, transformers.AutoTokenizer.from_pretrained(out)
+
+
+def test_import_and_export_keep_the_chat_template(llama2, tmp_path):
+    _, tok = _exported(llama2["ck"], str(tmp_path / "out"))
+    assert tok.chat_template == CHAT
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert chat == "<s>user: hi</s>"
+
+
+def test_import_and_export_keep_the_bos_eos_and_pad_tokens(llama2, tmp_path):
+    config, tok = _exported(llama2["ck"], str(tmp_path / "out"))
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 0)
+    assert (tok.bos_token, tok.eos_token, tok("Hello")["input_ids"][0]) == ("<s>", "</s>", 1)
+
+
+@pytest.mark.parametrize("start", ["load", "load+tokenizer-model", "fresh"])
+def test_continued_pretraining_keeps_the_tokenizer_files(llama2, tmp_path, start):
+    """One training step on data prepared with the model's tokenizer, from the imported model (its
+    tokenizer files come from the --load checkpoint, or from the --tokenizer-model directory) or
+    from a fresh model (no tokenizer_config.json anywhere: export names the BOS the tokenizer puts
+    first), then export."""
+    save = str(tmp_path / "ck")
+    argv = ["--data-path", llama2["prefix"], "--seq-length", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--train-iters", "1", "--no-progress", "--save", save,
+            "--split", "1,0,0"]
+    if start == "fresh":
+        argv += ["--block", "llama", "--num-layers", "1", "--hidden-size", "32",
+                 "--num-attention-heads", "4"]
+    else:
+        argv += ["--load", llama2["ck"], "--use-checkpoint-args"]
+    if start == "load+tokenizer-model":
+        argv += ["--tokenizer-model", llama2["hf"]]
+    trainer = Trainer(run_config(argv))
+    trainer.train()
+    trainer.close()
+    config, tok = _exported(save, str(tmp_path / "out"))
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert (tok.bos_token, tok.eos_token, tok("Hello")["input_ids"][0]) == ("<s>", "</s>", 1)
+    if start != "fresh":
+        assert tok.chat_template == CHAT and config["pad_token_id"] == 0
