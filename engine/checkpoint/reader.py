@@ -359,6 +359,8 @@ def _read_own(trainer, ckpt: str, index: dict, weights_only: bool):
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {ckpt}: {exc}") from exc
     trainer.sampler.next_step = step
+    # (a checkpoint written before the schedule counted applied updates: the step count it ran by)
+    trainer.schedule_step = index.get("schedule_step", step)
     layout = saved_layout(index)
     if layout["precision"] == cfg.precision.precision:
         trainer.scaler.load_state_dict(index["scaler"])

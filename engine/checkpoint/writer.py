@@ -159,6 +159,7 @@ def snapshot(trainer, step: int, tmp: str) -> Snapshot:
                 "data": data_info(trainer), "sampler": {**trainer.sampler.state_dict(), "next_step": step},
                 "scaler": dict(trainer.scaler.state_dict()), "reducer": {"step": red["step"],
                             "warmup_steps": red.get("warmup_steps")},
+                "schedule_step": trainer.schedule_step,
                 "optimizer": {"kind": sd["kind"], "step": sd["step"],
                               "variance_frozen": sd.get("variance_frozen", False)}}
     return Snapshot(step, tmp, checkpoint_dir(trainer, step), ps.rank, ps.world_size,

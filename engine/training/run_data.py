@@ -85,15 +85,22 @@ def rank_batches(trainer, step: int, dataset=None, sampler=None) -> list[MicroBa
 
 @torch.no_grad()
 def validation_loss(trainer) -> float:
-    """Mean validation loss over ``eval_iters`` global batches of the validation split."""
-    cfg = trainer.cfg
+    """Validation loss over ``eval_iters`` global batches of the validation split: the mean over
+    all their loss tokens, as training's loss is over one global batch's (with --eod-mask-loss
+    each batch's mean weighted by its unmasked tokens, counted from the dataset's per-sample table
+    on every rank alike; Megatron-LM pools its evaluation the same way)."""
+    cfg, pack = trainer.cfg, trainer.packing
     trainer.params_ready()
     sampler = trainer.data.sampler("valid", cfg.data.global_batch_size, cfg.seed)
     for c in trainer.chunks:
         c.eval()
-    total = 0.0
+    total = tokens = 0.0
     for it in range(cfg.log.eval_iters):
-        total += trainer.stepper.forward_only(rank_batches(trainer, it, trainer.data.valid, sampler))
+        loss = trainer.stepper.forward_only(rank_batches(trainer, it, trainer.data.valid, sampler))
+        count = count_loss_tokens(trainer.data.valid, sampler.global_batch(it), pack.eod_id) \
+            if pack is not None and pack.eod_mask_loss else 1
+        if count:   # a batch of end-of-document tokens only has no loss token to count
+            total, tokens = total + loss * count, tokens + count
     for c in trainer.chunks:
         c.train()
-    return total / cfg.log.eval_iters
+    return total / tokens if tokens else float("nan")

@@ -76,6 +76,10 @@ class RunResult:
 
 
 class Trainer:
+    # updates applied so far: the learning-rate schedule's position, which a skipped step (an fp16
+    # overflow, a non-finite gradient) does not advance, as in Megatron-LM and DeepSpeed
+    schedule_step: int = 0
+
     def __init__(self, cfg: RunConfig, registry: BlockRegistry | None = None,
                  launch: LaunchEnv | None = None):
         self.cfg, self.registry = cfg, registry
@@ -340,9 +344,10 @@ class Trainer:
         self.profiler.before_step(step + 1)
         timer = EventPair(self.clock).start()  # read at the next step's wait
         batches = self._batches(step)  # host tensors, then queued copies: not the step's waits
-        lr = learning_rate(step, cfg.optim)
+        lr = learning_rate(self.schedule_step, cfg.optim)
         self.stepper.current_step = step + 1  # names the step in anomaly reports
         out, events = counted_step(self, batches, lr, timer, step + 1)
+        self.schedule_step += not out.skipped   # (decided on the host at the step's one wait)
         self.profiler.after_step(step + 1)
         self.sampler.next_step = step + 1
         if not math.isfinite(out.loss) and cfg.precision.precision != "fp16":
