@@ -66,8 +66,11 @@ FLAGS: dict[str, Flag] = {
                                    "chosen) or sigmoid", "model", choices=("softmax", "sigmoid")),
     "moe_router_pre_softmax": F("softmax over all experts before the top-k (not renormalised)",
                                 "model"),
-    "moe_router_load_balancing_type": F("balancing loss: aux_loss (over each micro-step's tokens "
-                                        "of all DP ranks), seq_aux_loss (per sequence) or none",
+    "moe_router_load_balancing_type": F("balancing loss: aux_loss (global: over each micro-step's "
+                                        "tokens of all DP x CP ranks, like Megatron's "
+                                        "global_aux_loss without its running average over "
+                                        "micro-batches; Megatron's aux_loss is per micro-batch "
+                                        "over TP x CP), seq_aux_loss (per sequence) or none",
                                         "model", choices=("aux_loss", "seq_aux_loss", "none")),
     "moe_aux_loss_coeff": F("weight of the balancing loss (0: off)", "model"),
     "moe_z_loss_coeff": F("weight of the router z-loss (none: off)", "model"),
@@ -411,4 +414,8 @@ CHOICE_ANSWERS: dict[str, dict[str, str]] = {
     "fp8_recipe": {"delayed": _DELAYED.replace("; drop the flag", ""),
                    "mxfp8": "MXFP8 (32-element blocks) is not built"},
     "moe_token_dispatcher_type": {"flex": _DEEPEP.replace("; drop the flag", "")},
+    "moe_router_load_balancing_type": {
+        "global_aux_loss": "aux_loss here is the global one: write --moe-router-load-balancing-type "
+                           "aux_loss (counts over each micro-step's tokens of all DP x CP ranks, "
+                           "not averaged over the step's micro-batches; docs/moe.md)"},
 }

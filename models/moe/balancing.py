@@ -8,9 +8,11 @@ parallelism the router's and the experts' gradients are summed over the TP ranks
 tokens, parallel/grads/main_grad.py ``sync_sequence_parallel_grads``), so back-propagating the share
 gives the gradient of the layout-independent loss in every layout.
 
-- ``aux_loss`` (Switch / GShard, Megatron's global aux loss): coeff * E / K * sum_i f_i P_i with
-  f_i the fraction of the micro-step's token assignments that chose expert i and P_i the mean
-  probability of expert i, both over the tokens of *every* DP x CP rank's current micro-batch
+- ``aux_loss`` (Switch / GShard; global, as Megatron's ``global_aux_loss`` without its running
+  average over micro-batches, not Megatron's per-micro-batch ``aux_loss``): coeff * E / K *
+  sum_i f_i P_i with f_i the fraction of the micro-step's token assignments that chose expert i
+  (with the expert bias: of the unbiased top-k) and P_i the mean probability of expert i, both
+  over the tokens of *every* DP x CP rank's current micro-batch
   (and, under sequence parallelism, every TP rank's shard of it): the per-expert counts and the
   token count are summed over those ranks before the product. The layouts agree when their
   micro-steps hold the same tokens: one micro-batch per step (the micro-step is then the global

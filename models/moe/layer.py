@@ -2,7 +2,8 @@
 
 ``MoELayer.forward(x)`` takes (b, s, h) and returns (b, s, h): route (models/moe/router.py), count
 the assignments per expert once on the device (the load figure, the balancing loss and the
-experts' row offsets all use that count), permute and, under EP, dispatch over ``ps.ep_group``
+experts' row offsets all use that count; with the expert bias the balancing loss counts the
+unbiased top-k, a second count), permute and, under EP, dispatch over ``ps.ep_group``
 (parallel/expert_parallel: the split sizes' one host read; at ep 1 the rows stay and nothing is
 read on the host), run the local experts (stacked weights, grouped GEMMs), combine, un-permute with
 the router weights, add the always-active shared expert (a dense tensor-parallel ``ParallelMLP``),
@@ -123,13 +124,17 @@ class MoELayer(nn.Module):
     def _balancing_loss(self, routing, batch: int, counts: torch.Tensor):
         """This rank's share of the balancing losses (0-d fp32, or None without any), of the aux
         loss alone and of the z-loss alone (each detached, or None); ``counts`` (E,): the layer's
-        assignments per expert of this rank's tokens."""
+        assignments per expert of this rank's tokens. With the expert bias the aux losses count
+        the unbiased top-k instead (``Routing.unbiased``; a second count, on the device)."""
         loss = None
+        experts = routing.experts if routing.unbiased is None else routing.unbiased  # (T, K)
         if self.balancing == "aux_loss" and self.aux_coeff > 0:
+            if routing.unbiased is not None:
+                counts = count_per_expert(experts, self.num_experts)                # (E,)
             loss, _ = aux_loss_share(routing.scores, counts, self.topk, self.aux_coeff,
                                      self.balance_group, self.token_groups)
         elif self.balancing == "seq_aux_loss" and self.aux_coeff > 0:
-            loss = seq_aux_loss_share(routing.scores, routing.experts, batch, self.aux_coeff,
+            loss = seq_aux_loss_share(routing.scores, experts, batch, self.aux_coeff,
                                       self.seq_groups, self.ps.cp_size)
         aux = None if loss is None else loss.detach()
         z = None
@@ -183,8 +188,9 @@ class MoELayer(nn.Module):
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)                                    # (T, h)
         routing = self.router(tokens)
-        # the layer's one count of assignments per expert, on the device: the load figure, the
-        # balancing loss and (dropless) the experts' row offsets
+        # the layer's one count of assignments per expert, on the device: the load figure (and
+        # the expert bias's update), the balancing loss (without the bias) and (dropless) the
+        # experts' row offsets
         counts = count_per_expert(routing.experts, self.num_experts)          # (E,)
         load = counts.float()                                                  # (E,) the figure
         loss, aux, z = self._balancing_loss(routing, b, load)

@@ -6,13 +6,16 @@
 - ``sigmoid``: top-k of sigmoid(logits), the chosen scores divided by their sum when K > 1.
 
 With ``expert_bias`` (aux-loss-free balancing, DeepSeek-V3; sigmoid scores only) the experts are
-chosen by the top-k of scores + bias, and their weights are the unbiased scores of the chosen ones.
-The bias is a buffer (E,) fp32, moved by ``models.moe.step_figures.update_expert_bias`` after each
+chosen by the top-k of scores + bias, and their weights are the unbiased scores of the chosen ones;
+the balancing losses count the top-k of the unbiased scores (``Routing.unbiased``), as DeepSeek-V3
+and Megatron-Core do. The bias is a buffer (E,) that stays fp32 whatever dtype the module is cast
+to (``.to(torch.bfloat16)`` casts the router weight, not the bias: a bf16 bias would round off
+the update's small steps), moved by ``models.moe.step_figures.update_expert_bias`` after each
 optimizer step, never by the gradient.
 
 Ties are broken by the lower expert index (a stable descending sort), so the choice depends only on
-the token's values: every layout routes a token the same way. The logits are computed in fp32
-from an fp32 router weight whatever the activations' dtype.
+the token's values: every layout routes a token the same way. The router weight has the model's
+dtype; the logits are computed in fp32 from it whatever the activations' dtype.
 """
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ class Routing:
     experts: torch.Tensor   # (T, K) int64: the chosen experts, best first
     logits: torch.Tensor    # (T, E) fp32
     scores: torch.Tensor    # (T, E) fp32: per-expert probabilities the balancing losses use
+    # (T, K) int64: with the expert bias, the top-k of the unbiased scores, which the balancing
+    # losses count; None: they count ``experts``
+    unbiased: torch.Tensor | None = None
 
 
 def stable_topk(t: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +47,7 @@ def stable_topk(t: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class TopKRouter(nn.Module):
-    """Replicated (E, h) fp32 weight, drawn from (seed, ``{name}.weight``) like every weight."""
+    """Replicated (E, h) weight, drawn from (seed, ``{name}.weight``) like every weight."""
 
     def __init__(self, hidden: int, num_experts: int, topk: int, init, name: str,
                  score_function: str = "softmax", pre_softmax: bool = False,
@@ -59,6 +65,13 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = None
 
+    def _apply(self, fn, recurse=True):
+        """``.to(dtype)``, ``.bfloat16()``, ...: the expert bias stays fp32."""
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
+
     def forward(self, x: torch.Tensor) -> Routing:  # (T, h)
         store = self.weight_grad_store
         if store is not None and self.weight.dtype == torch.float32:  # W split off
@@ -68,14 +81,15 @@ class TopKRouter(nn.Module):
         k = self.topk
         if self.score_function == "sigmoid":
             scores = torch.sigmoid(logits)
-            if self.expert_bias is None:
-                values, experts = stable_topk(scores, k)
-            else:  # the bias chooses, the unbiased scores weigh
-                _, experts = stable_topk(scores + self.expert_bias, k)
+            values, unbiased = stable_topk(scores, k)                  # (T, K)
+            experts = unbiased
+            if self.expert_bias is not None:  # the bias chooses, the unbiased scores weigh
+                _, experts = stable_topk(scores + self.expert_bias, k)  # (T, K)
                 values = scores.gather(1, experts)
             weights = values / (values.sum(-1, keepdim=True) + 1e-20) if k > 1 else values
-            balance = scores / (scores.sum(-1, keepdim=True) + 1e-20)
-            return Routing(weights, experts, logits, balance)
+            balance = scores / (scores.sum(-1, keepdim=True) + 1e-20)  # (T, E)
+            return Routing(weights, experts, logits, balance,
+                           None if self.expert_bias is None else unbiased)
         probs = torch.softmax(logits, dim=-1)
         if self.pre_softmax:
             weights, experts = stable_topk(probs, k)

@@ -2,6 +2,8 @@
 the step's MoE figures and their bad input, on one process against hand-computed values."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -129,6 +131,84 @@ def test_bias_update_and_figures_hand_computed():
     assert fig.vector(chunks, 1, False, torch.device("cpu")).abs().sum() == 0
     v = fig.vector(chunks, 1, True, torch.device("cpu"))
     assert v[3:].sum() == 2 * 8 * 2 and v[2] == 0
+
+
+def test_expert_bias_stays_fp32_in_a_bf16_model():
+    """A bf16 bias would round the update off: steps of 1e-3 stop moving it at |b| = 0.5."""
+    from models import build_chunks
+    cfg = cfg_of(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                 moe_router_bias_update_rate=1e-3, moe_layer_freq="[0,1]")
+    chunks = build_chunks(cfg, ParallelState.serial(), LayerContext(Initializer(7, 0.1)), [range(2)],
+                          [0], 1).to(dtype=torch.bfloat16)
+    router = chunks[0].layers[1].mlp.router
+    assert router.weight.dtype == torch.bfloat16 and router.expert_bias.dtype == torch.float32
+    assert router.state_dict()["expert_bias"].dtype == torch.float32
+    fig = StepFigures.of(chunks)
+    expected = torch.zeros(4)
+    for _ in range(1000):  # expert 0 always over the mean load 6, expert 1 always under
+        update_expert_bias(chunks, fig, [[10, 2, 6, 6]])
+        expected += torch.tensor([-1e-3, 1e-3, 0.0, 0.0])
+    assert torch.equal(router.expert_bias, expected)
+    torch.testing.assert_close(router.expert_bias, torch.tensor([-1.0, 1.0, 0.0, 0.0]),
+                               rtol=0, atol=1e-4)
+
+
+def test_expert_bias_stays_fp32_in_a_bf16_run_and_its_checkpoint(tmp_path):
+    from engine.training.trainer import Trainer
+    from parallel.grid.launch import LaunchEnv
+    argv = ["--mock-data", "--vocab-size", "64", "--no-progress", "--device", "cpu", "--bf16",
+            "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--seq-length", "8", "--global-batch-size", "4", "--micro-batch-size", "2",
+            "--lr-warmup-iters", "0", "--num-experts", "4", "--moe-router-score-function", "sigmoid",
+            "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05"]
+    ckpt = tmp_path / "iter_0000003"
+
+    def biases(trainer):
+        return [m.router.expert_bias.clone() for m in trainer.chunks.modules() if hasattr(m, "router")]
+
+    trainer = Trainer(parse_args(argv + ["--train-iters", "3", "--save", str(tmp_path)]),
+                      launch=LaunchEnv())
+    try:
+        trainer.train()
+        trained = biases(trainer)
+    finally:
+        trainer.close()
+    assert len(trained) == 2 and all(b.dtype == torch.float32 for b in trained)
+    assert all(b.abs().sum() > 0 for b in trained)  # they moved
+    index = json.loads((ckpt / "index.json").read_text())
+    assert index["tensors"]["model/layers.0.mlp.router.expert_bias"]["dtype"] == "float32"
+    trainer = Trainer(parse_args(argv + ["--train-iters", "4", "--load", str(ckpt)]), launch=LaunchEnv())
+    try:
+        assert trainer.maybe_load() == 3
+        loaded = biases(trainer)
+    finally:
+        trainer.close()
+    assert all(b.dtype == torch.float32 for b in loaded)
+    assert all(torch.equal(x, y) for x, y in zip(loaded, trained))
+
+
+def test_balancing_losses_count_the_unbiased_choice():
+    """With the expert bias the experts are chosen by scores + bias, but the aux losses count the
+    top-k of the unbiased scores (DeepSeek-V3, Megatron-Core); the load keeps the biased choice."""
+    e, k, b, s = 4, 2, 2, 8
+    x = torch.randn(b, s, 16, generator=torch.Generator().manual_seed(0))
+    for kind in ("aux_loss", "seq_aux_loss"):
+        cfg = cfg_of(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                     moe_aux_loss_coeff=1.0, moe_router_load_balancing_type=kind)
+        layer = MoELayer(cfg, ParallelState.serial(), LayerContext(Initializer(7, 0.5)), "layers.0.mlp")
+        layer.router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 5.0]))  # expert 3 always chosen
+        layer(x)
+        sig = torch.sigmoid(x.reshape(-1, 16) @ layer.router.weight.t())        # (T, E)
+        p = sig / sig.sum(-1, keepdim=True)                                       # (T, E)
+        chosen = torch.zeros_like(p).scatter(1, sig.topk(k).indices, 1.0)         # (T, E) unbiased
+        biased = torch.zeros_like(p).scatter(1, (sig + layer.router.expert_bias).topk(k).indices, 1.0)
+        assert not torch.equal(chosen.sum(0), biased.sum(0))
+        if kind == "aux_loss":
+            want = (chosen.sum(0) * p.sum(0)).sum() * e / (k * (b * s) ** 2)
+        else:
+            want = ((chosen.view(b, s, e).sum(1) * p.view(b, s, e).sum(1)).sum(-1) * e / (k * s * s)).mean()
+        torch.testing.assert_close(layer.records[-1]["aux_loss"], want, rtol=1e-6, atol=0)
+        assert torch.equal(layer.records[-1]["load"], biased.sum(0))
 
 
 def test_dashboards_and_summary_carry_the_moe_metrics():

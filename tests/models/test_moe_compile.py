@@ -1,9 +1,10 @@
 """The MoE block under torch.compile at ep 1: no graph break (torch._dynamo.explain counts them),
 dropless and with a capacity (padded to it, and unpadded: the dropped copies sort last, so the
-shapes stay static) in gpt2 blocks, dropless in llama blocks, with the balancing losses; the compiled block (whole
-graph, ``fullgraph=True``) gives eager's output and every gradient. Routing, counting, the
-grouped GEMMs over the stacked experts (``gridtron::grouped_mm``, whose shape function serves fp32
-too) and the combine all stay in the graph: nothing is read on the host."""
+shapes stay static) in gpt2 blocks, dropless in llama blocks (also with the expert bias), with the
+balancing losses; the compiled block (whole graph, ``fullgraph=True``) gives eager's output and
+every gradient. Routing, counting, the grouped GEMMs over the stacked experts
+(``gridtron::grouped_mm``, whose shape function serves fp32 too) and the combine all stay in the
+graph: nothing is read on the host."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,9 @@ from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
 
 CASES = {"dropless": {}, "capacity": {"moe_expert_capacity_factor": 1.0},
-         "padded": {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}}
+         "padded": {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True},
+         # the biased choice, and the unbiased one the aux loss counts
+         "bias": {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}}
 
 
 def _block(kind: str, fields: dict):
@@ -38,7 +41,8 @@ def _run(fn, block, x):
 
 
 @pytest.mark.parametrize("kind,case", [("gpt2", "dropless"), ("gpt2", "capacity"),
-                                       ("gpt2", "padded"), ("llama", "dropless")])
+                                       ("gpt2", "padded"), ("llama", "dropless"),
+                                       ("llama", "bias")])
 def test_moe_block_compiles_whole_and_matches_eager(kind, case):
     block = _block(kind, CASES[case])
     x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))

@@ -318,6 +318,17 @@ def test_megatron_values_of_real_flags_say_what_is_not_built(tmp_path):
                               "lists every flag)")
 
 
+def test_megatron_global_aux_loss_is_answered_with_aux_loss(tmp_path):
+    says = ("global_aux_loss'.*; aux_loss here is the global one: write "
+            "--moe-router-load-balancing-type aux_loss \\(counts over each micro-step's tokens of all "
+            "DP x CP ranks, not averaged over the step's micro-batches; docs/moe.md\\)")
+    with pytest.raises(ConfigError, match=says):
+        parse_args(["--num-experts", "4", "--moe-router-load-balancing-type", "global_aux_loss"])
+    with pytest.raises(ConfigError, match=says):
+        parse_args(["--config", _recipe(tmp_path, "num_experts: 4\n"
+                                                  "moe_router_load_balancing_type: global_aux_loss\n")])
+
+
 @pytest.mark.parametrize("text,says", [
     ("bf16: true\n", "unknown key 'bf16': write precision: bf16 (--bf16 is the command line's "
                      "switch for it)"),
