@@ -233,13 +233,15 @@ class _MatmulAllReduceForwardIdentityBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, group, store, path):
-        ctx.save_for_backward(x, weight)
-        ctx.store = store
+        ctx.save_for_backward(x)
+        # the Parameter itself (as every split Function keeps it): under recomputation a saved
+        # tensor comes back as a detached copy, and the deferred W would accumulate into that
+        ctx.weight, ctx.store = weight, store
         return path.matmul_all_reduce(x, weight.t(), group)   # (b, s, out)
 
     @staticmethod
     def backward(ctx, grad):  # grad (b, s, out)
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         grad_x = grad.matmul(weight)                          # (b, s, in/tp)
         if ctx.store is not None and ctx.store.capturing:
             ctx.store.defer(lambda: _weight_grads([grad], [weight], [None], x, True), [weight],

@@ -340,3 +340,40 @@ def test_npu_mc2_group_sizes_are_the_chip_tables():
     for n in TP_OVERLAP_ALL_REDUCE["npu_mm_all_reduce_base"]["atlas-a2"]:
         assert ok(x, K, SimpleNamespace(size=n), all_reduce), n
     assert not ok(x, K, SimpleNamespace(size=16), all_reduce)
+
+
+class _MatmulOnOneRank:
+    """The fused matmul + all-reduce on a group of one: the matmul (the MC2 op runs on NPUs only)."""
+
+    def matmul_all_reduce(self, a, b, group):
+        return a.matmul(b)
+
+
+def test_fused_row_gemm_defers_its_weight_gradient_under_full_recompute():
+    """Under --recompute full (non-reentrant checkpoint) and a zero-bubble W split, the deferred
+    weight gradient reaches the Parameter's main_grad and the reducer is told of the Parameter
+    itself, as without recomputation (a saved weight would come back as a detached copy)."""
+    from torch.utils.checkpoint import checkpoint
+    from parallel.grads.weight_grad import WeightGradStore
+    grads = {}
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
+        w.main_grad = torch.zeros_like(w)
+        ready = []
+        store = WeightGradStore(on_ready=ready.append)
+        x = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)
+
+        def f(t):
+            return _MatmulAllReduceForwardIdentityBackward.apply(t * 1.0, w, None, store,
+                                                                 _MatmulOnOneRank())
+        y = checkpoint(f, x, use_reentrant=False) if recompute else f(x)   # (2, 5, 3)
+        with store.capture("mb0"):
+            y.sum().backward()
+        store.run("mb0")
+        assert len(ready) == 1 and ready[0] is w
+        # dW = dy^T x with dy all ones
+        torch.testing.assert_close(w.main_grad, torch.ones(10, 3, dtype=torch.float64).t()
+                                   @ x.detach().reshape(10, 4))
+        grads[recompute] = w.main_grad.clone()
+    assert torch.equal(grads[True], grads[False])
