@@ -40,6 +40,8 @@ class GPTConfig:
     vocab_size: int = 8192
     block: str = "gpt2"  # a registered name or module:Class
     dropout: float = 0.0
+    # help: dropout on attention probabilities (Megatron's --attention-dropout); default: --dropout
+    attention_dropout: float | None = None
     init_std: float = 0.02
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
@@ -91,6 +93,8 @@ class GPTConfig:
                              f"({self.max_position_embeddings}); raise --max-position-embeddings")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.attention_dropout is not None and not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(f"--attention-dropout must be in [0, 1), got {self.attention_dropout}")
         if self.init_std < 0 or self.norm_eps < 0:
             raise ValueError(f"--init-std and --norm-eps must be >= 0, got {self.init_std} and "
                              f"{self.norm_eps}")
@@ -112,6 +116,11 @@ class GPTConfig:
         if self.num_experts is None:
             return False
         return moe_layer_pattern(self.moe_layer_freq, self.num_layers)[layer_idx]
+
+    @property
+    def attention_dropout_p(self) -> float:
+        """The attention probabilities' dropout: --attention-dropout, else --dropout."""
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
 
     @property
     def head_dim(self) -> int:

@@ -168,7 +168,7 @@ class ParallelAttention(nn.Module):
         self.groups_local = divide(g, ps.tp_size, "--num-query-groups")
         self.q_per_group = n // g
         self.head_dim, self.rope, self.rope_base = cfg.head_dim, rope, cfg.rope_base
-        self.dropout, self.selective = cfg.dropout, ctx.recompute == "selective"
+        self.dropout, self.selective = cfg.attention_dropout_p, ctx.recompute == "selective"
         self.cp_group, self.cp_comm_type = ps.cp_group, ctx.cp_comm_type
         self.paths, self.rope_cache, self.mask_cache = ctx.kernel_paths, ctx.rope_cache, ctx.mask_cache
         self.max_positions = cfg.seq_length

@@ -29,7 +29,8 @@ from parallel.dp.residuals import fold_logical_residuals
 
 
 # the run's choices, not the shape (the experts' kernel too: checkpoints do not depend on it)
-MODEL_SHAPE_SKIP = ("seq_length", "vocab_size", "dropout", "seed", "moe_grouped_gemm")
+MODEL_SHAPE_SKIP = ("seq_length", "vocab_size", "dropout", "attention_dropout", "seed",
+                    "moe_grouped_gemm")
 # training choices of MoE layers: the checkpoint's under --use-checkpoint-args unless this run sets them
 MODEL_RUN_CHOICES = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type",
                      "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity",

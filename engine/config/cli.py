@@ -112,20 +112,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _takes(action, value: str | None) -> bool:
+    """Whether ``action`` can take ``value`` (None: no value was given): a number flag cannot take
+    ``1e-7`` as an int, so --lr-warmup-iters is not what ``--lr-warmup-init 1e-7`` meant."""
+    if value is None or action.nargs == 0 or action.type is None:
+        return True
+    try:
+        action.type(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def _option_candidates(parser) -> dict[str, str]:
     return {o.lstrip("-"): a.dest for a in parser._actions for o in a.option_strings
             if o.startswith("--") and a.dest != "help"}
 
 
-def _unknown(parser, token: str) -> ConfigError:
+def _unknown(parser, unknown: list[str]) -> ConfigError:
+    token = unknown[0]
     name = token.split("=")[0]
     if name in MEGATRON_ANSWERS:
         return ConfigError(f"{name}: {MEGATRON_ANSWERS[name]}")
     if not name.startswith("-"):
         return ConfigError(f"unexpected value {token!r}: every flag takes one value except --data-path "
                            f"({HELP_HINT})")
+    if "=" in token:
+        value = token.split("=", 1)[1]
+    else:  # the word after it, unless that is a flag (a negative number is a value)
+        value = next((v for v in unknown[1:2] if not re.match(r"-+[a-zA-Z]", v)), None)
     close = suggest(name, _option_candidates(parser))
-    hint = f"; did you mean --{close}?" if close else ""
+    meant = close and next(a for a in parser._actions if f"--{close}" in a.option_strings)
+    hint = f"; did you mean --{close}?" if meant and _takes(meant, value) else ""
     return ConfigError(f"unknown argument {name!r}{hint} ({HELP_HINT})")
 
 
@@ -146,6 +164,9 @@ def config_from_values(values: dict, explicit: typing.Iterable[str] = ()) -> Run
         (sections[info.section] if info.section else top)[name] = value
     if "seed" in top:
         sections["model"]["seed"] = top["seed"]
+    par = sections["parallel"]  # model chunks per stage imply the interleaved schedule (Megatron-LM)
+    if par.get("virtual_pipeline_size", 1) > 1 and par.get("pp", 1) > 1:
+        par.setdefault("pipeline_schedule", "interleaved")
     try:
         built = {s: cls(**sections[s]) for s, cls in SECTIONS.items()}
         return RunConfig(**built, **top, explicit=tuple(sorted(set(explicit))))
@@ -157,7 +178,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        raise _unknown(parser, unknown[0])
+        raise _unknown(parser, unknown)
     flags = vars(args)
     _conflicts(flags.pop(GIVEN, []))
     path = flags.pop("config", None)

@@ -61,12 +61,27 @@ def flag_info(name: str) -> Flag:
     return FLAGS.get(name) or Flag("", "training")
 
 
+def _adds_a_word(unknown: str, candidate: str) -> bool:
+    """Whether ``unknown`` has a word that is no spelling of one of ``candidate``'s (close, or its
+    letters swapped), nor, 4 letters or more, a run of its letters (``numlayers``): a name that says
+    more than the candidate (``--eval-global-batch-size``, ``--mtp-num-layers``, ``--log-progress``
+    for ``--no-progress``) names another setting, not a misspelling of it."""
+    theirs = candidate.split("-")
+
+    def spelt(w):
+        return (len(w) >= 4 and w in candidate.replace("-", "")) or any(
+            sorted(w) == sorted(t) or difflib.SequenceMatcher(None, w, t).ratio() >= 0.75
+            for t in theirs)
+    return not all(spelt(w) for w in unknown.split("-"))
+
+
 def suggest(unknown: str, candidates: dict[str, str]) -> str | None:
     """The flag a user most likely meant, or None when no candidate is clearly it.
 
     ``candidates`` maps option names (without dashes) to their field; a suggestion is a close
-    spelling (difflib ratio >= 0.8) sharing a word with ``unknown``, or the one field that
-    ``unknown`` is a prefix of. Short names (tp, pp, ...) are only suggested when typed exactly.
+    spelling (difflib ratio >= 0.8) sharing a word with ``unknown`` and adding none of its own, or
+    the one field that ``unknown`` is a prefix of. Short names (tp, pp, ...) are only suggested when
+    typed exactly.
     """
     u = unknown.lstrip("-").replace("_", "-").lower()
     if not u:
@@ -74,6 +89,8 @@ def suggest(unknown: str, candidates: dict[str, str]) -> str | None:
     words = set(u.split("-"))
     names = [c for c in candidates if len(c) >= 4]
     for c in difflib.get_close_matches(u, names, n=5, cutoff=0.8):
+        if _adds_a_word(u, c):
+            continue
         if words & set(c.split("-")) or difflib.SequenceMatcher(None, u, c).ratio() >= 0.9:
             return c
     prefixed = {candidates[c] for c in names if c.startswith(u) and len(u) >= 4}

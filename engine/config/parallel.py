@@ -101,8 +101,15 @@ class ParallelConfig:
             raise ValueError(f"--pipeline-schedule zb-v always runs 2 model chunks per rank (in a "
                              f"V); drop --virtual-pipeline-size {self.virtual_pipeline_size} or "
                              f"set it to 2")
-        if self.virtual_pipeline_size > 1 and self.pipeline_schedule not in ("interleaved", "zb-v"):
-            raise ValueError("--virtual-pipeline-size > 1 needs --pipeline-schedule interleaved")
+        vp = self.virtual_pipeline_size
+        if vp > 1 and self.pipeline_schedule not in ("interleaved", "zb-v"):
+            if self.pp == 1:
+                raise ValueError(f"--virtual-pipeline-size {vp} needs --pipeline-schedule interleaved, "
+                                 f"which needs --pp > 1 (it is the model chunks per pipeline stage); "
+                                 f"raise --pp or drop --virtual-pipeline-size")
+            raise ValueError(f"--pipeline-schedule {self.pipeline_schedule} runs one model chunk per "
+                             f"rank, not --virtual-pipeline-size {vp}: drop --pipeline-schedule "
+                             f"(interleaved is implied) or --virtual-pipeline-size")
         if self.pipeline_schedule == "interleaved" and self.pp == 1:
             raise ValueError("--pipeline-schedule interleaved needs --pp > 1")
         if self.pipeline_schedule == "interleaved" and self.virtual_pipeline_size < 2:

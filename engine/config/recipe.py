@@ -141,14 +141,34 @@ def _not_utf8(path: str) -> str:
     return " not UTF-8 text"
 
 
-def _unknown(key: str, table: dict, where: str) -> ConfigError:
-    """The unknown key's line: the recipe's spelling of a command-line switch (``bf16: true``), the
-    section of a --help group's name (``mixed_precision:``), Megatron's answer, or a close key."""
+def _alias_field(option: str, table: dict) -> str | None:
+    """The field whose command-line alias ``option`` is (``--tensor-model-parallel-size``: tp)."""
+    return next((name for name in table if option in flag_info(name).aliases), None)
+
+
+def _fits(value, info: FieldInfo) -> bool:
+    """Whether ``value`` has the field's type (its choices aside: a misspelt key with a wrong
+    value is still that key)."""
+    try:
+        coerce("", value, info, "")  # "" has no flag entry, so no choices
+    except ConfigError:
+        return False
+    return True
+
+
+def _unknown(key: str, value, table: dict, where: str) -> ConfigError:
+    """The unknown key's line: the recipe's spelling of a command-line switch (``bf16: true``) or
+    alias (``tensor_model_parallel_size: 2``), the section of a --help group's name
+    (``mixed_precision:``), Megatron's answer, or a close key that can take ``value``."""
     option = "--" + key.replace("_", "-")
     if option in CONSTANTS:
-        name, value = CONSTANTS[option][:2]
-        return ConfigError(f"{where}: unknown key {key!r}: write {name}: {value} ({option} is the "
+        field, const = CONSTANTS[option][:2]
+        return ConfigError(f"{where}: unknown key {key!r}: write {field}: {const} ({option} is the "
                            f"command line's switch for it)")
+    alias_of = _alias_field(option, table)
+    if alias_of:
+        return ConfigError(f"{where}: unknown key {key!r}: the recipe's key is {alias_of} ({option} "
+                           f"is the command line's alias for it)")
     group = key.replace("_", " ").replace("-", " ").strip().lower()
     if group in GROUPS:
         homes = {table[n].section for n in table if flag_info(n).group == group}
@@ -162,7 +182,8 @@ def _unknown(key: str, table: dict, where: str) -> ConfigError:
         return ConfigError(f"{where}: unknown key {key!r}: {MEGATRON_ANSWERS[option]} (recipe keys "
                            f"are the flags' names)")
     close = suggest(key, {k.replace("_", "-"): k for k in table})
-    hint = f"; did you mean {close.replace('-', '_')!r}?" if close else ""
+    close = close and close.replace("-", "_")
+    hint = f"; did you mean {close!r}?" if close and _fits(value, table[close]) else ""
     return ConfigError(f"{where}: unknown key {key!r}{hint}")
 
 
@@ -177,7 +198,7 @@ def load_recipe(path: str) -> dict:
     def put(key, value, section=None, line=None):
         name = str(key).replace("-", "_")
         if name not in table:
-            raise _unknown(str(key), table, where)
+            raise _unknown(str(key), value, table, where)
         info = table[name]
         if section is not None and info.section != section:
             home = f"{info.section}:" if info.section else "the top level"

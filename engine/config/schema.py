@@ -346,8 +346,11 @@ def check_expert_flags(model: GPTConfig, parallel: ParallelConfig) -> None:
     ``grid``); docs/moe.md lists what is not built yet."""
     ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
     if etp not in (1, parallel.tp):
+        change = f"raise --tp to {etp} or drop the flag" if parallel.tp == 1 else \
+            f"give 1 or {parallel.tp}"
         raise ValueError(f"--expert-tensor-parallel-size {etp}: only 1 (each expert whole on one "
-                         f"rank) or --tp {parallel.tp} (the TP group splits every expert) is built")
+                         f"rank) or --tp {parallel.tp} (the TP group splits every expert) is built; "
+                         f"{change}")
     if ep < 1:
         raise ValueError(f"--expert-model-parallel-size must be >= 1, got {ep}")
     if model.num_experts is None:

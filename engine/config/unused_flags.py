@@ -24,6 +24,7 @@ from parallel.dp.policy import CompressionPolicy, PolicyError
 ALWAYS_READ = frozenset({
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "qk_layernorm",
     "ffn_hidden_size", "seq_length", "max_position_embeddings", "vocab_size", "block", "dropout",
+    "attention_dropout",
     "init_std", "norm_eps", "num_experts", "moe_layer_freq", "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size", "moe_router_topk", "moe_router_score_function",
     "moe_router_pre_softmax", "moe_router_load_balancing_type", "moe_z_loss_coeff",

@@ -49,11 +49,12 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
     tp = grid.tp
     if grid.cp > 1:
         _validate_cp(cfg, grid)
-    if cfg.compile and par.recompute != "none" and m.dropout > 0:
-        raise ConfigError(f"--compile with --recompute {par.recompute} and --dropout {m.dropout} is "
-                          f"not supported: the recomputation replays each dropout mask by restoring "
+    if cfg.compile and par.recompute != "none" and max(m.dropout, m.attention_dropout_p) > 0:
+        raise ConfigError(f"--compile with --recompute {par.recompute} and dropout (--dropout "
+                          f"{m.dropout}, --attention-dropout {m.attention_dropout_p}) is not "
+                          f"supported: the recomputation replays each dropout mask by restoring "
                           f"the dropout streams' generator states, which a compiled graph cannot "
-                          f"do; drop --compile, use --recompute none, or set --dropout 0")
+                          f"do; drop --compile, use --recompute none, or set both dropouts to 0")
     for what, value in (("--num-attention-heads", m.num_attention_heads),
                         ("--hidden-size", m.hidden_size), ("--ffn-hidden-size", m.ffn_hidden_size)):
         if value % tp:
@@ -177,9 +178,12 @@ def _validate_cp(cfg: RunConfig, grid: RankGrid) -> None:
             raise ConfigError(f"--seq-length {m.seq_length} is not divisible by 2 x --cp = {2 * cp}: "
                               f"ring attention gives each rank two of 2*cp equal chunks (load "
                               f"balancing); use a multiple of {2 * cp}")
-        if m.dropout > 0:
-            raise ConfigError("ring attention (--cp-comm-type p2p) applies no attention dropout: "
-                              "use --dropout 0, or --cp-comm-type a2a")
+        if m.attention_dropout_p > 0:
+            given = "--attention-dropout" if m.attention_dropout is not None else \
+                "--dropout (which also sets --attention-dropout)"
+            raise ConfigError(f"ring attention (--cp-comm-type p2p) applies no attention dropout, "
+                              f"but {given} is {m.attention_dropout_p}: use --attention-dropout 0 "
+                              f"(--dropout may stay, for the residual branches), or --cp-comm-type a2a")
     else:
         if m.seq_length % cp:
             raise ConfigError(f"--seq-length {m.seq_length} is not divisible by --cp {cp}; use a "

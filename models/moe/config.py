@@ -73,8 +73,9 @@ def check_moe_fields(cfg) -> None:
         given = [k for k, d in MOE_DEFAULTS.items() if getattr(cfg, k) != d]
         if given:
             flags = ", ".join("--" + k.replace("_", "-") for k in given)
-            raise ValueError(f"{flags} configure mixture-of-experts layers, which need "
-                             f"--num-experts E; add it or drop {'them' if len(given) > 1 else 'it'}")
+            verb, them = ("configure", "them") if len(given) > 1 else ("configures", "it")
+            raise ValueError(f"{flags} {verb} mixture-of-experts layers, which need --num-experts "
+                             f"E; add it or drop {them}")
         return
     e, k = cfg.num_experts, cfg.moe_router_topk
     if e < 1:

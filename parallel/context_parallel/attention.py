@@ -56,5 +56,5 @@ def context_parallel_attention(q, k, v, group, comm_type: str = "p2p", *, dropou
                                  mask_cache, paths)
     if dropout_p > 0.0:
         raise ValueError("ring attention (--cp-comm-type p2p) applies no attention dropout: use "
-                         "--dropout 0 or --cp-comm-type a2a")
+                         "--attention-dropout 0 or --cp-comm-type a2a")
     return ring_attention(q, k, v, group, document_ids, scale, mask_cache, paths)

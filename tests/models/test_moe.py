@@ -158,7 +158,7 @@ def test_sequence_parallel_marks_router_and_experts():
 @pytest.mark.parametrize("argv,message", [
     (["--num-experts", "6", "--ep", "4", "--dp", "4"], "--num-experts 6 is not divisible by --expert-model-parallel-size 4"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 must be between 1 and --num-experts 4"),
-    (["--moe-aux-loss-coeff", "0.01"], "--moe-aux-loss-coeff configure mixture-of-experts layers, which need --num-experts"),
+    (["--moe-aux-loss-coeff", "0.01"], "--moe-aux-loss-coeff configures mixture-of-experts layers, which need --num-experts"),
     (["--moe-router-topk", "4", "--moe-layer-freq", "2"], "--moe-layer-freq, --moe-router-topk configure"),
     (["--ep", "2"], "--expert-model-parallel-size 2 splits mixture-of-experts layers"),
     (["--num-experts", "4", "--etp", "2"], "--expert-tensor-parallel-size 2: only 1"),

@@ -236,7 +236,7 @@ def test_dashboards_and_summary_carry_the_moe_metrics():
     (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
     (["--num-experts", "4", "--moe-router-enable-expert-bias"], "add --moe-router-score-function sigmoid"),
     (["--num-experts", "4", "--moe-router-bias-update-rate", "-1"], "must be >= 0"),
-    (["--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor configure mixture-of-experts"),
+    (["--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor configures mixture-of-experts"),
     # a factor the capacity ceil(F T K / E) cannot be computed from (it overflowed mid-step)
     (["--num-experts", "4", "--moe-expert-capacity-factor", "inf"],
      "--moe-expert-capacity-factor inf must be a finite number > 0 (leave it unset for dropless "

@@ -101,7 +101,7 @@ def test_megatron_spellings():
     assert cfg.checkpoint.finetune and not cfg.checkpoint.load_optim
     assert cfg.model.dropout == 0.1 and cfg.model.init_std == 0.01
     assert parse_args(["--fp16"]).precision.precision == "fp16"
-    with pytest.raises(ConfigError, match="invalid choice: 'WSD'"):
+    with pytest.raises(ConfigError, match="invalid choice: 'WSD'.*; warmup-stable-decay is not built"):
         parse_args(["--lr-decay-style", "WSD"])
     if "num_query_groups" in field_table():  # grouped-query attention has landed
         assert parse_args(["--num-query-groups", "2", "--group-query-attention"]).model.num_query_groups == 2
@@ -121,21 +121,58 @@ def test_lr_decay_iters_ends_the_decay_early():
     assert learning_rate(25, o) == pytest.approx(0.55) and learning_rate(50, o) == learning_rate(99, o) == 0.1
 
 
-@pytest.mark.parametrize("flag,meant", [
-    ("--num-layer", "--num-layers"), ("--hiden-size", "--hidden-size"),
-    ("--global-batch", "--global-batch-size"), ("--sequence-paralel", "--sequence-parallel"),
-    ("--tensor-parallel-size", "--tensor-model-parallel-size"),
-    ("--xp", None), ("--foo-bar", None), ("--log-dir", None), ("--layers", None), ("--lr-decay", None),
+@pytest.mark.parametrize("flag,value,meant", [
+    ("--num-layer", "1", "--num-layers"), ("--hiden-size", "1", "--hidden-size"),
+    ("--global-batch", "1", "--global-batch-size"), ("--sequence-paralel", "1", "--sequence-parallel"),
+    ("--tensor-parallel-size", "1", "--tensor-model-parallel-size"),
+    ("--numlayers", "1", "--num-layers"), ("--hidden-szie", "1", "--hidden-size"),
+    ("--tensorboard-dri", "tb", "--tensorboard-dir"), ("--lr-decay-stlye", None, "--lr-decay-style"),
+    ("--model-parallel-size", "2", "--tensor-model-parallel-size"),  # Megatron-LM's old spelling
+    ("--xp", "1", None), ("--foo-bar", "1", None), ("--log-dir", "1", None), ("--layers", "1", None),
+    ("--lr-decay", "1", None), ("--lr-decay", "1e-7", None),
+    # a name with a word of its own names another setting (Megatron-LM flags without an answer)
+    ("--moe-expert-rank-capacity-factor", "1", None), ("--start-weight-decay", "0.1", None),
+    ("--inference-moe-token-dispatcher-type", "nvls", None), ("--rl-profile-dir", "d", None),
+    ("--rl-inference-tensor-model-parallel-size", "2", None),
+    ("--moe-shared-expert-glu-interleave-size", "2", None), ("--no-tp-comm-bulk-wgrad", None, None),
+    # a flag that cannot take the value given is not the one meant
+    ("--num-layer", "1e-7", None), ("--lr-warmup-iter", "0.5", None), ("--num-layer=x", None, None),
 ])
-def test_unknown_flag_hints_only_the_flag_meant(flag, meant):
+def test_unknown_flag_hints_only_the_flag_meant(flag, value, meant):
     with pytest.raises(ConfigError) as exc:
-        parse_args([flag, "1"])
-    message = str(exc.value)
-    assert message.startswith(f"unknown argument {flag!r}")
-    if meant:
-        assert f"did you mean {meant}?" in message
-    else:
-        assert "did you mean" not in message, message
+        parse_args([flag] + ([value] if value else []))
+    hint = f"; did you mean {meant}?" if meant else ""
+    assert str(exc.value) == (f"unknown argument {flag.split('=')[0]!r}{hint} (python -m "
+                              f"engine.train --help lists every flag)")
+
+
+@pytest.mark.parametrize("flag,value,misread", [
+    ("--lr-warmup-init", "1e-7", "--lr-warmup-iters"),
+    ("--eval-global-batch-size", "8", "--global-batch-size"),
+    ("--eval-micro-batch-size", "1", "--micro-batch-size"),
+    ("--mtp-num-layers", "1", "--num-layers"),
+    ("--pipeline-model-parallel-layout", "Et*2|(tt|)*2,m|L", "--pipeline-model-parallel-size"),
+    ("--no-position-embedding", None, "--max-position-embeddings"),
+    ("--log-progress", None, "--no-progress"),
+    ("--lr-wsd-decay-style", "exponential", "--lr-decay-style"),
+    ("--lr-wsd-decay-iters", "10", "--lr-decay-iters"),
+    ("--train-sync-interval", "10", "--host-sync-interval"),
+    ("--tp-comm-overlap-cfg", "tp.yaml", "--tp-comm-overlap"),
+    ("--moe-router-force-load-balancing", None, "--moe-router-load-balancing-type"),
+    ("--no-tp-comm-overlap-ag", None, "--no-tp-comm-overlap"),
+    ("--profile-step-start", "4", "--profile-steps"),
+    ("--fp4-recipe", "nvfp4", "--fp8-recipe"),
+])
+def test_megatron_flags_once_misread_are_answered_and_never_hinted_as_another(flag, value, misread):
+    """Each once got "did you mean MISREAD?", a flag of another meaning: now its answer, and
+    ``suggest`` alone no longer offers that flag (each adds a word of its own)."""
+    from engine.config.cli import build_parser, _option_candidates
+    from engine.config.fields import suggest
+    from engine.config.flags import MEGATRON_ANSWERS
+    with pytest.raises(ConfigError) as exc:
+        parse_args([flag] + ([value] if value else []))
+    assert str(exc.value) == f"{flag}: {MEGATRON_ANSWERS[flag]}"
+    assert suggest(flag, _option_candidates(build_parser())) is None
 
 
 def _recipe(tmp_path, text):
@@ -346,3 +383,192 @@ def test_recipe_keys_from_the_command_line_or_help_say_what_to_write(tmp_path, t
     with pytest.raises(ConfigError) as exc:
         parse_args(["--config", _recipe(tmp_path, text)])
     assert says in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+
+
+# Flags of Megatron-LM's example scripts (examples/gpt3/train_gpt3_175b_distributed.sh,
+# examples/llama/train_llama3_8b_h100_fp8.sh, examples/mixtral/train_mixtral_8x7b_distributed.sh at
+# d98e8a64dd) and the common Megatron flags with a gridtron equivalent or a clear instruction.
+MEGATRON_SCRIPT_FLAGS = """
+--attention-backend auto|--lr-warmup-fraction .001|--step-batch-size-schedule 0:16|--fp16
+--apply-layernorm-1p|--calculate-per-token-loss|--ckpt-format torch_dist|--cross-entropy-loss-fusion
+--data-cache-path /tmp/c|--decoupled-lr 5e-4|--decoupled-min-lr 4.5e-5|--disable-bias-linear
+--distributed-timeout-minutes 60|--exit-duration-in-mins 235|--fp8-amax-compute-algo max
+--fp8-amax-history-len 1024|--fp8-param-gather|--grad-reduce-in-bf16|--kv-channels 128
+--log-throughput|--lr-decay-samples 100|--lr-warmup-samples 10|--manual-gc|--num-workers 1
+--no-create-attention-mask-in-dataloader|--no-mmap-bin-files|--normalization RMSNorm|--profile
+--position-embedding-type rope|--profile-step-end 6|--profile-step-start 4|--rotary-percent 1.0
+--swiglu|--train-samples 1000|--untie-embeddings-and-output-weights|--use-mcore-models
+--no-masked-softmax-fusion|--no-position-embedding|--no-load-rng|--moe-grouped-gemm
+--num-layers-per-virtual-pipeline-stage 2|--ddp-bucket-size 40000000|--recompute-method uniform
+--recompute-num-layers 1|--recompute-modules core_attn|--exit-interval 100|--lr-warmup-init 1e-7
+--optimizer adam|--accumulate-allreduce-grads-in-fp32|--no-gradient-accumulation-fusion
+--no-bias-gelu-fusion|--no-bias-dropout-fusion|--no-bias-swiglu-fusion|--bias-swiglu-fusion
+--no-rope-fusion|--no-persist-layer-norm|--rotary-interleaved|--use-rope-scaling
+--apply-query-key-layer-scaling|--log-timers-to-tensorboard|--log-validation-ppl-to-tensorboard
+--log-memory-to-tensorboard|--log-params-norm|--log-num-zeros-in-grad|--log-world-size-to-tensorboard
+--tensorboard-queue-size 1|--timing-log-level 2|--save-retain-interval 1000|--no-save-optim
+--exit-on-missing-checkpoint|--wandb-entity me|--use-cpu-initialization|--rampup-batch-size 16 16 100
+--dataloader-type cyclic|--check-for-nan-in-loss-and-grad|--no-check-for-nan-in-loss-and-grad
+--use-legacy-models|--eval-global-batch-size 8|--eval-micro-batch-size 1|--mtp-num-layers 1
+--pipeline-model-parallel-layout Et|--log-progress|--lr-wsd-decay-style exponential
+--lr-wsd-decay-iters 10|--train-sync-interval 10|--tp-comm-overlap-cfg tp.yaml
+--moe-router-force-load-balancing|--num-virtual-stages-per-pipeline-rank 2|--persistent-save-interval 5
+"""
+
+
+def test_megatron_script_flags_are_real_or_answered():
+    """Each flag is gridtron's own (its value checked elsewhere) or refused with its one-line
+    answer, never the generic unknown argument."""
+    real = _real_options()
+    lines = [line for row in MEGATRON_SCRIPT_FLAGS.strip().splitlines() for line in row.split("|")]
+    generic = []
+    for line in lines:
+        argv = line.split()
+        if argv[0] in real:
+            continue
+        try:
+            parse_args(argv)
+        except ConfigError as exc:
+            if not str(exc).startswith(f"{argv[0]}: ") or "\n" in str(exc):
+                generic.append(str(exc))
+        else:
+            generic.append(f"{line}: accepted, but it is not a gridtron flag")
+    assert not generic, generic
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--ddp-bucket-size", "40000000"], "--bucket-size-mb N x 4 / 2^20 (Megatron's 40000000 "
+                                        "elements: 152.6)"),
+    (["--distributed-timeout-minutes", "30"], "--timeout-s 60 x M"),
+    (["--recompute-method", "uniform"], "--recompute full recomputes every layer"),
+    (["--recompute-num-layers", "1"], "--recompute full recomputes every layer"),
+    (["--recompute-modules", "core_attn"], "--recompute selective recomputes the attention core"),
+    (["--exit-interval", "100"], "--train-iters (a resumed run continues up to it); SIGTERM"),
+    (["--exit-duration-in-mins", "230"], "SIGTERM makes the run save (with --save) and stop"),
+    (["--lr-warmup-init", "1e-7"], "the warm-up starts at --lr / --lr-warmup-iters"),
+    (["--num-layers-per-virtual-pipeline-stage", "2"], "--virtual-pipeline-size num_layers / (--pp x L)"),
+    (["--profile-step-start", "10"], "--profile-steps A-B"),
+    (["--profile"], "--profile-steps A-B"),
+    (["--save-retain-interval", "1000"], "keeps the newest --keep-last checkpoints (default 2)"),
+    (["--check-for-nan-in-loss-and-grad"], "--rerun-on-anomaly"),
+    (["--log-throughput"], "tokens_per_s"),
+    (["--attention-backend", "flash"], "kernels are chosen per device"),
+    (["--no-bias-dropout-fusion"], "kernels are chosen per device"),
+    (["--optimizer", "adam"], "AdamW"),
+    (["--wandb-entity", "me"], "WANDB_ENTITY"),
+])
+def test_common_megatron_flags_are_answered_with_the_gridtron_way(argv, says):
+    with pytest.raises(ConfigError) as exc:
+        parse_args(argv)
+    assert str(exc.value).startswith(f"{argv[0]}: ") and says in str(exc.value), str(exc.value)
+
+
+def test_megatron_aliases_of_vp_and_the_save_interval():
+    cfg = parse_args(["--pp", "2", "--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2",
+                      "--persistent-save-interval", "5"])
+    assert (cfg.parallel.virtual_pipeline_size, cfg.checkpoint.save_interval) == (2, 5)
+
+
+def test_virtual_pipeline_size_implies_the_interleaved_schedule(tmp_path):
+    """As in Megatron-LM, model chunks per stage select the interleaved schedule (with --pp > 1)
+    unless --pipeline-schedule is given: another schedule given is refused, and the implied one is
+    not the user's setting (no note about it)."""
+    cfg = parse_args(["--pp", "2", "--vp", "2", "--num-layers", "4"])
+    assert cfg.parallel.pipeline_schedule == "interleaved" and "pipeline_schedule" not in cfg.explicit
+    recipe = _recipe(tmp_path, "parallel:\n  pp: 2\n  virtual_pipeline_size: 2\nnum_layers: 4\n")
+    assert parse_args(["--config", recipe]).parallel.pipeline_schedule == "interleaved"
+    assert parse_args(["--pp", "2", "--vp", "2", "--num-layers", "4", "--pipeline-schedule",
+                       "zb-v"]).parallel.pipeline_schedule == "zb-v"
+    assert parse_args(["--pp", "2", "--num-layers", "4"]).parallel.pipeline_schedule == "1f1b"
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--pp", "2", "--vp", "2", "--num-layers", "4", "--pipeline-schedule", "1f1b"])
+    assert str(exc.value) == ("--pipeline-schedule 1f1b runs one model chunk per rank, not "
+                              "--virtual-pipeline-size 2: drop --pipeline-schedule (interleaved is "
+                              "implied) or --virtual-pipeline-size")
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--vp", "2"])
+    assert str(exc.value) == ("--virtual-pipeline-size 2 needs --pipeline-schedule interleaved, which "
+                              "needs --pp > 1 (it is the model chunks per pipeline stage); raise --pp "
+                              "or drop --virtual-pipeline-size")
+
+
+@pytest.mark.parametrize("argv,value,answer", [
+    (["--lr-decay-style"], "WSD", "warmup-stable-decay is not built: the decay starts when the "
+                                  "warm-up ends (--lr-decay-style cosine or linear, reaching --min-lr "
+                                  "at --lr-decay-iters) or never (constant)"),
+    (["--lr-decay-style"], "inverse-square-root", "inverse-square-root decay is not built: the decay "
+                                                  "reaches --min-lr at --lr-decay-iters (cosine or "
+                                                  "linear)"),
+    (["--num-experts", "4", "--moe-router-load-balancing-type"], "sinkhorn",
+     "Sinkhorn routing is not built: balance with aux_loss or seq_aux_loss (and --moe-aux-loss-coeff), "
+     "or without a loss by --moe-router-enable-expert-bias"),
+    (["--cp-comm-type"], "a2a+p2p", "hierarchical context parallelism (a2a inside a group, p2p across "
+                                    "groups) is not built: choose p2p (ring) or a2a (Ulysses) for the "
+                                    "whole --cp group"),
+    (["--cp-comm-type"], "allgather", "the all-gather of K/V is not built: p2p (ring attention) passes "
+                                      "the K/V blocks around the --cp group instead"),
+    (["--num-experts", "4", "--moe-token-dispatcher-type"], "alltoall_seq",
+     "Megatron-LM's alltoall_seq (its older alltoall, since removed) is alltoall here: write "
+     "--moe-token-dispatcher-type alltoall"),
+])
+def test_megatron_values_not_built_are_answered(tmp_path, argv, value, answer):
+    flag = argv[-1]
+    with pytest.raises(ConfigError) as exc:
+        parse_args(argv + [value])
+    assert str(exc.value).startswith(f"argument {flag}: invalid choice: '{value}' (choose from ")
+    assert str(exc.value).endswith(f"; {answer} (python -m engine.train --help lists every flag)")
+    key = flag[2:].replace("-", "_")
+    recipe = _recipe(tmp_path, f"num_experts: 4\n{key}: {value}\n")
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--config", recipe])
+    assert str(exc.value).startswith(f"--config {recipe}: {key}: {value!r} is not one of ")
+    assert str(exc.value).endswith(f"; {answer}")
+
+
+def test_recipe_keys_spelled_as_a_flag_alias_name_the_key_to_write(tmp_path):
+    """Every alias of FLAGS (Megatron's long names, the short ones), flat or under its section."""
+    from engine.config.fields import field_table
+    from engine.config.flags import FLAGS
+    table = field_table()
+    aliases = [(name, alias) for name, flag in FLAGS.items() if name in table for alias in flag.aliases]
+    assert ("tp", "--tensor-model-parallel-size") in aliases and len(aliases) >= 20
+    for name, alias in aliases:
+        key = alias.lstrip("-").replace("-", "_")
+        for text in (f"{key}: 1\n", f"{table[name].section}:\n  {key}: 1\n"):
+            recipe = _recipe(tmp_path, text)
+            with pytest.raises(ConfigError) as exc:
+                parse_args(["--config", recipe])
+            assert str(exc.value) == (f"--config {recipe}: unknown key {key!r}: the recipe's key is "
+                                      f"{name} ({alias} is the command line's alias for it)")
+
+
+@pytest.mark.parametrize("text,says", [
+    ("ddp_bucket_size: 1000\n", "unknown key 'ddp_bucket_size': give the DP bucket in MiB of fp32 "
+                                "gradients: --bucket-size-mb N x 4 / 2^20"),
+    ("save_retain_interval: 100\n", "unknown key 'save_retain_interval': not built: gridtron keeps the "
+                                    "newest --keep-last checkpoints"),
+    ("eval_global_batch_size: 8\n", "unknown key 'eval_global_batch_size': validation runs"),
+    ("hiden_size: 64\n", "unknown key 'hiden_size'; did you mean 'hidden_size'?"),
+])
+def test_recipe_keys_of_megatron_flags_get_their_answer(tmp_path, text, says):
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--config", _recipe(tmp_path, text)])
+    assert says in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+
+
+def test_recipe_hint_only_for_a_key_that_takes_the_value(tmp_path):
+    recipe = _recipe(tmp_path, "hiden_size: wide\n")
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--config", recipe])
+    assert str(exc.value) == f"--config {recipe}: unknown key 'hiden_size'"
+
+
+def test_bucket_size_is_in_mib_and_etp_with_tp_1_says_what_to_change():
+    from engine.config.cli import build_parser
+    help_text = " ".join(build_parser().format_help().split())
+    assert "--bucket-size-mb X size of a DP gradient bucket in MiB of fp32 gradients" in help_text
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--expert-tensor-parallel-size", "2"])
+    assert str(exc.value) == ("--expert-tensor-parallel-size 2: only 1 (each expert whole on one rank) "
+                              "or --tp 1 (the TP group splits every expert) is built; raise --tp to 2 "
+                              "or drop the flag")

@@ -238,10 +238,10 @@ CASES = [  # (id, argv, the line after its prefix, exit code)
     ("fp16-precision", MOCK + ["--fp16", "--precision", "bf16"],
      CONFIG + "--fp16 and --precision bf16 contradict each other (both set --precision); give one", 2),
     ("compile-recompute-dropout", MOCK + ["--compile", "--recompute", "selective", "--dropout", "0.1"],
-     CONFIG + "--compile with --recompute selective and --dropout 0.1 is not supported: the "
-              "recomputation replays each dropout mask by restoring the dropout streams' generator "
-              "states, which a compiled graph cannot do; drop --compile, use --recompute none, or "
-              "set --dropout 0", 2),
+     CONFIG + "--compile with --recompute selective and dropout (--dropout 0.1, --attention-dropout "
+              "0.1) is not supported: the recomputation replays each dropout mask by restoring the "
+              "dropout streams' generator states, which a compiled graph cannot do; drop --compile, "
+              "use --recompute none, or set both dropouts to 0", 2),
     ("recompute", MOCK + ["--recompute", "full", "--recompute-activations"],
      CONFIG + "--recompute full and --recompute-activations contradict each other (both set "
               "--recompute); give one", 2),

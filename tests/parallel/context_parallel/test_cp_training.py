@@ -127,7 +127,9 @@ def test_checkpoints_across_cp(runs):
     (["--cp", "2", "--seq-length", "34"], "not divisible by 2 x --cp = 4: ring attention"),
     (["--cp", "4", "--cp-comm-type", "a2a", "--seq-length", "34"], "not divisible by --cp 4"),
     (["--cp", "4", "--tp", "2", "--cp-comm-type", "a2a"], "--num-attention-heads / --tp = 4 / 2 = 2"),
-    (["--cp", "2", "--dropout", "0.1"], "applies no attention dropout"),
+    (["--cp", "2", "--dropout", "0.1"], r"applies no attention dropout, but --dropout \(which also "
+                                         r"sets --attention-dropout\) is 0.1: use --attention-dropout 0"),
+    (["--cp", "2", "--attention-dropout", "0.1"], "applies no attention dropout, but --attention-dropout is"),
     (["--cp", "2", "--compile"], "--compile with --cp > 1"),
     (["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-length", "12"],
      "--seq-length 12 / --cp 2 = 6 is not divisible by --tp 4"),
@@ -138,3 +140,11 @@ def test_bad_cp_layouts(argv, match):
         cfg = parse_args(BASE + argv)
         world = cfg.parallel.cp * cfg.parallel.tp
         validate_run(cfg, LaunchEnv(0, world, 0, world))
+
+
+def test_ring_attention_takes_residual_dropout():
+    """Megatron's --hidden-dropout 0.1 --attention-dropout 0 under the ring: the residual branches'
+    dropout runs outside attention, so only the attention probabilities' must be 0."""
+    cfg = parse_args(BASE + ["--cp", "2", "--hidden-dropout", "0.1", "--attention-dropout", "0"])
+    assert (cfg.model.dropout, cfg.model.attention_dropout_p) == (0.1, 0.0)
+    validate_run(cfg, LaunchEnv(0, 2, 0, 2))
