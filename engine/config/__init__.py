@@ -4,6 +4,7 @@
   ``__post_init__``, and the choices they accept; ``parallel.py``: its parallel-layout section
   (``ParallelConfig``: the rank grid, schedule, ZeRO, expert parallelism, backend rules);
 - ``flags.py``: how each field is presented as a flag (help, group, Megatron-LM spellings);
+- ``megatron_answers.py``: one-line answers to Megatron-LM flags and values not built here;
 - ``fields.py``: the table of user-settable fields shared by the command line and recipes;
 - ``recipe.py``: YAML recipes (``--config``), checked against the fields' types;
 - ``cli.py``: ``parse_args``, the flags over the recipe, as a ``RunConfig``;

@@ -17,7 +17,8 @@ import typing
 
 from engine.base import ConfigError
 from engine.config.fields import SECTIONS, field_table, flag_info, suggest
-from engine.config.flags import CHOICE_ANSWERS, CONSTANTS, GROUPS, MEGATRON_ANSWERS
+from engine.config.flags import CONSTANTS, GROUPS
+from engine.config.megatron_answers import CHOICE_ANSWERS, MEGATRON_ANSWERS
 from engine.config.recipe import load_recipe
 from engine.config.schema import RunConfig
 

@@ -14,7 +14,8 @@ import yaml
 
 from engine.base import ConfigError, FieldInfo
 from engine.config.fields import SECTIONS, field_table, flag_info, suggest
-from engine.config.flags import CHOICE_ANSWERS, CONSTANTS, GROUPS, MEGATRON_ANSWERS
+from engine.config.flags import CONSTANTS, GROUPS
+from engine.config.megatron_answers import CHOICE_ANSWERS, MEGATRON_ANSWERS
 
 TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
               dict: "a mapping", list: "a list (or one string)"}
