@@ -476,7 +476,9 @@ def test_cli_config_recipe_and_layout(tmp_path, capsys):
     # the trainer's reader: a key it does not know is refused, as engine.train refuses it
     recipe.write_text(recipe.read_text() + "heads: 64\n")
     assert plan_cli.main(["--config", str(recipe), "--devices", "512"] + PAPER_FLAGS) == 2
-    assert capsys.readouterr().err == f"gridtron: --config {recipe}: unknown key 'heads'\n"
+    assert capsys.readouterr().err == (f"gridtron: --config {recipe}: unknown key 'heads': the "
+                                       f"recipe's key is num_attention_heads (--heads is the "
+                                       f"command line's alias for it)\n")
 
 
 def test_cli_explains_rejected_layout(capsys):
