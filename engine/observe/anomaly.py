@@ -22,15 +22,17 @@ names the micro-batch when the fault repeats.
 On an anomaly (the slow path), every rank packs its findings into a fixed-width int32 vector
 (verdicts, count of non-finite parameters, micro-batches, the first parameter's name as character
 codes) and one all-gather gives every rank all of them. The step's inputs saved before it ran are
-put back: the loss scaler's state, the reducer's step counter and compression residuals, and the
-random states (the micro-batches are kept; parameters and optimizer state were never changed). The
-step runs again and is judged again:
+put back: the loss scaler's state, the reducer's step counter and compression residuals (with 1-bit
+Adam's or DGC's momentum, and under ZeRO its seed shard not yet gathered), and the random states
+(the micro-batches are kept; parameters and optimizer state were never changed). The step runs
+again and is judged again:
 
 - not anomalous: the fault was transient (hardware, or a one-off): the clean re-run is the step
   that is applied, so the run continues exactly as a run without the fault;
 - anomalous again: persistent (the data or the model). A non-finite one stops the run on every rank
   (``PersistentAnomaly``), naming the step, rank, micro-batch and parameter and the last good
-  checkpoint; a reproducible spike is applied (it is what the data says) and reported.
+  checkpoint (the trainer first writes the records and publishes a save in flight); a reproducible
+  spike is applied (it is what the data says) and reported.
 
 Without ``--rerun-on-anomaly`` a spike is only reported, and a non-finite step does what it did
 before: it is skipped (gradient) or the run stops (loss).
@@ -50,7 +52,25 @@ HEAD = 6                          # [norm non-finite, norm spike, bad params, lo
 WIDTH = HEAD + NAME_CHARS
 
 
-class PersistentAnomaly(RuntimeError):
+class RunDiverged(RuntimeError):
+    """A fault that stops the run, raised by every rank from the same all-reduced numbers:
+    ``why``, then the last good checkpoint (``name_checkpoint``: the trainer names it again once a
+    save in flight is published); ``record``: the failing step's metrics keys."""
+
+    def __init__(self, why: str, checkpoint: str | None = None, record: dict | None = None):
+        super().__init__()
+        self.why, self.checkpoint, self.record = why, checkpoint, record or {}
+        self.name_checkpoint(checkpoint)
+
+    def name_checkpoint(self, checkpoint: str | None) -> None:
+        self.checkpoint = checkpoint
+        self.args = (f"{self.why}; last good checkpoint: {checkpoint or 'none saved'}",)
+
+    def __reduce__(self):
+        return type(self), (self.why, self.checkpoint, self.record)
+
+
+class PersistentAnomaly(RunDiverged):
     """A non-finite step that repeated when run again: every rank stops together."""
 
 
@@ -79,25 +99,38 @@ class SpikeDetector:
 
 @dataclass
 class StepInputs:
-    """What a step changes before its update, saved so that it can run again from the same state."""
+    """What a step changes before its update, saved so that it can run again from the same state:
+    with gradient compression the residuals and variance statistics (the reducer's state dict)
+    and, for 1-bit Adam and DGC, the momentum with the ZeRO seed shard (``rerun_state``: the
+    between-step state the checkpoint's view lacks)."""
     scaler: dict
     reducer_step: int
     residuals: dict
     rng: list
+    momenta: list = field(default_factory=list)   # [(compressor, its rerun_state())]
 
     @classmethod
     def capture(cls, stepper, rng_sources) -> "StepInputs":
         state = stepper.reducer.state_dict()
-        residuals = {k: v.clone() for k, v in state["residuals"].items()}  # only with compression
+        residuals = {k: v.clone() for k, v in state["residuals"].items()  # only with compression
+                     if not k.endswith(".momentum")}  # (copied with the seed shard, below)
+        momenta = [(c, c.rerun_state()) for c in _compressors(stepper.reducer)
+                   if hasattr(c, "rerun_state")]
         return cls(dict(stepper.scaler.state_dict()), state["step"], residuals,
-                   [get() for get, _ in rng_sources])
+                   [get() for get, _ in rng_sources], momenta)
 
     def restore(self, stepper, rng_sources) -> None:
         stepper.scaler.load_state_dict(self.scaler)
         stepper.reducer.load_state_dict({"step": self.reducer_step, "residuals": self.residuals})
+        for compressor, state in self.momenta:
+            compressor.load_rerun_state(state)
         for (_, put), state in zip(rng_sources, self.rng):
             if state is not None:
                 put(state)
+
+
+def _compressors(reducer) -> list:
+    return [c for c in (getattr(b, "compressor", None) for b in reducer.buckets) if c is not None]
 
 
 @dataclass
@@ -137,7 +170,8 @@ class LocalProbe:
         self.reducer = reducer
         self.order = [(b.index, [s.name for s in b.slots]) for b in reducer.buckets]
         self.norms: dict[int, torch.Tensor] = {}
-        self.micro: dict[str, list] | None = None
+        self.micro: dict[str, list] | None = None      # name -> [non-finite?] per micro-batch
+        self.deferred: dict[str, list] = {}            # name -> [(micro-batch, non-finite?)] from W
         reducer.pre_reduce_hooks.append(self.on_launch)
 
     def reset(self) -> None:
@@ -150,21 +184,42 @@ class LocalProbe:
         self.norms[bucket.index] = torch.stack(torch._foreach_norm(views))  # (params,)
 
     @contextmanager
-    def per_micro_batch(self):
-        """Record every parameter's gradient finiteness per micro-batch (tensor hooks run before
-        the gradient is accumulated, once per backward of each micro-batch)."""
-        self.micro = {}
-        handles = []
+    def per_micro_batch(self, weight_grads=None):
+        """Record every parameter's gradient finiteness per micro-batch: tensor hooks run before
+        the gradient is accumulated, once per backward of each micro-batch; under a zero-bubble
+        schedule a weight whose gradient waits for W gets None there, and is checked where W has
+        accumulated it (``weight_grads``: the B/W split's store, which knows the micro-batch;
+        the accumulated gradient turns non-finite at the first bad micro-batch and stays so)."""
+        self.micro, self.deferred = {}, {}
+        handles, names = [], {}
         for b in self.reducer.buckets:
             for s in b.slots:
-                self.micro[s.name] = []
+                self.micro[s.name], self.deferred[s.name], names[id(s.param)] = [], [], s.name
                 handles.append(s.param.register_hook(
-                    lambda g, name=s.name: self.micro[name].append(~torch.isfinite(g).all())))
+                    lambda g, name=s.name: None if g is None else
+                    self.micro[name].append(~torch.isfinite(g).all())))
+
+        def after_w(key, param):
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad   # (ZeRO-2/3 before the bucket's storage)
+            if id(param) in names and grad is not None:
+                self.deferred[names[id(param)]].append((key[0], ~torch.isfinite(grad).all()))
+        hooks = weight_grads.accumulated_hooks if weight_grads is not None else []
+        hooks.append(after_w)
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
+            hooks.remove(after_w)
+
+    def first_bad_micro(self, name: str) -> int:
+        """The re-run's first micro-batch whose gradient of ``name`` was non-finite (-1: none)."""
+        seen = list(enumerate(self.micro.get(name, ()))) + self.deferred.get(name, [])
+        if not seen:
+            return -1
+        flags = torch.stack([flag for _, flag in seen]).tolist()
+        return min((m for (m, _), bad in zip(seen, flags) if bad), default=-1)
 
     def finding(self, rank: int, verdicts: tuple[int, int], micro_losses) -> Finding:
         names, bad = [], []
@@ -181,13 +236,12 @@ class LocalProbe:
         if self.micro is not None:
             hits = []  # (first bad micro-batch, backward position, name)
             for i, name in enumerate(names):
-                flags = [bool(f) for f in torch.stack(self.micro[name]).tolist()] \
-                    if self.micro.get(name) else []
-                if True in flags:
-                    hits.append((flags.index(True), i, name))
+                micro = self.first_bad_micro(name)
+                if micro >= 0:
+                    hits.append((micro, i, name))
             if hits:
                 grad_micro, _, first = min(hits)
-            self.micro = None
+            self.micro, self.deferred = None, {}
         return Finding(rank, bool(verdicts[0]), bool(verdicts[1]), len(bad_names), loss_micro,
                        grad_micro, first)
 
@@ -345,7 +399,7 @@ class AnomalyGuard:
         first = self.gather(stepper)
         self.inputs.restore(stepper, self.rng_sources)
         self.probe.reset()
-        with self.probe.per_micro_batch():
+        with self.probe.per_micro_batch(stepper.weight_grads):
             again = stepper.compute(batches)
         again.snapshot = pre.snapshot  # the step's traffic and time: both runs
         again.stamps[0] = pre.stamps[0]
@@ -356,9 +410,9 @@ class AnomalyGuard:
         self.anomalies.append(report)
         text = report.describe(self.ps.grid)
         if seen_again is not None and seen_again[1]:  # non-finite again: nothing to apply
-            last = self.last_checkpoint()
-            raise PersistentAnomaly(f"{text}. The run stops; last good checkpoint: "
-                                    f"{last or 'none saved'}")
+            raise PersistentAnomaly(f"{text}. The run stops", self.last_checkpoint(),
+                                    {"loss": again.loss, "grad_norm": again.check.grad_norm,
+                                     "loss_scale": again.scale, "skipped": True, **self.record()})
         self.note(text)
         self._accept(again)
         return again

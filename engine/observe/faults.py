@@ -24,7 +24,9 @@ def _stepper_step(trainer) -> int | None:
 class GradFault:
     """A NaN planted in element 0 of one parameter's gradient (by logical name) on ``rank``, in
     micro-batch ``micro_batch`` of step ``step`` (1-based), before it is accumulated. Transient
-    (only the step's first execution) unless ``repeat`` (every execution: a re-run sees it again)."""
+    (only the step's first execution) unless ``repeat`` (every execution: a re-run sees it again).
+    Under a zero-bubble schedule a weight whose gradient waits for the W action is reached once W
+    has accumulated that micro-batch's gradient: ``value`` is added to its element 0 there."""
 
     def __init__(self, rank: int, step: int, param: str, micro_batch: int = 0, repeat: bool = False,
                  value: float = float("nan")):
@@ -40,22 +42,40 @@ class GradFault:
         if self.param not in named:
             raise ValueError(f"GradFault: rank {self.rank} holds no parameter {self.param!r}; it "
                              f"holds {sorted(named)}")
-        self.trainer, self.num_micro = trainer, trainer.num_micro
-        named[self.param].register_hook(self._hook)
+        self.trainer, self.num_micro, self.target = trainer, trainer.num_micro, named[self.param]
+        self.target.register_hook(self._hook)
+        store = getattr(trainer, "weight_grads", None)   # the B/W split's (zb-h1, zb-v)
+        if store is not None:
+            store.accumulated_hooks.append(self._after_w)
         return self
 
-    def _hook(self, grad):
+    def _due(self, micro: int | None = None) -> bool:
+        """Whether this gradient (the next of the step's: one per micro-batch and execution) is
+        the one to plant into; ``micro``: its micro-batch when the caller knows it."""
         step = _stepper_step(self.trainer)
         if step != self._step:
             self._step, self._calls = step, 0
-        execution, micro = divmod(self._calls, self.num_micro)  # one call per micro-batch
+        execution, counted = divmod(self._calls, self.num_micro)
         self._calls += 1
+        micro = counted if micro is None else micro
         if step != self.step or micro != self.micro_batch or (execution and not self.repeat):
-            return None
+            return False
         self.planted += 1
+        return True
+
+    def _hook(self, grad):
+        if grad is None or not self._due():  # None: left to a W action (``_after_w``)
+            return None
         grad = grad.clone()
         grad.view(-1)[0] = self.value
         return grad
+
+    def _after_w(self, key, param) -> None:
+        if param is not self.target or not self._due(key[0]):  # key: (micro-batch, chunk)
+            return
+        grad = getattr(param, "main_grad", None)
+        grad = param.grad if grad is None else grad
+        grad.view(-1)[0] += self.value
 
 
 class SlowRank:

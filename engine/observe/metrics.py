@@ -83,6 +83,8 @@ class RunningTotals:
     last: dict | None = None
 
     def add(self, record: dict) -> None:
+        if record["step_time_s"] is None:  # the step a run stopped on (trainer.py _diverged)
+            return
         self.count += 1
         self.last = record
         if self.count <= self.warmup:

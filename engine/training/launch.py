@@ -159,13 +159,18 @@ def train(cfg, launch, timeout_s: float) -> int:
         data = "data: " if isinstance(exc, DataError) else ""
         return stop(f"configuration error: {data}{exc}", launch, timeout_s)
     except (TrainingDiverged, PersistentAnomaly) as exc:
-        print(f"gridtron: training diverged: {exc}", file=sys.stderr)
+        # every rank raised it from the same all-reduced numbers, with the same text: rank 0
+        # says it; every rank leaves it in torchrun's error file, as stop() does
+        write_error_file(f"training diverged: {exc}")
+        if trainer.is_main:
+            print(f"gridtron: training diverged: {exc}", file=sys.stderr, flush=True)
         return 1
     except RuntimeError as exc:
         message = describe_comm_failure(exc, trainer.ps, cfg.parallel.timeout_s)
         if message is None:
             raise
-        print(f"gridtron: {message}", file=sys.stderr)
+        write_error_file(message)
+        print(f"gridtron: {message}", file=sys.stderr)  # each rank's own view of the failure
         return 1  # no teardown barrier: a peer is gone
     try:
         if trainer.is_main and result.summary:

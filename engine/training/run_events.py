@@ -9,6 +9,8 @@ checkpoint's publication waits for.
   at once.
 - ``records_before_publish``: before checkpoint k becomes ``latest``, the records of steps 1..k
   are written and fsynced.
+- ``record_divergence``: a run stopped by a persistent anomaly or a non-finite loss keeps its
+  records and its save in flight, and names the last good checkpoint.
 """
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ import os
 import signal
 import sys
 import threading
+
+from engine.observe.metrics import REQUIRED_KEYS
+from engine.training.lr_schedule import learning_rate
 
 INTERRUPTED = 130  # 128 + SIGINT: the exit code of a run stopped by Ctrl-C
 
@@ -77,3 +82,30 @@ def records_before_publish(trainer, outputs, step: int, blocking_s: float | None
         dash.log(record)
         records.append(record)
     log.sync()
+
+
+def record_divergence(trainer, exc, step: int, first: bool) -> None:
+    """Before ``exc`` (``engine.observe.anomaly.RunDiverged``; step ``step``, 0-based) leaves
+    ``train``: the records of the steps before it written, the last one's late keys filled; then
+    the failing step's own (``anomaly`` and ``rerun``, or its non-finite loss; not when it is the
+    run's ``first``, which leaves an earlier run's outputs as they were: a failed start); then a
+    save in flight whose writers finished published, and the last good checkpoint named again.
+    ``exc`` is raised on every rank from the same all-reduced sums, so the collectives here are
+    entered by all."""
+    log, dash, records = trainer._outputs
+    trainer.flush()  # one wait; with a pipeline a collective
+    trainer.late_records.write(log, dash, records)
+    if not first:
+        record = {**dict.fromkeys(REQUIRED_KEYS), "step": step + 1,
+                  "lr": learning_rate(trainer.schedule_step, trainer.cfg.optim), **exc.record}
+        log.log(record)
+        dash.log(record)
+        records.append(record)
+    log.sync()
+    if trainer.checkpointer.flight is not None:
+        from engine.checkpoint import CheckpointError
+        try:
+            trainer.checkpointer.wait()  # join, agree (one all-reduce), publish
+        except CheckpointError as err:  # latest still names the checkpoint before it
+            exc.why += f" (and the save in flight failed: {err})"
+    exc.name_checkpoint(trainer.last_checkpoint())

@@ -24,6 +24,7 @@ from engine.device.chips import fp8_problem, npu_start_problem, tp_overlap_mode
 from engine.device.runtime import set_matmul_precision, setup_device
 from engine.training.dp_setup import build_optimizer, host_build
 from engine.training.lr_schedule import learning_rate
+from engine.observe.anomaly import RunDiverged
 from engine.observe.metrics import MetricsLog
 from engine.observe.profiling import StepProfiler
 from engine.training.step import Stepper
@@ -34,8 +35,8 @@ from engine.training.step_syncs import StepTimeline, counted_step
 from engine.observe.utilization import run_flops, run_peak_tflops
 from engine.plan.flops import routed_tokens
 from engine.training.run_data import build_run_data, rank_batches, validation_loss
-from engine.training.run_events import (install_stop_handlers, records_before_publish,
-                                        restore_handlers, say_notes)
+from engine.training.run_events import (install_stop_handlers, record_divergence,
+                                        records_before_publish, restore_handlers, say_notes)
 from engine.training.validate import validate_run
 from kernels.fp8 import Fp8Recipe
 from kernels.fp8_blockwise import blockwise_path
@@ -61,7 +62,7 @@ from parallel.grads.weight_grad import WeightGradStore, attach_weight_grad_store
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(RunDiverged):
     """A NaN/Inf loss in fp32: the run stops and names the last good checkpoint."""
 
 
@@ -322,6 +323,9 @@ class Trainer:
             if cfg.checkpoint.save and not result.records:
                 result.checkpoint = self.save(cfg.optim.train_iters)
             self.params_ready()  # the last step's parameter all-gathers
+        except RunDiverged as exc:  # on every rank, from the same sums: collectives are safe
+            record_divergence(self, exc, step, first=step == start)
+            raise
         finally:
             self._outputs = None
             log.close()
@@ -351,9 +355,11 @@ class Trainer:
         self.profiler.after_step(step + 1)
         self.sampler.next_step = step + 1
         if not math.isfinite(out.loss) and cfg.precision.precision != "fp16":
-            last = self.last_checkpoint()
-            raise TrainingDiverged(f"loss is {out.loss} at step {step + 1}; last good checkpoint: "
-                                   f"{last or 'none saved'}")
+            record = step_record(self, step, out, None, lr, events)
+            record.update(self.guard.record() if self.guard is not None else
+                          {"anomaly": None, "rerun": None})
+            raise TrainingDiverged(f"loss is {out.loss} at step {step + 1}",
+                                   self.last_checkpoint(), record)
         if cfg.log.timeline:  # converted at the end: converting stamps now would wait
             self.timeline.add(step + 1, out, events)
         record = step_record(self, step, out, None, lr, events)

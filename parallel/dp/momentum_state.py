@@ -7,7 +7,8 @@ like the bucket. It is seeded from the optimizer's exp_avg when compression star
 checkpoint is loaded onto another layout (``set_momentum``; under ZeRO each rank holds only its
 shard of exp_avg, ``set_momentum_shard``, and the first exchange all-gathers the shards on the
 exchange's communicator); on the same layout the saved tensor is restored exactly. A skipped step
-(overflow) puts back the momentum of the step before (``reset``).
+(overflow) puts back the momentum of the step before (``reset``); a step run again from its start
+(``--rerun-on-anomaly``) gets the momentum and the seed shard it started from (``rerun_state``).
 """
 from __future__ import annotations
 
@@ -50,6 +51,19 @@ class MomentumState:
         if momentum is not None:
             self.momentum, self._seed_shard = momentum.clone().float(), None
             self._previous, self._can_undo = None, False
+
+    def rerun_state(self) -> tuple:
+        """Copies of what an exchange changes besides the residuals: the momentum (None before
+        the first exchange) and, under ZeRO, the seed shard still to gather. A step run again from
+        its start (engine/observe/anomaly.py ``StepInputs``) needs both: the checkpoint's view
+        (``state_dict``) has no key for a momentum not made yet (loading it keeps the advanced
+        one) and never holds the seed."""
+        return tuple(None if t is None else t.clone() for t in (self.momentum, self._seed_shard))
+
+    def load_rerun_state(self, state: tuple) -> None:
+        """Back to what ``rerun_state`` copied (copied again: the caller's copies stay intact)."""
+        self.momentum, self._seed_shard = (None if t is None else t.clone() for t in state)
+        self._previous, self._can_undo = None, False
 
     def _residual_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.residual, self.owner_residual) if t is not None]

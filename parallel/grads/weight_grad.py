@@ -43,6 +43,10 @@ class WeightGradStore:
     def __init__(self, on_ready: Callable[[torch.nn.Parameter], None] | None = None):
         self.on_ready = on_ready
         self.on_hold: Callable[[tuple, object], None] | None = None  # (tensors, token): accounting
+        # fn(key, param) once W of ``key`` has accumulated ``param``'s gradient, before on_ready
+        # (which may launch its bucket's reduction): fault injection and the anomaly guard's
+        # per-micro-batch checks (engine/observe/), which need the micro-batch W knows
+        self.accumulated_hooks: list[Callable[[object, torch.nn.Parameter], None]] = []
         self._key = None
         self._queues: dict = {}
 
@@ -90,6 +94,8 @@ class WeightGradStore:
             for p in params:
                 if id(p) not in told:
                     told.add(id(p))
+                    for hook in self.accumulated_hooks:
+                        hook(key, p)
                     if self.on_ready is not None:
                         self.on_ready(p)
         return ran

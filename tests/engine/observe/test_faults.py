@@ -3,6 +3,7 @@ checkpoints are named down to the tensor (and an intact earlier one is offered),
 the run naming the last good checkpoint, and a collective a peer never joins fails within
 --timeout-s naming the group."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -124,11 +125,28 @@ class NaNAtStep4(Trainer):
         return super().train_one(step)
 
 
-def test_nan_loss_stops_with_last_good_checkpoint(tmp_path):
-    root = str(tmp_path / "ck")
+def test_nan_loss_stops_with_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    root, metrics = str(tmp_path / "ck"), str(tmp_path / "metrics.jsonl")
+    argv = ["--train-iters", "6", "--save", root, "--save-interval", "2"]
     with pytest.raises(TrainingDiverged, match=r"loss is nan at step 4; last good checkpoint: "
                                                rf".*{os.sep}iter_0000002"):
-        losses(["--train-iters", "6", "--save", root, "--save-interval", "2"], cls=NaNAtStep4)
+        losses(argv, cls=NaNAtStep4)
+    # from the command line: exit 1, one line, torchrun's error file, the steps' records (the
+    # last good one complete) and the failing step's, with its loss
+    error_file = str(tmp_path / "error.json")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", error_file)
+    monkeypatch.setattr("engine.training.trainer.Trainer", NaNAtStep4)
+    capsys.readouterr()
+    assert train_main(TINY + argv + ["--metrics-file", metrics, "--save", str(tmp_path / "ck2")]) == 1
+    line = (f"gridtron: training diverged: loss is nan at step 4; last good checkpoint: "
+            f"{tmp_path / 'ck2' / 'iter_0000002'}")
+    assert capsys.readouterr().err.splitlines()[-1] == line
+    with open(error_file) as fh:
+        assert json.load(fh)["message"] == line
+    with open(metrics) as fh:
+        records = [json.loads(text) for text in fh]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[2]["step_time_s"] is not None and math.isnan(records[3]["loss"])
 
 
 def stall_one_rank(ps, argv):

@@ -3,10 +3,14 @@
 A NaN planted in one rank's gradient once (transient) is caught before the update, re-run from the
 step's saved inputs and reported as transient, and the run's losses equal a run without the fault;
 planted on every execution (persistent) it stops the run on every rank naming the step, rank,
-micro-batch and parameter. A finite gradient far above the running median is a spike. Detection
-adds no collective to a step. A rank made slow is named as the straggler; a rank made to hang is
+micro-batch and parameter. A finite gradient far above the running median is a spike. Re-runs
+restore 1-bit Adam's and DGC's momentum (the ZeRO seed shard included) and work under the
+zero-bubble schedules; a run that stops keeps its records and publishes its save in flight.
+Detection adds no collective to a step. A rank made slow is named as the straggler; a rank made to hang is
 named by its peers, from their heartbeats, when the collective times out."""
 import io
+import json
+import os
 import time
 
 import pytest
@@ -129,6 +133,25 @@ def test_heartbeat_through_a_store_and_its_watchdog():
 
 
 # ---- re-runs on 2 ranks -------------------------------------------------------------------------
+class ScaledLoss:
+    """Test fault: ``rank``'s first chunk's output times ``factor`` in step ``step``'s first
+    execution only (transient): a loss spike (finite) or a non-finite loss."""
+
+    def __init__(self, rank: int, step: int, factor: float):
+        self.rank, self.step, self.factor, self.calls = rank, step, factor, 0
+
+    def install(self, trainer):
+        if trainer.ps.rank == self.rank:
+            trainer.chunks[0].register_forward_hook(lambda m, args, out: self._hook(trainer, out))
+        return self
+
+    def _hook(self, trainer, out):
+        if trainer.stepper.current_step != self.step:
+            return out
+        self.calls += 1  # one forward per micro-batch and execution
+        return out * self.factor if self.calls <= trainer.num_micro else out
+
+
 def _train(argv, faults=(), keep=False):
     trainer = Trainer(parse_args(argv))
     for fault in faults:
@@ -141,7 +164,7 @@ def _train(argv, faults=(), keep=False):
             trainer.close()
 
 
-def bad_steps(ps):
+def bad_steps(ps, root):
     out = {}
     base = TINY + ["--train-iters", "4", "--dropout", "0.1"]  # the re-run must restore the RNG
     guarded = base + ["--rerun-on-anomaly"]
@@ -185,11 +208,81 @@ def bad_steps(ps):
         out["pipeline"] = "no error"
     except PersistentAnomaly as exc:
         out["pipeline"] = str(exc)
+    out.update(**compressed_reruns(), **zero_bubble_reruns(), **stopped_run(ps, root))
     return out
 
 
-def test_bad_steps_rerun_and_attribution():
-    res = run_distributed(bad_steps, grid=RankGrid(dp=2), timeout_s=120)
+def _losses_and_reruns(argv, faults=()):
+    records = _train(argv, faults)[0]
+    return [r["loss"] for r in records], [r["rerun"] for r in records]
+
+
+def compressed_reruns():
+    """Under ZeRO-1, step 4 is the first compressed step: 1-bit Adam's and DGC's momentum is
+    seeded as this rank's shard of exp_avg, gathered by the step's exchange. A spike in its first
+    execution (rank 0's gradient 1e6 too large; a loss 100x too large) is transient: the re-run
+    starts from the seed again, not from the momentum the first execution advanced."""
+    out = {}
+    base = TINY + ["--train-iters", "5", "--rerun-on-anomaly", "--spike-factor", "10",
+                   "--use-distributed-optimizer", "--zero-stage", "1",
+                   "--grad-compression-warmup-steps", "3", "--grad-compression"]
+    for name, fault in (("onebit", GradFault(rank=0, step=4, param="layers.0.attn.qkv.weight",
+                                             value=1e6)),
+                        ("topk", ScaledLoss(rank=0, step=4, factor=100.0))):
+        out[name] = (_losses_and_reruns(base + [name]),
+                     _losses_and_reruns(base + [name], [fault]))
+    return out
+
+
+def zero_bubble_reruns():
+    """zb-h1 and zb-v at pp=2: a weight whose gradient waits for the W action reaches the
+    probe's and GradFault's tensor hooks as None, and is checked and planted where W
+    accumulates it."""
+    out = {}
+    base = TINY + ["--train-iters", "4", "--rerun-on-anomaly", "--pp", "2", "--pipeline-schedule"]
+    h1, v = base + ["zb-h1"], base + ["zb-v", "--num-layers", "4"]
+    out["zb-h1 clean"], out["zb-v clean"] = _losses_and_reruns(h1), _losses_and_reruns(v)
+    fault = GradFault(rank=1, step=2, param=PARAM, micro_batch=1)  # W-deferred, on stage 1
+    out["zb-h1 transient"] = (*_losses_and_reruns(h1, [fault]), fault.planted)
+    out["zb-v transient"] = _losses_and_reruns(v, [ScaledLoss(rank=1, step=2,
+                                                              factor=float("nan"))])
+    try:
+        _train(h1, [GradFault(rank=1, step=2, param=PARAM, micro_batch=1, repeat=True)])
+        out["zb-h1 persistent"] = "no error"
+    except PersistentAnomaly as exc:
+        out["zb-h1 persistent"] = str(exc)
+    return out
+
+
+def stopped_run(ps, root):
+    """A persistent NaN at step 3 while the background save of step 2 is written but not yet
+    published: the run stops with every record of the steps before it and the failing step's,
+    and with step 2 published and named."""
+    save, metrics = os.path.join(root, "ck"), os.path.join(root, "metrics.jsonl")
+    argv = TINY + ["--train-iters", "6", "--rerun-on-anomaly", "--save", save, "--save-interval",
+                   "2", "--async-save", "--metrics-file", metrics]
+    try:
+        _train(argv, [GradFault(rank=1, step=3, param=PARAM, micro_batch=1, repeat=True)])
+        message = "no error"
+    except PersistentAnomaly as exc:
+        message = str(exc)
+    records = None
+    if ps.rank == 0:  # (the metrics file is rank 0's)
+        with open(metrics) as fh:
+            records = [json.loads(line) for line in fh]
+    return {"stopped": (message, os.path.realpath(os.path.join(save, "latest")),
+                        os.path.join(save, "iter_0000002"), records)}
+
+
+@pytest.fixture(scope="module")
+def reruns(tmp_path_factory):
+    """Every re-run case above, on one spawned group of 2 ranks."""
+    root = str(tmp_path_factory.mktemp("rerun"))
+    return run_distributed(bad_steps, grid=RankGrid(dp=2), args=(root,), timeout_s=120)
+
+
+def test_bad_steps_rerun_and_attribution(reruns):
+    res = reruns
     for rank in (0, 1):
         r = res[rank]
         plain, guarded = r["events"]["plain"], r["events"]["guarded"]
@@ -220,6 +313,44 @@ def test_bad_steps_rerun_and_attribution():
         assert "step 2: non-finite gradient norm" in text and "persistent" in text, text
         assert "rank 0 (tp 0/1, pp 0/2, dp 0/1): micro-batch 0, first non-finite gradient " \
                "layers.0.attn.qkv.weight" in text and "rank 1 (" not in text, text
+
+
+def test_a_rerun_restores_the_compressed_momentum(reruns):
+    for rank in (0, 1):
+        for name in ("onebit", "topk"):
+            (clean, _), (losses, marks) = reruns[rank][name]
+            assert losses == clean, (name, losses, clean)  # exactly the fault-free run
+            assert marks == [None, None, None, "transient", None], (name, marks)
+
+
+def test_zero_bubble_schedules_rerun(reruns):
+    for rank in (0, 1):
+        r = reruns[rank]
+        losses, marks, planted = r["zb-h1 transient"]
+        assert (losses, marks) == (r["zb-h1 clean"][0], [None, "transient", None, None])
+        assert planted == (1 if rank == 1 else 0)  # into W's gradient, once
+        assert r["zb-v transient"] == (r["zb-v clean"][0], [None, "transient", None, None])
+        text = r["zb-h1 persistent"]
+        assert "step 2: non-finite gradient norm" in text and "persistent" in text, text
+        assert f"rank 1 (tp 0/1, pp 1/2, dp 0/1): micro-batch 1, first non-finite gradient " \
+               f"{PARAM} (1 parameter" in text, text
+
+
+def test_a_stopped_run_keeps_its_records(reruns):
+    message, _, _, records = reruns[0]["stopped"]
+    assert "step 3: non-finite gradient norm" in message and "persistent" in message, message
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[1]["step_time_s"] is not None and records[1]["rerun"] is None  # late keys in
+    assert records[2]["rerun"] == "persistent" and records[2]["skipped"] is True
+    assert records[2]["anomaly"] == "non-finite gradient norm"
+    assert records[2]["step_time_s"] is None  # (not known: the step stopped the run)
+
+
+def test_a_stopped_run_publishes_the_save_in_flight(reruns):
+    for rank in (0, 1):
+        message, latest, step2, _ = reruns[rank]["stopped"]
+        assert latest == step2  # written by both ranks before step 3 failed: published
+        assert message.endswith(f"The run stops; last good checkpoint: {step2}"), message
 
 
 # ---- stragglers and hangs -----------------------------------------------------------------------
