@@ -83,7 +83,7 @@ class RunningTotals:
     last: dict | None = None
 
     def add(self, record: dict) -> None:
-        if record["step_time_s"] is None:  # the step a run stopped on (trainer.py _diverged)
+        if record["step_time_s"] is None:  # the step a run stopped on (run_events.record_divergence)
             return
         self.count += 1
         self.last = record
