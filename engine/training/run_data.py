@@ -63,17 +63,19 @@ def build_run_data(trainer) -> None:
                     load_balanced(cfg.parallel.cp_comm_type)), dtype=torch.long)
 
 
-def rank_batches(trainer, step: int, dataset=None, sampler=None) -> list[MicroBatch]:
+def rank_batches(trainer, step: int, dataset=None, sampler=None,
+                 loss_tokens: int | None = None) -> list[MicroBatch]:
     """This rank's micro-batches of ``step`` (``MicroBatch``: tokens, labels and, with packed
     documents, the per-token metadata every stage builds alike from the same tokens); under
     context parallelism this rank's sequence shard of each (global positions, the loss count of
-    the whole global batch)."""
+    the whole global batch). ``loss_tokens``: that count (--eod-mask-loss) when the caller has it
+    already."""
     sampler = sampler or trainer.sampler
     ds = dataset or trainer.data.train
     ps = trainer.ps
     micro = sampler.micro_batches(step, ps.dp_rank, ps.dp_size, trainer.cfg.data.micro_batch_size)
-    pack, loss_tokens = trainer.packing, None
-    if pack is not None and pack.eod_mask_loss and trainer.stepper.holds_loss:
+    pack = trainer.packing
+    if loss_tokens is None and pack is not None and pack.eod_mask_loss and trainer.stepper.holds_loss:
         # the mean is over the unmasked tokens of the whole global batch, whatever the layout:
         # a sum over the dataset's per-sample table (built at the first step), no sample read
         loss_tokens = count_loss_tokens(ds, sampler.global_batch(step), pack.eod_id)
@@ -96,9 +98,11 @@ def validation_loss(trainer) -> float:
         c.eval()
     total = tokens = 0.0
     for it in range(cfg.log.eval_iters):
-        loss = trainer.stepper.forward_only(rank_batches(trainer, it, trainer.data.valid, sampler))
         count = count_loss_tokens(trainer.data.valid, sampler.global_batch(it), pack.eod_id) \
-            if pack is not None and pack.eod_mask_loss else 1
+            if pack is not None and pack.eod_mask_loss else None   # (once: the batches take it)
+        loss = trainer.stepper.forward_only(rank_batches(trainer, it, trainer.data.valid, sampler,
+                                                         count))
+        count = 1 if count is None else count
         if count:   # a batch of end-of-document tokens only has no loss token to count
             total, tokens = total + loss * count, tokens + count
     for c in trainer.chunks:

@@ -139,12 +139,16 @@ class LateRecords:
 STRAGGLER_KEYS = ("straggler_rank", "straggler_ratio", "straggler_waited_for")
 
 
+def anomaly_keys(trainer) -> dict:
+    """The step's ``anomaly`` and ``rerun`` keys (null without the guard)."""
+    return trainer.guard.record() if trainer.guard is not None else {"anomaly": None, "rerun": None}
+
+
 def resilience_metrics(trainer, step: int, record: dict, log) -> None:
     """The step's anomaly keys and, every --log-interval steps, the straggler report (one
     all-gather, on every rank at the same steps), into ``record``; a console line only when a rank
     is slower than its peers past --straggler-threshold (engine/observe/stragglers.py)."""
-    record.update(trainer.guard.record() if trainer.guard is not None else
-                  {"anomaly": None, "rerun": None})
+    record.update(anomaly_keys(trainer))
     report = None
     if trainer.stragglers is not None:
         trainer.stragglers.end_step()

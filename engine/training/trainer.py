@@ -28,9 +28,9 @@ from engine.observe.anomaly import RunDiverged
 from engine.observe.metrics import MetricsLog
 from engine.observe.profiling import StepProfiler
 from engine.training.step import Stepper
-from engine.training.step_record import (TIMELINE_STEPS, LateRecords, cost_line,
-                                         final_straggler_report,
-                                         resilience_metrics, run_summary, start_line, step_record)
+from engine.training.step_record import (TIMELINE_STEPS, LateRecords, anomaly_keys, cost_line,
+                                         final_straggler_report, resilience_metrics, run_summary,
+                                         start_line, step_record)
 from engine.training.step_syncs import StepTimeline, counted_step
 from engine.observe.utilization import run_flops, run_peak_tflops
 from engine.plan.flops import routed_tokens
@@ -355,9 +355,7 @@ class Trainer:
         self.profiler.after_step(step + 1)
         self.sampler.next_step = step + 1
         if not math.isfinite(out.loss) and cfg.precision.precision != "fp16":
-            record = step_record(self, step, out, None, lr, events)
-            record.update(self.guard.record() if self.guard is not None else
-                          {"anomaly": None, "rerun": None})
+            record = {**step_record(self, step, out, None, lr, events), **anomaly_keys(self)}
             raise TrainingDiverged(f"loss is {out.loss} at step {step + 1}",
                                    self.last_checkpoint(), record)
         if cfg.log.timeline:  # converted at the end: converting stamps now would wait

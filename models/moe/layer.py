@@ -49,7 +49,7 @@ from models.layers import LayerContext, ParallelMLP
 from models.moe.balancing import aux_loss_share, seq_aux_loss_share, z_loss_share
 from models.moe.capacity import choose, expert_capacity, padded_rows
 from models.moe.experts import LocalExperts
-from models.moe.router import TopKRouter
+from models.moe.router import TopKRouter, stable_topk
 from parallel.grid.expert_groups import ExpertGrid
 from parallel.expert_parallel import (allgather_combine, allgather_dispatch,
                                       alltoall_combine, alltoall_dispatch, alltoall_plan,
@@ -125,12 +125,15 @@ class MoELayer(nn.Module):
         """This rank's share of the balancing losses (0-d fp32, or None without any), of the aux
         loss alone and of the z-loss alone (each detached, or None); ``counts`` (E,): the layer's
         assignments per expert of this rank's tokens. With the expert bias the aux losses count
-        the unbiased top-k instead (``Routing.unbiased``; a second count, on the device)."""
+        the top-k of the unbiased scores instead (Megatron-Core's ``compute_routing_scores_for_
+        aux_loss``: one more top-k and count, on the device, only where a balancing loss runs)."""
         loss = None
-        experts = routing.experts if routing.unbiased is None else routing.unbiased  # (T, K)
+        experts = routing.experts                                                    # (T, K)
+        if self.router.expert_bias is not None and self.aux_coeff > 0 and \
+                self.balancing in ("aux_loss", "seq_aux_loss"):
+            experts = stable_topk(routing.scores, self.topk)[1]                      # (T, K)
+            counts = count_per_expert(experts, self.num_experts)                     # (E,)
         if self.balancing == "aux_loss" and self.aux_coeff > 0:
-            if routing.unbiased is not None:
-                counts = count_per_expert(experts, self.num_experts)                # (E,)
             loss, _ = aux_loss_share(routing.scores, counts, self.topk, self.aux_coeff,
                                      self.balance_group, self.token_groups)
         elif self.balancing == "seq_aux_loss" and self.aux_coeff > 0:

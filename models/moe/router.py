@@ -7,7 +7,7 @@
 
 With ``expert_bias`` (aux-loss-free balancing, DeepSeek-V3; sigmoid scores only) the experts are
 chosen by the top-k of scores + bias, and their weights are the unbiased scores of the chosen ones;
-the balancing losses count the top-k of the unbiased scores (``Routing.unbiased``), as DeepSeek-V3
+the balancing losses count the top-k of the unbiased scores (models/moe/layer.py), as DeepSeek-V3
 and Megatron-Core do. The bias is a buffer (E,) that stays fp32 whatever dtype the module is cast
 to (``.to(torch.bfloat16)`` casts the router weight, not the bias: a bf16 bias would round off
 the update's small steps), moved by ``models.moe.step_figures.update_expert_bias`` after each
@@ -34,9 +34,6 @@ class Routing:
     experts: torch.Tensor   # (T, K) int64: the chosen experts, best first
     logits: torch.Tensor    # (T, E) fp32
     scores: torch.Tensor    # (T, E) fp32: per-expert probabilities the balancing losses use
-    # (T, K) int64: with the expert bias, the top-k of the unbiased scores, which the balancing
-    # losses count; None: they count ``experts``
-    unbiased: torch.Tensor | None = None
 
 
 def stable_topk(t: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,15 +78,14 @@ class TopKRouter(nn.Module):
         k = self.topk
         if self.score_function == "sigmoid":
             scores = torch.sigmoid(logits)
-            values, unbiased = stable_topk(scores, k)                  # (T, K)
-            experts = unbiased
-            if self.expert_bias is not None:  # the bias chooses, the unbiased scores weigh
+            if self.expert_bias is None:
+                values, experts = stable_topk(scores, k)                # (T, K)
+            else:  # the bias chooses, the unbiased scores weigh
                 _, experts = stable_topk(scores + self.expert_bias, k)  # (T, K)
                 values = scores.gather(1, experts)
             weights = values / (values.sum(-1, keepdim=True) + 1e-20) if k > 1 else values
             balance = scores / (scores.sum(-1, keepdim=True) + 1e-20)  # (T, E)
-            return Routing(weights, experts, logits, balance,
-                           None if self.expert_bias is None else unbiased)
+            return Routing(weights, experts, logits, balance)
         probs = torch.softmax(logits, dim=-1)
         if self.pre_softmax:
             weights, experts = stable_topk(probs, k)
