@@ -63,8 +63,6 @@ class GPTChunk(nn.Module):
                                    ctx.kernel_paths)
             if self.tied and not pre_process and tied_embedding is not None:
                 tied_embedding.weight.uses_per_microbatch = 2
-                # the first chunk marked it as tied to another stage before this one existed
-                tied_embedding.weight.tied_across_stages = False
                 self.output_layer = OutputLayer(tied=tied_embedding)  # the same rank's embedding
             elif self.tied and pre_process:
                 self.output_layer = OutputLayer(tied=self.embed)
@@ -73,8 +71,6 @@ class GPTChunk(nn.Module):
                 weight = vocab_parallel_weight(cfg.vocab_size, h, ps, name, ctx.init)
                 weight.shared_embedding = self.tied  # (V_pad/tp, h)
                 self.output_layer = OutputLayer(weight)
-        for p in self.shared_embedding_params():
-            p.tied_across_stages = True
 
     @property
     def output_weight(self) -> nn.Parameter:
@@ -184,6 +180,12 @@ def build_chunks(cfg: GPTConfig, ps: ParallelState, ctx, stage_ranges: list[rang
         chunks.append(GPTChunk(cfg, ps, c, layers, pre_process=(v == 0),
                                post_process=(v == num_virtual - 1), registry=registry,
                                tied_embedding=first.embed if first is not None else None))
+    # what the reducer, the offload and the compressors' residuals treat as a copy on another
+    # stage, marked once every chunk exists (the V's last chunk ties the first chunk's embedding
+    # on this rank: no copy elsewhere)
+    for chunk in chunks:
+        for p in chunk.shared_embedding_params():
+            p.tied_across_stages = True
     return nn.ModuleList(chunks)
 
 
