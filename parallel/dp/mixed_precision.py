@@ -74,12 +74,6 @@ class MixedPrecisionOptimizer(_GradAccess):
             self._copy_masters_to_params()
         self._seed_momentum(seed_due(self.reducer))
 
-    def skipped_step(self) -> None:
-        """A step skipped (an overflow, a non-finite gradient) leaves the weights and exp_avg as
-        they were; a 1-bit bucket whose compression starts at the next step takes its momentum
-        from that exp_avg now, as ``step`` does after an update (else it would start from zero)."""
-        self._seed_momentum(seed_due(self.reducer))
-
     def _seed_momentum(self, buckets) -> None:
         """1-bit buckets (onebit.py): their compressor's momentum from exp_avg, in bucket layout."""
         index = {p: i for i, p in enumerate(self.params)}

@@ -9,6 +9,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from parallel.dp.onebit import seed_due
 from parallel.dp.reducer import GradReducer
 from parallel.grads.norm import (check_and_unscale_, clip_coefficient, counted_grads,
                                  grid_norm_sq_, local_norm_sq, nonfinite_flag, scale_)
@@ -40,7 +41,8 @@ def _entries(params, weight_decay: float) -> list[tuple[str, torch.nn.Parameter,
 
 
 class _GradAccess:
-    """Gradient-side helpers shared by both optimizers (loss scaling, clipping, overflow check).
+    """Gradient-side helpers shared by both optimizers (loss scaling, clipping, overflow check,
+    and what a skipped step leaves to do: ``skipped_step``).
 
     They work on the few flat tensors the gradients live in (``grad_tensors``: the reducer's
     buffers or ZeRO's shards, coalesced from the per-parameter views), one multi-tensor op each,
@@ -53,6 +55,15 @@ class _GradAccess:
 
     def grad_pieces(self) -> list[tuple[torch.Tensor, torch.nn.Parameter]]:
         raise NotImplementedError
+
+    def _seed_momentum(self, buckets) -> None:
+        raise NotImplementedError
+
+    def skipped_step(self) -> None:
+        """A step skipped (an overflow, a non-finite gradient) leaves the weights and exp_avg as
+        they were; a 1-bit bucket whose compression starts at the next step takes its momentum
+        from that exp_avg now, as ``step`` does after an update (else it would start from zero)."""
+        self._seed_momentum(seed_due(self.reducer))
 
     def _views(self, counted: bool, part: str = "all") -> list[torch.Tensor]:
         """Gradients as flat runs (all of them, or those counted in the norm). With a reducer the

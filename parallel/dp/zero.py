@@ -244,12 +244,6 @@ class DistributedOptimizer(_GradAccess):
                                    self.master[off:off + n].to(b.param_dtype))
                                   for b, off, n, _ in self._shards])
 
-    def skipped_step(self) -> None:
-        """A step skipped (an overflow, a non-finite gradient) leaves the weights and exp_avg as
-        they were; a 1-bit bucket whose compression starts at the next step takes its momentum
-        from that exp_avg now, as ``step`` does after an update (else it would start from zero)."""
-        self._seed_momentum(seed_due(self.reducer))
-
     def _seed_momentum(self, buckets) -> None:
         """1-bit buckets (onebit.py): hand this rank's exp_avg shard to the compressor, whose next
         exchange all-gathers the shards into the full momentum."""
