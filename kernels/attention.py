@@ -14,7 +14,10 @@ key/value head i // (n / n_kv). No path materialises repeated key/value heads: S
 Packed documents: ``document_ids`` (b, s) restricts query i to keys j of its own document (j <= i);
 ``cu_seqlens`` (host ints, leading 0) are the cumulative lengths of the document pieces over the
 flattened b * s tokens, which varlen kernels take. Callers that hold both pass both; either one
-alone is derived from the other.
+alone is derived from the other. Both are checked where their values are already on the host, so
+that no check waits on a device: ``cu_seqlens`` (strictly increasing, every row end a boundary)
+wherever it is read, ``document_ids`` (non-decreasing along a row) when it is a CPU tensor outside
+a compiled graph and wherever it is read on the host (``cu_seqlens_from_document_ids``).
 
 Causality is top-left aligned everywhere (query i sees keys 0..i), which is what SDPA's
 ``is_causal`` and npu_fusion_attention's ``sparse_mode=2`` (leftUpCausal) both mean; it equals the
@@ -33,6 +36,8 @@ import torch.nn.functional as F
 
 from kernels.attention_lse_cuda import flash_capable
 from kernels.dispatch import KernelPaths, device_kind, import_torch_npu
+from kernels.documents import (check_cu_seqlens, cu_seqlens_from_document_ids,
+                               document_ids_from_cu_seqlens)
 from kernels.signatures import accepts, keyword_names
 
 # npu_fusion_attention's causal sparse modes (2 = leftUpCausal) take this fixed "compressed" lower
@@ -64,25 +69,6 @@ def document_mask(document_ids: torch.Tensor, causal: bool = True) -> torch.Tens
         s = document_ids.shape[1]
         masked = masked | causal_mask(s, s, document_ids.device)
     return masked.unsqueeze(1)
-
-
-def cu_seqlens_from_document_ids(document_ids: torch.Tensor) -> tuple[int, ...]:
-    """(b, s) per-token document ids -> cumulative segment ends over the flattened b * s tokens, with
-    a leading 0. A segment ends where the id changes along a row and at every row's end. Example:
-    rows [[0, 0, 1], [0, 1, 1]] -> (0, 2, 3, 4, 6). Reads the ids on the host."""
-    if document_ids.dim() != 2:
-        raise ValueError(f"document_ids must be (b, s), got shape {tuple(document_ids.shape)}")
-    ids = document_ids.detach().cpu()
-    ends = torch.ones(ids.shape, dtype=torch.bool)  # True where a token is the last of its segment
-    ends[:, :-1] = ids[:, 1:] != ids[:, :-1]
-    return (0, *(torch.nonzero(ends.reshape(-1)).flatten() + 1).tolist())
-
-
-def document_ids_from_cu_seqlens(cu_seqlens, b: int, s: int, device=None) -> torch.Tensor:
-    """The inverse on segments: (b, s) int32 ids numbering the segments of the flattened tokens."""
-    lengths = torch.tensor(cu_seqlens, dtype=torch.long).diff()  # (num_segments,)
-    ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)
-    return ids.view(b, s).to(device)
 
 
 def npu_compressed_causal_mask(device: torch.device | str | None = None) -> torch.Tensor:
@@ -152,11 +138,12 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: flo
             raise ValueError(f"packed documents need equal query and key lengths, got {sq} and {k.shape[2]}")
         if document_ids is not None and tuple(document_ids.shape) != (b, sq):
             raise ValueError(f"document_ids must be (b, s) = ({b}, {sq}), got {tuple(document_ids.shape)}")
+        # (ids are checked where the batch is built, models.AttentionInputs, not per call: on a
+        # CPU run a per-call read would count as the host wait it would be on a device)
         # (cu_seqlens is read only where a kernel takes it, so that torch.compile does not
-        # specialise the mask path on the segment list)
-        if document_ids is None and (cu_seqlens[0] != 0 or cu_seqlens[-1] != b * sq):
-            raise ValueError(f"cu_seqlens must run from 0 to b*s = {b * sq} with a leading 0, got "
-                             f"{cu_seqlens[0]} .. {cu_seqlens[-1]}")
+        # specialise the mask path on the segment list: here when it alone describes the documents)
+        if document_ids is None:
+            check_cu_seqlens(cu_seqlens, b, sq)
 
 
 def npu_attention_layout(
@@ -212,7 +199,9 @@ def unpack_fusion_attention_output(result, layout: str) -> torch.Tensor:
 
 def to_tnd(t: torch.Tensor) -> torch.Tensor:
     """(b, n, s, d) -> (b*s, n, d), the token-major TND layout of varlen kernels: a view when t is a
-    transposed view of (b, s, n, d) memory (the usual head split of a projection), else one copy."""
+    transposed view of (b, s, ...) memory, else one copy. The view is strided unless that memory is
+    (b, s, n, d) itself: k and v split off the fused QKV projection (models/layers.py split_qkv) keep
+    its row stride (n + 2G) d / tp and head stride (q_per_group + 2) d."""
     b, n, s, d = t.shape
     return t.transpose(1, 2).reshape(b * s, n, d)
 
@@ -226,12 +215,14 @@ def npu_varlen_kwargs(q: torch.Tensor, cu_seqlens, causal: bool, dropout_p: floa
                       scale: float | None, mask_cache: NpuMaskCache | None = None) -> dict:
     """Keyword arguments for npu_fusion_attention in the TND (varlen) layout: actual_seq_qlen and
     actual_seq_kvlen are the documented cumulative lengths without the leading 0 (lengths 2 2 2 ->
-    2 4 6); causal documents use rightDownCausal (sparse_mode 3) with the compressed 2048 mask."""
+    2 4 6); causal documents use rightDownCausal (sparse_mode 3) with the compressed 2048 mask,
+    non-causal ones sparse_mode 0 without a mask."""
     segments = len(cu_seqlens) - 1
     if segments > NPU_VARLEN_MAX_SEGMENTS:
         raise ValueError(f"npu_fusion_attention's TND layout takes at most {NPU_VARLEN_MAX_SEGMENTS} "
                          f"document pieces per call, this micro-batch has {segments}: lower "
                          f"--micro-batch-size")
+    check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[2])
     ends = [int(c) for c in cu_seqlens[1:]]
     if causal:
         mask = mask_cache.get(q.device) if mask_cache is not None else npu_compressed_causal_mask(q.device)
@@ -248,8 +239,11 @@ def _attention_npu(q, k, v, causal, dropout_p, scale, mask_cache, document_ids, 
         if cu_seqlens is None:
             cu_seqlens = cu_seqlens_from_document_ids(document_ids)
         kwargs = npu_varlen_kwargs(q, cu_seqlens, causal, dropout_p, scale, mask_cache)
-        result = torch_npu.npu_fusion_attention(to_tnd(q), to_tnd(k), to_tnd(v), q.shape[1], "TND",
-                                                **kwargs)
+        # contiguous TND, as the BNSD/BSND branch hands the op contiguous tensors: k and v split off
+        # the fused QKV projection are strided views (one copy each; q too where split_qkv returns
+        # it as a view, G = 1 or G = n), a tensor already contiguous in TND goes as it is
+        qt, kt, vt = (to_tnd(t).contiguous() for t in (q, k, v))  # (b*s, n or n_kv, d)
+        result = torch_npu.npu_fusion_attention(qt, kt, vt, q.shape[1], "TND", **kwargs)
         return from_tnd(result[0], q.shape[0], q.shape[2])
     layout, qx, kx, vx = npu_attention_layout(q, k, v)
     kwargs = npu_fusion_attention_kwargs(q, causal, dropout_p, scale, mask_cache)
@@ -280,6 +274,7 @@ def cuda_varlen_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """
     if varlen is None:
         from torch.nn.attention.varlen import varlen_attn as varlen
+    check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[2])
     takes = keyword_names(varlen)
     kwargs = {}
     if "window_size" in takes:

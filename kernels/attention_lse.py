@@ -26,11 +26,14 @@ Paths (one dispatch, on the tensors' device):
   training series 910A / 910ProB): elsewhere an NPU runs the blockwise path, as the layer's own
   attention runs SDPA there.
 - CUDA: PyTorch's flash or memory-efficient SDPA kernels, which return the log-sum-exp
-  (kernels/attention_lse_cuda.py); shapes neither takes run the blockwise path.
-- CPU: ATen's flash-attention kernel for CPU (``_scaled_dot_product_flash_attention_for_cpu`` and
-  its backward), which returns the log-sum-exp and takes fewer key/value heads.
-- Anything else: ``attention_lse_blockwise``, plain math in fp32 tiled over the queries
-  (key/value heads shared by query groups through broadcasting, never repeated in memory).
+  (kernels/attention_lse_cuda.py); flash never for a causal block with sq != sk (its causal is
+  bottom-right there); shapes neither takes run the blockwise path.
+- CPU (and the meta device): ATen's flash-attention kernel for CPU
+  (``_scaled_dot_product_flash_attention_for_cpu`` and its backward), which returns the log-sum-exp
+  and takes fewer key/value heads; it has CPU and Meta kernels only.
+- Anything else (xpu, mps, ...: device types without a path of their own): ``attention_lse_blockwise``,
+  plain math in fp32 tiled over the queries (key/value heads shared by query groups through
+  broadcasting, never repeated in memory).
 - ``attention_lse_reference``: the whole formula in fp32 at once, the yardstick for tests.
 
 Masks: ``causal`` is top-left causal (query i sees keys 0..i; the blocks that need it are square);
@@ -277,17 +280,20 @@ def _npu_backward(dout, q, k, v, out, lse, causal, mask, scale, mask_cache):
 
 # ---- dispatch ----------------------------------------------------------------------------------
 
-def block_path(q: torch.Tensor, mask=None, paths: KernelPaths | None = None) -> str:
-    """Which kernel runs a block of q: 'npu', 'cuda-flash', 'cuda-efficient', 'cpu-flash' or
-    'blockwise'. ``paths``: the chip's fused ops (None: all)."""
+def block_path(q: torch.Tensor, mask=None, paths: KernelPaths | None = None,
+               causal: bool = False, sk: int | None = None) -> str:
+    """Which kernel runs a block of q against ``sk`` keys (None: as many as queries): 'npu',
+    'cuda-flash', 'cuda-efficient', 'cpu-flash' or 'blockwise'. ``paths``: the chip's fused ops
+    (None: all)."""
     kind = device_kind(q)
     if kind == "npu":
         return "npu" if paths is None or paths.fusion_attention else "blockwise"
     if kind == "cuda":
         kernel = cuda_block_kernel(q, mask, cuda_ops(),
-                                   None if paths is None else paths.cuda_capability)
+                                   None if paths is None else paths.cuda_capability, causal, sk)
         return "blockwise" if kernel is None else f"cuda-{kernel}"
-    if kind == "cpu" and _aten_cpu_ops() is not None:
+    # ATen's CPU op has CPU and Meta kernels only: every other device type runs the plain math
+    if q.device.type in ("cpu", "meta") and _aten_cpu_ops() is not None:
         return "cpu-flash"
     return "blockwise"
 
@@ -297,7 +303,7 @@ def attention_lse(q, k, v, causal: bool = False, mask=None, scale=None, *,
     """(out (b, n, sq, d) in q's dtype, lse (b, n, sq) fp32) of q against one key/value block."""
     _check(q, k, v, mask)
     scale = resolve_scale(scale, q.shape[-1])
-    path = block_path(q, mask, paths)
+    path = block_path(q, mask, paths, causal, k.shape[2])
     if path == "npu":
         out, lse = _npu_forward(q, k, v, causal, mask, scale, mask_cache)
     elif path.startswith("cuda-"):
@@ -315,7 +321,7 @@ def attention_lse_backward(dout, q, k, v, out, lse, causal: bool = False, mask=N
     """(dq, dk, dv) of one block, given the MERGED out and lse of the queries over all blocks."""
     _check(q, k, v, mask)
     scale = resolve_scale(scale, q.shape[-1])
-    path = block_path(q, mask, paths)
+    path = block_path(q, mask, paths, causal, k.shape[2])
     if path == "npu":
         return _npu_backward(dout, q, k, v, out, lse, causal, mask, scale, mask_cache)
     if path.startswith("cuda-"):

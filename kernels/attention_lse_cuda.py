@@ -3,12 +3,16 @@ which return the log-sum-exp that the ring's merge needs (kernels/attention_lse.
 
 - ``aten._scaled_dot_product_flash_attention``: compute capability 8.0 or later, fp16/bf16, head
   dim a multiple of 8 up to 256, no mask (causal blocks, and every unmasked block of the ring).
-  lse (b, n, sq) fp32.
+  lse (b, n, sq) fp32. Its ``is_causal`` is aligned bottom-right when the query and key lengths
+  differ (FlashAttention 2's convention; SDPA's own dispatcher refuses flash for that case,
+  sdp_utils.cpp ``check_flash_causal_non_square_seqlens``), so a causal block with sq != sk never
+  takes it: attention_lse's causal is top-left.
 - ``aten._scaled_dot_product_efficient_attention``: compute capability 5.0 or later, any of
   fp32/fp16/bf16 (bf16 from 8.0), an additive float bias (packed documents: 0 where attended, -inf
-  where masked), head dim a multiple of 8. Its lse is padded along the queries to a multiple of 32
-  (``LSE_ALIGN``); the bias's last dimension must be 16-element aligned in memory, so it is
-  allocated padded and viewed (``BIAS_ALIGN``).
+  where masked), head dim a multiple of 8; ``is_causal`` top-left (``CausalFromTopLeft``) for any
+  lengths. Its lse is padded along the queries to a multiple of 32 (``LSE_ALIGN``); the bias's last
+  dimension must be 16-element aligned in memory, so it is allocated padded and viewed
+  (``BIAS_ALIGN``).
 
 Both backwards recompute P = exp(S - lse) from the lse they are given and take
 rowsum(dO * out) from the out they are given, so the ring passes the MERGED out and lse, as on the
@@ -56,15 +60,17 @@ def flash_capable(capability: tuple | None) -> bool:
     return capability is None or tuple(capability) >= FLASH_MIN_CAPABILITY
 
 
-def cuda_block_kernel(q: torch.Tensor, mask, ops: dict,
-                      capability: tuple | None = None) -> str | None:
-    """'flash', 'efficient' or None (the blockwise path) for one block of q (b, n, sq, d) on a
-    GPU of compute ``capability`` (major, minor; None: not told, counted as 8.0 or later)."""
+def cuda_block_kernel(q: torch.Tensor, mask, ops: dict, capability: tuple | None = None,
+                      causal: bool = False, sk: int | None = None) -> str | None:
+    """'flash', 'efficient' or None (the blockwise path) for one block of q (b, n, sq, d) against
+    ``sk`` keys (None: sq) on a GPU of compute ``capability`` (major, minor; None: not told, counted
+    as 8.0 or later). A causal block with sq != sk never takes flash (bottom-right causal there)."""
     d = q.shape[-1]
     if d % 8:
         return None
     sm80 = flash_capable(capability)
-    if (sm80 and mask is None and q.dtype in FLASH_DTYPES and d <= MAX_FLASH_HEAD_DIM
+    top_left = not causal or sk is None or sk == q.shape[2]  # flash's causal means the same
+    if (sm80 and mask is None and top_left and q.dtype in FLASH_DTYPES and d <= MAX_FLASH_HEAD_DIM
             and "flash" in ops and "flash_backward" in ops):
         return "flash"
     dtypes = EFFICIENT_DTYPES if sm80 else EFFICIENT_DTYPES_BEFORE_SM80

@@ -19,7 +19,7 @@ DEVICE_KINDS = ("npu", "cuda", "cpu")
 
 # Which implementation each op uses per device kind. Read-only (a function returns copies), so it is
 # a constant table, not module state. "cpu" is also the path for any other device type (mps, xpu,
-# meta): those run the same portable torch ops.
+# meta): those run the same portable torch ops (ring_block: ATen's CPU op on cpu and meta only).
 _PATHS: dict[str, dict[str, str]] = {
     "npu": {
         "attention": "torch_npu.npu_fusion_attention (BNSD/BSND, sparse_mode=2 causal; packed documents TND, sparse_mode=3)",
@@ -31,12 +31,12 @@ _PATHS: dict[str, dict[str, str]] = {
         "grouped_gemm": "torch_npu.npu_grouped_matmul (x, weight, y one tensor each, group_type=0; the loop where the chip table lacks it)",
     },
     "cuda": {
-        "attention": "torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient); packed documents: torch.nn.attention.varlen.varlen_attn in bf16/fp16",
+        "attention": "torch.nn.functional.scaled_dot_product_attention (flash / memory-efficient); packed documents: torch.nn.attention.varlen.varlen_attn (bf16/fp16, causal, no dropout, head_dim a multiple of 8 up to 256, compute capability 8.0+), else a block-diagonal mask",
         "layer_norm": "torch.nn.functional.layer_norm",
         "rms_norm": "torch.nn.functional.rms_norm",
         "rope": "x*cos + rotate_half(x)*sin compiled regionally (torch.compile: one inductor kernel forward, one backward)",
         "swiglu": "silu(gate) * up compiled regionally (torch.compile: one inductor kernel forward, one backward)",
-        "ring_block": "aten._scaled_dot_product_flash_attention (bf16/fp16, no mask, compute capability 8.0+) or _efficient_attention, with their log-sum-exp",
+        "ring_block": "aten._scaled_dot_product_flash_attention (bf16/fp16, no mask, compute capability 8.0+, not a causal block with sq != sk) or _efficient_attention, with their log-sum-exp",
         "grouped_gemm": "torch._grouped_mm in bf16 with 16-byte aligned strides over offsets on the device, where the installed torch has it; else a loop of F.linear (reads the offsets)",
     },
     "cpu": {
@@ -45,7 +45,7 @@ _PATHS: dict[str, dict[str, str]] = {
         "rms_norm": "torch.nn.functional.rms_norm",
         "rope": "plain expression x*cos + rotate_half(x)*sin",
         "swiglu": "plain expression silu(gate) * up",
-        "ring_block": "aten._scaled_dot_product_flash_attention_for_cpu, with its log-sum-exp",
+        "ring_block": "aten._scaled_dot_product_flash_attention_for_cpu, with its log-sum-exp (cpu and meta; other device types the tiled fp32 plain math)",
         "grouped_gemm": "torch._grouped_mm (fp32, bf16) over offsets on the device where the installed torch has it; else a loop of F.linear (reads the offsets)",
     },
 }
@@ -59,8 +59,10 @@ class KernelPaths:
 
     Chosen once per run by the engine's device module from the chip's documented support
     (engine/device/chips.py) and handed down explicitly (models pass it to each kernel call); the kernels
-    never look at the chip. Off an NPU only ``cuda_capability`` is read (ring attention's CUDA block
-    kernel, kernels/attention_lse_cuda.py); the CPU path reads nothing.
+    never look at the chip. Off an NPU only ``cuda_capability`` is read, on CUDA: by ring attention's
+    block kernel choice (kernels/attention_lse_cuda.py) and by ``kernels.attention``'s choice of
+    ``varlen_attn`` for packed documents (``cuda_varlen_usable``, 8.0 or later); the CPU path reads
+    nothing.
     """
     fusion_attention: bool = True   # torch_npu.npu_fusion_attention, else SDPA
     swiglu: bool = True             # torch_npu.npu_swiglu, else silu(gate) * up
@@ -72,7 +74,8 @@ class KernelPaths:
     # "atlas-training" (Ascend 910A / 910ProB)
     rotary_table: str = "a2-a3"
     # CUDA compute capability (major, minor), the engine's DeviceInfo.capability: ring attention's
-    # blocks call PyTorch's flash kernel on 8.0 or later only; None: not told (counted as 8.0+)
+    # blocks call PyTorch's flash kernel, and packed documents varlen_attn, on 8.0 or later only;
+    # None: not told (counted as 8.0+)
     cuda_capability: tuple | None = None
 
 

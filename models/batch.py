@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import cu_seqlens_from_document_ids
+from kernels.documents import check_cu_seqlens, check_document_ids, cu_seqlens_from_document_ids
 from parallel.runtime.streams import to_device
 
 __all__ = ["AttentionInputs", "cu_seqlens_from_document_ids"]
@@ -48,9 +48,9 @@ class AttentionInputs:
                 raise ValueError("document_ids need cu_seqlens: build both with "
                                  "cu_seqlens_from_document_ids")
             b, s = self.position_ids.shape
-            if self.cu_seqlens[0] != 0 or self.cu_seqlens[-1] != b * s:
-                raise ValueError(f"cu_seqlens must run from 0 to b*s = {b * s}, got "
-                                 f"{self.cu_seqlens[0]} .. {self.cu_seqlens[-1]}")
+            check_cu_seqlens(self.cu_seqlens, b, s)  # host ints
+            if self.document_ids.device.type == "cpu":  # ids on the host already: no device wait
+                check_document_ids(self.document_ids)
         elif self.cu_seqlens is not None:
             raise ValueError("cu_seqlens without document_ids: pass both or neither")
 

@@ -6,10 +6,14 @@ and no mask; efficient attention takes an additive bias whose last dimension is 
 and returns an lse padded to 32 queries, which its backward reads in that layout. The GPU's compute
 capability (``capability``, default 9.0) is held to as PyTorch does: flash raises below 8.0
 (flash_api.cpp ``mha_fwd`` / ``mha_bwd``: ``is_sm80_or_newer = major * 10 >= 80``), efficient
-attention has no bf16 kernel below 8.0 (cutlassF.h / cutlassB.h dispatch). Their math is
-the flash-attention formula (backward recomputes P = exp(S - lse) from the lse it is given). It is
-never the code under test: kernels/attention_lse_cuda.py's argument preparation is. On a GPU the
-device check (benchmarks/device_check/kernels.py) runs the real kernels against the reference.
+attention has no bf16 kernel below 8.0 (cutlassF.h / cutlassB.h dispatch). Causal masks are aligned
+as each kernel aligns them: efficient attention's ``is_causal`` top-left (CausalFromTopLeft: query i
+sees keys 0..i), flash's bottom-right when the query and key lengths differ (FlashAttention 2: query
+i sees keys 0..i + sk - sq; torch/nn/attention/bias.py calls flash with is_causal=True for its
+lower-right variant). Their math is the flash-attention formula (backward recomputes
+P = exp(S - lse) from the lse it is given). It is never the code under test:
+kernels/attention_lse_cuda.py's argument preparation is. On a GPU the device check
+(benchmarks/device_check/kernels.py) runs the real kernels against the reference.
 
     fake = CudaSdpaFake(); monkeypatch.setattr(lse_mod, "cuda_ops", fake.ops)
     fake = CudaSdpaFake(capability=(7, 5))   # a T4
@@ -19,23 +23,27 @@ from __future__ import annotations
 import torch
 
 
-def _scores(q, k, causal, bias, scale):
+def _scores(q, k, causal, bias, scale, bottom_right=False):
+    """Scores (b, n, sq, sk) fp32; causal top-left, or (``bottom_right``) anchored at the last
+    query and key: key j masked for query i when j > i + sk - sq."""
     s = q.float() @ k.float().transpose(-2, -1) * scale
     if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        sq, sk = s.shape[-2:]
+        shift = sk - sq if bottom_right else 0
+        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(1 + shift), float("-inf"))
     if bias is not None:
         s = s + bias.float()
     return s
 
 
-def _forward(q, k, v, causal, bias, scale):
-    s = _scores(q, k, causal, bias, scale)
+def _forward(q, k, v, causal, bias, scale, bottom_right=False):
+    s = _scores(q, k, causal, bias, scale, bottom_right)
     lse = torch.logsumexp(s, -1)
     return (torch.exp(s - lse.unsqueeze(-1)) @ v.float()).to(q.dtype), lse
 
 
-def _backward(dout, q, k, v, out, lse, causal, bias, scale):
-    p = torch.exp(_scores(q, k, causal, bias, scale) - lse.unsqueeze(-1))
+def _backward(dout, q, k, v, out, lse, causal, bias, scale, bottom_right=False):
+    p = torch.exp(_scores(q, k, causal, bias, scale, bottom_right) - lse.unsqueeze(-1))
     do = dout.float()
     delta = (do * out.float()).sum(-1, keepdim=True)
     ds = p * (do @ v.float().transpose(-2, -1) - delta)
@@ -73,7 +81,7 @@ class CudaSdpaFake:
         self._flash_device()
         assert q.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0
         _same_heads(q, k, v)
-        out, lse = _forward(q, k, v, is_causal, None, scale)
+        out, lse = _forward(q, k, v, is_causal, None, scale, bottom_right=True)
         rng = torch.empty((), dtype=torch.int64)
         return out, lse, None, None, q.shape[2], k.shape[2], rng, rng, torch.empty(0)
 
@@ -84,7 +92,7 @@ class CudaSdpaFake:
         assert cum_q is None and cum_k is None, "a defined cumulative length selects the varlen kernel"
         assert (max_q, max_k) == (q.shape[2], k.shape[2]) and lse.shape == q.shape[:3]
         _same_heads(q, k, v)
-        return _backward(dout, q, k, v, out, lse, is_causal, None, scale)
+        return _backward(dout, q, k, v, out, lse, is_causal, None, scale, bottom_right=True)
 
     @staticmethod
     def _check_bias(bias, q, k):

@@ -4,21 +4,27 @@
   backward, and equal attention with the key/value heads repeated (query head i reads head i // (n/G)).
 - A batch of packed documents gives, token for token, what each document gives alone.
 - Cumulative lengths: worked examples, both directions, and a shard recomputes its own.
+- Causal and non-causal packed documents against a float64 softmax written here from the formula.
 - NPU: fewer KV heads go to npu_fusion_attention as they are (BNSD/BSND); packed documents go in the
-  TND layout with actual_seq_qlen/kvlen = the cumulative ends and sparse_mode 3; checked through a
-  stand-in that implements the documented semantics (tests/helpers/npu_fake.py).
+  TND layout, contiguous, with actual_seq_qlen/kvlen = the cumulative ends and sparse_mode 3 (0 when
+  not causal), also for q, k, v split off the fused QKV projection as the model splits them; checked
+  through a stand-in that implements the documented semantics (tests/helpers/npu_fake.py).
 - CUDA varlen: the argument preparation for torch.nn.attention.varlen.varlen_attn (which needs a GPU),
   fed to a plain per-segment evaluation of its documented semantics.
+- Packed-document inputs that break the contract (a piece across a row end, decreasing ids) raise.
 """
 from __future__ import annotations
 
 import importlib
+import math
+import types
 
 import pytest
 import torch
 
 import kernels
 from models.batch import AttentionInputs
+from models.layers import ParallelAttention
 from tests.helpers.npu_fake import install_fake_npu
 
 attn_mod = importlib.import_module("kernels.attention")
@@ -37,6 +43,28 @@ def _out_and_grads(fn, inputs, seed=7):
     out = fn(*xs)
     up = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
     return [out.detach(), *torch.autograd.grad(out, xs, up)]
+
+
+def _fused_qkv(b, n, g, s, d, seed=0):
+    """A (b, s, (n + 2g) d) projection output and the q, k, v views ParallelAttention.split_qkv makes
+    of it (strided: k and v keep the projection's row and head strides)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(b, s, (n + 2 * g) * d, generator=gen).requires_grad_(True)
+    layer = types.SimpleNamespace(q_per_group=n // g, head_dim=d, groups_local=g, heads_local=n)
+    return qkv, ParallelAttention.split_qkv(layer, qkv)
+
+
+def _attention64(q, k, v, causal, docs):
+    """softmax(q k^T / sqrt(d) + mask) v in float64, from the formula: key j takes part for query i
+    when both carry the same id (and j <= i); query head i reads key/value head i // (n / n_kv)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scores = q.double() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (b, n, s, s)
+    keep = docs[:, None, :, None] == docs[:, None, None, :]  # (b, 1, s, s)
+    if causal:
+        s = q.shape[2]
+        keep = keep & (torch.arange(s)[None, :] <= torch.arange(s)[:, None])
+    return scores.masked_fill(~keep, float("-inf")).softmax(-1) @ v
 
 
 def _close(a_list, b_list, dtype=torch.float32):
@@ -81,6 +109,14 @@ def test_packed_documents_equal_documents_alone(groups):
     _close(_out_and_grads(lambda *t: kernels.attention(*t, document_ids=DOCS), [q, k, v]), ref)
     _close(_out_and_grads(lambda *t: kernels.attention(*t, cu_seqlens=CU), [q, k, v]), ref)
     assert not torch.allclose(kernels.attention(q, k, v), ref[0])  # the mask does something
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_documents_match_an_independent_reference(causal):
+    q, k, v = _qkv(2, 4, 2, 7, 8, seed=6)
+    want = _out_and_grads(lambda *t: _attention64(*t, causal, DOCS).float(), [q, k, v])
+    for docs in (dict(document_ids=DOCS), dict(cu_seqlens=CU), dict(document_ids=DOCS, cu_seqlens=CU)):
+        _close(_out_and_grads(lambda *t: kernels.attention(*t, causal=causal, **docs), [q, k, v]), want)
 
 
 def test_cumulative_lengths_and_masks():
@@ -132,13 +168,32 @@ def test_npu_grouped_query_attention_branch(monkeypatch, bsnd_memory):
     assert fake.calls[-1] == "npu_fusion_attention:" + ("BSND" if bsnd_memory else "BNSD")
 
 
-def test_npu_packed_documents_go_as_tnd(monkeypatch):
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_npu_packed_documents_go_as_tnd(monkeypatch, groups, causal):
+    """q, k, v as the model makes them, split off the fused QKV projection (strided views, which the
+    stand-in refuses as the BNSD/BSND branch's contract says), and as plain BNSD tensors; not
+    causal: sparse_mode 0 without a mask (the stand-in refuses a mask or another mode there)."""
     fake = install_fake_npu(monkeypatch)
-    q, k, v = _qkv(2, 4, 2, 7, 8, seed=3)
-    ref = _out_and_grads(lambda *t: kernels.attention_reference(*t, document_ids=DOCS), [q, k, v])
+    qkv, (q, k, v) = _fused_qkv(2, 4, groups, 7, 8, seed=3)
+    plain = [t.detach().contiguous().requires_grad_(True) for t in (q, k, v)]  # (b, n, s, d) memory
+    up = torch.randn(2, 4, 7, 8, generator=torch.Generator().manual_seed(9))
     for docs in (dict(document_ids=DOCS, cu_seqlens=CU), dict(document_ids=DOCS), dict(cu_seqlens=CU)):
-        _close(_out_and_grads(lambda *t: kernels.attention(*t, **docs), [q, k, v]), ref)
-    assert fake.calls == ["npu_fusion_attention:TND"] * 3  # one call per forward
+        out = kernels.attention(q, k, v, causal=causal, **docs)
+        want = _attention64(q, k, v, causal, DOCS)
+        torch.testing.assert_close(out.double(), want, **FP32)
+        (grad,) = torch.autograd.grad(out, qkv, up)
+        (want_grad,) = torch.autograd.grad(want, qkv, up.double())
+        torch.testing.assert_close(grad, want_grad, **FP32)
+        _close(_out_and_grads(lambda *t: kernels.attention(*t, causal=causal, **docs), plain),
+               _out_and_grads(lambda *t: _attention64(*t, causal, DOCS).float(), plain))
+    assert fake.calls == ["npu_fusion_attention:TND"] * 6  # one call per forward
+    kw = attn_mod.npu_varlen_kwargs(q, CU, causal=False, dropout_p=0.0, scale=None)
+    assert kw["sparse_mode"] == 0 and kw["atten_mask"] is None
+
+
+def test_npu_packed_documents_kwargs():
+    q = torch.empty(2, 4, 7, 8)
     kw = attn_mod.npu_varlen_kwargs(q, CU, causal=True, dropout_p=0.1, scale=None)
     assert kw["actual_seq_qlen"] == kw["actual_seq_kvlen"] == [4, 7, 9, 14]  # no leading 0
     assert kw["sparse_mode"] == 3 and torch.equal(kw["atten_mask"], attn_mod.npu_compressed_causal_mask())
@@ -148,12 +203,16 @@ def test_npu_packed_documents_go_as_tnd(monkeypatch):
         attn_mod.npu_varlen_kwargs(q, many, True, 0.0, None)
 
 
-def test_tnd_layout_is_a_view_of_projection_memory():
+def test_tnd_layout_of_projection_memory():
     bsnd = torch.randn(2, 7, 4, 8)  # (b, s, n, d): heads split off a (b, s, h) projection
     t = attn_mod.to_tnd(bsnd.transpose(1, 2))
-    assert t.shape == (14, 4, 8) and t.data_ptr() == bsnd.data_ptr()
+    assert t.shape == (14, 4, 8) and t.data_ptr() == bsnd.data_ptr() and t.is_contiguous()
     assert torch.equal(t[8], bsnd[1, 1])  # token 1 of row 1
     assert torch.equal(attn_mod.from_tnd(t, 2, 7), bsnd.transpose(1, 2))
+    _, (_, k, _) = _fused_qkv(2, 4, 2, 7, 8)  # the fused projection's k: a strided TND view
+    tk = attn_mod.to_tnd(k)
+    assert tk.data_ptr() == k.data_ptr() and not tk.is_contiguous()  # the NPU branch copies it
+    assert torch.equal(tk[8], k[1, :, 1])
 
 
 # ---------------------------------------------------------------- CUDA varlen
@@ -187,6 +246,10 @@ def test_cuda_varlen_argument_preparation():
     # flash refuses GPUs before sm80 (V100 7.0, T4 7.5): the masked SDPA path there
     assert attn_mod.cuda_varlen_usable(q, True, 0.0, (8, 0)) and attn_mod.cuda_varlen_usable(q, True, 0.0, (9, 0))
     assert not attn_mod.cuda_varlen_usable(q, True, 0.0, (7, 5))
+    assert not attn_mod.cuda_varlen_usable(q, False, 0.0)  # window (-1, 0) would make it causal
+    wide = [torch.empty(1, 1, 2, d, dtype=torch.bfloat16) for d in (256, 264)]  # flash: d <= 256
+    assert attn_mod.cuda_varlen_usable(wide[0], True, 0.0)
+    assert not attn_mod.cuda_varlen_usable(wide[1], True, 0.0)
 
 
 def test_packed_documents_on_a_t4_take_the_masked_path(monkeypatch):
@@ -212,3 +275,52 @@ def test_packed_documents_on_a_t4_take_the_masked_path(monkeypatch):
     _close([t4], [want], torch.float16)
     attn_mod.attention(q, k, v, document_ids=DOCS, cu_seqlens=CU, paths=KernelPaths(cuda_capability=(8, 0)))
     assert len(calls) == 1
+
+
+def test_non_causal_packed_documents_on_cuda_take_the_masked_path(monkeypatch):
+    import torch.nn.attention.varlen as varlen
+
+    def refuse(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+               enable_gqa=False):   # torch 2.13's signature
+        raise AssertionError("varlen_attn called for non-causal documents (it would run causally)")
+    monkeypatch.setattr(varlen, "varlen_attn", refuse)
+    monkeypatch.setattr(attn_mod, "device_kind", lambda t: "cuda")
+    q, k, v = _qkv(2, 4, 2, 7, 8, seed=8, dtype=torch.float16)
+    out = attn_mod.attention(q, k, v, causal=False, document_ids=DOCS, cu_seqlens=CU)
+    _close([out], [_attention64(q, k, v, False, DOCS)], torch.float16)
+
+
+# ---------------------------------------------------------------- packed-document contract
+
+
+def test_cu_seqlens_must_split_at_row_ends(monkeypatch):
+    """A document piece across a row end (0, 10, 14 for rows of 7) or lengths that do not rise:
+    the mask path and the varlen paths would attend over different documents."""
+    q, k, v = _qkv(2, 4, 2, 7, 8, dtype=torch.bfloat16)
+    pos = torch.arange(7).expand(2, 7)
+    for bad, says in (((0, 10, 14), "row end 7"), ((0, 4, 4, 7, 14), "strictly increasing")):
+        with pytest.raises(ValueError, match=says):
+            kernels.attention(q, k, v, cu_seqlens=bad)
+        with pytest.raises(ValueError, match=says):
+            AttentionInputs(pos, DOCS, bad)
+    bad = (0, 4, 10, 14)  # with valid ids, on the paths that read cu_seqlens as given
+    monkeypatch.setattr(attn_mod, "device_kind", lambda t: "cuda")
+    with pytest.raises(ValueError, match="row end 7"):
+        attn_mod.attention(q, k, v, document_ids=DOCS, cu_seqlens=bad)
+    install_fake_npu(monkeypatch)
+    with pytest.raises(ValueError, match="row end 7"):
+        kernels.attention(q, k, v, document_ids=DOCS, cu_seqlens=bad)
+
+
+def test_document_ids_must_be_non_decreasing():
+    bad = torch.tensor([[0, 0, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 1]], dtype=torch.int32)
+    q, k, v = _qkv(2, 4, 2, 7, 8)
+    says = "non-decreasing along a row: row 0 goes from 1 to 0 at token 4"
+    with pytest.raises(ValueError, match=says):
+        kernels.cu_seqlens_from_document_ids(bad)
+    with pytest.raises(ValueError, match=says):
+        AttentionInputs(torch.arange(7).expand(2, 7), bad, (0, 2, 4, 7, 9, 14))
+    # the kernel does not read ids per call (a CPU run would count the read as a device's wait,
+    # tests/engine/training/test_host_syncs.py): the meta device has no values at all
+    meta = kernels.attention(*(t.detach().to("meta") for t in (q, k, v)), document_ids=bad.to("meta"))
+    assert meta.device.type == "meta" and meta.shape == q.shape

@@ -140,6 +140,20 @@ def test_norms_mixed_precision_and_bias_none():
         kernels.rms_norm(x, torch.ones(15))
 
 
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+def test_norm_eps_is_honoured(eps):
+    """Inputs of mean square ~1e-6, comparable to eps (randn's ~1 hides it), against the formulas
+    in float64: a kernel that drops eps or takes another one fails."""
+    g = torch.Generator().manual_seed(4)
+    x, w, b = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((4, 64), (64,), (64,)))
+    x = x * 1e-3
+    rms = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+    mean = x.mean(-1, keepdim=True)
+    ln = (x - mean) / torch.sqrt(((x - mean) ** 2).mean(-1, keepdim=True) + eps) * w + b
+    torch.testing.assert_close(kernels.rms_norm(x.float(), w.float(), eps).double(), rms, **FP32)
+    torch.testing.assert_close(kernels.layer_norm(x.float(), w.float(), b.float(), eps).double(), ln, **FP32)
+
+
 # ---------------------------------------------------------------- rope
 
 

@@ -1,14 +1,16 @@
 """Which kernel runs a ring-attention block, and that each choice gives full attention's results.
 
 - CUDA: PyTorch's flash kernel for fp16/bf16 blocks without a mask on compute capability 8.0 or
-  later, the memory-efficient kernel for fp32 or masked blocks (packed documents) and below 8.0
-  (fp16 there; bf16 has no kernel), the blockwise fp32 path for head dims neither takes or a torch
-  without them. The capability comes from the engine (``DeviceInfo.capability`` ->
+  later, the memory-efficient kernel for fp32 or masked blocks (packed documents), below 8.0
+  (fp16 there; bf16 has no kernel) and for causal blocks with sq != sk (flash's causal is
+  bottom-right there, as the stand-in's is), the blockwise fp32 path for head dims neither takes
+  or a torch without them. The capability comes from the engine (``DeviceInfo.capability`` ->
   ``KernelPaths.cuda_capability``). The kernels run through a stand-in that enforces their input
   and device rules (tests/helpers/cuda_sdpa_fake.py); the real ones run in the device check on a
   GPU.
 - NPU: npu_fusion_attention only where the chip table lists it (``KernelPaths.fusion_attention``),
   the portable path elsewhere (Atlas training series), in the layer and in the ring alike.
+- Other device types (xpu, mps, ...): the blockwise path (ATen's CPU op has CPU and Meta kernels).
 """
 from __future__ import annotations
 
@@ -35,6 +37,18 @@ NO_FUSION = KernelPaths(fusion_attention=False)
 def _qkv(n=4, g=2, s=12, d=8, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(2, h, s, d, generator=gen).to(dtype) for h in (n, g, g))
+
+
+def _lse64(q, k, v, causal):
+    """(out, lse) in float64 from the formula, top-left causal (query i sees keys 0..i); query head
+    i reads key/value head i // (n / n_kv)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5  # (b, n, sq, sk)
+    if causal:
+        sq, sk = scores.shape[-2:]
+        scores = scores.masked_fill(torch.arange(sk)[None, :] > torch.arange(sq)[:, None], float("-inf"))
+    return scores.softmax(-1) @ v, scores.logsumexp(-1)
 
 
 def _docs_mask(s=12):
@@ -213,3 +227,50 @@ def test_ring_attention_hands_the_chip_table_to_its_blocks(monkeypatch):
     torch.testing.assert_close(out, attention_lse_reference(q, k, v, True)[0], atol=2e-5, rtol=2e-5)
     ring_attention(q, k, v, group)
     assert fake.calls == ["npu_fusion_attention:BNSD"]
+
+
+def test_cuda_stand_in_flash_is_bottom_right_causal_for_unequal_lengths():
+    """As FlashAttention 2 (and so PyTorch's flash kernel): query i sees keys 0..i + sk - sq."""
+    q, k, v = (t[:, :2] for t in _qkv(n=2, g=2, s=8, d=8, dtype=torch.bfloat16))
+    q = q[:, :, :4]  # 4 queries, 8 keys
+    lse = CudaSdpaFake().flash(q, k, v, 0.0, True, scale=8 ** -0.5)[1]  # (b, n, sq)
+    right = _lse64(q, k, v, False)  # the last query sees every key ...
+    torch.testing.assert_close(lse[:, :, -1].double(), right[1][:, :, -1], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(lse.double(), _lse64(q, k, v, True)[1], atol=1e-2)  # ... not top-left
+
+
+@pytest.mark.parametrize("sq,sk", [(4, 8), (8, 4)])
+def test_cuda_causal_blocks_of_unequal_lengths_never_take_flash(cuda, sq, sk):
+    """attention_lse's causal is top-left; flash's is bottom-right when sq != sk: efficient
+    attention (top-left for any lengths) serves those blocks, forward and backward."""
+    ops = CudaSdpaFake().ops()
+    qs = torch.zeros(1, 2, sq, 64, dtype=torch.bfloat16)
+    assert cuda_block_kernel(qs, None, ops, None, True, sk) == "efficient"
+    assert cuda_block_kernel(qs, None, ops, None, True, sq) == "flash"  # square: the same mask
+    assert cuda_block_kernel(qs, None, ops, None, False, sk) == "flash"  # not causal
+    assert cuda_block_kernel(qs.half(), None, ops, (7, 5), True, sk) == "efficient"
+    assert cuda_block_kernel(qs, None, ops, (7, 5), True, sk) is None  # bf16 below 8.0: blockwise
+    q = _qkv(s=sq, d=64, dtype=torch.bfloat16)[0].requires_grad_(True)
+    k, v = (t.requires_grad_(True) for t in _qkv(s=sk, d=64, dtype=torch.bfloat16, seed=1)[1:])
+    out, lse = attention_lse(q, k, v, True)
+    want_out, want_lse = _lse64(q, k, v, True)
+    torch.testing.assert_close(out.double(), want_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-2, rtol=1e-2)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    got = attention_lse_backward(up.bfloat16(), q, k, v, out, lse, True)
+    want = torch.autograd.grad(want_out, (q, k, v), up.double())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w.double(), atol=3e-2, rtol=3e-2)
+    assert cuda.calls == ["efficient", "efficient_backward"]
+
+
+@pytest.mark.parametrize("device", ["xpu", "mps", "hpu"])
+def test_other_device_types_take_the_blockwise_path(device):
+    """ATen's _scaled_dot_product_flash_attention_for_cpu has CPU and Meta kernels only."""
+    class Elsewhere(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device(device)
+    assert block_path(torch.zeros(1, 2, 4, 8).as_subclass(Elsewhere)) == "blockwise"
+    for here in ("cpu", "meta"):
+        assert block_path(torch.zeros(1, 2, 4, 8, device=here)) == "cpu-flash"

@@ -42,6 +42,8 @@ LAYOUTS = {
     "int8": ["--dp", "4", "--grad-compression", "int8"],
     "topk": ["--dp", "4", "--grad-compression", "topk"],
     "cp2": ["--cp", "2", "--dp", "2"],
+    # packed documents: the ids are checked where the batch is built, never per attention call
+    "packed": ["--dp", "4", "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"],
     "fp16": PP2 + ["--precision", "fp16"],
     "guarded": ["--dp", "4", "--rerun-on-anomaly", "--spike-factor", "5"],  # a clean step's guard
 }
