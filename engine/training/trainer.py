@@ -24,6 +24,7 @@ from engine.device.chips import fp8_problem, npu_start_problem, tp_overlap_mode
 from engine.device.runtime import set_matmul_precision, setup_device
 from engine.training.dp_setup import build_optimizer, host_build
 from engine.training.lr_schedule import learning_rate
+from engine.training.model_checks import check_after_first_step, check_built_model
 from engine.observe.anomaly import RunDiverged
 from engine.observe.metrics import MetricsLog
 from engine.observe.profiling import StepProfiler
@@ -42,7 +43,6 @@ from kernels.fp8 import Fp8Recipe
 from kernels.fp8_blockwise import blockwise_path
 from models import LayerContext, build_chunks
 from models.gpt import set_fp8_layers
-from models.layers import ParallelAttention
 from models.registry import BlockRegistry
 from parallel.runtime.backend_rules import resolve as resolve_rules
 from parallel.context_parallel import init_ring
@@ -175,12 +175,7 @@ class Trainer:
             say_notes(self.is_main, [why] if why else [])
             set_tp_comm_overlap(self.chunks, mode)
             self.tp_overlap = mode
-        if ps.cp_size > 1 and any(len(c.layers) for c in self.chunks) and not any(
-                isinstance(m, ParallelAttention) for c in self.chunks for m in c.modules()):
-            raise ConfigError(f"--cp {ps.cp_size}: --block {cfg.model.block} has no "
-                              f"models.layers.ParallelAttention, the attention that sees the whole "
-                              f"sequence under context parallelism; build the block's attention "
-                              f"from it or use --cp 1")
+        check_built_model(self)  # CP's attention, the MoE layers, equal replicas: on every rank
         if cfg.compile:
             from engine.device.compile import compile_chunks
             self.chunks = compile_chunks(self.chunks, self.dev, cfg.log.compile_cache_root)
@@ -295,6 +290,8 @@ class Trainer:
                 if self.stragglers is not None:
                     self.stragglers.begin_step(step + 1)
                 record = self.train_one(step)
+                if step == start:  # the first update kept every replica equal (model_checks.py)
+                    check_after_first_step(self)
                 self.late_records.write(log, dash, result.records)  # the previous step's, complete
                 resilience_metrics(self, step, record, log)
                 if cfg.log.eval_interval and (step + 1) % cfg.log.eval_interval == 0:
