@@ -24,11 +24,11 @@ from engine.plan.traffic import step_traffic
 TOLERANCE = 0.05
 
 # Known differences: (figure, condition on (cfg, layout), why)
-_LLAMA = ("the planner counts Korthikanti et al.'s tensors; a llama layer of this engine on the "
-          "portable kernels (which the meta device runs, as the CPU does) also keeps RMSNorm's fp32 "
-          "copies of its input (bf16/fp16 runs), SwiGLU's four tensors (gate, silu(gate), up, "
-          "product) and, as V is a view of it, the whole QKV projection output; npu_rms_norm and "
-          "npu_swiglu keep less")
+_LLAMA = ("the planner counts Korthikanti et al.'s tensors and RoPE's q and k beside the whole QKV "
+          "output; a llama layer of this engine on the portable kernels (which the meta device "
+          "runs, as the CPU does) also keeps RMSNorm's fp32 copies of its input (bf16/fp16 runs) "
+          "and SwiGLU's four tensors (gate, silu(gate), up, product); npu_rms_norm and npu_swiglu "
+          "keep less")
 KNOWN = (
     ("activation_bytes", lambda cfg, lay: cfg.model.block == "llama", _LLAMA),
     ("activation_bytes", lambda cfg, lay: cfg.parallel.pipeline_schedule == "gpipe",
@@ -39,12 +39,21 @@ KNOWN = (
     ("activation_bytes", lambda cfg, lay: cfg.model.num_experts is not None,
      "an MoE layer keeps its routing's index vectors and fp32 router tensors, which the planner "
      "counts per assignment and expert (ACT_MOE_*); the portable kernels' extra copies as above"),
+    ("activation_bytes", lambda cfg, lay: cfg.model.dropout > 0,
+     "the planner counts 1-byte dropout masks (CUDA's bool masks); on the CPU and the meta device, "
+     "which the dry run runs, F.dropout keeps its mask in the activation's dtype (2 bytes in "
+     "bf16/fp16)"),
     ("ep_comm_bytes", lambda cfg, lay: cfg.model.moe_token_dispatcher_type == "allgather",
      "the planner prices the alltoall dispatcher; allgather gathers every EP rank's tokens, "
      "routing tables and weights and reduce-scatters the combine (no count exchange)"),
     ("ep_comm_bytes", lambda cfg, lay: cfg.model.moe_expert_capacity_factor is not None,
      "the planner prices dropless routing; a padded capacity sends ceil(F T K / E) rows per expert "
      "and exchanges no counts"),
+    ("optimizer_state_bytes",
+     lambda cfg, lay: getattr(cfg.compression, "grad_compression", "none") in ("topk", "onebit"),
+     "the planner counts the compressors' residuals; the momentum compressors (topk, onebit) also "
+     "keep their fp32 momentum (under ZeRO a seed shard until the first exchange, then the whole "
+     "momentum and its previous copy)"),
     (("optimizer_state_bytes", "optimizer_state_host_bytes", "grad_host_bytes"),
      lambda cfg, lay: 0 < lay.offload < 1,
      "the engine offloads whole buckets, the first reduced, until at least "
@@ -92,7 +101,8 @@ def compare_role(record, cfg, shape: ModelShape, layout: Layout, backend: str) -
     m = record.metrics
     pairs = [("param_bytes", m["param_bytes"], mem.weights),
              ("grad_bytes", m["grad_bytes"], mem.grads),
-             ("optimizer_state_bytes", m["optimizer_state_bytes"], mem.optimizer),
+             # the compressors' residuals are optimizer state in the run's count
+             ("optimizer_state_bytes", m["optimizer_state_bytes"], mem.optimizer + mem.compression),
              ("activation_bytes", record.activation_bytes, mem.activations + mem.pipeline_ends),
              ("comm_buffer_bytes", buffers, mem.comm_buffers),
              ("tp_comm_bytes", m["tp_comm_bytes"], traffic["tp"]),

@@ -62,6 +62,9 @@ ACT_MASK_BYTES = 1  # a dropout mask's byte per element
 ACT_TENSORS_REPLICATED = 4  # two LayerNorm inputs, the QKV and MLP inputs (+ 2 dropout masks)
 ACT_TENSORS_SPLIT_ATTN = 4  # Q, K, V, the output projection's input
 ACT_TENSORS_MLP = {"gpt2": 2, "llama": 3}
+# blocks with rotary position embeddings: their attention keeps RoPE's new q and k beside the whole
+# QKV projection output (memory.layer_activation_bytes), h + kv_hidden per token more
+ROPE_BLOCKS = ("llama",)
 # MoE layers (memory.moe_activation_change): the experts' gathered input rows and their outputs
 # (kept by the weighted combine), T K h each; the router's fp32 logits and scores, T E each; four
 # int64 index vectors per assignment (the sort by expert, the rows' tokens, the dispatch's re-sort

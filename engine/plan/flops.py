@@ -11,7 +11,11 @@ API (pure arithmetic; only ``count_flops`` imports torch, when called)::
                block="gpt2", recompute="none", recompute_early_stop=True) -> StepFlops(model=, executed=)
         model:    the model's FLOPs of one optimizer step, whatever is recomputed (MFU's numerator)
         executed: what the step runs, recomputed forwards and padded expert rows included (HFU's
-                  numerator); by default this engine's full recomputation (see "early stop" below)
+                  numerator); by default this engine's full recomputation with --dropout 0
+                  (see "early stop" below)
+    recompute_stops_early(dropout) -> bool
+        whether that early stop holds (only with no residual dropout): step_flops'
+        recompute_early_stop for a run
     attention_core_step_flops(global_batch, seq_length, num_layers, hidden, recompute="none")
         the attention core's part of ``executed`` (Q K^T and scores x V, counted in full)
     count_flops(fn, *args, **kwargs) -> (result, flops)
@@ -46,10 +50,12 @@ second time (not the logit layer), so the executed count is four forwards of the
            = 96 B s l h^2 (1 + s/(6h) + V/(16 l h))        (gpt2, f = 4h)
 
 This engine recomputes with ``torch.utils.checkpoint(use_reentrant=False)``, whose early stop
-(on by default) ends the recomputation once every tensor backward needs is rebuilt. Nothing inside
-the layer saves the output of its last matrix multiply (the MLP's down projection, h x f), so that
-one is not run again: ``recompute_early_stop=True`` (the default) subtracts 2 h f per token per
-layer from F_full; ``False`` gives Megatron's count above. tests/engine/plan/test_flops.py checks the engine's
+(on by default) ends the recomputation once every tensor backward needs is rebuilt. Without
+dropout nothing inside the layer saves the output of its last matrix multiply (the MLP's down
+projection, h x f), so that one is not run again: ``recompute_early_stop=True`` (the default)
+subtracts 2 h f per token per layer from F_full; ``False`` gives Megatron's count above. With a
+residual dropout (``--dropout`` > 0) the dropout after the down projection keeps its mask, and the
+recomputation runs the whole forward again: ``recompute_stops_early(dropout)`` says which holds. tests/engine/plan/test_flops.py checks the engine's
 count against torch.utils.flop_counter on the engine's own model, and Megatron's against the
 closed forms.
 
@@ -228,6 +234,19 @@ class StepFlops:
     @property
     def recomputed(self) -> float:
         return self.executed - self.model - self.padded
+
+
+def recompute_stops_early(dropout: float) -> bool:
+    """Whether this engine's full recomputation stops before each layer's last matrix multiply:
+    only when the residual dropout (``--dropout``) is 0. The block ends ``x + drop(mlp(...))``,
+    and a dropout keeps its mask, which checkpoint's early stop must rebuild by rerunning the
+    down projection (and the collective after it). ``step_flops(..., recompute_early_stop=
+    recompute_stops_early(cfg.dropout))`` is the engine's executed count.
+
+    >>> recompute_stops_early(0.0), recompute_stops_early(0.1)
+    (True, False)
+    """
+    return not dropout > 0
 
 
 def recomputed_layer_flops(tokens: float, seq_length: int, hidden: int, ffn_hidden: int,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from engine.plan.fp8 import fp8_gemm_copy_bytes, fp8_scale_bytes
+from engine.plan.constants import ROPE_BLOCKS
 from engine.plan.model import (ACT_MASK_BYTES, ACT_MOE_FP32_PER_EXPERT, ACT_MOE_INDEX_BYTES, moe_expert_tokens, moe_tokens,
                                ACT_MOE_ROWS, ACT_TENSORS_MLP, ACT_TENSORS_REPLICATED,
                                ACT_TENSORS_SPLIT_ATTN, COMM_BUFFER_BYTES, GRAD_BYTES,
@@ -65,7 +66,11 @@ def stage_params(shape: ModelShape, layout: Layout) -> tuple[float, float]:
 def layer_activation_bytes(shape: ModelShape, layout: Layout, recompute: str | None = None) -> float:
     """Korthikanti et al. 2022 bytes kept per layer per micro-batch, for any f and block.
 
-    Context parallelism splits the sequence: every term is divided by cp.
+    A RoPE block (llama) keeps more attention tensors than Q, K and V: q, k and v are views of the
+    QKV projection's output (models/layers.py ``split_qkv``), RoPE returns new q and k, and the
+    attention saves those and v, whose view keeps the whole (h + 2 kv) output alive: h + kv more
+    per token than Korthikanti's count, on every device. Context parallelism splits the sequence:
+    every term is divided by cp.
     """
     s, b, h = shape.seq_length, layout.micro_batch_size, shape.hidden_size
     t, sp, c = layout.tp, layout.sequence_parallel, layout.cp
@@ -76,6 +81,8 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, recompute: str | N
         return e * sbh / (t if sp else 1)
     replicated = ACT_TENSORS_REPLICATED * e + 2 * masks          # 10 in bf16 with dropout
     attn = ACT_TENSORS_SPLIT_ATTN - 2 + 2 * shape.kv_hidden / h  # Q, K, V, projection input
+    if shape.block in ROPE_BLOCKS:  # RoPE's new q and k beside the whole QKV output (V's base)
+        attn += (h + shape.kv_hidden) / h
     split = (attn * e * sbh                                      # 8 without GQA
              + ACT_TENSORS_MLP[shape.block] * e * s * b * shape.ffn_hidden_size / c)  # 4 or 6 per sbf
     base = (replicated * sbh + split) / t if sp else replicated * sbh + split / t
@@ -164,6 +171,7 @@ class MemoryTerms:
     comm_buffers: float = 0.0  # HCCL / NCCL communicator buffers (comm_buffer_bytes)
     fp8: float = 0.0  # --fp8-format: one GEMM's float8 copies and the scales kept for backward (fp8.py)
     gathered: float = 0.0  # ZeRO-3: the whole units gathered at once, at their peak (zero3.py)
+    compression: float = 0.0  # gradient compression's error-feedback residuals (compression_bytes)
     stage: str = "only"  # which device this is: "only" (pp = 1), "first" or "last"
 
     @property
@@ -184,6 +192,22 @@ def optimizer_bytes_per_param(shape: ModelShape, layout: Layout, expert: bool = 
     if layout.zero:
         return per_weight / (layout.edp if expert else layout.dp * layout.cp)
     return per_weight
+
+
+def compression_bytes(layout: Layout, dense: float, expert: float = 0.0) -> float:
+    """Bytes the gradient compressors keep between steps for ``dense`` and ``expert`` weights
+    (``Layout.compression``; parallel/dp/compression.py, counted in the run's
+    optimizer_state_bytes): every compressed bucket's fp32 error-feedback ``residual`` (4 bytes a
+    weight) and, without ZeRO, the owner's residual of its 1/p shard (4/p bytes; p = dp x cp, for
+    expert weights their EDP group's ranks), which ZeRO's reduce-scatter does not keep. Not
+    counted: the momentum compressors' (topk, onebit) fp32 momentum and its previous copy, which
+    exist only once compression runs after its warm-up (at most 8 bytes a weight more), and a
+    policy's that leaves some weights uncompressed (``Layout.compress_all`` False: none counted)."""
+    if not (layout.compression and layout.compress_all):
+        return 0.0
+    owner = (lambda p: 0.0) if layout.zero else (lambda p: 4.0 / p)  # noqa: E731
+    return dense * (4 + owner(layout.dp * layout.cp)) + \
+        (expert * (4 + owner(max(layout.edp, 1))) if expert else 0.0)
 
 
 def moe_activation_change(shape: ModelShape, layout: Layout, recompute: str | None = None) -> float:
@@ -233,8 +257,10 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: int, backend: str = "
     shard = t if layout.sequence_parallel else 1
     # the embedding's dropout mask, per micro-batch in flight (none without dropout)
     embedding = s * b * h / c / shard * (ACT_MASK_BYTES if shape.dropout else 0)
-    # the final norm's and the output layer's inputs, and the fp32 logits
-    logits = (2 * shape.activation_bytes * s * b * h / shard + 4 * s * b * shape.padded_vocab(t) / t) / c
+    # the final norm's input (a sequence shard under SP), the output layer's (gathered whole under
+    # SP: models/output.py's linear saves the all-gathered input) and the fp32 logits
+    e = shape.activation_bytes
+    logits = (e * s * b * h / shard + e * s * b * h + 4 * s * b * shape.padded_vocab(t) / t) / c
     name = stage_name(layout, stage)
     ends = {"only": embedding + logits, "first": embedding * in_flight(shape, layout, 0),
             "last": logits, "middle": 0.0}[name]
@@ -262,7 +288,7 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: int, backend: str = "
     return MemoryTerms(weights, grads, optimizer, per_micro * in_flight(shape, layout, stage),
                        transient, ends,
                        comm_buffer_bytes(layout, backend, shape.block == "gpt2", name, moe_layers > 0),
-                       fp8, gathered, name)
+                       fp8, gathered, compression_bytes(layout, dense, expert), name)
 
 
 def memory_per_device(shape: ModelShape, layout: Layout, backend: str = "gloo") -> MemoryTerms:

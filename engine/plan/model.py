@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from engine.plan.flops import BLOCKS, RECOMPUTE, MoEShape, default_ffn_hidden
 from engine.plan.hardware import OVERLAP_EFFICIENCY, DeviceSpec, OverlapEfficiency
+from engine.plan.moe_layout import check_moe_layout, moe_expert_tokens, moe_tokens  # noqa: F401
 from engine.plan.placement import DEFAULT_ORDER, all_groups_intra, parse_order
 from engine.plan.constants import (  # noqa: F401 (re-exported: the planner's constants)
     GIB, MAX_DEVICES, PLAN_PRECISION, PLAN_SCHEDULES, WEIGHT_BYTES, GRAD_BYTES,
@@ -49,6 +50,10 @@ class ModelShape:
     # (dropout 0, as in Llama recipes, keeps none: no masks, no dropout outputs of the scores).
     activation_bytes: int = ACT_BYTES
     dropout: bool = True
+    # Whether the attention probabilities have dropout (--attention-dropout, default --dropout):
+    # ring attention (cp > 1, the p2p ring the planner prices) applies none, so engine.train
+    # refuses cp > 1 with it (check_layout)
+    attention_dropout: bool = False
     # Key/value head groups of grouped-query attention (None: one per head, plain multi-head).
     num_query_groups: int | None = None
     # Bytes per weight: 2 (bf16/fp16, with fp32 masters in the optimizer) or 4 (an fp32 run, whose
@@ -270,6 +275,10 @@ class Layout:
     # --optimizer-offload-fraction F of an offloaded run (0: none): F of the optimizer shard in host
     # memory, updated there (offload.py); needs zero (the distributed optimizer), at any dp
     offload: float = 0.0
+    # with compression: whether every weight's bucket is compressed (a uniform --grad-compression),
+    # so the compressors' residuals are counted (memory.py compression_bytes); a policy that leaves
+    # some weights uncompressed is counted without them (a lower bound)
+    compress_all: bool = True
 
     def __post_init__(self) -> None:
         if self.schedule == "zb-v" and self.vp == 1:
@@ -351,6 +360,12 @@ def check_layout(shape: ModelShape, cluster: Cluster, layout: Layout) -> str | N
         return f"heads {shape.num_attention_heads} not divisible by tp {t}"
     if shape.ffn_hidden_size % t:
         return f"ffn hidden size {shape.ffn_hidden_size} not divisible by tp {t}"
+    if shape.num_query_groups and shape.num_query_groups % t:
+        return (f"query groups {shape.num_query_groups} not divisible by tp {t} (every TP rank "
+                f"holds whole key/value groups)")
+    if c > 1 and shape.attention_dropout:
+        return ("context parallelism: ring attention applies no attention dropout; plan with "
+                "--attention-dropout 0")
     if c > 1 and not shape.fused_attention:
         return "context parallelism runs ring attention on fused (flash) kernels: plan with --attention fused"
     if c > 1 and s % (2 * c):
@@ -370,40 +385,3 @@ def check_layout(shape: ModelShape, cluster: Cluster, layout: Layout) -> str | N
                 f"not a multiple of pp {p}")
     return check_moe_layout(shape, layout)
 
-
-def moe_tokens(shape: ModelShape, layout: Layout) -> float:
-    """Tokens one rank routes through an MoE layer per micro-batch: its s b / cp, and under
-    sequence parallelism its 1/tp shard of them (each TP rank routes its own,
-    models/moe/layer.py); without it every TP rank routes the same tokens."""
-    tokens = shape.seq_length * layout.micro_batch_size / layout.cp
-    return tokens / layout.tp if layout.sequence_parallel else tokens
-
-
-def moe_expert_tokens(shape: ModelShape, layout: Layout) -> float:
-    """Tokens whose rows one rank permutes, dispatches and computes its experts on per MoE layer
-    and micro-batch: the tokens it routes (``moe_tokens``), except under expert tensor parallelism
-    with sequence parallelism, where the TP ranks gather their shards and every expert slice
-    computes the TP group's s b / cp tokens."""
-    if layout.etp > 1 and layout.sequence_parallel:
-        return shape.seq_length * layout.micro_batch_size / layout.cp
-    return moe_tokens(shape, layout)
-
-
-def check_moe_layout(shape: ModelShape, layout: Layout) -> str | None:
-    """The expert rules (engine/config/schema.py ``check_expert_flags``,
-    parallel/grid/expert_groups.py): ep divides dp x cp and the experts, etp is 1 or tp and divides
-    the expert width, so that every command the planner prints runs."""
-    ep, etp, moe = layout.ep, layout.etp, shape.moe
-    if moe is None:
-        if etp > 1:
-            return f"etp {etp} needs MoE layers (--num-experts)"
-        return None if ep == 1 else f"ep {ep} needs MoE layers (--num-experts)"
-    if (layout.dp * layout.cp) % ep:
-        return f"ep {ep} does not divide dp x cp = {layout.dp * layout.cp}"
-    if moe.num_experts % ep:
-        return f"experts {moe.num_experts} not divisible by ep {ep}"
-    if etp not in (1, layout.tp):
-        return f"etp {etp}: only 1 or tp {layout.tp} is built"
-    if moe.ffn_hidden % etp:
-        return f"expert width {moe.ffn_hidden} not divisible by etp {etp}"
-    return None

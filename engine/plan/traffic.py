@@ -11,7 +11,10 @@ ranks (t > 1):
     SP       forward: 2 all-gathers (msg/t) and 2 reduce-scatters (msg)
              backward: 2 reduce-scatters (msg) and 2 all-gathers (msg/t), and the all-gathers
              of the two column-parallel inputs' saved sequence shards (msg/t each)
-    full recompute repeats the forward's, less the one after the down projection (early stop)
+    full recompute repeats the forward's, less the one after the down projection when the early
+             stop holds (no residual dropout: ModelShape.recompute_early_stop)
+    --tp-comm-overlap (SP): every gather and scatter a ring of t - 1 sends of msg/t, 10 rings per
+             layer (overlap.py ``tp_layer_rings``), 4 more under full recomputation
 
 The embedding adds an all-reduce (SP: a reduce-scatter forward and an all-gather backward), the
 output layer the all-reduce of its input's gradient (SP: an all-gather forward, a reduce-scatter
@@ -52,30 +55,43 @@ KINDS = ("tp", "cp", "pp", "dp", "embedding", "ep", "edp")
 COUNT_BYTES = 8  # an int64 per expert in the count exchange
 
 
-def _tp_per_layer(layout: Layout, msg: float) -> float:
+def _tp_per_layer(shape: ModelShape, layout: Layout, msg: float) -> float:
+    """A dense layer's TP bytes per micro-batch (the module docstring). Full recomputation repeats
+    the forward's collectives, less the MLP's last one when the early stop holds
+    (``shape.recompute_early_stop``: no residual dropout). With ``--tp-comm-overlap`` (SP) each
+    gather and scatter is a ring of tp - 1 sends of msg/t (overlap.py ``tp_layer_rings``: the
+    recomputation repeats all four forward rings, early stop or not), and a zero-bubble W's
+    re-gathers stay plain all-gathers (msg/t)."""
     t, sp = layout.tp, layout.sequence_parallel
     if t == 1:
         return 0.0
+    full = layout.recompute == "full"
+    if sp and layout.tp_comm_overlap:
+        from engine.plan.overlap import tp_layer_rings
+        rings = tp_layer_rings(shape, layout, msg / shape.activation_bytes / shape.hidden_size)
+        return rings.rings * (t - 1) * msg / t + rings.plain * msg / t
     if sp:
         fwd, bwd = 2 * (msg / t + msg), 2 * (msg + msg / t) + 2 * msg / t
-        redo = 2 * msg / t + msg  # gather, scatter (attention), gather (MLP); not the last scatter
     else:
         fwd = bwd = 2 * msg
-        redo = msg  # the attention projection's all-reduce; not the MLP's
-    return fwd + bwd + (redo if layout.recompute == "full" else 0.0)
+    # the forward's again; with the early stop not the last (SP: the MLP's reduce-scatter)
+    redo = fwd - (msg if shape.recompute_early_stop else 0.0)
+    return fwd + bwd + (redo if full else 0.0)
 
 
-def _mlp_tp_per_layer(layout: Layout, msg: float) -> float:
+def _mlp_tp_per_layer(shape: ModelShape, layout: Layout, msg: float) -> float:
     """The dense MLP's share of ``_tp_per_layer``: no SP, its row-parallel output's all-reduce
     forward and its column-parallel input's gradient all-reduce backward; SP, a gather and a
     scatter each way, the backward re-gather of its input's shard and, under full recomputation,
-    the forward's gather again (the last scatter is left out by the early stop)."""
+    the forward's gather again (and its scatter, unless the early stop leaves it out)."""
     t, sp = layout.tp, layout.sequence_parallel
     if t == 1:
         return 0.0
+    last = 0.0 if shape.recompute_early_stop else msg
+    full = layout.recompute == "full"
     if sp:
-        return 2 * (msg / t + msg) + msg / t + (msg / t if layout.recompute == "full" else 0.0)
-    return 2 * msg
+        return 2 * (msg / t + msg) + msg / t + (msg / t + last if full else 0.0)
+    return 2 * msg + (last if full else 0.0)
 
 
 def moe_tp_per_layer(shape: ModelShape, layout: Layout, msg: float) -> float:
@@ -91,12 +107,13 @@ def moe_tp_per_layer(shape: ModelShape, layout: Layout, msg: float) -> float:
     are all-gathered and the output reduce-scattered instead (their gradients the other way)."""
     if shape.moe is None or layout.tp == 1:
         return 0.0
-    change = 0.0 if shape.moe.shared_ffn else -_mlp_tp_per_layer(layout, msg)
+    change = 0.0 if shape.moe.shared_ffn else -_mlp_tp_per_layer(shape, layout, msg)
     if layout.etp == 1:
         return change
     t, k = layout.tp, shape.moe.topk
     tokens = msg / shape.activation_bytes / shape.hidden_size
-    last = msg if layout.recompute == "full" and shape.moe.shared_ffn else 0.0
+    last = msg if layout.recompute == "full" and (shape.moe.shared_ffn
+                                                  or not shape.recompute_early_stop) else 0.0
     if not layout.sequence_parallel:
         return change + 2 * msg + 4 * tokens * k + last
     # SP: forward the gathers of the shards' tokens, fp32 router weights and int64 experts, and the
@@ -153,7 +170,7 @@ def step_traffic(shape: ModelShape, layout: Layout, stage: int,
     tokens = s * b / c
     msg = e * tokens * h
     layers = shape.num_layers // p
-    tp = layers * _tp_per_layer(layout, msg) \
+    tp = layers * _tp_per_layer(shape, layout, msg) \
         + stage_moe_layers(shape, layout, stage) * moe_tp_per_layer(shape, layout, msg)
     fp8_tp, fp8_cp, fp8_edp = stage_amax_bytes(shape, layout, stage)  # FP8's scales (fp8.amax_bytes)
     tp += fp8_tp

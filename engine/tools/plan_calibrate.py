@@ -1,11 +1,11 @@
 """``python -m engine.plan``'s calibration and its one-line explanations (engine/tools/plan_cli.py
 calls them): ``calibrated`` fits the cluster's constants to a measured run of the given layout
-(engine/plan/calibrate.py, calibrate_moe.py), ``explain_empty`` says why no layout fits."""
+(engine/plan/calibrate.py, calibrate_moe.py), ``explain_empty`` says why no layout fits (``rules_problem``: why none obeys the rules)."""
 from __future__ import annotations
 
 import sys
 from dataclasses import replace
-from itertools import chain
+from itertools import chain, product
 
 from engine.base import ConfigError
 from engine.plan.calibrate import (fit_achievable_fraction, fit_host_update_gbps,
@@ -19,17 +19,44 @@ from engine.plan.search import SearchSpace, candidate_layouts, escalations
 from engine.plan.timing import estimate
 
 
+def rules_problem(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> str | None:
+    """Why no layout of the space obeys the rules (None when one does): a pinned layout's rule,
+    or the rules that reject the nearest layouts, each tp, cp, pp at its smallest micro-batch
+    and plainest settings."""
+    if next(candidate_layouts(shape, cluster, space), None) is not None:
+        return None
+    n, cps = cluster.num_devices, space.cp
+    if space.tp and space.pp:
+        dp = n // (space.tp * space.pp * cps[0])
+        why = check_layout(shape, cluster, Layout(space.tp, space.pp, max(dp, 1), space.vp or 1,
+                                                  space.micro_batch_size or 1, cp=cps[0],
+                                                  order=space.order))
+        return f"layout rejected: {why}" if why else None
+    tps = [t for t in range(1, cluster.devices_per_node + 1) if cluster.devices_per_node % t == 0]
+    pps = [p for p in range(1, shape.num_layers + 1) if shape.num_layers % p == 0]
+    reasons, kinds = [], set()   # one per rule (its first words), the fewest dp ranks first
+    splits = sorted((n // (tp * cp * pp), tp, cp, pp) for tp, cp, pp in product(tps, cps, pps)
+                    if n % (tp * cp * pp) == 0)
+    for dp, tp, cp, pp in splits:
+        why = check_layout(shape, cluster, Layout(tp, pp, dp, 1, space.micro_batch_size or 1,
+                                                  cp=cp, order=space.order))
+        if why and " ".join(why.split()[:3]) not in kinds:
+            kinds.add(" ".join(why.split()[:3]))
+            reasons.append((f"tp={tp} cp={cp} pp={pp} dp={dp}", why))
+    if not reasons:
+        return (f"no layout obeys the rules: tp x cp x pp x dp = --devices {n} has no split with "
+                f"cp in {','.join(map(str, cps))}")
+    return "no layout obeys the rules: " + "; ".join(f"{lay}: {why}" for lay, why in reasons[:3])
+
+
 def explain_empty(shape: ModelShape, cluster: Cluster, space: SearchSpace) -> str:
-    """Why no layout of the space fits: a pinned layout's rule, or the least memory it needs."""
+    """Why no layout of the space fits: ConfigError (exit 2, as engine.train refuses the same
+    mistake) where no layout obeys the rules, else the least memory a pinned layout needs."""
     more = ("--recompute full, --zero on with --zero-stage 3 (ZeRO-3) or --optimizer-cpu-offload "
             "on" if offload_known(cluster) else "--recompute full or --zero on with --zero-stage 3")
+    if (why := rules_problem(shape, cluster, space)):
+        raise ConfigError(why)
     if space.tp and space.pp:
-        cp = space.cp[0]
-        dp = cluster.num_devices // (space.tp * space.pp * cp)
-        why = check_layout(shape, cluster, Layout(space.tp, space.pp, max(dp, 1), space.vp or 1,
-                                                  space.micro_batch_size or 1, cp=cp, order=space.order))
-        if why:
-            return f"layout rejected: {why}"
         tried = [lay for layout in candidate_layouts(shape, cluster, space)
                  for lay in [layout, *chain.from_iterable(escalations(layout, space, cluster))]]
         least = min((memory_per_device(shape, lay, cluster.backend).total for lay in tried),

@@ -27,7 +27,7 @@ from engine.config.flags import CONSTANTS
 from engine.config.recipe import load_recipe
 from engine.plan.arguments import check_args
 from engine.plan.calibrate import link_busbw
-from engine.plan.flops import BLOCKS, moe_layer_indices, moe_shape
+from engine.plan.flops import BLOCKS, moe_layer_indices, moe_shape, recompute_stops_early
 from engine.plan.hardware import DEVICE_SPECS, fp8_peak_problem, get_device_spec
 from engine.plan.model import (GIB, HOST_MEMORY_EFFICIENCY, PLAN_PRECISION, PLAN_SCHEDULES, Cluster,
                                Layout, ModelShape)
@@ -35,7 +35,8 @@ from engine.plan.placement import DEFAULT_ORDER, parse_order
 from engine.plan.report import explain, launch_command, layout_text, train_args
 from engine.plan.search import SearchSpace, candidate_layouts, search
 from engine.plan.timing import Estimate
-from engine.tools.train_check import changed_flags, check_shared, command_notes, typed_flags
+from engine.tools.train_check import (apply_recipe, changed_flags, check_shared, command_notes,
+                                      typed_flags)
 from engine.tools.plan_calibrate import calibrated, explain_empty
 from models.config import GPTConfig
 
@@ -88,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fused (this engine's flash-style kernels): no s x s scores kept or streamed; "
                         "unfused: Megatron 2021's materialised softmax")
     p.add_argument("--recompute-early-stop", default="on", choices=("on", "off"),
-                   help="on: full recomputation skips each layer's last matmul (this engine, "
-                        "torch.utils.checkpoint); off: reruns the whole forward (Megatron-LM)")
+                   help="on: full recomputation skips each layer's last matmul as this engine "
+                        "does (torch.utils.checkpoint), with --dropout 0 only (a residual "
+                        "dropout's mask needs it rerun); off: reruns the whole forward (Megatron-LM)")
     p.add_argument("--device", default="a100-80gb",
                    help=f"one of {', '.join(DEVICE_SPECS)} or a raw device name")
     p.add_argument("--devices", type=int, help="total devices (required)")
@@ -201,20 +203,27 @@ def model_from_args(args: argparse.Namespace) -> tuple[GPTConfig, int, dict]:
     if model.block not in BLOCKS:
         raise ConfigError(f"--block {model.block}: the planner has formulas for the "
                           f"{' and '.join(BLOCKS)} blocks only")
+    if model.num_experts and model.moe_token_dispatcher_type != "alltoall":
+        raise ConfigError(f"--moe-token-dispatcher-type {model.moe_token_dispatcher_type}: the "
+                          f"planner prices the alltoall dispatcher only (allgather gathers every "
+                          f"EP rank's tokens: other bytes and memory); plan with alltoall")
     return model, given["global_batch_size"], given
 
 
 def shape_from_args(args: argparse.Namespace) -> ModelShape:
     """The planner's view of the model (engine/plan/model.py), as engine.train would build it."""
     model, gbs, given = model_from_args(args)
-    extra = {} if "dropout" not in given else {"dropout": model.dropout > 0}
+    # dropout as engine.train runs the printed command: its default is 0 (no masks kept), and
+    # full recomputation stops early only without the residual dropout (flops.py)
     return ModelShape(model.num_layers, model.hidden_size, model.num_attention_heads,
                       model.vocab_size, model.seq_length, gbs, model.ffn_hidden_size, model.block,
                       fused_attention=args.attention == "fused",
-                      recompute_early_stop=args.recompute_early_stop == "on",
+                      recompute_early_stop=(args.recompute_early_stop == "on"
+                                            and recompute_stops_early(model.dropout)),
+                      dropout=model.dropout > 0, attention_dropout=model.attention_dropout_p > 0,
                       num_query_groups=model.num_query_groups, moe=moe_shape(model),
                       moe_layers=moe_layer_indices(model),
-                      fp8_recipe=args.fp8_recipe if args.fp8_format else None, **extra)
+                      fp8_recipe=args.fp8_recipe if args.fp8_format else None)
 
 
 def model_flags(args: argparse.Namespace, shape: ModelShape) -> list[str]:
@@ -345,6 +354,8 @@ def plan(args: argparse.Namespace, typed: frozenset[str] | None = None) -> int:
     if typed is None:
         typed = changed_flags(args, build_parser())
     check_args(args)
+    if args.config:   # the recipe's run keys where no flag was typed (train_check.apply_recipe)
+        typed = apply_recipe(args, typed, load_recipe(args.config))
     shape = shape_from_args(args)
     given = model_from_args(args)[2]
     check_shared(args, typed, given)

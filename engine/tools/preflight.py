@@ -25,6 +25,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import platform
 import socket
@@ -202,6 +203,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def json_problem(path: str) -> str | None:
+    """Why ``path`` cannot take the --json measurements (None when it can), checked before any
+    work, so that a bad path never loses a measurement; missing parent directories are created
+    when it is written, so the nearest existing one must be a writable directory."""
+    if not path or path.endswith(os.sep) or os.path.isdir(path):
+        return f"--json {path}: names a directory, not a file"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else f"--json {path}: is not writable"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"--json {path}: {parent} is a file, not a directory"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"--json {path}: {parent} is not writable"
+
+
+def args_problem(args: argparse.Namespace) -> str | None:
+    """Why the flags cannot run (None when they can): a timeout that is not a finite number of
+    seconds above 0, or a --json path that cannot be written."""
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        return f"--timeout must be a finite number of seconds > 0, got {args.timeout}"
+    return json_problem(args.json) if args.json is not None else None
+
+
 def _fail(rank: int, message: str) -> int:
     print(f"gridtron: rank {rank}: {message}", file=sys.stderr, flush=True)
     return EXIT_BAD_SETUP
@@ -223,6 +248,8 @@ def check(args: argparse.Namespace) -> int:
         kind = detect_device_type(args.device)
     except ValueError as exc:
         return _fail(launch.rank, str(exc))
+    if (problem := args_problem(args)):
+        return _fail(launch.rank, problem)  # before any work: a bad flag loses no measurement
     count = visible_device_count(kind)
     problem = local_device_problem(kind, count, launch.local_rank, environ, launch.local_world_size)
     if problem:

@@ -51,6 +51,66 @@ SHARED = {
 }
 
 
+# a recipe's (--config's) keys that the planner's flags set: key -> (the planner's argument, how
+# the recipe's value reads there; None: as it is). Each is taken where the flag is not typed.
+RECIPE_SHARED = {
+    "precision": ("precision", None),
+    "fp8_format": ("fp8_format", None),
+    "fp8_recipe": ("fp8_recipe", None),
+    "micro_batch_size": ("micro_batch_size", None),
+    "optimizer_cpu_offload": ("offload", {True: "on", False: "off"}),
+    "optimizer_offload_fraction": ("offload_fraction", None),
+    "sequence_parallel": ("sequence_parallel", {True: "on", False: "off"}),
+    "tp_comm_overlap": ("tp_comm_overlap", None),
+    "overlap_grad_reduce": ("overlap_grad_reduce", {True: "on", False: "off"}),
+    "overlap_param_gather": ("overlap_param_gather", {True: "on", False: "off"}),
+}
+# recipe keys that change what the run keeps or sends in a way the planner does not model: away
+# from engine.train's default they are refused, so that no plan describes another run
+UNMODELLED = {
+    "grad_compression": "gradient compression's state and messages",
+    "cp_comm_type": "Ulysses context parallelism (the planner prices the p2p ring)",
+    "stage_end_weight": "uneven pipeline stages (the planner splits the layers evenly)",
+    "bucket_size_mb": "the gradient bucket size (the planner prices the default buckets)",
+    "first_last_layers_bf16": "FP8 runs' first and last layers in bf16",
+    "scatter_gather_tensors_in_pipeline": "whole pipeline messages (the planner prices "
+                                          "Megatron's scatter/gather)",
+}
+# the planner's search-space arguments: a one-value choice of the search, not a flag of the run,
+# so engine.train's notes on the printed command do not name them
+SEARCHED = ("sequence_parallel", "micro_batch_size")
+
+
+def apply_recipe(args: argparse.Namespace, typed: frozenset[str], recipe: dict) -> frozenset[str]:
+    """Lay a recipe's run keys over ``args`` where no flag was typed (RECIPE_SHARED), refusing
+    those the planner cannot honour (UNMODELLED, away from engine.train's default; an fp32
+    precision), and return the arguments now given. Layout keys (tp, pp, recompute, ...) and keys
+    that change neither memory nor time (lr, save, ...) stay left to the search."""
+    from engine.base import ConfigError
+    from engine.config.fields import field_table
+    table = field_table()
+    bad = [k for k in UNMODELLED if k in recipe and recipe[k] != table[k].default]
+    if bad:
+        raise ConfigError("the recipe sets " + ", ".join(f"{k}: {recipe[k]}" for k in bad)
+                          + f" ({'; '.join(UNMODELLED[k] for k in bad)}), which the planner does "
+                          f"not model; remove {'it' if len(bad) == 1 else 'them'} from --config "
+                          f"to plan, and add {'it' if len(bad) == 1 else 'them'} to the printed "
+                          f"command")
+    given = set(typed)
+    for key, (dest, meaning) in RECIPE_SHARED.items():
+        if key not in recipe or dest in typed:
+            continue
+        value = recipe[key] if meaning is None else meaning[recipe[key]]
+        if key == "precision" and value not in ("bf16", "fp16"):
+            raise ConfigError(f"the recipe's precision: {value}: the planner plans bf16 or fp16 "
+                              f"runs (--precision)")
+        setattr(args, dest, value)
+        given.add(dest)
+    if getattr(args, "offload", None) == "on" and "zero" not in typed:
+        args.zero = "on"   # the offload moves the distributed optimizer's state: it needs ZeRO
+    return frozenset(given)
+
+
 def typed_flags(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> frozenset[str]:
     """The destinations of the arguments ``argv`` gives (not those left at their defaults), read
     by ``parser`` with every default suppressed; give a parser of its own (it is changed)."""
@@ -99,7 +159,7 @@ def command_notes(command: list[str], args: argparse.Namespace, typed: frozenset
     ``model``: the model fields given (the command carries them); ``backend``: the planned
     cluster's (hccl: an NPU, gloo: the CPU, else a GPU)."""
     parse_args(command)
-    shared = shared_values(args, typed)
+    shared = shared_values(args, typed - set(SEARCHED))
     shared.pop("precision")               # the command's own, always read: never noted
     over = dict(shared)                   # laid over the command, which leaves out what it drops
     if over.get("tp_comm_overlap"):       # at tp 1 the command has no --sequence-parallel

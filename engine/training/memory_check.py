@@ -17,7 +17,7 @@ import math
 from dataclasses import replace
 
 from engine.config.schema import RunConfig
-from engine.plan.flops import BLOCKS, moe_layer_indices, moe_shape
+from engine.plan.flops import BLOCKS, moe_layer_indices, moe_shape, recompute_stops_early
 from engine.plan.memory import (MemoryTerms, optimizer_bytes_per_param, stage_memory,
                                 stage_param_split)
 from engine.plan.model import Layout, ModelShape
@@ -31,8 +31,8 @@ NO_FIGURE = (None, "")  # (bytes, where the figure comes from): nothing to check
 
 def planner_inputs(cfg, grid, vocab_size: int | None = None) -> tuple[ModelShape, Layout] | str:
     """The planner's view of the run (engine/plan/model.py), or why it has none: fused attention
-    and early-stopping recomputation, as the engine runs; activation and weight bytes from
-    ``--precision``; dropout masks only with ``--dropout`` > 0. ``vocab_size`` replaces the
+    and recomputation that stops early without a residual dropout, as the engine runs; activation
+    and weight bytes from ``--precision``; dropout masks only with ``--dropout`` > 0. ``vocab_size`` replaces the
     configuration's (e.g. a lower bound before the data is read)."""
     m, par = cfg.model, cfg.parallel
     if m.block not in BLOCKS:
@@ -40,21 +40,26 @@ def planner_inputs(cfg, grid, vocab_size: int | None = None) -> tuple[ModelShape
     elem = 4 if cfg.precision.precision == "fp32" else 2
     shape = ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, vocab_size or m.vocab_size,
                        m.seq_length, cfg.data.global_batch_size, m.ffn_hidden_size, m.block,
-                       fused_attention=True, recompute_early_stop=True, activation_bytes=elem,
-                       dropout=m.dropout > 0, num_query_groups=m.num_query_groups, weight_bytes=elem,
+                       fused_attention=True, recompute_early_stop=recompute_stops_early(m.dropout),
+                       activation_bytes=elem, dropout=m.dropout > 0,
+                       attention_dropout=m.attention_dropout_p > 0,
+                       num_query_groups=m.num_query_groups, weight_bytes=elem,
                        moe=moe_shape(m), moe_layers=moe_layer_indices(m),
                        fp8_recipe=cfg.precision.fp8_recipe if cfg.precision.fp8_format else None,
                        fp8_bf16_layers=cfg.precision.fp8_bf16_layers)
     # the planner's schedules: 1f1b (interleaved with vp > 1), zb-h1, zb-v; 1f1b-w holds what 1F1B
     # holds, GPipe more (engine/dryrun/compare.py KNOWN)
     zero_bubble = par.pipeline_schedule in ("zb-h1", "zb-v") and grid.pp > 1
+    policy = CompressionPolicy.coerce(cfg.compression)
     schedule = par.pipeline_schedule if zero_bubble else "1f1b"
     layout = Layout(grid.tp, grid.pp, grid.dp, par.chunks_per_rank, cfg.data.micro_batch_size,
                     par.recompute, par.use_distributed_optimizer,
                     par.sequence_parallel and grid.tp > 1, grid.cp, par.order,
                     schedule=schedule, zero_stage=par.zero_stage,
                     tp_comm_overlap=par.tp_comm_overlap and par.sequence_parallel and grid.tp > 1,
-                    compression=CompressionPolicy.coerce(cfg.compression).any_compressed,
+                    compression=policy.any_compressed,
+                    compress_all=policy.default.compressed and all(r.spec.compressed
+                                                                   for r in policy.rules),
                     ep=par.expert_model_parallel_size,
                     etp=par.expert_tensor_parallel_size if m.num_experts else 1,
                     offload=(cfg.optim.optimizer_offload_fraction if cfg.optim.optimizer_cpu_offload
@@ -69,6 +74,7 @@ TERMS = {"weights": ("the weights", "model"), "grads": ("the gradients", "model"
          "comm_buffers": ("the communicator buffers", "groups"),
          "fp8": ("the FP8 copies and scales", "batch"),
          "gathered": ("ZeRO-3's gathered units", "model"),
+         "compression": ("gradient compression's residuals", "compression"),
          "host_optimizer": ("the offloaded optimizer state", "offload"),
          "host_grads": ("the gradients' host copies", "offload"),
          "async_copy": ("--async-save's host copy of what it saves", "async")}
@@ -81,6 +87,8 @@ FIXES = {"model": "fewer or narrower layers (--num-layers, --hidden-size, --ffn-
          "batch": "a smaller --micro-batch-size or --seq-length, --recompute full, or more --tp / "
                   "--pp / --cp",
          "groups": "fewer process groups of more than one rank",
+         "compression": "no --grad-compression (its residuals keep 4 bytes per weight, more "
+                        "without the distributed optimizer), or more ranks to split the model",
          "offload": "a smaller --optimizer-offload-fraction, or none: on the CPU host memory is the "
                     "device's, so the offload frees nothing",
          "async": f"no --async-save ({ASYNC_COST}), more ranks to split the state (--tp, --pp; "

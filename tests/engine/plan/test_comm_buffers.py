@@ -22,7 +22,8 @@ def test_compression_adds_one_communicator_of_buffers():
         plain = stage_memory(SHAPE, layout, 0, "hccl")
         compressed = stage_memory(SHAPE, replace(layout, compression=True), 0, "hccl")
         assert compressed.comm_buffers - plain.comm_buffers == COMM_BUFFER_BYTES["hccl"], layout
-        assert compressed.total - plain.total == 2 * 200 * 2 ** 20          # 2 x HCCL_BUFFSIZE
+        # 2 x HCCL_BUFFSIZE, beside the residuals (test_compression_residuals_are_optimizer_state)
+        assert compressed.total - plain.total - compressed.compression == 2 * 200 * 2 ** 20
     # without data parallelism there is no exchange, and no group for it
     alone = Layout(tp=2, pp=2, dp=1)
     assert communicators(replace(alone, compression=True), True) == communicators(alone, True)
@@ -37,6 +38,43 @@ def test_the_run_tells_the_planner_it_compresses():
         cfg = parse_args(TINY + flags)
         _, layout = planner_inputs(cfg, grid(cfg))
         assert layout.compression is want, flags
+
+
+# TINY's weights, by hand: per layer QKV 64x192+192, proj 64x64+64, fc1 64x256+256, fc2 256x64+64,
+# two LayerNorms 4x64; the embedding 512x64 (V 500 padded to 128), positions 32x64, final norm 128
+TINY_WEIGHTS = 2 * (64 * 192 + 192 + 64 * 64 + 64 + 64 * 256 + 256 + 256 * 64 + 64 + 4 * 64) \
+    + 512 * 64 + 32 * 64 + 2 * 64
+
+
+def test_compression_residuals_are_optimizer_state():
+    """int8 keeps an fp32 residual of every weight (4 bytes) and, without ZeRO, the owner's
+    residual of its 1/dp shard (4/dp): the planner's compression term, and the dry run's
+    optimizer_state_bytes over the uncompressed run's by exactly that (torch's AdamW step
+    counters aside: the planner's row is within them)."""
+    n = TINY_WEIGHTS
+    runs = {}
+    for flags in ([], ["--grad-compression", "int8"], ["--grad-compression", "int8",
+                                                       "--use-distributed-optimizer"]):
+        cfg = parse_args(TINY + ["--dp", "2"] + flags)
+        shape, layout = planner_inputs(cfg, cfg.parallel.grid(2))
+        runs[len(flags)] = (stage_memory(shape, layout, 0).compression, cfg)
+    assert [runs[k][0] for k in (0, 2, 3)] == [0, 6 * n, 4 * n]     # 4 + 4/2; ZeRO: 4
+    from engine.dryrun import dry_run
+    state = {}
+    for k in (0, 2):
+        result = dry_run(runs[k][1], 2, "ascend910b2")
+        row = next(r for r in result.comparison[0] if r.figure == "optimizer_state_bytes")
+        assert 0 <= row.dry_run - row.planner < 1024, row      # AdamW's 4-byte step counters
+        state[k] = row.dry_run
+    assert state[2] - state[0] == 6 * n
+    # the memory check at start counts them: a device with room for all but the residuals refuses
+    from engine.training.memory_check import memory_problem
+    cfg = runs[2][1]
+    grid = cfg.parallel.grid(2)
+    room = int(stage_memory(*planner_inputs(cfg, grid), 0).total - 6 * n) + 1
+    assert memory_problem(runs[0][1], grid, 0, room, "free", "gloo") is None
+    assert memory_problem(cfg, grid, 0, room, "free", "gloo").startswith(
+        f"this run needs about {(room - 1 + 6 * n) / 2 ** 20:.3g} MiB")
 
 
 def test_the_dry_run_counts_the_exchange_communicator():

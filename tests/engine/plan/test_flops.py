@@ -26,7 +26,8 @@ BATCH, SEQ, LAYERS, HIDDEN, VOCAB = 3, 32, 2, 64, 256   # 256: no vocabulary pad
 
 
 def counted_step_flops(monkeypatch, block: str = "gpt2", recompute: str = "none",
-                       early_stop: bool = True, ffn: int | None = None, groups: int | None = None):
+                       early_stop: bool = True, ffn: int | None = None, groups: int | None = None,
+                       dropout: float = 0.0):
     """torch.utils.flop_counter's count of one forward + backward of the engine's own GPT chunk
     over BATCH sequences, with the attention core on the plain-math reference (the counter sees
     its two matmuls; it has no formula for the CPU flash kernel's backward); the chunk's config."""
@@ -41,7 +42,8 @@ def counted_step_flops(monkeypatch, block: str = "gpt2", recompute: str = "none"
                         document_ids=None, cu_seqlens=None, **npu_only:
                         kernels.attention_reference(q, k, v, causal, dropout_p, document_ids=document_ids))
     cfg = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, seq_length=SEQ,
-                    vocab_size=VOCAB, block=block, ffn_hidden_size=ffn, num_query_groups=groups)
+                    vocab_size=VOCAB, block=block, ffn_hidden_size=ffn, num_query_groups=groups,
+                    dropout=dropout)
     ctx = LayerContext(Initializer(1, 0.02), sequence_parallel=False, recompute=recompute)
     model = GPTChunk(cfg, ParallelState.serial(), ctx, range(LAYERS)).train()
     gen = torch.Generator().manual_seed(0)
@@ -90,6 +92,38 @@ def test_estimate_flops_are_what_the_engine_model_runs(monkeypatch, block, group
     cluster = Cluster.from_device(DEVICE_SPECS["a100-80gb"], 8)
     est = estimate(shape, cluster, Layout(1, 1, 1, micro_batch_size=BATCH, recompute=recompute))
     assert (est.flops.model, est.flops.executed) == (model, executed)
+
+
+@pytest.mark.parametrize("block", ["gpt2", "llama"])
+def test_full_recompute_with_dropout_reruns_the_whole_forward(monkeypatch, block):
+    """With --dropout > 0 the block's last dropout keeps its mask, so checkpoint's early stop reruns
+    the down projection: the step runs every layer's whole forward again (counted by hand from the
+    counter's step without recomputation), and the planner's CLI, the trainer's planner_inputs and
+    step_flops with recompute_stops_early (what engine/observe/utilization.py passes) say so."""
+    from engine.config.cli import parse_args
+    from engine.plan.flops import recompute_stops_early
+    from engine.plan.model import Cluster, Layout
+    from engine.plan.timing import estimate
+    from engine.tools.plan_cli import build_parser, shape_from_args
+    from engine.training.memory_check import planner_inputs
+    model, cfg = counted_step_flops(monkeypatch, block, "none", dropout=0.1)
+    executed, _ = counted_step_flops(monkeypatch, block, "full", True, dropout=0.1)
+    h, f, n = HIDDEN, cfg.ffn_hidden_size, {"gpt2": 2, "llama": 3}[block]
+    forward = BATCH * SEQ * (2 * (4 * h * h + n * h * f) + 4 * SEQ * h)   # one layer, by hand
+    assert executed == model + LAYERS * forward
+    flags = ["--num-layers", str(LAYERS), "--hidden-size", str(h), "--num-attention-heads", "4",
+             "--seq-length", str(SEQ), "--vocab-size", str(VOCAB), "--block", block,
+             "--global-batch-size", str(BATCH), "--dropout", "0.1"]
+    run = parse_args(flags + ["--micro-batch-size", str(BATCH), "--recompute", "full", "--mock-data"])
+    shapes = [shape_from_args(build_parser().parse_args(flags + ["--devices", "1"])),
+              planner_inputs(run, run.parallel.grid(1))[0]]
+    cluster = Cluster.from_device(DEVICE_SPECS["a100-80gb"], 1)
+    for shape in shapes:
+        est = estimate(shape, cluster, Layout(1, 1, 1, micro_batch_size=BATCH, recompute="full"))
+        assert (est.flops.model, est.flops.executed) == (model, executed)
+    trainer = step_flops(BATCH, SEQ, LAYERS, h, VOCAB, f, block, "full",
+                         recompute_early_stop=recompute_stops_early(cfg.dropout))
+    assert trainer.executed == executed
 
 
 def test_formula_block_says_when_there_is_no_formula():

@@ -66,6 +66,28 @@ def test_bench_config_and_plan():
     assert plan(ParallelState(RankGrid(tp=1, pp=1, dp=1)), cfg) == []
 
 
+# ---- flags refused before any work -----------------------------------------------------------------
+@pytest.mark.parametrize("flags", [["--json", "{tmp}"], ["--json", "{tmp}/"],
+                                   ["--json", "{tmp}/file/x.json"], ["--timeout", "nan"],
+                                   ["--timeout", "inf"], ["--timeout", "0"], ["--timeout", "-5"]])
+def test_bad_json_or_timeout_is_one_line_before_any_work(flags, tmp_path, capsys, monkeypatch):
+    """A --json that cannot be written (a directory, a path under a file) or a --timeout that is
+    not a finite positive number of seconds: exit 2 with one line, before the process group (and
+    so before any measurement that the bad path would lose)."""
+    from engine.tools import preflight
+    (tmp_path / "file").write_text("")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the process group was started")
+    monkeypatch.setattr(preflight.ParallelState, "initialize", no_work)
+    argv = ["--device", "cpu"] + [f.format(tmp=tmp_path) for f in flags]
+    assert preflight.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gridtron: ") and flags[0] in err[0], err
+
+
 # ---- fingerprints ----------------------------------------------------------------------------------
 def _prints(n=16, per_node=8, **per_rank):
     """n ranks on nodes of per_node; per_rank[key] is a function rank -> value (None: key absent)."""
