@@ -8,9 +8,10 @@ not depend on the layout), and called as ``block(x, inputs)`` with x of shape (b
 ``ParallelAttention``. A block whose forward takes only x is called as ``block(x)`` and works
 wherever no per-token metadata is needed (not with packed documents, see
 ``takes_attention_inputs``). Class attributes choose the model around the blocks: ``position``
-("learned" or "rope"), ``final_norm`` ("layernorm" or "rmsnorm") and ``tie_embeddings``. Build
-the block from the TP layers in models.layers / parallel.tensor_parallel to get tensor and sequence
-parallelism for free.
+("learned" or "rope"), ``final_norm`` ("layernorm" or "rmsnorm") and ``tie_embeddings``; and
+``handles_recompute`` (``recomputes_itself``). Build the block from the TP layers in models.layers /
+parallel.tensor_parallel to get tensor and sequence parallelism; the contract (position-wise
+outside ParallelAttention, parameter marks, the initializer) is docs/blocks.md.
 """
 from __future__ import annotations
 
@@ -68,11 +69,30 @@ class LlamaBlock(TransformerBlock):
     norm_kind, mlp_kind, bias, rope = "rmsnorm", "swiglu", False, True
 
 
+def called_forward(cls: type):
+    """The function a block's call runs with (x[, inputs]): a TransformerBlock subclass that keeps
+    TransformerBlock.forward runs its ``_forward``; any other block (a subclass that overrides
+    ``forward`` included) its ``forward``."""
+    if issubclass(cls, TransformerBlock) and cls.forward is TransformerBlock.forward:
+        return cls._forward
+    return cls.forward
+
+
 def takes_attention_inputs(cls: type) -> bool:
-    """Whether a block accepts the ``AttentionInputs`` as a second positional argument: its forward,
-    or for a TransformerBlock subclass the ``_forward`` that TransformerBlock.forward calls."""
-    fn = cls._forward if issubclass(cls, TransformerBlock) else cls.forward
-    params = list(inspect.signature(fn).parameters.values())[1:]  # after self
+    """Whether a block accepts the ``AttentionInputs`` as a second positional argument (see
+    ``called_forward``)."""
+    params = list(inspect.signature(called_forward(cls)).parameters.values())[1:]  # after self
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params) or \
         sum(p.kind in kinds for p in params) >= 2
+
+
+def recomputes_itself(cls: type) -> bool:
+    """Whether a block implements ``--recompute full`` itself: a TransformerBlock subclass that
+    keeps TransformerBlock.forward (which checkpoints ``_forward``), or a class that declares
+    ``handles_recompute = True`` (and calls ``ctx.checkpoint`` when ``ctx.recompute == "full"``).
+    The chunk checkpoints every other block whole (models/gpt.py)."""
+    declared = getattr(cls, "handles_recompute", None)
+    if declared is not None:
+        return bool(declared)
+    return issubclass(cls, TransformerBlock) and cls.forward is TransformerBlock.forward

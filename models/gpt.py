@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from models.batch import AttentionInputs
-from models.blocks import takes_attention_inputs
+from models.blocks import recomputes_itself, takes_attention_inputs
 from models.config import GPTConfig
 from models.layers import Dropout, LayerContext, Norm
 from models.output import OutputLayer
@@ -47,6 +47,10 @@ class GPTChunk(nn.Module):
         self.cp_balanced = load_balanced(ctx.cp_comm_type)
         self.learned_pos = block_cls.position == "learned"
         self.block_takes_inputs = takes_attention_inputs(block_cls)
+        # --recompute full for a block that does not implement it: the chunk checkpoints it whole
+        self.checkpoint_layers = ctx.recompute == "full" and not recomputes_itself(block_cls)
+        self.layer_checkpoint = ctx.checkpoint
+        self.layer_shapes_checked = False  # set after the first forward (check_layer_output)
         self.tied = block_cls.tie_embeddings
         self.vocab_start = ps.tp_rank * padded_vocab_size(cfg.vocab_size, ps.tp_size) // ps.tp_size
         h = cfg.hidden_size
@@ -131,16 +135,32 @@ class GPTChunk(nn.Module):
         return self.embed_drop(x)
 
     def _run_layer(self, layer: nn.Module, x: torch.Tensor, inputs: AttentionInputs | None):
-        if inputs is None:
-            return layer(x)
+        args = (x,) if inputs is None else self._layer_args(x, inputs)
+        if self.checkpoint_layers and self.training and x.requires_grad:
+            return self.layer_checkpoint(layer, *args)  # replays the dropout masks
+        return layer(*args)
+
+    def _layer_args(self, x: torch.Tensor, inputs: AttentionInputs) -> tuple:
         if self.block_takes_inputs:
-            return layer(x, inputs)
+            return x, inputs
         if inputs.packed or self.block_cls.position == "rope":
             raise ValueError(f"--block {self.cfg.block}: its forward(x) takes no AttentionInputs, "
                              f"which {'packed documents' if inputs.packed else 'per-token positions'} "
                              f"need; define forward(self, x, inputs=None) and hand inputs to "
                              f"ParallelAttention")
-        return layer(x)  # learned positions are added by the embedding
+        return (x,)  # learned positions are added by the embedding
+
+    def check_layer_output(self, index: int, x: torch.Tensor, y) -> None:
+        """A block must return its input's shape: (b, s/tp, h) under sequence parallelism (host
+        shapes only, no device work)."""
+        if isinstance(y, torch.Tensor) and y.shape == x.shape:
+            return
+        got = f"shape {tuple(y.shape)}" if isinstance(y, torch.Tensor) else type(y).__name__
+        why = (", (b, s/tp, h) under --sequence-parallel (each TP rank keeps its own sequence "
+               "shard: return this rank's rows of what the block gathers; see docs/blocks.md)"
+               if self.sequence_parallel else " (see docs/blocks.md)")
+        raise ValueError(f"--block {self.cfg.block}: layer {index} returned {got} for an input of "
+                         f"shape {tuple(x.shape)}; a block must return its input's shape{why}")
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
                 inputs: AttentionInputs | None = None) -> torch.Tensor:
@@ -150,8 +170,14 @@ class GPTChunk(nn.Module):
         document per row), the same on every pipeline stage."""
         if self.pre_process:
             x = self._embed(x, inputs)
-        for layer in self.layers:
-            x = self._run_layer(layer, x, inputs)
+        check = not torch.compiler.is_compiling() and not self.layer_shapes_checked
+        for index, layer in zip(self.layer_range, self.layers):
+            y = self._run_layer(layer, x, inputs)
+            if check:  # the first forward only
+                self.check_layer_output(index, x, y)
+            x = y
+        if check:
+            self.layer_shapes_checked = True
         if not self.post_process:
             return x
         x = self.final_norm(x)

@@ -24,7 +24,7 @@ from engine.checkpoint.tensor_reader import TensorReader
 from engine.checkpoint.specs import (LAYOUT_KEYS, ParamSpec, buffer_specs, by_owner, data_info,
                                      layout_of, param_specs, read_flat, saved_layout)
 from models.moe.config import moe_layer_pattern
-from models.registry import default_registry
+from models.registry import BlockRegistry, default_registry
 from parallel.dp.residuals import fold_logical_residuals
 
 
@@ -110,13 +110,14 @@ MODEL_FUNCTION = ("norm_eps", "rope_base", "moe_router_topk", "moe_router_score_
                   "moe_router_pre_softmax")
 
 
-def function_differences(saved: dict, model, explicit) -> list[tuple[str, object, object]]:
+def function_differences(saved: dict, model, explicit,
+                         registry: BlockRegistry | None = None) -> list[tuple[str, object, object]]:
     """(flag, the checkpoint's value, this run's) for every field of ``MODEL_FUNCTION`` that this
     run leaves at its default and that differs from the checkpoint's (the RoPE base only for a
-    rotary block, the router's fields only for a model with experts). Pure."""
+    rotary block of the run's ``registry``, the router's fields only for a model with experts)."""
     keys = ["norm_eps"]
     try:
-        rotary = default_registry().resolve(model.block).position == "rope"
+        rotary = (registry or default_registry()).resolve(model.block).position == "rope"
     except ValueError:   # a block this run cannot resolve is refused elsewhere
         rotary = False
     keys += ["rope_base"] if rotary else []
@@ -127,7 +128,8 @@ def function_differences(saved: dict, model, explicit) -> list[tuple[str, object
             and saved.get(key, defaults[key]) != getattr(model, key)]
 
 
-def check_compatible(index: dict, cfg, data: dict, where: str) -> None:
+def check_compatible(index: dict, cfg, data: dict, where: str,
+                     registry: BlockRegistry | None = None) -> None:
     """The run's model shape and vocabulary must be the checkpoint's (pure: same on every rank);
     so must what the model computes (``MODEL_FUNCTION``) unless this run sets it."""
     saved, model = index["model"], cfg.model
@@ -144,7 +146,7 @@ def check_compatible(index: dict, cfg, data: dict, where: str) -> None:
                               f"but this run has {_setting(flag, here, '', 'no').strip()}{more}: "
                               f"use the checkpoint's model shape (--use-checkpoint-args) or start "
                               f"without --load")
-    if (changed := function_differences(saved, model, cfg.explicit)):
+    if (changed := function_differences(saved, model, cfg.explicit, registry)):
         theirs = " and ".join(f"{f} {t}" for f, t, _ in changed)
         ours = " and ".join(str(h) for _, _, h in changed)
         one = len(changed) == 1
@@ -275,7 +277,7 @@ def load_checkpoint(trainer, load_dir: str, weights_only: bool | None = None) ->
     weights_only = ck.finetune if weights_only is None else weights_only
     ckpt = resolve(load_dir)
     index = read_index(ckpt)
-    check_compatible(index, cfg, data_info(trainer), ckpt)
+    check_compatible(index, cfg, data_info(trainer), ckpt, getattr(trainer, "registry", None))
     step = index["step"]
     if step >= cfg.optim.train_iters and not weights_only and \
             os.path.realpath(load_dir) == os.path.realpath(ck.load or ""):

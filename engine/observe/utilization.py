@@ -7,11 +7,12 @@
 
 The FLOPs come from ``engine.plan.flops.step_flops`` for the blocks it has a formula for (gpt2,
 llama). A block without one (a user's class, or a built-in subclass that changes ``forward``) is
-measured instead: one block is built on the meta device (no memory, no initialisation cost) and its
+measured instead: every layer's block (``block_cls(cfg, i, ...)`` for each global index i, since a
+block may differ by layer) is built on the meta device (no memory, no initialisation cost) and its
 forward on one (1, s, h) sequence runs under ``torch.utils.flop_counter``, which counts the same
 operations the formulas do (matrix multiplies and attention, 2 FLOPs per multiply-add). The model
-count is then ``3 x`` that forward per layer and token (backward = twice the forward, the formulas'
-convention) plus the logit layer; on the built-in blocks this equals the formula exactly
+count is then ``3 x`` the layers' summed forward per sequence (backward = twice the forward, the
+formulas' convention) plus the logit layer; on the built-in blocks this equals the formula exactly
 (tests/engine/observe/test_utilization.py). What recomputation re-runs inside a user's block is not known, so with
 ``--recompute`` a measured block has no executed count (``tflops_per_device`` and ``hfu`` null). If the measurement fails too,
 ``mfu`` and ``hfu`` are null and a warning says why, once.
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.plan.flops import (achieved_tflops, attention_core_step_flops, count_flops,
-                               formula_block, logits_forward_flops, moe_shape, step_flops)
+                               formula_block, logits_forward_flops, moe_shape,
+                               recompute_stops_early, step_flops)
 from engine.plan.flops import utilization as plan_utilization
 from engine.plan.hardware import peak_tflops
 
@@ -39,15 +41,15 @@ class RunFlops:
     least: float | None = None
 
 
-def block_forward_flops(block_cls, cfg, attention: list | None = None) -> float:
-    """FLOPs of one block's forward over one sequence of ``cfg.seq_length``, counted on meta;
-    ``attention``: a list that gets the attention kernels' part of them appended."""
+def block_forward_flops(block_cls, cfg, attention: list | None = None, layer_idx: int = 0) -> float:
+    """FLOPs of layer ``layer_idx``'s block forward over one sequence of ``cfg.seq_length``,
+    counted on meta; ``attention``: a list that gets the attention kernels' part of them appended."""
     from models.layers import LayerContext
     from parallel.grid.state import ParallelState
     from parallel.tensor_parallel import Initializer
     ctx = LayerContext(Initializer(0, cfg.init_std))
     with torch.device("meta"):
-        block = block_cls(cfg, 0, ParallelState.serial("meta"), ctx).eval()
+        block = block_cls(cfg, layer_idx, ParallelState.serial("meta"), ctx).eval()
     x = torch.zeros(1, cfg.seq_length, cfg.hidden_size, device="meta")
     with torch.no_grad():
         return count_flops(block, x, attention=attention)[1]
@@ -62,6 +64,7 @@ def run_flops(cfg, block_cls, recompute: str, global_batch: int,
     if name is not None:
         f = step_flops(global_batch, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
                        ffn_hidden=m.ffn_hidden_size, block=name, recompute=recompute,
+                       recompute_early_stop=recompute_stops_early(m.dropout),
                        kv_hidden=m.kv_hidden_size, moe=moe_shape(m), routed_tokens=routed_tokens)
         core = attention_core_step_flops(global_batch, m.seq_length, m.num_layers, m.hidden_size,
                                          recompute)
@@ -69,22 +72,23 @@ def run_flops(cfg, block_cls, recompute: str, global_batch: int,
     label = f"{block_cls.__module__}.{block_cls.__qualname__}"
     attention = []
     try:
-        per_sequence = block_forward_flops(block_cls, m, attention)
+        per_sequence = sum(block_forward_flops(block_cls, m, attention, i)  # all layers
+                           for i in range(m.num_layers))
     except Exception as exc:  # noqa: BLE001 - any failure of a user's block means "unknown"
         warnings.warn(f"block {label} has no FLOPs formula and could not be measured on the meta "
                       f"device ({type(exc).__name__}: {exc}): tflops_per_device, mfu and hfu are "
                       f"null for this run")
         return RunFlops(None, None, f"none ({type(exc).__name__})")
     tokens = global_batch * m.seq_length
-    model = 3 * (m.num_layers * global_batch * per_sequence
+    model = 3 * (global_batch * per_sequence
                  + logits_forward_flops(tokens, m.hidden_size, m.vocab_size))
     executed = model if recompute == "none" else None
-    least = model - 3 * m.num_layers * global_batch * sum(attention) / 2  # forward x 3, as model
+    least = model - 3 * global_batch * sum(attention) / 2  # forward x 3, as model
     note = "" if executed is not None else (f"; with --recompute {recompute} what the block "
                                             f"recomputes is unknown, so tflops_per_device and "
                                             f"hfu are null")
     warnings.warn(f"block {label} has no FLOPs formula: its FLOPs are counted with "
-                  f"torch.utils.flop_counter on one sequence (forward x 3){note}")
+                  f"torch.utils.flop_counter on one sequence per layer (forward x 3){note}")
     return RunFlops(model, executed, "flop_counter", least)
 
 

@@ -60,7 +60,18 @@ class Initializer:
     def param(self, name: str, shape: tuple[int, ...], kind: str = "normal",
               std: float | None = None, shard_dim: int | None = None, rank: int = 0,
               size: int = 1) -> torch.nn.Parameter:
-        return torch.nn.Parameter(shard(self.full(name, shape, kind, std), shard_dim, rank, size))
+        """The logical weight ``name`` of ``shape``, or with ``shard_dim`` rank ``rank``'s slice of
+        it over ``size`` ranks. A slice over more than one rank is marked ``tp_sharded`` with
+        ``tp_shard_dim``, as the TP layers mark theirs, so a checkpoint saves the logical tensor
+        (each TP rank its box) and the gradient norm counts every slice."""
+        if shard_dim is not None and size > 1 and shape[shard_dim] % size:
+            raise ValueError(f"parameter {name} {tuple(shape)}: dimension {shard_dim} of size "
+                             f"{shape[shard_dim]} does not split over {size} ranks; choose a size "
+                             f"divisible by {size}")
+        p = torch.nn.Parameter(shard(self.full(name, shape, kind, std), shard_dim, rank, size))
+        if shard_dim is not None and size > 1:
+            p.tp_sharded, p.tp_shard_dim = True, shard_dim
+        return p
 
 
 def normal(seed: int, name: str, shape: tuple[int, ...], std: float,

@@ -14,6 +14,7 @@ from engine.checkpoint.index import CheckpointError, read_index, resolve  # noqa
 from engine.checkpoint.reader import check_compatible, function_differences  # noqa: E402
 from engine.config.cli import parse_args  # noqa: E402
 from models.config import GPTConfig  # noqa: E402
+from models.registry import BlockRegistry  # noqa: E402
 
 SHAPE = ["--block", "llama", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
          "--ffn-hidden-size", "64", "--seq-length", "16", "--mock-data", "--vocab-size", "64"]
@@ -67,3 +68,22 @@ def test_which_fields_count():
     assert function_differences(llama, GPTConfig(block="llama"), ()) == [("--rope-base", 5e5, 1e4)]
     old = {k: v for k, v in llama.items() if k not in ("rope_base", "norm_eps")}  # written before
     assert function_differences(old, GPTConfig(block="llama"), ()) == []        # the fields existed
+
+
+class MyRope(torch.nn.Module):
+    position, final_norm, tie_embeddings = "rope", "rmsnorm", False
+
+    def __init__(self, cfg, layer_idx, ps, ctx):
+        super().__init__()
+
+    def forward(self, x):
+        return x
+
+
+def test_a_registered_rotary_block_keeps_its_rope_base():
+    """The block is resolved with the run's registry (the trainer's), so a name registered there
+    is known to be rotary."""
+    reg = BlockRegistry()
+    reg.register("myrope", MyRope)
+    saved = dataclasses.asdict(GPTConfig(block="myrope", rope_base=500.0))
+    assert function_differences(saved, GPTConfig(block="myrope"), (), reg) == [("--rope-base", 500.0, 1e4)]

@@ -75,3 +75,33 @@ def test_peaks_are_the_dense_ones_of_the_precision():
     class Npu:
         type, name = "npu", "Ascend910B2"
     assert run_peak_tflops(Npu, "fp32", None) is None  # no published figure: no MFU, not a guess
+
+
+def test_a_block_whose_structure_depends_on_the_layer_is_counted_layer_by_layer():
+    """``Hybrid`` has attention on even layers only. By the formulas' convention (2 FLOPs per
+    multiply-add, the attention core in full, the logits over the unpadded vocabulary) a token
+    costs 8h^2 (QKV and projection) + 4sh (the core) + 4hf (the MLP) in layer 0, 4hf in layer 1,
+    and 2hV in the logits; a step is 3 forwards."""
+    from tests.helpers.blocks import Hybrid
+    h, s, f, V, B = 32, 32, 128, 64, 8
+    cfg = GPTConfig(num_layers=2, hidden_size=h, num_attention_heads=4, seq_length=s,
+                    vocab_size=V, ffn_hidden_size=f)
+    per_token = (8 * h * h + 4 * s * h + 4 * h * f) + 4 * h * f + 2 * h * V
+    with pytest.warns(UserWarning, match="one sequence per layer"):
+        counted = run_flops(cfg, Hybrid, "none", B)
+    assert counted.model == counted.executed == 3 * B * s * per_token == 37_748_736
+    assert counted.least == counted.model - 3 * B * s * (4 * s * h) / 2  # layer 0's core at half
+
+
+@pytest.mark.parametrize("block", ["gpt2", "llama"])
+def test_full_recompute_with_dropout_counts_the_last_matmul_again(block):
+    # the block ends x + drop(down(...)): the dropout's mask makes the recompute run the down
+    # projection too, 2 t h f more per layer than the early stop's count (t tokens)
+    kw = dict(num_layers=3, hidden_size=128, num_attention_heads=4, seq_length=64,
+              vocab_size=512, block=block)
+    cls = LlamaBlock if block == "llama" else GPT2Block
+    quiet = run_flops(GPTConfig(**kw), cls, "full", 6)
+    dropped = run_flops(GPTConfig(**kw, dropout=0.1), cls, "full", 6)
+    f = GPTConfig(**kw).ffn_hidden_size
+    assert dropped.model == quiet.model
+    assert dropped.executed - quiet.executed == 3 * 2 * 6 * 64 * 128 * f

@@ -52,3 +52,15 @@ def test_a_worker_threads_error_reaches_the_caller(monkeypatch):
     monkeypatch.setattr(init_mod, "name_seed", failing)
     with pytest.raises(MemoryError, match="chunk 1"):
         init_mod.normal(3, "embedding.weight", (70, 64), 0.5, threads=2)
+
+
+def test_a_slice_over_several_ranks_is_marked_and_a_bad_split_names_the_parameter():
+    """``param(..., shard_dim=)`` over more than one rank marks the slice as the TP layers mark
+    theirs (the checkpoint then saves the logical tensor); one that does not split evenly is
+    refused with the parameter's name."""
+    half = Initializer(3).param("layers.0.scale", (4, 6), shard_dim=1, rank=1, size=2)
+    assert half.shape == (4, 3) and (half.tp_sharded, half.tp_shard_dim) == (True, 1)
+    assert not hasattr(Initializer(3).param("layers.0.scale", (4, 6), shard_dim=1), "tp_sharded")
+    with pytest.raises(ValueError, match=r"parameter layers.0.bias_heads \(3,\): dimension 0 of "
+                                         r"size 3 does not split over 2 ranks"):
+        Initializer(3).param("layers.0.bias_heads", (3,), "zeros", shard_dim=0, rank=0, size=2)
