@@ -14,8 +14,12 @@ squared norm, in fp32) over those groups, in one max all-reduce per group, and n
 that differs and what to do (docs/blocks.md).
 
 The trainer runs it twice: at build, before ZeRO shards the parameters (a different start), and
-after the first step of the process (a gradient not summed where it should be: the first update
-already differs; ZeRO-3 compares each rank's shards over TP, where the layout is the same). Two
+after the process's second step (its only one in a one-step run): a gradient not summed where it
+should be makes the first update differ already. The second, not the first, so that the second
+step's forward overlaps the first's parameter gathers as every later step's does; with ZeRO-1/2's
+overlapped gather (which this check would wait for, taking the wait from the next forward) after
+the run's last step instead, where the gathers are waited for anyway (``replica_check_step``);
+ZeRO-3 compares each rank's shard pieces over TP, where the layout is the same. Two
 replicas of equal values give equal fingerprints bit for bit; the tolerance (``TOLERANCE`` of the
 sum's scale, sqrt(numel) x norm, and of the squared norm) leaves room for a device's
 non-deterministic reductions and none for a different draw or a first update on part of the data.
@@ -86,7 +90,7 @@ def _groups(named: list[tuple[str, torch.Tensor, object]], ps, over_dp: bool):
 
 def replica_problems(named, ps, device, when: str) -> tuple[torch.Tensor, callable]:
     """Compare ``named`` ((logical name, values, parameter) triples of this rank) over their
-    replication groups (``when``: "at start-up" or "after the first step"; DP groups only at
+    replication groups (``when``: "at start-up" or "after step N"; DP groups only at
     start-up under ZeRO-3's shards, see the module doc). Returns the number of differing tensors
     (a 0-d device tensor: no host read) and a function giving the first problem's line."""
     over_dp = when == "at start-up" or all(t is p for _, t, p in named)
@@ -163,14 +167,25 @@ def check_built_model(trainer) -> None:
     agreed_problem(trainer.ps, count, lambda: problems[0] if problems else first())
 
 
-def check_after_first_step(trainer) -> None:
-    """After the process's first step, once ZeRO's gathers are in: the first update kept every
-    replica equal (ZeRO-3: each rank's shard pieces, over TP)."""
+def replica_check_step(trainer, start: int) -> int:
+    """The 0-based step after which ``check_after_first_steps`` runs: the process's second (its
+    only one in a one-step run); with ZeRO-1/2's overlapped parameter gather, whose wait the check
+    would take from the next forward, the run's last, where the gathers are waited for anyway."""
+    last = trainer.cfg.optim.train_iters - 1
+    gather = getattr(trainer.optimizer, "param_gather", None)
+    overlapped = trainer.reducer.zero_stage < 3 and bool(getattr(gather, "overlap", False))
+    return last if overlapped else min(start + 1, last)
+
+
+def check_after_first_steps(trainer, step: int) -> None:
+    """After the process's step ``step`` (0-based: its second, or its only one), once ZeRO's
+    gathers are in: the first updates kept every replica equal (ZeRO-3: each rank's shard pieces,
+    over TP)."""
     trainer.params_ready()
     pieces = getattr(trainer.optimizer, "param_pieces", None)
     if trainer.reducer.zero_stage == 3 and pieces is not None:
         named = [(piece.name, values, piece.param) for piece, values in pieces()]
     else:
         named = [(n, p, p) for c in trainer.chunks for n, p in c.logical_named_parameters()]
-    count, first = replica_problems(named, trainer.ps, trainer.dev.device, "after the first step")
+    count, first = replica_problems(named, trainer.ps, trainer.dev.device, f"after step {step + 1}")
     agreed_problem(trainer.ps, count, first)

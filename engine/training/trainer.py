@@ -24,7 +24,8 @@ from engine.device.chips import fp8_problem, npu_start_problem, tp_overlap_mode
 from engine.device.runtime import set_matmul_precision, setup_device
 from engine.training.dp_setup import build_optimizer, host_build
 from engine.training.lr_schedule import learning_rate
-from engine.training.model_checks import check_after_first_step, check_built_model
+from engine.training.model_checks import (check_after_first_steps, check_built_model,
+                                           replica_check_step)
 from engine.observe.anomaly import RunDiverged
 from engine.observe.metrics import MetricsLog
 from engine.observe.profiling import StepProfiler
@@ -285,13 +286,14 @@ class Trainer:
         # the checkpointer's stop/save counters ride on each step's statistics all-reduce
         self.stepper.agreement.set("checkpoint", 4, self.checkpointer.counts)
         previous_handlers = install_stop_handlers(self)  # SIGTERM, SIGINT (run_events.py)
+        check_at = replica_check_step(self, start)  # (model_checks.py)
         try:
             for step in range(start, cfg.optim.train_iters):
                 if self.stragglers is not None:
                     self.stragglers.begin_step(step + 1)
                 record = self.train_one(step)
-                if step == start:  # the first update kept every replica equal (model_checks.py)
-                    check_after_first_step(self)
+                if step == check_at:  # the first updates kept every replica equal
+                    check_after_first_steps(self, step)
                 self.late_records.write(log, dash, result.records)  # the previous step's, complete
                 resilience_metrics(self, step, record, log)
                 if cfg.log.eval_interval and (step + 1) % cfg.log.eval_interval == 0:

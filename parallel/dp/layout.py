@@ -6,6 +6,13 @@ apart: a weight tied across pipeline stages gets a buffer of its own, so that it
 the same elements on both stages and the tied gradients can be summed after the reduction; and
 expert weights (``param.expert_parallel``, models/moe) go to buffers of their own, since they are
 summed (and, under ZeRO, sharded) over the expert-data-parallel group instead of DP x CP.
+Under gradient compression three classes of weights also go apart (``tp_class``): those whose
+gradient is the same on every TP rank (replicated and unmarked: a position table, norms without
+SP), TP shards, and partial gradients summed over TP after the reduction (``sequence_parallel``).
+A compressor's choices depend on the whole bucket (top-k's threshold and local clipping, int8's
+and 1-bit's chunk scales), and a mixed bucket would compress the same gradient differently on each
+TP rank, so the replicated weight's copies would drift apart (engine/training/model_checks.py
+finds that); a partial bucket's refreshed variance is summed over TP (reducer.py).
 """
 from __future__ import annotations
 
@@ -27,6 +34,17 @@ def named_parameters(params) -> list[tuple[str, torch.nn.Parameter]]:
     return named
 
 
+def tp_class(p, spec) -> str | None:
+    """Under compression, how ``p``'s gradient stands over the TP ranks: "shard" (``tp_sharded``),
+    "partial" (``sequence_parallel``: summed over TP after the reduction) or "same"; None
+    uncompressed (one class)."""
+    if spec.kind == "none":
+        return None
+    if getattr(p, "tp_sharded", False):
+        return "shard"
+    return "partial" if getattr(p, "sequence_parallel", False) else "same"
+
+
 def build_buffers(named, policy, grad_dtype: torch.dtype, bucket_numel: int, pad: int,
                   unit_of: dict | None = None, device=None,
                   deferred: bool = False) -> tuple[list[GradBuffer], list[GradBuffer]]:
@@ -37,7 +55,9 @@ def build_buffers(named, policy, grad_dtype: torch.dtype, bucket_numel: int, pad
     for name, p in reversed(named):
         alone = id(p) if getattr(p, "tied_across_stages", False) else None
         expert = bool(getattr(p, "expert_parallel", False))
-        groups.setdefault((p.dtype, policy.compressor_for(name), alone, expert), []).append((name, p))
+        spec = policy.compressor_for(name)
+        groups.setdefault((p.dtype, spec, alone, expert, tp_class(p, spec)),
+                          []).append((name, p))
     buffers = [GradBuffer(members, spec, grad_dtype, bucket_numel, pad, unit_of, device, deferred)
-               for (_, spec, _, _), members in groups.items()]
-    return buffers, [buf for (*_, expert), buf in zip(groups, buffers) if expert]
+               for (_, spec, *_), members in groups.items()]
+    return buffers, [buf for (_, _, _, expert, _), buf in zip(groups, buffers) if expert]

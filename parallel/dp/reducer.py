@@ -64,7 +64,7 @@ import math
 import torch
 
 from parallel.dp.buffers import Bucket
-from parallel.dp.layout import build_buffers, named_parameters
+from parallel.dp.layout import build_buffers, named_parameters, tp_class
 from parallel.dp.exchange import ExchangeWorker
 from parallel.dp.policy import CompressionPolicy
 from parallel.dp.reducer_compressed import CompressedSide
@@ -250,6 +250,7 @@ class GradReducer(CompressedSide):
             results = self._worker.drain()
             self._pending += [r for r in results if isinstance(r, tuple)]
             self.refreshed = next((r for r in results if isinstance(r, dict)), {})
+            self._sum_partial_refresh()
         for item in self._pending:
             if item[0] is not None:
                 item[0].wait()
@@ -260,6 +261,17 @@ class GradReducer(CompressedSide):
         self._finished = True
         self._is_last = False
         self.step += 1
+
+    def _sum_partial_refresh(self) -> None:
+        """A partial-gradient bucket's refreshed statistics (``sequence_parallel``: each TP rank
+        saw its own part of the gradient) summed over TP, so that every TP rank refreshes the same
+        variance and the replicas stay equal (layout.py ``tp_class``)."""
+        if self.ps.tp_group.size == 1:
+            return
+        for index, stats in self.refreshed.items():
+            bucket = self.buckets[index]
+            if tp_class(bucket.slots[0].param, bucket.spec) == "partial":
+                self.ps.tp_group.all_reduce(stats)
 
     @property
     def finished(self) -> bool:

@@ -1,6 +1,6 @@
 """The built model's checks, agreed on every rank (engine/training/model_checks.py): a user's block
 whose parameter copies would drift apart stops the run on every rank with one line naming the
-parameter, at start-up (torch's own init, a hand-sliced TP shard) or after the first step (a
+parameter, at start-up (torch's own init, a hand-sliced TP shard) or after the second step (a
 replicated parameter on the sequence shard without the ``sequence_parallel`` mark); a block that
 builds no MoE layer under ``--num-experts`` is refused on every rank, also where only one pipeline
 stage lacks it. The same blocks drawn and marked as docs/blocks.md says train on.
@@ -149,11 +149,11 @@ def test_torch_init_is_refused_at_start_up(runs, name):
 
 
 @pytest.mark.parametrize("name", ["layer-scale tp2 sp", "layer-scale tp2 sp zero3"])
-def test_unmarked_parameter_on_the_sequence_shard_is_refused_after_step_one(runs, name):
+def test_unmarked_parameter_on_the_sequence_shard_is_refused_after_step_two(runs, name):
     line = _same_on_every_rank(runs, name)
     # (ZeRO-3 compares its shards' pieces, in bucket order: the last layer's first)
     assert re.match(r"refused: rank 0: layers\.[01]\.ls: its copies on the tensor-parallel ranks "
-                    r"differ after the first step", line), line
+                    r"differ after step 2", line), line
     assert "sequence_parallel = True" in line, line
 
 

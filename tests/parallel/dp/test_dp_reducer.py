@@ -262,3 +262,28 @@ def test_mixed_precision_state_dict_round_trip():
         assert torch.equal(a, b)
     for p, q in zip(model.parameters(), other.parameters()):
         assert torch.equal(p, q)
+
+
+def test_compressed_buffers_keep_tp_identical_gradients_apart():
+    """Under compression a weight whose gradient is the same on every TP rank (a position table),
+    a TP shard and a partial (sequence_parallel) gradient never share a buffer: a compressor's
+    choices depend on its whole bucket, so a mixed one would drift the copies apart over TP (and a
+    partial bucket's refreshed variance is summed over TP)."""
+    from parallel.dp import CompressionPolicy
+    from parallel.dp.layout import build_buffers
+
+    def params():
+        shard, pos, norm = (torch.nn.Parameter(torch.zeros(8)) for _ in range(3))
+        shard.tp_sharded, norm.sequence_parallel = True, True
+        return [("layers.0.fc1.weight", shard), ("embedding.position", pos),
+                ("layers.0.norm.weight", norm)]
+
+    def members(policy):
+        buffers, _ = build_buffers(params(), CompressionPolicy.from_dict(policy), torch.float32,
+                                   1 << 20, 1)
+        return sorted(sorted(n for n, _ in b.named_params) for b in buffers)
+
+    assert members({"default": "topk"}) == [["embedding.position"], ["layers.0.fc1.weight"],
+                                            ["layers.0.norm.weight"]]
+    assert members(None) == [["embedding.position", "layers.0.fc1.weight",
+                              "layers.0.norm.weight"]]   # uncompressed: the layout as it was
