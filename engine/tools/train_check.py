@@ -51,20 +51,12 @@ SHARED = {
 }
 
 
-# a recipe's (--config's) keys that the planner's flags set: key -> (the planner's argument, how
-# the recipe's value reads there; None: as it is). Each is taken where the flag is not typed.
-RECIPE_SHARED = {
-    "precision": ("precision", None),
-    "fp8_format": ("fp8_format", None),
-    "fp8_recipe": ("fp8_recipe", None),
-    "micro_batch_size": ("micro_batch_size", None),
-    "optimizer_cpu_offload": ("offload", {True: "on", False: "off"}),
-    "optimizer_offload_fraction": ("offload_fraction", None),
-    "sequence_parallel": ("sequence_parallel", {True: "on", False: "off"}),
-    "tp_comm_overlap": ("tp_comm_overlap", None),
-    "overlap_grad_reduce": ("overlap_grad_reduce", {True: "on", False: "off"}),
-    "overlap_param_gather": ("overlap_param_gather", {True: "on", False: "off"}),
-}
+# a recipe's (--config's) keys that the planner's flags set, SHARED read the other way: key ->
+# (the planner's argument, how the recipe's value reads there; None: as it is), and the offload
+# switch, which the planner spells --offload. Each is taken where the flag is not typed.
+RECIPE_SHARED = {field: (dest, None if meaning is None else {v: k for k, v in meaning.items()})
+                 for dest, (field, meaning) in SHARED.items()}
+RECIPE_SHARED["optimizer_cpu_offload"] = ("offload", {v: k for k, v in ON_OFF.items()})
 # recipe keys that change what the run keeps or sends in a way the planner does not model: away
 # from engine.train's default they are refused, so that no plan describes another run
 UNMODELLED = {

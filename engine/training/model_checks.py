@@ -57,7 +57,7 @@ def fingerprints(tensors: list[torch.Tensor], device) -> torch.Tensor:
             for t in tensors]
     if not rows:
         return torch.zeros((0, 2), dtype=torch.float32, device=device)
-    return torch.stack([r.to(device) for r in rows])
+    return torch.stack(rows).to(device)
 
 
 def spread_mask(fp: torch.Tensor, numels: torch.Tensor, group) -> torch.Tensor:
@@ -76,7 +76,8 @@ def spread_mask(fp: torch.Tensor, numels: torch.Tensor, group) -> torch.Tensor:
 
 
 def _groups(named: list[tuple[str, torch.Tensor, object]], ps, over_dp: bool):
-    """(what, group, items, hint) per replication group, in the same order on every rank."""
+    """(what, group, items) per replication group, in the same order on every rank; the DP groups
+    only with ``over_dp``."""
     dense = [x for x in named if not getattr(x[2], "expert_parallel", False)]
     experts = [x for x in named if getattr(x[2], "expert_parallel", False)]
     replicated = [x for x in named if not getattr(x[2], "tp_sharded", False)
@@ -88,12 +89,12 @@ def _groups(named: list[tuple[str, torch.Tensor, object]], ps, over_dp: bool):
     return out + [("tensor-parallel", ps.tp_group, replicated)]
 
 
-def replica_problems(named, ps, device, when: str) -> tuple[torch.Tensor, callable]:
+def replica_problems(named, ps, device, when: str,
+                     over_dp: bool = True) -> tuple[torch.Tensor, callable]:
     """Compare ``named`` ((logical name, values, parameter) triples of this rank) over their
-    replication groups (``when``: "at start-up" or "after step N"; DP groups only at
-    start-up under ZeRO-3's shards, see the module doc). Returns the number of differing tensors
-    (a 0-d device tensor: no host read) and a function giving the first problem's line."""
-    over_dp = when == "at start-up" or all(t is p for _, t, p in named)
+    replication groups (``when``: "at start-up" or "after step N"; ``over_dp`` False: TP only, for
+    ZeRO-3's shard pieces, see the module doc). Returns the number of differing tensors (a 0-d
+    device tensor: no host read) and a function giving the first problem's line."""
     checks = []
     count = torch.zeros((), dtype=torch.int64, device=device)
     for what, group, items in _groups(named, ps, over_dp):
@@ -182,10 +183,12 @@ def check_after_first_steps(trainer, step: int) -> None:
     gathers are in: the first updates kept every replica equal (ZeRO-3: each rank's shard pieces,
     over TP)."""
     trainer.params_ready()
-    pieces = getattr(trainer.optimizer, "param_pieces", None)
-    if trainer.reducer.zero_stage == 3 and pieces is not None:
-        named = [(piece.name, values, piece.param) for piece, values in pieces()]
+    shards = trainer.reducer.zero_stage == 3   # each rank's pieces: no DP replicas to compare
+    if shards:
+        named = [(piece.name, values, piece.param)
+                 for piece, values in trainer.optimizer.param_pieces()]
     else:
         named = [(n, p, p) for c in trainer.chunks for n, p in c.logical_named_parameters()]
-    count, first = replica_problems(named, trainer.ps, trainer.dev.device, f"after step {step + 1}")
+    count, first = replica_problems(named, trainer.ps, trainer.dev.device, f"after step {step + 1}",
+                                    over_dp=not shards)
     agreed_problem(trainer.ps, count, first)

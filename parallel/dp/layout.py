@@ -38,7 +38,7 @@ def tp_class(p, spec) -> str | None:
     """Under compression, how ``p``'s gradient stands over the TP ranks: "shard" (``tp_sharded``),
     "partial" (``sequence_parallel``: summed over TP after the reduction) or "same"; None
     uncompressed (one class)."""
-    if spec.kind == "none":
+    if not spec.compressed:
         return None
     if getattr(p, "tp_sharded", False):
         return "shard"
