@@ -36,7 +36,7 @@ from parallel.tensor_parallel import Initializer
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
-STEPS, REL, GLOBAL_BATCH, SEED = 4, 1e-4, 8, 1234
+STEPS, REL, GLOBAL_BATCH, SEED = 20, 1e-4, 8, 1234
 
 GPT2 = dict(block="gpt2", num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.05,
             moe_z_loss_coeff=1e-3, moe_shared_expert_intermediate_size=16)
@@ -164,7 +164,7 @@ def test_moe_ep_dp4_and_tp2_equal_serial():
 
 TRAINER = ["--mock-data", "--vocab-size", "128", "--no-progress", "--device", "cpu",
            "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-           "--seq-length", "16", "--global-batch-size", "8", "--train-iters", "3",
+           "--seq-length", "16", "--global-batch-size", "8", "--train-iters", str(STEPS),
            "--precision", "fp32", "--lr", "1e-2", "--lr-warmup-iters", "0", "--peak-tflops", "1",
            "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.05",
            "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-z-loss-coeff", "1e-3"]
@@ -205,10 +205,14 @@ def test_trainer_ep2_dp2_equals_serial():
     from engine.config.cli import parse_args
     from engine.training.trainer import Trainer
     serial = Trainer(parse_args(TRAINER + BIAS_FLAGS + ["--micro-batch-size", "2"]), launch=LaunchEnv())
+    seen = {i: [] for i, _ in enumerate(moe_layers(serial.chunks))}   # each forward's bias
+    for i, m in enumerate(moe_layers(serial.chunks)):
+        m.router.register_forward_pre_hook(
+            lambda mod, args, i=i: seen[i].append(mod.expert_bias.abs().sum().item()))
     ref = serial.train().records
-    bias = [m.router.expert_bias.clone() for m in moe_layers(serial.chunks)]
     serial.close()
-    assert all(b.abs().sum() > 0 for b in bias)  # the step's update moved the bias
+    # the steps' updates moved every layer's bias (a sign rule: it may come back to 0 later)
+    assert all(max(sums) > 0 for sums in seen.values()), seen
     runs = run_distributed(_trainer_losses, grid=RankGrid(dp=2), args=(
         TRAINER + BIAS_FLAGS + ["--dp", "2", "--ep", "2", "--micro-batch-size", "2"],))
     assert runs[0]["ep"] == 2

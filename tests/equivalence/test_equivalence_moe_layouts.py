@@ -129,7 +129,8 @@ def test_moe_sp_cp_and_pipeline_schedules_equal_serial():
             serial[key] = _train(model + mbs(serial_mbs), launch=LaunchEnv())
     runs = run_distributed(_layouts, grid=RankGrid(dp=4), args=(LAYOUTS,))
     for i, (name, model, serial_mbs, flags) in enumerate(LAYOUTS):
-        _check(name, runs[0][i], serial[(tuple(model), serial_mbs)])
+        for rank_runs in runs:   # every rank's records: the step's figures are global
+            _check(name, rank_runs[i], serial[(tuple(model), serial_mbs)])
         assert runs[0][i]["grouped_w"] == (GROUPED_W if "zb" in name else 0), name
 
 

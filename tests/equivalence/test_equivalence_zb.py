@@ -66,7 +66,8 @@ def train(argv: list[str], launch: LaunchEnv | None = None, steps: int = STEPS) 
 
 def one_step_grads(argv: list[str], launch: LaunchEnv | None = None) -> dict:
     """Every local parameter's gradient as the optimizer would see it after step 1, by logical
-    name and TP rank (no clipping), with the offsets of its slice in the logical tensor."""
+    name and TP rank (no clipping), with the offsets of its slice in the logical tensor: a list,
+    one entry per copy (zb-v's first rank holds the tied embedding and its output copy)."""
     trainer = Trainer(parse_args(BASE + ["--train-iters", "1", "--clip-grad", "0"] + argv),
                       launch=launch)
     grads: dict = {}
@@ -77,8 +78,10 @@ def one_step_grads(argv: list[str], launch: LaunchEnv | None = None) -> dict:
                                                    trainer.cfg.model.vocab_size)}
         for chunk in trainer.chunks:
             for name, p in chunk.logical_named_parameters():
-                grads.setdefault(f"{name}@tp{trainer.ps.tp_rank}",
-                                 (tuple(specs[name].offsets), current_grad(p).detach().clone()))
+                copies = grads.setdefault(f"{name}@tp{trainer.ps.tp_rank}", [])
+                if not any(p is q for q, _ in copies):   # a tied pair in one chunk: once
+                    copies.append((p, (tuple(specs[name].offsets),
+                                       current_grad(p).detach().clone())))
         return step(lr)
 
     trainer.optimizer.step = capture
@@ -87,7 +90,7 @@ def one_step_grads(argv: list[str], launch: LaunchEnv | None = None) -> dict:
     finally:
         if launch is None:
             trainer.close()
-    return grads
+    return {key: [grad for _, grad in copies] for key, copies in grads.items()}
 
 
 def assert_matches(result: dict, ref: dict, what: str, keys=("loss", "grad_norm"), rel=REL) -> None:
@@ -98,18 +101,25 @@ def assert_matches(result: dict, ref: dict, what: str, keys=("loss", "grad_norm"
                 f"{what}: {key} at step {step} is {got}, reference {want}"
 
 
-def assert_serial_grads(per_rank: list[dict], what: str) -> None:
-    """Every rank's gradients (one_step_grads) against its slice of the serial run's."""
+def assert_serial_grads(per_rank: list[dict], what: str, tied_copies: int) -> None:
+    """Every rank's gradients (one_step_grads) against its slice of the serial run's;
+    ``tied_copies``: the parameters that hold the word embedding on TP rank 0 (2 when the first
+    and the last stage are apart, 1 when zb-v puts both on rank 0 as one parameter)."""
     serial = serial_grads()
-    got = {k: v for r in per_rank for k, v in r.items()}
-    logical = {k.rpartition("@")[0] for k in got}
+    logical = {k.rpartition("@")[0] for r in per_rank for k in r}
     want = {k.rpartition("@")[0] for k in serial}
     assert logical == want, (what, sorted(logical ^ want))
-    for key, (offsets, grad) in got.items():
-        _, full = serial[key.rpartition("@")[0] + "@tp0"]
-        box = tuple(slice(o, o + n) for o, n in zip(offsets, grad.shape))
-        torch.testing.assert_close(grad, full[box], rtol=1e-4, atol=1e-6,
-                                   msg=lambda m: f"{what}: {key}: {m}")
+    # rank by rank: a tied embedding is held by the first and the last stage under one name, and
+    # each copy must carry the whole gradient
+    for rank, grads in enumerate(per_rank):
+        for key, copies in grads.items():
+            [(_, full)] = serial[key.rpartition("@")[0] + "@tp0"]
+            for offsets, grad in copies:
+                box = tuple(slice(o, o + n) for o, n in zip(offsets, grad.shape))
+                torch.testing.assert_close(grad, full[box], rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"{what}: rank {rank} {key}: {m}")
+    tied = sum(len(g.get("embedding.word.weight@tp0", [])) for g in per_rank)
+    assert tied == tied_copies, f"{what}: {tied} copies of the tied embedding, not {tied_copies}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -173,7 +183,8 @@ def test_pp2_zero_bubble_matches_serial_1f1b_and_checkpoints(serial, tmp_path):
     for i, argv in enumerate(PP2):
         what = " ".join(argv)
         block = "llama" if "llama" in argv else "gpt2"
-        assert_matches(results[0]["layouts"][i], serial[block], what)
+        for r in results:   # every rank's records: the step's figures are global
+            assert_matches(r["layouts"][i], serial[block], what)
         if "zb-v" in argv:   # the last virtual stage is on rank 0, its output layer the embedding
             assert results[0]["layouts"][i]["tied_on_rank"] == [block == "gpt2"], what
             assert results[1]["layouts"][i]["tied_on_rank"] == []
@@ -183,7 +194,8 @@ def test_pp2_zero_bubble_matches_serial_1f1b_and_checkpoints(serial, tmp_path):
         assert run["loss_scale"] == short[p]["loss_scale"], what
         assert_matches(run, short[p], f"{what} against serial {p}", keys=("loss",))
     for schedule in ("zb-v", "1f1b"):
-        assert_serial_grads([r["grads"][schedule] for r in results], schedule)
+        assert_serial_grads([r["grads"][schedule] for r in results], schedule,
+                            tied_copies=1 if schedule == "zb-v" else 2)
     r = results[0]
     for run, what in ((r["A"], "zb-v"), (r["C"], "1f1b")):
         assert_matches(run, short["fp32"], f"{what} against serial", keys=("loss",))
@@ -214,6 +226,8 @@ def test_pp4_tp2_dp2_zero_bubble_match_serial_and_1f1b(serial):
     results = run_distributed(world4_group, grid=RankGrid(pp=4), timeout_s=180)
     for i, argv in enumerate(WORLD4):
         ref = serial["gpt2 deep" if "--num-layers" in argv else "gpt2"]
-        assert_matches(results[0]["layouts"][i], ref, " ".join(argv))
+        for r in results:
+            assert_matches(r["layouts"][i], ref, " ".join(argv))
     for schedule in ("1f1b", "zb-h1", "zb-v"):
-        assert_serial_grads([r["grads"][schedule] for r in results], f"{schedule}, tp2 SP")
+        assert_serial_grads([r["grads"][schedule] for r in results], f"{schedule}, tp2 SP",
+                            tied_copies=1 if schedule == "zb-v" else 2)

@@ -59,8 +59,10 @@ DEADLINE_S = 900.0  # a group still running after this long is hung
 
 def run_distributed(fn, world_size: int | None = None, grid: RankGrid | None = None,
                     args: tuple = (), timeout_s: float = 120.0, backend_rules: str | None = "suite",
-                    deadline_s: float = DEADLINE_S) -> list:
-    """``timeout_s``: the process groups' collective timeout; ``deadline_s``: the whole call's."""
+                    deadline_s: float = DEADLINE_S, vanishes: bool = False) -> list:
+    """``timeout_s``: the process groups' collective timeout; ``deadline_s``: the whole call's.
+    A rank that ends without a result (exit code 0, no error) fails the call unless ``vanishes``
+    says the job ends some rank that way on purpose (its entry is then None)."""
     grid = grid or RankGrid(dp=world_size)
     rules = SUITE_RULES if backend_rules == "suite" else backend_rules
     world_size = grid.world_size
@@ -78,6 +80,8 @@ def run_distributed(fn, world_size: int | None = None, grid: RankGrid | None = N
         for rank in range(world_size):
             path = os.path.join(out_dir, f"{rank}.pt")
             if not os.path.exists(path):
+                if not vanishes and failure is None:
+                    errors.append(f"--- rank {rank} ---\nended without a result or an error")
                 results.append(None)
                 continue
             data = torch.load(path, weights_only=False)

@@ -35,3 +35,17 @@ def test_a_native_crash_reports_the_ranks_thread_stacks():
     message = str(info.value)
     assert "rank 1: native crash" in message and "abort_on_rank_1" in message, message
     assert "rank 0: native crash" not in message
+
+
+def vanish(ps):
+    import os
+    os._exit(0)      # no result, no error, exit code 0
+
+
+def test_a_rank_that_ends_without_a_result_fails_the_call():
+    """Equivalence tests read rank 0's results: a peer that left cleanly without its result must
+    not pass unseen. ``vanishes=True`` is for the jobs that end a rank that way on purpose."""
+    with pytest.raises(AssertionError, match="rank 1 ---\nended without a result or an error"):
+        run_distributed(vanish, world_size=2, timeout_s=10, deadline_s=60)
+    assert run_distributed(vanish, world_size=2, timeout_s=10, deadline_s=60,
+                           vanishes=True) == [None, None]

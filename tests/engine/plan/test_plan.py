@@ -579,14 +579,11 @@ def test_printed_command_runs_the_planned_layout(shape, dpn, layout):
 
 
 def test_printed_command_with_context_parallelism():
-    from engine.config.parallel import ParallelConfig
     shape = ModelShape(8, 512, 8, 1000, 4096, 16, fused_attention=True)
     lay = Layout(2, 1, 2, micro_batch_size=2, cp=2)
     argv = shlex.split(launch_command(shape, lay, 8, data_path="/data/corpus"))
     assert argv[argv.index("--cp") + 1] == "2" and "--order" not in argv
     assert argv[argv.index("--data-path") + 1] == "/data/corpus" and "--mock-data" not in argv
-    if "cp" not in {f.name for f in fields(ParallelConfig)}:
-        pytest.skip("engine.train takes --cp once the rank grid has a cp dimension")
     from engine.config.cli import parse_args
     cfg = parse_args(argv[argv.index("engine.train") + 1:])
     assert (cfg.parallel.tp, cfg.parallel.cp) == (2, 2) and cfg.parallel.grid(8).dp == 2

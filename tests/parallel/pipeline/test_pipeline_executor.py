@@ -299,7 +299,8 @@ def test_schedules_under_the_stream_checker():
 
 def test_dead_stage_is_named_by_its_neighbour():
     with tempfile.TemporaryDirectory() as out_dir:
-        run_distributed(exit_check, grid=RankGrid(pp=2), args=(out_dir,), timeout_s=60)
+        run_distributed(exit_check, grid=RankGrid(pp=2), args=(out_dir,), timeout_s=60,
+                        vanishes=True)
         with open(os.path.join(out_dir, "0.json"), encoding="utf-8") as f:
             message = json.load(f)["message"]
     assert message.startswith("pipeline stage 1 (rank 1) failed or disconnected"), message
