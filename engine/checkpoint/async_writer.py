@@ -50,11 +50,12 @@ from parallel.runtime import streams
 
 
 def agree(ps, counts: list[int]) -> list[int]:
-    """The one collective here: an int32 SUM of ``counts`` over all ranks, from the main thread."""
+    """The one collective here: an int32 SUM of ``counts`` over all ranks, from the main thread, on
+    ``ps.world_group`` (so the backend rules, the lane and order checks and the counters see it)."""
     if ps.world_size == 1 or not dist.is_initialized():
         return list(counts)
     t = torch.tensor(counts, dtype=torch.int32, device=ps.device)
-    dist.all_reduce(t)
+    ps.world_group.all_reduce(t)
     return [int(v) for v in t.tolist()]
 
 

@@ -135,10 +135,13 @@ EXIT_PIPELINE_TIMEOUT = 75
 class TransferWatchdog:
     """A daemon thread that keeps the timeout of transfers nobody waits for on the host.
 
-    ``watch(ps, works, transfers, timeout_s, vp)`` registers one posted batch; every ``poll_s``
-    (a tenth of the shortest timeout, at most 1 s) the thread drops the batches whose works
-    completed, and calls ``on_timeout(message)`` once for a batch whose work raised or that is
-    still incomplete ``timeout_s`` after it was posted. It keeps the works until they complete,
+    ``watch(ps, works, transfers, timeout_s, vp, posted_at)`` registers one posted batch
+    (``posted_at``: ``time.monotonic()`` at its post, ``PostedBatch.posted_at``; None: now); every
+    ``poll_s`` (a tenth of the shortest timeout, at most 1 s) the thread drops the batches whose
+    works completed, and calls ``on_timeout(message)`` once for a batch whose work raised or that is
+    still incomplete ``timeout_s`` after it was posted, as NCCL's own timeout counts from the post.
+    A batch is watched from its first wait (a send's: the end of the schedule); one first waited for
+    after its deadline is reported at the next poll. It keeps the works until they complete,
     and of the transfers only what the message needs (not their tensors, so a sent activation's
     memory is freed when the executor drops it). ``stop()`` ends the thread. The thread binds the
     rank's device first (parallel/runtime/streams.py ``start_thread``); an error of the watchdog
@@ -155,13 +158,14 @@ class TransferWatchdog:
         self.fired: list[str] = []
         self._no_data = torch.empty(0)
 
-    def watch(self, ps, works: list, transfers: list[Transfer], timeout_s: float | None, vp: int) -> None:
+    def watch(self, ps, works: list, transfers: list[Transfer], timeout_s: float | None, vp: int,
+              posted_at: float | None = None) -> None:
         if timeout_s is None or not works:
             return
         described = [dataclasses.replace(t, tensor=self._no_data) for t in transfers]
+        since = time.monotonic() if posted_at is None else posted_at
         with self._lock:
-            self._batches.append((time.monotonic() + timeout_s, list(works), described, ps,
-                                  timeout_s, vp))
+            self._batches.append((since + timeout_s, list(works), described, ps, timeout_s, vp))
             if self.poll_s is None or timeout_s / 10 < self.poll_s:
                 self.poll_s = min(1.0, timeout_s / 10)
             if self._thread is None:
@@ -245,14 +249,16 @@ def _culprits(works: list, transfers: list[Transfer]) -> list[Transfer]:
 
 class StreamWait:
     """Order the compute stream after each transfer without blocking the host (NCCL, HCCL);
-    the timeout is kept by ``watchdog``."""
+    the timeout is kept by ``watchdog``, counted from ``posted_at`` (the batch's post; None:
+    now)."""
     mode = "stream"
 
     def __init__(self, watchdog: TransferWatchdog | None = None):
         self.watchdog = watchdog or TransferWatchdog()
 
-    def wait(self, ps, works: list, transfers: list[Transfer], timeout_s: float | None, vp: int) -> None:
-        self.watchdog.watch(ps, works, transfers, timeout_s, vp)
+    def wait(self, ps, works: list, transfers: list[Transfer], timeout_s: float | None, vp: int,
+             posted_at: float | None = None) -> None:
+        self.watchdog.watch(ps, works, transfers, timeout_s, vp, posted_at)
         for work, owners in _pending(works, transfers):
             try:
                 work.wait()        # no timeout argument: a stream wait, not a host poll
@@ -278,6 +284,7 @@ class PostedBatch:
     transfers: list[Transfer]
     works: list
     waited: set = field(default_factory=set)  # indices into ``works`` already waited for
+    posted_at: float = field(default_factory=time.monotonic)   # where a watchdog's deadline starts
 
     @property
     def per_transfer(self) -> bool:
@@ -332,7 +339,11 @@ def wait_posted(ps, batch: PostedBatch, indices=None, timeout_s: float | None = 
                 waiter=None) -> None:
     """Wait for the transfers at ``indices`` of a posted batch (None: all of them)."""
     works, transfers = batch.unwaited(range(len(batch.transfers)) if indices is None else indices)
-    if works:
+    if not works:
+        return
+    if isinstance(waiter, StreamWait):  # its watchdog's deadline: timeout_s after the post
+        waiter.wait(ps, works, transfers, timeout_s, vp, posted_at=batch.posted_at)
+    else:
         (waiter or HostWait()).wait(ps, works, transfers, timeout_s, vp)
 
 

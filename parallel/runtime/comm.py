@@ -232,7 +232,10 @@ class CommGroup:
         with streams.collective_call():
             works = activity.block(tag, dist.batch_isend_irecv, ops)
         if len(works) != len(accesses):  # one coalesced work: waiting for it covers them all
-            accesses = accesses[-1:] * len(works)
+            last = accesses[-1]
+            if last is not None:  # its comm clock is after every transfer's: it takes all records
+                last.touched = [pair for a in accesses for pair in a.touched]
+            accesses = [last] * len(works)
         return [TrackedWork(w, activity, tag, a) for w, a in zip(works, accesses)]
 
     # ---- object collectives (setup, checkpoints, timelines: never in the step)

@@ -66,6 +66,9 @@ def describe_peers(tag, ranks, beats: dict, now: float, stale_s: float, limit: i
     op, kind, n = tag[:3]
     ranks = list(ranks)
     what = f"{op} #{n}" if op != "p2p" else f"point-to-point batch #{n}"
+    if not ranks:  # no members to read: "all (or none) of them entered" would be a guess
+        return (f"{what} of the {kind} group (members unknown to the heartbeat: "
+                f"who entered it cannot be told)")
     head = f"{what} of the {kind} group (ranks {ranks if len(ranks) <= 16 else f'{len(ranks)} ranks'})"
     if op == "p2p":  # neighbours post different numbers of batches: describe them
         states = [f"rank {r} ({peer_state(beats.get(r), now, stale_s)})" for r in ranks[:limit]]
@@ -117,9 +120,7 @@ class Heartbeat:
             store = dist.distributed_c10d._get_default_store().clone()
         except (RuntimeError, AttributeError, ValueError):
             return None
-        groups = {g.kind: g.ranks for g in (ps.tp_group, ps.cp_group, ps.pp_group, ps.dp_group,
-                                            ps.dp_cp_group, ps.mp_group, ps.embedding_group,
-                                            ps.world_group)}
+        groups = cls.group_ranks(ps)
         interval = min(1.0, max(0.1, timeout_s / 10))
         # gloo's calls raise at the timeout themselves: give their error the first word
         watchdog = timeout_s if backend in ("nccl", "hccl") else timeout_s + 2 * interval + 1.0
@@ -127,6 +128,18 @@ class Heartbeat:
         ps.comm.heartbeat = hb
         hb.start()
         return hb
+
+    @staticmethod
+    def group_ranks(ps) -> dict[str, tuple]:
+        """The ranks of each of ``ps``'s groups by kind, the expert groups (ep, edp) included once
+        ``init_expert_groups`` made them; a single-rank expert group is left out."""
+        groups = {g.kind: g.ranks for g in (ps.tp_group, ps.cp_group, ps.pp_group, ps.dp_group,
+                                            ps.dp_cp_group, ps.mp_group, ps.embedding_group,
+                                            ps.world_group)}
+        for g in (getattr(ps, "ep_group", None), getattr(ps, "edp_group", None)):
+            if g is not None and g.size > 1:
+                groups[g.kind] = g.ranks
+        return groups
 
     # ---- writing --------------------------------------------------------------------------
     def payload(self) -> dict:

@@ -92,7 +92,9 @@ def order_mismatch(sequences: dict[int, list[tuple]]) -> str | None:
     used = {r: {c for c, _ in sequences[r]} for r in ranks}
     for i, a in enumerate(ranks):
         for b in ranks[i + 1:]:
-            shared = {c for c in used[a] & used[b] if a in c[2] and b in c[2]}
+            # every communicator both belong to, used by either: one that only a submitted to
+            # stalls it on a serial communicator stream as surely as a different order does
+            shared = {c for c in used[a] | used[b] if a in c[2] and b in c[2]}
             if not shared:
                 continue
             sa = [x for x in sequences[a] if x[0] in shared]

@@ -119,3 +119,15 @@ def test_order_mismatch_names_the_first_difference():
     assert order_mismatch({0: same, 2: [(other, "all_reduce")]}) is None
     assert "submission 3 is all_gather on tp [0, 1] on rank 0 but nothing on rank 1" in \
         order_mismatch({0: same, 1: same[:2]})
+
+
+def test_order_mismatch_sees_a_communicator_only_one_member_used():
+    """A collective on a communicator rank 1 belongs to but never submitted to is a mismatch (NCCL
+    would hold everything after it on that communicator), not a communicator to leave out."""
+    dp = ("dp", MAIN_LANE, (0, 1))
+    assert order_mismatch({0: [(dp, "all_reduce")], 1: []}) == (
+        "ranks 0 and 1 submit to their shared communicators in different orders: submission 1 "
+        "is all_reduce on dp [0, 1] on rank 0 but nothing on rank 1")
+    assert "submission 1 is nothing on rank 0 but all_reduce on dp [0, 1] on rank 1" in \
+        order_mismatch({0: [], 1: [(dp, "all_reduce")]})
+    assert order_mismatch({0: [(dp, "all_reduce")], 2: []}) is None    # 2 is no member

@@ -3,7 +3,7 @@ both streams and the tensor's origin, and accepts the orderings that fix them (a
 stream wait, a thread join, record_stream before a release)."""
 from __future__ import annotations
 
-import re
+import ast
 
 import pytest
 import torch
@@ -208,7 +208,7 @@ def _collective_checks(ps):
                                                           for k, _, p in transfers]):
             w.wait()
         s.zero_(), r.sum()
-        out["ordered"] = list(checker.violations)
+        out["ordered collectives"] = list(checker.violations)
         # HCCL keeps a batch's first tensor alive until it completes, the others not: released
         # before the wait, the first is the backend's to keep, the second is a race
         for which in (0, 1):
@@ -249,7 +249,7 @@ def test_collective_violations():
         (message,) = out["send"]
         assert message.startswith("write after an unordered read") and "send on pp" not in message
         assert "send on dp" in message and "zero_ on stream 'compute'" in message
-        assert out["ordered"] == []
+        assert out["ordered collectives"] == []
         assert out["released 0"] == []          # (the suite's rules are HCCL's)
         (message,) = out["released 1"]
         assert message.startswith("released while in use") and "on stream 'comm:dp'" in message
@@ -260,6 +260,85 @@ def test_collective_violations():
         assert out["ordered"] == []
 
 
+# what only parallel/runtime/streams.py may create or call: threads, thread pools, streams and
+# events between them (by the fully qualified name an import gives them), and the stream methods
+_MADE_BY_THE_STREAM_API = {
+    "threading.Thread", "threading.Timer", "_thread.start_new_thread", "_thread.start_new",
+    "concurrent.futures.ThreadPoolExecutor", "concurrent.futures.thread.ThreadPoolExecutor",
+    "multiprocessing.pool.ThreadPool", "multiprocessing.dummy.Pool",
+    "torch.Stream", "torch.Event"}
+_DEVICE_MODULES = ("cuda", "npu", "xpu", "mps")
+_STREAM_METHODS = ("record_stream", "wait_stream")
+
+
+def _qualified(node: ast.AST, names: dict[str, str]) -> str | None:
+    """``a.b.c`` with ``a`` resolved through the file's imports (None: not a dotted name)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([names.get(node.id, node.id), *reversed(parts)])
+
+
+def _stream_api_bypasses(source: str) -> list[str]:
+    """Where ``source`` names a thread, a thread pool, a stream or an event of its own, or calls a
+    tensor's or a stream's own record_stream / wait_stream (as "line: name")."""
+    tree = ast.parse(source)
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                top = a.name.split(".")[0]
+                names[a.asname or top] = a.name if a.asname else top
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                names[a.asname or a.name] = f"{node.module}.{a.name}"
+
+    def forbidden(name: str) -> bool:
+        parts = name.split(".")
+        return name in _MADE_BY_THE_STREAM_API or (
+            len(parts) >= 3 and parts[0] == "torch" and parts[1] in _DEVICE_MODULES
+            and parts[-1] in ("Stream", "Event"))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {f"{node.lineno}: {node.module}.{a.name}" for a in node.names
+                      if forbidden(f"{node.module}.{a.name}")}
+        elif isinstance(node, (ast.Name, ast.Attribute)):
+            name = _qualified(node, names)
+            if name is not None and forbidden(name):
+                found.add(f"{node.lineno}: {name}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in _STREAM_METHODS \
+                and _qualified(node.func.value, names) != "parallel.runtime.streams":
+            found.add(f"{node.lineno}: .{node.func.attr}(")
+    return sorted(found)
+
+
+def test_the_stream_api_scan_sees_every_spelling():
+    planted = """
+import threading, torch
+import torch.cuda as tc
+from threading import Thread
+from concurrent.futures import ThreadPoolExecutor as Pool
+from multiprocessing.pool import ThreadPool
+from parallel.runtime import streams
+class Worker(threading.Thread): pass
+threading.Timer(1.0, print).start()
+s = torch.cuda.Stream(); e = tc.Event(); torch.npu.Stream(); torch.Stream("cpu")
+x.record_stream(s); s.wait_stream(s)
+streams.record_stream(x, s); streams.wait_stream(s, s)
+threading.current_thread(); torch.cuda.stream(s); torch.cuda.current_stream()
+"""
+    assert sorted(_stream_api_bypasses(planted)) == sorted([
+        "4: threading.Thread", "5: concurrent.futures.ThreadPoolExecutor",
+        "6: multiprocessing.pool.ThreadPool", "8: threading.Thread", "9: threading.Timer",
+        "10: torch.cuda.Stream", "10: torch.cuda.Event", "10: torch.npu.Stream", "10: torch.Stream",
+        "11: .record_stream(", "11: .wait_stream("])
+
+
 def test_side_streams_and_device_threads_come_from_the_stream_api():
     """Nothing outside parallel/runtime/streams.py creates a side stream, an event between streams,
     a worker thread or a record_stream call, so the checker sees every ordering (the heartbeat's
@@ -268,16 +347,13 @@ def test_side_streams_and_device_threads_come_from_the_stream_api():
     root = Path(__file__).resolve().parents[2]
     allowed = {"parallel/runtime/streams.py", "parallel/runtime/stream_check.py",
                "parallel/runtime/heartbeat.py"}
-    patterns = (r"threading\.Thread\(", "ThreadPoolExecutor", r"torch\.Stream\(", r"torch\.Event\(",
-                r"(?<!streams)\.record_stream\(", r"(?<!streams)\.wait_stream\(")
     found = []
     for package in ("engine", "models", "parallel", "kernels"):
         for path in sorted((root / package).rglob("*.py")):
             rel = path.relative_to(root).as_posix()
             if rel in allowed or rel.startswith("engine/device/"):
                 continue
-            text = path.read_text()
-            found += [f"{rel}: {p}" for p in patterns if re.search(p, text)]
+            found += [f"{rel}:{where}" for where in _stream_api_bypasses(path.read_text())]
     assert not found, found
 
 

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import torch
 
 from parallel.pipeline.p2p import (EXIT_PIPELINE_TIMEOUT, HostWait, PipelineCommError, StreamWait,
-                                   Transfer, TransferWatchdog, communicate, waiter_for)
+                                   Transfer, TransferWatchdog, communicate, post, wait_posted,
+                                   waiter_for)
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.stream_check import stream_checked
@@ -95,7 +96,8 @@ def _dead_peer(ps, out_dir):
 
 
 def test_stream_wait_reports_a_dead_neighbour_by_stage(tmp_path):
-    run_distributed(_dead_peer, grid=RankGrid(pp=2), args=(str(tmp_path),), timeout_s=60)
+    run_distributed(_dead_peer, grid=RankGrid(pp=2), args=(str(tmp_path),), timeout_s=60,
+                    vanishes=True)
     message = json.loads((tmp_path / "0.json").read_text())["message"]
     assert message.startswith("pipeline stage 1 (rank 1) failed or disconnected before sending the "
                               "activation of micro-batch 2 (pipeline stage 0 (rank 0) was waiting)"), message
@@ -125,6 +127,38 @@ def test_an_error_inside_the_watchdog_is_reported_naming_the_transfer():
     assert fired.wait(10)
     dog.stop()
     assert messages == [_BROKEN] and dog.pending == 0
+
+
+class _Pending:
+    """A work that never completes (a neighbour that never takes its send)."""
+
+    def exception(self):
+        return None
+
+    def is_completed(self):
+        return False
+
+    def wait(self):
+        return True                 # a stream wait: returns at once
+
+
+def test_the_watchdog_deadline_counts_from_the_post():
+    """A send waited for only at the end of the schedule times out ``timeout_s`` after its post,
+    not after that wait: past its deadline by then, it is reported at the next poll."""
+    ps = SimpleNamespace(pp_rank=0, rank=0, device=torch.device("cpu"),
+                         pp_group=SimpleNamespace(batch_isend_irecv=lambda ops: [_Pending()]))
+    fired = threading.Event()
+    dog = TransferWatchdog(on_timeout=lambda m: fired.set(), poll_s=0.05)
+    batch = post(ps, [Transfer("send", torch.ones(2), 1, 1, "activation", 4)], 2.0)
+    time.sleep(2.1)                                             # the rest of the schedule
+    wait_posted(ps, batch, None, 2.0, 1, StreamWait(dog))
+    try:
+        assert fired.wait(1.0), "the deadline started at the wait, not at the post"
+    finally:
+        dog.stop()
+    assert dog.fired == ["pipeline stage 1 (rank 1) did not receive the activation of micro-batch 4 "
+                         "within 2 s (pipeline stage 0 (rank 0) was waiting). Check that stage's "
+                         "log. [watchdog]"]
 
 
 def test_a_failing_watchdog_ends_the_process_with_one_line():
