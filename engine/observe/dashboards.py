@@ -1,9 +1,10 @@
 """Dashboards: TensorBoard (``--tensorboard-dir``) and Weights & Biases (``--wandb-project``).
 
-Global rank 0 sends the step's scalars every ``--log-interval`` steps, and the validation loss on
-every step that has one. Tags are the metrics' JSONL keys grouped by what they measure
-(``SCALARS``); a key whose value is null on a step (the bubble without PP, MFU without a known peak)
-is not sent. TensorBoard's ``SummaryWriter`` needs the ``tensorboard`` package; wandb is optional
+Global rank 0 sends the step's scalars every ``--log-interval`` steps, and the validation loss and
+the straggler figures on every step that has them (``OFF_INTERVAL``: the straggler report the run
+ends on lands in its last step's record, which need not be an interval step). Tags are the
+metrics' JSONL keys grouped by what they measure (``SCALARS``); a key whose value is null on a step
+(the bubble without PP, MFU without a known peak) is not sent. TensorBoard's ``SummaryWriter`` needs the ``tensorboard`` package; wandb is optional
 (``pip install wandb``; ``--wandb-mode offline`` writes the run locally, ``wandb sync`` uploads it).
 """
 from __future__ import annotations
@@ -60,6 +61,8 @@ def missing_packages(log_cfg) -> list[str]:
     return out
 
 
+# the tags sent on a step off the --log-interval too, where the record holds them
+OFF_INTERVAL = frozenset(SCALARS[k] for k in ("valid_loss", "straggler_rank", "straggler_ratio"))
 # metrics keys whose value is a list: one tag per entry, TAG/i
 LISTS = {"moe_expert_load": "moe/expert_load"}
 
@@ -90,8 +93,10 @@ class Dashboards:
         if log.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
             os.makedirs(log.tensorboard_dir, exist_ok=True)
-            # a resumed run drops the events a crashed attempt wrote after the resumed step
-            self.tb = SummaryWriter(log.tensorboard_dir, purge_step=start_step + 1 if start_step else None)
+            # the events of earlier runs after the step this run starts from are purged, as its
+            # metrics file drops their records: a resumed run's from the step after the resumed
+            # one (a crashed attempt's), a fresh run's from step 1 (an earlier run's, all of them)
+            self.tb = SummaryWriter(log.tensorboard_dir, purge_step=start_step + 1)
         if log.wandb_project and log.wandb_mode != "disabled":
             import wandb
             save_dir = log.wandb_save_dir or log.run_dir or "."
@@ -106,7 +111,7 @@ class Dashboards:
         step = record["step"]
         values = scalars(record)
         if step % self.interval:
-            values = {k: v for k, v in values.items() if k == SCALARS["valid_loss"]}
+            values = {k: v for k, v in values.items() if k in OFF_INTERVAL}
         if not values:
             return
         if self.tb is not None:

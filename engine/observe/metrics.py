@@ -25,8 +25,9 @@ run so far without the warm-up step (``RunningTotals``); without the bar, one co
   when the pipeline's ranks are on more than one host (it compares a peer's post times with this
   rank's waits, which needs one clock), and ``bubble_simulated`` then replays free transfers;
   ``time_dp_exposed_s``: the step's wait in the DP reduction's ``finish`` for collectives still in
-  flight after the backward; ``time_zero_gather_exposed_s``: the forward's waits for ZeRO's
-  overlapped parameter all-gathers (null without them); ``time_tp_exposed_s``: with tp > 1,
+  flight after the backward; ``time_zero_gather_exposed_s``: the step's waits for ZeRO's
+  overlapped parameter all-gathers (the forward's; under ZeRO-3 the backward's re-gathers too;
+  null without the overlap); ``time_tp_exposed_s``: with tp > 1,
   every interval the step spent blocked in a TP-group collective or its wait (null with tp = 1
   and under --compile). Device seconds of global rank 0.
 - ``time_forward_backward_s``, ``time_dp_finish_s``, ``time_grad_sync_s``, ``time_clip_s``,

@@ -40,8 +40,10 @@ interval's record (null in the first interval's, whose report is not in yet):
   below the threshold, so the figure can be watched); null when no rank has a peer;
 - ``straggler_waited_for``: the rank blocked least in collectives, the one the others waited for.
 
-The blocked time is broken down by traffic kind (tp, cp, pp, dp, and the rest: world, mp,
-embedding) in the printed line, which appears only when a straggler is found.
+The blocked time is broken down by traffic kind in the printed line, which appears only when a
+straggler is found: tp, cp, pp, dp (the DP and DP x CP groups, and the expert-data-parallel group
+of the expert gradients and ZeRO's expert gathers), ep (the MoE dispatch's expert-parallel group),
+and other (the rest: world, mp, embedding).
 
 Clock: anything with ``stamp()`` and ``elapsed_s(start, end)``. On the CPU, where gloo blocks the
 calling thread until its collective completes, host stamps (``parallel.pipeline.executor.HostClock``,
@@ -63,9 +65,13 @@ from parallel.pipeline.executor import HostClock
 from parallel.pipeline.partition import placement_stages
 from parallel.runtime import streams
 
-CATEGORIES = ("tp", "cp", "pp", "dp", "other")
+CATEGORIES = ("tp", "cp", "pp", "dp", "ep", "other")
 WIDTH = 1 + len(CATEGORIES)      # compute seconds, then blocked seconds per category
-_CATEGORY = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "dp_cp": "dp"}
+# group kinds (parallel/runtime/comm_monitor.py GROUP_KINDS) -> category; the rest is "other".
+# The expert gradients' reduction and ZeRO's expert gathers go over the expert-data-parallel
+# group (kind edp): data-parallel traffic; the expert dispatch over the expert-parallel one (ep)
+_CATEGORY = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "dp_cp": "dp", "edp": "dp",
+             "ep": "ep"}
 DEFAULT_THRESHOLD = LogConfig.straggler_threshold
 Role = tuple  # ((name, value), ...): ranks with equal roles are peers
 

@@ -8,7 +8,8 @@ checkpoint's publication waits for.
   which all stop after the same step (engine/checkpoint/async_writer.py). A second SIGINT leaves
   at once.
 - ``records_before_publish``: before checkpoint k becomes ``latest``, the records of steps 1..k
-  are written and fsynced.
+  are written and fsynced; when the run ends at step k (its last step, or a stop), with the
+  straggler report read after the last step in k's record.
 - ``record_divergence``: a run stopped by a persistent anomaly or a non-finite loss keeps its
   records and its save in flight, and names the last good checkpoint.
 """
@@ -21,6 +22,7 @@ import threading
 
 from engine.observe.metrics import REQUIRED_KEYS
 from engine.training.lr_schedule import learning_rate
+from engine.training.step_record import final_straggler_report
 
 INTERRUPTED = 130  # 128 + SIGINT: the exit code of a run stopped by Ctrl-C
 
@@ -71,17 +73,33 @@ def records_before_publish(trainer, outputs, step: int, blocking_s: float | None
     ``latest``: a run that dies after the publication and resumes from it finds every record up
     to it. A record not yet complete (the save of the step just trained) is completed first: one
     more wait, and with a pipeline a collective (every rank calls this); its ``save_blocking_s``
-    is ``blocking_s``, the time its boundary spent on the save so far."""
+    is ``blocking_s``, the time its boundary spent on the save so far. When the run ends at
+    ``step`` (the save of its last step, or of a stop), the intervals it ends on are read first
+    (``final_straggler_report``), as they are after the last step of a run without a save:
+    otherwise that report would come after its record had been written."""
     log, dash, records = outputs
     if any(pending[0] < step for pending in trainer.late_records.pending):  # 0-based steps
         trainer.flush()
-    for record in trainer.late_records.take():
+    taken = trainer.late_records.take()
+    if taken and taken[-1]["step"] == step and ends_at(trainer, step):
+        final_straggler_report(trainer, taken, log)  # (every rank: the same records, agreed stops)
+    for record in taken:
         if record["step"] == step:
             record.setdefault("save_blocking_s", blocking_s)
         log.log(record)
         dash.log(record)
         records.append(record)
     log.sync()
+
+
+def ends_at(trainer, step: int) -> bool:
+    """Whether the run ends after step ``step`` (1-based), the step just trained: its last step, or
+    a stop (SIGTERM, SIGINT on some rank) that the step's statistics carried to every rank, which
+    the checkpointer's boundary acts on (engine/checkpoint/async_writer.py)."""
+    if step != trainer.stepper.current_step:
+        return False
+    agreed = trainer.stepper.agreed.get("checkpoint")  # [stops, by SIGINT, written, failed]
+    return step == trainer.cfg.optim.train_iters or bool(agreed and agreed[0] > 0)
 
 
 def record_divergence(trainer, exc, step: int, first: bool) -> None:

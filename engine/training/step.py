@@ -27,10 +27,10 @@ backward did not hide), ``time_grad_sync_s`` (the sequence-parallel and tied-emb
 all-reduces), ``time_clip_s`` (unscale, overflow check, global norm, the statistics all-reduce and
 clipping) and ``time_optimizer_s`` (the update, ZeRO's parameter all-gather included); beside
 them ``time_dp_exposed_s`` (the reducer's wait for collectives still in flight, inside the DP
-finish) and ``time_zero_gather_exposed_s`` (the forward's waits for ZeRO's overlapped parameter
-gathers), from stamps the reducer and the gather take on the same clock. They are
-this rank's (the metrics carry global rank 0's): averaging them over ranks would need a second
-collective after the update. The bubble is the world mean (it travels in the statistics). The
+finish) and ``time_zero_gather_exposed_s`` (the step's waits for ZeRO's overlapped parameter
+gathers; null without the overlap), from stamps the reducer and the gather take on the same
+clock. They are this rank's (the metrics carry global rank 0's): averaging them over ranks would
+need a second collective after the update. The bubble is the world mean (it travels in the statistics). The
 same spans, with every forward and backward (and with pp > 1 every transfer), are the step's
 timeline events.
 
@@ -132,10 +132,10 @@ def exposed_times(clock, waits: dict) -> dict:
     layers' all-gathers, reduce-scatters and all-reduces, the --tp-comm-overlap ring's waits,
     the vocabulary-parallel loss's and the sequence-parallel gradients' all-reduces; stamped by
     the rank's comm Activity) and, under ZeRO with overlapped parameter
-    gathers, ``time_zero_gather_exposed_s`` (the forward's waits for them, param_gather.py):
-    device seconds between stamp pairs taken before the step's wait, so reading them waits for
-    nothing. A wait that had nothing in flight left no stamps and counts 0.0; None: there is no
-    such wait (no ZeRO parameter gather)."""
+    gathers, ``time_zero_gather_exposed_s`` (the step's waits for them, param_gather.py; under
+    ZeRO-3 the backward's re-gathers too, zero3.py): device seconds between stamp pairs taken
+    before the step's wait, so reading them waits for nothing. A wait that had nothing in flight
+    left no stamps and counts 0.0; None: no such wait (no ZeRO gather, or a synchronous one)."""
     return {key: None if pairs is None else
             sum((clock.elapsed_s(a, b) for a, b in (p for p in pairs if p is not None)), 0.0)
             for key, pairs in waits.items()}
@@ -197,7 +197,7 @@ class Stepper:
         self.moe_figures: dict | None = None
         self.num_micro = 1
         self.schedule_lists = schedule_lists
-        self.param_gather = getattr(optimizer, "param_gather", None)  # ZeRO's, when overlapped
+        self.param_gather = getattr(optimizer, "param_gather", None)  # ZeRO's
         for timed in (reducer, self.param_gather):  # their waits, stamped for the exposed times
             if timed is not None:
                 timed.clock = self.clock
@@ -323,8 +323,8 @@ class Stepper:
         self.reducer.finish()
         t.append(clock.stamp())
         waits = {"time_dp_exposed_s": [getattr(self.reducer, "wait_stamps", None)],
-                 "time_zero_gather_exposed_s": None if self.param_gather is None
-                 else list(self.param_gather.waited)}  # this step's forward waited for those
+                 "time_zero_gather_exposed_s": list(self.param_gather.waited) if getattr(
+                     self.param_gather, "overlap", False) else None}  # (synchronous: no waits)
         sync_sequence_parallel_grads(self.params, self.ps)
         sum_embedding_grads(self.ps, self.shared)
         synced = getattr(self.optimizer, "grads_synced", None)

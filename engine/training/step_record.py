@@ -166,7 +166,9 @@ def _say_straggler(trainer, report, log) -> None:
 def final_straggler_report(trainer, records: list[dict], log) -> None:
     """After the last step: the intervals the run ends on, whose reports would land after it,
     read now (engine/observe/stragglers.py ``finish``: one wait, outside the steps); the line
-    for a straggler, and the keys in the last record where it holds no other report."""
+    for a straggler, and the keys in the last record where it holds no other report. Called where
+    that record is written: by a save at the run's end, before it publishes (run_events.py
+    ``records_before_publish``), else after the loop (then, after a save, nothing is left)."""
     if trainer.stragglers is None:
         return
     report = trainer.stragglers.finish()

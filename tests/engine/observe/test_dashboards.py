@@ -9,6 +9,7 @@ import time
 import pytest
 
 from engine.base import ConfigError
+from engine.checkpoint.index import CheckpointError
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
 from engine.training.validate import validate_run
@@ -39,6 +40,14 @@ def test_metrics_file_valid_loss_truncate_and_resume(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["step"] for r in rows if "valid_loss" in r] == [2, 4]
     assert [(r["step"], r["valid_loss"]) for r in rows if "valid_loss" in r] == result.valid
+    # a run with nothing to do (--load of a checkpoint at --train-iters) is refused before its
+    # first step: the outputs an earlier run wrote stay as they were
+    timeline = tmp_path / "timeline.json"
+    timeline.write_text("an earlier run's timeline")
+    with pytest.raises(CheckpointError, match="is at step 4 and --train-iters is 4: nothing to"):
+        train(["--train-iters", "4", "--metrics-file", metrics, "--timeline", str(timeline),
+               "--load", f"{save}/iter_0000004"])
+    assert read_jsonl(metrics) == rows and timeline.read_text() == "an earlier run's timeline"
     # a resumed run keeps steps 1..2 of the checkpoint it resumes and appends 3..6
     with open(metrics, "a") as fh:
         fh.write('{"step": 5, "loss": 1.0}\n{"step": 6, "lo')  # a crashed attempt's leftovers
@@ -70,6 +79,22 @@ def test_tensorboard_event_files_hold_the_scalars(tmp_path):
     assert all(lr[s] == pytest.approx(by_step[s]["lr"], rel=1e-6) for s in lr)
     valid = {e.step: e.value for e in acc.Scalars("valid/loss")}
     assert valid == pytest.approx(dict(result.valid), rel=1e-6) and sorted(valid) == [3, 6]
+
+
+def test_a_fresh_run_replaces_the_tensorboard_events(tmp_path):
+    """A fresh run into a --tensorboard-dir an earlier run wrote shows its own steps only, as its
+    metrics file holds them (the earlier events are purged from step 1 on, by TensorBoard's reader)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb, metrics = str(tmp_path / "tb"), str(tmp_path / "m.jsonl")
+    for steps in ("3", "2"):
+        result = train(["--train-iters", steps, "--log-interval", "1", "--tensorboard-dir", tb,
+                        "--metrics-file", metrics])
+    acc = EventAccumulator(tb)
+    acc.Reload()
+    loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert [r["step"] for r in read_jsonl(metrics)] == [1, 2]
+    assert loss == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in result.records]
 
 
 def wandb_records(path):

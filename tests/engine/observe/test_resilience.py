@@ -11,6 +11,7 @@ named by its peers, from their heartbeats, when the collective times out."""
 import io
 import json
 import os
+import signal
 import time
 
 import pytest
@@ -24,6 +25,7 @@ from engine.config.cli import parse_args
 from engine.observe.faults import GradFault, HangRank, Released, SlowRank
 from engine.training.step import StepAgreement
 from engine.observe.stragglers import StragglerReport
+from engine.training.step_record import STRAGGLER_KEYS
 from engine.training.launch import describe_comm_failure
 from engine.training.trainer import Trainer
 from parallel.runtime.comm_monitor import Activity
@@ -78,8 +80,8 @@ def test_step_agreement_splits_sums():
 
 def test_straggler_report_formula():
     # rank 2 computes 0.9 s; the lower median of [0.3, 0.4, 0.9, 0.35] is 0.35; rank 2 waited least
-    rows = [[0.3, 0.1, 0, 0, 0.5, 0.1], [0.4, 0.1, 0, 0, 0.4, 0.1], [0.9, 0, 0, 0, 0.05, 0],
-            [0.35, 0.1, 0, 0, 0.45, 0.1]]
+    rows = [[0.3, 0.1, 0, 0, 0.5, 0, 0.1], [0.4, 0.1, 0, 0, 0.4, 0, 0.1],
+            [0.9, 0, 0, 0, 0.05, 0, 0], [0.35, 0.1, 0, 0, 0.45, 0, 0.1]]
     r = StragglerReport.from_rows((1, 10), rows)
     assert (r.straggler_rank, r.waited_for) == (2, 2)
     assert r.straggler_ratio == pytest.approx(0.9 / 0.35)
@@ -208,7 +210,8 @@ def bad_steps(ps, root):
         out["pipeline"] = "no error"
     except PersistentAnomaly as exc:
         out["pipeline"] = str(exc)
-    out.update(**compressed_reruns(), **zero_bubble_reruns(), **stopped_run(ps, root))
+    out.update(**compressed_reruns(), **zero_bubble_reruns(), **stopped_run(ps, root),
+               **final_reports(root))
     return out
 
 
@@ -274,9 +277,47 @@ def stopped_run(ps, root):
                         os.path.join(save, "iter_0000002"), records)}
 
 
+class StopAt:
+    """Test fault: ``rank`` gets SIGTERM during step ``step`` (before its statistics all-reduce,
+    which carries the stop to every rank)."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def install(self, trainer):
+        def hook(module, args, out):
+            if trainer.stepper.current_step == self.step:
+                trainer.stop_signal = signal.SIGTERM
+        if trainer.ps.rank == self.rank:
+            trainer.chunks[0].register_forward_hook(hook)
+        return self
+
+
+def final_reports(root):
+    """Runs that end with a synchronous save, which publishes the last record before the run's
+    end: at --train-iters (3 steps, --log-interval 2: the report of steps 2-2 lands in step 3's
+    record, off the interval) and stopped by SIGTERM on rank 1 in step 2. The last records, as
+    returned and as in the metrics file."""
+    out = {}
+    for name, steps, faults in (("ended", "3", []), ("stopped", "6", [StopAt(rank=1, step=2)])):
+        metrics = os.path.join(root, f"{name}.jsonl")
+        argv = TINY + ["--train-iters", steps, "--log-interval", "2", "--save",
+                       os.path.join(root, f"ck-{name}"), "--metrics-file", metrics,
+                       "--tensorboard-dir", os.path.join(root, f"tb-{name}")]
+        records = _train(argv, faults)[0]
+        written = None
+        if os.path.exists(metrics):  # (rank 0's)
+            with open(metrics) as fh:
+                written = [json.loads(line) for line in fh]
+        out[name] = {"records": records, "written": written,
+                     "tensorboard": os.path.join(root, f"tb-{name}")}
+    return {"final": out}
+
+
 @pytest.fixture(scope="module")
 def reruns(tmp_path_factory):
-    """Every re-run case above, on one spawned group of 2 ranks."""
+    """Every re-run case above and the runs ending with a save, on one spawned group of 2
+    ranks."""
     root = str(tmp_path_factory.mktemp("rerun"))
     return run_distributed(bad_steps, grid=RankGrid(dp=2), args=(root,), timeout_s=120)
 
@@ -351,6 +392,31 @@ def test_a_stopped_run_publishes_the_save_in_flight(reruns):
         message, latest, step2, _ = reruns[rank]["stopped"]
         assert latest == step2  # written by both ranks before step 3 failed: published
         assert message.endswith(f"The run stops; last good checkpoint: {step2}"), message
+
+
+def test_the_last_report_reaches_a_run_ending_with_a_save(reruns):
+    """The report read after the last step reaches the last record although the save of that
+    step publishes it first: in the records returned, the metrics file and the dashboards (also
+    on a step that is not an interval step)."""
+    for name, last in (("ended", 3), ("stopped", 2)):
+        for rank in (0, 1):
+            records = reruns[rank]["final"][name]["records"]
+            assert [r["step"] for r in records] == list(range(1, last + 1))
+            assert all(r[k] is None for r in records[:-1] for k in STRAGGLER_KEYS), records
+            assert records[-1]["straggler_ratio"] is not None, (name, rank, records[-1])
+            assert records[-1]["straggler_waited_for"] in (0, 1)
+        final = reruns[0]["final"][name]
+        assert [r["step"] for r in final["written"]] == [r["step"] for r in final["records"]]
+        assert [final["written"][-1][k] for k in STRAGGLER_KEYS] == \
+            [final["records"][-1][k] for k in STRAGGLER_KEYS]
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(reruns[0]["final"]["ended"]["tensorboard"])
+    acc.Reload()
+    ratio = reruns[0]["final"]["ended"]["records"][-1]["straggler_ratio"]
+    assert [(e.step, e.value) for e in acc.Scalars("stragglers/straggler_ratio")] == \
+        [(3, pytest.approx(ratio, rel=1e-6))]
+    assert [e.step for e in acc.Scalars("train/loss")] == [2]   # every --log-interval steps
 
 
 # ---- stragglers and hangs -----------------------------------------------------------------------

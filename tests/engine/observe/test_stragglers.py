@@ -24,7 +24,7 @@ KEYS = ("straggler_rank", "straggler_ratio", "straggler_waited_for")
 
 
 def _row(compute, pp=0.0, dp=0.0):
-    return [compute, 0.0, 0.0, pp, dp, 0.0]
+    return [compute, 0.0, 0.0, pp, dp, 0.0, 0.0]  # compute, blocked in tp, cp, pp, dp, ep, other
 
 
 # ---- the rule, on hand-made rows ----------------------------------------------------------------
@@ -155,8 +155,9 @@ def test_report_reads_complete_steps_one_interval_late(interval):
         assert r.steps == (first, n)
         steps = range(first, n + 1)
         assert r.compute_s[0] == pytest.approx(sum(k - 0.5 + 0.25 for k in steps), abs=1e-4)
-        assert r.blocked_s[0] == pytest.approx([0.0, 0.0, 0.0, 0.5 * len(steps), 0.0], abs=1e-4)
-        assert r.compute_s[1] == 1.0 and r.blocked_s[1] == [0.0, 0.0, 0.0, 0.5, 0.0]
+        assert r.blocked_s[0] == pytest.approx([0.0, 0.0, 0.0, 0.5 * len(steps), 0.0, 0.0],
+                                               abs=1e-4)
+        assert r.compute_s[1] == 1.0 and r.blocked_s[1] == [0.0, 0.0, 0.0, 0.5, 0.0, 0.0]
     assert monitor.last_report is reports[max(read)]
     # after the last step: the intervals still in flight (the newest ends at the last interval
     # step) are read at once, with their own sums
@@ -165,6 +166,29 @@ def test_report_reads_complete_steps_one_interval_late(interval):
     assert final.steps == (first, n) and monitor.last_report is final
     assert final.compute_s[0] == pytest.approx(sum(k - 0.25 for k in range(first, n + 1)), abs=1e-4)
     assert monitor.finish() is None                     # nothing left
+
+
+def test_expert_waits_have_their_categories():
+    """Expert-data-parallel waits (kind ``edp``: the expert gradients' reduction, ZeRO's expert
+    gathers) count as dp; the expert-parallel dispatch (kind ``ep``) as ep; the rest as other."""
+    from engine.observe.stragglers import CATEGORIES, StragglerMonitor
+    clock, ps = _ScriptedClock(), _TwoRanks(_row(1.0))
+    monitor = StragglerMonitor(ps, clock)
+    for step in (1, 2, 3):  # step 1: the warm-up; step 2: the interval; step 3 adds it
+        monitor.begin_step(step)
+        for kind, seconds in (("edp", 0.5), ("dp_cp", 0.25), ("ep", 0.125), ("world", 0.0625)):
+            a = clock.stamp()
+            clock.now += seconds
+            ps.comm.activity.spans.append((kind, a, clock.stamp()))
+        clock.wait()
+        monitor.end_step()
+        if step == 2:
+            monitor.report(step)
+    report = monitor.finish()
+    blocked = dict(zip(CATEGORIES, report.blocked_s[0]))
+    assert report.steps == (2, 2)
+    assert blocked == pytest.approx({"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.75, "ep": 0.125,
+                                     "other": 0.0625}, abs=1e-4)
 
 
 # ---- the whole path on 4 gloo ranks -------------------------------------------------------------

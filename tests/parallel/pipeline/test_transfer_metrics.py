@@ -5,7 +5,8 @@ the dashboards' scalars, with still one host wait per step.
 
 One spawned group of four ranks trains a tiny model for three steps twice: pp=2 x dp=2,
 interleaved with 2 chunks, the distributed optimizer with overlapped parameter gathers; then
-pp=4 x dp=1 (1F1B, no ZeRO). Timings on a shared CPU are noisy, so the test makes the waits it
+pp=4 x dp=1 (1F1B, no ZeRO); then for two steps at dp=4 under ZeRO-1 and ZeRO-3 without the
+overlapped gather and ZeRO-3 with it. Timings on a shared CPU are noisy, so the test makes the waits it
 checks long and known: every wait for a DP collective (the reducer's buckets, ZeRO's parameter
 gathers) and every pipeline wait returns DELAY_S after the real one, and the test counts them.
 What each figure must then be:
@@ -15,7 +16,9 @@ What each figure must then be:
   0.0 exactly at dp=1, where nothing is in flight;
 - ``time_zero_gather_exposed_s``: exactly the sum of the gather's stamped waits of the step, at
   least DELAY_S per gather waited for; 0.0 exactly in step 1, whose forward finds no gather in
-  flight (the first parameters need none); null without ZeRO's overlapped gathers;
+  flight (the first parameters need none); null without ZeRO's overlapped gathers (no ZeRO,
+  ``--no-overlap-param-gather``); under ZeRO-3 with them, above 0.0 from step 1 on (its gathers are
+  issued inside the step);
 - ``time_pp_exposed_s`` (the world mean): each receive's wait ends DELAY_S after its message
   arrived, all of it exposed, so the mean is at least 0.95 DELAY_S per receive waited for; and
   being inside each rank's pipeline phase, it is no more than global rank 0's, the first stage's,
@@ -136,8 +139,29 @@ def _train(ps, argv: list[str]) -> dict:
     return {"records": records, "steps": steps}
 
 
+def _gathers(argv: list[str]) -> tuple:
+    """Rank 0's ``time_zero_gather_exposed_s`` per step of a run without the delays, and the
+    summary's."""
+    trainer = Trainer(parse_args(argv))
+    try:
+        records = trainer.train().records
+    finally:
+        trainer.close()
+    key = "time_zero_gather_exposed_s"
+    return [r[key] for r in records], summarize_run(records, warmup=1)[key]
+
+
 def _both(ps) -> dict:
-    return {"interleaved": _train(ps, INTERLEAVED), "deep": _train(ps, DEEP)}
+    out = {"interleaved": _train(ps, INTERLEAVED), "deep": _train(ps, DEEP)}
+    # ZeRO-1 and ZeRO-3 with their gathers waited for inside the update or where issued (no
+    # overlap), and ZeRO-3 overlapped: two steps of a two-layer model over dp=4
+    zero = BASE + ["--dp", "4", "--num-layers", "2", "--train-iters", "2",
+                   "--use-distributed-optimizer"]
+    out["zero"] = {name: _gathers(zero + extra) for name, extra in (
+        ("zero1 no overlap", ["--no-overlap-param-gather"]),
+        ("zero3 no overlap", ["--zero-stage", "3", "--no-overlap-param-gather"]),
+        ("zero3 overlap", ["--zero-stage", "3"]))}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +197,15 @@ def test_exposed_times_are_the_waits(runs):
         assert (r["time_dp_exposed_s"], s["dp_waits"]) == (0.0, 0), (r, s)
         assert r["time_zero_gather_exposed_s"] is None, r
     assert_pp_exposed(runs, "deep")
+
+
+def test_zero_gather_exposed_is_null_without_the_overlapped_gather(runs):
+    zero = runs[0]["zero"]
+    assert zero["zero1 no overlap"] == zero["zero3 no overlap"] == ([None, None], None), zero
+    # ZeRO-3 issues its gathers inside the step (the forward's and the backward's), so its first
+    # step waits for some too
+    steps, summary = zero["zero3 overlap"]
+    assert all(x is not None and x > 0 for x in steps) and summary == steps[1], zero
 
 
 def test_replay_bubbles_and_one_host_wait(runs):
