@@ -9,6 +9,7 @@ initialisation in the communication library) are dropped before anything is aver
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -23,6 +24,24 @@ sys.path.insert(0, str(REPO))
 
 from engine.observe.metrics import steady, summarize_run  # noqa: E402,F401 (steady: the benchmarks' warm-up cut)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+class BenchParser(argparse.ArgumentParser):
+    """argparse for the benchmarks: a bad argument is one line on stderr (``PROG: error: ...``,
+    no usage block) and exit status 2, before anything is launched."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+
+
+def at_least(parser: argparse.ArgumentParser, args, **minimums: int) -> None:
+    """``parser.error`` for the first argument below its minimum: ``dest=low`` checks
+    ``args.dest`` (an int, or each int of a list) as ``--dest`` (underscores as dashes)."""
+    for dest, low in minimums.items():
+        value = getattr(args, dest)
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if v < low:
+                parser.error(f"--{dest.replace('_', '-')} must be at least {low}, got {v}")
 
 
 @dataclass(frozen=True)
@@ -134,14 +153,26 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def machine_note(max_world: int) -> str:
-    """One paragraph on where the numbers came from, with the oversubscription caveat."""
+def machine_note(max_world: int, threads_per_rank: int = 1, device_type: str = "cpu",
+                 backend: str | None = None) -> str:
+    """One paragraph on where the numbers came from: the machine, the ranks' device type and
+    backend (the device type's own unless given), the threads per rank, with the
+    oversubscription caveat where the ranks' threads outnumber the CPU cores (on the CPU)."""
     import torch
+    from engine.device.runtime import BACKENDS
     cores = os.cpu_count() or 1
-    note = (f"Measured on {platform.machine()} with {cores} CPU cores, torch {torch.__version__}, "
-            f"gloo, one thread per rank.")
-    if max_world > cores:
-        note += (f" Runs with more ranks than cores ({max_world} > {cores}) time-share the cores, "
+    backend = backend or BACKENDS.get(device_type, "?")
+    host = "" if device_type == "cpu" else "host "
+    threads = (f"one {host}thread per rank" if threads_per_rank == 1
+               else f"{threads_per_rank} {host}threads per rank")
+    where = (f"{cores} CPU cores" if device_type == "cpu"
+             else f"one {device_type} device per rank ({cores} CPU cores)")
+    note = (f"Measured on {platform.machine()} with {where}, torch {torch.__version__}, "
+            f"{backend}, {threads}.")
+    if device_type == "cpu" and max_world * threads_per_rank > cores:
+        more = (f"more ranks than cores ({max_world} > {cores})" if threads_per_rank == 1 else
+                f"more threads than cores ({max_world} ranks x {threads_per_rank} > {cores})")
+        note += (f" Runs with {more} time-share the cores, "
                  f"so their wall-clock throughput and scaling efficiency are distorted: they "
                  f"measure oversubscription as much as the parallel layout.")
     return note

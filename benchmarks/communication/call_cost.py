@@ -26,9 +26,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import markdown_table
+from benchmarks.common import BenchParser, at_least, markdown_table
 
 RULES = (None, "hccl")
+# what CommGroup.all_gather_into calls (torch 2.13's name; all_gather_into_tensor is a deprecated
+# wrapper around it, whose own cost would be charged to the bare side)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _block(fn, calls: int) -> float:
@@ -47,7 +50,7 @@ def _measure(ps, op: str, numel: int, calls: int, blocks: int) -> dict:
         bare = lambda: dist.all_reduce(t, group=group.process_group)  # noqa: E731
     else:
         engine = lambda: group.all_gather_into(out, t)  # noqa: E731
-        bare = lambda: dist.all_gather_into_tensor(out, t, group=group.process_group)  # noqa: E731
+        bare = lambda: _ALL_GATHER(out, t, group=group.process_group)  # noqa: E731
     _block(engine, calls // 4), _block(bare, calls // 4)  # warm both paths
     ratios, tot = [], {"engine": 0.0, "bare": 0.0}
     for b in range(blocks):
@@ -112,12 +115,13 @@ def run(args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=200, help="calls per timed block")
     p.add_argument("--blocks", type=int, default=15, help="timed blocks per side")
     p.add_argument("--numel", type=int, default=64, help="fp32 elements per collective")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
+    at_least(p, args, calls=1, blocks=1, numel=1)
     rows = run(args)
     print(f"per-call cost, 2 gloo ranks, {args.numel} fp32 elements, {args.blocks} x {args.calls} calls "
           f"per side (rank 0's figures)")

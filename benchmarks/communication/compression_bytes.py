@@ -11,7 +11,6 @@ feedback carries the rest to later steps), and the median wall time over ``--rep
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.common import BenchParser, at_least  # noqa: E402
 from parallel.runtime.comm_monitor import wire_bytes  # noqa: E402
 from parallel.dp import Int8Compressor, OneBitCompressor, TopKCompressor  # noqa: E402
 from parallel.grid.topology import RankGrid  # noqa: E402
@@ -70,12 +70,16 @@ def run_rank(ps, numel: int, reps: int) -> list[tuple]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = BenchParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--numel", type=int, default=4_000_000)
     parser.add_argument("--reps", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    at_least(parser, args, dp=2, reps=1)
+    if args.numel < max(args.dp):
+        parser.error(f"--numel must be at least the largest --dp ({max(args.dp)}): every rank "
+                     f"holds a shard, got {args.numel}")
     print("| dp | compressor | form | bytes sent | ratio | rel. error (last step) | median time (s) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for world in args.dp:

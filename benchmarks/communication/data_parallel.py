@@ -21,13 +21,13 @@ gradient bytes per step of each compressor.
 
 Each configuration trains a few steps on dp gloo processes (one spawned group per dp, one thread
 per process); times and tokens/s are totals over the steps after the first (tokens over seconds,
-``engine.observe.metrics.summarize_run``), bytes and collectives medians per step. With more ranks than CPU cores the
-ranks share cores, which lowers the efficiency beyond what communication alone costs: read the
-scaling columns as an upper bound on the overhead, not as a property of the reducer.
+``engine.observe.metrics.summarize_run``), bytes and collectives medians per step over the same
+steps. With more ranks than CPU cores the ranks share cores, which lowers the efficiency beyond
+what communication alone costs: read the scaling columns as an upper bound on the overhead, not
+as a property of the reducer.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.common import BenchParser, at_least  # noqa: E402
 from engine.config.cli import parse_args  # noqa: E402
 from engine.observe.metrics import summarize_run  # noqa: E402
 from engine.training.trainer import Trainer  # noqa: E402
@@ -73,14 +74,14 @@ def run_rank(ps, jobs: list[tuple[str, list[str]]]) -> list[dict]:
 
         trainer.reducer.finish = counted_finish
         records = trainer.train().records
-        total = summarize_run(records, warmup=1)        # the first step warms up
-        records = records[1:]
+        total = summarize_run(records, warmup=WARMUP)   # the first step warms up
         trainer.reducer.remove_hooks()
         chunks = trainer.chunks
         out.append({"label": label, "buckets": len(trainer.reducer.buckets),
                     "step_time": total["step_time_s"], "tokens_per_s": total["tokens_per_s"],
+                    # the same steps: after the one (uncompressed) warm-up step
                     "bytes": statistics.median(r["dp_comm_wire_bytes"] for r in records[WARMUP:]),
-                    "collectives": statistics.median(collectives[1:]),
+                    "collectives": statistics.median(collectives[WARMUP:]),
                     "memory": {k: records[-1][k] for k in ("param_bytes", "grad_bytes",
                                                            "optimizer_state_bytes")},
                     "n": sum(p.numel() for c in chunks for p in c.parameters()),
@@ -96,8 +97,8 @@ def formula(stage: int, dp: int, n: int, padded: int, tensors: int) -> tuple[int
     return 4 * padded, 4 * padded // (dp if stage == 2 else 1), 12 * padded // dp
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = BenchParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=128)
@@ -106,7 +107,16 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=2, help="micro-batches per step on each rank")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3, help="alternating jobs per overlap setting")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    at_least(parser, args, dp=1, num_layers=1, hidden_size=4, seq_length=1, micro_batch_size=1,
+             m=1, repeats=1)
+    if args.steps <= WARMUP:
+        parser.error(f"--steps {args.steps} must exceed the {WARMUP} warm-up step: every figure "
+                     f"is taken over the steps after it")
+    if args.hidden_size % 4:
+        parser.error(f"--hidden-size {args.hidden_size} must be a multiple of the 4 attention heads")
+    if len(set(args.dp)) != len(args.dp):
+        parser.error(f"--dp needs distinct values, got {' '.join(map(str, args.dp))}")
     cores = os.cpu_count() or 1
 
     results: dict[int, dict[str, dict]] = {}

@@ -31,15 +31,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import (Layout, LaunchFailed, fmt, fmt_bytes, machine_note,  # noqa: E402
-                               markdown_table, parse_int_list, parse_layout, read_jsonl,
-                               scaling_efficiency, single_thread_peak_tflops, summarize, torchrun)
+from benchmarks.common import (BenchParser, Layout, LaunchFailed, at_least, fmt,  # noqa: E402
+                               fmt_bytes, machine_note, markdown_table, parse_int_list,
+                               parse_layout, read_jsonl, scaling_efficiency,
+                               single_thread_peak_tflops, summarize, torchrun)
 
 DEFAULT_RECIPE = {"block": "gpt2", "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
                   "seq_length": 128, "vocab_size": 512, "mock_data": True, "micro_batch_size": 2,
                   "global_batch_size": 16, "precision": "fp32", "lr": 1e-3, "lr_warmup_iters": 2}
-# outputs a recipe may ask for that a benchmark job must not produce
-QUIET = ["--save=", "--load=", "--plot=", "--timeline=", "--eval-interval=0", "--no-progress"]
+# outputs a recipe may ask for that a benchmark job must not produce (a recipe's --load is refused
+# before any launch: every job starts from scratch)
+QUIET = ["--save=", "--plot=", "--timeline=", "--eval-interval=0", "--no-progress"]
 MODES = ("strong", "weak")
 
 
@@ -153,18 +155,19 @@ def percent(value: float | None) -> str:
 
 def table(rows: list[dict]) -> str:
     headers = ["procs", "layout (tp,pp,dp)", "global batch", "tokens/s", "TFLOP/s per device",
-               "MFU", "bubble theory / measured", "DP bytes per step", "efficiency"]
+               "MFU", "bubble theory / measured", "DP payload per step",
+               "DP wire per step (ring model)", "efficiency"]
     body = []
     for r in rows:
         if r["status"] != "ok":
             body.append([r["procs"], r["layout"], r["global_batch"], f"{r['status']}: {r['reason']}",
-                         "", "", "", "", ""])
+                         "", "", "", "", "", ""])
             continue
         bubble = ("-" if r["bubble_theoretical"] is None else
                   f"{r['bubble_theoretical']:.2f} / {fmt(r['bubble_measured'], '.2f')}")
         body.append([r["procs"], r["layout"], r["global_batch"], fmt(r["tokens_per_s"], ".0f"),
                      fmt(r["tflops_per_device"], ".4f"), percent(r["mfu"]), bubble,
-                     fmt_bytes(r["dp_comm_bytes"]),
+                     fmt_bytes(r["dp_comm_bytes"]), fmt_bytes(r.get("dp_comm_wire_bytes")),
                      fmt(r["efficiency"], ".2f")])
     return markdown_table(headers, body)
 
@@ -206,7 +209,7 @@ def plot(results: dict[str, list[dict]], path: Path, cores: int | None = None) -
 
 
 def parse(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML recipe (default: a small GPT-2 on mock data)")
     ap.add_argument("--nprocs", default="1,2,4,8", help="process counts, comma-separated")
     ap.add_argument("--layouts", nargs="+", help="explicit tp,pp,dp triples instead of the defaults")
@@ -223,31 +226,50 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun job")
     ap.add_argument("--out", default="runs/bench")
     args = ap.parse_args(argv)
+    at_least(ap, args, warmup=0, repeats=1, batch_per_dp=1, threads_per_rank=1)
     if args.steps <= args.warmup:
         ap.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    if args.strong_batch is not None and args.strong_batch < 1:
+        ap.error(f"--global-batch-size must be at least 1, got {args.strong_batch}")
+    if args.peak_tflops is not None and not 0 < args.peak_tflops < float("inf"):
+        ap.error(f"--peak-tflops must be a positive number, got {args.peak_tflops}")
+    if not args.timeout > 0:
+        ap.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     args.out = str(Path(args.out).resolve())  # the jobs run from the repository root
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in MODES for m in args.modes):
         ap.error(f"--modes takes strong, weak or both, got {','.join(args.modes)!r}")
+    try:
+        args.nprocs = parse_int_list(args.nprocs, "--nprocs")
+        args.layouts = [parse_layout(t) for t in args.layouts] if args.layouts else None
+    except ValueError as exc:
+        ap.error(str(exc))
+    from engine.config.cli import parse_args
+    try:  # the recipe, as every job will read it (ConfigError is a ValueError)
+        recipe = parse_args(recipe_flags(args.config))
+    except (ValueError, OSError) as exc:
+        ap.error(f"--config {args.config}: {exc}")
+    if recipe.checkpoint.load:
+        ap.error(f"--config {args.config}: the recipe loads {recipe.checkpoint.load}; every "
+                 f"scaling job starts from scratch: drop load from the recipe")
+    if args.strong_batch is None:
+        args.strong_batch = recipe.data.global_batch_size
     return args
 
 
 def main(argv=None) -> int:
     args = parse(argv)
-    nprocs = parse_int_list(args.nprocs, "--nprocs")
-    layouts = plan_layouts(nprocs, [parse_layout(t) for t in args.layouts] if args.layouts else None)
+    layouts = plan_layouts(args.nprocs, args.layouts)
     base = recipe_flags(args.config)
-    if args.strong_batch is None:
-        from engine.config.cli import parse_args
-        args.strong_batch = parse_args(base).data.global_batch_size
     from engine.device.runtime import detect_device_type
-    on_cpu = detect_device_type("auto") == "cpu"
+    device_type = detect_device_type("auto")
+    on_cpu = device_type == "cpu"
     peak = args.peak_tflops
     if peak is None and on_cpu:
         peak = single_thread_peak_tflops() * args.threads_per_rank
     Path(args.out).mkdir(parents=True, exist_ok=True)
     results = {mode: run_mode(mode, layouts, base, args, peak) for mode in args.modes}
-    text = render(results, args, peak, max(l.world for l in layouts))
+    text = render(results, args, peak, max(l.world for l in layouts), device_type)
     out = Path(args.out)
     (out / "scaling.md").write_text(text)
     (out / "scaling.json").write_text(json.dumps(results, indent=1))
@@ -257,7 +279,21 @@ def main(argv=None) -> int:
     return 1 if any(r["status"] == "failed" for rows in results.values() for r in rows) else 0
 
 
-def render(results: dict[str, list[dict]], args, peak: float | None, max_world: int) -> str:
+def peak_label(peak: float | None, args) -> str:
+    """Where the MFU peak came from: ``--peak-tflops``, one thread's measured rate times the
+    threads per rank (CPU), or the device's table peak the trainer divides by (``peak`` None)."""
+    if args.peak_tflops is not None:
+        return f"MFU peak: {fmt(peak, '.3f')} TFLOP/s per rank (given with --peak-tflops)."
+    if peak is None:
+        return "MFU peak: each rank's device table peak (the trainer's own)."
+    n = args.threads_per_rank
+    threads = "one thread's" if n == 1 else f"{n} threads x one thread's"
+    return (f"MFU peak: {fmt(peak, '.3f')} TFLOP/s per rank ({threads} measured fp32 matmul "
+            f"rate).")
+
+
+def render(results: dict[str, list[dict]], args, peak: float | None, max_world: int,
+           device_type: str = "cpu") -> str:
     """The markdown page: what was run, one table per mode, where it ran."""
     recipe = args.config or ", ".join(f"{k}={v}" for k, v in DEFAULT_RECIPE.items())
     jobs = f"median of {args.repeats} jobs per layout" if args.repeats > 1 else "one job per layout"
@@ -267,12 +303,13 @@ def render(results: dict[str, list[dict]], args, peak: float | None, max_world: 
         head.append(f"Strong scaling: global batch {args.strong_batch}.")
     if "weak" in args.modes:
         head.append(f"Weak scaling: {args.batch_per_dp} sequences per DP rank.")
-    measured = " (one thread, measured)" if args.peak_tflops is None else ""
-    head.append(f"MFU peak: {fmt(peak, '.3f')} TFLOP/s per rank{measured}.")
+    head.append(peak_label(peak, args))
+    head.append("DP payload: the bytes rank 0 hands to DP collectives per step (dp_comm_bytes); "
+                "DP wire: the ring-model bytes it puts on its link (dp_comm_wire_bytes).")
     parts = [" ".join(head)]
     for mode, rows in results.items():
         parts.append(f"### {mode} scaling\n\n{table(rows)}")
-    parts.append(machine_note(max_world))
+    parts.append(machine_note(max_world, args.threads_per_rank, device_type))
     return "\n\n".join(parts) + "\n"
 
 

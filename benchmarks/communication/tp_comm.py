@@ -4,16 +4,23 @@
     python -m benchmarks.communication.tp_comm --tp 2 --batch 4 --seq 256 --hidden 512
 
 For each tp, with and without sequence parallelism and for both block flavours, a tiny GPT runs one
-forward and one backward while torch.distributed's collectives are wrapped to record the op and the
-size of the full (unsharded) buffer each one moves. Running 1 and 2 layers and subtracting gives the
+forward and one backward while every collective of the tensor-parallel group is recorded with the op
+and the size of the full (unsharded) buffer it moves. Running 1 and 2 layers and subtracting gives the
 per-layer cost; what remains is the embedding, output layer and loss ("outside layers").
 
 Analytic count per layer, S = b * s * h * bytes per element:
 - without SP: forward 2 all-reduces of S (attention output and MLP output projections), backward 2
   all-reduces of S (gradients of the inputs of the QKV and first MLP projections);
-- with SP: each all-reduce becomes a reduce-scatter and an all-gather of the same S, in both passes.
+- with SP, forward: 2 all-gathers of S (the inputs of the QKV and first MLP projections) and 2
+  reduce-scatters of S (the outputs of the attention output and second MLP projections);
+- with SP, backward: 2 reduce-scatters of S (the gradients of the gathered inputs) and 4
+  all-gathers of S: the 2 of the output gradients, and 2 more because the column layers keep only
+  their s/tp input shard for the weight gradient and gather it again (Megatron-style).
 On a ring an all-reduce puts 2(n-1)/n * S on each rank's link, an all-gather or a reduce-scatter
-(n-1)/n * S, so SP moves the same bytes while keeping activations outside attention/MLP at s/tp.
+(n-1)/n * S. SP therefore moves the same bytes as the all-reduces in forward, and 1.5x their bytes in
+backward (6 (n-1)/n * S against 4 (n-1)/n * S), in exchange for activations at s/tp outside
+attention/MLP and no full-sequence input kept for the weight gradient.
+The collectives are counted through the communication layer's observers (``ps.comm.observers``).
 Prints a markdown table; "match" says whether the measured per-layer collectives equal the analytic.
 """
 from __future__ import annotations
@@ -25,7 +32,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -39,48 +45,34 @@ from parallel.grid.topology import RankGrid  # noqa: E402
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 class CollectiveCounter:
-    """Wraps torch.distributed's collectives (a benchmark-only patch) and records, per op, how many
-    calls and the bytes of the full buffer: the reduced tensor for all-reduce, the gathered output
-    for all-gather, the unscattered input for reduce-scatter."""
+    """Records, per op, how many collectives the tensor-parallel group issued and the bytes of the
+    full buffer each one moves (the reduced tensor for all-reduce, the gathered output for
+    all-gather, the unscattered input for reduce-scatter). It listens on the communication layer's
+    observers (``ps.comm.observers``, one ``CommEvent`` per call), so it sees exactly what the
+    engine issues, whichever torch.distributed function a ``CommGroup`` calls underneath."""
 
-    def __init__(self):
+    def __init__(self, ps: ParallelState):
+        self.ps = ps
         self.counts: Counter = Counter()
         self.bytes: Counter = Counter()
-        self._orig = {}
 
-    def _record(self, op: str, nbytes: int) -> None:
-        self.counts[op] += 1
-        self.bytes[op] += nbytes
+    def _observe(self, event) -> None:
+        if event.group != "tp" or event.op not in OPS:
+            return
+        size = len(event.ranks)
+        # a CommEvent's payload is what this rank hands over: an all-gather's own shard
+        full = event.payload_bytes * size if event.op == "all_gather" else event.payload_bytes
+        self.counts[event.op] += 1
+        self.bytes[event.op] += full
 
     def __enter__(self):
-        sizes = {
-            "all_reduce": lambda t, *a, **k: _nbytes(t),
-            "all_gather": lambda outs, t, *a, **k: sum(_nbytes(o) for o in outs),
-            "all_gather_into_tensor": lambda out, t, *a, **k: _nbytes(out),
-            "all_gather_single": lambda out, t, *a, **k: _nbytes(out),
-            "reduce_scatter": lambda out, ins, *a, **k: sum(_nbytes(i) for i in ins),
-            "reduce_scatter_tensor": lambda out, t, *a, **k: _nbytes(t),
-            "reduce_scatter_single": lambda out, t, *a, **k: _nbytes(t),
-        }
-        for name, size in sizes.items():
-            orig = getattr(dist, name)
-            self._orig[name] = orig
-            op = name.replace("_into_tensor", "").replace("_tensor", "").replace("_single", "")
-
-            def wrapped(*args, _orig=orig, _size=size, _op=op, **kwargs):
-                self._record(_op, _size(*args, **kwargs))
-                return _orig(*args, **kwargs)
-            setattr(dist, name, wrapped)
+        self.ps.comm.observers.append(self._observe)
         return self
 
     def __exit__(self, *exc):
-        for name, orig in self._orig.items():
-            setattr(dist, name, orig)
+        self.ps.comm.observers.remove(self._observe)
+        return False
 
     def take(self) -> tuple[Counter, Counter]:
         out = (self.counts.copy(), self.bytes.copy())
@@ -94,7 +86,7 @@ def measure(ps: ParallelState, block: str, sp: bool, layers: int, a) -> dict:
                     seq_length=a.seq, vocab_size=a.vocab, block=block)
     model = GPTChunk(cfg, ps, LayerContext(Initializer(0), sequence_parallel=sp), range(layers))
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=torch.Generator().manual_seed(0))
-    with CollectiveCounter() as counter:
+    with CollectiveCounter(ps) as counter:
         loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
         fwd = counter.take()
         loss.backward()
@@ -102,8 +94,15 @@ def measure(ps: ParallelState, block: str, sp: bool, layers: int, a) -> dict:
     return {"forward": fwd, "backward": bwd}
 
 
-def analytic(sp: bool, n: int, S: int) -> dict:
-    per_pass = ({"all_gather": 2, "reduce_scatter": 2} if sp else {"all_reduce": 2})
+def analytic(sp: bool, phase: str, n: int, S: int) -> dict:
+    """Per layer and pass: see the module docstring (SP backward re-gathers the column layers'
+    input, hence 4 all-gathers)."""
+    if not sp:
+        per_pass = {"all_reduce": 2}
+    elif phase == "forward":
+        per_pass = {"all_gather": 2, "reduce_scatter": 2}
+    else:
+        per_pass = {"all_gather": 4, "reduce_scatter": 2}
     nbytes = Counter({op: c * S for op, c in per_pass.items()})
     return {"counts": Counter(per_pass), "bytes": nbytes, "wire": wire_bytes(nbytes, n)}
 
@@ -128,8 +127,8 @@ def rows_for(ps: ParallelState, a) -> list[str]:
     for sp in (False, True):
         for block in ("gpt2", "llama"):
             one, two = measure(ps, block, sp, 1, a), measure(ps, block, sp, 2, a)
-            want = analytic(sp, n, S)
             for phase in ("forward", "backward"):
+                want = analytic(sp, phase, n, S)
                 counts = two[phase][0] - one[phase][0]
                 nbytes = two[phase][1] - one[phase][1]
                 outside_c = one[phase][0] - counts

@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from benchmarks.common import BenchParser, at_least
 from engine.checkpoint.async_writer import Checkpointer
 from engine.checkpoint.writer import save_checkpoint
 from engine.config.cli import parse_args
@@ -147,12 +148,18 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10MB,100MB,1GB", help="checkpointed state per run, e.g. 10MB,1GB")
     ap.add_argument("--repeats", type=int, default=4, help="saves of each kind per size")
     ap.add_argument("--dir", default=None, help="where checkpoints are written (default: the temp dir)")
     args = ap.parse_args(argv)
-    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    at_least(ap, args, repeats=1)
+    try:
+        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError as exc:
+        ap.error(f"--sizes: {exc}")
+    if not sizes or any(size < 1 for size in sizes):
+        ap.error(f"--sizes takes sizes above 0 such as 10MB,1GB, got {args.sizes!r}")
     workdir = args.dir or tempfile.gettempdir()
     os.makedirs(workdir, exist_ok=True)
     rows = []

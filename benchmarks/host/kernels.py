@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import kernels  # noqa: E402
+from benchmarks.common import BenchParser, at_least  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -83,7 +84,7 @@ def _forward_backward(fn, inputs):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     p.add_argument("--batch", type=int, default=2)
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 keeps torch's default)")
     a = p.parse_args(argv)
+    at_least(p, a, batch=1, heads=1, seq=1, head_dim=2, ffn=1, warmup=0, reps=1, threads=0)
+    if a.head_dim % 2:
+        p.error(f"--head-dim must be even (RoPE rotates pairs), got {a.head_dim}")
 
     try:
         device = torch.empty(1, device=a.device).device

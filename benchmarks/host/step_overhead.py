@@ -26,6 +26,15 @@ for two depths of the same model; a row counts the top-level aten ops (those not
 aten op: on an accelerator each is one kernel launch, or a few for a multi-tensor op over many
 tensors) that are not pure metadata (views, shapes, empty allocations) or host reads of CPU
 scalars (the optimizer's step counters). "now" must not grow with the number of parameters.
+"host reads" counts, in the same part, every read of a tensor's value by the host (``item``,
+``tolist``, ``bool``, ``float``...: the engine's own ``engine.device.syncs.SyncCounter``), the
+profiler's ``aten::item`` rows alone would miss the "now" side's one ``tolist``. On this CPU every
+tensor counts, the "before" side's foreach AdamW reading its host step counters (two per parameter)
+included; on an accelerator those are host tensors and no device wait.
+
+Both are host-time benchmarks: the trainers are built with ``--device cpu``, where every op runs
+synchronously, so the host clock around a part measures that part's work (on an accelerator it
+would measure launches, and the wait inside one side's host read).
 
     python -m benchmarks.host.step_overhead [--num-layers 100] [--steps 20] [--profile-layers 50,100]
 """
@@ -40,7 +49,9 @@ from collections import Counter
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from benchmarks.common import BenchParser, at_least, parse_int_list
 from engine.config.cli import parse_args
+from engine.device.syncs import SyncCounter
 from engine.training.lr_schedule import learning_rate
 from engine.training.trainer import Trainer
 from parallel.grads.norm import (check_and_unscale_reference, counted_grads,
@@ -64,7 +75,7 @@ def build(num_layers: int, args) -> Trainer:
             "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
             "--global-batch-size", str(args.micro_batch_size), "--train-iters", "1000000",
             "--precision", args.precision, "--clip-grad", "1.0", "--no-progress", "--lr", "1e-4",
-            "--initial-loss-scale", "256"]
+            "--initial-loss-scale", "256", "--device", "cpu"]
     return Trainer(parse_args(argv))
 
 
@@ -147,7 +158,8 @@ def count_launches(trainer: Trainer, fn, step: int) -> dict:
     """Top-level aten ops of one post-backward part, by kind (see the module docstring)."""
     local_loss, pipe = forward_backward(trainer, step)
     lr = learning_rate(step, trainer.cfg.optim)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    reads = SyncCounter(device_type="cpu")  # every host read of a tensor's value
+    with profile(activities=[ProfilerActivity.CPU]) as prof, reads.step(), reads.watching():
         with record_function("after_backward"):
             fn(trainer, local_loss, pipe, lr)
     top = [e.name for e in prof.events() if e.name.startswith("aten::")
@@ -155,11 +167,12 @@ def count_launches(trainer: Trainer, fn, step: int) -> dict:
     counts = Counter(top)
     launches = sum(n for name, n in counts.items() if name not in METADATA_OPS | HOST_SCALAR_OPS)
     return {"launches": launches, "top_level_ops": len(top),
-            "host_scalar_reads": sum(counts[n] for n in HOST_SCALAR_OPS), "by_op": counts}
+            "host_scalar_reads": sum(counts[n] for n in HOST_SCALAR_OPS),
+            "host_reads": len(reads.last), "by_op": counts}
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-layers", type=int, default=100)
     ap.add_argument("--hidden-size", type=int, default=32)
     ap.add_argument("--heads", type=int, default=2)
@@ -174,6 +187,14 @@ def main(argv=None) -> None:
                     help="intra-op threads (1: on a shared machine a second thread waits for a "
                          "time slice, which times the scheduler instead of the step)")
     args = ap.parse_args(argv)
+    at_least(ap, args, num_layers=1, hidden_size=1, heads=1, seq_length=1, vocab_size=1,
+             micro_batch_size=1, steps=1, warmup=0, threads=1)
+    if args.hidden_size % args.heads:
+        ap.error(f"--hidden-size {args.hidden_size} must be a multiple of --heads {args.heads}")
+    try:
+        args.profile_layers = parse_int_list(args.profile_layers, "--profile-layers")
+    except ValueError as exc:
+        ap.error(str(exc))
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     now, before = build(args.num_layers, args), as_before(build(args.num_layers, args))
@@ -207,9 +228,10 @@ def main(argv=None) -> None:
           f"{args.precision}, {torch.get_num_threads()} threads")
     now.close(), before.close()
 
-    print("\n| side | layers | parameter tensors | kernel launches | top-level ops | host scalar reads |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for layers in (int(x) for x in args.profile_layers.split(",")):
+    print("\n| side | layers | parameter tensors | kernel launches | top-level ops | "
+          "aten::item | host reads |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for layers in args.profile_layers:
         for name in ("before", "now"):
             trainer = build(layers, args) if name == "now" else as_before(build(layers, args))
             fn = sides[name][1]
@@ -219,11 +241,11 @@ def main(argv=None) -> None:
             c = count_launches(trainer, fn, 2)
             tensors = sum(1 for ch in trainer.chunks for p in ch.parameters() if p.requires_grad)
             print(f"| {name} | {layers} | {tensors} | {c['launches']} | {c['top_level_ops']} | "
-                  f"{c['host_scalar_reads']} |")
+                  f"{c['host_scalar_reads']} | {c['host_reads']} |")
             if name == "now":
                 ops = ", ".join(f"{k} {v}" for k, v in sorted(c["by_op"].items())
                                 if k not in METADATA_OPS)
-                print(f"|  | ops: {ops} | | | | |")
+                print(f"|  | ops: {ops} | | | | | |")
             trainer.close()
 
 

@@ -21,7 +21,6 @@ shard (the ring's load-balanced chunks, or Ulysses' contiguous shards).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -35,12 +34,13 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import parse_int_list  # noqa: E402
+from benchmarks.common import BenchParser, at_least, parse_int_list  # noqa: E402
 from engine.plan.model import Layout, ModelShape  # noqa: E402
 from engine.plan.memory import layer_activation_bytes  # noqa: E402
 from models import GPTChunk, GPTConfig, LayerContext  # noqa: E402
 from models.layers import Norm, ParallelAttention, ParallelMLP  # noqa: E402
 from parallel.context_parallel import load_balanced, shard_index  # noqa: E402
+from parallel.context_parallel.sharding import check_shardable  # noqa: E402
 from parallel.grid.launch import LaunchEnv
 from parallel.grid.state import ParallelState  # noqa: E402
 from parallel.tensor_parallel import Initializer  # noqa: E402
@@ -183,13 +183,23 @@ def table(results: dict[int, dict], seqs: list[int]) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = BenchParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", default="1024,2048,4096,8192")
     p.add_argument("--cp", default="1,2,4")
     p.add_argument("--cp-comm-type", default="p2p", choices=("p2p", "a2a"))
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args(argv)
-    seqs, cps = parse_int_list(a.seq, "--seq"), parse_int_list(a.cp, "--cp")
+    at_least(p, a, repeats=1)
+    try:
+        seqs, cps = parse_int_list(a.seq, "--seq"), parse_int_list(a.cp, "--cp")
+        for cp in cps:
+            if a.cp_comm_type == "a2a" and MODEL["num_attention_heads"] % cp:
+                raise ValueError(f"--cp {cp} does not divide the model's "
+                                 f"{MODEL['num_attention_heads']} heads (--cp-comm-type a2a)")
+            for seq in seqs:
+                check_shardable(seq, cp, load_balanced(a.cp_comm_type))
+    except ValueError as exc:
+        p.error(str(exc))
     import tempfile
     with tempfile.TemporaryDirectory() as out_dir:
         results = {cp: run(cp, seqs, a.cp_comm_type, a.repeats, out_dir) for cp in cps}

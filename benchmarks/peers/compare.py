@@ -5,7 +5,8 @@
     python -m benchmarks.peers.compare --layouts 1,2,1 --schedules 1f1b zb-h1 zb-v --repeats 5
 
 For every (tp, pp, dp) layout, two torchrun jobs train the same model for the same steps:
-- engine: ``python -m engine.train --mock-data --precision fp32 ...`` with the layout's flags;
+- engine: ``python -m engine.train --mock-data --precision fp32 --device cpu ...`` with the
+  layout's flags (the CPU: the native side's device mesh is a CPU one);
 - native: ``benchmarks/peers/native.py``, the same GPT-2 built as a plain torch module from the
   engine's serial initial weights, parallelised with DTensor ``parallelize_module``
   (ColwiseParallel/RowwiseParallel), ``torch.distributed.pipelining`` (PipelineStage +
@@ -35,8 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import (REPO, Layout, fmt, machine_note, markdown_table,  # noqa: E402
-                               max_rel_diff, parse_layout, read_jsonl, summarize, torchrun)
+from benchmarks.common import (REPO, BenchParser, Layout, at_least, fmt,  # noqa: E402
+                               machine_note, markdown_table, max_rel_diff, parse_layout,
+                               read_jsonl, summarize, torchrun)
 
 DEFAULT_LAYOUTS = ("2,1,1", "1,2,1", "1,1,2", "2,2,2")
 SPEC = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
@@ -73,7 +75,7 @@ def engine_target(layout: Layout, spec: dict, steps: int, metrics: Path,
                   schedule: str = "1f1b") -> list[str]:
     return (["-m", "engine.train", *shared_flags(spec, steps), *layout.flags(), "--mock-data",
              "--precision", "fp32", "--no-progress", "--metrics-file", str(metrics),
-             "--pipeline-schedule", schedule])
+             "--pipeline-schedule", schedule, "--device", "cpu"])   # the native side's device
 
 
 def native_target(layout: Layout, spec: dict, steps: int, metrics: Path,
@@ -122,7 +124,7 @@ def run_layout(layout: Layout, spec: dict, steps: int, warmup: int, out_dir: Pat
 
 
 def report(results: list[dict], spec: dict, steps: int, warmup: int, rtol: float,
-           repeats: int = 1) -> str:
+           repeats: int = 1, threads_per_rank: int = 1) -> str:
     rows = [[r["layout"], r.get("schedule", "1f1b"), r["world"], fmt(r["engine_tokens_per_s"], ".0f"),
              fmt(r["native_tokens_per_s"], ".0f"), fmt(r["ratio"], ".2f"),
              fmt(r["max_rel_loss_diff"], ".1e"),
@@ -134,11 +136,12 @@ def report(results: list[dict], spec: dict, steps: int, warmup: int, rtol: float
     runs = f"median of {repeats} jobs per side" if repeats > 1 else "one job per side"
     return (f"{table}\n\nModel and optimizer: {model}; {steps} steps, first {warmup} dropped from "
             f"throughput ({runs}, tokens over seconds of the steps kept), losses compared "
-            f"over all {steps}.\n\n{machine_note(max(r['world'] for r in results))}\n")
+            f"over all {steps}.\n\n"
+            f"{machine_note(max(r['world'] for r in results), threads_per_rank)}\n")
 
 
 def parse(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layouts", nargs="+", default=list(DEFAULT_LAYOUTS), help="tp,pp,dp triples")
     ap.add_argument("--schedules", nargs="+", default=["1f1b"], choices=("1f1b", "zb-h1", "zb-v"),
                     help="pipeline schedules to compare on layouts with pp > 1")
@@ -152,17 +155,30 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads-per-rank", type=int, default=1)
     for key, value in SPEC.items():
         ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    at_least(ap, args, warmup=0, repeats=1, threads_per_rank=1,
+             **{k: 1 for k in SPEC if k not in ("lr", "min_lr", "weight_decay", "clip_grad", "seed")})
+    if args.steps <= args.warmup:
+        ap.error(f"--steps {args.steps} must exceed --warmup {args.warmup}: the throughput is "
+                 f"taken over the steps after the warm-up")
+    if not args.timeout > 0:
+        ap.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    spec = {k: getattr(args, k) for k in SPEC}
+    try:
+        args.layouts = [parse_layout(t) for t in args.layouts]
+        args.cases = [(layout, s) for layout in args.layouts
+                      for s in (args.schedules if layout.pp > 1 else ["1f1b"])]
+        for layout, schedule in args.cases:
+            check_layout(layout, spec, schedule)
+    except ValueError as exc:
+        ap.error(str(exc))
+    return args
 
 
 def main(argv=None) -> int:
     args = parse(argv)
     spec = {k: getattr(args, k) for k in SPEC}
-    layouts = [parse_layout(t) for t in args.layouts]
-    cases = [(layout, s) for layout in layouts
-             for s in (args.schedules if layout.pp > 1 else ["1f1b"])]
-    for layout, schedule in cases:
-        check_layout(layout, spec, schedule)
+    cases = args.cases
     out = Path(args.out)
     results = []
     for i, (layout, schedule) in enumerate(cases):
@@ -174,7 +190,8 @@ def main(argv=None) -> int:
         print(f"  engine {r['engine_tokens_per_s']:.0f} tokens/s, native {r['native_tokens_per_s']:.0f}"
               f" tokens/s, ratio {r['ratio']:.2f}, max rel. loss diff {r['max_rel_loss_diff']:.1e}",
               flush=True)
-    text = report(results, spec, args.steps, args.warmup, args.loss_rtol, args.repeats)
+    text = report(results, spec, args.steps, args.warmup, args.loss_rtol, args.repeats,
+                  args.threads_per_rank)
     (out / "peers.md").write_text(text)
     (out / "peers.json").write_text(json.dumps({"spec": spec, "steps": args.steps, "warmup": args.warmup,
                                                 "repeats": args.repeats, "results": results}, indent=1))

@@ -18,7 +18,9 @@ machine the load from other processes drifts on the scale of seconds: timing ten
 side and then ten of the other measured that drift, not the engine (earlier block-wise runs
 put the ratio anywhere between 0.7 and 5). The ratio reported is the median over step pairs of
 plain step time / engine step time; tokens/s per side come from each side's median step time.
-Target: ratio >= 0.97.
+Target: ratio >= 0.97. A host-time benchmark: the engine is built with ``--device cpu`` (the plain
+loop copies its model), where every op runs synchronously, so each side's host clock covers its
+whole step (on an accelerator the engine's step would return with its optimizer still queued).
 
     python -m benchmarks.peers.overhead [--steps 20] [--rounds 3] [--hidden-size 256] [--num-layers 4]
 """
@@ -30,6 +32,7 @@ import time
 
 import torch
 
+from benchmarks.common import BenchParser, at_least
 from engine.config.cli import parse_args
 from engine.training.dp_setup import decays
 from engine.training.lr_schedule import learning_rate
@@ -41,7 +44,8 @@ def engine_side(args) -> Trainer:
             "--hidden-size", str(args.hidden_size), "--num-attention-heads", str(args.heads),
             "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
             "--global-batch-size", str(args.global_batch_size), "--train-iters", "1000000",
-            "--no-progress", "--lr", "1e-4", "--clip-grad", "1.0", "--weight-decay", "0.1"]
+            "--no-progress", "--lr", "1e-4", "--clip-grad", "1.0", "--weight-decay", "0.1",
+            "--device", "cpu"]
     return Trainer(parse_args(argv))
 
 
@@ -76,7 +80,7 @@ def plain_step(trainer: Trainer, model, opt, step: int) -> float:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10, help="step pairs per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2, help="untimed step pairs before the rounds")
@@ -88,6 +92,13 @@ def main(argv=None) -> None:
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--global-batch-size", type=int, default=16)
     args = ap.parse_args(argv)
+    at_least(ap, args, steps=1, rounds=1, warmup=0, num_layers=1, hidden_size=1, heads=1,
+             seq_length=1, vocab_size=1, micro_batch_size=1, global_batch_size=1)
+    if args.hidden_size % args.heads:
+        ap.error(f"--hidden-size {args.hidden_size} must be a multiple of --heads {args.heads}")
+    if args.global_batch_size % args.micro_batch_size:
+        ap.error(f"--global-batch-size {args.global_batch_size} must be a multiple of "
+                 f"--micro-batch-size {args.micro_batch_size}")
     torch.manual_seed(0)
     trainer = engine_side(args)
     model, opt = plain_side(trainer)

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import REPO, TORCHRUN
+from benchmarks.common import REPO, TORCHRUN, BenchParser, at_least
 
 RECIPE = ["--mock-data", "--num-layers=4", "--hidden-size=128", "--num-attention-heads=4",
           "--seq-length=64", "--micro-batch-size=4", "--global-batch-size=32", "--tp=2",
@@ -56,13 +56,19 @@ def tokens_per_s(metrics: Path, warmup: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = BenchParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rev", default="1659ac0", help="the previous release to compare against")
     p.add_argument("--repeats", type=int, default=3, help="jobs per tree, alternating")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--timeout-s", type=float, default=900.0)
     args = p.parse_args(argv)
+    at_least(p, args, repeats=1, warmup=0)
+    if args.steps <= args.warmup:
+        p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}: tokens/s is taken over "
+                f"the steps after the warm-up")
+    if not args.timeout_s > 0:
+        p.error(f"--timeout-s must be a positive number of seconds, got {args.timeout_s}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "release").mkdir()

@@ -24,7 +24,7 @@ a change of load on a shared machine hits all of them alike. Per run it prints:
   their way (posting, and waits after both sides posted), mean over ranks, and that over the
   forward/backward phase;
 - tokens/s: all tokens over all step seconds of the measured steps, and the ratio to 1F1B's;
-- peak activation MB: the most bytes of activations held at once on any rank during the last
+- peak activation MiB (2^20 bytes): the most bytes of activations held at once on any rank during the last
   step (benchmarks/memory/activation.py: autograd's saved tensors and what W closures keep);
 - for the last step, the replay with stage means and measured transfers, the replay with each
   action's own measured time and each message's stage latency, and the measurement; the mean F,
@@ -37,7 +37,6 @@ core; the script says so when it detects it.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -45,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.common import BenchParser, at_least  # noqa: E402
 from benchmarks.memory.activation import ActivationMemory  # noqa: E402
 from benchmarks.pipeline.gantt import draw_gantt  # noqa: E402
 from engine.config.cli import parse_args  # noqa: E402
@@ -137,8 +137,12 @@ def plan_runs(args, pp: int) -> list[tuple[str, int, int, list[str]]]:
     return runs
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+PEAK_HEADER = "peak activations (MiB)"   # the figure is bytes / 2**20
+MIB = 2 ** 20
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = BenchParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--m", type=int, nargs="+", default=[4, 8], help="micro-batches per step")
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
@@ -149,7 +153,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the totals")
     parser.add_argument("--out", default="runs/bench", help="folder for the Gantt charts")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    at_least(parser, args, pp=2, m=1, num_layers=1, hidden_size=1, seq_length=1,
+             micro_batch_size=1, warmup=0)
+    if args.steps <= args.warmup:
+        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}: the figures are "
+                     f"totals over the steps after the warm-up")
     os.makedirs(args.out, exist_ok=True)
     cores = os.cpu_count() or 1
 
@@ -179,7 +188,7 @@ def main() -> None:
                          "sim_free": summary["bubble_simulated_compute"],
                          "exposed": summary["time_pp_exposed_s"],
                          "phase_s": summary["time_forward_backward_s"],
-                         "tokens_per_s": summary["tokens_per_s"], "peak_mb": peak / 2 ** 20,
+                         "tokens_per_s": summary["tokens_per_s"], "peak_mib": peak / MIB,
                          "last": (sim.idle_fraction, replay_measured(lists, events, costs),
                                   last.mean),
                          "f": statistics.mean(times["forward"]), "b": statistics.mean(times["backward"]),
@@ -196,7 +205,7 @@ def main() -> None:
 
     print("| schedule | p | m | v | theoretical | simulated, free transfers | simulated "
           "| measured | measured - simulated | exposed PP transfers (ms/step, share of phase) "
-          "| tokens/s | vs 1F1B | peak activations (MB) "
+          f"| tokens/s | vs 1F1B | {PEAK_HEADER} "
           "| last step: simulated / each action's time / measured | mean F / B / W (ms) |")
     print("| --- " * 15 + "|")
     for r in rows:
@@ -208,7 +217,7 @@ def main() -> None:
               f"| {r['sim_free']:.3f} | {r['sim']:.3f} | {r['meas']:.3f} "
               f"| {r['meas'] - r['sim']:+.3f} | {r['exposed'] * 1e3:.1f} ({share:.3f}) "
               f"| {r['tokens_per_s']:.0f} | {ratio} "
-              f"| {r['peak_mb']:.1f} | {s:.3f} / {e:.3f} / {ms:.3f} "
+              f"| {r['peak_mib']:.1f} | {s:.3f} / {e:.3f} / {ms:.3f} "
               f"| {r['f'] * 1e3:.1f} / {r['b'] * 1e3:.1f} / {w} |")
     print()
     print(f"Totals over steps {args.warmup + 1}..{args.steps} of each run ({args.warmup} warm-up "

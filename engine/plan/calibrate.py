@@ -15,6 +15,7 @@ docs/planner.md, "Calibration", says what each fits and from which figures.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import replace
 
@@ -23,21 +24,39 @@ from engine.plan.model import Cluster, Layout, ModelShape
 from engine.plan.timing import estimate
 
 
+def _step_time(record: dict, metrics_path: str, number: int) -> float | None:
+    """A record's ``step_time_s``: None where the run left it out (null or missing), else a finite
+    number above 0; anything else is an error naming the file and the line."""
+    value = record.get("step_time_s")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+        raise ValueError(f"--calibrate {metrics_path}: line {number} has step_time_s {value!r}; "
+                         f"a step time is a finite number of seconds above 0: give the "
+                         f"metrics.jsonl of a run")
+    return value
+
+
 def _timed_records(metrics_path: str) -> list[dict]:
     """The records of a metrics JSONL with a step time, without the first (warm-up) step and
     skipped steps (all timed ones when nothing else is left)."""
     records = []
     with open(metrics_path) as fh:
         for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
             try:
-                records.append(json.loads(line)) if line.strip() else None
+                record = json.loads(line)
             except ValueError as exc:
                 raise ValueError(f"--calibrate {metrics_path}: line {number} is not JSON ({exc}); "
                                  f"give the metrics.jsonl of a run") from exc
-    if not all(isinstance(r, dict) for r in records):
-        raise ValueError(f"--calibrate {metrics_path}: expected one JSON object per line")
-    timed = [r for r in records[1:] or records if not r.get("skipped") and r.get("step_time_s")]
-    records = timed or [r for r in records if r.get("step_time_s")]
+            if not isinstance(record, dict):
+                raise ValueError(f"--calibrate {metrics_path}: line {number} is not a JSON object; "
+                                 f"expected one JSON object per line")
+            records.append((record, _step_time(record, metrics_path, number)))
+    timed = [r for r, t in records[1:] or records if not r.get("skipped") and t is not None]
+    records = timed or [r for r, t in records if t is not None]
     if not records:
         raise ValueError(f"--calibrate {metrics_path}: no step with step_time_s")
     return records

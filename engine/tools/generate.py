@@ -179,6 +179,8 @@ def check_args(args) -> None:
         raise ConfigError(f"--temperature must be 0 (greedy) or a positive number, got {args.temperature}")
     if args.top_k < 0:
         raise ConfigError(f"--top-k must be 0 (no cut) or positive, got {args.top_k}")
+    if not -2 ** 63 <= args.seed < 2 ** 64:   # what torch.Generator.manual_seed takes
+        raise ConfigError(f"--seed must be an integer in [-2**63, 2**64), got {args.seed}")
     if args.tokenizer and args.tokenizer_model:
         raise ConfigError("--tokenizer and --tokenizer-model both name a tokenizer: give one")
 

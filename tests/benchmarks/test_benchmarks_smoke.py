@@ -101,15 +101,17 @@ def test_tables_and_formatting():
     assert fmt_bytes(512) == "512 B" and fmt_bytes(3 * 1024 ** 2) == "3.0 MiB" and fmt_bytes(None) == "-"
     rows = [{"procs": 1, "layout": "(1,1,1)", "global_batch": 8, "status": "ok", "tokens_per_s": 1234.4,
              "tflops_per_device": 0.01, "mfu": 0.25, "bubble_theoretical": None,
-             "bubble_measured": None, "dp_comm_bytes": 0, "efficiency": 1.0},
+             "bubble_measured": None, "dp_comm_bytes": 0, "dp_comm_wire_bytes": 0,
+             "efficiency": 1.0},
             {"procs": 4, "layout": "(1,2,2)", "global_batch": 8, "status": "ok", "tokens_per_s": 2000.0,
              "tflops_per_device": 0.004, "mfu": None, "bubble_theoretical": 0.2,
-             "bubble_measured": 0.45, "dp_comm_bytes": 2048, "efficiency": 0.4051},
+             "bubble_measured": 0.45, "dp_comm_bytes": 2048, "dp_comm_wire_bytes": 3072,
+             "efficiency": 0.4051},
             {"procs": 3, "layout": "(3,1,1)", "global_batch": 8, "status": "skipped",
              "reason": "heads"}]
     lines = scaling.table(rows).splitlines()
-    assert lines[2].startswith("| 1 | (1,1,1) | 8 | 1234 | 0.0100 | 25.0% | - | 0 B | 1.00 |")
-    assert "| 0.20 / 0.45 | 2.0 KiB | 0.41 |" in lines[3] and "| - |" in lines[3]
+    assert lines[2].startswith("| 1 | (1,1,1) | 8 | 1234 | 0.0100 | 25.0% | - | 0 B | 0 B | 1.00 |")
+    assert "| 0.20 / 0.45 | 2.0 KiB | 3.0 KiB | 0.41 |" in lines[3] and "| - |" in lines[3]
     assert "skipped: heads" in lines[4]
 
 
