@@ -241,6 +241,9 @@ class CheckpointConfig:
     overwrite: bool = False   # a fresh run may replace another run's checkpoints in --save (moved aside first)
 
     def __post_init__(self):
+        # an empty --load= (a recipe's checkpoint cleared on the command line): nothing to load
+        # (an empty --save= already means no checkpoints, not the --run-dir default)
+        self.load = self.load or None
         if self.save_interval < 0 or self.keep_last < 1:
             raise ValueError("--save-interval must be >= 0 and --keep-last >= 1")
         for flag, on in (("--finetune", self.finetune), ("--use-checkpoint-args", self.use_checkpoint_args)):

@@ -21,6 +21,17 @@ def test_yaml_recipe_and_override(tmp_path):
     assert cfg.model.num_layers == 2 and cfg.model.hidden_size == 96 and cfg.optim.lr == 1e-3
 
 
+def test_an_empty_load_or_save_clears_the_recipes(tmp_path):
+    """``--load=`` clears a recipe's checkpoint (nothing read) instead of naming the path '';
+    ``--save=`` saves nothing, not even under --run-dir."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("load: /ckpt/a\nsave: /ckpt/b\nrun_dir: /runs/x\n")
+    cfg = parse_args(["--config", str(recipe), "--load=", "--save="])
+    assert cfg.checkpoint.load is None and not cfg.checkpoint.save
+    with pytest.raises(ConfigError, match="--finetune reads the checkpoint given by --load"):
+        parse_args(["--config", str(recipe), "--load=", "--finetune"])
+
+
 def test_unknown_flag_and_key(tmp_path):
     with pytest.raises(ConfigError, match="unknown argument '--num-layer'; did you mean --num-layers"):
         parse_args(["--num-layer", "3"])

@@ -124,7 +124,13 @@ def test_serial_layer_equals_torchao(kind, ao_recipe, recipe):
     x, g = _full(3, B, S, IN, scale=2.0), _full(4, B, S, OUT, scale=1e-3)
     got, want = _run(layer, x, g), _run(ref[0], x, g)
     for a, b in zip(got[:3], want[:3]):
-        assert torch.equal(a, b)
+        if ao_recipe == "rowwise":
+            assert torch.equal(a, b)
+        else:   # the same quantized operands and scales; on the CPU torchao's one-scale GEMM is
+            # oneDNN's reference kernel, ours the per-row kernel (kernels/fp8.py): the fp32 sums
+            # round to bf16 alike but for an element's last bit (one unit of its own magnitude)
+            torch.testing.assert_close(a.float(), b.float(), rtol=2.0 ** -7, atol=0)
+            assert (a != b).float().mean() < 0.01, "more than a stray rounding apart"
 
 
 # ---- layouts: tp=2 x cp=2 ---------------------------------------------------------------------
@@ -269,8 +275,10 @@ def _layout_case(ps, recipe, kind, sp, ring, split, pair, results):
     assert counted["tp"]["payload_bytes"] == sum(e.payload_bytes for e in events if e.group == "tp")
     # outputs and gradients: the serial layer's part
     # partial sums reduced in bf16: each partial rounded, the sum rounded, the serial result
-    # rounded once: two units of the largest element at most
-    ulps = 0 if kind == "column" else 2
+    # rounded once: two units of the largest element at most. A column shard computes the same
+    # products, but the CPU GEMM may sum them in another order for another output width (AMX
+    # and AVX-512 kernels choose their blocking by shape): one bf16 rounding apart at most
+    ulps = 1 if kind == "column" else 2
     for i in range(len(names)):
         want_y = cut(serial[0][i])
         want_y = want_y.chunk(tp, -1)[ps.tp_rank] if kind == "column" else (
