@@ -64,7 +64,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class TrainingDiverged(RunDiverged):
-    """A NaN/Inf loss in fp32: the run stops and names the last good checkpoint."""
+    """A NaN/Inf loss in fp32 or bf16 (fp16 skips the step): the run stops and names the last
+    good checkpoint."""
 
 
 @dataclass
