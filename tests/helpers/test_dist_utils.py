@@ -39,6 +39,9 @@ def test_a_native_crash_reports_the_ranks_thread_stacks():
 
 def vanish(ps):
     import os
+
+    import torch.distributed as dist
+    dist.barrier()   # every rank's groups made: none leaves a peer inside their set-up
     os._exit(0)      # no result, no error, exit code 0
 
 
