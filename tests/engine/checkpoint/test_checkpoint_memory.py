@@ -8,7 +8,8 @@
 - Loading reads the optimizer state one parameter at a time into its place: the peak resident
   memory of a resume (the distributed optimizer, its state offloaded: already allocated in host
   memory) grows by less than half the state it loads (it held the whole state twice: a clone of
-  the live state for its piece list, and every piece read before the first was placed).
+  the live state for its piece list, and every piece read before the first was placed), and the
+  moments and masters it leaves in each piece's slices are the saved run's, bit for bit.
 """
 from __future__ import annotations
 
@@ -96,6 +97,18 @@ class _AnonPeak:
         self.value = max(self.value, _anon_rss())
 
 
+def _optimizer_state(trainer) -> list[tuple]:
+    """(name, start, end, exp_avg, exp_avg_sq, master) of each piece of the distributed
+    optimizer's shard, copied, read through its slices of the moments (host chunks included)
+    and the masters."""
+    opt, out = trainer.optimizer, []
+    for piece in opt.pieces:
+        sl = opt._piece_slice(piece)
+        out.append((piece.name, piece.start, piece.end, opt.exp_avg[sl].clone(),
+                    opt.exp_avg_sq[sl].clone(), opt.master[sl].clone()))
+    return out
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux's /proc")
 def test_a_resume_reads_the_optimizer_state_piece_by_piece(tmp_path):
     flags = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "1024",
@@ -104,7 +117,10 @@ def test_a_resume_reads_the_optimizer_state_piece_by_piece(tmp_path):
              "--use-distributed-optimizer", "--optimizer-cpu-offload", "--run-dir", str(tmp_path)]
     first = Trainer(parse_args(flags + ["--train-iters", "1"]))
     first.train()
+    saved = _optimizer_state(first)
     first.close()
+    assert all(m.abs().sum() > 0 and v.abs().sum() > 0 for _, _, _, m, v, _ in saved)  # one step moved them
+    assert first.optimizer.exp_avg.split == first.optimizer.exp_avg.numel() > 0  # all in host memory
     resumed = Trainer(parse_args(flags + ["--train-iters", "2"]))
     try:
         state = 2 * 4 * sum(p.numel() for c in resumed.chunks for p in c.parameters())  # m, v
@@ -112,9 +128,15 @@ def test_a_resume_reads_the_optimizer_state_piece_by_piece(tmp_path):
         with _AnonPeak() as peak:
             assert resumed.maybe_load() == 1
         grown = peak.value - before
+        loaded = _optimizer_state(resumed)
     finally:
         resumed.close()
     assert state > 150 << 20 and grown < state // 2, (grown, state)
+    # and what it read is the saved run's state, each piece in its place
+    assert [x[:3] for x in loaded] == [x[:3] for x in saved]
+    for want, got in zip(saved, loaded):
+        for key, a, b in zip(("exp_avg", "exp_avg_sq", "master"), want[3:], got[3:]):
+            assert torch.equal(a, b), (want[0], want[1], key)
 
 
 def test_the_state_reader_reads_each_parameter_once_and_keeps_nothing():

@@ -11,14 +11,18 @@ One group of 8 gloo ranks runs a chain of trainers (spawning is the expensive pa
 and a serial run (tp=pp=dp=1, ZeRO off) in this process loads A's step 3.
 The vocabulary (300) pads differently at tp 1, 2 and 4, so padding rows are dropped and restored.
 The learning rate is constant after warmup, so a run that stops early (C) keeps the schedule.
+Each resharding load (C, D, F, H) is also saved at once, before training, under ``resaved/``:
+every model and optimizer logical tensor it holds is the one it loaded, element for element (a
+resumed step's loss cannot see the optimizer state, and a later one only its sum over tensors).
 """
 import json
 import math
 import os
 
 import pytest
+import torch
 
-from engine.checkpoint import CheckpointError
+from engine.checkpoint import CheckpointError, TensorReader, read_index
 from engine.config.cli import parse_args
 from engine.training.trainer import Trainer
 from parallel.grid.topology import RankGrid
@@ -30,32 +34,54 @@ BASE = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "
         "constant", "--train-iters", "6", "--timeout-s", "60"]
 
 
-def _losses(argv: list[str]) -> list[float]:
+def _losses(argv: list[str], resave: str | None = None) -> list[float]:
+    """The run's losses; with ``resave``, what it loaded is first saved there as it stands (the
+    loaded step, no training between), then the run trains from its --load as without."""
     trainer = Trainer(parse_args(BASE + argv))
     try:
+        if resave is not None:
+            ck = trainer.cfg.checkpoint
+            step, own = trainer.maybe_load(), ck.save
+            ck.save = resave
+            try:
+                trainer.save(step)
+            finally:
+                ck.save = own
         return [r["loss"] for r in trainer.train().records]
     finally:
         trainer.close()
 
 
+# each resharding load: (its checkpoint, relative to the chain's root) -> where it was saved again
+RESAVED = {"C": ("a/iter_0000003", "resaved/c/iter_0000003"),
+           "D": ("c/iter_0000004", "resaved/d/iter_0000004"),
+           "F": ("a/iter_0000003", "resaved/f/iter_0000003"),
+           "H": ("g/iter_0000004", "resaved/h/iter_0000004")}
+
+
 def chain(ps, root):
     a = os.path.join(root, "a")
     c = os.path.join(root, "c")
+
+    def resave(run: str) -> str:
+        return os.path.dirname(os.path.join(root, RESAVED[run][1]))
     out = {"A": _losses(["--tp", "2", "--pp", "2", "--use-distributed-optimizer", "--sequence-parallel",
                          "--save", a, "--save-interval", "3"])}
     ck3 = os.path.join(a, "iter_0000003")
     out["E"] = _losses(["--tp", "2", "--pp", "2", "--use-distributed-optimizer", "--sequence-parallel",
                         "--load", ck3])
-    out["C"] = _losses(["--tp", "4", "--pp", "1", "--load", ck3, "--save", c, "--train-iters", "4"])
+    out["C"] = _losses(["--tp", "4", "--pp", "1", "--load", ck3, "--save", c, "--train-iters", "4"],
+                       resave("C"))
     out["D"] = _losses(["--tp", "1", "--pp", "4", "--use-distributed-optimizer",
-                        "--load", os.path.join(c, "iter_0000004")])
+                        "--load", os.path.join(c, "iter_0000004")], resave("D"))
     out["F"] = _losses(["--tp", "2", "--pp", "2", "--pipeline-schedule", "interleaved",
-                        "--virtual-pipeline-size", "2", "--load", ck3])
+                        "--virtual-pipeline-size", "2", "--load", ck3], resave("F"))
     g = os.path.join(root, "g")
     out["G"] = _losses(["--tp", "2", "--pp", "2", "--use-distributed-optimizer", "--zero-stage", "2",
                         "--sequence-parallel", "--load", ck3, "--save", g, "--save-interval", "1",
                         "--keep-last", "3"])
-    out["H"] = _losses(["--tp", "2", "--pp", "1", "--load", os.path.join(g, "iter_0000004")])
+    out["H"] = _losses(["--tp", "2", "--pp", "1", "--load", os.path.join(g, "iter_0000004")],
+                       resave("H"))
     return out
 
 
@@ -87,6 +113,29 @@ def test_resume_across_layouts(resharded):
     with pytest.raises(CheckpointError, match="is at step 6 and --train-iters is 6: nothing to train"):
         _losses(["--load", os.path.join(root, "a")])  # latest = step 6
     close(_losses(["--load", os.path.join(root, "a", "iter_0000003")]), r["A"][3:])
+
+
+def logical_tensors(ckpt: str) -> dict[str, torch.Tensor]:
+    """Every model and optimizer logical tensor of a checkpoint, read whole (float64: exact)."""
+    index = read_index(ckpt)
+    reader = TensorReader(ckpt, index)
+    return {name: reader.read(name, [0] * len(e["shape"]), e["shape"], dtype=torch.float64)
+            for name, e in index["tensors"].items() if name.startswith(("model/", "optim/"))}
+
+
+@pytest.mark.parametrize("run", sorted(RESAVED))
+def test_resharded_loads_hold_every_logical_tensor(resharded, run):
+    """What a layout loaded from another's checkpoint, saved again at once, is that checkpoint:
+    the model and both moments (and masters where stored) of every parameter, element for
+    element."""
+    root, _ = resharded
+    source, again = (os.path.join(root, p) for p in RESAVED[run])
+    want, got = logical_tensors(source), logical_tensors(again)
+    assert sorted(got) == sorted(want), (run, sorted(set(got) ^ set(want)))
+    assert any(n.startswith("optim/exp_avg/") for n in want) and \
+        any(n.startswith("optim/exp_avg_sq/") for n in want), sorted(want)
+    differ = [n for n in want if not torch.equal(got[n], want[n])]
+    assert not differ, (run, differ)
 
 
 def test_index_records_pieces_and_layout(resharded):

@@ -190,5 +190,7 @@ def test_blended_training_is_layout_independent(tmp_path):
     want = [r["loss"] for r in serial.train().records]
     serial.close()
     got = run_distributed(_blend_losses, grid=RankGrid(dp=2), args=(argv,), timeout_s=60)
+    assert len(want) == 3, want
     for losses in got:
+        assert len(losses) == len(want), (losses, want)
         assert all(abs(x - y) <= 1e-4 * abs(y) for x, y in zip(losses, want)), (losses, want)

@@ -1,10 +1,11 @@
 """The alltoall token dispatcher on two gloo ranks (one EP group): rows land on the rank holding
 their expert, sorted by (local expert, source rank), with each local expert's row offset on the
-device; combine inverts it; gradients travel back; the collectives are the counts' all-to-all and
-one all-to-all with split sizes each way, on the "ep" group; the forward reads the host once (the
-split sizes, counted by the step's wait counter in strict mode), the backward not at all. The
-(local expert, source rank) row segments (FP8's weight-gradient scales, kernels/fp8_grouped.py)
-are the same for the alltoall and the allgather dispatcher."""
+device; combine inverts it; gradients travel back, each to its own token (a random upstream
+gradient); the collectives are the counts' all-to-all and one all-to-all with split sizes each
+way, on the "ep" group; the forward reads the host once (the split sizes, counted by the step's
+wait counter in strict mode), the backward not at all. The (local expert, source rank) row
+segments (FP8's weight-gradient scales, kernels/fp8_grouped.py) are the same for the alltoall and
+the allgather dispatcher."""
 from __future__ import annotations
 
 import torch
@@ -31,6 +32,8 @@ def _dispatch(ps):
     x, experts = _tokens(ps.rank)
     x.requires_grad_(True)
     weights = torch.full((T, K), 0.5)
+    # a random upstream gradient: each token's gradient must come back to that token's row
+    g = torch.randn(T, H, generator=torch.Generator().manual_seed(10 + ps.rank))
     counter = SyncCounter(strict=True)
     with record_comm(ps) as events:
         with counter.step(), counter.watching():  # the dispatcher's own waits, forward and back
@@ -38,7 +41,7 @@ def _dispatch(ps):
             got, state = alltoall_dispatch(rows, perm.counts, group)
             back = alltoall_combine(got * 2.0, state, group)
             out = unpermute_tokens(back, weights, perm)  # each token: 2 copies x 0.5 x 2x
-            out.sum().backward()
+            out.backward(g)
     # the split sizes' one read, in the forward; nothing else, the backward included
     assert [e.name for e in counter.last] == ["tensor.tolist"]
     # the expected rows: every rank's copies for my experts, by (local expert, source rank)
@@ -59,7 +62,7 @@ def _dispatch(ps):
     _, gathered = allgather_dispatch(x.detach(), weights, zero_width, group)
     assert gathered.segments.tolist() == segments
     torch.testing.assert_close(out, 2.0 * x)
-    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+    torch.testing.assert_close(x.grad, 2.0 * g, rtol=0, atol=0)   # out = 2x: dx = 2g
     ops = [(e.op, e.group) for e in events]
     # forward: the counts, the rows, the rows back; backward: one all-to-all per direction
     assert ops == [("all_to_all", "ep")] * 5, ops

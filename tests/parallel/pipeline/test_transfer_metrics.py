@@ -24,7 +24,12 @@ What each figure must then be:
   being inside each rank's pipeline phase, it is no more than global rank 0's, the first stage's,
   which starts the pipeline and ends it (``time_forward_backward_s``);
 - the replay with transfers is never below the one without (costs only delay a replay), which is
-  never below the schedule's theoretical bubble.
+  never below the schedule's theoretical bubble;
+- ``bubble_simulated_compute`` is the schedule (built here) replayed with free transfers and, per
+  stage, the mean of the step's forward and of its backward spans over the stage's ranks, each
+  rank's taken here from that step's own pipeline events: the right step, the right stage; the
+  per-stage means the record carries are those, and ``bubble_simulated`` is the replay of them
+  with the record's measured transfer costs.
 """
 from __future__ import annotations
 
@@ -36,7 +41,9 @@ from engine.config.cli import parse_args
 from engine.observe.dashboards import scalars
 from engine.observe.metrics import summarize_run
 from engine.training.trainer import Trainer
-from parallel.pipeline.bubble import theoretical_bubble
+from parallel.pipeline.bubble import simulate, theoretical_bubble
+from parallel.pipeline.schedules import build_schedule, has_weight_actions
+from parallel.pipeline.transfers import StageTransfers
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
@@ -52,6 +59,9 @@ INTERLEAVED = BASE + ["--pp", "2", "--dp", "2", "--pipeline-schedule", "interlea
                       "--overlap-param-gather"]
 DEEP = BASE + ["--pp", "4", "--dp", "1"]
 KEYS = ("time_pp_exposed_s", "time_dp_exposed_s", "time_zero_gather_exposed_s")
+# what a step's output carries for the replays (filled one step late)
+REPLAY_KEYS = ("stage_fwd_s", "stage_bwd_s", "stage_wgt_s", "stage_post_s", "stage_latency_f_s",
+               "stage_latency_b_s")
 
 
 class Delayed:
@@ -115,15 +125,19 @@ def _train(ps, argv: list[str]) -> dict:
         gather.wait = in_phase(phase, "gather", gather.wait)
     if stepper.waiter is not None:
         stepper.waiter = DelayedWaiter(stepper.waiter, counts)
-    steps, run = [], stepper.run
+    steps, outs, run, pp_rank = [], [], stepper.run, trainer.ps.pp_rank
 
     def counted_run(*args, **kwargs):
         log.clear()
         counts.update(pp_recv=0)
         out = run(*args, **kwargs)
+        spans = {cat: [e.end - e.start for e in out.pipeline.events if e.cat == cat]
+                 for cat in ("forward", "backward")}
         steps.append({"dp_waits": log.count("finish"), "gather_waits": log.count("gather"),
                       "dp_stamps": reducer.wait_stamps, **counts,
-                      "gather_stamps": None if gather is None else list(gather.waited)})
+                      "gather_stamps": None if gather is None else list(gather.waited),
+                      "compute_s": [sum(v) / len(v) for v in spans.values()]})
+        outs.append(out)
         return out
 
     stepper.run = counted_run
@@ -132,11 +146,12 @@ def _train(ps, argv: list[str]) -> dict:
     finally:
         trainer.close()
     clock = stepper.clock
-    for s in steps:
+    for s, out in zip(steps, outs):
+        s["replay"] = {k: out.extra.get(k) for k in REPLAY_KEYS}
         pairs = s.pop("dp_stamps"), s.pop("gather_stamps")
         s["dp_s"] = 0.0 if pairs[0] is None else clock.elapsed_s(*pairs[0])
         s["gather_s"] = None if pairs[1] is None else sum(clock.elapsed_s(a, b) for a, b in pairs[1])
-    return {"records": records, "steps": steps}
+    return {"records": records, "steps": steps, "pp_rank": pp_rank}
 
 
 def _gathers(argv: list[str]) -> tuple:
@@ -208,13 +223,40 @@ def test_zero_gather_exposed_is_null_without_the_overlapped_gather(runs):
     assert all(x is not None and x > 0 for x in steps) and summary == steps[1], zero
 
 
+def stage_means(runs: list[dict], name: str, k: int, pp: int) -> tuple[list, list]:
+    """Per stage, the mean over its ranks of each rank's mean forward and backward span in step
+    ``k`` (0-based)."""
+    fwd, bwd = [0.0] * pp, [0.0] * pp
+    for r in runs:
+        f, b = r[name]["steps"][k]["compute_s"]
+        fwd[r[name]["pp_rank"]] += f * pp / len(runs)
+        bwd[r[name]["pp_rank"]] += b * pp / len(runs)
+    return fwd, bwd
+
+
 def test_replay_bubbles_and_one_host_wait(runs):
     for name, (pp, m, vp) in (("interleaved", (2, 4, 2)), ("deep", (4, 8, 1))):
-        theory = theoretical_bubble("interleaved" if vp > 1 else "1f1b", pp, m, vp)
-        for r in runs[0][name]["records"]:
+        schedule = "interleaved" if vp > 1 else "1f1b"
+        theory = theoretical_bubble(schedule, pp, m, vp)
+        lists = build_schedule(schedule, pp, m, vp)
+        assert not has_weight_actions(lists)
+        assert sorted(r[name]["pp_rank"] for r in runs) == sorted(list(range(pp)) * (4 // pp))
+        for k, r in enumerate(runs[0][name]["records"]):
             assert r["host_syncs"] == 1, r["host_sync_points"]
             assert r["bubble_simulated_compute"] >= theory - 1e-9, r
             assert r["bubble_simulated"] >= r["bubble_simulated_compute"] - 1e-9, r
+            # the replays of this step's own stage means (fp32 in the statistics all-reduce)
+            fwd, bwd = stage_means(runs, name, k, pp)
+            carried = runs[0][name]["steps"][k]["replay"]
+            assert carried["stage_fwd_s"] == pytest.approx(fwd, rel=1e-5), (name, k, carried, fwd)
+            assert carried["stage_bwd_s"] == pytest.approx(bwd, rel=1e-5), (name, k, carried, bwd)
+            compute = simulate(lists, fwd, bwd).idle_fraction
+            assert r["bubble_simulated_compute"] == pytest.approx(compute, abs=1e-5), (name, k, r, compute)
+            p2p, post = StageTransfers(carried["stage_post_s"], carried["stage_latency_f_s"],
+                                       carried["stage_latency_b_s"]).costs(lists)
+            replayed = simulate(lists, carried["stage_fwd_s"], carried["stage_bwd_s"], p2p,
+                                None, post).idle_fraction
+            assert r["bubble_simulated"] == pytest.approx(replayed, rel=1e-12), (name, k, r, replayed)
 
 
 def test_summary_and_dashboards_carry_them(runs):
