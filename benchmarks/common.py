@@ -22,13 +22,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from engine.base import ToolParser  # noqa: E402
 from engine.observe.metrics import steady, summarize_run  # noqa: E402,F401 (steady: the benchmarks' warm-up cut)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
-class BenchParser(argparse.ArgumentParser):
-    """argparse for the benchmarks: a bad argument is one line on stderr (``PROG: error: ...``,
-    no usage block) and exit status 2, before anything is launched."""
+class BenchParser(ToolParser):
+    """The tools' parser (engine/base.py: no abbreviated flags) for the benchmarks, whose mains
+    print no ConfigError: a bad argument is one line on stderr (``PROG: error: ...``, no usage
+    block) and exit status 2, before anything is launched."""
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")

@@ -226,7 +226,7 @@ class Checkpointer:
             if self.background and not (stop or last):
                 self.start(step)
             else:  # the run ends here: nothing to overlap with
-                published = save_checkpoint(self.trainer, step, t0)
+                published = save_checkpoint(self.trainer, step, t0, ending=stop or last)
         by = ("SIGINT" if interrupts else "SIGTERM") if stop else None
         return Boundary(stop, published, time.perf_counter() - t0 if worked else None, by)
 

@@ -177,19 +177,22 @@ def write_files(snap: Snapshot, verify: bool = False) -> None:
     write_json(os.path.join(snap.tmp, f"rank_{snap.rank:05d}.json"), {**snap.rank_json, "file_info": info})
 
 
-def before_publish(trainer, step: int, blocking_s: float | None = None) -> None:
+def before_publish(trainer, step: int, blocking_s: float | None = None,
+                   ending: bool = False) -> None:
     """What must be on disk before checkpoint ``step`` becomes ``latest``: the trainer's
     ``before_publish`` (the metrics records of steps 1..step, written and fsynced), on every rank
     (completing a record may be a collective); ``blocking_s``: the boundary's time on this save so
-    far. Nothing for a caller without one."""
+    far; ``ending``: the run ends after this step (its last, or a stop). Nothing for a caller
+    without one."""
     hook = getattr(trainer, "before_publish", None)
     if hook is not None:
-        hook(step, blocking_s)
+        hook(step, blocking_s, ending)
 
 
-def save_checkpoint(trainer, step: int, started: float | None = None) -> str:
+def save_checkpoint(trainer, step: int, started: float | None = None, ending: bool = False) -> str:
     """Save synchronously: every rank returns once the checkpoint is published. ``started``: the
-    ``time.perf_counter()`` at which the step boundary began working on it."""
+    ``time.perf_counter()`` at which the step boundary began working on it; ``ending``: the run
+    ends after ``step`` (``before_publish``)."""
     ps = trainer.ps
     final = checkpoint_dir(trainer, step)
     if unchanged_since_load(trainer, step):
@@ -199,7 +202,7 @@ def save_checkpoint(trainer, step: int, started: float | None = None) -> str:
     snap = snapshot(trainer, step, tmp)
     write_files(snap)
     _barrier(ps, f"after writing the shards of {tmp}")
-    before_publish(trainer, step, time.perf_counter() - started)
+    before_publish(trainer, step, time.perf_counter() - started, ending)
     if ps.rank == 0:
         publish(snap)
     _barrier(ps, f"after publishing {final}")

@@ -67,21 +67,23 @@ def restore_handlers(previous: dict) -> None:
         signal.signal(signum, handler)
 
 
-def records_before_publish(trainer, outputs, step: int, blocking_s: float | None) -> None:
+def records_before_publish(trainer, outputs, step: int, blocking_s: float | None,
+                           ending: bool = False) -> None:
     """The metrics records of steps up to ``step`` written (to ``outputs``: the metrics log, the
     dashboards and the run's record list) and fsynced, before checkpoint ``step`` becomes
     ``latest``: a run that dies after the publication and resumes from it finds every record up
     to it. A record not yet complete (the save of the step just trained) is completed first: one
     more wait, and with a pipeline a collective (every rank calls this); its ``save_blocking_s``
     is ``blocking_s``, the time its boundary spent on the save so far. When the run ends at
-    ``step`` (the save of its last step, or of a stop), the intervals it ends on are read first
+    ``step`` (``ending``: the checkpointer's save of its last step, or of a stop), the intervals
+    it ends on are read first
     (``final_straggler_report``), as they are after the last step of a run without a save:
     otherwise that report would come after its record had been written."""
     log, dash, records = outputs
     if any(pending[0] < step for pending in trainer.late_records.pending):  # 0-based steps
         trainer.flush()
     taken = trainer.late_records.take()
-    if taken and taken[-1]["step"] == step and ends_at(trainer, step):
+    if ending and taken and taken[-1]["step"] == step:
         final_straggler_report(trainer, taken, log)  # (every rank: the same records, agreed stops)
     for record in taken:
         if record["step"] == step:
@@ -90,16 +92,6 @@ def records_before_publish(trainer, outputs, step: int, blocking_s: float | None
         dash.log(record)
         records.append(record)
     log.sync()
-
-
-def ends_at(trainer, step: int) -> bool:
-    """Whether the run ends after step ``step`` (1-based), the step just trained: its last step, or
-    a stop (SIGTERM, SIGINT on some rank) that the step's statistics carried to every rank, which
-    the checkpointer's boundary acts on (engine/checkpoint/async_writer.py)."""
-    if step != trainer.stepper.current_step:
-        return False
-    agreed = trainer.stepper.agreed.get("checkpoint")  # [stops, by SIGINT, written, failed]
-    return step == trainer.cfg.optim.train_iters or bool(agreed and agreed[0] > 0)
 
 
 def record_divergence(trainer, exc, step: int, first: bool) -> None:

@@ -370,12 +370,12 @@ class Trainer:
         self.stepper.flush()
         self.late_records.complete()
 
-    def before_publish(self, step: int, blocking_s: float | None) -> None:
+    def before_publish(self, step: int, blocking_s: float | None, ending: bool = False) -> None:
         """Before checkpoint ``step`` becomes ``latest`` (engine/checkpoint/writer.py, every
         rank): the records of steps 1..step written and fsynced (run_events.py)."""
         outputs = getattr(self, "_outputs", None)
         if outputs is not None:  # (None: a save outside train())
-            records_before_publish(self, outputs, step, blocking_s)
+            records_before_publish(self, outputs, step, blocking_s, ending)
 
     def params_ready(self) -> None:
         """Wait for ZeRO's parameter all-gathers still in flight (overlapped with the next forward
