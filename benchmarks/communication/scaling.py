@@ -39,9 +39,9 @@ from benchmarks.common import (BenchParser, Layout, LaunchFailed, at_least, fmt,
 DEFAULT_RECIPE = {"block": "gpt2", "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
                   "seq_length": 128, "vocab_size": 512, "mock_data": True, "micro_batch_size": 2,
                   "global_batch_size": 16, "precision": "fp32", "lr": 1e-3, "lr_warmup_iters": 2}
-# outputs a recipe may ask for that a benchmark job must not produce (a recipe's --load is refused
-# before any launch: every job starts from scratch)
-QUIET = ["--save=", "--plot=", "--timeline=", "--eval-interval=0", "--no-progress"]
+# outputs a recipe may ask for that a benchmark job must not produce, and its checkpoint to load
+# (an empty --load= clears it: every job starts from scratch)
+QUIET = ["--save=", "--load=", "--plot=", "--timeline=", "--eval-interval=0", "--no-progress"]
 MODES = ("strong", "weak")
 
 
@@ -249,9 +249,6 @@ def parse(argv=None) -> argparse.Namespace:
         recipe = parse_args(recipe_flags(args.config))
     except (ValueError, OSError) as exc:
         ap.error(f"--config {args.config}: {exc}")
-    if recipe.checkpoint.load:
-        ap.error(f"--config {args.config}: the recipe loads {recipe.checkpoint.load}; every "
-                 f"scaling job starts from scratch: drop load from the recipe")
     if args.strong_batch is None:
         args.strong_batch = recipe.data.global_batch_size
     return args
