@@ -13,8 +13,16 @@ the ways on (``--load`` it, a new ``--run-dir``/``--save``, or ``--overwrite``).
 rank 0 moves them into ``SAVE/overwritten/`` (itself a checkpoint directory: ``--load
 SAVE/overwritten`` continues that run), with the run's metrics file, timeline and plot at the paths
 this run writes (``metrics.jsonl``, ``timeline.json``, ``loss.png`` there), and the first checkpoint
-this run publishes removes it (engine/checkpoint/writer.py ``publish``). Until then a ``--save`` whose
+this run publishes removes it (engine/checkpoint/writer.py ``publish``; not that of a run whose
+``--load`` lies in it). Until then a ``--save`` whose
 ``overwritten/`` is still there is refused without ``--overwrite``, so nothing is lost to a crash.
+
+A ``--load`` inside ``--save`` (one of its ``iter_*`` checkpoints, or its ``overwritten/``) names
+that directory's own run: the run starts from what ``--load`` names (a rollback to an earlier step)
+and nothing is moved aside, even with ``--overwrite``; only the restart of that same job continues
+from ``--save``'s latest instead (``own_progress``: saved by a run given the same ``--load``, by
+real path, and ``--finetune``). So does ``--load DIR --save DIR --finetune`` once DIR's latest is
+that fine-tune's own progress, instead of starting over from step 0 on its own weights.
 
 ``plan_start`` decides from the configuration and the shared file system alone, so every rank
 reaches the same answer, before any collective (engine/training/launch.py calls it before the
@@ -28,9 +36,13 @@ import os
 import shutil
 from dataclasses import dataclass
 
+import torch
+
 from engine.checkpoint.index import (ASIDE, INDEX_NAME, LATEST, CheckpointError, has_checkpoint,
                                      read_index, resolve, saved_step)
 from engine.checkpoint.reader import load_checkpoint
+from engine.checkpoint.specs import LAYOUT_KEYS, layout_of, saved_layout
+from engine.checkpoint.writer import _barrier, lies_within
 
 # (config section, key) pairs that make two runs the same run; None: a RunConfig field
 RECIPE = (("model", "block"), ("model", "num_layers"), ("model", "hidden_size"),
@@ -53,6 +65,7 @@ class Start:
     resumed: bool = False
     replace: str | None = None
     held: str | None = None  # what ``replace`` holds, for the line rank 0 prints
+    why: str = ""            # (``resumed``) why --save's checkpoint and not --load's, for that line
 
 
 def _plain(value):
@@ -146,6 +159,37 @@ def _aside_refusal(cfg) -> CheckpointError:
         f"or add --overwrite to replace them")
 
 
+def own_progress(index: dict, cfg) -> bool:
+    """Whether checkpoint ``index`` is the progress of an earlier attempt of this very run of a
+    ``--load`` inside (or equal to) its ``--save``: saved by a run given the same ``--load`` (by real
+    path) and ``--finetune``, of this run's recipe, past step 0 and below this run's
+    ``--train-iters``. Pure."""
+    saved = index.get("config") if isinstance(index.get("config"), dict) else {}
+    ck = saved.get("checkpoint") if isinstance(saved.get("checkpoint"), dict) else {}
+    load = ck.get("load")
+    return isinstance(load, str) and bool(load) and \
+        os.path.realpath(load) == os.path.realpath(cfg.checkpoint.load) and \
+        bool(ck.get("finetune")) == bool(cfg.checkpoint.finetune) and \
+        0 < index["step"] < cfg.optim.train_iters and not recipe_differences(index, cfg)
+
+
+def _continuing(cfg, same: bool) -> Start:
+    """A ``--load`` that names ``--save`` itself (``same``) or a checkpoint inside it: what
+    ``--load`` names, unless ``--save``'s latest is this run's own progress since that load (a
+    restarted job; checked for ``same`` only under --finetune, which would start over at step 0:
+    without it, ``--load DIR`` already is DIR's latest, loaded in full)."""
+    ck = cfg.checkpoint
+    if not same or ck.finetune:
+        try:
+            index = read_index(resolve(ck.save), hint=False)
+        except CheckpointError:  # a damaged latest is no progress to continue (--load may be intact)
+            index = None
+        if index is not None and own_progress(index, cfg):
+            return Start(source=ck.save, step=index["step"], resumed=True,
+                         why=f": this run's own progress since --load {ck.load}")
+    return Start(source=ck.load, step=saved_step(ck.load))
+
+
 def plan_start(cfg) -> Start:
     """How the run of ``cfg`` starts, or a CheckpointError when its --save holds another run's
     checkpoints (see the module's docstring). Pure: reads the configuration and the shared file
@@ -154,14 +198,16 @@ def plan_start(cfg) -> Start:
     save, load = ck.save, ck.load
     aside = bool(save) and os.path.isdir(os.path.join(save, ASIDE))
     same = bool(load) and bool(save) and os.path.realpath(load) == os.path.realpath(save)
+    inside = bool(load) and bool(save) and not same and lies_within(load, save)
     if not save or not has_checkpoint(save):
-        if aside and not ck.overwrite:
+        # (--load SAVE/overwritten is the refusal's own way on: it continues them)
+        if aside and not ck.overwrite and not (inside and lies_within(load, os.path.join(save, ASIDE))):
             raise _aside_refusal(cfg)
         if same:  # --load DIR --save DIR on an empty DIR (Megatron-LM's first run) starts afresh
             return Start()
         return Start(source=load, step=saved_step(load) if load else None)
-    if same:
-        return Start(source=load, step=saved_step(load))  # continuing what --load names
+    if same or inside:  # the directory's own run: what --load names, or this job's progress since
+        return _continuing(cfg, same)
     if os.path.isfile(os.path.join(save, INDEX_NAME)):
         raise CheckpointError(f"{_save_flag(cfg)} is one checkpoint (it holds {INDEX_NAME}), not a "
                               f"directory of them: save into {os.path.dirname(os.path.abspath(save))} "
@@ -174,7 +220,7 @@ def plan_start(cfg) -> Start:
         given = saved_step(load)
         # under --finetune steps count from 0 again: any saved progress is newer than --load
         if given is None or step > given or (ck.finetune and step > 0):
-            return Start(source=save, step=step, resumed=True)
+            return Start(source=save, step=step, resumed=True, why=f", newer than --load {load}")
         return Start(source=load, step=given)
     if not ck.overwrite:
         raise _refusal(cfg, index, differences)
@@ -220,9 +266,8 @@ def move_aside(save: str, outputs: list[tuple[str, str]] = ()) -> tuple[str, lis
 
 def resume(trainer) -> int:
     """Carry out ``plan_start`` on a built trainer: move another run's checkpoints aside
-    (--overwrite; rank 0, once every rank has decided), then load. Returns the step to continue
-    from."""
-    from engine.checkpoint.writer import _barrier
+    (--overwrite; rank 0, once every rank has decided), then load (under another layout the random
+    streams from the loaded step: ``restart_streams``). Returns the step to continue from."""
     cfg, main = trainer.cfg, trainer.is_main
     start = plan_start(cfg)
     if start.replace:
@@ -238,11 +283,45 @@ def resume(trainer) -> int:
     if start.resumed:
         if main:
             print(f"gridtron: resuming from {start.source} (step {start.step})"
-                  + (f", newer than --load {cfg.checkpoint.load}" if cfg.checkpoint.load else "")
-                  + "; pass --load to choose another checkpoint", flush=True)
-        return load_checkpoint(trainer, start.source, weights_only=False)
-    step = load_checkpoint(trainer, start.source)
+                  + (start.why or "; pass --load to choose another checkpoint"), flush=True)
+        return restart_streams(trainer, load_checkpoint(trainer, start.source, weights_only=False))
+    step = restart_streams(trainer, load_checkpoint(trainer, start.source))
     if main:
         only = f" (weights only: training starts at step {step})" if start.step != step else ""
         print(f"gridtron: loaded {trainer.loaded_checkpoint} at step {start.step}{only}", flush=True)
+    return step
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def stepped_seed(seed: int, step: int) -> int:
+    """The seed of a stream of seed ``seed`` once ``step`` steps are done: splitmix64 of ``seed``
+    advanced ``step`` times by the golden-ratio increment (distinct steps, distinct seeds)."""
+    x = (seed + step * 0x9E3779B97F4A7C15) & _MASK64
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def restart_streams(trainer, step: int) -> int:
+    """After a load of ``step`` > 0 under another layout (or other compression or ZeRO choice),
+    which restores no per-rank random state: the dropout streams of every model chunk and the
+    default generators start from their seeds (the run's seed and this rank's coordinates,
+    parallel/grid/random.py) mixed with the loaded step, not from the step-0 seeds, so the masks
+    drawn after the resume do not repeat those of steps 1, 2, ... Nothing changes on the same
+    layout (the saved states are loaded), under --no-load-rng (the streams from their seeds, as
+    documented) or for a load of the weights alone. Returns ``step``."""
+    rng, ck = getattr(trainer, "rng", None), trainer.cfg.checkpoint
+    if rng is None or step == 0 or not ck.load_rng or not getattr(trainer, "loaded_checkpoint", None):
+        return step
+    saved, now = saved_layout(read_index(trainer.loaded_checkpoint, hint=False)), layout_of(trainer)
+    if all(saved.get(k) == now[k] for k in LAYOUT_KEYS + ("compression", "use_distributed_optimizer")):
+        return step
+    host = rng.device.type in ("cpu", "meta")
+    for tracker in rng.trackers:
+        tracker.set_states({region: torch.Generator(device="cpu" if host else rng.device)
+                            .manual_seed(stepped_seed(seed, step)).get_state()
+                            for region, seed in tracker.seeds.items() if region in tracker.states})
+    torch.manual_seed(stepped_seed(rng.default_seed, step))
     return step

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from engine.checkpoint.index import (ASIDE, FORMAT, INDEX_NAME, LATEST, CheckpointError, file_damage,
                                      list_checkpoints, resolve, sha256_file, step_dir_name, write_json,
                                      write_shard)
+from engine.checkpoint.reader import _agree_on_failure
 from engine.checkpoint.specs import (ParamSpec, buffer_specs, by_owner, data_info, device_rng,
                                      first_replica, layout_of, param_specs, split_flat)
 from parallel.dp.residuals import logical_residual_pieces
@@ -73,6 +74,30 @@ class Snapshot:
     index_meta: dict | None = None   # rank 0: what the index says about the run at this step
 
 
+def lies_within(path: str, root: str) -> bool:
+    """Whether ``path`` is ``root`` or lies under it, by real path (symbolic links followed)."""
+    p, r = os.path.realpath(path), os.path.realpath(root)
+    return p == r or p.startswith(r.rstrip(os.sep) + os.sep)
+
+
+def _agree(ps, failure: Exception | None, what: str,
+           after: str = "latest still names the previous checkpoint") -> None:
+    """Every rank learns whether any rank failed at its own file work for ``what`` (``failure``:
+    this rank's, a CheckpointError or an OSError such as a full disk or a missing permission,
+    said as ``WHAT failed: OSError: ...; AFTER``); all raise the same line naming the failing rank
+    (reader.py ``_agree_on_failure``: one all-gather, which is also the barrier here; nothing on a
+    single process)."""
+    if failure is not None and not isinstance(failure, CheckpointError):
+        failure = CheckpointError(f"{what} failed: {type(failure).__name__}: {failure}; {after}")
+    try:
+        _agree_on_failure(ps, failure)
+    except CheckpointError:
+        raise
+    except RuntimeError as exc:  # the all-gather itself: a rank that never arrives
+        raise CheckpointError(f"agreeing over all {ps.world_size} ranks on {what} failed on "
+                              f"{ps.describe()}: a rank did not arrive (check its log): {exc}") from exc
+
+
 def _barrier(ps, what: str) -> None:
     if ps.world_size == 1 or not dist.is_initialized():
         return
@@ -95,14 +120,19 @@ def unchanged_since_load(trainer, step: int) -> bool:
 
 
 def prepare_dir(trainer, step: int) -> str:
-    """Rank 0 (re)creates ``iter_X.tmp``; a barrier lets no rank write before it exists."""
+    """Rank 0 (re)creates ``iter_X.tmp``; the agreement on it (a barrier) lets no rank write
+    before it exists, and makes a failure to create it every rank's one line."""
     ps, root = trainer.ps, trainer.cfg.checkpoint.save
     tmp = checkpoint_dir(trainer, step) + ".tmp"
+    failure = None
     if ps.rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
-        os.makedirs(tmp)
-    _barrier(ps, f"before writing {tmp}")
+        try:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+            os.makedirs(tmp)
+        except OSError as exc:
+            failure = exc
+    _agree(ps, failure, f"creating {tmp}")
     return tmp
 
 
@@ -192,7 +222,10 @@ def before_publish(trainer, step: int, blocking_s: float | None = None,
 def save_checkpoint(trainer, step: int, started: float | None = None, ending: bool = False) -> str:
     """Save synchronously: every rank returns once the checkpoint is published. ``started``: the
     ``time.perf_counter()`` at which the step boundary began working on it; ``ending``: the run
-    ends after ``step`` (``before_publish``)."""
+    ends after ``step`` (``before_publish``). A rank whose own part fails (creating the directory,
+    writing its files, rank 0's publication: a full disk, a missing permission) tells the others
+    at the agreement that follows it, and every rank raises the same CheckpointError naming it,
+    instead of the others waiting at a barrier for the communication timeout."""
     ps = trainer.ps
     final = checkpoint_dir(trainer, step)
     if unchanged_since_load(trainer, step):
@@ -200,12 +233,20 @@ def save_checkpoint(trainer, step: int, started: float | None = None, ending: bo
     started = time.perf_counter() if started is None else started
     tmp = prepare_dir(trainer, step)
     snap = snapshot(trainer, step, tmp)
-    write_files(snap)
-    _barrier(ps, f"after writing the shards of {tmp}")
+    failure = None
+    try:
+        write_files(snap)
+    except (CheckpointError, OSError) as exc:
+        failure = exc
+    _agree(ps, failure, f"writing the shards of {tmp}")
     before_publish(trainer, step, time.perf_counter() - started, ending)
+    failure = None
     if ps.rank == 0:
-        publish(snap)
-    _barrier(ps, f"after publishing {final}")
+        try:
+            publish(snap)
+        except (CheckpointError, OSError) as exc:
+            failure = exc
+    _agree(ps, failure, f"publishing {final}", f"{LATEST} names the newest checkpoint published")
     return final
 
 
@@ -286,11 +327,17 @@ def publish(snap: Snapshot) -> None:
     write_json(os.path.join(tmp, INDEX_NAME), {**meta, "tensors": tensors, "files": files, "ranks": ranks})
     root = os.path.dirname(final)
     promote(tmp, final)
+    load = meta["config"]["checkpoint"].get("load")
     # the checkpoints an --overwrite run moved aside (engine/checkpoint/resume.py) go once it has
-    # published one of its own
-    shutil.rmtree(os.path.join(root, ASIDE), ignore_errors=True)
-    for _, path in list_checkpoints(root)[:-snap.keep_last]:
-        if os.path.realpath(path) != os.path.realpath(final):
+    # published one of its own, unless this run continues them (its --load lies there)
+    aside = os.path.join(root, ASIDE)
+    if not (load and lies_within(load, aside)):
+        shutil.rmtree(aside, ignore_errors=True)
+    # --keep-last: the newest checkpoints up to this one stay (any after it are of a run this one
+    # rolled back from: they are replaced as it saves those steps), and so does the one --load names
+    kept = {os.path.realpath(final)} | ({os.path.realpath(load)} if load else set())
+    for _, path in [(s, p) for s, p in list_checkpoints(root) if s <= snap.step][:-snap.keep_last]:
+        if os.path.realpath(path) not in kept:
             shutil.rmtree(path, ignore_errors=True)
     for name in os.listdir(root):  # directories of saves that crashed before their rename
         if name.startswith("iter_") and name.endswith(".tmp"):

@@ -77,7 +77,7 @@ def test_crash_mid_save_keep_last_and_auto_resume(tmp_path, monkeypatch):
         return real_write(tensors, path)
 
     monkeypatch.setattr(ckpt_writer, "write_shard", failing_write)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ckpt_mod.CheckpointError, match="OSError: disk full; latest still names"):
         losses(args + ["--save", run_dir])
     monkeypatch.setattr(ckpt_writer, "write_shard", real_write)
     assert sorted(os.listdir(run_dir)) == ["iter_0000002", "iter_0000004.tmp", "latest"]

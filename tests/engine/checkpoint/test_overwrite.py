@@ -148,7 +148,7 @@ def test_a_crash_before_the_first_checkpoint_keeps_them(finished, tmp_path, monk
 
     monkeypatch.setattr(writer, "write_shard", failing_write)
     argv = ["--train-iters", "2", "--num-layers", "1", "--save", ck, "--save-interval", "1"]
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match="OSError: disk full"):
         records(argv + ["--overwrite"])
     monkeypatch.setattr(writer, "write_shard", real_write)
     aside = os.path.join(ck, "overwritten")
