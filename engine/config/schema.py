@@ -330,6 +330,8 @@ class RunConfig:
             self.checkpoint.save = os.path.join(self.log.run_dir, "checkpoints")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
+        if self.seed < 0:  # numpy's and the dropout streams' generators take non-negative seeds
+            raise ValueError(f"--seed must be >= 0, got {self.seed}; give a non-negative integer")
         if self.parallel.tp_comm_overlap and not self.parallel.sequence_parallel \
                 and self.device != "npu":
             raise ValueError("--tp-comm-overlap needs --sequence-parallel (it overlaps the "

@@ -151,21 +151,25 @@ def device_count(kind: str) -> int:
 
 
 def available_memory(kind: str, local_rank: int = 0, local_world_size: int = 1,
-                     meminfo: str = "/proc/meminfo") -> tuple[int | None, str]:
+                     meminfo: str = "/proc/meminfo", backend: str | None = None) -> tuple[int | None, str]:
     """Bytes this process may still allocate on its device, and where the figure comes from.
 
-    npu / cuda: the free memory of the device ``device_index`` binds (``mem_get_info``), shared by
-    the node's processes where they all see that one device (``--distributed-backend gloo`` puts
-    them on it together: each may take its share, not the whole). cpu: the host's MemAvailable
-    (``meminfo``) shared by the node's ``local_world_size`` processes. (None, why) when it cannot
-    be read; nothing is then refused for memory.
+    npu / cuda: the free memory of the device ``device_index`` binds (``mem_get_info``). It is
+    shared by the node's processes only where they can be on one device together: ``backend``
+    (the run's collective backend, default the device's own) gloo with a single visible device
+    (each may take its share, not the whole). Under nccl or hccl no two processes share a device,
+    so one visible device is this process's own (Slurm's ``--gpus-per-task=1``): the whole of it.
+    cpu: the host's MemAvailable (``meminfo``) shared by the node's ``local_world_size``
+    processes. (None, why) when it cannot be read; nothing is then refused for memory. A
+    ValueError (``device_index``) when the node's processes cannot each bind a device.
     """
     if kind in ("npu", "cuda"):
         visible = device_count(kind)
         index = device_index(local_rank, local_world_size, visible)
         module = torch.npu if kind == "npu" else torch.cuda
         free, total = module.mem_get_info(index)
-        share = local_world_size if visible == 1 and local_world_size > 1 else 1
+        together = (backend or BACKENDS[kind]) == "gloo" and visible == 1
+        share = local_world_size if together and local_world_size > 1 else 1
         shared = f", shared by {share} processes on it" if share > 1 else ""
         return int(free) // share, f"free on {kind}:{index} (of {total / 2 ** 30:.1f} GiB{shared})"
     try:

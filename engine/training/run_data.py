@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.base import ConfigError
+from engine.base import ConfigError, os_error_text
 from engine.data import build_data, collate
 from engine.data.packing import MicroBatch, count_loss_tokens, micro_batch
 from engine.training.validate import validate_packing
@@ -29,10 +29,15 @@ def build_run_data(trainer) -> None:
                               progress=cfg.log.progress and ps.rank == 0)
         except (ValueError, FileNotFoundError) as exc:  # e.g. a corpus too small for --seq-length
             raise ConfigError(f"data: {exc}") from exc
+        except OSError as exc:  # e.g. --cache-dir under a file, a .bin this user cannot read
+            raise ConfigError(f"data: {os_error_text(exc)}; check the paths of --data-path, "
+                              f"--cache-dir and the tokenizer files: data and tokenizer files "
+                              f"readable, the cache a directory you can write to") from exc
 
     if ps.world_size > 1 and not cfg.data.mock_data and cfg.data.data_path is None:
-        # rank 0 prepares and caches the built-in corpus once; its outcome reaches every rank,
-        # so a failure there ends all ranks with the same message instead of a hang
+        # rank 0 prepares and caches the built-in corpus once; its outcome (a ConfigError for
+        # any bad input, an unreadable or unwritable path included) reaches every rank, so a
+        # failure there ends all ranks with the same message instead of a hang
         outcome = None
         if ps.rank == 0:
             try:

@@ -22,6 +22,7 @@ from models.blocks import takes_attention_inputs
 from models.registry import BlockRegistry, default_registry
 from parallel.pipeline.partition import partition_layers
 from parallel.grid.launch import LaunchEnv, LayoutError, check_layout
+from parallel.grid.random import StreamGrid, stream_seed
 from parallel.grid.topology import RankGrid
 
 
@@ -40,12 +41,19 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
         grid = par.grid(launch.world_size)
         notes = check_layout(grid, launch)
         kind = detect_device_type(cfg.device)
+        # every dropout stream's seed is derived from --seed (parallel/grid/random.py): refuse one
+        # too large for this grid's streams now (the last stream is the largest), not once the
+        # process group exists
+        streams = StreamGrid(tp=grid.tp, pp=grid.pp, dp=grid.dp, vp=par.chunks_per_rank, cp=grid.cp)
+        stream_seed(cfg.seed, "split", streams, tp=grid.tp - 1, pp=grid.pp - 1, dp=grid.dp - 1,
+                    chunk=streams.vp - 1, cp=grid.cp - 1)
     except (LayoutError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
     wanted = par.distributed_backend
     if wanted not in ("auto", "gloo", BACKENDS[kind]):
         raise ConfigError(f"--distributed-backend {wanted} does not run on a {kind} device (its "
                           f"backend is {BACKENDS[kind]}); use auto, gloo, or the device it needs")
+    backend = BACKENDS[kind] if wanted == "auto" else wanted
     tp = grid.tp
     if grid.cp > 1:
         _validate_cp(cfg, grid)
@@ -84,12 +92,17 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
                           f"{cfg.data.micro_batch_size} x dp {grid.dp})) to be a multiple of --pp "
                           f"{grid.pp}; change --global-batch-size or use --pipeline-schedule 1f1b")
     # sizes against memory before anything is allocated (or partitioned: 1e9 layers take minutes)
-    available, source = memory or available_memory(kind, launch.local_rank, launch.local_world_size)
-    if host_memory is None:
-        host_memory = NO_FIGURE if memory is not None or kind == "cpu" or not (
-            cfg.optim.optimizer_cpu_offload or (cfg.checkpoint.async_save and cfg.checkpoint.save)) \
-            else available_memory("cpu", launch.local_rank, launch.local_world_size)
-    if (problem := memory_problem(cfg, grid, launch.rank, available, source, BACKENDS[kind],
+    # only gloo lets the node's processes share one device (its memory then divided among them)
+    try:  # ValueError: the node's processes cannot each bind a device (device_index)
+        available, source = memory or available_memory(kind, launch.local_rank,
+                                                       launch.local_world_size, backend=backend)
+        if host_memory is None:
+            host_memory = NO_FIGURE if memory is not None or kind == "cpu" or not (
+                cfg.optim.optimizer_cpu_offload or (cfg.checkpoint.async_save and cfg.checkpoint.save)) \
+                else available_memory("cpu", launch.local_rank, launch.local_world_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if (problem := memory_problem(cfg, grid, launch.rank, available, source, backend,
                                   host_memory, one_memory=kind == "cpu")):
         raise ConfigError(problem)
     try:

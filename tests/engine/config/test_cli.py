@@ -307,3 +307,18 @@ def test_float_flags_out_of_their_range_are_one_line(argv, match):
     a traceback from the RoPE table, a GradReducer or DynamicLossScaler message, a negative MFU."""
     with pytest.raises(ConfigError, match="^" + match):
         parse_args(argv)
+
+
+def test_seed_is_checked_before_any_process_group():
+    """numpy's generators and the dropout streams (parallel/grid/random.py) take a seed in
+    [0, 2^64 / streams): a seed outside stops at start, naming --seed."""
+    with pytest.raises(ConfigError, match=r"^--seed must be >= 0, got -1; give a non-negative integer"):
+        parse_args(["--seed", "-1"])
+    top = 2 ** 64 // 3  # 3 streams on one rank: default, replicated, split
+    with pytest.raises(ConfigError, match=f"^--seed {top} is too large for 3 random streams; use a "
+                                          f"seed below {top}$"):
+        validate_run(parse_args(["--seed", str(top)]), LaunchEnv())
+    validate_run(parse_args(["--seed", str(top - 1)]), LaunchEnv())
+    with pytest.raises(ConfigError, match="too large for 12 random streams"):  # 3 x tp 2 x pp 2
+        validate_run(parse_args(["--seed", str(top // 4 + 1), "--tp", "2", "--pp", "2"]),
+                     LaunchEnv(0, 4, 0, 4))

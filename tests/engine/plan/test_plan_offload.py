@@ -214,7 +214,7 @@ def test_validate_run_reads_the_host_figure_on_a_device(monkeypatch):
     from parallel.grid.launch import LaunchEnv
     asked = []
 
-    def figures(kind, local_rank=0, local_world_size=1):
+    def figures(kind, local_rank=0, local_world_size=1, backend=None):
         asked.append(kind)
         return (int(141 * GIB), "free on cuda:0") if kind == "cuda" else \
             (100 * GIB, "host memory available (MemAvailable)")

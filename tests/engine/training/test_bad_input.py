@@ -429,20 +429,6 @@ def test_normal_runs_fit(tmp_path):
     assert available_memory("cpu", 0, 1, str(meminfo))[0] is None
 
 
-def test_processes_sharing_one_device_share_its_memory(monkeypatch):
-    """Two processes on a node that sees one GPU (gloo lets them share it): each may take half of
-    its free memory, not the whole; with a device each, the whole of its own."""
-    import torch
-    from engine.device import runtime
-    monkeypatch.setattr(runtime, "device_count", lambda kind: visible)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (80 * 2 ** 30, 96 * 2 ** 30))
-    visible = 1
-    assert runtime.available_memory("cuda", 1, 2) == (40 * 2 ** 30, "free on cuda:0 (of 96.0 GiB, "
-                                                      "shared by 2 processes on it)")
-    visible = 2
-    assert runtime.available_memory("cuda", 1, 2) == (80 * 2 ** 30, "free on cuda:1 (of 96.0 GiB)")
-
-
 def test_warm_up_longer_than_the_run_is_a_warning():
     _, notes = validate_run(parse_args(MOCK + ["--lr-warmup-iters", "50", "--train-iters", "20",
                                                "--lr", "0.001"]), LaunchEnv())
