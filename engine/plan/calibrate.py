@@ -38,9 +38,25 @@ def _step_time(record: dict, metrics_path: str, number: int) -> float | None:
     return value
 
 
+def _run_starts(records: list[dict]) -> list[bool]:
+    """Whether each record is the first (warm-up) step of a run: the file's first, a step 1, and
+    a step that does not follow the record before it (a run's records appended after another
+    run's records that go on past its start). The records without a whole ``step`` continue the
+    run before them. A run the trainer resumes at step k keeps the file's records up to k
+    (engine/observe/metrics.py), so its first step k + 1 follows them: no record tells it apart."""
+    starts, previous = [], None
+    for i, record in enumerate(records):
+        step = record.get("step")
+        whole = isinstance(step, int) and not isinstance(step, bool)
+        starts.append(i == 0 or (whole and (step == 1 or (previous is not None
+                                                          and step != previous + 1))))
+        previous = step if whole else None
+    return starts
+
+
 def _timed_records(metrics_path: str) -> list[dict]:
-    """The records of a metrics JSONL with a step time, without the first (warm-up) step and
-    skipped steps (all timed ones when nothing else is left)."""
+    """The records of a metrics JSONL with a step time, without each run's first (warm-up) step
+    (``_run_starts``) and skipped steps (all timed ones when nothing else is left)."""
     records = []
     with open(metrics_path) as fh:
         for number, line in enumerate(fh, 1):
@@ -55,7 +71,9 @@ def _timed_records(metrics_path: str) -> list[dict]:
                 raise ValueError(f"--calibrate {metrics_path}: line {number} is not a JSON object; "
                                  f"expected one JSON object per line")
             records.append((record, _step_time(record, metrics_path, number)))
-    timed = [r for r, t in records[1:] or records if not r.get("skipped") and t is not None]
+    starts = _run_starts([r for r, _ in records])
+    timed = [r for (r, t), start in zip(records, starts)
+             if not start and not r.get("skipped") and t is not None]
     records = timed or [r for r, t in records if t is not None]
     if not records:
         raise ValueError(f"--calibrate {metrics_path}: no step with step_time_s")

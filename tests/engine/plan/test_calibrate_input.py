@@ -46,3 +46,19 @@ def test_null_step_time_is_left_out(tmp_path):
             {"step": 3, "step_time_s": None}, {"step": 4}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert measured_step_time(str(path)) == 2.0
+
+
+def test_each_runs_first_step_is_left_out(tmp_path):
+    """A run's records appended after records of another run that go on past its start (step 2
+    after step 3), or a run started afresh (step 1): each run's first step is a warm-up, left out
+    like the file's first; a record without a step continues the run before it."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "step_time_s": 9.0}, {"step": 2, "step_time_s": 2.0},
+            {"step": 3, "step_time_s": 2.0},
+            {"step": 2, "step_time_s": 9.0}, {"step": 3, "step_time_s": 1.0},
+            {"step_time_s": 1.0}, {"step": 5, "step_time_s": 1.0}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert measured_step_time(str(path)) == 1.0     # of 2, 2, 1, 1, 1
+    rows += [{"step": 1, "step_time_s": 9.0}, {"step": 2, "step_time_s": 2.0}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert measured_step_time(str(path)) == 1.5     # of 2, 2, 1, 1, 1, 2

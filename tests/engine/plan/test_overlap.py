@@ -201,8 +201,11 @@ def test_calibrate_fits_the_overlap_efficiencies(tmp_path, capsys):
     fitted = plan.fit_overlap_efficiency(shape, replace(c, achievable_fraction=0.6), lay, measured)
     assert fitted.tp == pytest.approx(0.5, abs=1e-6) and fitted.dp == pytest.approx(0.7, abs=1e-6)
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps({"step": i, "step_time_s": est.step_time_s, **measured}) + "\n"
-                               for i in range(1, 5)))
+    # steps 2-4 kept (1 is the warm-up), spread unevenly: their median is the truth, their mean not
+    spread = {1: 3.0, 2: 1.0, 3: 1.05, 4: 0.7}
+    metrics.write_text("".join(json.dumps({"step": i, "step_time_s": est.step_time_s * f,
+                                           **{k: v * f for k, v in measured.items()}}) + "\n"
+                               for i, f in spread.items()))
     assert plan_cli.main(ROW_70B + ["--tp-comm-overlap", "--micro-batch-size", "1", "--recompute", "none",
                                 "--zero", "on", "--sequence-parallel", "on", "--calibrate",
                                 str(metrics), "--json"]) == 0

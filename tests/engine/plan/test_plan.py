@@ -10,6 +10,7 @@ from itertools import permutations
 import pytest
 
 from engine.plan import search as plan
+from engine.plan.calibrate import measured_optimizer_time
 from engine.tools import plan_cli
 from engine.plan.hardware import DEVICE_SPECS
 from engine.plan.model import (ACT_BYTES, DEFAULT_ACHIEVABLE_FRACTION, FIT_ROW, GIB,
@@ -509,11 +510,16 @@ def test_calibration_from_a_measured_step_time(tmp_path, capsys):
     assert fitted == pytest.approx(0.55, rel=1e-6)
     step = truth.step_time_s
     metrics = tmp_path / "metrics.jsonl"
-    lines = [{"step": 1, "step_time_s": 100.0, "skipped": False}] + [
-        {"step": k, "step_time_s": step * (1 + d), "skipped": False} for k, d in
-        ((2, 0.0), (3, 0.01), (4, -0.01))] + [{"step": 5, "step_time_s": step / 5, "skipped": True}]
+    # the kept steps (2-4) spread unevenly: their median (the fit's) is not their mean
+    lines = [{"step": 1, "step_time_s": 100.0, "time_optimizer_s": 9.0, "skipped": False}] + [
+        {"step": k, "step_time_s": step * (1 + d), "time_optimizer_s": 0.5 * (1 + d),
+         "time_tp_exposed_s": 0.2 * (1 + d), "skipped": False} for k, d in
+        ((2, 0.0), (3, 0.01), (4, -0.04))] + [{"step": 5, "step_time_s": step / 5, "skipped": True}]
     metrics.write_text("\n".join(json.dumps(r) for r in lines))
-    assert plan.measured_step_time(str(metrics)) == pytest.approx(step)
+    assert plan.measured_step_time(str(metrics)) == pytest.approx(step, rel=1e-12)
+    exposed = plan.measured_exposed(str(metrics))
+    assert exposed == pytest.approx({"time_tp_exposed_s": 0.2}, rel=1e-12)   # (no DP figure)
+    assert measured_optimizer_time(str(metrics)) == pytest.approx(0.5, rel=1e-12)
     argv = ARGS + PAPER_FLAGS + ["--grad-reduce-bytes", "2", "--recompute-early-stop", "off",
                                  "--attention", "unfused", "--order", "tp-dp-pp",
                                  "--calibrate", str(metrics), "--json"]

@@ -10,6 +10,9 @@ deferred weight gradients, then tp 2 x cp 2; each is held to the serial blockwis
 test_fp8_train.py's FP8_LAYOUT_TOLERANCE (docs/precision.md: the same scales, so only bf16
 reassociation moving an input across an FP8 rounding boundary differs).
 
+Every rank runs each of its GEMMs in FP8: its calls of ``torch._scaled_mm`` are the tiles its
+layers' GEMMs imply (``GEMMS``).
+
 That bound alone would pass scales taken over each rank's shard instead of its tiles (FP8 moves
 this run's loss by a few 1e-4 from bf16, and power-of-two scales of like-sized tiles only shift
 exponents): tests/parallel/tensor_parallel/test_fp8_blockwise_layers.py holds every path of both
@@ -25,7 +28,8 @@ from engine.training.launch import main as train_main
 from engine.training.trainer import Trainer
 from parallel.grid.launch import LaunchEnv
 from parallel.grid.topology import RankGrid
-from tests.engine.training.test_fp8_train import FP8_LAYOUT_TOLERANCE, STEPS, _within
+from tests.engine.training.test_fp8_train import (FP8_LAYOUT_TOLERANCE, STEPS, _within,
+                                                  counted_fp8_gemms)
 from tests.helpers.corpus import real_text_corpus
 from tests.helpers.dist_utils import run_distributed
 
@@ -34,6 +38,29 @@ LAYOUTS = {
     "tp2 pp2 sp ring zb-h1": ["--tp", "2", "--pp", "2", "--sequence-parallel",
                               "--tp-comm-overlap", "--pipeline-schedule", "zb-h1"],
     "tp2 cp2 a2a": ["--tp", "2", "--cp", "2", "--cp-comm-type", "a2a"],
+}
+
+
+def tiles(*widths: int) -> int:
+    return sum(w // 128 for w in widths)
+
+
+# one rowwise FP8 GEMM per 128-wide tile of a GEMM's contraction (this CPU's per-tile path): per
+# layer on one of tp 2, the forwards' (QKV, the output projection, fc1, fc2: inputs 256, 128,
+# 256, 128), the input gradients' (their outputs: 384, 256, 128, 256) and the weight gradients'
+# (the rank's tokens: 4 x their tiles)
+FORWARD, DGRAD = tiles(256, 128, 256, 128), tiles(384, 256, 128, 256)
+
+
+def layer_gemms(tokens: int, ring: int = 1) -> int:
+    """A layer's FP8 GEMMs per micro-batch; ``ring``: the TP overlap's chunks of the forwards and
+    input gradients."""
+    return ring * (FORWARD + DGRAD) + 4 * tiles(tokens)
+
+
+GEMMS = {  # per rank over STEPS steps of 2 micro-batches
+    "tp2 pp2 sp ring zb-h1": STEPS * 2 * layer_gemms(256, ring=2),  # 1 layer; SP gathers 256 tokens
+    "tp2 cp2 a2a": STEPS * 2 * 2 * layer_gemms(128),                 # 2 layers; 128 tokens a rank
 }
 
 
@@ -50,8 +77,14 @@ def _losses(argv: list[str], launch=None) -> list[float]:
     return [r["loss"] for r in Trainer(parse_args(argv), launch=launch).train().records]
 
 
-def _train_all(ps, jobs: list[list[str]]) -> list[list[float]]:
-    return [_losses(argv) for argv in jobs]
+def _train_all(ps, jobs: list[list[str]]) -> list[tuple[list[float], int]]:
+    """Each job's losses and this rank's FP8 GEMMs."""
+    out = []
+    for argv in jobs:
+        with counted_fp8_gemms() as calls:
+            losses = _losses(argv)
+        out.append((losses, calls[0]))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +93,9 @@ def runs(tmp_path_factory):
     out = {"serial": _losses(base(data) + BLOCKWISE, LaunchEnv()),
            "bf16": _losses(base(data), LaunchEnv())}
     jobs = [base(data) + BLOCKWISE + flags for flags in LAYOUTS.values()]
-    out["layouts"] = dict(zip(LAYOUTS, run_distributed(_train_all, grid=RankGrid(dp=4),
-                                                       args=(jobs,))[0]))
+    ranks = run_distributed(_train_all, grid=RankGrid(dp=4), args=(jobs,))
+    out["layouts"] = {name: ranks[0][i][0] for i, name in enumerate(LAYOUTS)}   # rank 0's losses
+    out["gemms"] = {name: [rank[i][1] for rank in ranks] for i, name in enumerate(LAYOUTS)}
     return out
 
 
@@ -70,6 +104,8 @@ def test_layouts_train_the_serial_blockwise_model(runs, layout):
     serial = runs["serial"]
     assert serial[-1] < serial[0] - 1.0, serial      # the run learns
     _within(runs["layouts"][layout], serial, FP8_LAYOUT_TOLERANCE, layout)
+    # every rank runs its GEMMs in FP8, not a bf16 path the tolerance would let through
+    assert runs["gemms"][layout] == [GEMMS[layout]] * 4, (runs["gemms"][layout], GEMMS[layout])
 
 
 def test_blockwise_is_fp8_close_to_bf16(runs):

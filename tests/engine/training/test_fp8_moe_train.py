@@ -52,17 +52,23 @@ def base(data: str, steps: int = STEPS) -> list[str]:
 
 class ExpertGemms(TorchDispatchMode):
     """Counts ``aten._scaled_mm`` calls, and those with the expert width among their dimensions
-    (the experts': fc1 (n, h) x (h, f), fc2 and the gradients); observes only."""
+    (the experts': fc1 (n, h) x (h, f), fc2 and the gradients), split into the forward's and the
+    backward's (input and weight gradients: called while autograd runs a graph node); observes
+    only."""
 
     def __init__(self):
         super().__init__()
         self.all = self.experts = 0
+        self.passes = {"forward": 0, "backward": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._scaled_mm.default:
             a, b = args[0], args[1]
             self.all += 1
-            self.experts += EXPERT_WIDTH in (a.shape[0], a.shape[1], b.shape[1])
+            if EXPERT_WIDTH in (a.shape[0], a.shape[1], b.shape[1]):
+                self.experts += 1
+                backward = torch._C._current_autograd_node() is not None
+                self.passes["backward" if backward else "forward"] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -92,11 +98,14 @@ def runs(tmp_path_factory):
 
 
 def test_the_expert_gemms_run_in_fp8(runs):
-    """One step: 2 MoE layers x 4 micro-batches x (forward, input gradient: one GEMM per expert
-    with rows; weight gradient: one per expert with rows), 2 projections each."""
+    """One step: 2 MoE layers x 4 micro-batches x 2 projections x one GEMM per expert with rows
+    in the forward, and as many for each of the input and the weight gradient. A micro-batch
+    routes 2 x 32 tokens to 2 of the 4 experts each: every expert gets rows."""
     spy = runs["spy"]
-    assert spy.experts > 0 and spy.all > spy.experts, (spy.experts, spy.all)
-    assert spy.experts <= 2 * 4 * 3 * 2 * 4 and spy.experts >= 2 * 4 * 3 * 2 * 2, spy.experts
+    assert spy.all > spy.experts, (spy.experts, spy.all)
+    forwards = 2 * 4 * 2 * 4
+    assert spy.passes == {"forward": forwards, "backward": 2 * forwards}, spy.passes
+    assert spy.experts == 3 * forwards, spy.experts
     assert runs["fp8 spied"][0] == runs["fp8"][0]
 
 

@@ -9,16 +9,22 @@ a layout quantizes with the serial scales, so it differs from the serial FP8 run
 reassociation moves an input across an FP8 rounding boundary, a fraction of the elements FP8
 already rounds; measured 4e-4 here, where FP8 itself moves the loss by up to 7e-4 from bf16).
 
+Every rank of a layout runs each of its GEMMs in FP8: the calls of ``torch._scaled_mm`` it makes
+are the count its layers, micro-batches and TP ring imply (a rank on bf16 GEMMs would pass the
+tolerance alone).
+
 Checkpoints: an FP8 run's checkpoint holds the tensors, shapes and dtypes of a bf16 run's; a bf16
 run resumes from an FP8 checkpoint and an FP8 run from a bf16 one, each continuing within the
 tolerance of the run it resumed (only the compute format of the GEMMs changes).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
 import pytest
+import torch
 
 from engine.base import ConfigError
 from engine.config.cli import parse_args
@@ -41,6 +47,19 @@ LAYOUTS = {  # name: (recipe, layout flags)
 }
 
 
+def rank_gemms(layers: int, micro: int, ring: int = 1) -> int:
+    """FP8 GEMMs of one rank over STEPS steps: per layer and micro-batch its 4 linears (QKV, the
+    attention's output projection, fc1, fc2), each a forward, an input gradient and a weight
+    gradient; the TP overlap's ring runs a forward and an input gradient as one GEMM per chunk
+    (``ring``: tp of them)."""
+    return STEPS * layers * micro * 4 * (2 * ring + 1)
+
+
+# per rank: its layers (2 / pp) and micro-batches (16 / (4 x dp))
+GEMMS = {"(2,1,2) sp": rank_gemms(2, 2), "tp2 pp2 sp ring zb-h1": rank_gemms(1, 4, ring=2),
+         "tp2 cp2": rank_gemms(2, 4)}
+
+
 def base(data: str, steps: int = STEPS) -> list[str]:
     return ["--data-path", data, "--no-progress", "--device", "cpu", "--num-layers", "2",
             "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -53,8 +72,30 @@ def serial(argv: list[str]) -> list[float]:
     return [r["loss"] for r in Trainer(parse_args(argv), launch=LaunchEnv()).train().records]
 
 
-def train_all(ps, jobs: list[list[str]]) -> list[list[float]]:
-    return [[r["loss"] for r in Trainer(parse_args(argv)).train().records] for argv in jobs]
+@contextlib.contextmanager
+def counted_fp8_gemms():
+    """Counts the calls of ``torch._scaled_mm`` (every FP8 GEMM kernels/fp8.py runs) inside."""
+    calls, real = [0], torch._scaled_mm
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    torch._scaled_mm = counting
+    try:
+        yield calls
+    finally:
+        torch._scaled_mm = real
+
+
+def train_all(ps, jobs: list[list[str]]) -> list[tuple[list[float], int]]:
+    """Each job's losses and this rank's FP8 GEMMs."""
+    out = []
+    for argv in jobs:
+        with counted_fp8_gemms() as calls:
+            losses = [r["loss"] for r in Trainer(parse_args(argv)).train().records]
+        out.append((losses, calls[0]))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +115,9 @@ def runs(data, tmp_path_factory):
     out["bf16 from fp8"] = serial(base(data, 12) + ["--load", step10(fp8_dir)])
     out["fp8 from bf16"] = serial(base(data, 12) + TENSORWISE + ["--load", step10(bf16_dir)])
     jobs = [base(data) + recipe + flags for recipe, flags in LAYOUTS.values()]
-    out["layouts"] = dict(zip(LAYOUTS, run_distributed(train_all, grid=RankGrid(dp=4),
-                                                       args=(jobs,))[0]))
+    ranks = run_distributed(train_all, grid=RankGrid(dp=4), args=(jobs,))
+    out["layouts"] = {name: ranks[0][i][0] for i, name in enumerate(LAYOUTS)}   # rank 0's losses
+    out["gemms"] = {name: [rank[i][1] for rank in ranks] for i, name in enumerate(LAYOUTS)}
     return out
 
 
@@ -91,6 +133,8 @@ def test_layouts_train_the_serial_fp8_model(runs, layout):
     reference = runs[recipe]
     assert reference[-1] < reference[0] - 1.0, reference      # the run learns
     _within(runs["layouts"][layout], reference, FP8_LAYOUT_TOLERANCE, layout)
+    # every rank runs its GEMMs in FP8, not a bf16 path the tolerance would let through
+    assert runs["gemms"][layout] == [GEMMS[layout]] * 4, (runs["gemms"][layout], GEMMS[layout])
 
 
 def test_fp8_is_not_bf16(runs):

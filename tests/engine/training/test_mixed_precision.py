@@ -3,18 +3,19 @@ overflow on one rank makes every rank skip the step while the loss scale follows
 rules.
 
 The reference is the serial fp32 run on real text (a byte-level corpus of a few stdlib packages),
-so the loss falls by more than the tolerance and "close to fp32" means something. Over 12 steps
+so the loss falls by more than the tolerance and "close to fp32" means something. Over 20 steps
 every loss of the bf16 (ZeRO-1) and fp16 runs is within two units of bf16's roundoff, 2^-7, of
 fp32's: masters, gradients and optimizer state are fp32, so only the compute rounds, and the
 rounding's drift compounds over the Adam steps by an amount that depends on the CPU's bf16
-kernels (bf16's largest distance measured 1.5e-3 on one x86 CPU, 3.8e-3 at step 9 on an AVX-512
-BF16 one, the serial bf16 run there alike; fp16's 7.4e-4). The bound still has teeth: an fp32
-run whose learning rate is 5% off is 9e-3 to 1.6e-2 away from step 6 on. fp16, eight times finer,
-must also reproduce the serial fp16 run within two units of its roundoff, 2^-10 (measured 4.4e-4
-with one intra-op thread, 3e-5 with two): the serial run's GEMMs take the whole batch and the
-layout's a micro-batch, so fp16 compute rounds at different places, and nothing beyond that
-separates them. The overflow is injected by the test (an inf written into one gradient on one
-rank after the DP reduction), not by engine code.
+kernels (bf16's largest distance measured 1.7e-3 at step 16 on one x86 CPU, and over the first
+12 steps 3.8e-3 at step 9 on an AVX-512 BF16 one, the serial bf16 run there alike; fp16's
+5.6e-4). The bound still has teeth: an fp32 run whose learning rate is 5% off (either way) is
+9e-3 to 1.3e-2 away at steps 6 to 8, and up to 1.6e-2 later. fp16, eight times finer, must also
+reproduce the serial fp16 run within two units of its roundoff, 2^-10 (measured 4.4e-4 with one
+intra-op thread, 3e-5 with two; 1.3e-4 over 20 steps on a 2-core machine): the serial run's GEMMs
+take the whole batch and the layout's a micro-batch, so fp16 compute rounds at different places,
+and nothing beyond that separates them. The overflow is injected by the test (an inf written into
+one gradient on one rank after the DP reduction), not by engine code.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from tests.helpers.corpus import real_text_corpus
 from tests.helpers.dist_utils import run_distributed
 
 STEPS = 8                   # the overflow run
-TRACK_STEPS = 12            # the fp32 / bf16 / fp16 comparison
+TRACK_STEPS = 20            # the fp32 / bf16 / fp16 comparison
 TOLERANCE = 2.0 ** -7       # relative distance of a low-precision loss from fp32's, every step
 SAME_PRECISION = 2.0 ** -10  # pp=2 x dp=2 fp16 against the serial fp16 run, every step
 INITIAL_SCALE = 1024.0

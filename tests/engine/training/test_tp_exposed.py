@@ -6,13 +6,15 @@
   transfer and one per wait; collectives of other groups (DP) and calls with nothing watched
   leave none.
 - Through the real trainer (tp=2 with SP, plain and with --tp-comm-overlap): every step record
-  carries a positive figure that is part of the step's forward/backward and gradient-sync time;
-  with tp=1 it is null.
+  carries a positive figure that is part of the step's forward/backward and gradient-sync time and
+  is the sum of exactly the intervals the comm layer stamped from the step's start to its
+  statistics (the forward/backward's among them); with tp=1 it is null.
 """
 from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
 from engine.config.cli import parse_args
@@ -63,10 +65,52 @@ def watch_group(ps) -> dict:
             "unwatched": clock.stamp()}
 
 
-def train_records(argv: list[str]) -> list[dict]:
+class Logged(list):
+    """The step's list of watched TP intervals (the step empties it), each pair also kept in
+    ``log``."""
+
+    def __init__(self, log: list):
+        super().__init__()
+        self.log = log
+
+    def append(self, pair) -> None:
+        self.log.append(pair)
+        super().append(pair)
+
+
+def watch_steps(stepper) -> list[dict]:
+    """Per step, the TP intervals the rank's comm layer stamped between the step's start and its
+    statistics (after the gradient sync), and how many of them fell in the forward/backward."""
+    log, steps = [], []
+    stepper.tp_waits = stepper.ps.comm.activity.watched["tp"] = Logged(log)
+    compute, forward_backward, statistics = (stepper.compute, stepper._forward_backward,
+                                             stepper.statistics)
+
+    def logged_compute(batches):
+        steps.append({"start": len(log)})
+        return compute(batches)
+
+    def logged_forward_backward(*args, **kwargs):
+        out = forward_backward(*args, **kwargs)
+        steps[-1]["forward_backward"] = len(log) - steps[-1]["start"]
+        return out
+
+    def logged_statistics(*args, **kwargs):
+        pairs = log[steps[-1]["start"]:]
+        steps[-1]["pairs"] = len(pairs)
+        steps[-1]["seconds"] = sum((stepper.clock.elapsed_s(a, b) for a, b in pairs), 0.0)
+        return statistics(*args, **kwargs)
+
+    stepper.compute, stepper._forward_backward = logged_compute, logged_forward_backward
+    stepper.statistics = logged_statistics
+    return steps
+
+
+def train_records(argv: list[str]) -> dict:
     trainer = Trainer(parse_args(BASE + argv))
+    steps = watch_steps(trainer.stepper) if trainer.ps.tp_size > 1 else []
     try:
-        return trainer.train().records
+        return {"records": trainer.train().records, "steps": steps}
     finally:
         trainer.close()
 
@@ -94,10 +138,17 @@ def test_watch_brackets_each_tp_call_and_nothing_else():
 
 def test_step_records_carry_the_exposed_tp_time():
     results = run_distributed(trainer_group, world_size=2)
-    records = results[0]
-    for name in ("plain", "overlap"):
-        for r in records[name]:
-            exposed = r["time_tp_exposed_s"]
-            assert isinstance(exposed, float) and exposed > 0.0, (name, r["step"], exposed)
-            assert exposed <= r["time_forward_backward_s"] + r["time_grad_sync_s"], (name, r)
-    assert all(r["time_tp_exposed_s"] is None for r in records["tp1"])
+    for rank, result in enumerate(results):
+        for name in ("plain", "overlap"):
+            records, steps = result[name]["records"], result[name]["steps"]
+            assert len(steps) == len(records) == 3, (name, rank, steps)
+            for r, own in zip(records, steps):
+                exposed = r["time_tp_exposed_s"]
+                assert isinstance(exposed, float) and exposed > 0.0, (name, r["step"], exposed)
+                assert exposed <= r["time_forward_backward_s"] + r["time_grad_sync_s"], (name, r)
+                # exactly the step's own intervals: the forward/backward's (the layers'
+                # collectives, the ring's waits) and the gradient sync's, none of an earlier step
+                assert own["forward_backward"] > 0, (name, rank, own)
+                assert own["pairs"] > own["forward_backward"], (name, rank, own)
+                assert exposed == pytest.approx(own["seconds"], rel=1e-12), (name, rank, r, own)
+        assert all(r["time_tp_exposed_s"] is None for r in result["tp1"]["records"])

@@ -65,6 +65,7 @@ def test_builtin_corpus_lowers_validation_loss(tmp_path, corpus_cache, monkeypat
         assert r["bubble_theoretical"] is None and r["bubble_measured"] is None
         assert r["dp_comm_bytes"] == 0 and r["grad_norm"] > 0 and r["peak_memory_bytes"] > 0
         assert r["model_flops"] == r["executed_flops"] == flops, (r["executed_flops"], flops)
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_time_s"], rel=1e-12)
         assert r["tflops_per_device"] == pytest.approx(flops / r["step_time_s"] / 1e12, rel=1e-12)
         # the CPU "peak" is one matmul measurement: MFU is the achieved rate over exactly that figure
         assert trainer.peak_tflops > 0
@@ -74,6 +75,21 @@ def test_builtin_corpus_lowers_validation_loss(tmp_path, corpus_cache, monkeypat
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
     assert plot.exists() and plot.stat().st_size > 1000
     assert "first / last loss" in result.summary and "validation loss" in result.summary
+
+
+def test_moe_flops_are_the_counted_ones(monkeypatch):
+    """An MoE layer's FLOPs are its router and the top-k experts each token runs through (dropless:
+    every token reaches K experts), not the dense MLP's: the record's model FLOPs are what the
+    counter sees in a forward and backward of the run's model (a dense layer and an MoE one)."""
+    trainer, result = run(TINY + ["--mock-data", "--vocab-size", "256", "--train-iters", "2",
+                                  "--num-experts", "4", "--moe-router-topk", "2",
+                                  "--moe-layer-freq", "[0,1]", "--moe-ffn-hidden-size", "32",
+                                  "--peak-tflops", "1"])
+    assert [trainer.cfg.model.is_moe_layer(i) for i in range(2)] == [False, True]
+    flops = counted_step_flops(trainer, monkeypatch)
+    for r in result.records:
+        assert r["model_flops"] == r["executed_flops"] == flops, (r["model_flops"], flops)
+        assert r["mfu"] == pytest.approx(flops / r["step_time_s"] / 1e12, rel=1e-12)
 
 
 def test_custom_block_trains(corpus_cache):

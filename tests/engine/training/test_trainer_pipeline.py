@@ -23,10 +23,11 @@ from tests.helpers.dist_utils import run_distributed
 
 STEPS = 4
 PP, DP = 2, 2
+PEAK = 2.0  # --peak-tflops
 BASE = ["--mock-data", "--vocab-size", "512", "--no-progress", "--device", "cpu",
         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--global-batch-size", "12", "--train-iters", str(STEPS),
-        "--lr-warmup-iters", "0", "--peak-tflops", "1"]
+        "--lr-warmup-iters", "0", "--peak-tflops", str(PEAK)]
 LAYOUT = ["--pp", str(PP), "--dp", str(DP)]
 # (schedule, micro-batch size, vp): m = 12 / (mbs * dp) micro-batches per step
 RUNS = [("gpipe", 2, 1), ("1f1b", 2, 1), ("interleaved", 3, 2)]
@@ -95,6 +96,16 @@ def test_metrics_carry_both_bubbles(pipeline_runs, index):
         assert r["activations_in_flight"] == expected_in_flight(schedule, PP, m, vp, 0), r
         # the DP all-reduce hands over rank 0's gradient buffers, once (no ZeRO)
         assert r["dp_comm_bytes"] == r["grad_bytes"] > 0 and r["skipped"] is False
+        # rates over the step's time: tokens of the whole step; FLOPs per device of all PP x DP
+        # devices, over the dense peak
+        dt, world = r["step_time_s"], PP * DP
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / dt, rel=1e-12), r
+        assert r["model_tflops_per_device"] == pytest.approx(
+            r["model_flops"] / dt / world / 1e12, rel=1e-12), r
+        assert r["tflops_per_device"] == pytest.approx(
+            r["executed_flops"] / dt / world / 1e12, rel=1e-12), r
+        assert r["mfu"] == pytest.approx(r["model_tflops_per_device"] / PEAK, rel=1e-12), r
+        assert r["hfu"] == pytest.approx(r["tflops_per_device"] / PEAK, rel=1e-12), r
     # the metric is the definition (parallel/pipeline/bubble.py) applied to the step's timeline:
     # per pipeline, measured_bubble of its ranks' executor events; the mean over all ranks
     trace = json.loads((folder / f"{schedule}.trace.json").read_text())["traceEvents"]
