@@ -7,8 +7,9 @@ hang or a slow ring hours into a job. Launched with the job's launcher, grid and
 1. gathers a fingerprint from every rank (software versions, device type/name/count, processes per
    node, communication variables) and has rank 0 name every key on which ranks differ, with the ranks
    and their values; it also checks that each node holds one block of LOCAL_WORLD_SIZE consecutive
-   ranks, which the grid's "TP inside a node" arithmetic assumes. Any of these fails the run (exit 3)
-   unless --allow-mismatch;
+   ranks, which the grid's "TP inside a node" arithmetic assumes (on Slurm nodes of different sizes,
+   LOCAL_WORLD_SIZE is each node's own entry of SLURM_TASKS_PER_NODE, compared inside the node).
+   Any of these fails the run (exit 3) unless --allow-mismatch;
 2. runs every collective once on known data in each group (exit 4 on a wrong answer);
 3. measures bus bandwidth in the TP and DP groups and between neighbouring pipeline stages
    (engine.tools.commbench) and prints a table; --json writes it for the planner's --calibrate-links.
@@ -85,6 +86,8 @@ def fingerprint(launch: LaunchEnv, kind: str, count: int | None, name: str,
         "python": platform.python_version(), "torch": torch.__version__, "torch_npu": torch_npu_version(),
         "device_type": kind, "device_name": name, "device_count": "n/a" if count is None else count,
         "local_world_size": launch.local_world_size}
+    if launch.node_sizes:  # nodes of different sizes (Slurm): every rank reads the same list
+        fp["node_sizes"] = ",".join(map(str, launch.node_sizes))
     fp.update(comm_environment(environ))
     return fp
 
@@ -141,12 +144,25 @@ def _compare(key: str, prints: list[dict], ranks: list[int], node: str | None) -
     return f"{key}{where}: " + ", ".join(parts)
 
 
+def node_sizes(prints: list[dict]) -> tuple[int, ...]:
+    """The processes on each node, in node order, where every rank read the same uneven sizes from
+    the launcher (Slurm's SLURM_TASKS_PER_NODE, ``LaunchEnv.node_sizes``); () otherwise: then every
+    node holds LOCAL_WORLD_SIZE processes (ranks that disagree are a mismatch of their own)."""
+    values = {fp.get("node_sizes") for fp in prints}
+    if len(values) != 1 or not (value := values.pop()):
+        return ()
+    return tuple(int(v) for v in str(value).split(","))
+
+
 def find_mismatches(prints: list[dict]) -> list[str]:
-    """One line per key (per node, for node-scoped keys) on which ranks differ; prints[r] is rank r's."""
+    """One line per key (per node, for node-scoped keys) on which ranks differ; prints[r] is rank r's.
+    On nodes of different sizes (``node_sizes``) local_world_size is node-scoped too: each node's
+    own count, checked against its size by ``node_layout_problems``."""
     keys = list(dict.fromkeys(k for fp in prints for k in fp if k not in NOT_COMPARED))
+    scoped = NODE_SCOPED | ({"local_world_size"} if node_sizes(prints) else set())
     lines = []
     for key in keys:
-        if key in NODE_SCOPED:
+        if key in scoped:
             lines += [m for node, ranks in nodes_of(prints).items()
                       if (m := _compare(key, prints, ranks, node)) is not None]
         elif (m := _compare(key, prints, list(range(len(prints))), None)) is not None:
@@ -155,18 +171,31 @@ def find_mismatches(prints: list[dict]) -> list[str]:
 
 
 def node_layout_problems(prints: list[dict]) -> list[str]:
-    """Each node must hold LOCAL_WORLD_SIZE consecutive ranks, local ranks 0.. in rank order."""
-    problems = []
-    for node, ranks in nodes_of(prints).items():
+    """Each node must hold LOCAL_WORLD_SIZE consecutive ranks, local ranks 0.. in rank order; on
+    nodes of different sizes (``node_sizes``) node i (in order of its first rank) holds the next
+    node_sizes[i] ranks and has that LOCAL_WORLD_SIZE, as the grid's ``LaunchEnv.node_of`` places them."""
+    problems, sizes, nodes = [], node_sizes(prints), nodes_of(prints)
+    if sizes and len(sizes) != len(nodes):
+        problems.append(f"{len(nodes)} node(s) by host name but SLURM_TASKS_PER_NODE describes "
+                        f"{len(sizes)} ({','.join(map(str, sizes))}): give every node its own hostname")
+        sizes = ()
+    for i, (node, ranks) in enumerate(nodes.items()):
         per_node = int(prints[ranks[0]]["local_world_size"])
         block = list(range(ranks[0], ranks[0] + per_node))
-        if len(ranks) != per_node:
+        first = sum(sizes[:i]) if sizes else ranks[0] - ranks[0] % per_node
+        if sizes and per_node != sizes[i]:
+            problems.append(f"node {node} ({format_ranks(ranks)}) has LOCAL_WORLD_SIZE {per_node} but "
+                            f"SLURM_TASKS_PER_NODE gives it {sizes[i]} processes: use srun's block "
+                            f"distribution")
+        elif len(ranks) != per_node:
             problems.append(f"node {node} runs {len(ranks)} processes ({format_ranks(ranks)}) but "
                             f"LOCAL_WORLD_SIZE is {per_node}: launch that many per node, and give every "
                             f"node its own hostname")
-        elif ranks != block or ranks[0] % per_node:
+        elif ranks != block or ranks[0] != first:
+            how = ("node i after the ranks of nodes 0..i-1 (SLURM_TASKS_PER_NODE)" if sizes
+                   else "rank // LOCAL_WORLD_SIZE")
             problems.append(f"node {node} holds {format_ranks(ranks)}, not one block of {per_node} "
-                            f"consecutive ranks: the grid places TP groups by rank // LOCAL_WORLD_SIZE; "
+                            f"consecutive ranks from rank {first}: the grid places TP groups by {how}; "
                             f"use torchrun's --node-rank or srun's block distribution")
         elif [prints[r]["local_rank"] for r in ranks] != list(range(per_node)):
             problems.append(f"node {node}: local ranks {[prints[r]['local_rank'] for r in ranks]} for "

@@ -17,12 +17,15 @@ class LayoutError(ValueError):
 class LaunchEnv:
     """Where this process sits in the job, read from torchrun or Slurm variables. ``node_sizes``:
     the processes on each node in node order, where the launcher says (Slurm); empty means
-    every node holds ``local_world_size``."""
+    every node holds ``local_world_size``. ``job_id``: which job this launch belongs to, the same in
+    every process of it and on every restart of it (``from_env``); None for a plain process, which
+    no launcher restarts."""
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
     node_sizes: tuple[int, ...] = ()
+    job_id: str | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "LaunchEnv":
@@ -30,12 +33,22 @@ class LaunchEnv:
         SLURM_NTASKS, SLURM_LOCALID; the processes on this node from this node's (SLURM_NODEID)
         entry of SLURM_TASKS_PER_NODE, which srun sets for every step ("8(x2),7": two nodes of 8,
         then one of 7; used where its counts add up to SLURM_NTASKS), else SLURM_NTASKS_PER_NODE
-        (--ntasks-per-node), else SLURM_NTASKS / SLURM_NNODES."""
+        (--ntasks-per-node), else SLURM_NTASKS / SLURM_NNODES. ``job_id``: torchrun's run id
+        (TORCHELASTIC_RUN_ID: its --rdzv-id, drawn anew for each --standalone or single-node launch
+        and kept across the restarts of --max-restarts; not its default "none", which every launch
+        shares), else Slurm's job id (SLURM_JOB_ID, kept by a requeue), else None.
+
+        >>> [LaunchEnv.from_env(e).job_id for e in ({"TORCHELASTIC_RUN_ID": "none",
+        ...     "SLURM_JOB_ID": "42"}, {"TORCHELASTIC_RUN_ID": "a1", "SLURM_JOB_ID": "42"}, {})]
+        ['slurm:42', 'torchrun:a1', None]
+        """
         env = dict(os.environ if env is None else env)
+        run, slurm_job = env.get("TORCHELASTIC_RUN_ID", "").strip(), env.get("SLURM_JOB_ID", "").strip()
+        job = f"torchrun:{run}" if run and run != "none" else f"slurm:{slurm_job}" if slurm_job else None
         if "RANK" in env and "WORLD_SIZE" in env:
             world = int(env["WORLD_SIZE"])
             return cls(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)),
-                       int(env.get("LOCAL_WORLD_SIZE", world)))
+                       int(env.get("LOCAL_WORLD_SIZE", world)), job_id=job)
         if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
             world = int(env["SLURM_NTASKS"])
             sizes = slurm_tasks_per_node(env.get("SLURM_TASKS_PER_NODE", ""))
@@ -48,8 +61,8 @@ class LaunchEnv:
             if not per_node and nodes > 0:
                 per_node = max(1, world // nodes)
             return cls(int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)),
-                       min(per_node, world) or world, sizes if len(set(sizes)) > 1 else ())
-        return cls()
+                       min(per_node, world) or world, sizes if len(set(sizes)) > 1 else (), job)
+        return cls(job_id=job)
 
     @property
     def num_nodes(self) -> int:

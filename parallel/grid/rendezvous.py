@@ -43,7 +43,9 @@ class Disagreement(LayoutError):
 
 
 RENDEZVOUS = "gridtron/rendezvous"
+ATTEMPTS = "gridtron/attempts"  # in torchrun's agent store: one number per attempt, never reused
 SHOWN_KEYS = 6  # differing keys a mismatch names per group of ranks
+_ATTEMPT: dict[tuple[str, int, int], int] = {}  # this process's attempt, per store, rank and world
 
 
 @dataclass
@@ -55,9 +57,14 @@ class Rendezvous:
     DistStoreError or a backend abort later. Each meeting has a namespace of its own (the n-th
     meeting of every rank is the same one).
 
-    The store: the process group's when one exists, else torchrun's agent store (prefixed by
-    TORCHELASTIC_RESTART_COUNT: an attempt never reads a dead attempt's keys), else a TCPStore at
-    MASTER_ADDR:MASTER_PORT hosted by rank 0; ``init_process_group`` then runs on it.
+    The store: the process group's when one exists, else torchrun's agent store, else a TCPStore
+    at MASTER_ADDR:MASTER_PORT hosted by rank 0; ``init_process_group`` then runs on it. The
+    agent store outlives the workers of an attempt (the rendezvous round's), so an attempt works
+    under a prefix of its own, ``gridtron/attempt_N``, and never reads a dead attempt's keys. N is
+    not TORCHELASTIC_RESTART_COUNT: each agent counts its own restarts (a restart for a node that
+    joins does not count, a joining agent starts at 0), so the nodes of one round can disagree
+    on it. Rank 0 takes a new N from the store and admits every other rank into it
+    (``join_attempt``, ``Admission``); each process joins once.
     """
     store: object
     rank: int
@@ -68,6 +75,8 @@ class Rendezvous:
     deadline: float = 0.0
     name: str = RENDEZVOUS
     arrived: int = 0  # ranks whose entry the last exchange read
+    attempt: int | None = None  # the agent store's attempt this process joined (None: no agent)
+    admit: "Admission | None" = None  # rank 0, while the ranks of its attempt join
 
     @classmethod
     def open(cls, launch: LaunchEnv, timeout_s: float, env: dict | None = None) -> "Rendezvous":
@@ -75,6 +84,7 @@ class Rendezvous:
         deadline = time.monotonic() + timeout_s
         if dist.is_initialized():
             store, where, hosts = dist.distributed_c10d._get_default_store(), "the process group's store", False
+            agent = False  # (its keys lie under this attempt's prefix already)
         else:
             if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
                 raise LayoutError(f"{launch.world_size} ranks meet at MASTER_ADDR:MASTER_PORT, and "
@@ -95,11 +105,22 @@ class Rendezvous:
                     f"rank {launch.rank} found no rendezvous store at {where} within --timeout-s "
                     f"{timeout_s:g} s: {host}, which serves it, did not arrive (or cannot listen "
                     f"there); start it, or raise --timeout-s [{first}]", (launch.rank,)) from exc
-            if agent:
-                store = dist.PrefixStore(f"gridtron/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        attempt = admit = None
+        if agent:
+            key = (where, launch.rank, launch.world_size)
+            attempt = _ATTEMPT.get(key)
+            if attempt is None:
+                attempt, admit = join_attempt(store, launch.rank, launch.world_size, deadline)
+                if attempt is None:
+                    raise RendezvousError(
+                        f"rank 0 of {launch.world_size} did not arrive at the rendezvous ({where}) "
+                        f"within --timeout-s {timeout_s:g} s: start it (or check its logs), or "
+                        f"raise --timeout-s", (launch.rank,))
+                _ATTEMPT[key] = attempt
+            store = dist.PrefixStore(f"gridtron/attempt_{attempt}", store)
         call = store.add(f"{RENDEZVOUS}/calls/{launch.rank}", 1)
         return cls(store, launch.rank, launch.world_size, timeout_s, where, hosts, deadline,
-                   f"{RENDEZVOUS}/{call}")
+                   f"{RENDEZVOUS}/{call}", attempt=attempt, admit=admit)
 
     def exchange(self, entry: dict, extra: str | None = None) -> dict[int, dict]:
         """Post ``entry`` (and ``extra``, read only on demand) and return every arrived rank's,
@@ -111,6 +132,8 @@ class Rendezvous:
         store.add(f"{ns}/arrived", 1)
         delay = 0.005
         while store.add(f"{ns}/arrived", 0) < self.world_size and time.monotonic() < self.deadline:
+            if self.admit is not None:  # the ranks still joining this attempt post once admitted
+                self.admit()
             time.sleep(delay)
             delay = min(2 * delay, 0.2)
         keys = [f"{ns}/entry/{r}" for r in range(self.world_size)]
@@ -183,6 +206,51 @@ class Rendezvous:
         tail = f"; {others} more groups of ranks differ too" if others > 0 else ""
         return (f"ranks started with different configurations: {'; '.join(parts)}{tail}; start "
                 f"every rank with the same flags and recipe")
+
+
+class Admission:
+    """Rank 0's side of ``join_attempt``: admits into ``attempt`` each rank's latest join request
+    (one it finds from a dead attempt is admitted too, and read by no one); the ranks are read
+    again only once the count of all requests has moved."""
+
+    def __init__(self, store, attempt: int, world_size: int):
+        self.store, self.attempt, self.world_size = store, attempt, world_size
+        self.served: dict[int, int] = {}
+        self.requests = -1
+
+    def __call__(self) -> None:
+        requests = self.store.add(f"{ATTEMPTS}/requests", 0)
+        if requests == self.requests:
+            return
+        self.requests = requests
+        for rank in range(1, self.world_size):
+            request = self.store.add(f"{ATTEMPTS}/join/{rank}", 0)
+            if request and self.served.get(rank) != request:
+                self.store.set(f"{ATTEMPTS}/join/{rank}/{request}", str(self.attempt))
+                self.served[rank] = request
+
+
+def join_attempt(store, rank: int, world_size: int, deadline: float) -> tuple[int | None, Admission | None]:
+    """The attempt number every rank of this attempt shares on torchrun's agent store, which
+    keeps the keys of earlier attempts: rank 0 takes a new one (and returns the ``Admission``
+    that it serves while it waits for the others); any other rank asks under a request number
+    of its own (one more than any earlier process of its rank asked) and waits, up to
+    ``deadline``, for rank 0's answer to that request (None: none came). A stale answer never
+    matches a new request, and an attempt number is never reused."""
+    if rank == 0:
+        attempt = store.add(ATTEMPTS, 1)
+        admit = Admission(store, attempt, world_size)
+        admit()
+        return attempt, admit
+    key = f"{ATTEMPTS}/join/{rank}/{store.add(f'{ATTEMPTS}/join/{rank}', 1)}"
+    store.add(f"{ATTEMPTS}/requests", 1)  # after its own: rank 0 then reads it
+    delay = 0.005
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            return None, None
+        time.sleep(delay)
+        delay = min(2 * delay, 0.2)
+    return int(bytes(store.get(key)).decode()), None
 
 
 def _wait_for_listener(addr: str, port: int, deadline: float) -> None:

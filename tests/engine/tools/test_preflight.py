@@ -12,8 +12,9 @@ import pytest
 
 from engine.tools.commbench import (BenchConfig, bandwidths, bus_factor, format_size, message_elements,
                               parse_size, parse_sizes, plan)
-from engine.tools.preflight import (comm_environment, find_mismatches, format_ranks, local_device_problem,
-                              node_layout_problems)
+from engine.tools.preflight import (comm_environment, find_mismatches, fingerprint, format_ranks,
+                                    local_device_problem, node_layout_problems)
+from parallel.grid.launch import LaunchEnv
 from parallel.grid.state import ParallelState
 from parallel.grid.topology import RankGrid
 
@@ -140,6 +141,34 @@ def test_local_world_size_and_node_layout():
     shuffled = _prints(n=4, per_node=4, local_rank=lambda r: 3 - r)
     assert node_layout_problems(shuffled) == [
         "node node0: local ranks [3, 2, 1, 0] for ranks 0-3; expected 0..3 in rank order"]
+
+
+def test_uneven_slurm_nodes_agree_with_their_node_sizes():
+    """srun over nodes of 8 and 7 processes (SLURM_TASKS_PER_NODE=8,7): each node's own
+    LOCAL_WORLD_SIZE is consistent, not a mismatch; a count that its node does not share, or that
+    is not its node's size, still is."""
+    def uneven(**per_rank):
+        return _prints(n=15, per_node=8, **{"local_world_size": lambda r: 8 if r < 8 else 7,
+                                            "node_sizes": lambda r: "8,7", **per_rank})
+    prints = uneven()
+    assert find_mismatches(prints) == [] and node_layout_problems(prints) == []
+    assert fingerprint(LaunchEnv(8, 15, 0, 7, (8, 7)), "cpu", None, "cpu", {})["node_sizes"] == "8,7"
+    assert "node_sizes" not in fingerprint(LaunchEnv(8, 16, 0, 8), "cpu", None, "cpu", {})
+
+    odd_one = uneven(local_world_size=lambda r: 8 if r < 8 or r == 12 else 7)
+    assert find_mismatches(odd_one) == [
+        "local_world_size on node node1: ranks 8-11,13-14 have 7, rank 12 has 8"]
+    not_its_size = uneven(local_world_size=lambda r: 7)   # node 0 reads the wrong entry
+    assert node_layout_problems(not_its_size) == [
+        "node node0 (ranks 0-7) has LOCAL_WORLD_SIZE 7 but SLURM_TASKS_PER_NODE gives it 8 "
+        "processes: use srun's block distribution"]
+    assert node_layout_problems(uneven(node_sizes=lambda r: "8,4,3"))[0] == (
+        "2 node(s) by host name but SLURM_TASKS_PER_NODE describes 3 (8,4,3): give every node its "
+        "own hostname")
+    other_sizes = uneven(node_sizes=lambda r: "8,7" if r < 8 else "7,8")
+    assert find_mismatches(other_sizes) == [
+        "local_world_size: ranks 0-7 have 8, ranks 8-14 have 7",
+        "node_sizes: ranks 0-7 have 8,7, ranks 8-14 have 7,8"]
 
 
 def test_comm_environment_selection():
