@@ -6,7 +6,7 @@ the rank's safetensors file, re-reads it against its sha256 and writes the rank'
 file I/O only. The thread never issues a collective (a second thread's collectives would race with training's on the same
 process groups, and are illegal on NCCL/HCCL streams).
 
-Completion is agreed by the main thread at the following step boundaries, from three counters
+Completion is agreed by the main thread at the following step boundaries, from four counters
 summed over all ranks::
 
     [ranks asking to stop (SIGTERM or SIGINT), ranks asking because of SIGINT, ranks whose part
@@ -17,14 +17,16 @@ They ride on the step's statistics all-reduce (``counts``, a source of engine/tr
 collective of its own here; a boundary without them (a caller that runs no step) issues one int32
 all-reduce (``agree``) instead.
 
-When the second counter reaches the world size, rank 0 publishes the save with the synchronous
+When the third counter reaches the world size, rank 0 publishes the save with the synchronous
 path's own ``publish`` (merge the index, rename ``iter_X.tmp``, repoint ``latest``), after the
 metrics record of the saved step, written at the step after it, is fsynced (``before_publish``:
 a run resumed from ``latest`` finds the records of every step up to it); until then the
 previous checkpoint stays the one ``latest`` names, so a crash during the background write loses
-nothing that was published. At most one save is in flight: a save that comes due while the previous
-one is still being written, the run's last step and an agreed stop all wait for it first. Example,
-``--save-interval 2`` on 2 ranks::
+nothing that was published. Every rank then agrees on the publication's outcome, as the
+synchronous path does (``writer._agree``: one all-gather, at boundaries that publish only): a
+failed ``publish`` (a full disk) is the same CheckpointError on every rank. At most one save is
+in flight: a save that comes due while the previous one is still being written, the run's last
+step and an agreed stop all wait for it first. Example, ``--save-interval 2`` on 2 ranks::
 
     boundary 2: [0, 0, 0, 0]  snapshot of step 2, writer threads start   (save_blocking_s: the copy)
     boundary 3: [0, 0, 1, 0]  rank 1 is done, rank 0 still writing
@@ -42,8 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint.index import CheckpointError
-from engine.checkpoint.writer import (Snapshot, _barrier, before_publish, prepare_dir, publish,
+from engine.checkpoint.index import LATEST, CheckpointError
+from engine.checkpoint.writer import (Snapshot, _agree, before_publish, prepare_dir, publish,
                                       save_checkpoint, snapshot, unchanged_since_load, write_files)
 from parallel.dp.host_flat import HostFlat
 from parallel.runtime import streams
@@ -253,9 +255,7 @@ class Checkpointer:
             return None
         self.flight.thread.join()
         _, _, done, failed = agree(self.ps, [0, 0, *self.flight.counts()])
-        final = self._conclude(done, failed)
-        _barrier(self.ps, f"after publishing {final}")
-        return final
+        return self._conclude(done, failed)  # every rank's thread is joined: fails or publishes
 
     def _conclude(self, done: int, failed: int) -> str | None:
         """Act on the agreed counters: fail on every rank, publish (rank 0), or keep waiting."""
@@ -272,7 +272,15 @@ class Checkpointer:
         if done < self.ps.world_size:
             return None
         before_publish(self.trainer, snap.step)  # its metrics record: written steps ago, fsynced now
-        if self.ps.rank == 0:
-            publish(snap)
         self.flight = None
+        failure = None
+        if self.ps.rank == 0:
+            try:
+                publish(snap)
+            except (CheckpointError, OSError) as exc:
+                failure = exc
+        # every rank is here at the same boundary (the counters are sums): a failed publication is
+        # the same line on all of them, as in a synchronous save; the all-gather is also the barrier
+        _agree(self.ps, failure, f"publishing {snap.final}",
+               f"{LATEST} names the newest checkpoint published")
         return snap.final

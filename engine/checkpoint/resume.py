@@ -19,14 +19,17 @@ this run publishes removes it (engine/checkpoint/writer.py ``publish``; not that
 
 A ``--load`` inside ``--save`` (one of its ``iter_*`` checkpoints, or its ``overwritten/``) names
 that directory's own run: the run starts from what ``--load`` names (a rollback to an earlier step)
-and nothing is moved aside, even with ``--overwrite``; only the restart of that same job continues
-from ``--save``'s latest instead (``own_progress``: saved by a run given the same ``--load``, by
-real path, and ``--finetune``). So does ``--load DIR --save DIR --finetune`` once DIR's latest is
-that fine-tune's own progress, instead of starting over from step 0 on its own weights.
+and nothing is moved aside, even with ``--overwrite``; only a restart of the same job (torchrun's
+--max-restarts, a Slurm requeue: the same ``LaunchEnv.job_id``) continues from ``--save``'s latest
+instead (``own_progress``), and never under ``--overwrite``. A new submission of the same command
+rolls back again. ``--finetune`` there is refused (``_finetune_refusal``: its steps count from 0,
+so its checkpoints would replace the loaded run's), unless ``--save``'s latest is this job's own
+fine-tune progress: ``--load DIR --save DIR --finetune`` started on an empty DIR, restarted.
 
-``plan_start`` decides from the configuration and the shared file system alone, so every rank
-reaches the same answer, before any collective (engine/training/launch.py calls it before the
-process group exists; the trainer again when it starts).
+``plan_start`` decides from the configuration, the shared file system and the job identity (the
+same in every process of a job) alone, so every rank reaches the same answer, before any collective
+(engine/training/launch.py calls it before the process group exists; the trainer again when it
+starts).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ from engine.checkpoint.index import (ASIDE, INDEX_NAME, LATEST, CheckpointError,
 from engine.checkpoint.reader import load_checkpoint
 from engine.checkpoint.specs import LAYOUT_KEYS, layout_of, saved_layout
 from engine.checkpoint.writer import _barrier, lies_within
+from parallel.grid.launch import LaunchEnv
 
 # (config section, key) pairs that make two runs the same run; None: a RunConfig field
 RECIPE = (("model", "block"), ("model", "num_layers"), ("model", "hidden_size"),
@@ -159,47 +163,67 @@ def _aside_refusal(cfg) -> CheckpointError:
         f"or add --overwrite to replace them")
 
 
-def own_progress(index: dict, cfg) -> bool:
-    """Whether checkpoint ``index`` is the progress of an earlier attempt of this very run of a
-    ``--load`` inside (or equal to) its ``--save``: saved by a run given the same ``--load`` (by real
-    path) and ``--finetune``, of this run's recipe, past step 0 and below this run's
-    ``--train-iters``. Pure."""
+def own_progress(index: dict, cfg, job: str | None) -> bool:
+    """Whether checkpoint ``index`` is the progress of an earlier attempt of this very job of a
+    ``--load`` inside (or equal to) its ``--save``: saved by the same job (``job``, the launcher's
+    identity of this one, parallel/grid/launch.py ``LaunchEnv.job_id``: a restart by torchrun or a
+    Slurm requeue keeps it, a new submission does not; None, a plain process that no launcher
+    restarts, never matches), given the same ``--load`` (by real path, as the index records it:
+    writer.py ``run_identity``) and ``--finetune``, of this run's recipe, past step 0 and below
+    this run's ``--train-iters``. Pure."""
     saved = index.get("config") if isinstance(index.get("config"), dict) else {}
     ck = saved.get("checkpoint") if isinstance(saved.get("checkpoint"), dict) else {}
-    load = ck.get("load")
-    return isinstance(load, str) and bool(load) and \
-        os.path.realpath(load) == os.path.realpath(cfg.checkpoint.load) and \
+    run = index.get("run") if isinstance(index.get("run"), dict) else {}
+    return bool(job) and run.get("job_id") == job and isinstance(run.get("load"), str) and \
+        run["load"] == os.path.realpath(cfg.checkpoint.load) and \
         bool(ck.get("finetune")) == bool(cfg.checkpoint.finetune) and \
         0 < index["step"] < cfg.optim.train_iters and not recipe_differences(index, cfg)
 
 
-def _continuing(cfg, same: bool) -> Start:
-    """A ``--load`` that names ``--save`` itself (``same``) or a checkpoint inside it: what
-    ``--load`` names, unless ``--save``'s latest is this run's own progress since that load (a
-    restarted job; checked for ``same`` only under --finetune, which would start over at step 0:
-    without it, ``--load DIR`` already is DIR's latest, loaded in full)."""
+def _finetune_refusal(cfg) -> CheckpointError:
     ck = cfg.checkpoint
-    if not same or ck.finetune:
+    where = "is" if os.path.realpath(ck.load) == os.path.realpath(ck.save) else "lies in"
+    return CheckpointError(
+        f"--finetune with --load {ck.load}, which {where} {_save_flag(cfg)}: a fine-tune counts its "
+        f"steps from 0, so its checkpoints would replace the loaded run's (and {LATEST}), the one "
+        f"--load names included; give the fine-tune its own --save (--load {ck.load} --save "
+        f"FINETUNE_DIR --finetune)")
+
+
+def _continuing(cfg, same: bool, job: str | None) -> Start:
+    """A ``--load`` that names ``--save`` itself (``same``) or a checkpoint inside it: what
+    ``--load`` names, unless ``--save``'s latest is this job's own progress since that load (a
+    restart; checked for ``same`` only under --finetune: without it, ``--load DIR`` already is DIR's
+    latest, loaded in full; never under --overwrite, which forces the start from --load). A
+    --finetune is refused unless it continues its own progress (``_finetune_refusal``)."""
+    ck = cfg.checkpoint
+    if (not same or ck.finetune) and not ck.overwrite:
         try:
             index = read_index(resolve(ck.save), hint=False)
         except CheckpointError:  # a damaged latest is no progress to continue (--load may be intact)
             index = None
-        if index is not None and own_progress(index, cfg):
+        if index is not None and own_progress(index, cfg, job):
             return Start(source=ck.save, step=index["step"], resumed=True,
-                         why=f": this run's own progress since --load {ck.load}")
+                         why=f": this job's own progress since --load {ck.load}")
+    if ck.finetune:
+        raise _finetune_refusal(cfg)
     return Start(source=ck.load, step=saved_step(ck.load))
 
 
-def plan_start(cfg) -> Start:
+def plan_start(cfg, launch: LaunchEnv | None = None) -> Start:
     """How the run of ``cfg`` starts, or a CheckpointError when its --save holds another run's
-    checkpoints (see the module's docstring). Pure: reads the configuration and the shared file
-    system, changes nothing."""
+    checkpoints (see the module's docstring). ``launch``: this process's (the environment's when
+    None), for its job identity. Pure: reads the configuration, the environment and the shared
+    file system, changes nothing."""
     ck = cfg.checkpoint
+    job = (launch or LaunchEnv.from_env()).job_id
     save, load = ck.save, ck.load
     aside = bool(save) and os.path.isdir(os.path.join(save, ASIDE))
     same = bool(load) and bool(save) and os.path.realpath(load) == os.path.realpath(save)
     inside = bool(load) and bool(save) and not same and lies_within(load, save)
     if not save or not has_checkpoint(save):
+        if inside and ck.finetune:  # (--load SAVE/overwritten: its saves beside what it loads)
+            raise _finetune_refusal(cfg)
         # (--load SAVE/overwritten is the refusal's own way on: it continues them)
         if aside and not ck.overwrite and not (inside and lies_within(load, os.path.join(save, ASIDE))):
             raise _aside_refusal(cfg)
@@ -207,7 +231,7 @@ def plan_start(cfg) -> Start:
             return Start()
         return Start(source=load, step=saved_step(load) if load else None)
     if same or inside:  # the directory's own run: what --load names, or this job's progress since
-        return _continuing(cfg, same)
+        return _continuing(cfg, same, job)
     if os.path.isfile(os.path.join(save, INDEX_NAME)):
         raise CheckpointError(f"{_save_flag(cfg)} is one checkpoint (it holds {INDEX_NAME}), not a "
                               f"directory of them: save into {os.path.dirname(os.path.abspath(save))} "
@@ -269,7 +293,7 @@ def resume(trainer) -> int:
     (--overwrite; rank 0, once every rank has decided), then load (under another layout the random
     streams from the loaded step: ``restart_streams``). Returns the step to continue from."""
     cfg, main = trainer.cfg, trainer.is_main
-    start = plan_start(cfg)
+    start = plan_start(cfg, getattr(trainer, "launch", None))
     if start.replace:
         _barrier(trainer.ps, f"before moving the checkpoints in {start.replace} aside")
         if main:

@@ -32,6 +32,7 @@ from engine.checkpoint.reader import _agree_on_failure
 from engine.checkpoint.specs import (ParamSpec, buffer_specs, by_owner, data_info, device_rng,
                                      first_replica, layout_of, param_specs, split_flat)
 from parallel.dp.residuals import logical_residual_pieces
+from parallel.grid.launch import LaunchEnv
 
 
 class _Shard:
@@ -191,9 +192,20 @@ def snapshot(trainer, step: int, tmp: str) -> Snapshot:
                             "warmup_steps": red.get("warmup_steps")},
                 "schedule_step": trainer.schedule_step,
                 "optimizer": {"kind": sd["kind"], "step": sd["step"],
-                              "variance_frozen": sd.get("variance_frozen", False)}}
+                              "variance_frozen": sd.get("variance_frozen", False)},
+                "run": run_identity(trainer)}
     return Snapshot(step, tmp, checkpoint_dir(trainer, step), ps.rank, ps.world_size,
                     cfg.checkpoint.keep_last, shard.fname, {**shard.tensors, **own}, rank_json, meta)
+
+
+def run_identity(trainer) -> dict:
+    """Which job saved a checkpoint, and from what (the index's ``run``; engine/checkpoint/resume.py
+    ``own_progress`` tells a restart of that job by it): ``job_id``, the launcher's identity of the
+    job (parallel/grid/launch.py ``LaunchEnv.job_id``; None for a plain process), and ``load``, the
+    real path of its --load (the saved config keeps it as typed, which may be relative)."""
+    launch = getattr(trainer, "launch", None) or LaunchEnv.from_env()
+    load = trainer.cfg.checkpoint.load
+    return {"job_id": launch.job_id, "load": os.path.realpath(load) if load else None}
 
 
 def write_files(snap: Snapshot, verify: bool = False) -> None:

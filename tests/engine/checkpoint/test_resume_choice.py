@@ -1,8 +1,10 @@
 """Which checkpoint a run starts from when its --load lies inside its --save, and what its saves
 keep: a rollback (--load SAVE/iter_X of an earlier step) starts from X and keeps it while the run
-goes on, and only the restart of that job continues from the newer checkpoints it saved itself;
---overwrite moves nothing aside for it; --load DIR --save DIR --finetune restarted continues its own
-progress instead of starting over; --load SAVE/overwritten continues what --overwrite moved aside,
+goes on, and only the restart of that job (the same launcher job identity, TORCHELASTIC_RUN_ID or
+SLURM_JOB_ID) continues from the newer checkpoints it saved itself, wherever it is launched from; a
+new submission, a plain process or --overwrite rolls back again; --overwrite moves nothing aside
+for it; --finetune there is refused (its step-0 saves would replace the loaded run's) unless it
+continues its own progress; --load SAVE/overwritten continues what --overwrite moved aside,
 restarts included. And a synchronous save whose write fails on one rank fails every rank with the
 same line; a resume under another layout draws new dropout masks. Single-process mock-data runs of
 2-6 steps, and one 2-rank gloo run."""
@@ -13,10 +15,12 @@ import pytest
 import torch
 
 import engine.checkpoint.writer as writer
-from engine.checkpoint.resume import move_aside
+from engine.checkpoint.index import CheckpointError, read_index, resolve
+from engine.checkpoint.resume import move_aside, plan_start
 from engine.config.cli import parse_args
 from engine.training.launch import main as train_main
 from engine.training.trainer import Trainer
+from parallel.grid.launch import LaunchEnv
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
 
@@ -25,6 +29,20 @@ TINY = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "
         "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--lr", "2e-3", "--lr-warmup-iters", "1", "--log-interval", "1",
         "--lr-decay-style", "constant"]
+
+
+@pytest.fixture(autouse=True)
+def job(monkeypatch):
+    """No launcher's job identity unless a test sets one: ``job("a")`` is torchrun's run "a"."""
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    return lambda run: monkeypatch.setenv("TORCHELASTIC_RUN_ID", run)
+
+
+def plan(argv, job_id=None):
+    """(source, step, resumed) of ``plan_start`` for ``argv`` in a job of identity ``job_id``."""
+    start = plan_start(parse_args(TINY + argv), LaunchEnv(job_id=job_id))
+    return start.source, start.step, start.resumed
 
 
 def records(argv, cls=Trainer) -> list[dict]:
@@ -70,22 +88,67 @@ def copy(src: str, dst) -> str:
     return str(dst)
 
 
-def test_a_rollback_inside_save_starts_from_load_and_its_restart_continues(four, tmp_path, capsys):
+def test_a_rollback_inside_save_starts_from_load_and_its_restart_continues(four, tmp_path, capsys, job):
     s, first = copy(four[0], tmp_path / "s"), four[1]
     load = f"{s}/iter_0000002"
     argv = ["--train-iters", "6", "--load", load, "--save", s, "--save-interval", "2"]
+    job("a")
     capsys.readouterr()
     rolled = crashing(argv, at=5)  # the rollback saves its step 4, then its worker dies
     out = capsys.readouterr().out.splitlines()
     assert f"gridtron: loaded {load} at step 2" in out and not any("resuming" in x for x in out)
     assert rolled == {3: first[3], 4: first[4]}  # the first run's steps 3-4 again
     assert os.readlink(os.path.join(s, "latest")) == "iter_0000004"
+    assert read_index(resolve(s))["run"] == {"job_id": "torchrun:a", "load": os.path.realpath(load)}
     # torchrun restarts the job with the same flags: it continues from its own step 4
     assert sorted(losses(argv)) == [5, 6]
-    assert f"gridtron: resuming from {s} (step 4): this run's own progress since --load {load}" \
+    assert f"gridtron: resuming from {s} (step 4): this job's own progress since --load {load}" \
         in capsys.readouterr().out.splitlines()
     # --keep-last 2 keeps the newest two and, while the run goes on, the checkpoint --load names
     assert sorted(os.listdir(s)) == ["iter_0000002", "iter_0000004", "iter_0000006", "latest"]
+
+
+def test_a_new_submission_of_a_rollback_rolls_back_again(four, tmp_path, capsys, job):
+    """The rollback saves step 4 and diverges again; the user submits the same rollback with a
+    lower --lr: a new job (or a plain process, or --overwrite), which starts from --load again
+    instead of continuing the diverged step 4; only the same job's restart continues it."""
+    s, first = copy(four[0], tmp_path / "s"), four[1]
+    load = f"{s}/iter_0000002"
+    argv = ["--train-iters", "6", "--load", load, "--save", s, "--save-interval", "2"]
+    job("a")
+    crashing(argv, at=5)
+    assert plan(argv, "torchrun:a") == (s, 4, True)                   # its restart
+    assert plan(argv, "torchrun:b") == (load, 2, False)               # another job
+    assert plan(argv, None) == (load, 2, False)                       # no launcher restarts it
+    assert plan(argv + ["--overwrite"], "torchrun:a") == (load, 2, False)
+    job("b")
+    capsys.readouterr()
+    got = losses(argv + ["--lr", "1e-3"])
+    assert f"gridtron: loaded {load} at step 2" in capsys.readouterr().out.splitlines()
+    assert sorted(got) == [3, 4, 5, 6] and got[3] == first[3]
+
+
+def test_job_identity_of_a_launch():
+    assert LaunchEnv.from_env({"TORCHELASTIC_RUN_ID": "e1f2", "SLURM_JOB_ID": "7"}).job_id == "torchrun:e1f2"
+    # torchrun's default --rdzv-id "none" is every launch's: Slurm's job id, if any
+    assert LaunchEnv.from_env({"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "7", "SLURM_PROCID": "0",
+                               "SLURM_NTASKS": "1"}).job_id == "slurm:7"
+    assert LaunchEnv.from_env({"RANK": "0", "WORLD_SIZE": "1"}).job_id is None
+
+
+def test_a_restart_from_another_directory_finds_its_own_progress(four, tmp_path, monkeypatch, job):
+    """A relative --load: the index records its real path (the saved config keeps it as typed),
+    so the restart launched from another directory, with --load written from there, continues."""
+    copy(four[0], tmp_path / "s")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    job("a")
+    crashing(["--train-iters", "6", "--load", "s/iter_0000002", "--save", "s", "--save-interval", "2"],
+             at=5)
+    assert read_index(resolve("s"))["config"]["checkpoint"]["load"] == "s/iter_0000002"
+    monkeypatch.chdir(tmp_path / "sub")
+    argv = ["--train-iters", "6", "--load", "../s/iter_0000002", "--save", "../s"]
+    assert plan(argv, "torchrun:a") == ("../s", 4, True)
 
 
 def test_overwrite_with_a_load_inside_save_moves_nothing_aside(four, tmp_path, capsys):
@@ -102,25 +165,51 @@ def test_overwrite_with_a_load_inside_save_moves_nothing_aside(four, tmp_path, c
     assert sorted(os.listdir(s)) == ["iter_0000002", "iter_0000004", "latest"]
 
 
-def test_a_finetune_into_its_own_load_directory_continues_when_restarted(four, tmp_path, capsys):
-    reference = copy(four[0], tmp_path / "reference")
+def test_a_finetune_into_the_directory_of_its_load_is_refused(four, tmp_path, capsys):
+    """A fine-tune counts its steps from 0: into its --load's own directory its saves would replace
+    that run's checkpoints and latest, at step 2 the very checkpoint --load names. One line on
+    every rank, before anything is built; the directory stays as it was."""
     d = copy(four[0], tmp_path / "d")
+    for load, where in ((d, "is"), (f"{d}/iter_0000002", "lies in")):
+        argv = TINY + ["--train-iters", "2", "--load", load, "--save", d, "--finetune"]
+        assert train_main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.splitlines()[-1] == (
+            f"gridtron: checkpoint error: --finetune with --load {load}, which {where} --save {d}: a "
+            f"fine-tune counts its steps from 0, so its checkpoints would replace the loaded run's "
+            f"(and latest), the one --load names included; give the fine-tune its own --save "
+            f"(--load {load} --save FINETUNE_DIR --finetune)")
+        with pytest.raises(CheckpointError, match="give the fine-tune its own --save"):
+            plan_start(parse_args(argv + ["--overwrite"]), LaunchEnv(job_id="torchrun:a"))
+    assert sorted(os.listdir(d)) == ["iter_0000002", "iter_0000004", "latest"]
+    assert os.readlink(os.path.join(d, "latest")) == "iter_0000004"
+
+
+def test_a_finetune_on_an_empty_directory_continues_only_its_own_job(tmp_path, capsys, job):
+    """--load DIR --save DIR --finetune on an empty DIR starts afresh; its job restarted continues
+    its own progress in full (not starting over), another job is refused like any fine-tune into
+    a run's directory."""
+    reference, d = str(tmp_path / "reference"), str(tmp_path / "d")
     tune = ["--finetune", "--save-interval", "1"]
     whole = losses(["--load", reference, "--save", reference, "--train-iters", "4"] + tune)
     argv = ["--load", d, "--save", d] + tune
+    job("a")
     assert losses(argv + ["--train-iters", "2"]) == {1: whole[1], 2: whole[2]}
     capsys.readouterr()
     # again with a larger --train-iters: it continues its own step 2 (optimizer, data position)
     assert losses(argv + ["--train-iters", "4"]) == {3: whole[3], 4: whole[4]}
-    assert f"gridtron: resuming from {d} (step 2): this run's own progress since --load {d}" \
+    assert f"gridtron: resuming from {d} (step 2): this job's own progress since --load {d}" \
         in capsys.readouterr().out.splitlines()
+    with pytest.raises(CheckpointError, match="give the fine-tune its own --save"):
+        plan(argv + ["--train-iters", "6"], "torchrun:b")
 
 
-def test_load_of_what_overwrite_moved_aside_continues_it_restarts_included(four, tmp_path, capsys):
+def test_load_of_what_overwrite_moved_aside_continues_it_restarts_included(four, tmp_path, capsys, job):
     """--load SAVE/overwritten, the refusal's own suggestion, is accepted; the run's checkpoints
     leave it in place (its --load), so the job restarted with the same flags still finds it."""
     s = copy(four[0], tmp_path / "s")
     aside, _ = move_aside(s)  # as an --overwrite run that died before its first checkpoint left it
+    job("a")
     argv = ["--train-iters", "7", "--load", aside, "--save", s, "--save-interval", "1"]
     capsys.readouterr()
     assert sorted(crashing(argv, at=6)) == [5]
@@ -128,7 +217,7 @@ def test_load_of_what_overwrite_moved_aside_continues_it_restarts_included(four,
     assert os.path.isdir(aside) and os.readlink(os.path.join(s, "latest")) == "iter_0000005"
     assert train_main(TINY + argv) == 0  # (it checks that --load exists)
     out = capsys.readouterr().out.splitlines()
-    assert f"gridtron: resuming from {s} (step 5): this run's own progress since --load {aside}" in out
+    assert f"gridtron: resuming from {s} (step 5): this job's own progress since --load {aside}" in out
     assert sorted(os.listdir(s)) == ["iter_0000006", "iter_0000007", "latest", "overwritten"]
 
 
