@@ -380,6 +380,8 @@ def _read_own(trainer, ckpt: str, index: dict, weights_only: bool):
             trainer.dev.set_rng_state(own["rng/device"])
         if ck.load_rng and getattr(trainer, "rng", None) is not None:   # the dropout streams
             trainer.rng.load_state_tensors(own)
+    elif ck.load_rng and getattr(trainer, "rng", None) is not None:  # no per-rank state: the
+        trainer.rng.restart_at(step)  # streams from the loaded step, not repeating steps 1, 2, ...
     trainer.reducer.load_state_dict({"step": index["reducer"]["step"],
                                      "warmup_steps": index["reducer"].get("warmup_steps"),
                                      "residuals": {

@@ -39,12 +39,10 @@ import os
 import shutil
 from dataclasses import dataclass
 
-import torch
 
 from engine.checkpoint.index import (ASIDE, INDEX_NAME, LATEST, CheckpointError, has_checkpoint,
                                      read_index, resolve, saved_step)
 from engine.checkpoint.reader import load_checkpoint
-from engine.checkpoint.specs import LAYOUT_KEYS, layout_of, saved_layout
 from engine.checkpoint.writer import _barrier, lies_within
 from parallel.grid.launch import LaunchEnv
 
@@ -290,8 +288,7 @@ def move_aside(save: str, outputs: list[tuple[str, str]] = ()) -> tuple[str, lis
 
 def resume(trainer) -> int:
     """Carry out ``plan_start`` on a built trainer: move another run's checkpoints aside
-    (--overwrite; rank 0, once every rank has decided), then load (under another layout the random
-    streams from the loaded step: ``restart_streams``). Returns the step to continue from."""
+    (--overwrite; rank 0, once every rank has decided), then load. Returns the step to continue from."""
     cfg, main = trainer.cfg, trainer.is_main
     start = plan_start(cfg, getattr(trainer, "launch", None))
     if start.replace:
@@ -308,44 +305,10 @@ def resume(trainer) -> int:
         if main:
             print(f"gridtron: resuming from {start.source} (step {start.step})"
                   + (start.why or "; pass --load to choose another checkpoint"), flush=True)
-        return restart_streams(trainer, load_checkpoint(trainer, start.source, weights_only=False))
-    step = restart_streams(trainer, load_checkpoint(trainer, start.source))
+        return load_checkpoint(trainer, start.source, weights_only=False)
+    step = load_checkpoint(trainer, start.source)
     if main:
         only = f" (weights only: training starts at step {step})" if start.step != step else ""
         print(f"gridtron: loaded {trainer.loaded_checkpoint} at step {start.step}{only}", flush=True)
     return step
 
-
-_MASK64 = (1 << 64) - 1
-
-
-def stepped_seed(seed: int, step: int) -> int:
-    """The seed of a stream of seed ``seed`` once ``step`` steps are done: splitmix64 of ``seed``
-    advanced ``step`` times by the golden-ratio increment (distinct steps, distinct seeds)."""
-    x = (seed + step * 0x9E3779B97F4A7C15) & _MASK64
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
-    return x ^ (x >> 31)
-
-
-def restart_streams(trainer, step: int) -> int:
-    """After a load of ``step`` > 0 under another layout (or other compression or ZeRO choice),
-    which restores no per-rank random state: the dropout streams of every model chunk and the
-    default generators start from their seeds (the run's seed and this rank's coordinates,
-    parallel/grid/random.py) mixed with the loaded step, not from the step-0 seeds, so the masks
-    drawn after the resume do not repeat those of steps 1, 2, ... Nothing changes on the same
-    layout (the saved states are loaded), under --no-load-rng (the streams from their seeds, as
-    documented) or for a load of the weights alone. Returns ``step``."""
-    rng, ck = getattr(trainer, "rng", None), trainer.cfg.checkpoint
-    if rng is None or step == 0 or not ck.load_rng or not getattr(trainer, "loaded_checkpoint", None):
-        return step
-    saved, now = saved_layout(read_index(trainer.loaded_checkpoint, hint=False)), layout_of(trainer)
-    if all(saved.get(k) == now[k] for k in LAYOUT_KEYS + ("compression", "use_distributed_optimizer")):
-        return step
-    host = rng.device.type in ("cpu", "meta")
-    for tracker in rng.trackers:
-        tracker.set_states({region: torch.Generator(device="cpu" if host else rng.device)
-                            .manual_seed(stepped_seed(seed, step)).get_state()
-                            for region, seed in tracker.seeds.items() if region in tracker.states})
-    torch.manual_seed(stepped_seed(rng.default_seed, step))
-    return step

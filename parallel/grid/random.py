@@ -201,6 +201,17 @@ class ModelParallelRNG:
         """Seed the process's default generators (CPU, and the device's) with the default stream."""
         torch.manual_seed(self.default_seed)
 
+    def restart_at(self, step: int) -> None:
+        """Every stream, and the default generators, from its seed mixed with ``step`` (a resume
+        that loads no per-rank state: the masks after step ``step`` do not repeat those of steps
+        1, 2, ...); distinct steps, distinct seeds (``_mix64`` is a bijection)."""
+        def at(seed: int) -> int:
+            return _mix64((seed + step * 0x9E3779B97F4A7C15) & _MASK64)
+        for tracker in self.trackers:
+            tracker.set_states({r: _fresh_state(self.device, at(s))
+                                for r, s in tracker.seeds.items() if r in tracker.states})
+        torch.manual_seed(at(self.default_seed))
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Every tracker's states as CPU tensors, ``rng/tracker/<chunk>/<region>`` (checkpoints)."""
         return {f"rng/tracker/{c}/{r}": s.cpu() for c, t in enumerate(self.trackers)
