@@ -23,7 +23,7 @@ metrics record of the saved step, written at the step after it, is fsynced (``be
 a run resumed from ``latest`` finds the records of every step up to it); until then the
 previous checkpoint stays the one ``latest`` names, so a crash during the background write loses
 nothing that was published. Every rank then agrees on the publication's outcome, as the
-synchronous path does (``writer._agree``: one all-gather, at boundaries that publish only): a
+synchronous path does (``writer.publish_agreed``: one all-gather, at boundaries that publish only): a
 failed ``publish`` (a full disk) is the same CheckpointError on every rank. At most one save is
 in flight: a save that comes due while the previous one is still being written, the run's last
 step and an agreed stop all wait for it first. Example, ``--save-interval 2`` on 2 ranks::
@@ -44,8 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint.index import LATEST, CheckpointError
-from engine.checkpoint.writer import (Snapshot, _agree, before_publish, prepare_dir, publish,
+from engine.checkpoint.index import CheckpointError
+from engine.checkpoint.writer import (Snapshot, before_publish, prepare_dir, publish_agreed,
                                       save_checkpoint, snapshot, unchanged_since_load, write_files)
 from parallel.dp.host_flat import HostFlat
 from parallel.runtime import streams
@@ -273,14 +273,7 @@ class Checkpointer:
             return None
         before_publish(self.trainer, snap.step)  # its metrics record: written steps ago, fsynced now
         self.flight = None
-        failure = None
-        if self.ps.rank == 0:
-            try:
-                publish(snap)
-            except (CheckpointError, OSError) as exc:
-                failure = exc
         # every rank is here at the same boundary (the counters are sums): a failed publication is
-        # the same line on all of them, as in a synchronous save; the all-gather is also the barrier
-        _agree(self.ps, failure, f"publishing {snap.final}",
-               f"{LATEST} names the newest checkpoint published")
+        # the same line on all of them, as in a synchronous save
+        publish_agreed(self.ps, snap)
         return snap.final

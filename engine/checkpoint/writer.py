@@ -252,14 +252,20 @@ def save_checkpoint(trainer, step: int, started: float | None = None, ending: bo
         failure = exc
     _agree(ps, failure, f"writing the shards of {tmp}")
     before_publish(trainer, step, time.perf_counter() - started, ending)
+    publish_agreed(ps, snap)
+    return final
+
+
+def publish_agreed(ps, snap: Snapshot) -> None:
+    """Rank 0 publishes ``snap``; every rank then learns at one agreement (also the barrier)
+    whether that failed, and all raise the same line if it did (``_agree``)."""
     failure = None
     if ps.rank == 0:
         try:
             publish(snap)
         except (CheckpointError, OSError) as exc:
             failure = exc
-    _agree(ps, failure, f"publishing {final}", f"{LATEST} names the newest checkpoint published")
-    return final
+    _agree(ps, failure, f"publishing {snap.final}", f"{LATEST} names the newest checkpoint published")
 
 
 def promote(tmp: str, final: str) -> None:

@@ -136,8 +136,8 @@ class Heartbeat:
         groups = {g.kind: g.ranks for g in (ps.tp_group, ps.cp_group, ps.pp_group, ps.dp_group,
                                             ps.dp_cp_group, ps.mp_group, ps.embedding_group,
                                             ps.world_group)}
-        for g in (getattr(ps, "ep_group", None), getattr(ps, "edp_group", None)):
-            if g is not None and g.size > 1:
+        for g in (ps.ep_group, ps.edp_group):
+            if g.size > 1:
                 groups[g.kind] = g.ranks
         return groups
 

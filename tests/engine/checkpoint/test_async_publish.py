@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-import engine.checkpoint.async_writer as async_writer
+import engine.checkpoint.writer as writer
 from engine.checkpoint.async_writer import Checkpointer
 from engine.checkpoint.index import CheckpointError
 from parallel.grid.topology import RankGrid
@@ -36,7 +36,7 @@ def _in_flight(ps, root: str, step: int):
 
 
 def _publications(ps, root):
-    published, real = [], async_writer.publish
+    published, real = [], writer.publish
 
     def publish(snap):
         published.append(snap.step)
@@ -44,7 +44,7 @@ def _publications(ps, root):
             raise OSError(28, "No space left on device")
 
     out = {}
-    async_writer.publish = publish
+    writer.publish = publish
     try:
         ck = _in_flight(ps, root, 2)   # published at a boundary: fine
         out["ok"] = ck.boundary(3, due=False, agreed=[0, 0, ps.world_size, 0]).published
@@ -61,7 +61,7 @@ def _publications(ps, root):
                 out[how] = str(exc)
             out[f"{how} flight"] = ck.flight
     finally:
-        async_writer.publish = real
+        writer.publish = real
     out["published"] = published
     return out
 

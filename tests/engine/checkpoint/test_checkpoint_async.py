@@ -67,7 +67,7 @@ def async_against_sync(ps, root):
     dist.barrier()
 
     events, release = [], threading.Event()
-    real_write, real_snapshot, real_publish = writer.write_shard, async_writer.snapshot, async_writer.publish
+    real_write, real_snapshot, real_publish = writer.write_shard, async_writer.snapshot, writer.publish
 
     def write_shard(tensors, path):
         background = threading.current_thread() is not threading.main_thread()
@@ -95,7 +95,7 @@ def async_against_sync(ps, root):
             return record
 
     patched = [(writer, "write_shard", write_shard), (async_writer, "snapshot", snapshot),
-               (async_writer, "publish", publish), (writer, "publish", publish)]
+               (writer, "publish", publish)]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patched]
     for mod, name, fn in patched:
         setattr(mod, name, fn)
@@ -321,7 +321,6 @@ def test_latest_moves_only_after_the_steps_metrics_are_on_disk(tmp_path, monkeyp
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(writer, "publish", publish)
-    monkeypatch.setattr(async_writer, "publish", publish)
     for mode in ([], ["--async-save"]):
         fsynced.clear()
         published.clear()
