@@ -27,11 +27,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.common import BenchParser, at_least, markdown_table
-# what CommGroup.all_gather_into calls (torch 2.13's all_gather_single, not the deprecated wrapper
-# all_gather_into_tensor, whose own cost would be charged to the bare side)
 from parallel.runtime.comm import _all_gather_single
 
 RULES = (None, "hccl")
+# what CommGroup.all_gather_into calls (torch 2.13's all_gather_single, not the deprecated wrapper
+# all_gather_into_tensor, whose own cost would be charged to the bare side)
+_ALL_GATHER = _all_gather_single
 
 
 def _block(fn, calls: int) -> float:
@@ -50,7 +51,7 @@ def _measure(ps, op: str, numel: int, calls: int, blocks: int) -> dict:
         bare = lambda: dist.all_reduce(t, group=group.process_group)  # noqa: E731
     else:
         engine = lambda: group.all_gather_into(out, t)  # noqa: E731
-        bare = lambda: _all_gather_single(out, t, group=group.process_group)  # noqa: E731
+        bare = lambda: _ALL_GATHER(out, t, group=group.process_group)  # noqa: E731
     _block(engine, calls // 4), _block(bare, calls // 4)  # warm both paths
     ratios, tot = [], {"engine": 0.0, "bare": 0.0}
     for b in range(blocks):
