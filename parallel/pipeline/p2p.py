@@ -111,7 +111,9 @@ class HostWait:
     """Block the host on each work with the timeout (gloo, whose waits are host waits anyway)."""
     mode = "host"
 
-    def wait(self, ps, works: list, transfers: list[Transfer], timeout_s: float | None, vp: int) -> None:
+    def wait(self, ps, works: list, transfers: list[Transfer], timeout_s: float | None, vp: int,
+             posted_at: float | None = None) -> None:
+        """``posted_at``: unused (gloo's own timeout runs per wait)."""
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         for work, owners in _pending(works, transfers):
             try:
@@ -341,10 +343,8 @@ def wait_posted(ps, batch: PostedBatch, indices=None, timeout_s: float | None = 
     works, transfers = batch.unwaited(range(len(batch.transfers)) if indices is None else indices)
     if not works:
         return
-    if isinstance(waiter, StreamWait):  # its watchdog's deadline: timeout_s after the post
-        waiter.wait(ps, works, transfers, timeout_s, vp, posted_at=batch.posted_at)
-    else:
-        (waiter or HostWait()).wait(ps, works, transfers, timeout_s, vp)
+    # posted_at: a stream wait's watchdog counts its deadline from the post
+    (waiter or HostWait()).wait(ps, works, transfers, timeout_s, vp, posted_at=batch.posted_at)
 
 
 def communicate(ps, transfers: list[Transfer], timeout_s: float | None = None,

@@ -87,8 +87,8 @@ class DelayedWaiter:
     def __init__(self, waiter, counts: dict):
         self.waiter, self.counts, self.mode = waiter, counts, waiter.mode
 
-    def wait(self, ps, works, transfers, timeout_s, vp) -> None:
-        self.waiter.wait(ps, works, transfers, timeout_s, vp)
+    def wait(self, ps, works, transfers, timeout_s, vp, posted_at=None) -> None:
+        self.waiter.wait(ps, works, transfers, timeout_s, vp, posted_at=posted_at)
         time.sleep(DELAY_S)
         self.counts["pp_recv"] += all(t.op == "recv" for t in transfers)
 
