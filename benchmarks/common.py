@@ -46,6 +46,21 @@ def at_least(parser: argparse.ArgumentParser, args, **minimums: int) -> None:
                 parser.error(f"--{dest.replace('_', '-')} must be at least {low}, got {v}")
 
 
+def steps_past_warmup(parser: argparse.ArgumentParser, args, measures: str = "the figures are") -> None:
+    """``parser.error`` unless ``args.steps`` exceeds ``args.warmup``: ``measures`` says what is
+    taken over the steps after the warm-up (``"tokens/s is"``)."""
+    if args.steps <= args.warmup:
+        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}: {measures} taken "
+                     f"over the steps after the warm-up")
+
+
+def positive_seconds(parser: argparse.ArgumentParser, args, dest: str) -> None:
+    """``parser.error`` unless ``args.<dest>`` is a positive number of seconds (NaN is not)."""
+    value = getattr(args, dest)
+    if not value > 0:
+        parser.error(f"--{dest.replace('_', '-')} must be a positive number of seconds, got {value}")
+
+
 @dataclass(frozen=True)
 class Layout:
     """A (tp, pp, dp) grid; ``world`` processes."""

@@ -31,9 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import (BenchParser, Layout, LaunchFailed, at_least, fmt,  # noqa: E402
+from benchmarks.common import (BenchParser, Layout, LaunchFailed, at_least, fmt, positive_seconds,  # noqa: E402
                                fmt_bytes, machine_note, markdown_table, parse_int_list,
-                               parse_layout, read_jsonl, scaling_efficiency,
+                               parse_layout, read_jsonl, scaling_efficiency, steps_past_warmup,
                                single_thread_peak_tflops, summarize, torchrun)
 
 DEFAULT_RECIPE = {"block": "gpt2", "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
@@ -227,14 +227,12 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default="runs/bench")
     args = ap.parse_args(argv)
     at_least(ap, args, warmup=0, repeats=1, batch_per_dp=1, threads_per_rank=1)
-    if args.steps <= args.warmup:
-        ap.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    steps_past_warmup(ap, args, "tokens/s is")
     if args.strong_batch is not None and args.strong_batch < 1:
         ap.error(f"--global-batch-size must be at least 1, got {args.strong_batch}")
     if args.peak_tflops is not None and not 0 < args.peak_tflops < float("inf"):
         ap.error(f"--peak-tflops must be a positive number, got {args.peak_tflops}")
-    if not args.timeout > 0:
-        ap.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    positive_seconds(ap, args, "timeout")
     args.out = str(Path(args.out).resolve())  # the jobs run from the repository root
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in MODES for m in args.modes):
@@ -245,8 +243,9 @@ def parse(argv=None) -> argparse.Namespace:
     except ValueError as exc:
         ap.error(str(exc))
     from engine.config.cli import parse_args
+    args.base = recipe_flags(args.config)  # every job's recipe flags
     try:  # the recipe, as every job will read it (ConfigError is a ValueError)
-        recipe = parse_args(recipe_flags(args.config))
+        recipe = parse_args(args.base)
     except (ValueError, OSError) as exc:
         ap.error(f"--config {args.config}: {exc}")
     if args.strong_batch is None:
@@ -257,7 +256,7 @@ def parse(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse(argv)
     layouts = plan_layouts(args.nprocs, args.layouts)
-    base = recipe_flags(args.config)
+    base = args.base
     from engine.device.runtime import detect_device_type
     device_type = detect_device_type("auto")
     on_cpu = device_type == "cpu"

@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import BenchParser, at_least, torchrun
+from benchmarks.common import BenchParser, at_least, positive_seconds, steps_past_warmup, torchrun
 from benchmarks.peers.release import RECIPE, tokens_per_s
 
 LAYOUTS = {"tp=2": ["--tp=2"], "(2,2,2)": ["--tp=2", "--pp=2", "--dp=2"]}
@@ -211,11 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=900.0)
     args = p.parse_args(argv)
     at_least(p, args, repeats=1, warmup=0, timeline_shape=1)
-    if args.steps <= args.warmup:
-        p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}: tokens/s is taken over "
-                f"the steps after the warm-up")
-    if not args.timeout_s > 0:
-        p.error(f"--timeout-s must be a positive number of seconds, got {args.timeout_s}")
+    steps_past_warmup(p, args, "tokens/s is")
+    positive_seconds(p, args, "timeout_s")
     out = Path(args.out)
     timeline(out, tuple(args.timeline_shape))
     print(f"timeline: {out / 'tp_overlap_timeline.png'}, trace {out / 'tp_overlap_trace.json'}: "

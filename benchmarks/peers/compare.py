@@ -36,8 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import (REPO, BenchParser, Layout, at_least, fmt,  # noqa: E402
-                               machine_note, markdown_table, max_rel_diff, parse_layout,
+from benchmarks.common import (REPO, BenchParser, Layout, at_least, fmt, positive_seconds,  # noqa: E402
+                               machine_note, markdown_table, max_rel_diff, parse_layout, steps_past_warmup,
                                read_jsonl, summarize, torchrun)
 
 DEFAULT_LAYOUTS = ("2,1,1", "1,2,1", "1,1,2", "2,2,2")
@@ -158,12 +158,9 @@ def parse(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     at_least(ap, args, warmup=0, repeats=1, threads_per_rank=1,
              **{k: 1 for k in SPEC if k not in ("lr", "min_lr", "weight_decay", "clip_grad", "seed")})
-    if args.steps <= args.warmup:
-        ap.error(f"--steps {args.steps} must exceed --warmup {args.warmup}: the throughput is "
-                 f"taken over the steps after the warm-up")
-    if not args.timeout > 0:
-        ap.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    spec = {k: getattr(args, k) for k in SPEC}
+    steps_past_warmup(ap, args, "the throughput is")
+    positive_seconds(ap, args, "timeout")
+    args.spec = spec = {k: getattr(args, k) for k in SPEC}
     try:
         args.layouts = [parse_layout(t) for t in args.layouts]
         args.cases = [(layout, s) for layout in args.layouts
@@ -177,7 +174,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    spec = {k: getattr(args, k) for k in SPEC}
+    spec = args.spec
     cases = args.cases
     out = Path(args.out)
     results = []

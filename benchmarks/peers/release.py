@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import REPO, TORCHRUN, BenchParser, at_least
+from benchmarks.common import REPO, TORCHRUN, BenchParser, at_least, positive_seconds, steps_past_warmup
 
 RECIPE = ["--mock-data", "--num-layers=4", "--hidden-size=128", "--num-attention-heads=4",
           "--seq-length=64", "--micro-batch-size=4", "--global-batch-size=32", "--tp=2",
@@ -64,11 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=900.0)
     args = p.parse_args(argv)
     at_least(p, args, repeats=1, warmup=0)
-    if args.steps <= args.warmup:
-        p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}: tokens/s is taken over "
-                f"the steps after the warm-up")
-    if not args.timeout_s > 0:
-        p.error(f"--timeout-s must be a positive number of seconds, got {args.timeout_s}")
+    steps_past_warmup(p, args, "tokens/s is")
+    positive_seconds(p, args, "timeout_s")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "release").mkdir()

@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import BenchParser, at_least  # noqa: E402
+from benchmarks.common import BenchParser, at_least, steps_past_warmup  # noqa: E402
 from benchmarks.memory.activation import ActivationMemory  # noqa: E402
 from benchmarks.pipeline.gantt import draw_gantt  # noqa: E402
 from engine.config.cli import parse_args  # noqa: E402
@@ -156,9 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     at_least(parser, args, pp=2, m=1, num_layers=1, hidden_size=1, seq_length=1,
              micro_batch_size=1, warmup=0)
-    if args.steps <= args.warmup:
-        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}: the figures are "
-                     f"totals over the steps after the warm-up")
+    steps_past_warmup(parser, args, "the figures are totals")
     os.makedirs(args.out, exist_ok=True)
     cores = os.cpu_count() or 1
 

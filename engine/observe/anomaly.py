@@ -400,9 +400,7 @@ class AnomalyGuard:
         self.inputs.restore(stepper, self.rng_sources)
         self.probe.reset()
         with self.probe.per_micro_batch(stepper.weight_grads):
-            again = stepper.compute(batches)
-        again.snapshot = pre.snapshot  # the step's traffic and time: both runs
-        again.stamps[0] = pre.stamps[0]
+            again = stepper.compute(batches).after(pre)  # the step's figures: both runs
         seen_again = self.judge(again)
         report = Anomaly(step, seen[0], first, seen_again[0] if seen_again else None,
                          self.gather(stepper), rerun=True)

@@ -158,6 +158,17 @@ class Computed:
     stage_times: tuple = ()  # pp > 1: this rank's compute means in its stage's slots
     spans: list | None = None  # pp > 1: this rank's transfer spans (parallel/pipeline/transfers.py)
     waits: dict = field(default_factory=dict)  # exposed-time stamp pairs (see exposed_times)
+
+    def after(self, first: "Computed") -> "Computed":
+        """This execution, a re-run of the step ``first`` computed, with the figures of both:
+        the traffic counted since ``first`` began, the time from its first stamp, and the
+        exposed waits of both executions (a figure neither had stays None)."""
+        self.snapshot = first.snapshot
+        self.stamps[0] = first.stamps[0]
+        self.waits = {key: None if pairs is None and first.waits.get(key) is None
+                      else list(first.waits.get(key) or []) + list(pairs or [])
+                      for key, pairs in self.waits.items()}
+        return self
     moe: dict | None = None  # the step's MoE figures (models/moe/step_figures.py), None without MoE
 
 

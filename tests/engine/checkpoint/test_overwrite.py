@@ -13,12 +13,12 @@ import pytest
 import engine.checkpoint.writer as writer
 from engine.base import ConfigError
 from engine.checkpoint import CheckpointError, read_index, resolve, saved_step
-from engine.config.cli import parse_args
 from engine.training.launch import main as train_main
 from engine.training.launch import run_config
 from engine.training.trainer import Trainer
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.training import train_records
 from tests.helpers.files import tree_digests
 
 TINY = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "2", "--hidden-size", "64",
@@ -28,11 +28,7 @@ SHAPE = "gpt2 layers=2 hidden=64 heads=4"
 
 
 def records(argv, cls=Trainer) -> list[dict]:
-    trainer = cls(parse_args(TINY + argv))
-    try:
-        return trainer.train().records
-    finally:
-        trainer.close()
+    return train_records(TINY + argv, cls)
 
 
 class CrashAtStep3(Trainer):

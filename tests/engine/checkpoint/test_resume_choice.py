@@ -23,6 +23,7 @@ from engine.training.trainer import Trainer
 from parallel.grid.launch import LaunchEnv
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.training import train_records
 
 # a constant learning rate after warm-up: a run's steps do not depend on its --train-iters
 TINY = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "2",
@@ -46,11 +47,7 @@ def plan(argv, job_id=None):
 
 
 def records(argv, cls=Trainer) -> list[dict]:
-    trainer = cls(parse_args(TINY + argv))
-    try:
-        return trainer.train().records
-    finally:
-        trainer.close()
+    return train_records(TINY + argv, cls)
 
 
 def losses(argv, cls=Trainer) -> dict[int, float]:

@@ -23,7 +23,7 @@ from engine.observe.anomaly import Finding, PersistentAnomaly, SpikeDetector
 from engine.base import ConfigError
 from engine.config.cli import parse_args
 from engine.observe.faults import GradFault, HangRank, Released, SlowRank
-from engine.training.step import StepAgreement
+from engine.training.step import StepAgreement, exposed_times
 from engine.observe.stragglers import StragglerReport
 from engine.training.step_record import STRAGGLER_KEYS
 from engine.training.launch import describe_comm_failure
@@ -154,6 +154,25 @@ class ScaledLoss:
         return out * self.factor if self.calls <= trainer.num_micro else out
 
 
+class ExposedPerExecution:
+    """Test probe: the exposed communication times of every execution of step ``step`` (its
+    re-run's too), from the stamps each execution hands the step's record."""
+
+    def __init__(self, step: int):
+        self.step, self.runs = step, []
+
+    def install(self, trainer):
+        stepper, compute = trainer.stepper, trainer.stepper.compute
+
+        def probed(batches):
+            pre = compute(batches)
+            if stepper.current_step == self.step:
+                self.runs.append(exposed_times(stepper.clock, pre.waits))
+            return pre
+        stepper.compute = probed
+        return self
+
+
 def _train(argv, faults=(), keep=False):
     trainer = Trainer(parse_args(argv))
     for fault in faults:
@@ -191,6 +210,11 @@ def bad_steps(ps, root):
     records, guard, _ = _train(guarded, [fault])
     out["transient"] = ([r["loss"] for r in records], [(r["anomaly"], r["rerun"]) for r in records],
                         guard.anomalies[0].describe(guard.ps.grid), fault.planted)
+    # under ZeRO-1 with the overlapped gather: the re-run step's exposed waits are both executions'
+    probe = ExposedPerExecution(step=2)
+    records, _, _ = _train(guarded + ["--use-distributed-optimizer"],
+                           [GradFault(rank=1, step=2, param=PARAM, micro_batch=1), probe])
+    out["exposed"] = (probe.runs, {k: records[1][k] for k in probe.runs[0]}, records[1]["rerun"])
     fault = GradFault(rank=1, step=3, param=PARAM, micro_batch=1, repeat=True)
     try:
         _train(guarded, [fault])
@@ -354,6 +378,23 @@ def test_bad_steps_rerun_and_attribution(reruns):
         assert "step 2: non-finite gradient norm" in text and "persistent" in text, text
         assert "rank 0 (tp 0/1, pp 0/2, dp 0/1): micro-batch 0, first non-finite gradient " \
                "layers.0.attn.qkv.weight" in text and "rank 1 (" not in text, text
+
+
+def test_a_rerun_steps_exposed_times_hold_both_executions(reruns):
+    """The step's traffic and forward-backward time count both executions of a re-run step, so
+    its exposed DP and ZeRO-gather waits do too: each figure is the sum of the two executions'."""
+    for rank in (0, 1):
+        runs, record, verdict = reruns[rank]["exposed"]
+        assert verdict == "transient" and len(runs) == 2, (verdict, runs)
+        assert set(record) >= {"time_dp_exposed_s", "time_zero_gather_exposed_s"}, record
+        for key, value in record.items():
+            if runs[0][key] is None:
+                assert value is None and runs[1][key] is None, (key, runs)
+                continue
+            assert value == pytest.approx(runs[0][key] + runs[1][key], rel=1e-9, abs=1e-12), \
+                (key, value, runs)
+        assert runs[0]["time_zero_gather_exposed_s"] is not None, runs
+        assert runs[0]["time_dp_exposed_s"] > 0 and runs[1]["time_dp_exposed_s"] > 0, runs
 
 
 def test_a_rerun_restores_the_compressed_momentum(reruns):

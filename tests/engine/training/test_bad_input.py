@@ -35,6 +35,7 @@ from parallel.grid.rendezvous import Disagreement
 from parallel.grid.topology import RankGrid
 from engine.fuzz.pool import free_port
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.training import train_records
 
 ROOT = str(Path(__file__).resolve().parents[3])
 
@@ -54,11 +55,7 @@ def saved(tmp_path_factory):
 
 
 def _train(argv):
-    trainer = Trainer(parse_args(argv))
-    try:
-        return trainer.train().records
-    finally:
-        trainer.close()
+    return train_records(argv)
 
 
 def each_rank_fails(ps, cases):

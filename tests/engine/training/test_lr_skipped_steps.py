@@ -5,7 +5,7 @@ import os
 
 from engine.config.cli import parse_args
 from engine.training.lr_schedule import learning_rate
-from engine.training.trainer import Trainer
+from tests.helpers.training import train_records
 
 # an initial loss scale this model's fp16 gradients overflow at (steps 1 and 3 skip), warm-up 4
 ARGV = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32",
@@ -16,11 +16,7 @@ ARGV = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size
 
 
 def records(extra: list[str]) -> list[dict]:
-    trainer = Trainer(parse_args(ARGV + extra))
-    try:
-        return trainer.train().records
-    finally:
-        trainer.close()
+    return train_records(ARGV + extra)
 
 
 def test_skipped_steps_hold_the_schedule_across_a_resume(tmp_path):
