@@ -35,18 +35,28 @@ def build_run_data(trainer) -> None:
                               f"readable, the cache a directory you can write to") from exc
 
     if ps.world_size > 1 and not cfg.data.mock_data and cfg.data.data_path is None:
-        # rank 0 prepares and caches the built-in corpus once; its outcome (a ConfigError for
-        # any bad input, an unreadable or unwritable path included) reaches every rank, so a
-        # failure there ends all ranks with the same message instead of a hang
-        outcome = None
+        # rank 0 prepares and caches the built-in corpus once; its outcome reaches every rank,
+        # so a failure there ends all ranks instead of leaving them waiting out the timeout: a
+        # ConfigError (any bad input, an unreadable or unwritable path included) as the same
+        # line on every rank; any other exception (a defect, not the user's input) as rank 0's
+        # own traceback there and one line naming it on the others
+        outcome, failure = None, None
         if ps.rank == 0:
             try:
                 trainer.data = build()
             except ConfigError as exc:
-                outcome = str(exc)
+                outcome = ("config", str(exc))
+            except Exception as exc:
+                failure, outcome = exc, ("error", f"{type(exc).__name__}: {exc}")
         outcome = ps.world_group.broadcast_object(outcome, src=0)
+        if failure is not None:
+            raise failure
         if outcome is not None:
-            raise ConfigError(outcome)
+            kind, text = outcome
+            if kind == "config":
+                raise ConfigError(text)
+            raise RuntimeError(f"rank 0 failed to prepare the built-in corpus ({text}); its "
+                               f"traceback is in rank 0's output")
         if ps.rank != 0:
             trainer.data = build()
     else:

@@ -78,8 +78,28 @@ def test_rank_0_that_cannot_prepare_the_corpus_tells_every_rank(tmp_path):
     sent = []
     with pytest.raises(ConfigError) as first:
         build_run_data(_trainer(cfg, 0, sent))
-    assert sent == [str(first.value)] and str(first.value).startswith(
+    assert sent == [("config", str(first.value))] and str(first.value).startswith(
         f"data: {tmp_path / 'file' / 'cache'}: Not a directory; check the paths of --data-path")
     with pytest.raises(ConfigError) as other:
         build_run_data(_trainer(cfg, 1, sent))
     assert str(other.value) == str(first.value)
+
+
+def test_a_defect_on_rank_0_preparing_the_corpus_ends_every_rank(monkeypatch):
+    """An exception that is not the user's mistake (here a RuntimeError from the corpus build on
+    rank 0) also goes into the broadcast: rank 0 raises it with its traceback, the other rank a
+    RuntimeError naming it, instead of waiting in the broadcast for --timeout-s."""
+    import engine.training.run_data as run_data
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("tokenizer training failed")
+    monkeypatch.setattr(run_data, "build_data", broken)
+    cfg = parse_args(ARGS + ["--global-batch-size", "2"])
+    sent = []
+    with pytest.raises(RuntimeError, match="^tokenizer training failed$"):
+        build_run_data(_trainer(cfg, 0, sent))
+    assert sent == [("error", "RuntimeError: tokenizer training failed")]
+    with pytest.raises(RuntimeError) as other:
+        build_run_data(_trainer(cfg, 1, sent))
+    assert str(other.value) == ("rank 0 failed to prepare the built-in corpus (RuntimeError: "
+                                "tokenizer training failed); its traceback is in rank 0's output")
