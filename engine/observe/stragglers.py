@@ -64,6 +64,7 @@ from engine.observe.metrics import WARMUP_STEPS
 from parallel.pipeline.executor import HostClock
 from parallel.pipeline.partition import placement_stages
 from parallel.runtime import streams
+from parallel.runtime.comm_monitor import group_kind
 
 CATEGORIES = ("tp", "cp", "pp", "dp", "ep", "other")
 WIDTH = 1 + len(CATEGORIES)      # compute seconds, then blocked seconds per category
@@ -249,7 +250,7 @@ class StragglerMonitor:
         blocked = 0.0
         for kind, a, b in spans:
             dt = self.clock.elapsed_s(a, b)
-            sums.blocked[_CATEGORY.get(kind, "other")] += dt
+            sums.blocked[_CATEGORY.get(group_kind(kind), "other")] += dt
             blocked += dt
         sums.compute += max(0.0, total - blocked)
 

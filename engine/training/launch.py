@@ -32,6 +32,7 @@ def describe_comm_failure(exc: BaseException, ps, timeout_s: float | None = None
     """Name the collective, its process group and the code that issued it for a communication
     error (from the CommGroup call in the traceback); None when ``exc`` is not one."""
     from parallel.runtime.comm import CommGroup
+    from parallel.runtime.comm_monitor import group_kind
     from parallel.pipeline.p2p import PipelineCommError
     if isinstance(exc, PipelineCommError):
         peers = _peers(ps)
@@ -60,7 +61,7 @@ def describe_comm_failure(exc: BaseException, ps, timeout_s: float | None = None
             where = f"{code.co_qualname} ({os.path.relpath(path, _REPO)}:{frame.f_lineno})"
     failed = getattr(getattr(ps, "comm", None), "activity", None)
     failed = failed.failed if failed is not None else None
-    if op is None and failed is not None and (group is None or failed[1] == group.kind):
+    if op is None and failed is not None and (group is None or group_kind(failed[1]) == group.kind):
         op = failed[0] if failed[0] != "p2p" else "a point-to-point transfer"
     what = f"{op or 'a collective'}"
     if group is not None:
@@ -84,7 +85,8 @@ def _peers(ps) -> str | None:
     failed = monitor.activity.failed if monitor is not None else None
     if heartbeat is None or failed is None:
         return None
-    group = getattr(ps, f"{failed[1]}_group", None)
+    from parallel.runtime.comm_monitor import group_kind
+    group = getattr(ps, f"{group_kind(failed[1])}_group", None)
     return heartbeat.describe(failed, group.ranks if group is not None else ())
 
 

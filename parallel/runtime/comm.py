@@ -132,12 +132,12 @@ class CommGroup:
             return fn(*args, async_op=async_op, **kwargs)
         activity = self.monitor.activity
         if not streams.checking():  # the common case: no stream-order checker installed
-            tag = activity.enter(name, self.kind)
+            tag = activity.enter(name, self.kind, self.lane)
             work = activity.block(tag, fn, *args, async_op=async_op, **kwargs)
             return TrackedWork(work, activity, tag) if async_op and work is not None else work
         access = streams.collective_issued(name, self._stream_name(),
                                            [a for a in args if isinstance(a, torch.Tensor)], async_op)
-        tag = activity.enter(name, self.kind)
+        tag = activity.enter(name, self.kind, self.lane)
         with streams.collective_call():
             work = activity.block(tag, fn, *args, async_op=async_op, **kwargs)
         return TrackedWork(work, activity, tag, access) if async_op and work is not None else work

@@ -57,13 +57,30 @@ class Counter:
     wire_bytes: int = 0
 
 
+def counter_key(kind: str, lane: str) -> str:
+    """What a collective of group kind ``kind`` issued on ``lane`` is counted and tagged under:
+    ``kind`` on the main lane, ``kind@lane`` on a worker's own communicator.
+
+    >>> counter_key("dp", "main"), counter_key("dp", "dp-exchange")
+    ('dp', 'dp@dp-exchange')
+    """
+    return kind if lane == MAIN_LANE else f"{kind}@{lane}"
+
+
+def group_kind(key: str) -> str:
+    """The group kind of a counter key (``counter_key``): ``group_kind("dp@dp-exchange") == "dp"``."""
+    return key.split("@", 1)[0]
+
+
 @dataclass
 class Activity:
     """What this rank's communication is doing; cheap to update, read by other threads.
 
     ``entered[kind]`` counts the collectives this rank has entered on its group of that kind (every
     member of a group enters the same sequence, so collective #n of a group is the same operation on
-    every member); point-to-point batches are counted apart in ``p2p`` (neighbours post different
+    every member); a worker's own communicator of that kind (a lane other than the main one,
+    lanes.py) is counted apart, under ``kind@lane`` (``counter_key``), since the two lanes'
+    collectives interleave differently on different ranks; point-to-point batches are counted apart in ``p2p`` (neighbours post different
     numbers of them). ``last`` is the (op, kind, number) entered last, ``blocked`` the (op, kind,
     number, wall time) the host is waiting in now (None while it computes), ``failed`` the one whose
     call or wait raised. With a ``clock`` (anything with ``stamp()``, e.g.
@@ -83,13 +100,14 @@ class Activity:
     watch_clock: object = None
     step: int = 0
 
-    def enter(self, op: str, kind: str) -> tuple:
+    def enter(self, op: str, kind: str, lane: str = MAIN_LANE) -> tuple:
         if op in ("send", "recv", "p2p"):
             self.p2p += 1
             tag = ("p2p", kind, self.p2p)
         else:
-            self.entered[kind] += 1
-            tag = (op, kind, self.entered[kind])
+            key = counter_key(kind, lane)
+            self.entered[key] = self.entered.get(key, 0) + 1
+            tag = (op, key, self.entered[key])
         self.last = tag
         return tag
 

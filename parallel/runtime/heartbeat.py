@@ -34,12 +34,22 @@ import sys
 import threading
 import time
 
+from parallel.runtime.comm_monitor import group_kind
+
 KEY = "gridtron/heartbeat/{}"
 
 
+def _lane_text(key: str) -> str:
+    """The lane of a counter key (comm_monitor.counter_key) in words: "" on the main lane,
+    " on its dp-exchange lane" on a worker's own communicator."""
+    kind = group_kind(key)
+    return "" if kind == key else f" on its {key[len(kind) + 1:]} lane"
+
+
 def _tag_text(tag) -> str:
-    op, kind, n = tag[:3]
-    return f"{op} #{n} of {kind}" if op != "p2p" else f"point-to-point batch #{n} of {kind}"
+    op, key, n = tag[:3]
+    return f"{op} #{n} of {group_kind(key)}{_lane_text(key)}" if op != "p2p" else \
+        f"point-to-point batch #{n} of {key}"
 
 
 def peer_state(beat: dict | None, now: float, stale_s: float) -> str:
@@ -67,9 +77,9 @@ def describe_peers(tag, ranks, beats: dict, now: float, stale_s: float, limit: i
     ranks = list(ranks)
     what = f"{op} #{n}" if op != "p2p" else f"point-to-point batch #{n}"
     if not ranks:  # no members to read: "all (or none) of them entered" would be a guess
-        return (f"{what} of the {kind} group (members unknown to the heartbeat: "
-                f"who entered it cannot be told)")
-    head = f"{what} of the {kind} group (ranks {ranks if len(ranks) <= 16 else f'{len(ranks)} ranks'})"
+        return (f"{what} of the {group_kind(kind)} group{_lane_text(kind)} (members unknown to "
+                f"the heartbeat: who entered it cannot be told)")
+    head = f"{what} of the {group_kind(kind)} group{_lane_text(kind)} (ranks {ranks if len(ranks) <= 16 else f'{len(ranks)} ranks'})"
     if op == "p2p":  # neighbours post different numbers of batches: describe them
         states = [f"rank {r} ({peer_state(beats.get(r), now, stale_s)})" for r in ranks[:limit]]
         return f"{head}: " + "; ".join(states)
@@ -182,7 +192,7 @@ class Heartbeat:
         if waited < self.watchdog_s:
             return
         self._reported = tuple(blocked[:3])
-        ranks = self.groups.get(blocked[1], ())
+        ranks = self.groups.get(group_kind(blocked[1]), ())
         print(f"gridtron: rank {self.rank} has been blocked for {waited:.0f} s in "
               f"{self.describe(blocked, ranks)}", file=self.stream, flush=True)
 

@@ -134,6 +134,33 @@ def test_heartbeat_through_a_store_and_its_watchdog():
     assert out.getvalue() == text  # reported once per stuck collective
 
 
+def test_a_workers_own_communicator_is_counted_apart():
+    """Compressed steps issue DP collectives from the exchange worker on its own communicator
+    while the main lane issues others on the dp group, interleaved differently on each rank.
+    Counted together, rank 1 below (which entered the main lane's one collective and none of the
+    exchange's) would count 1 of dp and pass as having entered the exchange's all-gather #1. Each
+    lane is counted apart, so the heartbeat names who did not enter it."""
+    store = dist.HashStore()
+    acts = [Activity(), Activity()]
+    out = io.StringIO()
+    beats = [Heartbeat(store, r, acts[r], {"dp": (0, 1)}, interval_s=0.1, watchdog_s=0.5, stream=out)
+             for r in (0, 1)]
+    acts[1].enter("all_reduce", "dp")                 # the main lane's collective only
+    beats[1].beat()
+    tag = acts[0].enter("all_gather", "dp", "dp-exchange")  # rank 0: exchange first
+    assert tag == ("all_gather", "dp@dp-exchange", 1)
+    acts[0].enter("all_reduce", "dp")
+    acts[0].blocked = (*tag, time.time() - 1.0)
+    beats[0].beat()
+    beats[0]._watch()
+    text = out.getvalue()
+    assert "blocked for 1 s in all_gather #1 of the dp group on its dp-exchange lane (ranks [0, 1]): " \
+           "entered by rank 0; not entered by rank 1 (step 0, not in a collective, last entered " \
+           "all_reduce #1 of dp, heartbeat" in text, text
+    assert acts[0].entered == {**{k: 0 for k in acts[0].entered if "@" not in k and k != "dp"},
+                               "dp": 1, "dp@dp-exchange": 1}
+
+
 # ---- re-runs on 2 ranks -------------------------------------------------------------------------
 class ScaledLoss:
     """Test fault: ``rank``'s first chunk's output times ``factor`` in step ``step``'s first
