@@ -4,8 +4,8 @@ The serial reference of a model key is trained once, in this process, by the sam
 tp = cp = pp = dp = 1 and one micro-batch of the whole global batch (docs/design.md: any split
 trains the same model). A case passes when no rank failed, no rank's stream checker recorded a
 violation, every two ranks submitted to the communicators they share in the same order, and on
-every rank the per-step loss and gradient norm agree with the serial run to docs/design.md's
-relative 1e-4.
+every rank the per-step loss and gradient norm, and the validation loss of the last step, agree
+with the serial run to docs/design.md's relative 1e-4.
 """
 from __future__ import annotations
 
@@ -23,10 +23,18 @@ def train_serial(case: Case, steps: int) -> dict:
     from parallel.grid.launch import LaunchEnv
     trainer = Trainer(parse_args(case.serial_argv(steps)), launch=LaunchEnv())
     try:
-        records = trainer.train().records
+        result = trainer.train()
     finally:
         trainer.close()
-    return {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records]}
+    return figures(result)
+
+
+def figures(result) -> dict:
+    """What a case is compared by, from a run's ``RunResult``: per-step loss and gradient norm,
+    and the validation losses."""
+    return {"loss": [r["loss"] for r in result.records],
+            "grad_norm": [r["grad_norm"] for r in result.records],
+            "valid": [loss for _, loss in result.valid]}
 
 
 @dataclass
@@ -36,17 +44,28 @@ class Verdict:
 
 
 def _differs(got: dict, want: dict) -> str | None:
-    """The first step whose loss or gradient norm is off the serial run's (loss named first)."""
-    for key in ("loss", "grad_norm"):
+    """The first step whose loss or gradient norm is off the serial run's (loss named first),
+    then the first validation loss that is."""
+    for key in ("loss", "grad_norm", "valid"):
         if len(got[key]) != len(want[key]):
-            return f"{len(got[key])} steps of {key}, the serial run has {len(want[key])}"
+            return f"{len(got[key])} values of {key}, the serial run has {len(want[key])}"
     for step in range(len(want["loss"])):
         for key in ("loss", "grad_norm"):
-            g, w = got[key][step], want[key][step]
-            if not abs(g - w) <= REL * abs(w):
-                return (f"{key} differs at step {step + 1}: {g:.7g} vs serial {w:.7g} "
-                        f"(relative {abs(g - w) / max(abs(w), 1e-30):.2g} > {REL:g})")
+            why = _off(key, f"step {step + 1}", got[key][step], want[key][step])
+            if why:
+                return why
+    for i, (g, w) in enumerate(zip(got["valid"], want["valid"])):
+        why = _off("the validation loss", f"evaluation {i + 1}", g, w)
+        if why:
+            return why
     return None
+
+
+def _off(key: str, where: str, g: float, w: float) -> str | None:
+    if abs(g - w) <= REL * abs(w):
+        return None
+    return (f"{key} differs at {where}: {g:.7g} vs serial {w:.7g} "
+            f"(relative {abs(g - w) / max(abs(w), 1e-30):.2g} > {REL:g})")
 
 
 def judge(ranks: list[dict], serial: dict) -> Verdict:

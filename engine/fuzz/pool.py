@@ -54,6 +54,7 @@ def train_checked(argv: list[str]) -> dict:
     """One rank of one case: the trainer under the stream-order checker, with the sequence of
     collectives it submitted to each communicator (parallel/runtime/lanes.py ``order_mismatch``)."""
     from engine.config.cli import parse_args
+    from engine.fuzz.compare import figures
     from engine.training.trainer import Trainer
     from parallel.runtime.stream_check import StreamChecker
     checker, order = StreamChecker(), []
@@ -66,11 +67,10 @@ def train_checked(argv: list[str]) -> dict:
         trainer = Trainer(parse_args(argv))
         trainer.ps.comm.observers.append(record)
         try:
-            records = trainer.train().records
+            result = trainer.train()
         finally:
             trainer.close()
-    return {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records],
-            "violations": list(checker.violations), "order": order}
+    return {**figures(result), "violations": list(checker.violations), "order": order}
 
 
 def quiet() -> None:

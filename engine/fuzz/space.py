@@ -6,7 +6,10 @@ schedule and its virtual stages, sequence parallelism, the ZeRO stage (1-3: the 
 optimizer, its gradients, the parameters) and its overlapped gather, the optimizer's host offload
 (half or all of it), the overlapped gradient reduction, the TP overlap, recomputation, the block
 kind (gpt2, llama, MoE on either, a user's block), grouped-query attention, packed documents, the
-MoE dispatcher and grouped GEMM, the CP attention and the gradient bucket size. ``draw(rng, ranks)``
+MoE dispatcher and grouped GEMM, its router (softmax, or sigmoid with the expert bias) and which
+layers are MoE layers, query-key norms, the grid's rank order, the pipeline's end-stage weight, the
+CP attention and the gradient bucket size. Every run also validates once, at its last step, and its
+validation loss is compared too. ``draw(rng, ranks)``
 picks each choice among the values the choices before it allow, so every draw is valid: no
 combination is launched and then refused (tests check a few hundred draws against the trainer's own
 validation). The model is small and the same for every layout of one model key
@@ -15,7 +18,17 @@ validation). The model is small and the same for every layout of one model key
 Worked example: ``draw(random.Random(0), 8)`` first picks a world size (2, 4 or 8), then tp from its
 divisors, then cp, pp and dp = world / (tp cp pp); the schedule among those pp allows (interleaved
 only with 2+ micro-batches per pipeline rank's multiple), and so on down to the MoE dispatcher.
-``Case.spec()`` writes it as ``tp=2,cp=1,pp=2,...``, ``Case.parse(spec)`` reads it back.
+``Case.spec()`` writes it as ``tp=2,cp=1,pp=2,...``, ``Case.parse(spec)`` reads it back. The
+choices added after the first seeded samples were recorded (``EXTRA_FIELDS``) are drawn from a
+generator seeded by the case's other choices, so a seed still draws the cases it drew before, each
+with these choices added.
+
+Not drawn, and why: bf16, fp16 and FP8 (their rounding differs between layouts by design; the
+mixed-precision and FP8 tests hold them to their own bounds), dropout (its streams are per TP rank
+and pipeline stage), a capacity factor (capacity is per rank and micro-batch) and the global
+``aux_loss`` (pooled per micro-step), none of which trains the serial model bit for bit in fp32;
+gradient compression (lossy: the compression tests run it under the stream checker); ``--compile``
+(minutes of Inductor per case on a CPU: tests/engine/device runs it against eager).
 """
 from __future__ import annotations
 
@@ -28,6 +41,9 @@ BLOCKS = ("gpt2", "llama", "user")
 CP_COMMS = ("p2p", "a2a")
 RECOMPUTES = ("none", "selective", "full")
 DISPATCHERS = ("alltoall", "allgather")
+ROUTERS = ("softmax", "sigmoid")          # sigmoid: with the aux-loss-free expert bias
+ORDERS = ("tp-cp-dp-pp", "tp-cp-pp-dp", "dp-tp-cp-pp")
+EXTRA_FIELDS = ("qk_norm", "router", "moe_freq", "order", "end_weight")
 USER_BLOCK = "examples.parallel_block:ParallelResidualBlock"
 HIDDEN, HEADS, SEQ, VOCAB, GLOBAL_BATCH = 32, 4, 32, 24, 8
 EXPERTS, TOPK, EXPERT_FFN, GROUPS = 4, 2, 24, 2
@@ -66,6 +82,11 @@ class Case:
     dispatcher: str = "alltoall"
     grouped: bool = False
     bucket_kb: int = 0               # DP gradient bucket size in KiB; 0: the default (25 MB)
+    qk_norm: bool = False            # RMSNorm over each head's query and key
+    router: str = "softmax"
+    moe_freq: int = 1                # every moe_freq-th layer is an MoE layer, from layer 0
+    order: str = "tp-cp-dp-pp"       # the grid's rank order
+    end_weight: int = 0              # --stage-end-weight (0: layers split by count)
 
     @property
     def world(self) -> int:
@@ -78,6 +99,8 @@ class Case:
                  "--block", USER_BLOCK if self.block == "user" else self.block]
         if self.gqa:
             flags += ["--num-query-groups", str(GROUPS)]
+        if self.qk_norm:
+            flags.append("--qk-layernorm")
         if self.packed:
             flags += PACKED
         if self.moe:
@@ -85,16 +108,22 @@ class Case:
                       "--moe-ffn-hidden-size", str(EXPERT_FFN),
                       "--moe-router-load-balancing-type", "seq_aux_loss",
                       "--moe-aux-loss-coeff", "0.01"]
+            if self.router == "sigmoid":
+                flags += ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+            if self.moe_freq > 1:
+                flags += ["--moe-layer-freq", str(self.moe_freq)]
         return flags
 
     def layout_flags(self) -> list[str]:
         flags = ["--tp", str(self.tp), "--cp", str(self.cp), "--pp", str(self.pp),
                  "--dp", str(self.dp), "--micro-batch-size", str(self.micro),
-                 "--recompute", self.recompute]
+                 "--recompute", self.recompute, "--order", self.order]
         if self.pp > 1:
             flags += ["--pipeline-schedule", self.schedule]
             if self.vp > 1:
                 flags += ["--virtual-pipeline-size", str(self.vp)]
+            if self.end_weight:
+                flags += ["--stage-end-weight", str(self.end_weight)]
         if self.sp:
             flags.append("--sequence-parallel")
         if self.tp_overlap:
@@ -118,12 +147,11 @@ class Case:
         return flags
 
     def argv(self, steps: int) -> list[str]:
-        return BASE + ["--train-iters", str(steps)] + self.model_flags() + self.layout_flags()
+        return BASE + _steps(steps) + self.model_flags() + self.layout_flags()
 
     def serial_argv(self, steps: int) -> list[str]:
         """The serial reference: one process, one micro-batch of the whole global batch."""
-        return BASE + ["--train-iters", str(steps)] + self.model_flags() + \
-            ["--micro-batch-size", str(GLOBAL_BATCH)]
+        return BASE + _steps(steps) + self.model_flags() + ["--micro-batch-size", str(GLOBAL_BATCH)]
 
     def model_key(self) -> tuple:
         return tuple(self.model_flags())
@@ -176,7 +204,7 @@ class Case:
                 return f"{key} takes 1 or more, got {getattr(self, key)}"
         for key, options in (("schedule", SCHEDULES), ("cp_comm", CP_COMMS),
                              ("recompute", RECOMPUTES), ("block", BLOCKS),
-                             ("dispatcher", DISPATCHERS)):
+                             ("dispatcher", DISPATCHERS), ("router", ROUTERS)):
             if getattr(self, key) not in options:
                 return f"{key} takes {', '.join(options)}, got {getattr(self, key)}"
         if self.zero not in (0, 1, 2, 3):
@@ -185,6 +213,9 @@ class Case:
         if not 0 <= self.offload <= 100:
             return (f"offload takes the percent of the optimizer state kept in host memory, 0 "
                     f"(none) to 100, got {self.offload}")
+        if self.moe_freq < 1 or self.end_weight < 0:
+            return (f"moe_freq takes 1 or more, end_weight 0 or more, got {self.moe_freq} and "
+                    f"{self.end_weight}")
         if self.bucket_kb < 0:
             return f"bucket_kb takes a size in KiB (0: the default), got {self.bucket_kb}"
         needs = [("offload", self.offload, self.zero, "zero=1, 2 or 3 (it offloads the "
@@ -193,16 +224,25 @@ class Case:
                  ("tp_overlap", self.tp_overlap, self.sp, "sp=1"),
                  ("sp", self.sp, self.tp > 1, "tp=2 or more"),
                  ("vp", self.vp > 1, self.pp > 1, "pp=2 or more"),
+                 ("end_weight", self.end_weight, self.pp > 1, "pp=2 or more"),
+                 ("moe", self.moe, self.block != "user", "block=gpt2 or llama (the user block "
+                                                         "builds no MoE layer)"),
                  ("schedule", self.schedule != "1f1b", self.pp > 1, "pp=2 or more"),
                  ("cp_comm", self.cp_comm != "p2p", self.cp > 1, "cp=2 or more")]
         needs += [(key, getattr(self, key) != default, self.moe, "moe=1")
                   for key, default in (("ep", 1), ("etp", 1), ("dispatcher", "alltoall"),
-                                       ("grouped", False))]
+                                       ("grouped", False), ("router", "softmax"),
+                                       ("moe_freq", 1))]
         for key, given, met, what in needs:
             if given and not met:
                 value = getattr(self, key)
                 return f"{key}={int(value) if isinstance(value, bool) else value} needs {what}"
         return None
+
+
+def _steps(steps: int) -> list[str]:
+    """The run's length, and one validation at its last step (one global batch)."""
+    return ["--train-iters", str(steps), "--eval-interval", str(steps), "--eval-iters", "1"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -245,12 +285,27 @@ def draw(rng: random.Random, ranks: int) -> Case:
         etp = rng.choice([1, tp]) if tp > 1 else 1
         dispatcher = rng.choice(["alltoall", "allgather"])
         grouped = rng.random() < 0.5
-    return Case(tp=tp, cp=cp, pp=pp, dp=dp, schedule=schedule, vp=vp, micro=micro, sp=sp,
+    case = Case(tp=tp, cp=cp, pp=pp, dp=dp, schedule=schedule, vp=vp, micro=micro, sp=sp,
                 tp_overlap=tp_overlap, cp_comm=cp_comm, zero=zero, overlap_gather=overlap_gather,
                 offload=offload,
                 overlap_reduce=rng.random() < 0.8, recompute=rng.choice(["none", "selective", "full"]),
                 block=block, layers=layers, gqa=gqa, packed=packed, moe=moe, ep=ep, etp=etp,
                 dispatcher=dispatcher, grouped=grouped, bucket_kb=rng.choice([0, 1, 4]))
+    return _with_extras(case)
+
+
+def _with_extras(case: Case) -> Case:
+    """``case`` with the ``EXTRA_FIELDS`` drawn by a generator seeded by its other choices (the
+    main stream is not consumed). An end-stage weight of 1 splits layers unevenly, so the case
+    gets one more layer than its stages hold alike (the plain split would refuse it)."""
+    rng = random.Random(case.spec())
+    extras = {"qk_norm": rng.random() < 0.3, "order": rng.choice(ORDERS)}
+    if case.moe:
+        extras["router"] = rng.choice(ROUTERS)
+        extras["moe_freq"] = rng.choice([1, 2]) if case.layers >= 2 else 1
+    if case.pp > 1 and rng.random() < 0.3:
+        extras.update(end_weight=1, layers=case.layers + 1)
+    return dataclasses.replace(case, **extras)
 
 
 def draws(seed: int, ranks: int, count: int) -> list[Case]:

@@ -42,8 +42,10 @@ def test_every_draw_is_valid_and_every_choice_is_drawn():
     assert seen["ep"] == {1, 2, 4} and seen["etp"] == {1, 2, 4} and seen["zero"] == {0, 1, 2, 3}
     assert seen["offload"] == {0, 50, 100}
     assert seen["cp_comm"] == {"p2p", "a2a"} and seen["dispatcher"] == {"alltoall", "allgather"}
+    assert seen["router"] == {"softmax", "sigmoid"} and seen["moe_freq"] == {1, 2}
+    assert seen["order"] == {"tp-cp-dp-pp", "tp-cp-pp-dp", "dp-tp-cp-pp"} and seen["end_weight"] == {0, 1}
     for flag in ("sp", "tp_overlap", "overlap_gather", "overlap_reduce", "gqa", "packed", "moe",
-                 "grouped"):
+                 "grouped", "qk_norm"):
         assert seen[flag] == {False, True}, flag
 
 
