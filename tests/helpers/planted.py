@@ -24,3 +24,16 @@ def sum_instead_of_mean() -> None:
         return start(self, bucket, group)
 
     GradReducer._start = _start
+
+
+def validation_from_the_last_rank() -> None:
+    """Validation reads its loss from the last pipeline rank, as if every schedule ended there:
+    under zb-v's V placement the last virtual stage is on pipeline rank 0, so it reads nothing
+    (training's loss, read through the step statistics, is unaffected)."""
+    import engine.training.step as step
+    read = step.mean_loss_over_grid
+
+    def mean_loss_over_grid(local_sum, ps, device, holds_loss=None, clock=None):
+        return read(local_sum, ps, device, holds_loss=None, clock=clock)
+
+    step.mean_loss_over_grid = mean_loss_over_grid

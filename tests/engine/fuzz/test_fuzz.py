@@ -6,7 +6,8 @@
 - The CI sample: the seeded draws below on up to 4 ranks, 3 steps each, trained under the stream
   checker against the serial run through the command line (docs/testing.md: a longer fuzz).
 - It can fail: with a defect planted in every rank (the overlapped gather's waits back in the
-  owning modules; the DP reduction summing instead of averaging) one case each fails, naming the
+  owning modules; the DP reduction summing instead of averaging; validation reading its loss from
+  the last pipeline rank under zb-v) one case each fails, naming the
   violation or the step whose loss differs, with the command that reproduces it.
 """
 from __future__ import annotations
@@ -101,7 +102,9 @@ def test_the_ci_sample_trains_the_serial_model(capsys):
     (planted.gather_in_owning_modules,
      Case(dp=2, zero=1, overlap_gather=True, block="llama", bucket_kb=1),
      "stream-order violation(s), the first: read after an unordered write"),
-    (planted.sum_instead_of_mean, Case(dp=2), "grad_norm differs at step 1")])
+    (planted.sum_instead_of_mean, Case(dp=2), "grad_norm differs at step 1"),
+    (planted.validation_from_the_last_rank, Case(pp=2, schedule="zb-v", layers=4),
+     "the validation loss differs at evaluation 1")])
 def test_a_planted_defect_fails_its_case(setup, case, why):
     lines = []
     done, failed = cli.fuzz([Case(), case], 3, 120.0, setup=setup, say=lines.append)
