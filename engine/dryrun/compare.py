@@ -43,12 +43,10 @@ KNOWN = (
      "the planner counts 1-byte dropout masks (CUDA's bool masks); on the CPU and the meta device, "
      "which the dry run runs, F.dropout keeps its mask in the activation's dtype (2 bytes in "
      "bf16/fp16)"),
-    ("ep_comm_bytes", lambda cfg, lay: cfg.model.moe_token_dispatcher_type == "allgather",
-     "the planner prices the alltoall dispatcher; allgather gathers every EP rank's tokens, "
-     "routing tables and weights and reduce-scatters the combine (no count exchange)"),
-    ("ep_comm_bytes", lambda cfg, lay: cfg.model.moe_expert_capacity_factor is not None,
-     "the planner prices dropless routing; a padded capacity sends ceil(F T K / E) rows per expert "
-     "and exchanges no counts"),
+    ("ep_comm_bytes", lambda cfg, lay: cfg.model.moe_expert_capacity_factor is not None
+     and cfg.model.moe_token_dispatcher_type == "alltoall",
+     "the planner prices the alltoall dispatcher's dropless routing; a padded capacity sends "
+     "ceil(F T K / E) rows per expert and exchanges no counts"),
     ("optimizer_state_bytes",
      lambda cfg, lay: getattr(cfg.compression, "grad_compression", "none") in ("topk", "onebit"),
      "the planner counts the compressors' residuals; the momentum compressors (topk, onebit) also "

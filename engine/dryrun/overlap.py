@@ -19,8 +19,8 @@ engine's overlaps (the planner models each: engine/plan/overlap.py):
   off under ``--compile``): the parameter all-gathers, one per bucket, ahead of the layer that
   needs it in the next forward (ZeRO-3: in every forward and again in the backward, each unit's
   prefetched under the one before it);
-- **ep** (MoE layers): the count exchange and the dispatch and combine all-to-alls, forward and
-  backward: exposed (the engine waits for each before the experts or the combine run);
+- **ep** (MoE layers): the count exchange and the dispatch and combine all-to-alls (the allgather
+  dispatcher: its all-gathers and reduce-scatters), forward and backward: exposed (the engine waits for each before the experts or the combine run);
 - **pp** and everything else (the tied embedding's and the statistics' all-reduces): exposed.
 
 Worked example (tests/engine/dryrun/test_dryrun.py): tp 2, pp 2, dp 2, SP, ZeRO-1, 4 layers, 4
@@ -113,7 +113,7 @@ def overlap_rows(collectives: list[dict], *, tp: int, ring: bool, overlap_grad_r
                          if overlap_param_gather else
                          "exposed (ZeRO-3: each block's gathered when it starts)" if zero3 else
                          "exposed (waited for after the update)"),
-        "ep": (False, "exposed (MoE dispatch: count exchange, token all-to-alls each way)"),
+        "ep": (False, "exposed (MoE dispatch: count exchange, token all-to-alls or gathers each way)"),
         "pp": (False, "exposed (blocking pipeline transfers)"),
         "other": (False, "exposed"),
     }

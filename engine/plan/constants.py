@@ -74,6 +74,9 @@ ROPE_BLOCKS = ("llama",)
 ACT_MOE_ROWS = 2
 ACT_MOE_FP32_PER_EXPERT = 2
 ACT_MOE_INDEX_BYTES = 32
+# the allgather dispatcher (moe_allgather.py) keeps beside them the int64 sort of every EP rank's
+# T K gathered assignments (dropless), for its router weights' gather
+ACT_MOE_GATHERED_INDEX_BYTES = 8
 EW_MOE_PERMUTE = 10
 EW_MOE_RESORT = 8
 # What the engine adds to an MoE layer beyond its GEMMs, copies and all-to-alls (moe_time.py):

@@ -8,9 +8,12 @@ API (pure arithmetic; only ``count_flops`` imports torch, when called)::
         overrides ``forward``): report null FLOPs and MFU/HFU, warn once, or measure with
         count_flops
     step_flops(global_batch, seq_length, num_layers, hidden, vocab, ffn_hidden=None,
-               block="gpt2", recompute="none", recompute_early_stop=True) -> StepFlops(model=, executed=)
-        model:    the model's FLOPs of one optimizer step, whatever is recomputed (MFU's numerator)
-        executed: what the step runs, recomputed forwards and padded expert rows included (HFU's
+               block="gpt2", recompute="none", recompute_early_stop=True,
+               padded_vocab=None) -> StepFlops(model=, executed=)
+        model:    the model's FLOPs of one optimizer step, whatever is recomputed (MFU's numerator),
+                  its logits over the ``vocab`` tokens the model has
+        executed: what the step runs, recomputed forwards, padded expert rows and the output
+                  layer's padded vocabulary columns (``padded_vocab``) included (HFU's
                   numerator); by default this engine's full recomputation with --dropout 0
                   (see "early stop" below)
     recompute_stops_early(dropout) -> bool
@@ -43,8 +46,15 @@ For gpt2 with f = 4h the bracket is l (24 h^2 + 4 s h) + 2 h V and F is exactly 
 
     F = 72 B s l h^2 (1 + s/(6h) + V/(12 l h))
 
-This is the model count. Full activation recomputation in Megatron-LM runs every layer's forward a
-second time (not the logit layer), so the executed count is four forwards of the layers::
+This is the model count, V the model's vocabulary. The engine allocates the output layer (and the
+embedding) with the vocabulary padded to a multiple of 128 x tp (parallel.tensor_parallel
+``padded_vocab_size``; the planner's ``ModelShape.padded_vocab(tp)``) and computes those zero
+columns too: ``padded_vocab`` = V_pad puts 6 h (V_pad - V) per token in the executed count only
+(``StepFlops.vocab_padding``); the model count, MFU's, stays at V, as the engine's measured MFU
+(engine/observe/utilization.py) counts it.
+
+Full activation recomputation in Megatron-LM runs every layer's forward a second time (not the
+logit layer), so the executed count is four forwards of the layers::
 
     F_full = 4 B s l (8h^2 + 2 n_mat h f + 4 s h) + 6 B s h V
            = 96 B s l h^2 (1 + s/(6h) + V/(16 l h))        (gpt2, f = 4h)
@@ -94,6 +104,7 @@ from dataclasses import dataclass
 
 BLOCKS = ("gpt2", "llama")
 RECOMPUTE = ("none", "selective", "full")
+DISPATCHERS = ("alltoall", "allgather")  # --moe-token-dispatcher-type (models/moe/config.py)
 _MLP_MATRICES = {"gpt2": 2, "llama": 3}
 # The built-in block classes the formulas describe (models/blocks.py), by module and name, so this
 # module needs no torch import to recognise them.
@@ -136,10 +147,14 @@ class MoEShape:
     ffn_hidden: int
     shared_ffn: int = 0
     padded_capacity_factor: float | None = None  # --moe-pad-expert-input-to-capacity's factor
+    # --moe-token-dispatcher-type: what the EP group moves (no FLOPs; engine/plan/moe_allgather.py)
+    dispatcher: str = "alltoall"
 
     def __post_init__(self):
         if min(self.layers, self.num_experts, self.topk, self.ffn_hidden) < 1 or self.shared_ffn < 0:
             raise ValueError(f"MoEShape needs positive layers, experts, top-k and width: {self}")
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"MoEShape dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
 
 
 def moe_shape(cfg) -> MoEShape | None:
@@ -152,7 +167,8 @@ def moe_shape(cfg) -> MoEShape | None:
     padded = cfg.moe_expert_capacity_factor if getattr(cfg, "moe_pad_expert_input_to_capacity",
                                                        False) else None
     return MoEShape(layers, cfg.num_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size,
-                    cfg.moe_shared_expert_intermediate_size or 0, padded)
+                    cfg.moe_shared_expert_intermediate_size or 0, padded,
+                    getattr(cfg, "moe_token_dispatcher_type", "alltoall"))
 
 
 def routed_tokens(micro_batch: int, seq_length: int, cp: int = 1, tp: int = 1,
@@ -169,14 +185,19 @@ def padded_expert_rows(moe: MoEShape, tokens: int, routed: int | None) -> int:
     forward with padded experts: (tokens / routed) forwards of E C - T K rows each (negative when
     the capacity drops), C = ceil(F T K / E) as models/moe/capacity.py ``expert_capacity``; 0
     without padding."""
-    f = moe.padded_capacity_factor
-    if f is None:
+    if moe.padded_capacity_factor is None:
         return 0
     if not routed or tokens % routed:
         raise ValueError(f"padded expert rows need the tokens routed per forward (routed_tokens=), "
                          f"a divisor of the step's {tokens}; got {routed}")
-    capacity = max(1, math.ceil(f * routed * moe.topk / moe.num_experts - 1e-9))
+    capacity = expert_capacity(moe, routed)
     return tokens // routed * (moe.num_experts * capacity - routed * moe.topk)
+
+
+def expert_capacity(moe: MoEShape, routed: int) -> int:
+    """C = ceil(F T K / E), at least 1: the rows every expert runs per forward of ``routed`` = T
+    tokens padded to capacity (models/moe/capacity.py ``expert_capacity``)."""
+    return max(1, math.ceil(moe.padded_capacity_factor * routed * moe.topk / moe.num_experts - 1e-9))
 
 
 def moe_layer_indices(cfg) -> tuple[int, ...]:
@@ -230,10 +251,11 @@ class StepFlops:
     model: float  # the model's FLOPs of one step, recomputation excluded (MFU)
     executed: float  # what the step runs, recomputation and padded expert rows included (HFU)
     padded: float = 0.0  # of executed: padded expert rows' (--moe-pad-expert-input-to-capacity)
+    vocab_padding: float = 0.0  # of executed: the output layer's padded vocabulary columns'
 
     @property
     def recomputed(self) -> float:
-        return self.executed - self.model - self.padded
+        return self.executed - self.model - self.padded - self.vocab_padding
 
 
 def recompute_stops_early(dropout: float) -> bool:
@@ -264,10 +286,13 @@ def recomputed_layer_flops(tokens: float, seq_length: int, hidden: int, ffn_hidd
 def step_flops(global_batch: int, seq_length: int, num_layers: int, hidden: int, vocab: int,
                ffn_hidden: int | None = None, block: str = "gpt2", recompute: str = "none",
                recompute_early_stop: bool = True, kv_hidden: int | None = None,
-               moe: MoEShape | None = None, routed_tokens: int | None = None) -> StepFlops:
+               moe: MoEShape | None = None, routed_tokens: int | None = None,
+               padded_vocab: int | None = None) -> StepFlops:
     """Model and executed FLOPs of one optimizer step over ``global_batch`` sequences; ``moe``: of
     the ``num_layers`` layers, ``moe.layers`` have an MoE MLP (active experts counted);
-    ``routed_tokens``: the tokens an MoE layer routes per forward, needed with padded experts.
+    ``routed_tokens``: the tokens an MoE layer routes per forward, needed with padded experts;
+    ``padded_vocab``: the output layer's columns as allocated (>= ``vocab``; None: ``vocab``),
+    counted in the executed FLOPs only (the model count stays at ``vocab``).
 
     Raises ValueError for a block without a formula (check with formula_block first).
     """
@@ -293,7 +318,10 @@ def step_flops(global_batch: int, seq_length: int, num_layers: int, hidden: int,
         passes = 3 + (recompute == "full")   # the experts' forward is recomputed too
         padded = passes * moe.layers * 2.0 * rows * hidden * _MLP_MATRICES[block] * moe.ffn_hidden
     model = 3 * layers + 3 * logits_forward_flops(tokens, hidden, vocab)
-    return StepFlops(model, model + extra + padded, padded)
+    if padded_vocab is not None and padded_vocab < vocab:
+        raise ValueError(f"padded_vocab {padded_vocab} is below the vocabulary {vocab}")
+    columns = 3 * logits_forward_flops(tokens, hidden, (padded_vocab or vocab) - vocab)
+    return StepFlops(model, model + extra + padded + columns, padded, columns)
 
 
 def model_flops_per_step(global_batch: int, seq_length: int, num_layers: int, hidden: int, vocab: int,

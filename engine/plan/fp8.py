@@ -21,7 +21,9 @@ input is gathered and the row-parallel output scattered after the GEMM, so every
   one per output row of W; blockwise one per 128 x 128 block of each weight (``fp8_scale_bytes``).
 
 Blockwise scales are each tile's own (kernels/fp8_blockwise.py): no amax is reduced over a group
-(``amax_bytes`` counts none for the linears; the experts keep their rowwise reductions).
+(``amax_bytes`` counts none for the linears; the experts keep their rowwise reductions). A layout
+whose TP or CP shards would cut a 128 tile is one engine.train refuses: the command line gives the
+trainer's own rule as one of ``ModelShape.rules``, which model.check_layout applies.
 """
 from __future__ import annotations
 

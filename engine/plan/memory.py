@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from engine.plan import moe_allgather
 from engine.plan.fp8 import fp8_gemm_copy_bytes, fp8_scale_bytes
 from engine.plan.constants import ROPE_BLOCKS
 from engine.plan.model import (ACT_MASK_BYTES, ACT_MOE_FP32_PER_EXPERT, ACT_MOE_INDEX_BYTES, moe_expert_tokens, moe_tokens,
@@ -166,7 +167,7 @@ class MemoryTerms:
     grads: float  # fp32 main gradients (ZeRO-2/3: 1/(dp*cp) shards)
     optimizer: float  # fp32 master weights, Adam m and v (ZeRO: a shard; offload: the device's part)
     activations: float  # the layers' saved activations x micro-batches in flight
-    transient: float  # one layer rebuilt by recomputation during backward
+    transient: float  # one layer rebuilt by recomputation; the allgather dispatcher's combine sum
     pipeline_ends: float  # embedding dropout mask (first stage), final norm + fp32 logits (last)
     comm_buffers: float = 0.0  # HCCL / NCCL communicator buffers (comm_buffer_bytes)
     fp8: float = 0.0  # --fp8-format: one GEMM's float8 copies and the scales kept for backward (fp8.py)
@@ -219,8 +220,9 @@ def moe_activation_change(shape: ModelShape, layout: Layout, recompute: str | No
     expert's ``n e T f_s / t``, the router's fp32 logits and scores (``ACT_MOE_FP32_PER_EXPERT``
     x 4 T E; its fp32 copy of the input 4 T h when activations are not fp32) and the routing's
     index vectors (``ACT_MOE_INDEX_BYTES`` per assignment), T = s b (the rows and indices of
-    the TP group's gathered tokens under ETP with SP, ``moe_expert_tokens``). Full recomputation keeps
-    only the layer's input: no change."""
+    the TP group's gathered tokens under ETP with SP, ``moe_expert_tokens``); the allgather
+    dispatcher's sort of every EP rank's assignments (``moe_allgather.kept_bytes``). Full
+    recomputation keeps only the layer's input: no change."""
     recompute = recompute or layout.recompute
     if shape.moe is None or recompute == "full":
         return 0.0
@@ -232,7 +234,7 @@ def moe_activation_change(shape: ModelShape, layout: Layout, recompute: str | No
     kept = (e * assignments * (ACT_MOE_ROWS * h + n * moe.ffn_hidden / layout.etp)
             + n * e * tokens * moe.shared_ffn / t
             + 4 * routed * (ACT_MOE_FP32_PER_EXPERT * moe.num_experts + (h if e != 4 else 0))
-            + ACT_MOE_INDEX_BYTES * assignments)
+            + ACT_MOE_INDEX_BYTES * assignments + moe_allgather.kept_bytes(shape, layout))
     return kept - n * e * tokens * shape.ffn_hidden_size / t
 
 
@@ -282,6 +284,8 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: int, backend: str = "
         per_micro += moe_layers * moe_activation_change(shape, layout)
         if layout.recompute == "full":  # the rebuilt layer is an MoE one
             transient += moe_activation_change(shape, layout, "none")
+        # the allgather dispatcher's fp32 sum over every EP rank's tokens (its gradient backward)
+        transient += moe_allgather.transient_bytes(shape, layout)
     fp8_layers = stage_fp8_layers(shape, layout, stage)
     fp8 = 0.0 if not fp8_layers else (fp8_gemm_copy_bytes(shape, layout) + fp8_layers
                                       * fp8_scale_bytes(shape, layout) * in_flight(shape, layout, stage))

@@ -8,7 +8,7 @@ span (timing.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.plan.flops import BLOCKS, RECOMPUTE, MoEShape, default_ffn_hidden
 from engine.plan.hardware import OVERLAP_EFFICIENCY, DeviceSpec, OverlapEfficiency
@@ -23,7 +23,8 @@ from engine.plan.constants import (  # noqa: F401 (re-exported: the planner's co
     LAYER_PASS_OVERHEAD_S, OPTIMIZER_BYTES_PER_PARAM, DEFAULT_GRAD_BUCKET_BYTES, EW_REPLICATED,
     EW_SHARDED_ATTN, EW_MLP, EW_SCORES, ACT_MASK_BYTES, ACT_TENSORS_REPLICATED,
     ACT_TENSORS_SPLIT_ATTN, ACT_TENSORS_MLP, ACT_MOE_ROWS, ACT_MOE_FP32_PER_EXPERT,
-    ACT_MOE_INDEX_BYTES, EW_MOE_PERMUTE, EW_MOE_RESORT, MOE_PASS_OVERHEAD_S, HOST_WAIT_S,
+    ACT_MOE_INDEX_BYTES, ACT_MOE_GATHERED_INDEX_BYTES, EW_MOE_PERMUTE, EW_MOE_RESORT,
+    MOE_PASS_OVERHEAD_S, HOST_WAIT_S,
     VOCAB_PAD_MULTIPLE, HOST_ADAM_BYTES_PER_PARAM, HOST_CAST_BYTES_PER_PARAM, HOST_GRAD_BYTES,
     HOST_MEMORY_EFFICIENCY)
 
@@ -69,6 +70,10 @@ class ModelShape:
     fp8_recipe: str | None = None
     # --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16 of an FP8 run (is_fp8)
     fp8_bf16_layers: tuple[int, int] = (0, 0)
+    # engine.train's rules that need its configuration (this package may not import it), each
+    # Layout -> why it is refused or None, applied by check_layout after the planner's own: the
+    # command line gives blockwise FP8's tile rule (engine/tools/plan_cli.py ``train_rules``)
+    rules: tuple = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
@@ -348,6 +353,8 @@ def check_layout(shape: ModelShape, cluster: Cluster, layout: Layout) -> str | N
 
     Links are not rules: a layout whose pipeline or DP groups cross nodes is priced, not rejected
     (timing.py reads each group's link from the rank order). Only TP must stay inside a node.
+    Last, the caller's ``ModelShape.rules`` (the command line's: under ``--fp8-recipe blockwise``
+    no TP or CP shard may cut a 128 scale tile, engine.train's own rule).
     """
     t, c, p, d, v, dpn = layout.tp, layout.cp, layout.pp, layout.dp, layout.vp, cluster.devices_per_node
     s = shape.seq_length
@@ -383,5 +390,8 @@ def check_layout(shape: ModelShape, cluster: Cluster, layout: Layout) -> str | N
     if v > 1 and layout.schedule == "1f1b" and num_micro_batches(shape, layout) % p:
         return (f"interleaved schedule: micro-batches {num_micro_batches(shape, layout)} "
                 f"not a multiple of pp {p}")
-    return check_moe_layout(shape, layout)
+    why = check_moe_layout(shape, layout)
+    for rule in shape.rules:
+        why = why or rule(layout)
+    return why
 

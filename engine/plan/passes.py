@@ -45,7 +45,7 @@ class PassTime:
     weight: float = 0.0  # the part of backward that is weight-gradient GEMMs (a zero-bubble W)
     cp_ring: float = 0.0  # the whole CP ring exchange, hidden or not (not in total: cp_comm is)
     tp_hidden: float = 0.0  # TP ring time hidden under the GEMMs (--tp-comm-overlap; not in total)
-    ep_comm: float = 0.0  # MoE dispatch and combine all-to-alls (exposed)
+    ep_comm: float = 0.0  # MoE dispatch and combine, all-to-alls or gathers (exposed)
     moe_overhead: float = 0.0  # the MoE layers' kernel launches and host waits (moe_time.py)
     moe_imbalance: float = 0.0  # the busiest EP rank's extra expert and all-to-all time
 

@@ -167,7 +167,7 @@ def _hidden_note(est: Estimate, name: str) -> str:
     if name == "ep_comm":
         if lay.ep == 1:
             return "  (no expert parallelism)"
-        return "  exposed: the MoE dispatch and combine all-to-alls (not overlapped)" + (
+        return "  exposed: the MoE dispatch and combine collectives (not overlapped)" + (
             f"; etp {lay.etp}: the experts' TP all-reduces are in tp_comm" if lay.etp > 1 else "")
     if name == "dp_comm":
         if lay.dp * lay.cp == 1:
@@ -225,8 +225,10 @@ def explain(est: Estimate, devices_per_node: int) -> str:
         lines.append(f"host memory per device (offload {lay.offload:g}) {host.total / GIB:.2f} GiB: "
                      f"optimizer {host.optimizer / GIB:.2f} GiB, gradient copies "
                      f"{host.grads / GIB:.2f} GiB")
+    pad = est.flops.vocab_padding   # the output layer's padded vocabulary columns (flops.py)
     lines.append(f"FLOPs per step: model {est.flops.model:.4g}, executed {est.flops.executed:.4g} "
-                 f"(recompute {est.flops.recomputed:.4g})")
+                 f"(recompute {est.flops.recomputed:.4g}"
+                 + (f", padded vocabulary {pad:.4g})" if pad else ")"))
     lines.append(f"TFLOP/s per device: model {est.model_tflops_per_device:.1f} (MFU "
                  f"{100 * est.mfu:.1f}%), executed {est.tflops_per_device:.1f} (HFU {100 * est.hfu:.1f}%) "
                  f"of {est.peak_tflops:g} peak")

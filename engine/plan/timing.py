@@ -6,7 +6,8 @@ node's links (with ``--tp-comm-overlap`` the part of each layer's chunk rings th
 hide, overlap.py) and, with context parallelism, the part of the K/V ring exchange that the attention
 core does not hide (hop by hop; the last dK/dV hop is always exposed). A pipeline device adds p2p messages (blocking, as the engine's 1F1B) and the
 TP all-gather that rebuilds a received activation; the first holds the embedding, the last the
-logits and loss. The step is then
+logits and loss (over the vocabulary padded to a multiple of 128 x tp, as the engine computes it;
+the executed FLOPs count those columns, the model FLOPs do not: flops.py). The step is then
 
     m * (mean device's time per micro-batch)              compute, recompute, tp/cp/pp comm
   + m * (slowest - mean device's time per micro-batch)    imbalance
@@ -26,7 +27,8 @@ the combined output is all-reduced over TP (forward; the inputs' gradients backw
 TP ranks' shards are gathered in and the output reduce-scattered out, the experts computing the
 TP group's tokens); its
 permutation passes are memory-bound; the dispatch and combine all-to-alls
-(forward, backward, and again under full recomputation) run over the EP group's links and are
+(forward, backward, and again under full recomputation; the allgather dispatcher's gathers and
+reduce-scatters, moe_allgather.py) run over the EP group's links and are
 exposed (the engine does not overlap them): ``ep_comm``; what the engine adds (moe_time.py: the
 launches of its routing and permutation kernels, the one host wait per layer and forward under
 EP: ``moe_overhead``; the busiest EP rank's extra work under a load imbalance: ``moe_imbalance``).
@@ -127,9 +129,12 @@ def layer_time(shape: ModelShape, cluster: Cluster, layout: Layout, links: Links
 
 def pipeline_ends(shape: ModelShape, cluster: Cluster, layout: Layout,
                   links: Links) -> tuple[PassTime, PassTime, PassTime]:
-    """Per micro-batch: the embedding (first device), the logits and loss (last), and pipeline p2p."""
-    s, b, h, t, c, V = (shape.seq_length, layout.micro_batch_size, shape.hidden_size, layout.tp,
-                        layout.cp, shape.vocab_size)
+    """Per micro-batch: the embedding (first device), the logits and loss (last), and pipeline p2p.
+    The output layer's GEMMs and the cross-entropy's passes run over the vocabulary as the engine
+    allocates it, padded to a multiple of 128 x tp (``ModelShape.padded_vocab``)."""
+    s, b, h, t, c = (shape.seq_length, layout.micro_batch_size, shape.hidden_size, layout.tp,
+                     layout.cp)
+    V = shape.padded_vocab(t)
     sp = layout.sequence_parallel
     rate, mem_s = _rates(cluster)
     tokens = s * b / c
@@ -166,7 +171,7 @@ class TimeTerms:
     tp_comm: float  # TP collectives (incl. SP's backward re-gather, the embedding and loss)
     cp_comm: float  # exposed part of the CP ring exchange (the whole one: Estimate.cp_ring_s)
     pp_comm: float  # pipeline p2p + the all-gather that rebuilds a received activation
-    ep_comm: float  # MoE dispatch and combine all-to-alls over the EP group (exposed)
+    ep_comm: float  # MoE dispatch and combine over the EP group (all-to-alls or gathers; exposed)
     moe_overhead: float  # the MoE layers' kernel launches and host waits (moe_time.py)
     moe_imbalance: float  # the busiest EP rank's extra expert and all-to-all time
     bubble: float  # the schedule's idle time (pipeline_bubble_s)
@@ -332,7 +337,8 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
                        shape.recompute_early_stop, shape.kv_hidden, moe=shape.moe,
                        routed_tokens=routed_tokens(layout.micro_batch_size, shape.seq_length,
                                                    layout.cp, layout.tp, layout.sequence_parallel,
-                                                   layout.etp))
+                                                   layout.etp),
+                       padded_vocab=shape.padded_vocab(layout.tp))  # executed only (flops.py)
     fits = mem.total <= cluster.usable_bytes and host_fits(shape, cluster, layout)
     hidden = {"tp_comm": m * mean.tp_hidden, "cp_comm": max(0.0, m * (mean.cp_ring - mean.cp_comm)),
               "pp_comm": 0.0, "dp_comm": dp.hidden, "zero_allgather": zero.hidden,

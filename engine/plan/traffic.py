@@ -41,10 +41,14 @@ rows (T = s b tokens, K = top-k: ``e T K h`` bytes each, dispatch and combine; t
 whole send buffer, the rows a rank keeps included; dropless routing); backward, the two again
 with the gradients; a full recomputation repeats the forward's three. The experts' gradients are
 reduced over the expert-data-parallel group (kind ``edp``, dp x cp / ep ranks) instead of dp x cp;
-with ep = 1 that group is the dp x cp group and they count as ``dp``.
+with ep = 1 that group is the dp x cp group and they count as ``dp``. The allgather dispatcher
+(``--moe-token-dispatcher-type allgather``) gathers every EP rank's tokens, routing table and
+router weights and reduce-scatters the combined output instead (engine/plan/moe_allgather.py,
+whatever the routing; padded to capacity its table is the E C slots).
 """
 from __future__ import annotations
 
+from engine.plan import moe_allgather
 from engine.plan.model import GRAD_BYTES, Layout, ModelShape, moe_expert_tokens, num_micro_batches
 from engine.plan.fp8 import amax_bytes
 from engine.plan.memory import stage_param_split
@@ -232,9 +236,12 @@ def stage_amax_bytes(shape: ModelShape, layout: Layout,
 
 def ep_per_layer(shape: ModelShape, layout: Layout) -> float:
     """Payload bytes one rank hands to the dispatch all-to-alls of one MoE layer per micro-batch
-    (the module docstring): ``(4 + 2 redo) e T K h + (1 + redo) 8 E``; 0 with ep = 1."""
+    (the module docstring): ``(4 + 2 redo) e T K h + (1 + redo) 8 E``; the allgather dispatcher's
+    gathers and reduce-scatters instead (moe_allgather.py); 0 with ep = 1."""
     if shape.moe is None or layout.ep == 1:
         return 0.0
+    if shape.moe.dispatcher == "allgather":
+        return moe_allgather.payload_bytes(shape, layout)
     redo = 1 if layout.recompute == "full" else 0
     rows = shape.activation_bytes * moe_expert_tokens(shape, layout) * shape.moe.topk * shape.hidden_size
     return (4 + 2 * redo) * rows + (1 + redo) * COUNT_BYTES * shape.moe.num_experts

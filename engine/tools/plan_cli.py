@@ -23,6 +23,8 @@ from dataclasses import replace
 
 from engine.base import ConfigError, ToolParser, os_error_text, run_tool
 from engine.config.fields import field_table, flag_info
+from engine.config.fp8 import blockwise_problem
+from engine.config.parallel import ParallelConfig
 from engine.config.flags import CONSTANTS
 from engine.config.recipe import load_recipe
 from engine.plan.arguments import check_args
@@ -203,10 +205,6 @@ def model_from_args(args: argparse.Namespace) -> tuple[GPTConfig, int, dict]:
     if model.block not in BLOCKS:
         raise ConfigError(f"--block {model.block}: the planner has formulas for the "
                           f"{' and '.join(BLOCKS)} blocks only")
-    if model.num_experts and model.moe_token_dispatcher_type != "alltoall":
-        raise ConfigError(f"--moe-token-dispatcher-type {model.moe_token_dispatcher_type}: the "
-                          f"planner prices the alltoall dispatcher only (allgather gathers every "
-                          f"EP rank's tokens: other bytes and memory); plan with alltoall")
     return model, given["global_batch_size"], given
 
 
@@ -223,7 +221,17 @@ def shape_from_args(args: argparse.Namespace) -> ModelShape:
                       dropout=model.dropout > 0, attention_dropout=model.attention_dropout_p > 0,
                       num_query_groups=model.num_query_groups, moe=moe_shape(model),
                       moe_layers=moe_layer_indices(model),
-                      fp8_recipe=args.fp8_recipe if args.fp8_format else None)
+                      fp8_recipe=args.fp8_recipe if args.fp8_format else None,
+                      rules=train_rules(args, model))
+
+
+def train_rules(args: argparse.Namespace, model: GPTConfig) -> tuple:
+    """engine.train's layout rules that need its configuration (``ModelShape.rules``): under
+    --fp8-recipe blockwise no TP or CP shard may cut a 128 scale tile (engine/config/fp8.py
+    ``blockwise_problem`` on the model and each layout's tp and cp, the p2p ring planned)."""
+    if not (args.fp8_format and args.fp8_recipe == "blockwise"):
+        return ()
+    return (lambda layout: blockwise_problem(model, ParallelConfig(tp=layout.tp, cp=layout.cp)),)
 
 
 def model_flags(args: argparse.Namespace, shape: ModelShape) -> list[str]:

@@ -6,8 +6,10 @@ Against the real step: parameter, gradient and optimizer bytes exactly; every co
 dispatch all-to-alls (op, group, ranks, dtype, bytes, in issue order); the dispatch's collectives
 in number and, since a rank always sends its T K routed rows and receives what its EP peers route
 to it, in bytes summed over each EP group, which the dry run's balanced routing gives every rank
-(and the planner prices); the experts each rank builds. Activations are not compared: with real
-routing they depend on how many rows each rank's experts receive.
+(and the planner prices); the experts each rank builds. With the allgather dispatcher a rank's
+collectives do not depend on the routing: every real rank's EP bytes equal the planner's
+(engine/plan/moe_allgather.py). Activations are not compared: with real routing they depend on how
+many rows each rank's experts receive.
 """
 from __future__ import annotations
 
@@ -49,6 +51,17 @@ LAYOUTS = {  # 4 ranks each
         "--block", "llama", "--tp", "2", "--ep", "2", "--etp", "2", "--sequence-parallel",
         "--moe-aux-loss-coeff", "0.01", "--precision", "bf16", "--global-batch-size", "8",
         "--micro-batch-size", "2"],
+    "gpt2 pp2 dp2 ep2 allgather, MoE layers 1-3, full recompute, bf16": TINY + [
+        "--pp", "2", "--ep", "2", "--moe-layer-freq", "[0,1,1,1]",
+        "--moe-token-dispatcher-type", "allgather", "--recompute", "full",
+        "--moe-aux-loss-coeff", "0.01", "--precision", "bf16", "--global-batch-size", "8",
+        "--micro-batch-size", "2"],
+    "llama tp2 dp2 ep2 etp2 sp allgather, shared expert, padded capacity, full recompute, fp32":
+        TINY + ["--block", "llama", "--tp", "2", "--ep", "2", "--etp", "2", "--sequence-parallel",
+                "--moe-token-dispatcher-type", "allgather", "--moe-shared-expert-intermediate-size",
+                "32", "--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity",
+                "--recompute", "full", "--precision", "fp32", "--global-batch-size", "8",
+                "--micro-batch-size", "2"],
     "gpt2 dp4 ep1, ZeRO-1, bf16": TINY + [
         "--use-distributed-optimizer", "--precision", "bf16", "--moe-aux-loss-coeff", "0.01",
         "--global-batch-size", "8", "--micro-batch-size", "2"],
@@ -120,6 +133,9 @@ def test_moe_dry_run_equals_a_real_step(real_steps, name):
             assert planned > 0
             for group in {tuple(g) for g in _ep_groups(grid, ep) if set(g) <= set(role.ranks)}:
                 assert sum(real_steps[name][r]["ep_bytes"] for r in group) == ep * planned, group
+        if cfg.model.moe_token_dispatcher_type == "allgather":  # whatever the routing: every rank
+            assert shape.moe.dispatcher == "allgather"
+            assert {real_steps[name][r]["ep_bytes"] for r in role.ranks} == {planned}
 
 
 def _planner_equals_dry_run(records, shape, layout, stage, tp_at_etp1=None):

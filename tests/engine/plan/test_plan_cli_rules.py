@@ -122,10 +122,12 @@ MOE = ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "
        "--ep", "8", "--top", "1"]
 
 
-def test_the_allgather_dispatcher_is_refused(capsys):
-    assert plan_cli.main(MOE + ["--moe-token-dispatcher-type", "allgather"]) == 2
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and "allgather" in err[0] and "alltoall" in err[0]
+def test_the_allgather_dispatcher_is_planned(capsys):
+    """Priced (engine/plan/moe_allgather.py, tests/engine/plan/test_plan_moe_allgather.py), not
+    refused: the best command runs it."""
+    assert plan_cli.main(MOE + ["--moe-token-dispatcher-type", "allgather"]) == 0
+    out = capsys.readouterr().out.rstrip().splitlines()
+    assert "--ep 8 " in out[-1] and out[-1].endswith("--moe-token-dispatcher-type allgather")
 
 
 SMALL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",

@@ -105,3 +105,40 @@ def test_a_chip_without_fp8_is_one_line(capsys):
                    "--fp8-peak-tflops or drop --fp8-format"], err
     assert plan_cli.main(ARGV + ["--device", "a100-80gb", "--fp8-format", "e4m3",
                                  "--fp8-peak-tflops", "600"]) == 0
+
+
+# 48 x 4224 (66 heads of 64), sequence 8192, on 8 H100s: the fastest layout is tp 2, whose shards
+# of the QKV width (12672 / 2) and of the hidden size (4224 / 2) cut blockwise's 128 tiles
+TILES = ["--num-layers", "48", "--hidden-size", "4224", "--num-attention-heads", "66",
+         "--seq-length", "8192", "--vocab-size", "50304", "--global-batch-size", "8",
+         "--device", "h100", "--devices", "8", "--fp8-format", "e4m3", "--json", "--top", "50"]
+
+
+def _train_config(command: str):
+    """engine.train's own parser and checks on a printed command (its ValueError: a refusal)."""
+    import shlex
+    from torch.distributed.run import get_args_parser
+    from engine.config.cli import parse_args
+    return parse_args(get_args_parser().parse_args(shlex.split(command)[1:]).training_script_args)
+
+
+def test_blockwise_plans_only_layouts_the_trainer_accepts(capsys):
+    """The trainer refuses --fp8-recipe blockwise where a TP or CP shard cuts a 128 tile
+    (engine/config/fp8.py blockwise_problem): the planner drops those layouts as it drops any
+    other that breaks a rule, so its best blockwise layout is one the trainer accepts, while the
+    best rowwise layout (no tile rule) would be refused under blockwise."""
+    assert plan_cli.main(TILES + ["--fp8-recipe", "rowwise"]) == 0
+    rowwise = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rowwise[0]["tp"] == 2
+    with pytest.raises(ValueError, match="--fp8-recipe blockwise at --tp 2"):
+        _train_config(rowwise[0]["command"].replace("--fp8-recipe rowwise", "--fp8-recipe blockwise"))
+    assert plan_cli.main(TILES + ["--fp8-recipe", "blockwise"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows and all(row["tp"] == 1 for row in rows)
+    for row in rows[:5]:
+        cfg = _train_config(row["command"])
+        assert (cfg.precision.fp8_recipe, cfg.parallel.tp) == ("blockwise", row["tp"])
+    # pinned to the cut layout: the trainer's line, as for any layout a rule rejects
+    assert plan_cli.main(TILES + ["--fp8-recipe", "blockwise", "--layout", "2,1"]) == 2
+    err = capsys.readouterr().err
+    assert "layout rejected: --fp8-recipe blockwise at --tp 2 needs each rank's share" in err, err
