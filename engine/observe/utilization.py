@@ -56,16 +56,19 @@ def block_forward_flops(block_cls, cfg, attention: list | None = None, layer_idx
 
 
 def run_flops(cfg, block_cls, recompute: str, global_batch: int,
-              routed_tokens: int | None = None) -> RunFlops:
+              routed_tokens: int | None = None, padded_vocab: int | None = None) -> RunFlops:
     """Model and executed FLOPs of one optimizer step of the run (see the module docstring);
-    ``routed_tokens``: the tokens an MoE layer routes per forward (engine.plan.flops)."""
+    ``routed_tokens``: the tokens an MoE layer routes per forward (engine.plan.flops);
+    ``padded_vocab``: the output layer's columns as allocated (a multiple of 128 x tp), whose
+    zero columns the executed count includes and the model count does not."""
     m = cfg
     name = formula_block(block_cls)
     if name is not None:
         f = step_flops(global_batch, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size,
                        ffn_hidden=m.ffn_hidden_size, block=name, recompute=recompute,
                        recompute_early_stop=recompute_stops_early(m.dropout),
-                       kv_hidden=m.kv_hidden_size, moe=moe_shape(m), routed_tokens=routed_tokens)
+                       kv_hidden=m.kv_hidden_size, moe=moe_shape(m), routed_tokens=routed_tokens,
+                       padded_vocab=padded_vocab)
         core = attention_core_step_flops(global_batch, m.seq_length, m.num_layers, m.hidden_size,
                                          recompute)
         return RunFlops(f.model, f.executed, f"formula {name}", f.executed - core / 2)
@@ -82,7 +85,9 @@ def run_flops(cfg, block_cls, recompute: str, global_batch: int,
     tokens = global_batch * m.seq_length
     model = 3 * (global_batch * per_sequence
                  + logits_forward_flops(tokens, m.hidden_size, m.vocab_size))
-    executed = model if recompute == "none" else None
+    columns = 3 * logits_forward_flops(tokens, m.hidden_size, (padded_vocab or m.vocab_size)
+                                       - m.vocab_size)
+    executed = model + columns if recompute == "none" else None
     least = model - 3 * global_batch * sum(attention) / 2  # forward x 3, as model
     note = "" if executed is not None else (f"; with --recompute {recompute} what the block "
                                             f"recomputes is unknown, so tflops_per_device and "

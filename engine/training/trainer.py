@@ -55,6 +55,7 @@ from parallel.pipeline.p2p import init_p2p, waiter_for
 from parallel.pipeline.schedules import build_schedule, has_weight_actions, validate_schedule
 from parallel.grid.random import ModelParallelRNG
 from parallel.grid.launch import LaunchEnv
+from parallel.tensor_parallel.layers import padded_vocab_size
 from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer, set_tp_comm_overlap
 from parallel.tensor_parallel.overlap_fused import probe_mode
@@ -244,7 +245,8 @@ class Trainer:
             routed = routed_tokens(cfg.data.micro_batch_size, cfg.model.seq_length, ps.cp_size,
                                    ps.tp_size, par.sequence_parallel, par.expert_tensor_parallel_size)
             self.flops = run_flops(cfg.model, self.chunks[0].block_cls, par.recompute,
-                                   cfg.data.global_batch_size, routed)
+                                   cfg.data.global_batch_size, routed,
+                                   padded_vocab_size(cfg.model.vocab_size, ps.tp_size))
         self.say_notes([str(w.message) for w in caught])
         self.peak_tflops = run_peak_tflops(self.dev, cfg.precision.precision, cfg.log.peak_tflops,
                                            self.tf32)

@@ -105,3 +105,22 @@ def test_full_recompute_with_dropout_counts_the_last_matmul_again(block):
     f = GPTConfig(**kw).ffn_hidden_size
     assert dropped.model == quiet.model
     assert dropped.executed - quiet.executed == 3 * 2 * 6 * 64 * 128 * f
+
+
+def test_the_run_executes_its_padded_vocabulary_columns():
+    """A vocabulary of 300 is allocated as 384 columns (a multiple of 128 at tp 1): the output
+    layer's GEMMs run all of them, so the executed count (HFU) holds 3 x 2 x tokens x h x 84 more
+    than the model count (MFU), which stays at the model's own 300."""
+    from engine.config.cli import parse_args
+    from engine.training.trainer import Trainer
+    trainer = Trainer(parse_args(["--mock-data", "--vocab-size", "300", "--num-layers", "2",
+                                  "--hidden-size", "64", "--num-attention-heads", "4",
+                                  "--seq-length", "32", "--micro-batch-size", "2",
+                                  "--global-batch-size", "4", "--train-iters", "1", "--no-progress"]))
+    try:
+        flops = trainer.flops
+        assert tuple(trainer.chunks[0].embed.weight.shape) == (384, 64)  # (tied output layer)
+        assert flops.executed - flops.model == 3 * 2 * (4 * 32) * 64 * (384 - 300)
+        assert flops.model == step_flops(4, 32, 2, 64, 300, block="gpt2").model
+    finally:
+        trainer.close()
