@@ -86,6 +86,9 @@ class GPTConfig:
                 self.ffn_hidden_size = (int(8 * self.hidden_size / 3) + 63) // 64 * 64
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
+        elif self.ffn_hidden_size < 1:
+            raise ValueError(f"--ffn-hidden-size must be >= 1, got {self.ffn_hidden_size} (leave it "
+                             f"out for the block's default width)")
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.seq_length > self.max_position_embeddings:

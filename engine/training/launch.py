@@ -177,8 +177,6 @@ def train(cfg, launch, timeout_s: float) -> int:
     try:
         if trainer.is_main and result.summary:
             print(result.summary)
-            if getattr(trainer, "sample_text", None):
-                print(trainer.sample_text)
     finally:
         trainer.close()
     return INTERRUPTED if result.interrupted else 0

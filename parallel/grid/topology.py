@@ -147,4 +147,5 @@ class RankGrid:
     def describe(self) -> str:
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         order = "-".join(self._names) if self.cp > 1 else "-".join(n for n in self._names if n != "cp")
-        return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp} (order {order}, {self.world_size} ranks)"
+        ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
+        return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp} (order {order}, {ranks})"

@@ -249,6 +249,10 @@ CASES = [  # (id, argv, the line after its prefix, exit code)
      CONFIG + "--use-checkpoint-args reads the checkpoint given by --load, and there is none: add "
               "--load DIR, or drop --use-checkpoint-args", 2),
     ("tp-zero", MOCK + ["--tp", "0"], CONFIG + "--tp must be >= 1, got 0", 2),
+    ("ffn-zero", MOCK + ["--ffn-hidden-size", "0"],
+     CONFIG + "--ffn-hidden-size must be >= 1, got 0 (leave it out for the block's default width)", 2),
+    ("ffn-negative", MOCK + ["--ffn-hidden-size=-8"],
+     CONFIG + "--ffn-hidden-size must be >= 1, got -8 (leave it out for the block's default width)", 2),
     ("capacity-inf", MOCK + ["--num-experts", "4", "--moe-expert-capacity-factor", "inf"],
      CONFIG + "--moe-expert-capacity-factor inf must be a finite number > 0 (leave it unset for "
               "dropless routing)", 2),

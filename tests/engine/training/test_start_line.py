@@ -55,20 +55,21 @@ def test_the_cost_is_said_before_the_first_step(capsys):
     trainer.train()
     trainer.close()
     lines = capsys.readouterr().err.splitlines()
-    # the planner's count, the attention core (Q K^T and scores x V: 4 s h per token and layer,
-    # three passes) at half, as a causal kernel runs it: what the line divides
-    flops = step_flops(4, 32, 2, 64, 300, 256, "gpt2", "none").executed - 3 * 2 * 4 * 4 * 32 * 32 * 64 / 2
-    assert f"{flops:.3g}" == "9.34e+07"
+    # the planner's count over the vocabulary as allocated (300 padded to 384 columns), the
+    # attention core (Q K^T and scores x V: 4 s h per token and layer, three passes) at half, as
+    # a causal kernel runs it: what the line divides
+    flops = step_flops(4, 32, 2, 64, 384, 256, "gpt2", "none").executed - 3 * 2 * 4 * 4 * 32 * 32 * 64 / 2
+    assert f"{flops:.3g}" == "9.75e+07"
     assert lines[:2] == [
-        "gridtron: tp=1 pp=1 dp=1 (order tp-dp-pp, 1 ranks) on cpu; 2 micro-batches/step; 126,720 "
+        "gridtron: tp=1 pp=1 dp=1 (order tp-dp-pp, 1 rank) on cpu; 2 micro-batches/step; 126,720 "
         "parameters on rank 0; ZeRO-0 (optimizer state on every DP rank); no gradient compression",
-        "gridtron: estimated step time at least 93.4 ms (9.34e+07 FLOPs per step, causal attention "
-        "at half, over 1 device at 0.001 TFLOP/s peak); 2 steps: at least 187 ms"], lines
+        "gridtron: estimated step time at least 97.5 ms (9.75e+07 FLOPs per step, causal attention "
+        "at half, over 1 device at 0.001 TFLOP/s peak); 2 steps: at least 195 ms"], lines
     long = Trainer(parse_args(MOCK[:MOCK.index("--seq-length")] + [
         "--seq-length", "100000", "--max-position-embeddings", "100000", "--micro-batch-size", "1",
         "--global-batch-size", "1", "--peak-tflops", "0.03"]))
     try:
-        flops = step_flops(1, 100000, 2, 64, 300, 256, "gpt2", "none").executed
+        flops = step_flops(1, 100000, 2, 64, 384, 256, "gpt2", "none").executed  # 300: 384 columns
         assert f"{flops:.3g}" == "1.54e+13"  # attention's 4 s h per token: 2.56e+12 per layer
         # attention dominates: its core, 3 passes x 2 layers x 2.56e+12, counts at half
         least = flops - 3 * 2 * 4 * 100000 * 100000 * 64 / 2
