@@ -117,6 +117,17 @@ def run_peak_tflops(dev, precision: str, given: float | None, tf32: bool | None 
     return peak
 
 
+def peak_source(dev, precision: str, given: float | None, tf32: bool | None = None) -> str:
+    """Where ``run_peak_tflops``'s figure comes from, in words for the run's summary."""
+    if given:
+        return "--peak-tflops"
+    if peak_tflops(dev.name, precision, tf32_enabled(dev.type) if tf32 is None else tf32) is not None:
+        return f"the hardware table, {dev.name} in {precision}"
+    if dev.type == "cpu":
+        return "measured at start by a matmul: moves with the machine's load"
+    return "none known"
+
+
 def per_device(flops: float | None, seconds: float, devices: int) -> float | None:
     """TFLOP/s per device (``engine.plan.flops.achieved_tflops``), None when the FLOPs are unknown."""
     if flops is None or seconds <= 0:

@@ -79,3 +79,18 @@ def test_the_cost_is_said_before_the_first_step(capsys):
                                        "0.03 TFLOP/s peak); 10 steps: at least 43.1 min")
     finally:
         long.close()
+
+
+def test_the_summary_names_the_peak_and_says_when_nothing_was_written(tmp_path):
+    """MFU's denominator is in the summary with its source (a given peak here; on a CPU without
+    one, a measurement that moves with the load), and a run without --run-dir says that it wrote
+    nothing; with one, the outputs row is left out (the files have rows of their own)."""
+    trainer = Trainer(parse_args(MOCK + ["--peak-tflops", "0.25"]))
+    bare = trainer.train().summary
+    trainer.close()
+    assert "| peak (MFU, HFU)" in bare and "| 0.25 TFLOP/s per device (--peak-tflops)" in bare, bare
+    assert "| none written (--run-dir DIR writes metrics, plots and checkpoints)" in bare, bare
+    trainer = Trainer(parse_args(MOCK + ["--run-dir", str(tmp_path)]))
+    written = trainer.train().summary
+    trainer.close()
+    assert "none written" not in written and "measured at start by a matmul" in written, written
