@@ -111,12 +111,19 @@ def test_describe_peers_sorts_members():
                     "all_reduce #9 of world, heartbeat 0.5 s ago)"), text
 
 
-def test_heartbeat_through_a_store_and_its_watchdog():
+def two_heartbeats():
+    """Two ranks' activities and heartbeats through one store, with a 0.5 s watchdog writing to
+    the returned stream."""
     store = dist.HashStore()
     acts = [Activity(), Activity()]
     out = io.StringIO()
     beats = [Heartbeat(store, r, acts[r], {"dp": (0, 1)}, interval_s=0.1, watchdog_s=0.5, stream=out)
              for r in (0, 1)]
+    return acts, beats, out
+
+
+def test_heartbeat_through_a_store_and_its_watchdog():
+    acts, beats, out = two_heartbeats()
     acts[1].step = 3
     acts[1].enter("all_reduce", "dp")
     beats[1].beat()
@@ -140,11 +147,7 @@ def test_a_workers_own_communicator_is_counted_apart():
     Counted together, rank 1 below (which entered the main lane's one collective and none of the
     exchange's) would count 1 of dp and pass as having entered the exchange's all-gather #1. Each
     lane is counted apart, so the heartbeat names who did not enter it."""
-    store = dist.HashStore()
-    acts = [Activity(), Activity()]
-    out = io.StringIO()
-    beats = [Heartbeat(store, r, acts[r], {"dp": (0, 1)}, interval_s=0.1, watchdog_s=0.5, stream=out)
-             for r in (0, 1)]
+    acts, beats, out = two_heartbeats()
     acts[1].enter("all_reduce", "dp")                 # the main lane's collective only
     beats[1].beat()
     tag = acts[0].enter("all_gather", "dp", "dp-exchange")  # rank 0: exchange first
