@@ -11,6 +11,16 @@ Chunks are compiled in place (``nn.Module.compile``), so they keep their type, t
 (``shared_embedding_params``, ...) and their parameter names: checkpoints, gradient buckets and the
 pipeline see the same modules as without ``--compile``.
 
+Graphs. Every chunk of a rank runs the same code (``GPTChunk.forward``), so Dynamo keeps one list
+of compiled entries for all of them: one per chunk (it guards on the chunk's layer range) and grad
+mode (training, and evaluation under ``torch.no_grad``). Past Dynamo's recompile limit (8 by
+default) a call that needs a new entry runs eagerly, silently: an interleaved rank with five
+chunks and ``--eval-interval`` would need ten. Each chunk is compiled with its own limit
+(``torch.compile(recompile_limit=...)``, scoped to these calls; the process's setting is left as it
+is): ``chunk_recompile_limit``, two entries per chunk plus ``RECOMPILE_MARGIN`` for any other
+reason to retrace (a new input shape before Dynamo makes it dynamic), and never below the
+process's limit.
+
 Cache. Inductor persists its artifacts (FX graph cache: generated kernels; AOTAutograd cache: the
 joint forward/backward graphs) in ``TORCHINDUCTOR_CACHE_DIR``. Inductor reads that variable itself,
 lazily, when it first needs the cache, so this module sets it (this one entry point configures the
@@ -33,6 +43,8 @@ from torch import nn
 from engine.device.chips import COMPILE_ON_NPU
 
 CACHE_DIRNAME = "compile_cache"
+MODES = 2              # grad modes a chunk runs in: training and evaluation
+RECOMPILE_MARGIN = 8   # entries beyond chunks x modes (Dynamo's default limit)
 
 
 def compile_backend(device_type: str):
@@ -60,14 +72,23 @@ def configure_compile_cache(run_dir: str | os.PathLike) -> Path:
     return cache
 
 
+def chunk_recompile_limit(n_chunks: int) -> int:
+    """The recompile limit the chunks are compiled with: an entry per chunk and grad mode, plus
+    ``RECOMPILE_MARGIN``; never below the process's ``torch._dynamo.config.recompile_limit``."""
+    import torch._dynamo.config as dynamo_config
+    return max(dynamo_config.recompile_limit, MODES * n_chunks + RECOMPILE_MARGIN)
+
+
 def compile_chunks(chunks: nn.ModuleList, dev, run_dir: str | os.PathLike) -> nn.ModuleList:
-    """Compile each chunk in place with ``dev.type``'s backend; artifacts go to run_dir's cache.
+    """Compile each chunk in place with ``dev.type``'s backend and ``chunk_recompile_limit``;
+    artifacts go to run_dir's cache.
 
     ``dev`` is an ``engine.device.runtime.DeviceInfo``. Compilation itself happens lazily, on each chunk's
     first call; the returned ModuleList is ``chunks``.
     """
     backend = compile_backend(dev.type)
     configure_compile_cache(run_dir)
+    limit = chunk_recompile_limit(len(chunks))
     for chunk in chunks:
-        chunk.compile(backend=backend)
+        chunk.compile(backend=backend, recompile_limit=limit)
     return chunks

@@ -25,7 +25,8 @@ Parameter objects (only activations go through ``save_for_backward``): under act
 checkpointing a saved tensor comes back in backward as a recomputed alias, and W must accumulate
 into the parameter itself. Under ``torch.compile`` these calls run
 outside the compiled graph when a store is attached (``torch.compiler.disable``): the W closures
-are Python side effects of backward that a traced backward graph cannot hold.
+are Python side effects of backward that a traced backward graph cannot hold. Where no gradient
+is recorded (evaluation), ``seq_gather_linear`` runs its forward math without the Function.
 """
 from __future__ import annotations
 
@@ -94,6 +95,19 @@ class _LinearDeferW(torch.autograd.Function):
         return grad_x, gw, gb, None, None
 
 
+def _seq_gather_forward(shard, group, fp8, weights, biases):
+    """``_SeqGatherLinearReduceScatter``'s forward math: all-gather the (b, s/tp, h) shard and
+    apply each weight; returns (the output, or the tuple of outputs for several weights; the
+    ``Fp8Forward`` holding the agreed scales, or None)."""
+    scales = None if fp8 is None else Fp8Forward(fp8, shard, weights)  # of the shard's values
+    full = _gather(shard, 1, group)  # (b, s, h)
+    if scales is None:
+        outs = tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(weights, biases))
+    else:
+        outs = tuple(scales.linear(full, i, b) for i, b in enumerate(biases))
+    return (outs if len(outs) > 1 else outs[0]), scales
+
+
 class _SeqGatherLinearReduceScatter(torch.autograd.Function):
     """Column-parallel linear(s) on a sequence shard: forward all-gather + GEMMs, backward GEMMs +
     reduce-scatter, the input re-gathered for the weight gradients (module docstring).
@@ -102,15 +116,10 @@ class _SeqGatherLinearReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, group, store, fp8, *params):
         weights, biases = params[0::2], params[1::2]
-        ctx.fp8 = None if fp8 is None else Fp8Forward(fp8, shard, weights)  # scales of the shard's
-        full = _gather(shard, 1, group)  # (b, s, h)
+        out, ctx.fp8 = _seq_gather_forward(shard, group, fp8, weights, biases)
         ctx.save_for_backward(shard)
         ctx.group, ctx.store, ctx.weights, ctx.biases = group, store, weights, biases
-        if ctx.fp8 is None:
-            outs = tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(weights, biases))
-        else:
-            outs = tuple(ctx.fp8.linear(full, i, b) for i, b in enumerate(biases))
-        return outs if len(outs) > 1 else outs[0]
+        return out
 
     @staticmethod
     def backward(ctx, *grads):
@@ -220,9 +229,26 @@ def linear_defer_w(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def seq_gather_linear(shard: torch.Tensor, weights, biases, group,
                       store: WeightGradStore | None, fp8: Fp8Spec | None = None):
-    """One output per weight, (b, s, out_i/tp), from the (b, s/tp, h) shard."""
+    """One output per weight, (b, s, out_i/tp), from the (b, s/tp, h) shard.
+
+    With nothing to differentiate (an evaluation under ``torch.no_grad``) the forward's math runs
+    without the Function: the same values, and no ``ctx`` to fill. It also keeps a compiled chunk
+    whole in evaluation: Dynamo inlines a Function's forward when no gradient is recorded, and
+    binds a ``forward(ctx, ..., *params)`` one argument off when the varargs hold exactly one
+    (weight, bias) pair (``fp8`` received the weight): the trace failed, and Dynamo skipped the
+    chunk's forward for the rest of the process, training included (a score of small graphs in
+    place of one per chunk)."""
     params = [p for w, b in zip(weights, biases) for p in (w, b)]
+    if not _records_grad(shard, params):
+        return _seq_gather_forward(shard, group, fp8, tuple(weights), tuple(biases))[0]
     return apply_split(_SeqGatherLinearReduceScatter, store, shard, group, store, fp8, *params)
+
+
+def _records_grad(x: torch.Tensor, params) -> bool:
+    """Whether autograd would record a Function applied to ``x`` and ``params`` (grad mode on
+    and some input requiring a gradient)."""
+    return torch.is_grad_enabled() and (
+        x.requires_grad or any(p is not None and p.requires_grad for p in params))
 
 
 def embedding_defer_w(ids: torch.Tensor, weight: torch.Tensor,

@@ -119,23 +119,6 @@ def test_recomputed_layers_with_the_dropout_streams_compile(tmp_path, monkeypatc
     torch._dynamo.reset()
 
 
-def _explain_sp_chunk(ps):
-    import torch._dynamo as dynamo
-    from parallel.tensor_parallel import Initializer
-    cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=300)
-    chunk = GPTChunk(cfg, ps, LayerContext(Initializer(0), sequence_parallel=True), range(1))
-    tokens = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
-    explained = dynamo.explain(chunk)(tokens[:, :-1], tokens[:, 1:])
-    return explained.graph_count, explained.graph_break_count, [str(b.reason) for b in explained.break_reasons]
-
-
-def test_tp2_sequence_parallel_chunk_traces_as_one_graph():
-    from parallel.grid.topology import RankGrid
-    from tests.helpers.dist_utils import run_distributed
-    for graphs, breaks, reasons in run_distributed(_explain_sp_chunk, grid=RankGrid(tp=2)):
-        assert (graphs, breaks) == (1, 0), reasons
-
-
 def compiled_counts() -> dict:
     """What Dynamo and Inductor did since ``counters.clear()``: frames traced, graphs, Inductor's
     compiled FX graphs (cache hits and misses: ranks sharing a cache directory split them), and
