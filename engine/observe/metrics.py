@@ -371,10 +371,25 @@ def summary_table(records: list[dict], extra: dict[str, str], warmup: int = WARM
                  ("EP bytes per step", num(s["ep_comm_bytes"], ".0f"))]
     rows.append(("peak memory", f"{(s['peak_memory_bytes'] or 0) / 2**20:.0f} MiB"))
     rows.extend(extra.items())
-    width = max(len(k) for k, _ in rows)
-    value_width = max(40, *(len(str(v)) for _, v in rows))
+    return _table(rows)
+
+
+SUMMARY_VALUE_WIDTH = 96  # a longer value continues on the next lines, split at spaces
+
+
+def _table(rows: list[tuple[str, object]]) -> str:
+    """Two columns in a box; a value longer than ``SUMMARY_VALUE_WIDTH`` is wrapped at spaces onto
+    continuation lines whose first cell is empty (a path without spaces stays whole)."""
+    import textwrap
+    cells = []
+    for key, value in rows:
+        parts = textwrap.wrap(str(value), SUMMARY_VALUE_WIDTH, break_long_words=False,
+                              break_on_hyphens=False) or [""]
+        cells += [(key, parts[0])] + [("", part) for part in parts[1:]]
+    width = max(len(k) for k, _ in cells)
+    value_width = max(40, *(len(v) for _, v in cells))
     line = "+" + "-" * (width + 2) + "+" + "-" * (value_width + 2) + "+"
-    body = [f"| {k:<{width}} | {str(v):<{value_width}} |" for k, v in rows]
+    body = [f"| {k:<{width}} | {v:<{value_width}} |" for k, v in cells]
     return "\n".join([line, *body, line])
 
 

@@ -11,9 +11,11 @@ import pytest
 from engine.config.cli import parse_args
 from engine.observe.anomaly import PersistentAnomaly
 from engine.observe.faults import GradFault
-from engine.observe.metrics import REQUIRED_KEYS, MetricsLog, percent, summarize_run, summary_table
+from engine.observe.metrics import (REQUIRED_KEYS, SUMMARY_VALUE_WIDTH, MetricsLog, percent,
+                                    summarize_run, summary_table)
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.summary import summary_cells
 
 TINY = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "1", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
@@ -96,6 +98,22 @@ def test_summary_moe_figures_are_totals_and_null_when_a_step_has_none():
     assert summarize_run(records)["ep_comm_bytes"] is None
 
 
+def test_a_long_summary_value_wraps_at_spaces_and_reads_back_whole():
+    """A value longer than the table's value width continues on lines of its own (an empty first
+    cell), split at spaces; a path without spaces stays whole on one line."""
+    words = " ".join(f"choice-{i} (what it does)" for i in range(12))
+    path = "/" + "d" * 130
+    table = summary_table(_records(3), {"choices": words, "data": path})
+    lines = table.splitlines()
+    key_width = lines[0].index("+", 1) - 3
+    assert all(len(line) <= key_width + len(path) + 7 for line in lines)
+    wrapped = [line for line in lines if line.startswith("| " + " " * key_width + " | ")]
+    assert len(wrapped) >= 2 and all(len(line.split("|")[2].strip()) <= SUMMARY_VALUE_WIDTH
+                                     for line in wrapped)
+    cells = summary_cells(table)
+    assert cells["choices"] == words and cells["data"] == path
+
+
 def test_summary_names_its_outputs_and_data(tmp_path):
     from engine.training.trainer import Trainer
     run = tmp_path / "run"
@@ -104,8 +122,7 @@ def test_summary_names_its_outputs_and_data(tmp_path):
         summary = trainer.train().summary
     finally:
         trainer.close()
-    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in summary.splitlines()
-            if line.startswith("| ")}
+    rows = summary_cells(summary)
     assert rows["metrics"] == str(run / "metrics.jsonl") and (run / "metrics.jsonl").is_file()
     assert rows["timeline"] == f"{run / 'timeline.json'} (the last 3 steps)"
     assert (run / "timeline.json").is_file()

@@ -9,6 +9,7 @@ from engine.training.step_record import cost_line, start_line
 from engine.training.trainer import Trainer
 from parallel.grid.topology import RankGrid
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.summary import summary_cells
 
 MOCK = ["--mock-data", "--vocab-size", "300", "--no-progress", "--num-layers", "2", "--hidden-size",
         "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
@@ -39,13 +40,13 @@ def test_the_start_line_and_the_summary_name_every_choice():
                "after 1 uncompressed step")
     assert moe_run[0] == ("gridtron: tp=1 pp=1 dp=2 (order tp-dp-pp, 2 ranks) on cpu; 1 "
                           "micro-batches/step; 160,064 parameters on rank 0; " + choices)
-    assert "| choices     " in moe_run[1] and f"| {choices} |" in moe_run[1], moe_run[1]
+    assert summary_cells(moe_run[1])["choices"] == choices, moe_run[1]
     choices = ("FP8 GEMMs hybrid rowwise (bf16 in the last 1 layer); ZeRO-0 (optimizer state on "
                "every DP rank); no gradient compression; TP overlap: fused ops where the device "
                "has them, else chunked ring")
     assert tp_run[0] == ("gridtron: tp=2 pp=1 dp=1 (order tp-dp-pp, 2 ranks) on cpu; 2 "
                          "micro-batches/step; 68,928 parameters on rank 0; " + choices)
-    assert f"| {choices} |" in tp_run[1], tp_run[1]
+    assert summary_cells(tp_run[1])["choices"] == choices, tp_run[1]
 
 
 def test_the_cost_is_said_before_the_first_step(capsys):
@@ -88,8 +89,9 @@ def test_the_summary_names_the_peak_and_says_when_nothing_was_written(tmp_path):
     trainer = Trainer(parse_args(MOCK + ["--peak-tflops", "0.25"]))
     bare = trainer.train().summary
     trainer.close()
-    assert "| peak (MFU, HFU)" in bare and "| 0.25 TFLOP/s per device (--peak-tflops)" in bare, bare
-    assert "| none written (--run-dir DIR writes metrics, plots and checkpoints)" in bare, bare
+    cells = summary_cells(bare)
+    assert cells["peak (MFU, HFU)"] == "0.25 TFLOP/s per device (--peak-tflops)", bare
+    assert cells["outputs"] == "none written (--run-dir DIR writes metrics, plots and checkpoints)"
     trainer = Trainer(parse_args(MOCK + ["--run-dir", str(tmp_path)]))
     written = trainer.train().summary
     trainer.close()
