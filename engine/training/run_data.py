@@ -26,7 +26,7 @@ def build_run_data(trainer) -> None:
                               tokenizer=d.tokenizer, cache_dir=d.cache_dir, split=d.split,
                               tokenizer_model=d.tokenizer_model, tokenizer_type=d.tokenizer_type,
                               vocab_file=d.vocab_file, merge_file=d.merge_file,
-                              progress=cfg.log.progress and ps.rank == 0)
+                              progress=trainer.progress and ps.rank == 0)
         except (ValueError, FileNotFoundError) as exc:  # e.g. a corpus too small for --seq-length
             raise ConfigError(f"data: {exc}") from exc
         except OSError as exc:  # e.g. --cache-dir under a file, a .bin this user cannot read

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -87,6 +88,9 @@ class Trainer:
     def __init__(self, cfg: RunConfig, registry: BlockRegistry | None = None,
                  launch: LaunchEnv | None = None):
         self.cfg, self.registry = cfg, registry
+        # the progress bar: where --progress is given, or by default on a terminal (a captured
+        # log gets one console line per --log-interval instead of the bar's redraws)
+        self.progress = cfg.log.progress and ("progress" in cfg.explicit or sys.stderr.isatty())
         self.launch = launch or LaunchEnv.from_env()
         self.grid, notes = validate_run(cfg, self.launch, registry)
         try:  # a bad per-branch compression policy fails here, before any collective
@@ -133,6 +137,7 @@ class Trainer:
         self = cls.__new__(cls)
         self.cfg, self.registry, self.ps, self.dev = cfg, registry, ps, dev
         self.grid, self.launch, self.is_main = ps.grid, None, ps.rank == 0
+        self.progress = False
         self.num_micro = cfg.data.num_microbatches(ps.dp_size)
         self._build_model()
         self._build_optimizer()
@@ -276,7 +281,7 @@ class Trainer:
         result = RunResult()
         start = self.maybe_load()
         log = MetricsLog(cfg.log.metrics_file if self.is_main else None, enabled=self.is_main,
-                         progress=cfg.log.progress, total_steps=cfg.optim.train_iters,
+                         progress=self.progress, total_steps=cfg.optim.train_iters,
                          log_interval=cfg.log.log_interval)
         log.start_at(start)
         dash = Dashboards(cfg, self.is_main, start)
@@ -303,7 +308,7 @@ class Trainer:
                     vloss = self.evaluate()
                     record["valid_loss"] = vloss
                     result.valid.append((step + 1, vloss))
-                    if cfg.log.progress:
+                    if self.progress:
                         log.note(f"step {step + 1}: validation loss {vloss:.4f}")
                 interval = cfg.checkpoint.save_interval
                 b = self.checkpointer.boundary(step + 1, bool(interval) and (step + 1) % interval == 0,

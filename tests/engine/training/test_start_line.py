@@ -96,3 +96,18 @@ def test_the_summary_names_the_peak_and_says_when_nothing_was_written(tmp_path):
     written = trainer.train().summary
     trainer.close()
     assert "none written" not in written and "measured at start by a matmul" in written, written
+
+
+def test_the_progress_bar_is_a_terminals_unless_asked_for(monkeypatch):
+    """By default the bar is drawn only on a terminal (a captured log gets the console lines);
+    --progress draws it anyway, --no-progress never."""
+    import sys
+    for tty, extra, want in ((True, [], True), (False, [], False), (False, ["--progress"], True),
+                             (True, ["--no-progress"], False)):
+        monkeypatch.setattr(sys.stderr, "isatty", lambda tty=tty: tty, raising=False)
+        argv = [a for a in MOCK if a != "--no-progress"] + extra
+        trainer = Trainer(parse_args(argv))
+        try:
+            assert trainer.progress is want, (tty, extra)
+        finally:
+            trainer.close()

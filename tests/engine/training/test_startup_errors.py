@@ -65,7 +65,7 @@ def _trainer(cfg, rank, sent):
         return sent[0]
     ps = types.SimpleNamespace(rank=rank, world_size=2,
                                world_group=types.SimpleNamespace(broadcast_object=broadcast_object))
-    return types.SimpleNamespace(cfg=cfg, ps=ps)
+    return types.SimpleNamespace(cfg=cfg, ps=ps, progress=False)
 
 
 def test_rank_0_that_cannot_prepare_the_corpus_tells_every_rank(tmp_path):
