@@ -5,7 +5,8 @@ choices and Megatron-LM's spellings come from the table in engine/config/flags.p
 dataclasses. A YAML recipe (``--config``, engine/config/recipe.py) uses the same keys, flat or grouped in
 the config's own sections; flags given on the command line override it. Unknown flags and keys are
 errors that name the intended flag when the intent is clear, and Megatron flags that have no
-equivalent here are answered with what to do instead.
+equivalent here are answered with what to do instead; every unknown flag of a command line is named
+in the one line. A mapping flag (``--grad-compression-policy``) takes a JSON object or null.
 """
 from __future__ import annotations
 
@@ -80,6 +81,27 @@ def _conflicts(given: list[tuple[str, str, object]]) -> None:
         kept[dest] = (option, value)
 
 
+_JSON_KINDS = ((bool, "a boolean"), (str, "a string"), (int, "a number"), (float, "a number"),
+               (list, "an array"))
+_JSON_EXAMPLE = """give an object such as '{"default": "int8"}', or null for none"""
+
+
+def json_object(text: str) -> dict | None:
+    """A mapping flag's value (``--grad-compression-policy JSON``): a JSON object, or null (none,
+    as in a recipe: it clears the recipe's), else one line saying what was wrong (argparse prints
+    it after the flag's name)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        at = f"line {exc.lineno} column {exc.colno}" if exc.lineno > 1 else f"column {exc.colno}"
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r} ({exc.msg} at {at}); "
+                                         f"{_JSON_EXAMPLE}") from None
+    if value is not None and not isinstance(value, dict):
+        kind = next(name for tp, name in _JSON_KINDS if isinstance(value, tp))
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r} is {kind}; {_JSON_EXAMPLE}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m engine.train", description=__doc__,
                      usage="%(prog)s [--config FILE] [--FLAG VALUE ...]",
@@ -98,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         if info.type is bool:
             group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, help=text)
         elif info.type is dict:
-            group.add_argument(*flags, dest=name, type=json.loads, metavar="JSON", help=text)
+            group.add_argument(*flags, dest=name, type=json_object, metavar="JSON", help=text)
         elif info.type is list:
             group.add_argument(*flags, dest=name, nargs="+", metavar="ITEM", help=text)
         else:
@@ -120,7 +142,7 @@ def _takes(action, value: str | None) -> bool:
         return True
     try:
         action.type(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, argparse.ArgumentTypeError):
         return False
     return True
 
@@ -130,22 +152,53 @@ def _option_candidates(parser) -> dict[str, str]:
             if o.startswith("--") and a.dest != "help"}
 
 
-def _unknown(parser, unknown: list[str]) -> ConfigError:
-    token = unknown[0]
+def _is_flag(token: str) -> bool:
+    return re.match(r"-+[a-zA-Z]", token) is not None  # a negative number is a value
+
+
+def _grouped(unknown: list[str]) -> list[tuple[str, list[str]]]:
+    """argparse's leftover tokens as (flag, the values after it); values before any flag come as
+    ('', values). A flag given again is reported once (its values with the first)."""
+    items: dict[str, tuple[str, list[str]]] = {}
+    current = None
+    for token in unknown:
+        if _is_flag(token):
+            current = items.setdefault(token.split("=")[0], (token, []))
+        else:
+            if current is None:
+                current = items.setdefault("", ("", []))
+            current[1].append(token)
+    return list(items.values())
+
+
+def _answer(parser, token: str, values: list[str], alone: bool) -> tuple[str, bool]:
+    """One leftover's line, and whether it is argparse's kind (no Megatron answer): ``--flag:
+    answer``, ``unknown argument '--flag'; did you mean --other?`` (``alone``; among several:
+    ``--flag: no such flag; ...``) or ``unexpected value 'x': ...``."""
     name = token.split("=")[0]
     if name in MEGATRON_ANSWERS:
-        return ConfigError(f"{name}: {MEGATRON_ANSWERS[name]}")
-    if not name.startswith("-"):
-        return ConfigError(f"unexpected value {token!r}: every flag takes one value except --data-path "
-                           f"({HELP_HINT})")
-    if "=" in token:
-        value = token.split("=", 1)[1]
-    else:  # the word after it, unless that is a flag (a negative number is a value)
-        value = next((v for v in unknown[1:2] if not re.match(r"-+[a-zA-Z]", v)), None)
+        return f"{name}: {MEGATRON_ANSWERS[name]}", False
+    if not token:
+        return (f"unexpected value {values[0]!r}: every flag takes one value except --data-path",
+                True)
+    value = token.split("=", 1)[1] if "=" in token else next(iter(values), None)
     close = suggest(name, _option_candidates(parser))
     meant = close and next(a for a in parser._actions if f"--{close}" in a.option_strings)
     hint = f"; did you mean --{close}?" if meant and _takes(meant, value) else ""
-    return ConfigError(f"unknown argument {name!r}{hint} ({HELP_HINT})")
+    return (f"unknown argument {name!r}{hint}" if alone else f"{name}: no such flag{hint}"), True
+
+
+def _unknown(parser, unknown: list[str]) -> ConfigError:
+    """One line for every flag the parser did not take: its Megatron answer, a close flag, or
+    argparse's refusal; several are numbered in the order given (``3 unknown arguments: (1) --a:
+    ...; (2) --b: ...; (3) ...``), so a ported script's flags are all named in one run."""
+    items = _grouped(unknown)
+    lines = [_answer(parser, flag, values, len(items) == 1) for flag, values in items]
+    hint = f" ({HELP_HINT})" if any(generic for _, generic in lines) else ""
+    if len(lines) == 1:
+        return ConfigError(lines[0][0] + hint)
+    numbered = "; ".join(f"({i}) {text}" for i, (text, _) in enumerate(lines, 1))
+    return ConfigError(f"{len(lines)} unknown arguments: {numbered}{hint}")
 
 
 RULES_ENV = "GRIDTRON_BACKEND_RULES"  # default of --backend-rules (the test suite sets it to hccl)

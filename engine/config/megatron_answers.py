@@ -51,6 +51,28 @@ _ROPE_SCALING = ("RoPE frequency scaling (Llama 3.1's) is not built: positions r
                  "--rotary-base alone; drop the flag")
 _TP_OVERLAP_PARTS = ("--tp-comm-overlap overlaps both the all-gather and the reduce-scatter, with no "
                      "switch for each; give --tp-comm-overlap or --no-tp-comm-overlap")
+_OWN_DATA_SPLITS = ("separate validation or test data is not built: --split W_TRAIN,W_VALID,W_TEST "
+                    "takes them from --data-path's documents (a seeded shuffle of whole documents, "
+                    "never trained on); drop the flag")
+_P2P_OVERLAP = ("pipeline transfers are always posted without waiting, and each is waited for only by "
+                "the compute step that consumes it (parallel/pipeline/exchange.py), under every "
+                "schedule; drop the flag")
+_SAVE_SPREAD = ("each rank writes its own slices at once; a tensor replicated over data parallelism "
+                "is written once, by DP rank 0 (the distributed optimizer's state, and ZeRO-3's "
+                "parameters, by every rank of the DP x CP group, each its own shard); spreading "
+                "the replicated ones over the DP ranks is not built; drop the flag")
+_LR_FROM_FLAGS = ("the learning rate follows this run's --lr, --min-lr, --lr-warmup-iters, "
+                  "--lr-decay-style and --lr-decay-iters, at the step loaded from --load")
+_SCHEDULE_FROM_CHECKPOINT = ("the schedule is never taken from the checkpoint: " + _LR_FROM_FLAGS
+                             + "; give the saved run's values to continue its schedule, and drop "
+                             "the flag")
+_SCHEDULE_OVERRIDDEN = "always so: " + _LR_FROM_FLAGS + "; drop the flag"
+_LOG_LR = ("metrics.jsonl and the dashboards always carry the learning rate (lr, train/lr), with no "
+           "switch; drop the flag")
+_LOG_LOSS_SCALE = ("metrics.jsonl and the dashboards always carry the loss scale (loss_scale, "
+                   "train/loss_scale; 1.0 outside --fp16), with no switch; drop the flag")
+_LOCAL_RANK = ("the local rank is read from the environment (LOCAL_RANK, which torchrun sets; "
+               "SLURM_LOCALID under srun): launch with torchrun; drop the flag")
 # Megatron flags without a field here, and what to do instead.
 MEGATRON_ANSWERS: dict[str, str] = {
     "--use-flash-attn": _KERNELS, "--transformer-impl": _KERNELS,
@@ -115,6 +137,9 @@ MEGATRON_ANSWERS: dict[str, str] = {
                                    "combine, on the compute stream; drop the flag",
     "--moe-router-num-groups": _GROUP_ROUTING, "--moe-router-group-topk": _GROUP_ROUTING,
     "--moe-input-jitter-eps": "router input jitter is not built; drop the flag",
+    "--moe-router-topk-scaling-factor": "not built: each chosen expert's weight is its router score "
+                                        "as --moe-router-score-function gives it, with no further "
+                                        "factor; drop the flag",
     "--moe-router-force-load-balancing": "not built (Megatron's benchmarking mode that routes by "
                                          "random logits); drop the flag",
     # pipeline and data-parallel layout (docs/running.md, "Coming from Megatron-LM")
@@ -134,6 +159,7 @@ MEGATRON_ANSWERS: dict[str, str] = {
                                             "drop the flag",
     "--grad-reduce-in-bf16": "not built: gradients are accumulated and reduced in fp32 "
                              "(--grad-compression int8 sends about a quarter of that); drop the flag",
+    "--overlap-p2p-communication": _P2P_OVERLAP, "--no-overlap-p2p-communication": _P2P_OVERLAP,
     "--tp-comm-overlap-cfg": "--tp-comm-overlap takes no tuning file: it splits each GEMM's "
                              "all-gather or reduce-scatter into tp chunks on a ring; drop the flag",
     "--no-tp-comm-overlap-ag": _TP_OVERLAP_PARTS, "--no-tp-comm-overlap-rs": _TP_OVERLAP_PARTS,
@@ -151,6 +177,9 @@ MEGATRON_ANSWERS: dict[str, str] = {
     "--no-persist-layer-norm": _KERNELS, "--no-gradient-reduce-div-fusion": _KERNELS,
     # model shape
     "--use-legacy-models": _ONE_MODEL,
+    "--fp32-residual-connection": "an fp32 residual stream is not built: the residual stream has the "
+                                  "dtype of the other activations (--precision's: bf16 under --bf16); "
+                                  "drop the flag",
     "--no-position-embedding": _BLOCK,
     "--kv-channels": "the head width is --hidden-size / --num-attention-heads; another is not built; "
                      "drop the flag",
@@ -192,6 +221,19 @@ MEGATRON_ANSWERS: dict[str, str] = {
     "--train-sync-interval": "the host waits for the device once per step (for the step's loss and "
                              "gradient norm), so it never runs far ahead; drop the flag",
     "--manual-gc": "Python's garbage collector is left to run as usual; drop the flag",
+    "--empty-unused-memory-level": "the device allocator's cache is never emptied during the run "
+                                   "(Megatron's level 0, its default); drop the flag",
+    "--rerun-mode": "give --rerun-on-anomaly to re-run a step with a non-finite or spiking loss or "
+                    "gradient norm once from its saved inputs (Megatron's validate_results; "
+                    "--spike-factor sets what a spike is), or nothing (disabled, the default here); "
+                    "report_stats is not built",
+    "--deterministic-mode": "a deterministic mode is not built: torch's default kernels run, and on "
+                            "a GPU some are not bitwise reproducible from run to run; drop the flag",
+    "--use-checkpoint-opt_param-scheduler": _SCHEDULE_FROM_CHECKPOINT,
+    "--use-checkpoint-opt-param-scheduler": _SCHEDULE_FROM_CHECKPOINT,
+    "--override-opt_param-scheduler": _SCHEDULE_OVERRIDDEN,
+    "--override-opt-param-scheduler": _SCHEDULE_OVERRIDDEN,
+    "--local-rank": _LOCAL_RANK, "--local_rank": _LOCAL_RANK,
     "--eval-global-batch-size": _EVAL_BATCH, "--eval-micro-batch-size": _EVAL_BATCH,
     # data
     "--data-cache-path": "the sample order is computed in memory at start, with no cache files; "
@@ -199,6 +241,11 @@ MEGATRON_ANSWERS: dict[str, str] = {
     "--dataloader-type": "gridtron's sampler draws global batch k from reshuffled epochs seeded by "
                          "--seed (the same under every layout); drop the flag",
     "--no-mmap-bin-files": "prepared data is always memory-mapped; drop the flag",
+    "--train-data-path": "give the training data with --data-path (a prefix or a weighted blend, the "
+                         "same syntax); --split assigns its documents to training, validation and "
+                         "test (--split 1,0,0 trains on all of them); separate validation or test "
+                         "data is not built",
+    "--valid-data-path": _OWN_DATA_SPLITS, "--test-data-path": _OWN_DATA_SPLITS,
     "--no-create-attention-mask-in-dataloader": "the data loader builds no attention mask: attention "
                                                 "is causal in the kernels (within each document "
                                                 "with --reset-attention-mask); drop the flag",
@@ -209,6 +256,16 @@ MEGATRON_ANSWERS: dict[str, str] = {
                               "saves to keep every one",
     "--no-save-optim": "checkpoints always hold the optimizer state; to start from one without it, "
                        "load with --finetune (weights only) or --no-load-optim; drop the flag",
+    "--no-save-rng": "checkpoints always hold each rank's random states (the host's, the device's "
+                     "and the dropout streams); to start from one without them, load with "
+                     "--no-load-rng; drop the flag",
+    "--ckpt-fully-parallel-save": _SAVE_SPREAD, "--no-ckpt-fully-parallel-save": _SAVE_SPREAD,
+    "--ckpt-fully-parallel-load": "each rank reads straight from the files only the parts of the "
+                                  "tensors its own shards cover (the files' verification shared "
+                                  "among the ranks); drop the flag",
+    "--dist-ckpt-strictness": "a parameter that the checkpoint lacks, or holds in another shape, "
+                              "stops the load with one line naming it; there is no looser mode; "
+                              "drop the flag",
     "--exit-on-missing-checkpoint": "a --load that holds no checkpoint always stops the run with one "
                                     "line (except --load DIR --save DIR on an empty DIR: a first "
                                     "run); drop the flag",
@@ -220,6 +277,9 @@ MEGATRON_ANSWERS: dict[str, str] = {
                                    "communication; drop the flag",
     "--log-validation-ppl-to-tensorboard": "the dashboards carry the validation loss (valid/loss; the "
                                            "perplexity is its exp); drop the flag",
+    "--log-learning-rate-to-tensorboard": _LOG_LR, "--no-log-learning-rate-to-tensorboard": _LOG_LR,
+    "--log-loss-scale-to-tensorboard": _LOG_LOSS_SCALE,
+    "--no-log-loss-scale-to-tensorboard": _LOG_LOSS_SCALE,
     "--log-memory-to-tensorboard": "metrics.jsonl and the dashboards always carry the peak memory "
                                    "(peak_memory_bytes); drop the flag",
     "--log-params-norm": "not built: metrics.jsonl carries the gradient norm (grad_norm), not the "

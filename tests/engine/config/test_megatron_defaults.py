@@ -35,3 +35,28 @@ def test_the_gridtron_column_is_the_code_default():
     for flags, value in found:
         for flag in flags:
             assert shown(table[dest[flag]].default) == value, (flag, value)
+
+
+# Megatron-LM's defaults (its argument parser and config dataclasses) of flags gridtron also has.
+MEGATRON_DEFAULTS = {
+    "--weight-decay": 0.01, "--adam-beta1": 0.9, "--adam-beta2": 0.999, "--adam-eps": 1e-8,
+    "--clip-grad": 1.0, "--lr-decay-style": "linear", "--min-lr": 0.0, "--lr-warmup-iters": 0,
+    "--dropout": 0.1, "--initial-loss-scale": 2.0 ** 32, "--loss-scale-window": 1000,
+    "--hysteresis": 2, "--min-loss-scale": 1.0, "--log-interval": 100, "--eval-iters": 100,
+    "--overlap-grad-reduce": False, "--overlap-param-gather": False, "--moe-grouped-gemm": False,
+    "--moe-token-dispatcher-type": "allgather", "--log-straggler": False,
+    "--use-distributed-optimizer": False, "--sequence-parallel": False, "--init-std": 0.02,
+    "--rope-base": 10000, "--moe-router-topk": 2, "--moe-aux-loss-coeff": 0.0, "--seed": 1234,
+    "--norm-eps": 1e-5, "--fp8-recipe": "delayed",
+}
+
+
+def test_every_default_that_differs_from_megatron_has_a_row():
+    """A default that differs from Megatron-LM's (``--log-straggler``: on here, off there) is
+    listed, so a ported script's user learns what it now gets."""
+    dest = {opt: a.dest for a in build_parser()._actions for opt in a.option_strings}
+    table = field_table()
+    listed = {flag for flags, _ in rows() for flag in flags}
+    differ = {flag for flag, theirs in MEGATRON_DEFAULTS.items()
+              if table[dest[flag]].default != theirs}
+    assert "--log-straggler" in differ and not differ - listed, sorted(differ - listed)
