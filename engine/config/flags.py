@@ -308,7 +308,7 @@ FLAGS: dict[str, Flag] = {
                              "pipeline stage and role) by this ratio", "logging"),
     "eval_interval": F("validate every N steps (0: never)", "logging"),
     "eval_iters": F("global batches per validation", "logging"),
-    "progress": F("progress bar on stderr", "logging"),
+    "progress": F("progress bar on stderr (default: when stderr is a terminal)", "logging"),
     "peak_tflops": F("device peak TFLOP/s for MFU", "logging", default_text="from the hardware table"),
     "tensorboard_dir": F("write TensorBoard event files here", "logging"),
     "wandb_project": F("log to this Weights & Biases project (pip install wandb)", "logging"),
