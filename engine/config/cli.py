@@ -102,6 +102,23 @@ def json_object(text: str) -> dict | None:
     return value
 
 
+class _OrNone(tuple):
+    """An optional field's choices as the flag offers them (``'none'`` last), holding the None
+    that ``_or_none`` makes of it."""
+
+    def __contains__(self, value) -> bool:
+        return value is None or tuple.__contains__(self, value)
+
+
+def _or_none(kind):
+    """An optional field's flag type: ``none`` is None (unset: it clears what a recipe set, e.g.
+    ``--fp8-format none`` over a recipe's ``fp8_format: e4m3``), anything else ``kind``'s value."""
+    def parse(text: str):
+        return None if text.strip().lower() == "none" else kind(text)
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m engine.train", description=__doc__,
                      usage="%(prog)s [--config FILE] [--FLAG VALUE ...]",
@@ -125,8 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(*flags, dest=name, nargs="+", metavar="ITEM", help=text)
         else:
             metavar = None if flag.choices else {int: "N", float: "X"}.get(info.type, name.upper())
+            kind, choices = info.type, flag.choices
+            if info.optional and (info.type is not str or choices) and "none" not in (choices or ()):
+                # "none" clears a recipe's setting (a free text field, a path, takes "none" as is)
+                kind = _or_none(info.type)
+                choices = choices and _OrNone((*choices, "none"))
             action = _Recorded if name in switched else "store"
-            group.add_argument(*flags, dest=name, type=info.type, choices=flag.choices,
+            group.add_argument(*flags, dest=name, type=kind, choices=choices,
                                metavar=metavar, help=text, action=action)
     for option, (name, value, text, group) in CONSTANTS.items():
         if name in table:

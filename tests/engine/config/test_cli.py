@@ -322,3 +322,20 @@ def test_seed_is_checked_before_any_process_group():
     with pytest.raises(ConfigError, match="too large for 12 random streams"):  # 3 x tp 2 x pp 2
         validate_run(parse_args(["--seed", str(top // 4 + 1), "--tp", "2", "--pp", "2"]),
                      LaunchEnv(0, 4, 0, 4))
+
+
+def test_none_clears_a_recipes_optional_setting(tmp_path):
+    """An optional setting a recipe gave is cleared on the command line with ``none`` (the
+    recipe's FP8 and experts back to unset, then fp32 is accepted); a choice flag offers it."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("precision: bf16\nfp8_format: e4m3\nnum_experts: 4\npeak_tflops: 2.0\n")
+    cfg = parse_args(["--config", str(recipe), "--fp8-format", "none", "--num-experts", "none",
+                      "--peak-tflops", "None", "--precision", "fp32"])
+    assert (cfg.precision.fp8_format, cfg.model.num_experts, cfg.log.peak_tflops) == (None, None, None)
+    kept = parse_args(["--config", str(recipe)])
+    assert (kept.precision.fp8_format, kept.model.num_experts) == ("e4m3", 4)
+    with pytest.raises(ConfigError, match=r"invalid choice: 'bogus' \(choose from 'e4m3', "
+                                          r"'hybrid', 'none'\)"):
+        parse_args(["--fp8-format", "bogus"])
+    with pytest.raises(ConfigError, match="invalid int value: 'x'"):
+        parse_args(["--num-experts", "x"])
