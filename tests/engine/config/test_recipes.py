@@ -21,6 +21,12 @@ def test_each_recipe_passes_the_trainers_checks(recipe, world):
     assert grid.world_size == world
 
 
+def test_the_compression_recipe_takes_every_process_as_a_data_parallel_rank():
+    """The policy recipe pins no dp: with 4 processes it runs dp 4, as its header says."""
+    grid, _ = _validate(["--config", "configs/compression_policy.yaml"], 4)
+    assert grid.dp == 4
+
+
 def test_make_train_serial_runs_the_recipe_in_one_process():
     """The Makefile's serial run of the 3D recipe passes the trainer's checks in one process; the
     only note is the recipe's sequence parallelism, which needs tp > 1 (no schedule is pinned)."""
