@@ -112,19 +112,21 @@ def test_every_chunk_stays_compiled_in_both_modes(tmp_path, monkeypatch):
     n, seq = 6, torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(3))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setattr(compile_mod, "compile_backend", lambda device_type: "eager")
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)   # torch's default
-    assert chunk_recompile_limit(n) == 2 * n + compile_mod.RECOMPILE_MARGIN
-    torch._dynamo.reset()
-    counters.clear()
-    chunks = compile_chunks(_one_layer_chunks(n), CPU, tmp_path)
-    for train in (True, False):
-        chunks.train(train)
-        with torch.set_grad_enabled(train):
-            h = None
-            for c in chunks:
-                h = c(seq[:, :-1] if c.pre_process else h, seq[:, 1:] if c.post_process else None)
-        counts = compiled_counts()
-        assert (counts["frames"], counts["graphs"], counts["breaks"]) == (
-            n * (1 + (not train)),) * 2 + ({},), counts
-    assert torch._dynamo.config.recompile_limit == 8   # the process's setting untouched
+    # torch's default, for this test only (Dynamo's own patch: a monkeypatch of the config
+    # module's attribute would delete the setting on undo, as the module keeps no such attribute)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        assert chunk_recompile_limit(n) == 2 * n + compile_mod.RECOMPILE_MARGIN
+        torch._dynamo.reset()
+        counters.clear()
+        chunks = compile_chunks(_one_layer_chunks(n), CPU, tmp_path)
+        for train in (True, False):
+            chunks.train(train)
+            with torch.set_grad_enabled(train):
+                h = None
+                for c in chunks:
+                    h = c(seq[:, :-1] if c.pre_process else h, seq[:, 1:] if c.post_process else None)
+            counts = compiled_counts()
+            assert (counts["frames"], counts["graphs"], counts["breaks"]) == (
+                n * (1 + (not train)),) * 2 + ({},), counts
+        assert torch._dynamo.config.recompile_limit == 8   # the process's setting untouched
     torch._dynamo.reset()
