@@ -3,10 +3,15 @@
     python -m engine.fuzz --minutes 30                 # as many cases as fit, on up to 8 ranks
     python -m engine.fuzz --seed 7 --cases 20 --ranks 4
     python -m engine.fuzz --case tp=2,pp=2,dp=2,schedule=zb-v,zero=1,block=llama
+    python -m engine.fuzz --screen --minutes 8 --ranks 4   # plus bf16, fp16, FP8, dropout, ...
+    python -m engine.fuzz --screen --case dp=2,zero=1,precision=fp16,overflow=1,compression=int8
 
 Each case prints one line. The first case that fails (a rank's error, a stream-order violation,
 or a loss or gradient norm off the serial run's by more than docs/design.md's relative 1e-4) prints
 why and the one-line command that reruns exactly that case, and the fuzzer exits with 1.
+``--screen`` draws the features that do not train the serial model exactly (screen.py) and holds
+each case to the screening verdict instead (compare.py ``judge_screen``: the ranks agree, every
+figure is finite, the losses are within a loose bound of the serial run's).
 """
 from __future__ import annotations
 
@@ -19,8 +24,9 @@ import warnings
 from typing import Iterable
 
 from engine.base import ConfigError, ToolParser, run_tool
-from engine.fuzz.compare import judge, train_serial
+from engine.fuzz.compare import LOSS_REL, NORM_REL, judge, judge_screen, train_serial
 from engine.fuzz.pool import Pool
+from engine.fuzz.screen import SCREEN_FIELDS, ScreenCase, draw_screen
 from engine.fuzz.space import Case, draw
 
 RANKS = (2, 4, 8)
@@ -41,6 +47,10 @@ def parser() -> ToolParser:
     p.add_argument("--case", default=None,
                    help="run only this case (field=value,...: the spec a failure prints)")
     p.add_argument("--deadline-s", type=float, default=300.0, help="a case running longer has hung")
+    p.add_argument("--screen", action="store_true",
+                   help="also draw bf16, fp16 (and its overflow skip), FP8, dropout, an MoE "
+                        "capacity factor, the global aux loss and gradient compression, and judge "
+                        "each case by agreement, finite figures and a loose bound, not equality")
     return p
 
 
@@ -56,8 +66,13 @@ def check(args) -> None:
         raise ConfigError(f"--deadline-s {args.deadline_s}: give a positive number")
     if args.case is not None:
         try:
-            case = Case.parse(args.case)
+            case = (ScreenCase if args.screen else Case).parse(args.case)
         except (TypeError, ValueError) as exc:
+            keys = [item.partition("=")[0].strip() for item in args.case.split(",")]
+            screening = [key for key in keys if key in SCREEN_FIELDS]
+            if screening and not args.screen:
+                raise ConfigError(f"--case {args.case}: {screening[0]} is a screening field: add "
+                                  f"--screen") from None
             raise ConfigError(str(exc)) from None
         problem = case.problem()
         if problem:
@@ -85,10 +100,10 @@ def invalid(case: Case, steps: int) -> str | None:
     return None
 
 
-def seeded(seed: int, ranks: int) -> Iterable[Case]:
+def seeded(seed: int, ranks: int, screen: bool = False) -> Iterable[Case]:
     rng = random.Random(seed)
     while True:
-        yield draw(rng, ranks)
+        yield (draw_screen if screen else draw)(rng, ranks)
 
 
 def serial_quietly(case: Case, steps: int) -> dict:
@@ -119,7 +134,9 @@ def fuzz(cases: Iterable[Case], steps: int, deadline_s: float, limit: int | None
                 if pool is not None:
                     pool.close()
                 pool = pools[case.world] = Pool(case.world, setup)
-            verdict = judge(pool.run(done, case.argv(steps), deadline_s), serial[key])
+            ranks = pool.run(done, case.argv(steps), deadline_s)
+            verdict = judge_screen(case, ranks, serial[key]) if isinstance(case, ScreenCase) \
+                else judge(ranks, serial[key])
             done += 1
             say(f"case {done}: {'ok' if verdict.ok else 'FAILED'} {case.spec()} "
                 f"({time.monotonic() - t0:.1f} s)")
@@ -134,16 +151,17 @@ def fuzz(cases: Iterable[Case], steps: int, deadline_s: float, limit: int | None
 def run(args) -> int:
     check(args)
     say = lambda line: print(line, flush=True)  # noqa: E731
+    mode = " --screen" if args.screen else ""
     if args.case is not None:
-        cases, limit, end = [Case.parse(args.case)], 1, None
-        say(f"gridtron fuzz: the case {args.case}, {args.steps} steps")
+        cases, limit, end = [(ScreenCase if args.screen else Case).parse(args.case)], 1, None
+        say(f"gridtron fuzz{mode}: the case {args.case}, {args.steps} steps")
     else:
         if args.seed is None:
             args.seed = random.SystemRandom().randrange(1 << 30)
         minutes = args.minutes if args.minutes is not None or args.cases is not None else 10.0
-        cases, limit = seeded(args.seed, args.ranks), args.cases
+        cases, limit = seeded(args.seed, args.ranks, args.screen), args.cases
         end = time.monotonic() + 60 * minutes if minutes is not None else None
-        say(f"gridtron fuzz: seed {args.seed}, up to {args.ranks} ranks, {args.steps} steps per "
+        say(f"gridtron fuzz{mode}: seed {args.seed}, up to {args.ranks} ranks, {args.steps} steps per "
             f"case" + (f", {args.cases} cases" if args.cases else "")
             + (f", {minutes:g} minutes" if minutes else ""))
     start = time.monotonic()
@@ -151,11 +169,14 @@ def run(args) -> int:
     if failed is not None:
         case, why = failed
         say(f"gridtron fuzz: {why}\n"
-            f"reproduce: python -m engine.fuzz --case {case.spec()} --steps {args.steps}\n"
+            f"reproduce: python -m engine.fuzz{mode} --case {case.spec()} --steps {args.steps}\n"
             f"the run alone: {case.command(args.steps)}")
         return 1
-    say(f"gridtron fuzz: {done} combination(s) equal to the serial run with no stream-order "
-        f"violation, in {(time.monotonic() - start) / 60:.1f} min"
+    what = (f"screened: no stream-order violation, one collective order, the ranks agreeing, "
+            f"finite figures, losses within {LOSS_REL:g} and gradient norms within {NORM_REL:g} "
+            f"of the serial run" if args.screen else
+            "equal to the serial run with no stream-order violation")
+    say(f"gridtron fuzz: {done} combination(s) {what}, in {(time.monotonic() - start) / 60:.1f} min"
         + (f" (seed {args.seed})" if args.case is None else ""))
     return 0
 

@@ -28,7 +28,8 @@ mixed-precision and FP8 tests hold them to their own bounds), dropout (its strea
 and pipeline stage), a capacity factor (capacity is per rank and micro-batch) and the global
 ``aux_loss`` (pooled per micro-step), none of which trains the serial model bit for bit in fp32;
 gradient compression (lossy: the compression tests run it under the stream checker); ``--compile``
-(minutes of Inductor per case on a CPU: tests/engine/device runs it against eager).
+(minutes of Inductor per case on a CPU: tests/engine/device runs it against eager). ``--screen``
+draws all but ``--compile`` on these layouts and judges them without equality (screen.py).
 """
 from __future__ import annotations
 
