@@ -86,6 +86,7 @@ def check(args) -> None:
         problem = invalid(case, args.steps)
         if problem:
             raise ConfigError(f"--case {args.case}: {problem}")
+        args.parsed_case = case  # what run() trains
 
 
 def invalid(case: Case, steps: int) -> str | None:
@@ -153,7 +154,7 @@ def run(args) -> int:
     say = lambda line: print(line, flush=True)  # noqa: E731
     mode = " --screen" if args.screen else ""
     if args.case is not None:
-        cases, limit, end = [(ScreenCase if args.screen else Case).parse(args.case)], 1, None
+        cases, limit, end = [args.parsed_case], 1, None
         say(f"gridtron fuzz{mode}: the case {args.case}, {args.steps} steps")
     else:
         if args.seed is None:

@@ -103,29 +103,26 @@ def tf32_enabled(kind: str) -> bool:
     return kind == "cuda" and torch.get_float32_matmul_precision() != "highest"
 
 
-def run_peak_tflops(dev, precision: str, given: float | None, tf32: bool | None = None) -> float | None:
-    """The dense peak MFU/HFU divide by: ``--peak-tflops``, else the table's for this device and
-    precision (``tf32``: fp32 matmuls on TF32/HF32 units, as ``engine.device.runtime.set_matmul_precision``
-    set them; None reads CUDA's setting), else (CPU) a one-time matmul measurement; None when no
-    figure is known."""
+def run_peak(dev, precision: str, given: float | None,
+             tf32: bool | None = None) -> tuple[float | None, str]:
+    """The dense peak MFU/HFU divide by and where it comes from, in words for the run's summary:
+    ``--peak-tflops``, else the table's for this device and precision (``tf32``: fp32 matmuls on
+    TF32/HF32 units, as ``engine.device.runtime.set_matmul_precision`` set them; None reads CUDA's
+    setting), else (CPU) a one-time matmul measurement; None when no figure is known."""
     if given:
-        return given
+        return given, "--peak-tflops"
     peak = peak_tflops(dev.name, precision, tf32_enabled(dev.type) if tf32 is None else tf32)
-    if peak is None and dev.type == "cpu":
-        from engine.device.runtime import measure_cpu_peak_tflops
-        peak = measure_cpu_peak_tflops()
-    return peak
-
-
-def peak_source(dev, precision: str, given: float | None, tf32: bool | None = None) -> str:
-    """Where ``run_peak_tflops``'s figure comes from, in words for the run's summary."""
-    if given:
-        return "--peak-tflops"
-    if peak_tflops(dev.name, precision, tf32_enabled(dev.type) if tf32 is None else tf32) is not None:
-        return f"the hardware table, {dev.name} in {precision}"
+    if peak is not None:
+        return peak, f"the hardware table, {dev.name} in {precision}"
     if dev.type == "cpu":
-        return "measured at start by a matmul: moves with the machine's load"
-    return "none known"
+        from engine.device.runtime import measure_cpu_peak_tflops
+        return measure_cpu_peak_tflops(), "measured at start by a matmul: moves with the machine's load"
+    return None, "none known"
+
+
+def run_peak_tflops(dev, precision: str, given: float | None, tf32: bool | None = None) -> float | None:
+    """``run_peak``'s figure alone."""
+    return run_peak(dev, precision, given, tf32)[0]
 
 
 def per_device(flops: float | None, seconds: float, devices: int) -> float | None:

@@ -8,7 +8,7 @@ peak, the exact bytes of parameters, gradients and optimizer state).
 from __future__ import annotations
 
 from engine.observe.metrics import plot_metrics, summary_table
-from engine.observe.utilization import peak_source, per_device, utilization
+from engine.observe.utilization import per_device, utilization
 from models.moe.step_figures import balancing_all_reduce, moe_record
 from parallel.pipeline.bubble import simulate
 from parallel.pipeline.schedules import has_weight_actions
@@ -288,8 +288,8 @@ def run_summary(trainer, result) -> str:
     if cfg.log.plot:
         extra["plot"] = plot_metrics(result.records, cfg.log.plot, result.valid)
     if trainer.peak_tflops:
-        source = peak_source(trainer.dev, cfg.precision.precision, cfg.log.peak_tflops, trainer.tf32)
-        extra["peak (MFU, HFU)"] = f"{trainer.peak_tflops:.4g} TFLOP/s per device ({source})"
+        extra["peak (MFU, HFU)"] = (f"{trainer.peak_tflops:.4g} TFLOP/s per device "
+                                    f"({trainer.peak_source})")
     if not (cfg.log.metrics_file or cfg.log.timeline or cfg.log.plot or result.checkpoint):
         extra["outputs"] = "none written (--run-dir DIR writes metrics, plots and checkpoints)"
     return summary_table(result.records, extra)

@@ -35,7 +35,7 @@ from engine.training.step_record import (TIMELINE_STEPS, LateRecords, anomaly_ke
                                          final_straggler_report, resilience_metrics, run_summary,
                                          start_line, step_record)
 from engine.training.step_syncs import StepTimeline, counted_step
-from engine.observe.utilization import run_flops, run_peak_tflops
+from engine.observe.utilization import run_flops, run_peak
 from engine.plan.flops import routed_tokens
 from engine.training.run_data import build_run_data, rank_batches, validation_loss
 from engine.training.run_events import (install_stop_handlers, record_divergence,
@@ -253,8 +253,8 @@ class Trainer:
                                    cfg.data.global_batch_size, routed,
                                    padded_vocab_size(cfg.model.vocab_size, ps.tp_size))
         self.say_notes([str(w.message) for w in caught])
-        self.peak_tflops = run_peak_tflops(self.dev, cfg.precision.precision, cfg.log.peak_tflops,
-                                           self.tf32)
+        self.peak_tflops, self.peak_source = run_peak(self.dev, cfg.precision.precision,
+                                                      cfg.log.peak_tflops, self.tf32)
         self.profiler = StepProfiler.from_config(cfg.log, self.dev.type, ps.rank)
         from engine.observe.anomaly import AnomalyGuard
         from engine.observe.stragglers import StragglerMonitor, peer_roles
