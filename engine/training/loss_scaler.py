@@ -143,15 +143,16 @@ def apply_grad_stats(optimizer, scaler, found: float, norm_sq: float, clip_grad:
     update, skip or clip. Every rank holds the same values, so every rank decides the same.
 
     ``clip_grad <= 0`` measures the norm without clipping. With a ``reducer`` whose compressors keep
-    error-feedback residuals, those are dropped after a skipped step and rescaled when the loss
-    scale grows. A non-finite norm skips the step too (clipping would not save it).
+    error-feedback residuals, those are dropped after a skipped step (which the reducer's step
+    counter does not count: ``step_skipped``) and rescaled when the loss scale grows. A non-finite
+    norm skips the step too (clipping would not save it).
     """
     scale = scaler.scale
     norm = math.sqrt(norm_sq) if norm_sq >= 0 else float("nan")
     skipped = scaler.update(found > 0 or not math.isfinite(norm))
     if reducer is not None:
         if skipped:
-            reducer.reset_residuals()
+            reducer.step_skipped()
         elif scaler.scale != scale:
             reducer.rescale_residuals(scaler.scale / scale)
     if skipped:

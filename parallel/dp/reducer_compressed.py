@@ -62,6 +62,15 @@ class CompressedSide:
                 bucket.variance.reset()
         self.refreshed = {}
 
+    def step_skipped(self) -> None:
+        """The step just finished is not applied (an overflow, a non-finite gradient): its
+        residuals and local statistics are dropped (they may hold inf/nan), and the step counter
+        goes back. The warm-up, the variance-refresh schedule and top-k's density ramp count
+        applied updates, as the optimizer's own step does: a skipped warm-up step counted would
+        start compression on a second moment that no update has set (frozen Adam dividing by eps)."""
+        self.reset_residuals()
+        self.step -= 1
+
     def state_dict(self) -> dict:
         """Step counter, compressor residuals and local variance statistics (per rank; they depend
         on the DP layout)."""

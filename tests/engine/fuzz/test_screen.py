@@ -10,6 +10,8 @@
   compression; bf16 under TP with the expert TP; fp16's overflow skip with the global aux loss
   under CP, ZeRO-1, the whole optimizer offloaded and int8 compression), screened through the
   command line.
+- fp16 whose one compression warm-up step overflows trains (the warm-up counts applied steps)
+  under topk with ZeRO-1 and onebit with ZeRO-2.
 - It can fail: a case passes, then with a defect planted in every rank (fp16's overflow skip
   decided by each rank alone; the compressed exchange sending twice the mean) the same case fails
   with the expected reason, and the reproducing command names --screen and the case's fields.
@@ -104,3 +106,13 @@ def test_a_planted_defect_fails_its_screen_case(capsys, monkeypatch, setup, case
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].startswith(f"case 1: FAILED {case.spec()}") and why in lines[2], lines
     assert lines[3] == f"reproduce: python -m engine.fuzz --screen --case {case.spec()} --steps 3"
+
+
+@pytest.mark.parametrize("spec", ["dp=2,zero=1,precision=fp16,overflow=1,compression=topk",
+                                  "dp=2,zero=2,precision=fp16,overflow=1,compression=onebit"])
+def test_a_skipped_compression_warmup_step_is_not_counted(capsys, spec):
+    """fp16's first step overflows and is skipped; it is the one warm-up step, so the warm-up runs
+    again: compression that started at step 2 froze a second moment no update had set and trained
+    into NaN at step 3 under ZeRO (found by this screen)."""
+    assert cli.main(["--screen", "--case", spec, "--ranks", "2", "--steps", "3"]) == 0, \
+        capsys.readouterr().out

@@ -121,8 +121,8 @@ class _Residuals:
     def __init__(self):
         self.calls = []
 
-    def reset_residuals(self):
-        self.calls.append("reset")
+    def step_skipped(self):
+        self.calls.append("skipped")
 
     def rescale_residuals(self, factor):
         self.calls.append(factor)
@@ -140,4 +140,4 @@ def test_constant_scaler_and_serial_unscale_and_check():
     torch.testing.assert_close(p.grad, torch.tensor([0.6, 0.8, 0.0]) / (1 + 2e-7), rtol=1e-6, atol=0)
     assert scaler.scale == 8.0 and residuals.calls == [2.0]
     p.grad = torch.tensor([float("nan"), 0.0, 0.0])
-    assert unscale_and_check(opt, scaler, reducer=residuals).skipped and residuals.calls[-1] == "reset"
+    assert unscale_and_check(opt, scaler, reducer=residuals).skipped and residuals.calls[-1] == "skipped"

@@ -192,9 +192,10 @@ def check_optimizers(ps) -> None:
 
 
 def check_skipped_last_warmup_step(ps) -> None:
-    """The warm-up's last step W skipped (an overflow: the Stepper resets the residuals and calls
-    ``skipped_step`` instead of ``step``): the first compressed step's M is still the warm-up's
-    exp_avg (that of step W - 1, which the skip left alone), not zero, under every ZeRO stage."""
+    """The warm-up's last step W skipped (an overflow: the Stepper calls the reducer's
+    ``step_skipped`` and the optimizer's ``skipped_step`` instead of ``step``): the warm-up counts
+    applied updates, so step W runs again uncompressed, and the first compressed step's M is the
+    exp_avg that applied step W left, not zero, under every ZeRO stage."""
     lr, warm = 0.01, 3
     policy = {"default": {"compressor": "onebit", "chunk_size": C}, "warmup_steps": warm,
               "variance_refresh": "off"}
@@ -204,19 +205,22 @@ def check_skipped_last_warmup_step(ps) -> None:
         reducer.loss_scaler = SimpleNamespace(scale=1.0)
         cls = DistributedOptimizer if stage else MixedPrecisionOptimizer
         opt = cls([("w", model.w)], reducer, ps, lr=lr, **({"zero_stage": stage} if stage else {}))
-        for step in range(1, warm + 2):
+        compressed = []
+        for step in range(1, warm + 3):
             opt.zero_grad()
             reducer.set_last_microbatch(True)
             model(rank_input(ps.dp_rank, step)).backward()
             reducer.finish()
+            compressed.append(reducer.buckets[0].compressed_step)
             m_before = full_state(ps, opt, stage, "exp_avg", N)
             if step == warm:
-                reducer.reset_residuals()
+                reducer.step_skipped()
                 opt.skipped_step()
                 continue
             opt.step(lr)
             if stage:
                 opt.finish_param_gather()
+        assert compressed == [False] * (warm + 1) + [True] and reducer.step == warm + 2
         assert m_before.abs().max() > 0
         torch.testing.assert_close(reducer.buckets[0].compressor._previous[:N], m_before)
         reducer.remove_hooks()
