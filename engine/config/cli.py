@@ -20,7 +20,7 @@ from engine.base import ConfigError
 from engine.config.fields import SECTIONS, field_table, flag_info, suggest
 from engine.config.flags import CONSTANTS, GROUPS
 from engine.config.megatron_answers import CHOICE_ANSWERS, MEGATRON_ANSWERS
-from engine.config.recipe import load_recipe
+from engine.config.recipe import load_recipe, located
 from engine.config.schema import RunConfig
 
 HELP_HINT = "python -m engine.train --help lists every flag"
@@ -248,6 +248,23 @@ def config_from_values(values: dict, explicit: typing.Iterable[str] = ()) -> Run
         return RunConfig(**built, **top, explicit=tuple(sorted(set(explicit))))
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from exc
+
+
+def with_recipe_lines(message: str, argv: list[str] | None = None) -> str:
+    """A configuration error about the run of ``argv`` with the file and line of each flag it
+    names that came from the ``--config`` recipe (recipe.py ``located``); as it was when there is
+    no recipe or the command line itself does not parse."""
+    try:
+        args, _ = build_parser().parse_known_args(argv)
+        flags = vars(args)
+        path = flags.pop("config", None)
+        if not path:
+            return message
+        origins: dict = {}
+        load_recipe(path, origins)
+    except (ConfigError, SystemExit, OSError):
+        return message
+    return located(message, path, origins, given=set(flags) - {GIVEN})
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:

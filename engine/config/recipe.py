@@ -17,6 +17,7 @@ Megatron's answer, or a close key.
 from __future__ import annotations
 
 import math
+import re
 
 from engine.base import ConfigError, FieldInfo
 from engine.config.fields import SECTIONS, field_table, flag_info, suggest
@@ -189,8 +190,9 @@ def _unknown(key: str, value, table: dict, where: str) -> ConfigError:
     return ConfigError(f"{where}: unknown key {key!r}{hint}")
 
 
-def load_recipe(path: str) -> dict:
-    """The recipe's {field: value}, flattened and type-checked."""
+def load_recipe(path: str, origins: dict | None = None) -> dict:
+    """The recipe's {field: value}, flattened and type-checked; ``origins``, when given, gets
+    {field: (line, key as spelled)} for each (``located``)."""
     raw = read_yaml(path) or {}
     where = f"--config {path}"
     if not isinstance(raw, dict):
@@ -210,6 +212,8 @@ def load_recipe(path: str) -> dict:
             raise ConfigError(f"{where}:{line}: {name} is given twice ({spelled} on line {first}, "
                               f"{section + '.' if section else ''}{key} on line {line}); keep one")
         seen[name] = (line, f"{section + '.' if section else ''}{key}")
+        if origins is not None:
+            origins[name] = seen[name]
         values[name] = coerce(name, value, info, where, text)
 
     for key, value in raw.items():
@@ -222,3 +226,13 @@ def load_recipe(path: str) -> dict:
         else:
             put(key, value, line=lines_of(raw).get(key), text=texts_of(raw).get(key))
     return values
+
+
+def located(message: str, path: str, origins: dict, given=()) -> str:
+    """``message`` (a configuration error naming flags) with where the recipe at ``path`` set
+    each flag it names that the command line did not (``given``: field names), e.g.
+    ``--num-layers must be >= 1, got 0 (set in --config run.yaml: num_layers on line 4)``."""
+    named = dict.fromkeys(f.replace("-", "_") for f in re.findall(r"--([a-z][a-z0-9-]*)", message))
+    places = [f"{origins[n][1]} on line {origins[n][0]}" if origins[n][0] else origins[n][1]
+              for n in named if n in origins and n not in given]
+    return f"{message} (set in --config {path}: {', '.join(places)})" if places else message

@@ -21,6 +21,7 @@ import math
 import os
 
 from engine.base import ConfigError, ToolParser, run_tool
+from engine.config.cli import with_recipe_lines
 from engine.config.fields import suggest
 from engine.config.schema import DEVICES
 from engine.plan.model import MAX_DEVICES
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.dryrun.report import text, write_json
 
     def body() -> int:
+        rest: list[str] = []
         try:
             args, rest = build_parser().parse_known_args(argv)
             check_args(args, rest)
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = run_config(rest)
             result = dry_run(cfg, args.world_size, device, args.memory_gb, args.devices_per_node)
         except (ConfigError, ValueError) as exc:
-            raise ConfigError(f"configuration error: {exc}") from exc
+            raise ConfigError(f"configuration error: {with_recipe_lines(str(exc), rest)}") from exc
         print(text(result))
         if args.json:
             write_json(result, args.json)

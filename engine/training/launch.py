@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from engine.base import ConfigError
-from engine.config.cli import parse_args
+from engine.config.cli import parse_args, with_recipe_lines
 from engine.training.run_events import INTERRUPTED  # 128 + SIGINT: a run stopped by Ctrl-C
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine.checkpoint.resume import plan_start
         plan_start(cfg)  # --save holds no other run's checkpoints (pure, the same on every rank)
     except ConfigError as exc:
-        return stop(f"configuration error: {exc}", launch, timeout_s)
+        return stop(f"configuration error: {with_recipe_lines(str(exc), argv)}", launch, timeout_s)
     except CheckpointError as exc:  # --use-checkpoint-args reads --load
         return stop(f"checkpoint error: {exc}", launch, timeout_s)
     if not cfg.parallel.stream_check:

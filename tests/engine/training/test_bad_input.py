@@ -177,7 +177,9 @@ def bad(tmp_path_factory):
                "malformed": "num_layers: [2\n", "unknown": "num_layer: 2\n",
                "float": "num_layers: 2.7\n", "section": "model:\n  lr: 1.0\n",
                "bf16": "bf16: true\n", "mixed": "mixed_precision:\n  precision: bf16\n",
-               "capacity": "num_experts: 4\nmoe_expert_capacity_factor: .inf\n"}
+               "capacity": "num_experts: 4\nmoe_expert_capacity_factor: .inf\n",
+               "range": "block: gpt2\nmodel:\n  ffn_hidden_size: -8\n",
+               "lrs": "lr: 1.0e-4\noptim:\n  min_lr: 1.0e-3\n", "grid": "seed: 3\ntp: 2\n"}
     for name, text in recipes.items():
         (root / f"{name}.yaml").write_text(text)
     (root / "latin1.yaml").write_bytes(b"num_layers: 2\n# r\xe9glage\nlr: 1.0e-3\n")
@@ -286,7 +288,20 @@ CASES = [  # (id, argv, the line after its prefix, exit code)
               "--help; the recipe's section is precision: (or write its keys flat)", 2),
     ("recipe-capacity-inf", MOCK + ["--config", R + "/capacity.yaml"],
      CONFIG + "--moe-expert-capacity-factor inf must be a finite number > 0 (leave it unset for "
-              "dropless routing)", 2),
+              "dropless routing) (set in --config {root}/capacity.yaml: moe_expert_capacity_factor "
+              "on line 2)", 2),
+    ("recipe-range", MOCK + ["--config", R + "/range.yaml"],
+     CONFIG + "--ffn-hidden-size must be >= 1, got -8 (leave it out for the block's default "
+              "width) (set in --config {root}/range.yaml: model.ffn_hidden_size on line 3)", 2),
+    ("recipe-two-keys", MOCK + ["--config", R + "/lrs.yaml"],
+     CONFIG + "need 0 <= --min-lr <= --lr and --lr > 0, got lr=0.0001 min_lr=0.001 (set in "
+              "--config {root}/lrs.yaml: optim.min_lr on line 3, lr on line 1)", 2),
+    ("recipe-key-and-flag", MOCK + ["--config", R + "/lrs.yaml", "--lr", "1.0e-5"],
+     CONFIG + "need 0 <= --min-lr <= --lr and --lr > 0, got lr=1e-05 min_lr=0.001 (set in "
+              "--config {root}/lrs.yaml: optim.min_lr on line 3)", 2),
+    ("recipe-grid", MOCK + ["--config", R + "/grid.yaml"],
+     CONFIG + "world size 1 != tp*pp*dp = 2*1*?; launch that many processes or change "
+              "--tp/--cp/--pp/--dp (set in --config {root}/grid.yaml: tp on line 2)", 2),
     ("recipe-missing", MOCK + ["--config", R + "/none.yaml"],
      CONFIG + "--config {root}/none.yaml: no such file", 2),
     ("recipe-directory", MOCK + ["--config", R + "/outdir"],
@@ -384,7 +399,8 @@ def test_the_table_covers_every_class():
     assert len(ids) == len(set(ids)) and len(ids) >= 40
     lines = [c[2] for c in CASES]
     for what in ("contradict", "is given twice", MEMORY, "is a directory", "not a directory",
-                 "token id", "not valid JSON", "tokenizer file", "holds no tokens", "checkpoint error"):
+                 "token id", "not valid JSON", "tokenizer file", "holds no tokens", "checkpoint error",
+                 "(set in --config"):
         assert any(what in line for line in lines), what
 
 
