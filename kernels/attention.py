@@ -4,7 +4,8 @@
   documents in its TND layout with ``actual_seq_qlen`` / ``actual_seq_kvlen``.
 - CUDA and CPU: ``F.scaled_dot_product_attention``, which picks flash / memory-efficient / math
   backends itself; packed documents as a block-diagonal causal mask, or on CUDA in half precision
-  ``torch.nn.attention.varlen.varlen_attn`` over the same cumulative lengths.
+  and outside a compiled graph ``torch.nn.attention.varlen.varlen_attn`` over the same cumulative
+  lengths (host ints, which torch.compile would guard on: a compiled graph takes the mask).
 - ``attention_reference``: softmax(Q K^T * scale + mask) V in fp32, the yardstick for tests.
 
 Grouped-query attention: k and v may carry fewer heads than q (n_kv dividing n); query head i reads
@@ -361,7 +362,11 @@ def attention(
         return _attention_npu(q, k, v, causal, dropout_p, scale, mask_cache, document_ids, cu_seqlens)
     packed = document_ids is not None or cu_seqlens is not None
     capability = None if paths is None else paths.cuda_capability
-    if kind == "cuda" and packed and cuda_varlen_usable(q, causal, dropout_p, capability):
+    # (inside a compiled graph the varlen kernel's host lengths would be guards: the graph would
+    # compile again for every new document count and, past the recompile limit, run eagerly; the
+    # block-diagonal mask reads only the device tensor of document ids)
+    if kind == "cuda" and packed and not torch.compiler.is_compiling() \
+            and cuda_varlen_usable(q, causal, dropout_p, capability):
         if cu_seqlens is None:
             cu_seqlens = cu_seqlens_from_document_ids(document_ids)
         out = _attention_cuda_varlen(q, k, v, scale, cu_seqlens, mask_cache)

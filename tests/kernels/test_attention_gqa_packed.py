@@ -10,7 +10,8 @@
   not causal), also for q, k, v split off the fused QKV projection as the model splits them; checked
   through a stand-in that implements the documented semantics (tests/helpers/npu_fake.py).
 - CUDA varlen: the argument preparation for torch.nn.attention.varlen.varlen_attn (which needs a GPU),
-  fed to a plain per-segment evaluation of its documented semantics.
+  fed to a plain per-segment evaluation of its documented semantics; inside a compiled graph the
+  mask instead (one graph over every document count).
 - Packed-document inputs that break the contract (a piece across a row end, decreasing ids) raise.
 """
 from __future__ import annotations
@@ -288,6 +289,43 @@ def test_non_causal_packed_documents_on_cuda_take_the_masked_path(monkeypatch):
     q, k, v = _qkv(2, 4, 2, 7, 8, seed=8, dtype=torch.float16)
     out = attn_mod.attention(q, k, v, causal=False, document_ids=DOCS, cu_seqlens=CU)
     _close([out], [_attention64(q, k, v, False, DOCS)], torch.float16)
+
+
+def test_a_compiled_graph_takes_the_mask_not_the_host_lengths(monkeypatch):
+    """Inside torch.compile (the eager backend: Dynamo's guards are what is tested) a CUDA call
+    (device_kind forced) takes the block-diagonal mask, so four micro-batches with 2 to 5
+    documents are one graph, equal to the reference; varlen_attn's host lengths would be guards
+    (a graph per document count, eager past the recompile limit). Eagerly the call takes varlen."""
+    import torch.nn.attention.varlen as varlen
+    from torch._dynamo.utils import counters
+    calls = []
+
+    def counted(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                enable_gqa=False):   # torch 2.13's signature
+        calls.append(len(cu_q))
+        return _varlen_semantics(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale,
+                                 window_size=window_size, enable_gqa=enable_gqa)
+    monkeypatch.setattr(varlen, "varlen_attn", counted)
+    monkeypatch.setattr(attn_mod, "device_kind", lambda t: "cuda")
+    q, k, v = (t.detach() for t in _qkv(2, 4, 2, 7, 8, seed=9, dtype=torch.float16))
+
+    def call(q, k, v, inputs):
+        return attn_mod.attention(q, k, v, document_ids=inputs.document_ids,
+                                  cu_seqlens=inputs.cu_seqlens) * 2
+    compiled = torch.compile(call, backend="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    for docs in ([[0] * 7, [0] * 7], [[0] * 3 + [1] * 4, [0] * 7], DOCS.tolist(),
+                 [[0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1]]):
+        ids = torch.tensor(docs, dtype=torch.int32)
+        inputs = AttentionInputs(torch.zeros(2, 7, dtype=torch.long), ids,
+                                 kernels.cu_seqlens_from_document_ids(ids))
+        got = compiled(q, k, v, inputs)
+        _close([got], [2 * kernels.attention_reference(q, k, v, document_ids=ids)], torch.float16)
+    assert calls == [] and counters["stats"]["unique_graphs"] == 1, (calls, dict(counters["stats"]))
+    call(q, k, v, inputs)
+    assert calls == [6]
+    torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------- packed-document contract
