@@ -75,7 +75,7 @@ def _step_fn(module, moe: bool, compiled: bool = False):
     def step():
         run(x).sum().backward()
         if moe:
-            module.mlp.records.clear()
+            module.mlp.reset_totals()
     return step
 
 

@@ -50,6 +50,7 @@ from models.moe.balancing import aux_loss_share, seq_aux_loss_share, z_loss_shar
 from models.moe.capacity import choose, expert_capacity, padded_rows
 from models.moe.experts import LocalExperts
 from models.moe.router import TopKRouter, stable_topk
+from models.moe.totals import MoETotals
 from parallel.grid.expert_groups import ExpertGrid
 from parallel.expert_parallel import (allgather_combine, allgather_dispatch,
                                       alltoall_combine, alltoall_dispatch, alltoall_plan,
@@ -117,7 +118,7 @@ class MoELayer(nn.Module):
         self.token_groups = (ps.tp_group,) if self.tp_split else ()
         self.seq_groups = self.token_groups + ((ps.cp_group,) if ps.cp_size > 1 else ())
         self.aux_grad_scale = 1.0   # set per step: models.moe.stats.set_aux_grad_scale
-        self.records: list[dict] = []
+        self.totals: MoETotals | None = None  # the forwards' figures: reset_totals, totals.py
         # the split sizes' one host read under EP, on the model's one side stream per device
         self.host_reader = ctx.host_reader
 
@@ -254,8 +255,19 @@ class MoELayer(nn.Module):
         # not a recomputation inside a backward (a compiled graph recomputes inside its own
         # backward graph and never runs this Python again); None: no such loss, nothing dropped
         if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
-            self.records.append({"aux_loss": aux, "z_loss": z, "load": load, "dropped": dropped})
+            if self.totals is None:   # (a layer run without set_aux_grad_scale)
+                self.reset_totals()
+            self.totals.add(aux, z, load, dropped)
         return out
+
+    def reset_totals(self) -> None:
+        """Zero the summed figures of earlier forwards (models/moe/totals.py), on the layer's
+        device; outside any compiled graph (models.moe.stats.set_aux_grad_scale, each step)."""
+        device = self.router.weight.device
+        if self.totals is None or self.totals.device != device:
+            self.totals = MoETotals(self.num_experts, device)
+        else:
+            self.totals.zero_()
 
 
 def build_mlp(cfg: GPTConfig, layer_idx: int, ps: ParallelState, ctx: LayerContext, name: str,

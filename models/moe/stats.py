@@ -6,8 +6,8 @@
 - ``pop_moe_stats(chunks, m)`` after it: this rank's share of the step's balancing losses (summed
   over layers, averaged over its ``m`` micro-batches: sum it over the TP ranks of a layer under
   sequence parallelism, then mean it over the DP x CP ranks for the layout-independent value)
-  and the per-expert loads (summed over layers and micro-batches). Each call empties the
-  layers' records.
+  and the per-expert loads (summed over layers and micro-batches). Each call zeroes the
+  layers' totals (models/moe/totals.py).
 """
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ def moe_layers(chunks) -> list[MoELayer]:
 
 
 def set_aux_grad_scale(chunks, scale: float) -> None:
-    """At the start of a step: the balancing losses' gradient factor; drops the records of
+    """At the start of a step: the balancing losses' gradient factor; zeroes the figures of
     earlier forwards (validation's, a previous step's) so they never pile up."""
     for layer in moe_layers(chunks):
         layer.aux_grad_scale = float(scale)
-        layer.records = []
+        layer.reset_totals()
 
 
 def load_imbalance(load: torch.Tensor) -> float:
@@ -35,16 +35,19 @@ def load_imbalance(load: torch.Tensor) -> float:
 
 
 def pop_moe_stats(chunks, num_microbatches: int) -> dict | None:
-    """{"aux_loss", "z_loss", "load"} of the step's forwards on this rank, or None without MoE."""
+    """{"aux_loss", "z_loss", "load"} of the forwards on this rank since the last reset (``load``
+    None when there was none), or None without MoE; reads the totals on the host and zeroes them."""
     layers = moe_layers(chunks)
     if not layers:
         return None
     aux = z = 0.0
     load = None
     for layer in layers:
-        for rec in layer.records:
-            aux += float(rec["aux_loss"] if rec["aux_loss"] is not None else 0) / num_microbatches
-            z += float(rec["z_loss"] if rec["z_loss"] is not None else 0) / num_microbatches
-            load = rec["load"].clone() if load is None else load + rec["load"]
-        layer.records = []
+        t = layer.totals
+        if t is None or not float(t.forwards):
+            continue
+        aux += float(t.aux_loss) / num_microbatches
+        z += float(t.z_loss) / num_microbatches
+        load = t.load.clone() if load is None else load + t.load
+        layer.reset_totals()
     return {"aux_loss": aux, "z_loss": z, "load": load}

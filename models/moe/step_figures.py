@@ -6,7 +6,7 @@ every rank's vector has the same length whichever layers it holds). After the ba
 
     [aux share, z share, dropped assignments, load of MoE layer 0 (E), load of MoE layer 1 (E), ...]
 
-from the records of the layers' forwards (models/moe/layer.py): the balancing losses' shares
+from the totals of the layers' forwards (models/moe/totals.py): the balancing losses' shares
 averaged over the step's micro-batches, the assignments a capacity dropped and, per layer, the
 assignments the router chose per expert (before any drop), summed over the micro-batches. A
 layer whose TP ranks route the same tokens counts on TP rank 0 only; under sequence parallelism
@@ -63,15 +63,14 @@ class StepFigures:
         out = torch.zeros(self.width, dtype=torch.float32, device=device)
         e, m = self.num_experts, max(num_microbatches, 1)
         for layer in moe_layers(chunks):
-            if not layer.records or not (counted or layer.tp_split):
+            t = layer.totals
+            if t is None or not (counted or layer.tp_split):
                 continue
-            recs = layer.records
-            for i, key, per in ((0, "aux_loss", m), (1, "z_loss", m), (2, "dropped", 1)):
-                values = [r[key].float() for r in recs if r[key] is not None]  # None: none
-                if values:
-                    out[i] += torch.stack(values).sum().to(device) / per
+            out[0] += t.aux_loss.to(device) / m
+            out[1] += t.z_loss.to(device) / m
+            out[2] += t.dropped.to(device)
             at = FIXED + self._slot(layer) * e
-            out[at:at + e] += torch.stack([r["load"] for r in recs]).sum(0).to(device)
+            out[at:at + e] += t.load.to(device)
         return out
 
     def _slot(self, layer) -> int:

@@ -117,9 +117,8 @@ def _layer_run(ps, kind, bias, fields, dispatcher, x, probe):
         out = layer(x)
         (out * probe).sum().backward()
     grads = logical_grads(layer)  # each expert's own blocks of the stacked gradients
-    dropped = layer.records[-1]["dropped"]  # None: dropless, nothing counted
     return (out.detach(), x.grad, grads, {ev.op for ev in events if ev.group == "ep"},
-            0.0 if dropped is None else float(dropped))
+            float(layer.totals.dropped))  # (0 when dropless: nothing counted)
 
 
 def _layer_checks(ps, ep: int, cases=LAYER_CASES) -> list[str]:

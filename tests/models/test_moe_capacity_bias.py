@@ -61,7 +61,7 @@ def test_layer_with_capacity_equals_reference_without_the_dropped(pad):
     tokens = x.reshape(-1, 16)
     routing = layer.router(tokens)
     keep = choose(routing.weights, routing.experts, 4, expert_capacity(16, 2, 4, 0.5)).keep
-    assert 0 < int((~keep).sum()) == int(layer.records[-1]["dropped"])
+    assert 0 < int((~keep).sum()) == int(layer.totals.dropped)
     ref = torch.stack([sum((routing.weights[t, j] * expert_forward(layer.experts, int(e), tokens[t:t + 1])[0]
                             for j, e in enumerate(routing.experts[t]) if keep[t, j]),
                            torch.zeros(16)) for t in range(16)])
@@ -69,7 +69,7 @@ def test_layer_with_capacity_equals_reference_without_the_dropped(pad):
     y.sum().backward()
     assert layer.router.weight.grad is not None
     # the load is the router's choice, before the drop
-    assert layer.records[-1]["load"].sum() == 16 * 2
+    assert layer.totals.load.sum() == 16 * 2
 
 
 def test_padded_and_unpadded_capacity_agree_with_gradients():
@@ -125,7 +125,7 @@ def test_bias_update_and_figures_hand_computed():
     assert moe_record(None, comm) == dict.fromkeys(
         ("moe_aux_loss", "moe_z_loss", "moe_expert_load", "moe_load_imbalance", "moe_tokens_dropped",
          "ep_comm_bytes"))
-    # a TP rank other than 0 adds nothing; this rank's vector counts its records
+    # a TP rank other than 0 adds nothing; this rank's vector counts its totals
     tokens = torch.randint(0, 32, (2, 9))
     chunks[0](tokens[:, :-1], tokens[:, 1:]).mean().backward()
     assert fig.vector(chunks, 1, False, torch.device("cpu")).abs().sum() == 0
@@ -207,8 +207,8 @@ def test_balancing_losses_count_the_unbiased_choice():
             want = (chosen.sum(0) * p.sum(0)).sum() * e / (k * (b * s) ** 2)
         else:
             want = ((chosen.view(b, s, e).sum(1) * p.view(b, s, e).sum(1)).sum(-1) * e / (k * s * s)).mean()
-        torch.testing.assert_close(layer.records[-1]["aux_loss"], want, rtol=1e-6, atol=0)
-        assert torch.equal(layer.records[-1]["load"], biased.sum(0))
+        torch.testing.assert_close(layer.totals.aux_loss, want, rtol=1e-6, atol=0)
+        assert torch.equal(layer.totals.load, biased.sum(0))
 
 
 def test_dashboards_and_summary_carry_the_moe_metrics():
@@ -311,7 +311,7 @@ def test_recomputed_forwards_are_not_counted_twice():
         # without the early stop the recomputation runs the whole layer again
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):
             chunks[0](tokens[:, :-1], tokens[:, 1:]).mean().backward()
-        counts.append([len(m.records) for m in moe_layers(chunks)])
+        counts.append([int(m.totals.forwards) for m in moe_layers(chunks)])
         grad = chunks[0].layers[0].mlp.router.weight.grad
         assert grad is not None and grad.abs().sum() > 0
     assert counts == [[1, 1], [1, 1]]

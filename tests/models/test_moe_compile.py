@@ -51,9 +51,46 @@ def test_moe_block_compiles_whole_and_matches_eager(kind, case):
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     assert explained.graph_count == 1
     dynamo.reset()
-    block.mlp.records = []
+    block.mlp.reset_totals()
     want = _run(block, block, x)
     got = _run(torch.compile(block, backend="aot_eager", fullgraph=True), block, x)
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, i=i: f"item {i}: {m}")
-    assert len(block.mlp.records) == 2  # the eager and the compiled forward each recorded once
+    assert int(block.mlp.totals.forwards) == 2  # the eager and the compiled forward each counted once
+
+
+def test_a_step_of_many_micro_batches_is_one_graph():
+    """A whole MoE chunk compiled as engine/device/compile.py compiles it (its recompile limit),
+    four micro-batches per step over two steps (set_aux_grad_scale between them): one graph, and
+    the step's figures (StepFigures.vector) equal eager's. The layer's figures used to be a list
+    appended inside the graph, whose length Dynamo guarded: a graph per micro-batch, eager past
+    the limit."""
+    from torch._dynamo.utils import counters
+    from engine.device.compile import chunk_recompile_limit
+    from models.moe.stats import set_aux_grad_scale
+    from models.moe.step_figures import StepFigures
+    cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8,
+                    vocab_size=64, seed=3, block="gpt2", num_experts=4, moe_router_topk=2,
+                    moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3)
+    vectors = []
+    for compiled in (False, True):
+        chunks = build_chunks(cfg, ParallelState.serial(),
+                              LayerContext(Initializer(3, cfg.init_std)), [range(1)], [0], 1)
+        figures = StepFigures.of(chunks)
+        if compiled:
+            chunks[0].compile(backend="eager", recompile_limit=chunk_recompile_limit(1))
+            dynamo.reset()
+            counters.clear()
+        g = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            set_aux_grad_scale(chunks, 0.25)
+            for _ in range(4):
+                tokens = torch.randint(0, 64, (2, 9), generator=g)
+                chunks[0](tokens[:, :-1], tokens[:, 1:]).mean().backward()
+            vectors.append(figures.vector(chunks, 4, True, torch.device("cpu")))
+        if compiled:
+            assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert vectors[0][3:].sum() == 4 * 2 * 8 * 2   # every token's two choices counted once
+    for eager, comp in zip(vectors[:2], vectors[2:]):
+        torch.testing.assert_close(comp, eager, rtol=1e-6, atol=1e-7)
+    dynamo.reset()
