@@ -216,6 +216,11 @@ class ParallelAttention(nn.Module):
                 raise ValueError("under context parallelism AttentionInputs must be a sequence "
                                  "shard made with select(), which keeps the whole rows")
             inputs = inputs.whole
+        if torch.compiler.is_compiling():
+            # the host ints would be Dynamo guards where they enter the graph (selective
+            # recompute's checkpoint takes them as arguments: a graph per document count); the
+            # compiled attention reads the ids' mask only (kernels/attention.py)
+            return inputs.document_ids, None
         return inputs.document_ids, inputs.cu_seqlens
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

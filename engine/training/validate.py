@@ -63,6 +63,12 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
                           f"supported: the recomputation replays each dropout mask by restoring "
                           f"the dropout streams' generator states, which a compiled graph cannot "
                           f"do; drop --compile, use --recompute none, or set both dropouts to 0")
+    if cfg.compile and max(m.dropout, m.attention_dropout_p) > 0:
+        notes.append(f"--compile with dropout (--dropout {m.dropout:g}, --attention-dropout "
+                     f"{m.attention_dropout_p:g}): each dropout site breaks the compiled graph (the "
+                     f"dropout streams save and restore the generator's state there, which Dynamo "
+                     f"does not trace), so a chunk compiles in pieces that nothing fuses across "
+                     f"(a 2-layer gpt2 chunk: 10 graphs); set both dropouts to 0 for one graph")
     for what, value in (("--num-attention-heads", m.num_attention_heads),
                         ("--hidden-size", m.hidden_size), ("--ffn-hidden-size", m.ffn_hidden_size)):
         if value % tp:

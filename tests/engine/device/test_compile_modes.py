@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 
 from engine.device.compile import chunk_recompile_limit, compile_chunks
 from models import GPTChunk, GPTConfig, LayerContext
+from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer
 from tests.engine.device.test_compile import CPU, compiled_counts
 
@@ -129,4 +130,61 @@ def test_every_chunk_stays_compiled_in_both_modes(tmp_path, monkeypatch):
             assert (counts["frames"], counts["graphs"], counts["breaks"]) == (
                 n * (1 + (not train)),) * 2 + ({},), counts
         assert torch._dynamo.config.recompile_limit == 8   # the process's setting untouched
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_packed_documents_of_any_count_are_one_graph(recompute):
+    """A llama chunk compiled as compile_chunks compiles it (its recompile limit; Dynamo's eager
+    backend: the guards are what is tested), fed six micro-batches of packed documents whose
+    first row holds 1 to 6 documents: one graph under every recompute mode, each loss equal to
+    the eager chunk's. Selective recompute handed the documents' host lengths to its checkpoint
+    as arguments, a guard on their count: a graph per count, eager past the limit."""
+    import kernels
+    from models.batch import AttentionInputs
+    cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16,
+                    vocab_size=64, seed=3, block="llama")
+    chunks = [GPTChunk(cfg, ParallelState.serial(), LayerContext(Initializer(11), recompute=recompute),
+                       range(1)) for _ in range(2)]
+    chunks[1].load_state_dict(chunks[0].state_dict())
+    chunks[1].compile(backend="eager", recompile_limit=chunk_recompile_limit(1))
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(0)
+    for n in range(1, 7):
+        cuts = sorted(torch.randperm(15, generator=g)[:n - 1].add(1).tolist())
+        first = torch.tensor([sum(c <= t for c in cuts) for t in range(16)], dtype=torch.int32)
+        ids = torch.stack([first, torch.zeros(16, dtype=torch.int32)])           # (2, 16)
+        starts = [max([0] + [c for c in cuts if c <= t]) for t in range(16)]
+        pos = torch.stack([torch.arange(16) - torch.tensor(starts), torch.arange(16)])
+        inputs = AttentionInputs(pos, ids, kernels.cu_seqlens_from_document_ids(ids))
+        tokens = torch.randint(0, 64, (2, 17), generator=g)
+        eager, compiled = (c(tokens[:, :-1], tokens[:, 1:], inputs).mean() for c in chunks)
+        compiled.backward()
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()
+
+
+def test_dropout_breaks_the_graph_as_the_start_note_says():
+    """engine.train's note for --compile with dropout names 10 graphs for a 2-layer gpt2 chunk: the
+    dropout streams (the trainer's ModelParallelRNG) save and restore the generator's state at each
+    dropout site, which Dynamo does not trace. With dropout 0 the same chunk is one graph."""
+    from parallel.grid.random import ModelParallelRNG
+    graphs = []
+    for dropout in (0.1, 0.0):
+        ps = ParallelState.serial()
+        cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8,
+                        vocab_size=64, seed=3, block="gpt2", dropout=dropout)
+        ctx = LayerContext(Initializer(11), rng=ModelParallelRNG.for_state(5, ps).trackers[0])
+        chunk = GPTChunk(cfg, ps, ctx, range(2))
+        chunk.compile(backend="eager", recompile_limit=chunk_recompile_limit(1))
+        torch._dynamo.reset()
+        counters.clear()
+        g = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            tokens = torch.randint(0, 64, (2, 9), generator=g)
+            chunk(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [10, 1], graphs
     torch._dynamo.reset()

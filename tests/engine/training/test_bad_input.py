@@ -455,6 +455,16 @@ def test_warm_up_longer_than_the_run_is_a_warning():
     assert validate_run(parse_args(MOCK), LaunchEnv())[1] == []  # the default warm-up says nothing
 
 
+def test_compile_with_dropout_is_said_to_break_the_graph():
+    _, notes = validate_run(parse_args(MOCK + ["--compile", "--dropout", "0.1"]), LaunchEnv())
+    assert notes == ["--compile with dropout (--dropout 0.1, --attention-dropout 0.1): each dropout "
+                     "site breaks the compiled graph (the dropout streams save and restore the "
+                     "generator's state there, which Dynamo does not trace), so a chunk compiles in "
+                     "pieces that nothing fuses across (a 2-layer gpt2 chunk: 10 graphs); set both "
+                     "dropouts to 0 for one graph"]
+    assert validate_run(parse_args(MOCK + ["--compile"]), LaunchEnv())[1] == []
+
+
 # ---- two ranks -------------------------------------------------------------------------------
 
 def build_each(ps, cases):
