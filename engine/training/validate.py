@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from engine.base import ConfigError, unwritable
 from engine.config.schema import RunConfig
 from engine.observe.dashboards import missing_packages
@@ -69,6 +71,10 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
                      f"dropout streams save and restore the generator's state there, which Dynamo "
                      f"does not trace), so a chunk compiles in pieces that nothing fuses across "
                      f"(a 2-layer gpt2 chunk: 10 graphs); set both dropouts to 0 for one graph")
+    if cfg.compile and m.num_experts and (loop := _experts_loop(cfg, kind)):
+        notes.append(f"--compile with MoE: {loop}, which reads the experts' row counts on the "
+                     f"host: the compiled chunk breaks at every expert projection (a 2-layer MoE "
+                     f"chunk: 14 graphs over 3 steps where the grouped GEMM gives 1)")
     for what, value in (("--num-attention-heads", m.num_attention_heads),
                         ("--hidden-size", m.hidden_size), ("--ffn-hidden-size", m.ffn_hidden_size)):
         if value % tp:
@@ -148,6 +154,20 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
     notes += compression_notes(cfg, grid)
     notes += unused_flag_notes(cfg, grid, kind, getattr(block_cls, "position", None) == "rope")
     return grid, notes
+
+
+def _experts_loop(cfg: RunConfig, kind: str) -> str | None:
+    """Why the experts take the per-expert loop (kernels/grouped_gemm.py), or None where one
+    grouped GEMM per projection serves them (no host read)."""
+    from kernels.grouped_gemm import TORCH_GROUPED_MM_DTYPES
+    if not cfg.model.moe_grouped_gemm:
+        return "--no-moe-grouped-gemm runs the experts as a loop"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision.precision]
+    if kind in TORCH_GROUPED_MM_DTYPES and dtype not in TORCH_GROUPED_MM_DTYPES[kind]:
+        takes = ", ".join(str(d).removeprefix("torch.") for d in TORCH_GROUPED_MM_DTYPES[kind])
+        return (f"torch._grouped_mm takes {takes} on {kind}, not --precision "
+                f"{cfg.precision.precision}: the experts run as a loop")
+    return None
 
 
 def output_paths(cfg: RunConfig) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:

@@ -188,3 +188,29 @@ def test_dropout_breaks_the_graph_as_the_start_note_says():
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs == [10, 1], graphs
     torch._dynamo.reset()
+
+
+def test_experts_in_a_loop_break_the_graph_as_the_start_note_says():
+    """engine.train's note for --compile with MoE experts in a loop (fp16 on the CPU, fp32 on CUDA,
+    --no-moe-grouped-gemm) names 14 graphs over 3 steps for a 2-layer MoE chunk, where the grouped
+    GEMM gives 1: the loop reads each projection's row counts on the host."""
+    from models import build_chunks
+    from models.moe.stats import set_aux_grad_scale
+    graphs = []
+    for dtype in (torch.float16, torch.float32):
+        cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8,
+                        vocab_size=64, seed=3, block="gpt2", num_experts=4, moe_router_topk=2,
+                        moe_ffn_hidden_size=16)
+        chunks = build_chunks(cfg, ParallelState.serial(), LayerContext(Initializer(3, cfg.init_std)),
+                              [range(2)], [0], 1)
+        chunks[0].to(dtype).compile(backend="eager", recompile_limit=chunk_recompile_limit(1))
+        torch._dynamo.reset()
+        counters.clear()
+        g = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            set_aux_grad_scale(chunks, 1.0)
+            tokens = torch.randint(0, 64, (2, 9), generator=g)
+            chunks[0](tokens[:, :-1], tokens[:, 1:]).float().mean().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [14, 1], graphs
+    torch._dynamo.reset()

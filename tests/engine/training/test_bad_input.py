@@ -465,6 +465,25 @@ def test_compile_with_dropout_is_said_to_break_the_graph():
     assert validate_run(parse_args(MOCK + ["--compile"]), LaunchEnv())[1] == []
 
 
+def test_compile_with_moe_experts_in_a_loop_is_said():
+    """The experts' loop reads their row counts on the host: fp16 on the CPU (torch._grouped_mm
+    takes fp32 and bf16 there), fp32 on CUDA (bf16 only), and --no-moe-grouped-gemm anywhere."""
+    from engine.training.validate import _experts_loop
+    moe = MOCK + ["--compile", "--num-experts", "4"]
+    _, notes = validate_run(parse_args(moe + ["--precision", "fp16"]), LaunchEnv())
+    assert notes == ["--compile with MoE: torch._grouped_mm takes float32, bfloat16 on cpu, not "
+                     "--precision fp16: the experts run as a loop, which reads the experts' row "
+                     "counts on the host: the compiled chunk breaks at every expert projection (a "
+                     "2-layer MoE chunk: 14 graphs over 3 steps where the grouped GEMM gives 1)"]
+    assert validate_run(parse_args(moe), LaunchEnv())[1] == []
+    assert _experts_loop(parse_args(moe), "cuda") == ("torch._grouped_mm takes bfloat16 on cuda, "
+                                                      "not --precision fp32: the experts run as a "
+                                                      "loop")
+    assert _experts_loop(parse_args(moe + ["--precision", "bf16"]), "cuda") is None
+    assert _experts_loop(parse_args(moe + ["--no-moe-grouped-gemm"]), "cpu") == \
+        "--no-moe-grouped-gemm runs the experts as a loop"
+
+
 # ---- two ranks -------------------------------------------------------------------------------
 
 def build_each(ps, cases):
