@@ -57,8 +57,10 @@ REQUIRED_KEYS = ("step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "to
 # anomaly: what made the step anomalous (a non-finite or spiking loss or gradient norm), rerun:
 # "transient" or "persistent" after a re-run (engine/observe/anomaly.py); straggler_rank / straggler_ratio /
 # straggler_waited_for every --log-interval steps (engine/observe/stragglers.py), null on other steps
+# warmup: the step is the first its process ran (a run's first, or a resumed run's), whose time
+# holds lazy initialisation and compilation
 OPTIONAL_KEYS = ("save_blocking_s", "anomaly", "rerun", "straggler_rank", "straggler_ratio",
-                 "straggler_waited_for")
+                 "straggler_waited_for", "warmup")
 # mixture of experts (models/moe/step_figures.py), null without MoE layers: the step's balancing
 # losses, the per-expert load of the global batch summed over MoE layers, the largest per-layer
 # max / mean load, the assignments a capacity dropped, the payload handed to the dispatch

@@ -39,17 +39,19 @@ def _step_time(record: dict, metrics_path: str, number: int) -> float | None:
 
 
 def _run_starts(records: list[dict]) -> list[bool]:
-    """Whether each record is the first (warm-up) step of a run: the file's first, a step 1, and
-    a step that does not follow the record before it (a run's records appended after another
-    run's records that go on past its start). The records without a whole ``step`` continue the
-    run before them. A run the trainer resumes at step k keeps the file's records up to k
-    (engine/observe/metrics.py), so its first step k + 1 follows them: no record tells it apart."""
+    """Whether each record is the first (warm-up) step of a process: marked ``warmup`` (the
+    trainer marks each process's first step, so a run resumed at step k, whose records follow
+    steps 1..k of the file (engine/observe/metrics.py), has its step k + 1 marked), and in files
+    without the mark the file's first, a step 1, and a step that does not follow the record
+    before it (a run's records appended after another run's records that go on past its start).
+    The records without a whole ``step`` continue the run before them."""
     starts, previous = [], None
     for i, record in enumerate(records):
         step = record.get("step")
         whole = isinstance(step, int) and not isinstance(step, bool)
-        starts.append(i == 0 or (whole and (step == 1 or (previous is not None
-                                                          and step != previous + 1))))
+        starts.append(i == 0 or record.get("warmup") is True
+                      or (whole and (step == 1 or (previous is not None
+                                                   and step != previous + 1))))
         previous = step if whole else None
     return starts
 

@@ -300,6 +300,7 @@ class Trainer:
                 if self.stragglers is not None:
                     self.stragglers.begin_step(step + 1)
                 record = self.train_one(step)
+                record["warmup"] = step == start  # this process's first step (--calibrate skips it)
                 if step == check_at:  # the first updates kept every replica equal
                     check_after_first_steps(self, step)
                 self.late_records.write(log, dash, result.records)  # the previous step's, complete

@@ -55,6 +55,8 @@ def test_metrics_file_valid_loss_truncate_and_resume(tmp_path):
            "--save", str(tmp_path / "ck2")])
     assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3, 4, 5, 6]
     assert read_jsonl(metrics)[:2] == rows[:2]
+    # each process's first step is marked warm-up (--calibrate leaves it out): 1 and the resumed 3
+    assert [r["warmup"] for r in read_jsonl(metrics)] == [True, False, True, False, False, False]
     train(["--train-iters", "2", "--metrics-file", metrics])  # a fresh run truncates
     assert [r["step"] for r in read_jsonl(metrics)] == [1, 2]
 

@@ -527,6 +527,20 @@ def test_calibration_from_a_measured_step_time(tmp_path, capsys):
     assert row["step_time_s"] == pytest.approx(step, rel=1e-4)
 
 
+def test_calibration_drops_a_resumed_runs_first_step(tmp_path):
+    """A run resumed at step 2 appends after the file's steps 1-2: its first step (3), slow with
+    the process's start, is marked ``warmup`` by the trainer and left out like step 1; without
+    the mark it follows step 2 and would count. Files without the mark keep the old rule."""
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [{"step": 1, "step_time_s": 50.0, "warmup": True}, {"step": 2, "step_time_s": 1.0},
+             {"step": 3, "step_time_s": 40.0, "warmup": True}, {"step": 4, "step_time_s": 2.0}]
+    metrics.write_text("\n".join(json.dumps(r) for r in lines))
+    assert plan.measured_step_time(str(metrics)) == pytest.approx(1.5, rel=1e-12)
+    metrics.write_text("\n".join(json.dumps({k: v for k, v in r.items() if k != "warmup"})
+                                 for r in lines))
+    assert plan.measured_step_time(str(metrics)) == pytest.approx(2.0, rel=1e-12)  # 1, 40, 2
+
+
 def test_link_calibration(tmp_path):
     pre = tmp_path / "preflight.json"
     pre.write_text(json.dumps([
