@@ -53,13 +53,13 @@ class CompressedSide:
                 bucket.compressor.rescale_(factor)
 
     def reset_residuals(self) -> None:
-        """Drop error-feedback residuals and local statistics (after a skipped step they may hold
-        inf/nan); a refresh computed from them is dropped too."""
+        """Drop error-feedback residuals (after a skipped step they may hold inf/nan) and a refresh
+        computed this step. The local statistics stay: a non-finite gradient never entered them
+        (variance.py ``update_``), and wiping them made the next refresh, which a skipped refresh
+        step retries at once, replace Adam's v by one sample."""
         for bucket in self.buckets:
             if bucket.compressor is not None:
                 bucket.compressor.reset()
-            if bucket.variance is not None:
-                bucket.variance.reset()
         self.refreshed = {}
 
     def step_skipped(self) -> None:

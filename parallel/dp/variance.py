@@ -74,17 +74,26 @@ class LocalVariance:
 
     def __init__(self, numel: int, device, chunk_size: int = 256):
         self.sq = torch.zeros(numel, dtype=torch.float32, device=device)
-        self.count = 0
+        self.count = torch.zeros((), dtype=torch.int64, device=device)  # samples taken in
         self.quantizer = LogQuantizer(chunk_size)
 
     def update_(self, grad: torch.Tensor, beta2: float, inv_scale: float = 1.0) -> None:
         """``grad``: this rank's own (not yet averaged) gradient of the bucket, still multiplied by
-        the loss scale; ``inv_scale`` = 1 / loss scale keeps the statistics in unscaled units."""
-        self.sq.mul_(beta2).addcmul_(grad, grad, value=(1 - beta2) * inv_scale * inv_scale)
-        self.count += 1
+        the loss scale; ``inv_scale`` = 1 / loss scale keeps the statistics in unscaled units. A
+        gradient with a non-finite value (this rank's overflow; the step is then skipped on every
+        rank) adds nothing, decided on the device: the statistics are never wiped, so a skip keeps
+        what the steps before it gathered (the sample of a rank whose gradient is finite stays:
+        it is a gradient at the current weights)."""
+        new = (self.sq * beta2).addcmul_(grad, grad, value=(1 - beta2) * inv_scale * inv_scale)
+        finite = torch.isfinite(new).all()
+        self.sq.copy_(torch.where(finite, new, self.sq))
+        self.count.add_(finite.to(torch.int64))
 
     def corrected(self, beta2: float) -> torch.Tensor:
-        return self.sq / (1 - beta2 ** self.count) if self.count else self.sq.clone()
+        """The EMA bias-corrected by its count (as it is while nothing was taken in)."""
+        taken = self.count > 0
+        bias = 1 - torch.pow(beta2, self.count.to(torch.float32))
+        return torch.where(taken, self.sq / torch.where(taken, bias, torch.ones_like(bias)), self.sq)
 
     def average(self, group, beta2: float, sharded: bool) -> torch.Tensor:
         """The bias-corrected statistics averaged over ``group``: the full bucket (every rank the
@@ -109,14 +118,14 @@ class LocalVariance:
 
     def reset(self) -> None:
         self.sq.zero_()
-        self.count = 0
+        self.count.zero_()
 
     def state_dict(self) -> dict:
-        return {"sq": self.sq, "count": torch.tensor(self.count, dtype=torch.int64)}
+        return {"sq": self.sq, "count": self.count}
 
     def load_state_dict(self, state: dict) -> None:
         if state["sq"].shape != self.sq.shape:
             raise ValueError(f"local variance: saved shape {list(state['sq'].shape)}, this layout "
                              f"needs {list(self.sq.shape)}")
         self.sq.copy_(state["sq"])
-        self.count = int(state["count"])
+        self.count.copy_(torch.as_tensor(state["count"], dtype=torch.int64))

@@ -276,3 +276,28 @@ def test_byte_model():
     assert wire_bytes("all_gather", 100, 4) == 300
     assert wire_bytes("all_reduce", 400, 1) == 0
     assert wire_bytes("send", 100, 2) == 100
+
+
+def test_local_variance_takes_no_non_finite_sample_and_survives_a_skip():
+    """An overflowed gradient (this rank's inf) leaves the statistics and their count as they
+    were, and a skipped step (the reducer's ``step_skipped``) no longer wipes them: after 300
+    samples and a skip, the refresh that the skipped step retries still sees 300 samples, where
+    the wipe left it one (v near 0 for about 8% of the elements, 1 / sqrt(v) near 1e6)."""
+    g = torch.Generator().manual_seed(0)
+    var = LocalVariance(4096, torch.device("cpu"))
+    for _ in range(300):
+        var.update_(torch.randn(4096, generator=g), beta2=0.999)
+    before, count = var.corrected(0.999).clone(), int(var.count)
+    bad = torch.randn(4096, generator=g)
+    bad[7] = math.inf
+    var.update_(bad * 1024.0, beta2=0.999, inv_scale=1 / 1024.0)
+    assert int(var.count) == count == 300 and torch.equal(var.corrected(0.999), before)
+    # the reducer's skip keeps a bucket's statistics (a dp=1 reducer holds none: one is attached)
+    reducer = GradReducer(make_model(), ParallelState.serial())
+    bucket = reducer.buckets[0]
+    bucket.variance = var
+    step = reducer.step
+    reducer.step_skipped()
+    assert reducer.step == step - 1 and int(var.count) == 300
+    assert torch.equal(var.corrected(0.999), before)
+    reducer.remove_hooks()
