@@ -382,7 +382,9 @@ def _read_own(trainer, ckpt: str, index: dict, weights_only: bool):
             trainer.rng.load_state_tensors(own)
     elif ck.load_rng and getattr(trainer, "rng", None) is not None:  # no per-rank state: the
         trainer.rng.restart_at(step)  # streams from the loaded step, not repeating steps 1, 2, ...
-    trainer.reducer.load_state_dict({"step": index["reducer"]["step"],
+    # (a checkpoint written before skipped steps left the compression warm-up uncounted holds a
+    # step that counted them: the applied updates + 1 bound it, GradReducer.step_skipped)
+    trainer.reducer.load_state_dict({"step": min(index["reducer"]["step"], trainer.schedule_step + 1),
                                      "warmup_steps": index["reducer"].get("warmup_steps"),
                                      "residuals": {
         k[len("residual/"):]: v.to(ps.device) for k, v in own.items() if k.startswith("residual/")}})

@@ -200,3 +200,23 @@ def test_a_rank_that_cannot_read_its_part_stops_every_rank_with_one_line(tmp_pat
     want = (f"rank 1: checkpoint {tmp_path}/pp2/iter_0000002 has no tensor layers.1.mlp.fc2.weight: "
             f"it was saved from a different model (block or layer count)")
     assert lines == [want, want]
+
+
+def test_a_reducer_step_that_counted_skipped_steps_is_bounded_on_resume(tmp_path):
+    """A checkpoint written before skipped steps left the compression warm-up uncounted may hold a
+    reducer step above its applied updates + 1; resumed, the step is the applied updates + 1, so
+    compression does not start early (the bound is what GradReducer.step_skipped keeps)."""
+    base = TINY + ["--micro-batch-size", "2", "--global-batch-size", "4"]
+    trainer = Trainer(parse_args(base + ["--train-iters", "2", "--save", str(tmp_path / "ck"),
+                                         "--save-interval", "2"]))
+    trainer.train()
+    trainer.close()
+    path = tmp_path / "ck" / "iter_0000002" / "index.json"
+    index = json.loads(path.read_text())
+    assert index["reducer"]["step"] == index["schedule_step"] + 1 == 3
+    index["reducer"]["step"] = 5     # as if two skipped steps had been counted
+    path.write_text(json.dumps(index))
+    trainer = Trainer(parse_args(base + ["--train-iters", "3", "--load", str(path.parent)]))
+    trainer.train()
+    assert trainer.reducer.step == 4   # 3 loaded, then step 3 applied
+    trainer.close()
