@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import kernels  # noqa: E402
 from benchmarks.common import BenchParser, at_least  # noqa: E402
+from engine.device.runtime import PRECISION_DTYPES as DTYPES  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _sync(device: torch.device) -> None:

@@ -40,6 +40,7 @@ from engine.checkpoint.index import (CheckpointError, intact_hint, read_index, r
                                      is_weight_key)
 from engine.checkpoint.tensor_reader import TensorReader
 from engine.checkpoint.hf_moe import export_family, export_moe_config, export_moe_layer
+from engine.device.runtime import PRECISION_DTYPES as DTYPES
 
 
 def split_qkv(w: torch.Tensor, heads: int, groups: int | None = None) -> tuple[torch.Tensor, ...]:
@@ -171,9 +172,6 @@ def check_out_dir(flag: str, path: str, overwrite: bool) -> None:
         shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
         raise ConfigError(f"{flag} {path} is not empty (it holds {shown}): choose a new directory, "
                           f"or add --overwrite to replace what is there")
-
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def saved_dtype(index: dict) -> torch.dtype:

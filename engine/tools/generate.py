@@ -30,9 +30,7 @@ from models.gpt import GPTChunk
 from parallel.grid.state import ParallelState
 from kernels.dispatch import ALL_FUSED, KernelPaths
 from parallel.tensor_parallel import Initializer
-
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from engine.device.runtime import PRECISION_DTYPES as DTYPES
 
 
 def load_model(path: str, registry=None, device: str = "cpu",

@@ -13,8 +13,6 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.base import ConfigError
 from engine.config.digest import resolved_flags
 from engine.config.schema import RunConfig
@@ -61,8 +59,8 @@ from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer, set_tp_comm_overlap
 from parallel.tensor_parallel.overlap_fused import probe_mode
 from parallel.grads.weight_grad import WeightGradStore, attach_weight_grad_store
+from engine.device.runtime import PRECISION_DTYPES as DTYPES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class TrainingDiverged(RunDiverged):

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from engine.base import ConfigError, unwritable
 from engine.config.schema import RunConfig
 from engine.observe.dashboards import missing_packages
 from engine.data.blend import parse_data_path
 from engine.data.packing import PackingConfig
 from engine.data.tokenizer import strip_data_suffix
-from engine.device.runtime import BACKENDS, available_memory, detect_device_type
+from engine.device.runtime import (BACKENDS, PRECISION_DTYPES, available_memory,
+                                   detect_device_type)
 from engine.training.lr_schedule import learning_rate
 from engine.training.memory_check import NO_FIGURE, memory_problem
 from engine.config.unused_flags import compression_notes, unused_flag_notes
@@ -162,7 +161,7 @@ def _experts_loop(cfg: RunConfig, kind: str) -> str | None:
     from kernels.grouped_gemm import TORCH_GROUPED_MM_DTYPES
     if not cfg.model.moe_grouped_gemm:
         return "--no-moe-grouped-gemm runs the experts as a loop"
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision.precision]
+    dtype = PRECISION_DTYPES[cfg.precision.precision]
     if kind in TORCH_GROUPED_MM_DTYPES and dtype not in TORCH_GROUPED_MM_DTYPES[kind]:
         takes = ", ".join(str(d).removeprefix("torch.") for d in TORCH_GROUPED_MM_DTYPES[kind])
         return (f"torch._grouped_mm takes {takes} on {kind}, not --precision "

@@ -86,14 +86,14 @@ class LocalVariance:
         it is a gradient at the current weights)."""
         new = (self.sq * beta2).addcmul_(grad, grad, value=(1 - beta2) * inv_scale * inv_scale)
         finite = torch.isfinite(new).all()
-        self.sq.copy_(torch.where(finite, new, self.sq))
-        self.count.add_(finite.to(torch.int64))
+        torch.where(finite, new, self.sq, out=self.sq)
+        self.count.add_(finite)
 
     def corrected(self, beta2: float) -> torch.Tensor:
-        """The EMA bias-corrected by its count (as it is while nothing was taken in)."""
-        taken = self.count > 0
+        """The EMA bias-corrected by its count (zeros while nothing was taken in: the clamp keeps
+        0 / 0 from arising)."""
         bias = 1 - torch.pow(beta2, self.count.to(torch.float32))
-        return torch.where(taken, self.sq / torch.where(taken, bias, torch.ones_like(bias)), self.sq)
+        return self.sq / bias.clamp_min(torch.finfo(torch.float32).tiny)
 
     def average(self, group, beta2: float, sharded: bool) -> torch.Tensor:
         """The bias-corrected statistics averaged over ``group``: the full bucket (every rank the
