@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import kernels  # noqa: E402
 from benchmarks.common import BenchParser, at_least  # noqa: E402
-from engine.device.runtime import PRECISION_DTYPES as DTYPES  # noqa: E402
+from engine.config.schema import PRECISION_DTYPES as DTYPES  # noqa: E402
 
 
 

@@ -40,7 +40,7 @@ from engine.checkpoint.index import (CheckpointError, intact_hint, read_index, r
                                      is_weight_key)
 from engine.checkpoint.tensor_reader import TensorReader
 from engine.checkpoint.hf_moe import export_family, export_moe_config, export_moe_layer
-from engine.device.runtime import PRECISION_DTYPES as DTYPES
+from engine.config.schema import PRECISION_DTYPES as DTYPES
 
 
 def split_qkv(w: torch.Tensor, heads: int, groups: int | None = None) -> tuple[torch.Tensor, ...]:

@@ -9,6 +9,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.config.parallel import ParallelConfig
 from engine.config.fp8 import check_fp8_flags
 from engine.config.sharding import check_sharding_flags
@@ -16,6 +18,8 @@ from models.config import GPTConfig, check_finite
 from parallel.grid.expert_groups import ExpertGrid
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+# the torch dtype of each --precision (the model, its parameters and activations)
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP8_FORMATS = ("e4m3", "hybrid")       # kernels/fp8.py FORMATS
 FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")  # kernels/fp8.py RECIPES
 COMPRESSORS = ("none", "int8", "topk", "onebit")

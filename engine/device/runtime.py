@@ -21,9 +21,6 @@ import torch
 from engine.device.chips import npu_kernel_paths, overflow_mode
 from kernels.dispatch import ALL_FUSED, KernelPaths, import_torch_npu
 
-# the torch dtype of each --precision (the model, its parameters and activations)
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 
 

@@ -30,7 +30,7 @@ from models.gpt import GPTChunk
 from parallel.grid.state import ParallelState
 from kernels.dispatch import ALL_FUSED, KernelPaths
 from parallel.tensor_parallel import Initializer
-from engine.device.runtime import PRECISION_DTYPES as DTYPES
+from engine.config.schema import PRECISION_DTYPES as DTYPES
 
 
 def load_model(path: str, registry=None, device: str = "cpu",

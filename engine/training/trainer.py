@@ -59,7 +59,7 @@ from parallel.grid.state import ParallelState
 from parallel.tensor_parallel import Initializer, set_tp_comm_overlap
 from parallel.tensor_parallel.overlap_fused import probe_mode
 from parallel.grads.weight_grad import WeightGradStore, attach_weight_grad_store
-from engine.device.runtime import PRECISION_DTYPES as DTYPES
+from engine.config.schema import PRECISION_DTYPES as DTYPES
 
 
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 
 from engine.base import ConfigError, unwritable
-from engine.config.schema import RunConfig
+from engine.config.schema import PRECISION_DTYPES, RunConfig
 from engine.observe.dashboards import missing_packages
 from engine.data.blend import parse_data_path
 from engine.data.packing import PackingConfig
 from engine.data.tokenizer import strip_data_suffix
-from engine.device.runtime import (BACKENDS, PRECISION_DTYPES, available_memory,
-                                   detect_device_type)
+from engine.device.runtime import BACKENDS, available_memory, detect_device_type
 from engine.training.lr_schedule import learning_rate
 from engine.training.memory_check import NO_FIGURE, memory_problem
 from engine.config.unused_flags import compression_notes, unused_flag_notes
