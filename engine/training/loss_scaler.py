@@ -143,9 +143,10 @@ def apply_grad_stats(optimizer, scaler, found: float, norm_sq: float, clip_grad:
     update, skip or clip. Every rank holds the same values, so every rank decides the same.
 
     ``clip_grad <= 0`` measures the norm without clipping. With a ``reducer`` whose compressors keep
-    error-feedback residuals, those are dropped after a skipped step (which the reducer's step
-    counter does not count: ``step_skipped``) and rescaled when the loss scale grows. A non-finite
-    norm skips the step too (clipping would not save it).
+    error-feedback residuals, a skipped step's exchanges are undone (the residuals it started from
+    come back, and the reducer's step counter does not count it: ``step_skipped``), an applied
+    step's are committed, and the residuals follow the loss scale when it changes (they are in
+    its units). A non-finite norm skips the step too (clipping would not save it).
     """
     scale = scaler.scale
     norm = math.sqrt(norm_sq) if norm_sq >= 0 else float("nan")
@@ -153,7 +154,9 @@ def apply_grad_stats(optimizer, scaler, found: float, norm_sq: float, clip_grad:
     if reducer is not None:
         if skipped:
             reducer.step_skipped()
-        elif scaler.scale != scale:
+        else:
+            reducer.step_applied()
+        if scaler.scale != scale:
             reducer.rescale_residuals(scaler.scale / scale)
     if skipped:
         return StepCheck(True, None, scale)

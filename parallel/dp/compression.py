@@ -25,6 +25,11 @@ step's buffer; in phase 2 the owner keeps what its re-compression dropped in ``o
 Summed over steps, outputs plus all residuals equal the inputs exactly: nothing is lost, only
 delayed. Every rank ends with bit-identical results (the last phase is an exact all-gather).
 
+A skipped step (an overflow, a non-finite gradient) must not cost the mass still pending: an
+exchange writes its new residuals into new tensors and keeps the ones it started from until the
+step's outcome is known (``commit`` drops them, ``reset`` puts them back). That costs no extra
+copy, and no memory between steps: both are held only from the exchange to the step's check.
+
 - Int8: symmetric per-chunk quantization, one fp32 scale per ``chunk_size`` values:
   bytes ~ (1 + 4/chunk) / 4 = 0.254 x.
 - Top-k: the k = ratio * m largest magnitudes of each shard as (int32 index, bf16 value):
@@ -87,6 +92,7 @@ class Compressor:
     def __init__(self) -> None:
         self.residual: torch.Tensor | None = None          # (n,) what this rank has not sent yet
         self.owner_residual: torch.Tensor | None = None    # (m,) unsent part of my shard's sum
+        self._before: tuple | None = None    # (residual, owner_residual) this step's exchange began with
 
     # ---- state ---------------------------------------------------------------------------------
     def allocate(self, n: int, p: int, sharded: bool, device) -> None:
@@ -122,16 +128,39 @@ class Compressor:
                     raise ValueError(f"{self.name} compressor: saved {key} has shape "
                                      f"{list(state[key].shape)}, this layout needs {list(mine.shape)}")
                 setattr(self, key, state[key].clone())
+        self._before = None
+
+    def _residual_tensors(self) -> list[torch.Tensor]:
+        """The error-feedback residuals, in the gradient buffer's (loss-scaled) units."""
+        return [t for t in (self.residual, self.owner_residual) if t is not None]
 
     def rescale_(self, factor: float) -> None:
-        """Multiply the residuals by ``factor`` (the loss scale changed)."""
-        for t in self.state_tensors():
+        """Multiply the residuals by ``factor`` (the loss scale changed; after the step's
+        ``commit`` or ``reset``)."""
+        for t in self._residual_tensors():
             t.mul_(factor)
 
-    def reset(self) -> None:
-        """Zero the residuals (after a skipped step they may hold non-finite values)."""
-        for t in self.state_tensors():
+    def clear(self) -> None:
+        """Zero the residuals (a checkpoint's logical residuals are folded in next)."""
+        for t in self._residual_tensors():
             t.zero_()
+        self._before = None
+
+    def commit(self) -> None:
+        """The step is applied: the residuals it started from are not needed any more."""
+        self._before = None
+
+    def reset(self) -> None:
+        """The step is skipped (its gradient may be non-finite): the residuals go back to what
+        this step's exchange started from, so the mass pending from the steps before is kept."""
+        if self._before is not None:
+            self.residual, self.owner_residual = self._before
+            self._before = None
+
+    def _begin_exchange(self) -> None:
+        """Keep the residuals this step starts from (an earlier exchange not committed is
+        committed now: nothing can undo it any more)."""
+        self._before = (self.residual, self.owner_residual)
 
     # ---- exchanges -----------------------------------------------------------------------------
     def all_reduce_(self, flat: torch.Tensor, group) -> None:
@@ -148,7 +177,7 @@ class Compressor:
         self.owner_phase = True                                  # (top-k's owner density, dgc.py)
         try:
             packed, sent = self._encode(shard.unsqueeze(0))
-            self.owner_residual.copy_((shard - sent[0])[:m])
+            self.owner_residual = (shard - sent[0])[:m].clone()
             gathered = torch.empty(p, packed.shape[1], dtype=torch.uint8, device=flat.device)
             group.all_gather_into(gathered, packed)
             flat.copy_(_unrows(self._decode(gathered, shard.numel()), n))
@@ -172,7 +201,8 @@ class Compressor:
         width = self._width(math.ceil(n / p))
         x = _rows(flat, p, width) + _rows(self.residual, p, width)
         packed, sent = self._encode(x)
-        self.residual.copy_(_unrows(x - sent, n))
+        self._begin_exchange()
+        self.residual = _unrows(x - sent, n).clone()       # (the old one is kept: reset)
         self._sent(sent, n)
         recv = torch.empty_like(packed)
         group.all_to_all_single(recv.view(-1), packed.view(-1))

@@ -7,8 +7,9 @@ like the bucket. It is seeded from the optimizer's exp_avg when compression star
 checkpoint is loaded onto another layout (``set_momentum``; under ZeRO each rank holds only its
 shard of exp_avg, ``set_momentum_shard``, and the first exchange all-gathers the shards on the
 exchange's communicator); on the same layout the saved tensor is restored exactly. A skipped step
-(overflow) puts back the momentum of the step before (``reset``); a step run again from its start
-(``--rerun-on-anomaly``) gets the momentum and the seed shard it started from (``rerun_state``).
+(overflow) puts back the momentum of the step before (``reset``), as the base class puts back the
+residuals; a step run again from its start (``--rerun-on-anomaly``) gets the momentum and the seed
+shard it started from (``rerun_state``).
 """
 from __future__ import annotations
 
@@ -65,18 +66,9 @@ class MomentumState:
         self.momentum, self._seed_shard = (None if t is None else t.clone() for t in state)
         self._previous, self._can_undo = None, False
 
-    def _residual_tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.residual, self.owner_residual) if t is not None]
-
-    def rescale_(self, factor: float) -> None:
-        """Only the residuals live in the gradient buffer's scaled units; the momentum is unscaled."""
-        for t in self._residual_tensors():
-            t.mul_(factor)
-
     def reset(self) -> None:
-        """After a skipped step: drop the residuals and put back the momentum of the step before."""
-        for t in self._residual_tensors():
-            t.zero_()
+        """After a skipped step: the residuals and the momentum of the step before come back."""
+        super().reset()
         if self._can_undo:
             self.momentum, self._previous = self._previous, self.momentum
             self._can_undo = False

@@ -52,23 +52,31 @@ class CompressedSide:
             if bucket.compressor is not None:
                 bucket.compressor.rescale_(factor)
 
-    def reset_residuals(self) -> None:
-        """Drop error-feedback residuals (after a skipped step they may hold inf/nan) and a refresh
-        computed this step. The local statistics stay: a non-finite gradient never entered them
-        (variance.py ``update_``), and wiping them made the next refresh, which a skipped refresh
-        step retries at once, replace Adam's v by one sample."""
+    def step_applied(self) -> None:
+        """The step just finished is applied: the residuals its exchanges started from are
+        dropped (compression.py ``commit``)."""
+        for bucket in self.buckets:
+            if bucket.compressor is not None:
+                bucket.compressor.commit()
+
+    def step_skipped(self) -> None:
+        """The step just finished is not applied (an overflow, a non-finite gradient): its
+        exchanges are undone and the step counter goes back.
+
+        - The error-feedback residuals (and the momentum of 1-bit Adam and DGC) go back to what
+          the step started from: the new ones may hold inf/nan, and zeroing them would drop the
+          mass still pending from the steps before (top-k's unsent values, many steps' worth).
+        - A refresh computed this step is dropped. The local statistics stay: a non-finite
+          gradient never entered them (variance.py ``update_``), and wiping them made the next
+          refresh, which a skipped refresh step retries at once, replace Adam's v by one sample.
+        - The warm-up, the variance-refresh schedule and top-k's density ramp count applied
+          updates, as the optimizer's own step does: a skipped warm-up step counted would start
+          compression on a second moment that no update has set (frozen Adam dividing by eps).
+        """
         for bucket in self.buckets:
             if bucket.compressor is not None:
                 bucket.compressor.reset()
         self.refreshed = {}
-
-    def step_skipped(self) -> None:
-        """The step just finished is not applied (an overflow, a non-finite gradient): its
-        residuals and local statistics are dropped (they may hold inf/nan), and the step counter
-        goes back. The warm-up, the variance-refresh schedule and top-k's density ramp count
-        applied updates, as the optimizer's own step does: a skipped warm-up step counted would
-        start compression on a second moment that no update has set (frozen Adam dividing by eps)."""
-        self.reset_residuals()
         self.step -= 1
 
     def state_dict(self) -> dict:

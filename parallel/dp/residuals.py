@@ -92,7 +92,7 @@ def fold_logical_residuals(reducer, ps, read, kind: str = "residual") -> None:
             continue
         if c is None or c.residual is None:
             continue
-        c.reset()
+        c.clear()
         _fold(reducer, ps, b, c.residual, read, (b.group or reducer.group).size)
 
 

@@ -124,6 +124,9 @@ class _Residuals:
     def step_skipped(self):
         self.calls.append("skipped")
 
+    def step_applied(self):
+        self.calls.append("applied")
+
     def rescale_residuals(self, factor):
         self.calls.append(factor)
 
@@ -138,6 +141,11 @@ def test_constant_scaler_and_serial_unscale_and_check():
     check = unscale_and_check(opt, scaler, clip_grad=1.0, reducer=residuals)
     assert not check.skipped and check.loss_scale == 4.0 and check.grad_norm == pytest.approx(5.0)
     torch.testing.assert_close(p.grad, torch.tensor([0.6, 0.8, 0.0]) / (1 + 2e-7), rtol=1e-6, atol=0)
-    assert scaler.scale == 8.0 and residuals.calls == [2.0]
+    assert scaler.scale == 8.0 and residuals.calls == ["applied", 2.0]
     p.grad = torch.tensor([float("nan"), 0.0, 0.0])
-    assert unscale_and_check(opt, scaler, reducer=residuals).skipped and residuals.calls[-1] == "skipped"
+    assert unscale_and_check(opt, scaler, reducer=residuals).skipped      # hysteresis: no backoff
+    assert scaler.scale == 8.0 and residuals.calls[2:] == ["skipped"]
+    p.grad = torch.tensor([float("nan"), 0.0, 0.0])
+    assert unscale_and_check(opt, scaler, reducer=residuals).skipped
+    # the residuals put back are in the units of the scale before the backoff
+    assert scaler.scale == 4.0 and residuals.calls[3:] == ["skipped", 0.5]

@@ -115,6 +115,13 @@ def check_topk(ps) -> None:
     torch.testing.assert_close(sent + residual + owner, truth, rtol=1e-5, atol=1e-4)
     assert (residual + owner).abs().max() > 1.0                        # it really held values back
     assert set(comp.state_dict()) == {"residual", "owner_residual"}
+    # a skipped step (a non-finite gradient) gets the pending residuals back, not zeros
+    held = comp.residual.clone(), comp.owner_residual.clone()
+    comp.all_reduce_(torch.full((N,), float("nan")), ps.dp_group)
+    comp.reset()
+    assert torch.equal(comp.residual, held[0]) and torch.equal(comp.owner_residual, held[1])
+    comp.reset()                                                       # nothing more to undo
+    assert torch.equal(comp.residual, held[0])
 
 
 def check_sharded_exchanges(ps) -> None:

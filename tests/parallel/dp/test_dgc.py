@@ -1,8 +1,8 @@
 """Top-k of the momentum (parallel/dp/dgc.py, Deep Gradient Compression after the warm-up): the
 exchange against a hand computation on 2 and 4 ranks (local clipping, momentum correction, top-k
 per shard, factor masking, the owner's re-selection), error feedback over several steps, the
-ZeRO form, the sparsity warm-up's densities and message sizes, a skipped step, and the optimizer
-stepping with the exchanged momentum under no ZeRO, ZeRO-1 and ZeRO-2."""
+ZeRO form, the sparsity warm-up's densities and message sizes, a skipped step (undone: the run
+ends where the run without it does), and the optimizer stepping with the exchanged momentum under no ZeRO, ZeRO-1 and ZeRO-2."""
 from __future__ import annotations
 
 import math
@@ -117,12 +117,15 @@ def check_exchange(ps) -> None:
     owner = torch.cat(gather_tensors(ps.dp_group, comp.owner_residual))[:N]
     torch.testing.assert_close(delivered + res + owner, wanted, rtol=1e-5, atol=1e-4)
     assert (res + owner).abs().max() > 0.1 * wanted.abs().max()     # much is still pending
-    # a skipped step puts the velocity back and drops the residuals
+    # a skipped step puts the velocity and the pending residuals back (nothing is lost)
     before = comp.momentum.clone()
+    held = comp.residual.clone(), comp.owner_residual.clone()
     comp.prepare_step(6, 3, CLIP)
     comp.all_reduce_(torch.full((N,), float("inf")), ps.dp_group)
+    assert not torch.isfinite(comp.residual).all()
     comp.reset()
-    assert torch.equal(comp.momentum, before) and float(comp.residual.abs().sum()) == 0
+    assert torch.equal(comp.momentum, before)
+    assert torch.equal(comp.residual, held[0]) and torch.equal(comp.owner_residual, held[1])
 
 
 def check_zero_form(ps) -> None:
@@ -190,10 +193,55 @@ def check_optimizers(ps) -> None:
     assert torch.equal(finals[1], finals[2])
 
 
+def check_skipped_step_is_no_step(ps) -> None:
+    """A step whose gradient is not finite, skipped by the real loss scaler's check, leaves no
+    trace: the run with it ends bit for bit where the run without it does, under no ZeRO and
+    ZeRO-2. The residuals then hold many steps' unsent values, which a skip must not drop (it
+    zeroed them once; the runs then differ)."""
+    from engine.training.loss_scaler import DynamicLossScaler, unscale_and_check
+    lr, steps, bad = 0.01, 6, 4
+    policy = {"default": {"compressor": "topk", "ratio": 0.02}, "warmup_steps": 1,
+              "variance_refresh": "off", "sparsity_warmup_steps": 0}
+    for stage in (0, 2):
+        finals = []
+        for skip in (False, True):
+            model = Linear(N)
+            reducer = GradReducer(model, ps, compression_policy=policy)
+            # hysteresis 2: one overflow keeps the scale, so both runs see the same scale
+            scaler = DynamicLossScaler(init_scale=SCALE, growth_interval=1000, hysteresis=2)
+            reducer.loss_scaler = scaler
+            cls = DistributedOptimizer if stage else MixedPrecisionOptimizer
+            opt = cls([("w", model.w)], reducer, ps, lr=lr,
+                      **({"zero_stage": stage} if stage else {}))
+            batches = [rank_grad(ps.dp_rank, step) for step in range(1, steps + 1)]
+            if skip:
+                batches.insert(bad, torch.full((N,), float("nan") if ps.dp_rank else 1.0))
+            pending = []
+            for c in batches:
+                opt.zero_grad()
+                reducer.set_last_microbatch(True)
+                (model(c) * scaler.scale).backward()
+                reducer.finish()
+                check = unscale_and_check(opt, scaler, reducer=reducer)
+                if check.skipped:
+                    opt.skipped_step()
+                    continue
+                opt.step(lr)
+                if stage:
+                    opt.finish_param_gather()
+                pending.append(float(reducer.buckets[0].compressor.residual.abs().sum()))
+            assert reducer.step == steps + 1 and scaler.scale == SCALE     # (1-based)
+            assert min(pending[1:]) > 0                      # the residuals held values back
+            finals.append((model.w.detach().clone(), full_state(ps, opt, stage, "exp_avg", N)))
+            reducer.remove_hooks()
+        assert torch.equal(finals[0][0], finals[1][0]) and torch.equal(finals[0][1], finals[1][1])
+
+
 def all_checks(ps) -> bool:
     check_exchange(ps)
     check_zero_form(ps)
     check_optimizers(ps)
+    check_skipped_step_is_no_step(ps)
     return True
 
 
