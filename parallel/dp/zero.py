@@ -244,6 +244,13 @@ class DistributedOptimizer(_GradAccess):
                                    self.master[off:off + n].to(b.param_dtype))
                                   for b, off, n, _ in self._shards])
 
+    def skipped_step(self) -> None:
+        """No update, and what ``step`` does besides it: every gather waited for and, under ZeRO-3,
+        every bucket still gathered (the root unit's, kept from the forward to the step) freed,
+        so a skip leaves no parameter storage alive between steps either."""
+        self.finish_param_gather()
+        super().skipped_step()
+
     def _seed_momentum(self, buckets) -> None:
         """1-bit buckets (onebit.py): hand this rank's exp_avg shard to the compressor, whose next
         exchange all-gathers the shards into the full momentum."""

@@ -15,7 +15,8 @@ are computed beside the rest by the plain serial code, never by a re-implementat
   violation; the same gpt2 run with the gather's wait left out is caught, and so is a bucket
   freed (resized away) while its gather is still in flight.
 - Offload, under the checker: a step skipped for a NaN (bf16, no clipping: nothing waited for
-  the gradients' copies down) leaves the next step's reduce-scatter ordered after those copies.
+  the gradients' copies down) leaves the next step's reduce-scatter ordered after those copies,
+  and no bucket gathered.
 - Offload: ``--optimizer-cpu-offload`` (its host vectors in chunks of 2 KiB, several per vector:
   parallel/dp/host_flat.py) trains bit for bit the model it trains without, under
   ZeRO-3 and (a fraction 0.5, TP with SP) ZeRO-1: on this CPU host and device memory are the same,
@@ -40,6 +41,7 @@ from engine.base import ConfigError
 from engine.config.cli import parse_args
 from engine.observe.faults import GradFault
 from engine.training.trainer import Trainer, TrainingDiverged
+from parallel.dp.zero import DistributedOptimizer
 from parallel.grid.launch import LaunchEnv
 from parallel.runtime import streams
 from parallel.grid.state import ParallelState
@@ -192,10 +194,23 @@ def _group_checks(ckpt: str) -> dict:
     out["free in flight planted"] = _free_in_flight(True)
     # a NaN skips step 1 before anything waits for its gradients' copies down: the next step's
     # reduce-scatter must still be ordered after them
-    out["checked offload skip"] = _checked(
-        BLOCKS["gpt2"] + OFFLOAD + ["--precision", "bf16", "--clip-grad", "0", "--train-iters", "3"],
-        fault=GradFault(rank=1, step=1, param="layers.1.mlp.fc2.weight"))
+    out["gathered after skip"] = []
+    with _gathered_after_skips(out["gathered after skip"]):
+        out["checked offload skip"] = _checked(
+            BLOCKS["gpt2"] + OFFLOAD + ["--precision", "bf16", "--clip-grad", "0",
+                                        "--train-iters", "3"],
+            fault=GradFault(rank=1, step=1, param="layers.1.mlp.fc2.weight"))
     return out
+
+
+def _gathered_after_skips(seen: list):
+    """Record the buckets still gathered after each skipped step."""
+    real = DistributedOptimizer.skipped_step
+
+    def skipped_step(self):
+        real(self)
+        seen.append(list(self.param_gather.gathered))
+    return mock.patch.object(DistributedOptimizer, "skipped_step", skipped_step)
 
 
 SERIAL = {2: ["dense"], 3: ["deep", "moe"]}   # rank: the serial runs it does
@@ -332,6 +347,13 @@ def test_a_bucket_freed_while_its_gather_writes_it_is_caught(results):
 def test_a_skipped_step_orders_the_next_reduction_after_its_copies_down(results):
     for rank in range(4):
         assert results[rank]["checked offload skip"] == []
+
+
+def test_a_skipped_step_frees_every_gathered_bucket(results):
+    """The root unit's buckets, gathered from the forward to the step, are freed by a skip too
+    (they were kept into the next step once)."""
+    for rank in range(4):
+        assert results[rank]["gathered after skip"] == [[]]
 
 
 def test_a_read_before_its_gather_is_caught(results):
