@@ -117,7 +117,10 @@ class MoELayer(nn.Module):
         # each of its sequences (TP under sequence parallelism, CP)
         self.token_groups = (ps.tp_group,) if self.tp_split else ()
         self.seq_groups = self.token_groups + ((ps.cp_group,) if ps.cp_size > 1 else ())
-        self.aux_grad_scale = 1.0   # set per step: models.moe.stats.set_aux_grad_scale
+        # the balancing losses' gradient factor, set per step (set_aux_grad_scale): a 0-d tensor
+        # refilled in place, so a compiled graph reads it as an input, whatever the loss scale
+        self.register_buffer("aux_grad_scale", torch.ones((), dtype=torch.float32),
+                             persistent=False)
         self.totals: MoETotals | None = None  # the forwards' figures: reset_totals, totals.py
         # the split sizes' one host read under EP, on the model's one side stream per device
         self.host_reader = ctx.host_reader
@@ -259,6 +262,17 @@ class MoELayer(nn.Module):
                 self.reset_totals()
             self.totals.add(aux, z, load, dropped)
         return out
+
+    def set_aux_grad_scale(self, scale: float) -> None:
+        """The balancing losses' gradient factor from now on (outside any compiled graph)."""
+        self.aux_grad_scale.fill_(float(scale))
+
+    def _apply(self, fn, recurse=True):
+        """``.to(dtype)``, ``.bfloat16()``, ...: the gradient factor stays fp32."""
+        super()._apply(fn, recurse)
+        if self.aux_grad_scale.dtype != torch.float32:
+            self.aux_grad_scale = self.aux_grad_scale.float()
+        return self
 
     def reset_totals(self) -> None:
         """Zero the summed figures of earlier forwards (models/moe/totals.py), on the layer's

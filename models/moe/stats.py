@@ -24,7 +24,7 @@ def set_aux_grad_scale(chunks, scale: float) -> None:
     """At the start of a step: the balancing losses' gradient factor; zeroes the figures of
     earlier forwards (validation's, a previous step's) so they never pile up."""
     for layer in moe_layers(chunks):
-        layer.aux_grad_scale = float(scale)
+        layer.set_aux_grad_scale(scale)
         layer.reset_totals()
 
 

@@ -39,7 +39,7 @@ from parallel.runtime.comm import CommGroup
 from parallel.expert_parallel.host_read import HostReader, PendingRead, dynamic_rows
 from parallel.expert_parallel.permute import (Permutation, _WeightedScatterAddForwardGatherBackward,
                                               count_per_expert, equal_counts, gather_rows,
-                                              offsets_of)
+                                              offsets_of, passenger_scale)
 
 
 class _AllGatherForwardReduceScatterBackward(torch.autograd.Function):
@@ -184,10 +184,11 @@ def _take_rows(read: PendingRead, key: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def allgather_combine(rows: torch.Tensor, state: AllGatherState, group: CommGroup,
-                      loss: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+                      loss: torch.Tensor | None = None, scale=1.0) -> torch.Tensor:
     """(N, h) expert outputs -> (T, h): weighted and summed per gathered token, then
     reduce-scattered to the tokens' owners. ``loss`` (0-d) rides along with gradient ``scale``
     (the layer's balancing losses, as ``unpermute_tokens`` takes them)."""
+    scale = passenger_scale(loss, scale)
     out = _WeightedScatterAddForwardGatherBackward.apply(rows, state.weights, state.tokens,
                                                          state.num_gathered, loss, scale)  # (P T, h)
     return reduce_scatter_rows(out, group)                                    # (T, h)

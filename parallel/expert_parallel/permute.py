@@ -31,17 +31,26 @@ from dataclasses import dataclass
 import torch
 
 
-def _loss_grad(meta) -> torch.Tensor | None:
-    """The gradient a passenger loss gets from a combine's backward: ``scale`` in its shape and
-    dtype (``meta`` = (shape, dtype, device, scale) or None without a passenger)."""
+def _loss_grad(meta, scale: torch.Tensor | None) -> torch.Tensor | None:
+    """The gradient a passenger loss gets from a combine's backward: ``scale`` (a 0-d tensor,
+    saved with the node) in the loss's shape and dtype (``meta`` = (shape, dtype) or None
+    without a passenger)."""
     if meta is None:
         return None
-    shape, dtype, device, scale = meta
-    return torch.full(shape, scale, dtype=dtype, device=device)
+    shape, dtype = meta
+    return scale.to(dtype=dtype, copy=True).reshape(shape)
 
 
-def _loss_meta(loss: torch.Tensor | None, scale: float):
-    return None if loss is None else (loss.shape, loss.dtype, loss.device, scale)
+def passenger_scale(loss: torch.Tensor | None, scale) -> torch.Tensor | None:
+    """A passenger loss's gradient ``scale`` as a 0-d fp32 tensor on the loss's device (None
+    without a loss). models/moe/layer.py keeps that tensor per layer and refills it each step, so
+    a compiled graph takes it as an input instead of guarding on a number that changes with the
+    loss scale (a graph per value, eager past the recompile limit)."""
+    if loss is None:
+        return None
+    if not isinstance(scale, torch.Tensor):
+        scale = torch.tensor(float(scale), dtype=torch.float32, device=loss.device)
+    return scale
 
 
 class _WeightedScatterAddForwardGatherBackward(torch.autograd.Function):
@@ -50,21 +59,21 @@ class _WeightedScatterAddForwardGatherBackward(torch.autograd.Function):
     rides along: its gradient is ``scale`` (the layer's balancing losses, ``unpermute_tokens``)."""
 
     @staticmethod
-    def forward(ctx, rows, weight, index, num_tokens: int, loss=None, scale: float = 1.0):
-        # rows (R, h), weight (R,), index (R,)
-        ctx.save_for_backward(rows, weight, index)
-        ctx.loss_meta = _loss_meta(loss, scale)
+    def forward(ctx, rows, weight, index, num_tokens: int, loss=None, scale=None):
+        # rows (R, h), weight (R,), index (R,); scale: 0-d with a loss (``passenger_scale``)
+        ctx.save_for_backward(rows, weight, index, scale)
+        ctx.loss_meta = None if loss is None else (loss.shape, loss.dtype)
         dtype = torch.promote_types(rows.dtype, weight.dtype)
         out = rows.new_zeros((num_tokens, rows.shape[1]), dtype=dtype)
         return out.index_add_(0, index, rows * weight.unsqueeze(1))  # (T, h)
 
     @staticmethod
     def backward(ctx, grad):  # (T, h)
-        rows, weight, index = ctx.saved_tensors
+        rows, weight, index, scale = ctx.saved_tensors
         g = grad.index_select(0, index)  # (R, h)
         grad_rows = (g * weight.unsqueeze(1)).to(rows.dtype)
         grad_weight = (g * rows).sum(1).to(weight.dtype)
-        return grad_rows, grad_weight, None, None, _loss_grad(ctx.loss_meta), None
+        return grad_rows, grad_weight, None, None, _loss_grad(ctx.loss_meta, scale), None
 
 
 class _GatherWeightedSumForwardScatterBackward(torch.autograd.Function):
@@ -76,19 +85,19 @@ class _GatherWeightedSumForwardScatterBackward(torch.autograd.Function):
     the expression, in one node. ``loss`` (0-d or None) rides along: its gradient is ``scale``."""
 
     @staticmethod
-    def forward(ctx, rows, weights, slots, order, loss=None, scale: float = 1.0):
-        # rows (R', h), weights (T, K), slots (T K,), order (R',) or None
+    def forward(ctx, rows, weights, slots, order, loss=None, scale=None):
+        # rows (R', h), weights (T, K), slots (T K,), order (R',) or None; scale: 0-d with a loss
         t, k = weights.shape
         w = weights.to(rows.dtype).unsqueeze(-1)                            # (T, K, 1)
         gathered = rows.index_select(0, slots).view(t, k, rows.shape[1])    # (T, K, h)
-        ctx.save_for_backward(gathered, w, slots, order)
+        ctx.save_for_backward(gathered, w, slots, order, scale)
         ctx.meta = (rows.shape[0], weights.dtype)
-        ctx.loss_meta = _loss_meta(loss, scale)
+        ctx.loss_meta = None if loss is None else (loss.shape, loss.dtype)
         return (gathered * w).sum(1)                                        # (T, h)
 
     @staticmethod
     def backward(ctx, grad):  # (T, h)
-        gathered, w, slots, order = ctx.saved_tensors
+        gathered, w, slots, order, scale = ctx.saved_tensors
         num_rows, weights_dtype = ctx.meta
         g = grad.unsqueeze(1)                                               # (T, 1, h)
         grad_rows = grad_weights = None
@@ -98,7 +107,7 @@ class _GatherWeightedSumForwardScatterBackward(torch.autograd.Function):
                 per_row.new_zeros((num_rows, grad.shape[1])).index_add_(0, slots, per_row)
         if ctx.needs_input_grad[1]:
             grad_weights = (g * gathered).sum(-1).to(weights_dtype)        # (T, K)
-        return grad_rows, grad_weights, None, None, _loss_grad(ctx.loss_meta), None
+        return grad_rows, grad_weights, None, None, _loss_grad(ctx.loss_meta, scale), None
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -197,13 +206,15 @@ def permute_padded(x: torch.Tensor, tokens: torch.Tensor, flat_index: torch.Tens
 
 
 def unpermute_tokens(rows: torch.Tensor, weights: torch.Tensor, perm: Permutation,
-                     loss: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+                     loss: torch.Tensor | None = None, scale=1.0) -> torch.Tensor:
     """(R', h) expert outputs in the permuted order (R' <= R: the kept rows alone when only they
     were sent), (T, K) router weights -> (T, h) in the rows' dtype. ``loss`` (0-d) rides along
-    with gradient ``scale`` (the layer's balancing losses: no autograd node of their own)."""
+    with gradient ``scale`` (a 0-d tensor or a number: the layer's balancing losses, no autograd
+    node of their own)."""
     t, k = perm.num_tokens, perm.topk
     w = weights if perm.keep is None else weights * perm.keep.view(t, k).to(weights.dtype)
     slots = perm.slots if rows.shape[0] >= perm.rows else perm.slots.clamp(max=rows.shape[0] - 1)
     # dropless, every row is one assignment's: the backward gathers instead of adding
     order = perm.order if perm.keep is None and rows.shape[0] == perm.rows == t * k else None
+    scale = passenger_scale(loss, scale)
     return _GatherWeightedSumForwardScatterBackward.apply(rows, w, slots, order, loss, scale)

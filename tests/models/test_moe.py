@@ -104,7 +104,7 @@ def test_balancing_losses_and_their_gradient_scale():
     grads = []
     for scale in (0.0, 1.0, 2.0):
         layer = MoELayer(cfg, ParallelState.serial(), ctx(), "layers.0.mlp")
-        layer.aux_grad_scale = scale
+        layer.set_aux_grad_scale(scale)
         layer(torch.ones(1, 4, 16) * torch.arange(16.0) / 16).sum().backward()
         grads.append(layer.router.weight.grad.clone())
     torch.testing.assert_close(grads[2] - grads[0], 2 * (grads[1] - grads[0]))

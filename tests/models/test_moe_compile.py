@@ -61,10 +61,11 @@ def test_moe_block_compiles_whole_and_matches_eager(kind, case):
 
 def test_a_step_of_many_micro_batches_is_one_graph():
     """A whole MoE chunk compiled as engine/device/compile.py compiles it (its recompile limit),
-    four micro-batches per step over two steps (set_aux_grad_scale between them): one graph, and
-    the step's figures (StepFigures.vector) equal eager's. The layer's figures used to be a list
-    appended inside the graph, whose length Dynamo guarded: a graph per micro-batch, eager past
-    the limit."""
+    four micro-batches per step over two steps (set_aux_grad_scale between them, a new loss
+    scale): one graph, and the step's figures (StepFigures.vector) equal eager's. The layer's
+    figures used to be a list appended inside the graph, whose length Dynamo guarded (a graph per
+    micro-batch, eager past the limit), and the balancing losses' gradient factor a number (a
+    graph per loss scale)."""
     from torch._dynamo.utils import counters
     from engine.device.compile import chunk_recompile_limit
     from models.moe.stats import set_aux_grad_scale
@@ -72,7 +73,7 @@ def test_a_step_of_many_micro_batches_is_one_graph():
     cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8,
                     vocab_size=64, seed=3, block="gpt2", num_experts=4, moe_router_topk=2,
                     moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3)
-    vectors = []
+    vectors, grads = [], []
     for compiled in (False, True):
         chunks = build_chunks(cfg, ParallelState.serial(),
                               LayerContext(Initializer(3, cfg.init_std)), [range(1)], [0], 1)
@@ -82,15 +83,18 @@ def test_a_step_of_many_micro_batches_is_one_graph():
             dynamo.reset()
             counters.clear()
         g = torch.Generator().manual_seed(0)
-        for _ in range(2):
-            set_aux_grad_scale(chunks, 0.25)
+        for scale in (0.25, 0.125):   # (fp16's loss scale backs off between the steps)
+            set_aux_grad_scale(chunks, scale)
             for _ in range(4):
                 tokens = torch.randint(0, 64, (2, 9), generator=g)
                 chunks[0](tokens[:, :-1], tokens[:, 1:]).mean().backward()
             vectors.append(figures.vector(chunks, 4, True, torch.device("cpu")))
+        grads.append(next(m for m in chunks[0].modules() if hasattr(m, "aux_grad_scale"))
+                     .router.weight.grad.clone())   # the balancing losses' factor reached it
         if compiled:
             assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert vectors[0][3:].sum() == 4 * 2 * 8 * 2   # every token's two choices counted once
     for eager, comp in zip(vectors[:2], vectors[2:]):
         torch.testing.assert_close(comp, eager, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
     dynamo.reset()
