@@ -219,7 +219,7 @@ class Trainer:
                 # the B/W split: the layers queue weight gradients in B, the schedule's W runs
                 # them into main_grad and tells the reducer (parallel/grads/weight_grad.py)
                 self.weight_grads = WeightGradStore(on_ready=self.reducer.grad_accumulated)
-                self.reducer.disable_grad_views()
+                self.reducer.split_weight_grads(self.weight_grads)
                 attach_weight_grad_store(list(self.chunks), self.weight_grads)
         init_ring(ps)
         self.clock = DeviceClock(self.dev.type)

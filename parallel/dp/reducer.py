@@ -18,7 +18,7 @@ the last one, a bucket's exchange is launched as soon as all its gradients are i
 overlaps the rest of backward. Buckets are launched strictly in index order (the backward order),
 so every DP rank issues the same collectives in the same sequence even if hooks fire in a slightly
 different order. Gradients are divided by dp before the sum, giving the mean. Under a zero-bubble
-schedule (``disable_grad_views``) no ``param.grad`` is a view: a backward that leaves a weight's
+schedule (``split_weight_grads``) no ``param.grad`` is a view: a backward that leaves a weight's
 gradient to W leaves ``param.grad`` unset, and the hook does not count it.
 
 Uncompressed buckets are async collectives issued from the hook. In a step where compression is
@@ -35,7 +35,8 @@ Schedules where one step runs several backward passes per parameter in an interl
 final on its n-th accumulation (``n * param.uses_per_microbatch`` for a weight two chunks of one
 rank share, the V placement's tied embedding). Zero-bubble schedules add weight gradients into
 ``main_grad`` themselves, in their W actions (parallel/grads/weight_grad.py), and report each with
-``grad_accumulated(param)``, which counts like the hook: a bucket launches when its last W ran. Parameters that receive no gradient are reduced by ``finish()``,
+``grad_accumulated(param)``, which counts like the hook, once per (micro-batch, chunk) whether B,
+W or both accumulated it (``split_weight_grads``): a bucket launches when its last W ran. Parameters that receive no gradient are reduced by ``finish()``,
 but they hold back every bucket after theirs until then: freeze them (requires_grad=False).
 
 After ``finish()`` further element-wise reductions (sequence-parallel norms over TP, tied
@@ -104,6 +105,7 @@ class GradReducer(CompressedSide):
         self.beta2 = 0.999                  # Adam's, for the local variance (set by the optimizer)
         self.loss_scaler = None             # the trainer's (its .scale); local variance unscaled by it
         self.local_clip = 0.0               # the trainer's clipping norm, for top-k's local clip
+        self._split = None                  # the B/W split's WeightGradStore (split_weight_grads)
         self.names = {p: n for n, p in named}
 
         elem = torch.empty((), dtype=grad_dtype).element_size()
@@ -165,14 +167,17 @@ class GradReducer(CompressedSide):
             for p in self._aliased:
                 p.grad = p.main_grad
 
-    def disable_grad_views(self) -> None:
-        """Stop pointing ``param.grad`` at ``main_grad``: for the B/W split, whose backward leaves
-        a deferred weight's ``param.grad`` unset (the hook must see that, and not count it) and
-        whose W accumulates into ``main_grad`` itself."""
+    def split_weight_grads(self, store) -> None:
+        """The B/W split (parallel/grads/weight_grad.py): ``store``'s W actions accumulate into
+        ``main_grad`` themselves and tell ``grad_accumulated``. ``param.grad`` stops pointing at
+        ``main_grad`` (a backward that defers a weight leaves it unset: the hook must see that, and
+        not count it), and a gradient autograd accumulates while B captures is noted with the
+        store, which counts it once with that (micro-batch, chunk)'s W."""
         for p in self._aliased:
             if p.grad is p.main_grad:
                 p.grad = None
         self._aliased = []
+        self._split = store
 
     # ---- configuration by the optimizer ---------------------------------------------------------
     def shard(self, stage: int) -> None:
@@ -309,22 +314,31 @@ class GradReducer(CompressedSide):
             # autograd runs the hook with no gradient when a backward returned None for the
             # parameter: a layer that left its weight gradient to a W action
             return
+        if self._split is not None and self._split.capturing:
+            self._take_grad(param)     # counted once, with this B's W (split_weight_grads)
+            self._split.note(param)
+            return
         self.grad_accumulated(param)
 
-    def grad_accumulated(self, param: torch.nn.Parameter) -> None:
-        """One more gradient of ``param`` is in its ``main_grad`` (the hook's add, or a W action's
-        accumulation; a gradient left in ``param.grad``, as when ZeRO-2 had freed the bucket's
-        storage, is moved into it first): count it, and launch its bucket once every parameter of
-        it is final."""
+    def _take_grad(self, param: torch.nn.Parameter) -> None:
+        """A gradient left in ``param.grad`` (not accumulated in place, as when ZeRO-2 had freed
+        the bucket's storage) into ``main_grad``."""
         if self._finished:
             raise RuntimeError("GradReducer: backward after finish(); call zero_grad() to start a step")
-        bucket = self._bucket_of[param]
         grad = param.grad
-        if grad is not None and grad is not param.main_grad:   # (not accumulated in place)
+        if grad is not None and grad is not param.main_grad:
+            bucket = self._bucket_of[param]
             if bucket.storage is None and bucket.shard is not None:
                 bucket.ensure_storage()                    # ZeRO-2/3: first gradient of the step
             param.main_grad.add_(grad)
             param.grad = None
+
+    def grad_accumulated(self, param: torch.nn.Parameter) -> None:
+        """One more gradient of ``param`` is in its ``main_grad`` (the hook's add, or a W action's
+        accumulation, once per (micro-batch, chunk)): count it, and launch its bucket once every
+        parameter of it is final."""
+        self._take_grad(param)
+        bucket = self._bucket_of[param]
         count = self._counts[param] = self._counts.get(param, 0) + 1
         final = self._num_mb is not None and \
             count >= self._num_mb * getattr(param, "uses_per_microbatch", 1)

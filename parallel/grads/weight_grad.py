@@ -11,7 +11,12 @@ keep the tensors they need (the layer's saved input and its output gradient) unt
 A closure accumulates straight into the parameter's fp32 ``main_grad`` (the DP reducer's buffer,
 parallel/dp/buffers.py: gradient-accumulation fusion, no ``param.grad`` to copy), or into
 ``param.grad`` for a parameter without one, and the store then tells ``on_ready(param)`` (the
-reducer's ``grad_accumulated``) once per W action, so a bucket is launched when its last W has run.
+reducer's ``grad_accumulated``) once per W action, after the last closure of that W that
+accumulates it, so a bucket is launched when its last W has run. A parameter that also gets a
+gradient from autograd in B (a block that reads an engine layer's weight directly besides calling
+the layer) is ``note``d by the reducer's hook while B captures, not counted there: it counts once
+for its (micro-batch, chunk), with its W. Counted twice, it looked final after half the
+micro-batches, and its bucket was reduced before its last W had added its share.
 
 Without a capturing store (every other schedule, pp=1, validation) the same Functions compute the
 weight gradients inside B and return them to autograd, exactly as a plain layer does. A module with
@@ -49,6 +54,7 @@ class WeightGradStore:
         self.accumulated_hooks: list[Callable[[object, torch.nn.Parameter], None]] = []
         self._key = None
         self._queues: dict = {}
+        self._noted: dict = {}     # key -> {id: param} autograd accumulated in that key's B
 
     @property
     def capturing(self) -> bool:
@@ -80,20 +86,33 @@ class WeightGradStore:
         self._queues[self._key].append((fn, tuple(params), token))
         return True
 
+    def note(self, param: torch.nn.Parameter) -> None:
+        """While B captures: autograd accumulated ``param``'s gradient (the reducer's hook); it is
+        told to ``on_ready`` with this key's W, once, whatever closures it also has."""
+        self._noted.setdefault(self._key, {})[id(param)] = param
+
     def run(self, key) -> int:
         """Run the closures queued under ``key`` in the order they were queued (the backward's
-        order), then tell ``on_ready`` about each parameter once; returns how many ran."""
+        order); each parameter is told to ``on_ready`` once, after the last closure that
+        accumulates it (a parameter only noted in B: first, its gradient is complete). Returns
+        how many ran."""
         queue = self._queues.pop(key, [])
-        told: set[int] = set()
+        noted = self._noted.pop(key, {})
+        last = {id(p): i for i, (_, params, _) in enumerate(queue) for p in params}
+        if self.on_ready is not None:
+            for i, p in noted.items():
+                if i not in last:
+                    self.on_ready(p)
         ran = len(queue)
-        while queue:
-            fn, params, token = queue.pop(0)
+        for i in range(ran):
+            fn, params, token = queue[i]
+            queue[i] = None
             with torch.no_grad():  # outside autograd's backward: record nothing
                 fn()
             del fn, token                  # what the closure kept goes once it has run
             for p in params:
-                if id(p) not in told:
-                    told.add(id(p))
+                if last.get(id(p)) == i:
+                    del last[id(p)]
                     for hook in self.accumulated_hooks:
                         hook(key, p)
                     if self.on_ready is not None:
@@ -103,10 +122,12 @@ class WeightGradStore:
     @property
     def pending(self) -> list:
         """Keys whose W has not run yet."""
-        return [k for k, q in self._queues.items() if q]
+        return [k for k in dict.fromkeys([*self._queues, *self._noted])
+                if self._queues.get(k) or self._noted.get(k)]
 
     def clear(self) -> None:
         self._queues.clear()
+        self._noted.clear()
         self._key = None
 
 

@@ -21,7 +21,9 @@ Each builder returns one rank's order of compute steps, ``(kind, micro, chunk)``
   (torch/distributed/pipelining/schedules.py): it is written for ``m >= 2p - 1`` and, for smaller
   ``m``, built for ``2p - 1`` micro-batches with the ones past ``m`` left out (every ordering
   constraint survives the removal; ``validate_schedule`` checks each case). Peak activations:
-  ``2p`` (micro-batch, chunk) pairs on rank 0, each half a stage: ``p`` stages' worth, 1F1B's.
+  at most ``2p`` (micro-batch, chunk) pairs on any rank, each half a stage: ``p`` stages' worth,
+  1F1B's; rank 0 holds that many once ``m >= 2p - 1`` (below, a later rank holds the most:
+  ``p = 4, m = 4`` gives 5, 6, 7, 8 on ranks 0-3; ``in_flight_peaks`` has each rank's).
 
 Transfers (``timeline_programs``). The orders above come from a timeline in which sends never wait
 and a compute step waits only for its own input. The programs keep that: each send is posted right

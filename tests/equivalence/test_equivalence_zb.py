@@ -11,7 +11,9 @@ must equal the serial run's within fp32 tolerance, parameter by parameter (each 
 the serial gradient); fp16 with the dynamic loss scaler and bf16 under zb-v and 1F1B must follow the
 serial run in the same precision to 1e-4 (the schedule changes no rounding: the same micro-batches
 run the same GEMMs); a checkpoint saved under zb-v resumes under 1f1b and back with the serial run's
-losses. One spawned group per world size runs every layout in sequence.
+losses. A user block that reads a norm's parameters both directly and through the module (B and W
+both accumulate them) has zb-h1's reduced gradients equal 1F1B's at dp 2 with a bucket per
+parameter. One spawned group per world size runs every layout in sequence.
 """
 from __future__ import annotations
 
@@ -214,11 +216,19 @@ WORLD4 = [
 ]
 
 
+# a user block that reads a norm's weight directly and through the module (B and W both
+# accumulate it), each parameter in a bucket of its own, dp 2: the reducer counts it once per
+# micro-batch (counted twice, its bucket was reduced before the last W had added its share)
+BOTH_WAYS = ["--block", "tests.helpers.blocks:BothWaysNormBlock", "--bucket-size-mb", "0.0001"]
+
+
 def world4_group(ps) -> dict:
     out = {"layouts": [train(argv) for argv in WORLD4]}
     grads = {s: one_step_grads(layout(2, s, 2, "--sequence-parallel", tp=2))
              for s in ("1f1b", "zb-h1", "zb-v")}
     out["grads"] = grads
+    out["both ways"] = {s: one_step_grads(layout(2, s, 3, *BOTH_WAYS, dp=2))
+                        for s in ("1f1b", "zb-h1")}
     return out
 
 
@@ -231,3 +241,10 @@ def test_pp4_tp2_dp2_zero_bubble_match_serial_and_1f1b(serial):
     for schedule in ("1f1b", "zb-h1", "zb-v"):
         assert_serial_grads([r["grads"][schedule] for r in results], f"{schedule}, tp2 SP",
                             tied_copies=1 if schedule == "zb-v" else 2)
+    for rank, r in enumerate(results):   # (the reference: 1F1B, which runs no W)
+        want, got = r["both ways"]["1f1b"], r["both ways"]["zb-h1"]
+        assert set(got) == set(want)
+        for key, copies in want.items():
+            for (offsets, a), (_, b) in zip(copies, got[key]):
+                torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"both ways, rank {rank} {key}: {m}")

@@ -75,3 +75,16 @@ class Shrink(TransformerBlock):
     def _forward(self, x, inputs=None):
         return super()._forward(x, inputs)[:, :-1]
 
+
+
+class BothWaysNormBlock(TransformerBlock):
+    """A user's GPT-2 block that reads its second norm's parameters both ways: through the
+    ``Norm`` module (whose weight gradient a zero-bubble schedule leaves to W) and directly in
+    ``F.layer_norm`` (whose gradient autograd computes in B): one parameter, two accumulations per
+    micro-batch, counted once by the DP reducer."""
+
+    def _forward(self, x, inputs=None):
+        n = self.norm2
+        x = x + self.drop(self.attn(self.norm1(x), inputs))
+        side = F.layer_norm(x, x.shape[-1:], n.weight, n.bias, n.eps)          # B
+        return x + self.drop(self.mlp(n(x))) + 0.5 * side                      # W (the module)
