@@ -59,8 +59,9 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
 
 def resolve(path: str) -> str:
     """The checkpoint directory meant by ``path``: itself when it holds an index, else what
-    ``path/latest`` points at (a symlink, or a small file naming the directory), else the newest
-    complete ``iter_*`` directory under it."""
+    ``path/latest`` points at (a symlink, or a small file naming the directory; when a crash
+    came while a re-save of that step was swapped in, the complete new copy, else the old one),
+    else the newest complete ``iter_*`` directory under it."""
     if not os.path.exists(path):
         raise CheckpointError(f"{path} does not exist: pass a directory written by --save, or one "
                               f"of its iter_* directories")
@@ -74,6 +75,11 @@ def resolve(path: str) -> str:
         target = os.readlink(latest) if os.path.islink(latest) else open(latest).read().strip()
         target = os.path.join(path, target)
         if not os.path.isdir(target):
+            # a re-save of that step (a rollback's) swaps the complete new copy in by two renames,
+            # the old one aside first (writer.py ``promote``): a crash between them leaves both
+            for left in (f"{target}.tmp", f"{target}.old"):
+                if os.path.isfile(os.path.join(left, INDEX_NAME)):
+                    return left
             raise CheckpointError(f"{latest} points at {target}, which does not exist"
                                   + intact_hint(path, exclude=target))
         return target

@@ -107,7 +107,7 @@ def model_differences(saved: dict, model) -> list[tuple[str, object, object]]:
 # what the model computes beyond its shape: a run may change one only by giving it (fine-tuning
 # with another RoPE base, say); a default that differs from the checkpoint's is refused
 MODEL_FUNCTION = ("norm_eps", "rope_base", "moe_router_topk", "moe_router_score_function",
-                  "moe_router_pre_softmax")
+                  "moe_router_pre_softmax", "moe_router_enable_expert_bias")
 
 
 def function_differences(saved: dict, model, explicit,
@@ -369,11 +369,15 @@ def _read_own(trainer, ckpt: str, index: dict, weights_only: bool):
         trainer.scaler.load_state_dict(index["scaler"])
     same = all(layout.get(k) == layout_of(trainer)[k]
                for k in LAYOUT_KEYS + ("compression", "use_distributed_optimizer"))
-    own = {}
+    own, residuals_as_saved = {}, same
     if same:  # per-rank state only means something on the same rank of the same layout
         rank = index["ranks"][str(ps.rank)]
         with safe_open(os.path.join(ckpt, rank["file"]), framework="pt") as fh:
             own = {k: fh.get_tensor(k) for k in rank["own"]}
+        # the residuals also follow the buckets (--bucket-size-mb, --sequence-parallel): on
+        # others they are folded from their logical tensors, as under another layout (a
+        # checkpoint without the digest was written before it: its buckets are taken as saved)
+        residuals_as_saved = rank.get("buckets") in (None, trainer.reducer.layout_digest())
         if ck.load_rng:
             torch.set_rng_state(own["rng/cpu"])
         if ck.load_rng and "rng/device" in own and trainer.dev.type != "cpu":
@@ -382,13 +386,24 @@ def _read_own(trainer, ckpt: str, index: dict, weights_only: bool):
             trainer.rng.load_state_tensors(own)
     elif ck.load_rng and getattr(trainer, "rng", None) is not None:  # no per-rank state: the
         trainer.rng.restart_at(step)  # streams from the loaded step, not repeating steps 1, 2, ...
+    if not ck.load_optim:
+        # fresh AdamW moments: the compression warm-up starts again too (its uncompressed steps
+        # build the second moment that the frozen-variance update divides by; kept at the saved
+        # step, the next update divided by eps)
+        return None
     # (a checkpoint written before skipped steps left the compression warm-up uncounted holds a
     # step that counted them: the applied updates + 1 bound it, GradReducer.step_skipped)
-    trainer.reducer.load_state_dict({"step": min(index["reducer"]["step"], trainer.schedule_step + 1),
-                                     "warmup_steps": index["reducer"].get("warmup_steps"),
-                                     "residuals": {
-        k[len("residual/"):]: v.to(ps.device) for k, v in own.items() if k.startswith("residual/")}})
-    if same:
+    try:
+        trainer.reducer.load_state_dict({
+            "step": min(index["reducer"]["step"], trainer.schedule_step + 1),
+            "warmup_steps": index["reducer"].get("warmup_steps"),
+            "residuals": {k[len("residual/"):]: v.to(ps.device) for k, v in own.items()
+                          if residuals_as_saved and k.startswith("residual/")}})
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {ckpt}: the gradient compression state cannot be "
+                              f"restored ({exc}): resume with the saved --bucket-size-mb and "
+                              f"--sequence-parallel") from exc
+    if residuals_as_saved:
         return None
 
     def reading(prefix):   # another layout: each rank takes an equal share of the summed residuals

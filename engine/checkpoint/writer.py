@@ -182,7 +182,8 @@ def snapshot(trainer, step: int, tmp: str) -> Snapshot:
     own.update({f"residual/{k}": v for k, v in red["residuals"].items()})
     c = ps.coord
     rank_json = {"rank": ps.rank, "coord": [c.tp, c.pp, c.dp], "file": shard.fname,
-                 "tensors": shard.entries, "own": sorted(own)}
+                 "tensors": shard.entries, "own": sorted(own),
+                 "buckets": trainer.reducer.layout_digest()}
     meta = None
     if ps.rank == 0:
         meta = {"format": FORMAT, "step": step, "layout": layout_of(trainer),
@@ -271,7 +272,9 @@ def publish_agreed(ps, snap: Snapshot) -> None:
 def promote(tmp: str, final: str) -> None:
     """Make the complete directory ``tmp`` the checkpoint ``final`` and point ``latest`` at it,
     each by an atomic rename (a checkpoint already at ``final`` is swapped out first and removed
-    last), then fsync the parent so the renames survive a crash."""
+    last; a crash between those two renames leaves ``latest`` naming neither, and index.py
+    ``resolve`` then takes the complete ``tmp``), then fsync the parent so the renames survive
+    a crash."""
     root = os.path.dirname(final)
     old = None
     if os.path.isdir(final):
@@ -331,7 +334,8 @@ def publish(snap: Snapshot) -> None:
         with open(path, encoding="utf-8") as fh:
             part = json.load(fh)
         files[part["file"]] = part["file_info"]
-        ranks[str(r)] = {"coord": part["coord"], "file": part["file"], "own": part["own"]}
+        ranks[str(r)] = {"coord": part["coord"], "file": part["file"], "own": part["own"],
+                         "buckets": part["buckets"]}
         for name, entry in part["tensors"].items():
             merged = tensors.setdefault(name, {**entry, "pieces": []})
             if merged["shape"] != entry["shape"]:

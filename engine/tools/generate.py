@@ -20,6 +20,8 @@ import torch
 from engine.base import ConfigError, ToolParser, run_tool
 from engine.checkpoint import CheckpointError, load_model_params, param_specs
 from engine.checkpoint.index import intact_hint, is_weight_key, read_index, resolve, verify
+from engine.checkpoint.reader import load_buffers
+from engine.checkpoint.specs import buffer_specs
 from engine.checkpoint.tensor_reader import TensorReader
 from engine.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 from engine.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
@@ -54,7 +56,9 @@ def load_model(path: str, registry=None, device: str = "cpu",
     ctx = LayerContext(Initializer(cfg.seed, cfg.init_std), kernel_paths=paths)
     chunk = GPTChunk(cfg, ps, ctx, range(cfg.num_layers), registry=registry).to(device=device,
                                                                                dtype=dtype)
-    load_model_params(param_specs([chunk], ps, cfg.vocab_size), TensorReader(ckpt, index))
+    reader = TensorReader(ckpt, index)
+    load_model_params(param_specs([chunk], ps, cfg.vocab_size), reader)
+    load_buffers(buffer_specs([chunk], ps), reader)   # the MoE routers' expert biases
     return chunk.eval(), index, ckpt
 
 

@@ -8,6 +8,8 @@ counter, the policy's warm-up phase and the residuals) for checkpoints. It reads
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 
 import torch
 
@@ -78,6 +80,14 @@ class CompressedSide:
                 bucket.compressor.reset()
         self.refreshed = {}
         self.step -= 1
+
+    def layout_digest(self) -> str:
+        """What this rank's residuals are laid out by (each bucket's parameters and ranges, and
+        its compressor), hashed: a checkpoint restores them as saved only onto the same layout
+        (``--bucket-size-mb`` and ``--sequence-parallel`` change it as well as the grid)."""
+        parts = [[b.index, b.numel, getattr(b.compressor, "name", None),
+                  [[s.name, s.start, s.end] for s in b.slots]] for b in self.buckets]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
     def state_dict(self) -> dict:
         """Step counter, compressor residuals and local variance statistics (per rank; they depend

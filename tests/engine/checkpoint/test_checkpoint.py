@@ -126,6 +126,19 @@ def same_layout_resumes(ps, root):
         full = losses(extra + ["--train-iters", "4", "--save", save, "--save-interval", "2"])
         resumed = losses(extra + ["--train-iters", "4", "--load", os.path.join(save, "iter_0000002")])
         out[tag] = (full, resumed)
+    topk2 = ["--train-iters", "4", "--load", os.path.join(root, "topk", "iter_0000002")]
+    # other buckets on the same grid: the residuals are folded from their logical tensors (laid
+    # out as saved they raised a shape error, a traceback on every rank)
+    int8 = ["--grad-compression", "int8", "--grad-compression-warmup-steps", "1"]
+    save = os.path.join(root, "int8")
+    int8_full = losses(int8 + ["--train-iters", "4", "--save", save, "--save-interval", "2"])
+    out["int8 other buckets"] = (int8_full, losses(int8 + ["--train-iters", "4", "--bucket-size-mb", "0.001",
+                                                      "--load", os.path.join(save, "iter_0000002")]))
+    # fresh AdamW moments: the compression warm-up (1 step) starts again, so the first resumed
+    # step is plain AdamW as without compression (at the saved step, the frozen-variance update
+    # divided by a second moment of zeros)
+    out["topk no-load-optim"] = (losses(TOPK + topk2 + ["--no-load-optim"]),
+                                 losses(topk2 + ["--no-load-optim"]))
     # ZeRO-2 -> stage 0: the summed residuals are what the checkpoint holds, nothing lost
     ckpt = os.path.join(root, "topk-zero2")
     full = losses(TOPK + ["--use-distributed-optimizer", "--zero-stage", "2", "--train-iters", "4",
@@ -156,6 +169,11 @@ def same_layout_resumes(ps, root):
 def test_same_layout_per_rank_state(tmp_path):
     results = run_distributed(same_layout_resumes, grid=RankGrid(dp=2), args=(str(tmp_path),))
     full, resumed, held = results[0].pop("zero2->stage0")
+    int8, other_buckets = results[0].pop("int8 other buckets")   # step 3 from the same weights
+    assert len(other_buckets) == 2 and other_buckets[0] == int8[2]
+    assert other_buckets[1] == pytest.approx(int8[3], rel=1e-4)
+    fresh_topk, fresh_plain = results[0].pop("topk no-load-optim")
+    assert fresh_topk == fresh_plain       # (2 steps: the first resumed one is the warm-up's)
     # step 3 is trained from the same parameters. From step 4 on the runs differ: the stage-0
     # exchange (two phases) delivers another sparse sum than ZeRO-2's (one phase), and each rank
     # selects its top-k from the mean velocity instead of its own; what carries over exactly, the

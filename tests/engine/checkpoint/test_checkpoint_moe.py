@@ -8,7 +8,8 @@ layer, 4 experts, sigmoid scores and the expert bias, per-sequence aux loss):
   B  tp 2 (dp 2), ep 2, loaded from A's step 3 (expert weights stay whole, the dense ones split)
   C  dp 4, ep 4, loaded from A's step 3 (each rank one expert): steps 4-5, saving at step 5
   D  pp 2 (dp 2), ep 1, loaded from C's step 5: steps 6-7
-and a serial run (ep 1) in this process loads A's step 3 (steps 4-6). Every expert is written once, by
+and a serial run (ep 1) in this process loads A's step 3 (steps 4-6), as does engine.generate's
+``load_model`` (its routers' biases are the saved ones). Every expert is written once, by
 expert-data-parallel rank 0 of its EP group, under its global index; the biases once. Every
 layer's bias, over all ranks (each pipeline stage holds its own layers), is the saved one once
 loaded and moves on as A's did. (Both layers' biases come back to zero after steps 2 and 4 of
@@ -21,7 +22,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from engine.checkpoint import CheckpointError
 from engine.config.cli import parse_args
+from engine.tools.generate import load_model
 from engine.training.trainer import Trainer
 from parallel.grid.topology import RankGrid
 from tests.engine.checkpoint.test_checkpoint_reshard import close
@@ -127,6 +130,20 @@ def test_resume_under_ep_is_exact_and_reshards(chained):
     for key, ref in (("loaded", after(3)), ("bias", after(6))):
         assert sorted(serial[key]) == names, (key, sorted(serial[key]))
         assert all(torch.allclose(serial[key][n], ref[n], atol=1e-6) for n in names), (key, serial[key])
+    # a resume that leaves the expert bias out would drop the trained biases: refused
+    i = BASE.index("--moe-router-bias-update-rate")
+    argv = [a for a in BASE[:i] + BASE[i + 2:] if a != "--moe-router-enable-expert-bias"]
+    trainer = Trainer(parse_args(argv + ["--load", os.path.join(root, "a", "iter_0000003")]))
+    try:
+        with pytest.raises(CheckpointError, match="saved with --moe-router-enable-expert-bias True"):
+            trainer.maybe_load()
+    finally:
+        trainer.close()
+    # engine.generate's model routes as trained: the biases too (they were left at zero)
+    model, _, _ = load_model(os.path.join(root, "a", "iter_0000003"))
+    got = {f"layers.{i}.{n}": b for i, layer in enumerate(model.layers)
+           for n, b in layer.named_buffers() if n.endswith("expert_bias")}
+    assert sorted(got) == names and all(torch.equal(got[n], after(3)[n]) for n in names), got
 
 
 def test_every_expert_and_bias_is_written_once(chained):

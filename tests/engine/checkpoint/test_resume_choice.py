@@ -282,3 +282,34 @@ def test_a_resume_under_another_layout_draws_new_dropout_masks(tmp_path):
     assert same(other, streams(["--load", s, "--use-distributed-optimizer"]))  # the same on a restart
     assert same(streams(["--load", s, "--use-distributed-optimizer", "--no-load-rng"]), fresh)
     assert not same(streams(["--load", s]), fresh)  # the same layout: the saved states
+
+
+def test_a_crash_while_a_resave_is_swapped_in_resumes_from_it(tmp_path, monkeypatch):
+    """A rollback re-saves the step ``latest`` names: promote moves the old copy aside, then the
+    new one in. A crash between the two renames leaves ``latest`` naming neither; the complete
+    new copy is what resolves (it used to be an error, and no checkpoint was listed)."""
+    root = tmp_path / "ck"
+    for name in ("iter_0000002", "iter_0000004", "iter_0000004.tmp"):
+        (root / name).mkdir(parents=True)
+        (root / name / "index.json").write_text(name)
+    os.symlink("iter_0000004", root / "latest")
+    real, calls = os.rename, []
+
+    def crash_on_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("killed")
+        real(src, dst)
+
+    monkeypatch.setattr(writer.os, "rename", crash_on_second)
+    with pytest.raises(OSError, match="killed"):
+        writer.promote(str(root / "iter_0000004.tmp"), str(root / "iter_0000004"))
+    monkeypatch.setattr(writer.os, "rename", real)
+    assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000004.old", "iter_0000004.tmp",
+                                        "latest"]
+    assert resolve(str(root)) == str(root / "iter_0000004.tmp")
+    shutil.rmtree(root / "iter_0000004.tmp")       # the new copy gone too: the old one
+    assert resolve(str(root)) == str(root / "iter_0000004.old")
+    shutil.rmtree(root / "iter_0000004.old")
+    with pytest.raises(CheckpointError, match="which does not exist"):
+        resolve(str(root))
