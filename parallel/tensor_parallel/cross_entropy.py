@@ -3,7 +3,9 @@
 Each TP rank holds logits for a contiguous vocabulary slice. The max and the sum of exponentials
 are reduced over TP (numerically stable log-sum-exp), the target logit is picked by the rank that
 owns it, and logits of padding entries (index >= vocab_size) are excluded, so padding changes
-neither the loss nor the gradients. Without TP, torch's fused ``cross_entropy`` does the same.
+neither the loss nor the gradients. Without TP, torch's fused ``cross_entropy`` does the same. A
+label of ``IGNORE_INDEX`` (-100, torch's ``ignore_index``) gets loss 0 and no gradient on every
+layout (the engine's own batches mask with ``loss_mask`` instead).
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parallel.runtime.comm import group_size
+
+IGNORE_INDEX = -100
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -37,19 +41,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             both = torch.stack([sum_exp, target_logit])
             group.all_reduce(both)
             sum_exp, target_logit = both[0], both[1]
-        loss = sum_exp.log() - target_logit  # (b, s)
+        kept = target != IGNORE_INDEX                                  # (b, s)
+        loss = (sum_exp.log() - target_logit).masked_fill(~kept, 0.0)  # (b, s)
         softmax = exp / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(softmax, safe_t, mine)
+        ctx.save_for_backward(softmax, safe_t, mine, kept)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, safe_t, mine = ctx.saved_tensors
+        softmax, safe_t, mine, kept = ctx.saved_tensors
         grad = softmax.clone()
         flat = grad.view(-1, grad.shape[-1])
         rows = torch.arange(flat.shape[0], device=grad.device)
         flat[rows, safe_t.view(-1)] -= mine.view(-1).to(grad.dtype)
-        grad.mul_(grad_loss.unsqueeze(-1))
+        grad.mul_((grad_loss * kept).unsqueeze(-1))
         return grad, None, None, None, None
 
 
@@ -65,5 +70,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
         # the ids autograd keeps are a copy of this micro-batch's (as the vocab-parallel path's
         # are), not a view pinning the storage of the whole batch the labels were cut from
         ids = target.flatten().clone()
-        return F.cross_entropy(real.flatten(0, -2), ids, reduction="none").view(target.shape)
+        return F.cross_entropy(real.flatten(0, -2), ids, reduction="none",
+                               ignore_index=IGNORE_INDEX).view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size)

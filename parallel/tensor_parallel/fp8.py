@@ -191,6 +191,13 @@ class Fp8Backward:
             self._gq[i] = quantize(g, scale, self.spec.recipe.grad_dtype)
         return self._gq[i]
 
+    def defer_wgrad(self) -> None:
+        """The weight gradients run later (a zero-bubble W): the float8 copy of dy that dgrad
+        made for wgrad too (tensorwise) is dropped; W quantizes dy again with the same scale
+        (the same bytes), so only the dy W needs anyway waits for it, as the docs and the
+        planner count."""
+        self._gq = {}
+
     def dgrad(self, g: torch.Tensor, i: int, chunk=None) -> torch.Tensor:
         """(b, s', out) -> (b, s', in): dy W_i; ``chunk`` as in ``Fp8Forward.linear``."""
         w, o = self.fwd.weights[i], g.shape[-1]

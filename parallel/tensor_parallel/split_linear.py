@@ -81,6 +81,8 @@ class _LinearDeferW(torch.autograd.Function):
         if ctx.fp8 is not None:
             bw = Fp8Backward(ctx.fp8, [grad], x)
             grad_x = bw.dgrad(grad, 0) if ctx.needs_input_grad[0] else None
+            if ctx.store is not None and ctx.store.capturing:
+                bw.defer_wgrad()
             if ctx.store is not None and ctx.store.defer(
                     lambda: _fp8_weight_grads(bw, [weight], [bias], [grad], x), params, (grad, x)):
                 return grad_x, None, None, None, None
@@ -179,6 +181,7 @@ def _seq_gather_fp8_backward(ctx, shard, grads) -> tuple:
             grad_full = part if grad_full is None else grad_full + part
     grad_shard = _reduce_scatter(grad_full, 1, group) if grad_full is not None else None
     if deferred:
+        bw.defer_wgrad()
         params = [p for w, b in zip(weights, biases) for p in (w, b) if p is not None]
         ctx.store.defer(lambda: _fp8_weight_grads(bw, weights, biases, grads, _gather(shard, 1, group)),
                         params, (shard, *[g for g in grads if g is not None]))

@@ -169,6 +169,7 @@ def _check_cross_entropy(ps: ParallelState, vocab: int, b=2, s=8):
     edges = [0, vocab - 1] + [k * per_rank + d for k in range(1, n) for d in (-1, 0)]
     edges = [t for t in edges if t < vocab]
     target.view(-1)[: len(edges)] = torch.tensor(edges)
+    target.view(-1)[-1] = -100      # torch's ignore_index: loss 0, no gradient, on every layout
     weight = _full(42, b, s)
 
     ref_in = logits[..., :vocab].clone().requires_grad_(True)
