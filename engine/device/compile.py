@@ -19,7 +19,9 @@ chunks and ``--eval-interval`` would need ten. Each chunk is compiled with its o
 (``torch.compile(recompile_limit=...)``, scoped to these calls; the process's setting is left as it
 is): ``chunk_recompile_limit``, two entries per chunk plus ``RECOMPILE_MARGIN`` for any other
 reason to retrace (a new input shape before Dynamo makes it dynamic), and never below the
-process's limit.
+process's limit. ``torch.compile`` takes that keyword from torch 2.12 on; before (the 2.11 of a
+CUDA 13 machine), the process's ``torch._dynamo.config.recompile_limit`` is raised to it instead
+(never lowered): every chunk runs the one ``GPTChunk.forward``, whose entries that limit counts.
 
 Cache. Inductor persists its artifacts (FX graph cache: generated kernels; AOTAutograd cache: the
 joint forward/backward graphs) in ``TORCHINDUCTOR_CACHE_DIR``. Inductor reads that variable itself,
@@ -41,6 +43,7 @@ from pathlib import Path
 from torch import nn
 
 from engine.device.chips import COMPILE_ON_NPU
+from kernels.signatures import accepts
 
 CACHE_DIRNAME = "compile_cache"
 MODES = 2              # grad modes a chunk runs in: training and evaluation
@@ -88,7 +91,18 @@ def compile_chunks(chunks: nn.ModuleList, dev, run_dir: str | os.PathLike) -> nn
     """
     backend = compile_backend(dev.type)
     configure_compile_cache(run_dir)
-    limit = chunk_recompile_limit(len(chunks))
+    limits = limit_options(chunk_recompile_limit(len(chunks)))
     for chunk in chunks:
-        chunk.compile(backend=backend, recompile_limit=limit)
+        chunk.compile(backend=backend, **limits)
     return chunks
+
+
+def limit_options(limit: int, compile_fn=None) -> dict:
+    """``torch.compile``'s keyword for a recompile limit of ``limit`` where it takes one (torch >=
+    2.12); else the process's limit is raised to ``limit`` and no keyword is passed."""
+    import torch
+    import torch._dynamo.config as dynamo_config
+    if accepts(compile_fn or torch.compile, "recompile_limit"):
+        return {"recompile_limit": limit}
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, limit)
+    return {}
