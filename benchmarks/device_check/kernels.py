@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 import kernels
-from kernels.attention_lse import attention_lse, attention_lse_backward, merge_partial
+from kernels.attention_lse import attention_lse, attention_lse_backward, block_path, merge_partial
+from kernels.grouped_gemm import grouped_linear_path
 
 # (forward, gradient) tolerances on low-precision inputs against the fp32 reference
 TOLERANCE = {torch.bfloat16: (3e-2, 6e-2), torch.float16: (5e-3, 1e-2), torch.float32: (1e-4, 1e-4)}
@@ -98,6 +99,19 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, seq: int = 512):
     ]
 
 
+def path_taken(name: str, inputs: list, paths: dict) -> str:
+    """The path the case's device function takes on these inputs where it chooses at run time
+    (the ring's block kernels, the grouped GEMM), else the device's documented one."""
+    if name.startswith("ring_block"):
+        q, k, _ = inputs
+        taken = {block_path(q[:, :, qs], None, None, causal, k[:, :, ks].shape[2])
+                 for qs, ks, causal in _TwoBlocks._steps(q.shape[2])}
+        return " + ".join(sorted(taken))
+    if name.startswith("grouped_gemm"):
+        return grouped_linear_path(inputs[0], inputs[1])
+    return paths.get(name.split(" ")[0], "-")
+
+
 def _run(fn, inputs, up):
     leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
     out = fn(*leaves)
@@ -149,6 +163,7 @@ def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16,
         row = {"op": name, "path": paths.get(name.split(" ")[0], "-"), "forward": None,
                "gradient": None, "tolerance": [fwd_tol, grad_tol], "ok": False}
         try:
+            row["path"] = path_taken(name, inputs, paths)
             with torch.no_grad():
                 shape = fused(*inputs).shape
             up = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(device)

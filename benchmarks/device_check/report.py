@@ -72,7 +72,7 @@ def report(results: list[StageResult], header: dict) -> str:
     if runs:
         lines.append(markdown_table(
             ["run", "steps timed", "tokens/s", "TFLOP/s per device (model)", "MFU", "HFU",
-             "step time (s)", "fwd+bwd / DP finish / optimizer (s)", "host syncs per step",
+             "step time (s)", "fwd+bwd / DP finish / optimizer (s)", "host syncs (most in a step)",
              "peak memory (GiB)"],
             [[r.name if r.status == "ok" else f"{r.name} ({r.status}: not finished)",
               str(r.summary["steps"]), _num(r.summary["tokens_per_s"], ".0f"),

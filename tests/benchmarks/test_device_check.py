@@ -36,6 +36,11 @@ def test_kernel_comparison_runs_on_cpu():
     assert [r["op"].split(" ")[0] for r in rows] == ["attention"] * 3 + [
         "ring_block", "layer_norm", "rms_norm", "rope", "swiglu", "grouped_gemm", "fp8"]
     assert all(r["ok"] for r in rows), rows
+    # the paths the cases took on these operands (fp32 on the CPU: ATen's CPU flash kernel for
+    # the ring's blocks; torch._grouped_mm for fp32 on the CPU, the loop for fp16, which it refuses)
+    assert rows[3]["path"] == "cpu-flash" and rows[8]["path"] == "torch"
+    half = check_kernels(torch.device("cpu"), torch.float16, seq=64, fp8=False)
+    assert half[8]["path"] == "loop", half[8]
     fp8 = rows[-1]   # the CPU's path: one rowwise FP8 GEMM per tile; e4m3's error is visible
     assert fp8["path"] == "per 128-wide tile" and 0.005 < fp8["forward"] <= fp8["tolerance"][0]
     assert check_kernels(torch.device("cpu"), torch.float32, 64, fp8=False)[-1]["op"] != fp8["op"]
