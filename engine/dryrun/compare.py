@@ -31,8 +31,6 @@ _LLAMA = ("the planner counts Korthikanti et al.'s tensors and RoPE's q and k be
           "keep less")
 KNOWN = (
     ("activation_bytes", lambda cfg, lay: cfg.model.block == "llama", _LLAMA),
-    ("activation_bytes", lambda cfg, lay: cfg.parallel.pipeline_schedule == "gpipe",
-     "the planner plans 1F1B's micro-batches in flight; GPipe keeps all of them"),
     ("activation_bytes", lambda cfg, lay: lay.schedule in ("zb-h1", "zb-v"),
      "the planner keeps a micro-batch's whole activations until its W (an upper bound); after B "
      "only what W needs stays (the linears' inputs and output gradients)"),
@@ -57,8 +55,6 @@ KNOWN = (
      "the engine offloads whole buckets, the first reduced, until at least "
      "--optimizer-offload-fraction of the shard is in host memory; the planner takes the fraction "
      "itself"),
-    ("*", lambda cfg, lay: cfg.parallel.stage_end_weight > 0,
-     "--stage-end-weight gives the end stages fewer layers; the planner splits layers evenly"),
 )
 
 

@@ -18,7 +18,8 @@ from engine.plan.model import (ACT_MASK_BYTES, ACT_MOE_FP32_PER_EXPERT, ACT_MOE_
                                OPTIMIZER_STATE_BYTES, P2P_BUFFER_BYTES, Layout, ModelShape,
                                num_micro_batches)
 from engine.plan.params import (expert_params_per_layer, layer_params_per_device,
-                                moe_dense_change_per_layer, stage_fp8_layers, stage_moe_layers)
+                                moe_dense_change_per_layer, stage_fp8_layers, stage_layer_count,
+                                stage_moe_layers)
 from engine.plan.zero3_units import gathered_bytes
 
 
@@ -42,18 +43,18 @@ def stage_param_count(shape: ModelShape, layout: Layout, stage: int) -> float:
 
 
 def _stage_dense_count(shape: ModelShape, layout: Layout, stage: int) -> float:
-    """Weights on a device of pipeline rank ``stage`` with dense MLPs: its layers (num_layers / pp), on the first
-    the word (V_pad h / t) and, for gpt2, position embeddings, on the last the output layer (for
+    """Weights on a device of pipeline rank ``stage`` with dense MLPs: its layers (``stage_layer_count``), on the
+    first the word (V_pad h / t) and, for gpt2, position embeddings (--max-position-embeddings rows), on the last the output layer (for
     gpt2 with pp > 1 its own copy of the tied embedding) and the final norm; under zb-v the first
     holds the output layer and final norm too (the tied embedding is then one parameter)."""
     h, t, p = shape.hidden_size, layout.tp, layout.pp
     vocab = shape.padded_vocab(t) * h / t
-    params = shape.num_layers // p * layer_params_per_device(shape, t)
+    params = stage_layer_count(shape, layout, stage) * layer_params_per_device(shape, t)
     tied = shape.block == "gpt2"
     # under zb-v device 0 holds both ends of the V, and the tied output layer is its embedding
     holds_output = stage == 0 if layout.v_placement and p > 1 else stage == p - 1
     if stage == 0:
-        params += vocab + (shape.seq_length * h if tied else 0)
+        params += vocab + (shape.max_positions * h if tied else 0)
     if holds_output:
         params += (0 if tied and (p == 1 or layout.v_placement) else vocab) + (2 * h if tied else h)
     return params
@@ -103,12 +104,15 @@ def scores_activation_bytes(shape: ModelShape, layout: Layout) -> float:
 
 def in_flight(shape: ModelShape, layout: Layout, stage: int) -> float:
     """Micro-batches whose activations a pipeline device holds at its peak (Megatron's warm-up;
+    GPipe all m;
     zero-bubble schedules count a micro-batch until its W, the weight gradients needing the
     layers' inputs: zb-h1 min(p, m) on every device, zb-v the schedule's own peak of half-stage
     chunks, p stages' worth once m >= 2p - 1)."""
     p, v, m = layout.pp, layout.vp, num_micro_batches(shape, layout)
     if p == 1:
         return 1.0
+    if layout.schedule == "gpipe":   # every forward before the first backward
+        return float(m)
     if layout.schedule == "zb-h1":
         return float(min(p, m))
     if layout.schedule == "zb-v":
@@ -251,7 +255,7 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: int, backend: str = "
     shards = layout.dp * c if layout.zero else 1
     dense, expert = stage_param_split(shape, layout, stage)
     params = dense + expert
-    layers = shape.num_layers // layout.pp
+    layers = stage_layer_count(shape, layout, stage)
     moe_layers = stage_moe_layers(shape, layout, stage)
     transient = {"full": layer_activation_bytes(shape, layout, "none"),
                  "selective": scores_activation_bytes(shape, layout),
@@ -264,6 +268,8 @@ def stage_memory(shape: ModelShape, layout: Layout, stage: int, backend: str = "
     e = shape.activation_bytes
     logits = (e * s * b * h / shard + e * s * b * h + 4 * s * b * shape.padded_vocab(t) / t) / c
     name = stage_name(layout, stage)
+    if layout.schedule == "gpipe":   # every forward first: the last stage keeps each one's logits
+        logits *= in_flight(shape, layout, stage)
     ends = {"only": embedding + logits, "first": embedding * in_flight(shape, layout, 0),
             "last": logits, "middle": 0.0}[name]
     if layout.v_placement and layout.pp > 1:  # device 0: the embedding and the output layer
@@ -301,7 +307,9 @@ def memory_per_device(shape: ModelShape, layout: Layout, backend: str = "gloo") 
     first = stage_memory(shape, layout, 0, backend)
     if layout.pp == 1:
         return first
-    # with MoE layers a middle stage can hold the most experts (--moe-layer-freq)
-    others = range(1, layout.pp) if shape.moe is not None else (layout.pp - 1,)
+    # with MoE layers a middle stage can hold the most experts (--moe-layer-freq), and with
+    # --stage-end-weight the most layers
+    others = range(1, layout.pp) if shape.moe is not None or layout.stage_end_weight \
+        else (layout.pp - 1,)
     return max([first] + [stage_memory(shape, layout, s, backend) for s in others],
                key=lambda mem: mem.total)

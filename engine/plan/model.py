@@ -70,6 +70,12 @@ class ModelShape:
     fp8_recipe: str | None = None
     # --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16 of an FP8 run (is_fp8)
     fp8_bf16_layers: tuple[int, int] = (0, 0)
+    # --max-position-embeddings: the rows of gpt2's learned position table (None: seq_length)
+    max_positions: int | None = None
+    # --qk-layernorm: a norm of head_dim on the queries and one on the keys of every layer,
+    # replicated on the TP ranks, whose gradients (partial: each rank normed its own heads) are
+    # summed over TP once per step
+    qk_layernorm: bool = False
     # engine.train's rules that need its configuration (this package may not import it), each
     # Layout -> why it is refused or None, applied by check_layout after the planner's own: the
     # command line gives blockwise FP8's tile rule (engine/tools/plan_cli.py ``train_rules``)
@@ -88,6 +94,11 @@ class ModelShape:
                              f"--num-attention-heads {self.num_attention_heads}")
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", default_ffn_hidden(self.hidden_size, self.block))
+        if self.max_positions is None:
+            object.__setattr__(self, "max_positions", self.seq_length)
+        if not isinstance(self.max_positions, int) or self.max_positions < self.seq_length:
+            raise ValueError(f"--max-position-embeddings must be an integer >= --seq-length "
+                             f"{self.seq_length}, got {self.max_positions!r}")
         if self.activation_bytes not in (1, 2, 4):
             raise ValueError(f"activation_bytes must be 1, 2 or 4, got {self.activation_bytes!r}")
         if self.weight_bytes not in (2, 4):
@@ -284,6 +295,9 @@ class Layout:
     # so the compressors' residuals are counted (memory.py compression_bytes); a policy that leaves
     # some weights uncompressed is counted without them (a lower bound)
     compress_all: bool = True
+    # --stage-end-weight W: the first and the last virtual stage count W layers more when layers
+    # are split (parallel/pipeline/partition.py, the trainer's split): they get fewer
+    stage_end_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.schedule == "zb-v" and self.vp == 1:
@@ -291,8 +305,13 @@ class Layout:
         for key in ("tp", "pp", "dp", "vp", "micro_batch_size", "cp", "ep", "etp"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"layout {key} must be a positive integer, got {getattr(self, key)!r}")
-        if self.schedule not in PLAN_SCHEDULES:
+        if self.schedule not in PLAN_SCHEDULES + ("gpipe",):   # (GPipe: the memory check's)
             raise ValueError(f"schedule must be one of {PLAN_SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "gpipe" and self.vp != 1:
+            raise ValueError(f"gpipe runs 1 chunk per rank, got vp={self.vp}")
+        if not (isinstance(self.stage_end_weight, (int, float)) and self.stage_end_weight >= 0):
+            raise ValueError(f"layout stage_end_weight must be a number >= 0, got "
+                             f"{self.stage_end_weight!r}")
         if self.schedule == "zb-v" and self.vp != 2:
             raise ValueError(f"zb-v runs 2 chunks per rank, got vp={self.vp}")
         if self.schedule == "zb-h1" and self.vp != 1:
@@ -382,8 +401,10 @@ def check_layout(shape: ModelShape, cluster: Cluster, layout: Layout) -> str | N
         return f"sequence parallelism: seq length {s}/cp {c} not divisible by tp {t}"
     if v > 1 and p == 1:
         return "virtual stages need pp > 1" if layout.schedule != "zb-v" else "zb-v needs pp > 1"
-    if shape.num_layers % (p * v):
+    if shape.num_layers % (p * v) and not layout.stage_end_weight:
         return f"layers {shape.num_layers} not divisible by pp*vp = {p * v}"
+    if shape.num_layers < p * v:
+        return f"layers {shape.num_layers} fewer than pp*vp = {p * v} stages"
     if shape.global_batch_size % (layout.micro_batch_size * d):
         return (f"global batch {shape.global_batch_size} not divisible by "
                 f"micro-batch*dp = {layout.micro_batch_size * d}")

@@ -49,7 +49,7 @@ from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_REPLI
                                EW_SHARDED_ATTN, LAYER_PASS_OVERHEAD_S, OPTIMIZER_BYTES_PER_PARAM,
                                Cluster, Layout, ModelShape, num_micro_batches)
 from engine.plan.memory import MemoryTerms, memory_per_device, stage_param_split
-from engine.plan.params import stage_moe_layers
+from engine.plan.params import stage_layer_count, stage_moe_layers
 from engine.plan.collectives import allreduce_s, gather_or_scatter_s
 from engine.plan.fp8 import linear_rate
 from engine.plan.moe_time import moe_layer_change
@@ -291,13 +291,13 @@ def estimate(shape: ModelShape, cluster: Cluster, layout: Layout) -> Estimate:
     mem = memory_per_device(shape, layout, cluster.backend)
     layer = layer_time(shape, cluster, layout, links)
     embedding, logits, p2p = pipeline_ends(shape, cluster, layout, links)
-    layers = shape.num_layers // p
-    body = layer.scale(layers)
-    # stage i's layers; with MoE layers each stage adds its own count of moe_layer_change
-    bodies = [body] * p
+    # stage i's layers (fewer at the ends with --stage-end-weight); with MoE layers each stage
+    # adds its own count of moe_layer_change
+    bodies = [layer.scale(stage_layer_count(shape, layout, i)) for i in range(p)]
     if shape.moe is not None:
         change = moe_layer_change(shape, cluster, layout, links)
-        bodies = [body + change.scale(stage_moe_layers(shape, layout, i)) for i in range(p)]
+        bodies = [body + change.scale(stage_moe_layers(shape, layout, i))
+                  for i, body in enumerate(bodies)]
     if p == 1:
         stages = [bodies[0] + embedding + logits]
     elif layout.v_placement:  # device 0 runs the first and the last virtual stage

@@ -52,7 +52,8 @@ from engine.plan import moe_allgather
 from engine.plan.model import GRAD_BYTES, Layout, ModelShape, moe_expert_tokens, num_micro_batches
 from engine.plan.fp8 import amax_bytes
 from engine.plan.memory import stage_param_split
-from engine.plan.params import expert_params_per_layer, stage_layers, stage_moe_layers
+from engine.plan.params import (expert_params_per_layer, stage_layer_count, stage_layers,
+                                stage_moe_layers)
 from engine.plan.zero3_units import gather_bytes
 
 KINDS = ("tp", "cp", "pp", "dp", "embedding", "ep", "edp")
@@ -153,6 +154,17 @@ def moe_sp_grad_sync(shape: ModelShape, layout: Layout, stage: int) -> float:
     return count * GRAD_BYTES
 
 
+def qk_norm_grad_sync(shape: ModelShape, layout: Layout, stage: int) -> float:
+    """Bytes the --qk-layernorm norms add to that once-per-step all-reduce over TP: each TP rank
+    normed its own heads, so both (head_dim,) weights' gradients are partial sums (fp32; under
+    ZeRO this rank's shards, 1/(dp x cp) on average). Zero with tp = 1."""
+    if not shape.qk_layernorm or layout.tp == 1:
+        return 0.0
+    shards = layout.dp * layout.cp if layout.zero else 1
+    head_dim = shape.hidden_size // shape.num_attention_heads
+    return stage_layer_count(shape, layout, stage) * 2 * head_dim * GRAD_BYTES / shards
+
+
 def _sends(layout: Layout, stage: int) -> tuple[int, int]:
     """(activations sent, gradients sent) per micro-batch by pipeline rank ``stage``: one per
     chunk, except forward out of the last virtual stage and backward out of the first. In zb-v's
@@ -173,7 +185,7 @@ def step_traffic(shape: ModelShape, layout: Layout, stage: int,
     e, m, sp = shape.activation_bytes, num_micro_batches(shape, layout), layout.sequence_parallel
     tokens = s * b / c
     msg = e * tokens * h
-    layers = shape.num_layers // p
+    layers = stage_layer_count(shape, layout, stage)
     tp = layers * _tp_per_layer(shape, layout, msg) \
         + stage_moe_layers(shape, layout, stage) * moe_tp_per_layer(shape, layout, msg)
     fp8_tp, fp8_cp, fp8_edp = stage_amax_bytes(shape, layout, stage)  # FP8's scales (fp8.amax_bytes)
@@ -217,7 +229,7 @@ def step_traffic(shape: ModelShape, layout: Layout, stage: int,
     embedding = 0.0
     if shape.block == "gpt2" and p > 1 and stage in (0, p - 1) and not layout.v_placement:
         embedding = shape.padded_vocab(t) * h / t * GRAD_BYTES / (shards if layout.zero else 1)
-    tp = m * tp + moe_sp_grad_sync(shape, layout, stage)
+    tp = m * tp + moe_sp_grad_sync(shape, layout, stage) + qk_norm_grad_sync(shape, layout, stage)
     return {"tp": tp, "cp": None if cp is None else m * cp, "pp": m * pp, "dp": dp,
             "embedding": embedding, "ep": m * stage_moe_layers(shape, layout, stage) * ep_per_layer(shape, layout),
             "edp": edp + m * fp8_edp}

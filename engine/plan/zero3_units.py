@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.plan.model import Layout, ModelShape, num_micro_batches
-from engine.plan.params import (expert_params_per_layer, layer_params_per_device,
+from engine.plan.params import (chunk_ranges, expert_params_per_layer, layer_params_per_device,
                                 moe_dense_change_per_layer, virtual_stages)
 
 BACKWARD_WINDOW = 3   # whole units gathered at once in the backward (module docstring)
@@ -28,7 +28,6 @@ class Unit:
 def chunk_units(shape: ModelShape, layout: Layout, virtual: int) -> list[Unit]:
     """The gather units of virtual stage ``virtual`` in module order (= forward order)."""
     h, t, p = shape.hidden_size, layout.tp, layout.pp
-    n = shape.num_layers // (p * layout.vp)
     gpt2 = shape.block == "gpt2"
     vocab = shape.padded_vocab(t) * h / t
     # the tied output layer reads the embedding's weight where both are on this device
@@ -36,9 +35,9 @@ def chunk_units(shape: ModelShape, layout: Layout, virtual: int) -> list[Unit]:
     units = []
     if virtual == 0:
         if gpt2:
-            units.append(Unit("position", shape.seq_length * h, kept=True))
+            units.append(Unit("position", shape.max_positions * h, kept=True))
         units.append(Unit("embedding", vocab, kept=tied_here))
-    for i in range(virtual * n, (virtual + 1) * n):
+    for i in chunk_ranges(shape, layout)[virtual]:
         dense = layer_params_per_device(shape, t)
         if shape.is_moe(i):
             units.append(Unit(f"layer {i}", dense + moe_dense_change_per_layer(shape, t),

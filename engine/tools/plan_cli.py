@@ -222,6 +222,7 @@ def shape_from_args(args: argparse.Namespace) -> ModelShape:
                       num_query_groups=model.num_query_groups, moe=moe_shape(model),
                       moe_layers=moe_layer_indices(model),
                       fp8_recipe=args.fp8_recipe if args.fp8_format else None,
+                      max_positions=model.max_position_embeddings, qk_layernorm=model.qk_layernorm,
                       rules=train_rules(args, model))
 
 

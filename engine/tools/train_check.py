@@ -62,7 +62,8 @@ RECIPE_SHARED["optimizer_cpu_offload"] = ("offload", {v: k for k, v in ON_OFF.it
 UNMODELLED = {
     "grad_compression": "gradient compression's state and messages",
     "cp_comm_type": "Ulysses context parallelism (the planner prices the p2p ring)",
-    "stage_end_weight": "uneven pipeline stages (the planner splits the layers evenly)",
+    "stage_end_weight": "uneven pipeline stages (the search splits the layers evenly; the memory "
+                        "check at start and the dry run plan the run's split)",
     "bucket_size_mb": "the gradient bucket size (the planner prices the default buckets)",
     "first_last_layers_bf16": "FP8 runs' first and last layers in bf16",
     "scatter_gather_tensors_in_pipeline": "whole pipeline messages (the planner prices "

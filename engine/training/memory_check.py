@@ -46,12 +46,14 @@ def planner_inputs(cfg, grid, vocab_size: int | None = None) -> tuple[ModelShape
                        num_query_groups=m.num_query_groups, weight_bytes=elem,
                        moe=moe_shape(m), moe_layers=moe_layer_indices(m),
                        fp8_recipe=cfg.precision.fp8_recipe if cfg.precision.fp8_format else None,
-                       fp8_bf16_layers=cfg.precision.fp8_bf16_layers)
-    # the planner's schedules: 1f1b (interleaved with vp > 1), zb-h1, zb-v; 1f1b-w holds what 1F1B
-    # holds, GPipe more (engine/dryrun/compare.py KNOWN)
-    zero_bubble = par.pipeline_schedule in ("zb-h1", "zb-v") and grid.pp > 1
+                       fp8_bf16_layers=cfg.precision.fp8_bf16_layers,
+                       max_positions=m.max_position_embeddings,
+                       qk_layernorm=m.qk_layernorm)
+    # the planner's schedules: 1f1b (interleaved with vp > 1), zb-h1, zb-v, and for this check
+    # GPipe (every micro-batch in flight); 1f1b-w holds what 1F1B holds
+    own = par.pipeline_schedule in ("zb-h1", "zb-v", "gpipe") and grid.pp > 1
     policy = CompressionPolicy.coerce(cfg.compression)
-    schedule = par.pipeline_schedule if zero_bubble else "1f1b"
+    schedule = par.pipeline_schedule if own else "1f1b"
     layout = Layout(grid.tp, grid.pp, grid.dp, par.chunks_per_rank, cfg.data.micro_batch_size,
                     par.recompute, par.use_distributed_optimizer,
                     par.sequence_parallel and grid.tp > 1, grid.cp, par.order,
@@ -63,7 +65,8 @@ def planner_inputs(cfg, grid, vocab_size: int | None = None) -> tuple[ModelShape
                     ep=par.expert_model_parallel_size,
                     etp=par.expert_tensor_parallel_size if m.num_experts else 1,
                     offload=(cfg.optim.optimizer_offload_fraction if cfg.optim.optimizer_cpu_offload
-                             else 0.0))
+                             else 0.0),
+                    stage_end_weight=par.stage_end_weight if grid.pp > 1 else 0.0)
     return shape, layout
 
 
