@@ -41,15 +41,17 @@ KNOWN = (
      "the planner counts 1-byte dropout masks (CUDA's bool masks); on the CPU and the meta device, "
      "which the dry run runs, F.dropout keeps its mask in the activation's dtype (2 bytes in "
      "bf16/fp16)"),
-    ("ep_comm_bytes", lambda cfg, lay: cfg.model.moe_expert_capacity_factor is not None
-     and cfg.model.moe_token_dispatcher_type == "alltoall",
-     "the planner prices the alltoall dispatcher's dropless routing; a padded capacity sends "
-     "ceil(F T K / E) rows per expert and exchanges no counts"),
     ("optimizer_state_bytes",
      lambda cfg, lay: getattr(cfg.compression, "grad_compression", "none") in ("topk", "onebit"),
      "the planner counts the compressors' residuals; the momentum compressors (topk, onebit) also "
      "keep their fp32 momentum (under ZeRO a seed shard until the first exchange, then the whole "
      "momentum and its previous copy)"),
+    (("dp_comm_bytes", "comm_buffer_bytes"),
+     lambda cfg, lay: getattr(cfg.compression, "grad_compression", "none") != "none"
+     and getattr(cfg.compression, "grad_compression_warmup_steps", None) == 0,
+     "the planner prices the uncompressed exchange (the warm-up's, which the dry run's step 1 is "
+     "otherwise) and both DP communicators; a compressed step sends the compressor's messages "
+     "on the exchange worker's communicator alone"),
     (("optimizer_state_bytes", "optimizer_state_host_bytes", "grad_host_bytes"),
      lambda cfg, lay: 0 < lay.offload < 1,
      "the engine offloads whole buckets, the first reduced, until at least "

@@ -12,7 +12,8 @@ from dataclasses import dataclass, fields
 from engine.plan import moe_allgather
 from engine.plan.fp8 import fp8_gemm_copy_bytes, fp8_scale_bytes
 from engine.plan.constants import ROPE_BLOCKS
-from engine.plan.model import (ACT_MASK_BYTES, ACT_MOE_FP32_PER_EXPERT, ACT_MOE_INDEX_BYTES, moe_expert_tokens, moe_tokens,
+from engine.plan.model import (ACT_MASK_BYTES, ACT_MOE_FP32_PER_EXPERT, ACT_MOE_INDEX_BYTES,
+                               moe_expert_rows, moe_expert_tokens, moe_tokens,
                                ACT_MOE_ROWS, ACT_TENSORS_MLP, ACT_TENSORS_REPLICATED,
                                ACT_TENSORS_SPLIT_ATTN, COMM_BUFFER_BYTES, GRAD_BYTES,
                                OPTIMIZER_STATE_BYTES, P2P_BUFFER_BYTES, Layout, ModelShape,
@@ -219,7 +220,7 @@ def moe_activation_change(shape: ModelShape, layout: Layout, recompute: str | No
     """Bytes an MoE layer keeps per micro-batch beyond the dense layer it replaces (negative when
     it keeps less): the dense MLP's ``n e s b f / t`` is replaced by the experts' ``e T K`` rows
     (their gathered input and their outputs, which the weighted combine keeps,
-    ``ACT_MOE_ROWS e T K h``; ``n e T K f_e / etp`` inside them, n as the dense MLP's: under
+    ``ACT_MOE_ROWS e T K h``, E C rows padded to capacity; ``n e T K f_e / etp`` inside them, n as the dense MLP's: under
     expert tensor parallelism each TP rank keeps its slice of the experts' width), the shared
     expert's ``n e T f_s / t``, the router's fp32 logits and scores (``ACT_MOE_FP32_PER_EXPERT``
     x 4 T E; its fp32 copy of the input 4 T h when activations are not fp32) and the routing's
@@ -235,7 +236,8 @@ def moe_activation_change(shape: ModelShape, layout: Layout, recompute: str | No
     n = ACT_TENSORS_MLP[shape.block]
     routed = moe_tokens(shape, layout)   # this TP rank's own under sequence parallelism
     assignments = moe_expert_tokens(shape, layout) * moe.topk   # the TP group's under ETP + SP
-    kept = (e * assignments * (ACT_MOE_ROWS * h + n * moe.ffn_hidden / layout.etp)
+    rows = moe_expert_rows(shape, layout)   # E C of them padded to capacity
+    kept = (e * rows * (ACT_MOE_ROWS * h + n * moe.ffn_hidden / layout.etp)
             + n * e * tokens * moe.shared_ffn / t
             + 4 * routed * (ACT_MOE_FP32_PER_EXPERT * moe.num_experts + (h if e != 4 else 0))
             + ACT_MOE_INDEX_BYTES * assignments + moe_allgather.kept_bytes(shape, layout))

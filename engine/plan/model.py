@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from engine.plan.flops import BLOCKS, RECOMPUTE, MoEShape, default_ffn_hidden
 from engine.plan.hardware import OVERLAP_EFFICIENCY, DeviceSpec, OverlapEfficiency
-from engine.plan.moe_layout import check_moe_layout, moe_expert_tokens, moe_tokens  # noqa: F401
+from engine.plan.moe_layout import (check_moe_layout, moe_expert_rows, moe_expert_tokens,  # noqa: F401
+                                     moe_tokens)
 from engine.plan.placement import DEFAULT_ORDER, all_groups_intra, parse_order
 from engine.plan.constants import (  # noqa: F401 (re-exported: the planner's constants)
     GIB, MAX_DEVICES, PLAN_PRECISION, PLAN_SCHEDULES, WEIGHT_BYTES, GRAD_BYTES,

@@ -3,6 +3,8 @@ them): pure arithmetic, no torch; ``shape`` is a model.ModelShape, ``layout`` a 
 (not imported: model.py imports this module)."""
 from __future__ import annotations
 
+import math
+
 
 def moe_tokens(shape, layout) -> float:
     """Tokens one rank routes through an MoE layer per micro-batch: its s b / cp, and under
@@ -20,6 +22,19 @@ def moe_expert_tokens(shape, layout) -> float:
     if layout.etp > 1 and layout.sequence_parallel:
         return shape.seq_length * layout.micro_batch_size / layout.cp
     return moe_tokens(shape, layout)
+
+
+def moe_expert_rows(shape, layout) -> float:
+    """Rows one rank's experts compute (and the alltoall dispatcher sends) per MoE layer and
+    micro-batch: T K of ``moe_expert_tokens``' T, or padded to capacity every expert's C =
+    ceil(F T K / E) rows, E C in all (models/moe/capacity.py ``expert_capacity``; no counts are
+    exchanged then)."""
+    moe = shape.moe
+    tokens = moe_expert_tokens(shape, layout)
+    f = moe.padded_capacity_factor
+    if f is None:
+        return tokens * moe.topk
+    return moe.num_experts * max(1, math.ceil(f * tokens * moe.topk / moe.num_experts - 1e-9))
 
 
 def check_moe_layout(shape, layout) -> str | None:

@@ -25,7 +25,7 @@ from engine.plan import moe_allgather
 from engine.plan.collectives import allreduce_s, alltoall_s, gather_or_scatter_s
 from engine.plan.fp8 import linear_rate
 from engine.plan.model import (ACT_BYTES, COLLECTIVE_LATENCY_S, EW_MLP, EW_MOE_PERMUTE, EW_MOE_RESORT,
-                               HOST_WAIT_S, Cluster, Layout, ModelShape, moe_expert_tokens, moe_tokens)
+                               HOST_WAIT_S, Cluster, Layout, ModelShape, moe_expert_rows, moe_tokens)
 from engine.plan.passes import Links, PassTime, _rates
 from engine.plan.placement import collective_busbw
 
@@ -64,18 +64,19 @@ def moe_layer_change(shape: ModelShape, cluster: Cluster, layout: Layout, links:
     etp, sp = layout.etp, layout.sequence_parallel
     rate, mem_s = _rates(cluster)
     tokens, routed = s * b / layout.cp, moe_tokens(shape, layout)  # routed: this TP rank's
-    computed = moe_expert_tokens(shape, layout)  # the TP group's under ETP with SP
+    # the experts' rows: T K of the TP group's tokens under ETP with SP, E C padded to capacity
+    rows = moe_expert_rows(shape, layout)
     n = _MLP_MATRICES[shape.block]
     # every TP rank: the router whole, the experts whole (ETP 1) or their 1/etp slices
     router = 2 * h * routed * moe.num_experts
-    expert = 2 * h * computed * n * moe.topk * moe.ffn_hidden / etp
+    expert = 2 * h * rows * n * moe.ffn_hidden / etp
     shared = 2 * tokens * h * n * (moe.shared_ffn - shape.ffn_hidden_size) / t   # TP linears
     fp8_rate = linear_rate(cluster, shape)   # the experts' grouped GEMMs are FP8 under FP8 too
     gemm_s = router / rate + (expert + shared) / fp8_rate
     copies = EW_MOE_PERMUTE + (EW_MOE_RESORT if layout.ep > 1 else 0)  # the permutation's passes
-    ew = (EW_MLP[shape.block] * (computed * moe.topk * moe.ffn_hidden / etp
+    ew = (EW_MLP[shape.block] * (rows * moe.ffn_hidden / etp
                                  + tokens * (moe.shared_ffn - shape.ffn_hidden_size) / t)
-          + copies * computed * moe.topk * h)
+          + copies * rows * h)
     fwd, bwd = gemm_s + mem_s(ew), 2 * gemm_s + mem_s(2 * ew)
     full = layout.recompute == "full"
     redo = (gemm_s + mem_s(ew)) if full else 0.0
@@ -88,10 +89,10 @@ def moe_layer_change(shape: ModelShape, cluster: Cluster, layout: Layout, links:
     else:
         one = 0.0
         if layout.ep > 1:
-            rows = shape.activation_bytes * computed * moe.topk * h
-            one = alltoall_s(rows, links.ep, cluster.devices_per_node, cluster.intra_busbw_gbps,
-                             cluster.inter_busbw_gbps)
-        counts = COLLECTIVE_LATENCY_S if one else 0.0  # the forward's count exchange: a few bytes
+            one = alltoall_s(shape.activation_bytes * rows * h, links.ep, cluster.devices_per_node,
+                             cluster.intra_busbw_gbps, cluster.inter_busbw_gbps)
+        # the forward's count exchange, a few bytes (none padded to capacity)
+        counts = COLLECTIVE_LATENCY_S if one and not moe.padded_capacity_factor else 0.0
         ep_fwd, ep_bwd = 2 * one + counts, 2 * one
         ep_re = ep_fwd if full else 0.0
     # TP (layer_time's convention: no SP all-reduces, SP gathers and scatters; the --tp-comm-overlap

@@ -49,7 +49,7 @@ whatever the routing; padded to capacity its table is the E C slots).
 from __future__ import annotations
 
 from engine.plan import moe_allgather
-from engine.plan.model import GRAD_BYTES, Layout, ModelShape, moe_expert_tokens, num_micro_batches
+from engine.plan.model import GRAD_BYTES, Layout, ModelShape, moe_expert_rows, num_micro_batches
 from engine.plan.fp8 import amax_bytes
 from engine.plan.memory import stage_param_split
 from engine.plan.params import (expert_params_per_layer, stage_layer_count, stage_layers,
@@ -248,12 +248,14 @@ def stage_amax_bytes(shape: ModelShape, layout: Layout,
 
 def ep_per_layer(shape: ModelShape, layout: Layout) -> float:
     """Payload bytes one rank hands to the dispatch all-to-alls of one MoE layer per micro-batch
-    (the module docstring): ``(4 + 2 redo) e T K h + (1 + redo) 8 E``; the allgather dispatcher's
+    (the module docstring): ``(4 + 2 redo) e T K h + (1 + redo) 8 E``, padded to capacity
+    ``(4 + 2 redo) e E C h`` (``moe_expert_rows``; no counts); the allgather dispatcher's
     gathers and reduce-scatters instead (moe_allgather.py); 0 with ep = 1."""
     if shape.moe is None or layout.ep == 1:
         return 0.0
     if shape.moe.dispatcher == "allgather":
         return moe_allgather.payload_bytes(shape, layout)
     redo = 1 if layout.recompute == "full" else 0
-    rows = shape.activation_bytes * moe_expert_tokens(shape, layout) * shape.moe.topk * shape.hidden_size
-    return (4 + 2 * redo) * rows + (1 + redo) * COUNT_BYTES * shape.moe.num_experts
+    rows = shape.activation_bytes * moe_expert_rows(shape, layout) * shape.hidden_size
+    counts = 0 if shape.moe.padded_capacity_factor else (1 + redo) * COUNT_BYTES * shape.moe.num_experts
+    return (4 + 2 * redo) * rows + counts

@@ -353,12 +353,17 @@ def test_dry_run_lists_the_overlapped_collectives(capsys):
                "--micro-batch-size", "1"], 4),
     # the queries' and keys' norms and their gradients' sum over TP (256 B and 512 B here)
     ("qk norms", ["--block", "llama", "--tp", "2", "--qk-layernorm"], 2),
+    # experts padded to capacity: E C rows dispatched and no counts (priced dropless: half)
+    ("padded capacity", ["--dp", "4", "--ep", "2", "--num-experts", "4", "--moe-router-topk", "2",
+                         "--moe-expert-capacity-factor", "2.0",
+                         "--moe-pad-expert-input-to-capacity"], 4),
 ])
 def test_the_planner_plans_what_the_run_builds(name, extra, world):
     """Figures the planner used to get wrong for these flags now equal the dry run's (which equals
     a real step: test_dry_run_equals_a_real_step): the memory check at start plans with them."""
     result = dry_run(parse_args(TINY + ["--precision", "fp32"] + extra), world)
-    exact = ("param_bytes", "grad_bytes", "tp_comm_bytes")   # (the state: Adam's step counters too)
+    # (the state: Adam's step counters too)
+    exact = ("param_bytes", "grad_bytes", "tp_comm_bytes", "ep_comm_bytes")
     for rows in result.comparison:
         for row in rows:
             assert not row.flagged or row.why != "not explained", (name, row)

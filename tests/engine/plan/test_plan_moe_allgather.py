@@ -74,7 +74,8 @@ def test_time_is_the_gathers_and_reduce_scatters_over_the_ep_links():
 
 def test_memory_keeps_the_gathered_sort_and_a_combine_sized_transient():
     """Beside the alltoall's: the int64 sort of all P T K gathered assignments (dropless; padded
-    to capacity nothing more), and within the layer the fp32 (P T, h) sum of the combine."""
+    to capacity nothing more than the alltoall's E C rows), and within the layer the fp32 (P T, h)
+    sum of the combine."""
     alltoall = replace(SMALL, moe=replace(MOE, dispatcher="alltoall"))
     t = S * 2
     for ep in (2, 8):
@@ -84,8 +85,11 @@ def test_memory_keeps_the_gathered_sort_and_a_combine_sized_transient():
         assert gathered.transient - plain.transient == 4 * ep * t * H
         assert gathered.activations - plain.activations == 2 * 8 * ep * t * K   # 2 MoE layers
     padded = replace(SMALL, moe=replace(MOE, padded_capacity_factor=1.5))
+    padded_alltoall = replace(alltoall, moe=replace(alltoall.moe, padded_capacity_factor=1.5))
     lay = Layout(1, 1, 8, micro_batch_size=2, ep=4)
-    assert moe_activation_change(padded, lay) == moe_activation_change(alltoall, lay)
+    assert moe_activation_change(padded, lay) == moe_activation_change(padded_alltoall, lay)
+    # both keep the E C rows padded to capacity, more than the dropless T K
+    assert moe_activation_change(padded, lay) > moe_activation_change(alltoall, lay)
 
 
 ARGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
