@@ -75,8 +75,10 @@ class SegmentSlots:
     one micro-batch's rows of an expert arrive as several segments, on this rank or on others
     (expert parallelism under context parallelism: the CP slices of a sequence are different EP
     sources and may belong to different EP groups). A group's ``sources`` segments come from
-    consecutive positions ``first`` .. ``first + sources - 1`` of the DP x CP ranks (CP the faster
-    coordinate), so source j's micro-batch is ``(first + j) // cp``, one of ``slots`` (dp). The
+    consecutive positions ``first`` .. ``first + sources - 1`` of the DP x CP ranks in rank order,
+    so source j's micro-batch is ``(first + j) // stride % slots`` (``slots``: dp; ``stride``: cp
+    where CP varies faster than DP in the rank order, 1 where DP does:
+    parallel/grid/expert_groups.py ``micro_stride``). The
     column amaxes are MAX-reduced per (group, micro-batch) on the rank, then over ``group`` (the
     ranks holding the same experts: EDP), and every segment takes its micro-batch's.
 
@@ -86,14 +88,14 @@ class SegmentSlots:
     segments of expert 0 (positions 0 and 1, micro-batch 0 too) join them over EDP."""
     first: int
     sources: int
-    cp: int
+    stride: int
     slots: int
     group: object = None
 
     def index(self, segments: int, device) -> torch.Tensor:
         """(S,) each segment's slot among ``groups * slots``, group-major."""
         s = torch.arange(segments, device=device)
-        mb = torch.div(self.first + s % self.sources, self.cp, rounding_mode="floor")
+        mb = torch.div(self.first + s % self.sources, self.stride, rounding_mode="floor") % self.slots
         return torch.div(s, self.sources, rounding_mode="floor") * self.slots + mb
 
 

@@ -98,7 +98,8 @@ class MoELayer(nn.Module):
             token_groups += (ps.cp_group,)
         elif ps.cp_size > 1:
             ep = ps.ep_group.size
-            slots = SegmentSlots(ExpertGrid(ps.grid, ep).ep_group_start(ps.rank), ep, ps.cp_size,
+            grid = ExpertGrid(ps.grid, ep)
+            slots = SegmentSlots(grid.ep_group_start(ps.rank), ep, grid.micro_stride(),
                                  ps.dp_size, ps.edp_group)
         self.experts = LocalExperts(cfg, ctx, f"{name}.experts", kind, bias, local,
                                     (self.etp_group.rank, self.etp_group.size), self.etp_group,

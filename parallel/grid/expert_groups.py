@@ -90,14 +90,21 @@ class ExpertGrid:
         return self.group_of(rank, "ep").index(rank)
 
     def ep_group_start(self, rank: int) -> int:
-        """The position among its stage's DP x CP ranks (rank order: CP the faster coordinate, so
-        position dp * cp + cp) of the first rank of ``rank``'s EP group, the groups being
-        consecutive blocks of ``ep`` positions. Source j of the group is then the rank at position
-        ``start + j``, a CP slice of micro-batch (DP coordinate) ``(start + j) // cp``: with
-        ``RankGrid(dp=2, cp=2)`` and ep 2, rank 3 (dp 1, cp 1) starts at 2, its sources are
-        micro-batch 1's two slices."""
-        c = self.grid.coord(rank)
-        return (c.dp * self.grid.cp + c.cp) // self.ep * self.ep
+        """The position among its stage's DP x CP ranks (in rank order) of the first rank of
+        ``rank``'s EP group, the groups being consecutive blocks of ``ep`` positions. Source j of
+        the group is the rank at position ``start + j``, a CP slice of micro-batch (DP coordinate)
+        ``(start + j) // micro_stride() % dp``: with ``RankGrid(dp=2, cp=2)`` (CP the faster) and
+        ep 2, rank 3 (dp 1, cp 1) starts at 2, its sources are micro-batch 1's two slices; with
+        order tp-dp-cp-pp (DP the faster) rank 3 is at position 3 too, but its group's sources are
+        micro-batches 0 and 1 (cp slice 1 of each)."""
+        ranks = next(g for g in self.grid.groups("dp_cp") if rank in g)
+        return ranks.index(rank) // self.ep * self.ep
+
+    def micro_stride(self) -> int:
+        """Positions among a stage's DP x CP ranks (rank order) per step of the DP coordinate:
+        cp where CP varies faster than DP in the rank order (the default), else 1."""
+        strides = self.grid.strides()
+        return self.grid.cp if strides["cp"] < strides["dp"] else 1
 
     @staticmethod
     def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:

@@ -198,7 +198,7 @@ def _check_slots(ps) -> None:
     mine = torch.cat([blocks[r, g, j] for g in range(3) for j in range(3)])
     seg = [c for table in SLOT_COUNTS[r] for c in table]
     offsets = _ends([sum(t) for t in SLOT_COUNTS[r]])
-    slots = SegmentSlots(first=3 * r, sources=3, cp=2, slots=3, group=group)
+    slots = SegmentSlots(first=3 * r, sources=3, stride=2, slots=3, group=group)
     part = Fp8GroupedBackward(GroupedFp8Spec(RECIPE, slots=slots), dy[mine], x[mine], w, offsets,
                               _ends(seg))
     want = [g * 3 + mb(r, j) for g in range(3) for j in range(3)]

@@ -55,14 +55,17 @@ def test_local_experts_and_bad_input():
         ExpertGrid(RankGrid(dp=2), ep=2).groups("dp")
 
 
-@pytest.mark.parametrize("grid, ep", [(RankGrid(dp=2, cp=2), 2), (RankGrid(cp=4), 2),
-                                      (RankGrid(dp=3, cp=2), 3), (RankGrid(tp=2, dp=2, cp=2), 4),
-                                      (RankGrid(pp=2, dp=2, cp=2), 1)])
-def test_ep_group_start_names_each_sources_micro_batch(grid, ep):
+@pytest.mark.parametrize("order", ["tp-cp-dp-pp", "tp-dp-cp-pp", "dp-tp-cp-pp", "cp-pp-dp-tp"])
+@pytest.mark.parametrize("sizes, ep", [(dict(dp=2, cp=2), 2), (dict(cp=4), 2),
+                                       (dict(dp=3, cp=2), 3), (dict(tp=2, dp=2, cp=2), 4),
+                                       (dict(pp=2, dp=2, cp=2), 1), (dict(dp=4, cp=2), 4)])
+def test_ep_group_start_names_each_sources_micro_batch(sizes, ep, order):
     """FP8's SegmentSlots (kernels/fp8_grouped.py) maps EP source j to micro-batch
-    (start + j) // cp: the DP coordinate of the rank at that place of the EP group."""
+    (start + j) // stride % dp: the DP coordinate of the rank at that place of the EP group,
+    whichever of DP and CP varies faster in the rank order (DP first was mapped as if CP were)."""
+    grid = RankGrid(order=order, **sizes)
     eg = ExpertGrid(grid, ep=ep)
     for rank in range(grid.world_size):
         group = eg.group_of(rank, "ep")
-        slots = SegmentSlots(eg.ep_group_start(rank), ep, grid.cp, grid.dp)
+        slots = SegmentSlots(eg.ep_group_start(rank), ep, eg.micro_stride(), grid.dp)
         assert slots.index(ep, "cpu").tolist() == [grid.coord(r).dp for r in group], (rank, group)
