@@ -3,7 +3,9 @@ position and the document it belongs to (packed documents).
 
 ``AttentionInputs`` is built once per micro-batch from the tokens (``engine.data.packing``) and handed
 to every block as ``block(x, inputs)``. Every tensor keeps the sequence as an explicit dimension 1,
-so a sequence shard of the metadata (context parallelism) is ``inputs.narrow(start, length)``.
+so a context-parallel rank's shard of the metadata is ``inputs.select(index)`` (the positions it
+holds, which keeps the whole sequence's documents that attention under CP needs);
+``inputs.narrow(start, length)`` is a contiguous slice for other uses, refused by CP attention.
 
 Conventions, for a row of tokens ``[a a a E b b E c]`` (E the end-of-document token, which belongs to
 the document it ends):

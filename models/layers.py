@@ -168,6 +168,10 @@ class ParallelAttention(nn.Module):
         self.groups_local = divide(g, ps.tp_size, "--num-query-groups")
         self.q_per_group = n // g
         self.head_dim, self.rope, self.rope_base = cfg.head_dim, rope, cfg.rope_base
+        if rope and cfg.head_dim % 2:
+            raise ValueError(f"--hidden-size {h} / --num-attention-heads {n} gives a head dimension "
+                             f"of {cfg.head_dim}, which is odd: rotary embeddings turn pairs of "
+                             f"channels; choose sizes with an even head dimension")
         self.dropout, self.selective = cfg.attention_dropout_p, ctx.recompute == "selective"
         self.cp_group, self.cp_comm_type = ps.cp_group, ctx.cp_comm_type
         self.paths, self.rope_cache, self.mask_cache = ctx.kernel_paths, ctx.rope_cache, ctx.mask_cache

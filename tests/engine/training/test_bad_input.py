@@ -251,6 +251,11 @@ CASES = [  # (id, argv, the line after its prefix, exit code)
      CONFIG + "--use-checkpoint-args reads the checkpoint given by --load, and there is none: add "
               "--load DIR, or drop --use-checkpoint-args", 2),
     ("tp-zero", MOCK + ["--tp", "0"], CONFIG + "--tp must be >= 1, got 0", 2),
+    ("rope-odd-head-dim", MOCK + ["--block", "llama", "--hidden-size", "36",
+                                  "--num-attention-heads", "12"],
+     CONFIG + "--hidden-size 36 / --num-attention-heads 12 gives a head dimension of 3, which is "
+              "odd: rotary embeddings turn pairs of channels; choose sizes with an even head "
+              "dimension", 2),
     ("ffn-zero", MOCK + ["--ffn-hidden-size", "0"],
      CONFIG + "--ffn-hidden-size must be >= 1, got 0 (leave it out for the block's default width)", 2),
     ("ffn-negative", MOCK + ["--ffn-hidden-size=-8"],
