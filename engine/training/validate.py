@@ -101,7 +101,7 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
                           f"({micro} = global {cfg.data.global_batch_size} / (micro "
                           f"{cfg.data.micro_batch_size} x dp {grid.dp})) to be a multiple of --pp "
                           f"{grid.pp}; change --global-batch-size or use --pipeline-schedule 1f1b")
-    # sizes against memory before anything is allocated (or partitioned: 1e9 layers take minutes)
+    # sizes against memory before anything is allocated
     # only gloo lets the node's processes share one device (its memory then divided among them)
     try:  # ValueError: the node's processes cannot each bind a device (device_index)
         available, source = memory or available_memory(kind, launch.local_rank,

@@ -45,16 +45,23 @@ def _layer_counts(num_layers: int, stages: int, extra: list[float]) -> list[int]
     def capacity(bound: float) -> list[int]:
         return [max(1, math.floor(bound - e + eps)) for e in extra]
 
-    candidates = sorted({n + e for n in range(1, num_layers + 1) for e in set(extra)})
-    counts = None
-    for bound in candidates:
-        if bound + eps < 1 + max(extra):
-            continue  # every stage must get at least one layer
-        caps = capacity(bound)
-        if sum(caps) >= num_layers:
-            counts = caps
-            break
-    assert counts is not None  # bound = num_layers + max(extra) always fits
+    def fits(bound: float) -> bool:  # every stage at least one layer, all layers placed
+        return bound + eps >= 1 + max(extra) and sum(capacity(bound)) >= num_layers
+
+    # the least candidate n + e (n in 1..num_layers) that fits: both conditions only get easier
+    # as the bound grows, so a bisection over n for each distinct e (a billion layers take
+    # microseconds, where a scan of every candidate took minutes)
+    bounds = []
+    for e in set(extra):
+        lo, hi = 1, num_layers
+        if not fits(hi + e):
+            continue
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid + e) else (mid + 1, hi)
+        bounds.append(lo + e)
+    assert bounds  # bound = num_layers + max(extra) always fits
+    counts = capacity(min(bounds))
 
     ends_first = []
     lo, hi = 0, stages - 1

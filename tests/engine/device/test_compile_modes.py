@@ -105,25 +105,36 @@ def _one_layer_chunks(n: int) -> torch.nn.ModuleList:
                                          range(i, i + 1)) for i in range(n)])
 
 
-@pytest.mark.parametrize("keyword", [True, False], ids=["torch>=2.12", "torch<2.12"])
-def test_every_chunk_stays_compiled_in_both_modes(tmp_path, monkeypatch, keyword):
+def test_without_the_compile_keyword_the_process_limit_is_raised(tmp_path, monkeypatch):
+    """Before torch 2.12 (the 2.11 of a CUDA 13 machine), ``torch.compile`` takes no
+    ``recompile_limit`` keyword: passing it was a TypeError at start. Where it is missing the
+    process's limit is raised to the chunks' instead (torch.compile with 2.11's signature, doing
+    the same work); where it exists it is passed and the process's limit is left alone."""
+    import engine.device.compile as compile_mod
+    n = 6
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(compile_mod, "compile_backend", lambda device_type: "eager")
+    real = torch.compile
+
+    def compile_2_11(model=None, *, fullgraph=False, dynamic=None, backend="inductor",
+                     mode=None, options=None, disable=False):
+        return real(model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode,
+                    options=options, disable=disable)
+    monkeypatch.setattr(torch, "compile", compile_2_11)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        compile_chunks(_one_layer_chunks(n), CPU, tmp_path)   # (nn.Module.compile calls it now)
+        assert torch._dynamo.config.recompile_limit == chunk_recompile_limit(n) > 8
+    assert compile_mod.limit_options(20, compile_fn=real) == {"recompile_limit": 20}  # 2.13 here
+
+
+def test_every_chunk_stays_compiled_in_both_modes(tmp_path, monkeypatch):
     """Six chunks x two grad modes = twelve entries of GPTChunk.forward's code, each its own graph;
     with Dynamo's default limit of 8 the last four evaluation calls used to run eagerly. Dynamo's
-    own backend ("eager": traced, not code-generated) keeps it fast: the limit is Dynamo's.
-    Before torch 2.12, ``torch.compile`` has no ``recompile_limit`` keyword (passing it was a
-    TypeError at start): the process's limit is raised instead."""
+    own backend ("eager": traced, not code-generated) keeps it fast: the limit is Dynamo's."""
     import engine.device.compile as compile_mod
     n, seq = 6, torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(3))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setattr(compile_mod, "compile_backend", lambda device_type: "eager")
-    if not keyword:   # torch 2.11's torch.compile: its signature (no keyword), the same work
-        real = torch.compile
-
-        def compile_2_11(model=None, *, fullgraph=False, dynamic=None, backend="inductor",
-                         mode=None, options=None, disable=False):
-            return real(model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode,
-                        options=options, disable=disable)
-        monkeypatch.setattr(torch, "compile", compile_2_11)
     # torch's default, for this test only (Dynamo's own patch: a monkeypatch of the config
     # module's attribute would delete the setting on undo, as the module keeps no such attribute)
     with torch._dynamo.config.patch(recompile_limit=8):
@@ -140,8 +151,7 @@ def test_every_chunk_stays_compiled_in_both_modes(tmp_path, monkeypatch, keyword
             counts = compiled_counts()
             assert (counts["frames"], counts["graphs"], counts["breaks"]) == (
                 n * (1 + (not train)),) * 2 + ({},), counts
-        # the process's setting untouched where the keyword exists, else raised to the chunks'
-        assert torch._dynamo.config.recompile_limit == (8 if keyword else chunk_recompile_limit(n))
+        assert torch._dynamo.config.recompile_limit == 8   # the process's setting untouched
     torch._dynamo.reset()
 
 

@@ -54,6 +54,14 @@ def test_partition_first_last_weight():
     assert [len(r) for r in partition_layers(4, pp=4, first_last_weight=10)] == [1, 1, 1, 1]
 
 
+def test_partition_of_a_billion_layers():
+    """The least bound is found by bisection, not by scanning every layer count (minutes for the
+    memory check at start, which plans the run's split): ends 1 layer lighter, so the bound is
+    250,000,001 and the two surplus layers come off the ends."""
+    counts = [len(r) for r in partition_layers(10 ** 9, 4, first_last_weight=1.0)]
+    assert counts == [249_999_999, 250_000_001, 250_000_001, 249_999_999]
+
+
 def test_partition_errors_say_what_to_change():
     with pytest.raises(ValueError, match=r"3 layers into pp\*vp = 2\*2 = 4.*--num-layers >= 4"):
         partition_layers(3, pp=2, vp=2)
