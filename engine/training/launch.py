@@ -10,6 +10,7 @@ restarts, the whole job.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -286,14 +287,20 @@ def first_to_report(line: str, launch, timeout_s: float) -> Report:
 
 def write_error_file(line: str) -> None:
     """torchrun's error file (TORCHELASTIC_ERROR_FILE, set by its agent for each worker), in the
-    format its ProcessFailure reads: the one line instead of "To enable traceback see ..."."""
+    format its ProcessFailure reads: the one line instead of "To enable traceback see ...".
+    Written whole or not at all (a file beside it, renamed over it): the agent reads the file of
+    every failed worker, including one it stopped while writing, and an empty or half-written file
+    ended the agent itself with a JSONDecodeError (the job then stopped, restarts unused)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
+        part = f"{path}.{os.getpid()}.part"
         try:
-            with open(path, "w") as fh:
+            with open(part, "w") as fh:
                 json.dump({"message": f"gridtron: {line}", "timestamp": str(int(time.time()))}, fh)
+            os.replace(part, path)
         except OSError:
-            pass
+            with contextlib.suppress(OSError):
+                os.remove(part)
 
 
 def run_and_exit(argv: list[str] | None = None) -> None:

@@ -125,6 +125,25 @@ class NaNAtStep4(Trainer):
         return super().train_one(step)
 
 
+def test_the_error_file_is_whole_or_absent(tmp_path, monkeypatch):
+    """torchrun's agent reads a failed worker's error file, also one it stopped mid-write: half a
+    JSON ended the agent itself with a JSONDecodeError (the job stopped, its restarts unused)."""
+    import engine.training.launch as launch_mod
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+    def stopped_half_way(obj, fh):
+        fh.write('{"message": "gridtr')
+        raise OSError("stopped")
+    with monkeypatch.context() as m:
+        m.setattr(launch_mod.json, "dump", stopped_half_way)
+        launch_mod.write_error_file("a line")
+    assert os.listdir(tmp_path) == []          # nothing for the agent to misread
+    launch_mod.write_error_file("a line")
+    assert json.loads(path.read_text())["message"] == "gridtron: a line"
+    assert os.listdir(tmp_path) == ["error.json"]
+
+
 def test_nan_loss_stops_with_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     root, metrics = str(tmp_path / "ck"), str(tmp_path / "metrics.jsonl")
     argv = ["--train-iters", "6", "--save", root, "--save-interval", "2"]
@@ -143,6 +162,8 @@ def test_nan_loss_stops_with_last_good_checkpoint(tmp_path, monkeypatch, capsys)
     assert capsys.readouterr().err.splitlines()[-1] == line
     with open(error_file) as fh:
         assert json.load(fh)["message"] == line
+    assert os.listdir(tmp_path).count("error.json") == 1 and not any(
+        n.endswith(".part") for n in os.listdir(tmp_path))
     with open(metrics) as fh:
         records = [json.loads(text) for text in fh]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
