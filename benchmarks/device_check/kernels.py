@@ -99,9 +99,9 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, seq: int = 512):
     ]
 
 
-def path_taken(name: str, inputs: list, paths: dict) -> str:
+def path_taken(name: str, inputs: list, documented: str) -> str:
     """The path the case's device function takes on these inputs where it chooses at run time
-    (the ring's block kernels, the grouped GEMM), else the device's documented one."""
+    (the ring's block kernels, the grouped GEMM), else ``documented`` (the device's)."""
     if name.startswith("ring_block"):
         q, k, _ = inputs
         taken = {block_path(q[:, :, qs], None, None, causal, k[:, :, ks].shape[2])
@@ -109,7 +109,7 @@ def path_taken(name: str, inputs: list, paths: dict) -> str:
         return " + ".join(sorted(taken))
     if name.startswith("grouped_gemm"):
         return grouped_linear_path(inputs[0], inputs[1])
-    return paths.get(name.split(" ")[0], "-")
+    return documented
 
 
 def _run(fn, inputs, up):
@@ -163,7 +163,7 @@ def check_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16,
         row = {"op": name, "path": paths.get(name.split(" ")[0], "-"), "forward": None,
                "gradient": None, "tolerance": [fwd_tol, grad_tol], "ok": False}
         try:
-            row["path"] = path_taken(name, inputs, paths)
+            row["path"] = path_taken(name, inputs, row["path"])
             with torch.no_grad():
                 shape = fused(*inputs).shape
             up = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(device)

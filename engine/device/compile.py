@@ -40,6 +40,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from engine.device.chips import COMPILE_ON_NPU
@@ -100,7 +101,6 @@ def compile_chunks(chunks: nn.ModuleList, dev, run_dir: str | os.PathLike) -> nn
 def limit_options(limit: int, compile_fn=None) -> dict:
     """``torch.compile``'s keyword for a recompile limit of ``limit`` where it takes one (torch >=
     2.12); else the process's limit is raised to ``limit`` and no keyword is passed."""
-    import torch
     import torch._dynamo.config as dynamo_config
     if accepts(compile_fn or torch.compile, "recompile_limit"):
         return {"recompile_limit": limit}

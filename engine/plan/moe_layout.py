@@ -3,7 +3,7 @@ them): pure arithmetic, no torch; ``shape`` is a model.ModelShape, ``layout`` a 
 (not imported: model.py imports this module)."""
 from __future__ import annotations
 
-import math
+from engine.plan.flops import expert_capacity
 
 
 def moe_tokens(shape, layout) -> float:
@@ -31,10 +31,9 @@ def moe_expert_rows(shape, layout) -> float:
     exchanged then)."""
     moe = shape.moe
     tokens = moe_expert_tokens(shape, layout)
-    f = moe.padded_capacity_factor
-    if f is None:
+    if moe.padded_capacity_factor is None:
         return tokens * moe.topk
-    return moe.num_experts * max(1, math.ceil(f * tokens * moe.topk / moe.num_experts - 1e-9))
+    return moe.num_experts * expert_capacity(moe, int(tokens))
 
 
 def check_moe_layout(shape, layout) -> str | None:

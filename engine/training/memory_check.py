@@ -37,8 +37,6 @@ def planner_inputs(cfg, grid, vocab_size: int | None = None) -> tuple[ModelShape
     m, par = cfg.model, cfg.parallel
     if m.block not in BLOCKS:
         return f"the planner has formulas for {', '.join(BLOCKS)} blocks only (--block {m.block})"
-    if m.num_layers < grid.pp * (par.chunks_per_rank if grid.pp > 1 else 1):
-        return "fewer layers than pipeline stages (refused when the layers are split)"
     elem = 4 if cfg.precision.precision == "fp32" else 2
     shape = ModelShape(m.num_layers, m.hidden_size, m.num_attention_heads, vocab_size or m.vocab_size,
                        m.seq_length, cfg.data.global_batch_size, m.ffn_hidden_size, m.block,

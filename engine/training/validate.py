@@ -101,7 +101,11 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
                           f"({micro} = global {cfg.data.global_batch_size} / (micro "
                           f"{cfg.data.micro_batch_size} x dp {grid.dp})) to be a multiple of --pp "
                           f"{grid.pp}; change --global-batch-size or use --pipeline-schedule 1f1b")
-    # sizes against memory before anything is allocated
+    try:
+        partition_layers(m.num_layers, grid.pp, chunks, par.stage_end_weight)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    # sizes against memory before anything is allocated (the check plans the split above)
     # only gloo lets the node's processes share one device (its memory then divided among them)
     try:  # ValueError: the node's processes cannot each bind a device (device_index)
         available, source = memory or available_memory(kind, launch.local_rank,
@@ -115,10 +119,6 @@ def validate_run(cfg: RunConfig, launch: LaunchEnv, registry: BlockRegistry | No
     if (problem := memory_problem(cfg, grid, launch.rank, available, source, backend,
                                   host_memory, one_memory=kind == "cpu")):
         raise ConfigError(problem)
-    try:
-        partition_layers(m.num_layers, grid.pp, chunks, par.stage_end_weight)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
     if cfg.data.data_path and not cfg.data.mock_data:
         for _, prefix in parse_data_path(cfg.data.data_path):
             if not _data_exists(prefix):
